@@ -1,0 +1,58 @@
+// `viaduct <command> [args]`: dispatch to the registered subcommands and turn
+// every viaduct::Error into a clear message and a non-zero exit.
+#include <cstdio>
+#include <exception>
+#include <map>
+
+#include "apps/command.h"
+#include "core/check.h"
+
+namespace viaduct::apps {
+namespace {
+struct Entry {
+  std::string summary;
+  CommandFn fn;
+};
+std::map<std::string, Entry>& registry() {
+  static std::map<std::string, Entry> r;
+  return r;
+}
+void usage() {
+  std::fprintf(stderr, "usage: viaduct <command> [options]\n\ncommands:\n");
+  for (const auto& [name, e] : registry()) {
+    std::fprintf(stderr, "  %-14s %s\n", name.c_str(), e.summary.c_str());
+  }
+  std::fprintf(stderr, "\n`viaduct <command> --help` describes a command.\n");
+}
+}  // namespace
+
+CommandRegistrar::CommandRegistrar(const std::string& name,
+                                   const std::string& summary, CommandFn fn) {
+  registry()[name] = Entry{summary, std::move(fn)};
+}
+
+}  // namespace viaduct::apps
+
+int main(int argc, char** argv) {
+  using namespace viaduct::apps;
+  if (argc < 2 || std::string(argv[1]) == "--help" ||
+      std::string(argv[1]) == "-h" || std::string(argv[1]) == "help") {
+    usage();
+    return argc < 2 ? 2 : 0;
+  }
+  auto it = registry().find(argv[1]);
+  if (it == registry().end()) {
+    std::fprintf(stderr, "viaduct: unknown command '%s'\n\n", argv[1]);
+    usage();
+    return 2;
+  }
+  try {
+    return it->second.fn(argc - 1, argv + 1);
+  } catch (const viaduct::ConfigError& e) {
+    std::fprintf(stderr, "viaduct %s: config error: %s\n", argv[1], e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "viaduct %s: error: %s\n", argv[1], e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,100 @@
+// The job config: a TOML file plus `--section.key=value` overrides, checked
+// against one schema (config/schema.cpp). Unknown keys and wrong types are
+// errors naming the key, the file and the closest valid key; deprecated keys
+// map to their new names with one warning; cross-field checks run after the
+// overrides.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace viaduct {
+
+using StringList = std::vector<std::string>;
+using StringListList = std::vector<std::vector<std::string>>;
+// monostate = "unset": the flavor / component decides.
+using ConfigValue = std::variant<std::monostate, int64_t, double, bool,
+                                 std::string, StringList, StringListList>;
+
+enum class ConfigType { kInt, kFloat, kBool, kString, kStringList, kStringListList };
+
+struct ConfigKey {
+  std::string section;
+  std::string name;
+  ConfigType type;
+  ConfigValue default_value;  // monostate: no default (flavor decides)
+  std::string help;
+  std::string dotted() const { return section + "." + name; }
+};
+
+// The whole schema, in the order print-config writes it.
+const std::vector<ConfigKey>& config_schema();
+// Deprecated dotted key -> its new dotted key.
+const std::map<std::string, std::string>& config_aliases();
+
+class Config {
+ public:
+  // Defaults only.
+  Config();
+
+  // Load `path` (empty = defaults only) and apply `overrides` (each
+  // "section.key=value" or "section.key" "value" already joined by '=').
+  // Runs the cross-field checks. Throws ConfigError.
+  static Config load(const std::string& path,
+                     const std::vector<std::string>& overrides = {});
+  // Parse TOML text (for tests); `origin` names it in errors.
+  static Config parse(const std::string& toml_text, const std::string& origin,
+                      const std::vector<std::string>& overrides = {});
+
+  // Typed access by dotted key; throws (internal) on a type mismatch and
+  // ConfigError when the key is unset and has no default.
+  int64_t get_int(const std::string& key) const;
+  double get_float(const std::string& key) const;
+  bool get_bool(const std::string& key) const;
+  std::string get_string(const std::string& key) const;
+  StringList get_string_list(const std::string& key) const;
+  StringListList get_string_list_list(const std::string& key) const;
+  std::optional<int64_t> get_int_opt(const std::string& key) const;
+  std::optional<double> get_float_opt(const std::string& key) const;
+  std::optional<bool> get_bool_opt(const std::string& key) const;
+
+  // True when the file or an override gave the key (not a default).
+  bool is_set(const std::string& key) const;
+  // Programmatic set with the schema's type check (tests, derived values).
+  void set(const std::string& key, ConfigValue value);
+  // Apply one "section.key=value" override string.
+  void apply_override(const std::string& assignment, const std::string& origin);
+
+  // The effective config as TOML (unset keys are written as comments).
+  std::string to_toml() const;
+  // Where the config came from (file path or "<defaults>").
+  const std::string& origin() const { return origin_; }
+
+  // Cross-field checks; run by load()/parse() after overrides.
+  void validate() const;
+
+ private:
+  std::map<std::string, ConfigValue> values_;
+  std::map<std::string, bool> explicit_;
+  std::string origin_ = "<defaults>";
+};
+
+// Split a command line into overrides (`--section.key=value` or
+// `--section.key value`) and the rest. Only arguments whose name contains a
+// dot are treated as overrides.
+struct ParsedArgs {
+  std::string config_path;
+  std::vector<std::string> overrides;
+  std::vector<std::string> flags;        // e.g. "--json", "--print-config"
+  std::map<std::string, std::string> options;  // e.g. "--svg" -> "out.svg"
+  std::vector<std::string> positional;
+};
+// `valued_options`: flags that take a value (e.g. {"--svg", "--out"}).
+ParsedArgs parse_command_line(int argc, char** argv, int first,
+                              const std::vector<std::string>& valued_options);
+
+}  // namespace viaduct

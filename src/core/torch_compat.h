@@ -1,0 +1,32 @@
+// Every difference between LibTorch 1.13 (Debian, CPU) and 2.x (the PyTorch
+// wheel, CUDA) lives here. No other file tests TORCH_VERSION.
+#pragma once
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <optional>
+
+namespace viaduct::compat {
+
+constexpr bool kTorch2 = TORCH_VERSION_MAJOR >= 2;
+
+// Causal scaled-dot-product attention. q: [B, H, T, hd]; k, v: [B, H, T, hd]
+// (KV heads already repeated for GQA). 2.x picks flash / mem-efficient /
+// cuDNN / math itself; 1.13 has only the private composite form.
+inline at::Tensor causal_sdpa(const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v) {
+#if TORCH_VERSION_MAJOR >= 2
+  return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+#else
+  return std::get<0>(at::_scaled_dot_product_attention(
+      q, k, v, {}, 0.0, /*need_attn_weights=*/false, /*is_causal=*/true));
+#endif
+}
+
+// Pinned host memory exists only with CUDA (1.13's CPU build throws).
+inline bool pinned_memory_available() { return torch::cuda::is_available(); }
+
+inline std::string torch_version() { return TORCH_VERSION; }
+
+}  // namespace viaduct::compat

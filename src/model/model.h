@@ -1,0 +1,93 @@
+// The model interface every family implements and every pipeline stage uses.
+//
+// Note [Model parts]
+// A model is built as a *part*: the subset of its top-level modules that one
+// pipeline stage owns (`tok_embeddings`, `layers.7`, `norm`, `lm_head`, ...).
+// The whole model is the part holding every module. FQNs are global and never
+// renumbered: layer 17 is `layers.17` on whichever stage holds it, so
+// checkpoints, optimizer state and splits agree across layouts. Weights are
+// initialised from (seed, FQN) alone (core/rng.h), so every layout starts from
+// the same bits.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace viaduct {
+
+class Config;
+
+// What crosses a stage boundary. The first part receives {tokens [B, T]
+// int64} (plus optional extra inputs such as images); the last part returns
+// {logits [B, T, V]}. In between: {hidden [B, T, D]} for chain models, and
+// {hidden, block_0, ..., block_k} for AttnRes models.
+using Activations = std::vector<at::Tensor>;
+
+class ModelPart : public torch::nn::Module {
+ public:
+  ~ModelPart() override = default;
+
+  virtual Activations forward(const Activations& inputs) = 0;
+  // Initialise every parameter from (seed, FQN); buffers too where relevant.
+  virtual void init_weights(uint64_t seed) = 0;
+
+  bool has_first() const { return has_first_; }
+  bool has_last() const { return has_last_; }
+  // Top-level module FQNs held, in model order.
+  const std::vector<std::string>& module_fqns() const { return module_fqns_; }
+
+  // Called after each optimizer step (MoE bias updates and the like).
+  virtual void after_optimizer_step() {}
+
+ protected:
+  bool has_first_ = false;
+  bool has_last_ = false;
+  std::vector<std::string> module_fqns_;
+};
+
+// Per-layer facts for `viaduct describe`.
+struct LayerInfo {
+  int64_t layer = 0;
+  std::string attention;  // "mha", "gqa", "mla", "kda"
+  std::string ffn;        // "swiglu", "gelu", "moe", "dense"
+  int64_t block = -1;     // AttnRes block, -1 when not an AttnRes model
+  bool opens_block = false;
+};
+
+struct ModelInfo {
+  std::string family;
+  std::string flavor;
+  int64_t n_layers = 0;
+  int64_t params = 0;            // total parameters
+  int64_t active_params = 0;     // per token (MoE: activated experts only)
+  int64_t embedding_params = 0;  // excluded from the 6N FLOP count
+  double flops_per_token = 0;    // training FLOPs per token (fwd + bwd)
+  std::vector<LayerInfo> layers;
+  // Pinned modules: these ride with the first / last stage and count as no
+  // split unit (a vision tower, the AttnRes final aggregation).
+  std::vector<std::string> pinned_first;
+  std::vector<std::string> pinned_last;
+};
+
+// Every top-level module FQN of the whole model, in order (pinned ones
+// included): tok_embeddings, [pinned first], layers.0 .. layers.L-1, norm,
+// lm_head, [pinned last] -- the exact list is the family's.
+std::vector<std::string> model_module_fqns(const Config& cfg);
+
+// Build the part holding `module_fqns` (empty = the whole model) on CPU in
+// fp32 with uninitialised weights; call init_weights or load a checkpoint.
+std::shared_ptr<ModelPart> build_model_part(
+    const Config& cfg, const std::vector<std::string>& module_fqns = {});
+
+ModelInfo describe_model(const Config& cfg);
+
+// Summed token cross-entropy (fp32) over logits [B, T, V] and targets [B, T];
+// targets < 0 are ignored. Divide by the global token count yourself.
+at::Tensor summed_cross_entropy(const at::Tensor& logits,
+                                const at::Tensor& targets);
+
+}  // namespace viaduct
