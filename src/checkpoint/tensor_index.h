@@ -1,0 +1,92 @@
+// FQN → (file, entry) over the union of a checkpoint's tensor files.
+//
+// Note [Checkpoints load under any layout]
+// Tensors are keyed by their global FQN (DESIGN.md, "Names that cross
+// files"), never by rank or stage. Each rank of a save writes the tensors of
+// the parts it holds into its own files (model-rank<r>.safetensors, ...); the
+// loader indexes every file of the folder and each rank of the load asks for
+// just the FQNs it owns, wherever they were written. So a checkpoint saved
+// with pp=4 loads under pp=2, under stages_per_rank=2, or on one process.
+//
+// Optimizer state uses the same FQNs behind a prefix (optim_state_fqn):
+//   optim.<state>.<param fqn>   e.g. optim.exp_avg.layers.3.attention.wq.weight
+//                                    optim.exp_avg_sq.layers.3.attention.wq.weight
+//                                    optim.step.layers.3.attention.wq.weight
+#pragma once
+
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "checkpoint/safetensors.h"
+
+namespace viaduct::checkpoint {
+
+// "optim.<state>.<param_fqn>".
+std::string optim_state_fqn(const std::string& state,
+                            const std::string& param_fqn);
+
+struct LoadOptions {
+  // A destination with no tensor in the checkpoint is a FileError; otherwise
+  // it is left untouched and listed in LoadReport::missing. Tensors of the
+  // checkpoint that no destination asks for are never an error: under
+  // pipeline parallelism each rank loads a subset.
+  bool strict = true;
+  // A dtype differing from the destination's is refused unless this is set,
+  // in which case the stored value is converted with Tensor::copy_.
+  bool allow_dtype_cast = false;
+  // Check each tensor's CRC-32 recorded by the writer as it is read.
+  bool verify_checksums = true;
+};
+
+struct LoadReport {
+  std::vector<std::string> loaded;
+  std::vector<std::string> missing;  // only when !strict
+};
+
+class TensorFileIndex {
+ public:
+  // Every *.safetensors file directly in `folder` (or just the file, if
+  // `folder` is a file).
+  explicit TensorFileIndex(const std::filesystem::path& folder);
+  // Exactly these files; `location` names them in messages.
+  TensorFileIndex(const std::vector<std::filesystem::path>& files,
+                  std::filesystem::path location);
+
+  bool contains(const std::string& fqn) const { return index_.count(fqn) != 0; }
+  std::vector<std::string> names() const;  // sorted
+  // FileError naming the tensor and the files searched when missing.
+  const TensorEntry& entry(const std::string& fqn) const;
+  const SafetensorsFile& file_of(const std::string& fqn) const;
+  const std::vector<std::unique_ptr<SafetensorsFile>>& files() const {
+    return files_;
+  }
+
+  // CPU tensors with the stored dtype.
+  at::Tensor load(const std::string& fqn, bool verify_checksum = true) const;
+  std::map<std::string, at::Tensor> load(const std::vector<std::string>& fqns,
+                                         bool verify_checksum = true) const;
+
+  // Copies each stored tensor into its destination (any device, kept
+  // dtype), after checking shape and dtype; mismatches are FileErrors naming
+  // the tensor and its file.
+  LoadReport load_into(const NamedTensors& destinations,
+                       const LoadOptions& options = {}) const;
+  // The module's named_parameters() (not buffers: pass those explicitly).
+  LoadReport load_into(const torch::nn::Module& module,
+                       const LoadOptions& options = {}) const;
+
+ private:
+  void add_file(const std::filesystem::path& path);
+  std::string searched() const;
+
+  std::filesystem::path location_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, size_t> index_;  // fqn → files_ slot
+};
+
+}  // namespace viaduct::checkpoint
