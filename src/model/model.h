@@ -43,7 +43,12 @@ class ModelPart : public torch::nn::Module {
   // Called after each optimizer step (MoE bias updates and the like).
   virtual void after_optimizer_step() {}
 
+  // The dtype activations leave the first part in (Note [Mixed precision]).
+  void set_compute_dtype(at::ScalarType t) { compute_dtype_ = t; }
+  at::ScalarType compute_dtype() const { return compute_dtype_; }
+
  protected:
+  at::ScalarType compute_dtype_ = at::kFloat;
   bool has_first_ = false;
   bool has_last_ = false;
   std::vector<std::string> module_fqns_;

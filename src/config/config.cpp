@@ -1,0 +1,473 @@
+// Config loading: TOML through toml++, overrides, strict keys with "did you
+// mean", deprecated aliases, and print-back as TOML.
+#include "config/config.h"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <fstream>
+#include <iomanip>
+#include <limits>
+#include <set>
+#include <sstream>
+
+#include "config/schema_parts.h"
+#include "core/check.h"
+#include "core/log.h"
+
+namespace viaduct {
+namespace {
+
+const ConfigKey* find_key(const std::string& dotted) {
+  for (const auto& k : config_schema()) {
+    if (k.dotted() == dotted) return &k;
+  }
+  return nullptr;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1,
+                         prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string closest_key(const std::string& dotted) {
+  std::string best;
+  size_t best_d = std::numeric_limits<size_t>::max();
+  const auto dot = dotted.find('.');
+  const std::string name = dot == std::string::npos ? dotted : dotted.substr(dot + 1);
+  for (const auto& k : config_schema()) {
+    // Compare both the whole dotted key and the bare name, so a key put in
+    // the wrong section still finds its home.
+    size_t d = std::min(edit_distance(dotted, k.dotted()),
+                        edit_distance(name, k.name) + 1);
+    if (d < best_d) {
+      best_d = d;
+      best = k.dotted();
+    }
+  }
+  return best;
+}
+
+const char* type_name(ConfigType t) {
+  switch (t) {
+    case ConfigType::kInt: return "an integer";
+    case ConfigType::kFloat: return "a number";
+    case ConfigType::kBool: return "a boolean";
+    case ConfigType::kString: return "a string";
+    case ConfigType::kStringList: return "a list of strings";
+    case ConfigType::kStringListList: return "a list of lists of strings";
+  }
+  return "?";
+}
+
+[[noreturn]] void type_error(const ConfigKey& k, const std::string& origin,
+                             const std::string& got) {
+  throw ConfigError(str("key '", k.dotted(), "' in ", origin, " must be ",
+                        type_name(k.type), ", got ", got));
+}
+
+StringList strings_of(const toml::array& arr, const ConfigKey& k,
+                      const std::string& origin) {
+  StringList out;
+  for (const auto& el : arr) {
+    auto s = el.value<std::string>();
+    if (!s) type_error(k, origin, "a list with a non-string element");
+    out.push_back(*s);
+  }
+  return out;
+}
+
+ConfigValue from_toml(const toml::node& node, const ConfigKey& k,
+                      const std::string& origin) {
+  switch (k.type) {
+    case ConfigType::kInt:
+      if (node.is_integer()) return ConfigValue{node.value<int64_t>().value()};
+      break;
+    case ConfigType::kFloat:
+      if (node.is_floating_point()) return ConfigValue{node.value<double>().value()};
+      if (node.is_integer())
+        return ConfigValue{static_cast<double>(node.value<int64_t>().value())};
+      break;
+    case ConfigType::kBool:
+      if (node.is_boolean()) return ConfigValue{node.value<bool>().value()};
+      break;
+    case ConfigType::kString:
+      if (node.is_string()) return ConfigValue{node.value<std::string>().value()};
+      break;
+    case ConfigType::kStringList:
+      if (node.is_array()) return ConfigValue{strings_of(*node.as_array(), k, origin)};
+      break;
+    case ConfigType::kStringListList:
+      if (node.is_array()) {
+        StringListList out;
+        for (const auto& el : *node.as_array()) {
+          if (!el.is_array()) type_error(k, origin, "a list with a non-list element");
+          out.push_back(strings_of(*el.as_array(), k, origin));
+        }
+        return ConfigValue{out};
+      }
+      break;
+  }
+  std::ostringstream got;
+  got << node.type();
+  type_error(k, origin, "a value of TOML type " + got.str());
+}
+
+// Parse a command-line value by the key's type.
+ConfigValue from_text(const std::string& text, const ConfigKey& k,
+                      const std::string& origin) {
+#define BAD() type_error(k, origin, "'" + text + "'")
+  switch (k.type) {
+    case ConfigType::kInt: {
+      size_t pos = 0;
+      int64_t v = 0;
+      try {
+        v = std::stoll(text, &pos);
+      } catch (...) {
+        BAD();
+      }
+      if (pos != text.size()) BAD();
+      return ConfigValue{v};
+    }
+    case ConfigType::kFloat: {
+      size_t pos = 0;
+      double v = 0;
+      try {
+        v = std::stod(text, &pos);
+      } catch (...) {
+        BAD();
+      }
+      if (pos != text.size()) BAD();
+      return ConfigValue{v};
+    }
+    case ConfigType::kBool:
+      if (text == "true" || text == "1") return ConfigValue{true};
+      if (text == "false" || text == "0") return ConfigValue{false};
+      BAD();
+    case ConfigType::kString:
+      if (text.size() >= 2 && text.front() == '"' && text.back() == '"')
+        return ConfigValue{text.substr(1, text.size() - 2)};
+      return ConfigValue{text};
+    case ConfigType::kStringList:
+    case ConfigType::kStringListList: {
+      if (!text.empty() && text.front() == '[') {
+        toml::table t;
+        try {
+          t = toml::parse("v = " + text);
+        } catch (const toml::parse_error& e) {
+          throw ConfigError(str("key '", k.dotted(), "' in ", origin,
+                                ": cannot parse '", text, "' as a TOML array: ",
+                                e.description()));
+        }
+        return from_toml(*t.get("v"), k, origin);
+      }
+      if (k.type == ConfigType::kStringListList) BAD();
+      // a,b,c
+      StringList out;
+      std::stringstream ss(text);
+      std::string item;
+      while (std::getline(ss, item, ',')) {
+        if (!item.empty()) out.push_back(item);
+      }
+      return ConfigValue{out};
+    }
+  }
+  BAD();
+#undef BAD
+}
+
+std::string toml_quote(const std::string& s) {
+  std::ostringstream os;
+  os << '"';
+  for (char c : s) {
+    if (c == '"' || c == '\\') os << '\\';
+    if (c == '\n') {
+      os << "\\n";
+      continue;
+    }
+    os << c;
+  }
+  os << '"';
+  return os.str();
+}
+
+std::string value_to_toml(const ConfigValue& v) {
+  std::ostringstream os;
+  if (auto* i = std::get_if<int64_t>(&v)) {
+    os << *i;
+  } else if (auto* d = std::get_if<double>(&v)) {
+    os << std::setprecision(17) << *d;
+    std::string s = os.str();
+    if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+    return s;
+  } else if (auto* b = std::get_if<bool>(&v)) {
+    os << (*b ? "true" : "false");
+  } else if (auto* s = std::get_if<std::string>(&v)) {
+    os << toml_quote(*s);
+  } else if (auto* l = std::get_if<StringList>(&v)) {
+    os << '[';
+    for (size_t i = 0; i < l->size(); ++i) os << (i ? ", " : "") << toml_quote((*l)[i]);
+    os << ']';
+  } else if (auto* ll = std::get_if<StringListList>(&v)) {
+    os << '[';
+    for (size_t i = 0; i < ll->size(); ++i) {
+      os << (i ? ", " : "") << '[';
+      for (size_t j = 0; j < (*ll)[i].size(); ++j)
+        os << (j ? ", " : "") << toml_quote((*ll)[i][j]);
+      os << ']';
+    }
+    os << ']';
+  }
+  return os.str();
+}
+
+}  // namespace
+
+Config::Config() {
+  for (const auto& k : config_schema()) values_[k.dotted()] = k.default_value;
+}
+
+void Config::set(const std::string& dotted, ConfigValue value) {
+  const ConfigKey* k = find_key(dotted);
+  VIADUCT_CHECK_T(ConfigError, k != nullptr, "unknown config key '", dotted,
+                  "' (did you mean '", closest_key(dotted), "'?)");
+  const bool ok =
+      std::holds_alternative<std::monostate>(value) ||
+      (k->type == ConfigType::kInt && std::holds_alternative<int64_t>(value)) ||
+      (k->type == ConfigType::kFloat && std::holds_alternative<double>(value)) ||
+      (k->type == ConfigType::kBool && std::holds_alternative<bool>(value)) ||
+      (k->type == ConfigType::kString && std::holds_alternative<std::string>(value)) ||
+      (k->type == ConfigType::kStringList && std::holds_alternative<StringList>(value)) ||
+      (k->type == ConfigType::kStringListList &&
+       std::holds_alternative<StringListList>(value));
+  VIADUCT_CHECK_T(ConfigError, ok, "key '", dotted, "' must be ",
+                  type_name(k->type));
+  values_[dotted] = std::move(value);
+  explicit_[dotted] = true;
+}
+
+void Config::apply_override(const std::string& assignment,
+                            const std::string& origin) {
+  const auto eq = assignment.find('=');
+  VIADUCT_CHECK_T(ConfigError, eq != std::string::npos,
+                  "override '", assignment, "' (", origin,
+                  ") must look like section.key=value");
+  std::string dotted = assignment.substr(0, eq);
+  const std::string text = assignment.substr(eq + 1);
+  const auto alias = config_aliases().find(dotted);
+  if (alias != config_aliases().end()) {
+    log::warn("config key '", dotted, "' is deprecated; use '", alias->second,
+              "' (", origin, ")");
+    dotted = alias->second;
+  }
+  const ConfigKey* k = find_key(dotted);
+  VIADUCT_CHECK_T(ConfigError, k != nullptr, "unknown config key '", dotted,
+                  "' in ", origin, " (did you mean '", closest_key(dotted),
+                  "'?)");
+  values_[dotted] = from_text(text, *k, origin);
+  explicit_[dotted] = true;
+}
+
+Config Config::parse(const std::string& text, const std::string& origin,
+                     const std::vector<std::string>& overrides) {
+  Config cfg;
+  cfg.origin_ = origin;
+  toml::table root;
+  try {
+    root = toml::parse(text, origin);
+  } catch (const toml::parse_error& e) {
+    const auto& src = e.source();
+    throw ConfigError(str("cannot parse ", origin, " at line ", src.begin.line,
+                          ", column ", src.begin.column, ": ", e.description()));
+  }
+  std::set<std::string> seen_aliases;
+  for (const auto& [sec_key, sec_node] : root) {
+    const std::string section(sec_key.str());
+    if (!sec_node.is_table()) {
+      throw ConfigError(str("top-level key '", section, "' in ", origin,
+                            " must be a [section] table (did you mean '",
+                            closest_key(section), "'?)"));
+    }
+    for (const auto& [name_key, node] : *sec_node.as_table()) {
+      std::string dotted = section + "." + std::string(name_key.str());
+      const auto alias = config_aliases().find(dotted);
+      if (alias != config_aliases().end()) {
+        // The new name given too (before or after) is an error.
+        const auto dot = alias->second.find('.');
+        const auto* new_sec = root.get(alias->second.substr(0, dot));
+        const bool both = new_sec && new_sec->is_table() &&
+                          new_sec->as_table()->contains(alias->second.substr(dot + 1));
+        VIADUCT_CHECK_T(ConfigError, !both, origin, " gives both '", dotted,
+                        "' (deprecated) and its new name '", alias->second,
+                        "'; keep only '", alias->second, "'");
+        log::warn("config key '", dotted, "' in ", origin,
+                  " is deprecated; use '", alias->second, "'");
+        dotted = alias->second;
+      }
+      const ConfigKey* k = find_key(dotted);
+      if (k == nullptr) {
+        throw ConfigError(str("unknown config key '", dotted, "' in ", origin,
+                              " (did you mean '", closest_key(dotted), "'?)"));
+      }
+      cfg.values_[dotted] = from_toml(node, *k, origin);
+      cfg.explicit_[dotted] = true;
+    }
+  }
+  // A deprecated name and its new name both on the command line is an error.
+  std::set<std::string> given;
+  for (const auto& o : overrides) given.insert(o.substr(0, o.find('=')));
+  for (const auto& [old_key, new_key] : config_aliases()) {
+    VIADUCT_CHECK_T(ConfigError, !(given.count(old_key) && given.count(new_key)),
+                    "the command line gives both '--", old_key,
+                    "' (deprecated) and its new name '--", new_key,
+                    "'; keep only '--", new_key, "'");
+  }
+  for (const auto& o : overrides) cfg.apply_override(o, "the command line");
+  // Derived defaults: the default warmup never outlasts a short run.
+  if (!cfg.is_set("lr_scheduler.warmup_steps")) {
+    const auto steps = cfg.get_int("training.steps");
+    if (cfg.get_int("lr_scheduler.warmup_steps") > steps)
+      cfg.values_["lr_scheduler.warmup_steps"] = steps;
+  }
+  cfg.validate();
+  return cfg;
+}
+
+Config Config::load(const std::string& path,
+                    const std::vector<std::string>& overrides) {
+  if (path.empty()) return parse("", "<defaults>", overrides);
+  std::ifstream in(path, std::ios::binary);
+  VIADUCT_CHECK_T(ConfigError, in.good(), "cannot open config file '", path, "'");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse(ss.str(), path, overrides);
+}
+
+void Config::validate() const {
+  validate_core(*this);
+  validate_parallelism(*this);
+}
+
+bool Config::is_set(const std::string& key) const {
+  auto it = explicit_.find(key);
+  return it != explicit_.end() && it->second;
+}
+
+namespace {
+template <typename T>
+const T* get_typed(const std::map<std::string, ConfigValue>& values,
+                   const std::string& key) {
+  auto it = values.find(key);
+  VIADUCT_ASSERT(it != values.end(), "no config key ", key);
+  if (std::holds_alternative<std::monostate>(it->second)) return nullptr;
+  const T* v = std::get_if<T>(&it->second);
+  VIADUCT_ASSERT(v != nullptr, "config key ", key, " read with the wrong type");
+  return v;
+}
+template <typename T>
+T get_required(const std::map<std::string, ConfigValue>& values,
+               const std::string& key) {
+  const T* v = get_typed<T>(values, key);
+  VIADUCT_CHECK_T(ConfigError, v != nullptr, "config key '", key,
+                  "' is not set and has no default");
+  return *v;
+}
+}  // namespace
+
+int64_t Config::get_int(const std::string& k) const { return get_required<int64_t>(values_, k); }
+double Config::get_float(const std::string& k) const { return get_required<double>(values_, k); }
+bool Config::get_bool(const std::string& k) const { return get_required<bool>(values_, k); }
+std::string Config::get_string(const std::string& k) const { return get_required<std::string>(values_, k); }
+StringList Config::get_string_list(const std::string& k) const { return get_required<StringList>(values_, k); }
+StringListList Config::get_string_list_list(const std::string& k) const {
+  return get_required<StringListList>(values_, k);
+}
+std::optional<int64_t> Config::get_int_opt(const std::string& k) const {
+  const auto* v = get_typed<int64_t>(values_, k);
+  return v ? std::optional<int64_t>(*v) : std::nullopt;
+}
+std::optional<double> Config::get_float_opt(const std::string& k) const {
+  const auto* v = get_typed<double>(values_, k);
+  return v ? std::optional<double>(*v) : std::nullopt;
+}
+std::optional<bool> Config::get_bool_opt(const std::string& k) const {
+  const auto* v = get_typed<bool>(values_, k);
+  return v ? std::optional<bool>(*v) : std::nullopt;
+}
+
+std::string Config::to_toml() const {
+  std::ostringstream os;
+  os << "# effective config (from " << origin_ << ")\n";
+  std::string section;
+  for (const auto& k : config_schema()) {
+    if (k.section != section) {
+      os << (section.empty() ? "" : "\n") << '[' << k.section << "]\n";
+      section = k.section;
+    }
+    const auto& v = values_.at(k.dotted());
+    if (std::holds_alternative<std::monostate>(v)) {
+      os << "# " << k.name << " = (unset: " << k.help << ")\n";
+    } else {
+      os << k.name << " = " << value_to_toml(v) << '\n';
+    }
+  }
+  return os.str();
+}
+
+ParsedArgs parse_command_line(int argc, char** argv, int first,
+                              const std::vector<std::string>& valued_options) {
+  ParsedArgs out;
+  auto takes_value = [&](const std::string& name) {
+    return std::find(valued_options.begin(), valued_options.end(), name) !=
+           valued_options.end();
+  };
+  for (int i = first; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--", 0) != 0) {
+      out.positional.push_back(a);
+      continue;
+    }
+    std::string name = a, value;
+    bool has_value = false;
+    if (auto eq = a.find('='); eq != std::string::npos) {
+      name = a.substr(0, eq);
+      value = a.substr(eq + 1);
+      has_value = true;
+    }
+    if (name == "--config" || name == "--job.config_file") {
+      if (!has_value) {
+        VIADUCT_CHECK_T(ConfigError, i + 1 < argc, "--config needs a file");
+        value = argv[++i];
+      }
+      out.config_path = value;
+    } else if (name.find('.') != std::string::npos) {
+      if (!has_value) {
+        VIADUCT_CHECK_T(ConfigError, i + 1 < argc, name, " needs a value");
+        value = argv[++i];
+      }
+      out.overrides.push_back(name.substr(2) + "=" + value);
+    } else if (takes_value(name)) {
+      if (!has_value) {
+        VIADUCT_CHECK_T(ConfigError, i + 1 < argc, name, " needs a value");
+        value = argv[++i];
+      }
+      out.options[name] = value;
+    } else {
+      VIADUCT_CHECK_T(ConfigError, !has_value, "option ", name,
+                      " takes no value");
+      out.flags.push_back(name);
+    }
+  }
+  return out;
+}
+
+}  // namespace viaduct

@@ -1,0 +1,42 @@
+// The full schema (the union of every section's keys) and the deprecated
+// aliases.
+#include <set>
+
+#include "config/config.h"
+#include "config/schema_parts.h"
+#include "core/check.h"
+
+namespace viaduct {
+
+const std::vector<ConfigKey>& config_schema() {
+  static const std::vector<ConfigKey> keys = [] {
+    std::vector<ConfigKey> k;
+    add_core_keys(k);
+    add_model_keys(k);
+    add_data_keys(k);
+    add_parallelism_keys(k);
+    std::set<std::string> seen;
+    for (const auto& key : k) {
+      VIADUCT_ASSERT(seen.insert(key.dotted()).second, "duplicate key ",
+                     key.dotted());
+    }
+    return k;
+  }();
+  return keys;
+}
+
+const std::map<std::string, std::string>& config_aliases() {
+  // Old spellings users bring from other trainers or older viaduct configs.
+  static const std::map<std::string, std::string> aliases = {
+      {"training.batch_size", "training.local_batch_size"},
+      {"training.max_grad_norm", "training.max_norm"},
+      {"training.warmup_steps", "lr_scheduler.warmup_steps"},
+      {"training.mixed_precision_param", "training.dtype"},
+      {"checkpoint.keep_latest", "checkpoint.keep_latest_k"},
+      {"parallelism.pipeline_parallel_microbatch_count",
+       "parallelism.pipeline_parallel_microbatches"},
+  };
+  return aliases;
+}
+
+}  // namespace viaduct

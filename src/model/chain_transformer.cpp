@@ -1,0 +1,255 @@
+#include "model/chain_transformer.h"
+
+#include <cmath>
+
+#include "config/config.h"
+#include "core/check.h"
+#include "core/rng.h"
+#include "model/families.h"
+
+namespace viaduct {
+
+ChainBlockImpl::ChainBlockImpl(const ChainSpec& s, int64_t layer_id)
+    : spec_(s), layer_id_(layer_id) {
+  AttentionOptions ao;
+  ao.dim = s.dim;
+  ao.n_heads = s.n_heads;
+  ao.n_kv_heads = s.n_kv_heads;
+  ao.bias = s.bias;
+  ao.rope = !s.learned_positions;
+  ao.max_seq_len = s.max_seq_len;
+  ao.rope_theta = s.rope_theta;
+  // Registration order fixes the parameter order (and so optimizer order).
+  if (s.layer_norm) {
+    attention_ln_ = register_module("attention_norm", LayerNorm(s.dim, s.norm_eps));
+  } else {
+    attention_rms_ = register_module("attention_norm", RMSNorm(s.dim, s.norm_eps));
+  }
+  attention_ = register_module("attention", Attention(ao));
+  if (s.layer_norm) {
+    ffn_ln_ = register_module("ffn_norm", LayerNorm(s.dim, s.norm_eps));
+  } else {
+    ffn_rms_ = register_module("ffn_norm", RMSNorm(s.dim, s.norm_eps));
+  }
+  if (s.gelu_mlp) {
+    gelu_ = register_module("feed_forward", GeluMLP(s.dim, s.ffn_hidden));
+  } else {
+    swiglu_ = register_module("feed_forward", SwiGLU(s.dim, s.ffn_hidden));
+  }
+}
+
+void ChainBlockImpl::init_weights(uint64_t seed, const std::string& p) {
+  if (spec_.layer_norm) {
+    attention_ln_->reset_parameters();
+    ffn_ln_->reset_parameters();
+  } else {
+    attention_rms_->reset_parameters();
+    ffn_rms_->reset_parameters();
+  }
+  if (spec_.gelu_mlp) {
+    // GPT-2: N(0, 0.02), residual projections 0.02 / sqrt(2 n_layers).
+    const double out_std = 0.02 / std::sqrt(2.0 * spec_.n_layers);
+    attention_->init_weights(seed, p + "attention.", 0.02, out_std, false);
+    gelu_->init_weights(seed, p + "feed_forward.", 0.02, out_std);
+  } else {
+    // llama (torchtitan, depth_init): truncated normal, 0.02 in, and
+    // 0.02 / sqrt(2 (layer_id + 1)) for the outputs.
+    const double out_std =
+        spec_.depth_init ? 0.02 / std::sqrt(2.0 * (layer_id_ + 1))
+                         : 0.02 / std::sqrt(2.0 * spec_.n_layers);
+    attention_->init_weights(seed, p + "attention.", 0.02, out_std, true);
+    swiglu_->init_weights(seed, p + "feed_forward.", 0.02, out_std);
+  }
+}
+
+at::Tensor ChainBlockImpl::forward(const at::Tensor& x) {
+  auto a = spec_.layer_norm ? attention_ln_->forward(x) : attention_rms_->forward(x);
+  auto h = x + attention_->forward(a);
+  auto f = spec_.layer_norm ? ffn_ln_->forward(h) : ffn_rms_->forward(h);
+  return h + (spec_.gelu_mlp ? gelu_->forward(f) : swiglu_->forward(f));
+}
+
+std::vector<std::string> chain_module_fqns(const ChainSpec& s) {
+  std::vector<std::string> out{"tok_embeddings"};
+  if (s.learned_positions) out.push_back("pos_embeddings");
+  for (int64_t i = 0; i < s.n_layers; ++i) out.push_back(str("layers.", i));
+  out.push_back("norm");
+  out.push_back("lm_head");
+  return out;
+}
+
+ChainTransformer::ChainTransformer(const ChainSpec& s,
+                                   const std::vector<std::string>& fqns)
+    : spec_(s) {
+  module_fqns_ = select_modules(chain_module_fqns(s), fqns, s.family);
+  for (const auto& m : module_fqns_) {
+    if (m == "tok_embeddings") {
+      has_first_ = true;
+      tok_embeddings_ = register_module(
+          "tok_embeddings", torch::nn::Embedding(s.vocab_size, s.dim));
+    } else if (m == "pos_embeddings") {
+      pos_embeddings_ = register_module(
+          "pos_embeddings", torch::nn::Embedding(s.max_seq_len, s.dim));
+    } else if (m.rfind("layers.", 0) == 0) {
+      if (!layers_) layers_ = register_module("layers", torch::nn::ModuleDict());
+      const int64_t id = std::stoll(m.substr(7));
+      ChainBlock b(s, id);
+      layers_->update({{std::to_string(id), b.ptr()}});
+      blocks_.emplace_back(id, b);
+    } else if (m == "norm") {
+      has_norm_ = true;
+      if (s.layer_norm) {
+        norm_ln_ = register_module("norm", LayerNorm(s.dim, s.norm_eps));
+      } else {
+        norm_rms_ = register_module("norm", RMSNorm(s.dim, s.norm_eps));
+      }
+    } else if (m == "lm_head") {
+      has_head_ = true;
+      has_last_ = true;
+      if (s.tie_embeddings) {
+        VIADUCT_CHECK_T(ConfigError, tok_embeddings_,
+                        "model.tie_embeddings = true needs tok_embeddings and "
+                        "lm_head in the same part; with pipeline parallelism "
+                        "set model.tie_embeddings = false");
+      } else {
+        lm_head_ = register_module(
+            "lm_head", torch::nn::Linear(
+                           torch::nn::LinearOptions(s.dim, s.vocab_size).bias(false)));
+      }
+    }
+  }
+  VIADUCT_CHECK_T(ConfigError, has_norm_ == has_head_,
+                  "norm and lm_head must be in the same model part");
+}
+
+void ChainTransformer::init_weights(uint64_t seed) {
+  if (tok_embeddings_) {
+    // llama (torchtitan): N(0, 1); gpt2: N(0, 0.02).
+    init_normal_(tok_embeddings_->weight, spec_.gelu_mlp ? 0.02 : 1.0, seed,
+                 "tok_embeddings.weight");
+  }
+  if (pos_embeddings_) {
+    init_normal_(pos_embeddings_->weight, 0.01, seed, "pos_embeddings.weight");
+  }
+  for (auto& [id, b] : blocks_) b->init_weights(seed, str("layers.", id, "."));
+  if (norm_ln_) norm_ln_->reset_parameters();
+  if (norm_rms_) norm_rms_->reset_parameters();
+  if (lm_head_) {
+    if (spec_.gelu_mlp) {
+      init_normal_(lm_head_->weight, 0.02, seed, "lm_head.weight");
+    } else {
+      const double std = 1.0 / std::sqrt(static_cast<double>(spec_.dim));
+      init_trunc_normal_(lm_head_->weight, std, -3 * std, 3 * std, seed,
+                         "lm_head.weight");
+    }
+  }
+}
+
+Activations ChainTransformer::forward(const Activations& in) {
+  VIADUCT_CHECK(!in.empty(), "model part got no inputs");
+  at::Tensor h;
+  if (has_first_) {
+    const auto& tokens = in[0];  // [B, T] int64
+    VIADUCT_CHECK(tokens.dim() == 2, "tokens must be [B, T], got ", tokens.sizes());
+    h = tok_embeddings_->forward(tokens);  // [B, T, D]
+    if (pos_embeddings_) {
+      const auto T = tokens.size(1);
+      VIADUCT_CHECK(T <= spec_.max_seq_len, "sequence length ", T,
+                    " exceeds model.max_seq_len ", spec_.max_seq_len);
+      h = h + pos_embeddings_->weight.slice(0, 0, T).unsqueeze(0);
+    }
+    if (compute_dtype_ != h.scalar_type()) h = h.to(compute_dtype_);
+  } else {
+    h = in[0];
+  }
+  for (auto& [id, b] : blocks_) h = b->forward(h);
+  if (!has_head_) return {h};
+  h = norm_ln_ ? norm_ln_->forward(h) : norm_rms_->forward(h);
+  const auto& w = lm_head_ ? lm_head_->weight : tok_embeddings_->weight;
+  return {linear(h, w, at::Tensor())};  // [B, T, V]
+}
+
+ChainSpec apply_model_overrides(ChainSpec s, const Config& cfg) {
+  s.n_layers = int_or(cfg, "model.n_layers", s.n_layers);
+  const bool dim_changed = cfg.is_set("model.dim");
+  s.dim = int_or(cfg, "model.dim", s.dim);
+  s.n_heads = int_or(cfg, "model.n_heads", s.n_heads);
+  if (cfg.is_set("model.n_kv_heads")) {
+    s.n_kv_heads = cfg.get_int("model.n_kv_heads");
+  } else if (cfg.is_set("model.n_heads") &&
+             (s.n_kv_heads > s.n_heads || s.n_heads % s.n_kv_heads != 0)) {
+    s.n_kv_heads = s.n_heads;  // the flavor's KV heads no longer fit
+  }
+  s.vocab_size = int_or(cfg, "model.vocab_size", s.vocab_size);
+  if (cfg.is_set("model.ffn_hidden_dim")) {
+    s.ffn_hidden = cfg.get_int("model.ffn_hidden_dim");
+  } else if (dim_changed) {
+    s.ffn_hidden = s.gelu_mlp ? 4 * s.dim : llama_ffn_hidden(s.dim, 256, 1.0);
+  }
+  s.max_seq_len = int_or(cfg, "model.max_seq_len", s.max_seq_len);
+  s.norm_eps = float_or(cfg, "model.norm_eps", s.norm_eps);
+  s.rope_theta = float_or(cfg, "model.rope_theta", s.rope_theta);
+  s.tie_embeddings = bool_or(cfg, "model.tie_embeddings", s.tie_embeddings);
+  auto pos = [&](int64_t v, const char* key) {
+    VIADUCT_CHECK_T(ConfigError, v > 0, key, " must be > 0 (", s.family, " ",
+                    s.flavor, ")");
+  };
+  pos(s.n_layers, "model.n_layers");
+  pos(s.dim, "model.dim");
+  pos(s.n_heads, "model.n_heads");
+  pos(s.n_kv_heads, "model.n_kv_heads");
+  pos(s.vocab_size, "model.vocab_size");
+  pos(s.ffn_hidden, "model.ffn_hidden_dim");
+  pos(s.max_seq_len, "model.max_seq_len");
+  VIADUCT_CHECK_T(ConfigError, s.dim % s.n_heads == 0, "model.dim (", s.dim,
+                  ") must be divisible by model.n_heads (", s.n_heads, ")");
+  VIADUCT_CHECK_T(ConfigError, s.n_heads % s.n_kv_heads == 0, "model.n_heads (",
+                  s.n_heads, ") must be divisible by model.n_kv_heads (",
+                  s.n_kv_heads, ")");
+  VIADUCT_CHECK_T(ConfigError, s.learned_positions || (s.dim / s.n_heads) % 2 == 0,
+                  "rotary embeddings need an even head dim, got model.dim / "
+                  "model.n_heads = ", s.dim / s.n_heads);
+  const auto seq = cfg.get_int("training.seq_len");
+  VIADUCT_CHECK_T(ConfigError, seq <= s.max_seq_len, "training.seq_len (", seq,
+                  ") exceeds model.max_seq_len (", s.max_seq_len, ")");
+  return s;
+}
+
+ModelInfo describe_chain(const ChainSpec& s, int64_t seq_len) {
+  ModelInfo info;
+  info.family = s.family;
+  info.flavor = s.flavor;
+  info.n_layers = s.n_layers;
+  const int64_t hd = s.dim / s.n_heads;
+  const int64_t kv = s.n_kv_heads * hd;
+  int64_t attn = s.dim * s.dim * 2 + 2 * s.dim * kv;
+  if (s.bias) attn += 2 * s.dim + 2 * kv;
+  int64_t ffn = s.gelu_mlp ? 2 * s.dim * s.ffn_hidden + s.ffn_hidden + s.dim
+                           : 3 * s.dim * s.ffn_hidden;
+  const int64_t norms = s.layer_norm ? 4 * s.dim : 2 * s.dim;
+  const int64_t per_layer = attn + ffn + norms;
+  info.embedding_params = s.vocab_size * s.dim +
+                          (s.learned_positions ? s.max_seq_len * s.dim : 0);
+  const int64_t head = s.tie_embeddings ? 0 : s.vocab_size * s.dim;
+  info.params = info.embedding_params + s.n_layers * per_layer +
+                (s.layer_norm ? 2 : 1) * s.dim + head;
+  info.active_params = info.params;
+  // Note [FLOPs per token]: 6 x (non-embedding parameters, the head
+  // included) for the matmuls of forward + backward, plus 12 L D T for
+  // causal attention's scores and values (PaLM's formula as torchtitan uses
+  // it, with T the sequence length).
+  const int64_t matmul_params = s.n_layers * (attn + ffn) + s.vocab_size * s.dim;
+  info.flops_per_token = 6.0 * static_cast<double>(matmul_params) +
+                         12.0 * s.n_layers * s.dim * static_cast<double>(seq_len);
+  for (int64_t i = 0; i < s.n_layers; ++i) {
+    LayerInfo l;
+    l.layer = i;
+    l.attention = s.n_kv_heads == s.n_heads ? "mha" : "gqa";
+    l.ffn = s.gelu_mlp ? "gelu" : "swiglu";
+    info.layers.push_back(l);
+  }
+  if (s.learned_positions) info.pinned_first.push_back("pos_embeddings");
+  return info;
+}
+
+}  // namespace viaduct

@@ -1,0 +1,75 @@
+// The pre-norm transformer whose residual is a chain (llama, gpt2): each
+// layer is x += attn(norm(x)); x += ffn(norm(x)). The families differ only in
+// a ChainSpec, so both share this one implementation.
+#pragma once
+
+#include <torch/torch.h>
+
+#include "model/layers.h"
+#include "model/model.h"
+
+namespace viaduct {
+
+struct ChainSpec {
+  std::string family;
+  std::string flavor;
+  int64_t n_layers = 0;
+  int64_t dim = 0;
+  int64_t n_heads = 0;
+  int64_t n_kv_heads = 0;
+  int64_t vocab_size = 0;
+  int64_t ffn_hidden = 0;
+  int64_t max_seq_len = 0;
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  bool layer_norm = false;       // gpt2: LayerNorm with bias; llama: RMSNorm
+  bool gelu_mlp = false;         // gpt2: GELU MLP with biases; llama: SwiGLU
+  bool bias = false;             // attention biases
+  bool learned_positions = false;  // gpt2: pos_embeddings (pinned first)
+  bool tie_embeddings = false;
+  bool depth_init = true;        // llama: wo/w2/w3 std 0.02/sqrt(2(l+1))
+};
+
+class ChainBlockImpl : public torch::nn::Module {
+ public:
+  ChainBlockImpl(const ChainSpec& spec, int64_t layer_id);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, D] -> [B, T, D]
+  void init_weights(uint64_t seed, const std::string& prefix);
+
+ private:
+  const ChainSpec spec_;
+  int64_t layer_id_;
+  Attention attention_{nullptr};
+  RMSNorm attention_rms_{nullptr}, ffn_rms_{nullptr};
+  LayerNorm attention_ln_{nullptr}, ffn_ln_{nullptr};
+  SwiGLU swiglu_{nullptr};
+  GeluMLP gelu_{nullptr};
+};
+TORCH_MODULE(ChainBlock);
+
+class ChainTransformer : public ModelPart {
+ public:
+  ChainTransformer(const ChainSpec& spec, const std::vector<std::string>& fqns);
+  Activations forward(const Activations& inputs) override;
+  void init_weights(uint64_t seed) override;
+  const ChainSpec& spec() const { return spec_; }
+
+ private:
+  ChainSpec spec_;
+  torch::nn::Embedding tok_embeddings_{nullptr};
+  torch::nn::Embedding pos_embeddings_{nullptr};
+  torch::nn::ModuleDict layers_{nullptr};
+  std::vector<std::pair<int64_t, ChainBlock>> blocks_;  // in order
+  RMSNorm norm_rms_{nullptr};
+  LayerNorm norm_ln_{nullptr};
+  torch::nn::Linear lm_head_{nullptr};  // null when tied
+  bool has_norm_ = false, has_head_ = false;
+};
+
+std::vector<std::string> chain_module_fqns(const ChainSpec& spec);
+ModelInfo describe_chain(const ChainSpec& spec, int64_t seq_len);
+
+// Apply the [model] overrides on top of a flavor's spec and check it.
+ChainSpec apply_model_overrides(ChainSpec spec, const Config& cfg);
+
+}  // namespace viaduct

@@ -1,0 +1,62 @@
+// The gpt2 family: learned positions, LayerNorm, GELU MLP, biases, tied
+// embeddings by default.
+#include "config/config.h"
+#include "core/check.h"
+#include "model/chain_transformer.h"
+#include "model/families.h"
+
+namespace viaduct {
+namespace {
+
+ChainSpec gpt2_flavor(const std::string& flavor) {
+  ChainSpec s;
+  s.family = "gpt2";
+  s.flavor = flavor;
+  s.norm_eps = 1e-5;
+  s.layer_norm = true;
+  s.gelu_mlp = true;
+  s.bias = true;
+  s.learned_positions = true;
+  s.tie_embeddings = true;
+  s.depth_init = false;
+  if (flavor == "debugmodel") {
+    s.n_layers = 8;
+    s.dim = 128;
+    s.n_heads = 4;
+    s.vocab_size = 320;
+    s.max_seq_len = 1024;
+  } else if (flavor == "124M") {
+    s.n_layers = 12;
+    s.dim = 768;
+    s.n_heads = 12;
+    s.vocab_size = 50304;  // 50257 padded to a multiple of 128
+    s.max_seq_len = 1024;
+  } else {
+    throw ConfigError(str("unknown gpt2 flavor '", flavor,
+                          "' (choose debugmodel or 124M)"));
+  }
+  s.n_kv_heads = s.n_heads;
+  s.ffn_hidden = 4 * s.dim;
+  return s;
+}
+
+ChainSpec gpt2_spec(const Config& cfg) {
+  return apply_model_overrides(gpt2_flavor(cfg.get_string("model.flavor")), cfg);
+}
+
+}  // namespace
+
+std::vector<std::string> gpt2_module_fqns(const Config& cfg) {
+  return chain_module_fqns(gpt2_spec(cfg));
+}
+
+std::shared_ptr<ModelPart> build_gpt2(const Config& cfg,
+                                      const std::vector<std::string>& fqns) {
+  return std::make_shared<ChainTransformer>(gpt2_spec(cfg), fqns);
+}
+
+ModelInfo describe_gpt2(const Config& cfg) {
+  return describe_chain(gpt2_spec(cfg), cfg.get_int("training.seq_len"));
+}
+
+}  // namespace viaduct

@@ -1,0 +1,178 @@
+#include "model/layers.h"
+
+#include "core/check.h"
+#include "core/rng.h"
+#include "core/torch_compat.h"
+
+namespace viaduct {
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w,
+                  const at::Tensor& b) {
+  const auto wc = w.scalar_type() == x.scalar_type() ? w : w.to(x.scalar_type());
+  if (b.defined()) {
+    const auto bc = b.scalar_type() == x.scalar_type() ? b : b.to(x.scalar_type());
+    return at::linear(x, wc, bc);
+  }
+  return at::linear(x, wc);
+}
+
+at::Tensor linear(const at::Tensor& x, const torch::nn::Linear& l) {
+  return linear(x, l->weight, l->options.bias() ? l->bias : at::Tensor());
+}
+
+torch::nn::Linear make_linear(torch::nn::Module& parent, const std::string& name,
+                              int64_t in, int64_t out, bool bias) {
+  return parent.register_module(
+      name, torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias)));
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", torch::ones({dim}));
+}
+void RMSNormImpl::reset_parameters() {
+  torch::NoGradGuard g;
+  weight.fill_(1.0);
+}
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  // fp32, or fp64 when the input is fp64 (gradient checks).
+  auto xf = x.scalar_type() == at::kDouble ? x : x.to(at::kFloat);
+  auto y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+  return (y * weight).to(x.scalar_type());
+}
+
+LayerNormImpl::LayerNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", torch::ones({dim}));
+  bias = register_parameter("bias", torch::zeros({dim}));
+}
+void LayerNormImpl::reset_parameters() {
+  torch::NoGradGuard g;
+  weight.fill_(1.0);
+  bias.zero_();
+}
+at::Tensor LayerNormImpl::forward(const at::Tensor& x) {
+  auto y = at::layer_norm(x.to(at::kFloat), {weight.size(0)}, weight, bias, eps_);
+  return y.to(x.scalar_type());
+}
+
+RopeTables make_rope_tables(int64_t head_dim, int64_t max_seq_len,
+                            double theta) {
+  VIADUCT_CHECK(head_dim % 2 == 0, "rotary embeddings need an even head_dim, got ",
+                head_dim);
+  auto idx = torch::arange(0, head_dim, 2, torch::kDouble);
+  auto inv_freq = 1.0 / torch::pow(theta, idx / static_cast<double>(head_dim));
+  auto t = torch::arange(max_seq_len, torch::kDouble);
+  auto freqs = torch::outer(t, inv_freq);  // [T, hd/2]
+  return {freqs.cos().to(at::kFloat), freqs.sin().to(at::kFloat)};
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
+  // x: [B, T, H, hd]
+  const auto T = x.size(1);
+  VIADUCT_CHECK(T <= rope.cos.size(0), "sequence length ", T,
+                " exceeds model.max_seq_len ", rope.cos.size(0));
+  auto cos = rope.cos.slice(0, 0, T).to(x.device()).view({1, T, 1, -1});
+  auto sin = rope.sin.slice(0, 0, T).to(x.device()).view({1, T, 1, -1});
+  auto xf = (x.scalar_type() == at::kDouble ? x : x.to(at::kFloat))
+                .unflatten(-1, {-1, 2});  // fp64 stays fp64 (gradient checks)  // [B, T, H, hd/2, 2]
+  auto x0 = xf.select(-1, 0), x1 = xf.select(-1, 1);
+  auto out = at::stack({x0 * cos - x1 * sin, x0 * sin + x1 * cos}, -1);
+  return out.flatten(-2).to(x.scalar_type());
+}
+
+AttentionImpl::AttentionImpl(const AttentionOptions& o) : opts_(o) {
+  VIADUCT_CHECK(o.dim % o.n_heads == 0, "model.dim ", o.dim,
+                " must be divisible by model.n_heads ", o.n_heads);
+  VIADUCT_CHECK(o.n_heads % o.n_kv_heads == 0, "model.n_heads ", o.n_heads,
+                " must be divisible by model.n_kv_heads ", o.n_kv_heads);
+  head_dim_ = o.dim / o.n_heads;
+  const int64_t kv = o.n_kv_heads * head_dim_;
+  wq = make_linear(*this, "wq", o.dim, o.dim, o.bias);
+  wk = make_linear(*this, "wk", o.dim, kv, o.bias);
+  wv = make_linear(*this, "wv", o.dim, kv, o.bias);
+  wo = make_linear(*this, "wo", o.dim, o.dim, o.bias);
+  if (o.rope) rope_ = make_rope_tables(head_dim_, o.max_seq_len, o.rope_theta);
+}
+
+void AttentionImpl::init_weights(uint64_t seed, const std::string& p,
+                                 double std_in, double std_out,
+                                 bool truncated) {
+  auto init = [&](torch::nn::Linear& l, const std::string& name, double std) {
+    if (truncated) {
+      init_trunc_normal_(l->weight, std, -2.0, 2.0, seed, p + name + ".weight");
+    } else {
+      init_normal_(l->weight, std, seed, p + name + ".weight");
+    }
+    if (l->options.bias()) {
+      torch::NoGradGuard g;
+      l->bias.zero_();
+    }
+  };
+  init(wq, "wq", std_in);
+  init(wk, "wk", std_in);
+  init(wv, "wv", std_in);
+  init(wo, "wo", std_out);
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x) {
+  // x: [B, T, D]
+  const auto B = x.size(0), T = x.size(1);
+  const auto H = opts_.n_heads, KV = opts_.n_kv_heads, hd = head_dim_;
+  auto q = linear(x, wq).view({B, T, H, hd});
+  auto k = linear(x, wk).view({B, T, KV, hd});
+  auto v = linear(x, wv).view({B, T, KV, hd});
+  if (opts_.rope) {
+    q = apply_rope(q, rope_);
+    k = apply_rope(k, rope_);
+  }
+  q = q.transpose(1, 2);  // [B, H, T, hd]
+  k = k.transpose(1, 2);  // [B, KV, T, hd]
+  v = v.transpose(1, 2);
+  if (KV != H) {
+    k = k.repeat_interleave(H / KV, 1);
+    v = v.repeat_interleave(H / KV, 1);
+  }
+  auto y = compat::causal_sdpa(q, k, v);  // [B, H, T, hd]
+  y = y.transpose(1, 2).reshape({B, T, H * hd});
+  return linear(y, wo);
+}
+
+SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden) {
+  w1 = make_linear(*this, "w1", dim, hidden, false);
+  w2 = make_linear(*this, "w2", hidden, dim, false);
+  w3 = make_linear(*this, "w3", dim, hidden, false);
+}
+void SwiGLUImpl::init_weights(uint64_t seed, const std::string& p,
+                              double std_in, double std_out) {
+  init_trunc_normal_(w1->weight, std_in, -2.0, 2.0, seed, p + "w1.weight");
+  init_trunc_normal_(w2->weight, std_out, -2.0, 2.0, seed, p + "w2.weight");
+  init_trunc_normal_(w3->weight, std_out, -2.0, 2.0, seed, p + "w3.weight");
+}
+at::Tensor SwiGLUImpl::forward(const at::Tensor& x) {
+  return linear(at::silu(linear(x, w1)) * linear(x, w3), w2);
+}
+
+GeluMLPImpl::GeluMLPImpl(int64_t dim, int64_t hidden) {
+  w1 = make_linear(*this, "w1", dim, hidden, true);
+  w2 = make_linear(*this, "w2", hidden, dim, true);
+}
+void GeluMLPImpl::init_weights(uint64_t seed, const std::string& p,
+                               double std_in, double std_out) {
+  init_normal_(w1->weight, std_in, seed, p + "w1.weight");
+  init_normal_(w2->weight, std_out, seed, p + "w2.weight");
+  torch::NoGradGuard g;
+  w1->bias.zero_();
+  w2->bias.zero_();
+}
+at::Tensor GeluMLPImpl::forward(const at::Tensor& x) {
+  return linear(at::gelu(linear(x, w1), "tanh"), w2);
+}
+
+int64_t llama_ffn_hidden(int64_t dim, int64_t multiple_of,
+                         double ffn_dim_multiplier) {
+  int64_t hidden = 4 * dim;
+  hidden = 2 * hidden / 3;
+  hidden = static_cast<int64_t>(ffn_dim_multiplier * hidden);
+  return multiple_of * ((hidden + multiple_of - 1) / multiple_of);
+}
+
+}  // namespace viaduct

@@ -1,0 +1,80 @@
+// Family dispatch and the loss shared by every family.
+#include "model/model.h"
+
+#include <algorithm>
+#include <set>
+
+#include "config/config.h"
+#include "core/check.h"
+#include "model/families.h"
+
+namespace viaduct {
+
+std::vector<std::string> model_module_fqns(const Config& cfg) {
+  const auto fam = cfg.get_string("model.family");
+  if (fam == "llama") return llama_module_fqns(cfg);
+  if (fam == "gpt2") return gpt2_module_fqns(cfg);
+  if (fam == "kimi_k3") return kimi_k3_module_fqns(cfg);
+  throw ConfigError(str("unknown model.family '", fam, "'"));
+}
+
+std::shared_ptr<ModelPart> build_model_part(
+    const Config& cfg, const std::vector<std::string>& fqns) {
+  const auto fam = cfg.get_string("model.family");
+  if (fam == "llama") return build_llama(cfg, fqns);
+  if (fam == "gpt2") return build_gpt2(cfg, fqns);
+  if (fam == "kimi_k3") return build_kimi_k3(cfg, fqns);
+  throw ConfigError(str("unknown model.family '", fam, "'"));
+}
+
+ModelInfo describe_model(const Config& cfg) {
+  const auto fam = cfg.get_string("model.family");
+  if (fam == "llama") return describe_llama(cfg);
+  if (fam == "gpt2") return describe_gpt2(cfg);
+  if (fam == "kimi_k3") return describe_kimi_k3(cfg);
+  throw ConfigError(str("unknown model.family '", fam, "'"));
+}
+
+at::Tensor summed_cross_entropy(const at::Tensor& logits,
+                                const at::Tensor& targets) {
+  // logits: [B, T, V], targets: [B, T]
+  const auto V = logits.size(-1);
+  return at::cross_entropy_loss(logits.reshape({-1, V}).to(at::kFloat),
+                                targets.reshape({-1}), {}, at::Reduction::Sum,
+                                /*ignore_index=*/-100);
+}
+
+std::vector<std::string> select_modules(const std::vector<std::string>& all,
+                                        const std::vector<std::string>& wanted,
+                                        const std::string& family) {
+  if (wanted.empty()) return all;
+  std::set<std::string> want(wanted.begin(), wanted.end());
+  std::vector<std::string> out;
+  for (const auto& m : all) {
+    if (want.erase(m)) out.push_back(m);
+  }
+  if (!want.empty()) {
+    throw ConfigError(str("module '", *want.begin(), "' is not part of this ",
+                          family, " model (its modules: ", all.front(), " .. ",
+                          all.back(), ")"));
+  }
+  return out;
+}
+
+int64_t int_or(const Config& cfg, const std::string& key, int64_t fallback) {
+  return cfg.get_int_opt(key).value_or(fallback);
+}
+double float_or(const Config& cfg, const std::string& key, double fallback) {
+  return cfg.get_float_opt(key).value_or(fallback);
+}
+bool bool_or(const Config& cfg, const std::string& key, bool fallback) {
+  return cfg.get_bool_opt(key).value_or(fallback);
+}
+
+int64_t count_parameters(const torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.parameters()) n += p.numel();
+  return n;
+}
+
+}  // namespace viaduct

@@ -1,0 +1,148 @@
+// Config parsing, overrides, strict keys, aliases and print-back.
+#include <gtest/gtest.h>
+
+#include "config/config.h"
+#include "core/check.h"
+
+using viaduct::Config;
+using viaduct::ConfigError;
+
+namespace {
+std::string error_of(const std::string& toml,
+                     const std::vector<std::string>& overrides = {}) {
+  try {
+    Config::parse(toml, "job.toml", overrides);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(Config, DefaultsAndFileValues) {
+  auto c = Config::parse("[training]\nsteps = 7\nseq_len = 64\n[model]\nfamily = \"gpt2\"\n",
+                         "job.toml");
+  EXPECT_EQ(c.get_int("training.steps"), 7);
+  EXPECT_EQ(c.get_int("training.seq_len"), 64);
+  EXPECT_EQ(c.get_string("model.family"), "gpt2");
+  EXPECT_EQ(c.get_int("training.local_batch_size"), 8);  // default
+  EXPECT_TRUE(c.is_set("training.steps"));
+  EXPECT_FALSE(c.is_set("training.local_batch_size"));
+  EXPECT_FALSE(c.get_int_opt("model.dim").has_value());
+}
+
+TEST(Config, OverridesWinOverFile) {
+  auto c = Config::parse("[training]\nsteps = 7\n", "job.toml",
+                         {"training.steps=9", "optimizer.lr=0.5",
+                          "checkpoint.enable=true", "job.dump_folder=\"x y\""});
+  EXPECT_EQ(c.get_int("training.steps"), 9);
+  EXPECT_DOUBLE_EQ(c.get_float("optimizer.lr"), 0.5);
+  EXPECT_TRUE(c.get_bool("checkpoint.enable"));
+  EXPECT_EQ(c.get_string("job.dump_folder"), "x y");
+}
+
+TEST(Config, IntegerAcceptedForFloat) {
+  auto c = Config::parse("[optimizer]\nlr = 1\n", "job.toml");
+  EXPECT_DOUBLE_EQ(c.get_float("optimizer.lr"), 1.0);
+}
+
+TEST(Config, UnknownKeyNamesFileAndClosestKey) {
+  const auto msg = error_of("[training]\nstpes = 3\n");
+  EXPECT_NE(msg.find("training.stpes"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("job.toml"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("training.steps"), std::string::npos) << msg;
+}
+
+TEST(Config, UnknownSectionAndKeyInWrongSection) {
+  auto msg = error_of("[optimizer]\nseq_len = 3\n");
+  EXPECT_NE(msg.find("training.seq_len"), std::string::npos) << msg;
+  msg = error_of("[trainign]\nsteps = 3\n");
+  EXPECT_NE(msg.find("training.steps"), std::string::npos) << msg;
+}
+
+TEST(Config, UnknownOverrideKey) {
+  const auto msg = error_of("", {"optimizer.lrr=3"});
+  EXPECT_NE(msg.find("optimizer.lrr"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("optimizer.lr"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("command line"), std::string::npos) << msg;
+}
+
+TEST(Config, WrongTypeNamesKeyAndFile) {
+  auto msg = error_of("[training]\nsteps = \"ten\"\n");
+  EXPECT_NE(msg.find("training.steps"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("integer"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("job.toml"), std::string::npos) << msg;
+  msg = error_of("", {"training.steps=3.5"});
+  EXPECT_NE(msg.find("training.steps"), std::string::npos) << msg;
+  msg = error_of("", {"checkpoint.enable=yes"});
+  EXPECT_NE(msg.find("checkpoint.enable"), std::string::npos) << msg;
+}
+
+TEST(Config, SyntaxErrorNamesLine) {
+  const auto msg = error_of("[training]\nsteps = = 3\n");
+  EXPECT_NE(msg.find("job.toml"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("line 2"), std::string::npos) << msg;
+}
+
+TEST(Config, DeprecatedAliasMapsToNewName) {
+  auto c = Config::parse("[training]\nbatch_size = 3\n", "job.toml");
+  EXPECT_EQ(c.get_int("training.local_batch_size"), 3);
+  auto d = Config::parse("", "job.toml", {"training.max_grad_norm=0.5"});
+  EXPECT_DOUBLE_EQ(d.get_float("training.max_norm"), 0.5);
+}
+
+TEST(Config, AliasAndNewNameTogetherIsAnError) {
+  auto msg = error_of("[training]\nbatch_size = 3\nlocal_batch_size = 4\n");
+  EXPECT_NE(msg.find("training.batch_size"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("training.local_batch_size"), std::string::npos) << msg;
+  msg = error_of("", {"training.batch_size=3", "training.local_batch_size=4"});
+  EXPECT_NE(msg.find("training.batch_size"), std::string::npos) << msg;
+}
+
+TEST(Config, CrossFieldChecksRunAfterOverrides) {
+  // warmup 50 > steps 10 only after the override.
+  auto msg = error_of("[lr_scheduler]\nwarmup_steps = 5\n[training]\nsteps = 10\n",
+                      {"lr_scheduler.warmup_steps=50"});
+  EXPECT_NE(msg.find("warmup_steps"), std::string::npos) << msg;
+  // ... and an override can repair a file that alone would be refused.
+  EXPECT_NO_THROW(Config::parse("[training]\nsteps = 10\n", "job.toml",
+                                {"lr_scheduler.warmup_steps=5"}));
+  msg = error_of("[training]\ndtype = \"fp8\"\n");
+  EXPECT_NE(msg.find("training.dtype"), std::string::npos) << msg;
+}
+
+TEST(Config, PrintConfigRoundTrips) {
+  auto c = Config::parse("[training]\nsteps = 12\n[optimizer]\nlr = 0.00123\n"
+                         "[job]\ndump_folder = \"out \\\"q\\\"\"\n",
+                         "job.toml", {"model.dim=64"});
+  const auto text = c.to_toml();
+  auto d = Config::parse(text, "printed");
+  EXPECT_EQ(d.to_toml().substr(d.to_toml().find('\n')),
+            text.substr(text.find('\n')));
+  EXPECT_EQ(d.get_int("training.steps"), 12);
+  EXPECT_EQ(d.get_float("optimizer.lr"), 0.00123);
+  EXPECT_EQ(d.get_int("model.dim"), 64);
+  EXPECT_EQ(d.get_string("job.dump_folder"), "out \"q\"");
+}
+
+TEST(Config, CommandLineSplitsOverridesFlagsAndOptions) {
+  const char* argv[] = {"train", "--config", "a.toml", "--training.steps=3",
+                        "--optimizer.lr", "0.1", "--json", "--svg", "x.svg"};
+  auto p = viaduct::parse_command_line(9, const_cast<char**>(argv), 1, {"--svg"});
+  EXPECT_EQ(p.config_path, "a.toml");
+  ASSERT_EQ(p.overrides.size(), 2u);
+  EXPECT_EQ(p.overrides[0], "training.steps=3");
+  EXPECT_EQ(p.overrides[1], "optimizer.lr=0.1");
+  ASSERT_EQ(p.flags.size(), 1u);
+  EXPECT_EQ(p.flags[0], "--json");
+  EXPECT_EQ(p.options.at("--svg"), "x.svg");
+}
+
+TEST(Config, MissingFileIsAClearError) {
+  try {
+    Config::load("/nonexistent/job.toml");
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/job.toml"), std::string::npos);
+  }
+}
