@@ -292,8 +292,15 @@ std::string closest_name(const std::string& name,
                          const std::vector<std::string>& candidates) {
   std::string best;
   size_t best_d = ~size_t{0};
+  auto lower = [](std::string s) {
+    for (auto& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    return s;
+  };
+  const std::string lname = lower(name);
   for (const auto& c : candidates) {
-    const size_t d = edit_distance(name, c);
+    // A candidate that contains the name ("ZBV" in "ZBVZeroBubble") wins.
+    size_t d = edit_distance(name, c);
+    if (lname.size() >= 2 && lower(c).find(lname) != std::string::npos) d = 0;
     if (d < best_d) {
       best_d = d;
       best = c;
