@@ -15,12 +15,15 @@ namespace viaduct::apps {
 namespace {
 
 constexpr const char* kUsage =
-    "usage: viaduct prepare-data --input PATH [--input PATH ...] --output FILE\n"
-    "                            [--val-fraction X] [--split auto|whole|fortune]\n"
+    "usage: viaduct prepare-data --input PATH [--input PATH ...] --output "
+    "FILE\n"
+    "                            [--val-fraction X] [--split "
+    "auto|whole|fortune]\n"
     "\n"
     "Tokenizes text with the built-in byte tokenizer (vocab 257: bytes +\n"
     "<|endoftext|> = 256 before each document) into a viaduct token file.\n"
-    "  --input PATH       a text file or a folder (walked recursively, sorted,\n"
+    "  --input PATH       a text file or a folder (walked recursively, "
+    "sorted,\n"
     "                     binary files skipped); repeatable\n"
     "  --output FILE      the token file, written atomically\n"
     "  --val-fraction X   hold out this share of documents (spread evenly)\n"
@@ -40,8 +43,8 @@ data::DocumentSplit parse_split(const std::string& s) {
   if (s == "auto") return data::DocumentSplit::kAuto;
   if (s == "whole") return data::DocumentSplit::kWholeFile;
   if (s == "fortune") return data::DocumentSplit::kFortune;
-  throw ConfigError(str("--split: unknown mode '", s,
-                        "' (expected auto, whole or fortune)"));
+  throw ConfigError(
+      str("--split: unknown mode '", s, "' (expected auto, whole or fortune)"));
 }
 
 int prepare_data_main(int argc, char** argv) {
@@ -57,7 +60,8 @@ int prepare_data_main(int argc, char** argv) {
     std::string name = arg;
     std::string value;
     bool has_value = false;
-    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+    if (auto eq = arg.find('=');
+        arg.rfind("--", 0) == 0 && eq != std::string::npos) {
       name = arg.substr(0, eq);
       value = arg.substr(eq + 1);
       has_value = true;
@@ -83,16 +87,17 @@ int prepare_data_main(int argc, char** argv) {
     }
   }
   if (inputs.empty() || output.empty()) {
-    std::fprintf(stderr, "viaduct prepare-data: --input and --output are "
-                 "required\n\n%s", kUsage);
+    std::fprintf(stderr,
+                 "viaduct prepare-data: --input and --output are "
+                 "required\n\n%s",
+                 kUsage);
     return 2;
   }
 
-  log::info("prepare-data: reading ", inputs.size(), " input(s) into ",
-            output);
+  log::info("prepare-data: reading ", inputs.size(), " input(s) into ", output);
   data::PrepareStats s = data::prepare_text_data(inputs, output, options);
-  log::info("prepare-data: ", s.files, " files, ", s.documents,
-            " documents, ", s.bytes_read, " text bytes");
+  log::info("prepare-data: ", s.files, " files, ", s.documents, " documents, ",
+            s.bytes_read, " text bytes");
   log::info("prepare-data: train: ", s.train_documents, " documents, ",
             s.train_tokens, " tokens -> ", s.train_path);
   if (!s.val_path.empty()) {

@@ -90,11 +90,11 @@ std::vector<std::string> list_text_files(
     std::vector<fs::path> files;
     fs::recursive_directory_iterator it(
         input, fs::directory_options::follow_directory_symlink, ec);
-    VIADUCT_CHECK_T(FileError, !ec, "cannot list '", input, "': ",
-                    ec.message());
+    VIADUCT_CHECK_T(FileError, !ec, "cannot list '", input,
+                    "': ", ec.message());
     for (; it != fs::recursive_directory_iterator(); it.increment(ec)) {
-      VIADUCT_CHECK_T(FileError, !ec, "cannot list '", input, "': ",
-                      ec.message());
+      VIADUCT_CHECK_T(FileError, !ec, "cannot list '", input,
+                      "': ", ec.message());
       const fs::path& p = it->path();
       if (is_hidden(p)) {
         if (it->is_directory(ec)) it.disable_recursion_pending();
@@ -103,8 +103,8 @@ std::vector<std::string> list_text_files(
       if (!it->is_regular_file(ec)) continue;
       files.push_back(p);
     }
-    VIADUCT_CHECK_T(FileError, !ec, "cannot list '", input, "': ",
-                    ec.message());
+    VIADUCT_CHECK_T(FileError, !ec, "cannot list '", input,
+                    "': ", ec.message());
     std::sort(files.begin(), files.end());
     for (const auto& p : files) {
       if (looks_binary(MappedFile(p.string()))) {
@@ -114,8 +114,9 @@ std::vector<std::string> list_text_files(
       add(p);
     }
   }
-  VIADUCT_CHECK_T(FileError, !out.empty(), "prepare-data: no text files found in ",
-                  inputs.front(), inputs.size() > 1 ? " and the other inputs" : "");
+  VIADUCT_CHECK_T(FileError, !out.empty(),
+                  "prepare-data: no text files found in ", inputs.front(),
+                  inputs.size() > 1 ? " and the other inputs" : "");
   return out;
 }
 
@@ -185,9 +186,8 @@ PrepareStats prepare_text_data(const std::vector<std::string>& inputs,
     for (std::string_view doc : split_documents(text, options.split)) {
       const int64_t i = stats.documents++;
       ++file_docs;
-      const bool held_out =
-          val && std::floor(static_cast<double>(i + 1) * f) >
-                     std::floor(static_cast<double>(i) * f);
+      const bool held_out = val && std::floor(static_cast<double>(i + 1) * f) >
+                                       std::floor(static_cast<double>(i) * f);
       tokens.clear();
       tokens.push_back(ByteTokenizer::kEndOfText);
       ByteTokenizer::encode_into(doc, tokens);
@@ -203,11 +203,16 @@ PrepareStats prepare_text_data(const std::vector<std::string>& inputs,
     }
     log::debug("prepare-data: ", path, ": ", file_docs, " documents");
   }
-  VIADUCT_CHECK(stats.train_documents > 0, "prepare-data: no training "
-                "documents in ", files.size(), " files (all blank, or all "
-                "held out by --val-fraction ", f, ")");
-  VIADUCT_CHECK(!val || stats.val_documents > 0, "prepare-data: --val-fraction ",
-                f, " holds out no document of ", stats.documents,
+  VIADUCT_CHECK(stats.train_documents > 0,
+                "prepare-data: no training "
+                "documents in ",
+                files.size(),
+                " files (all blank, or all "
+                "held out by --val-fraction ",
+                f, ")");
+  VIADUCT_CHECK(!val || stats.val_documents > 0,
+                "prepare-data: --val-fraction ", f,
+                " holds out no document of ", stats.documents,
                 "; raise it or give more text");
 
   stats.bytes_written += train.finish();

@@ -50,7 +50,8 @@ struct PrepareStats {
 // hidden names and binary files (a NUL byte in the first 4 KiB, such as
 // fortune's `.dat` indexes). A file reached twice (a symlink such as
 // fortune's `*.u8`) is kept once, at its first place.
-std::vector<std::string> list_text_files(const std::vector<std::string>& inputs);
+std::vector<std::string> list_text_files(
+    const std::vector<std::string>& inputs);
 
 // The documents of one file's text (views into `text`).
 std::vector<std::string_view> split_documents(std::string_view text,

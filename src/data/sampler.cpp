@@ -3,7 +3,6 @@
 #include "data/sampler.h"
 
 #include <nlohmann/json.hpp>
-
 #include <numeric>
 
 #include "core/check.h"
@@ -44,9 +43,8 @@ void check_options(const SamplerOptions& o, const std::string& what) {
                   o.batch_size);
   VIADUCT_CHECK_T(ConfigError, o.seq_len >= 1, what,
                   ": training.seq_len must be >= 1, got ", o.seq_len);
-  VIADUCT_CHECK(o.dp_size >= 1 && o.dp_rank >= 0 && o.dp_rank < o.dp_size,
-                what, ": dp rank ", o.dp_rank, " is not in [0, ", o.dp_size,
-                ")");
+  VIADUCT_CHECK(o.dp_size >= 1 && o.dp_rank >= 0 && o.dp_rank < o.dp_size, what,
+                ": dp rank ", o.dp_rank, " is not in [0, ", o.dp_size, ")");
 }
 
 int64_t windows_in(const TokenStream& tokens, int64_t seq_len) {
@@ -81,9 +79,10 @@ DataCursor DataCursor::from_json(const std::string& text) {
   } catch (const nlohmann::json::exception& e) {
     throw FileError(str("data cursor '", text, "' is malformed: ", e.what()));
   }
-  VIADUCT_CHECK_T(FileError, c.epoch >= 0 && c.position >= 0 &&
-                                 c.seq_len >= 1 && c.num_windows >= 0,
-                  "data cursor '", text, "' has out-of-range fields");
+  VIADUCT_CHECK_T(
+      FileError,
+      c.epoch >= 0 && c.position >= 0 && c.seq_len >= 1 && c.num_windows >= 0,
+      "data cursor '", text, "' has out-of-range fields");
   return c;
 }
 
@@ -101,7 +100,8 @@ TokenSampler::TokenSampler(std::shared_ptr<const TokenStream> tokens,
                   " tokens: ", num_windows_, " windows of seq_len ",
                   options_.seq_len, ", fewer than one global batch (",
                   options_.batch_size, " x dp ", options_.dp_size, " = ",
-                  global, " windows); lower training.local_batch_size or "
+                  global,
+                  " windows); lower training.local_batch_size or "
                   "training.seq_len, or prepare more data");
 }
 
@@ -117,8 +117,8 @@ void TokenSampler::load_epoch(int64_t epoch) {
   order_.resize(static_cast<size_t>(num_windows_));
   std::iota(order_.begin(), order_.end(), int64_t{0});
   // The epoch's stream: seed and epoch mixed through one splitmix64 step.
-  SplitMix64 seeder{options_.seed ^ (0xD1B54A32D192ED03ULL *
-                                     static_cast<uint64_t>(epoch + 1))};
+  SplitMix64 seeder{options_.seed ^
+                    (0xD1B54A32D192ED03ULL * static_cast<uint64_t>(epoch + 1))};
   SplitMix64 rng{seeder.next()};
   for (int64_t i = num_windows_ - 1; i > 0; --i) {
     auto j = static_cast<int64_t>(rng.below(static_cast<uint64_t>(i + 1)));
@@ -161,20 +161,24 @@ DataCursor TokenSampler::cursor() const {
 }
 
 void TokenSampler::restore(const DataCursor& c) {
-  VIADUCT_CHECK(c.seq_len == options_.seq_len, "data cursor was saved with "
-                "seq_len ", c.seq_len, " but training.seq_len is ",
-                options_.seq_len);
+  VIADUCT_CHECK(c.seq_len == options_.seq_len,
+                "data cursor was saved with "
+                "seq_len ",
+                c.seq_len, " but training.seq_len is ", options_.seq_len);
   VIADUCT_CHECK(c.num_windows == num_windows_, "data cursor was saved for ",
                 c.num_windows, " windows but ", tokens_->describe(), " has ",
                 num_windows_, " (the training data changed)");
-  VIADUCT_CHECK(c.shuffle == options_.shuffle, "data cursor was saved with "
-                "data.shuffle = ", c.shuffle ? "true" : "false",
-                " but it is now ", options_.shuffle ? "true" : "false");
-  VIADUCT_CHECK(!c.shuffle || c.seed == options_.seed, "data cursor was "
-                "saved with seed ", c.seed, " but the seed is now ",
-                options_.seed, " (the shuffled order would differ)");
-  VIADUCT_CHECK(c.epoch >= 0 && c.position >= 0 &&
-                    c.position <= num_windows_,
+  VIADUCT_CHECK(c.shuffle == options_.shuffle,
+                "data cursor was saved with "
+                "data.shuffle = ",
+                c.shuffle ? "true" : "false", " but it is now ",
+                options_.shuffle ? "true" : "false");
+  VIADUCT_CHECK(!c.shuffle || c.seed == options_.seed,
+                "data cursor was "
+                "saved with seed ",
+                c.seed, " but the seed is now ", options_.seed,
+                " (the shuffled order would differ)");
+  VIADUCT_CHECK(c.epoch >= 0 && c.position >= 0 && c.position <= num_windows_,
                 "data cursor (epoch ", c.epoch, ", position ", c.position,
                 ") is out of range for ", num_windows_, " windows");
   epoch_ = c.epoch;
@@ -193,9 +197,11 @@ EvalLoader::EvalLoader(std::shared_ptr<const TokenStream> tokens,
   const int64_t global = options_.batch_size * options_.dp_size;
   const int64_t fit = windows_in(*tokens_, options_.seq_len) / global;
   VIADUCT_CHECK_T(ConfigError, fit >= 1, "eval data ", tokens_->describe(),
-                  " has ", tokens_->size(), " tokens, fewer than one global "
-                  "batch of ", global, " windows of seq_len ",
-                  options_.seq_len, " (+1 token)");
+                  " has ", tokens_->size(),
+                  " tokens, fewer than one global "
+                  "batch of ",
+                  global, " windows of seq_len ", options_.seq_len,
+                  " (+1 token)");
   if (fit < num_batches) {
     log::warn("eval data ", tokens_->describe(), " holds only ", fit,
               " batches; data.eval_batches = ", num_batches, " lowered to ",
@@ -205,8 +211,8 @@ EvalLoader::EvalLoader(std::shared_ptr<const TokenStream> tokens,
 }
 
 TokenBatch EvalLoader::batch(int64_t i) const {
-  VIADUCT_CHECK(i >= 0 && i < num_batches_, "eval batch ", i,
-                " is not in [0, ", num_batches_, ")");
+  VIADUCT_CHECK(i >= 0 && i < num_batches_, "eval batch ", i, " is not in [0, ",
+                num_batches_, ")");
   const int64_t B = options_.batch_size;
   std::vector<int64_t> ids(static_cast<size_t>(B));
   const int64_t first = (i * options_.dp_size + options_.dp_rank) * B;
@@ -232,8 +238,7 @@ TokenBatch read_windows(const TokenStream& tokens,
   at::Tensor buf = at::empty({B, T + 1}, at::TensorOptions().dtype(at::kLong));
   int64_t* p = buf.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    tokens.read(window_ids[static_cast<size_t>(b)] * T, T + 1,
-                p + b * (T + 1));
+    tokens.read(window_ids[static_cast<size_t>(b)] * T, T + 1, p + b * (T + 1));
   }
   TokenBatch batch;
   batch.inputs = buf.narrow(1, 0, T).contiguous();   // [B, T]
@@ -241,21 +246,23 @@ TokenBatch read_windows(const TokenStream& tokens,
   return batch;
 }
 
-std::vector<at::Tensor> split_microbatches(const at::Tensor& batch,
-                                           int64_t n) {
-  VIADUCT_CHECK(batch.dim() >= 1, "split_microbatches: the batch has no "
+std::vector<at::Tensor> split_microbatches(const at::Tensor& batch, int64_t n) {
+  VIADUCT_CHECK(batch.dim() >= 1,
+                "split_microbatches: the batch has no "
                 "dimension to split");
   const int64_t B = batch.size(0);
-  VIADUCT_CHECK_T(ConfigError, n >= 1 && B % n == 0, "cannot split a local "
-                  "batch of ", B, " rows into ", n, " micro-batches: the "
+  VIADUCT_CHECK_T(ConfigError, n >= 1 && B % n == 0,
+                  "cannot split a local "
+                  "batch of ",
+                  B, " rows into ", n,
+                  " micro-batches: the "
                   "number of micro-batches must divide "
                   "training.local_batch_size");
   // Each: [B / n, ...], a view of `batch`.
   return batch.split(B / n, 0);
 }
 
-std::vector<TokenBatch> split_microbatches(const TokenBatch& batch,
-                                           int64_t n) {
+std::vector<TokenBatch> split_microbatches(const TokenBatch& batch, int64_t n) {
   std::vector<at::Tensor> in = split_microbatches(batch.inputs, n);
   std::vector<at::Tensor> tg = split_microbatches(batch.targets, n);
   std::vector<TokenBatch> out(in.size());

@@ -54,7 +54,7 @@ struct SamplerOptions {
   int64_t seq_len = 1;     // T
   int64_t dp_rank = 0;
   int64_t dp_size = 1;
-  uint64_t seed = 0;       // used only with shuffle
+  uint64_t seed = 0;  // used only with shuffle
   bool shuffle = false;
 };
 
@@ -88,8 +88,8 @@ class TokenSampler {
   int64_t num_windows_ = 0;
   int64_t epoch_ = 0;
   int64_t position_ = 0;
-  int64_t order_epoch_ = -1;     // the epoch order_ holds
-  std::vector<int64_t> order_;   // the epoch's permutation; empty = in order
+  int64_t order_epoch_ = -1;    // the epoch order_ holds
+  std::vector<int64_t> order_;  // the epoch's permutation; empty = in order
 };
 
 // Held-out batches: always the first num_batches global steps of the eval

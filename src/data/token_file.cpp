@@ -19,8 +19,9 @@
 
 namespace viaduct::data {
 
-static_assert(std::endian::native == std::endian::little,
-              "token files are little-endian; a big-endian host needs byte swaps");
+static_assert(
+    std::endian::native == std::endian::little,
+    "token files are little-endian; a big-endian host needs byte swaps");
 
 namespace {
 
@@ -107,10 +108,14 @@ int64_t max_of(const uint8_t* base, int64_t count) {
 
 std::string format_name(TokenFormat format) {
   switch (format) {
-    case TokenFormat::kViaduct: return "viaduct";
-    case TokenFormat::kLlmc: return "llmc";
-    case TokenFormat::kUint16: return "uint16";
-    case TokenFormat::kUint32: return "uint32";
+    case TokenFormat::kViaduct:
+      return "viaduct";
+    case TokenFormat::kLlmc:
+      return "llmc";
+    case TokenFormat::kUint16:
+      return "uint16";
+    case TokenFormat::kUint32:
+      return "uint32";
   }
   return "?";
 }
@@ -122,8 +127,8 @@ MappedFile::MappedFile(const std::string& path) : path_(path) {
   VIADUCT_CHECK_T(FileError, fd.get() >= 0, "cannot open token file '", path,
                   "': ", errno_text());
   struct stat st {};
-  VIADUCT_CHECK_T(FileError, ::fstat(fd.get(), &st) == 0, "cannot stat '",
-                  path, "': ", errno_text());
+  VIADUCT_CHECK_T(FileError, ::fstat(fd.get(), &st) == 0, "cannot stat '", path,
+                  "': ", errno_text());
   VIADUCT_CHECK_T(FileError, S_ISREG(st.st_mode), "token file '", path,
                   "' is not a regular file");
   size_ = static_cast<size_t>(st.st_size);
@@ -241,8 +246,8 @@ TokenFile::TokenFile(const std::string& path, TokenFormat format)
       int32_t version = load_i32(d + 4);
       if (magic == kLlmcMagic) {
         if (version != kLlmcVersion) {
-          fail(str("unsupported version ", version, " (expected ",
-                   kLlmcVersion, " for magic ", kLlmcMagic, ")"));
+          fail(str("unsupported version ", version, " (expected ", kLlmcVersion,
+                   " for magic ", kLlmcMagic, ")"));
         }
         bytes_per_token_ = 2;
       } else if (magic == kLlmcMagicLlama3) {
@@ -257,8 +262,9 @@ TokenFile::TokenFile(const std::string& path, TokenFormat format)
       }
       int32_t count = load_i32(d + 8);
       if (count < 0) fail(str("negative token count ", count));
-      uint64_t expect = kHeaderBytes + static_cast<uint64_t>(count) *
-                                           static_cast<uint64_t>(bytes_per_token_);
+      uint64_t expect =
+          kHeaderBytes + static_cast<uint64_t>(count) *
+                             static_cast<uint64_t>(bytes_per_token_);
       if (bytes != expect) {
         fail(str("header says ", count, " tokens (", expect,
                  " bytes) but the file has ", bytes, " bytes",
@@ -290,8 +296,8 @@ int64_t TokenFile::token(int64_t i) const {
 
 void TokenFile::read(int64_t start, int64_t count, int64_t* out) const {
   VIADUCT_CHECK(start >= 0 && count >= 0 && start + count <= size_,
-                "token range [", start, ", ", start + count,
-                ") is outside '", path(), "' (", size_, " tokens)");
+                "token range [", start, ", ", start + count, ") is outside '",
+                path(), "' (", size_, " tokens)");
   if (count == 0) return;
   if (bytes_per_token_ == 2) {
     copy_tokens<uint16_t>(tokens_, start, count, out);
@@ -311,8 +317,8 @@ TokenFile open_token_file(const std::string& path, const std::string& format) {
   if (format == "llmc") return TokenFile(path, TokenFormat::kLlmc);
   if (format == "uint16") return TokenFile(path, TokenFormat::kUint16);
   if (format == "uint32") return TokenFile(path, TokenFormat::kUint32);
-  VIADUCT_CHECK_T(ConfigError, format == "auto", "data.format: unknown format '",
-                  format,
+  VIADUCT_CHECK_T(ConfigError, format == "auto",
+                  "data.format: unknown format '", format,
                   "' (expected auto, viaduct, llmc, uint16 or uint32)");
   // Sniff once, then reopen in the chosen format (mapping is cheap).
   TokenFormat chosen;
@@ -404,8 +410,8 @@ std::vector<std::string> expand_token_paths(const std::string& spec) {
   VIADUCT_CHECK_T(FileError, rc != GLOB_NOMATCH && !out.empty(),
                   "no token file matches '", spec, "'");
   VIADUCT_CHECK_T(FileError, rc == 0, "cannot expand '", spec,
-                  "': glob failed (", rc == GLOB_ABORTED ? "read error" : "error",
-                  ")");
+                  "': glob failed (",
+                  rc == GLOB_ABORTED ? "read error" : "error", ")");
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -425,9 +431,8 @@ std::shared_ptr<const TokenStream> open_token_stream(
 
 std::string val_path_for(const std::string& path) {
   std::filesystem::path p(path);
-  std::filesystem::path out = p.parent_path() /
-                              (p.stem().string() + ".val" +
-                               p.extension().string());
+  std::filesystem::path out =
+      p.parent_path() / (p.stem().string() + ".val" + p.extension().string());
   return out.string();
 }
 
@@ -455,8 +460,8 @@ TokenFileWriter::TokenFileWriter(const std::string& path, int64_t vocab_size,
   VIADUCT_CHECK(tokenizer.size() < kTokenizerField, "token file '", path,
                 "': tokenizer name '", tokenizer, "' is longer than ",
                 kTokenizerField - 1, " characters");
-  fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
-               0644);
+  fd_ =
+      ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   VIADUCT_CHECK_T(FileError, fd_ >= 0, "cannot create '", tmp_path_,
                   "': ", errno_text());
   buffer_.reserve(kWriteChunk + 64);
@@ -475,8 +480,8 @@ void TokenFileWriter::write_all(const void* data, size_t bytes,
   while (bytes > 0) {
     ssize_t n = ::pwrite(fd_, p, bytes, offset);
     if (n < 0 && errno == EINTR) continue;
-    VIADUCT_CHECK_T(FileError, n > 0, "cannot write '", tmp_path_, "': ",
-                    n < 0 ? errno_text() : std::string("no progress"));
+    VIADUCT_CHECK_T(FileError, n > 0, "cannot write '", tmp_path_,
+                    "': ", n < 0 ? errno_text() : std::string("no progress"));
     p += n;
     bytes -= static_cast<size_t>(n);
     offset += n;
@@ -487,9 +492,8 @@ void TokenFileWriter::append(const int64_t* tokens, int64_t count) {
   VIADUCT_CHECK(fd_ >= 0, "token file '", path_, "' is already finished");
   for (int64_t i = 0; i < count; ++i) {
     int64_t t = tokens[i];
-    VIADUCT_CHECK(t >= 0 && t < vocab_size_, "token file '", path_,
-                  "': token ", t, " is outside the vocab [0, ", vocab_size_,
-                  ")");
+    VIADUCT_CHECK(t >= 0 && t < vocab_size_, "token file '", path_, "': token ",
+                  t, " is outside the vocab [0, ", vocab_size_, ")");
     if (bytes_per_token_ == 2) {
       uint16_t v = static_cast<uint16_t>(t);
       const auto* b = reinterpret_cast<const uint8_t*>(&v);
@@ -541,8 +545,8 @@ int64_t TokenFileWriter::finish() {
   if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
     std::string err = errno_text();
     ::unlink(tmp_path_.c_str());
-    throw FileError(str("cannot rename '", tmp_path_, "' to '", path_,
-                        "': ", err));
+    throw FileError(
+        str("cannot rename '", tmp_path_, "' to '", path_, "': ", err));
   }
   // Make the rename itself durable.
   std::string dir = std::filesystem::path(path_).parent_path().string();

@@ -120,8 +120,8 @@ class TokenStream {
 // `spec` is one path or a glob pattern (`*`, `?`, `[`), expanded in sorted
 // order; a pattern that matches nothing is a FileError.
 std::vector<std::string> expand_token_paths(const std::string& spec);
-std::shared_ptr<const TokenStream> open_token_stream(
-    const std::string& spec, const std::string& format);
+std::shared_ptr<const TokenStream> open_token_stream(const std::string& spec,
+                                                     const std::string& format);
 std::shared_ptr<const TokenStream> open_token_stream(
     const std::vector<std::string>& paths, const std::string& format);
 
@@ -172,7 +172,7 @@ class TokenFileWriter {
 constexpr int64_t kViaductHeaderBytes = 128;
 constexpr uint32_t kViaductVersion = 1;
 constexpr int64_t kLlmcHeaderInts = 256;
-constexpr int32_t kLlmcMagic = 20240520;      // GPT-2 shards, uint16 tokens
+constexpr int32_t kLlmcMagic = 20240520;        // GPT-2 shards, uint16 tokens
 constexpr int32_t kLlmcMagicLlama3 = 20240801;  // llama-3 shards, uint32
 
 }  // namespace viaduct::data

@@ -13,8 +13,8 @@
 namespace viaduct::data {
 namespace {
 
-using testing::TempDir;
 using testing::read_bytes;
+using testing::TempDir;
 using testing::write_bytes;
 using testing::write_text;
 
@@ -72,7 +72,8 @@ class PrepareTest : public ::testing::Test {
   void SetUp() override {
     corpus_ = dir_.file("corpus");
     std::filesystem::create_directories(corpus_ + "/sub");
-    write_text(corpus_ + "/b_fortunes", "Alpha.\n%\nBeta\n  -- B\n%\nGamma.\n%\n");
+    write_text(corpus_ + "/b_fortunes",
+               "Alpha.\n%\nBeta\n  -- B\n%\nGamma.\n%\n");
     write_text(corpus_ + "/a_plain.txt", "A plain file.\n");
     write_text(corpus_ + "/sub/c", "Delta.\n%\nEpsilon.\n");
     const char dat[] = {0, 0, 0, 2, 0, 0, 0, 3};  // like strfile's index
@@ -80,8 +81,8 @@ class PrepareTest : public ::testing::Test {
     std::filesystem::create_symlink("b_fortunes", corpus_ + "/b_fortunes.u8");
     write_text(corpus_ + "/.hidden", "never read\n");
     // Sorted by path: a_plain.txt, b_fortunes, sub/c.
-    docs_ = {"A plain file.\n", "Alpha.\n", "Beta\n  -- B\n", "Gamma.\n",
-             "Delta.\n", "Epsilon.\n"};
+    docs_ = {"A plain file.\n", "Alpha.\n", "Beta\n  -- B\n",
+             "Gamma.\n",        "Delta.\n", "Epsilon.\n"};
   }
 
   TempDir dir_;
@@ -124,7 +125,8 @@ TEST_F(PrepareTest, HeldOutSplitIsEveryNthDocument) {
   EXPECT_EQ(read_all(out), stream_of({docs_[0], docs_[2], docs_[4]}));
   EXPECT_EQ(read_all(s.val_path), stream_of({docs_[1], docs_[3], docs_[5]}));
 
-  PrepareStats third = prepare_text_data({corpus_}, out, {.val_fraction = 0.34});
+  PrepareStats third =
+      prepare_text_data({corpus_}, out, {.val_fraction = 0.34});
   EXPECT_EQ(third.val_documents, 2);  // documents 2 and 5
   EXPECT_EQ(read_all(third.val_path), stream_of({docs_[2], docs_[5]}));
 
@@ -142,9 +144,9 @@ TEST_F(PrepareTest, IsDeterministicAndTakesFilesAndFolders) {
   // Explicit files in the given order, then a folder; duplicates once.
   prepare_text_data({corpus_ + "/sub/c", corpus_ + "/a_plain.txt", corpus_},
                     dir_.file("3.tok"));
-  EXPECT_EQ(read_all(dir_.file("3.tok")),
-            stream_of({docs_[4], docs_[5], docs_[0], docs_[1], docs_[2],
-                       docs_[3]}));
+  EXPECT_EQ(
+      read_all(dir_.file("3.tok")),
+      stream_of({docs_[4], docs_[5], docs_[0], docs_[1], docs_[2], docs_[3]}));
 }
 
 TEST_F(PrepareTest, RefusesBadInputs) {
@@ -156,16 +158,16 @@ TEST_F(PrepareTest, RefusesBadInputs) {
     EXPECT_NE(std::string(e.what()).find(dir_.file("missing")),
               std::string::npos);
   }
-  EXPECT_THROW(prepare_text_data({corpus_}, dir_.file("x.tok"),
-                                 {.val_fraction = 1.0}),
-               Error);
+  EXPECT_THROW(
+      prepare_text_data({corpus_}, dir_.file("x.tok"), {.val_fraction = 1.0}),
+      Error);
   std::filesystem::create_directories(dir_.file("empty"));
   EXPECT_THROW(prepare_text_data({dir_.file("empty")}, dir_.file("x.tok")),
                FileError);
   EXPECT_FALSE(std::filesystem::exists(dir_.file("x.tok")));
   // 1 document, and a val fraction that holds none out.
-  EXPECT_THROW(prepare_text_data({corpus_ + "/a_plain.txt"},
-                                 dir_.file("x.tok"), {.val_fraction = 0.5}),
+  EXPECT_THROW(prepare_text_data({corpus_ + "/a_plain.txt"}, dir_.file("x.tok"),
+                                 {.val_fraction = 0.5}),
                Error);
   EXPECT_FALSE(std::filesystem::exists(dir_.file("x.tok")));
   EXPECT_FALSE(std::filesystem::exists(dir_.file("x.tok.tmp")));

@@ -68,8 +68,8 @@ TEST(TokenSampler, TargetsAreShiftedInputsAndWindowsAreContiguous) {
     ASSERT_EQ(b.inputs.sizes(), (std::vector<int64_t>{4, T}));
     ASSERT_EQ(b.targets.sizes(), (std::vector<int64_t>{4, T}));
     EXPECT_EQ(b.inputs.scalar_type(), at::kLong);
-    EXPECT_TRUE(b.inputs.narrow(1, 1, T - 1)
-                    .equal(b.targets.narrow(1, 0, T - 1)));
+    EXPECT_TRUE(
+        b.inputs.narrow(1, 1, T - 1).equal(b.targets.narrow(1, 0, T - 1)));
     // Row r is window step * 4 + r: tokens [w T, w T + T].
     at::Tensor w = at::arange(4, at::kLong).add(step * 4).unsqueeze(1);
     at::Tensor t = at::arange(T, at::kLong).unsqueeze(0);
@@ -151,8 +151,9 @@ TEST(TokenSampler, EpochsWrapAndShuffleVisitsEveryWindowOnce) {
   }
   EXPECT_EQ(plain.cursor().epoch, 0);
   EXPECT_EQ(plain.cursor().position, 100);
-  EXPECT_EQ(windows_of(plain.next(), 10), std::vector<int64_t>(
-      first_epoch.begin(), first_epoch.begin() + 10));
+  EXPECT_EQ(
+      windows_of(plain.next(), 10),
+      std::vector<int64_t>(first_epoch.begin(), first_epoch.begin() + 10));
   EXPECT_EQ(plain.cursor().epoch, 1);
   EXPECT_EQ(plain.cursor().position, 10);
 
@@ -205,8 +206,8 @@ TEST(TokenSampler, CursorIsIndependentOfTheDpLayout) {
   r1.restore(DataCursor::from_json(saved));
   for (int i = 0; i < 20; ++i) {
     TokenBatch ref = single.next();
-    EXPECT_TRUE(at::cat({r0.next().inputs, r1.next().inputs}, 0)
-                    .equal(ref.inputs));
+    EXPECT_TRUE(
+        at::cat({r0.next().inputs, r1.next().inputs}, 0).equal(ref.inputs));
   }
 }
 
@@ -223,16 +224,15 @@ TEST(TokenSampler, RestoreRefusesAnotherSampler) {
   EXPECT_THROW(TokenSampler(stream, opts(2, 10, 0, 1, true, 2)).restore(c),
                Error);
   TempDir other;
-  EXPECT_THROW(
-      TokenSampler(iota_stream(other, 901), opts(2, 10, 0, 1, true, 1))
-          .restore(c),
-      Error);
+  EXPECT_THROW(TokenSampler(iota_stream(other, 901), opts(2, 10, 0, 1, true, 1))
+                   .restore(c),
+               Error);
   EXPECT_THROW(DataCursor::from_json("{\"epoch\": 1}"), FileError);
   EXPECT_THROW(DataCursor::from_json("not json"), FileError);
-  EXPECT_THROW(DataCursor::from_json(
-                   R"({"epoch":-1,"position":0,"seq_len":10,)"
-                   R"("num_windows":100,"shuffle":false,"seed":0})"),
-               FileError);
+  EXPECT_THROW(
+      DataCursor::from_json(R"({"epoch":-1,"position":0,"seq_len":10,)"
+                            R"("num_windows":100,"shuffle":false,"seed":0})"),
+      FileError);
 }
 
 TEST(TokenSampler, RefusesTooLittleDataAndBadOptions) {
@@ -256,8 +256,8 @@ TEST(EvalLoader, AlwaysTheFirstBatchesAndShardedByRank) {
     TokenBatch ref = single.batch(i);
     EXPECT_EQ(windows_of(ref, 10),
               (std::vector<int64_t>{4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3}));
-    EXPECT_TRUE(at::cat({r0.batch(i).inputs, r1.batch(i).inputs}, 0)
-                    .equal(ref.inputs));
+    EXPECT_TRUE(
+        at::cat({r0.batch(i).inputs, r1.batch(i).inputs}, 0).equal(ref.inputs));
     EXPECT_TRUE(same(single.batch(i), ref));  // no hidden state
   }
   EXPECT_EQ(single.batches().size(), 3u);

@@ -13,8 +13,8 @@
 namespace viaduct::data {
 namespace {
 
-using testing::TempDir;
 using testing::read_bytes;
+using testing::TempDir;
 using testing::write_bytes;
 
 // Runs `fn`, expects a FileError whose message holds every one of `parts`.
@@ -268,8 +268,7 @@ TEST(TokenFile, RawArraysByExtensionAndByName) {
   EXPECT_EQ(read_all(a), (std::vector<int64_t>{0, 1, 65535, 300, 7}));
   TokenFile b = open_token_file(dir.file("a.u32"), "auto");
   EXPECT_EQ(b.format(), TokenFormat::kUint32);
-  EXPECT_EQ(read_all(b),
-            (std::vector<int64_t>{0, 1, 4000000000LL, 300, 7, 9}));
+  EXPECT_EQ(read_all(b), (std::vector<int64_t>{0, 1, 4000000000LL, 300, 7, 9}));
   TokenFile c = open_token_file(dir.file("a.raw"), "uint16");
   EXPECT_EQ(read_all(c), read_all(a));
   // The same bytes as uint32: pairs of uint16 (little-endian).
@@ -311,8 +310,8 @@ TEST(TokenStream, GlobOfShardsIsOneStream) {
   }
   std::vector<std::vector<int64_t>> shards(3);
   for (int k = 0; k < 3; ++k) {
-    TokenFile f = open_token_file(dir.file("train_00" + std::to_string(k) +
-                                           ".bin"), "llmc");
+    TokenFile f = open_token_file(
+        dir.file("train_00" + std::to_string(k) + ".bin"), "llmc");
     shards[k] = read_all(f);
     all.insert(all.end(), shards[k].begin(), shards[k].end());
   }
