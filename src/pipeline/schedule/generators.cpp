@@ -356,8 +356,13 @@ Schedule generate_schedule(ScheduleType type, int64_t pp, int64_t v, int64_t m) 
 std::string schedule_to_text(const Schedule& schedule) {
   std::string out;
   for (size_t r = 0; r < schedule.ranks.size(); ++r) {
-    out += "rank " + std::to_string(r) + ":";
-    for (const auto& a : schedule.ranks[r]) out += " " + to_string(a);
+    out += "rank ";
+    out += std::to_string(r);
+    out += ":";
+    for (const auto& a : schedule.ranks[r]) {
+      out += ' ';
+      out += to_string(a);
+    }
     out += "\n";
   }
   return out;

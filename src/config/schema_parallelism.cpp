@@ -1,0 +1,119 @@
+// [parallelism] keys and their cross-field checks. The checks that need the
+// model's layer count (is the split possible?) run when the plan is built
+// (pipeline/schedule/plan.h); these are the ones the config alone decides.
+#include <filesystem>
+
+#include "config/config.h"
+#include "config/schema_parts.h"
+#include "core/check.h"
+#include "pipeline/schedule/schedule.h"
+
+namespace viaduct {
+namespace {
+using T = ConfigType;
+ConfigKey key(const char* n, T t, ConfigValue d, const char* h) {
+  return ConfigKey{"parallelism", n, t, std::move(d), h};
+}
+const ConfigValue kUnset{};
+}  // namespace
+
+void add_parallelism_keys(std::vector<ConfigKey>& k) {
+  k.push_back(key("pipeline_parallel_degree", T::kInt, int64_t{1},
+                  "pipeline ranks (pp)"));
+  k.push_back(key("pipeline_parallel_schedule", T::kString, std::string("1F1B"),
+                  "GPipe | 1F1B | Interleaved1F1B | LoopedBFS | "
+                  "InterleavedZeroBubble | ZBVZeroBubble | DualPipeV (case-insensitive)"));
+  k.push_back(key("pipeline_parallel_schedule_csv", T::kString, std::string(""),
+                  "a schedule in torch's CSV format (one row per rank); overrides "
+                  "pipeline_parallel_schedule"));
+  k.push_back(key("pipeline_parallel_layers_per_stage", T::kInt, kUnset,
+                  "units per stage; stages = ceil((layers + first + last weights) / k)"));
+  k.push_back(key("pipeline_parallel_stages_per_rank", T::kInt, kUnset,
+                  "virtual stages per rank (default: 1 for GPipe/1F1B, 2 otherwise)"));
+  k.push_back(key("pipeline_parallel_first_stage_less_layers", T::kInt, int64_t{1},
+                  "split units the embedding counts for"));
+  k.push_back(key("pipeline_parallel_last_stage_less_layers", T::kInt, int64_t{1},
+                  "split units the head counts for"));
+  k.push_back(key("module_fqns_per_model_part", T::kStringListList, kUnset,
+                  "explicit top-level modules per stage, e.g. "
+                  "[[\"tok_embeddings\", \"layers.0\"], [\"layers.1\", \"norm\", \"lm_head\"]]"));
+  k.push_back(key("pipeline_parallel_microbatches", T::kInt, kUnset,
+                  "micro-batches per step (default: pp x stages per rank)"));
+  k.push_back(key("data_parallel_degree", T::kInt, int64_t{1},
+                  "data-parallel replicas (dp); world = pp x dp"));
+  k.push_back(key("attn_res_cache", T::kBool, true,
+                  "AttnRes: rank block cache (hops carry only missing blocks); "
+                  "false = every hop carries the whole stack"));
+  k.push_back(key("attn_res_cache_offload", T::kBool, false,
+                  "AttnRes: keep cached blocks in pinned host memory between "
+                  "commit and read"));
+}
+
+void validate_parallelism(const Config& c) {
+  constexpr const char* kPP = "parallelism.pipeline_parallel_degree";
+  const int64_t pp = c.get_int(kPP);
+  VIADUCT_CHECK_T(ConfigError, pp >= 1, kPP, " must be >= 1, got ", pp);
+  const int64_t dp = c.get_int("parallelism.data_parallel_degree");
+  VIADUCT_CHECK_T(ConfigError, dp >= 1,
+                  "parallelism.data_parallel_degree must be >= 1, got ", dp);
+  for (const char* w : {"parallelism.pipeline_parallel_first_stage_less_layers",
+                        "parallelism.pipeline_parallel_last_stage_less_layers"}) {
+    VIADUCT_CHECK_T(ConfigError, c.get_int(w) >= 0, w, " must be >= 0, got ",
+                    c.get_int(w));
+  }
+  const auto lps = c.get_int_opt("parallelism.pipeline_parallel_layers_per_stage");
+  const auto spr = c.get_int_opt("parallelism.pipeline_parallel_stages_per_rank");
+  const bool fqns = c.is_set("parallelism.module_fqns_per_model_part");
+  std::vector<std::string> given;
+  if (lps) given.push_back("pipeline_parallel_layers_per_stage");
+  if (spr) given.push_back("pipeline_parallel_stages_per_rank");
+  if (fqns) given.push_back("module_fqns_per_model_part");
+  if (given.size() > 1) {
+    std::string list;
+    for (const auto& g : given) list += (list.empty() ? "parallelism." : " and parallelism.") + g;
+    throw ConfigError(str("the stage count comes from exactly one of "
+                          "parallelism.pipeline_parallel_layers_per_stage, "
+                          "parallelism.pipeline_parallel_stages_per_rank and "
+                          "parallelism.module_fqns_per_model_part; the config sets ",
+                          list));
+  }
+  VIADUCT_CHECK_T(ConfigError, !lps || *lps >= 1,
+                  "parallelism.pipeline_parallel_layers_per_stage must be >= 1, got ", *lps);
+  VIADUCT_CHECK_T(ConfigError, !spr || *spr >= 1,
+                  "parallelism.pipeline_parallel_stages_per_rank must be >= 1, got ", *spr);
+  const auto mb = c.get_int_opt("parallelism.pipeline_parallel_microbatches");
+  VIADUCT_CHECK_T(ConfigError, !mb || *mb >= 1,
+                  "parallelism.pipeline_parallel_microbatches must be >= 1, got ", *mb);
+
+  const std::string csv = c.get_string("parallelism.pipeline_parallel_schedule_csv");
+  if (!csv.empty()) {
+    VIADUCT_CHECK_T(ConfigError, std::filesystem::is_regular_file(csv),
+                    "parallelism.pipeline_parallel_schedule_csv = '", csv,
+                    "' is not a readable file");
+    return;
+  }
+  // An unknown name is refused with the closest valid one.
+  const auto type = pipeline::schedule_type_from_name(
+      c.get_string("parallelism.pipeline_parallel_schedule"));
+  const auto& tr = pipeline::schedule_traits(type);
+  if (spr) {
+    const bool ok = *spr >= tr.min_stages_per_rank &&
+                    (tr.max_stages_per_rank == 0 || *spr <= tr.max_stages_per_rank);
+    VIADUCT_CHECK_T(ConfigError, ok, "parallelism.pipeline_parallel_stages_per_rank = ",
+                    *spr, " but schedule ", tr.name, " runs ",
+                    tr.min_stages_per_rank == tr.max_stages_per_rank
+                        ? str("exactly ", tr.min_stages_per_rank)
+                        : str("at least ", tr.min_stages_per_rank),
+                    " stage(s) per rank",
+                    tr.single_stage ? "; for several use Interleaved1F1B" : "");
+  }
+  if (fqns) {
+    const auto lists = c.get_string_list_list("parallelism.module_fqns_per_model_part");
+    const auto S = static_cast<int64_t>(lists.size());
+    VIADUCT_CHECK_T(ConfigError, S >= 1 && S % pp == 0,
+                    "parallelism.module_fqns_per_model_part lists ", S,
+                    " stages, not a multiple of ", kPP, " = ", pp);
+  }
+}
+
+}  // namespace viaduct

@@ -1,0 +1,38 @@
+// The pipeline plan: the split and the schedule of one job, built together
+// so that they agree (the schedule decides the placement and the stages per
+// rank the split may use; a CSV schedule decides the stage count). Every
+// rank calls make_pipeline_plan with the same spec and gets the same plan.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "pipeline/schedule/schedule.h"
+#include "pipeline/schedule/simulate.h"
+#include "pipeline/split/split.h"
+
+namespace viaduct::pipeline {
+
+struct PlanSpec {
+  // Model, pp, unit weights and at most one stage-count source. `rule` and
+  // `placement` are filled in from the schedule.
+  SplitSpec split;
+  std::string schedule = "1F1B";  // parallelism.pipeline_parallel_schedule
+  std::string schedule_csv_path;  // non-empty: the schedule comes from here
+  // parallelism.pipeline_parallel_microbatches; unset: pp * stages per rank
+  // (a CSV: its largest micro-batch + 1).
+  std::optional<int64_t> microbatches;
+};
+
+struct PipelinePlan {
+  Split split;
+  Schedule compute;  // per rank, compute actions
+  Schedule lowered;  // per rank, what the runtime executes
+  SimulationResult simulation;  // default costs; proves deadlock freedom
+};
+
+// Throws ConfigError for impossible shapes, Error for a malformed CSV.
+PipelinePlan make_pipeline_plan(const PlanSpec& spec);
+
+}  // namespace viaduct::pipeline
