@@ -93,7 +93,7 @@ at::Tensor TensorFileIndex::load(const std::string& fqn,
   return file_of(fqn).read(fqn, verify_checksum);
 }
 
-std::map<std::string, at::Tensor> TensorFileIndex::load(
+std::map<std::string, at::Tensor> TensorFileIndex::load_many(
     const std::vector<std::string>& fqns, bool verify_checksum) const {
   std::map<std::string, at::Tensor> out;
   for (const auto& fqn : fqns) out[fqn] = load(fqn, verify_checksum);
@@ -147,6 +147,11 @@ LoadReport TensorFileIndex::load_into(const torch::nn::Module& module,
     dsts.emplace_back(item.key(), item.value());
   }
   return load_into(dsts, options);
+}
+
+std::map<std::string, at::Tensor> load_tensors(
+    const std::filesystem::path& folder, const std::vector<std::string>& fqns) {
+  return TensorFileIndex(folder).load_many(fqns);
 }
 
 }  // namespace viaduct::checkpoint

@@ -68,8 +68,9 @@ class TensorFileIndex {
 
   // CPU tensors with the stored dtype.
   at::Tensor load(const std::string& fqn, bool verify_checksum = true) const;
-  std::map<std::string, at::Tensor> load(const std::vector<std::string>& fqns,
-                                         bool verify_checksum = true) const;
+  // (Not an overload of load: {"a", "b"} would also build a std::string.)
+  std::map<std::string, at::Tensor> load_many(
+      const std::vector<std::string>& fqns, bool verify_checksum = true) const;
 
   // Copies each stored tensor into its destination (any device, kept
   // dtype), after checking shape and dtype; mismatches are FileErrors naming
@@ -88,5 +89,9 @@ class TensorFileIndex {
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, size_t> index_;  // fqn → files_ slot
 };
+
+// One-shot: index `folder` and load `fqns` as CPU tensors of the stored dtype.
+std::map<std::string, at::Tensor> load_tensors(
+    const std::filesystem::path& folder, const std::vector<std::string>& fqns);
 
 }  // namespace viaduct::checkpoint
