@@ -1,0 +1,235 @@
+// Kimi Delta Attention: chunked and recurrent gated delta rule, and the layer.
+#include "model/kda.h"
+
+#include <cmath>
+#include <limits>
+
+#include "core/check.h"
+#include "core/rng.h"
+
+namespace viaduct {
+namespace {
+
+// The precision the recurrence runs in: fp64 stays fp64, all else is fp32.
+at::ScalarType inner_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// [B, T, H, d] -> [B, H, T, d] in the inner type.
+at::Tensor heads_first(const at::Tensor& x, at::ScalarType st) {
+  return x.to(st).transpose(1, 2);
+}
+
+at::Tensor l2_normalize(const at::Tensor& x, double eps) {
+  return x * at::rsqrt(x.pow(2).sum(-1, /*keepdim=*/true) + eps);
+}
+
+}  // namespace
+
+at::Tensor kda_recurrent(const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v, const at::Tensor& g,
+                         const at::Tensor& beta) {
+  const auto st = inner_type(q);
+  auto qh = heads_first(q, st), kh = heads_first(k, st);  // [B, H, T, dk]
+  auto vh = heads_first(v, st), gh = heads_first(g, st);  // [B, H, T, dv|dk]
+  auto bh = beta.to(st).transpose(1, 2);                  // [B, H, T]
+  const auto B = qh.size(0), H = qh.size(1), T = qh.size(2);
+  const auto dk = qh.size(3), dv = vh.size(3);
+  auto S = at::zeros({B, H, dk, dv}, qh.options());
+  std::vector<at::Tensor> outs;
+  outs.reserve(T);
+  for (int64_t t = 0; t < T; ++t) {
+    auto kt = kh.select(2, t);                                 // [B, H, dk]
+    S = S * gh.select(2, t).exp().unsqueeze(-1);               // decay keys
+    auto kS = at::matmul(kt.unsqueeze(-2), S).squeeze(-2);     // [B, H, dv]
+    auto delta = (vh.select(2, t) - kS) * bh.select(2, t).unsqueeze(-1);
+    S = S + kt.unsqueeze(-1) * delta.unsqueeze(-2);            // rank-1 update
+    outs.push_back(
+        at::matmul(qh.select(2, t).unsqueeze(-2), S).squeeze(-2));
+  }
+  return at::stack(outs, 2).transpose(1, 2);  // [B, T, H, dv]
+}
+
+at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, const at::Tensor& g,
+                       const at::Tensor& beta, int64_t chunk_size) {
+  VIADUCT_CHECK(chunk_size > 0, "model.kda_chunk_size must be > 0, got ",
+                chunk_size);
+  const auto st = inner_type(q);
+  const auto B = q.size(0), T = q.size(1), H = q.size(2);
+  const auto dk = q.size(3), dv = v.size(3);
+  const auto C = chunk_size;
+  const auto pad = (C - T % C) % C;
+  const auto N = (T + pad) / C;
+  // Zero-padded steps sit after every real step (beta = 0, g = 0: they leave
+  // the state and every earlier output alone); their outputs are dropped.
+  auto prep = [&](const at::Tensor& x) {
+    auto h = heads_first(x, st);  // [B, H, T, d]
+    if (pad) h = at::constant_pad_nd(h, {0, 0, 0, pad});
+    return h.reshape({B, H, N, C, h.size(-1)});  // [B, H, N, C, d]
+  };
+  auto qc = prep(q), kc = prep(k), vc = prep(v), gc = prep(g);
+  auto bc = beta.to(st).transpose(1, 2);  // [B, H, T]
+  if (pad) bc = at::constant_pad_nd(bc, {0, pad});
+  bc = bc.reshape({B, H, N, C});
+
+  auto G = gc.cumsum(-2);  // inclusive cumulative log-decay in the chunk
+  // diff[c, j, :] = G_c - G_j: [B, H, N, C, C, dk]; mask j > c before exp.
+  auto opts = at::TensorOptions().dtype(at::kBool).device(q.device());
+  auto incl = at::ones({C, C}, opts).tril();  // j <= c
+  auto diff = G.unsqueeze(-2) - G.unsqueeze(-3);
+  auto decay = diff.masked_fill(incl.logical_not().unsqueeze(-1),
+                                -std::numeric_limits<double>::infinity())
+                   .exp();
+  // Aqk[c, j] = sum_d q_c k_j e^{G_c - G_j}, j <= c: [B, H, N, C, C]
+  auto Aqk = (qc.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(-1);
+  // L[c, j] = beta_c sum_d k_c k_j e^{G_c - G_j}, j < c (strictly lower).
+  auto strict = at::ones({C, C}, opts).tril(-1);
+  auto Lm = ((kc.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(-1) *
+             bc.unsqueeze(-1))
+                .masked_fill(strict.logical_not(), 0.0);
+  auto eye = at::eye(C, qc.options());
+  auto eG = G.exp();  // [B, H, N, C, dk], <= 1
+  // (I + L) [W | U] = diag(beta) [e^G * K | V]  (unit lower triangular)
+  auto rhs = at::cat({eG * kc, vc}, -1) * bc.unsqueeze(-1);
+  auto WU = at::linalg_solve_triangular(Lm + eye, rhs, /*upper=*/false,
+                                        /*left=*/true, /*unitriangular=*/true);
+  auto W = WU.narrow(-1, 0, dk);   // [B, H, N, C, dk]
+  auto U = WU.narrow(-1, dk, dv);  // [B, H, N, C, dv]
+  auto qe = qc * eG;                                   // [B, H, N, C, dk]
+  auto G_last = G.narrow(-2, C - 1, 1);                // [B, H, N, 1, dk]
+  auto k_to_end = kc * (G_last - G).exp();             // [B, H, N, C, dk]
+  auto decay_chunk = G_last.exp().transpose(-1, -2);   // [B, H, N, dk, 1]
+
+  auto S = at::zeros({B, H, dk, dv}, qc.options());
+  std::vector<at::Tensor> outs;
+  outs.reserve(N);
+  for (int64_t n = 0; n < N; ++n) {
+    auto v_new = U.select(2, n) - at::matmul(W.select(2, n), S);  // [B,H,C,dv]
+    outs.push_back(at::matmul(qe.select(2, n), S) +
+                   at::matmul(Aqk.select(2, n), v_new));
+    S = decay_chunk.select(2, n) * S +
+        at::matmul(k_to_end.select(2, n).transpose(-1, -2), v_new);
+  }
+  auto o = at::stack(outs, 2).reshape({B, H, N * C, dv}).narrow(2, 0, T);
+  return o.transpose(1, 2);  // [B, T, H, dv]
+}
+
+ShortConvImpl::ShortConvImpl(int64_t channels, int64_t kernel) {
+  weight = register_parameter("weight", torch::zeros({channels, kernel}));
+}
+
+at::Tensor ShortConvImpl::forward(const at::Tensor& x) {
+  // x: [B, T, C]; y_t = silu(sum_j w[:, j] x_{t - K + 1 + j})
+  const auto T = x.size(1), K = weight.size(1);
+  auto w = weight.to(x.scalar_type()).unsqueeze(1);  // [C, 1, K]
+  auto y = at::conv1d(x.transpose(1, 2), w, {}, /*stride=*/1,
+                      /*padding=*/K - 1, /*dilation=*/1,
+                      /*groups=*/weight.size(0));     // [B, C, T + K - 1]
+  return at::silu(y.narrow(2, 0, T).transpose(1, 2));
+}
+
+KdaImpl::KdaImpl(const KdaOptions& o) : opts_(o) {
+  VIADUCT_CHECK(o.dim > 0 && o.n_heads > 0 && o.head_dim > 0,
+                "KDA needs positive model.dim, model.n_heads and "
+                "model.kda_head_dim");
+  const int64_t hk = o.n_heads * o.head_dim;
+  q_proj = make_linear(*this, "q_proj", o.dim, hk, false);
+  k_proj = make_linear(*this, "k_proj", o.dim, hk, false);
+  v_proj = make_linear(*this, "v_proj", o.dim, hk, false);
+  q_conv = register_module("q_conv", ShortConv(hk, o.conv_size));
+  k_conv = register_module("k_conv", ShortConv(hk, o.conv_size));
+  v_conv = register_module("v_conv", ShortConv(hk, o.conv_size));
+  f_a = make_linear(*this, "f_a", o.dim, o.head_dim, false);
+  f_b = make_linear(*this, "f_b", o.head_dim, hk, false);
+  A_log = register_parameter("A_log", torch::zeros({o.n_heads}));
+  dt_bias = register_parameter("dt_bias", torch::zeros({hk}));
+  b_proj = make_linear(*this, "b_proj", o.dim, o.n_heads, false);
+  g_a = make_linear(*this, "g_a", o.dim, o.head_dim, false);
+  g_b = make_linear(*this, "g_b", o.head_dim, hk, true);
+  o_norm = register_module("o_norm", RMSNorm(o.head_dim, o.norm_eps));
+  o_proj = make_linear(*this, "o_proj", hk, o.dim, false);
+}
+
+int64_t KdaImpl::count_params(const KdaOptions& o) {
+  const int64_t hk = o.n_heads * o.head_dim;
+  return 3 * o.dim * hk                     // q, k, v
+         + 3 * hk * o.conv_size             // short convolutions
+         + (o.dim * o.head_dim + o.head_dim * hk)        // f_a, f_b
+         + o.n_heads + hk                   // A_log, dt_bias
+         + o.dim * o.n_heads                // b_proj
+         + (o.dim * o.head_dim + o.head_dim * hk + hk)   // g_a, g_b (+bias)
+         + o.head_dim                       // o_norm
+         + hk * o.dim;                      // o_proj
+}
+
+double KdaImpl::mixing_flops(const KdaOptions& o) {
+  // Per token and head, forward, chunk C, dk = dv = d:
+  //   Aqk and L rows:       2 * (2 C d)
+  //   triangular solve:     C (dk + dv)        (half of 2 C per right side)
+  //   Aqk V':               2 C dv
+  //   W S, Q S, K^T V':     3 * (2 d d)
+  // Training = 3 x forward.
+  const double C = static_cast<double>(o.chunk_size);
+  const double d = static_cast<double>(o.head_dim);
+  const double fwd = 4 * C * d + C * 2 * d + 2 * C * d + 6 * d * d;
+  return 3.0 * fwd * static_cast<double>(o.n_heads);
+}
+
+void KdaImpl::init_weights(uint64_t seed, const std::string& p, double std_in,
+                           double std_out) {
+  auto tn = [&](const at::Tensor& w, const std::string& name, double std) {
+    init_trunc_normal_(w, std, -2.0, 2.0, seed, p + name);
+  };
+  tn(q_proj->weight, "q_proj.weight", std_in);
+  tn(k_proj->weight, "k_proj.weight", std_in);
+  tn(v_proj->weight, "v_proj.weight", std_in);
+  const double conv_std = 1.0 / std::sqrt(static_cast<double>(opts_.conv_size));
+  tn(q_conv->weight, "q_conv.weight", conv_std);
+  tn(k_conv->weight, "k_conv.weight", conv_std);
+  tn(v_conv->weight, "v_conv.weight", conv_std);
+  tn(f_a->weight, "f_a.weight", std_in);
+  tn(f_b->weight, "f_b.weight", std_in);
+  tn(b_proj->weight, "b_proj.weight", std_in);
+  tn(g_a->weight, "g_a.weight", std_in);
+  tn(g_b->weight, "g_b.weight", std_in);
+  tn(o_proj->weight, "o_proj.weight", std_out);
+  torch::NoGradGuard no_grad;
+  g_b->bias.zero_();
+  o_norm->reset_parameters();
+  // A_log = log U(1, 16); dt_bias = softplus^-1(dt), dt = exp(U(ln 1e-3,
+  // ln 1e-1)), as Kimi Linear initialises them.
+  auto gen_a = make_generator(seed, p + "A_log");
+  auto a = at::empty({opts_.n_heads}, at::kFloat).uniform_(1.0, 16.0, gen_a);
+  A_log.copy_(a.log());
+  auto gen_dt = make_generator(seed, p + "dt_bias");
+  auto dt = at::empty({dt_bias.size(0)}, at::kFloat)
+                .uniform_(std::log(1e-3), std::log(1e-1), gen_dt)
+                .exp();
+  dt_bias.copy_(dt + at::log(-at::expm1(-dt)));  // softplus^-1
+}
+
+at::Tensor KdaImpl::forward(const at::Tensor& x) {
+  // x: [B, T, D]
+  const auto B = x.size(0), T = x.size(1);
+  const auto H = opts_.n_heads, d = opts_.head_dim;
+  const auto st = inner_type(x);
+  auto q = q_conv(linear(x, q_proj)).view({B, T, H, d});
+  auto k = k_conv(linear(x, k_proj)).view({B, T, H, d});
+  auto v = v_conv(linear(x, v_proj)).view({B, T, H, d});
+  q = l2_normalize(q.to(st), 1e-6) * (1.0 / std::sqrt(static_cast<double>(d)));
+  k = l2_normalize(k.to(st), 1e-6);
+  // Per-channel log decay g = -exp(A_log) * softplus(f + dt_bias) <= 0.
+  auto f = linear(linear(x, f_a), f_b).to(st) + dt_bias.to(st);
+  auto g = -(A_log.to(st).exp().view({1, 1, H, 1})) *
+           at::softplus(f.view({B, T, H, d}));
+  auto beta = at::sigmoid(linear(x, b_proj).to(st));  // [B, T, H]
+  auto o = recurrent_ ? kda_recurrent(q, k, v, g, beta)
+                      : kda_chunked(q, k, v, g, beta, opts_.chunk_size);
+  // Output: per-head RMSNorm, sigmoid gate, projection.
+  auto gate = at::sigmoid(linear(linear(x, g_a), g_b).to(st)).view({B, T, H, d});
+  o = o_norm(o) * gate;  // [B, T, H, dv]
+  return linear(o.reshape({B, T, H * d}).to(x.scalar_type()), o_proj);
+}
+
+}  // namespace viaduct

@@ -1,0 +1,78 @@
+// Kimi Delta Attention (KDA): the gated delta rule with a per-channel decay,
+// the linear-attention layer of the Kimi-K3 hybrid (every layer that the
+// full-attention rule does not give to MLA).
+//
+// Per head, with state S [dk, dv]:
+//   S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T
+//   o_t = S_t^T q_t
+// Two evaluations of the same recurrence live here: the chunked form used in
+// training (the WY form per chunk, a sequential scan over chunks) and the
+// step-by-step recurrent form it is checked against.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+
+#include "model/layers.h"
+
+namespace viaduct {
+
+// q, k: [B, T, H, dk] (q already scaled), v: [B, T, H, dv], g: [B, T, H, dk]
+// log-decays (<= 0), beta: [B, T, H]. Returns o: [B, T, H, dv] computed in
+// fp32, or fp64 when q is fp64; the result keeps that type.
+at::Tensor kda_recurrent(const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v, const at::Tensor& g,
+                         const at::Tensor& beta);
+// The chunked form. T need not divide by `chunk_size` (the tail is padded
+// with steps that change nothing before them). The exponent differences
+// G_c - G_j are masked to -inf above the diagonal *before* exp, so no entry
+// can overflow (nor poison the gradient).
+at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, const at::Tensor& g,
+                       const at::Tensor& beta, int64_t chunk_size);
+
+// Depthwise causal convolution followed by SiLU; FQN `<name>.weight`
+// [channels, kernel].
+class ShortConvImpl : public torch::nn::Module {
+ public:
+  ShortConvImpl(int64_t channels, int64_t kernel);
+  at::Tensor forward(const at::Tensor& x);  // x: [B, T, C] -> [B, T, C]
+  at::Tensor weight;
+};
+TORCH_MODULE(ShortConv);
+
+struct KdaOptions {
+  int64_t dim = 0;
+  int64_t n_heads = 0;
+  int64_t head_dim = 0;  // dk = dv, and the rank of the decay / gate maps
+  int64_t conv_size = 4;
+  int64_t chunk_size = 64;
+  double norm_eps = 1e-5;
+};
+
+// FQNs: q_proj, k_proj, v_proj, q_conv, k_conv, v_conv, f_a, f_b (decay),
+// A_log, dt_bias, b_proj (beta), g_a, g_b (output gate), o_norm, o_proj.
+class KdaImpl : public torch::nn::Module {
+ public:
+  explicit KdaImpl(const KdaOptions& opts);
+  at::Tensor forward(const at::Tensor& x);  // x: [B, T, D] -> [B, T, D]
+  void init_weights(uint64_t seed, const std::string& prefix, double std_in,
+                    double std_out);
+  static int64_t count_params(const KdaOptions& o);
+  // Training FLOPs per token (forward + backward) of the token mixing alone
+  // (the projections are in 6 N).
+  static double mixing_flops(const KdaOptions& o);
+
+  KdaOptions opts_;
+  bool recurrent_ = false;  // evaluate with kda_recurrent (tests)
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
+  ShortConv q_conv{nullptr}, k_conv{nullptr}, v_conv{nullptr};
+  torch::nn::Linear f_a{nullptr}, f_b{nullptr}, b_proj{nullptr};
+  torch::nn::Linear g_a{nullptr}, g_b{nullptr}, o_proj{nullptr};
+  at::Tensor A_log, dt_bias;
+  RMSNorm o_norm{nullptr};
+};
+TORCH_MODULE(Kda);
+
+}  // namespace viaduct

@@ -1,0 +1,452 @@
+// The kimi_k3 family: flavors, the layer, the part (Note [Kimi-K3 part
+// activations] in kimi_k3.h) and its description.
+#include "model/kimi_k3.h"
+
+#include <cmath>
+#include <map>
+
+#include "config/config.h"
+#include "core/check.h"
+#include "core/rng.h"
+#include "model/families.h"
+
+namespace viaduct {
+namespace {
+
+constexpr const char* kFamily = "kimi_k3";
+
+// Flavor presets. The debug shapes are small enough for CPU training; `full`
+// has the 93-layer depth (7 blocks of 12 and one of 9) with illustrative
+// widths.
+KimiK3Options flavor_defaults(const std::string& flavor) {
+  KimiK3Options o;
+  o.flavor = flavor;
+  o.dim = 64;
+  o.n_heads = 2;
+  o.vocab_size = 320;  // the byte tokenizer's 257 ids plus spare ids
+  o.ffn_hidden_dim = 192;
+  o.max_seq_len = 2048;
+  o.norm_eps = 1e-5;
+  o.block_size = 12;
+  o.first_k_dense = 1;
+  o.moe_ffn = true;
+  o.kda = KdaOptions{0, 0, 32, 4, 32, 1e-5};
+  o.mla = MlaOptions{};
+  o.mla.q_lora_rank = 0;
+  o.mla.kv_lora_rank = 32;
+  o.mla.qk_nope_head_dim = 16;
+  o.mla.qk_rope_head_dim = 8;
+  o.mla.v_head_dim = 16;
+  o.mla.rope = false;
+  o.moe = MoeOptions{0, 8, 2, 64, 1, 1.0, 1e-3};
+  o.vis = VisionOptions{};
+  o.vis.dim = 32;
+  o.vis.image_size = 16;
+  o.vis.patch_size = 8;
+  if (flavor == "debugmodel") {
+    o.n_layers = 24;
+  } else if (flavor == "debugmodel_deep") {
+    o.n_layers = 33;  // blocks 12 + 12 + 9
+  } else if (flavor == "exact16") {
+    // Tiny and deterministic for the transport tests: 16 layers in blocks of
+    // 4, one head, dense FFNs only (no routing decisions to tie-break).
+    o.n_layers = 16;
+    o.block_size = 4;
+    o.dim = 16;
+    o.n_heads = 1;
+    o.ffn_hidden_dim = 32;
+    o.moe_ffn = false;
+    o.kda.head_dim = 8;
+    o.kda.chunk_size = 8;
+    o.mla.kv_lora_rank = 8;
+    o.mla.qk_nope_head_dim = 8;
+    o.mla.qk_rope_head_dim = 4;
+    o.mla.v_head_dim = 8;
+    o.moe.n_routed_experts = 4;
+    o.moe.hidden_dim = 16;
+  } else if (flavor == "full") {
+    o.n_layers = 93;  // 7 x 12 + 9
+    o.dim = 2048;
+    o.n_heads = 16;
+    o.vocab_size = 163840;
+    o.ffn_hidden_dim = 9216;
+    o.max_seq_len = 8192;
+    o.kda.head_dim = 128;
+    o.kda.chunk_size = 64;
+    o.mla.kv_lora_rank = 512;
+    o.mla.qk_nope_head_dim = 128;
+    o.mla.qk_rope_head_dim = 64;
+    o.mla.v_head_dim = 128;
+    o.moe = MoeOptions{0, 128, 8, 1024, 1, 2.446, 1e-3};
+    o.vis.dim = 1024;
+    o.vis.n_heads = 16;
+    o.vis.image_size = 448;
+    o.vis.patch_size = 14;
+  } else {
+    throw ConfigError(str("model.flavor '", flavor,
+                          "' is not a kimi_k3 flavor (debugmodel, "
+                          "debugmodel_deep, exact16, full)"));
+  }
+  return o;
+}
+
+std::vector<std::string> all_module_fqns(const KimiK3Options& o) {
+  std::vector<std::string> m{"tok_embeddings"};
+  if (o.vision) m.push_back("vision_tower");
+  for (int64_t i = 0; i < o.n_layers; ++i) m.push_back(str("layers.", i));
+  m.push_back("norm");
+  m.push_back("lm_head");
+  m.push_back("attn_res_final");
+  return m;
+}
+
+// Sources of each read at a layer: the stack after an opening push, plus the
+// partial sum (none in an opening layer's first read).
+int64_t first_read_sources(const KimiK3Options& o, int64_t i) {
+  return o.block_of(i) + (o.opens_block(i) ? 1 : 2);
+}
+int64_t second_read_sources(const KimiK3Options& o, int64_t i) {
+  return o.block_of(i) + 2;
+}
+
+}  // namespace
+
+KimiK3Options kimi_k3_options(const Config& cfg) {
+  auto o = flavor_defaults(cfg.get_string("model.flavor"));
+  o.n_layers = int_or(cfg, "model.n_layers", o.n_layers);
+  o.dim = int_or(cfg, "model.dim", o.dim);
+  o.n_heads = int_or(cfg, "model.n_heads", o.n_heads);
+  o.vocab_size = int_or(cfg, "model.vocab_size", o.vocab_size);
+  o.ffn_hidden_dim = int_or(cfg, "model.ffn_hidden_dim", o.ffn_hidden_dim);
+  o.max_seq_len = int_or(cfg, "model.max_seq_len", o.max_seq_len);
+  o.norm_eps = float_or(cfg, "model.norm_eps", o.norm_eps);
+  o.block_size = int_or(cfg, "model.attn_res_block_size", o.block_size);
+  o.first_k_dense = int_or(cfg, "model.first_k_dense", o.first_k_dense);
+  o.moe_ffn = bool_or(cfg, "model.moe_ffn", o.moe_ffn);
+  o.vision = bool_or(cfg, "model.vision", o.vision);
+  o.synthetic_images = bool_or(cfg, "model.synthetic_images", o.synthetic_images);
+
+  o.kda.dim = o.dim;
+  o.kda.n_heads = o.n_heads;
+  o.kda.head_dim = int_or(cfg, "model.kda_head_dim", o.kda.head_dim);
+  o.kda.chunk_size = int_or(cfg, "model.kda_chunk_size", o.kda.chunk_size);
+  o.kda.conv_size = int_or(cfg, "model.kda_conv_size", o.kda.conv_size);
+  o.kda.norm_eps = o.norm_eps;
+
+  o.mla.dim = o.dim;
+  o.mla.n_heads = o.n_heads;
+  o.mla.q_lora_rank = int_or(cfg, "model.mla_q_lora_rank", o.mla.q_lora_rank);
+  o.mla.kv_lora_rank = int_or(cfg, "model.mla_kv_lora_rank", o.mla.kv_lora_rank);
+  o.mla.qk_nope_head_dim =
+      int_or(cfg, "model.mla_qk_nope_head_dim", o.mla.qk_nope_head_dim);
+  o.mla.qk_rope_head_dim =
+      int_or(cfg, "model.mla_qk_rope_head_dim", o.mla.qk_rope_head_dim);
+  o.mla.v_head_dim = int_or(cfg, "model.mla_v_head_dim", o.mla.v_head_dim);
+  o.mla.rope = bool_or(cfg, "model.mla_rope", o.mla.rope);
+  o.mla.max_seq_len = o.max_seq_len;
+  o.mla.rope_theta = float_or(cfg, "model.rope_theta", o.mla.rope_theta);
+  o.mla.norm_eps = o.norm_eps;
+
+  o.moe.dim = o.dim;
+  o.moe.n_routed_experts = int_or(cfg, "model.n_routed_experts", o.moe.n_routed_experts);
+  o.moe.n_activated_experts =
+      int_or(cfg, "model.n_activated_experts", o.moe.n_activated_experts);
+  o.moe.hidden_dim = int_or(cfg, "model.moe_hidden_dim", o.moe.hidden_dim);
+  o.moe.n_shared_experts = int_or(cfg, "model.n_shared_experts", o.moe.n_shared_experts);
+  o.moe.route_scale = float_or(cfg, "model.moe_route_scale", o.moe.route_scale);
+  o.moe.bias_update_rate =
+      float_or(cfg, "model.moe_bias_update_rate", o.moe.bias_update_rate);
+
+  o.vis.out_dim = o.dim;
+  o.vis.dim = int_or(cfg, "model.vision_dim", o.vis.dim);
+  o.vis.image_size = int_or(cfg, "model.vision_image_size", o.vis.image_size);
+  o.vis.patch_size = int_or(cfg, "model.vision_patch_size", o.vis.patch_size);
+  o.vis.norm_eps = o.norm_eps;
+  o.image_token_id = int_or(cfg, "model.image_token_id", o.vocab_size - 1);
+
+  auto pos = [&](int64_t v, const char* key) {
+    VIADUCT_CHECK_T(ConfigError, v > 0, key, " must be > 0 for kimi_k3, got ",
+                    v, " (", cfg.origin(), ")");
+  };
+  pos(o.n_layers, "model.n_layers");
+  pos(o.dim, "model.dim");
+  pos(o.n_heads, "model.n_heads");
+  pos(o.block_size, "model.attn_res_block_size");
+  pos(o.kda.chunk_size, "model.kda_chunk_size");
+  pos(o.kda.conv_size, "model.kda_conv_size");
+  VIADUCT_CHECK_T(ConfigError, o.vocab_size >= 257,
+                  "model.vocab_size must be >= 257 (the byte tokenizer), got ",
+                  o.vocab_size);
+  VIADUCT_CHECK_T(ConfigError, o.first_k_dense >= 0,
+                  "model.first_k_dense must be >= 0");
+  if (o.vision) {
+    VIADUCT_CHECK_T(ConfigError,
+                    o.image_token_id >= 257 && o.image_token_id < o.vocab_size,
+                    "model.image_token_id (", o.image_token_id,
+                    ") must be a spare id in [257, model.vocab_size = ",
+                    o.vocab_size, ")");
+  }
+  VIADUCT_CHECK_T(ConfigError, !o.synthetic_images || o.vision,
+                  "model.synthetic_images needs model.vision = true");
+  return o;
+}
+
+// ---------------------------------------------------------------- layer
+
+KimiK3LayerImpl::KimiK3LayerImpl(const KimiK3Options& o, int64_t layer_id)
+    : layer_id_(layer_id), opens_block_(o.opens_block(layer_id)) {
+  attn_res_attn = register_module("attn_res_attn", AttnResRead(o.dim, o.norm_eps));
+  attention_norm = register_module("attention_norm", RMSNorm(o.dim, o.norm_eps));
+  if (o.is_mla(layer_id)) {
+    mla = register_module("attention", Mla(o.mla));
+  } else {
+    kda = register_module("attention", Kda(o.kda));
+  }
+  attn_res_ffn = register_module("attn_res_ffn", AttnResRead(o.dim, o.norm_eps));
+  ffn_norm = register_module("ffn_norm", RMSNorm(o.dim, o.norm_eps));
+  if (o.is_moe(layer_id)) {
+    moe = register_module("moe", Moe(o.moe));
+  } else {
+    feed_forward = register_module("feed_forward", SwiGLU(o.dim, o.ffn_hidden_dim));
+  }
+}
+
+void KimiK3LayerImpl::init_weights(uint64_t seed, const std::string& p,
+                                   double std_in, double std_out) {
+  attn_res_attn->init_weights();
+  attn_res_ffn->init_weights();
+  attention_norm->reset_parameters();
+  ffn_norm->reset_parameters();
+  if (mla) mla->init_weights(seed, p + "attention.", std_in, std_out);
+  if (kda) kda->init_weights(seed, p + "attention.", std_in, std_out);
+  if (moe) moe->init_weights(seed, p + "moe.", std_in, std_out);
+  if (feed_forward) {
+    feed_forward->init_weights(seed, p + "feed_forward.", std_in, std_out);
+  }
+}
+
+at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
+                                    std::vector<at::Tensor>& blocks) {
+  // hidden, blocks[i]: [B, T, D]
+  at::Tensor partial;
+  std::vector<at::Tensor> sources;
+  if (opens_block_) {
+    blocks.push_back(hidden);  // the incoming block is complete
+    sources = blocks;
+  } else {
+    partial = hidden;
+    sources = blocks;
+    sources.push_back(partial);
+  }
+  if (trace_) trace_->push_back(sources);
+  auto h = attn_res_attn(sources);
+  auto a = mla ? mla(attention_norm(h)) : kda(attention_norm(h));
+  partial = partial.defined() ? partial + a : a;
+  sources = blocks;
+  sources.push_back(partial);
+  if (trace_) trace_->push_back(sources);
+  h = attn_res_ffn(sources);
+  auto f = moe ? moe(ffn_norm(h)) : feed_forward(ffn_norm(h));
+  return partial + f;
+}
+
+// ---------------------------------------------------------------- part
+
+KimiK3Part::KimiK3Part(const KimiK3Options& o,
+                       const std::vector<std::string>& fqns)
+    : opts_(o) {
+  module_fqns_ = select_modules(all_module_fqns(o), fqns, kFamily);
+  std::map<std::string, bool> held;
+  for (const auto& m : module_fqns_) held[m] = true;
+  auto has = [&](const char* m) { return held.count(m) > 0; };
+  const int n_head = has("norm") + has("lm_head") + has("attn_res_final");
+  VIADUCT_CHECK_T(ConfigError, n_head == 0 || n_head == 3,
+                  "kimi_k3: norm, lm_head and attn_res_final must sit on the "
+                  "same part (the final AttnRes read feeds the norm)");
+  VIADUCT_CHECK_T(ConfigError, !has("vision_tower") || has("tok_embeddings"),
+                  "kimi_k3: vision_tower must sit with tok_embeddings");
+  has_first_ = has("tok_embeddings");
+  has_last_ = n_head == 3;
+  if (has_first_) {
+    tok_embeddings = register_module(
+        "tok_embeddings", torch::nn::Embedding(o.vocab_size, o.dim));
+  }
+  if (has("vision_tower")) {
+    vision_tower = register_module("vision_tower", VisionTower(o.vis));
+  }
+  std::shared_ptr<torch::nn::Module> container;
+  for (int64_t i = 0; i < o.n_layers; ++i) {
+    if (!held.count(str("layers.", i))) continue;
+    if (!container) {
+      container = register_module("layers", std::make_shared<torch::nn::Module>());
+    }
+    auto layer = KimiK3Layer(o, i);
+    container->register_module(std::to_string(i), layer.ptr());
+    layers_.push_back(layer);
+  }
+  if (has_last_) {
+    norm = register_module("norm", RMSNorm(o.dim, o.norm_eps));
+    lm_head = make_linear(*this, "lm_head", o.dim, o.vocab_size, false);
+    attn_res_final = register_module("attn_res_final", AttnResRead(o.dim, o.norm_eps));
+  }
+}
+
+void KimiK3Part::init_weights(uint64_t seed) {
+  const double std_in = 0.02;
+  const double std_out = 0.02 / std::sqrt(2.0 * static_cast<double>(opts_.n_layers));
+  if (tok_embeddings) {
+    init_normal_(tok_embeddings->weight, 1.0, seed, "tok_embeddings.weight");
+  }
+  if (vision_tower) vision_tower->init_weights(seed, "vision_tower.");
+  for (auto& layer : layers_) {
+    layer->init_weights(seed, str("layers.", layer->layer_id_, "."), std_in,
+                        std_out);
+  }
+  if (has_last_) {
+    norm->reset_parameters();
+    attn_res_final->init_weights();
+    const double s = 1.0 / std::sqrt(static_cast<double>(opts_.dim));
+    init_trunc_normal_(lm_head->weight, s, -3 * s, 3 * s, seed, "lm_head.weight");
+  }
+}
+
+void KimiK3Part::after_optimizer_step() {
+  for (auto& layer : layers_) {
+    if (layer->moe && layer->moe->opts_.bias_update_rate > 0) {
+      layer->moe->update_bias();
+    }
+  }
+}
+
+at::Tensor KimiK3Part::synthetic_images(int64_t batch) const {
+  // A fixed smooth pattern per row, independent of the tokens (no leak of the
+  // targets): [B, 1, C, S, S].
+  const auto C = opts_.vis.channels, S = opts_.vis.image_size;
+  auto grid = at::arange(C * S * S, at::kFloat).view({1, 1, C, S, S});
+  auto row = at::arange(batch, at::kFloat).view({batch, 1, 1, 1, 1});
+  return at::sin(grid * 0.37 + row * 1.3);
+}
+
+Activations KimiK3Part::forward(const Activations& in) {
+  at::Tensor hidden;
+  std::vector<at::Tensor> blocks;
+  if (has_first_) {
+    VIADUCT_CHECK(!in.empty() && in[0].dim() == 2 &&
+                      in[0].scalar_type() == at::kLong,
+                  "kimi_k3: the first part takes {tokens [B, T] int64"
+                  "[, images]}");
+    const auto& tokens = in[0];
+    auto h = at::embedding(tok_embeddings->weight, tokens);  // [B, T, D]
+    if (vision_tower) {
+      if (in.size() > 1) {
+        auto patches = vision_tower(in[1].to(h.device()));
+        h = merge_image_embeddings(h, tokens, patches, opts_.image_token_id);
+      } else if (opts_.synthetic_images) {
+        // Demo: one synthetic image over the first patches of each sequence.
+        const auto P = opts_.vis.patches(), T = h.size(1);
+        VIADUCT_CHECK(T > P, "kimi_k3 synthetic images need seq_len > ", P);
+        auto images = synthetic_images(h.size(0)).to(h.device());
+        auto patches = vision_tower(images);  // [B, P, D]
+        h = at::cat({patches.to(h.scalar_type()), h.narrow(1, P, T - P)}, 1);
+      }
+    }
+    hidden = h.to(compute_dtype_);
+  } else {
+    VIADUCT_CHECK(!in.empty(),
+                  "kimi_k3: a middle part takes {hidden, block_0, ...}");
+    hidden = in[0];
+    blocks.assign(in.begin() + 1, in.end());
+  }
+  for (auto& layer : layers_) {
+    const auto expected =
+        opts_.block_of(layer->layer_id_) + (layer->opens_block_ ? 0 : 1);
+    VIADUCT_CHECK(static_cast<int64_t>(blocks.size()) == expected,
+                  "kimi_k3: layers.", layer->layer_id_, " expects ", expected,
+                  " completed blocks on the stack, got ", blocks.size());
+    hidden = layer(hidden, blocks);
+  }
+  if (has_last_) {
+    std::vector<at::Tensor> sources = blocks;
+    sources.push_back(hidden);
+    auto out = attn_res_final(sources);
+    return {linear(norm(out), lm_head)};  // [B, T, V]
+  }
+  Activations out{hidden};
+  out.insert(out.end(), blocks.begin(), blocks.end());
+  return out;
+}
+
+// ---------------------------------------------------------------- family
+
+std::vector<std::string> kimi_k3_module_fqns(const Config& cfg) {
+  return all_module_fqns(kimi_k3_options(cfg));
+}
+
+std::shared_ptr<ModelPart> build_kimi_k3(const Config& cfg,
+                                         const std::vector<std::string>& fqns) {
+  return std::make_shared<KimiK3Part>(kimi_k3_options(cfg), fqns);
+}
+
+ModelInfo describe_kimi_k3(const Config& cfg) {
+  // Counts are analytic (the full flavor is far too large to build); a test
+  // checks them against built debug models.
+  const auto o = kimi_k3_options(cfg);
+  const int64_t D = o.dim, V = o.vocab_size;
+  const int64_t T = cfg.get_int("training.seq_len");
+  ModelInfo info;
+  info.family = kFamily;
+  info.flavor = o.flavor;
+  info.n_layers = o.n_layers;
+  info.embedding_params = V * D;
+  int64_t params = V * D, active = V * D;
+  if (o.vision) {
+    params += VisionTowerImpl::count_params(o.vis);  // image tokens only
+    info.pinned_first.push_back("vision_tower");
+  }
+  // Note [Kimi-K3 FLOPs per token]
+  // flops_per_token = 6 (N_active - N_embedding)
+  //   + sum over MLA layers of 6 T H (qk_head_dim + v_head_dim)
+  //   + sum over KDA layers of KdaImpl::mixing_flops (chunked form, 3 x fwd)
+  //   + sum over AttnRes reads of 3 x 6 D n_sources.
+  // N_active counts each MoE layer's router, top-k and shared experts; the
+  // vision tower is left out (it runs on image tokens only).
+  double mixing = 0;
+  for (int64_t i = 0; i < o.n_layers; ++i) {
+    LayerInfo li;
+    li.layer = i;
+    li.attention = o.is_mla(i) ? "mla" : "kda";
+    li.ffn = o.is_moe(i) ? "moe" : "dense";
+    li.block = o.block_of(i);
+    li.opens_block = o.opens_block(i);
+    info.layers.push_back(li);
+    int64_t common = 2 * AttnResReadImpl::count_params(D) + 2 * D;  // + norms
+    common += o.is_mla(i) ? MlaImpl::count_params(o.mla)
+                          : KdaImpl::count_params(o.kda);
+    params += common;
+    active += common;
+    if (o.is_moe(i)) {
+      params += MoeImpl::count_params(o.moe);
+      active += MoeImpl::active_params(o.moe);
+    } else {
+      params += 3 * D * o.ffn_hidden_dim;
+      active += 3 * D * o.ffn_hidden_dim;
+    }
+    mixing += o.is_mla(i) ? MlaImpl::mixing_flops(o.mla, T)
+                          : KdaImpl::mixing_flops(o.kda);
+    mixing += 3 * (attn_res_read_flops(first_read_sources(o, i), D) +
+                   attn_res_read_flops(second_read_sources(o, i), D));
+  }
+  const int64_t head = D + D * V + AttnResReadImpl::count_params(D);
+  params += head;
+  active += head;
+  const int64_t n_blocks = (o.n_layers + o.block_size - 1) / o.block_size;
+  mixing += 3 * attn_res_read_flops(n_blocks + 1, D);
+  info.pinned_last.push_back("attn_res_final");
+  info.params = params;
+  info.active_params = active;
+  info.flops_per_token =
+      6.0 * static_cast<double>(active - info.embedding_params) + mixing;
+  return info;
+}
+
+}  // namespace viaduct

@@ -1,0 +1,118 @@
+// The Kimi-K3-style hybrid: Block AttnRes instead of residual adds, KDA
+// token mixing with MLA at the full-attention layers, MoE FFNs after the
+// first dense ones, and an optional vision tower.
+//
+// Note [Kimi-K3 part activations]
+// A part's forward takes and returns the AttnRes stack explicitly:
+//   first part in:   {tokens [B, T] int64} or {tokens, images [B, n, C, S, S]}
+//   between parts:   {hidden [B, T, D], block_0, ..., block_{k-1}}, each block
+//                    [B, T, D] in the compute dtype; block_0 is the embedding
+//                    (after the image merge). `hidden` is the stream the next
+//                    layer receives: the open block's partial sum, or, when the
+//                    next layer opens a block, the block just completed (not
+//                    yet on the stack: the opening layer pushes it). Before
+//                    layer 0 the stack is empty and hidden is the embedding.
+//                    A boundary inside a block therefore needs nothing extra.
+//   last part out:   {logits [B, T, V]}
+// The layer order is fixed, so a chain of parts gives the whole model's bits.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/attn_res.h"
+#include "model/kda.h"
+#include "model/layers.h"
+#include "model/mla.h"
+#include "model/model.h"
+#include "model/moe.h"
+#include "model/vision.h"
+
+namespace viaduct {
+
+class Config;
+
+// A flavor with the config's overrides applied.
+struct KimiK3Options {
+  std::string flavor;
+  int64_t n_layers = 0;
+  int64_t dim = 0;
+  int64_t n_heads = 0;
+  int64_t vocab_size = 0;
+  int64_t ffn_hidden_dim = 0;  // dense SwiGLU
+  int64_t max_seq_len = 0;
+  double norm_eps = 1e-5;
+  int64_t block_size = 0;  // AttnRes layers per block
+  int64_t first_k_dense = 0;
+  bool moe_ffn = true;
+  bool vision = false;
+  bool synthetic_images = false;
+  int64_t image_token_id = 0;
+  KdaOptions kda;
+  MlaOptions mla;
+  MoeOptions moe;
+  VisionOptions vis;
+
+  // Full-attention rule: MLA at every fourth layer and at the last.
+  bool is_mla(int64_t layer) const {
+    return layer % 4 == 3 || layer == n_layers - 1;
+  }
+  bool is_moe(int64_t layer) const { return moe_ffn && layer >= first_k_dense; }
+  bool opens_block(int64_t layer) const { return layer % block_size == 0; }
+  int64_t block_of(int64_t layer) const { return layer / block_size; }
+};
+KimiK3Options kimi_k3_options(const Config& cfg);
+
+// One layer: FQNs attn_res_attn, attention_norm, attention (KDA or MLA),
+// attn_res_ffn, ffn_norm, and feed_forward (dense) or moe.
+class KimiK3LayerImpl : public torch::nn::Module {
+ public:
+  KimiK3LayerImpl(const KimiK3Options& o, int64_t layer_id);
+  // hidden: the incoming stream [B, T, D]; blocks: the completed stack,
+  // extended in place when this layer opens a block. Returns the new partial
+  // sum of the open block.
+  at::Tensor forward(const at::Tensor& hidden, std::vector<at::Tensor>& blocks);
+  void init_weights(uint64_t seed, const std::string& prefix, double std_in,
+                    double std_out);
+
+  int64_t layer_id_;
+  bool opens_block_;
+  AttnResRead attn_res_attn{nullptr}, attn_res_ffn{nullptr};
+  RMSNorm attention_norm{nullptr}, ffn_norm{nullptr};
+  Kda kda{nullptr};
+  Mla mla{nullptr};
+  SwiGLU feed_forward{nullptr};
+  Moe moe{nullptr};
+  // Tests: when set, each read appends its sources here.
+  std::vector<std::vector<at::Tensor>>* trace_ = nullptr;
+};
+TORCH_MODULE(KimiK3Layer);
+
+class KimiK3Part : public ModelPart {
+ public:
+  KimiK3Part(const KimiK3Options& o, const std::vector<std::string>& fqns);
+  Activations forward(const Activations& inputs) override;
+  void init_weights(uint64_t seed) override;
+  void after_optimizer_step() override;  // MoE balancing bias updates
+
+  const KimiK3Options& options() const { return opts_; }
+  // Held layers in order, with their global ids.
+  const std::vector<KimiK3Layer>& layers() const { return layers_; }
+  // The synthetic demo image for a batch of B sequences: [B, 1, C, S, S].
+  at::Tensor synthetic_images(int64_t batch) const;
+
+  torch::nn::Embedding tok_embeddings{nullptr};
+  VisionTower vision_tower{nullptr};
+  RMSNorm norm{nullptr};
+  torch::nn::Linear lm_head{nullptr};
+  AttnResRead attn_res_final{nullptr};
+
+ private:
+  KimiK3Options opts_;
+  std::vector<KimiK3Layer> layers_;
+};
+
+}  // namespace viaduct

@@ -1,0 +1,103 @@
+// Multi-head Latent Attention (see mla.h).
+#include "model/mla.h"
+
+#include "core/check.h"
+#include "core/rng.h"
+#include "core/torch_compat.h"
+
+namespace viaduct {
+
+MlaImpl::MlaImpl(const MlaOptions& o) : opts_(o) {
+  VIADUCT_CHECK(o.n_heads > 0 && o.kv_lora_rank > 0 && o.v_head_dim > 0 &&
+                    o.qk_nope_head_dim + o.qk_rope_head_dim > 0,
+                "MLA needs positive model.n_heads, model.mla_kv_lora_rank, "
+                "model.mla_v_head_dim and a positive query/key head width");
+  VIADUCT_CHECK(o.qk_rope_head_dim % 2 == 0,
+                "model.mla_qk_rope_head_dim must be even, got ",
+                o.qk_rope_head_dim);
+  const int64_t qk = o.qk_nope_head_dim + o.qk_rope_head_dim;
+  if (o.q_lora_rank > 0) {
+    wq_a = make_linear(*this, "wq_a", o.dim, o.q_lora_rank, false);
+    q_norm = register_module("q_norm", RMSNorm(o.q_lora_rank, o.norm_eps));
+    wq_b = make_linear(*this, "wq_b", o.q_lora_rank, o.n_heads * qk, false);
+  } else {
+    wq = make_linear(*this, "wq", o.dim, o.n_heads * qk, false);
+  }
+  wkv_a = make_linear(*this, "wkv_a", o.dim,
+                      o.kv_lora_rank + o.qk_rope_head_dim, false);
+  kv_norm = register_module("kv_norm", RMSNorm(o.kv_lora_rank, o.norm_eps));
+  wkv_b = make_linear(*this, "wkv_b", o.kv_lora_rank,
+                      o.n_heads * (o.qk_nope_head_dim + o.v_head_dim), false);
+  wo = make_linear(*this, "wo", o.n_heads * o.v_head_dim, o.dim, false);
+  if (o.rope && o.qk_rope_head_dim > 0) {
+    rope_ = make_rope_tables(o.qk_rope_head_dim, o.max_seq_len, o.rope_theta);
+  }
+}
+
+int64_t MlaImpl::count_params(const MlaOptions& o) {
+  const int64_t qk = o.qk_nope_head_dim + o.qk_rope_head_dim;
+  int64_t n = 0;
+  if (o.q_lora_rank > 0) {
+    n += o.dim * o.q_lora_rank + o.q_lora_rank + o.q_lora_rank * o.n_heads * qk;
+  } else {
+    n += o.dim * o.n_heads * qk;
+  }
+  n += o.dim * (o.kv_lora_rank + o.qk_rope_head_dim) + o.kv_lora_rank;
+  n += o.kv_lora_rank * o.n_heads * (o.qk_nope_head_dim + o.v_head_dim);
+  n += o.n_heads * o.v_head_dim * o.dim;
+  return n;
+}
+
+double MlaImpl::mixing_flops(const MlaOptions& o, int64_t seq_len) {
+  const double qk = static_cast<double>(o.qk_nope_head_dim + o.qk_rope_head_dim);
+  return 6.0 * static_cast<double>(seq_len) * static_cast<double>(o.n_heads) *
+         (qk + static_cast<double>(o.v_head_dim));
+}
+
+void MlaImpl::init_weights(uint64_t seed, const std::string& p, double std_in,
+                           double std_out) {
+  auto tn = [&](const torch::nn::Linear& l, const std::string& name,
+                double std) {
+    init_trunc_normal_(l->weight, std, -2.0, 2.0, seed, p + name + ".weight");
+  };
+  if (opts_.q_lora_rank > 0) {
+    tn(wq_a, "wq_a", std_in);
+    tn(wq_b, "wq_b", std_in);
+    q_norm->reset_parameters();
+  } else {
+    tn(wq, "wq", std_in);
+  }
+  tn(wkv_a, "wkv_a", std_in);
+  tn(wkv_b, "wkv_b", std_in);
+  tn(wo, "wo", std_out);
+  kv_norm->reset_parameters();
+}
+
+at::Tensor MlaImpl::forward(const at::Tensor& x) {
+  // x: [B, T, D]
+  const auto B = x.size(0), T = x.size(1), H = opts_.n_heads;
+  const auto nope = opts_.qk_nope_head_dim, pe = opts_.qk_rope_head_dim;
+  const auto vd = opts_.v_head_dim;
+  auto q = opts_.q_lora_rank > 0 ? linear(q_norm(linear(x, wq_a)), wq_b)
+                                 : linear(x, wq);
+  q = q.view({B, T, H, nope + pe});
+  auto kv_a = linear(x, wkv_a);  // [B, T, kv_lora + pe]
+  auto c_kv = kv_norm(kv_a.narrow(-1, 0, opts_.kv_lora_rank));
+  auto k_pe = kv_a.narrow(-1, opts_.kv_lora_rank, pe).view({B, T, 1, pe});
+  auto q_nope = q.narrow(-1, 0, nope);
+  auto q_pe = q.narrow(-1, nope, pe);
+  if (rope_.cos.defined()) {
+    q_pe = apply_rope(q_pe, rope_);
+    k_pe = apply_rope(k_pe, rope_);
+  }
+  auto kv = linear(c_kv, wkv_b).view({B, T, H, nope + vd});
+  auto k_nope = kv.narrow(-1, 0, nope);
+  auto v = kv.narrow(-1, nope, vd);
+  // q, k: [B, H, T, nope + pe], the rotary key broadcast over heads.
+  auto qf = at::cat({q_nope, q_pe}, -1).transpose(1, 2);
+  auto kf = at::cat({k_nope, k_pe.expand({B, T, H, pe})}, -1).transpose(1, 2);
+  auto y = compat::causal_sdpa(qf, kf, v.transpose(1, 2));  // [B, H, T, vd]
+  return linear(y.transpose(1, 2).reshape({B, T, H * vd}), wo);
+}
+
+}  // namespace viaduct

@@ -1,0 +1,54 @@
+// Multi-head Latent Attention (DeepSeek-V3 shapes): low-rank joint KV
+// compression with a decoupled rotary key shared by all heads, an optional
+// low-rank query. With `rope = false` the rotary channels are kept but not
+// rotated (NoPE, as Kimi Linear runs its MLA layers: KDA carries position).
+// Training uses the non-absorbed form: K and V are expanded per head and fed
+// to causal scaled-dot-product attention.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+
+#include "model/layers.h"
+
+namespace viaduct {
+
+struct MlaOptions {
+  int64_t dim = 0;
+  int64_t n_heads = 0;
+  int64_t q_lora_rank = 0;  // 0: q = wq x directly
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  bool rope = false;
+  int64_t max_seq_len = 0;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+};
+
+// FQNs: wq | (wq_a, q_norm, wq_b), wkv_a, kv_norm, wkv_b, wo.
+class MlaImpl : public torch::nn::Module {
+ public:
+  explicit MlaImpl(const MlaOptions& opts);
+  at::Tensor forward(const at::Tensor& x);  // x: [B, T, D] -> [B, T, D]
+  void init_weights(uint64_t seed, const std::string& prefix, double std_in,
+                    double std_out);
+  static int64_t count_params(const MlaOptions& o);
+  // Training FLOPs per token of the score and value products at sequence
+  // length T (forward + backward, no causal discount):
+  // 6 T H (qk_head_dim + v_head_dim).
+  static double mixing_flops(const MlaOptions& o, int64_t seq_len);
+
+  MlaOptions opts_;
+  torch::nn::Linear wq{nullptr}, wq_a{nullptr}, wq_b{nullptr};
+  RMSNorm q_norm{nullptr};
+  torch::nn::Linear wkv_a{nullptr}, wkv_b{nullptr}, wo{nullptr};
+  RMSNorm kv_norm{nullptr};
+  RopeTables rope_;
+};
+TORCH_MODULE(Mla);
+
+}  // namespace viaduct

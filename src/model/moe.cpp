@@ -1,0 +1,131 @@
+// Mixture of experts with the selection-only balancing bias (see moe.h).
+#include "model/moe.h"
+
+#include "core/check.h"
+#include "core/rng.h"
+
+namespace viaduct {
+
+GroupedExpertsImpl::GroupedExpertsImpl(int64_t n, int64_t dim, int64_t hidden) {
+  w1 = register_parameter("w1", torch::zeros({n, hidden, dim}));
+  w2 = register_parameter("w2", torch::zeros({n, dim, hidden}));
+  w3 = register_parameter("w3", torch::zeros({n, hidden, dim}));
+}
+
+at::Tensor GroupedExpertsImpl::forward_expert(int64_t e, const at::Tensor& x) {
+  const at::Tensor none;  // no bias
+  return linear(at::silu(linear(x, w1[e], none)) * linear(x, w3[e], none),
+                w2[e], none);
+}
+
+MoeImpl::MoeImpl(const MoeOptions& o) : opts_(o) {
+  VIADUCT_CHECK(o.n_routed_experts > 0 && o.n_activated_experts > 0 &&
+                    o.n_activated_experts <= o.n_routed_experts,
+                "model.n_activated_experts (", o.n_activated_experts,
+                ") must be between 1 and model.n_routed_experts (",
+                o.n_routed_experts, ")");
+  VIADUCT_CHECK(o.hidden_dim > 0, "model.moe_hidden_dim must be > 0");
+  router = make_linear(*this, "router", o.dim, o.n_routed_experts, false);
+  experts = register_module(
+      "experts", GroupedExperts(o.n_routed_experts, o.dim, o.hidden_dim));
+  if (o.n_shared_experts > 0) {
+    shared_expert = register_module(
+        "shared_expert", SwiGLU(o.dim, o.hidden_dim * o.n_shared_experts));
+  }
+  expert_bias = register_buffer("expert_bias",
+                                torch::zeros({o.n_routed_experts}));
+  tokens_per_expert = torch::zeros({o.n_routed_experts}, torch::kLong);
+}
+
+int64_t MoeImpl::count_params(const MoeOptions& o) {
+  return o.dim * o.n_routed_experts                          // router
+         + 3 * o.n_routed_experts * o.dim * o.hidden_dim     // routed
+         + 3 * o.dim * o.hidden_dim * o.n_shared_experts;    // shared
+}
+
+int64_t MoeImpl::active_params(const MoeOptions& o) {
+  return o.dim * o.n_routed_experts +
+         3 * o.dim * o.hidden_dim *
+             (o.n_activated_experts + o.n_shared_experts);
+}
+
+void MoeImpl::init_weights(uint64_t seed, const std::string& p, double std_in,
+                           double std_out) {
+  init_trunc_normal_(router->weight, std_in, -2.0, 2.0, seed,
+                     p + "router.weight");
+  init_trunc_normal_(experts->w1, std_in, -2.0, 2.0, seed, p + "experts.w1");
+  init_trunc_normal_(experts->w2, std_out, -2.0, 2.0, seed, p + "experts.w2");
+  init_trunc_normal_(experts->w3, std_out, -2.0, 2.0, seed, p + "experts.w3");
+  if (shared_expert) {
+    shared_expert->init_weights(seed, p + "shared_expert.", std_in, std_out);
+  }
+  torch::NoGradGuard g;
+  expert_bias.zero_();
+  tokens_per_expert.zero_();
+}
+
+std::pair<at::Tensor, at::Tensor> MoeImpl::route(const at::Tensor& x) {
+  // x: [N, D]; scores in fp32 (fp64 under gradient checks).
+  const auto st = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  auto scores = at::sigmoid(linear(x.to(st), router));  // [N, E]
+  at::Tensor idx;
+  {
+    torch::NoGradGuard g;  // selection only: no gradient through the bias
+    idx = std::get<1>(at::topk(scores.detach() + expert_bias.to(st),
+                               opts_.n_activated_experts, -1));  // [N, k]
+  }
+  auto w = scores.gather(-1, idx);  // unbiased scores of the chosen experts
+  w = w / w.sum(-1, /*keepdim=*/true) * opts_.route_scale;
+  return {idx, w};
+}
+
+at::Tensor MoeImpl::forward(const at::Tensor& x) {
+  // x: [B, T, D]
+  const auto D = x.size(-1), K = opts_.n_activated_experts;
+  const auto E = opts_.n_routed_experts;
+  auto xf = x.reshape({-1, D});  // [N, D]
+  const auto N = xf.size(0);
+  auto [idx, w] = route(xf);
+  auto flat = idx.reshape({-1});  // [N K]
+  at::Tensor order, counts;
+  {
+    torch::NoGradGuard g;
+    order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
+    counts = at::bincount(flat, {}, E).to(at::kCPU);
+  }
+  if (torch::GradMode::is_enabled()) {
+    // Only training forwards count toward the balance.
+    tokens_per_expert += counts.to(tokens_per_expert.device());
+  }
+  auto token_of = at::div(order, K, "floor");  // [N K] token of each slot
+  // Expert outputs in expert order, then back to (token, slot) order: no
+  // scatter-add, so the sum over a token's k experts is deterministic.
+  std::vector<at::Tensor> outs;
+  const auto* cnt = counts.data_ptr<int64_t>();
+  int64_t start = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (cnt[e] == 0) continue;
+    auto tok = token_of.narrow(0, start, cnt[e]);
+    outs.push_back(experts->forward_expert(e, xf.index_select(0, tok)));
+    start += cnt[e];
+  }
+  auto sorted_out = at::cat(outs, 0);  // [N K, D]
+  auto inverse = at::argsort(order);
+  auto y = sorted_out.index_select(0, inverse).view({N, K, D});
+  y = (y * w.to(y.scalar_type()).unsqueeze(-1)).sum(1);  // [N, D]
+  if (shared_expert) y = y + shared_expert(xf);
+  return y.view(x.sizes());
+}
+
+void MoeImpl::update_bias() {
+  torch::NoGradGuard g;
+  auto load = tokens_per_expert.to(expert_bias.scalar_type())
+                  .to(expert_bias.device());
+  if (load.sum().item<double>() > 0) {
+    auto delta = opts_.bias_update_rate * at::sign(load.mean() - load);
+    expert_bias.add_(delta - delta.mean());
+  }
+  tokens_per_expert.zero_();
+}
+
+}  // namespace viaduct
