@@ -141,13 +141,8 @@ CheckpointMetadata CheckpointMetadata::from_json(const json& j,
     CheckpointFileRecord r;
     r.name = get_field<std::string>(f, "name", fs_src);
     r.bytes = get_field<uint64_t>(f, "bytes", fs_src);
-    const std::string crc = get_field<std::string>(f, "crc32", fs_src);
-    VIADUCT_CHECK_T(FileError,
-                    crc.size() == 8 &&
-                        crc.find_first_not_of("0123456789abcdef") ==
-                            std::string::npos,
-                    source, ": file '", r.name, "' has a bad crc32 '", crc, "'");
-    r.crc32 = static_cast<uint32_t>(std::stoul(crc, nullptr, 16));
+    r.crc32 = parse_crc32_hex(get_field<std::string>(f, "crc32", fs_src),
+                              source + " (file '" + r.name + "')");
     VIADUCT_CHECK_T(FileError,
                     !r.name.empty() && r.name.find('/') == std::string::npos &&
                         names.insert(r.name).second,
@@ -213,7 +208,7 @@ fs::path commit_checkpoint(const fs::path& folder, const fs::path& tmp_dir,
     const std::string name = de.path().filename().string();
     if (de.path().extension() != ".safetensors") continue;
     const fs::path record_path = tmp_dir / (name + kPartRecordSuffix);
-    VIADUCT_CHECK_T(FileError, fs::exists(record_path), "checkpoint part ",
+    VIADUCT_CHECK_T(FileError, fs::exists(record_path, ec), "checkpoint part ",
                     de.path().string(),
                     " has no record: its writer did not finish");
     json rj;
@@ -226,8 +221,9 @@ fs::path commit_checkpoint(const fs::path& folder, const fs::path& tmp_dir,
     CheckpointFileRecord r;
     r.name = get_field<std::string>(rj, "name", record_path.string());
     r.bytes = get_field<uint64_t>(rj, "bytes", record_path.string());
-    r.crc32 = static_cast<uint32_t>(std::stoul(
-        get_field<std::string>(rj, "crc32", record_path.string()), nullptr, 16));
+    r.crc32 = parse_crc32_hex(
+        get_field<std::string>(rj, "crc32", record_path.string()),
+        record_path.string());
     const uint64_t on_disk = fs::file_size(de.path(), ec);
     VIADUCT_CHECK_T(FileError, !ec && r.name == name && on_disk == r.bytes,
                     "checkpoint part ", de.path().string(), " has ", on_disk,
@@ -269,13 +265,15 @@ fs::path commit_checkpoint(const fs::path& folder, const fs::path& tmp_dir,
   }
   rename_path(tmp_dir, dest);
   fsync_dir(folder);
+  // The checkpoint folder's own entry, for the first save into a new one.
+  fsync_dir(fs::absolute(folder).parent_path());
 
   // Stale tmp folders of this or earlier steps: crashed saves, replaced or
   // pruned checkpoints. Later steps are left alone.
   std::vector<fs::path> stale;
   for (const auto& de : fs::directory_iterator(folder, ec)) {
     auto s = step_of_tmp_name(de.path().filename().string());
-    if (s && *s <= meta.step && de.is_directory()) stale.push_back(de.path());
+    if (s && *s <= meta.step && de.is_directory(ec)) stale.push_back(de.path());
   }
   for (const auto& path : stale) {
     log::info("checkpoint: removing stale ", path.string());
@@ -308,7 +306,7 @@ std::vector<int64_t> list_checkpoints(const fs::path& folder, Verify verify) {
   if (!fs::is_directory(folder, ec)) return steps;
   for (const auto& de : fs::directory_iterator(folder, ec)) {
     auto step = step_of_dir_name(de.path().filename().string());
-    if (!step || !de.is_directory()) continue;
+    if (!step || !de.is_directory(ec)) continue;
     std::string why = incomplete_reason(de.path(), *step, verify);
     if (why.empty()) {
       steps.push_back(*step);

@@ -63,6 +63,55 @@ uint32_t crc32_update(uint32_t crc, const void* data, size_t n) {
   return ~c;
 }
 
+namespace {
+
+// Polynomial arithmetic modulo the CRC polynomial, as zlib 1.2.12 does it.
+uint32_t multmodp(uint32_t a, uint32_t b) {
+  uint32_t m = uint32_t{1} << 31;
+  uint32_t p = 0;
+  for (;;) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = (b & 1) ? (b >> 1) ^ 0xEDB88320u : b >> 1;
+  }
+  return p;
+}
+
+// x^(n * 2^k) modulo the polynomial.
+uint32_t x2nmodp(uint64_t n, unsigned k) {
+  static const std::array<uint32_t, 32> kX2n = [] {
+    std::array<uint32_t, 32> t{};
+    uint32_t p = uint32_t{1} << 30;  // x^1
+    t[0] = p;
+    for (size_t i = 1; i < t.size(); ++i) t[i] = p = multmodp(p, p);
+    return t;
+  }();
+  uint32_t p = uint32_t{1} << 31;  // x^0
+  while (n) {
+    if (n & 1) p = multmodp(kX2n[k & 31], p);
+    n >>= 1;
+    ++k;
+  }
+  return p;
+}
+
+}  // namespace
+
+uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  return multmodp(x2nmodp(len_b, 3), crc_a) ^ crc_b;
+}
+
+uint32_t parse_crc32_hex(const std::string& hex, const std::string& what) {
+  VIADUCT_CHECK_T(FileError,
+                  hex.size() == 8 && hex.find_first_not_of(
+                                         "0123456789abcdef") == std::string::npos,
+                  what, ": bad crc32 '", hex, "' (want 8 lowercase hex digits)");
+  return static_cast<uint32_t>(std::stoul(hex, nullptr, 16));
+}
+
 std::string crc32_hex(uint32_t crc) {
   char buf[9];
   std::snprintf(buf, sizeof(buf), "%08x", crc);
@@ -136,6 +185,21 @@ void File::write_all(const void* src, size_t n) {
                     put < 0 ? errno_text() : std::string("wrote 0 bytes"));
     p += put;
     n -= static_cast<size_t>(put);
+  }
+}
+
+void File::write_at(const void* src, size_t n, uint64_t offset) {
+  const auto* p = static_cast<const char*>(src);
+  while (n > 0) {
+    size_t chunk = std::min<size_t>(n, size_t{1} << 30);
+    ssize_t put = ::pwrite(fd_, p, chunk, static_cast<off_t>(offset));
+    if (put < 0 && errno == EINTR) continue;
+    VIADUCT_CHECK_T(FileError, put > 0, "cannot write ", path_.string(),
+                    " at offset ", offset, ": ",
+                    put < 0 ? errno_text() : std::string("wrote 0 bytes"));
+    p += put;
+    n -= static_cast<size_t>(put);
+    offset += static_cast<uint64_t>(put);
   }
 }
 

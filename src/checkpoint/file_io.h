@@ -16,8 +16,12 @@ uint32_t crc32_update(uint32_t crc, const void* data, size_t n);
 inline uint32_t crc32(const void* data, size_t n) {
   return crc32_update(0, data, n);
 }
-// Eight lowercase hex digits.
+// The CRC-32 of A followed by B, from crc32(A), crc32(B) and B's length
+// (zlib's crc32_combine).
+uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+// Eight lowercase hex digits, and back (FileError naming `what`).
 std::string crc32_hex(uint32_t crc);
+uint32_t parse_crc32_hex(const std::string& hex, const std::string& what);
 
 // An open file descriptor. Destruction closes without checking; call close()
 // where the result matters (after writing).
@@ -37,6 +41,8 @@ class File {
   // Reads exactly n bytes at offset; a short read is a FileError ("truncated").
   void read_at(void* dst, size_t n, uint64_t offset) const;
   void write_all(const void* src, size_t n);
+  // pwrite of exactly n bytes at offset (the file position is unchanged).
+  void write_at(const void* src, size_t n, uint64_t offset);
   void sync();
   void close();
   const std::filesystem::path& path() const { return path_; }

@@ -60,10 +60,11 @@ FileDigest write_safetensors(const std::filesystem::path& path,
                              const NamedTensors& tensors,
                              const StringMap& metadata) {
   struct Item {
-    std::string name;
-    at::Tensor cpu;  // contiguous CPU copy (or the tensor itself if already so)
+    const std::string* name;
+    const at::Tensor* tensor;
     size_t elem = 0;
     uint64_t nbytes = 0;
+    uint32_t crc = 0;
   };
   std::vector<Item> items;
   items.reserve(tensors.size());
@@ -76,56 +77,72 @@ FileDigest write_safetensors(const std::filesystem::path& path,
     VIADUCT_CHECK(t.defined(), "tensor '", name, "' is undefined (saving ",
                   path.string(), ")");
     dtype_name(t.scalar_type());  // refuses unsupported dtypes early
-    Item it{name, t.detach().cpu().contiguous(),
-            static_cast<size_t>(t.element_size()), 0};
-    it.nbytes = static_cast<uint64_t>(it.cpu.numel()) * it.elem;
-    items.push_back(std::move(it));
+    const auto elem = static_cast<size_t>(t.element_size());
+    items.push_back({&name, &t, elem, static_cast<uint64_t>(t.numel()) * elem, 0});
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
-    return a.elem != b.elem ? a.elem > b.elem : a.name < b.name;
+    return a.elem != b.elem ? a.elem > b.elem : *a.name < *b.name;
   });
 
-  json header = json::object();
-  json crcs = json::object();
-  uint64_t offset = 0;
-  for (const auto& it : items) {
-    std::vector<int64_t> shape(it.cpu.sizes().begin(), it.cpu.sizes().end());
-    header[it.name] = {{"dtype", dtype_name(it.cpu.scalar_type())},
-                       {"shape", shape},
-                       {"data_offsets", {offset, offset + it.nbytes}}};
-    crcs[it.name] = crc32_hex(crc32(it.cpu.data_ptr(), it.nbytes));
-    offset += it.nbytes;
-  }
-  json meta = json::object();
-  for (const auto& [k, v] : metadata) {
-    VIADUCT_CHECK(k != kTensorCrcKey, "metadata key '", k,
-                  "' is reserved (saving ", path.string(), ")");
-    meta[k] = v;
-  }
-  if (!items.empty()) meta[kTensorCrcKey] = crcs.dump();
-  if (!meta.empty()) header["__metadata__"] = meta;
+  // The header's length does not depend on the CRC values (8 hex digits
+  // each), so it is written first with placeholders and rewritten at the
+  // end; tensors stream through one CPU copy at a time.
+  auto header_text = [&]() {
+    json header = json::object();
+    json crcs = json::object();
+    uint64_t offset = 0;
+    for (const auto& it : items) {
+      std::vector<int64_t> shape(it.tensor->sizes().begin(),
+                                 it.tensor->sizes().end());
+      header[*it.name] = {{"dtype", dtype_name(it.tensor->scalar_type())},
+                          {"shape", shape},
+                          {"data_offsets", {offset, offset + it.nbytes}}};
+      crcs[*it.name] = crc32_hex(it.crc);
+      offset += it.nbytes;
+    }
+    json meta = json::object();
+    for (const auto& [k, v] : metadata) {
+      VIADUCT_CHECK(k != kTensorCrcKey, "metadata key '", k,
+                    "' is reserved (saving ", path.string(), ")");
+      meta[k] = v;
+    }
+    if (!items.empty()) meta[kTensorCrcKey] = crcs.dump();
+    if (!meta.empty()) header["__metadata__"] = meta;
+    std::string text = header.dump();
+    // Pad with spaces so the byte buffer starts 8-byte aligned.
+    text.append((8 - (8 + text.size()) % 8) % 8, ' ');
+    return text;
+  };
 
-  std::string text = header.dump();
-  // Pad with spaces so the byte buffer starts 8-byte aligned.
-  text.append((8 - (8 + text.size()) % 8) % 8, ' ');
-  uint64_t n = text.size();
+  const std::string placeholder = header_text();
+  const uint64_t n = placeholder.size();
   unsigned char len_bytes[8];
   for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<unsigned char>(n >> (8 * i));
 
   File f = File::create(path);
-  FileDigest digest;
-  auto put = [&](const void* p, size_t bytes) {
-    f.write_all(p, bytes);
-    digest.crc32 = crc32_update(digest.crc32, p, bytes);
-    digest.bytes += bytes;
-  };
-  put(len_bytes, 8);
-  put(text.data(), text.size());
-  for (const auto& it : items) {
-    if (it.nbytes > 0) put(it.cpu.data_ptr(), it.nbytes);
+  f.write_all(len_bytes, 8);
+  f.write_all(placeholder.data(), placeholder.size());
+  uint32_t data_crc = 0;
+  uint64_t data_bytes = 0;
+  for (auto& it : items) {
+    if (it.nbytes == 0) continue;
+    // [numel] bytes of a contiguous CPU copy (no copy when already so).
+    at::Tensor cpu = it.tensor->detach().cpu().contiguous();
+    it.crc = crc32(cpu.data_ptr(), it.nbytes);
+    f.write_all(cpu.data_ptr(), it.nbytes);
+    data_crc = crc32_combine(data_crc, it.crc, it.nbytes);
+    data_bytes += it.nbytes;
   }
+  const std::string text = header_text();
+  VIADUCT_ASSERT(text.size() == n, "safetensors header length changed");
+  f.write_at(text.data(), text.size(), 8);
   f.sync();
   f.close();
+
+  FileDigest digest;
+  digest.bytes = 8 + n + data_bytes;
+  digest.crc32 = crc32_update(crc32(len_bytes, 8), text.data(), text.size());
+  digest.crc32 = crc32_combine(digest.crc32, data_crc, data_bytes);
   return digest;
 }
 
@@ -272,8 +289,8 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path)
                                      v.get<std::string>().size() == 8,
                       "tensor '", name, "' in file ", path.string(),
                       ": bad checksum record in the header");
-      it->second.crc32 = static_cast<uint32_t>(
-          std::stoul(v.get<std::string>(), nullptr, 16));
+      it->second.crc32 = parse_crc32_hex(
+          v.get<std::string>(), "tensor '" + name + "' in file " + path.string());
     }
   }
 }

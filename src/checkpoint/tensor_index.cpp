@@ -64,10 +64,13 @@ void TensorFileIndex::add_file(const std::filesystem::path& path) {
 }
 
 std::string TensorFileIndex::searched() const {
-  std::string s = location_.string() + " (searched " +
-                  std::to_string(files_.size()) + " file(s):";
-  for (const auto& f : files_) s += " " + f->path().filename().string();
-  return s + ")";
+  std::string names;
+  for (const auto& f : files_) {
+    names += ' ';
+    names += f->path().filename().string();
+  }
+  return str(location_.string(), " (searched ", files_.size(), " file(s):",
+             names, ")");
 }
 
 std::vector<std::string> TensorFileIndex::names() const {

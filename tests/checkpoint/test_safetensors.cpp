@@ -270,6 +270,15 @@ TEST(Crc32, MatchesTheStandardCheckValue) {
   uint32_t c = crc32_update(0, s.data(), 13);
   c = crc32_update(c, s.data() + 13, s.size() - 13);
   EXPECT_EQ(c, crc32(s.data(), s.size()));
+  for (size_t cut : {size_t{0}, size_t{1}, size_t{13}, size_t{999}, s.size()}) {
+    EXPECT_EQ(crc32_combine(crc32(s.data(), cut),
+                            crc32(s.data() + cut, s.size() - cut),
+                            s.size() - cut),
+              crc32(s.data(), s.size()))
+        << cut;
+  }
+  EXPECT_THROW(parse_crc32_hex("xyz", "t"), FileError);
+  EXPECT_EQ(parse_crc32_hex("cbf43926", "t"), 0xCBF43926u);
 }
 
 }  // namespace
