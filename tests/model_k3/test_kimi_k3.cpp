@@ -1,0 +1,305 @@
+// The kimi_k3 family: block-start reads, the part activation contract, parts
+// chained by hand against the whole model (bitwise), layout-independent
+// init, flavors and the description.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+#include "core/check.h"
+#include "model/families.h"
+#include "model/kimi_k3.h"
+
+namespace viaduct {
+namespace {
+
+Config k3_config(const std::string& flavor,
+                 const std::vector<std::string>& overrides = {}) {
+  std::vector<std::string> o{"model.family=kimi_k3", "model.flavor=" + flavor};
+  o.insert(o.end(), overrides.begin(), overrides.end());
+  return Config::parse("", "test", o);
+}
+
+// 8 layers in blocks of 3 (0-2, 3-5, 6-7): MLA at 3 and 7, MoE from layer 1.
+Config small_config(bool vision = false) {
+  return k3_config("debugmodel",
+                   {"model.n_layers=8", "model.attn_res_block_size=3",
+                    "model.dim=32", "model.kda_head_dim=16",
+                    "model.kda_chunk_size=8", "training.seq_len=24",
+                    std::string("model.vision=") + (vision ? "true" : "false")});
+}
+
+std::shared_ptr<KimiK3Part> build(const Config& cfg,
+                                  const std::vector<std::string>& fqns = {}) {
+  auto p = std::dynamic_pointer_cast<KimiK3Part>(build_kimi_k3(cfg, fqns));
+  p->init_weights(42);
+  return p;
+}
+
+at::Tensor random_tokens(int64_t B, int64_t T, int64_t vocab, uint64_t seed) {
+  torch::manual_seed(seed);
+  return torch::randint(0, 257, {B, T}, torch::kLong).clamp_max(vocab - 1);
+}
+
+TEST(KimiK3Layer, BlockStartReadsSeeTheSameStack) {
+  auto cfg = small_config();
+  auto opts = kimi_k3_options(cfg);
+  torch::manual_seed(1);
+  std::vector<at::Tensor> blocks{torch::randn({1, 4, 32})};  // b_0
+  auto incoming = torch::randn({1, 4, 32});                   // block 0, done
+  KimiK3Layer opener(opts, 3);
+  ASSERT_TRUE(opener->opens_block_);
+  std::vector<std::vector<at::Tensor>> trace;
+  opener->trace_ = &trace;
+  auto partial = opener(incoming, blocks);
+  ASSERT_EQ(trace.size(), 2u);
+  ASSERT_EQ(blocks.size(), 2u);  // the incoming block was pushed
+  EXPECT_TRUE(blocks[1].is_same(incoming));
+  // First read: the stack alone; second: the same stack plus the partial.
+  ASSERT_EQ(trace[0].size(), 2u);
+  ASSERT_EQ(trace[1].size(), 3u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_TRUE(trace[0][i].is_same(blocks[i]));
+    EXPECT_TRUE(trace[1][i].is_same(blocks[i]));
+  }
+  EXPECT_FALSE(trace[1][2].is_same(incoming));
+
+  // A layer inside the block: stack + incoming partial, then stack + new one.
+  KimiK3Layer inner(opts, 4);
+  ASSERT_FALSE(inner->opens_block_);
+  std::vector<std::vector<at::Tensor>> trace2;
+  inner->trace_ = &trace2;
+  auto out = inner(partial, blocks);
+  EXPECT_EQ(blocks.size(), 2u);
+  ASSERT_EQ(trace2[0].size(), 3u);
+  EXPECT_TRUE(trace2[0][2].is_same(partial));
+  ASSERT_EQ(trace2[1].size(), 3u);
+  EXPECT_TRUE(trace2[1][0].is_same(blocks[0]));
+  EXPECT_TRUE(trace2[1][1].is_same(blocks[1]));
+}
+
+TEST(KimiK3Model, FlavorsAndFullAttentionRule) {
+  auto mlas = [](const ModelInfo& info) {
+    std::vector<int64_t> v;
+    for (const auto& l : info.layers) {
+      if (l.attention == "mla") v.push_back(l.layer);
+    }
+    return v;
+  };
+  auto full = describe_kimi_k3(k3_config("full"));
+  ASSERT_EQ(full.n_layers, 93);
+  auto m = mlas(full);
+  ASSERT_EQ(m.size(), 24u);  // 3, 7, ..., 91 and 92
+  EXPECT_EQ(m.front(), 3);
+  EXPECT_EQ(m[22], 91);
+  EXPECT_EQ(m.back(), 92);
+  EXPECT_EQ(full.layers[92].block, 7);
+  EXPECT_TRUE(full.layers[84].opens_block);
+  EXPECT_EQ(full.layers[0].ffn, "dense");
+  EXPECT_EQ(full.layers[1].ffn, "moe");
+  EXPECT_EQ(full.pinned_last, std::vector<std::string>{"attn_res_final"});
+  EXPECT_GT(full.params, full.active_params);
+
+  auto deep = describe_kimi_k3(k3_config("debugmodel_deep"));
+  EXPECT_EQ(deep.n_layers, 33);
+  EXPECT_EQ(deep.layers[32].block, 2);
+  EXPECT_TRUE(deep.layers[24].opens_block);
+  EXPECT_EQ(describe_kimi_k3(k3_config("debugmodel")).n_layers, 24);
+  auto ex = describe_kimi_k3(k3_config("exact16"));
+  EXPECT_EQ(ex.n_layers, 16);
+  EXPECT_TRUE(ex.layers[12].opens_block);
+  EXPECT_EQ(ex.layers[15].block, 3);
+  EXPECT_THROW(describe_kimi_k3(k3_config("nope")), ConfigError);
+
+  auto fqns = kimi_k3_module_fqns(small_config(true));
+  EXPECT_EQ(fqns.front(), "tok_embeddings");
+  EXPECT_EQ(fqns[1], "vision_tower");
+  EXPECT_EQ(fqns[2], "layers.0");
+  EXPECT_EQ(fqns.back(), "attn_res_final");
+  EXPECT_EQ(fqns[fqns.size() - 3], "norm");
+}
+
+TEST(KimiK3Model, DescribeCountsMatchBuiltModel) {
+  for (bool vision : {false, true}) {
+    auto cfg = small_config(vision);
+    auto info = describe_kimi_k3(cfg);
+    auto model = build(cfg);
+    EXPECT_EQ(info.params, count_parameters(*model)) << "vision " << vision;
+  }
+  auto cfg = k3_config("debugmodel", {"model.mla_q_lora_rank=16",
+                                      "model.n_shared_experts=2"});
+  EXPECT_EQ(describe_kimi_k3(cfg).params, count_parameters(*build(cfg)));
+}
+
+TEST(KimiK3Model, PartActivationContract) {
+  auto cfg = small_config();
+  auto tokens = random_tokens(2, 24, 320, 2);
+  auto first = build(cfg, {"tok_embeddings"});
+  auto a0 = first->forward({tokens});
+  ASSERT_EQ(a0.size(), 1u);  // the embedding, no stack yet
+  EXPECT_EQ(a0[0].sizes(), (std::vector<int64_t>{2, 24, 32}));
+  // layers 0..4: block 0 (layers 0-2) complete, block 1 open after 3, 4.
+  auto mid = build(cfg, {"layers.0", "layers.1", "layers.2", "layers.3", "layers.4"});
+  EXPECT_FALSE(mid->has_first());
+  EXPECT_FALSE(mid->has_last());
+  auto a1 = mid->forward(a0);
+  ASSERT_EQ(a1.size(), 3u);  // hidden, b_0 (embedding), b_1
+  EXPECT_TRUE(a1[1].is_same(a0[0]));
+  // layers 0..2 end on a block boundary: hidden is the completed block 1,
+  // not yet pushed.
+  auto blk = build(cfg, {"layers.0", "layers.1", "layers.2"});
+  auto a2 = blk->forward(a0);
+  ASSERT_EQ(a2.size(), 2u);
+  // A wrong stack is refused with the layer named.
+  auto late = build(cfg, {"layers.5"});
+  EXPECT_THROW(late->forward(a2), Error);
+  EXPECT_THROW(build(cfg, {"norm", "lm_head"}), ConfigError);
+}
+
+// Whole model vs parts chained by hand: logits and every gradient bitwise.
+void expect_chain_matches(const Config& cfg,
+                          const std::vector<std::vector<std::string>>& split,
+                          const Activations& input) {
+  auto whole = build(cfg);
+  std::vector<std::shared_ptr<KimiK3Part>> parts;
+  for (const auto& s : split) parts.push_back(build(cfg, s));
+  auto logits = whole->forward(input)[0];
+  Activations act = input;
+  for (auto& p : parts) act = p->forward(act);
+  ASSERT_EQ(act.size(), 1u);
+  EXPECT_TRUE(torch::equal(act[0], logits));
+  auto targets = input[0].roll(-1, 1);
+  summed_cross_entropy(logits, targets).backward();
+  summed_cross_entropy(act[0], targets).backward();
+  std::map<std::string, at::Tensor> ref;
+  for (const auto& p : whole->named_parameters()) ref[p.key()] = p.value().grad();
+  size_t seen = 0;
+  for (auto& part : parts) {
+    for (const auto& p : part->named_parameters()) {
+      ASSERT_TRUE(ref.count(p.key())) << p.key();
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      EXPECT_TRUE(torch::equal(p.value().grad(), ref[p.key()])) << p.key();
+      ++seen;
+    }
+  }
+  EXPECT_EQ(seen, ref.size());
+}
+
+TEST(KimiK3Model, PartsChainedGiveTheWholeModelBitwise) {
+  auto cfg = small_config();
+  auto tokens = random_tokens(2, 24, 320, 3);
+  // Boundaries inside block 1 (after layer 4) and at a block end (after 2).
+  expect_chain_matches(
+      cfg,
+      {{"tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "layers.4"},
+       {"layers.5", "layers.6", "layers.7", "norm", "lm_head", "attn_res_final"}},
+      {tokens});
+  expect_chain_matches(
+      cfg,
+      {{"tok_embeddings"},
+       {"layers.0", "layers.1", "layers.2"},
+       {"layers.3"},
+       {"layers.4", "layers.5", "layers.6"},
+       {"layers.7"},
+       {"norm", "lm_head", "attn_res_final"}},
+      {tokens});
+}
+
+TEST(KimiK3Model, VisionPartsAndImagesBitwise) {
+  auto cfg = small_config(true);
+  auto opts = kimi_k3_options(cfg);
+  const int64_t P = opts.vis.patches();  // (16 / 8)^2 = 4 per image
+  auto tokens = random_tokens(2, 24, 320, 4);
+  tokens.narrow(1, 2, P).fill_(opts.image_token_id);
+  torch::manual_seed(5);
+  auto images = torch::randn({2, 1, 3, 16, 16});
+  expect_chain_matches(
+      cfg,
+      {{"tok_embeddings", "vision_tower", "layers.0", "layers.1"},
+       {"layers.2", "layers.3", "layers.4", "layers.5", "layers.6", "layers.7",
+        "norm", "lm_head", "attn_res_final"}},
+      {tokens, images});
+  // The images matter.
+  auto whole = build(cfg);
+  torch::NoGradGuard g;
+  auto a = whole->forward({tokens, images})[0];
+  auto b = whole->forward({tokens, images * 2})[0];
+  EXPECT_FALSE(torch::equal(a, b));
+  // Synthetic demo images need no image input.
+  auto syn = build(k3_config("debugmodel", {"model.n_layers=2", "model.vision=true",
+                                            "model.synthetic_images=true"}));
+  auto out = syn->forward({random_tokens(2, 16, 320, 6)})[0];
+  EXPECT_TRUE(torch::isfinite(out).all().item<bool>());
+}
+
+TEST(KimiK3Model, InitIsLayoutIndependent) {
+  auto cfg = small_config(true);
+  auto whole = build(cfg);
+  std::map<std::string, at::Tensor> ref;
+  for (const auto& p : whole->named_parameters()) ref[p.key()] = p.value();
+  for (const auto& b : whole->named_buffers()) ref[b.key()] = b.value();
+  const std::vector<std::vector<std::string>> split{
+      {"tok_embeddings", "vision_tower", "layers.0"},
+      {"layers.1", "layers.2", "layers.3"},
+      {"layers.4", "layers.5", "layers.6", "layers.7"},
+      {"norm", "lm_head", "attn_res_final"}};
+  size_t seen = 0;
+  for (const auto& s : split) {
+    auto part = build(cfg, s);
+    for (const auto& p : part->named_parameters()) {
+      ASSERT_TRUE(ref.count(p.key())) << p.key();
+      EXPECT_TRUE(torch::equal(p.value(), ref[p.key()])) << p.key();
+      ++seen;
+    }
+  }
+  EXPECT_EQ(seen, whole->named_parameters().size());
+  EXPECT_GT(seen, 50u);
+  EXPECT_TRUE(ref.count("layers.1.moe.expert_bias"));
+  EXPECT_TRUE(ref.count("layers.3.attention.wkv_a.weight"));
+  EXPECT_TRUE(ref.count("layers.0.attention.q_conv.weight"));
+  EXPECT_TRUE(ref.count("attn_res_final.query"));
+}
+
+TEST(KimiK3Model, AfterOptimizerStepMovesTheMoeBias) {
+  auto cfg = small_config();
+  auto model = build(cfg);
+  auto tokens = random_tokens(2, 24, 320, 7);
+  auto logits = model->forward({tokens})[0];
+  summed_cross_entropy(logits, tokens.roll(-1, 1)).backward();
+  auto layer1 = model->layers()[1];
+  ASSERT_TRUE(layer1->moe);
+  EXPECT_EQ(layer1->moe->tokens_per_expert.sum().item<int64_t>(), 2 * 24 * 2);
+  model->after_optimizer_step();
+  EXPECT_GT(layer1->moe->expert_bias.abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(layer1->moe->tokens_per_expert.sum().item<int64_t>(), 0);
+}
+
+TEST(KimiK3Model, Exact16TrainsAndIsDeterministic) {
+  auto cfg = k3_config("exact16");
+  auto run = [&] {
+    auto model = build(cfg);
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(3e-3));
+    auto tokens = random_tokens(2, 16, 320, 8);
+    std::vector<double> losses;
+    for (int step = 0; step < 12; ++step) {
+      opt.zero_grad();
+      auto loss = summed_cross_entropy(model->forward({tokens})[0],
+                                       tokens.roll(-1, 1)) / 32.0;
+      loss.backward();
+      opt.step();
+      model->after_optimizer_step();
+      losses.push_back(loss.item<double>());
+    }
+    return losses;
+  };
+  auto a = run();
+  auto b = run();
+  EXPECT_EQ(a, b);
+  EXPECT_LT(a.back(), a.front() - 0.2);
+}
+
+}  // namespace
+}  // namespace viaduct

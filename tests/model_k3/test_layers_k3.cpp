@@ -1,0 +1,307 @@
+// The Kimi-K3 layers against references: chunked KDA against the recurrent
+// form, AttnRes against its closed forms, every layer's gradient against
+// central differences in fp64, and the MoE bias's selection-only rule.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+
+#include "model/attn_res.h"
+#include "model/kda.h"
+#include "model/mla.h"
+#include "model/moe.h"
+#include "model/vision.h"
+#include "model_k3/grad_check.h"
+
+namespace viaduct {
+namespace {
+
+using testing::expect_gradients_match;
+using testing::named_params;
+
+struct KdaInputs {
+  at::Tensor q, k, v, g, beta;
+};
+
+// Normalised q, k (q scaled), decays in [-decay_max, 0], beta in (0, 1).
+KdaInputs random_kda(int64_t B, int64_t T, int64_t H, int64_t dk, int64_t dv,
+                     double decay_max, uint64_t seed) {
+  torch::manual_seed(seed);
+  auto o = torch::TensorOptions().dtype(torch::kDouble);
+  auto nrm = [](const at::Tensor& x) {
+    return x / x.norm(2, -1, /*keepdim=*/true);
+  };
+  KdaInputs in;
+  in.q = nrm(torch::randn({B, T, H, dk}, o)) / std::sqrt(double(dk));
+  in.k = nrm(torch::randn({B, T, H, dk}, o));
+  in.v = torch::randn({B, T, H, dv}, o);
+  in.g = -decay_max * torch::rand({B, T, H, dk}, o);
+  in.beta = torch::sigmoid(torch::randn({B, T, H}, o));
+  return in;
+}
+
+TEST(KdaChunked, MatchesRecurrentFp64) {
+  const auto in = random_kda(2, 37, 2, 8, 6, 1.0, 1);
+  const auto ref = kda_recurrent(in.q, in.k, in.v, in.g, in.beta);
+  ASSERT_EQ(ref.scalar_type(), at::kDouble);
+  for (int64_t chunk : {1, 4, 8, 16, 64}) {
+    auto out = kda_chunked(in.q, in.k, in.v, in.g, in.beta, chunk);
+    EXPECT_EQ(out.sizes(), ref.sizes());
+    EXPECT_LT((out - ref).abs().max().item<double>(), 1e-12) << "chunk " << chunk;
+  }
+}
+
+TEST(KdaChunked, GradientsMatchRecurrentFp64) {
+  auto in = random_kda(1, 21, 2, 4, 5, 0.5, 2);
+  std::vector<at::Tensor> leaves{in.q, in.k, in.v, in.g, in.beta};
+  auto grads = [&](bool chunked) {
+    std::vector<at::Tensor> xs;
+    for (auto& t : leaves) xs.push_back(t.detach().clone().requires_grad_(true));
+    auto o = chunked ? kda_chunked(xs[0], xs[1], xs[2], xs[3], xs[4], 8)
+                     : kda_recurrent(xs[0], xs[1], xs[2], xs[3], xs[4]);
+    torch::manual_seed(3);
+    (o * torch::randn(o.sizes(), o.options())).sum().backward();
+    std::vector<at::Tensor> gs;
+    for (auto& x : xs) gs.push_back(x.grad());
+    return gs;
+  };
+  auto a = grads(true), b = grads(false);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_LT((a[i] - b[i]).abs().max().item<double>(), 1e-11) << "input " << i;
+  }
+}
+
+TEST(KdaChunked, StrongDecayStaysFinite) {
+  // Cumulative log-decays reach -1900 inside a chunk: exp of the unmasked
+  // upper triangle would overflow; masking before exp keeps all finite.
+  auto in = random_kda(1, 64, 1, 4, 4, 60.0, 4);
+  auto q = in.q.to(at::kFloat).requires_grad_(true);
+  auto g = in.g.to(at::kFloat).requires_grad_(true);
+  auto o = kda_chunked(q, in.k.to(at::kFloat), in.v.to(at::kFloat), g,
+                       in.beta.to(at::kFloat), 64);
+  o.sum().backward();
+  EXPECT_TRUE(torch::isfinite(o).all().item<bool>());
+  EXPECT_TRUE(torch::isfinite(q.grad()).all().item<bool>());
+  EXPECT_TRUE(torch::isfinite(g.grad()).all().item<bool>());
+  auto ref = kda_recurrent(in.q, in.k, in.v, in.g, in.beta);
+  EXPECT_LT((o.to(at::kDouble) - ref).abs().max().item<double>(), 1e-4);
+}
+
+TEST(KdaLayer, ChunkedEqualsRecurrentAndGradcheck) {
+  KdaOptions o{12, 2, 4, 3, 5, 1e-5};
+  Kda layer(o);
+  layer->init_weights(7, "kda.", 0.3, 0.3);
+  layer->to(torch::kDouble);
+  torch::manual_seed(5);
+  auto x = torch::randn({2, 11, 12}, torch::kDouble).requires_grad_(true);
+  auto y = layer(x);
+  layer->recurrent_ = true;
+  auto y_ref = layer(x);
+  layer->recurrent_ = false;
+  EXPECT_LT((y - y_ref).abs().max().item<double>(), 1e-12);
+  auto tensors = named_params(*layer);
+  tensors.emplace_back("x", x);
+  expect_gradients_match([&] { return layer(x); }, tensors);
+}
+
+TEST(AttnRes, ZeroQueryIsUniformMean) {
+  AttnResRead read(16, 1e-5);
+  read->init_weights();
+  torch::manual_seed(6);
+  std::vector<at::Tensor> src;
+  for (int i = 0; i < 5; ++i) src.push_back(torch::randn({2, 3, 16}) * (i + 1));
+  auto out = read(src);
+  auto mean = at::stack(src, 0).mean(0);
+  EXPECT_TRUE(torch::allclose(out, mean, 1e-6, 1e-6));
+  auto w = read->weights(src);
+  EXPECT_TRUE(torch::allclose(w, torch::full_like(w, 0.2), 0, 1e-7));
+  // One source passes through unchanged.
+  EXPECT_TRUE(torch::equal(read(std::vector<at::Tensor>{src[2]}), src[2]));
+}
+
+TEST(AttnRes, SoftmaxOverDepthWithNormedKeys) {
+  AttnResRead read(8, 1e-6);
+  read->init_weights();
+  torch::manual_seed(7);
+  {
+    torch::NoGradGuard g;
+    read->query.copy_(torch::randn({8}));
+    read->norm->weight.copy_(torch::rand({8}) + 0.5);
+  }
+  std::vector<at::Tensor> src;
+  for (int i = 0; i < 3; ++i) src.push_back(torch::randn({1, 4, 8}));
+  // Reference written out: alpha_i = softmax_i(w . RMSNorm(v_i)).
+  auto logits = std::vector<at::Tensor>{};
+  for (auto& v : src) {
+    auto kn = v * torch::rsqrt(v.pow(2).mean(-1, true) + 1e-6) * read->norm->weight;
+    logits.push_back((kn * read->query).sum(-1));
+  }
+  auto alpha = torch::softmax(torch::stack(logits, 0), 0);
+  auto ref = (alpha.unsqueeze(-1) * torch::stack(src, 0)).sum(0);
+  EXPECT_TRUE(torch::allclose(read(src), ref, 1e-5, 1e-6));
+}
+
+TEST(AttnRes, Gradcheck) {
+  AttnResRead read(6, 1e-5);
+  read->to(torch::kDouble);
+  torch::manual_seed(8);
+  {
+    torch::NoGradGuard g;
+    read->query.copy_(torch::randn({6}, torch::kDouble));
+  }
+  std::vector<std::pair<std::string, at::Tensor>> tensors = named_params(*read);
+  std::vector<at::Tensor> src;
+  for (int i = 0; i < 3; ++i) {
+    src.push_back(torch::randn({2, 3, 6}, torch::kDouble).requires_grad_(true));
+    tensors.emplace_back("source" + std::to_string(i), src.back());
+  }
+  expect_gradients_match([&] { return read(src); }, tensors);
+}
+
+MlaOptions small_mla(int64_t q_lora, bool rope) {
+  MlaOptions o;
+  o.dim = 12;
+  o.n_heads = 2;
+  o.q_lora_rank = q_lora;
+  o.kv_lora_rank = 6;
+  o.qk_nope_head_dim = 4;
+  o.qk_rope_head_dim = 4;
+  o.v_head_dim = 3;
+  o.rope = rope;
+  o.max_seq_len = 16;
+  return o;
+}
+
+TEST(Mla, GradcheckLowRankQueryWithRope) {
+  Mla mla(small_mla(5, true));
+  mla->init_weights(9, "mla.", 0.3, 0.3);
+  mla->to(torch::kDouble);
+  torch::manual_seed(10);
+  auto x = torch::randn({2, 7, 12}, torch::kDouble).requires_grad_(true);
+  auto tensors = named_params(*mla);
+  tensors.emplace_back("x", x);
+  expect_gradients_match([&] { return mla(x); }, tensors);
+}
+
+TEST(Mla, GradcheckNoPEAndCausal) {
+  Mla mla(small_mla(0, false));
+  mla->init_weights(11, "mla.", 0.3, 0.3);
+  mla->to(torch::kDouble);
+  torch::manual_seed(12);
+  auto x = torch::randn({1, 6, 12}, torch::kDouble).requires_grad_(true);
+  auto tensors = named_params(*mla);
+  tensors.emplace_back("x", x);
+  expect_gradients_match([&] { return mla(x); }, tensors);
+  // Causal: changing the last token leaves earlier outputs alone.
+  torch::NoGradGuard g;
+  auto y = mla(x);
+  auto x2 = x.clone();
+  x2.select(1, 5).add_(1.0);
+  auto y2 = mla(x2);
+  EXPECT_TRUE(torch::equal(y.narrow(1, 0, 5), y2.narrow(1, 0, 5)));
+  EXPECT_FALSE(torch::equal(y.select(1, 5), y2.select(1, 5)));
+}
+
+MoeOptions small_moe() { return MoeOptions{8, 6, 2, 5, 1, 1.5, 0.01}; }
+
+TEST(Moe, Gradcheck) {
+  Moe moe(small_moe());
+  moe->init_weights(13, "moe.", 0.4, 0.4);
+  moe->to(torch::kDouble);
+  torch::manual_seed(14);
+  auto x = torch::randn({2, 5, 8}, torch::kDouble).requires_grad_(true);
+  auto tensors = named_params(*moe);
+  tensors.emplace_back("x", x);
+  expect_gradients_match([&] { return moe(x); }, tensors);
+}
+
+TEST(Moe, BiasGetsNoGradientAndChangesSelectionOnly) {
+  Moe moe(small_moe());
+  moe->init_weights(15, "moe.", 0.4, 0.4);
+  EXPECT_FALSE(moe->expert_bias.requires_grad());
+  for (const auto& p : moe->named_parameters()) {
+    EXPECT_NE(p.key(), "expert_bias");
+  }
+  EXPECT_EQ(moe->named_buffers().size(), 1u);
+  torch::manual_seed(16);
+  auto x = torch::randn({40, 8});
+  auto [idx0, w0] = moe->route(x);
+  {
+    torch::NoGradGuard g;
+    moe->expert_bias.copy_(torch::tensor({5.0, 5.0, 0.0, 0.0, 0.0, 0.0}));
+  }
+  auto [idx1, w1] = moe->route(x);
+  // A large bias on experts 0 and 1 makes them every token's choice...
+  auto sorted = std::get<0>(idx1.sort(-1));
+  EXPECT_TRUE(torch::equal(sorted.select(1, 0), torch::zeros({40}, torch::kLong)));
+  EXPECT_TRUE(torch::equal(sorted.select(1, 1), torch::ones({40}, torch::kLong)));
+  EXPECT_FALSE(torch::equal(idx0, idx1));
+  // ...but their gating weights are the unbiased scores, renormalised.
+  auto s = torch::sigmoid(torch::matmul(x, moe->router->weight.t()));
+  auto chosen = s.gather(-1, idx1);
+  auto expect = chosen / chosen.sum(-1, true) * 1.5;
+  EXPECT_TRUE(torch::allclose(w1, expect, 1e-6, 1e-7));
+  // The bias still gets no gradient through a full forward/backward.
+  auto y = moe(x.view({4, 10, 8}));
+  y.sum().backward();
+  EXPECT_FALSE(moe->expert_bias.grad().defined());
+  EXPECT_TRUE(moe->router->weight.grad().defined());
+}
+
+TEST(Moe, BiasUpdateFollowsLoadImbalance) {
+  Moe moe(small_moe());
+  moe->init_weights(17, "moe.", 0.4, 0.4);
+  torch::manual_seed(18);
+  auto x = torch::randn({1, 64, 8});
+  moe(x);  // counts in grad mode
+  auto load = moe->tokens_per_expert.clone();
+  EXPECT_EQ(load.sum().item<int64_t>(), 64 * 2);
+  {
+    torch::NoGradGuard g;
+    moe(x);  // evaluation forwards do not count
+  }
+  EXPECT_TRUE(torch::equal(moe->tokens_per_expert, load));
+  moe->update_bias();
+  auto b = moe->expert_bias;
+  auto loadf = load.to(torch::kFloat);
+  auto sign = torch::sign(loadf.mean() - loadf);
+  auto expect = 0.01 * (sign - sign.mean());
+  EXPECT_TRUE(torch::allclose(b, expect, 0, 1e-7));
+  EXPECT_NEAR(b.sum().item<double>(), 0.0, 1e-6);
+  EXPECT_EQ(moe->tokens_per_expert.sum().item<int64_t>(), 0);
+}
+
+TEST(Vision, GradcheckAndMerge) {
+  VisionOptions o;
+  o.out_dim = 6;
+  o.dim = 8;
+  o.n_heads = 2;
+  o.channels = 2;
+  o.image_size = 4;
+  o.patch_size = 2;
+  VisionTower tower(o);
+  tower->init_weights(19, "vision_tower.");
+  tower->to(torch::kDouble);
+  torch::manual_seed(20);
+  auto images = torch::randn({2, 1, 2, 4, 4}, torch::kDouble).requires_grad_(true);
+  auto tensors = named_params(*tower);
+  tensors.emplace_back("images", images);
+  expect_gradients_match([&] { return tower(images); }, tensors);
+
+  // Merge: placeholders (id 9) take the patches in order, others keep h.
+  auto tokens = torch::tensor({{1, 9, 9, 2, 9, 9}, {9, 9, 9, 9, 3, 4}});
+  auto h = torch::randn({2, 6, 6}, torch::kDouble);
+  auto patches = tower(images);  // [2, 4, 6]
+  auto m = merge_image_embeddings(h, tokens, patches, 9);
+  EXPECT_TRUE(torch::equal(m[0][0], h[0][0]));
+  EXPECT_TRUE(torch::equal(m[0][1], patches[0][0]));
+  EXPECT_TRUE(torch::equal(m[0][5], patches[0][3]));
+  EXPECT_TRUE(torch::equal(m[1][3], patches[1][3]));
+  EXPECT_TRUE(torch::equal(m[1][4], h[1][4]));
+  auto bad = torch::tensor({{1, 9, 9, 2, 9, 3}, {9, 9, 9, 9, 3, 4}});
+  EXPECT_THROW(merge_image_embeddings(h, bad, patches, 9), std::exception);
+}
+
+}  // namespace
+}  // namespace viaduct
