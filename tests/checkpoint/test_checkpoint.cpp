@@ -404,6 +404,22 @@ TEST_F(Checkpoints, MetadataFromNewerFormatIsRefused) {
   expect_file_error([&] { load_checkpoint_metadata(dir); }, {"'step'"});
 }
 
+TEST_F(Checkpoints, CudaTensorsSaveAndLoadToTheDevice) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  auto model = make_model(4);
+  NamedTensors on_gpu;
+  for (const auto& [n, t] : model) on_gpu.emplace_back(n, t.to(at::kCUDA));
+  save_checkpoint(dir_, make_meta(1), {{"model.safetensors", on_gpu, {}}});
+  Checkpoint ckpt = open_checkpoint(checkpoint_dir(dir_, 1));
+  NamedTensors dst;
+  for (const auto& [n, t] : on_gpu) dst.emplace_back(n, torch::zeros_like(t));
+  ckpt.tensors.load_into(dst);
+  for (size_t i = 0; i < model.size(); ++i) {
+    EXPECT_TRUE(dst[i].second.is_cuda());
+    EXPECT_TRUE(bitwise_equal(dst[i].second, model[i].second)) << model[i].first;
+  }
+}
+
 TEST(CheckpointNames, FilesAndFolders) {
   EXPECT_EQ(part_file_name("model", 0, 1), "model.safetensors");
   EXPECT_EQ(part_file_name("optim", 3, 4), "optim-rank3.safetensors");
