@@ -1,0 +1,126 @@
+// `viaduct describe`: what a config builds, per layer (attention and FFN
+// kind, AttnRes block), with parameter counts and the training FLOPs per
+// token that MFU uses. Works for every family through describe_model.
+#include <cstdio>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "apps/command.h"
+#include "config/config.h"
+#include "core/check.h"
+#include "model/model.h"
+
+namespace viaduct::apps {
+namespace {
+
+constexpr const char* kUsage =
+    "usage: viaduct describe --config FILE [--section.key=value ...] [--json]\n"
+    "\n"
+    "Prints the model the config builds: each layer's attention and FFN kind\n"
+    "and AttnRes block, parameter counts and training FLOPs per token.\n"
+    "  --json   one JSON object: {\"layers\": [...], \"params\": N, ...}\n";
+
+nlohmann::json to_json(const ModelInfo& info) {
+  nlohmann::json layers = nlohmann::json::array();
+  for (const auto& l : info.layers) {
+    nlohmann::json j;
+    j["layer"] = l.layer;
+    j["attention"] = l.attention;
+    j["ffn"] = l.ffn;
+    if (l.block >= 0) {
+      j["block"] = l.block;
+      j["opens_block"] = l.opens_block;
+    }
+    layers.push_back(j);
+  }
+  nlohmann::json out;
+  out["family"] = info.family;
+  out["flavor"] = info.flavor;
+  out["n_layers"] = info.n_layers;
+  out["layers"] = layers;
+  out["params"] = info.params;
+  out["active_params"] = info.active_params;
+  out["embedding_params"] = info.embedding_params;
+  out["flops_per_token"] = info.flops_per_token;
+  out["pinned_first"] = info.pinned_first;
+  out["pinned_last"] = info.pinned_last;
+  return out;
+}
+
+std::string human(double n) {
+  const char* units[] = {"", "K", "M", "G", "T", "P"};
+  int u = 0;
+  while (n >= 1000.0 && u < 5) {
+    n /= 1000.0;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f%s" : "%.2f%s", n, units[u]);
+  return buf;
+}
+
+void print_text(const ModelInfo& info) {
+  std::printf("%s / %s: %lld layers\n", info.family.c_str(),
+              info.flavor.c_str(), static_cast<long long>(info.n_layers));
+  const bool attn_res = !info.layers.empty() && info.layers[0].block >= 0;
+  std::printf("  layer  attention  ffn     %s\n", attn_res ? "block" : "");
+  for (const auto& l : info.layers) {
+    std::printf("  %5lld  %-9s  %-6s", static_cast<long long>(l.layer),
+                l.attention.c_str(), l.ffn.c_str());
+    if (attn_res) {
+      std::printf("  %5lld%s", static_cast<long long>(l.block),
+                  l.opens_block ? "  (opens)" : "");
+    }
+    std::printf("\n");
+  }
+  auto list = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+    return s.empty() ? std::string("-") : s;
+  };
+  std::printf("  params            %s (%lld)\n", human(info.params).c_str(),
+              static_cast<long long>(info.params));
+  std::printf("  active params     %s (%lld)\n", human(info.active_params).c_str(),
+              static_cast<long long>(info.active_params));
+  std::printf("  embedding params  %s\n", human(info.embedding_params).c_str());
+  std::printf("  flops per token   %s (training, forward + backward)\n",
+              human(info.flops_per_token).c_str());
+  std::printf("  pinned first      %s\n", list(info.pinned_first).c_str());
+  std::printf("  pinned last       %s\n", list(info.pinned_last).c_str());
+}
+
+int describe_main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+  }
+  auto args = parse_command_line(argc, argv, 1, {});
+  bool json = false;
+  for (const auto& f : args.flags) {
+    VIADUCT_CHECK_T(ConfigError, f == "--json", "describe: unknown option ", f,
+                    "\n", kUsage);
+    json = true;
+  }
+  VIADUCT_CHECK_T(ConfigError, args.positional.empty(),
+                  "describe: unexpected argument '",
+                  args.positional.empty() ? "" : args.positional[0], "'\n",
+                  kUsage);
+  auto cfg = Config::load(args.config_path, args.overrides);
+  const auto info = describe_model(cfg);
+  if (json) {
+    std::printf("%s\n", to_json(info).dump().c_str());
+  } else {
+    print_text(info);
+  }
+  return 0;
+}
+
+}  // namespace
+
+VIADUCT_COMMAND("describe", "summary of the model a config builds", describe_main);
+
+}  // namespace viaduct::apps
