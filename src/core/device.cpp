@@ -1,0 +1,97 @@
+#include "core/device.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "core/check.h"
+
+#ifdef VIADUCT_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace viaduct {
+
+at::Device resolve_device(const std::string& requested) {
+  if (requested == "cpu") return at::Device(at::kCPU);
+  const bool have_cuda = torch::cuda::is_available();
+  if (requested == "cuda") {
+    VIADUCT_CHECK_T(ConfigError, have_cuda,
+                    "training.device = cuda, but no CUDA device is available "
+                    "(or this build has no CUDA)");
+    return at::Device(at::kCUDA, 0);
+  }
+  return have_cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+}
+
+std::string device_name(const at::Device& device) {
+#ifdef VIADUCT_WITH_CUDA
+  if (device.is_cuda()) {
+    return at::cuda::getDeviceProperties(device.index())->name;
+  }
+#endif
+  return "cpu";
+}
+
+std::optional<double> peak_flops(const at::Device& device,
+                                 at::ScalarType dtype) {
+  if (!device.is_cuda()) return std::nullopt;
+  const auto name = device_name(device);
+  // Dense (no sparsity) tensor-core peaks, bf16/fp16, SXM parts.
+  struct Row {
+    const char* key;
+    double bf16;
+  };
+  static const Row kTable[] = {
+      {"H200", 989.4e12}, {"H100", 989.4e12}, {"H800", 989.4e12},
+      {"A100", 312e12},   {"A800", 312e12},   {"L40S", 362e12},
+      {"B200", 2250e12},
+  };
+  for (const auto& r : kTable) {
+    if (name.find(r.key) != std::string::npos) {
+      // fp32 runs through TF32 tensor cores at half the bf16 rate.
+      return dtype == at::kFloat ? r.bf16 / 2 : r.bf16;
+    }
+  }
+  return std::nullopt;
+}
+
+double peak_memory_bytes(const at::Device& device) {
+#ifdef VIADUCT_WITH_CUDA
+  if (device.is_cuda()) {
+    using namespace c10::cuda::CUDACachingAllocator;
+    const auto stats = getDeviceStats(device.index());
+    return static_cast<double>(
+        stats.allocated_bytes[static_cast<size_t>(StatType::AGGREGATE)].peak);
+  }
+#endif
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      std::istringstream ss(line.substr(6));
+      double kb = 0;
+      ss >> kb;
+      return kb * 1024.0;
+    }
+  }
+  return 0.0;
+}
+
+void reset_peak_memory(const at::Device& device) {
+#ifdef VIADUCT_WITH_CUDA
+  if (device.is_cuda()) {
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+  }
+#endif
+}
+
+void synchronize(const at::Device& device) {
+#ifdef VIADUCT_WITH_CUDA
+  if (device.is_cuda()) {
+    at::cuda::device_synchronize();
+  }
+#endif
+}
+
+}  // namespace viaduct

@@ -1,0 +1,23 @@
+// Device facts for metrics: which device to run on, its peak FLOPs for MFU,
+// and memory high-water marks.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <optional>
+#include <string>
+
+namespace viaduct {
+
+// "auto" -> cuda when available, else cpu. "cuda" without a GPU is an error.
+at::Device resolve_device(const std::string& requested);
+std::string device_name(const at::Device& device);
+// Dense peak FLOP/s of `device` for `dtype` from a table of known GPUs
+// (H200, H100, A100, ...); nullopt when unknown (CPU).
+std::optional<double> peak_flops(const at::Device& device, at::ScalarType dtype);
+// Peak memory so far: CUDA allocator peak, or the process's peak RSS on CPU.
+double peak_memory_bytes(const at::Device& device);
+void reset_peak_memory(const at::Device& device);
+void synchronize(const at::Device& device);
+
+}  // namespace viaduct

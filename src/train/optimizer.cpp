@@ -1,0 +1,165 @@
+#include "train/optimizer.h"
+
+#include <cmath>
+
+#include "config/config.h"
+#include "core/check.h"
+
+namespace viaduct {
+
+std::vector<NamedParam> named_params_for_training(const torch::nn::Module& m) {
+  std::vector<NamedParam> out;
+  for (const auto& item : m.named_parameters(/*recurse=*/true)) {
+    const auto& fqn = item.key();
+    const auto& p = item.value();
+    const bool embedding = fqn.rfind("tok_embeddings.", 0) == 0 ||
+                           fqn.rfind("pos_embeddings.", 0) == 0;
+    out.push_back(NamedParam{fqn, p, p.dim() >= 2 && !embedding});
+  }
+  return out;
+}
+
+void Optimizer::zero_grad() {
+  for (auto& np : params_) {
+    auto& g = np.param.mutable_grad();
+    if (g.defined()) g = at::Tensor();
+  }
+}
+
+AdamW::AdamW(std::vector<NamedParam> params, double beta1, double beta2,
+             double eps, double weight_decay)
+    : Optimizer(std::move(params)),
+      beta1_(beta1),
+      beta2_(beta2),
+      eps_(eps),
+      weight_decay_(weight_decay) {
+  for (const auto& np : params_) {
+    exp_avg_.push_back(at::zeros_like(np.param, at::MemoryFormat::Contiguous));
+    exp_avg_sq_.push_back(at::zeros_like(np.param, at::MemoryFormat::Contiguous));
+  }
+}
+
+void AdamW::step(double lr) {
+  torch::NoGradGuard no_grad;
+  ++steps_;
+  const double bc1 = 1.0 - std::pow(beta1_, static_cast<double>(steps_));
+  const double bc2 = 1.0 - std::pow(beta2_, static_cast<double>(steps_));
+  const double step_size = lr / bc1;
+  const double bc2_sqrt = std::sqrt(bc2);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i].param;
+    const auto& g = p.grad();
+    if (!g.defined()) continue;
+    if (params_[i].weight_decay && weight_decay_ != 0.0) {
+      p.mul_(1.0 - lr * weight_decay_);
+    }
+    exp_avg_[i].lerp_(g, 1.0 - beta1_);
+    exp_avg_sq_[i].mul_(beta2_).addcmul_(g, g, 1.0 - beta2_);
+    auto denom = (exp_avg_sq_[i].sqrt() / bc2_sqrt).add_(eps_);
+    p.addcdiv_(exp_avg_[i], denom, -step_size);
+  }
+}
+
+std::vector<std::pair<std::string, at::Tensor>> AdamW::state() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out.emplace_back("optim.exp_avg." + params_[i].fqn, exp_avg_[i]);
+    out.emplace_back("optim.exp_avg_sq." + params_[i].fqn, exp_avg_sq_[i]);
+  }
+  return out;
+}
+
+std::vector<std::string> AdamW::state_keys() const {
+  std::vector<std::string> keys;
+  for (const auto& [k, t] : state()) keys.push_back(k);
+  return keys;
+}
+
+void AdamW::load_state(const std::map<std::string, at::Tensor>& tensors) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (auto* slot : {&exp_avg_[i], &exp_avg_sq_[i]}) {
+      const std::string key =
+          (slot == &exp_avg_[i] ? "optim.exp_avg." : "optim.exp_avg_sq.") +
+          params_[i].fqn;
+      auto it = tensors.find(key);
+      VIADUCT_CHECK_T(FileError, it != tensors.end(),
+                      "optimizer state '", key, "' is missing from the checkpoint");
+      VIADUCT_CHECK_T(FileError, it->second.sizes() == slot->sizes(),
+                      "optimizer state '", key, "' has shape ", it->second.sizes(),
+                      ", expected ", slot->sizes());
+      slot->copy_(it->second);
+    }
+  }
+}
+
+void SGD::step(double lr) {
+  torch::NoGradGuard no_grad;
+  ++steps_;
+  for (auto& np : params_) {
+    const auto& g = np.param.grad();
+    if (g.defined()) np.param.add_(g, -lr);
+  }
+}
+
+std::unique_ptr<Optimizer> make_optimizer(const Config& cfg,
+                                          std::vector<NamedParam> params) {
+  const auto name = cfg.get_string("optimizer.name");
+  if (name == "SGD") return std::make_unique<SGD>(std::move(params));
+  return std::make_unique<AdamW>(
+      std::move(params), cfg.get_float("optimizer.beta1"),
+      cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
+      cfg.get_float("optimizer.weight_decay"));
+}
+
+double lr_at(const Config& cfg, int64_t step) {
+  const double peak = cfg.get_float("optimizer.lr");
+  const int64_t warmup = cfg.get_int("lr_scheduler.warmup_steps");
+  const int64_t total = cfg.get_int("training.steps");
+  const auto type = cfg.get_string("lr_scheduler.decay_type");
+  const double min_f = cfg.get_float("lr_scheduler.min_lr_factor");
+  if (warmup > 0 && step <= warmup) {
+    return peak * static_cast<double>(step) / static_cast<double>(warmup);
+  }
+  if (type == "constant" || total <= warmup) return peak;
+  const double progress = std::clamp(
+      static_cast<double>(step - warmup) / static_cast<double>(total - warmup),
+      0.0, 1.0);
+  double factor = 1.0;
+  if (type == "cosine") {
+    factor = min_f + (1.0 - min_f) * 0.5 * (1.0 + std::cos(M_PI * progress));
+  } else {
+    factor = 1.0 - (1.0 - min_f) * progress;
+  }
+  return peak * factor;
+}
+
+std::vector<double> grad_squared_norms(const std::vector<NamedParam>& params) {
+  std::vector<double> out;
+  out.reserve(params.size());
+  for (const auto& np : params) {
+    const auto& g = np.param.grad();
+    out.push_back(g.defined() ? g.to(at::kFloat).pow(2).sum().item<double>() : 0.0);
+  }
+  return out;
+}
+
+double total_norm(const std::vector<double>& sq) {
+  double s = 0.0;
+  for (double v : sq) s += v;
+  return std::sqrt(s);
+}
+
+void scale_grads(const std::vector<NamedParam>& params, double norm,
+                 double max_norm) {
+  if (max_norm <= 0) return;
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef >= 1.0) return;
+  torch::NoGradGuard no_grad;
+  for (const auto& np : params) {
+    auto g = np.param.grad();
+    if (g.defined()) g.mul_(coef);
+  }
+}
+
+}  // namespace viaduct

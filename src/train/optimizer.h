@@ -1,0 +1,92 @@
+// Optimizers over FQN-named parameters, with state keyed by FQN so a
+// checkpoint saved under one layout loads under any other.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace viaduct {
+
+class Config;
+
+struct NamedParam {
+  std::string fqn;
+  at::Tensor param;     // fp32 master weight
+  bool weight_decay;    // false for norms, biases and embeddings
+};
+
+// Parameters of a module tree in registration (= model) order, with the
+// decay rule applied. `prefix` is prepended to every name.
+std::vector<NamedParam> named_params_for_training(const torch::nn::Module& m);
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  // One update with learning rate `lr`, reading each param's .grad().
+  virtual void step(double lr) = 0;
+  // FQN-keyed state: "optim.<slot>.<fqn>" -> tensor (the checkpoint layer's
+  // naming, see checkpoint/tensor_index.h).
+  virtual std::vector<std::pair<std::string, at::Tensor>> state() const = 0;
+  // Restore from `tensors` (keys as state() names them); a missing key is an
+  // error naming it.
+  virtual void load_state(const std::map<std::string, at::Tensor>& tensors) = 0;
+  // Keys state() would produce (for loading).
+  virtual std::vector<std::string> state_keys() const = 0;
+  int64_t steps_taken() const { return steps_; }
+  void set_steps_taken(int64_t s) { steps_ = s; }
+  const std::vector<NamedParam>& params() const { return params_; }
+  void zero_grad();
+
+ protected:
+  explicit Optimizer(std::vector<NamedParam> params) : params_(std::move(params)) {}
+  std::vector<NamedParam> params_;
+  int64_t steps_ = 0;
+};
+
+// Decoupled weight decay (Loshchilov & Hutter), bias-corrected moments in fp32.
+class AdamW : public Optimizer {
+ public:
+  AdamW(std::vector<NamedParam> params, double beta1, double beta2, double eps,
+        double weight_decay);
+  void step(double lr) override;
+  std::vector<std::pair<std::string, at::Tensor>> state() const override;
+  void load_state(const std::map<std::string, at::Tensor>& tensors) override;
+  std::vector<std::string> state_keys() const override;
+
+ private:
+  double beta1_, beta2_, eps_, weight_decay_;
+  std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
+};
+
+// Plain SGD: p -= lr * g (no state). Used by the exactness tests.
+class SGD : public Optimizer {
+ public:
+  explicit SGD(std::vector<NamedParam> params) : Optimizer(std::move(params)) {}
+  void step(double lr) override;
+  std::vector<std::pair<std::string, at::Tensor>> state() const override { return {}; }
+  void load_state(const std::map<std::string, at::Tensor>&) override {}
+  std::vector<std::string> state_keys() const override { return {}; }
+};
+
+std::unique_ptr<Optimizer> make_optimizer(const Config& cfg,
+                                          std::vector<NamedParam> params);
+
+// Learning rate at optimizer step `step` (1-based): linear warmup, then
+// cosine / linear decay to min_lr_factor x lr, or constant.
+double lr_at(const Config& cfg, int64_t step);
+
+// Per-parameter squared gradient norms (fp32 sums, as double), in the
+// order of `params`. A parameter without a gradient contributes 0.
+std::vector<double> grad_squared_norms(const std::vector<NamedParam>& params);
+// Sum squared norms in the order given (global FQN order: the caller orders
+// them), take the root. fp64 accumulation keeps every layout's bits equal.
+double total_norm(const std::vector<double>& squared_norms_in_fqn_order);
+// Multiply every gradient by min(1, max_norm / (norm + 1e-6)).
+void scale_grads(const std::vector<NamedParam>& params, double total_norm,
+                 double max_norm);
+
+}  // namespace viaduct
