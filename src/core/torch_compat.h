@@ -30,3 +30,24 @@ inline bool pinned_memory_available() { return torch::cuda::is_available(); }
 inline std::string torch_version() { return TORCH_VERSION; }
 
 }  // namespace viaduct::compat
+
+// ------------------------------------------------------------------- c10d
+// The c10d backend base: 1.13's Gloo/NCCL groups derive from ProcessGroup,
+// 2.x's from Backend (the 2.x ProcessGroup is a dispatcher front end we do not
+// use). The collective signatures on the concrete classes are the same in
+// both; see dist/dist.h. Options' optionals are assigned by value there.
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#else
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#endif
+
+namespace viaduct::compat {
+#if TORCH_VERSION_MAJOR >= 2
+using PgBase = c10d::Backend;
+#else
+using PgBase = c10d::ProcessGroup;
+#endif
+}  // namespace viaduct::compat
