@@ -81,6 +81,10 @@ std::string first_slurm_host(const std::string& nodelist);
 c10::intrusive_ptr<c10d::Store> make_store(const RendezvousInfo& info,
                                           std::chrono::milliseconds timeout);
 
+// The store of one group: keys prefixed with "<name>/".
+c10::intrusive_ptr<c10d::Store> make_group_store(
+    const c10::intrusive_ptr<c10d::Store>& store, const std::string& name);
+
 // ---------------------------------------------------------- process groups
 
 enum class ReduceOp { kSum, kProduct, kMin, kMax };
@@ -114,10 +118,13 @@ enum class BackendKind { kGloo, kNccl };
 // CPU -> Gloo, CUDA -> NCCL.
 class ProcessGroup {
  public:
-  // `store` must already be prefixed for this group when it is a sub-group.
+  // `store` must already be prefixed for this group when it is a sub-group
+  // (make_group_store). `gloo_hostname`: the address Gloo binds to; "" uses
+  // GLOO_SOCKET_IFNAME when set, else this host's name.
   ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                at::Device device, std::chrono::milliseconds timeout,
-               std::string name, std::vector<int> global_ranks = {});
+               std::string name, std::vector<int> global_ranks = {},
+               std::string gloo_hostname = "");
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;

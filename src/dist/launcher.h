@@ -40,6 +40,7 @@ using LineSink = std::function<void(int rank, bool is_stderr,
 // Parses `viaduct launch` arguments (argv[0] == "launch"); throws
 // viaduct::Error on a bad flag. Everything after "--" is the command.
 LaunchOptions parse_launch_args(int argc, char** argv);
+std::string launch_usage();
 
 // Runs the ranks to completion. Throws viaduct::Error if a rank cannot be
 // started at all.

@@ -1,0 +1,36 @@
+// `viaduct launch`: starts this node's ranks of a command with the torchrun
+// environment and supervises them (dist/launcher.h does the work).
+#include <cstdio>
+#include <string>
+
+#include "apps/command.h"
+#include "dist/launcher.h"
+
+namespace viaduct::apps {
+namespace {
+
+int launch_main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--") break;
+    if (a == "--help" || a == "-h") {
+      std::fputs(dist::launch_usage().c_str(), stdout);
+      return 0;
+    }
+  }
+  dist::LaunchOptions options = dist::parse_launch_args(argc, argv);
+  dist::LaunchResult result = dist::launch(options);
+  if (result.exit_code != 0) {
+    std::fprintf(stderr, "viaduct launch: failed: %s (exit %d)\n",
+                 result.message.c_str(), result.exit_code);
+  }
+  return result.exit_code;
+}
+
+}  // namespace
+
+VIADUCT_COMMAND("launch",
+                "start N local ranks of a command (torchrun-style environment)",
+                launch_main);
+
+}  // namespace viaduct::apps

@@ -1,0 +1,72 @@
+// The pp × dp device mesh (Note [Mesh layout] in dist.h): one store, the world
+// group, and this rank's pipeline group and data-parallel group, each a
+// c10d group over the same store with its own key prefix.
+#include "core/check.h"
+#include "dist/dist.h"
+
+namespace viaduct::dist {
+
+std::vector<int> MeshShape::pp_group_ranks(int dp_rank) const {
+  std::vector<int> ranks;
+  for (int p = 0; p < pp; ++p) ranks.push_back(global_rank(p, dp_rank));
+  return ranks;
+}
+
+std::vector<int> MeshShape::dp_group_ranks(int pp_rank) const {
+  std::vector<int> ranks;
+  for (int d = 0; d < dp; ++d) ranks.push_back(global_rank(pp_rank, d));
+  return ranks;
+}
+
+namespace {
+
+// Gloo binds to loopback when the whole job is on this host and the user did
+// not pick an interface; otherwise to this host's name.
+std::string gloo_hostname_for(const RendezvousInfo& info) {
+  bool one_host = info.local_world_size == info.world_size;
+  bool loopback_master = info.master_addr == "localhost" ||
+                         info.master_addr.rfind("127.", 0) == 0;
+  return one_host || loopback_master ? "127.0.0.1" : "";
+}
+
+}  // namespace
+
+Mesh::Mesh(const RendezvousInfo& info, MeshShape shape, at::Device device,
+           std::chrono::milliseconds timeout)
+    : rank_(info.rank), shape_(shape), device_(device), timeout_(timeout) {
+  VIADUCT_CHECK_T(ConfigError, shape_.pp >= 1 && shape_.dp >= 1,
+                  "parallelism.pipeline_parallel_degree (", shape_.pp,
+                  ") and parallelism.data_parallel_degree (", shape_.dp,
+                  ") must be at least 1");
+  VIADUCT_CHECK_T(ConfigError, shape_.world_size() == info.world_size,
+                  "parallelism.pipeline_parallel_degree (", shape_.pp,
+                  ") × parallelism.data_parallel_degree (", shape_.dp, ") = ",
+                  shape_.world_size(), " but WORLD_SIZE is ", info.world_size,
+                  " (", info.to_string(), ")");
+  std::string hostname = gloo_hostname_for(info);
+  store_ = make_store(info, timeout_);
+
+  std::vector<int> all(static_cast<size_t>(info.world_size));
+  for (int r = 0; r < info.world_size; ++r) all[r] = r;
+  world_ = std::make_unique<ProcessGroup>(make_group_store(store_, "world"),
+                                          rank_, info.world_size, device_,
+                                          timeout_, "world", all, hostname);
+  // Every rank builds its own pp group, then its own dp group: the groups of
+  // one kind partition the ranks, so this order cannot deadlock.
+  std::string pp_name = str("pp", dp_rank());
+  pp_group_ = std::make_unique<ProcessGroup>(
+      make_group_store(store_, pp_name), pp_rank(), shape_.pp, device_,
+      timeout_, pp_name, shape_.pp_group_ranks(dp_rank()), hostname);
+  std::string dp_name = str("dp", pp_rank());
+  dp_group_ = std::make_unique<ProcessGroup>(
+      make_group_store(store_, dp_name), dp_rank(), shape_.dp, device_,
+      timeout_, dp_name, shape_.dp_group_ranks(pp_rank()), hostname);
+}
+
+std::unique_ptr<Mesh> init_mesh(const RendezvousInfo& info, int pp, int dp,
+                                at::Device device,
+                                std::chrono::milliseconds timeout) {
+  return std::make_unique<Mesh>(info, MeshShape{pp, dp}, device, timeout);
+}
+
+}  // namespace viaduct::dist
