@@ -30,7 +30,7 @@ KimiK3Options flavor_defaults(const std::string& flavor) {
   o.block_size = 12;
   o.first_k_dense = 1;
   o.moe_ffn = true;
-  o.kda = KdaOptions{0, 0, 32, 4, 32, 1e-5};
+  o.kda = KdaOptions{0, 0, 32, 4, 16, 1e-5};
   o.mla = MlaOptions{};
   o.mla.q_lora_rank = 0;
   o.mla.kv_lora_rank = 32;
