@@ -332,11 +332,18 @@ Config Config::parse(const std::string& text, const std::string& origin,
                     "'; keep only '--", new_key, "'");
   }
   for (const auto& o : overrides) cfg.apply_override(o, "the command line");
-  // Derived defaults: the default warmup never outlasts a short run.
-  if (!cfg.is_set("lr_scheduler.warmup_steps")) {
+  // The warmup never outlasts the run (a short smoke run of a long job's
+  // config is common); an explicit longer one is clamped with a warning.
+  {
     const auto steps = cfg.get_int("training.steps");
-    if (cfg.get_int("lr_scheduler.warmup_steps") > steps)
+    const auto warmup = cfg.get_int("lr_scheduler.warmup_steps");
+    if (warmup > steps) {
+      if (cfg.is_set("lr_scheduler.warmup_steps")) {
+        log::warn("lr_scheduler.warmup_steps (", warmup,
+                  ") exceeds training.steps (", steps, "); using ", steps);
+      }
       cfg.values_["lr_scheduler.warmup_steps"] = steps;
+    }
   }
   cfg.validate();
   return cfg;

@@ -129,7 +129,7 @@ void ChainTransformer::init_weights(uint64_t seed) {
                  "tok_embeddings.weight");
   }
   if (pos_embeddings_) {
-    init_normal_(pos_embeddings_->weight, 0.01, seed, "pos_embeddings.weight");
+    init_normal_(pos_embeddings_->weight, 0.02, seed, "pos_embeddings.weight");
   }
   for (auto& [id, b] : blocks_) b->init_weights(seed, str("layers.", id, "."));
   if (norm_ln_) norm_ln_->reset_parameters();

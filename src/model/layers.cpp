@@ -6,6 +6,11 @@
 
 namespace viaduct {
 
+// Norms and rotations run in fp32, or fp64 when the input is fp64.
+static at::ScalarType upcast(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w,
                   const at::Tensor& b) {
   const auto wc = w.scalar_type() == x.scalar_type() ? w : w.to(x.scalar_type());
@@ -50,7 +55,8 @@ void LayerNormImpl::reset_parameters() {
   bias.zero_();
 }
 at::Tensor LayerNormImpl::forward(const at::Tensor& x) {
-  auto y = at::layer_norm(x.to(at::kFloat), {weight.size(0)}, weight, bias, eps_);
+  auto y = at::layer_norm(x.to(upcast(x.scalar_type())), {weight.size(0)},
+                          weight, bias, eps_);
   return y.to(x.scalar_type());
 }
 
@@ -62,7 +68,7 @@ RopeTables make_rope_tables(int64_t head_dim, int64_t max_seq_len,
   auto inv_freq = 1.0 / torch::pow(theta, idx / static_cast<double>(head_dim));
   auto t = torch::arange(max_seq_len, torch::kDouble);
   auto freqs = torch::outer(t, inv_freq);  // [T, hd/2]
-  return {freqs.cos().to(at::kFloat), freqs.sin().to(at::kFloat)};
+  return {freqs.cos(), freqs.sin()};  // fp64; cast at use
 }
 
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
@@ -90,7 +96,13 @@ AttentionImpl::AttentionImpl(const AttentionOptions& o) : opts_(o) {
   wk = make_linear(*this, "wk", o.dim, kv, o.bias);
   wv = make_linear(*this, "wv", o.dim, kv, o.bias);
   wo = make_linear(*this, "wo", o.dim, o.dim, o.bias);
-  if (o.rope) rope_ = make_rope_tables(head_dim_, o.max_seq_len, o.rope_theta);
+  if (o.rope) {
+    // Buffers, so Module::to(device) moves them once; not persistent state
+    // (checkpoints hold parameters only).
+    auto tables = make_rope_tables(head_dim_, o.max_seq_len, o.rope_theta);
+    rope_.cos = register_buffer("rope_cos", tables.cos);
+    rope_.sin = register_buffer("rope_sin", tables.sin);
+  }
 }
 
 void AttentionImpl::init_weights(uint64_t seed, const std::string& p,
@@ -121,6 +133,7 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   auto k = linear(x, wk).view({B, T, KV, hd});
   auto v = linear(x, wv).view({B, T, KV, hd});
   if (opts_.rope) {
+    // Module::to() moves buffers with set_data, so rope_ stays valid.
     q = apply_rope(q, rope_);
     k = apply_rope(k, rope_);
   }

@@ -45,7 +45,7 @@ class LayerNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LayerNorm);
 
-// Rotary tables: cos/sin [max_seq_len, head_dim / 2] in fp32.
+// Rotary tables: cos/sin [max_seq_len, head_dim / 2] in fp64 (cast at use).
 struct RopeTables {
   at::Tensor cos, sin;
 };

@@ -39,7 +39,9 @@ at::Tensor summed_cross_entropy(const at::Tensor& logits,
                                 const at::Tensor& targets) {
   // logits: [B, T, V], targets: [B, T]
   const auto V = logits.size(-1);
-  return at::cross_entropy_loss(logits.reshape({-1, V}).to(at::kFloat),
+  // fp32 (fp64 for fp64 logits, as the reference tests use).
+  const auto t = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return at::cross_entropy_loss(logits.reshape({-1, V}).to(t),
                                 targets.reshape({-1}), {}, at::Reduction::Sum,
                                 /*ignore_index=*/-100);
 }

@@ -100,13 +100,17 @@ TEST(Config, AliasAndNewNameTogetherIsAnError) {
 }
 
 TEST(Config, CrossFieldChecksRunAfterOverrides) {
-  // warmup 50 > steps 10 only after the override.
-  auto msg = error_of("[lr_scheduler]\nwarmup_steps = 5\n[training]\nsteps = 10\n",
-                      {"lr_scheduler.warmup_steps=50"});
+  // A negative value is refused only once the override is applied ...
+  auto msg = error_of("[lr_scheduler]\nwarmup_steps = 5\n",
+                      {"lr_scheduler.warmup_steps=-1"});
   EXPECT_NE(msg.find("warmup_steps"), std::string::npos) << msg;
   // ... and an override can repair a file that alone would be refused.
-  EXPECT_NO_THROW(Config::parse("[training]\nsteps = 10\n", "job.toml",
-                                {"lr_scheduler.warmup_steps=5"}));
+  EXPECT_NO_THROW(Config::parse("[training]\ndtype = \"fp8\"\n", "job.toml",
+                                {"training.dtype=float32"}));
+  // A warmup longer than the run is clamped to it.
+  auto c = Config::parse("[lr_scheduler]\nwarmup_steps = 50\n", "job.toml",
+                         {"training.steps=10"});
+  EXPECT_EQ(c.get_int("lr_scheduler.warmup_steps"), 10);
   msg = error_of("[training]\ndtype = \"fp8\"\n");
   EXPECT_NE(msg.find("training.dtype"), std::string::npos) << msg;
 }
