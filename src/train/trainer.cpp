@@ -213,7 +213,30 @@ void Trainer::save_checkpoint() {
 
 bool Trainer::resume() {
   namespace ck = checkpoint;
+  // The newest step-<N> folder must load: a damaged one is an error rather
+  // than a silent restart from an older step (or from scratch).
+  std::optional<int64_t> newest;
+  if (fs::is_directory(checkpoint_folder())) {
+    for (const auto& e : fs::directory_iterator(checkpoint_folder())) {
+      const auto name = e.path().filename().string();
+      if (!e.is_directory() || name.rfind("step-", 0) != 0 ||
+          name.find(".tmp") != std::string::npos) {
+        continue;
+      }
+      try {
+        const int64_t s = std::stoll(name.substr(5));
+        if (!newest || s > *newest) newest = s;
+      } catch (const std::exception&) {
+      }
+    }
+  }
   const auto latest = ck::find_latest_checkpoint(checkpoint_folder());
+  if (newest && (!latest || *latest != *newest)) {
+    ck::verify_checkpoint(ck::checkpoint_dir(checkpoint_folder(), *newest),
+                          ck::Verify::kSizes);  // throws, naming the file
+    throw FileError(str("checkpoint ", ck::checkpoint_dir(checkpoint_folder(), *newest).string(),
+                        " is incomplete; remove it to resume from an older one"));
+  }
   if (!latest) return false;
   const auto ckpt = ck::open_checkpoint(ck::checkpoint_dir(checkpoint_folder(), *latest));
   for (const auto& part : parts_) ckpt.tensors.load_into(*part);

@@ -1,0 +1,189 @@
+// The single-process trainer: loss falls, metrics.jsonl, bitwise resume,
+// corrupt checkpoints refused, micro-batches add up.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/checkpoint.h"
+#include "config/config.h"
+#include "core/check.h"
+#include "data/temp_dir.h"
+#include "data/token_file.h"
+#include "train/trainer.h"
+
+using namespace viaduct;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A small corpus with structure to learn: repeated phrases.
+void write_corpus(const std::string& path, int64_t n) {
+  data::TokenFileWriter w(path, 257, "byte");
+  const std::string text = "the quick brown fox jumps over the lazy dog. ";
+  std::vector<int64_t> toks;
+  for (int64_t i = 0; i < n; ++i) toks.push_back(static_cast<unsigned char>(text[i % text.size()]));
+  w.append(toks);
+  w.finish();
+}
+
+struct Job {
+  data::testing::TempDir dir;
+  std::string data_path;
+  Job() : data_path((fs::path(dir.path()) / "train.tok").string()) {
+    write_corpus(data_path, 20000);
+    write_corpus((fs::path(dir.path()) / "train.val.tok").string(), 4000);
+  }
+  Config config(std::vector<std::string> extra = {}) const {
+    std::vector<std::string> o = {
+        "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+        "training.seq_len=32", "training.local_batch_size=4", "training.steps=6",
+        "training.num_threads=1", "training.eval_interval=3",
+        "metrics.progress_bar=false", "optimizer.lr=0.003",
+        "lr_scheduler.warmup_steps=2",
+        "data.path=" + data_path, "data.eval_batches=2",
+        "job.dump_folder=" + (fs::path(dir.path()) / "out").string()};
+    o.insert(o.end(), extra.begin(), extra.end());
+    return Config::parse("", "test", o);
+  }
+};
+
+std::vector<nlohmann::json> read_metrics(const fs::path& file) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+std::vector<at::Tensor> params(const Trainer& t) {
+  std::vector<at::Tensor> out;
+  for (const auto& np : t.optimizer().params()) out.push_back(np.param.detach().clone());
+  return out;
+}
+
+}  // namespace
+
+TEST(Trainer, LossFallsAndMetricsAreWritten) {
+  Job job;
+  auto cfg = job.config({"training.steps=30", "training.eval_interval=10"});
+  Trainer t(cfg);
+  const auto last = t.run();
+  auto lines = read_metrics(fs::path(cfg.get_string("job.dump_folder")) / "metrics.jsonl");
+  std::vector<double> losses, evals;
+  for (const auto& j : lines) {
+    if (j.contains("loss")) {
+      for (const char* k : {"step", "loss", "grad_norm", "lr", "tokens_per_sec"})
+        EXPECT_TRUE(j.contains(k)) << k;
+      losses.push_back(j["loss"].get<double>());
+    }
+    if (j.contains("eval_loss")) evals.push_back(j["eval_loss"].get<double>());
+  }
+  ASSERT_EQ(losses.size(), 30u);
+  EXPECT_EQ(evals.size(), 4u);  // steps 0, 10, 20, 30
+  EXPECT_LT(losses.back(), 0.6 * losses.front());
+  EXPECT_LT(evals.back(), evals.front());
+  // The loss is written with enough digits to round-trip a float32.
+  EXPECT_EQ(static_cast<float>(losses.back()), static_cast<float>(last.loss));
+}
+
+TEST(Trainer, ResumeContinuesBitwise) {
+  Job a, b;
+  // A: six uninterrupted steps.
+  Trainer ta(a.config());
+  std::vector<double> ref;
+  for (int i = 0; i < 6; ++i) ref.push_back(ta.train_step().loss);
+  // B: three steps, a checkpoint, a "crash", and a new process resumes.
+  const std::vector<std::string> ck = {"checkpoint.enable=true", "checkpoint.interval=3"};
+  {
+    Trainer tb(b.config(ck));
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(tb.train_step().loss, ref[i]);
+    tb.save_checkpoint();
+  }
+  Trainer tc(b.config(ck));
+  ASSERT_TRUE(tc.resume());
+  EXPECT_EQ(tc.step(), 3);
+  for (int i = 3; i < 6; ++i) EXPECT_EQ(tc.train_step().loss, ref[i]) << "step " << i + 1;
+  const auto pa = params(ta), pc = params(tc);
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::equal(pa[i], pc[i]));
+}
+
+TEST(Trainer, RunResumesFromTheDumpFolderAndKeepsLatestK) {
+  Job job;
+  const std::vector<std::string> ck = {"checkpoint.enable=true", "checkpoint.interval=2",
+                                       "checkpoint.keep_latest_k=2"};
+  Trainer(job.config(ck)).run();
+  auto cfg = job.config(ck);
+  Trainer t(cfg);
+  EXPECT_EQ(checkpoint::list_checkpoints(t.checkpoint_folder()),
+            (std::vector<int64_t>{4, 6}));
+  // Longer run from the same folder: resumes at 6 and continues.
+  auto longer = job.config([&] { auto o = ck; o.push_back("training.steps=8"); return o; }());
+  Trainer t2(longer);
+  t2.run();
+  EXPECT_EQ(t2.step(), 8);
+  auto lines = read_metrics(fs::path(cfg.get_string("job.dump_folder")) / "metrics.jsonl");
+  int64_t prev = -1;
+  for (const auto& j : lines) {
+    if (!j.contains("loss")) continue;
+    EXPECT_EQ(j["step"].get<int64_t>(), prev + 1 == 0 ? 1 : prev + 1);
+    prev = j["step"].get<int64_t>();
+  }
+  EXPECT_EQ(prev, 8);
+}
+
+TEST(Trainer, CorruptCheckpointIsRefusedNamingTheFile) {
+  Job job;
+  const std::vector<std::string> ck = {"checkpoint.enable=true"};
+  {
+    Trainer t(job.config(ck));
+    t.train_step();
+    t.save_checkpoint();
+  }
+  Trainer probe(job.config(ck));
+  const auto file = fs::path(probe.checkpoint_folder()) / "step-1" / "model.safetensors";
+  ASSERT_TRUE(fs::exists(file));
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-5, std::ios::end);
+    f.put('\x7f');
+  }
+  try {
+    Trainer t(job.config(ck));
+    t.resume();
+    FAIL() << "corrupt checkpoint accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.safetensors"), std::string::npos) << e.what();
+  }
+  // Truncated: also refused.
+  fs::resize_file(file, fs::file_size(file) / 2);
+  EXPECT_THROW({ Trainer t(job.config(ck)); t.resume(); }, Error);
+}
+
+TEST(Trainer, MissingDataNamesTheFile) {
+  Job job;
+  try {
+    Trainer t(job.config({"data.path=/nonexistent/x.tok"}));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/x.tok"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Trainer, MicrobatchesAndAccumulationMatchOneBatchClosely) {
+  // Splitting a step into micro-batches or accumulation steps reorders the
+  // gradient sums only: the losses agree to float32 rounding.
+  Job a, b, c;
+  Trainer ta(a.config({"training.local_batch_size=4"}));
+  Trainer tb(b.config({"training.local_batch_size=4",
+                       "parallelism.pipeline_parallel_microbatches=4"}));
+  Trainer tc(c.config({"training.local_batch_size=2",
+                       "training.gradient_accumulation_steps=2"}));
+  for (int i = 0; i < 3; ++i) {
+    const double la = ta.train_step().loss, lb = tb.train_step().loss,
+                 lc = tc.train_step().loss;
+    EXPECT_NEAR(la, lb, 1e-4 * la);
+    EXPECT_NEAR(la, lc, 1e-4 * la);
+  }
+}
