@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/types.h>
@@ -96,12 +97,15 @@ std::string signal_name(int sig) {
 // ------------------------------------------------------------ signals
 
 std::atomic<int> g_signal_fd{-1};
+std::atomic<pid_t> g_launcher_pid{-1};
 std::atomic<bool> g_launch_active{false};
 
 extern "C" void on_signal(int sig) {
   int saved = errno;
   int fd = g_signal_fd.load();
-  if (fd >= 0) {
+  // A forked child runs this handler until it resets it; only the launcher
+  // itself may feed the pipe.
+  if (fd >= 0 && ::getpid() == g_launcher_pid.load()) {
     unsigned char byte = static_cast<unsigned char>(sig);
     (void)!::write(fd, &byte, 1);
   }
@@ -121,6 +125,7 @@ class SignalRoute {
     write_ = std::move(write_end);
     set_nonblocking(read_.get());
     set_nonblocking(write_.get());
+    g_launcher_pid.store(::getpid());
     g_signal_fd.store(write_.get());
     struct sigaction action {};
     action.sa_handler = on_signal;
@@ -252,7 +257,23 @@ void spawn(RankProcess& proc, const std::vector<std::string>& command,
   envp.push_back(nullptr);
   std::string exec_failed = str("viaduct launch: cannot execute '", command[0], "': ");
 
+  // Signals stay blocked across fork: a SIGTERM meant for a child that has
+  // not reset our handlers yet waits until it has, then ends it.
+  sigset_t routed;
+  sigemptyset(&routed);
+  sigaddset(&routed, SIGINT);
+  sigaddset(&routed, SIGTERM);
+  sigaddset(&routed, SIGCHLD);
+  sigset_t previous_mask;
+  int rc = ::pthread_sigmask(SIG_BLOCK, &routed, &previous_mask);
+  VIADUCT_CHECK(rc == 0, "launch: pthread_sigmask: ", std::strerror(rc));
   pid_t pid = ::fork();
+  if (pid != 0) {
+    int fork_errno = errno;
+    rc = ::pthread_sigmask(SIG_SETMASK, &previous_mask, nullptr);
+    VIADUCT_CHECK(rc == 0, "launch: pthread_sigmask: ", std::strerror(rc));
+    errno = fork_errno;
+  }
   VIADUCT_CHECK(pid >= 0, "launch: fork for rank ", proc.rank, ": ",
                 errno_text());
   if (pid == 0) {
@@ -266,7 +287,7 @@ void spawn(RankProcess& proc, const std::vector<std::string>& command,
     ::sigaction(SIGCHLD, &dfl, nullptr);
     sigset_t none;
     sigemptyset(&none);
-    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::pthread_sigmask(SIG_SETMASK, &none, nullptr);
     if (::dup2(out_write.get(), STDOUT_FILENO) < 0 ||
         ::dup2(err_write.get(), STDERR_FILENO) < 0) {
       ::_exit(127);

@@ -167,3 +167,67 @@ TEST(Launcher, ParsesFlags) {
 
 }  // namespace
 }  // namespace viaduct::dist
+
+// ------------------------------------------------ ranks as real processes
+// The launcher runs this binary again, filtered to RankProcess.Main, with
+// VIADUCT_DIST_TEST_MODE set: each child is one rank that reads its place from
+// the environment the launcher set and builds a pp2 × dp1 mesh over TCPStore.
+
+#include <csignal>
+#include <cstdlib>
+#include <unistd.h>
+
+#include "dist/dist.h"
+
+namespace viaduct::dist {
+namespace {
+
+TEST(RankProcess, Main) {
+  const char* mode = std::getenv("VIADUCT_DIST_TEST_MODE");
+  if (mode == nullptr) GTEST_SKIP() << "only as a child of the launcher tests";
+  RendezvousInfo info = rendezvous_from_env();
+  ASSERT_EQ(info.source, "env");
+  auto mesh = init_mesh(info, 2, 1, at::kCPU, std::chrono::milliseconds(5000));
+  if (std::string(mode) == "die" && info.rank == 1) {
+    std::raise(SIGKILL);  // killed mid-step, before the collective
+  }
+  std::vector<at::Tensor> t = {at::full({3}, static_cast<float>(info.rank + 1))};
+  mesh->world().allreduce(t).wait(str("rank ", info.rank, " step 0 allreduce"));
+  ASSERT_TRUE(at::equal(t[0], at::full({3}, 3.0f)));
+  std::cout << "rank " << info.rank << " sum " << t[0][0].item<float>() << std::endl;
+}
+
+LaunchOptions self_ranks(int nproc) {
+  LaunchOptions options;
+  options.nproc_per_node = nproc;
+  options.command = {"/proc/self/exe", "--gtest_filter=RankProcess.Main"};
+  options.grace = std::chrono::milliseconds(2000);
+  options.timeout = std::chrono::milliseconds(30000);
+  return options;
+}
+
+TEST(LauncherWithRanks, TwoProcessesAllreduce) {
+  ASSERT_EQ(::setenv("VIADUCT_DIST_TEST_MODE", "ok", 1), 0);
+  Captured cap;
+  LaunchResult result = launch(self_ranks(2), cap.sink());
+  ::unsetenv("VIADUCT_DIST_TEST_MODE");
+  EXPECT_EQ(result.exit_code, 0) << result.message;
+  EXPECT_TRUE(cap.has_out("[rank 0] rank 0 sum 3"));
+  EXPECT_TRUE(cap.has_out("[rank 1] rank 1 sum 3"));
+}
+
+TEST(LauncherWithRanks, KilledRankFailsTheJobWithItsName) {
+  ASSERT_EQ(::setenv("VIADUCT_DIST_TEST_MODE", "die", 1), 0);
+  Captured cap;
+  auto start = std::chrono::steady_clock::now();
+  LaunchResult result = launch(self_ranks(2), cap.sink());
+  ::unsetenv("VIADUCT_DIST_TEST_MODE");
+  EXPECT_NE(result.exit_code, 0);
+  EXPECT_EQ(result.failed_rank, 1) << result.message;
+  EXPECT_NE(result.message.find("rank 1 was killed by SIGKILL"), std::string::npos)
+      << result.message;
+  EXPECT_LT(seconds_since(start), 15.0);
+}
+
+}  // namespace
+}  // namespace viaduct::dist

@@ -51,12 +51,14 @@ void run_ranks(int world, Fn fn) {
   }
 }
 
-// A one-group world over its own store.
+// A one-group world over its own store. The store always gets kTimeout: a
+// TCPStore client refused by a server that is not listening yet retries
+// only after a delay, which a short test timeout would not cover.
 struct World {
   c10::intrusive_ptr<c10d::Store> store;
   std::unique_ptr<ProcessGroup> pg;
   World(const RendezvousInfo& info, milliseconds timeout = kTimeout)
-      : store(make_store(info, timeout)),
+      : store(make_store(info, kTimeout)),
         pg(std::make_unique<ProcessGroup>(make_group_store(store, "test"),
                                           info.rank, info.world_size, at::kCPU,
                                           timeout, "test",
