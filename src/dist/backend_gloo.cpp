@@ -29,8 +29,7 @@ c10::intrusive_ptr<compat::PgBase> make_gloo(
       options->devices.push_back(
           c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
     } else {
-      options->devices.push_back(
-          c10d::ProcessGroupGloo::createDefaultDevice());
+      options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     }
   } catch (const std::exception& e) {
     VIADUCT_CHECK(false, "Gloo: cannot open a network device (hostname '",
@@ -49,12 +48,13 @@ c10::intrusive_ptr<compat::PgBase> make_gloo(
 bool gloo_available() { return false; }
 
 c10::intrusive_ptr<compat::PgBase> make_gloo(
-    const c10::intrusive_ptr<c10d::Store>&, int, int,
-    std::chrono::milliseconds, const std::string&) {
-  VIADUCT_CHECK(false,
-                "this build of viaduct has no Gloo (LibTorch was found without "
-                "gloo/*.h headers), so CPU process groups are unavailable; "
-                "use CUDA devices (NCCL) or build against a LibTorch with Gloo");
+    const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds,
+    const std::string&) {
+  VIADUCT_CHECK(
+      false,
+      "this build of viaduct has no Gloo (LibTorch was found without "
+      "gloo/*.h headers), so CPU process groups are unavailable; "
+      "use CUDA devices (NCCL) or build against a LibTorch with Gloo");
   return {};
 }
 

@@ -56,8 +56,10 @@ bool operator==(const RendezvousInfo& a, const RendezvousInfo& b);
 using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
 
 // Reads, in this order of precedence:
-//  1. RANK + WORLD_SIZE (torchrun, viaduct launch): LOCAL_RANK, LOCAL_WORLD_SIZE
-//     (default: RANK, WORLD_SIZE), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500).
+//  1. RANK + WORLD_SIZE (torchrun, viaduct launch): LOCAL_RANK,
+//  LOCAL_WORLD_SIZE
+//     (default: RANK, WORLD_SIZE), MASTER_ADDR (127.0.0.1), MASTER_PORT
+//     (29500).
 //  2. SLURM_PROCID (srun): world from SLURM_STEP_NUM_TASKS or SLURM_NTASKS,
 //     SLURM_LOCALID, local size from SLURM_STEP_TASKS_PER_NODE /
 //     SLURM_TASKS_PER_NODE / SLURM_NTASKS_PER_NODE ("4", "4(x2)", "2,1" with
@@ -79,7 +81,7 @@ std::string first_slurm_host(const std::string& nodelist);
 // waiting at most `timeout` for the other ranks. world_size == 1 gets an
 // in-process store.
 c10::intrusive_ptr<c10d::Store> make_store(const RendezvousInfo& info,
-                                          std::chrono::milliseconds timeout);
+                                           std::chrono::milliseconds timeout);
 
 // The store of one group: keys prefixed with "<name>/".
 c10::intrusive_ptr<c10d::Store> make_group_store(
@@ -106,7 +108,8 @@ class Work {
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
-  std::string what_;  // "recv from pp rank 1 (global 3), tag 7, group pp.0 (gloo)"
+  std::string
+      what_;  // "recv from pp rank 1 (global 3), tag 7, group pp.0 (gloo)"
   std::chrono::milliseconds timeout_{0};
   bool blocking_ = true;  // Gloo: CPU waits; NCCL: stream-ordered
 };
@@ -171,7 +174,9 @@ struct MeshShape {
   int pp = 1;
   int dp = 1;
   int world_size() const { return pp * dp; }
-  int global_rank(int pp_rank, int dp_rank) const { return dp_rank * pp + pp_rank; }
+  int global_rank(int pp_rank, int dp_rank) const {
+    return dp_rank * pp + pp_rank;
+  }
   int pp_rank(int global_rank) const { return global_rank % pp; }
   int dp_rank(int global_rank) const { return global_rank / pp; }
   std::vector<int> pp_group_ranks(int dp_rank) const;  // one pipeline
@@ -213,9 +218,8 @@ class Mesh {
 // order on every rank). pp * dp must equal info.world_size (ConfigError naming
 // parallelism.pipeline_parallel_degree, parallelism.data_parallel_degree and
 // WORLD_SIZE otherwise).
-std::unique_ptr<Mesh> init_mesh(const RendezvousInfo& info, int pp, int dp,
-                                at::Device device,
-                                std::chrono::milliseconds timeout =
-                                    kDefaultCommTimeout);
+std::unique_ptr<Mesh> init_mesh(
+    const RendezvousInfo& info, int pp, int dp, at::Device device,
+    std::chrono::milliseconds timeout = kDefaultCommTimeout);
 
 }  // namespace viaduct::dist

@@ -162,7 +162,8 @@ class SignalRoute {
   static constexpr std::array<int, 3> kSignals = {SIGINT, SIGTERM, SIGCHLD};
 
   void restore(size_t count) {
-    for (size_t i = 0; i < count; ++i) ::sigaction(kSignals[i], &previous_[i], nullptr);
+    for (size_t i = 0; i < count; ++i)
+      ::sigaction(kSignals[i], &previous_[i], nullptr);
     g_signal_fd.store(-1);
     g_launch_active.store(false);
   }
@@ -250,12 +251,15 @@ void spawn(RankProcess& proc, const std::vector<std::string>& command,
   auto [out_read, out_write] = make_pipe();
   auto [err_read, err_write] = make_pipe();
   std::vector<char*> argv;
-  for (const auto& arg : command) argv.push_back(const_cast<char*>(arg.c_str()));
+  for (const auto& arg : command)
+    argv.push_back(const_cast<char*>(arg.c_str()));
   argv.push_back(nullptr);
   std::vector<char*> envp;
-  for (const auto& entry : env) envp.push_back(const_cast<char*>(entry.c_str()));
+  for (const auto& entry : env)
+    envp.push_back(const_cast<char*>(entry.c_str()));
   envp.push_back(nullptr);
-  std::string exec_failed = str("viaduct launch: cannot execute '", command[0], "': ");
+  std::string exec_failed =
+      str("viaduct launch: cannot execute '", command[0], "': ");
 
   // Signals stay blocked across fork: a SIGTERM meant for a child that has
   // not reset our handlers yet waits until it has, then ends it.
@@ -332,7 +336,8 @@ void pump(int rank, OutputStream& stream, const LineSink& sink) {
     }
     stream.pending.append(buffer, static_cast<size_t>(n));
     size_t start = 0;
-    for (size_t nl; (nl = stream.pending.find('\n', start)) != std::string::npos;
+    for (size_t nl;
+         (nl = stream.pending.find('\n', start)) != std::string::npos;
          start = nl + 1) {
       sink(rank, stream.is_stderr, stream.pending.substr(start, nl - start));
     }
@@ -362,13 +367,13 @@ int find_free_port() {
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_ANY);
   addr.sin_port = 0;
-  VIADUCT_CHECK(::bind(sock.get(), reinterpret_cast<sockaddr*>(&addr),
-                       sizeof(addr)) == 0,
-                "launch: bind to a free port: ", errno_text());
+  VIADUCT_CHECK(
+      ::bind(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0,
+      "launch: bind to a free port: ", errno_text());
   socklen_t len = sizeof(addr);
-  VIADUCT_CHECK(::getsockname(sock.get(), reinterpret_cast<sockaddr*>(&addr),
-                              &len) == 0,
-                "launch: getsockname: ", errno_text());
+  VIADUCT_CHECK(
+      ::getsockname(sock.get(), reinterpret_cast<sockaddr*>(&addr), &len) == 0,
+      "launch: getsockname: ", errno_text());
   return ntohs(addr.sin_port);
 }
 
@@ -385,8 +390,8 @@ int parse_flag_int(const std::string& flag, const std::string& value, int lo,
   }
   VIADUCT_CHECK(used == value.size() && !value.empty(), "launch: ", flag,
                 " expects an integer, got '", value, "'");
-  VIADUCT_CHECK(v >= lo && v <= hi, "launch: ", flag, " must be in [", lo,
-                ", ", hi, "], got ", v);
+  VIADUCT_CHECK(v >= lo && v <= hi, "launch: ", flag, " must be in [", lo, ", ",
+                hi, "], got ", v);
   return static_cast<int>(v);
 }
 
@@ -399,8 +404,9 @@ std::chrono::milliseconds parse_flag_seconds(const std::string& flag,
   } catch (const std::exception&) {
     used = 0;
   }
-  VIADUCT_CHECK(used == value.size() && !value.empty() && v >= 0, "launch: ",
-                flag, " expects seconds (a number >= 0), got '", value, "'");
+  VIADUCT_CHECK(used == value.size() && !value.empty() && v >= 0,
+                "launch: ", flag, " expects seconds (a number >= 0), got '",
+                value, "'");
   return std::chrono::milliseconds(static_cast<long long>(v * 1000.0));
 }
 
@@ -462,8 +468,7 @@ LaunchOptions parse_launch_args(int argc, char** argv) {
     } else if (flag == "--grace") {
       options.grace = parse_flag_seconds(flag, value);
     } else {
-      VIADUCT_CHECK(false, "launch: unknown flag ", flag, "\n",
-                    launch_usage());
+      VIADUCT_CHECK(false, "launch: unknown flag ", flag, "\n", launch_usage());
     }
   }
   for (; i < argc; ++i) options.command.emplace_back(argv[i]);
@@ -484,10 +489,12 @@ LaunchOptions parse_launch_args(int argc, char** argv) {
 LaunchResult launch(const LaunchOptions& options, const LineSink& sink_in) {
   VIADUCT_CHECK(!options.command.empty(),
                 "launch: no command to run (give it after --)");
-  VIADUCT_CHECK(options.nproc_per_node >= 1, "launch: --nproc-per-node must be "
-                "at least 1, got ", options.nproc_per_node);
-  VIADUCT_CHECK(options.nnodes >= 1, "launch: --nnodes must be at least 1, got ",
-                options.nnodes);
+  VIADUCT_CHECK(options.nproc_per_node >= 1,
+                "launch: --nproc-per-node must be "
+                "at least 1, got ",
+                options.nproc_per_node);
+  VIADUCT_CHECK(options.nnodes >= 1,
+                "launch: --nnodes must be at least 1, got ", options.nnodes);
   VIADUCT_CHECK(options.node_rank >= 0 && options.node_rank < options.nnodes,
                 "launch: --node-rank ", options.node_rank, " is not in [0, ",
                 options.nnodes, ")");
@@ -518,9 +525,9 @@ LaunchResult launch(const LaunchOptions& options, const LineSink& sink_in) {
 
   LaunchResult result;
   const auto started = Clock::now();
-  std::optional<Clock::time_point> kill_at;     // SIGKILL deadline
+  std::optional<Clock::time_point> kill_at;      // SIGKILL deadline
   std::optional<Clock::time_point> drain_until;  // after the last rank ended
-  bool ending = false;  // SIGTERM sent to every rank
+  bool ending = false;                           // SIGTERM sent to every rank
   auto end_all = [&](int sig) {
     for (auto& p : procs) p->signal_group(sig);
     if (!ending) {
@@ -561,7 +568,8 @@ LaunchResult launch(const LaunchOptions& options, const LineSink& sink_in) {
     VIADUCT_CHECK(ready >= 0 || errno == EINTR, "launch: poll: ", errno_text());
     if (ready > 0) {
       for (size_t i = 1; i < fds.size(); ++i) {
-        if (fds[i].revents != 0) pump(stream_rank[i - 1], *streams[i - 1], sink);
+        if (fds[i].revents != 0)
+          pump(stream_rank[i - 1], *streams[i - 1], sink);
       }
     }
 
@@ -620,7 +628,8 @@ LaunchResult launch(const LaunchOptions& options, const LineSink& sink_in) {
     }
   }
 
-  if (result.exit_code == 0) result.message = str("all ", procs.size(), " ranks succeeded");
+  if (result.exit_code == 0)
+    result.message = str("all ", procs.size(), " ranks succeeded");
   return result;
 }
 

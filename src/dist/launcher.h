@@ -29,13 +29,14 @@ struct LaunchOptions {
 struct LaunchResult {
   int exit_code = 0;     // 0 only when every rank exited 0
   int failed_rank = -1;  // global rank of the first failure, -1 if none
-  std::string message;   // "rank 1 exited with status 3", "rank 0 killed by SIGKILL"
+  std::string
+      message;  // "rank 1 exited with status 3", "rank 0 killed by SIGKILL"
 };
 
 // Receives one line a rank printed (without its newline) and whether it came
 // from stderr. The default writes "[rank N] line\n" to our stdout/stderr.
-using LineSink = std::function<void(int rank, bool is_stderr,
-                                    const std::string& line)>;
+using LineSink =
+    std::function<void(int rank, bool is_stderr, const std::string& line)>;
 
 // Parses `viaduct launch` arguments (argv[0] == "launch"); throws
 // viaduct::Error on a bad flag. Everything after "--" is the command.

@@ -24,8 +24,8 @@ namespace {
 // not pick an interface; otherwise to this host's name.
 std::string gloo_hostname_for(const RendezvousInfo& info) {
   bool one_host = info.local_world_size == info.world_size;
-  bool loopback_master = info.master_addr == "localhost" ||
-                         info.master_addr.rfind("127.", 0) == 0;
+  bool loopback_master =
+      info.master_addr == "localhost" || info.master_addr.rfind("127.", 0) == 0;
   return one_host || loopback_master ? "127.0.0.1" : "";
 }
 
@@ -40,9 +40,9 @@ Mesh::Mesh(const RendezvousInfo& info, MeshShape shape, at::Device device,
                   ") must be at least 1");
   VIADUCT_CHECK_T(ConfigError, shape_.world_size() == info.world_size,
                   "parallelism.pipeline_parallel_degree (", shape_.pp,
-                  ") × parallelism.data_parallel_degree (", shape_.dp, ") = ",
-                  shape_.world_size(), " but WORLD_SIZE is ", info.world_size,
-                  " (", info.to_string(), ")");
+                  ") × parallelism.data_parallel_degree (", shape_.dp,
+                  ") = ", shape_.world_size(), " but WORLD_SIZE is ",
+                  info.world_size, " (", info.to_string(), ")");
   std::string hostname = gloo_hostname_for(info);
   store_ = make_store(info, timeout_);
 

@@ -14,10 +14,14 @@ namespace {
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return c10d::ReduceOp::SUM;
-    case ReduceOp::kProduct: return c10d::ReduceOp::PRODUCT;
-    case ReduceOp::kMin: return c10d::ReduceOp::MIN;
-    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
+    case ReduceOp::kSum:
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::kProduct:
+      return c10d::ReduceOp::PRODUCT;
+    case ReduceOp::kMin:
+      return c10d::ReduceOp::MIN;
+    case ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
   }
   VIADUCT_ASSERT(false, "unknown ReduceOp");
   return c10d::ReduceOp::SUM;
@@ -38,10 +42,10 @@ const char* kind_name(BackendKind kind) {
 // ---------------------------------------------------------------- stores
 
 c10::intrusive_ptr<c10d::Store> make_store(const RendezvousInfo& info,
-                                          std::chrono::milliseconds timeout) {
-  VIADUCT_CHECK(info.world_size >= 1 && info.rank >= 0 &&
-                    info.rank < info.world_size,
-                "bad rendezvous: ", info.to_string());
+                                           std::chrono::milliseconds timeout) {
+  VIADUCT_CHECK(
+      info.world_size >= 1 && info.rank >= 0 && info.rank < info.world_size,
+      "bad rendezvous: ", info.to_string());
   if (info.world_size == 1) {
     auto store = c10::make_intrusive<c10d::HashStore>();
     store->setTimeout(timeout);
@@ -58,12 +62,11 @@ c10::intrusive_ptr<c10d::Store> make_store(const RendezvousInfo& info,
   try {
     return c10::make_intrusive<c10d::TCPStore>(info.master_addr, options);
   } catch (const std::exception& e) {
-    throw Error(str("rank ", info.rank, ": cannot ",
-                    info.rank == 0 ? "serve" : "reach",
-                    " the rendezvous store at ", info.master_addr, ":",
-                    info.master_port, " (MASTER_ADDR/MASTER_PORT, from ",
-                    info.source, ") with ", info.world_size, " ranks within ",
-                    timeout.count(), " ms: ", e.what()));
+    throw Error(str(
+        "rank ", info.rank, ": cannot ", info.rank == 0 ? "serve" : "reach",
+        " the rendezvous store at ", info.master_addr, ":", info.master_port,
+        " (MASTER_ADDR/MASTER_PORT, from ", info.source, ") with ",
+        info.world_size, " ranks within ", timeout.count(), " ms: ", e.what()));
   }
 }
 
@@ -84,7 +87,9 @@ Work::Work(c10::intrusive_ptr<c10d::Work> work, std::string what,
 void Work::wait(const std::string& context) {
   if (!work_) return;
   auto work = std::move(work_);
-  auto prefix = [&] { return context.empty() ? what_ : context + ": " + what_; };
+  auto prefix = [&] {
+    return context.empty() ? what_ : context + ": " + what_;
+  };
   bool done = false;
   try {
     done = blocking_ ? work->wait(timeout_) : work->wait();
@@ -137,17 +142,18 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank,
                 name_, ": ", global_ranks_.size(),
                 " global ranks for a group of ", size_);
   try {
-    backend_ = kind_ == BackendKind::kGloo
-                   ? detail::make_gloo(store_, rank_, size_, timeout_,
-                                       gloo_hostname)
-                   : detail::make_nccl(store_, rank_, size_, timeout_);
+    backend_ =
+        kind_ == BackendKind::kGloo
+            ? detail::make_gloo(store_, rank_, size_, timeout_, gloo_hostname)
+            : detail::make_nccl(store_, rank_, size_, timeout_);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
     std::string cause = first_line(e.what());
-    throw Error(str("global rank ", global_ranks_[rank_], ": cannot create the ",
-                    kind_name(kind_), " group ", name_, " (rank ", rank_, " of ",
-                    size_, ", timeout ", timeout_.count(), " ms): ", cause));
+    throw Error(str("global rank ", global_ranks_[rank_],
+                    ": cannot create the ", kind_name(kind_), " group ", name_,
+                    " (rank ", rank_, " of ", size_, ", timeout ",
+                    timeout_.count(), " ms): ", cause));
   }
   VIADUCT_ASSERT(backend_, "no backend for group ", name_);
 }
@@ -161,8 +167,8 @@ int ProcessGroup::global_rank(int group_rank) const {
 }
 
 std::string ProcessGroup::describe_peer(int group_rank) const {
-  return str(name_, " rank ", group_rank, " (global ",
-             global_rank(group_rank), ")");
+  return str(name_, " rank ", group_rank, " (global ", global_rank(group_rank),
+             ")");
 }
 
 namespace {
@@ -173,10 +179,10 @@ void check_tensors(const ProcessGroup& pg, const std::vector<at::Tensor>& ts,
   for (const at::Tensor& t : ts) {
     VIADUCT_CHECK(t.defined(), op, " on group ", pg.name(),
                   ": undefined tensor");
-    VIADUCT_CHECK(t.device().type() == pg.device().type(), op, " on group ",
-                  pg.name(), ": tensor on ", t.device(), " but the group is ",
-                  pg.backend_kind() == BackendKind::kGloo ? "gloo (cpu)"
-                                                          : "nccl (cuda)");
+    VIADUCT_CHECK(
+        t.device().type() == pg.device().type(), op, " on group ", pg.name(),
+        ": tensor on ", t.device(), " but the group is ",
+        pg.backend_kind() == BackendKind::kGloo ? "gloo (cpu)" : "nccl (cuda)");
     VIADUCT_CHECK(t.is_contiguous() && !t.is_sparse(), op, " on group ",
                   pg.name(), ": tensors must be dense and contiguous");
   }
@@ -201,10 +207,10 @@ Work start(std::string what, std::chrono::milliseconds timeout, bool blocking,
 
 Work ProcessGroup::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   check_tensors(*this, tensors, "send");
-  VIADUCT_CHECK(dst != rank_, "send on group ", name_, " to itself (rank ",
-                dst, ")");
+  VIADUCT_CHECK(dst != rank_, "send on group ", name_, " to itself (rank ", dst,
+                ")");
   return start(str("send to ", describe_peer(dst), " tag ", tag, " [",
-                        kind_name(kind_), "]"),
+                   kind_name(kind_), "]"),
                timeout_, kind_ == BackendKind::kGloo,
                [&] { return backend_->send(tensors, dst, tag); });
 }
@@ -214,7 +220,7 @@ Work ProcessGroup::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   VIADUCT_CHECK(src != rank_, "recv on group ", name_, " from itself (rank ",
                 src, ")");
   return start(str("recv from ", describe_peer(src), " tag ", tag, " [",
-                        kind_name(kind_), "]"),
+                   kind_name(kind_), "]"),
                timeout_, kind_ == BackendKind::kGloo,
                [&] { return backend_->recv(tensors, src, tag); });
 }
@@ -225,7 +231,7 @@ Work ProcessGroup::allreduce(std::vector<at::Tensor>& tensors, ReduceOp op) {
   options.reduceOp = to_c10d(op);
   options.timeout = timeout_;
   return start(str("allreduce over ", name_, " (", size_, " ranks) [",
-                        kind_name(kind_), "]"),
+                   kind_name(kind_), "]"),
                timeout_, kind_ == BackendKind::kGloo,
                [&] { return backend_->allreduce(tensors, options); });
 }
@@ -236,10 +242,10 @@ Work ProcessGroup::broadcast(std::vector<at::Tensor>& tensors, int root) {
   options.rootRank = root;
   options.rootTensor = 0;
   options.timeout = timeout_;
-  return start(str("broadcast from ", describe_peer(root), " [",
-                        kind_name(kind_), "]"),
-               timeout_, kind_ == BackendKind::kGloo,
-               [&] { return backend_->broadcast(tensors, options); });
+  return start(
+      str("broadcast from ", describe_peer(root), " [", kind_name(kind_), "]"),
+      timeout_, kind_ == BackendKind::kGloo,
+      [&] { return backend_->broadcast(tensors, options); });
 }
 
 Work ProcessGroup::allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -257,7 +263,7 @@ Work ProcessGroup::allgather(std::vector<std::vector<at::Tensor>>& outputs,
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
   return start(str("allgather over ", name_, " (", size_, " ranks) [",
-                        kind_name(kind_), "]"),
+                   kind_name(kind_), "]"),
                timeout_, kind_ == BackendKind::kGloo,
                [&] { return backend_->allgather(outputs, inputs, options); });
 }
@@ -269,7 +275,7 @@ Work ProcessGroup::barrier() {
     options.device_ids = {static_cast<int64_t>(device_.index())};
   }
   return start(str("barrier over ", name_, " (", size_, " ranks) [",
-                        kind_name(kind_), "]"),
+                   kind_name(kind_), "]"),
                timeout_, kind_ == BackendKind::kGloo,
                [&] { return backend_->barrier(options); });
 }

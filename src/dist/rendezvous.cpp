@@ -21,15 +21,18 @@ std::optional<std::string> getenv_lookup(const std::string& name) {
 int parse_int(const std::string& name, const std::string& value, int lo,
               int hi) {
   std::string s = value;
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back())))
+    s.pop_back();
   size_t start = 0;
-  while (start < s.size() && std::isspace(static_cast<unsigned char>(s[start]))) ++start;
+  while (start < s.size() && std::isspace(static_cast<unsigned char>(s[start])))
+    ++start;
   s = s.substr(start);
   bool ok = !s.empty();
   long long v = 0;
   for (size_t i = 0; ok && i < s.size(); ++i) {
     if (i == 0 && s[i] == '-' && s.size() > 1) continue;
-    if (!std::isdigit(static_cast<unsigned char>(s[i])) || v > 1'000'000'000LL) {
+    if (!std::isdigit(static_cast<unsigned char>(s[i])) ||
+        v > 1'000'000'000LL) {
       ok = false;
       break;
     }
@@ -90,9 +93,8 @@ int slurm_tasks_on_node(const std::string& name, const std::string& value,
   size_t pos = 0;
   while (pos < value.size()) {
     size_t comma = value.find(',', pos);
-    std::string item =
-        value.substr(pos, comma == std::string::npos ? std::string::npos
-                                                     : comma - pos);
+    std::string item = value.substr(
+        pos, comma == std::string::npos ? std::string::npos : comma - pos);
     int repeat = 1;
     std::string count_text = item;
     if (auto paren = item.find("(x"); paren != std::string::npos) {
@@ -108,8 +110,8 @@ int slurm_tasks_on_node(const std::string& name, const std::string& value,
     if (comma == std::string::npos) break;
     pos = comma + 1;
   }
-  VIADUCT_CHECK(false, "environment variable ", name, "='", value,
-                "' lists ", node, " nodes but SLURM_NODEID is ", node_id);
+  VIADUCT_CHECK(false, "environment variable ", name, "='", value, "' lists ",
+                node, " nodes but SLURM_NODEID is ", node_id);
   return 0;
 }
 
@@ -132,16 +134,16 @@ RendezvousInfo from_slurm(const EnvLookup& env) {
   RendezvousInfo info;
   info.source = "slurm";
   info.rank = require_int(env, "SLURM_PROCID", 0, kMaxInt, "");
-  std::string world_var =
-      env("SLURM_STEP_NUM_TASKS").has_value() ? "SLURM_STEP_NUM_TASKS"
-                                              : "SLURM_NTASKS";
+  std::string world_var = env("SLURM_STEP_NUM_TASKS").has_value()
+                              ? "SLURM_STEP_NUM_TASKS"
+                              : "SLURM_NTASKS";
   info.world_size = require_int(env, world_var, 1, kMaxInt,
                                 "SLURM_PROCID is set; run the job with srun");
   info.local_rank = optional_int(env, "SLURM_LOCALID", 0, 0, kMaxInt);
   int node_id = optional_int(env, "SLURM_NODEID", 0, 0, kMaxInt);
   std::string local_var;
-  for (const char* name : {"SLURM_STEP_TASKS_PER_NODE",
-                           "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"}) {
+  for (const char* name : {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                           "SLURM_NTASKS_PER_NODE"}) {
     if (auto value = env(name); value.has_value() && !value->empty()) {
       local_var = name;
       info.local_world_size = slurm_tasks_on_node(name, *value, node_id);
@@ -165,8 +167,7 @@ RendezvousInfo from_slurm(const EnvLookup& env) {
                     "SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set)");
     }
   }
-  check_consistent(info, "SLURM_PROCID", world_var, "SLURM_LOCALID",
-                   local_var);
+  check_consistent(info, "SLURM_PROCID", world_var, "SLURM_LOCALID", local_var);
   return info;
 }
 
@@ -176,8 +177,8 @@ RendezvousInfo from_mpi(const EnvLookup& env) {
   info.rank = require_int(env, "OMPI_COMM_WORLD_RANK", 0, kMaxInt, "");
   info.world_size = require_int(env, "OMPI_COMM_WORLD_SIZE", 1, kMaxInt,
                                 "OMPI_COMM_WORLD_RANK is set");
-  info.local_rank = optional_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", info.rank,
-                                 0, kMaxInt);
+  info.local_rank =
+      optional_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", info.rank, 0, kMaxInt);
   info.local_world_size = optional_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE",
                                        info.world_size, 1, kMaxInt);
   read_master(env, info);

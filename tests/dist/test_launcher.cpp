@@ -43,11 +43,11 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 TEST(Launcher, PrefixesLinesAndSetsTheEnvironment) {
-  LaunchOptions options = sh(
-      2,
-      "echo env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK "
-      "$MASTER_ADDR; echo port=$MASTER_PORT; printf 'a\\nb\\n'; "
-      "echo oops >&2; printf 'no newline'");
+  LaunchOptions options =
+      sh(2,
+         "echo env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK "
+         "$MASTER_ADDR; echo port=$MASTER_PORT; printf 'a\\nb\\n'; "
+         "echo oops >&2; printf 'no newline'");
   options.master_port = 23456;
   Captured cap;
   LaunchResult result = launch(options, cap.sink());
@@ -77,8 +77,9 @@ TEST(Launcher, SecondNodeNumbersItsRanks) {
 }
 
 TEST(Launcher, FailureEndsTheOtherRanksQuickly) {
-  LaunchOptions options = sh(
-      3, "if [ \"$RANK\" = 1 ]; then sleep 0.2; echo failing; exit 3; fi; "
+  LaunchOptions options =
+      sh(3,
+         "if [ \"$RANK\" = 1 ]; then sleep 0.2; echo failing; exit 3; fi; "
          "sleep 30; echo survived");
   Captured cap;
   auto start = std::chrono::steady_clock::now();
@@ -86,7 +87,8 @@ TEST(Launcher, FailureEndsTheOtherRanksQuickly) {
   double took = seconds_since(start);
   EXPECT_EQ(result.exit_code, 3);
   EXPECT_EQ(result.failed_rank, 1);
-  EXPECT_NE(result.message.find("rank 1 exited with status 3"), std::string::npos)
+  EXPECT_NE(result.message.find("rank 1 exited with status 3"),
+            std::string::npos)
       << result.message;
   EXPECT_TRUE(cap.has_out("[rank 1] failing"));
   EXPECT_FALSE(cap.has_out("[rank 0] survived"));
@@ -95,12 +97,12 @@ TEST(Launcher, FailureEndsTheOtherRanksQuickly) {
 
 TEST(Launcher, RankKilledBySignalIsNamed) {
   Captured cap;
-  LaunchResult result =
-      launch(sh(2, "if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; sleep 30"),
-             cap.sink());
+  LaunchResult result = launch(
+      sh(2, "if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; sleep 30"), cap.sink());
   EXPECT_EQ(result.exit_code, 128 + 9);
   EXPECT_EQ(result.failed_rank, 0);
-  EXPECT_NE(result.message.find("rank 0 was killed by SIGKILL"), std::string::npos)
+  EXPECT_NE(result.message.find("rank 0 was killed by SIGKILL"),
+            std::string::npos)
       << result.message;
 }
 
@@ -145,10 +147,10 @@ LaunchOptions parse(std::vector<std::string> args) {
 }
 
 TEST(Launcher, ParsesFlags) {
-  LaunchOptions o = parse({"launch", "--nproc-per-node", "4", "--nnodes=2",
-                           "--node_rank", "1", "--master-addr", "n0",
-                           "--master-port", "1234", "--timeout", "1.5", "--",
-                           "prog", "--flag", "x"});
+  LaunchOptions o =
+      parse({"launch", "--nproc-per-node", "4", "--nnodes=2", "--node_rank",
+             "1", "--master-addr", "n0", "--master-port", "1234", "--timeout",
+             "1.5", "--", "prog", "--flag", "x"});
   EXPECT_EQ(o.nproc_per_node, 4);
   EXPECT_EQ(o.nnodes, 2);
   EXPECT_EQ(o.node_rank, 1);
@@ -158,11 +160,14 @@ TEST(Launcher, ParsesFlags) {
   EXPECT_EQ(o.command, (std::vector<std::string>{"prog", "--flag", "x"}));
   EXPECT_THROW(parse({"launch", "--", "prog"}), Error);  // no --nproc-per-node
   EXPECT_THROW(parse({"launch", "--nproc-per-node", "0", "--", "p"}), Error);
-  EXPECT_THROW(parse({"launch", "--nproc-per-node", "2"}), Error);  // no command
-  EXPECT_THROW(parse({"launch", "--nproc-per-node", "2", "--nnodes", "2", "--", "p"}),
-               Error);  // several nodes need --master-addr
-  EXPECT_THROW(parse({"launch", "--nproc-per-node", "2", "--bogus", "1", "--", "p"}),
-               Error);
+  EXPECT_THROW(parse({"launch", "--nproc-per-node", "2"}),
+               Error);  // no command
+  EXPECT_THROW(
+      parse({"launch", "--nproc-per-node", "2", "--nnodes", "2", "--", "p"}),
+      Error);  // several nodes need --master-addr
+  EXPECT_THROW(
+      parse({"launch", "--nproc-per-node", "2", "--bogus", "1", "--", "p"}),
+      Error);
 }
 
 }  // namespace
@@ -173,9 +178,10 @@ TEST(Launcher, ParsesFlags) {
 // VIADUCT_DIST_TEST_MODE set: each child is one rank that reads its place from
 // the environment the launcher set and builds a pp2 × dp1 mesh over TCPStore.
 
+#include <unistd.h>
+
 #include <csignal>
 #include <cstdlib>
-#include <unistd.h>
 
 #include "dist/dist.h"
 
@@ -191,10 +197,12 @@ TEST(RankProcess, Main) {
   if (std::string(mode) == "die" && info.rank == 1) {
     std::raise(SIGKILL);  // killed mid-step, before the collective
   }
-  std::vector<at::Tensor> t = {at::full({3}, static_cast<float>(info.rank + 1))};
+  std::vector<at::Tensor> t = {
+      at::full({3}, static_cast<float>(info.rank + 1))};
   mesh->world().allreduce(t).wait(str("rank ", info.rank, " step 0 allreduce"));
   ASSERT_TRUE(at::equal(t[0], at::full({3}, 3.0f)));
-  std::cout << "rank " << info.rank << " sum " << t[0][0].item<float>() << std::endl;
+  std::cout << "rank " << info.rank << " sum " << t[0][0].item<float>()
+            << std::endl;
 }
 
 LaunchOptions self_ranks(int nproc) {
@@ -224,7 +232,8 @@ TEST(LauncherWithRanks, KilledRankFailsTheJobWithItsName) {
   ::unsetenv("VIADUCT_DIST_TEST_MODE");
   EXPECT_NE(result.exit_code, 0);
   EXPECT_EQ(result.failed_rank, 1) << result.message;
-  EXPECT_NE(result.message.find("rank 1 was killed by SIGKILL"), std::string::npos)
+  EXPECT_NE(result.message.find("rank 1 was killed by SIGKILL"),
+            std::string::npos)
       << result.message;
   EXPECT_LT(seconds_since(start), 15.0);
 }

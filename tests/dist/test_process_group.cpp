@@ -59,10 +59,9 @@ struct World {
   std::unique_ptr<ProcessGroup> pg;
   World(const RendezvousInfo& info, milliseconds timeout = kTimeout)
       : store(make_store(info, kTimeout)),
-        pg(std::make_unique<ProcessGroup>(make_group_store(store, "test"),
-                                          info.rank, info.world_size, at::kCPU,
-                                          timeout, "test",
-                                          std::vector<int>{}, "127.0.0.1")) {}
+        pg(std::make_unique<ProcessGroup>(
+            make_group_store(store, "test"), info.rank, info.world_size,
+            at::kCPU, timeout, "test", std::vector<int>{}, "127.0.0.1")) {}
 };
 
 TEST(ProcessGroup, SendRecvPairs) {
@@ -84,7 +83,8 @@ TEST(ProcessGroup, SendRecvPairs) {
       }
       got.wait(str("rank ", info.rank, " test RECV tag ", tag));
       sent.wait(str("rank ", info.rank, " test SEND tag ", tag));
-      at::Tensor want = at::arange(6, at::kFloat).view({2, 3}) * (peer + 1) + tag;
+      at::Tensor want =
+          at::arange(6, at::kFloat).view({2, 3}) * (peer + 1) + tag;
       VIADUCT_CHECK(at::equal(in[0], want), "rank ", info.rank, " tag ", tag,
                     " got ", in[0]);
     }
@@ -96,7 +96,8 @@ TEST(ProcessGroup, AllreduceSumIsClosedForm) {
   run_ranks(world, [&](const RendezvousInfo& info) {
     World w(info);
     // rank r holds (r + 1) * [1, 2, ..., 5]; the sum is n(n+1)/2 * [1..5].
-    std::vector<at::Tensor> t = {at::arange(1, 6, at::kDouble) * (info.rank + 1)};
+    std::vector<at::Tensor> t = {at::arange(1, 6, at::kDouble) *
+                                 (info.rank + 1)};
     w.pg->allreduce(t).wait("allreduce test");
     at::Tensor want = at::arange(1, 6, at::kDouble) * (world * (world + 1) / 2);
     VIADUCT_CHECK(at::equal(t[0], want), "rank ", info.rank, " got ", t[0]);
@@ -114,13 +115,15 @@ TEST(ProcessGroup, BroadcastAllgatherBarrier) {
     w.pg->broadcast(b, 2).wait("broadcast test");
     VIADUCT_CHECK(at::equal(b[0], at::full({4}, 7.0f)), "broadcast: ", b[0]);
 
-    std::vector<at::Tensor> in = {at::full({2}, static_cast<int64_t>(10 * info.rank))};
+    std::vector<at::Tensor> in = {
+        at::full({2}, static_cast<int64_t>(10 * info.rank))};
     std::vector<std::vector<at::Tensor>> out(1);
     for (int r = 0; r < world; ++r) out[0].push_back(at::empty({2}, at::kLong));
     w.pg->allgather(out, in).wait("allgather test");
     for (int r = 0; r < world; ++r) {
-      VIADUCT_CHECK(at::equal(out[0][r], at::full({2}, static_cast<int64_t>(10 * r))),
-                    "allgather slot ", r, ": ", out[0][r]);
+      VIADUCT_CHECK(
+          at::equal(out[0][r], at::full({2}, static_cast<int64_t>(10 * r))),
+          "allgather slot ", r, ": ", out[0][r]);
     }
     w.pg->barrier().wait("barrier test");
   });
@@ -158,13 +161,16 @@ TEST(ProcessGroup, RecvFromSilentPeerTimesOutWithContext) {
     } catch (const Error& e) {
       message = e.what();
     }
-    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                            start).count();
+    seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+            .count();
     done.store(true);
   });
-  EXPECT_NE(message.find("rank 0 stage 2 microbatch 5 RECV_F"), std::string::npos)
+  EXPECT_NE(message.find("rank 0 stage 2 microbatch 5 RECV_F"),
+            std::string::npos)
       << message;
-  EXPECT_NE(message.find("recv from test rank 1"), std::string::npos) << message;
+  EXPECT_NE(message.find("recv from test rank 1"), std::string::npos)
+      << message;
   EXPECT_NE(message.find("timed out"), std::string::npos) << message;
   EXPECT_GE(seconds, 0.9);
   EXPECT_LT(seconds, 5.0);
@@ -189,8 +195,9 @@ TEST(ProcessGroup, PeerThatLeavesFailsAllreduceWithinTimeout) {
     } catch (const Error& e) {
       message = e.what();
     }
-    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                            start).count();
+    seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+            .count();
   });
   EXPECT_NE(message.find("rank 0 step 1 grad allreduce: allreduce over test"),
             std::string::npos)
@@ -203,13 +210,12 @@ TEST(Mesh, Pp2Dp2SubGroupsReduceOverTheRightRanks) {
   run_ranks(4, [](const RendezvousInfo& info) {
     auto mesh = init_mesh(info, /*pp=*/2, /*dp=*/2, at::kCPU, kTimeout);
     const int r = info.rank;
-    VIADUCT_CHECK(mesh->pp_rank() == r % 2 && mesh->dp_rank() == r / 2,
-                  "rank ", r, " coordinates");
+    VIADUCT_CHECK(mesh->pp_rank() == r % 2 && mesh->dp_rank() == r / 2, "rank ",
+                  r, " coordinates");
     VIADUCT_CHECK(mesh->pp_group().rank() == mesh->pp_rank() &&
                       mesh->pp_group().size() == 2 &&
                       mesh->dp_group().rank() == mesh->dp_rank() &&
-                      mesh->dp_group().size() == 2 &&
-                      mesh->world().size() == 4,
+                      mesh->dp_group().size() == 2 && mesh->world().size() == 4,
                   "rank ", r, " group shapes");
     // Sum of global ranks: pp group of replica d = {2d, 2d+1} -> 4d + 1;
     // dp group of stage p = {p, p + 2} -> 2p + 2; world -> 6.
@@ -219,16 +225,20 @@ TEST(Mesh, Pp2Dp2SubGroupsReduceOverTheRightRanks) {
     mesh->pp_group().allreduce(pp).wait("pp");
     mesh->dp_group().allreduce(dp).wait("dp");
     mesh->world().allreduce(all).wait("world");
-    VIADUCT_CHECK(pp[0].item<double>() == 4 * (r / 2) + 1, "rank ", r, " pp sum ", pp[0]);
-    VIADUCT_CHECK(dp[0].item<double>() == 2 * (r % 2) + 2, "rank ", r, " dp sum ", dp[0]);
-    VIADUCT_CHECK(all[0].item<double>() == 6, "rank ", r, " world sum ", all[0]);
+    VIADUCT_CHECK(pp[0].item<double>() == 4 * (r / 2) + 1, "rank ", r,
+                  " pp sum ", pp[0]);
+    VIADUCT_CHECK(dp[0].item<double>() == 2 * (r % 2) + 2, "rank ", r,
+                  " dp sum ", dp[0]);
+    VIADUCT_CHECK(all[0].item<double>() == 6, "rank ", r, " world sum ",
+                  all[0]);
     // Pipeline neighbours talk over the pp group in group ranks.
     std::vector<at::Tensor> msg = {at::full({2}, static_cast<float>(r))};
     if (mesh->pp_rank() == 0) {
       mesh->pp_group().send(msg, 1, 9).wait("SEND_F");
     } else {
       mesh->pp_group().recv(msg, 0, 9).wait("RECV_F");
-      VIADUCT_CHECK(msg[0][0].item<float>() == r - 1, "rank ", r, " got ", msg[0]);
+      VIADUCT_CHECK(msg[0][0].item<float>() == r - 1, "rank ", r, " got ",
+                    msg[0]);
     }
     VIADUCT_CHECK(mesh->pp_group().global_rank(1) == 2 * mesh->dp_rank() + 1,
                   "global rank map");

@@ -49,9 +49,12 @@ TEST(Rendezvous, NothingSetIsOneProcess) {
 }
 
 TEST(Rendezvous, Torchrun) {
-  Env env = {{"RANK", "5"},          {"WORLD_SIZE", "8"},
-             {"LOCAL_RANK", "1"},    {"LOCAL_WORLD_SIZE", "4"},
-             {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29512"},
+  Env env = {{"RANK", "5"},
+             {"WORLD_SIZE", "8"},
+             {"LOCAL_RANK", "1"},
+             {"LOCAL_WORLD_SIZE", "4"},
+             {"MASTER_ADDR", "node0"},
+             {"MASTER_PORT", "29512"},
              {"GROUP_RANK", "1"}};
   EXPECT_EQ(parse(env), expected(5, 8, 1, 4, "node0", 29512, "env"));
 }
@@ -62,7 +65,9 @@ TEST(Rendezvous, TorchrunDefaults) {
 }
 
 TEST(Rendezvous, TorchrunTakesPrecedenceOverSlurm) {
-  Env env = {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"SLURM_PROCID", "3"},
+  Env env = {{"RANK", "0"},
+             {"WORLD_SIZE", "2"},
+             {"SLURM_PROCID", "3"},
              {"SLURM_NTASKS", "4"}};
   EXPECT_EQ(parse(env).source, "env");
 }
@@ -79,17 +84,22 @@ TEST(Rendezvous, SlurmSrun) {
 }
 
 TEST(Rendezvous, SlurmUnevenTasksAndMasterAddr) {
-  Env env = {{"SLURM_PROCID", "4"},       {"SLURM_NTASKS", "5"},
-             {"SLURM_LOCALID", "0"},      {"SLURM_NODEID", "2"},
+  Env env = {{"SLURM_PROCID", "4"},
+             {"SLURM_NTASKS", "5"},
+             {"SLURM_LOCALID", "0"},
+             {"SLURM_NODEID", "2"},
              {"SLURM_TASKS_PER_NODE", "2(x2),1"},
              {"SLURM_JOB_NODELIST", "a,b,c"},
-             {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "1234"}};
+             {"MASTER_ADDR", "10.0.0.1"},
+             {"MASTER_PORT", "1234"}};
   EXPECT_EQ(parse(env), expected(4, 5, 0, 1, "10.0.0.1", 1234, "slurm"));
 }
 
 TEST(Rendezvous, SlurmNtasksPerNode) {
-  Env env = {{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"},
-             {"SLURM_LOCALID", "1"}, {"SLURM_NTASKS_PER_NODE", "2"},
+  Env env = {{"SLURM_PROCID", "1"},
+             {"SLURM_NTASKS", "2"},
+             {"SLURM_LOCALID", "1"},
+             {"SLURM_NTASKS_PER_NODE", "2"},
              {"SLURM_JOB_NODELIST", "login1"}};
   EXPECT_EQ(parse(env), expected(1, 2, 1, 2, "login1", 29500, "slurm"));
 }
@@ -124,26 +134,29 @@ TEST(Rendezvous, BadValuesNameTheVariable) {
             std::string::npos);
   EXPECT_NE(error_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}}).find("WORLD_SIZE"),
             std::string::npos);
-  EXPECT_NE(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"},
-                      {"MASTER_PORT", "70000"}})
-                .find("MASTER_PORT"),
-            std::string::npos);
-  EXPECT_NE(error_of({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"},
+  EXPECT_NE(
+      error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}})
+          .find("MASTER_PORT"),
+      std::string::npos);
+  EXPECT_NE(error_of({{"RANK", "0"},
+                      {"WORLD_SIZE", "4"},
+                      {"LOCAL_RANK", "2"},
                       {"LOCAL_WORLD_SIZE", "2"}})
                 .find("LOCAL_RANK=2"),
             std::string::npos);
   EXPECT_NE(error_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "two"}})
                 .find("SLURM_NTASKS"),
             std::string::npos);
-  EXPECT_NE(error_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"},
+  EXPECT_NE(error_of({{"SLURM_PROCID", "0"},
+                      {"SLURM_NTASKS", "4"},
                       {"SLURM_NODEID", "3"},
                       {"SLURM_TASKS_PER_NODE", "2(x2)"}})
                 .find("SLURM_TASKS_PER_NODE"),
             std::string::npos);
-  EXPECT_NE(error_of({{"OMPI_COMM_WORLD_RANK", "-1"},
-                      {"OMPI_COMM_WORLD_SIZE", "2"}})
-                .find("OMPI_COMM_WORLD_RANK"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of({{"OMPI_COMM_WORLD_RANK", "-1"}, {"OMPI_COMM_WORLD_SIZE", "2"}})
+          .find("OMPI_COMM_WORLD_RANK"),
+      std::string::npos);
 }
 
 TEST(MeshShape, PipelinesAreContiguous) {
@@ -162,7 +175,8 @@ TEST(Mesh, ShapeMustMatchWorldSize) {
     FAIL() << "no error";
   } catch (const ConfigError& e) {
     std::string what = e.what();
-    EXPECT_NE(what.find("parallelism.pipeline_parallel_degree"), std::string::npos);
+    EXPECT_NE(what.find("parallelism.pipeline_parallel_degree"),
+              std::string::npos);
     EXPECT_NE(what.find("parallelism.data_parallel_degree"), std::string::npos);
     EXPECT_NE(what.find("WORLD_SIZE is 6"), std::string::npos) << what;
   }
