@@ -116,6 +116,10 @@ class Work {
 
 enum class BackendKind { kGloo, kNccl };
 
+// Whether this build can make groups for tensors on `device`: CPU needs Gloo
+// headers at build time (absent from the wheel), CUDA needs torch_cuda.
+bool backend_available(at::DeviceType device);
+
 // One c10d group. Ranks in calls are ranks in this group; `global_ranks`
 // maps them to world ranks for messages. The backend follows the device:
 // CPU -> Gloo, CUDA -> NCCL.

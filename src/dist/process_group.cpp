@@ -75,6 +75,12 @@ c10::intrusive_ptr<c10d::Store> make_group_store(
   return c10::make_intrusive<c10d::PrefixStore>(name, store);
 }
 
+bool backend_available(at::DeviceType device) {
+  if (device == at::kCPU) return detail::gloo_available();
+  if (device == at::kCUDA) return detail::nccl_available();
+  return false;
+}
+
 // ------------------------------------------------------------------ Work
 
 Work::Work(c10::intrusive_ptr<c10d::Work> work, std::string what,

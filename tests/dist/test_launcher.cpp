@@ -191,6 +191,7 @@ namespace {
 TEST(RankProcess, Main) {
   const char* mode = std::getenv("VIADUCT_DIST_TEST_MODE");
   if (mode == nullptr) GTEST_SKIP() << "only as a child of the launcher tests";
+  if (!backend_available(at::kCPU)) GTEST_SKIP() << "no Gloo in this build";
   RendezvousInfo info = rendezvous_from_env();
   ASSERT_EQ(info.source, "env");
   auto mesh = init_mesh(info, 2, 1, at::kCPU, std::chrono::milliseconds(5000));
@@ -215,6 +216,7 @@ LaunchOptions self_ranks(int nproc) {
 }
 
 TEST(LauncherWithRanks, TwoProcessesAllreduce) {
+  if (!backend_available(at::kCPU)) GTEST_SKIP() << "no Gloo in this build";
   ASSERT_EQ(::setenv("VIADUCT_DIST_TEST_MODE", "ok", 1), 0);
   Captured cap;
   LaunchResult result = launch(self_ranks(2), cap.sink());
@@ -225,6 +227,7 @@ TEST(LauncherWithRanks, TwoProcessesAllreduce) {
 }
 
 TEST(LauncherWithRanks, KilledRankFailsTheJobWithItsName) {
+  if (!backend_available(at::kCPU)) GTEST_SKIP() << "no Gloo in this build";
   ASSERT_EQ(::setenv("VIADUCT_DIST_TEST_MODE", "die", 1), 0);
   Captured cap;
   auto start = std::chrono::steady_clock::now();
