@@ -41,6 +41,11 @@ void add_parallelism_keys(std::vector<ConfigKey>& k) {
                   "micro-batches per step (default: pp x stages per rank)"));
   k.push_back(key("data_parallel_degree", T::kInt, int64_t{1},
                   "data-parallel replicas (dp); world = pp x dp"));
+  k.push_back(key("comm_timeout_seconds", T::kInt, int64_t{300},
+                  "timeout of every collective and P2P; a stuck or dead peer "
+                  "turns into an error naming rank, stage, micro-batch and action"));
+  k.push_back(key("dp_bucket_mb", T::kInt, int64_t{25},
+                  "data-parallel gradient all-reduce bucket size (MiB)"));
   k.push_back(key("attn_res_cache", T::kBool, true,
                   "AttnRes: rank block cache (hops carry only missing blocks); "
                   "false = every hop carries the whole stack"));

@@ -8,20 +8,24 @@
 #ifdef VIADUCT_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #endif
 
 namespace viaduct {
 
-at::Device resolve_device(const std::string& requested) {
+at::Device resolve_device(const std::string& requested, int local_rank) {
   if (requested == "cpu") return at::Device(at::kCPU);
   const bool have_cuda = torch::cuda::is_available();
-  if (requested == "cuda") {
-    VIADUCT_CHECK_T(ConfigError, have_cuda,
-                    "training.device = cuda, but no CUDA device is available "
-                    "(or this build has no CUDA)");
-    return at::Device(at::kCUDA, 0);
-  }
-  return have_cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  VIADUCT_CHECK_T(ConfigError, have_cuda || requested != "cuda",
+                  "training.device = cuda, but no CUDA device is available "
+                  "(or this build has no CUDA)");
+  if (!have_cuda) return at::Device(at::kCPU);
+  const auto index = static_cast<c10::DeviceIndex>(
+      local_rank % static_cast<int>(torch::cuda::device_count()));
+#ifdef VIADUCT_WITH_CUDA
+  c10::cuda::set_device(index);
+#endif
+  return at::Device(at::kCUDA, index);
 }
 
 std::string device_name(const at::Device& device) {

@@ -10,7 +10,8 @@
 namespace viaduct {
 
 // "auto" -> cuda when available, else cpu. "cuda" without a GPU is an error.
-at::Device resolve_device(const std::string& requested);
+// On CUDA the device is cuda:<local_rank % device count> and becomes current.
+at::Device resolve_device(const std::string& requested, int local_rank = 0);
 std::string device_name(const at::Device& device);
 // Dense peak FLOP/s of `device` for `dtype` from a table of known GPUs
 // (H200, H100, A100, ...); nullopt when unknown (CPU).

@@ -18,6 +18,10 @@
 #include "core/torch_compat.h"
 #include "data/sampler.h"
 #include "data/token_file.h"
+#include "dist/dist.h"
+#include "pipeline/runtime/executor.h"
+#include "pipeline/schedule/plan.h"
+#include "pipeline/schedule/plan_config.h"
 
 namespace viaduct {
 namespace fs = std::filesystem;
@@ -45,9 +49,7 @@ std::string float_repr(double v) {
 
 }  // namespace
 
-Trainer::Trainer(Config cfg)
-    : cfg_(std::move(cfg)),
-      device_(resolve_device(cfg_.get_string("training.device"))) {
+Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   const auto lvl = cfg_.get_string("job.log_level");
   log::set_level(lvl == "debug"     ? log::Level::kDebug
                  : lvl == "warning" ? log::Level::kWarn
@@ -55,6 +57,32 @@ Trainer::Trainer(Config cfg)
                                     : log::Level::kInfo);
   // The same thread count whether launched or run alone (determinism).
   at::set_num_threads(static_cast<int>(cfg_.get_int("training.num_threads")));
+
+  // Where this process sits: pp x dp ranks over c10d, or one process.
+  const auto rdv = dist::rendezvous_from_env();
+  const int pp = static_cast<int>(cfg_.get_int("parallelism.pipeline_parallel_degree"));
+  const int dp = static_cast<int>(cfg_.get_int("parallelism.data_parallel_degree"));
+  VIADUCT_CHECK_T(ConfigError, pp * dp == rdv.world_size,
+                  "parallelism.pipeline_parallel_degree (", pp,
+                  ") x parallelism.data_parallel_degree (", dp, ") = ", pp * dp,
+                  " ranks, but WORLD_SIZE is ", rdv.world_size,
+                  rdv.world_size == 1
+                      ? str("; start the ranks with `viaduct launch --nproc-per-node ",
+                            pp * dp, " -- viaduct train ...`")
+                      : std::string());
+  device_ = resolve_device(cfg_.get_string("training.device"), rdv.local_rank);
+  if (rdv.world_size > 1) {
+    const auto timeout =
+        std::chrono::seconds(cfg_.get_int("parallelism.comm_timeout_seconds"));
+    mesh_ = dist::init_mesh(rdv, pp, dp, device_,
+                            std::chrono::duration_cast<std::chrono::milliseconds>(timeout));
+    pp_rank_ = mesh_->pp_rank();
+    dp_rank_ = mesh_->dp_rank();
+    dp_size_ = mesh_->dp();
+    if (rdv.rank != 0 && log::level() < log::Level::kWarn) {
+      log::set_level(log::Level::kWarn);  // rank 0 reports for the job
+    }
+  }
   compute_dtype_ = resolve_dtype(cfg_.get_string("training.dtype"), device_);
 
   const auto path = cfg_.get_string("data.path");
@@ -63,48 +91,172 @@ Trainer::Trainer(Config cfg)
   const auto val = data::resolve_val_path(path, cfg_.get_string("data.val_path"));
   if (!val.empty()) eval_tokens_ = data::open_token_stream(val, format);
 
-  parts_.push_back(build_model_part(cfg_));
-  auto& model = *parts_.front();
+  // The pipeline plan (a pure function of the config: every rank agrees).
+  plan_ = std::make_unique<pipeline::PipelinePlan>(pipeline::make_pipeline_plan(
+      pipeline::plan_spec_from_config(cfg_, model_module_fqns(cfg_))));
+  const auto& split = plan_->split;
   const auto info = describe_model(cfg_);
   flops_per_token_ = info.flops_per_token;
-  const int64_t vocab = cfg_.get_int_opt("model.vocab_size").value_or(-1);
-  (void)vocab;
-  model.init_weights(static_cast<uint64_t>(cfg_.get_int("training.seed")));
-  model.to(device_);
-  model.set_compute_dtype(compute_dtype_);
+  const auto seed = static_cast<uint64_t>(cfg_.get_int("training.seed"));
+  std::vector<NamedParam> params;
+  std::vector<std::unique_ptr<pipeline::PipelineStage>> stages;
+  std::vector<double> counts(static_cast<size_t>(split.num_stages), 0.0);
+  for (int64_t s : split.rank_to_stages.at(pp_rank_)) {
+    auto part = build_model_part(
+        cfg_, split.num_stages == 1 ? std::vector<std::string>{} : split.stage_modules.at(s));
+    part->init_weights(seed);
+    part->to(device_);
+    part->set_compute_dtype(compute_dtype_);
+    auto named = named_params_for_training(*part);
+    counts[static_cast<size_t>(s)] = static_cast<double>(named.size());
+    params.insert(params.end(), named.begin(), named.end());
+    parts_.push_back(part);
+    stages.push_back(std::make_unique<pipeline::PipelineStage>(s, split.num_stages, part));
+  }
+  // Global FQN order = stage order, then each part's registration order.
+  sum_over(mesh_ ? &mesh_->pp_group() : nullptr, counts, "parameter counts");
+  std::vector<int64_t> stage_offset(counts.size() + 1, 0);
+  for (size_t s = 0; s < counts.size(); ++s)
+    stage_offset[s + 1] = stage_offset[s] + static_cast<int64_t>(counts[s]);
+  total_param_tensors_ = stage_offset.back();
+  for (int64_t s : split.rank_to_stages.at(pp_rank_))
+    param_offsets_.push_back(stage_offset[static_cast<size_t>(s)]);
 
   // Token ids must fit the embedding.
-  int64_t model_vocab = 0;
-  for (const auto& p : model.named_parameters()) {
-    if (p.key() == "tok_embeddings.weight") model_vocab = p.value().size(0);
+  const int64_t model_vocab = cfg_.get_int_opt("model.vocab_size").value_or(0);
+  for (const auto& np : params) {
+    if (np.fqn == "tok_embeddings.weight") {
+      VIADUCT_CHECK_T(ConfigError, train_tokens_->max_token() < np.param.size(0),
+                      "the data ", train_tokens_->describe(), " holds token id ",
+                      train_tokens_->max_token(), ", but model.vocab_size is ",
+                      np.param.size(0));
+    }
   }
-  VIADUCT_CHECK_T(ConfigError, train_tokens_->max_token() < model_vocab,
-                  "the data ", train_tokens_->describe(), " holds token id ",
-                  train_tokens_->max_token(), ", but model.vocab_size is ",
-                  model_vocab);
+  (void)model_vocab;
+  optimizer_ = make_optimizer(cfg_, std::move(params));
 
-  optimizer_ = make_optimizer(cfg_, named_params_for_training(model));
+  if (split.num_stages > 1) {
+    executor_ = std::make_unique<pipeline::PipelineExecutor>(
+        *plan_, pp_rank_, std::move(stages), mesh_ ? &mesh_->pp_group() : nullptr,
+        device_);
+  }
 
   data::SamplerOptions so;
   so.batch_size = cfg_.get_int("training.local_batch_size");
   so.seq_len = cfg_.get_int("training.seq_len");
-  so.seed = static_cast<uint64_t>(cfg_.get_int("training.seed"));
+  so.seed = seed;
   so.shuffle = cfg_.get_bool("data.shuffle");
+  so.dp_rank = dp_rank_;
+  so.dp_size = dp_size_;
+  VIADUCT_CHECK_T(ConfigError, so.batch_size % num_microbatches() == 0,
+                  "training.local_batch_size (", so.batch_size,
+                  ") must be divisible by the ", num_microbatches(),
+                  " micro-batches (parallelism.pipeline_parallel_microbatches)");
   sampler_ = std::make_unique<data::TokenSampler>(train_tokens_, so);
   if (eval_tokens_) {
     eval_loader_ = std::make_unique<data::EvalLoader>(
         eval_tokens_, so, cfg_.get_int("data.eval_batches"));
   }
-  progress_bar_ = cfg_.get_bool("metrics.progress_bar") && isatty(STDOUT_FILENO);
+  if (executor_) {
+    // Boundary shapes from one forward-only micro-batch (Note [Boundary metadata]).
+    auto probe = at::zeros({so.batch_size / num_microbatches(), so.seq_len}, at::kLong);
+    executor_->infer_metadata(probe);
+  }
+  progress_bar_ = cfg_.get_bool("metrics.progress_bar") && isatty(STDOUT_FILENO) &&
+                  is_logging_rank();
 
-  int64_t n_params = 0;
-  for (const auto& np : optimizer_->params()) n_params += np.param.numel();
   log::info("model ", info.family, "/", info.flavor, ": ", info.n_layers,
-            " layers, ", n_params, " parameters; device ", device_name(device_),
+            " layers, ", info.params, " parameters; device ", device_name(device_),
             ", dtype ", c10::toString(compute_dtype_), ", LibTorch ",
             compat::torch_version(), ", ", at::get_num_threads(), " threads");
+  if (split.num_stages > 1 || dp_size_ > 1) {
+    log::info("parallelism: pp ", split.pp, " x dp ", dp_size_, ", ",
+              split.num_stages, " stages (", split.stages_per_rank, " per rank, ",
+              pipeline::placement_name(split.placement), "), schedule ",
+              cfg_.get_string("parallelism.pipeline_parallel_schedule"), ", ",
+              num_microbatches(), " micro-batches, simulated bubble ",
+              plan_->simulation.bubble_fraction);
+  }
   log::info("data ", train_tokens_->describe(), ": ", train_tokens_->size(),
             " tokens", eval_tokens_ ? ", eval " + eval_tokens_->describe() : "");
+}
+
+int Trainer::rank() const { return mesh_ ? mesh_->rank() : 0; }
+
+int64_t Trainer::num_microbatches() const {
+  // pp = 1 with one stage: the key alone decides (default 1).
+  if (plan_->split.num_stages == 1) {
+    return cfg_.get_int_opt("parallelism.pipeline_parallel_microbatches").value_or(1);
+  }
+  int64_t m = 0;
+  for (const auto& rank_actions : plan_->compute.ranks) {
+    for (const auto& a : rank_actions) {
+      for (const auto& leaf : pipeline::leaf_actions(a)) m = std::max(m, leaf.microbatch + 1);
+    }
+  }
+  return m;
+}
+
+void Trainer::sum_over(dist::ProcessGroup* group, std::vector<double>& values,
+                       const std::string& what) {
+  if (group == nullptr || group->size() == 1 || values.empty()) return;
+  auto t = at::tensor(values, at::TensorOptions().dtype(at::kDouble)).to(group->device());
+  std::vector<at::Tensor> ts{t};
+  group->allreduce(ts).wait(str("rank ", rank(), " step ", step_ + 1, " all-reduce of ", what,
+                                " over ", group->name()));
+  auto c = ts[0].cpu();
+  for (size_t i = 0; i < values.size(); ++i) values[i] = c[static_cast<int64_t>(i)].item<double>();
+}
+
+void Trainer::allreduce_grads_over_dp() {
+  if (!mesh_ || dp_size_ == 1) return;
+  // Flatten gradients into buckets of parallelism.dp_bucket_mb, all-reduce
+  // (sum) each, copy back. Every replica adds the same terms in the same order.
+  const int64_t bucket_bytes = cfg_.get_int("parallelism.dp_bucket_mb") << 20;
+  const auto& params = optimizer_->params();
+  size_t i = 0;
+  while (i < params.size()) {
+    std::vector<at::Tensor> grads;
+    int64_t bytes = 0;
+    at::ScalarType dtype = at::kFloat;
+    for (; i < params.size(); ++i) {
+      auto& p = params[i].param;
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+      if (!grads.empty() && (bytes >= bucket_bytes || p.grad().scalar_type() != dtype)) break;
+      dtype = p.grad().scalar_type();
+      grads.push_back(p.grad());
+      bytes += p.grad().numel() * static_cast<int64_t>(p.grad().element_size());
+    }
+    std::vector<at::Tensor> flat{at::cat([&] {
+      std::vector<at::Tensor> f;
+      for (auto& g : grads) f.push_back(g.reshape(-1));
+      return f;
+    }())};
+    mesh_->dp_group().allreduce(flat).wait(
+        str("rank ", rank(), " step ", step_ + 1, " data-parallel gradient all-reduce"));
+    int64_t off = 0;
+    torch::NoGradGuard no_grad;
+    for (auto& g : grads) {
+      g.copy_(flat[0].slice(0, off, off + g.numel()).view_as(g));
+      off += g.numel();
+    }
+  }
+}
+
+double Trainer::global_grad_norm() {
+  // Per-parameter squared norms placed at their global FQN index, summed over
+  // the pp group (each slot has one non-zero contributor: exact), then added
+  // in global order: every layout gets the same bits.
+  const auto local = grad_squared_norms(optimizer_->params());
+  if (!mesh_ || mesh_->pp() == 1) return total_norm(local);
+  std::vector<double> all(static_cast<size_t>(total_param_tensors_), 0.0);
+  size_t k = 0;
+  for (size_t p = 0; p < parts_.size(); ++p) {
+    const auto n = parts_[p]->parameters().size();
+    for (size_t j = 0; j < n; ++j, ++k) all[static_cast<size_t>(param_offsets_[p]) + j] = local[k];
+  }
+  sum_over(&mesh_->pp_group(), all, "gradient norms");
+  return total_norm(all);
 }
 
 Trainer::~Trainer() = default;
@@ -125,28 +277,47 @@ at::Tensor Trainer::forward_loss(const at::Tensor& inputs,
 StepMetrics Trainer::train_step() {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t accum = cfg_.get_int("training.gradient_accumulation_steps");
-  const int64_t n_micro =
-      cfg_.get_int_opt("parallelism.pipeline_parallel_microbatches").value_or(1);
+  const int64_t n_micro = num_microbatches();
   std::vector<data::TokenBatch> batches;
-  int64_t tokens = 0;
+  int64_t local_tokens = 0;
   for (int64_t a = 0; a < accum; ++a) {
     batches.push_back(sampler_->next());
-    tokens += (batches.back().targets != -100).sum().item<int64_t>();
+    local_tokens += (batches.back().targets != -100).sum().item<int64_t>();
   }
+  // Note [Loss scaling]: the denominator is the global token count.
+  std::vector<double> counts{static_cast<double>(local_tokens)};
+  sum_over(mesh_ ? &mesh_->dp_group() : nullptr, counts, "token counts");
+  const auto tokens = static_cast<int64_t>(counts[0]);
+  const double scale = 1.0 / static_cast<double>(tokens);
   for (auto& p : parts_) p->train();
   double loss_sum = 0.0;
   for (const auto& batch : batches) {
-    for (const auto& mb : data::split_microbatches(batch, n_micro)) {
-      auto loss = forward_loss(mb.inputs, mb.targets);
-      loss_sum += loss.item<double>();
-      (loss / static_cast<double>(tokens)).backward();
+    auto mbs = data::split_microbatches(batch, n_micro);
+    if (executor_) {
+      std::vector<at::Tensor> in, tgt;
+      for (const auto& mb : mbs) {
+        in.push_back(mb.inputs);
+        tgt.push_back(mb.targets);
+      }
+      loss_sum += executor_->run_step(in, tgt, scale);
+    } else {
+      for (const auto& mb : mbs) {
+        auto loss = forward_loss(mb.inputs, mb.targets);
+        loss_sum += loss.item<double>();
+        (loss * scale).backward();
+      }
     }
   }
-  const auto& params = optimizer_->params();
-  const double norm = total_norm(grad_squared_norms(params));
+  // The loss lives on the last stage's rank; gather it (exact: one non-zero).
+  std::vector<double> loss{loss_sum};
+  sum_over(mesh_ ? &mesh_->pp_group() : nullptr, loss, "the loss");
+  sum_over(mesh_ ? &mesh_->dp_group() : nullptr, loss, "the loss");
+  allreduce_grads_over_dp();
+  const double norm = global_grad_norm();
   VIADUCT_CHECK(std::isfinite(norm), "step ", step_ + 1,
                 ": the gradient norm is not finite (", norm,
                 "); lower optimizer.lr or check the data");
+  const auto& params = optimizer_->params();
   scale_grads(params, norm, cfg_.get_float("training.max_norm"));
   const double lr = lr_at(cfg_, step_ + 1);
   optimizer_->step(lr);
@@ -160,16 +331,19 @@ StepMetrics Trainer::train_step() {
 
   StepMetrics m;
   m.step = step_;
-  m.loss = loss_sum / static_cast<double>(tokens);
+  m.loss = loss[0] / static_cast<double>(tokens);
   m.grad_norm = norm;
   m.lr = lr;
   m.tokens = tokens;
   m.seconds = secs;
   m.tokens_per_sec = static_cast<double>(tokens) / secs;
   if (auto peak = peak_flops(device_, compute_dtype_)) {
-    m.mfu = flops_per_token_ * m.tokens_per_sec / *peak;
+    // Every rank's device counts toward the peak.
+    const int world = mesh_ ? mesh_->world_size() : 1;
+    m.mfu = flops_per_token_ * m.tokens_per_sec / (*peak * world);
   }
   m.peak_memory_bytes = peak_memory_bytes(device_);
+  m.p2p_bytes = executor_ ? executor_->last_step_p2p_bytes() : 0;
   return m;
 }
 
@@ -177,13 +351,25 @@ double Trainer::evaluate() {
   if (!eval_loader_ || eval_loader_->num_batches() == 0) return std::nan("");
   torch::NoGradGuard no_grad;
   for (auto& p : parts_) p->eval();
-  double sum = 0.0;
-  int64_t tokens = 0;
+  std::vector<double> sums{0.0, 0.0};  // loss, tokens
   for (const auto& b : eval_loader_->batches()) {
-    sum += forward_loss(b.inputs, b.targets).item<double>();
-    tokens += (b.targets != -100).sum().item<int64_t>();
+    if (executor_) {
+      std::vector<at::Tensor> in, tgt;
+      for (const auto& mb : data::split_microbatches(b, num_microbatches())) {
+        in.push_back(mb.inputs);
+        tgt.push_back(mb.targets);
+      }
+      sums[0] += executor_->run_eval(in, tgt);
+    } else {
+      sums[0] += forward_loss(b.inputs, b.targets).item<double>();
+    }
+    sums[1] += static_cast<double>((b.targets != -100).sum().item<int64_t>());
   }
-  return sum / static_cast<double>(tokens);
+  std::vector<double> loss{sums[0]};
+  sum_over(mesh_ ? &mesh_->pp_group() : nullptr, loss, "the eval loss");
+  sums[0] = loss[0];
+  sum_over(mesh_ ? &mesh_->dp_group() : nullptr, sums, "the eval loss");
+  return sums[0] / sums[1];
 }
 
 void Trainer::save_checkpoint() {
@@ -193,22 +379,49 @@ void Trainer::save_checkpoint() {
   meta.tokens_seen = tokens_seen_;
   meta.data_cursor = nlohmann::json::parse(sampler_->cursor().to_json());
   meta.config_toml = cfg_.to_toml();
-  meta.layout = {{"pp", 1}, {"dp", 1}, {"stages", static_cast<int>(parts_.size())}};
+  meta.layout = {{"pp", plan_->split.pp},
+                 {"dp", dp_size_},
+                 {"stages", plan_->split.num_stages}};
   meta.extra = {{"optimizer_steps", optimizer_->steps_taken()}};
   meta.torch_version = compat::torch_version();
-  ck::CheckpointPart model_part{"model.safetensors", {}, {}};
+  const int pp = static_cast<int>(plan_->split.pp);
+  ck::CheckpointPart model_part{ck::part_file_name("model", pp_rank_, pp), {}, {}};
   for (const auto& part : parts_) {
     for (const auto& p : part->named_parameters()) {
       model_part.tensors.emplace_back(p.key(), p.value().detach());
     }
   }
-  ck::CheckpointPart optim_part{"optim.safetensors", optimizer_->state(), {}};
-  const auto dir = ck::save_checkpoint(checkpoint_folder(), meta,
-                                       {model_part, optim_part});
-  const auto removed = ck::prune_checkpoints(
-      checkpoint_folder(), static_cast<int>(cfg_.get_int("checkpoint.keep_latest_k")));
-  log::info("saved checkpoint ", dir.string(),
-            removed.empty() ? "" : str(" (pruned ", removed.size(), " older)"));
+  ck::CheckpointPart optim_part{ck::part_file_name("optim", pp_rank_, pp),
+                                optimizer_->state(), {}};
+  std::filesystem::path dir;
+  if (!mesh_) {
+    dir = ck::save_checkpoint(checkpoint_folder(), meta, {model_part, optim_part});
+  } else {
+    // Two phases: the dp-rank-0 replica of every pipeline rank writes its
+    // parts, all wait, rank 0 commits (Note [Atomic checkpoint save]).
+    const auto tmp = ck::checkpoint_tmp_dir(checkpoint_folder(), step_, str("s", step_));
+    if (dp_rank_ == 0) {
+      ck::write_checkpoint_part(tmp, model_part);
+      ck::write_checkpoint_part(tmp, optim_part);
+    }
+    mesh_->world().barrier().wait(str("rank ", rank(), " checkpoint step ", step_, " (write)"));
+    if (rank() == 0) {
+      std::vector<std::string> expected;
+      for (int r = 0; r < pp; ++r) {
+        expected.push_back(ck::part_file_name("model", r, pp));
+        expected.push_back(ck::part_file_name("optim", r, pp));
+      }
+      dir = ck::commit_checkpoint(checkpoint_folder(), tmp, meta, expected);
+    }
+    mesh_->world().barrier().wait(str("rank ", rank(), " checkpoint step ", step_, " (commit)"));
+  }
+  if (rank() == 0) {
+    const auto removed = ck::prune_checkpoints(
+        checkpoint_folder(), static_cast<int>(cfg_.get_int("checkpoint.keep_latest_k")));
+    log::info("saved checkpoint ", dir.string(),
+              removed.empty() ? "" : str(" (pruned ", removed.size(), " older)"));
+  }
+  if (mesh_) mesh_->world().barrier().wait(str("rank ", rank(), " checkpoint prune"));
 }
 
 bool Trainer::resume() {
@@ -238,7 +451,10 @@ bool Trainer::resume() {
                         " is incomplete; remove it to resume from an older one"));
   }
   if (!latest) return false;
-  const auto ckpt = ck::open_checkpoint(ck::checkpoint_dir(checkpoint_folder(), *latest));
+  // Under pipeline parallelism each rank reads only its own tensors; their
+  // per-tensor CRCs are still checked as they are read.
+  const auto ckpt = ck::open_checkpoint(ck::checkpoint_dir(checkpoint_folder(), *latest),
+                                        mesh_ ? ck::Verify::kSizes : ck::Verify::kChecksums);
   for (const auto& part : parts_) ckpt.tensors.load_into(*part);
   const auto keys = optimizer_->state_keys();
   optimizer_->load_state(ckpt.tensors.load_many(keys));
@@ -251,7 +467,7 @@ bool Trainer::resume() {
 }
 
 void Trainer::append_metrics(const std::string& line) {
-  if (!cfg_.get_bool("metrics.enable_jsonl")) return;
+  if (!cfg_.get_bool("metrics.enable_jsonl") || !is_logging_rank()) return;
   const fs::path dir = cfg_.get_string("job.dump_folder");
   fs::create_directories(dir);
   std::ofstream out(dir / "metrics.jsonl", std::ios::app);
@@ -263,6 +479,7 @@ void Trainer::append_metrics(const std::string& line) {
 void Trainer::truncate_metrics_after(int64_t step) {
   // Lines a crashed run wrote past its last checkpoint are dropped, so the
   // file reads as one uninterrupted run.
+  if (!is_logging_rank()) return;
   const fs::path file = fs::path(cfg_.get_string("job.dump_folder")) / "metrics.jsonl";
   if (!fs::exists(file)) return;
   std::ifstream in(file);
@@ -295,7 +512,9 @@ void Trainer::log_step(const StepMetrics& m) {
   j["step_seconds"] = m.seconds;
   j["mfu"] = m.mfu >= 0 ? nlohmann::json(m.mfu) : nlohmann::json(nullptr);
   j["peak_memory_bytes"] = m.peak_memory_bytes;
+  if (executor_) j["p2p_bytes"] = m.p2p_bytes;
   append_metrics(j.dump());
+  if (!is_logging_rank()) return;
 
   const int64_t total = cfg_.get_int("training.steps");
   const bool log_now = m.step % cfg_.get_int("metrics.log_freq") == 0 ||
@@ -333,6 +552,7 @@ void Trainer::log_eval(double loss) {
   j["step"] = step_;
   j["eval_loss"] = nlohmann::json::parse(float_repr(loss));
   append_metrics(j.dump());
+  if (!is_logging_rank()) return;
   if (progress_bar_) std::printf("\r\033[K");
   std::printf("step %5lld | eval_loss %.4f\n", static_cast<long long>(step_), loss);
   std::fflush(stdout);

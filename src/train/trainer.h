@@ -21,6 +21,15 @@
 
 namespace viaduct {
 
+namespace dist {
+class Mesh;
+class ProcessGroup;
+}  // namespace dist
+namespace pipeline {
+struct PipelinePlan;
+class PipelineExecutor;
+}  // namespace pipeline
+
 namespace data {
 class TokenSampler;
 class EvalLoader;
@@ -37,6 +46,7 @@ struct StepMetrics {
   double tokens_per_sec = 0;
   double mfu = -1;        // fraction of peak; < 0 when the peak is unknown
   double peak_memory_bytes = 0;
+  int64_t p2p_bytes = 0;  // this rank's pipeline sends + receives
 };
 
 class Trainer {
@@ -57,19 +67,40 @@ class Trainer {
   bool resume();
 
   int64_t step() const { return step_; }
+  // This rank's model parts, one per stage it holds, in stage order.
   const std::vector<std::shared_ptr<ModelPart>>& parts() const { return parts_; }
+  // Global rank (0 without a launcher) and whether this rank logs.
+  int rank() const;
+  bool is_logging_rank() const { return rank() == 0; }
+  const pipeline::PipelinePlan& plan() const { return *plan_; }
   const Optimizer& optimizer() const { return *optimizer_; }
   const Config& config() const { return cfg_; }
   std::string checkpoint_folder() const;
 
  private:
   at::Tensor forward_loss(const at::Tensor& inputs, const at::Tensor& targets);
+  // Sum a few doubles over a group (no-op without one). Only one rank of the
+  // group holds non-zeros where this adds "the value from the last stage", so
+  // the sum is exact.
+  void sum_over(dist::ProcessGroup* group, std::vector<double>& values,
+                const std::string& what);
+  void allreduce_grads_over_dp();
+  double global_grad_norm();
+  int64_t num_microbatches() const;
   void log_step(const StepMetrics& m);
   void log_eval(double loss);
   void append_metrics(const std::string& json_line);
   void truncate_metrics_after(int64_t step);
 
   Config cfg_;
+  std::unique_ptr<dist::Mesh> mesh_;
+  std::unique_ptr<pipeline::PipelinePlan> plan_;
+  std::unique_ptr<pipeline::PipelineExecutor> executor_;  // null: one stage
+  int pp_rank_ = 0, dp_rank_ = 0, dp_size_ = 1;
+  // Global index of this rank's first parameter of each of its stages, and
+  // the model's parameter count (for clipping in global FQN order).
+  std::vector<int64_t> param_offsets_;
+  int64_t total_param_tensors_ = 0;
   at::Device device_;
   at::ScalarType compute_dtype_;
   std::vector<std::shared_ptr<ModelPart>> parts_;

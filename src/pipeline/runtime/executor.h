@@ -1,0 +1,106 @@
+// The executor of one rank's lowered action list (pipeline/schedule): runs
+// F/B/I/W on its stages, posts receives, sends activations and gradients to
+// the neighbouring stages' ranks over the pp group, and hands tensors over
+// locally when adjacent stages share the rank.
+//
+// Note [Boundary metadata]
+// Before the first step the executor runs one forward-only micro-batch
+// through the pipeline (infer_metadata) and records, per stage boundary, the
+// shapes and dtypes of the tensors that cross it. Receive buffers are then
+// allocated dense and contiguous from that record; every micro-batch of a job
+// has the same shapes.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dist/dist.h"
+#include "pipeline/runtime/stage.h"
+#include "pipeline/schedule/plan.h"
+
+namespace viaduct::pipeline {
+
+struct TensorMeta {
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+};
+
+class PipelineExecutor {
+ public:
+  // `stages`: this rank's stages (ids as the plan's rank_to_stages[pp_rank]).
+  // `pp_group` may be null when pp == 1 (everything is local).
+  PipelineExecutor(const PipelinePlan& plan, int pp_rank,
+                   std::vector<std::unique_ptr<PipelineStage>> stages,
+                   dist::ProcessGroup* pp_group, at::Device device);
+
+  // Learn the boundary shapes from one forward-only micro-batch of `tokens`
+  // ([B/M, T]). Every rank calls it once, before the first step.
+  void infer_metadata(const at::Tensor& tokens);
+
+  // One step over the micro-batches: inputs/targets [B/M, T] each (only the
+  // first stage reads inputs, only the last targets). Returns the summed
+  // token cross-entropy of all micro-batches on the rank holding the last
+  // stage (added in micro-batch order), 0 elsewhere.
+  double run_step(const std::vector<at::Tensor>& inputs,
+                  const std::vector<at::Tensor>& targets, double loss_scale);
+  // Forward only, no autograd state: the summed loss as run_step.
+  double run_eval(const std::vector<at::Tensor>& inputs,
+                  const std::vector<at::Tensor>& targets);
+
+  const std::vector<std::unique_ptr<PipelineStage>>& stages() const {
+    return stages_;
+  }
+  bool holds_last_stage() const;
+  bool holds_first_stage() const;
+  // Bytes sent over P2P in the last step (activations + gradients).
+  int64_t last_step_p2p_bytes() const { return p2p_bytes_; }
+
+ private:
+  using Key = std::pair<int64_t, int64_t>;  // (stage, micro-batch)
+  struct Pending {
+    Activations tensors;
+    std::vector<dist::Work> works;
+  };
+
+  PipelineStage& stage(int64_t id);
+  bool local(int64_t stage_id) const;
+  int rank_of(int64_t stage_id) const;
+  std::string context(const Action& a) const;
+  int tag(int64_t stage, int64_t mb, int direction, size_t index) const;
+  void run_action(const Action& a);
+  Activations take_recv(std::map<Key, Pending>& from, const Key& key,
+                        const Action& a);
+  void post_recv(std::map<Key, Pending>& into, const Key& key,
+                 const std::vector<TensorMeta>& metas, int src_rank,
+                 int direction, const Action& a);
+  void send(const Activations& tensors, int dst_rank, int64_t stage,
+            int64_t mb, int direction, const Action& a);
+  void finish_step(const char* what);
+
+  const PipelinePlan& plan_;
+  int pp_rank_;
+  std::vector<std::unique_ptr<PipelineStage>> stages_;
+  std::map<int64_t, PipelineStage*> by_id_;
+  dist::ProcessGroup* pp_group_;
+  at::Device device_;
+  int64_t num_microbatches_;
+  // meta_[s]: the tensors stage s sends forward (s -> s+1).
+  std::map<int64_t, std::vector<TensorMeta>> meta_;
+  bool have_meta_ = false;
+
+  // Per step.
+  const std::vector<at::Tensor>* inputs_ = nullptr;
+  const std::vector<at::Tensor>* targets_ = nullptr;
+  double loss_scale_ = 1.0;
+  std::map<Key, Activations> fwd_out_;  // stage's outputs awaiting SEND_F / local F
+  std::map<Key, Activations> bwd_out_;  // stage's input grads awaiting SEND_B / local B
+  std::map<Key, Pending> recv_f_, recv_b_;
+  std::vector<Pending> sends_;
+  int64_t p2p_bytes_ = 0;
+};
+
+}  // namespace viaduct::pipeline
