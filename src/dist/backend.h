@@ -23,4 +23,8 @@ c10::intrusive_ptr<compat::PgBase> make_nccl(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     std::chrono::milliseconds timeout);
 
+// Ends an NCCL group cleanly where LibTorch offers it (2.x warns when a group
+// is destroyed without); never throws.
+void shutdown_nccl(compat::PgBase& backend) noexcept;
+
 }  // namespace viaduct::dist::detail

@@ -24,9 +24,30 @@ c10::intrusive_ptr<compat::PgBase> make_nccl(
                                                      options);
 }
 
+// A feature test rather than a version test: shutdown() is newer than 1.13.
+// (A template, so that the discarded branch is never compiled.)
+template <typename Group>
+void shutdown_if_supported(Group& group) {
+  if constexpr (requires { group.shutdown(); }) {
+    group.shutdown();
+  }
+}
+
+void shutdown_nccl(compat::PgBase& backend) noexcept {
+  auto* nccl = dynamic_cast<c10d::ProcessGroupNCCL*>(&backend);
+  if (nccl == nullptr) return;
+  try {
+    shutdown_if_supported(*nccl);
+  } catch (const std::exception&) {
+    // Tearing down after a failure: the error was already reported.
+  }
+}
+
 #else
 
 bool nccl_available() { return false; }
+
+void shutdown_nccl(compat::PgBase&) noexcept {}
 
 c10::intrusive_ptr<compat::PgBase> make_nccl(
     const c10::intrusive_ptr<c10d::Store>&, int, int,

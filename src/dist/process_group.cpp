@@ -106,15 +106,10 @@ void Work::wait(const std::string& context) {
     throw Error(str(prefix(), timed_out ? " timed out" : " failed",
                     " (timeout ", timeout_.count(), " ms): ", cause));
   }
+  // c10d's wait rethrows the error a work completed with; isSuccess() is not
+  // asked (2.x's NCCL work throws "deprecated" from it).
   VIADUCT_CHECK(done, prefix(), " was aborted (timeout ", timeout_.count(),
                 " ms)");
-  if (!work->isSuccess()) {
-    try {
-      std::rethrow_exception(work->exception());
-    } catch (const std::exception& e) {
-      throw Error(str(prefix(), " failed: ", first_line(e.what())));
-    }
-  }
 }
 
 bool Work::is_completed() const { return !work_ || work_->isCompleted(); }
@@ -164,7 +159,11 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank,
   VIADUCT_ASSERT(backend_, "no backend for group ", name_);
 }
 
-ProcessGroup::~ProcessGroup() = default;
+ProcessGroup::~ProcessGroup() {
+  if (backend_ && kind_ == BackendKind::kNccl) {
+    detail::shutdown_nccl(*backend_);
+  }
+}
 
 int ProcessGroup::global_rank(int group_rank) const {
   VIADUCT_CHECK(group_rank >= 0 && group_rank < size_, "group ", name_,
