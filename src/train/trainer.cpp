@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -275,6 +277,16 @@ at::Tensor Trainer::forward_loss(const at::Tensor& inputs,
 }
 
 StepMetrics Trainer::train_step() {
+  // Fault injection for the failure tests: VIADUCT_FAULT_KILL="<rank>:<step>"
+  // kills that rank with SIGKILL as the step starts.
+  if (const char* fault = std::getenv("VIADUCT_FAULT_KILL")) {
+    int r = -1;
+    long long st = -1;
+    if (std::sscanf(fault, "%d:%lld", &r, &st) == 2 && r == rank() && st == step_ + 1) {
+      log::error("VIADUCT_FAULT_KILL: killing rank ", r, " at step ", st);
+      std::raise(SIGKILL);
+    }
+  }
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t accum = cfg_.get_int("training.gradient_accumulation_steps");
   const int64_t n_micro = num_microbatches();

@@ -44,6 +44,19 @@ PipelineExecutor::PipelineExecutor(const PipelinePlan& plan, int pp_rank,
     }
   }
   num_microbatches_ = m;
+  // Note [Deferred gradient accumulation]: a stage whose weight gradients
+  // the schedule produces out of micro-batch order accumulates them apart.
+  std::map<int64_t, int64_t> last_mb;
+  for (const auto& a : plan_.compute.ranks.at(pp_rank_)) {
+    for (const auto& leaf : leaf_actions(a)) {
+      if (leaf.kind != ActionKind::kBackward && leaf.kind != ActionKind::kBackwardWeight) continue;
+      auto it = last_mb.find(leaf.stage);
+      if (it != last_mb.end() && leaf.microbatch < it->second) {
+        by_id_.at(leaf.stage)->set_deferred_grads(true);
+      }
+      last_mb[leaf.stage] = leaf.microbatch;
+    }
+  }
 }
 
 PipelineStage& PipelineExecutor::stage(int64_t id) {
@@ -250,6 +263,9 @@ double PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
   try {
     for (const auto& a : plan_.lowered.ranks.at(pp_rank_)) run_action(a);
     finish_step("step end");
+    for (auto& st : stages_) {
+      if (st->deferred_grads()) st->flush_deferred_grads();
+    }
   } catch (...) {
     inputs_ = targets_ = nullptr;
     throw;

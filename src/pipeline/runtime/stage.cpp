@@ -57,10 +57,46 @@ std::vector<at::Tensor> PipelineStage::differentiable(const Activations& ts) con
   return out;
 }
 
+template <typename Fn>
+void PipelineStage::accumulate(int64_t mb, Fn&& fn) {
+  if (!deferred_) {
+    fn();
+    return;
+  }
+  std::vector<at::Tensor> saved;
+  for (auto& p : params_) {
+    saved.push_back(p.grad());
+    p.mutable_grad() = at::Tensor();
+  }
+  fn();
+  std::vector<at::Tensor> mine;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    mine.push_back(params_[i].grad());
+    params_[i].mutable_grad() = saved[i];
+  }
+  deferred_grads_[mb] = std::move(mine);
+}
+
+void PipelineStage::flush_deferred_grads() {
+  torch::NoGradGuard no_grad;
+  for (auto& [mb, grads] : deferred_grads_) {  // ascending micro-batches
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!grads[i].defined()) continue;
+      auto& g = params_[i].mutable_grad();
+      if (!g.defined()) {
+        g = grads[i];  // as AccumulateGrad takes the first gradient
+      } else {
+        g.add_(grads[i]);
+      }
+    }
+  }
+  deferred_grads_.clear();
+}
+
 Activations PipelineStage::backward(int64_t mb, const Activations& grad_outputs) {
   auto& st = state(mb, "B");
   if (is_last()) {
-    st.loss.backward();
+    accumulate(mb, [&] { st.loss.backward(); });
   } else {
     VIADUCT_CHECK(grad_outputs.size() == st.outputs.size(), "stage ", stage_id_,
                   " micro-batch ", mb, " B: got ", grad_outputs.size(),
@@ -72,7 +108,7 @@ Activations PipelineStage::backward(int64_t mb, const Activations& grad_outputs)
         grads.push_back(grad_outputs[i]);
       }
     }
-    torch::autograd::backward(outs, grads);
+    accumulate(mb, [&] { torch::autograd::backward(outs, grads); });
   }
   Activations grads_in;
   if (!is_first()) {
@@ -132,8 +168,10 @@ void PipelineStage::backward_weight(int64_t mb) {
     if (p.requires_grad()) wanted.push_back(p);
   }
   if (!outs.empty()) {
-    torch::autograd::backward(outs, grads, /*retain_graph=*/false,
-                              /*create_graph=*/false, wanted);
+    accumulate(mb, [&] {
+      torch::autograd::backward(outs, grads, /*retain_graph=*/false,
+                                /*create_graph=*/false, wanted);
+    });
   }
   state_.erase(mb);
 }
@@ -158,6 +196,7 @@ Activations PipelineStage::forward_no_grad(const Activations& inputs,
 void PipelineStage::clear() {
   state_.clear();
   loss_sums_.clear();
+  deferred_grads_.clear();
 }
 
 }  // namespace viaduct::pipeline

@@ -57,6 +57,16 @@ class PipelineStage {
   Activations forward_no_grad(const Activations& inputs,
                               const at::Tensor& targets = {});
 
+  // Note [Deferred gradient accumulation]
+  // A schedule that runs a stage's weight gradients out of micro-batch order
+  // (LoopedBFS runs them in reverse) would add them to .grad in another order
+  // than the single process and change the last bits. In deferred mode each
+  // micro-batch's weight gradients are kept apart and flush_deferred_grads()
+  // adds them to .grad in micro-batch order -- the single process's sums.
+  void set_deferred_grads(bool on) { deferred_ = on; }
+  bool deferred_grads() const { return deferred_; }
+  void flush_deferred_grads();
+
   // Micro-batches whose state is still held (a leak check at step end).
   size_t live_microbatches() const { return state_.size(); }
   void clear();
@@ -71,6 +81,10 @@ class PipelineStage {
   };
   MicrobatchState& state(int64_t mb, const char* action);
   std::vector<at::Tensor> differentiable(const Activations& ts) const;
+  // Runs `fn` (a backward) so that the weight gradients it produces land in
+  // deferred_[mb] instead of .grad (deferred mode only).
+  template <typename Fn>
+  void accumulate(int64_t mb, Fn&& fn);
 
   int64_t stage_id_;
   int64_t num_stages_;
@@ -78,6 +92,8 @@ class PipelineStage {
   std::vector<at::Tensor> params_;
   std::map<int64_t, MicrobatchState> state_;
   std::map<int64_t, double> loss_sums_;
+  bool deferred_ = false;
+  std::map<int64_t, std::vector<at::Tensor>> deferred_grads_;
 };
 
 }  // namespace viaduct::pipeline

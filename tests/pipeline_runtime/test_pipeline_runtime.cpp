@@ -1,0 +1,269 @@
+// Every schedule, at pp 2 and 4 with 1-4 stages per rank and uneven splits,
+// trains three AdamW steps to exactly the bits of one process running the
+// same micro-batches: the losses and every parameter and optimizer-state
+// tensor (which differ whenever any gradient bit differs). Ranks are
+// processes started by `viaduct launch`, talking Gloo over loopback.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "data/temp_dir.h"
+#include "data/token_file.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::atomic<int> g_port{29650 + (getpid() % 500) * 8};
+
+struct ShellRun {
+  int exit_code = 0;
+  std::string output;
+};
+
+ShellRun shell(const std::string& cmd) {
+  ShellRun r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  char buf[4096];
+  while (fgets(buf, sizeof buf, p)) r.output += buf;
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+class PipelineRuns : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new viaduct::data::testing::TempDir();
+    viaduct::data::TokenFileWriter w((fs::path(dir_->path()) / "d.tok").string(), 257, "byte");
+    std::vector<int64_t> toks;
+    uint64_t x = 12345;
+    for (int i = 0; i < 20000; ++i) {
+      x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+      toks.push_back(static_cast<int64_t>((x >> 33) % 97) + 32);
+    }
+    w.append(toks);
+    w.finish();
+  }
+  static void TearDownTestSuite() { delete dir_; }
+
+  static std::string base_args(const std::string& family, int layers, int micro) {
+    std::ostringstream os;
+    os << " --model.family=" << family << " --model.n_layers=" << layers
+       << " --model.dim=32 --model.n_heads=4 --model.tie_embeddings=false"
+       << (family == "llama" ? " --model.n_kv_heads=2" : "")
+       << " --training.seq_len=16 --training.local_batch_size=8 --training.steps=3"
+       << " --training.num_threads=1 --training.eval_interval=0"
+       << " --metrics.progress_bar=false --optimizer.lr=0.01"
+       << " --checkpoint.enable=true --checkpoint.interval=3"
+       << " --parallelism.pipeline_parallel_microbatches=" << micro
+       << " --data.path=" << (fs::path(dir_->path()) / "d.tok").string();
+    return os.str();
+  }
+
+  // Runs one job; returns its dump folder.
+  static std::string train(const std::string& name, int nproc, const std::string& args,
+                           const std::string& env = "") {
+    const auto out = (fs::path(dir_->path()) / name).string();
+    fs::remove_all(out);
+    std::ostringstream cmd;
+    cmd << env << " " << VIADUCT_BINARY;
+    if (nproc > 1) {
+      cmd << " launch --nproc-per-node " << nproc << " --master-port " << g_port.fetch_add(1)
+          << " -- " << VIADUCT_BINARY;
+    }
+    cmd << " train" << args << " --job.dump_folder=" << out;
+    last_ = shell(cmd.str());
+    EXPECT_EQ(last_.exit_code, 0) << cmd.str() << "\n" << last_.output;
+    return out;
+  }
+
+  static std::vector<std::string> losses(const std::string& dump) {
+    std::vector<std::string> out;
+    std::ifstream in(fs::path(dump) / "metrics.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("loss")) out.push_back(j["loss"].dump());
+    }
+    return out;
+  }
+
+  static void expect_same_bits(const std::string& a, const std::string& b) {
+    EXPECT_EQ(losses(a), losses(b));
+    EXPECT_EQ(losses(a).size(), 3u);
+    auto r = shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + a +
+                   "/checkpoint " + b + "/checkpoint");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+  }
+
+  // The single-process reference for (family, layers, micro-batches).
+  static std::string reference(const std::string& family, int layers, int micro) {
+    const auto name = "ref_" + family + std::to_string(layers) + "_" + std::to_string(micro);
+    if (!fs::exists(fs::path(dir_->path()) / name / "checkpoint")) {
+      train(name, 1, base_args(family, layers, micro));
+    }
+    return (fs::path(dir_->path()) / name).string();
+  }
+
+  static void check(const std::string& family, int layers, int micro, int pp,
+                    const std::string& schedule, int spr) {
+    SCOPED_TRACE(family + " " + schedule + " pp" + std::to_string(pp) + " x" +
+                 std::to_string(spr) + " L" + std::to_string(layers));
+    const auto ref = reference(family, layers, micro);
+    std::ostringstream args;
+    args << base_args(family, layers, micro)
+         << " --parallelism.pipeline_parallel_degree=" << pp
+         << " --parallelism.pipeline_parallel_schedule=" << schedule;
+    if (spr > 0) args << " --parallelism.pipeline_parallel_stages_per_rank=" << spr;
+    const auto run = train(family + schedule + std::to_string(pp) + "x" + std::to_string(spr) +
+                               "L" + std::to_string(layers),
+                           pp, args.str());
+    expect_same_bits(ref, run);
+  }
+
+  static viaduct::data::testing::TempDir* dir_;
+  static ShellRun last_;
+};
+viaduct::data::testing::TempDir* PipelineRuns::dir_ = nullptr;
+ShellRun PipelineRuns::last_;
+
+}  // namespace
+
+TEST_F(PipelineRuns, GPipeAnd1F1B) {
+  check("llama", 6, 4, 2, "GPipe", 1);
+  check("llama", 6, 4, 2, "1F1B", 1);
+  check("gpt2", 6, 4, 2, "1F1B", 1);
+  check("llama", 6, 8, 4, "1F1B", 1);
+  check("gpt2", 6, 8, 4, "GPipe", 1);
+}
+
+TEST_F(PipelineRuns, InterleavedAndLooped) {
+  check("llama", 6, 4, 2, "Interleaved1F1B", 2);
+  check("gpt2", 6, 4, 2, "Interleaved1F1B", 2);
+  check("llama", 6, 4, 2, "LoopedBFS", 2);
+  check("llama", 14, 8, 2, "Interleaved1F1B", 4);
+  check("llama", 14, 8, 4, "Interleaved1F1B", 2);
+}
+
+TEST_F(PipelineRuns, ZeroBubbleFamily) {
+  check("llama", 6, 4, 2, "InterleavedZeroBubble", 2);
+  check("gpt2", 6, 4, 2, "ZBVZeroBubble", 0);
+  check("llama", 6, 8, 4, "ZBVZeroBubble", 0);
+  check("llama", 6, 4, 2, "DualPipeV", 0);
+  check("gpt2", 14, 8, 4, "DualPipeV", 0);
+  check("llama", 14, 8, 4, "InterleavedZeroBubble", 2);
+}
+
+TEST_F(PipelineRuns, UnevenSplitsAndLocalStages) {
+  // 7 layers + 2 units over 4 stages: 3, 2, 2, 2 units.
+  check("llama", 7, 4, 2, "Interleaved1F1B", 2);
+  // 5 layers + 2 over 4 stages with a heavier head.
+  {
+    const auto ref = reference("llama", 5, 4);
+    const auto run = train("uneven_w", 2,
+                           base_args("llama", 5, 4) +
+                               " --parallelism.pipeline_parallel_degree=2"
+                               " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
+                               " --parallelism.pipeline_parallel_stages_per_rank=2"
+                               " --parallelism.pipeline_parallel_last_stage_less_layers=2");
+    expect_same_bits(ref, run);
+  }
+  // pp = 1 with 4 stages on one rank: every hand-over is local.
+  check("llama", 6, 4, 1, "Interleaved1F1B", 4);
+}
+
+TEST_F(PipelineRuns, PipelineTimesDataParallelMatchesDataParallel) {
+  const auto dp = train("dp2", 2, base_args("llama", 6, 4) +
+                                      " --parallelism.data_parallel_degree=2");
+  const auto ppdp = train("pp2dp2", 4, base_args("llama", 6, 4) +
+                                           " --parallelism.data_parallel_degree=2"
+                                           " --parallelism.pipeline_parallel_degree=2");
+  const auto a = losses(dp), b = losses(ppdp);
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = std::stod(a[i]), y = std::stod(b[i]);
+    EXPECT_NEAR(x, y, 1e-6 * std::abs(x)) << "step " << i + 1;
+  }
+}
+
+TEST_F(PipelineRuns, CheckpointMovesBetweenLayoutsBitwise) {
+  // Reference: 4 steps on one process, checkpoints every 2.
+  auto args = [&](const std::string& extra) {
+    auto a = base_args("llama", 6, 4) + " --training.steps=4 --checkpoint.interval=2"
+             " --checkpoint.keep_latest_k=0" + extra;
+    return a;
+  };
+  const auto ref = train("move_ref", 1, args(""));
+  // Written under pp2 x 2 stages per rank; the step-4 checkpoint is dropped,
+  // then the run resumes from step 2 under one process and under pp4.
+  const auto src = train("move_src", 2, args(" --parallelism.pipeline_parallel_degree=2"
+                                             " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
+                                             " --parallelism.pipeline_parallel_stages_per_rank=2"));
+  for (const auto& [name, nproc, layout] :
+       std::vector<std::tuple<std::string, int, std::string>>{
+           {"move_pp1", 1, ""},
+           {"move_pp4", 4, " --parallelism.pipeline_parallel_degree=4"
+                           " --parallelism.pipeline_parallel_schedule=1F1B"}}) {
+    const auto dst = (fs::path(dir_->path()) / name).string();
+    fs::remove_all(dst);
+    fs::create_directories(dst);
+    fs::copy(src + "/checkpoint", dst + "/checkpoint", fs::copy_options::recursive);
+    fs::remove_all(dst + "/checkpoint/step-4");
+    std::ostringstream cmd;
+    cmd << VIADUCT_BINARY;
+    if (nproc > 1) {
+      cmd << " launch --nproc-per-node " << nproc << " --master-port " << g_port.fetch_add(1)
+          << " -- " << VIADUCT_BINARY;
+    }
+    cmd << " train" << args(layout) << " --job.dump_folder=" << dst;
+    auto r = shell(cmd.str());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+    auto c = shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + ref +
+                   "/checkpoint " + dst + "/checkpoint");
+    EXPECT_EQ(c.exit_code, 0) << name << "\n" << c.output;
+    const auto lr = losses(ref), ld = losses(dst);
+    ASSERT_EQ(ld.size(), 2u) << name;  // steps 3 and 4
+    EXPECT_EQ(ld[0], lr[2]);
+    EXPECT_EQ(ld[1], lr[3]);
+  }
+}
+
+TEST_F(PipelineRuns, KilledRankEndsTheJobNamingTheRank) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto out = (fs::path(dir_->path()) / "killed").string();
+  std::ostringstream cmd;
+  cmd << "VIADUCT_FAULT_KILL=1:2 " << VIADUCT_BINARY << " launch --nproc-per-node 2 --master-port "
+      << g_port.fetch_add(1) << " -- " << VIADUCT_BINARY << " train"
+      << base_args("llama", 6, 4) << " --parallelism.pipeline_parallel_degree=2"
+      << " --parallelism.comm_timeout_seconds=20 --job.dump_folder=" << out;
+  auto r = shell(cmd.str());
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1"), std::string::npos) << r.output;
+  EXPECT_LT(secs, 60.0) << r.output;
+}
+
+TEST_F(PipelineRuns, ImpossibleLayoutsAreRefusedUpFront) {
+  auto r = shell(std::string(VIADUCT_BINARY) + " train" + base_args("llama", 6, 4) +
+                 " --parallelism.pipeline_parallel_degree=2 --job.dump_folder=" +
+                 dir_->path().string() + "/refused");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("viaduct launch --nproc-per-node 2"), std::string::npos) << r.output;
+  r = shell(std::string(VIADUCT_BINARY) + " train" + base_args("gpt2", 6, 4) +
+            " --model.tie_embeddings=true --parallelism.pipeline_parallel_degree=1"
+            " --parallelism.pipeline_parallel_stages_per_rank=2"
+            " --parallelism.pipeline_parallel_schedule=Interleaved1F1B --job.dump_folder=" +
+            dir_->path().string() + "/tied");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("tie_embeddings"), std::string::npos) << r.output;
+}
