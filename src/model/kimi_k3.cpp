@@ -318,6 +318,25 @@ void KimiK3Part::after_optimizer_step() {
   }
 }
 
+std::vector<std::pair<std::string, at::Tensor>> KimiK3Part::extra_state() {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& b : named_buffers(/*recurse=*/true)) {
+    const auto& k = b.key();
+    if (k.size() >= 11 && k.compare(k.size() - 11, 11, "expert_bias") == 0) {
+      out.emplace_back(k, b.value());
+    }
+  }
+  return out;
+}
+
+std::vector<at::Tensor> KimiK3Part::replica_statistics() {
+  std::vector<at::Tensor> out;
+  for (auto& layer : layers_) {
+    if (layer->moe) out.push_back(layer->moe->tokens_per_expert);
+  }
+  return out;
+}
+
 at::Tensor KimiK3Part::synthetic_images(int64_t batch) const {
   // A fixed smooth pattern per row, independent of the tokens (no leak of the
   // targets): [B, 1, C, S, S].

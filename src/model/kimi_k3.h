@@ -97,6 +97,8 @@ class KimiK3Part : public ModelPart {
   Activations forward(const Activations& inputs) override;
   void init_weights(uint64_t seed) override;
   void after_optimizer_step() override;  // MoE balancing bias updates
+  std::vector<std::pair<std::string, at::Tensor>> extra_state() override;
+  std::vector<at::Tensor> replica_statistics() override;
 
   const KimiK3Options& options() const { return opts_; }
   // Held layers in order, with their global ids.

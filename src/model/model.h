@@ -42,6 +42,12 @@ class ModelPart : public torch::nn::Module {
 
   // Called after each optimizer step (MoE bias updates and the like).
   virtual void after_optimizer_step() {}
+  // Persistent non-parameter state by FQN (e.g. MoE selection biases):
+  // checkpointed with the parameters, loaded under any layout.
+  virtual std::vector<std::pair<std::string, at::Tensor>> extra_state() { return {}; }
+  // Counters that must be summed over data-parallel replicas before
+  // after_optimizer_step (e.g. MoE tokens per expert), updated in place.
+  virtual std::vector<at::Tensor> replica_statistics() { return {}; }
 
   // The dtype activations leave the first part in (Note [Mixed precision]).
   void set_compute_dtype(at::ScalarType t) { compute_dtype_ = t; }

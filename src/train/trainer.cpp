@@ -21,6 +21,8 @@
 #include "data/sampler.h"
 #include "data/token_file.h"
 #include "dist/dist.h"
+#include "model/kimi_k3.h"
+#include "pipeline/attn_res/attn_res_stage.h"
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
 #include "pipeline/schedule/plan_config.h"
@@ -103,6 +105,17 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   std::vector<NamedParam> params;
   std::vector<std::unique_ptr<pipeline::PipelineStage>> stages;
   std::vector<double> counts(static_cast<size_t>(split.num_stages), 0.0);
+  if (split.num_stages > 1 && cfg_.get_string("model.family") == "kimi_k3") {
+    // Note [AttnRes transports] (pipeline/attn_res/block_layout.h).
+    attn_res_tables_ = std::make_shared<const pipeline::BlockLayoutTables>(
+        pipeline::make_block_layout_tables(
+            split, kimi_k3_options(cfg_).block_size,
+            cfg_.get_bool("parallelism.attn_res_cache")
+                ? pipeline::AttnResTransport::kRankCache
+                : pipeline::AttnResTransport::kWholeStack));
+    attn_res_store_ = std::make_shared<pipeline::RankBlockStore>(
+        pp_rank_, *attn_res_tables_, cfg_.get_bool("parallelism.attn_res_cache_offload"));
+  }
   for (int64_t s : split.rank_to_stages.at(pp_rank_)) {
     auto part = build_model_part(
         cfg_, split.num_stages == 1 ? std::vector<std::string>{} : split.stage_modules.at(s));
@@ -113,7 +126,8 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
     counts[static_cast<size_t>(s)] = static_cast<double>(named.size());
     params.insert(params.end(), named.begin(), named.end());
     parts_.push_back(part);
-    stages.push_back(std::make_unique<pipeline::PipelineStage>(s, split.num_stages, part));
+    stages.push_back(pipeline::make_stage(s, split.num_stages, part, attn_res_tables_,
+                                          attn_res_store_));
   }
   // Global FQN order = stage order, then each part's registration order.
   sum_over(mesh_ ? &mesh_->pp_group() : nullptr, counts, "parameter counts");
@@ -334,6 +348,15 @@ StepMetrics Trainer::train_step() {
   const double lr = lr_at(cfg_, step_ + 1);
   optimizer_->step(lr);
   optimizer_->zero_grad();
+  if (mesh_ && dp_size_ > 1) {
+    for (auto& p : parts_) {
+      for (auto& stat : p->replica_statistics()) {
+        std::vector<at::Tensor> one{stat};
+        mesh_->dp_group().allreduce(one).wait(
+            str("rank ", rank(), " step ", step_ + 1, " all-reduce of model statistics"));
+      }
+    }
+  }
   for (auto& p : parts_) p->after_optimizer_step();
   ++step_;
   tokens_seen_ += tokens;
@@ -356,6 +379,21 @@ StepMetrics Trainer::train_step() {
   }
   m.peak_memory_bytes = peak_memory_bytes(device_);
   m.p2p_bytes = executor_ ? executor_->last_step_p2p_bytes() : 0;
+  if (attn_res_tables_) {
+    // Each rank knows its own sends and store: one sum over pp gathers them.
+    const auto S = static_cast<size_t>(plan_->split.num_stages);
+    std::vector<double> v(S - 1 + static_cast<size_t>(plan_->split.pp), 0.0);
+    for (const auto& [hop, bytes] : executor_->last_step_hop_bytes()) {
+      v[static_cast<size_t>(hop)] = static_cast<double>(bytes);
+    }
+    v[S - 1 + static_cast<size_t>(pp_rank_)] =
+        static_cast<double>(attn_res_store_->peak_bytes());
+    sum_over(mesh_ ? &mesh_->pp_group() : nullptr, v, "pipeline byte counts");
+    for (size_t i = 0; i < v.size(); ++i) {
+      (i + 1 < S ? m.hop_bytes : m.attn_res_store_peak_bytes)
+          .push_back(static_cast<int64_t>(v[i]));
+    }
+  }
   return m;
 }
 
@@ -402,6 +440,7 @@ void Trainer::save_checkpoint() {
     for (const auto& p : part->named_parameters()) {
       model_part.tensors.emplace_back(p.key(), p.value().detach());
     }
+    for (const auto& [k, t] : part->extra_state()) model_part.tensors.emplace_back(k, t);
   }
   ck::CheckpointPart optim_part{ck::part_file_name("optim", pp_rank_, pp),
                                 optimizer_->state(), {}};
@@ -467,7 +506,10 @@ bool Trainer::resume() {
   // per-tensor CRCs are still checked as they are read.
   const auto ckpt = ck::open_checkpoint(ck::checkpoint_dir(checkpoint_folder(), *latest),
                                         mesh_ ? ck::Verify::kSizes : ck::Verify::kChecksums);
-  for (const auto& part : parts_) ckpt.tensors.load_into(*part);
+  for (const auto& part : parts_) {
+    ckpt.tensors.load_into(*part);
+    ckpt.tensors.load_into(part->extra_state());
+  }
   const auto keys = optimizer_->state_keys();
   optimizer_->load_state(ckpt.tensors.load_many(keys));
   optimizer_->set_steps_taken(ckpt.metadata.extra.value("optimizer_steps", ckpt.metadata.step));
@@ -525,6 +567,10 @@ void Trainer::log_step(const StepMetrics& m) {
   j["mfu"] = m.mfu >= 0 ? nlohmann::json(m.mfu) : nlohmann::json(nullptr);
   j["peak_memory_bytes"] = m.peak_memory_bytes;
   if (executor_) j["p2p_bytes"] = m.p2p_bytes;
+  if (attn_res_tables_) {
+    j["hop_bytes"] = m.hop_bytes;
+    j["attn_res_store_peak_bytes"] = m.attn_res_store_peak_bytes;
+  }
   append_metrics(j.dump());
   if (!is_logging_rank()) return;
 
@@ -572,7 +618,11 @@ void Trainer::log_eval(double loss) {
 
 StepMetrics Trainer::run() {
   const bool ckpt = cfg_.get_bool("checkpoint.enable");
-  if (ckpt && cfg_.get_bool("checkpoint.resume")) resume();
+  bool resumed = false;
+  if (ckpt && cfg_.get_bool("checkpoint.resume")) resumed = resume();
+  if (ckpt && !resumed && step_ == 0 && cfg_.get_bool("checkpoint.save_initial")) {
+    save_checkpoint();  // step-0: the initial weights (for reference runs)
+  }
   truncate_metrics_after(step_);
   const int64_t total = cfg_.get_int("training.steps");
   const int64_t eval_every = cfg_.get_int("training.eval_interval");

@@ -187,3 +187,34 @@ TEST(Trainer, MicrobatchesAndAccumulationMatchOneBatchClosely) {
     EXPECT_NEAR(la, lc, 1e-4 * la);
   }
 }
+
+TEST(Trainer, MoeSelectionBiasIsCheckpointedAndResumesBitwise) {
+  // kimi_k3 keeps its MoE selection bias in a buffer that after_optimizer_step
+  // moves: a resume that lost it would route tokens differently.
+  Job a, b;
+  const std::vector<std::string> k3 = {"model.family=kimi_k3", "model.flavor=debugmodel",
+                                       "model.n_layers=4", "model.attn_res_block_size=2",
+                                       "model.first_k_dense=1"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), k3.begin(), k3.end());
+    return extra;
+  };
+  Trainer ta(a.config(with({})));
+  std::vector<double> ref;
+  for (int i = 0; i < 4; ++i) ref.push_back(ta.train_step().loss);
+  const auto ck = with({"checkpoint.enable=true"});
+  {
+    Trainer tb(b.config(ck));
+    for (int i = 0; i < 2; ++i) tb.train_step();
+    tb.save_checkpoint();
+  }
+  Trainer tc(b.config(ck));
+  ASSERT_TRUE(tc.resume());
+  bool has_bias = false;
+  for (const auto& [k, t] : tc.parts().front()->extra_state()) {
+    has_bias = true;
+    EXPECT_GT(t.abs().sum().item<double>(), 0.0) << k << " was not restored";
+  }
+  EXPECT_TRUE(has_bias);
+  for (int i = 2; i < 4; ++i) EXPECT_EQ(tc.train_step().loss, ref[i]) << "step " << i + 1;
+}
