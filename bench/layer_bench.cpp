@@ -1,0 +1,157 @@
+// Forward + backward time of each layer kind at one realistic shape
+// (default B=1, T=4096, D=2048, bf16 on CUDA), against a FLOP floor.
+//
+// The floor: 6 x (the layer's parameters) x tokens for its projections (a
+// matmul's forward and two backward products), plus for the attention kinds
+// 3 x 2 x 2 x T^2/2 x H x d per sequence (causal scores and values, fwd+bwd),
+// over the H200's 989.4 TFLOP/s dense bf16 peak. KDA's chunked core is not in
+// the floor (it is below the projections' cost at C=64 in exact arithmetic
+// counts but runs as many small batched products).
+//
+// usage: layer_bench [--tokens T] [--dim D] [--batch B] [--iters N] [--cpu]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "model/attn_res.h"
+#include "model/kda.h"
+#include "model/layers.h"
+#include "model/mla.h"
+#include "model/moe.h"
+
+using namespace viaduct;
+
+namespace {
+
+struct Result {
+  std::string name;
+  int64_t params;
+  double ms;
+  double floor_ms;
+};
+
+double time_fwd_bwd(torch::nn::Module& m, const std::function<at::Tensor(const at::Tensor&)>& fn,
+                    const at::Tensor& x, int iters, const at::Device& dev) {
+  std::vector<double> times;
+  for (int i = 0; i < iters + 3; ++i) {
+    auto in = x.detach().requires_grad_(true);
+    synchronize(dev);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto y = fn(in);
+    y.backward(at::ones_like(y));
+    synchronize(dev);
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (i >= 3) times.push_back(ms);
+    m.zero_grad();
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t T = 4096, D = 2048, B = 1;
+  int iters = 10;
+  bool cpu = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&] { return std::stoll(argv[++i]); };
+    if (a == "--tokens") T = next();
+    else if (a == "--dim") D = next();
+    else if (a == "--batch") B = next();
+    else if (a == "--iters") iters = static_cast<int>(next());
+    else if (a == "--cpu") cpu = true;
+  }
+  const auto dev = cpu ? at::Device(at::kCPU) : resolve_device("auto");
+  const auto dtype = dev.is_cuda() ? at::kBFloat16 : at::kFloat;
+  const double peak = peak_flops(dev, dtype).value_or(989.4e12);
+  const int64_t H = std::max<int64_t>(4, D / 128), hd = D / H;
+  auto x = at::randn({B, T, D}, at::TensorOptions().device(dev)).to(dtype);
+  std::vector<Result> rows;
+  auto run = [&](const std::string& name, torch::nn::Module& m,
+                 const std::function<at::Tensor(const at::Tensor&)>& fn, double core_flops) {
+    m.to(dev);
+    int64_t params = 0;
+    for (const auto& p : m.parameters()) params += p.numel();
+    const double floor = (6.0 * params * B * T + core_flops) / peak * 1e3;
+    rows.push_back({name, params, time_fwd_bwd(m, fn, x, iters, dev), floor});
+    std::printf("%-28s %10.3f ms\n", name.c_str(), rows.back().ms);
+    std::fflush(stdout);
+  };
+  const double attn_core = 3.0 * 2 * 2 * (double(T) * T / 2) * H * hd * B;
+
+  {
+    AttentionOptions o;
+    o.dim = D; o.n_heads = H; o.n_kv_heads = H / 4; o.max_seq_len = T; o.rope_theta = 500000;
+    Attention m(o);
+    m->init_weights(1, "a.", 0.02, 0.02, true);
+    run("gqa attention (llama)", *m, [&](const at::Tensor& in) { return m->forward(in); }, attn_core);
+  }
+  {
+    MlaOptions o;
+    o.dim = D; o.n_heads = H; o.q_lora_rank = D / 2; o.kv_lora_rank = std::min<int64_t>(512, D / 4);
+    o.qk_nope_head_dim = hd; o.qk_rope_head_dim = hd / 2; o.v_head_dim = hd;
+    o.rope = true; o.max_seq_len = T;
+    Mla m(o);
+    m->init_weights(1, "m.", 0.02, 0.02);
+    run("mla", *m, [&](const at::Tensor& in) { return m->forward(in); },
+        3.0 * 2 * 2 * (double(T) * T / 2) * H * (hd + hd / 2 + hd) / 2 * B);
+  }
+  for (int64_t chunk : {64}) {
+    KdaOptions o;
+    o.dim = D; o.n_heads = H; o.head_dim = hd; o.chunk_size = chunk;
+    Kda m(o);
+    m->init_weights(1, "k.", 0.02, 0.02);
+    run("kda (chunk " + std::to_string(chunk) + ")", *m,
+        [&](const at::Tensor& in) { return m->forward(in); }, 0.0);
+  }
+  {
+    SwiGLU m(D, 4 * D);
+    m->init_weights(1, "f.", 0.02, 0.02);
+    run("swiglu ffn (4D)", *m, [&](const at::Tensor& in) { return m->forward(in); }, 0.0);
+  }
+  {
+    MoeOptions o;
+    o.dim = D; o.n_routed_experts = 16; o.n_activated_experts = 2; o.hidden_dim = D / 2;
+    o.n_shared_experts = 1; o.bias_update_rate = 0;
+    Moe m(o);
+    m->init_weights(1, "e.", 0.02, 0.02);
+    // Only the activated experts' work counts toward the floor.
+    int64_t all = 0;
+    for (const auto& p : m->parameters()) all += p.numel();
+    const double expert = 3.0 * D * (D / 2);
+    const double inactive = (16 - 2) * expert;
+    run("moe (16 experts, top-2)", *m, [&](const at::Tensor& in) { return m->forward(in); },
+        -6.0 * inactive * B * T);
+    (void)all;
+  }
+  {
+    AttnResRead m(D, 1e-6);
+    m->init_weights();
+    std::vector<at::Tensor> stack;
+    for (int i = 0; i < 8; ++i) stack.push_back(at::randn_like(x));
+    run("attn_res read (8 blocks)", *m,
+        [&](const at::Tensor& in) {
+          auto s = stack;
+          s.push_back(in);
+          return m->forward(s);
+        },
+        0.0);
+  }
+  std::printf("\n| layer (B=%lld, T=%lld, D=%lld, %s, %s) | params | fwd+bwd ms | floor ms | floor/measured |\n",
+              (long long)B, (long long)T, (long long)D, c10::toString(dtype),
+              device_name(dev).c_str());
+  std::printf("|---|---|---|---|---|\n");
+  for (const auto& r : rows) {
+    std::printf("| %s | %.1fM | %.3f | %.3f | %.1f%% |\n", r.name.c_str(), r.params / 1e6, r.ms,
+                r.floor_ms, 100.0 * r.floor_ms / r.ms);
+  }
+  return 0;
+}
