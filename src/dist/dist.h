@@ -93,7 +93,7 @@ enum class ReduceOp { kSum, kProduct, kMin, kMax };
 
 // A pending c10d operation. wait(context) returns once it is done (for NCCL:
 // ordered on the current stream) and throws viaduct::Error
-// "<context>: <op> failed|timed out after N ms: <cause>" otherwise. A
+// "<context>: <op> timed out|failed (timeout N ms): <cause>" otherwise. A
 // default-constructed Work is already complete.
 class Work {
  public:
@@ -108,8 +108,7 @@ class Work {
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
-  std::string
-      what_;  // "recv from pp rank 1 (global 3), tag 7, group pp.0 (gloo)"
+  std::string what_;  // "recv from pp0 rank 1 (global 1) tag 7 [gloo]"
   std::chrono::milliseconds timeout_{0};
   bool blocking_ = true;  // Gloo: CPU waits; NCCL: stream-ordered
 };
