@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "core/check.h"
+#include "core/torch_compat.h"
 
 #ifdef VIADUCT_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -63,10 +64,7 @@ std::optional<double> peak_flops(const at::Device& device,
 double peak_memory_bytes(const at::Device& device) {
 #ifdef VIADUCT_WITH_CUDA
   if (device.is_cuda()) {
-    using namespace c10::cuda::CUDACachingAllocator;
-    const auto stats = getDeviceStats(device.index());
-    return static_cast<double>(
-        stats.allocated_bytes[static_cast<size_t>(StatType::AGGREGATE)].peak);
+    return compat::cuda_peak_allocated_bytes(device.index());
   }
 #endif
   std::ifstream in("/proc/self/status");

@@ -51,3 +51,22 @@ using PgBase = c10d::Backend;
 using PgBase = c10d::ProcessGroup;
 #endif
 }  // namespace viaduct::compat
+
+#ifdef VIADUCT_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+
+namespace viaduct::compat {
+// Peak bytes allocated by the caching allocator on `device`. The stat enum
+// moved from c10::cuda::CUDACachingAllocator to c10::CachingAllocator in 2.x.
+inline double cuda_peak_allocated_bytes(c10::DeviceIndex device) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+#if TORCH_VERSION_MAJOR >= 2
+  constexpr auto kAggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+#else
+  constexpr auto kAggregate =
+      static_cast<size_t>(c10::cuda::CUDACachingAllocator::StatType::AGGREGATE);
+#endif
+  return static_cast<double>(stats.allocated_bytes[kAggregate].peak);
+}
+}  // namespace viaduct::compat
+#endif  // VIADUCT_WITH_CUDA
