@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Downloads the header-only Debian packages that viaduct's GPU build needs
+# (toml++ and nlohmann-json) into .deps/ at the repository root, on a machine
+# with Debian's mirror, so they can be carried to the GPU machine, which has
+# no network. bench/run_single_gpu.sh unpacks them there with
+#   for f in .deps/*.deb; do dpkg -x "$f" .deps; done
+# and builds with -DVIADUCT_EXTRA_INCLUDE=$PWD/.deps/usr/include.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(libtomlplusplus-dev nlohmann-json3-dev)
+mkdir -p .deps
+cd .deps
+if ! apt-get download "${packages[@]}"; then
+  apt-get update >/dev/null
+  apt-get download "${packages[@]}"
+fi
+# Unpack here too, to check the headers are where the build looks.
+for f in ./*.deb; do dpkg -x "$f" .; done
+for h in usr/include/toml++/toml.h usr/include/nlohmann/json.hpp; do
+  [ -f "$h" ] || { echo "fetch_deps.sh: $h missing after unpacking" >&2; exit 1; }
+done
+ls -l ./*.deb
+echo "fetch_deps.sh: .deps/ ready ($(du -sh . | cut -f1)); carry '.deps' to the GPU machine"

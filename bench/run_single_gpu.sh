@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# Issue 7's side-by-side benchmark in one GPU-machine call: builds viaduct
+# with CUDA, then for each cell trains viaduct from its initial weights
+# (saved as step-0 by checkpoint.save_initial) and the PyTorch reference
+# (bench/torch_llama.py) from that same step-0 on the same data, eager and
+# under torch.compile, and writes one markdown table to $OUT/results.md.
+#
+#   bash bench/run_single_gpu.sh                 # build + every cell
+#   STAGES=build bash bench/run_single_gpu.sh    # build only (a first call)
+#   CELLS="debug 1B" MODES=eager ...             # choose cells / peer modes
+#
+# Environment (defaults): OUT (outputs/bench/out), CELLS (1B; also: debug),
+# MODES ("eager compile"), COMPILE_MODE (default; or
+# max-autotune-no-cudagraphs), WARMUP_STEPS (3) untimed + TIMED_STEPS (10)
+# timed steps, STAGES ("build run"), PYTHON (python3), JOBS (nproc),
+# CELL_TIMEOUT (300 s per process), VD_EXTRA (more viaduct overrides, last
+# wins). Logs of every process are in $OUT.
+set -uo pipefail  # no -e: a failed cell must not cost the other rows
+cd "$(dirname "$0")/.." || exit 1
+
+OUT=${OUT:-$PWD/outputs/bench/out}
+mkdir -p "$OUT"
+WORK=outputs/bench
+PY=${PYTHON:-python3}
+WARM=${WARMUP_STEPS:-3}
+TIMED=${TIMED_STEPS:-10}
+STEPS=$((WARM + TIMED))
+CELLS=${CELLS:-1B}
+MODES=${MODES:-eager compile}
+COMPILE_MODE=${COMPILE_MODE:-default}
+STAGES=${STAGES:-build run}
+JOBS=${JOBS:-$(nproc)}
+CELL_TIMEOUT=${CELL_TIMEOUT:-300}
+RESULTS=$OUT/results.md
+T0=$(date +%s)
+say() { printf '[%4ds] %s\n' $(($(date +%s) - T0)) "$*"; }
+
+build_viaduct() {
+  if [ ! -f .deps/usr/include/toml++/toml.h ] && ls .deps/*.deb >/dev/null 2>&1; then
+    for f in .deps/*.deb; do dpkg -x "$f" .deps; done
+  fi
+  local prefix gen=()
+  prefix=$("$PY" -c 'import torch;print(torch.utils.cmake_prefix_path)') ||
+    { say "build: $PY has no torch"; return 1; }
+  command -v cmake >/dev/null || { say "build: no cmake on PATH"; return 1; }
+  if [ ! -f build-gpu/CMakeCache.txt ]; then
+    command -v ninja >/dev/null && gen=(-G Ninja)
+    cmake -S . -B build-gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+      -DVIADUCT_BUILD_TESTS=OFF -DCMAKE_PREFIX_PATH="$prefix" \
+      -DVIADUCT_EXTRA_INCLUDE="$PWD/.deps/usr/include" >"$OUT/cmake.log" 2>&1 ||
+      { say "build: cmake failed"; tail -20 "$OUT/cmake.log"; return 1; }
+    grep -q "viaduct: CUDA build" "$OUT/cmake.log" ||
+      say "build: WARNING: cmake did not find torch_cuda (a CPU build)"
+  fi
+  cmake --build build-gpu --target viaduct_app -j "$JOBS" >"$OUT/build.log" 2>&1 ||
+    { say "build: failed"; grep -m 12 -E "error" "$OUT/build.log"; return 1; }
+  say "build: build-gpu/viaduct ready"
+}
+
+# A raw .u32 file of uniform random tokens in [0, vocab), deterministic.
+make_random_tokens() {  # path vocab count
+  [ -f "$1" ] && return 0
+  mkdir -p "$(dirname "$1")"
+  "$PY" - "$1" "$2" "$3" <<'EOF'
+import array, os, random, sys
+path, vocab, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+r = random.Random(1234)
+a = array.array("I", (r.randrange(vocab) for _ in range(n)))
+assert a.itemsize == 4
+with open(path + ".tmp", "wb") as f:
+    f.write(a.tobytes())
+os.replace(path + ".tmp", path)
+EOF
+}
+
+# One cell: viaduct, then the reference in each mode, then its table rows.
+run_cell() {  # name label data viaduct-overrides...
+  local name=$1 label=$2 data=$3
+  shift 3
+  local dir=$WORK/$name
+  local ck=$dir/viaduct/checkpoint
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  say "$name: viaduct, $STEPS steps"
+  local vd_cmd=(build-gpu/viaduct train --config configs/llama_debug.toml "$@"
+    --training.dtype=bfloat16 --training.device=cuda --training.steps="$STEPS"
+    --training.eval_interval=0 --training.num_threads="$JOBS"
+    --checkpoint.enable=true --checkpoint.save_initial=true
+    --checkpoint.interval=1000000 --checkpoint.keep_latest_k=0
+    --job.dump_folder="$dir/viaduct" --data.path="$data" --metrics.log_freq=1
+    --metrics.progress_bar=false)
+  local extra=()
+  read -r -a extra <<<"${VD_EXTRA:-}"
+  vd_cmd+=("${extra[@]}")
+  echo "${vd_cmd[*]}" >"$OUT/$name.viaduct.cmd"
+  timeout "$CELL_TIMEOUT" "${vd_cmd[@]}" >"$OUT/$name.viaduct.log" 2>&1 ||
+    { say "$name: viaduct failed"; tail -4 "$OUT/$name.viaduct.log"; }
+  cp "$dir/viaduct/metrics.jsonl" "$OUT/$name.viaduct.metrics.jsonl" 2>/dev/null
+  rm -rf "$ck/step-$STEPS"  # the final save: only step-0 is needed (disk)
+  local peers=()
+  if [ -f "$ck/step-0/metadata.json" ]; then
+    for mode in $MODES; do
+      say "$name: torch $mode"
+      local json=$OUT/$name.torch-$mode.json
+      rm -f "$json"
+      timeout "$CELL_TIMEOUT" "$PY" bench/torch_llama.py --checkpoint "$ck/step-0" \
+        --mode "$mode" --compile-mode "$COMPILE_MODE" --timing-warmup "$WARM" \
+        --label "$label" --json "$json" >"$OUT/$name.torch-$mode.log" 2>&1 ||
+        { say "$name: torch $mode failed"; tail -4 "$OUT/$name.torch-$mode.log"; }
+      peers+=(--peer "$json")
+    done
+  else
+    say "$name: no $ck/step-0 (checkpoint.save_initial?): no reference runs"
+  fi
+  "$PY" bench/torch_llama.py report --cell "$label" --timing-warmup "$WARM" \
+    --viaduct-metrics "$dir/viaduct/metrics.jsonl" "${peers[@]}" \
+    --checkpoint "$ck/step-0" >>"$OUT/table.md" 2>>"$OUT/report.log" ||
+    echo "| $label | (report failed, see report.log) | | | | | | |" >>"$OUT/table.md"
+  rm -rf "$ck"  # step-0 of a 1B model is 18 GB
+}
+
+if [[ " $STAGES " == *" build "* ]]; then
+  say "build (log: $OUT/build.log)"
+  build_viaduct || exit 1
+fi
+[[ " $STAGES " == *" run "* ]] || exit 0
+[ -x build-gpu/viaduct ] || { say "no build-gpu/viaduct: run with STAGES=build first"; exit 1; }
+
+rm -f "$OUT/table.md"
+for cell in $CELLS; do
+  case $cell in
+    1B)
+      data=$WORK/random_v128256.u32
+      make_random_tokens "$data" 128256 $(((STEPS + 4) * 4 * 4096 + 1))
+      run_cell 1B "llama 1B, 4x4096" "$data" --model.flavor=1B \
+        --training.seq_len=4096 --training.local_batch_size=4 --optimizer.lr=3e-4
+      ;;
+    debug)
+      if [ -f data/fortunes.tok ]; then
+        run_cell debug "llama debugmodel, 8x512, fortunes" data/fortunes.tok \
+          --model.flavor=debugmodel --training.seq_len=512 \
+          --training.local_batch_size=8
+      else
+        say "debug: data/fortunes.tok not carried: skipped"
+      fi
+      ;;
+    *) say "unknown cell '$cell' (1B, debug)" ;;
+  esac
+done
+
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+torch_v=$("$PY" -c 'import torch;print(torch.__version__)' 2>/dev/null)
+{
+  echo "$(date -u +%Y-%m-%d) · ${gpu:-unknown GPU} · torch ${torch_v:-?} · $WARM untimed + $TIMED timed steps, median step time · MFU = (6 x matmul params incl. head + 12 L D T) x tok/s / 989.4e12 · compile mode $COMPILE_MODE"
+  echo
+  echo "| cell | impl | tok/s | MFU | peak GiB | loss steps 1-5 | rel Δloss vs viaduct: step 1 / max 1-5 | viaduct ÷ this: tok/s, mem |"
+  echo "|---|---|---|---|---|---|---|---|"
+  cat "$OUT/table.md" 2>/dev/null
+} >"$RESULTS"
+say "done; per-process logs and JSON in $OUT"
+cat "$RESULTS"
