@@ -28,6 +28,8 @@ class ProcessGroup;
 namespace pipeline {
 struct PipelinePlan;
 class PipelineExecutor;
+class RankBlockStore;
+struct BlockLayoutTables;
 }  // namespace pipeline
 
 namespace data {
@@ -47,6 +49,10 @@ struct StepMetrics {
   double mfu = -1;        // fraction of peak; < 0 when the peak is unknown
   double peak_memory_bytes = 0;
   int64_t p2p_bytes = 0;  // this rank's pipeline sends + receives
+  // Forward bytes per hop s -> s+1 (all ranks), and the AttnRes rank block
+  // store's peak bytes per pp rank (empty without an AttnRes pipeline).
+  std::vector<int64_t> hop_bytes;
+  std::vector<int64_t> attn_res_store_peak_bytes;
 };
 
 class Trainer {
@@ -96,6 +102,10 @@ class Trainer {
   std::unique_ptr<dist::Mesh> mesh_;
   std::unique_ptr<pipeline::PipelinePlan> plan_;
   std::unique_ptr<pipeline::PipelineExecutor> executor_;  // null: one stage
+  // AttnRes pipelines (kimi_k3 over > 1 stage): the layout tables and this
+  // rank's block store, shared by its stages; null otherwise.
+  std::shared_ptr<const pipeline::BlockLayoutTables> attn_res_tables_;
+  std::shared_ptr<pipeline::RankBlockStore> attn_res_store_;
   int pp_rank_ = 0, dp_rank_ = 0, dp_size_ = 1;
   // Global index of this rank's first parameter of each of its stages, and
   // the model's parameter count (for clipping in global FQN order).

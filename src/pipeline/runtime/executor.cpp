@@ -112,6 +112,7 @@ void PipelineExecutor::send(const Activations& tensors, int dst_rank,
     p.tensors.push_back(t);
   }
   p2p_bytes_ += bytes_of(p.tensors);
+  if (direction == kForwardDir) hop_bytes_[stage - 1] += bytes_of(p.tensors);
   sends_.push_back(std::move(p));
 }
 
@@ -244,6 +245,7 @@ void PipelineExecutor::finish_step(const char* what) {
     VIADUCT_CHECK(st->live_microbatches() == 0, "pp rank ", pp_rank_, " ", what,
                   ": stage ", st->stage_id(), " still holds ",
                   st->live_microbatches(), " micro-batches (a missing B or W)");
+    st->check_step_end(str("pp rank ", pp_rank_, " ", what));
   }
 }
 
@@ -259,6 +261,7 @@ double PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
   targets_ = &targets;
   loss_scale_ = loss_scale;
   p2p_bytes_ = 0;
+  hop_bytes_.clear();
   for (auto& st : stages_) st->clear();
   try {
     for (const auto& a : plan_.lowered.ranks.at(pp_rank_)) run_action(a);

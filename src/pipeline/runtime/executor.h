@@ -58,6 +58,9 @@ class PipelineExecutor {
   bool holds_first_stage() const;
   // Bytes sent over P2P in the last step (activations + gradients).
   int64_t last_step_p2p_bytes() const { return p2p_bytes_; }
+  // Bytes this rank sent forward over each hop s -> s + 1 in the last step
+  // (all micro-batches), keyed by s; a hop's gradients travel back as many.
+  const std::map<int64_t, int64_t>& last_step_hop_bytes() const { return hop_bytes_; }
 
  private:
   using Key = std::pair<int64_t, int64_t>;  // (stage, micro-batch)
@@ -101,6 +104,7 @@ class PipelineExecutor {
   std::map<Key, Pending> recv_f_, recv_b_;
   std::vector<Pending> sends_;
   int64_t p2p_bytes_ = 0;
+  std::map<int64_t, int64_t> hop_bytes_;
 };
 
 }  // namespace viaduct::pipeline

@@ -28,6 +28,9 @@ class PipelineStage {
  public:
   PipelineStage(int64_t stage_id, int64_t num_stages,
                 std::shared_ptr<ModelPart> part);
+  // Subclasses (pipeline/attn_res) change what crosses a hop; the executor
+  // calls the forms below through this base.
+  virtual ~PipelineStage() = default;
 
   int64_t stage_id() const { return stage_id_; }
   bool is_first() const { return stage_id_ == 0; }
@@ -39,23 +42,25 @@ class PipelineStage {
   // previous stage's outputs otherwise (made leaves that require grad here).
   // The last stage needs `targets` and `loss_scale` (1 / the step's global
   // token count) and returns no outputs; its summed loss is kept.
-  Activations forward(int64_t mb, const Activations& inputs,
-                      const at::Tensor& targets = {}, double loss_scale = 1.0);
+  virtual Activations forward(int64_t mb, const Activations& inputs,
+                              const at::Tensor& targets = {},
+                              double loss_scale = 1.0);
   // Backward (B) of `mb`: `grad_outputs` match forward's outputs (empty on
   // the last stage). Returns the gradients of the inputs (empty on the first
   // stage). Releases the micro-batch's state.
-  Activations backward(int64_t mb, const Activations& grad_outputs);
+  virtual Activations backward(int64_t mb, const Activations& grad_outputs);
   // Input-gradient half (I): returns input gradients, keeps the graph.
-  Activations backward_input(int64_t mb, const Activations& grad_outputs);
+  virtual Activations backward_input(int64_t mb,
+                                     const Activations& grad_outputs);
   // Weight-gradient half (W) of an earlier I; releases the state.
-  void backward_weight(int64_t mb);
+  virtual void backward_weight(int64_t mb);
 
   // The summed (unscaled) token cross-entropy of `mb` on the last stage.
   double loss_sum(int64_t mb) const;
   // Forward without autograd state (eval, metadata inference); the last
   // stage returns {summed loss} when targets are given, else its logits.
-  Activations forward_no_grad(const Activations& inputs,
-                              const at::Tensor& targets = {});
+  virtual Activations forward_no_grad(const Activations& inputs,
+                                      const at::Tensor& targets = {});
 
   // Note [Deferred gradient accumulation]
   // A schedule that runs a stage's weight gradients out of micro-batch order
@@ -69,7 +74,11 @@ class PipelineStage {
 
   // Micro-batches whose state is still held (a leak check at step end).
   size_t live_microbatches() const { return state_.size(); }
-  void clear();
+  // Step start: drops every micro-batch's state.
+  virtual void clear();
+  // Step end (and after eval / metadata inference): throws when the stage
+  // still holds something it should have released; `what` names the phase.
+  virtual void check_step_end(const std::string& what) {}
 
  private:
   struct MicrobatchState {

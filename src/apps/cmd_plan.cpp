@@ -1,0 +1,174 @@
+// `viaduct plan`: what a pipeline job will move and hold before it runs --
+// per-hop bytes for both AttnRes transports, the rank block store's peak per
+// rank, boundary activation memory and the schedule's bubble -- from the
+// config alone (no model is built, so the 93-layer flavor plans instantly).
+#include <algorithm>
+#include <cstdio>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "apps/command.h"
+#include "config/config.h"
+#include "core/check.h"
+#include "model/kimi_k3.h"
+#include "model/model.h"
+#include "pipeline/attn_res/block_layout.h"
+#include "pipeline/schedule/plan_config.h"
+
+namespace viaduct::apps {
+namespace {
+
+constexpr const char* kUsage =
+    "usage: viaduct plan --config FILE [--section.key=value ...] [--json]\n"
+    "\n"
+    "Sizes a pipeline run without running it: per hop s -> s+1 the bytes one\n"
+    "step sends forward (its gradients travel back as many) with the AttnRes\n"
+    "rank cache and with the whole stack, the rank block store's peak per rank,\n"
+    "the boundary activations each rank holds at its peak, and the schedule's\n"
+    "bubble (unit costs F = 1, B = 2). A block entry is [B/M, T, D] in the\n"
+    "compute dtype (bf16: 2 bytes, else 4).\n";
+
+double gib(double b) { return b / (1024.0 * 1024.0 * 1024.0); }
+
+int plan_main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+  }
+  auto args = parse_command_line(argc, argv, 1, {});
+  bool json = false;
+  for (const auto& f : args.flags) {
+    VIADUCT_CHECK_T(ConfigError, f == "--json", "plan: unknown option ", f, "\n", kUsage);
+    json = true;
+  }
+  const auto cfg = Config::load(args.config_path, args.overrides);
+  VIADUCT_CHECK_T(ConfigError, cfg.get_string("model.family") == "kimi_k3",
+                  "plan: model.family is '", cfg.get_string("model.family"),
+                  "'; the AttnRes byte plan needs kimi_k3");
+  const auto plan = pipeline::make_pipeline_plan(
+      pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg)));
+  const auto& sp = plan.split;
+  const auto o = kimi_k3_options(cfg);
+  const int64_t M = plan.compute.microbatches;
+  const int64_t B = cfg.get_int("training.local_batch_size");
+  const int64_t T = cfg.get_int("training.seq_len");
+  const std::string dtype = cfg.get_string("training.dtype");
+  const int64_t elem = (dtype == "bfloat16" || dtype == "bf16") ? 2 : 4;
+  const double entry = static_cast<double>(B / M * T * o.dim * elem);
+
+  using pipeline::AttnResTransport;
+  const auto whole = pipeline::make_block_layout_tables(sp, o.block_size,
+                                                        AttnResTransport::kWholeStack);
+  std::optional<pipeline::BlockLayoutTables> cache;
+  std::string cache_refused;
+  try {
+    cache = pipeline::make_block_layout_tables(sp, o.block_size, AttnResTransport::kRankCache);
+  } catch (const ConfigError& e) {
+    cache_refused = e.what();
+  }
+
+  nlohmann::json out;
+  out["n_layers"] = o.n_layers;
+  out["block_size"] = o.block_size;
+  out["pp"] = sp.pp;
+  out["num_stages"] = sp.num_stages;
+  out["schedule"] = plan.compute.name;
+  out["microbatches"] = M;
+  out["entry_bytes"] = entry;
+  out["bubble_fraction"] = plan.simulation.bubble_fraction;
+  nlohmann::json hops = nlohmann::json::array();
+  double total_whole = 0, total_cache = 0;
+  for (int64_t s = 0; s + 1 < sp.num_stages; ++s) {
+    nlohmann::json h;
+    h["from"] = s;
+    h["to"] = s + 1;
+    h["whole_stack_tensors"] = whole.hop_tensors(s);
+    h["whole_stack_bytes"] = whole.hop_tensors(s) * entry * static_cast<double>(M);
+    total_whole += h["whole_stack_bytes"].get<double>();
+    if (cache) {
+      h["rank_cache_tensors"] = cache->hop_tensors(s);
+      h["rank_cache_bytes"] = cache->hop_tensors(s) * entry * static_cast<double>(M);
+      total_cache += h["rank_cache_bytes"].get<double>();
+    }
+    hops.push_back(h);
+  }
+  out["hops"] = hops;
+  out["whole_stack_bytes_per_step"] = total_whole;
+  if (cache) out["rank_cache_bytes_per_step"] = total_cache;
+  if (!cache_refused.empty()) out["rank_cache_refused"] = cache_refused;
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int64_t r = 0; r < sp.pp; ++r) {
+    nlohmann::json j;
+    j["rank"] = r;
+    int64_t widest = 0;  // the largest stack a stage of the rank holds per micro-batch
+    for (int64_t s : sp.rank_to_stages[static_cast<size_t>(r)]) {
+      widest = std::max(widest, 1 + whole.stage(s).entries_in);
+    }
+    const auto in_flight = plan.simulation.peak_activations.at(static_cast<size_t>(r));
+    j["peak_microbatches_in_flight"] = in_flight;
+    j["boundary_activation_bytes"] = static_cast<double>(in_flight * widest) * entry;
+    if (cache) {
+      const auto peak = pipeline::predict_store_peak(*cache, plan.compute, r);
+      j["store_peak_entries"] = peak.total;
+      j["store_peak_bytes"] = static_cast<double>(peak.total) * entry;
+      j["store_peak_blocks"] = peak.blocks;
+      j["store_peak_grad_slots"] = peak.grad_slots;
+    }
+    ranks.push_back(j);
+  }
+  out["ranks"] = ranks;
+  if (json) {
+    std::printf("%s\n", out.dump().c_str());
+    return 0;
+  }
+  std::printf("kimi_k3/%s: %lld layers in blocks of %lld; %lld stages on %lld ranks, %s, "
+              "%lld micro-batches of [%lld, %lld, %lld] (%.0f bytes per block entry)\n",
+              o.flavor.c_str(), static_cast<long long>(o.n_layers),
+              static_cast<long long>(o.block_size), static_cast<long long>(sp.num_stages),
+              static_cast<long long>(sp.pp), plan.compute.name.c_str(),
+              static_cast<long long>(M), static_cast<long long>(B / M),
+              static_cast<long long>(T), static_cast<long long>(o.dim), entry);
+  std::printf("bubble %.1f%% (F = 1, B = 2)\n", 100.0 * plan.simulation.bubble_fraction);
+  std::printf("  hop      whole stack            rank cache\n");
+  for (const auto& h : hops) {
+    std::printf("  %3lld->%-3lld %3lld tensors %8.3f GiB", h["from"].get<long long>(),
+                h["to"].get<long long>(), h["whole_stack_tensors"].get<long long>(),
+                gib(h["whole_stack_bytes"].get<double>()));
+    if (cache) {
+      std::printf("   %3lld tensors %8.3f GiB", h["rank_cache_tensors"].get<long long>(),
+                  gib(h["rank_cache_bytes"].get<double>()));
+    }
+    std::printf("\n");
+  }
+  std::printf("  per step: whole stack %.3f GiB", gib(total_whole));
+  if (cache) std::printf(", rank cache %.3f GiB", gib(total_cache));
+  std::printf(" (forward; gradients as many again)\n");
+  if (!cache_refused.empty()) std::printf("rank cache: %s\n", cache_refused.c_str());
+  std::printf("  rank  in flight  boundary activations  store peak (blocks + grad slots)\n");
+  for (const auto& j : ranks) {
+    std::printf("  %4lld  %9lld  %16.3f GiB", j["rank"].get<long long>(),
+                j["peak_microbatches_in_flight"].get<long long>(),
+                gib(j["boundary_activation_bytes"].get<double>()));
+    if (cache) {
+      std::printf("  %8.3f GiB (%lld + %lld entries)", gib(j["store_peak_bytes"].get<double>()),
+                  j["store_peak_blocks"].get<long long>(),
+                  j["store_peak_grad_slots"].get<long long>());
+    }
+    std::printf("\n");
+  }
+  return 0;
+}
+
+}  // namespace
+
+VIADUCT_COMMAND("plan",
+                "size a pipeline run: per-hop bytes (AttnRes cache vs whole stack), "
+                "store peak, activations, bubble",
+                plan_main);
+
+}  // namespace viaduct::apps

@@ -1,0 +1,240 @@
+// Kimi-K3 over pipeline stages with AttnResStage, ranks as processes over
+// Gloo: the whole-stack transport trains to exactly the bits of one process
+// (losses and every parameter / optimizer-state tensor after three steps),
+// offload changes no bit, the rank cache stays within rounding of it, and the
+// measured per-hop bytes and store peaks equal the layout tables' prediction.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "data/temp_dir.h"
+#include "data/token_file.h"
+#include "pipeline/attn_res/block_layout.h"
+#include "pipeline/schedule/plan.h"
+
+namespace fs = std::filesystem;
+using namespace viaduct::pipeline;
+
+namespace {
+
+std::atomic<int> g_port{31650 + (getpid() % 500) * 8};
+
+struct ShellRun {
+  int exit_code = 0;
+  std::string output;
+};
+
+ShellRun shell(const std::string& cmd) {
+  ShellRun r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  char buf[4096];
+  while (fgets(buf, sizeof buf, p)) r.output += buf;
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+class AttnResRuns : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new viaduct::data::testing::TempDir();
+    viaduct::data::TokenFileWriter w((fs::path(dir_->path()) / "d.tok").string(), 257, "byte");
+    std::vector<int64_t> toks;
+    uint64_t x = 987654;
+    for (int i = 0; i < 20000; ++i) {
+      x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+      toks.push_back(static_cast<int64_t>((x >> 33) % 97) + 32);
+    }
+    w.append(toks);
+    w.finish();
+  }
+  static void TearDownTestSuite() { delete dir_; }
+
+  static std::string base_args(const std::string& flavor, int micro, int steps = 3) {
+    std::ostringstream os;
+    os << " --model.family=kimi_k3 --model.flavor=" << flavor
+       << " --training.seq_len=16 --training.local_batch_size=8 --training.steps=" << steps
+       << " --training.num_threads=1 --training.eval_interval=0"
+       << " --metrics.progress_bar=false --optimizer.lr=0.01"
+       << " --checkpoint.enable=true --checkpoint.interval=" << steps
+       << " --parallelism.pipeline_parallel_microbatches=" << micro
+       << " --data.path=" << (fs::path(dir_->path()) / "d.tok").string();
+    return os.str();
+  }
+
+  static std::string train(const std::string& name, int nproc, const std::string& args) {
+    const auto out = (fs::path(dir_->path()) / name).string();
+    fs::remove_all(out);
+    std::ostringstream cmd;
+    cmd << VIADUCT_BINARY;
+    if (nproc > 1) {
+      cmd << " launch --nproc-per-node " << nproc << " --master-port " << g_port.fetch_add(1)
+          << " -- " << VIADUCT_BINARY;
+    }
+    cmd << " train" << args << " --job.dump_folder=" << out;
+    auto r = shell(cmd.str());
+    EXPECT_EQ(r.exit_code, 0) << cmd.str() << "\n" << r.output;
+    return out;
+  }
+
+  static std::vector<nlohmann::json> metrics(const std::string& dump) {
+    std::vector<nlohmann::json> out;
+    std::ifstream in(fs::path(dump) / "metrics.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("loss")) out.push_back(j);
+    }
+    return out;
+  }
+  static std::vector<std::string> losses(const std::string& dump) {
+    std::vector<std::string> out;
+    for (const auto& j : metrics(dump)) out.push_back(j["loss"].dump());
+    return out;
+  }
+
+  static ShellRun compare(const std::string& a, const std::string& b) {
+    return shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + a + "/checkpoint " + b +
+                 "/checkpoint");
+  }
+  static void expect_same_bits(const std::string& a, const std::string& b, size_t steps = 3) {
+    EXPECT_EQ(losses(a), losses(b));
+    EXPECT_EQ(losses(a).size(), steps);
+    auto r = compare(a, b);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+  }
+
+  static std::string reference(const std::string& flavor, int micro, int steps = 3) {
+    const auto name = "ref_" + flavor + std::to_string(micro) + "_" + std::to_string(steps);
+    if (!fs::exists(fs::path(dir_->path()) / name / "checkpoint")) {
+      train(name, 1, base_args(flavor, micro, steps));
+    }
+    return (fs::path(dir_->path()) / name).string();
+  }
+
+  static std::string pp_run(const std::string& flavor, int micro, int pp, int spr, bool cache,
+                            bool offload = false, int steps = 3) {
+    std::ostringstream args, name;
+    args << base_args(flavor, micro, steps) << " --parallelism.pipeline_parallel_degree=" << pp
+         << " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
+         << " --parallelism.pipeline_parallel_stages_per_rank=" << spr
+         << " --parallelism.attn_res_cache=" << (cache ? "true" : "false")
+         << " --parallelism.attn_res_cache_offload=" << (offload ? "true" : "false");
+    name << flavor << "_pp" << pp << "x" << spr << (cache ? "_cache" : "_whole")
+         << (offload ? "_offload" : "") << "_" << steps;
+    return train(name.str(), pp, args.str());
+  }
+
+  static viaduct::data::testing::TempDir* dir_;
+};
+viaduct::data::testing::TempDir* AttnResRuns::dir_ = nullptr;
+
+// The split of a kimi_k3 model as the trainer computes it.
+PipelinePlan k3_plan(int64_t layers, int64_t pp, int64_t spr, int64_t micro) {
+  std::vector<std::string> fqns{"tok_embeddings"};
+  for (int64_t i = 0; i < layers; ++i) fqns.push_back("layers." + std::to_string(i));
+  fqns.insert(fqns.end(), {"norm", "lm_head", "attn_res_final"});
+  PlanSpec spec;
+  spec.split.model = model_layout_from_fqns(fqns);
+  spec.split.pp = pp;
+  spec.split.stages_per_rank = spr;
+  spec.schedule = "Interleaved1F1B";
+  spec.microbatches = micro;
+  return make_pipeline_plan(spec);
+}
+
+}  // namespace
+
+// 26 units over 4 stages: a boundary inside a block, and rank 0 receives
+// entry 0 again at stage 2 in the whole stack.
+TEST_F(AttnResRuns, DebugmodelPp2x2WholeStackIsBitwiseOneProcess) {
+  const auto ref = reference("debugmodel", 4);
+  expect_same_bits(ref, pp_run("debugmodel", 4, 2, 2, false));
+  expect_same_bits(ref, pp_run("debugmodel", 4, 2, 2, false, true));
+}
+
+TEST_F(AttnResRuns, DebugmodelDeepPp4x2WholeStackIsBitwiseOneProcess) {
+  expect_same_bits(reference("debugmodel_deep", 8), pp_run("debugmodel_deep", 8, 4, 2, false));
+}
+
+// The rank cache adds a block's gradient contributions grouped by rank, so
+// its bits may differ from the whole stack's in the last places; offload
+// changes none of them.
+TEST_F(AttnResRuns, RankCacheStaysWithinRoundingAndOffloadChangesNoBit) {
+  const auto ref = reference("debugmodel", 4);
+  const auto cache = pp_run("debugmodel", 4, 2, 2, true);
+  const auto a = metrics(ref), b = metrics(cache);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double la = a[i]["loss"].get<double>(), lb = b[i]["loss"].get<double>();
+    EXPECT_NEAR(la, lb, 1e-5 * std::abs(la)) << "step " << i + 1;
+    std::printf("[cache vs one process] debugmodel pp2x2 step %zu loss %.17g vs %.17g (diff %.3g)\n",
+                i + 1, la, lb, lb - la);
+  }
+  auto r = compare(ref, cache);
+  std::printf("[cache vs one process] checkpoint compare (exit %d):\n%s\n", r.exit_code,
+              r.output.c_str());
+  expect_same_bits(cache, pp_run("debugmodel", 4, 2, 2, true, true));
+}
+
+// metrics.jsonl's hop_bytes and attn_res_store_peak_bytes equal the tables:
+// (hidden + received entries) x [B/M, T, D] fp32 x M per hop; the store peak
+// as predict_store_peak walks the schedule.
+TEST_F(AttnResRuns, MeasuredBytesEqualTheTables) {
+  const int64_t M = 4, B = 8, T = 16, D = 64;
+  const double entry = static_cast<double>(B / M * T * D * 4);
+  const auto plan = k3_plan(24, 2, 2, M);
+  for (bool cache : {true, false}) {
+    SCOPED_TRACE(cache ? "rank cache" : "whole stack");
+    const auto t = make_block_layout_tables(
+        plan.split, 12, cache ? AttnResTransport::kRankCache : AttnResTransport::kWholeStack);
+    const auto run = pp_run("debugmodel", static_cast<int>(M), 2, 2, cache);
+    const auto m = metrics(run);
+    ASSERT_FALSE(m.empty());
+    for (const auto& j : m) {
+      ASSERT_TRUE(j.contains("hop_bytes")) << j.dump();
+      const auto hops = j["hop_bytes"].get<std::vector<int64_t>>();
+      ASSERT_EQ(hops.size(), 3u);
+      for (int64_t s = 0; s < 3; ++s) {
+        EXPECT_EQ(hops[s], static_cast<int64_t>(t.hop_tensors(s) * entry * M)) << "hop " << s;
+      }
+      const auto peaks = j["attn_res_store_peak_bytes"].get<std::vector<int64_t>>();
+      ASSERT_EQ(peaks.size(), 2u);
+      for (int64_t r = 0; r < 2; ++r) {
+        EXPECT_EQ(peaks[r],
+                  static_cast<int64_t>(predict_store_peak(t, plan.compute, r).total * entry))
+            << "rank " << r;
+      }
+    }
+    std::printf("[bytes] %s: %s\n", cache ? "rank cache" : "whole stack", m[0].dump().c_str());
+  }
+}
+
+// `viaduct plan --json` predicts the same hop sizes without running.
+TEST(AttnResPlan, PlanCommandMatchesTheTables) {
+  const auto r = shell(std::string(VIADUCT_BINARY) +
+                       " plan --config configs/kimi_k3_debug.toml --model.flavor=debugmodel"
+                       " --parallelism.pipeline_parallel_degree=2"
+                       " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
+                       " --parallelism.pipeline_parallel_stages_per_rank=2"
+                       " --parallelism.pipeline_parallel_microbatches=4"
+                       " --training.seq_len=16 --training.local_batch_size=8"
+                       " --training.dtype=float32 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  const auto plan = k3_plan(24, 2, 2, 4);
+  const auto c = make_block_layout_tables(plan.split, 12, AttnResTransport::kRankCache);
+  const auto w = make_block_layout_tables(plan.split, 12, AttnResTransport::kWholeStack);
+  ASSERT_EQ(j["hops"].size(), 3u);
+  for (int64_t s = 0; s < 3; ++s) {
+    EXPECT_EQ(j["hops"][s]["rank_cache_tensors"].get<int64_t>(), c.hop_tensors(s));
+    EXPECT_EQ(j["hops"][s]["whole_stack_tensors"].get<int64_t>(), w.hop_tensors(s));
+  }
+  EXPECT_EQ(j["entry_bytes"].get<double>(), 2.0 * 16 * 64 * 4);
+}
