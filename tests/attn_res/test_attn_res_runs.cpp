@@ -13,7 +13,9 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/check.h"
 #include "data/temp_dir.h"
+#include "pipeline/attn_res/block_store.h"
 #include "data/token_file.h"
 #include "pipeline/attn_res/block_layout.h"
 #include "pipeline/schedule/plan.h"
@@ -237,4 +239,74 @@ TEST(AttnResPlan, PlanCommandMatchesTheTables) {
     EXPECT_EQ(j["hops"][s]["whole_stack_tensors"].get<int64_t>(), w.hop_tensors(s));
   }
   EXPECT_EQ(j["entry_bytes"].get<double>(), 2.0 * 16 * 64 * 4);
+}
+
+// The store: deposits are counted against the tables, a missing or extra one
+// is an Error naming rank, stage, micro-batch and block; release and the
+// step-end sweep.
+TEST(RankBlockStore, CountsDepositsAndSweeps) {
+  const auto plan = k3_plan(24, 2, 2, 4);
+  const auto t = make_block_layout_tables(plan.split, 12, AttnResTransport::kRankCache);
+  RankBlockStore store(1, t, /*offload=*/true);  // CPU: offload keeps tensors as they are
+  auto block = at::ones({2, 4, 8});
+  store.put(1, 0, 0, block);
+  store.put(1, 0, 1, block * 2);
+  EXPECT_TRUE(store.get(3, 0, 1, at::kCPU).equal(block * 2));
+  EXPECT_EQ(store.peak_bytes(), 2 * 64 * 4);
+  store.release(0);
+  EXPECT_EQ(store.bytes(), 0);
+  EXPECT_THROW(store.get(3, 0, 1, at::kCPU), viaduct::Error);
+  store.deposit(3, 0, 0, block);
+  EXPECT_THROW(store.deposit(3, 0, 0, block), viaduct::Error);  // one expected
+  EXPECT_TRUE(store.collect(1, 0, 0).equal(block));
+  try {
+    store.collect(1, 0, 1);
+    FAIL() << "a missing deposit was not reported";
+  } catch (const viaduct::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("stage 1"), std::string::npos) << m;
+    EXPECT_NE(m.find("micro-batch 0"), std::string::npos) << m;
+    EXPECT_NE(m.find("block 1"), std::string::npos) << m;
+  }
+  store.put(1, 2, 0, block);
+  store.deposit(3, 1, 1, block);
+  try {
+    store.sweep("step end");
+    FAIL() << "leftovers were not reported";
+  } catch (const viaduct::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("block 0 of micro-batch 2"), std::string::npos) << m;
+    EXPECT_NE(m.find("uncollected deposits for block 1 of micro-batch 1"), std::string::npos) << m;
+  }
+  EXPECT_EQ(store.bytes(), 0);
+  EXPECT_NO_THROW(store.sweep("step end"));
+}
+
+// The zero-bubble split (I then W) collects deposits at I; both transports
+// against one process.
+TEST_F(AttnResRuns, InterleavedZeroBubbleBothTransports) {
+  const auto ref = reference("debugmodel", 4);
+  for (bool cache : {false, true}) {
+    std::ostringstream args;
+    args << base_args("debugmodel", 4) << " --parallelism.pipeline_parallel_degree=2"
+         << " --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble"
+         << " --parallelism.pipeline_parallel_stages_per_rank=2"
+         << " --parallelism.attn_res_cache=" << (cache ? "true" : "false");
+    const auto run = train(std::string("zb_") + (cache ? "cache" : "whole"), 2, args.str());
+    if (!cache) {
+      expect_same_bits(ref, run);
+    } else {
+      const auto a = metrics(ref), b = metrics(run);
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i) {
+        EXPECT_NEAR(a[i]["loss"].get<double>(), b[i]["loss"].get<double>(),
+                    1e-5 * std::abs(a[i]["loss"].get<double>()));
+      }
+    }
+  }
+}
+
+// 35 units over 16 stages (4 per rank): one or two layers per stage.
+TEST_F(AttnResRuns, DebugmodelDeepPp4x4WholeStackIsBitwiseOneProcess) {
+  expect_same_bits(reference("debugmodel_deep", 8), pp_run("debugmodel_deep", 8, 4, 4, false));
 }
