@@ -46,6 +46,7 @@ void add_core_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("checkpoint", "keep_latest_k", T::kInt, int64_t{3}, "keep the newest k checkpoints (0: all)"));
   k.push_back(key("checkpoint", "resume", T::kBool, true, "resume from the latest checkpoint in the folder"));
   k.push_back(key("checkpoint", "save_initial", T::kBool, false, "also save the initial weights as step-0"));
+  k.push_back(key("checkpoint", "save_final", T::kBool, true, "save at the last step even off the interval"));
 
   k.push_back(key("metrics", "log_freq", T::kInt, int64_t{1}, "log every N steps"));
   k.push_back(key("metrics", "enable_jsonl", T::kBool, true, "append a JSON object per step to <dump_folder>/metrics.jsonl"));

@@ -135,12 +135,21 @@ double lr_at(const Config& cfg, int64_t step) {
 }
 
 std::vector<double> grad_squared_norms(const std::vector<NamedParam>& params) {
-  std::vector<double> out;
-  out.reserve(params.size());
-  for (const auto& np : params) {
-    const auto& g = np.param.grad();
-    out.push_back(g.defined() ? g.to(at::kFloat).pow(2).sum().item<double>() : 0.0);
+  // One fp32 sum per parameter on its device, fetched with a single copy
+  // (not one device sync per parameter).
+  std::vector<at::Tensor> sums;
+  std::vector<size_t> where;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& g = params[i].param.grad();
+    if (!g.defined()) continue;
+    sums.push_back(g.to(at::kFloat).pow(2).sum());
+    where.push_back(i);
   }
+  std::vector<double> out(params.size(), 0.0);
+  if (sums.empty()) return out;
+  auto host = at::stack(sums).cpu();
+  const float* v = host.data_ptr<float>();
+  for (size_t k = 0; k < where.size(); ++k) out[where[k]] = static_cast<double>(v[k]);
   return out;
 }
 

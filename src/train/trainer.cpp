@@ -640,7 +640,8 @@ StepMetrics Trainer::run() {
     if (can_eval && eval_every > 0 && (step_ % eval_every == 0 || step_ == total)) {
       log_eval(evaluate());
     }
-    if (ckpt && (step_ % cfg_.get_int("checkpoint.interval") == 0 || step_ == total)) {
+    if (ckpt && (step_ % cfg_.get_int("checkpoint.interval") == 0 ||
+                 (step_ == total && cfg_.get_bool("checkpoint.save_final")))) {
       save_checkpoint();
     }
   }

@@ -232,7 +232,7 @@ void PipelineExecutor::run_action(const Action& a) {
 
 void PipelineExecutor::finish_step(const char* what) {
   for (auto& p : sends_) {
-    for (auto& w : p.works) w.wait(str("pp rank ", pp_rank_, " ", what, ": send ", w.what()));
+    for (auto& w : p.works) w.wait(str("pp rank ", pp_rank_, " ", what));
   }
   sends_.clear();
   VIADUCT_CHECK(recv_f_.empty() && recv_b_.empty(), "pp rank ", pp_rank_, " ",
