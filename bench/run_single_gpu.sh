@@ -85,6 +85,7 @@ run_cell() {  # name label data viaduct-overrides...
   local vd_cmd=(build-gpu/viaduct train --config configs/llama_debug.toml "$@"
     --training.dtype=bfloat16 --training.device=cuda --training.steps="$STEPS"
     --training.eval_interval=0 --training.num_threads="$JOBS"
+    --training.deterministic=false
     --checkpoint.enable=true --checkpoint.save_initial=true
     --checkpoint.interval=1000000 --checkpoint.keep_latest_k=0
     --job.dump_folder="$dir/viaduct" --data.path="$data" --metrics.log_freq=1

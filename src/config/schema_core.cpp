@@ -26,6 +26,7 @@ void add_core_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("training", "max_norm", T::kFloat, 1.0, "global gradient-norm clip (<= 0: off)"));
   k.push_back(key("training", "dtype", T::kString, std::string("auto"), "auto | float32 | bfloat16 (bf16 = mixed precision with fp32 master weights)"));
   k.push_back(key("training", "device", T::kString, std::string("auto"), "auto | cpu | cuda"));
+  k.push_back(key("training", "deterministic", T::kBool, true, "deterministic kernels on CUDA (bitwise-reproducible runs and layouts; off can be faster)"));
   k.push_back(key("training", "num_threads", T::kInt, int64_t{2}, "CPU intra-op threads (same default launched or alone)"));
   k.push_back(key("training", "eval_interval", T::kInt, int64_t{50}, "evaluate on held-out tokens every N steps (0: never); step 0 included"));
 

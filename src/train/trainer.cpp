@@ -74,6 +74,12 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
                       ? str("; start the ranks with `viaduct launch --nproc-per-node ",
                             pp * dp, " -- viaduct train ...`")
                       : std::string());
+  if (cfg_.get_bool("training.deterministic")) {
+    // cuBLAS needs a fixed workspace for reproducible results; it must be set
+    // before the first cuBLAS handle exists.
+    setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  }
   device_ = resolve_device(cfg_.get_string("training.device"), rdv.local_rank);
   if (rdv.world_size > 1) {
     const auto timeout =

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One GPU-machine call for the checks that need a GPU but no peer:
+#  1. bitwise on GPU: llama debugmodel, bf16, deterministic kernels, one
+#     process without a pipeline against pp1 x 4 stages (Interleaved1F1B) and
+#     pp1 x 2 stages (LoopedBFS), same micro-batches: losses and checkpoints;
+#  2. the executor's overhead at the llama-1B shape (bench/executor_overhead.sh);
+#  3. the AttnRes block store's host offload on kimi_k3 debugmodel_deep
+#     widened to dim 1024: peak device memory and step time, cache on / on +
+#     offload / off.
+# usage: bench/gpu_checks.sh BUILD_DIR   (writes under $OUT)
+set -uo pipefail
+B=${1:-build-gpu}
+V=$B/viaduct
+OUT=${OUT:-/tmp/gpu_checks}
+mkdir -p "$OUT"
+
+echo "== 1. bitwise on GPU (bf16, deterministic) =="
+common=(--config configs/llama_debug.toml --training.dtype=bfloat16 --training.steps=4
+        --training.eval_interval=0 --checkpoint.enable=true --checkpoint.interval=4
+        --metrics.progress_bar=false --parallelism.pipeline_parallel_microbatches=4)
+"$V" train "${common[@]}" --job.dump_folder="$OUT/det_ref" > "$OUT/det_ref.log" 2>&1 || tail -5 "$OUT/det_ref.log"
+"$V" train "${common[@]}" --job.dump_folder="$OUT/det_ref2" > "$OUT/det_ref2.log" 2>&1 || tail -5 "$OUT/det_ref2.log"
+"$V" train "${common[@]}" --job.dump_folder="$OUT/det_i4" --parallelism.pipeline_parallel_stages_per_rank=4 \
+  --parallelism.pipeline_parallel_schedule=Interleaved1F1B > "$OUT/det_i4.log" 2>&1 || tail -5 "$OUT/det_i4.log"
+"$V" train "${common[@]}" --job.dump_folder="$OUT/det_bfs" --parallelism.pipeline_parallel_stages_per_rank=2 \
+  --parallelism.pipeline_parallel_schedule=LoopedBFS > "$OUT/det_bfs.log" 2>&1 || tail -5 "$OUT/det_bfs.log"
+for run in det_ref2 det_i4 det_bfs; do
+  echo "$run vs det_ref: $("$V" checkpoint compare "$OUT/det_ref/checkpoint" "$OUT/$run/checkpoint" | tail -1)"
+done
+grep -h '"loss"' "$OUT"/det_ref/metrics.jsonl | head -2 | cut -c1-60
+
+echo "== 2. executor overhead (llama 1B, bf16, deterministic) =="
+D=$(ls outputs/bench/random_v128256.u32 2>/dev/null | head -1)
+if [ -n "$D" ]; then OUT=$OUT timeout 240 bash bench/executor_overhead.sh "$B" "$D" 8 | tail -5; fi
+
+echo "== 3. AttnRes store offload (kimi_k3 debugmodel_deep, dim 1024, pp1 x 4 stages) =="
+k3=(--config configs/kimi_k3_debug.toml --model.flavor=debugmodel_deep --model.dim=1024
+    --training.seq_len=2048 --training.local_batch_size=4 --training.dtype=bfloat16
+    --training.steps=5 --training.eval_interval=0 --checkpoint.enable=false
+    --training.deterministic=false --metrics.progress_bar=false
+    --parallelism.pipeline_parallel_stages_per_rank=4
+    --parallelism.pipeline_parallel_schedule=Interleaved1F1B
+    --parallelism.pipeline_parallel_microbatches=4)
+for mode in "cache:--parallelism.attn_res_cache=true" \
+            "cache+offload:--parallelism.attn_res_cache=true --parallelism.attn_res_cache_offload=true" \
+            "whole-stack:--parallelism.attn_res_cache=false"; do
+  name=${mode%%:*}; args=${mode#*:}
+  timeout 200 "$V" train "${k3[@]}" $args --job.dump_folder="$OUT/k3_$name" > "$OUT/k3_$name.log" 2>&1 || tail -4 "$OUT/k3_$name.log"
+done
+python3 - "$OUT" <<'PY'
+import json, sys, statistics, os
+out = sys.argv[1]
+print("| kimi_k3 transport | median step s | peak device GiB | store peak MiB | loss step 5 |")
+print("|---|---|---|---|---|")
+for name in ["cache", "cache+offload", "whole-stack"]:
+    f = f"{out}/k3_{name}/metrics.jsonl"
+    if not os.path.exists(f):
+        print(f"| {name} | failed | | | |"); continue
+    rows = [json.loads(l) for l in open(f) if '"loss"' in l]
+    st = statistics.median(r["step_seconds"] for r in rows[1:]) if len(rows) > 1 else float("nan")
+    sp = rows[-1].get("attn_res_store_peak_bytes", [0])
+    sp = max(sp) if isinstance(sp, list) else sp
+    print(f"| {name} | {st:.3f} | {rows[-1]['peak_memory_bytes']/2**30:.2f} | {sp/2**20:.1f} | {rows[-1]['loss']} |")
+PY
