@@ -91,25 +91,10 @@ void print_text(const ModelInfo& info) {
 }
 
 int describe_main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-  }
-  auto args = parse_command_line(argc, argv, 1, {});
-  bool json = false;
-  for (const auto& f : args.flags) {
-    VIADUCT_CHECK_T(ConfigError, f == "--json", "describe: unknown option ", f,
-                    "\n", kUsage);
-    json = true;
-  }
-  VIADUCT_CHECK_T(ConfigError, args.positional.empty(),
-                  "describe: unexpected argument '",
-                  args.positional.empty() ? "" : args.positional[0], "'\n",
-                  kUsage);
-  auto cfg = Config::load(args.config_path, args.overrides);
+  const auto cmd = parse_config_command(argc, argv, "describe", kUsage, {"--json"});
+  if (!cmd) return 0;
+  const auto& cfg = cmd->config;
+  const bool json = cmd->has("--json");
   const auto info = describe_model(cfg);
   if (json) {
     std::printf("%s\n", to_json(info).dump().c_str());

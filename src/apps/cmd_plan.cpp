@@ -33,20 +33,10 @@ constexpr const char* kUsage =
 double gib(double b) { return b / (1024.0 * 1024.0 * 1024.0); }
 
 int plan_main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-  }
-  auto args = parse_command_line(argc, argv, 1, {});
-  bool json = false;
-  for (const auto& f : args.flags) {
-    VIADUCT_CHECK_T(ConfigError, f == "--json", "plan: unknown option ", f, "\n", kUsage);
-    json = true;
-  }
-  const auto cfg = Config::load(args.config_path, args.overrides);
+  const auto cmd = parse_config_command(argc, argv, "plan", kUsage, {"--json"});
+  if (!cmd) return 0;
+  const auto& cfg = cmd->config;
+  const bool json = cmd->has("--json");
   VIADUCT_CHECK_T(ConfigError, cfg.get_string("model.family") == "kimi_k3",
                   "plan: model.family is '", cfg.get_string("model.family"),
                   "'; the AttnRes byte plan needs kimi_k3");

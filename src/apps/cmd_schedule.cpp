@@ -31,32 +31,19 @@ constexpr const char* kUsage =
     "  --svg FILE  write the timeline picture to FILE\n";
 
 int schedule_main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-  }
-  auto args = parse_command_line(argc, argv, 1, {"--svg"});
-  bool json = false, csv = false, lowered = false;
-  for (const auto& f : args.flags) {
-    if (f == "--json") json = true;
-    else if (f == "--csv") csv = true;
-    else if (f == "--lowered") lowered = true;
-    else throw ConfigError(str("schedule: unknown option ", f, "\n", kUsage));
-  }
+  const auto cmd = parse_config_command(argc, argv, "schedule", kUsage,
+                                        {"--json", "--csv", "--lowered"}, {"--svg"});
+  if (!cmd) return 0;
+  const auto& cfg = cmd->config;
+  const bool json = cmd->has("--json"), csv = cmd->has("--csv"),
+             lowered = cmd->has("--lowered");
   VIADUCT_CHECK_T(ConfigError, !(json && csv), "schedule: --json and --csv exclude each other");
-  VIADUCT_CHECK_T(ConfigError, args.positional.empty(),
-                  "schedule: unexpected argument '",
-                  args.positional.empty() ? "" : args.positional[0], "'\n", kUsage);
-  const auto cfg = Config::load(args.config_path, args.overrides);
   const auto plan = pipeline::make_pipeline_plan(
       pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg)));
   const auto& sim = plan.simulation;
   const auto& shown = lowered ? plan.lowered : plan.compute;
 
-  if (auto it = args.options.find("--svg"); it != args.options.end()) {
+  if (auto it = cmd->options.find("--svg"); it != cmd->options.end()) {
     const std::string title =
         str(plan.compute.name, ": pp ", plan.split.pp, ", ", plan.split.stages_per_rank,
             " stage(s) per rank, ", plan.compute.microbatches, " micro-batches");

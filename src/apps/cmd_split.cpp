@@ -28,24 +28,10 @@ std::string layers_text(const std::pair<int64_t, int64_t>& range) {
 }
 
 int split_main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-  }
-  auto args = parse_command_line(argc, argv, 1, {});
-  bool json = false;
-  for (const auto& f : args.flags) {
-    VIADUCT_CHECK_T(ConfigError, f == "--json", "split: unknown option ", f, "\n",
-                    kUsage);
-    json = true;
-  }
-  VIADUCT_CHECK_T(ConfigError, args.positional.empty(),
-                  "split: unexpected argument '",
-                  args.positional.empty() ? "" : args.positional[0], "'\n", kUsage);
-  const auto cfg = Config::load(args.config_path, args.overrides);
+  const auto cmd = parse_config_command(argc, argv, "split", kUsage, {"--json"});
+  if (!cmd) return 0;
+  const auto& cfg = cmd->config;
+  const bool json = cmd->has("--json");
   const auto plan = pipeline::make_pipeline_plan(
       pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg)));
   const auto& sp = plan.split;

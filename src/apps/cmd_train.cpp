@@ -9,25 +9,18 @@
 namespace viaduct::apps {
 namespace {
 
+constexpr const char* kUsage =
+    "usage: viaduct train --config FILE [--section.key=value ...] "
+    "[--print-config]\n\n"
+    "Trains the model the config describes. Any config key can be "
+    "overridden\non the command line; --print-config prints the "
+    "effective config and exits.\n";
+
 int run_train(int argc, char** argv) {
-  auto args = parse_command_line(argc, argv, 1, {});
-  for (const auto& f : args.flags) {
-    if (f == "--help" || f == "-h") {
-      std::printf(
-          "usage: viaduct train --config FILE [--section.key=value ...] "
-          "[--print-config]\n\n"
-          "Trains the model the config describes. Any config key can be "
-          "overridden\non the command line; --print-config prints the "
-          "effective config and exits.\n");
-      return 0;
-    }
-    VIADUCT_CHECK_T(ConfigError, f == "--print-config", "unknown option ", f,
-                    " (see viaduct train --help)");
-  }
-  VIADUCT_CHECK_T(ConfigError, args.positional.empty(), "unexpected argument '",
-                  args.positional.empty() ? "" : args.positional[0], "'");
-  auto cfg = Config::load(args.config_path, args.overrides);
-  if (!args.flags.empty()) {
+  const auto cmd = parse_config_command(argc, argv, "train", kUsage, {"--print-config"});
+  if (!cmd) return 0;
+  const auto& cfg = cmd->config;
+  if (cmd->has("--print-config")) {
     std::printf("%s", cfg.to_toml().c_str());
     return 0;
   }

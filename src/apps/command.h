@@ -3,9 +3,31 @@
 #pragma once
 
 #include <functional>
+#include <optional>
+#include <set>
 #include <string>
+#include <vector>
+
+#include "config/config.h"
 
 namespace viaduct::apps {
+
+// The front end shared by the commands that take a job config:
+// `--config F`, `--section.key=value` overrides, and the command's own flags
+// (no value) and options (one value).
+struct ConfigCommand {
+  Config config;
+  std::set<std::string> flags;                 // given flags, e.g. "--json"
+  std::map<std::string, std::string> options;  // e.g. "--svg" -> FILE
+  bool has(const std::string& flag) const { return flags.count(flag) != 0; }
+};
+
+// Prints `usage` and returns nullopt for --help / -h. An unknown flag or a
+// stray argument is a ConfigError naming it, followed by `usage`.
+std::optional<ConfigCommand> parse_config_command(
+    int argc, char** argv, const std::string& name, const char* usage,
+    const std::vector<std::string>& allowed_flags,
+    const std::vector<std::string>& valued_options = {});
 
 // argv[0] is the subcommand name; returns the process exit code.
 using CommandFn = std::function<int(int argc, char** argv)>;

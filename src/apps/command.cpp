@@ -1,0 +1,36 @@
+// The shared front end of the config-taking commands (command.h).
+#include <cstdio>
+
+#include "apps/command.h"
+#include "core/check.h"
+
+namespace viaduct::apps {
+
+std::optional<ConfigCommand> parse_config_command(
+    int argc, char** argv, const std::string& name, const char* usage,
+    const std::vector<std::string>& allowed_flags,
+    const std::vector<std::string>& valued_options) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(usage, stdout);
+      return std::nullopt;
+    }
+  }
+  auto args = parse_command_line(argc, argv, 1, valued_options);
+  ConfigCommand out;
+  for (const auto& f : args.flags) {
+    bool known = false;
+    for (const auto& ok : allowed_flags) known = known || f == ok;
+    VIADUCT_CHECK_T(ConfigError, known, name, ": unknown option ", f, "\n", usage);
+    out.flags.insert(f);
+  }
+  VIADUCT_CHECK_T(ConfigError, args.positional.empty(), name,
+                  ": unexpected argument '",
+                  args.positional.empty() ? "" : args.positional[0], "'\n", usage);
+  out.options = args.options;
+  out.config = Config::load(args.config_path, args.overrides);
+  return out;
+}
+
+}  // namespace viaduct::apps
