@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
-#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +13,7 @@
 #include <sstream>
 
 #include "core/check.h"
+#include "common/process_runs.h"
 #include "data/temp_dir.h"
 #include "pipeline/attn_res/block_store.h"
 #include "data/token_file.h"
@@ -25,36 +25,14 @@ using namespace viaduct::pipeline;
 
 namespace {
 
-std::atomic<int> g_port{31650 + (getpid() % 500) * 8};
-
-struct ShellRun {
-  int exit_code = 0;
-  std::string output;
-};
-
-ShellRun shell(const std::string& cmd) {
-  ShellRun r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  char buf[4096];
-  while (fgets(buf, sizeof buf, p)) r.output += buf;
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
+using viaduct::testing::shell;
+using viaduct::testing::ShellRun;
 
 class AttnResRuns : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new viaduct::data::testing::TempDir();
-    viaduct::data::TokenFileWriter w((fs::path(dir_->path()) / "d.tok").string(), 257, "byte");
-    std::vector<int64_t> toks;
-    uint64_t x = 987654;
-    for (int i = 0; i < 20000; ++i) {
-      x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-      toks.push_back(static_cast<int64_t>((x >> 33) % 97) + 32);
-    }
-    w.append(toks);
-    w.finish();
+    viaduct::testing::write_random_corpus((fs::path(dir_->path()) / "d.tok").string(), 987654);
   }
   static void TearDownTestSuite() { delete dir_; }
 
@@ -76,7 +54,7 @@ class AttnResRuns : public ::testing::Test {
     std::ostringstream cmd;
     cmd << VIADUCT_BINARY;
     if (nproc > 1) {
-      cmd << " launch --nproc-per-node " << nproc << " --master-port " << g_port.fetch_add(1)
+      cmd << " launch --nproc-per-node " << nproc
           << " -- " << VIADUCT_BINARY;
     }
     cmd << " train" << args << " --job.dump_folder=" << out;

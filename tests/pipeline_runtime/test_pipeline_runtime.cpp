@@ -6,13 +6,13 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
-#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "common/process_runs.h"
 #include "data/temp_dir.h"
 #include "data/token_file.h"
 
@@ -20,36 +20,14 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::atomic<int> g_port{29650 + (getpid() % 500) * 8};
-
-struct ShellRun {
-  int exit_code = 0;
-  std::string output;
-};
-
-ShellRun shell(const std::string& cmd) {
-  ShellRun r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  char buf[4096];
-  while (fgets(buf, sizeof buf, p)) r.output += buf;
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
+using viaduct::testing::shell;
+using viaduct::testing::ShellRun;
 
 class PipelineRuns : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new viaduct::data::testing::TempDir();
-    viaduct::data::TokenFileWriter w((fs::path(dir_->path()) / "d.tok").string(), 257, "byte");
-    std::vector<int64_t> toks;
-    uint64_t x = 12345;
-    for (int i = 0; i < 20000; ++i) {
-      x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-      toks.push_back(static_cast<int64_t>((x >> 33) % 97) + 32);
-    }
-    w.append(toks);
-    w.finish();
+    viaduct::testing::write_random_corpus((fs::path(dir_->path()) / "d.tok").string(), 12345);
   }
   static void TearDownTestSuite() { delete dir_; }
 
@@ -75,7 +53,7 @@ class PipelineRuns : public ::testing::Test {
     std::ostringstream cmd;
     cmd << env << " " << VIADUCT_BINARY;
     if (nproc > 1) {
-      cmd << " launch --nproc-per-node " << nproc << " --master-port " << g_port.fetch_add(1)
+      cmd << " launch --nproc-per-node " << nproc
           << " -- " << VIADUCT_BINARY;
     }
     cmd << " train" << args << " --job.dump_folder=" << out;
@@ -220,7 +198,7 @@ TEST_F(PipelineRuns, CheckpointMovesBetweenLayoutsBitwise) {
     std::ostringstream cmd;
     cmd << VIADUCT_BINARY;
     if (nproc > 1) {
-      cmd << " launch --nproc-per-node " << nproc << " --master-port " << g_port.fetch_add(1)
+      cmd << " launch --nproc-per-node " << nproc
           << " -- " << VIADUCT_BINARY;
     }
     cmd << " train" << args(layout) << " --job.dump_folder=" << dst;
@@ -241,8 +219,7 @@ TEST_F(PipelineRuns, KilledRankEndsTheJobNamingTheRank) {
   const auto start = std::chrono::steady_clock::now();
   const auto out = (fs::path(dir_->path()) / "killed").string();
   std::ostringstream cmd;
-  cmd << "VIADUCT_FAULT_KILL=1:2 " << VIADUCT_BINARY << " launch --nproc-per-node 2 --master-port "
-      << g_port.fetch_add(1) << " -- " << VIADUCT_BINARY << " train"
+  cmd << "VIADUCT_FAULT_KILL=1:2 " << VIADUCT_BINARY << " launch --nproc-per-node 2 -- " << VIADUCT_BINARY << " train"
       << base_args("llama", 6, 4) << " --parallelism.pipeline_parallel_degree=2"
       << " --parallelism.comm_timeout_seconds=20 --job.dump_folder=" << out;
   auto r = shell(cmd.str());
