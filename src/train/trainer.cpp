@@ -417,7 +417,11 @@ double Trainer::evaluate() {
       }
       sums[0] += executor_->run_eval(in, tgt);
     } else {
-      sums[0] += forward_loss(b.inputs, b.targets).item<double>();
+      // The same micro-batches as training and the pipeline, so eval losses
+      // agree bitwise across layouts.
+      for (const auto& mb : data::split_microbatches(b, num_microbatches())) {
+        sums[0] += forward_loss(mb.inputs, mb.targets).item<double>();
+      }
     }
     sums[1] += static_cast<double>((b.targets != -100).sum().item<int64_t>());
   }

@@ -28,6 +28,7 @@ class PipelineRuns : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new viaduct::data::testing::TempDir();
     viaduct::testing::write_random_corpus((fs::path(dir_->path()) / "d.tok").string(), 12345);
+    viaduct::testing::write_random_corpus((fs::path(dir_->path()) / "d.val.tok").string(), 777, 4000);
   }
   static void TearDownTestSuite() { delete dir_; }
 
@@ -243,4 +244,28 @@ TEST_F(PipelineRuns, ImpossibleLayoutsAreRefusedUpFront) {
             dir_->path().string() + "/tied");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("tie_embeddings"), std::string::npos) << r.output;
+}
+
+TEST_F(PipelineRuns, EvalBeforeTrainingAndAfterMatchesOneProcess) {
+  // Forward-only eval runs through the pipeline at step 0 (before any
+  // training step) and at the end, and gives one process's bits.
+  auto eval_losses = [](const std::string& dump) {
+    std::vector<std::string> out;
+    std::ifstream in(fs::path(dump) / "metrics.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("eval_loss")) out.push_back(j["eval_loss"].dump());
+    }
+    return out;
+  };
+  const std::string ev = " --training.eval_interval=3 --data.eval_batches=2";
+  const auto ref = train("eval_ref", 1, base_args("llama", 6, 4) + ev);
+  const auto run = train("eval_pp2", 2, base_args("llama", 6, 4) + ev +
+                                            " --parallelism.pipeline_parallel_degree=2"
+                                            " --parallelism.pipeline_parallel_stages_per_rank=2"
+                                            " --parallelism.pipeline_parallel_schedule=Interleaved1F1B");
+  const auto a = eval_losses(ref), b = eval_losses(run);
+  ASSERT_EQ(a.size(), 2u);  // step 0 and step 3
+  EXPECT_EQ(a, b);
 }
