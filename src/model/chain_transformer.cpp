@@ -145,7 +145,7 @@ void ChainTransformer::init_weights(uint64_t seed) {
   }
 }
 
-Activations ChainTransformer::forward(const Activations& in) {
+at::Tensor ChainTransformer::trunk(const Activations& in) {
   VIADUCT_CHECK(!in.empty(), "model part got no inputs");
   at::Tensor h;
   if (has_first_) {
@@ -163,10 +163,24 @@ Activations ChainTransformer::forward(const Activations& in) {
     h = in[0];
   }
   for (auto& [id, b] : blocks_) h = b->forward(h);
+  if (has_head_) h = norm_ln_ ? norm_ln_->forward(h) : norm_rms_->forward(h);
+  return h;
+}
+
+Activations ChainTransformer::forward(const Activations& in) {
+  auto h = trunk(in);
   if (!has_head_) return {h};
-  h = norm_ln_ ? norm_ln_->forward(h) : norm_rms_->forward(h);
   const auto& w = lm_head_ ? lm_head_->weight : tok_embeddings_->weight;
   return {linear(h, w, at::Tensor())};  // [B, T, V]
+}
+
+at::Tensor ChainTransformer::forward_loss(const Activations& in, const at::Tensor& targets) {
+  VIADUCT_CHECK(has_head_, "forward_loss on a part without the head");
+  if (spec_.loss_chunk_tokens <= 0) return ModelPart::forward_loss(in, targets);
+  auto h = trunk(in);
+  const auto& w = lm_head_ ? lm_head_->weight : tok_embeddings_->weight;
+  return chunked_head_cross_entropy(h.reshape({-1, h.size(-1)}), w, targets,
+                                    spec_.loss_chunk_tokens);
 }
 
 ChainSpec apply_model_overrides(ChainSpec s, const Config& cfg) {
@@ -190,6 +204,7 @@ ChainSpec apply_model_overrides(ChainSpec s, const Config& cfg) {
   s.norm_eps = float_or(cfg, "model.norm_eps", s.norm_eps);
   s.rope_theta = float_or(cfg, "model.rope_theta", s.rope_theta);
   s.tie_embeddings = bool_or(cfg, "model.tie_embeddings", s.tie_embeddings);
+  s.loss_chunk_tokens = cfg.get_int("model.loss_chunk_tokens");
   auto pos = [&](int64_t v, const char* key) {
     VIADUCT_CHECK_T(ConfigError, v > 0, key, " must be > 0 (", s.family, " ",
                     s.flavor, ")");

@@ -27,6 +27,7 @@ struct ChainSpec {
   bool bias = false;             // attention biases
   bool learned_positions = false;  // gpt2: pos_embeddings (pinned first)
   bool tie_embeddings = false;
+  int64_t loss_chunk_tokens = 0;  // > 0: Note [Chunked head loss]
   bool depth_init = true;        // llama: wo/w2/w3 std 0.02/sqrt(2(l+1))
 };
 
@@ -51,6 +52,7 @@ class ChainTransformer : public ModelPart {
  public:
   ChainTransformer(const ChainSpec& spec, const std::vector<std::string>& fqns);
   Activations forward(const Activations& inputs) override;
+  at::Tensor forward_loss(const Activations& inputs, const at::Tensor& targets) override;
   void init_weights(uint64_t seed) override;
   const ChainSpec& spec() const { return spec_; }
 
@@ -64,6 +66,8 @@ class ChainTransformer : public ModelPart {
   LayerNorm norm_ln_{nullptr};
   torch::nn::Linear lm_head_{nullptr};  // null when tied
   bool has_norm_ = false, has_head_ = false;
+  // Embedding through the blocks (and the final norm on the last part).
+  at::Tensor trunk(const Activations& inputs);
 };
 
 std::vector<std::string> chain_module_fqns(const ChainSpec& spec);

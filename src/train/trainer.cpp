@@ -292,8 +292,8 @@ std::string Trainer::checkpoint_folder() const {
 at::Tensor Trainer::forward_loss(const at::Tensor& inputs,
                                  const at::Tensor& targets) {
   Activations acts{inputs.to(device_)};
-  for (auto& part : parts_) acts = part->forward(acts);
-  return summed_cross_entropy(acts.at(0), targets.to(device_));
+  for (size_t i = 0; i + 1 < parts_.size(); ++i) acts = parts_[i]->forward(acts);
+  return parts_.back()->forward_loss(acts, targets.to(device_));
 }
 
 StepMetrics Trainer::train_step() {

@@ -34,15 +34,15 @@ Activations PipelineStage::forward(int64_t mb, const Activations& inputs,
       st.inputs.push_back(leaf);
     }
   }
-  auto outputs = part_->forward(st.inputs);
+  Activations outputs;
   if (is_last()) {
     VIADUCT_CHECK(targets.defined(), "stage ", stage_id_, " micro-batch ", mb,
                   " F: the last stage needs targets");
-    auto sum = summed_cross_entropy(outputs.at(0), targets);
+    auto sum = part_->forward_loss(st.inputs, targets);
     loss_sums_[mb] = sum.item<double>();
     st.loss = sum * loss_scale;
-    outputs.clear();
   } else {
+    outputs = part_->forward(st.inputs);
     st.outputs = outputs;
   }
   state_.emplace(mb, std::move(st));
@@ -186,11 +186,8 @@ double PipelineStage::loss_sum(int64_t mb) const {
 Activations PipelineStage::forward_no_grad(const Activations& inputs,
                                            const at::Tensor& targets) {
   torch::NoGradGuard no_grad;
-  auto out = part_->forward(inputs);
-  if (is_last() && targets.defined()) {
-    return {summed_cross_entropy(out.at(0), targets)};
-  }
-  return out;
+  if (is_last() && targets.defined()) return {part_->forward_loss(inputs, targets)};
+  return part_->forward(inputs);
 }
 
 void PipelineStage::clear() {
