@@ -145,7 +145,6 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
     param_offsets_.push_back(stage_offset[static_cast<size_t>(s)]);
 
   // Token ids must fit the embedding.
-  const int64_t model_vocab = cfg_.get_int_opt("model.vocab_size").value_or(0);
   for (const auto& np : params) {
     if (np.fqn == "tok_embeddings.weight") {
       VIADUCT_CHECK_T(ConfigError, train_tokens_->max_token() < np.param.size(0),
@@ -154,7 +153,6 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
                       np.param.size(0));
     }
   }
-  (void)model_vocab;
   optimizer_ = make_optimizer(cfg_, std::move(params));
 
   if (split.num_stages > 1) {
