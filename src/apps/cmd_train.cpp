@@ -26,7 +26,12 @@ int run_train(int argc, char** argv) {
   }
   Trainer trainer(cfg);
   const auto last = trainer.run();
-  log::info("done: ", trainer.step(), " steps, final loss ", last.loss);
+  if (last.step == 0) {
+    log::info("nothing to do: the run is already at step ", trainer.step(),
+              " (training.steps); raise training.steps to continue it");
+  } else {
+    log::info("done: ", trainer.step(), " steps, final loss ", last.loss);
+  }
   return 0;
 }
 
