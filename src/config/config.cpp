@@ -13,6 +13,7 @@
 
 #include "config/schema_parts.h"
 #include "core/check.h"
+#include "core/strings.h"
 #include "core/log.h"
 
 namespace viaduct {
@@ -23,20 +24,6 @@ const ConfigKey* find_key(const std::string& dotted) {
     if (k.dotted() == dotted) return &k;
   }
   return nullptr;
-}
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1,
-                         prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
-    }
-    std::swap(prev, cur);
-  }
-  return prev[b.size()];
 }
 
 std::string closest_key(const std::string& dotted) {

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "core/check.h"
+#include "core/strings.h"
 
 namespace viaduct::pipeline {
 namespace {
@@ -22,21 +23,6 @@ constexpr const char* kKeyFirstWeight =
     "parallelism.pipeline_parallel_first_stage_less_layers";
 constexpr const char* kKeyLastWeight =
     "parallelism.pipeline_parallel_last_stage_less_layers";
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const bool same = std::tolower(static_cast<unsigned char>(a[i - 1])) ==
-                        std::tolower(static_cast<unsigned char>(b[j - 1]));
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (same ? 0 : 1)});
-    }
-    std::swap(prev, cur);
-  }
-  return prev[b.size()];
-}
 
 // "a, b and c" for messages.
 std::string join_values(const std::vector<std::string>& v) {
@@ -299,7 +285,7 @@ std::string closest_name(const std::string& name,
   const std::string lname = lower(name);
   for (const auto& c : candidates) {
     // A candidate that contains the name ("ZBV" in "ZBVZeroBubble") wins.
-    size_t d = edit_distance(name, c);
+    size_t d = edit_distance(name, c, /*ignore_case=*/true);
     if (lname.size() >= 2 && lower(c).find(lname) != std::string::npos) d = 0;
     if (d < best_d) {
       best_d = d;

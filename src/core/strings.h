@@ -1,0 +1,33 @@
+// Small string helpers shared by the "did you mean" messages. Torch-free,
+// header-only, so the pure libraries (split, schedule) use it too.
+#pragma once
+
+#include <algorithm>
+#include <cctype>
+#include <string>
+#include <vector>
+
+namespace viaduct {
+
+// Levenshtein distance; `ignore_case` compares letters case-insensitively.
+inline size_t edit_distance(const std::string& a, const std::string& b,
+                            bool ignore_case = false) {
+  auto eq = [&](char x, char y) {
+    if (!ignore_case) return x == y;
+    return std::tolower(static_cast<unsigned char>(x)) ==
+           std::tolower(static_cast<unsigned char>(y));
+  };
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1,
+                         prev[j - 1] + (eq(a[i - 1], b[j - 1]) ? 0 : 1)});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+}  // namespace viaduct
