@@ -204,17 +204,11 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
 int Trainer::rank() const { return mesh_ ? mesh_->rank() : 0; }
 
 int64_t Trainer::num_microbatches() const {
-  // pp = 1 with one stage: the key alone decides (default 1).
-  if (plan_->split.num_stages == 1) {
+  // One stage: the key alone decides (default 1); else the schedule's count.
+  if (!executor_) {
     return cfg_.get_int_opt("parallelism.pipeline_parallel_microbatches").value_or(1);
   }
-  int64_t m = 0;
-  for (const auto& rank_actions : plan_->compute.ranks) {
-    for (const auto& a : rank_actions) {
-      for (const auto& leaf : pipeline::leaf_actions(a)) m = std::max(m, leaf.microbatch + 1);
-    }
-  }
-  return m;
+  return executor_->num_microbatches();
 }
 
 void Trainer::sum_over(dist::ProcessGroup* group, std::vector<double>& values,

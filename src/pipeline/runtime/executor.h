@@ -54,6 +54,8 @@ class PipelineExecutor {
   const std::vector<std::unique_ptr<PipelineStage>>& stages() const {
     return stages_;
   }
+  // Micro-batches per step: one more than the largest index the schedule uses.
+  int64_t num_microbatches() const { return num_microbatches_; }
   bool holds_last_stage() const;
   bool holds_first_stage() const;
   // Bytes sent over P2P in the last step (activations + gradients).
