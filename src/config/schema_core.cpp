@@ -52,6 +52,7 @@ void add_core_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("metrics", "log_freq", T::kInt, int64_t{1}, "log every N steps"));
   k.push_back(key("metrics", "enable_jsonl", T::kBool, true, "append a JSON object per step to <dump_folder>/metrics.jsonl"));
   k.push_back(key("metrics", "progress_bar", T::kBool, true, "draw a progress bar when stdout is a terminal"));
+  k.push_back(key("metrics", "profile_step", T::kInt, int64_t{0}, "profile this step (1-based; 0: off) into <dump_folder>/profile/"));
   (void)kUnset;
 }
 
@@ -77,6 +78,7 @@ void add_model_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("model", "moe_hidden_dim", T::kInt, kUnset, "MoE expert hidden width"));
   k.push_back(key("model", "moe_ffn", T::kBool, kUnset, "MoE FFN after the dense layers (false: dense SwiGLU)"));
   k.push_back(key("model", "vision", T::kBool, kUnset, "include the vision tower"));
+  k.push_back(key("model", "attn_res", T::kBool, true, "kimi_k3 only: Block AttnRes reads between sublayers (false: plain residuals h = h + sublayer(h), a chain model)"));
   // Kimi-K3 (issue 4)
   k.push_back(key("model", "kda_head_dim", T::kInt, kUnset, "KDA head width (dk = dv; also the rank of its decay and gate maps)"));
   k.push_back(key("model", "kda_chunk_size", T::kInt, kUnset, "KDA chunk length of the chunked form"));
@@ -113,6 +115,9 @@ void validate_core(const Config& c) {
                   "checkpoint.keep_latest_k must be >= 0");
   VIADUCT_CHECK_T(ConfigError, c.get_int("training.eval_interval") >= 0,
                   "training.eval_interval must be >= 0");
+  VIADUCT_CHECK_T(ConfigError, c.get_int("metrics.profile_step") >= 0,
+                  "metrics.profile_step must be >= 0 (0: off), got ",
+                  c.get_int("metrics.profile_step"));
   const auto dtype = c.get_string("training.dtype");
   VIADUCT_CHECK_T(ConfigError,
                   dtype == "auto" || dtype == "float32" || dtype == "bfloat16",
@@ -138,6 +143,9 @@ void validate_core(const Config& c) {
   VIADUCT_CHECK_T(ConfigError,
                   fam == "llama" || fam == "gpt2" || fam == "kimi_k3",
                   "model.family must be llama, gpt2 or kimi_k3, got '", fam, "'");
+  VIADUCT_CHECK_T(ConfigError, fam == "kimi_k3" || c.get_bool("model.attn_res"),
+                  "model.attn_res = false applies to model.family = kimi_k3 only; ",
+                  fam, " has plain residuals already (", c.origin(), ")");
   const auto lvl = c.get_string("job.log_level");
   VIADUCT_CHECK_T(ConfigError,
                   lvl == "debug" || lvl == "info" || lvl == "warning" || lvl == "error",

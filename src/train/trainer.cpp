@@ -16,6 +16,7 @@
 #include "checkpoint/checkpoint.h"
 #include "core/check.h"
 #include "core/device.h"
+#include "core/profiler.h"
 #include "core/log.h"
 #include "core/torch_compat.h"
 #include "data/sampler.h"
@@ -111,8 +112,10 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   std::vector<NamedParam> params;
   std::vector<std::unique_ptr<pipeline::PipelineStage>> stages;
   std::vector<double> counts(static_cast<size_t>(split.num_stages), 0.0);
-  if (split.num_stages > 1 && cfg_.get_string("model.family") == "kimi_k3") {
-    // Note [AttnRes transports] (pipeline/attn_res/block_layout.h).
+  if (split.num_stages > 1 && cfg_.get_string("model.family") == "kimi_k3" &&
+      kimi_k3_options(cfg_).attn_res) {
+    // Note [AttnRes transports] (pipeline/attn_res/block_layout.h). Without
+    // AttnRes (model.attn_res = false) kimi_k3 is a chain: plain stages.
     attn_res_tables_ = std::make_shared<const pipeline::BlockLayoutTables>(
         pipeline::make_block_layout_tables(
             split, kimi_k3_options(cfg_).block_size,
@@ -316,6 +319,7 @@ StepMetrics Trainer::train_step() {
   for (auto& p : parts_) p->train();
   double loss_sum = 0.0;
   for (const auto& batch : batches) {
+    RECORD_USER_SCOPE("viaduct::forward_backward");
     auto mbs = data::split_microbatches(batch, n_micro);
     if (executor_) {
       std::vector<at::Tensor> in, tgt;
@@ -337,15 +341,21 @@ StepMetrics Trainer::train_step() {
   sum_over(mesh_ ? &mesh_->pp_group() : nullptr, loss, "the loss");
   sum_over(mesh_ ? &mesh_->dp_group() : nullptr, loss, "the loss");
   allreduce_grads_over_dp();
-  const double norm = global_grad_norm();
+  const double norm = [&] {
+    RECORD_USER_SCOPE("viaduct::grad_norm");
+    return global_grad_norm();
+  }();
   VIADUCT_CHECK(std::isfinite(norm), "step ", step_ + 1,
                 ": the gradient norm is not finite (", norm,
                 "); lower optimizer.lr or check the data");
   const auto& params = optimizer_->params();
-  scale_grads(params, norm, cfg_.get_float("training.max_norm"));
   const double lr = lr_at(cfg_, step_ + 1);
-  optimizer_->step(lr);
-  optimizer_->zero_grad();
+  {
+    RECORD_USER_SCOPE("viaduct::optimizer");
+    scale_grads(params, norm, cfg_.get_float("training.max_norm"));
+    optimizer_->step(lr);
+    optimizer_->zero_grad();
+  }
   if (mesh_ && dp_size_ > 1) {
     for (auto& p : parts_) {
       for (auto& stat : p->replica_statistics()) {
@@ -636,8 +646,25 @@ StepMetrics Trainer::run() {
   if (can_eval && eval_every > 0 && step_ == 0) log_eval(evaluate());
   StepMetrics last;
   reset_peak_memory(device_);
+  const int64_t profile_step = cfg_.get_int("metrics.profile_step");
   while (step_ < total) {
-    last = train_step();
+    if (step_ + 1 == profile_step) {
+      // Note [Profiling one step]: the step's host ops and device kernels,
+      // between two device synchronisations so nothing earlier or later
+      // leaks in; each rank writes its own trace.
+      synchronize(device_);
+      StepProfiler profiler(device_);
+      last = train_step();
+      synchronize(device_);
+      const auto path = (std::filesystem::path(cfg_.get_string("job.dump_folder")) /
+                         "profile" / str("step-", step_, "-rank-", rank(), ".trace.json"))
+                            .string();
+      profiler.save(path);
+      log::info("profile of step ", step_, " written to ", path,
+                " (summary: python3 bench/profile_summary.py ", path, ")");
+    } else {
+      last = train_step();
+    }
     log_step(last);
     if (can_eval && eval_every > 0 && (step_ % eval_every == 0 || step_ == total)) {
       log_eval(evaluate());

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Profiles one training step of the llama-1B shape (4 x 4096 tokens, bf16) on
+# the GPU machine with metrics.profile_step and prints the per-op breakdown
+# (bench/profile_summary.py). Each extra argument is one variant: a quoted
+# list of viaduct overrides ("" is the plain config).
+#
+#   bash bench/profile_step.sh BUILD_DIR "" "--model.loss_chunk_tokens=4096"
+#
+# Writes $OUT/<i>.log, <i>.summary.md and <i>.summary.json per variant.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+B=${1:?usage: profile_step.sh BUILD_DIR [variant ...]}
+shift
+OUT=${OUT:-outputs/bench/profile}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+DATA=outputs/bench/random_v128256.u32
+STEPS=${STEPS:-4}
+if [ ! -f "$DATA" ]; then
+  mkdir -p "$(dirname "$DATA")"
+  "$PY" - "$DATA" 128256 $(((STEPS + 4) * 4 * 4096 + 1)) <<'PYEOF'
+import array, os, random, sys
+path, vocab, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+r = random.Random(1234)
+a = array.array("I", (r.randrange(vocab) for _ in range(n)))
+with open(path + ".tmp", "wb") as f:
+    f.write(a.tobytes())
+os.replace(path + ".tmp", path)
+PYEOF
+fi
+[ $# -gt 0 ] || set -- ""
+i=0
+for variant in "$@"; do
+  i=$((i + 1))
+  dir=outputs/bench/profile_run$i
+  rm -rf "$dir"
+  read -r -a extra <<<"$variant"
+  echo "== variant $i: ${variant:-(plain)}"
+  timeout 300 "$B/viaduct" train --config configs/llama_debug.toml --model.flavor=1B \
+    --training.seq_len=4096 --training.local_batch_size=4 --optimizer.lr=3e-4 \
+    --training.dtype=bfloat16 --training.device=cuda --training.steps="$STEPS" \
+    --training.eval_interval=0 --training.deterministic=false --checkpoint.enable=false \
+    --metrics.progress_bar=false --metrics.profile_step="$STEPS" --data.path="$DATA" \
+    --job.dump_folder="$dir" "${extra[@]}" >"$OUT/$i.log" 2>&1 ||
+    { echo "variant $i failed:"; tail -5 "$OUT/$i.log"; continue; }
+  grep -E "^step" "$OUT/$i.log" | tail -2
+  "$PY" bench/profile_summary.py "$dir"/profile/step-"$STEPS"-rank-0.trace.json --top 25 \
+    --json "$OUT/$i.summary.json" >"$OUT/$i.summary.md" 2>&1
+  head -60 "$OUT/$i.summary.md"
+done
