@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Downloads the header-only Debian packages that viaduct's GPU build needs
-# (toml++ and nlohmann-json) into .deps/ at the repository root, on a machine
+# (toml++ and nlohmann-json) and GoogleTest's sources (for the CUDA tests,
+# -DVIADUCT_GTEST_SOURCE_DIR=$PWD/.deps/usr/src/googletest) into .deps/ at the repository root, on a machine
 # with Debian's mirror, so they can be carried to the GPU machine, which has
 # no network. bench/run_single_gpu.sh unpacks them there with
 #   for f in .deps/*.deb; do dpkg -x "$f" .deps; done
@@ -8,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(libtomlplusplus-dev nlohmann-json3-dev)
+packages=(libtomlplusplus-dev nlohmann-json3-dev googletest)
 mkdir -p .deps
 cd .deps
 if ! apt-get download "${packages[@]}"; then

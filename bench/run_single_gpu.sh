@@ -43,16 +43,22 @@ build_viaduct() {
   prefix=$("$PY" -c 'import torch;print(torch.utils.cmake_prefix_path)') ||
     { say "build: $PY has no torch"; return 1; }
   command -v cmake >/dev/null || { say "build: no cmake on PATH"; return 1; }
+  # The CUDA kernel tests need GoogleTest: its sources travel in .deps.
+  local tests=(-DVIADUCT_BUILD_TESTS=OFF) targets=(viaduct_app)
+  if [ -f .deps/usr/src/googletest/CMakeLists.txt ]; then
+    tests=(-DVIADUCT_BUILD_TESTS=ON -DVIADUCT_GTEST_SOURCE_DIR="$PWD/.deps/usr/src/googletest")
+    targets+=(test_fused_kernels)
+  fi
   if [ ! -f build-gpu/CMakeCache.txt ]; then
     command -v ninja >/dev/null && gen=(-G Ninja)
     cmake -S . -B build-gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
-      -DVIADUCT_BUILD_TESTS=OFF -DCMAKE_PREFIX_PATH="$prefix" \
+      "${tests[@]}" -DCMAKE_PREFIX_PATH="$prefix" \
       -DVIADUCT_EXTRA_INCLUDE="$PWD/.deps/usr/include" >"$OUT/cmake.log" 2>&1 ||
       { say "build: cmake failed"; tail -20 "$OUT/cmake.log"; return 1; }
     grep -q "viaduct: CUDA build" "$OUT/cmake.log" ||
       say "build: WARNING: cmake did not find torch_cuda (a CPU build)"
   fi
-  cmake --build build-gpu --target viaduct_app -j "$JOBS" >"$OUT/build.log" 2>&1 ||
+  cmake --build build-gpu --target "${targets[@]}" -j "$JOBS" >"$OUT/build.log" 2>&1 ||
     { say "build: failed"; grep -m 12 -E "error" "$OUT/build.log"; return 1; }
   say "build: build-gpu/viaduct ready"
 }

@@ -24,6 +24,25 @@ inline at::Tensor causal_sdpa(const at::Tensor& q, const at::Tensor& k,
 #endif
 }
 
+// One multi-tensor AdamW update (decoupled decay, bias-corrected moments) of
+// CUDA fp32 tensors through ATen's fused kernel; `step` holds the 1-based
+// step count as a one-element fp32 tensor on the same device. Returns false
+// where LibTorch has no such kernel (1.13): the caller runs its own loop.
+inline bool fused_adamw(at::TensorList params, at::TensorList grads, at::TensorList exp_avg,
+                        at::TensorList exp_avg_sq, const at::Tensor& step, double lr,
+                        double beta1, double beta2, double weight_decay, double eps) {
+#if TORCH_VERSION_MAJOR >= 2
+  const std::vector<at::Tensor> steps(params.size(), step);  // read-only in the kernel
+  at::_fused_adamw_(params, grads, exp_avg, exp_avg_sq, /*max_exp_avg_sqs=*/{}, steps, lr,
+                    beta1, beta2, weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
+  return true;
+#else
+  (void)params, (void)grads, (void)exp_avg, (void)exp_avg_sq, (void)step, (void)lr,
+      (void)beta1, (void)beta2, (void)weight_decay, (void)eps;
+  return false;
+#endif
+}
+
 // Pinned host memory exists only with CUDA (1.13's CPU build throws).
 inline bool pinned_memory_available() { return torch::cuda::is_available(); }
 

@@ -3,6 +3,7 @@
 #include "core/check.h"
 #include "core/rng.h"
 #include "core/torch_compat.h"
+#include "kernels/fused.h"
 
 namespace viaduct {
 
@@ -39,6 +40,7 @@ void RMSNormImpl::reset_parameters() {
   weight.fill_(1.0);
 }
 at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  if (kernels::usable(x)) return kernels::rms_norm(x, weight, eps_);
   // fp32, or fp64 when the input is fp64 (gradient checks).
   auto xf = x.scalar_type() == at::kDouble ? x : x.to(at::kFloat);
   auto y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
@@ -76,6 +78,12 @@ at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
   const auto T = x.size(1);
   VIADUCT_CHECK(T <= rope.cos.size(0), "sequence length ", T,
                 " exceeds model.max_seq_len ", rope.cos.size(0));
+  if (kernels::usable(x) && x.dim() == 4) {
+    // fp32 tables (the ATen path below rotates in fp64 by promotion).
+    auto c = rope.cos.slice(0, 0, T).to(x.device(), at::kFloat).contiguous();
+    auto s = rope.sin.slice(0, 0, T).to(x.device(), at::kFloat).contiguous();
+    return kernels::rope(x, c, s);
+  }
   auto cos = rope.cos.slice(0, 0, T).to(x.device()).view({1, T, 1, -1});
   auto sin = rope.sin.slice(0, 0, T).to(x.device()).view({1, T, 1, -1});
   auto xf = (x.scalar_type() == at::kDouble ? x : x.to(at::kFloat))
@@ -161,6 +169,9 @@ void SwiGLUImpl::init_weights(uint64_t seed, const std::string& p,
   init_trunc_normal_(w3->weight, std_out, -2.0, 2.0, seed, p + "w3.weight");
 }
 at::Tensor SwiGLUImpl::forward(const at::Tensor& x) {
+  if (kernels::usable(x)) {
+    return kernels::swiglu_linear(linear(x, w1), linear(x, w3), w2->weight);
+  }
   return linear(at::silu(linear(x, w1)) * linear(x, w3), w2);
 }
 

@@ -6,6 +6,7 @@
 
 #include "config/config.h"
 #include "core/check.h"
+#include "kernels/fused.h"
 #include "model/families.h"
 
 namespace viaduct {
@@ -72,6 +73,15 @@ class ChunkedHeadCrossEntropy
       const auto end = std::min(N, start + chunk);
       auto hc = h.slice(0, start, end);
       auto tc = targets.slice(0, start, end);
+      if (kernels::usable(hc)) {
+        // One kernel: the row losses, and the logits overwritten in place
+        // by softmax - onehot (zero on ignored rows); no fp32 copy.
+        auto g = at::matmul(hc, w.t()).contiguous();  // [n, V]
+        loss += kernels::cross_entropy_rows_(g, tc).sum().to(acc);
+        if (need_h) grad_h.slice(0, start, end).copy_(at::matmul(g, w));
+        if (need_w) grad_w.add_(at::matmul(g.t(), hc).to(acc));
+        continue;
+      }
       auto logits = at::matmul(hc, w.t()).to(acc);  // [n, V]
       auto lse = at::logsumexp(logits, -1);          // [n]
       auto valid = tc != -100;

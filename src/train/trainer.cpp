@@ -22,6 +22,7 @@
 #include "data/sampler.h"
 #include "data/token_file.h"
 #include "dist/dist.h"
+#include "kernels/fused.h"
 #include "model/kimi_k3.h"
 #include "pipeline/attn_res/attn_res_stage.h"
 #include "pipeline/runtime/executor.h"
@@ -62,6 +63,7 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
                                     : log::Level::kInfo);
   // The same thread count whether launched or run alone (determinism).
   at::set_num_threads(static_cast<int>(cfg_.get_int("training.num_threads")));
+  kernels::set_enabled(cfg_.get_bool("model.fused_kernels"));
 
   // Where this process sits: pp x dp ranks over c10d, or one process.
   const auto rdv = dist::rendezvous_from_env();
@@ -192,6 +194,13 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
             " layers, ", info.params, " parameters; device ", device_name(device_),
             ", dtype ", c10::toString(compute_dtype_), ", LibTorch ",
             compat::torch_version(), ", ", at::get_num_threads(), " threads");
+  if (device_.is_cuda()) {
+    const bool fused = kernels::usable(at::empty({1}, at::TensorOptions(device_).dtype(compute_dtype_)));
+    log::info("fused kernels: ", fused ? "on"
+                                 : cfg_.get_bool("model.fused_kernels")
+                                     ? "off (this GPU or build has none; ATen ops)"
+                                     : "off (model.fused_kernels = false)");
+  }
   if (split.num_stages > 1 || dp_size_ > 1) {
     log::info("parallelism: pp ", split.pp, " x dp ", dp_size_, ", ",
               split.num_stages, " stages (", split.stages_per_rank, " per rank, ",

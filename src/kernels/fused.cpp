@@ -1,0 +1,231 @@
+#include "kernels/fused.h"
+
+#include <atomic>
+
+#include "core/check.h"
+
+#ifdef VIADUCT_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+
+#include "kernels/launchers.h"
+#endif
+
+namespace viaduct::kernels {
+
+namespace {
+std::atomic<bool> g_enabled{true};
+}  // namespace
+
+void set_enabled(bool on) { g_enabled = on; }
+bool enabled() { return g_enabled; }
+
+#ifdef VIADUCT_WITH_CUDA
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+cuda::DType dtype_of(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat ? cuda::DType::kFloat32 : cuda::DType::kBFloat16;
+}
+
+cudaStream_t stream_of(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  VIADUCT_CHECK(err == cudaSuccess, "CUDA kernel ", what, " failed: ", cudaGetErrorString(err));
+}
+
+at::Tensor norm_forward(const at::Tensor& x2, const at::Tensor& w, double eps, at::Tensor& rstd) {
+  auto y = at::empty_like(x2);
+  rstd = at::empty({x2.size(0)}, x2.options().dtype(at::kFloat));
+  check_launch(cuda::rms_norm_forward(dtype_of(x2), x2.data_ptr(), w.data_ptr<float>(),
+                                      y.data_ptr(), rstd.data_ptr<float>(), x2.size(0),
+                                      x2.size(1), static_cast<float>(eps), stream_of(x2)),
+               "rms_norm_forward");
+  return y;
+}
+
+class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            double eps) {
+    const auto D = x.size(-1);
+    auto x2 = x.contiguous().view({-1, D});
+    at::Tensor rstd;
+    auto y = norm_forward(x2, w.contiguous(), eps, rstd);
+    ctx->save_for_backward({x2, w, rstd});
+    return y.view(x.sizes());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x2 = saved[0], &w = saved[1], &rstd = saved[2];
+    const auto rows = x2.size(0), D = x2.size(1);
+    auto dy = grads[0].contiguous().view({rows, D}).to(x2.scalar_type());
+    auto dx = at::empty_like(x2);
+    auto partial = at::empty({cuda::rms_norm_backward_parts(rows), D},
+                             x2.options().dtype(at::kFloat));
+    check_launch(cuda::rms_norm_backward(dtype_of(x2), dy.data_ptr(), x2.data_ptr(),
+                                         w.data_ptr<float>(), rstd.data_ptr<float>(),
+                                         dx.data_ptr(), partial.data_ptr<float>(), rows, D,
+                                         stream_of(x2)),
+                 "rms_norm_backward");
+    return {dx.view(grads[0].sizes()), partial.sum(0), at::Tensor()};
+  }
+};
+
+at::Tensor rope_launch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                       bool inverse) {
+  auto xc = x.contiguous();
+  auto y = at::empty_like(xc);
+  check_launch(cuda::rope(dtype_of(xc), xc.data_ptr(), cos.data_ptr<float>(),
+                          sin.data_ptr<float>(), y.data_ptr(), xc.size(0), xc.size(1),
+                          xc.size(2), xc.size(3), inverse, stream_of(xc)),
+               "rope");
+  return y;
+}
+
+class RopeFn : public torch::autograd::Function<RopeFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return rope_launch(x, cos, sin, /*inverse=*/false);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return {rope_launch(grads[0], saved[0], saved[1], /*inverse=*/true), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+at::Tensor swiglu_launch(const at::Tensor& a, const at::Tensor& b) {
+  auto y = at::empty_like(a);
+  check_launch(cuda::swiglu_forward(dtype_of(a), a.data_ptr(), b.data_ptr(), y.data_ptr(),
+                                    a.numel(), stream_of(a)),
+               "swiglu_forward");
+  return y;
+}
+
+std::pair<at::Tensor, at::Tensor> swiglu_grads(const at::Tensor& dy, const at::Tensor& a,
+                                               const at::Tensor& b) {
+  auto g = dy.contiguous().to(a.scalar_type());
+  auto da = at::empty_like(a), db = at::empty_like(b);
+  check_launch(cuda::swiglu_backward(dtype_of(a), g.data_ptr(), a.data_ptr(), b.data_ptr(),
+                                     da.data_ptr(), db.data_ptr(), a.numel(), stream_of(a)),
+               "swiglu_backward");
+  return {da, db};
+}
+
+class SwiGLUFn : public torch::autograd::Function<SwiGLUFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
+    auto ac = a.contiguous(), bc = b.contiguous();
+    ctx->save_for_backward({ac, bc});
+    return swiglu_launch(ac, bc);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [da, db] = swiglu_grads(grads[0], saved[0], saved[1]);
+    return {da, db};
+  }
+};
+
+class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
+                            const at::Tensor& w) {
+    auto ac = a.contiguous(), bc = b.contiguous();
+    ctx->save_for_backward({ac, bc, w});
+    return at::linear(swiglu_launch(ac, bc), w.to(a.scalar_type()));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &a = saved[0], &b = saved[1], &w = saved[2];
+    const auto F = a.size(-1);
+    const auto D = w.size(0);
+    auto h = swiglu_launch(a, b).view({-1, F});  // recomputed, not saved
+    auto dy = grads[0].contiguous().view({-1, D}).to(a.scalar_type());
+    auto wc = w.to(a.scalar_type());
+    auto dw = at::mm(dy.t(), h).to(w.scalar_type());  // as linear + cast would
+    auto dh = at::mm(dy, wc).view(a.sizes());
+    h.reset();
+    auto [da, db] = swiglu_grads(dh, a, b);
+    return {da, db, dw};
+  }
+};
+
+}  // namespace
+
+bool usable(const at::Tensor& x) {
+  if (!g_enabled || !x.defined() || !x.is_cuda()) return false;
+  if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) return false;
+  return cuda::device_supported(x.device().index());
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  VIADUCT_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 &&
+                    weight.size(0) == x.size(-1),
+                "fused rms_norm: weight must be fp32 [", x.size(-1), "], got ",
+                weight.scalar_type(), " ", weight.sizes());
+  return RMSNormFn::apply(x, weight, eps);
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  VIADUCT_CHECK(x.dim() == 4 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                    cos.is_contiguous() && sin.is_contiguous() && cos.size(0) >= x.size(1) &&
+                    2 * cos.size(1) == x.size(3),
+                "fused rope: x must be [B, T, H, hd] and cos/sin contiguous fp32 [>= T, hd/2]");
+  return RopeFn::apply(x, cos, sin);
+}
+
+at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b) {
+  VIADUCT_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
+                "fused swiglu: a and b differ in shape or dtype");
+  return SwiGLUFn::apply(a, b);
+}
+
+at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w) {
+  VIADUCT_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && w.dim() == 2 &&
+                    w.size(1) == a.size(-1),
+                "fused swiglu_linear: a, b must match and w be [D, ", a.size(-1), "]");
+  return SwiGLULinearFn::apply(a, b, w);
+}
+
+at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets) {
+  VIADUCT_CHECK(logits.dim() == 2 && logits.is_contiguous() && targets.dim() == 1 &&
+                    targets.size(0) == logits.size(0),
+                "fused cross_entropy: logits must be contiguous [n, V] and targets [n]");
+  auto t = targets.to(logits.device(), at::kLong).contiguous();
+  auto row_loss = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  check_launch(cuda::cross_entropy_forward_backward(
+                   dtype_of(logits), logits.data_ptr(), t.data_ptr<int64_t>(),
+                   row_loss.data_ptr<float>(), logits.size(0), logits.size(1), -100,
+                   stream_of(logits)),
+               "cross_entropy_forward_backward");
+  return row_loss;
+}
+
+#else  // CPU build: usable() is false, so nothing below is ever reached.
+
+bool usable(const at::Tensor&) { return false; }
+
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  throw Error(str("fused ", what, " needs viaduct's CUDA build"));
+}
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double) { no_cuda("rms_norm"); }
+at::Tensor rope(const at::Tensor&, const at::Tensor&, const at::Tensor&) { no_cuda("rope"); }
+at::Tensor swiglu(const at::Tensor&, const at::Tensor&) { no_cuda("swiglu"); }
+at::Tensor swiglu_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  no_cuda("swiglu_linear");
+}
+at::Tensor cross_entropy_rows_(at::Tensor&, const at::Tensor&) { no_cuda("cross_entropy"); }
+
+#endif
+
+}  // namespace viaduct::kernels

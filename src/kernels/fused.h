@@ -1,0 +1,45 @@
+// viaduct's fused CUDA kernels as autograd-aware ATen-level functions.
+//
+// The model calls these where kernels::usable() says so and its plain ATen
+// code otherwise (CPU, fp64 gradient checks, non-Hopper GPUs, the CPU build,
+// model.fused_kernels = false). Each function computes the same formula as
+// the ATen code it replaces (src/model/layers.cpp), in fp32 arithmetic, with
+// fewer passes over memory and fewer tensors kept for the backward; the
+// results agree to rounding, not bitwise. Every reduction has a fixed order,
+// so runs and pipeline layouts stay bitwise reproducible among themselves.
+#pragma once
+
+#include <torch/torch.h>
+
+namespace viaduct::kernels {
+
+// The process-wide switch (model.fused_kernels; on by default).
+void set_enabled(bool on);
+bool enabled();
+
+// True when the kernels can run on `x`: a CUDA build, the switch on, x on a
+// GPU the kernels were compiled for (sm_90a), x float32 or bfloat16.
+bool usable(const at::Tensor& x);
+
+// x * rsqrt(mean(x^2, -1) + eps) * weight over the last dim, returned in x's
+// dtype; weight: fp32 [D]. Saves x and one fp32 per row for the backward.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// Rotary embedding on interleaved pairs of x: [B, T, H, hd]; cos, sin: fp32
+// [>= T, hd / 2] on x's device. Saves nothing but the tables.
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// silu(a) * b.
+at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b);
+
+// linear(silu(a) * b, w) with w (fp32 master weight [D, F]) cast to a's
+// dtype. Keeps a and b, not the product, for the backward, which recomputes
+// it: one [tokens x F] activation less per layer.
+at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w);
+
+// Per-row cross-entropy of logits [n, V] (contiguous) against targets [n]
+// (-100: ignored). Returns the row losses (fp32 [n], 0 where ignored) and
+// overwrites logits with d(row loss)/d(logits) = softmax - onehot. No autograd.
+at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets);
+
+}  // namespace viaduct::kernels

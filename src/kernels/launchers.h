@@ -1,0 +1,62 @@
+// viaduct's CUDA kernels, on raw device pointers (no LibTorch here, so the
+// .cu file compiles with nvcc alone). kernels/fused.h wraps them for autograd.
+//
+// Every tensor is contiguous, row-major. `DType` names the activation type;
+// norms' weights, statistics and partial sums are fp32, and all arithmetic is
+// fp32. Every reduction has a fixed order (no atomics): the same inputs give
+// the same bits on every run and every layout.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace viaduct::cuda {
+
+enum class DType { kFloat32, kBFloat16 };
+
+// True when the kernels were compiled for `device`'s architecture (sm_90a:
+// compute capability 9.0). Cached per device.
+bool device_supported(int device);
+
+// y = x * rsqrt(mean(x^2) + eps) * w per row; rstd[row] = that rsqrt.
+// x, y: [rows, dim]; w: [dim]; rstd: [rows].
+cudaError_t rms_norm_forward(DType dt, const void* x, const float* w, void* y,
+                             float* rstd, int64_t rows, int64_t dim, float eps,
+                             cudaStream_t stream);
+// How many partial rows rms_norm_backward writes to dw_partial.
+int64_t rms_norm_backward_parts(int64_t rows);
+// dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * w, and
+// dw_partial[p, :] = sum over the rows block p handles of dy * x * rstd
+// (the caller sums the parts: dw = dw_partial.sum(0)).
+cudaError_t rms_norm_backward(DType dt, const void* dy, const void* x,
+                              const float* w, const float* rstd, void* dx,
+                              float* dw_partial, int64_t rows, int64_t dim,
+                              cudaStream_t stream);
+
+// Rotary embedding on interleaved pairs (x[2i], x[2i+1]) of x: [B, T, H, hd];
+// cos, sin: [>= T, hd / 2] (row t used for position t). inverse = true
+// rotates by -theta (the backward).
+cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin,
+                 void* y, int64_t B, int64_t T, int64_t H, int64_t hd,
+                 bool inverse, cudaStream_t stream);
+
+// y = silu(a) * b, elementwise over n values.
+cudaError_t swiglu_forward(DType dt, const void* a, const void* b, void* y,
+                           int64_t n, cudaStream_t stream);
+// da = dy * b * silu'(a), db = dy * silu(a).
+cudaError_t swiglu_backward(DType dt, const void* dy, const void* a,
+                            const void* b, void* da, void* db, int64_t n,
+                            cudaStream_t stream);
+
+// Cross-entropy of each row of logits [rows, vocab] against targets[row]
+// (== ignore_index: skipped). Writes row_loss[row] = logsumexp - logit[target]
+// (0 when skipped) and overwrites the logits, in place, with the gradient of
+// the row's loss: softmax - onehot(target) (all zero when skipped).
+cudaError_t cross_entropy_forward_backward(DType dt, void* logits,
+                                           const int64_t* targets,
+                                           float* row_loss, int64_t rows,
+                                           int64_t vocab, int64_t ignore_index,
+                                           cudaStream_t stream);
+
+}  // namespace viaduct::cuda

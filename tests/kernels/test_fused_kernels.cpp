@@ -1,0 +1,241 @@
+// viaduct's CUDA kernels (src/kernels) against ATen references computed in
+// fp64 from the same inputs. Built only in the CUDA build; every test skips
+// without a GPU the kernels were compiled for.
+//
+// Error bound: relative Frobenius error ||out - ref|| / ||ref|| below 1e-5
+// for fp32 inputs and 1e-2 for bf16 (the inputs are rounded to bf16 before
+// the reference sees them, so the bound covers the kernel's own roundings).
+// Inputs are fresh random draws per run (the seed is printed on failure);
+// the caching allocator's free memory is poisoned with NaN before each call,
+// so an output element a kernel never writes shows up as NaN.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "core/torch_compat.h"
+#include "kernels/fused.h"
+#include "model/layers.h"
+#include "model/model.h"
+#include "train/optimizer.h"
+
+namespace viaduct {
+namespace {
+
+bool have_gpu() {
+  return torch::cuda::is_available() &&
+         kernels::usable(at::empty({1}, at::TensorOptions(at::kCUDA).dtype(at::kFloat)));
+}
+
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no GPU the fused kernels were built for"
+
+uint64_t fresh_seed() {
+  static std::random_device rd;
+  const uint64_t s = (static_cast<uint64_t>(rd()) << 32) | rd();
+  torch::manual_seed(s);
+  return s;
+}
+
+// Fills the caching allocator's free blocks with NaN.
+void poison() {
+  auto p = at::full({256LL << 20}, NAN, at::TensorOptions(at::kCUDA).dtype(at::kFloat));
+  p.reset();
+}
+
+double rel_err(const at::Tensor& out, const at::Tensor& ref) {
+  auto o = out.to(at::kCPU, at::kDouble), r = ref.to(at::kCPU, at::kDouble);
+  if (!at::isfinite(o).all().item<bool>()) return INFINITY;
+  return (o - r).norm().item<double>() / std::max(r.norm().item<double>(), 1e-30);
+}
+
+double bound(at::ScalarType t) { return t == at::kFloat ? 1e-5 : 1e-2; }
+
+const at::ScalarType kTypes[] = {at::kFloat, at::kBFloat16};
+
+// A CUDA tensor of dtype t, and the same values as a CPU fp64 leaf.
+std::pair<at::Tensor, at::Tensor> draw(at::IntArrayRef shape, at::ScalarType t, double scale = 1.0) {
+  auto x = (at::randn(shape, at::TensorOptions(at::kCUDA).dtype(at::kFloat)) * scale).to(t);
+  auto ref = x.to(at::kCPU, at::kDouble).detach().requires_grad_(true);
+  return {x.detach().requires_grad_(true), ref};
+}
+
+TEST(FusedKernels, RMSNormForwardBackward) {
+  REQUIRE_GPU();
+  for (auto t : kTypes) {
+    const auto seed = fresh_seed();
+    auto [x, xr] = draw({3, 37, 2048}, t, 2.0);
+    auto w = (1.0 + 0.1 * at::randn({2048}, at::TensorOptions(at::kCUDA))).requires_grad_(true);
+    auto wr = w.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
+    const double eps = 1e-5;
+    poison();
+    auto y = kernels::rms_norm(x, w, eps);
+    auto yr = xr * at::rsqrt(xr.pow(2).mean(-1, true) + eps) * wr;
+    ASSERT_EQ(y.scalar_type(), t);
+    EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
+    auto dy = at::randn(y.sizes(), y.options());
+    poison();
+    y.backward(dy);
+    yr.backward(dy.to(at::kCPU, at::kDouble));
+    EXPECT_LT(rel_err(x.grad(), xr.grad()), bound(t)) << "seed " << seed << " " << t;
+    EXPECT_LT(rel_err(w.grad(), wr.grad()), bound(t)) << "seed " << seed << " " << t;
+  }
+}
+
+TEST(FusedKernels, RMSNormBackwardIsDeterministic) {
+  REQUIRE_GPU();
+  fresh_seed();
+  auto x = at::randn({4096, 512}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
+  auto w = at::randn({512}, at::TensorOptions(at::kCUDA));
+  auto dy = at::randn_like(x);
+  std::vector<at::Tensor> gx, gw;
+  for (int run = 0; run < 2; ++run) {
+    auto xi = x.detach().requires_grad_(true), wi = w.detach().requires_grad_(true);
+    kernels::rms_norm(xi, wi, 1e-6).backward(dy);
+    gx.push_back(xi.grad());
+    gw.push_back(wi.grad());
+  }
+  EXPECT_TRUE(at::equal(gx[0], gx[1]));
+  EXPECT_TRUE(at::equal(gw[0], gw[1]));
+}
+
+TEST(FusedKernels, RopeForwardBackward) {
+  REQUIRE_GPU();
+  const int64_t B = 2, T = 96, H = 6, hd = 64;
+  auto tables = make_rope_tables(hd, 128, 10000.0);
+  for (auto t : kTypes) {
+    const auto seed = fresh_seed();
+    auto [x, xr] = draw({B, T, H, hd}, t);
+    auto c = tables.cos.to(at::kCUDA, at::kFloat).contiguous();
+    auto s = tables.sin.to(at::kCUDA, at::kFloat).contiguous();
+    poison();
+    auto y = kernels::rope(x, c, s);
+    // Reference: the ATen path in fp64 (apply_rope on CPU fp64 input).
+    auto yr = apply_rope(xr, tables);
+    EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
+    auto dy = at::randn(y.sizes(), y.options());
+    poison();
+    y.backward(dy);
+    yr.backward(dy.to(at::kCPU, at::kDouble));
+    EXPECT_LT(rel_err(x.grad(), xr.grad()), bound(t)) << "seed " << seed << " " << t;
+  }
+}
+
+TEST(FusedKernels, SwiGLUForwardBackward) {
+  REQUIRE_GPU();
+  for (auto t : kTypes) {
+    const auto seed = fresh_seed();
+    auto [a, ar] = draw({5, 33, 704}, t, 3.0);
+    auto [b, br] = draw({5, 33, 704}, t);
+    poison();
+    auto y = kernels::swiglu(a, b);
+    auto yr = at::silu(ar) * br;
+    EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
+    auto dy = at::randn(y.sizes(), y.options());
+    poison();
+    y.backward(dy);
+    yr.backward(dy.to(at::kCPU, at::kDouble));
+    EXPECT_LT(rel_err(a.grad(), ar.grad()), bound(t)) << "seed " << seed << " " << t;
+    EXPECT_LT(rel_err(b.grad(), br.grad()), bound(t)) << "seed " << seed << " " << t;
+  }
+}
+
+TEST(FusedKernels, SwiGLULinearMatchesUnfused) {
+  REQUIRE_GPU();
+  for (auto t : kTypes) {
+    const auto seed = fresh_seed();
+    auto [a, ar] = draw({4, 50, 512}, t, 2.0);
+    auto [b, br] = draw({4, 50, 512}, t);
+    auto w = (at::randn({256, 512}, at::TensorOptions(at::kCUDA)) * 0.05).requires_grad_(true);
+    auto wr = w.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
+    poison();
+    auto y = kernels::swiglu_linear(a, b, w);
+    auto yr = at::linear(at::silu(ar) * br, wr);
+    ASSERT_EQ(y.scalar_type(), t);
+    EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
+    auto dy = at::randn(y.sizes(), y.options());
+    poison();
+    y.backward(dy);
+    yr.backward(dy.to(at::kCPU, at::kDouble));
+    ASSERT_EQ(w.grad().scalar_type(), at::kFloat);  // fp32 master gradient
+    EXPECT_LT(rel_err(a.grad(), ar.grad()), bound(t)) << "seed " << seed << " " << t;
+    EXPECT_LT(rel_err(b.grad(), br.grad()), bound(t)) << "seed " << seed << " " << t;
+    EXPECT_LT(rel_err(w.grad(), wr.grad()), bound(t)) << "seed " << seed << " " << t;
+  }
+}
+
+TEST(FusedKernels, CrossEntropyRowsAndGradient) {
+  REQUIRE_GPU();
+  const int64_t n = 67, V = 5003;  // V not a multiple of the block
+  for (auto t : kTypes) {
+    const auto seed = fresh_seed();
+    auto logits = (at::randn({n, V}, at::TensorOptions(at::kCUDA)) * 4.0).to(t);
+    auto targets = at::randint(0, V, {n}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
+    targets.index_put_({at::arange(0, n, 7, targets.options())}, -100);  // some ignored
+    auto ref_in = logits.to(at::kCPU, at::kDouble).requires_grad_(true);
+    auto tc = targets.cpu();
+    auto ref_rows = at::cross_entropy_loss(ref_in, tc, {}, at::Reduction::None, -100);
+    ref_rows.sum().backward();
+    auto g = logits.clone();
+    poison();
+    auto rows = kernels::cross_entropy_rows_(g, targets);
+    EXPECT_LT(rel_err(rows, ref_rows), bound(t) / 10) << "seed " << seed << " " << t;
+    EXPECT_LT(rel_err(g, ref_in.grad()), bound(t)) << "seed " << seed << " " << t;
+    // Ignored rows: zero loss, zero gradient, exactly.
+    auto ignored = (tc == -100).nonzero().squeeze(1);
+    EXPECT_EQ(rows.cpu().index_select(0, ignored).abs().sum().item<double>(), 0.0);
+    EXPECT_EQ(g.cpu().index_select(0, ignored).abs().sum().item<double>(), 0.0);
+  }
+}
+
+TEST(FusedKernels, ChunkedHeadLossMatchesAten) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  const int64_t N = 300, D = 64, V = 1000;
+  auto h = at::randn({N, D}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16).requires_grad_(true);
+  auto w = (at::randn({V, D}, at::TensorOptions(at::kCUDA)) * 0.2).requires_grad_(true);
+  auto y = at::randint(0, V, {N}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
+  kernels::set_enabled(true);
+  auto l1 = chunked_head_cross_entropy(h, w, y, 128);
+  l1.backward();
+  auto gh1 = h.grad().clone(), gw1 = w.grad().clone();
+  h.mutable_grad().reset();
+  w.mutable_grad().reset();
+  kernels::set_enabled(false);  // the ATen chunked path
+  auto l2 = chunked_head_cross_entropy(h, w, y, 128);
+  l2.backward();
+  kernels::set_enabled(true);
+  EXPECT_LT(rel_err(l1, l2), 1e-5) << "seed " << seed;
+  EXPECT_LT(rel_err(gh1, h.grad()), 1e-2) << "seed " << seed;
+  EXPECT_LT(rel_err(gw1, w.grad()), 1e-2) << "seed " << seed;
+}
+
+TEST(FusedKernels, FusedAdamWMatchesLoop) {
+  REQUIRE_GPU();
+  if (!compat::kTorch2) GTEST_SKIP() << "no fused AdamW kernel in this LibTorch";
+  const auto seed = fresh_seed();
+  auto make = [](at::Device dev) {
+    std::vector<NamedParam> ps;
+    torch::manual_seed(7);
+    ps.push_back({"a.weight", at::randn({64, 33}).to(dev).requires_grad_(true), true});
+    ps.push_back({"a.norm", at::randn({33}).to(dev).requires_grad_(true), false});
+    return ps;
+  };
+  auto gpu = make(at::kCUDA), cpu = make(at::kCPU);
+  AdamW og(gpu, 0.9, 0.95, 1e-8, 0.1), oc(cpu, 0.9, 0.95, 1e-8, 0.1);
+  for (int step = 1; step <= 3; ++step) {
+    for (size_t i = 0; i < gpu.size(); ++i) {
+      auto g = at::randn(gpu[i].param.sizes());
+      gpu[i].param.mutable_grad() = g.to(at::kCUDA);
+      cpu[i].param.mutable_grad() = g;
+    }
+    og.step(1e-2);  // fused on CUDA
+    oc.step(1e-2);  // the loop on CPU
+  }
+  for (size_t i = 0; i < gpu.size(); ++i) {
+    EXPECT_LT(rel_err(gpu[i].param.detach(), cpu[i].param.detach()), 1e-6)
+        << gpu[i].fqn << " seed " << seed;
+  }
+}
+
+}  // namespace
+}  // namespace viaduct
