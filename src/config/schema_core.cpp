@@ -68,6 +68,7 @@ void add_model_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("model", "max_seq_len", T::kInt, kUnset, "longest sequence (RoPE table / learned positions)"));
   k.push_back(key("model", "norm_eps", T::kFloat, kUnset, "norm epsilon (flavor default)"));
   k.push_back(key("model", "rope_theta", T::kFloat, kUnset, "RoPE base (flavor default)"));
+  k.push_back(key("model", "fused_kernels", T::kBool, true, "use viaduct's CUDA kernels (RMSNorm, RoPE, SwiGLU, the chunked loss) where the GPU has them; false: ATen ops only"));
   k.push_back(key("model", "loss_chunk_tokens", T::kInt, int64_t{0}, "> 0: fuse head and cross-entropy in chunks of this many tokens (no full logits); 0: plain"));
   k.push_back(key("model", "tie_embeddings", T::kBool, kUnset, "share tok_embeddings and lm_head (gpt2 default true)"));
   // Kimi-K3 hybrid keys (used by family kimi_k3 only).
