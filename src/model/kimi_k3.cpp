@@ -8,6 +8,7 @@
 #include "config/config.h"
 #include "core/check.h"
 #include "core/rng.h"
+#include "model/exact16.h"
 #include "model/families.h"
 
 namespace viaduct {
@@ -47,23 +48,13 @@ KimiK3Options flavor_defaults(const std::string& flavor) {
     o.n_layers = 24;
   } else if (flavor == "debugmodel_deep") {
     o.n_layers = 33;  // blocks 12 + 12 + 9
-  } else if (flavor == "exact16") {
-    // Tiny and deterministic for the transport tests: 16 layers in blocks of
-    // 4, one head, dense FFNs only (no routing decisions to tie-break).
+  } else if (flavor == kExact16Flavor) {
+    // The integer-gradient model (model/exact16.h): only its shape lives
+    // here; module list, part and description dispatch to exact16.cpp.
     o.n_layers = 16;
     o.block_size = 4;
     o.dim = 16;
-    o.n_heads = 1;
-    o.ffn_hidden_dim = 32;
     o.moe_ffn = false;
-    o.kda.head_dim = 8;
-    o.kda.chunk_size = 8;
-    o.mla.kv_lora_rank = 8;
-    o.mla.qk_nope_head_dim = 8;
-    o.mla.qk_rope_head_dim = 4;
-    o.mla.v_head_dim = 8;
-    o.moe.n_routed_experts = 4;
-    o.moe.hidden_dim = 16;
   } else if (flavor == "full") {
     o.n_layers = 93;  // 7 x 12 + 9
     o.dim = 2048;
@@ -398,15 +389,18 @@ Activations KimiK3Part::forward(const Activations& in) {
 // ---------------------------------------------------------------- family
 
 std::vector<std::string> kimi_k3_module_fqns(const Config& cfg) {
+  if (cfg.get_string("model.flavor") == kExact16Flavor) return exact16_module_fqns(cfg);
   return all_module_fqns(kimi_k3_options(cfg));
 }
 
 std::shared_ptr<ModelPart> build_kimi_k3(const Config& cfg,
                                          const std::vector<std::string>& fqns) {
+  if (cfg.get_string("model.flavor") == kExact16Flavor) return build_exact16(cfg, fqns);
   return std::make_shared<KimiK3Part>(kimi_k3_options(cfg), fqns);
 }
 
 ModelInfo describe_kimi_k3(const Config& cfg) {
+  if (cfg.get_string("model.flavor") == kExact16Flavor) return describe_exact16(cfg);
   // Counts are analytic (the full flavor is far too large to build); a test
   // checks them against built debug models.
   const auto o = kimi_k3_options(cfg);

@@ -1,289 +1,449 @@
-// An integer AttnRes model under AttnResStage, ranks as threads over Gloo:
-// its block gradients are small integers, so the rank cache's regrouped sums
-// are exact and every transport must give one process's bits -- and the
-// closed form.
-//
-// The model follows Note [Kimi-K3 part activations] with one read per layer:
-// layer j pushes `hidden` when it opens a block, reads h = sum(sources) (the
-// AttnRes read with all weights 1), and returns partial + w_j * h, w_j a
-// fixed 0/1 vector. The head's logits are [sum_d agg, detach(.) - 200] with
-// every target 1, so d loss / d agg = 1 exactly. The model is linear in its
-// activations, so every activation gradient is an integer independent of the
-// values; only the embedding trains (SGD, lr 2^-10), which moves the values
-// but no gradient.
+// The kimi_k3 flavor exact16 (model/exact16.h) under AttnResStage, ranks as
+// threads over Gloo with the real executor: its gradients are small integers
+// times the loss scale, so the rank cache's regrouped sums are exact and
+// every transport and layout must give one process's bits -- and the closed
+// form below, an integer recurrence written from Note [exact16: integer
+// gradients] independently of the model code. Also the flavor's refusals.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <thread>
+#include <tuple>
 
+#include "config/config.h"
 #include "core/check.h"
 #include "dist/dist.h"
 #include "dist/launcher.h"
+#include "model/exact16.h"
+#include "model/families.h"
+#include "model/kimi_k3.h"
 #include "model/model.h"
 #include "pipeline/attn_res/attn_res_stage.h"
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
+#include "pipeline/schedule/plan_config.h"
 
 namespace viaduct::pipeline {
 namespace {
 
-constexpr int64_t kLayers = 16, kBlock = 4, kDim = 8, kVocab = 11;
+constexpr int kSteps = 3;
+constexpr int64_t kMicro = 4, kMicroBatch = 2, kSeq = 8;
+constexpr double kScale = 1.0 / 64;  // the trainer's 1 / tokens for 4 x 2 x 8
 constexpr double kLr = 1.0 / 1024;
+constexpr uint64_t kSeed = 7;
 
-bool opens(int64_t j) { return j % kBlock == 0; }
-int64_t block_of(int64_t j) { return j / kBlock; }
-// w_j[d] in {0, 1}.
-float weight(int64_t j, int64_t d) { return (j + d) % 3 == 0 ? 1.0f : 0.0f; }
-
-class IntegerPart : public ModelPart {
- public:
-  IntegerPart(int64_t first, int64_t end, bool has_first, bool has_last)
-      : first_(first), end_(end) {
-    has_first_ = has_first;
-    has_last_ = has_last;
-    if (has_first) {
-      // Small integers, fixed.
-      emb = register_parameter(
-          "emb",
-          (at::arange(kVocab * kDim, at::kFloat).view({kVocab, kDim}).remainder(5) - 2));
-    }
-    for (int64_t j = first; j < end; ++j) {
-      auto w = at::empty({kDim});
-      for (int64_t d = 0; d < kDim; ++d) w[d] = weight(j, d);
-      w_.push_back(register_buffer("w" + std::to_string(j), w));
-    }
-  }
-  void init_weights(uint64_t) override {}
-  Activations forward(const Activations& in) override {
-    at::Tensor hidden;
-    std::vector<at::Tensor> stack;
-    if (has_first_) {
-      hidden = at::embedding(emb, in.at(0));  // [B, T, D]
-    } else {
-      hidden = in.at(0);
-      stack.assign(in.begin() + 1, in.end());
-    }
-    for (int64_t j = first_; j < end_; ++j) {
-      VIADUCT_CHECK(static_cast<int64_t>(stack.size()) == block_of(j) + (opens(j) ? 0 : 1),
-                    "integer part: layer ", j, " got ", stack.size(), " entries");
-      at::Tensor partial;
-      if (opens(j)) {
-        stack.push_back(hidden);
-      } else {
-        partial = hidden;
-      }
-      at::Tensor h = stack[0];
-      for (size_t n = 1; n < stack.size(); ++n) h = h + stack[n];
-      if (partial.defined()) h = h + partial;
-      auto out = h * w_[static_cast<size_t>(j - first_)];
-      hidden = partial.defined() ? partial + out : out;
-    }
-    if (has_last_) {
-      at::Tensor agg = hidden;
-      for (const auto& e : stack) agg = agg + e;
-      auto l0 = agg.sum(-1, /*keepdim=*/true);  // [B, T, 1]
-      return {at::cat({l0, l0.detach() - 200.0}, -1)};
-    }
-    Activations out{hidden};
-    out.insert(out.end(), stack.begin(), stack.end());
-    return out;
-  }
-
-  at::Tensor emb;
-
- private:
-  int64_t first_, end_;
-  std::vector<at::Tensor> w_;
-};
-
-// d loss / d emb-row per occurrence: the integer recurrence of the backward
-// (every token position has the same gradient vector).
-std::vector<int64_t> closed_form_embedding_grad() {
-  std::vector<int64_t> out(kDim);
-  for (int64_t d = 0; d < kDim; ++d) {
-    const int64_t N = (kLayers + kBlock - 1) / kBlock;
-    std::vector<int64_t> ge(static_cast<size_t>(N), 1);  // the final read
-    int64_t gh = 1;                                      // hidden into the head
-    for (int64_t j = kLayers - 1; j >= 0; --j) {
-      const int64_t g_out = gh;
-      const int64_t g_h = static_cast<int64_t>(weight(j, d)) * g_out;
-      const int64_t b = block_of(j);
-      // Every source -- entries 0..b, the partial when not opening -- gets g_h.
-      for (int64_t n = 0; n <= b; ++n) ge[static_cast<size_t>(n)] += g_h;
-      if (opens(j)) {
-        gh = ge[static_cast<size_t>(b)];  // hidden_in was pushed as entry b
-      } else {
-        gh = g_out + g_h;  // the partial passes through and is read
-      }
-    }
-    out[static_cast<size_t>(d)] = gh;
-  }
-  return out;
+Config exact16_config(std::vector<std::string> overrides = {}) {
+  std::vector<std::string> o{"model.family=kimi_k3", "model.flavor=exact16",
+                             "training.local_batch_size=8", "training.seq_len=8"};
+  o.insert(o.end(), overrides.begin(), overrides.end());
+  return Config::parse("", "test", o);
 }
 
+std::shared_ptr<Exact16Part> build(const Config& cfg, const std::vector<std::string>& fqns = {}) {
+  auto part = std::dynamic_pointer_cast<Exact16Part>(build_model_part(cfg, fqns));
+  VIADUCT_CHECK(part != nullptr, "exact16 did not build an Exact16Part");
+  part->init_weights(kSeed);
+  return part;
+}
+
+// Micro-batch m of step s: tokens with repeats (embedding rows collect
+// several positions) and a few ignored targets (-100), the rest arbitrary.
 struct Batch {
   std::vector<at::Tensor> inputs, targets;
 };
-Batch batch(int step, int64_t micro) {
+Batch batch(int step) {
   Batch b;
-  for (int64_t m = 0; m < micro; ++m) {
-    b.inputs.push_back(
-        (at::arange(2 * 8, at::kLong).view({2, 8}) * (3 + step) + m * 7).remainder(kVocab));
-    b.targets.push_back(at::ones({2, 8}, at::kLong));
+  for (int64_t m = 0; m < kMicro; ++m) {
+    auto pos = at::arange(kMicroBatch * kSeq, at::kLong).view({kMicroBatch, kSeq});
+    b.inputs.push_back((pos * (3 + step) + m * 7).remainder(23));
+    b.targets.push_back(at::where((pos + step + m).remainder(5).eq(0), at::full_like(pos, -100),
+                                  (pos * 11 + m).remainder(257)));
   }
   return b;
 }
 
-PipelinePlan plan_for(int64_t stages, const std::vector<std::pair<int64_t, int64_t>>& layers) {
-  std::vector<std::string> fqns{"tok_embeddings"};
-  for (int64_t i = 0; i < kLayers; ++i) fqns.push_back("layers." + std::to_string(i));
-  fqns.insert(fqns.end(), {"norm", "lm_head"});
-  PlanSpec spec;
-  spec.split.model = model_layout_from_fqns(fqns);
-  spec.split.pp = 4;
-  spec.split.first_stage_weight = 0;
-  spec.split.last_stage_weight = 0;
-  if (layers.empty()) {
-    spec.split.stages_per_rank = stages / 4;
-  } else {
-    std::vector<std::vector<std::string>> per;
-    for (size_t s = 0; s < layers.size(); ++s) {
-      std::vector<std::string> m;
-      if (s == 0) m.push_back("tok_embeddings");
-      for (int64_t j = layers[s].first; j < layers[s].second; ++j) {
-        m.push_back("layers." + std::to_string(j));
-      }
-      if (s + 1 == layers.size()) m.insert(m.end(), {"norm", "lm_head"});
-      per.push_back(m);
+// ------------------------------------------------------------ closed form
+
+// Per counted token and channel, in units of the loss scale: the gradient
+// of each stack entry and of each layer's two biases.
+struct ClosedForm {
+  std::vector<std::vector<int64_t>> entry;      // [entry][d]
+  std::vector<std::vector<int64_t>> attn_bias;  // [layer][d]
+  std::vector<std::vector<int64_t>> ffn_bias;   // [layer][d]
+};
+
+ClosedForm closed_form(const Exact16Options& o) {
+  const auto L = static_cast<size_t>(o.n_layers), D = static_cast<size_t>(o.dim);
+  ClosedForm cf;
+  cf.entry.assign(static_cast<size_t>(o.n_entries()), std::vector<int64_t>(D));
+  cf.attn_bias.assign(L, std::vector<int64_t>(D));
+  cf.ffn_bias.assign(L, std::vector<int64_t>(D));
+  for (size_t d = 0; d < D; ++d) {
+    // d loss / d agg = 1: the final read gives every entry and the hidden 1.
+    std::vector<int64_t> ge(static_cast<size_t>(o.n_entries()), 1);
+    int64_t gh = 1;
+    for (int64_t j = o.n_layers - 1; j >= 0; --j) {
+      const auto sj = static_cast<size_t>(j);
+      const auto a = static_cast<int64_t>(exact16_scale(j, static_cast<int64_t>(d), false));
+      const auto f = static_cast<int64_t>(exact16_scale(j, static_cast<int64_t>(d), true));
+      const auto c = static_cast<size_t>(j / o.block_size);
+      // out = p2 + f * read(stack + p2) + bf; p2 = [p1 +] a * read(stack [+ p1]) + ba
+      const int64_t g_out = gh;
+      cf.ffn_bias[sj][d] = g_out;
+      const int64_t g_read2 = f * g_out;
+      const int64_t g_p2 = g_out + g_read2;
+      cf.attn_bias[sj][d] = g_p2;
+      const int64_t g_read1 = a * g_p2;
+      for (size_t n = 0; n <= c; ++n) ge[n] += g_read2 + g_read1;
+      gh = j % o.block_size == 0 ? ge[c]  // the input was pushed as entry c
+                                 : g_p2 + g_read1;
     }
-    spec.split.module_fqns_per_stage = per;
+    for (size_t n = 0; n < ge.size(); ++n) cf.entry[n][d] = ge[n];
   }
-  spec.schedule = "Interleaved1F1B";
-  spec.microbatches = 4;
-  return make_pipeline_plan(spec);
+  return cf;
 }
 
-// Three SGD steps; returns the embedding after each step (rank 0's).
-std::vector<at::Tensor> run_pipeline(const PipelinePlan& plan, AttnResTransport transport) {
+at::Tensor row(const std::vector<int64_t>& v) {
+  auto t = at::empty({static_cast<int64_t>(v.size())}, at::kFloat);
+  for (size_t i = 0; i < v.size(); ++i) t[static_cast<int64_t>(i)] = static_cast<float>(v[i]);
+  return t;
+}
+
+// ------------------------------------------------------------ runs
+
+using BlockKey = std::tuple<int, int64_t, int64_t>;  // step, micro-batch, entry
+
+// What a run produces: everything the comparisons look at.
+struct Record {
+  std::mutex mu;
+  std::map<BlockKey, at::Tensor> block_grads;
+  std::map<std::pair<int, int64_t>, double> losses;  // (step, micro-batch)
+  std::vector<std::map<std::string, at::Tensor>> grads =
+      std::vector<std::map<std::string, at::Tensor>>(kSteps);
+  std::vector<std::map<std::string, at::Tensor>> params =
+      std::vector<std::map<std::string, at::Tensor>>(kSteps);
+  std::map<std::string, at::Tensor> initial;
+  std::vector<std::string> errors;
+
+  void probe(Exact16Part& part) {
+    part.set_block_gradient_probe([this](int64_t index, int64_t entry, const at::Tensor& g) {
+      const BlockKey key{static_cast<int>(index / kMicro), index % kMicro, entry};
+      std::lock_guard<std::mutex> lock(mu);
+      if (!block_grads.emplace(key, g.detach().clone()).second) {
+        errors.push_back("block gradient of entry " + std::to_string(entry) +
+                         " reported twice");
+      }
+    });
+  }
+  // SGD on `part` after recording its gradients and, after the update, its
+  // parameters under `step`.
+  void sgd(Exact16Part& part, int step) {
+    torch::NoGradGuard g;
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& p : part.named_parameters()) {
+      auto& param = p.value();
+      if (!param.grad().defined()) {
+        errors.push_back(p.key() + " has no gradient");
+        continue;
+      }
+      grads[static_cast<size_t>(step)][p.key()] = param.grad().clone();
+      param.add_(param.grad(), -kLr);
+      param.mutable_grad() = at::Tensor();
+      params[static_cast<size_t>(step)][p.key()] = param.detach().clone();
+    }
+  }
+  void keep_initial(Exact16Part& part) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& p : part.named_parameters()) initial[p.key()] = p.value().detach().clone();
+  }
+};
+
+void run_one_process(const Config& cfg, Record& rec) {
+  auto part = build(cfg);
+  rec.keep_initial(*part);
+  rec.probe(*part);
+  for (int step = 0; step < kSteps; ++step) {
+    const auto b = batch(step);
+    for (int64_t m = 0; m < kMicro; ++m) {
+      auto loss = part->forward_loss({b.inputs[static_cast<size_t>(m)]},
+                                     b.targets[static_cast<size_t>(m)]);
+      rec.losses[{step, m}] = loss.item<double>();
+      (loss * kScale).backward();  // as the trainer does
+    }
+    rec.sgd(*part, step);
+  }
+}
+
+void run_pipeline(const Config& cfg, const PipelinePlan& plan, AttnResTransport transport,
+                  Record& rec) {
   const auto tables = std::make_shared<const BlockLayoutTables>(
-      make_block_layout_tables(plan.split, kBlock, transport));
+      make_block_layout_tables(plan.split, exact16_options(cfg).block_size, transport));
   const int port = dist::find_free_port();
-  std::vector<at::Tensor> embs;
-  std::vector<std::string> errors(4);
+  const int pp = static_cast<int>(plan.split.pp);
   std::vector<std::thread> threads;
-  for (int r = 0; r < 4; ++r) {
+  for (int r = 0; r < pp; ++r) {
     threads.emplace_back([&, r] {
       try {
         dist::RendezvousInfo info;
         info.rank = r;
-        info.world_size = 4;
+        info.world_size = pp;
         info.local_rank = r;
-        info.local_world_size = 4;
+        info.local_world_size = pp;
         info.master_addr = "127.0.0.1";
         info.master_port = port;
         info.source = "env";
         auto store = dist::make_store(info, std::chrono::milliseconds(20000));
-        dist::ProcessGroup pg(dist::make_group_store(store, "pp"), r, 4, at::kCPU,
+        dist::ProcessGroup pg(dist::make_group_store(store, "pp"), r, pp, at::kCPU,
                               std::chrono::milliseconds(20000), "pp", {}, "127.0.0.1");
         auto block_store = std::make_shared<RankBlockStore>(r, *tables, false);
         std::vector<std::unique_ptr<PipelineStage>> stages;
-        std::shared_ptr<IntegerPart> first;
+        std::vector<std::shared_ptr<Exact16Part>> parts;
         for (int64_t s : plan.split.rank_to_stages[static_cast<size_t>(r)]) {
-          auto [f, e] = plan.split.stage_layers[static_cast<size_t>(s)];
-          auto part = std::make_shared<IntegerPart>(f, e, s == 0,
-                                                    s == plan.split.num_stages - 1);
-          if (s == 0) first = part;
+          auto part = build(cfg, plan.split.stage_modules[static_cast<size_t>(s)]);
+          rec.probe(*part);
+          parts.push_back(part);
           stages.push_back(make_stage(s, plan.split.num_stages, part, tables, block_store));
         }
         PipelineExecutor ex(plan, r, std::move(stages), &pg, at::kCPU);
-        ex.infer_metadata(batch(0, 4).inputs[0]);
-        for (int step = 0; step < 3; ++step) {
-          auto b = batch(step, 4);
-          ex.run_step(b.inputs, b.targets, 1.0);
-          if (first) {
-            torch::NoGradGuard g;
-            first->emb.add_(first->emb.grad(), -kLr);
-            first->emb.mutable_grad() = at::Tensor();
-            embs.push_back(first->emb.detach().clone());
+        ex.infer_metadata(batch(0).inputs[0]);
+        for (int step = 0; step < kSteps; ++step) {
+          const auto b = batch(step);
+          ex.run_step(b.inputs, b.targets, kScale);
+          if (ex.holds_last_stage()) {
+            auto& last = *ex.stages().back();
+            std::lock_guard<std::mutex> lock(rec.mu);
+            for (int64_t m = 0; m < kMicro; ++m) rec.losses[{step, m}] = last.loss_sum(m);
           }
+          for (auto& p : parts) rec.sgd(*p, step);
         }
       } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
+        std::lock_guard<std::mutex> lock(rec.mu);
+        rec.errors.push_back("rank " + std::to_string(r) + ": " + e.what());
       }
     });
   }
   for (auto& t : threads) t.join();
-  for (int r = 0; r < 4; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
-  return embs;
 }
 
-std::vector<at::Tensor> run_one_process() {
-  IntegerPart part(0, kLayers, true, true);
-  std::vector<at::Tensor> embs;
-  for (int step = 0; step < 3; ++step) {
-    auto b = batch(step, 4);
-    for (size_t m = 0; m < b.inputs.size(); ++m) {
-      summed_cross_entropy(part.forward({b.inputs[m]}).at(0), b.targets[m]).backward();
-    }
-    torch::NoGradGuard g;
-    part.emb.add_(part.emb.grad(), -kLr);
-    part.emb.mutable_grad() = at::Tensor();
-    embs.push_back(part.emb.detach().clone());
+// 4 ranks, Interleaved1F1B, 4 micro-batches; the embedding and the head
+// count as no unit, so 16 stages hold one layer each.
+PipelinePlan plan_for(const Config& base, int64_t stages_per_rank,
+                      const StringListList& per_stage = {}) {
+  auto cfg = base;
+  cfg.set("parallelism.pipeline_parallel_degree", int64_t{4});
+  cfg.set("parallelism.pipeline_parallel_schedule", std::string("Interleaved1F1B"));
+  cfg.set("parallelism.pipeline_parallel_microbatches", kMicro);
+  cfg.set("parallelism.pipeline_parallel_first_stage_less_layers", int64_t{0});
+  cfg.set("parallelism.pipeline_parallel_last_stage_less_layers", int64_t{0});
+  if (per_stage.empty()) {
+    cfg.set("parallelism.pipeline_parallel_stages_per_rank", stages_per_rank);
+  } else {
+    cfg.set("parallelism.module_fqns_per_model_part", per_stage);
   }
-  return embs;
+  return make_pipeline_plan(plan_spec_from_config(cfg, model_module_fqns(cfg)));
 }
 
-std::vector<at::Tensor> closed_form() {
-  const auto g = closed_form_embedding_grad();
-  auto emb = at::arange(kVocab * kDim, at::kFloat).view({kVocab, kDim}).remainder(5) - 2;
-  std::vector<at::Tensor> embs;
-  for (int step = 0; step < 3; ++step) {
-    auto counts = at::zeros({kVocab}, at::kLong);
-    for (const auto& t : batch(step, 4).inputs) counts += at::bincount(t.flatten(), {}, kVocab);
-    auto grad = at::empty({kVocab, kDim}, at::kFloat);
-    for (int64_t v = 0; v < kVocab; ++v) {
-      for (int64_t d = 0; d < kDim; ++d) {
-        grad[v][d] = static_cast<float>(counts[v].item<int64_t>() * g[static_cast<size_t>(d)]);
+std::string diff(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() || !b.defined()) return "missing";
+  if (a.sizes() != b.sizes()) return "shapes differ";
+  return "max abs diff " + std::to_string((a - b).abs().max().item<double>());
+}
+
+// Every loss, block gradient, parameter gradient and parameter bitwise.
+void expect_bitwise(const Record& want, const Record& got, const std::string& what) {
+  EXPECT_TRUE(got.errors.empty()) << what << ": " << (got.errors.empty() ? "" : got.errors[0]);
+  ASSERT_EQ(got.losses.size(), static_cast<size_t>(kSteps * kMicro)) << what;
+  for (const auto& [key, loss] : want.losses) {
+    EXPECT_EQ(got.losses.at(key), loss)
+        << what << ": loss of step " << key.first + 1 << " micro-batch " << key.second;
+  }
+  ASSERT_EQ(got.block_grads.size(), want.block_grads.size()) << what;
+  for (const auto& [key, g] : want.block_grads) {
+    const auto& [step, mb, entry] = key;
+    auto it = got.block_grads.find(key);
+    ASSERT_NE(it, got.block_grads.end()) << what << ": no gradient for entry " << entry;
+    EXPECT_TRUE(it->second.equal(g)) << what << ": step " << step + 1 << " micro-batch " << mb
+                                     << " entry " << entry << ": " << diff(it->second, g);
+  }
+  for (int s = 0; s < kSteps; ++s) {
+    const auto st = static_cast<size_t>(s);
+    ASSERT_EQ(got.params[st].size(), want.params[st].size()) << what;
+    for (const auto& [fqn, p] : want.params[st]) {
+      EXPECT_TRUE(got.grads[st].at(fqn).equal(want.grads[st].at(fqn)))
+          << what << ": step " << s + 1 << " gradient of " << fqn << ": "
+          << diff(got.grads[st].at(fqn), want.grads[st].at(fqn));
+      EXPECT_TRUE(got.params[st].at(fqn).equal(p))
+          << what << ": step " << s + 1 << " " << fqn << ": " << diff(got.params[st].at(fqn), p);
+    }
+  }
+}
+
+// One process against the closed form: block and parameter gradients
+// bitwise; each micro-batch loss, by linearity sum over counted tokens of
+// (entry-0 gradient . embedding row + bias gradients . biases), to rounding.
+void expect_closed_form(const Exact16Options& o, const Record& one) {
+  const auto cf = closed_form(o);
+  const int64_t D = o.dim;
+  ASSERT_EQ(one.block_grads.size(), static_cast<size_t>(kSteps * kMicro * o.n_entries()));
+  auto params = one.initial;
+  for (int step = 0; step < kSteps; ++step) {
+    const auto b = batch(step);
+    auto emb_grad = at::zeros({o.vocab_size, D}, at::kFloat);
+    std::vector<at::Tensor> ga, gf;  // distinct tensors: they grow in place
+    for (int64_t j = 0; j < o.n_layers; ++j) {
+      ga.push_back(at::zeros({D}));
+      gf.push_back(at::zeros({D}));
+    }
+    for (int64_t m = 0; m < kMicro; ++m) {
+      const auto& tokens = b.inputs[static_cast<size_t>(m)];
+      const auto counted = (b.targets[static_cast<size_t>(m)] != -100).to(at::kFloat);
+      for (int64_t n = 0; n < o.n_entries(); ++n) {
+        const auto want =
+            counted.unsqueeze(-1) * row(cf.entry[static_cast<size_t>(n)]).view({1, 1, D}) * kScale;
+        const auto& got = one.block_grads.at({step, m, n});
+        EXPECT_TRUE(got.equal(want)) << "closed form: step " << step + 1 << " micro-batch " << m
+                                     << " entry " << n << ": " << diff(got, want);
       }
+      // The loss as the linear form of the inputs, in double.
+      const double n_counted = counted.sum().item<double>();
+      double loss = 0;
+      auto e0 = row(cf.entry[0]).to(at::kDouble);
+      auto rows = params.at("tok_embeddings.weight").to(at::kDouble).index_select(0, tokens.flatten());
+      loss += (rows.matmul(e0) * counted.flatten().to(at::kDouble)).sum().item<double>();
+      for (int64_t j = 0; j < o.n_layers; ++j) {
+        const auto sj = static_cast<size_t>(j);
+        const auto pre = "layers." + std::to_string(j);
+        loss += n_counted * (params.at(pre + ".attention.bias").to(at::kDouble)
+                                 .dot(row(cf.attn_bias[sj]).to(at::kDouble))
+                                 .item<double>() +
+                             params.at(pre + ".feed_forward.bias").to(at::kDouble)
+                                 .dot(row(cf.ffn_bias[sj]).to(at::kDouble))
+                                 .item<double>());
+        ga[sj] += row(cf.attn_bias[sj]) * n_counted;
+        gf[sj] += row(cf.ffn_bias[sj]) * n_counted;
+      }
+      EXPECT_NEAR(one.losses.at({step, m}), loss, 1e-6 * std::abs(loss) + 1e-3)
+          << "closed form: loss of step " << step + 1 << " micro-batch " << m;
+      emb_grad.index_add_(0, tokens.flatten(), counted.flatten().unsqueeze(1) * row(cf.entry[0]));
     }
-    emb = emb - grad * kLr;
-    embs.push_back(emb.clone());
+    std::map<std::string, at::Tensor> want{{"tok_embeddings.weight", emb_grad * kScale}};
+    for (int64_t j = 0; j < o.n_layers; ++j) {
+      const auto pre = "layers." + std::to_string(j);
+      want[pre + ".attention.bias"] = ga[static_cast<size_t>(j)] * kScale;
+      want[pre + ".feed_forward.bias"] = gf[static_cast<size_t>(j)] * kScale;
+    }
+    const auto& got = one.grads[static_cast<size_t>(step)];
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [fqn, g] : want) {
+      EXPECT_TRUE(got.at(fqn).equal(g))
+          << "closed form: step " << step + 1 << " gradient of " << fqn << ": " << diff(got.at(fqn), g);
+      params[fqn] = one.params[static_cast<size_t>(step)].at(fqn);
+    }
   }
-  return embs;
 }
 
-void expect_bitwise(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
-                    const std::string& what) {
-  ASSERT_EQ(a.size(), 3u) << what;
-  ASSERT_EQ(b.size(), 3u) << what;
-  for (size_t i = 0; i < 3; ++i) {
-    EXPECT_TRUE(a[i].equal(b[i])) << what << ", step " << i + 1 << ": max abs diff "
-                                  << (a[i] - b[i]).abs().max().item<double>();
-  }
-}
-
-TEST(AttnResExact, IntegerGradientsAgreeBitwiseAcrossTransportsAndLayouts) {
+TEST(AttnResExact, Exact16AgreesBitwiseAcrossTransportsAndLayoutsAndWithTheClosedForm) {
   if (!dist::backend_available(at::kCPU)) GTEST_SKIP() << "no Gloo";
   at::set_num_threads(1);
-  const auto g = closed_form_embedding_grad();
-  std::printf("[exact16] d loss / d embedding row per occurrence:");
-  for (int64_t d = 0; d < kDim; ++d) {
-    std::printf(" %lld", static_cast<long long>(g[static_cast<size_t>(d)]));
-    ASSERT_LT(std::abs(g[static_cast<size_t>(d)]), 1 << 20);  // exact in fp32 sums
+  const auto cfg = exact16_config();
+  const auto o = exact16_options(cfg);
+  ASSERT_EQ(o.n_layers, 16);
+  ASSERT_EQ(o.block_size, 4);
+  const auto cf = closed_form(o);
+  std::printf("[exact16] d loss / d entry per counted token (units of the loss scale):\n");
+  for (size_t n = 0; n < cf.entry.size(); ++n) {
+    std::printf("  e_%zu:", n);
+    for (auto v : cf.entry[n]) std::printf(" %lld", static_cast<long long>(v));
+    std::printf("\n");
   }
-  std::printf("\n");
-  const auto one = run_one_process();
-  expect_bitwise(one, closed_form(), "one process vs closed form");
+  Record one;
+  run_one_process(cfg, one);
+  ASSERT_TRUE(one.errors.empty()) << one.errors[0];
+  expect_closed_form(o, one);
+
   const std::vector<std::pair<std::string, PipelinePlan>> layouts{
-      {"16 stages", plan_for(16, {})},
-      {"8 stages", plan_for(8, {})},
+      {"16 stages", plan_for(cfg, 4)},
+      {"8 stages", plan_for(cfg, 2)},
+      // Stages 1-3 open a block at their last layer, not their first; the
+      // last stage holds the head alone.
       {"uneven 8 stages",
-       plan_for(8, {{0, 1}, {1, 5}, {5, 9}, {9, 13}, {13, 14}, {14, 15}, {15, 16}, {16, 16}})}};
+       plan_for(cfg, 0,
+                {{"tok_embeddings", "layers.0"},
+                 {"layers.1", "layers.2", "layers.3", "layers.4"},
+                 {"layers.5", "layers.6", "layers.7", "layers.8"},
+                 {"layers.9", "layers.10", "layers.11", "layers.12"},
+                 {"layers.13"},
+                 {"layers.14"},
+                 {"layers.15"},
+                 {"lm_head", "attn_res_final"}})}};
   for (const auto& [name, plan] : layouts) {
+    ASSERT_EQ(plan.split.num_stages, name == "16 stages" ? 16 : 8) << name;
     for (auto tr : {AttnResTransport::kRankCache, AttnResTransport::kWholeStack}) {
-      expect_bitwise(one, run_pipeline(plan, tr), name + ", " + transport_name(tr));
+      Record rec;
+      run_pipeline(cfg, plan, tr, rec);
+      expect_bitwise(one, rec, name + ", " + transport_name(tr));
     }
   }
+}
+
+// ------------------------------------------------------------ the flavor
+
+TEST(Exact16Flavor, ModulesDescriptionAndBound) {
+  const auto cfg = exact16_config();
+  const auto fqns = model_module_fqns(cfg);
+  ASSERT_EQ(fqns.size(), 19u);
+  EXPECT_EQ(fqns.front(), "tok_embeddings");
+  EXPECT_EQ(fqns[16], "layers.15");
+  EXPECT_EQ(fqns[17], "lm_head");
+  EXPECT_EQ(fqns.back(), "attn_res_final");
+  const auto info = describe_model(cfg);
+  EXPECT_EQ(info.flavor, "exact16");
+  EXPECT_EQ(info.params, count_parameters(*build(cfg)));
+  EXPECT_EQ(info.params, 320 * 16 + 2 * 16 * 16);
+  EXPECT_EQ(info.pinned_last, std::vector<std::string>{"attn_res_final"});
+  EXPECT_TRUE(info.layers[12].opens_block);
+  EXPECT_EQ(info.layers[15].block, 3);
+  // The trainer's tables read the block size through kimi_k3_options.
+  EXPECT_EQ(kimi_k3_options(cfg).block_size, 4);
+  EXPECT_EQ(kimi_k3_options(exact16_config({"model.attn_res_block_size=2"})).block_size,
+            exact16_options(exact16_config({"model.attn_res_block_size=2"})).block_size);
+  // The bound covers the closed form's values and is far below 2^24.
+  const auto o = exact16_options(cfg);
+  const double bound = exact16_gradient_bound(o);
+  EXPECT_EQ(bound, 464.0);
+  for (const auto& e : closed_form(o).entry) {
+    for (auto v : e) EXPECT_LE(std::abs(static_cast<double>(v)), bound);
+  }
+  // The configs/kimi_k3_debug.toml job takes the flavor as an override.
+  const auto job = Config::load("configs/kimi_k3_debug.toml", {"model.flavor=exact16"});
+  EXPECT_NO_THROW(build_model_part(job));
+}
+
+void expect_config_error(const std::vector<std::string>& overrides, const std::string& needle) {
+  try {
+    auto cfg = exact16_config(overrides);
+    build_model_part(cfg);
+    ADD_FAILURE() << "accepted: " << overrides[0];
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(Exact16Flavor, RefusesWhatWouldBreakIntegerGradients) {
+  expect_config_error({"training.seq_len=12"}, "power-of-two token count");
+  expect_config_error({"training.gradient_accumulation_steps=3"}, "= 192");
+  expect_config_error({"training.dtype=bfloat16"}, "float32");
+  expect_config_error({"model.kda_head_dim=8"}, "model.kda_head_dim");
+  expect_config_error({"model.vision=true"}, "model.vision = true");
+  expect_config_error({"model.loss_chunk_tokens=64"}, "model.loss_chunk_tokens");
+  expect_config_error({"model.n_layers=64"}, "2^24");
+  EXPECT_NO_THROW(build_model_part(exact16_config({"model.n_layers=48", "model.vision=false"})));
+  // "auto" is bf16 on CUDA: the part itself refuses a bf16 compute dtype.
+  auto part = build(exact16_config());
+  part->set_compute_dtype(at::kBFloat16);
+  EXPECT_THROW(part->forward({batch(0).inputs[0]}), ConfigError);
 }
 
 }  // namespace

@@ -277,8 +277,15 @@ TEST(KimiK3Model, AfterOptimizerStepMovesTheMoeBias) {
   EXPECT_EQ(layer1->moe->tokens_per_expert.sum().item<int64_t>(), 0);
 }
 
-TEST(KimiK3Model, Exact16TrainsAndIsDeterministic) {
-  auto cfg = k3_config("exact16");
+// The tiny shape the exact16 flavor had before it became the integer-gradient
+// model (model/exact16.h): 16 layers in blocks of 4, one head, dense FFNs.
+TEST(KimiK3Model, TinyModelTrainsAndIsDeterministic) {
+  auto cfg = k3_config(
+      "debugmodel",
+      {"model.n_layers=16", "model.attn_res_block_size=4", "model.dim=16", "model.n_heads=1",
+       "model.ffn_hidden_dim=32", "model.moe_ffn=false", "model.kda_head_dim=8",
+       "model.kda_chunk_size=8", "model.mla_kv_lora_rank=8", "model.mla_qk_nope_head_dim=8",
+       "model.mla_qk_rope_head_dim=4", "model.mla_v_head_dim=8"});
   auto run = [&] {
     auto model = build(cfg);
     torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(3e-3));
