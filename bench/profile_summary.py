@@ -75,7 +75,10 @@ def source_of(e, parent):
         n = x.get("name", "")
         if n.startswith("autograd::engine::evaluate_function: "):
             return "bwd", n.split(": ", 1)[1]
-    aten = [x.get("name", "") for x in c if x.get("name", "").startswith(("aten::", "viaduct_"))]
+    scopes = ("viaduct::forward_backward", "viaduct::optimizer", "viaduct::grad_norm")
+    aten = [x.get("name", "") for x in c
+            if x.get("name", "").startswith(("aten::", "viaduct::"))
+            and not x.get("name", "").startswith(scopes)]
     op = aten[-1] if aten else (c[0].get("name", "?") if c else "?")
     return phase, op
 

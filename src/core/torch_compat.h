@@ -5,7 +5,9 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <cstdlib>
 #include <optional>
+#include <string>
 
 namespace viaduct::compat {
 
@@ -41,6 +43,27 @@ inline bool fused_adamw(at::TensorList params, at::TensorList grads, at::TensorL
       (void)beta1, (void)beta2, (void)weight_decay, (void)eps;
   return false;
 #endif
+}
+
+// causal_sdpa with k, v of fewer (grouped) heads: [B, KV, T, hd], H % KV == 0.
+// The KV heads are repeated to H; with VIADUCT_SDPA_GQA=1 on LibTorch >= 2.5
+// and CUDA, SDPA's own enable_gqa is used instead (an experiment: it may
+// select another attention backend; see bench/NOTES.md).
+inline at::Tensor causal_sdpa_gqa(const at::Tensor& q, const at::Tensor& k,
+                                  const at::Tensor& v) {
+  const auto H = q.size(1), KV = k.size(1);
+  if (KV == H) return causal_sdpa(q, k, v);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+  static const bool native_gqa = [] {
+    const char* e = std::getenv("VIADUCT_SDPA_GQA");
+    return e != nullptr && std::string(e) == "1";
+  }();
+  if (native_gqa && q.is_cuda()) {
+    return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt,
+                                            /*enable_gqa=*/true);
+  }
+#endif
+  return causal_sdpa(q, k.repeat_interleave(H / KV, 1), v.repeat_interleave(H / KV, 1));
 }
 
 // Pinned host memory exists only with CUDA (1.13's CPU build throws).

@@ -78,11 +78,14 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
 
 at::Tensor rope_launch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                        bool inverse) {
-  auto xc = x.contiguous();
-  auto y = at::empty_like(xc);
+  // Strided input (SDPA's transposed gradients, q/k sliced from one qkv
+  // projection) is read in place; only a non-unit last stride is copied.
+  auto xc = x.stride(3) == 1 ? x : x.contiguous();
+  auto y = at::empty(xc.sizes(), xc.options().memory_format(at::MemoryFormat::Contiguous));
   check_launch(cuda::rope(dtype_of(xc), xc.data_ptr(), cos.data_ptr<float>(),
                           sin.data_ptr<float>(), y.data_ptr(), xc.size(0), xc.size(1),
-                          xc.size(2), xc.size(3), inverse, stream_of(xc)),
+                          xc.size(2), xc.size(3), xc.stride(0), xc.stride(1), xc.stride(2),
+                          inverse, stream_of(xc)),
                "rope");
   return y;
 }
@@ -166,6 +169,7 @@ bool usable(const at::Tensor& x) {
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  RECORD_FUNCTION("viaduct::rms_norm", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 &&
                     weight.size(0) == x.size(-1),
                 "fused rms_norm: weight must be fp32 [", x.size(-1), "], got ",
@@ -174,6 +178,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  RECORD_FUNCTION("viaduct::rope", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(x.dim() == 4 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                     cos.is_contiguous() && sin.is_contiguous() && cos.size(0) >= x.size(1) &&
                     2 * cos.size(1) == x.size(3),
@@ -182,19 +187,41 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 }
 
 at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b) {
+  RECORD_FUNCTION("viaduct::swiglu", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
                 "fused swiglu: a and b differ in shape or dtype");
   return SwiGLUFn::apply(a, b);
 }
 
 at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w) {
+  RECORD_FUNCTION("viaduct::swiglu_linear", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && w.dim() == 2 &&
                     w.size(1) == a.size(-1),
                 "fused swiglu_linear: a, b must match and w be [D, ", a.size(-1), "]");
   return SwiGLULinearFn::apply(a, b, w);
 }
 
+void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,
+            double beta1, double beta2, double eps, double weight_decay, double bias_corr1,
+            double bias_corr2) {
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&p), &g, static_cast<const at::Tensor*>(&m),
+                               static_cast<const at::Tensor*>(&v)}) {
+    VIADUCT_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                      t->numel() == p.numel(),
+                  "fused adamw: parameter, gradient and moments must be contiguous fp32 CUDA "
+                  "tensors of one size");
+  }
+  check_launch(cuda::adamw(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(),
+                           v.data_ptr<float>(), p.numel(), static_cast<float>(lr),
+                           static_cast<float>(beta1), static_cast<float>(beta2),
+                           static_cast<float>(eps), static_cast<float>(weight_decay),
+                           static_cast<float>(bias_corr1), static_cast<float>(bias_corr2),
+                           stream_of(p)),
+               "adamw");
+}
+
 at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets) {
+  RECORD_FUNCTION("viaduct::cross_entropy_rows", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(logits.dim() == 2 && logits.is_contiguous() && targets.dim() == 1 &&
                     targets.size(0) == logits.size(0),
                 "fused cross_entropy: logits must be contiguous [n, V] and targets [n]");
@@ -225,6 +252,10 @@ at::Tensor swiglu_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&
   no_cuda("swiglu_linear");
 }
 at::Tensor cross_entropy_rows_(at::Tensor&, const at::Tensor&) { no_cuda("cross_entropy"); }
+void adamw_(at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, double, double, double,
+            double, double, double, double) {
+  no_cuda("adamw");
+}
 
 #endif
 

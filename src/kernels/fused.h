@@ -42,4 +42,10 @@ at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Ten
 // overwrites logits with d(row loss)/d(logits) = softmax - onehot. No autograd.
 at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets);
 
+// One AdamW step in place on contiguous fp32 CUDA tensors (the formulas of
+// AdamW::step's loop; bias_corr_i = 1 - beta_i^step).
+void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,
+            double beta1, double beta2, double eps, double weight_decay, double bias_corr1,
+            double bias_corr2);
+
 }  // namespace viaduct::kernels

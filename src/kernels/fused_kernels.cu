@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdint>
 #include <mutex>
 #include <vector>
 
@@ -24,6 +25,34 @@ __device__ __forceinline__ float load(const __nv_bfloat16* p, int64_t i) {
 __device__ __forceinline__ void store(float* p, int64_t i, float v) { p[i] = v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, int64_t i, float v) {
   p[i] = __float2bfloat16_rn(v);  // round to nearest even, as ATen casts
+}
+
+// N consecutive values from p + i as floats: one 16-byte access when N
+// values of T fill 16 bytes (the caller guarantees alignment), else scalars.
+template <typename T, int N>
+__device__ __forceinline__ void load_n(const T* p, int64_t i, float (&out)[N]) {
+  if constexpr (N * sizeof(T) == 16) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p + i);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = load(e, k);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = load(p, i + k);
+  }
+}
+template <typename T, int N>
+__device__ __forceinline__ void store_n(T* p, int64_t i, const float (&v)[N]) {
+  if constexpr (N * sizeof(T) == 16) {
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < N; ++k) store(e, k, v[k]);
+    *reinterpret_cast<uint4*>(p + i) = raw;
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) store(p, i + k, v[k]);
+  }
 }
 
 // Sum over the block, in a fixed order; every thread gets the result.
@@ -65,7 +94,9 @@ __device__ MaxSum block_max_sum(MaxSum v, MaxSum* scratch) {
   return total;
 }
 
-template <typename T>
+// Rows are read in groups of N values (16 bytes when the launcher found the
+// rows aligned, else N = 1).
+template <typename T, int N>
 __global__ void rms_norm_forward_kernel(const T* __restrict__ x, const float* __restrict__ w,
                                         T* __restrict__ y, float* __restrict__ rstd,
                                         int64_t dim, float eps) {
@@ -74,19 +105,26 @@ __global__ void rms_norm_forward_kernel(const T* __restrict__ x, const float* __
   const T* xr = x + row * dim;
   T* yr = y + row * dim;
   float ss = 0.f;
-  for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) {
-    const float v = load(xr, j);
-    ss += v * v;
+  for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
+    float v[N];
+    load_n<T, N>(xr, j, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) ss += v[k] * v[k];
   }
   ss = block_sum(ss, scratch);
   const float r = rsqrtf(ss / static_cast<float>(dim) + eps);
   if (threadIdx.x == 0) rstd[row] = r;
-  for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) {
-    store(yr, j, (load(xr, j) * r) * w[j]);
+  for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
+    float v[N], wv[N];
+    load_n<T, N>(xr, j, v);
+    load_n<float, N>(w, j, wv);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = (v[k] * r) * wv[k];
+    store_n<T, N>(yr, j, v);
   }
 }
 
-template <typename T>
+template <typename T, int N>
 __global__ void rms_norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                          const float* __restrict__ w,
                                          const float* __restrict__ rstd, T* __restrict__ dx,
@@ -101,16 +139,30 @@ __global__ void rms_norm_backward_kernel(const T* __restrict__ dy, const T* __re
     T* dxr = dx + row * dim;
     const float r = rstd[row];
     float s = 0.f;
-    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) {
-      s += load(dyr, j) * w[j] * load(xr, j);
+    for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
+      float g[N], xv[N], wv[N];
+      load_n<T, N>(dyr, j, g);
+      load_n<T, N>(xr, j, xv);
+      load_n<float, N>(w, j, wv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) s += g[k] * wv[k] * xv[k];
     }
     s = block_sum(s, scratch);
     const float c = r * r * r * s / static_cast<float>(dim);
-    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) {
-      const float g = load(dyr, j), xv = load(xr, j);
-      store(dxr, j, r * g * w[j] - xv * c);
-      const float dw = g * xv * r;
-      part[j] = first ? dw : part[j] + dw;  // this block alone owns `part`
+    for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
+      float g[N], xv[N], wv[N], out[N], pw[N];
+      load_n<T, N>(dyr, j, g);
+      load_n<T, N>(xr, j, xv);
+      load_n<float, N>(w, j, wv);
+      if (!first) load_n<float, N>(part, j, pw);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        out[k] = r * g[k] * wv[k] - xv[k] * c;
+        const float d = g[k] * xv[k] * r;
+        pw[k] = first ? d : pw[k] + d;  // this block alone owns `part`
+      }
+      store_n<T, N>(dxr, j, out);
+      store_n<float, N>(part, j, pw);
     }
     first = false;
   }
@@ -119,48 +171,75 @@ __global__ void rms_norm_backward_kernel(const T* __restrict__ dy, const T* __re
   }
 }
 
-template <typename T>
+// x is read through strides (sB, sT, sH; the last dim is contiguous) so the
+// backward can rotate SDPA's transposed gradient without a copy; y is
+// contiguous [B, T, H, hd]. Each thread rotates N / 2 pairs.
+template <typename T, int N>
 __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ cos_t,
-                            const float* __restrict__ sin_t, T* __restrict__ y,
-                            int64_t pairs, int64_t T_len, int64_t H, int64_t half,
-                            float sign) {
-  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < pairs;
-       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t i = p % half;
-    const int64_t t = (p / half / H) % T_len;
-    const float c = cos_t[t * half + i], s = sign * sin_t[t * half + i];
-    const float x0 = load(x, 2 * p), x1 = load(x, 2 * p + 1);
-    store(y, 2 * p, x0 * c - x1 * s);
-    store(y, 2 * p + 1, x0 * s + x1 * c);
+                            const float* __restrict__ sin_t, T* __restrict__ y, int64_t groups,
+                            int64_t T_len, int64_t H, int64_t half, int64_t sB, int64_t sT,
+                            int64_t sH, float sign) {
+  const int64_t per_head = 2 * half / N;  // groups in one head vector
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t d = (g % per_head) * N;  // first element in the head vector
+    int64_t rest = g / per_head;
+    const int64_t h = rest % H;
+    rest /= H;
+    const int64_t t = rest % T_len;
+    const int64_t b = rest / T_len;
+    float v[N], o[N];
+    load_n<T, N>(x, b * sB + t * sT + h * sH + d, v);
+#pragma unroll
+    for (int k = 0; k < N; k += 2) {
+      const int64_t i = t * half + (d + k) / 2;
+      const float c = cos_t[i], sn = sign * sin_t[i];
+      o[k] = v[k] * c - v[k + 1] * sn;
+      o[k + 1] = v[k] * sn + v[k + 1] * c;
+    }
+    store_n<T, N>(y, g * N, o);
   }
 }
 
-__device__ __forceinline__ float sigmoid(float a) { return 1.f / (1.f + expf(-a)); }
+__device__ __forceinline__ float sigmoid(float a) { return 1.f / (1.f + __expf(-a)); }
 
-template <typename T>
+// Elementwise over `groups` groups of N values (see load_n).
+template <typename T, int N>
 __global__ void swiglu_forward_kernel(const T* __restrict__ a, const T* __restrict__ b,
-                                      T* __restrict__ y, int64_t n) {
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < n;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float av = load(a, k);
-    store(y, k, av * sigmoid(av) * load(b, k));
+                                      T* __restrict__ y, int64_t groups) {
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float av[N], bv[N];
+    load_n<T, N>(a, g * N, av);
+    load_n<T, N>(b, g * N, bv);
+#pragma unroll
+    for (int k = 0; k < N; ++k) av[k] = av[k] * sigmoid(av[k]) * bv[k];
+    store_n<T, N>(y, g * N, av);
   }
 }
 
-template <typename T>
+template <typename T, int N>
 __global__ void swiglu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ a,
                                        const T* __restrict__ b, T* __restrict__ da,
-                                       T* __restrict__ db, int64_t n) {
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < n;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float av = load(a, k), bv = load(b, k), g = load(dy, k);
-    const float sg = sigmoid(av);
-    store(da, k, g * bv * sg * (1.f + av * (1.f - sg)));
-    store(db, k, g * av * sg);
+                                       T* __restrict__ db, int64_t groups) {
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float av[N], bv[N], gv[N], oa[N], ob[N];
+    load_n<T, N>(a, g * N, av);
+    load_n<T, N>(b, g * N, bv);
+    load_n<T, N>(dy, g * N, gv);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float sg = sigmoid(av[k]);
+      oa[k] = gv[k] * bv[k] * sg * (1.f + av[k] * (1.f - sg));
+      ob[k] = gv[k] * av[k] * sg;
+    }
+    store_n<T, N>(da, g * N, oa);
+    store_n<T, N>(db, g * N, ob);
   }
 }
 
-template <typename T>
+template <typename T, int N>
 __global__ void cross_entropy_kernel(T* __restrict__ logits, const int64_t* __restrict__ targets,
                                      float* __restrict__ row_loss, int64_t vocab,
                                      int64_t ignore_index) {
@@ -174,13 +253,17 @@ __global__ void cross_entropy_kernel(T* __restrict__ logits, const int64_t* __re
     return;
   }
   MaxSum ms{-INFINITY, 0.f};
-  for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
-    const float v = load(z, j);
-    if (v > ms.m) {  // one exp per logit: rescale the sum only on a new max
-      ms.s = ms.s * expf(ms.m - v) + 1.f;
-      ms.m = v;
-    } else {
-      ms.s += expf(v - ms.m);
+  for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < vocab; j += blockDim.x * N) {
+    float v[N];
+    load_n<T, N>(z, j, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      if (v[k] > ms.m) {  // one exp per logit: rescale the sum only on a new max
+        ms.s = ms.s * __expf(ms.m - v[k]) + 1.f;
+        ms.m = v[k];
+      } else {
+        ms.s += __expf(v[k] - ms.m);
+      }
     }
   }
   ms = block_max_sum(ms, scratch);
@@ -188,8 +271,38 @@ __global__ void cross_entropy_kernel(T* __restrict__ logits, const int64_t* __re
   const bool valid = t >= 0 && t < vocab;
   if (threadIdx.x == 0) row_loss[row] = valid ? lse - load(z, t) : NAN;
   __syncthreads();  // z[t] is read above before it is overwritten below
-  for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
-    store(z, j, expf(load(z, j) - lse) - (j == t ? 1.f : 0.f));
+  for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < vocab; j += blockDim.x * N) {
+    float v[N];
+    load_n<T, N>(z, j, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = __expf(v[k] - lse) - (j + k == t ? 1.f : 0.f);
+    store_n<T, N>(z, j, v);
+  }
+}
+
+// One AdamW update, the formulas of train/optimizer.cpp's loop in fp32.
+template <int N>
+__global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
+                             float* __restrict__ m, float* __restrict__ v, int64_t groups,
+                             float decay, float beta1, float beta2, float step_size,
+                             float inv_bc2_sqrt, float eps) {
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < groups;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float pv[N], gv[N], mv[N], vv[N];
+    load_n<float, N>(p, k * N, pv);
+    load_n<float, N>(g, k * N, gv);
+    load_n<float, N>(m, k * N, mv);
+    load_n<float, N>(v, k * N, vv);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      pv[j] *= decay;
+      mv[j] += (1.f - beta1) * (gv[j] - mv[j]);  // lerp toward g
+      vv[j] = vv[j] * beta2 + (1.f - beta2) * gv[j] * gv[j];
+      pv[j] -= step_size * mv[j] / (sqrtf(vv[j]) * inv_bc2_sqrt + eps);
+    }
+    store_n<float, N>(p, k * N, pv);
+    store_n<float, N>(m, k * N, mv);
+    store_n<float, N>(v, k * N, vv);
   }
 }
 
@@ -216,65 +329,117 @@ bool device_supported(int device) {
   return cached[device] == 1;
 }
 
-#define VIADUCT_DISPATCH(dt, ...)                     \
-  if ((dt) == DType::kFloat32) {                      \
-    using T = float;                                  \
-    __VA_ARGS__;                                      \
-  } else {                                            \
-    using T = __nv_bfloat16;                          \
-    __VA_ARGS__;                                      \
+// Runs the statement with T the element type and N the group size: 16
+// bytes' worth when `vec` (every pointer 16-byte aligned and every row
+// length a multiple of the group), else 1.
+#define VIADUCT_DISPATCH_VEC(dt, vec, ...)             \
+  if ((dt) == DType::kFloat32) {                       \
+    using T = float;                                   \
+    if (vec) {                                         \
+      constexpr int N = 4;                             \
+      __VA_ARGS__;                                     \
+    } else {                                           \
+      constexpr int N = 1;                             \
+      __VA_ARGS__;                                     \
+    }                                                  \
+  } else {                                             \
+    using T = __nv_bfloat16;                           \
+    if (vec) {                                         \
+      constexpr int N = 8;                             \
+      __VA_ARGS__;                                     \
+    } else {                                           \
+      constexpr int N = 1;                             \
+      __VA_ARGS__;                                     \
+    }                                                  \
   }
+#define VIADUCT_DISPATCH(dt, ...) \
+  if ((dt) == DType::kFloat32) {    \
+    using T = float;                \
+    __VA_ARGS__;                    \
+  } else {                          \
+    using T = __nv_bfloat16;        \
+    __VA_ARGS__;                    \
+  }
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+int64_t group_of(DType dt) { return dt == DType::kFloat32 ? 4 : 8; }
 
 cudaError_t rms_norm_forward(DType dt, const void* x, const float* w, void* y, float* rstd,
                              int64_t rows, int64_t dim, float eps, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  VIADUCT_DISPATCH(dt, rms_norm_forward_kernel<T><<<static_cast<unsigned>(rows), kRowThreads, 0,
-                                                    stream>>>(
+  const bool vec = dim % group_of(dt) == 0 && aligned16(x) && aligned16(y) && aligned16(w);
+  VIADUCT_DISPATCH_VEC(dt, vec,
+                       rms_norm_forward_kernel<T, N><<<static_cast<unsigned>(rows), kRowThreads,
+                                                       0, stream>>>(
                            static_cast<const T*>(x), w, static_cast<T*>(y), rstd, dim, eps));
   return cudaGetLastError();
 }
 
-int64_t rms_norm_backward_parts(int64_t rows) { return rows < 528 ? (rows > 0 ? rows : 1) : 528; }
+// Eight rows per block (a short serial chain per block, many blocks in
+// flight), at most 4096 parts (16 MiB of fp32 partials at dim 1024).
+int64_t rms_norm_backward_parts(int64_t rows) {
+  const int64_t parts = (rows + 7) / 8;
+  return parts < 1 ? 1 : (parts > 4096 ? 4096 : parts);
+}
 
 cudaError_t rms_norm_backward(DType dt, const void* dy, const void* x, const float* w,
                               const float* rstd, void* dx, float* dw_partial, int64_t rows,
                               int64_t dim, cudaStream_t stream) {
   const auto parts = static_cast<unsigned>(rms_norm_backward_parts(rows));
-  VIADUCT_DISPATCH(dt, rms_norm_backward_kernel<T><<<parts, kRowThreads, 0, stream>>>(
+  const bool vec = dim % group_of(dt) == 0 && aligned16(dy) && aligned16(x) && aligned16(w) &&
+                   aligned16(dx) && aligned16(dw_partial);
+  VIADUCT_DISPATCH_VEC(dt, vec,
+                       rms_norm_backward_kernel<T, N><<<parts, kRowThreads, 0, stream>>>(
                            static_cast<const T*>(dy), static_cast<const T*>(x), w, rstd,
                            static_cast<T*>(dx), dw_partial, rows, dim));
   return cudaGetLastError();
 }
 
 cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin, void* y, int64_t B,
-                 int64_t T_len, int64_t H, int64_t hd, bool inverse, cudaStream_t stream) {
-  const int64_t pairs = B * T_len * H * (hd / 2);
-  if (pairs == 0) return cudaSuccess;
+                 int64_t T_len, int64_t H, int64_t hd, int64_t sB, int64_t sT, int64_t sH,
+                 bool inverse, cudaStream_t stream) {
+  const int64_t n = B * T_len * H * hd;
+  if (n == 0) return cudaSuccess;
   const float sign = inverse ? -1.f : 1.f;
-  VIADUCT_DISPATCH(dt, rope_kernel<T><<<elementwise_blocks(pairs), kElemThreads, 0, stream>>>(
-                           static_cast<const T*>(x), cos, sin, static_cast<T*>(y), pairs, T_len,
-                           H, hd / 2, sign));
+  const int64_t G = group_of(dt);
+  const bool vec = hd % G == 0 && sB % G == 0 && sT % G == 0 && sH % G == 0 && aligned16(x) &&
+                   aligned16(y);
+  if (vec) {
+    VIADUCT_DISPATCH(dt, constexpr int N = sizeof(T) == 2 ? 8 : 4;
+                     rope_kernel<T, N><<<elementwise_blocks(n / N), kElemThreads, 0, stream>>>(
+                         static_cast<const T*>(x), cos, sin, static_cast<T*>(y), n / N, T_len, H,
+                         hd / 2, sB, sT, sH, sign));
+  } else {
+    VIADUCT_DISPATCH(dt, rope_kernel<T, 2><<<elementwise_blocks(n / 2), kElemThreads, 0, stream>>>(
+                             static_cast<const T*>(x), cos, sin, static_cast<T*>(y), n / 2, T_len,
+                             H, hd / 2, sB, sT, sH, sign));
+  }
   return cudaGetLastError();
 }
 
 cudaError_t swiglu_forward(DType dt, const void* a, const void* b, void* y, int64_t n,
                            cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  VIADUCT_DISPATCH(dt, swiglu_forward_kernel<T><<<elementwise_blocks(n), kElemThreads, 0,
-                                                  stream>>>(
+  const bool vec = n % group_of(dt) == 0 && aligned16(a) && aligned16(b) && aligned16(y);
+  VIADUCT_DISPATCH_VEC(dt, vec,
+                       swiglu_forward_kernel<T, N><<<elementwise_blocks(n / N), kElemThreads, 0,
+                                                     stream>>>(
                            static_cast<const T*>(a), static_cast<const T*>(b),
-                           static_cast<T*>(y), n));
+                           static_cast<T*>(y), n / N));
   return cudaGetLastError();
 }
 
 cudaError_t swiglu_backward(DType dt, const void* dy, const void* a, const void* b, void* da,
                             void* db, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  VIADUCT_DISPATCH(dt, swiglu_backward_kernel<T><<<elementwise_blocks(n), kElemThreads, 0,
-                                                   stream>>>(
+  const bool vec = n % group_of(dt) == 0 && aligned16(dy) && aligned16(a) && aligned16(b) &&
+                   aligned16(da) && aligned16(db);
+  VIADUCT_DISPATCH_VEC(dt, vec,
+                       swiglu_backward_kernel<T, N><<<elementwise_blocks(n / N), kElemThreads, 0,
+                                                      stream>>>(
                            static_cast<const T*>(dy), static_cast<const T*>(a),
                            static_cast<const T*>(b), static_cast<T*>(da), static_cast<T*>(db),
-                           n));
+                           n / N));
   return cudaGetLastError();
 }
 
@@ -282,9 +447,28 @@ cudaError_t cross_entropy_forward_backward(DType dt, void* logits, const int64_t
                                            float* row_loss, int64_t rows, int64_t vocab,
                                            int64_t ignore_index, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  VIADUCT_DISPATCH(dt, cross_entropy_kernel<T><<<static_cast<unsigned>(rows), kLossThreads, 0,
-                                                 stream>>>(
+  const bool vec = vocab % group_of(dt) == 0 && aligned16(logits);
+  VIADUCT_DISPATCH_VEC(dt, vec,
+                       cross_entropy_kernel<T, N><<<static_cast<unsigned>(rows), kLossThreads, 0,
+                                                    stream>>>(
                            static_cast<T*>(logits), targets, row_loss, vocab, ignore_index));
+  return cudaGetLastError();
+}
+
+cudaError_t adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr,
+                  float beta1, float beta2, float eps, float weight_decay, float bias_corr1,
+                  float bias_corr2, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const float decay = 1.f - lr * weight_decay;
+  const float step_size = lr / bias_corr1;
+  const float inv_bc2_sqrt = 1.f / sqrtf(bias_corr2);
+  if (n % 4 == 0 && aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v)) {
+    adamw_kernel<4><<<elementwise_blocks(n / 4), kElemThreads, 0, stream>>>(
+        p, g, m, v, n / 4, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps);
+  } else {
+    adamw_kernel<1><<<elementwise_blocks(n), kElemThreads, 0, stream>>>(
+        p, g, m, v, n, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps);
+  }
   return cudaGetLastError();
 }
 

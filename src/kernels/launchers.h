@@ -34,12 +34,20 @@ cudaError_t rms_norm_backward(DType dt, const void* dy, const void* x,
                               float* dw_partial, int64_t rows, int64_t dim,
                               cudaStream_t stream);
 
-// Rotary embedding on interleaved pairs (x[2i], x[2i+1]) of x: [B, T, H, hd];
+// Rotary embedding on interleaved pairs (x[2i], x[2i+1]) of x: [B, T, H, hd]
+// with element strides (sB, sT, sH, 1); y: contiguous [B, T, H, hd];
 // cos, sin: [>= T, hd / 2] (row t used for position t). inverse = true
 // rotates by -theta (the backward).
 cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin,
-                 void* y, int64_t B, int64_t T, int64_t H, int64_t hd,
-                 bool inverse, cudaStream_t stream);
+                 void* y, int64_t B, int64_t T, int64_t H, int64_t hd, int64_t sB,
+                 int64_t sT, int64_t sH, bool inverse, cudaStream_t stream);
+
+// One AdamW step on fp32 [n] tensors, in place: p *= 1 - lr * wd;
+// m += (1 - beta1) (g - m); v = beta2 v + (1 - beta2) g^2;
+// p -= lr / bias_corr1 * m / (sqrt(v) / sqrt(bias_corr2) + eps).
+cudaError_t adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr,
+                  float beta1, float beta2, float eps, float weight_decay, float bias_corr1,
+                  float bias_corr2, cudaStream_t stream);
 
 // y = silu(a) * b, elementwise over n values.
 cudaError_t swiglu_forward(DType dt, const void* a, const void* b, void* y,

@@ -137,9 +137,26 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   // x: [B, T, D]
   const auto B = x.size(0), T = x.size(1);
   const auto H = opts_.n_heads, KV = opts_.n_kv_heads, hd = head_dim_;
-  auto q = linear(x, wq).view({B, T, H, hd});
-  auto k = linear(x, wk).view({B, T, KV, hd});
-  auto v = linear(x, wv).view({B, T, KV, hd});
+  at::Tensor q, k, v;
+  if (kernels::usable(x)) {
+    // Note [One qkv projection]: on the fused-kernel path q, k and v come
+    // from one GEMM over the concatenated weights: a wider product instead
+    // of three (two of them only kv wide), and in the backward one GEMM for
+    // dx instead of three plus two additions. The slices are strided views;
+    // the RoPE kernel and SDPA read them in place.
+    const auto dt = x.scalar_type();
+    auto w = at::cat({wq->weight.to(dt), wk->weight.to(dt), wv->weight.to(dt)});
+    auto qkv = opts_.bias ? at::linear(x, w, at::cat({wq->bias, wk->bias, wv->bias}).to(dt))
+                          : at::linear(x, w);
+    auto parts = qkv.split_with_sizes({H * hd, KV * hd, KV * hd}, -1);
+    q = parts[0].view({B, T, H, hd});
+    k = parts[1].view({B, T, KV, hd});
+    v = parts[2].view({B, T, KV, hd});
+  } else {
+    q = linear(x, wq).view({B, T, H, hd});
+    k = linear(x, wk).view({B, T, KV, hd});
+    v = linear(x, wv).view({B, T, KV, hd});
+  }
   if (opts_.rope) {
     // Module::to() moves buffers with set_data, so rope_ stays valid.
     q = apply_rope(q, rope_);
@@ -148,11 +165,7 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   q = q.transpose(1, 2);  // [B, H, T, hd]
   k = k.transpose(1, 2);  // [B, KV, T, hd]
   v = v.transpose(1, 2);
-  if (KV != H) {
-    k = k.repeat_interleave(H / KV, 1);
-    v = v.repeat_interleave(H / KV, 1);
-  }
-  auto y = compat::causal_sdpa(q, k, v);  // [B, H, T, hd]
+  auto y = compat::causal_sdpa_gqa(q, k, v);  // [B, H, T, hd]
   y = y.transpose(1, 2).reshape({B, T, H * hd});
   return linear(y, wo);
 }

@@ -5,6 +5,7 @@
 #include "config/config.h"
 #include "core/check.h"
 #include "core/torch_compat.h"
+#include "kernels/fused.h"
 
 namespace viaduct {
 
@@ -41,11 +42,33 @@ AdamW::AdamW(std::vector<NamedParam> params, double beta1, double beta2,
 }
 
 bool AdamW::fused_step(double lr) {
-  // Note [Fused AdamW]: on CUDA, ATen's multi-tensor kernel does the loop
-  // below in one pass per tensor group (the same formulas in fp32; ~7 kernels
-  // and 2 temporaries per tensor otherwise). Elementwise, so every layout
-  // still gets the same bits.
+  // Note [Fused AdamW]: on CUDA, one pass per tensor instead of the loop's
+  // ~7 kernels and 2 temporaries: viaduct's kernel where kernels::usable(),
+  // else ATen's multi-tensor kernel (2.x), the same formulas in fp32.
+  // Elementwise, so every layout still gets the same bits.
   if (params_.empty() || !params_.front().param.is_cuda()) return false;
+  if (kernels::usable(params_.front().param)) {
+    // viaduct's kernel: one vectorised pass per tensor.
+    const double bc1 = 1.0 - std::pow(beta1_, static_cast<double>(steps_));
+    const double bc2 = 1.0 - std::pow(beta2_, static_cast<double>(steps_));
+    bool all = true;
+    for (const auto& np : params_) {
+      const auto& g = np.param.grad();
+      all = all && (!g.defined() || (kernels::usable(np.param) && g.is_contiguous() &&
+                                     g.scalar_type() == at::kFloat &&
+                                     np.param.is_contiguous()));
+    }
+    if (all) {
+      for (size_t i = 0; i < params_.size(); ++i) {
+        auto& pr = params_[i].param;
+        if (!pr.grad().defined()) continue;
+        auto data = pr.detach();
+        kernels::adamw_(data, pr.grad(), exp_avg_[i], exp_avg_sq_[i], lr, beta1_, beta2_, eps_,
+                        params_[i].weight_decay ? weight_decay_ : 0.0, bc1, bc2);
+      }
+      return true;
+    }
+  }
   std::vector<at::Tensor> p[2], g[2], m[2], v[2];
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& pr = params_[i].param;
