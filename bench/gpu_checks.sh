@@ -14,6 +14,8 @@ V=$B/viaduct
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
 
+SECTIONS=${SECTIONS:-1 2 3}
+if [[ " $SECTIONS " == *" 1 "* ]]; then
 echo "== 1. bitwise on GPU (bf16, deterministic) =="
 common=(--config configs/llama_debug.toml --training.dtype=bfloat16 --training.steps=4
         --training.eval_interval=0 --checkpoint.enable=true --checkpoint.interval=4
@@ -29,18 +31,32 @@ for run in det_ref2 det_i4 det_bfs; do
 done
 grep -h '"loss"' "$OUT"/det_ref/metrics.jsonl | head -2 | cut -c1-60
 
+fi
+if [[ " $SECTIONS " == *" 2 "* ]]; then
 echo "== 2. executor overhead (llama 1B, bf16, deterministic) =="
 D=$(ls outputs/bench/random_v128256.u32 2>/dev/null | head -1)
 if [ -n "$D" ]; then OUT=$OUT timeout 240 bash bench/executor_overhead.sh "$B" "$D" 8 | tail -5; fi
+fi
 
-echo "== 3. AttnRes store offload (kimi_k3 debugmodel_deep, dim 1024, pp1 x 4 stages) =="
-k3=(--config configs/kimi_k3_debug.toml --model.flavor=debugmodel_deep --model.dim=1024
-    --training.seq_len=2048 --training.local_batch_size=4 --training.dtype=bfloat16
+# Section 3's shape: K3_DIM (1024), K3_BATCH (4), K3_MICRO (4 micro-batches),
+# K3_BLOCK (the flavor's AttnRes block size); small blocks and many
+# micro-batches in flight make the store large. SECTIONS ("1 2 3") picks.
+K3_DIM=${K3_DIM:-1024}
+K3_BATCH=${K3_BATCH:-4}
+K3_MICRO=${K3_MICRO:-4}
+SECTIONS=${SECTIONS:-1 2 3}
+k3_block=()
+[ -n "${K3_BLOCK:-}" ] && k3_block=(--model.attn_res_block_size="$K3_BLOCK")
+[[ " $SECTIONS " == *" 3 "* ]] || exit 0
+echo "== 3. AttnRes store offload (kimi_k3 debugmodel_deep, dim $K3_DIM, batch $K3_BATCH in $K3_MICRO micro-batches, block ${K3_BLOCK:-default}, pp1 x 4 stages) =="
+k3=(--config configs/kimi_k3_debug.toml --model.flavor=debugmodel_deep --model.dim="$K3_DIM"
+    "${k3_block[@]}"
+    --training.seq_len=2048 --training.local_batch_size="$K3_BATCH" --training.dtype=bfloat16
     --training.steps=5 --training.eval_interval=0 --checkpoint.enable=false
     --training.deterministic=false --metrics.progress_bar=false
     --parallelism.pipeline_parallel_stages_per_rank=4
     --parallelism.pipeline_parallel_schedule=Interleaved1F1B
-    --parallelism.pipeline_parallel_microbatches=4)
+    --parallelism.pipeline_parallel_microbatches="$K3_MICRO")
 for mode in "cache:--parallelism.attn_res_cache=true" \
             "cache+offload:--parallelism.attn_res_cache=true --parallelism.attn_res_cache_offload=true" \
             "whole-stack:--parallelism.attn_res_cache=false"; do

@@ -69,7 +69,7 @@ void add_model_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("model", "norm_eps", T::kFloat, kUnset, "norm epsilon (flavor default)"));
   k.push_back(key("model", "rope_theta", T::kFloat, kUnset, "RoPE base (flavor default)"));
   k.push_back(key("model", "fused_kernels", T::kBool, true, "use viaduct's CUDA kernels (RMSNorm, RoPE, SwiGLU, the chunked loss) where the GPU has them; false: ATen ops only"));
-  k.push_back(key("model", "loss_chunk_tokens", T::kInt, int64_t{0}, "> 0: fuse head and cross-entropy in chunks of this many tokens (no full logits); 0: plain"));
+  k.push_back(key("model", "loss_chunk_tokens", T::kInt, int64_t{-1}, "> 0: fuse head and cross-entropy in chunks of this many tokens (no full logits); 0: plain; -1: auto (4096 where the fused CUDA kernels run, else plain)"));
   k.push_back(key("model", "tie_embeddings", T::kBool, kUnset, "share tok_embeddings and lm_head (gpt2 default true)"));
   // Kimi-K3 hybrid keys (used by family kimi_k3 only).
   k.push_back(key("model", "attn_res_block_size", T::kInt, kUnset, "AttnRes layers per block"));
@@ -116,6 +116,9 @@ void validate_core(const Config& c) {
                   "checkpoint.keep_latest_k must be >= 0");
   VIADUCT_CHECK_T(ConfigError, c.get_int("training.eval_interval") >= 0,
                   "training.eval_interval must be >= 0");
+  VIADUCT_CHECK_T(ConfigError, c.get_int("model.loss_chunk_tokens") >= -1,
+                  "model.loss_chunk_tokens must be > 0 (chunk), 0 (plain) or -1 (auto), got ",
+                  c.get_int("model.loss_chunk_tokens"));
   VIADUCT_CHECK_T(ConfigError, c.get_int("metrics.profile_step") >= 0,
                   "metrics.profile_step must be >= 0 (0: off), got ",
                   c.get_int("metrics.profile_step"));

@@ -4,6 +4,7 @@
 
 #include "config/config.h"
 #include "core/check.h"
+#include "kernels/fused.h"
 #include "core/rng.h"
 #include "model/families.h"
 
@@ -176,11 +177,12 @@ Activations ChainTransformer::forward(const Activations& in) {
 
 at::Tensor ChainTransformer::forward_loss(const Activations& in, const at::Tensor& targets) {
   VIADUCT_CHECK(has_head_, "forward_loss on a part without the head");
-  if (spec_.loss_chunk_tokens <= 0) return ModelPart::forward_loss(in, targets);
   auto h = trunk(in);
   const auto& w = lm_head_ ? lm_head_->weight : tok_embeddings_->weight;
-  return chunked_head_cross_entropy(h.reshape({-1, h.size(-1)}), w, targets,
-                                    spec_.loss_chunk_tokens);
+  int64_t chunk = spec_.loss_chunk_tokens;
+  if (chunk < 0) chunk = kernels::usable(h) ? kAutoLossChunkTokens : 0;  // auto
+  if (chunk == 0) return summed_cross_entropy(linear(h, w, at::Tensor()), targets);
+  return chunked_head_cross_entropy(h.reshape({-1, h.size(-1)}), w, targets, chunk);
 }
 
 ChainSpec apply_model_overrides(ChainSpec s, const Config& cfg) {

@@ -10,6 +10,10 @@
 
 namespace viaduct {
 
+// model.loss_chunk_tokens = -1 on the fused-kernel path: measured on the
+// llama-1B shape (bench/NOTES.md), 4096 and 8192 run alike and 4096 peaks lower.
+inline constexpr int64_t kAutoLossChunkTokens = 4096;
+
 struct ChainSpec {
   std::string family;
   std::string flavor;
@@ -27,7 +31,9 @@ struct ChainSpec {
   bool bias = false;             // attention biases
   bool learned_positions = false;  // gpt2: pos_embeddings (pinned first)
   bool tie_embeddings = false;
-  int64_t loss_chunk_tokens = 0;  // > 0: Note [Chunked head loss]
+  // > 0: Note [Chunked head loss]; 0: plain; < 0: auto (kAutoLossChunkTokens
+  // where the fused kernels run, plain elsewhere).
+  int64_t loss_chunk_tokens = -1;
   bool depth_init = true;        // llama: wo/w2/w3 std 0.02/sqrt(2(l+1))
 };
 
