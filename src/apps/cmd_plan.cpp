@@ -47,6 +47,9 @@ int plan_main(int argc, char** argv) {
   const int64_t M = plan.compute.microbatches;
   const int64_t B = cfg.get_int("training.local_batch_size");
   const int64_t T = cfg.get_int("training.seq_len");
+  VIADUCT_CHECK_T(ConfigError, o.attn_res,
+                  "plan: model.attn_res = false; without AttnRes no block "
+                  "stack crosses a hop (use viaduct schedule)");
   const std::string dtype = cfg.get_string("training.dtype");
   const int64_t elem = (dtype == "bfloat16" || dtype == "bf16") ? 2 : 4;
   const double entry = static_cast<double>(B / M * T * o.dim * elem);

@@ -87,7 +87,7 @@ std::vector<std::string> all_module_fqns(const KimiK3Options& o) {
   for (int64_t i = 0; i < o.n_layers; ++i) m.push_back(str("layers.", i));
   m.push_back("norm");
   m.push_back("lm_head");
-  m.push_back("attn_res_final");
+  if (o.attn_res) m.push_back("attn_res_final");
   return m;
 }
 
@@ -115,6 +115,7 @@ KimiK3Options kimi_k3_options(const Config& cfg) {
   o.first_k_dense = int_or(cfg, "model.first_k_dense", o.first_k_dense);
   o.moe_ffn = bool_or(cfg, "model.moe_ffn", o.moe_ffn);
   o.vision = bool_or(cfg, "model.vision", o.vision);
+  o.attn_res = cfg.get_bool("model.attn_res");
   o.synthetic_images = bool_or(cfg, "model.synthetic_images", o.synthetic_images);
 
   o.kda.dim = o.dim;
@@ -185,15 +186,21 @@ KimiK3Options kimi_k3_options(const Config& cfg) {
 // ---------------------------------------------------------------- layer
 
 KimiK3LayerImpl::KimiK3LayerImpl(const KimiK3Options& o, int64_t layer_id)
-    : layer_id_(layer_id), opens_block_(o.opens_block(layer_id)) {
-  attn_res_attn = register_module("attn_res_attn", AttnResRead(o.dim, o.norm_eps));
+    : layer_id_(layer_id),
+      attn_res_(o.attn_res),
+      opens_block_(o.attn_res && o.opens_block(layer_id)) {
+  if (attn_res_) {
+    attn_res_attn = register_module("attn_res_attn", AttnResRead(o.dim, o.norm_eps));
+  }
   attention_norm = register_module("attention_norm", RMSNorm(o.dim, o.norm_eps));
   if (o.is_mla(layer_id)) {
     mla = register_module("attention", Mla(o.mla));
   } else {
     kda = register_module("attention", Kda(o.kda));
   }
-  attn_res_ffn = register_module("attn_res_ffn", AttnResRead(o.dim, o.norm_eps));
+  if (attn_res_) {
+    attn_res_ffn = register_module("attn_res_ffn", AttnResRead(o.dim, o.norm_eps));
+  }
   ffn_norm = register_module("ffn_norm", RMSNorm(o.dim, o.norm_eps));
   if (o.is_moe(layer_id)) {
     moe = register_module("moe", Moe(o.moe));
@@ -204,8 +211,10 @@ KimiK3LayerImpl::KimiK3LayerImpl(const KimiK3Options& o, int64_t layer_id)
 
 void KimiK3LayerImpl::init_weights(uint64_t seed, const std::string& p,
                                    double std_in, double std_out) {
-  attn_res_attn->init_weights();
-  attn_res_ffn->init_weights();
+  if (attn_res_) {
+    attn_res_attn->init_weights();
+    attn_res_ffn->init_weights();
+  }
   attention_norm->reset_parameters();
   ffn_norm->reset_parameters();
   if (mla) mla->init_weights(seed, p + "attention.", std_in, std_out);
@@ -219,6 +228,13 @@ void KimiK3LayerImpl::init_weights(uint64_t seed, const std::string& p,
 at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
                                     std::vector<at::Tensor>& blocks) {
   // hidden, blocks[i]: [B, T, D]
+  if (!attn_res_) {
+    // Plain residuals: h = h + attention(norm(h)); h = h + ffn(norm(h)).
+    auto n = attention_norm(hidden);
+    auto h = hidden + (mla ? mla(n) : kda(n));
+    n = ffn_norm(h);
+    return h + (moe ? moe(n) : feed_forward(n));
+  }
   at::Tensor partial;
   std::vector<at::Tensor> sources;
   if (opens_block_) {
@@ -251,13 +267,16 @@ KimiK3Part::KimiK3Part(const KimiK3Options& o,
   for (const auto& m : module_fqns_) held[m] = true;
   auto has = [&](const char* m) { return held.count(m) > 0; };
   const int n_head = has("norm") + has("lm_head") + has("attn_res_final");
-  VIADUCT_CHECK_T(ConfigError, n_head == 0 || n_head == 3,
-                  "kimi_k3: norm, lm_head and attn_res_final must sit on the "
-                  "same part (the final AttnRes read feeds the norm)");
+  const int head_modules = o.attn_res ? 3 : 2;
+  VIADUCT_CHECK_T(ConfigError, n_head == 0 || n_head == head_modules,
+                  o.attn_res ? "kimi_k3: norm, lm_head and attn_res_final must "
+                               "sit on the same part (the final AttnRes read "
+                               "feeds the norm)"
+                             : "kimi_k3: norm and lm_head must sit on the same part");
   VIADUCT_CHECK_T(ConfigError, !has("vision_tower") || has("tok_embeddings"),
                   "kimi_k3: vision_tower must sit with tok_embeddings");
   has_first_ = has("tok_embeddings");
-  has_last_ = n_head == 3;
+  has_last_ = n_head == head_modules;
   if (has_first_) {
     tok_embeddings = register_module(
         "tok_embeddings", torch::nn::Embedding(o.vocab_size, o.dim));
@@ -278,7 +297,9 @@ KimiK3Part::KimiK3Part(const KimiK3Options& o,
   if (has_last_) {
     norm = register_module("norm", RMSNorm(o.dim, o.norm_eps));
     lm_head = make_linear(*this, "lm_head", o.dim, o.vocab_size, false);
-    attn_res_final = register_module("attn_res_final", AttnResRead(o.dim, o.norm_eps));
+    if (o.attn_res) {
+      attn_res_final = register_module("attn_res_final", AttnResRead(o.dim, o.norm_eps));
+    }
   }
 }
 
@@ -295,7 +316,7 @@ void KimiK3Part::init_weights(uint64_t seed) {
   }
   if (has_last_) {
     norm->reset_parameters();
-    attn_res_final->init_weights();
+    if (attn_res_final) attn_res_final->init_weights();
     const double s = 1.0 / std::sqrt(static_cast<double>(opts_.dim));
     init_trunc_normal_(lm_head->weight, s, -3 * s, 3 * s, seed, "lm_head.weight");
   }
@@ -364,17 +385,22 @@ Activations KimiK3Part::forward(const Activations& in) {
   } else {
     VIADUCT_CHECK(!in.empty(),
                   "kimi_k3: a middle part takes {hidden, block_0, ...}");
+    VIADUCT_CHECK(opts_.attn_res || in.size() == 1,
+                  "kimi_k3 without AttnRes: a middle part takes {hidden}, got ",
+                  in.size(), " tensors");
     hidden = in[0];
     blocks.assign(in.begin() + 1, in.end());
   }
   for (auto& layer : layers_) {
-    const auto expected =
-        opts_.block_of(layer->layer_id_) + (layer->opens_block_ ? 0 : 1);
+    const int64_t expected =  // without AttnRes the stack stays empty
+        opts_.attn_res ? opts_.block_of(layer->layer_id_) + (layer->opens_block_ ? 0 : 1)
+                       : 0;
     VIADUCT_CHECK(static_cast<int64_t>(blocks.size()) == expected,
                   "kimi_k3: layers.", layer->layer_id_, " expects ", expected,
                   " completed blocks on the stack, got ", blocks.size());
     hidden = layer(hidden, blocks);
   }
+  if (has_last_ && !opts_.attn_res) return {linear(norm(hidden), lm_head)};
   if (has_last_) {
     std::vector<at::Tensor> sources = blocks;
     sources.push_back(hidden);
@@ -420,7 +446,8 @@ ModelInfo describe_kimi_k3(const Config& cfg) {
   // flops_per_token = 6 (N_active - N_embedding)
   //   + sum over MLA layers of 6 T H (qk_head_dim + v_head_dim)
   //   + sum over KDA layers of KdaImpl::mixing_flops (chunked form, 3 x fwd)
-  //   + sum over AttnRes reads of 3 x 6 D n_sources.
+  //   + sum over AttnRes reads of 3 x 6 D n_sources (none with
+  //     model.attn_res = false).
   // N_active counts each MoE layer's router, top-k and shared experts; the
   // vision tower is left out (it runs on image tokens only).
   double mixing = 0;
@@ -429,10 +456,11 @@ ModelInfo describe_kimi_k3(const Config& cfg) {
     li.layer = i;
     li.attention = o.is_mla(i) ? "mla" : "kda";
     li.ffn = o.is_moe(i) ? "moe" : "dense";
-    li.block = o.block_of(i);
-    li.opens_block = o.opens_block(i);
+    li.block = o.attn_res ? o.block_of(i) : -1;
+    li.opens_block = o.attn_res && o.opens_block(i);
     info.layers.push_back(li);
-    int64_t common = 2 * AttnResReadImpl::count_params(D) + 2 * D;  // + norms
+    int64_t common = 2 * D;  // norms
+    if (o.attn_res) common += 2 * AttnResReadImpl::count_params(D);
     common += o.is_mla(i) ? MlaImpl::count_params(o.mla)
                           : KdaImpl::count_params(o.kda);
     params += common;
@@ -446,15 +474,19 @@ ModelInfo describe_kimi_k3(const Config& cfg) {
     }
     mixing += o.is_mla(i) ? MlaImpl::mixing_flops(o.mla, T)
                           : KdaImpl::mixing_flops(o.kda);
-    mixing += 3 * (attn_res_read_flops(first_read_sources(o, i), D) +
-                   attn_res_read_flops(second_read_sources(o, i), D));
+    if (o.attn_res) {
+      mixing += 3 * (attn_res_read_flops(first_read_sources(o, i), D) +
+                     attn_res_read_flops(second_read_sources(o, i), D));
+    }
   }
-  const int64_t head = D + D * V + AttnResReadImpl::count_params(D);
+  const int64_t head = D + D * V + (o.attn_res ? AttnResReadImpl::count_params(D) : 0);
   params += head;
   active += head;
-  const int64_t n_blocks = (o.n_layers + o.block_size - 1) / o.block_size;
-  mixing += 3 * attn_res_read_flops(n_blocks + 1, D);
-  info.pinned_last.push_back("attn_res_final");
+  if (o.attn_res) {
+    const int64_t n_blocks = (o.n_layers + o.block_size - 1) / o.block_size;
+    mixing += 3 * attn_res_read_flops(n_blocks + 1, D);
+    info.pinned_last.push_back("attn_res_final");
+  }
   info.params = params;
   info.active_params = active;
   info.flops_per_token =

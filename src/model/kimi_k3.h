@@ -15,6 +15,11 @@
 //                    A boundary inside a block therefore needs nothing extra.
 //   last part out:   {logits [B, T, V]}
 // The layer order is fixed, so a chain of parts gives the whole model's bits.
+//
+// With model.attn_res = false (the comparison model of issue 7) every read is
+// replaced by a plain residual add, h = h + attention(norm(h)), h = h +
+// ffn(norm(h)): no AttnRes parameters, no attn_res_final, and parts hand on
+// {hidden [B, T, D]} alone, like the chain families.
 #pragma once
 
 #include <torch/torch.h>
@@ -49,6 +54,7 @@ struct KimiK3Options {
   int64_t first_k_dense = 0;
   bool moe_ffn = true;
   bool vision = false;
+  bool attn_res = true;  // false: plain residuals (Note above)
   bool synthetic_images = false;
   int64_t image_token_id = 0;
   KdaOptions kda;
@@ -73,13 +79,15 @@ class KimiK3LayerImpl : public torch::nn::Module {
   KimiK3LayerImpl(const KimiK3Options& o, int64_t layer_id);
   // hidden: the incoming stream [B, T, D]; blocks: the completed stack,
   // extended in place when this layer opens a block. Returns the new partial
-  // sum of the open block.
+  // sum of the open block. Without AttnRes: hidden + both sublayers' outputs,
+  // and `blocks` is left alone.
   at::Tensor forward(const at::Tensor& hidden, std::vector<at::Tensor>& blocks);
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out);
 
   int64_t layer_id_;
-  bool opens_block_;
+  bool attn_res_;
+  bool opens_block_;  // false without AttnRes
   AttnResRead attn_res_attn{nullptr}, attn_res_ffn{nullptr};
   RMSNorm attention_norm{nullptr}, ffn_norm{nullptr};
   Kda kda{nullptr};

@@ -1,8 +1,9 @@
 // Kimi-K3 over pipeline stages with AttnResStage, ranks as processes over
 // Gloo: the whole-stack transport trains to exactly the bits of one process
 // (losses and every parameter / optimizer-state tensor after three steps),
-// offload changes no bit, the rank cache stays within rounding of it, and the
-// measured per-hop bytes and store peaks equal the layout tables' prediction.
+// offload changes no bit, the rank cache stays within rounding of it, the
+// measured per-hop bytes and store peaks equal the layout tables' prediction,
+// and without AttnRes (model.attn_res = false) the stages are a plain chain.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -282,6 +283,21 @@ TEST_F(AttnResRuns, InterleavedZeroBubbleBothTransports) {
       }
     }
   }
+}
+
+// model.attn_res = false makes kimi_k3 a chain: plain stages hand on
+// {hidden} (no AttnRes transport, so no hop_bytes in the metrics), with the
+// bits of one process, and a loss unlike the AttnRes model's.
+TEST_F(AttnResRuns, PlainResidualsPp2x2IsBitwiseOneProcessWithoutTheTransport) {
+  const auto base = base_args("debugmodel", 4) + " --model.attn_res=false";
+  const auto ref = train("plain_ref", 1, base);
+  const auto pp = train("plain_pp2x2", 2,
+                        base + " --parallelism.pipeline_parallel_degree=2"
+                               " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
+                               " --parallelism.pipeline_parallel_stages_per_rank=2");
+  expect_same_bits(ref, pp);
+  for (const auto& j : metrics(pp)) EXPECT_FALSE(j.contains("hop_bytes")) << j.dump();
+  EXPECT_NE(losses(ref), losses(reference("debugmodel", 4)));
 }
 
 // 35 units over 16 stages (4 per rank): one or two layers per stage.

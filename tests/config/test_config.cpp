@@ -115,6 +115,22 @@ TEST(Config, CrossFieldChecksRunAfterOverrides) {
   EXPECT_NE(msg.find("training.dtype"), std::string::npos) << msg;
 }
 
+TEST(Config, AttnResOffIsKimiK3Only) {
+  auto c = Config::parse("[model]\nfamily = \"kimi_k3\"\n", "job.toml");
+  EXPECT_TRUE(c.get_bool("model.attn_res"));  // default: AttnRes on
+  EXPECT_NO_THROW(Config::parse("[model]\nfamily = \"kimi_k3\"\nattn_res = false\n",
+                                "job.toml"));
+  for (const char* fam : {"llama", "gpt2"}) {
+    auto msg = error_of(std::string("[model]\nfamily = \"") + fam + "\"\n",
+                        {"model.attn_res=false"});
+    EXPECT_NE(msg.find("model.attn_res"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(fam), std::string::npos) << msg;
+    EXPECT_NO_THROW(Config::parse(std::string("[model]\nfamily = \"") + fam +
+                                      "\"\nattn_res = true\n",
+                                  "job.toml"));
+  }
+}
+
 TEST(Config, PrintConfigRoundTrips) {
   auto c = Config::parse("[training]\nsteps = 12\n[optimizer]\nlr = 0.00123\n"
                          "[job]\ndump_folder = \"out \\\"q\\\"\"\n",

@@ -308,5 +308,96 @@ TEST(KimiK3Model, TinyModelTrainsAndIsDeterministic) {
   EXPECT_LT(a.back(), a.front() - 0.2);
 }
 
+// model.attn_res = false: the same layers with plain residual adds. The
+// reference is the chain composed here by hand from the model's own
+// sublayers: h = emb; h += attention(attention_norm(h)); h += ffn(ffn_norm(h));
+// logits = lm_head(norm(h)). Logits, loss and every gradient bitwise.
+Config plain_config() {
+  return k3_config("debugmodel",
+                   {"model.n_layers=8", "model.attn_res_block_size=3",
+                    "model.dim=32", "model.kda_head_dim=16",
+                    "model.kda_chunk_size=8", "training.seq_len=24",
+                    "model.attn_res=false"});
+}
+
+TEST(KimiK3Plain, LossEqualsAHandComposedPlainResidualChain) {
+  auto cfg = plain_config();
+  ASSERT_FALSE(kimi_k3_options(cfg).attn_res);
+  auto model = build(cfg);
+  auto ref = build(cfg);  // the same (seed, FQN) weights
+  for (const auto& p : model->named_parameters()) {
+    EXPECT_EQ(p.key().find("attn_res"), std::string::npos) << p.key();
+  }
+  auto tokens = random_tokens(2, 24, 320, 11);
+  auto targets = tokens.roll(-1, 1);
+  auto loss = summed_cross_entropy(model->forward({tokens})[0], targets);
+
+  auto h = at::embedding(ref->tok_embeddings->weight, tokens);  // [B, T, D]
+  for (auto layer : ref->layers()) {  // holders: shared_ptr copies
+    auto n = layer->attention_norm(h);
+    h = h + (layer->mla ? layer->mla(n) : layer->kda(n));
+    n = layer->ffn_norm(h);
+    h = h + (layer->moe ? layer->moe(n) : layer->feed_forward(n));
+  }
+  auto ref_loss =
+      summed_cross_entropy(linear(ref->norm(h), ref->lm_head), targets);
+  EXPECT_TRUE(torch::equal(loss, ref_loss))
+      << loss.item<double>() << " vs " << ref_loss.item<double>();
+  loss.backward();
+  ref_loss.backward();
+  std::map<std::string, at::Tensor> want;
+  for (const auto& p : ref->named_parameters()) want[p.key()] = p.value().grad();
+  for (const auto& p : model->named_parameters()) {
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    EXPECT_TRUE(torch::equal(p.value().grad(), want.at(p.key()))) << p.key();
+  }
+  // AttnRes really is gone: the same weights with AttnRes give another loss.
+  auto with = build(small_config());
+  torch::NoGradGuard g;
+  auto loss_with = summed_cross_entropy(with->forward({tokens})[0], targets);
+  EXPECT_FALSE(torch::equal(loss_with, ref_loss.detach()));
+}
+
+TEST(KimiK3Plain, ModulesParamsAndInitAgreeWithTheAttnResModel) {
+  auto cfg = plain_config();
+  auto fqns = kimi_k3_module_fqns(cfg);
+  EXPECT_EQ(fqns.back(), "lm_head");  // no attn_res_final
+  auto info = describe_kimi_k3(cfg);
+  auto model = build(cfg);
+  EXPECT_EQ(info.params, count_parameters(*model));
+  EXPECT_TRUE(info.pinned_last.empty());
+  EXPECT_EQ(info.layers[3].block, -1);
+  auto with_info = describe_kimi_k3(small_config());
+  EXPECT_LT(info.flops_per_token, with_info.flops_per_token);
+  // Weights depend on (seed, FQN) alone: every shared tensor is the same.
+  std::map<std::string, at::Tensor> with;
+  for (const auto& p : build(small_config())->named_parameters()) {
+    with[p.key()] = p.value();
+  }
+  for (const auto& p : model->named_parameters()) {
+    ASSERT_TRUE(with.count(p.key())) << p.key();
+    EXPECT_TRUE(torch::equal(p.value(), with[p.key()])) << p.key();
+  }
+  EXPECT_EQ(with.size() - model->named_parameters().size(), 2u * 2 * 8 + 2);
+}
+
+TEST(KimiK3Plain, PartsHandOnTheHiddenAloneAndChainBitwise) {
+  auto cfg = plain_config();
+  auto tokens = random_tokens(2, 24, 320, 12);
+  auto mid = build(cfg, {"tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3"});
+  auto a = mid->forward({tokens});
+  ASSERT_EQ(a.size(), 1u);  // {hidden}: a chain
+  EXPECT_EQ(a[0].sizes(), (std::vector<int64_t>{2, 24, 32}));
+  auto next = build(cfg, {"layers.4"});
+  EXPECT_THROW(next->forward({a[0], a[0]}), Error);
+  EXPECT_THROW(build(cfg, {"norm"}), ConfigError);
+  expect_chain_matches(
+      cfg,
+      {{"tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3"},
+       {"layers.4"},
+       {"layers.5", "layers.6", "layers.7", "norm", "lm_head"}},
+      {tokens});
+}
+
 }  // namespace
 }  // namespace viaduct
