@@ -2,14 +2,17 @@
 # Issue 7's side-by-side benchmark in one GPU-machine call: builds viaduct
 # with CUDA, then for each cell trains viaduct from its initial weights
 # (saved as step-0 by checkpoint.save_initial) and the PyTorch reference
-# (bench/torch_llama.py) from that same step-0 on the same data, eager and
-# under torch.compile, and writes one markdown table to $OUT/results.md.
+# (bench/torch_llama.py, models in bench/torch_models.py) from that same
+# step-0 on the same data, eager and under torch.compile, and writes one
+# markdown table to $OUT/results.md, with the AttnRes overhead (median step
+# time of k3 / k3plain - 1, viaduct's own metrics) when both K3 cells ran.
 #
 #   bash bench/run_single_gpu.sh                 # build + every cell
 #   STAGES=build bash bench/run_single_gpu.sh    # build only (a first call)
 #   CELLS="debug 1B" MODES=eager ...             # choose cells / peer modes
 #
-# Environment (defaults): OUT (outputs/bench/out), CELLS (1B; also: debug),
+# Environment (defaults): OUT (outputs/bench/out), CELLS ("1B gpt2 k3
+# k3plain"; also: debug), K3_BATCH x K3_SEQ (4 x 2048: the K3 cells' shape),
 # MODES ("eager compile"), COMPILE_MODE (default; or
 # max-autotune-no-cudagraphs), WARMUP_STEPS (3) untimed + TIMED_STEPS (10)
 # timed steps, STAGES ("build run"), PYTHON (python3), JOBS (nproc),
@@ -25,7 +28,9 @@ PY=${PYTHON:-python3}
 WARM=${WARMUP_STEPS:-3}
 TIMED=${TIMED_STEPS:-10}
 STEPS=$((WARM + TIMED))
-CELLS=${CELLS:-1B}
+CELLS=${CELLS:-1B gpt2 k3 k3plain}
+K3_BATCH=${K3_BATCH:-4}
+K3_SEQ=${K3_SEQ:-2048}
 MODES=${MODES:-eager compile}
 COMPILE_MODE=${COMPILE_MODE:-default}
 STAGES=${STAGES:-build run}
@@ -142,6 +147,34 @@ for cell in $CELLS; do
       run_cell 1B "llama 1B, 4x4096" "$data" --model.flavor=1B \
         --training.seq_len=4096 --training.local_batch_size=4 --optimizer.lr=3e-4
       ;;
+    gpt2)
+      data=$WORK/random_v50257.u32
+      make_random_tokens "$data" 50257 $(((STEPS + 4) * 8 * 1024 + 1))
+      run_cell gpt2 "gpt2 124M, 8x1024" "$data" --model.family=gpt2 \
+        --model.flavor=124M --training.seq_len=1024 --training.local_batch_size=8 \
+        --optimizer.lr=6e-4
+      ;;
+    k3 | k3plain)
+      # kimi_k3 debugmodel_deep (33 layers, AttnRes blocks 12 + 12 + 9, MLA
+      # at 3, 7, ..., 31, 32, MoE from layer 1) widened to dim 2048 with
+      # inner widths to match: 16 heads, KDA head 64, MLA 512 / 128 + 64 /
+      # 128, dense FFN 5632, 8 experts (top 2 + 1 shared) of 512. Vocabulary
+      # 320 (the flavor's). k3plain: the same with model.attn_res = false.
+      data=$WORK/random_v320.u32
+      make_random_tokens "$data" 320 $(((STEPS + 4) * K3_BATCH * K3_SEQ + 1))
+      k3=(--model.family=kimi_k3 --model.flavor=debugmodel_deep --model.dim=2048
+        --model.n_heads=16 --model.kda_head_dim=64 --model.mla_kv_lora_rank=512
+        --model.mla_qk_nope_head_dim=128 --model.mla_qk_rope_head_dim=64
+        --model.mla_v_head_dim=128 --model.ffn_hidden_dim=5632
+        --model.moe_hidden_dim=512 --training.seq_len="$K3_SEQ"
+        --training.local_batch_size="$K3_BATCH" --optimizer.lr=3e-4)
+      if [ "$cell" = k3 ]; then
+        run_cell k3 "kimi_k3 deep d2048, ${K3_BATCH}x${K3_SEQ}" "$data" "${k3[@]}"
+      else
+        run_cell k3plain "kimi_k3 deep d2048 no AttnRes, ${K3_BATCH}x${K3_SEQ}" "$data" \
+          "${k3[@]}" --model.attn_res=false
+      fi
+      ;;
     debug)
       if [ -f data/fortunes.tok ]; then
         run_cell debug "llama debugmodel, 8x512, fortunes" data/fortunes.tok \
@@ -151,18 +184,24 @@ for cell in $CELLS; do
         say "debug: data/fortunes.tok not carried: skipped"
       fi
       ;;
-    *) say "unknown cell '$cell' (1B, debug)" ;;
+    *) say "unknown cell '$cell' (1B, gpt2, k3, k3plain, debug)" ;;
   esac
 done
 
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 torch_v=$("$PY" -c 'import torch;print(torch.__version__)' 2>/dev/null)
 {
-  echo "$(date -u +%Y-%m-%d) · ${gpu:-unknown GPU} · torch ${torch_v:-?} · $WARM untimed + $TIMED timed steps, median step time · MFU = (6 x matmul params incl. head + 12 L D T) x tok/s / 989.4e12 · compile mode $COMPILE_MODE"
+  echo "$(date -u +%Y-%m-%d) · ${gpu:-unknown GPU} · torch ${torch_v:-?} · $WARM untimed + $TIMED timed steps, median step time · MFU = FLOPs/token (viaduct describe's formula per family; llama/gpt2: 6 x matmul params incl. head + 12 L D T) x tok/s / 989.4e12 · compile mode $COMPILE_MODE"
   echo
   echo "| cell | impl | tok/s | MFU | peak GiB | loss steps 1-5 | rel Δloss vs viaduct: step 1 / max 1-5 | viaduct ÷ this: tok/s, mem |"
   echo "|---|---|---|---|---|---|---|---|"
   cat "$OUT/table.md" 2>/dev/null
+  if [ -f "$OUT/k3.viaduct.metrics.jsonl" ] && [ -f "$OUT/k3plain.viaduct.metrics.jsonl" ]; then
+    echo
+    "$PY" bench/torch_llama.py overhead --timing-warmup "$WARM" \
+      --name "AttnRes overhead (viaduct, kimi_k3 deep d2048 ${K3_BATCH}x${K3_SEQ}: step time k3 / k3plain - 1)" \
+      --with "$OUT/k3.viaduct.metrics.jsonl" --without "$OUT/k3plain.viaduct.metrics.jsonl"
+  fi
 } >"$RESULTS"
 say "done; per-process logs and JSON in $OUT"
 cat "$RESULTS"

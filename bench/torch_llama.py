@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""PyTorch reference of viaduct's llama, for the side-by-side benchmark.
+"""PyTorch reference of viaduct's models, for the side-by-side benchmark.
 
 Loads the weights of a viaduct checkpoint (`<folder>/step-<N>/`), reads the
-model shape and the training settings from its metadata.json (the effective
-job config viaduct saved), trains on the same token windows viaduct's sampler
-hands out, and reports tokens/s, MFU, peak device memory and the per-step
-losses -- in eager mode or under torch.compile.
+model family and shape and the training settings from its metadata.json (the
+effective job config viaduct saved), trains on the same token windows
+viaduct's sampler hands out, and reports tokens/s, MFU, peak device memory and
+the per-step losses -- in eager mode or under torch.compile.
 
-The model is viaduct's, op for op (src/model/layers.cpp,
-src/model/chain_transformer.cpp, src/model/model.cpp):
+The models (llama, gpt2, kimi_k3 with or without AttnRes) are in
+torch_models.py, viaduct's op for op; the family is the checkpoint's
+model.family. This file is the one driver of all of them: config, data,
+checkpoint, training, timing and the report. For llama, for example:
   - fp32 master parameters; the embedding output is cast to bf16; every
     linear casts its fp32 weight to the activation dtype;
   - RMSNorm in fp32 (x * rsqrt(mean(x^2) + eps) * w), returning the input
@@ -22,19 +24,24 @@ src/model/chain_transformer.cpp, src/model/model.cpp):
 The optimizer step is viaduct's (src/train/optimizer.cpp, trainer.cpp):
 global-norm clipping (coef = max_norm / (norm + 1e-6) when < 1), AdamW with
 decoupled decay on params with dim >= 2 except embeddings, bias corrections,
-lr_at's warmup + cosine/linear/constant schedule. By default torch's fused
+lr_at's warmup + cosine/linear/constant schedule, then the model's
+after-step hook (kimi_k3: the MoE balancing bias). By default torch's fused
 AdamW and clip_grad_norm_ (the same formulas, the fast kernels a PyTorch user
-would run); --exact-optimizer runs viaduct's per-tensor loop instead.
+would run); --optimizer-impl exact runs viaduct's per-tensor loop instead.
 
-FLOPs per token (Note [FLOPs per token] in src/model/chain_transformer.cpp):
+FLOPs per token are viaduct's formula for the family (describe_model), e.g.
+llama's Note [FLOPs per token] in src/model/chain_transformer.cpp:
   6 * (L * (2 D^2 + 2 D * kv_dim + 3 D F) + V * D) + 12 * L * D * T
 and MFU = flops_per_token * tokens/s / peak (989.4e12, H100/H200 dense bf16).
 
-Two commands:
-  torch_llama.py --checkpoint DIR/step-0 [--mode eager|compile] [...]
+Three commands:
+  torch_llama.py --checkpoint DIR/step-0 [--mode eager|compile] [--device cpu] [...]
   torch_llama.py report --viaduct-metrics M.jsonl --peer A.json ... --out R.md
+  torch_llama.py overhead --name N --with A/metrics.jsonl --without B/metrics.jsonl
 
 Only the standard library is needed for parsing (tests run without torch).
+On torch 1.13 (CPU) eager mode runs; torch.compile, fused AdamW and foreach
+clipping need 2.x (see --optimizer-impl).
 """
 
 import argparse
@@ -55,99 +62,22 @@ try:
 except ImportError:  # Python < 3.11
     tomllib = None
 
-try:
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-except ImportError:  # parsing and the report work without torch
-    torch = None
-    nn = None
-    F = None
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_models import cfg_get, fail, flops_per_token, spec_from_config  # noqa: E402
+import torch_models  # noqa: E402
+
+torch = torch_models.torch  # None without torch: parsing and the report still work
 
 PEAK_BF16_FLOPS = 989.4e12  # H100 / H200 SXM, dense bf16 (src/core/device.cpp)
 
 
-def fail(msg):
-    sys.exit(f"torch_llama.py: error: {msg}")
-
-
 # --------------------------------------------------------------- config
-
-
-@dataclass
-class LlamaSpec:
-    n_layers: int
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    ffn_hidden: int
-    max_seq_len: int
-    norm_eps: float
-    rope_theta: float
-    tie_embeddings: bool = False
-
-    @property
-    def head_dim(self):
-        return self.dim // self.n_heads
-
-
-# src/model/llama.cpp: llama_flavor().
-LLAMA_FLAVORS = {
-    "debugmodel": LlamaSpec(8, 128, 8, 4, 320, 384, 2048, 1e-5, 10000.0),
-    "1B": LlamaSpec(16, 2048, 32, 8, 128256, 8192, 8192, 1e-5, 500000.0),
-    "8B": LlamaSpec(32, 4096, 32, 8, 128256, 14336, 8192, 1e-5, 500000.0),
-}
-
-
-def llama_ffn_hidden(dim, multiple_of=256, ffn_dim_multiplier=1.0):
-    hidden = 4 * dim
-    hidden = 2 * hidden // 3
-    hidden = int(ffn_dim_multiplier * hidden)
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
 def parse_config_toml(text):
     if tomllib is None:
         fail("reading the checkpoint's config needs Python 3.11+ (tomllib)")
     return tomllib.loads(text)
-
-
-def cfg_get(cfg, dotted, default=None):
-    section, key = dotted.split(".", 1)
-    return cfg.get(section, {}).get(key, default)
-
-
-def llama_spec_from_config(cfg):
-    """apply_model_overrides(llama_flavor(flavor), cfg) of chain_transformer.cpp."""
-    family = cfg_get(cfg, "model.family", "llama")
-    if family != "llama":
-        fail(f"model.family is '{family}'; this reference implements llama only")
-    flavor = cfg_get(cfg, "model.flavor", "debugmodel")
-    if flavor not in LLAMA_FLAVORS:
-        fail(f"unknown llama flavor '{flavor}' (known: {', '.join(LLAMA_FLAVORS)})")
-    s = LlamaSpec(**asdict(LLAMA_FLAVORS[flavor]))
-    m = cfg.get("model", {})
-    s.n_layers = m.get("n_layers", s.n_layers)
-    dim_changed = "dim" in m
-    s.dim = m.get("dim", s.dim)
-    s.n_heads = m.get("n_heads", s.n_heads)
-    if "n_kv_heads" in m:
-        s.n_kv_heads = m["n_kv_heads"]
-    elif "n_heads" in m and (s.n_kv_heads > s.n_heads or s.n_heads % s.n_kv_heads):
-        s.n_kv_heads = s.n_heads
-    s.vocab_size = m.get("vocab_size", s.vocab_size)
-    if "ffn_hidden_dim" in m:
-        s.ffn_hidden = m["ffn_hidden_dim"]
-    elif dim_changed:
-        s.ffn_hidden = llama_ffn_hidden(s.dim, 256, 1.0)
-    s.max_seq_len = m.get("max_seq_len", s.max_seq_len)
-    s.norm_eps = float(m.get("norm_eps", s.norm_eps))
-    s.rope_theta = float(m.get("rope_theta", s.rope_theta))
-    s.tie_embeddings = bool(m.get("tie_embeddings", s.tie_embeddings))
-    if s.dim % s.n_heads or s.n_heads % s.n_kv_heads or s.head_dim % 2:
-        fail(f"inconsistent llama shape {s}")
-    return s
 
 
 @dataclass
@@ -218,20 +148,6 @@ def lr_at(ts, step):
     return ts.lr * factor
 
 
-def flops_per_token(s, seq_len):
-    """Note [FLOPs per token] in src/model/chain_transformer.cpp."""
-    kv = s.n_kv_heads * s.head_dim
-    attn = 2 * s.dim * s.dim + 2 * s.dim * kv
-    ffn = 3 * s.dim * s.ffn_hidden
-    matmul_params = s.n_layers * (attn + ffn) + s.vocab_size * s.dim
-    return 6.0 * matmul_params + 12.0 * s.n_layers * s.dim * seq_len
-
-
-def parameter_count(s):
-    kv = s.n_kv_heads * s.head_dim
-    per_layer = 2 * s.dim * s.dim + 2 * s.dim * kv + 3 * s.dim * s.ffn_hidden + 2 * s.dim
-    head = 0 if s.tie_embeddings else s.vocab_size * s.dim
-    return s.vocab_size * s.dim + s.n_layers * per_layer + s.dim + head
 
 
 # ----------------------------------------------------------- token files
@@ -488,32 +404,15 @@ def open_checkpoint(step_dir):
     return meta, os.path.join(step_dir, "model.safetensors")
 
 
-def expected_shapes(spec):
-    """{FQN: shape} of every parameter, in viaduct's registration order."""
-    s, kv = spec, spec.n_kv_heads * spec.head_dim
-    want = {"tok_embeddings.weight": [s.vocab_size, s.dim]}
-    for i in range(s.n_layers):
-        p = f"layers.{i}."
-        want.update({
-            p + "attention_norm.weight": [s.dim],
-            p + "attention.wq.weight": [s.dim, s.dim],
-            p + "attention.wk.weight": [kv, s.dim],
-            p + "attention.wv.weight": [kv, s.dim],
-            p + "attention.wo.weight": [s.dim, s.dim],
-            p + "ffn_norm.weight": [s.dim],
-            p + "feed_forward.w1.weight": [s.ffn_hidden, s.dim],
-            p + "feed_forward.w2.weight": [s.dim, s.ffn_hidden],
-            p + "feed_forward.w3.weight": [s.ffn_hidden, s.dim],
-        })
-    want["norm.weight"] = [s.dim]
-    if not s.tie_embeddings:
-        want["lm_head.weight"] = [s.vocab_size, s.dim]
-    return want
 
 
-def check_shapes(spec, entries):
-    """Each tensor of the checkpoint against the spec from its config."""
-    want = expected_shapes(spec)
+def check_shapes(model, entries):
+    """Every parameter and persistent buffer of the model against the
+    checkpoint; returns the names to load, in registration order."""
+    want = {n: list(p.shape) for n, p in model.named_parameters()}
+    want.update({n: list(b.shape) for n, b in model.named_buffers()
+                 if b is not None and n.rsplit(".", 1)[-1] not in
+                 ("rope_cos", "rope_sin")})
     for name, shape in want.items():
         if name not in entries:
             fail(f"the checkpoint has no tensor '{name}'")
@@ -522,147 +421,36 @@ def check_shapes(spec, entries):
                  f"config's shape says {shape}")
     extra = sorted(set(entries) - set(want))
     if extra:
-        fail(f"the checkpoint holds tensors this llama lacks: {extra[:5]}")
+        fail(f"the checkpoint holds tensors this {model.spec.family} lacks: {extra[:5]}")
     return list(want)
 
 
-# ------------------------------------------------------------- the model
-
-if torch is not None:
-
-    def linear(x, w):
-        # Note [Mixed precision]: the fp32 weight is cast to x's dtype.
-        return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
-
-    class RMSNorm(nn.Module):
-        def __init__(self, dim, eps):
-            super().__init__()
-            self.eps = eps
-            self.weight = nn.Parameter(torch.ones(dim))
-
-        def forward(self, x):
-            xf = x if x.dtype == torch.float64 else x.float()
-            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-            return (y * self.weight).to(x.dtype)
-
-    def rope_tables(head_dim, max_seq_len, theta):
-        # fp64 [max_seq_len, head_dim / 2], computed on the CPU as viaduct does.
-        idx = torch.arange(0, head_dim, 2, dtype=torch.float64)
-        inv_freq = 1.0 / torch.pow(theta, idx / float(head_dim))
-        t = torch.arange(max_seq_len, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)
-        return freqs.cos(), freqs.sin()
-
-    def apply_rope(x, cos, sin):
-        # x: [B, T, H, hd]; rotates interleaved pairs (x[2i], x[2i+1]).
-        T = x.size(1)
-        c = cos[:T].view(1, T, 1, -1)
-        s = sin[:T].view(1, T, 1, -1)
-        xf = (x if x.dtype == torch.float64 else x.float()).unflatten(-1, (-1, 2))
-        x0, x1 = xf[..., 0], xf[..., 1]
-        out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), -1)
-        return out.flatten(-2).to(x.dtype)
-
-    class Attention(nn.Module):
-        def __init__(self, s):
-            super().__init__()
-            self.n_heads, self.n_kv_heads, self.head_dim = s.n_heads, s.n_kv_heads, s.head_dim
-            kv = s.n_kv_heads * s.head_dim
-            self.wq = nn.Linear(s.dim, s.dim, bias=False)
-            self.wk = nn.Linear(s.dim, kv, bias=False)
-            self.wv = nn.Linear(s.dim, kv, bias=False)
-            self.wo = nn.Linear(s.dim, s.dim, bias=False)
-
-        def forward(self, x, cos, sin):
-            # x: [B, T, D]
-            B, T, _ = x.shape
-            H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
-            q = linear(x, self.wq.weight).view(B, T, H, hd)
-            k = linear(x, self.wk.weight).view(B, T, KV, hd)
-            v = linear(x, self.wv.weight).view(B, T, KV, hd)
-            q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, H, T, hd]
-            k = apply_rope(k, cos, sin).transpose(1, 2)  # [B, KV, T, hd]
-            v = v.transpose(1, 2)
-            if KV != H:
-                k = k.repeat_interleave(H // KV, 1)
-                v = v.repeat_interleave(H // KV, 1)
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)
-            y = y.transpose(1, 2).reshape(B, T, H * hd)
-            return linear(y, self.wo.weight)
-
-    class SwiGLU(nn.Module):
-        def __init__(self, dim, hidden):
-            super().__init__()
-            self.w1 = nn.Linear(dim, hidden, bias=False)
-            self.w2 = nn.Linear(hidden, dim, bias=False)
-            self.w3 = nn.Linear(dim, hidden, bias=False)
-
-        def forward(self, x):
-            return linear(F.silu(linear(x, self.w1.weight)) * linear(x, self.w3.weight),
-                          self.w2.weight)
-
-    class Block(nn.Module):
-        def __init__(self, s):
-            super().__init__()
-            # Registration order = viaduct's parameter order.
-            self.attention_norm = RMSNorm(s.dim, s.norm_eps)
-            self.attention = Attention(s)
-            self.ffn_norm = RMSNorm(s.dim, s.norm_eps)
-            self.feed_forward = SwiGLU(s.dim, s.ffn_hidden)
-
-        def forward(self, x, cos, sin):
-            h = x + self.attention(self.attention_norm(x), cos, sin)
-            return h + self.feed_forward(self.ffn_norm(h))
-
-    class Llama(nn.Module):
-        """Returns the summed fp32 token cross-entropy (ignore_index -100)."""
-
-        def __init__(self, s, compute_dtype):
-            super().__init__()
-            self.spec, self.compute_dtype = s, compute_dtype
-            self.tok_embeddings = nn.Embedding(s.vocab_size, s.dim)
-            self.layers = nn.ModuleList(Block(s) for _ in range(s.n_layers))
-            self.norm = RMSNorm(s.dim, s.norm_eps)
-            self.lm_head = None if s.tie_embeddings else nn.Linear(s.dim, s.vocab_size, bias=False)
-
-        def set_rope(self, cos, sin):
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-
-        def forward(self, tokens, targets):
-            # tokens, targets: [B, T] int64
-            h = self.tok_embeddings(tokens)  # [B, T, D] fp32
-            if h.dtype != self.compute_dtype:
-                h = h.to(self.compute_dtype)
-            for layer in self.layers:
-                h = layer(h, self.rope_cos, self.rope_sin)
-            h = self.norm(h)
-            w = self.tok_embeddings.weight if self.lm_head is None else self.lm_head.weight
-            logits = linear(h, w)  # [B, T, V]
-            V = logits.size(-1)
-            t = torch.float64 if logits.dtype == torch.float64 else torch.float32
-            return F.cross_entropy(logits.reshape(-1, V).to(t), targets.reshape(-1),
-                                   reduction="sum", ignore_index=-100)
+def parameter_count(entries):
+    """Parameters in the checkpoint (its buffers, e.g. MoE biases, left out)."""
+    n = 0
+    for name, (_, shape, _, _) in entries.items():
+        if not name.endswith("expert_bias"):
+            n += math.prod(shape)
+    return n
 
 
 # --------------------------------------------------------------- training
 
 
-def build_model(spec, ckpt_file, names, device, compute_dtype, rope_dtype):
-    with torch.device("meta"):
-        model = Llama(spec, compute_dtype)
-    model = model.to_empty(device=device)
-    cos, sin = rope_tables(spec.head_dim, spec.max_seq_len, spec.rope_theta)
-    model.set_rope(cos.to(device=device, dtype=rope_dtype),
-                   sin.to(device=device, dtype=rope_dtype))
-    params = dict(model.named_parameters())
-    if sorted(params) != sorted(names):
-        fail(f"model parameters {sorted(set(params) ^ set(names))[:5]} do not match "
-             "the checkpoint")
+def build_model(spec, ckpt_file, entries, device, compute_dtype, rope_dtype):
+    if torch_models.TORCH2:  # no host copy of the weights before the load
+        with torch.device("meta"):
+            model = torch_models.make_model(spec, compute_dtype)
+        model = model.to_empty(device=device)
+    else:
+        model = torch_models.make_model(spec, compute_dtype).to(device)
+    names = check_shapes(model, entries)
+    model.init_buffers(device, rope_dtype)
+    state = dict(model.named_parameters())
+    state.update(dict(model.named_buffers()))
     with torch.no_grad():
         for name in names:  # one tensor at a time: host memory stays small
-            t = load_safetensors(ckpt_file, [name], device)[name]
-            params[name].copy_(t)
+            state[name].copy_(load_safetensors(ckpt_file, [name], device)[name])
     return model
 
 
@@ -762,21 +550,84 @@ def device_peak_flops(name, dtype):
     return None
 
 
+class StepClock:
+    """Per-step times: CUDA events (no sync inside the timed steps) or, on
+    the CPU, the wall clock."""
+
+    def __init__(self, device, n):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+            self.ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        else:
+            self.starts, self.ends = [0.0] * n, [0.0] * n
+
+    def start(self, i):
+        if self.cuda:
+            self.starts[i].record()
+        else:
+            self.starts[i] = time.perf_counter()
+
+    def end(self, i):
+        if self.cuda:
+            self.ends[i].record()
+        else:
+            self.ends[i] = time.perf_counter()
+
+    def seconds(self):
+        if self.cuda:
+            return [s.elapsed_time(e) / 1e3 for s, e in zip(self.starts, self.ends)]
+        return [e - s for s, e in zip(self.starts, self.ends)]
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_memory(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated()
+    import resource  # the process's peak resident set: a coarse CPU figure
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def clip_grad_norm(params, max_norm):
+    grads = [p.grad for p in params if p.grad is not None]
+    if max_norm > 0:
+        kw = {"foreach": True} if torch_models.TORCH2 else {}
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, **kw)
+    if hasattr(torch.nn.utils, "get_total_norm"):
+        return torch.nn.utils.get_total_norm(grads, foreach=True)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
 def train_main(argv):
     ap = argparse.ArgumentParser(
-        description="PyTorch reference of viaduct's llama (see the file's top comment)")
+        description="PyTorch reference of viaduct's models (see the file's top comment)")
     ap.add_argument("--checkpoint", required=True,
                     help="a viaduct step folder, e.g. outputs/x/checkpoint/step-0")
     ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
     ap.add_argument("--compile-mode", default="default",
                     help="torch.compile mode: default | max-autotune-no-cudagraphs | ...")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: the fp32 correctness check (bench/check_references.sh)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU intra-op threads (default: the checkpoint's "
+                    "training.num_threads, as viaduct)")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                     help="compute dtype (bf16: mixed precision with fp32 master weights)")
     ap.add_argument("--rope-dtype", choices=["float64", "float32"], default="float64",
                     help="dtype of the RoPE tables at use (viaduct: float64 by promotion)")
     ap.add_argument("--optimizer-impl", choices=["fused", "foreach", "exact"],
                     default="fused", help="exact = viaduct's per-tensor loop and "
-                    "per-tensor norm (slow: one sync per tensor)")
+                    "per-tensor norm (slow: one sync per tensor); fused needs torch "
+                    "2.x (CUDA) and falls back to foreach elsewhere")
     ap.add_argument("--timing-warmup", type=int, default=3,
                     help="untimed steps first (compile happens in the first)")
     ap.add_argument("--peak-flops", type=float, default=None,
@@ -805,17 +656,16 @@ def train_main(argv):
 
     meta, ckpt_file = open_checkpoint(args.checkpoint)
     cfg = parse_config_toml(meta["config_toml"])
-    spec = llama_spec_from_config(cfg)
+    spec = spec_from_config(cfg)
     for flag, field in (("dim", "dim"), ("n_layers", "n_layers"), ("n_heads", "n_heads"),
                         ("n_kv_heads", "n_kv_heads"), ("vocab_size", "vocab_size"),
                         ("ffn_hidden", "ffn_hidden"), ("rope_theta", "rope_theta"),
                         ("norm_eps", "norm_eps")):
         given = getattr(args, flag)
-        if given is not None and given != getattr(spec, field):
+        if given is not None and given != getattr(spec, field, None):
             fail(f"--{flag.replace('_', '-')} {given} disagrees with the checkpoint's "
-                 f"{field} = {getattr(spec, field)}")
+                 f"{field} = {getattr(spec, field, None)}")
     entries, _, _ = read_safetensors_header(ckpt_file)
-    names = check_shapes(spec, entries)
 
     ts = train_settings_from_config(cfg)
     for flag, field in (("data", "data_path"), ("data_format", "data_format"),
@@ -838,7 +688,7 @@ def train_main(argv):
              f"leave none after {args.timing_warmup} warm-up steps; pass --steps")
 
     # Data: the sampler from the checkpoint's cursor, every step's batch read
-    # up front (pinned), so the timed loop does no file reads.
+    # up front (pinned on CUDA), so the timed loop does no file reads.
     stream = TokenStream(ts.data_path, ts.data_format)
     cursor = meta.get("data_cursor") or {}
     sampler = TokenSampler(stream, ts.batch_size, ts.seq_len, ts.seed, ts.shuffle,
@@ -847,7 +697,7 @@ def train_main(argv):
     if args.dry_run:
         print(json.dumps({"spec": asdict(spec), "settings": asdict(ts),
                           "start_step": start_step, "steps": n_steps,
-                          "params": parameter_count(spec),
+                          "params": parameter_count(entries),
                           "flops_per_token": flops_per_token(spec, T),
                           "lrs": [lr_at(ts, start_step + i + 1) for i in range(n_steps)],
                           "data_tokens": stream.size,
@@ -856,9 +706,12 @@ def train_main(argv):
         return 0
     if torch is None:
         fail("PyTorch is not installed")
-    if not torch.cuda.is_available():
-        fail("no CUDA device")
-    device = torch.device("cuda")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("no CUDA device (--device cpu runs on the CPU)")
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads or cfg_get(cfg, "training.num_threads", 2))
+    cuda = device.type == "cuda"
     batches = []
     max_tok = 0
     for _ in range(n_steps):
@@ -866,8 +719,8 @@ def train_main(argv):
         for _ in range(ts.grad_accum):
             buf = torch.frombuffer(sampler.next(), dtype=torch.int64).view(B, T + 1)
             max_tok = max(max_tok, int(buf.max()))
-            step_batches.append((buf[:, :T].contiguous().pin_memory(),
-                                 buf[:, 1:].contiguous().pin_memory()))
+            inp, tgt = buf[:, :T].contiguous(), buf[:, 1:].contiguous()
+            step_batches.append((inp.pin_memory(), tgt.pin_memory()) if cuda else (inp, tgt))
         batches.append(step_batches)
     if max_tok >= spec.vocab_size:
         fail(f"the data holds token id {max_tok}, but vocab_size is {spec.vocab_size}")
@@ -875,7 +728,7 @@ def train_main(argv):
     compute_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     rope_dtype = torch.float64 if args.rope_dtype == "float64" else torch.float32
     t0 = time.perf_counter()
-    model = build_model(spec, ckpt_file, names, device, compute_dtype, rope_dtype)
+    model = build_model(spec, ckpt_file, entries, device, compute_dtype, rope_dtype)
     model.train()
     named = named_params_for_training(model)
     optim_state = None
@@ -885,34 +738,36 @@ def train_main(argv):
                 for slot in ("exp_avg", "exp_avg_sq")]
         optim_state = load_safetensors(optim_file, keys, device)
     steps_taken = int((meta.get("extra") or {}).get("optimizer_steps", start_step))
-    if args.optimizer_impl == "exact":
+    impl = args.optimizer_impl
+    if impl == "fused" and not (torch_models.TORCH2 and cuda):
+        impl = "foreach"  # fused AdamW: torch 2.x on CUDA
+    if impl == "exact":
         opt = ExactAdamW(named, ts, steps_taken, optim_state)
     else:
-        opt = TorchAdamW(named, ts, args.optimizer_impl, steps_taken, optim_state)
+        opt = TorchAdamW(named, ts, impl, steps_taken, optim_state)
     del optim_state
-    torch.cuda.synchronize()
+    synchronize(device)
     load_s = time.perf_counter() - t0
 
     loss_fn = model
     if args.mode == "compile":
         kw = {} if args.compile_mode == "default" else {"mode": args.compile_mode}
-        loss_fn = torch.compile(model, fullgraph=True, dynamic=False, **kw)
+        loss_fn = torch_models.compile_model(model, kw)
     params = [p for _, p, _ in named]
 
     tokens = B * T * ts.grad_accum  # no target is -100 in a token stream
     scale = 1.0 / tokens
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_steps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_steps)]
+    clock = StepClock(device, n_steps)
     step_losses, norms, lrs, wall = [], [], [], []
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak_memory(device)
     peak_warmup = 0
     for i in range(n_steps):
         if i == args.timing_warmup:
-            torch.cuda.synchronize()
-            peak_warmup = torch.cuda.max_memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            synchronize(device)
+            peak_warmup = peak_memory(device)
+            reset_peak_memory(device)
         w0 = time.perf_counter()
-        starts[i].record()
+        clock.start(i)
         mb_losses = []
         for inputs, targets in batches[i]:
             for inp, tgt in zip(inputs.chunk(ts.microbatches), targets.chunk(ts.microbatches)):
@@ -920,33 +775,32 @@ def train_main(argv):
                                tgt.to(device, non_blocking=True))
                 (loss * scale).backward()
                 mb_losses.append(loss.detach())
-        if args.optimizer_impl == "exact":
+        if impl == "exact":
             norm = clip_exact(named, ts.max_norm)
-        elif ts.max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, ts.max_norm, foreach=True)
         else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            norm = clip_grad_norm(params, ts.max_norm)
         lr = lr_at(ts, start_step + i + 1)
         opt.step(lr)
         opt.zero_grad()
-        ends[i].record()
+        torch_models.after_optimizer_step(model)
+        clock.end(i)
         step_losses.append(mb_losses)
         norms.append(norm.detach())
         lrs.append(lr)
         if i < args.timing_warmup:  # wall time of the warm-up steps (compile)
-            torch.cuda.synchronize()
+            synchronize(device)
             wall.append(time.perf_counter() - w0)
-    torch.cuda.synchronize()
-    peak_timed = torch.cuda.max_memory_allocated()
+    synchronize(device)
+    peak_timed = peak_memory(device)
 
     losses = [sum(float(l.item()) for l in ls) / tokens for ls in step_losses]
     grad_norms = [float(n.item()) for n in norms]
-    step_s = [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+    step_s = clock.seconds()
     timed = step_s[args.timing_warmup:]
     median = statistics.median(timed)
     fpt = flops_per_token(spec, T)
-    dev_name = torch.cuda.get_device_name()
-    peak = args.peak_flops or device_peak_flops(dev_name, compute_dtype)
+    dev_name = torch.cuda.get_device_name() if cuda else "cpu"
+    peak = args.peak_flops or (device_peak_flops(dev_name, compute_dtype) if cuda else None)
     tok_s = tokens / median
     summary = {
         "impl": "torch-" + args.mode + ("" if args.mode == "eager" or
@@ -957,12 +811,14 @@ def train_main(argv):
         "data": ts.data_path,
         "device": dev_name,
         "torch": torch.__version__,
+        "family": spec.family,
         "spec": asdict(spec),
-        "params": parameter_count(spec),
+        "params": parameter_count(entries),
         "batch": B, "seq_len": T, "grad_accum": ts.grad_accum,
         "tokens_per_step": tokens,
         "start_step": start_step, "steps": n_steps, "timing_warmup": args.timing_warmup,
-        "optimizer_impl": args.optimizer_impl, "rope_dtype": args.rope_dtype,
+        "optimizer_impl": impl, "rope_dtype": args.rope_dtype,
+        "compute_dtype": args.dtype,
         "median_step_s": median,
         "step_s": step_s,
         "tokens_per_s": tok_s,
@@ -979,7 +835,7 @@ def train_main(argv):
         "lrs": lrs,
     }
     for i, (l, g) in enumerate(zip(losses[:5], grad_norms)):
-        print(f"step {start_step + i + 1:5d} | loss {l:.6f} | grad_norm {g:.4f} | "
+        print(f"step {start_step + i + 1:5d} | loss {l:.9g} | grad_norm {g:.6g} | "
               f"lr {lrs[i]:.3e} | {step_s[i] * 1e3:.1f} ms")
     if not all(math.isfinite(l) for l in losses):
         print("warning: a loss is not finite", file=sys.stderr)
@@ -1059,7 +915,7 @@ def report_main(argv):
     if fpt is None and args.checkpoint:
         meta, _ = open_checkpoint(args.checkpoint)
         cfg = parse_config_toml(meta["config_toml"])
-        fpt = flops_per_token(llama_spec_from_config(cfg),
+        fpt = flops_per_token(spec_from_config(cfg),
                               train_settings_from_config(cfg).seq_len)
     rows = []
     vd = None
@@ -1104,9 +960,34 @@ def report_main(argv):
     return 0
 
 
+def overhead_main(argv):
+    """One results line: the step-time cost of a model feature, from viaduct's
+    own metrics of the model with it and the same model without it."""
+    ap = argparse.ArgumentParser(prog="torch_llama.py overhead",
+                                 description="median step time with / without - 1")
+    ap.add_argument("--name", required=True, help="e.g. 'AttnRes overhead (k3 / k3plain - 1)'")
+    ap.add_argument("--with", dest="with_", required=True, help="metrics.jsonl with it")
+    ap.add_argument("--without", required=True, help="metrics.jsonl without it")
+    ap.add_argument("--timing-warmup", type=int, default=3)
+    args = ap.parse_args(argv)
+    if not (os.path.isfile(args.with_) and os.path.isfile(args.without)):
+        print(f"{args.name}: n/a (a run failed: {args.with_}, {args.without})")
+        return 0
+    a = viaduct_summary(args.with_, args.timing_warmup, 0.0, None)
+    b = viaduct_summary(args.without, args.timing_warmup, 0.0, None)
+    ta, tb = a["median_step_s"], b["median_step_s"]
+    print(f"{args.name}: {100 * (ta / tb - 1):+.1f}% "
+          f"(viaduct median step {1e3 * ta:.1f} ms vs {1e3 * tb:.1f} ms; "
+          f"peak {a['peak_memory_bytes'] / 2**30:.1f} vs "
+          f"{b['peak_memory_bytes'] / 2**30:.1f} GiB)")
+    return 0
+
+
 def main(argv):
     if argv and argv[0] == "report":
         return report_main(argv[1:])
+    if argv and argv[0] == "overhead":
+        return overhead_main(argv[1:])
     return train_main(argv)
 
 
