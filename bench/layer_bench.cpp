@@ -8,7 +8,7 @@
 // the floor (it is below the projections' cost at C=64 in exact arithmetic
 // counts but runs as many small batched products).
 //
-// usage: layer_bench [--tokens T] [--dim D] [--batch B] [--iters N] [--cpu]
+// usage: layer_bench [--tokens T] [--dim D] [--batch B] [--iters N] [--cpu] [--only SUBSTRING]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -60,6 +60,7 @@ int main(int argc, char** argv) {
   int64_t T = 4096, D = 2048, B = 1;
   int iters = 10;
   bool cpu = false;
+  std::string only;  // run only the layers whose name contains this
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&] { return std::stoll(argv[++i]); };
@@ -68,6 +69,7 @@ int main(int argc, char** argv) {
     else if (a == "--batch") B = next();
     else if (a == "--iters") iters = static_cast<int>(next());
     else if (a == "--cpu") cpu = true;
+    else if (a == "--only" && i + 1 < argc) only = argv[++i];
   }
   const auto dev = cpu ? at::Device(at::kCPU) : resolve_device("auto");
   const auto dtype = dev.is_cuda() ? at::kBFloat16 : at::kFloat;
@@ -77,6 +79,7 @@ int main(int argc, char** argv) {
   std::vector<Result> rows;
   auto run = [&](const std::string& name, torch::nn::Module& m,
                  const std::function<at::Tensor(const at::Tensor&)>& fn, double core_flops) {
+    if (!only.empty() && name.find(only) == std::string::npos) return;
     m.to(dev);
     int64_t params = 0;
     for (const auto& p : m.parameters()) params += p.numel();
@@ -130,15 +133,31 @@ int main(int argc, char** argv) {
         -6.0 * inactive * B * T);
   }
   {
+    // The stack's blocks take gradients too, as in the model.
+    std::vector<at::Tensor> stack;
+    for (int i = 0; i < 8; ++i) stack.push_back(at::randn_like(x).requires_grad_(true));
     AttnResRead m(D, 1e-6);
     m->init_weights();
-    std::vector<at::Tensor> stack;
-    for (int i = 0; i < 8; ++i) stack.push_back(at::randn_like(x));
     run("attn_res read (8 blocks)", *m,
         [&](const at::Tensor& in) {
           auto s = stack;
           s.push_back(in);
           return m->forward(s);
+        },
+        0.0);
+    // The same read in its keys form (Note [AttnRes read without keys]):
+    // RMSNorm over the fp32 stack [N, B, T, D], then the query; autograd
+    // keeps the stack and the keys.
+    AttnResRead k(D, 1e-6);
+    k->init_weights();
+    run("attn_res read, keys form", *k,
+        [&](const at::Tensor& in) {
+          auto s = stack;
+          s.push_back(in);
+          auto v = at::stack(s, 0).to(at::kFloat);
+          auto logits = at::matmul(k->norm->forward(v), k->query);
+          auto alpha = at::softmax(logits, 0);
+          return (alpha.unsqueeze(-1) * v).sum(0).to(in.scalar_type());
         },
         0.0);
   }
