@@ -1,7 +1,8 @@
 // `viaduct plan`: what a pipeline job will move and hold before it runs --
-// per-hop bytes for both AttnRes transports, the rank block store's peak per
-// rank, boundary activation memory and the schedule's bubble -- from the
-// config alone (no model is built, so the 93-layer flavor plans instantly).
+// per-hop bytes for both AttnRes transports and both rank-cache backwards,
+// the rank block store's peak per rank, boundary activation memory and the
+// schedule's bubble -- from the config alone (no model is built, so the
+// 93-layer flavor plans instantly).
 #include <algorithm>
 #include <cstdio>
 #include <optional>
@@ -24,11 +25,13 @@ constexpr const char* kUsage =
     "usage: viaduct plan --config FILE [--section.key=value ...] [--json]\n"
     "\n"
     "Sizes a pipeline run without running it: per hop s -> s+1 the bytes one\n"
-    "step sends forward (its gradients travel back as many) with the AttnRes\n"
-    "rank cache and with the whole stack, the rank block store's peak per rank,\n"
-    "the boundary activations each rank holds at its peak, and the schedule's\n"
-    "bubble (unit costs F = 1, B = 2). A block entry is [B/M, T, D] in the\n"
-    "compute dtype (bf16: 2 bytes, else 4).\n";
+    "step sends forward with the AttnRes rank cache and with the whole stack\n"
+    "(gradients travel back as many, except with the rank cache and\n"
+    "parallelism.attn_res_cache_backward = whole_stack: the whole stack's), the\n"
+    "rank block store's peak per rank for both cache backwards, the boundary\n"
+    "activations each rank holds at its peak, and the schedule's bubble (unit\n"
+    "costs F = 1, B = 2). A block entry is [B/M, T, D] in the compute dtype\n"
+    "(bf16: 2 bytes, else 4).\n";
 
 double gib(double b) { return b / (1024.0 * 1024.0 * 1024.0); }
 
@@ -54,13 +57,19 @@ int plan_main(int argc, char** argv) {
   const int64_t elem = (dtype == "bfloat16" || dtype == "bf16") ? 2 : 4;
   const double entry = static_cast<double>(B / M * T * o.dim * elem);
 
+  using pipeline::AttnResCacheBackward;
   using pipeline::AttnResTransport;
   const auto whole = pipeline::make_block_layout_tables(sp, o.block_size,
                                                         AttnResTransport::kWholeStack);
-  std::optional<pipeline::BlockLayoutTables> cache;
+  // `cache`: deposit backward; `cache_wsb`: whole-stack backward (Note
+  // [AttnRes cache backward]).
+  std::optional<pipeline::BlockLayoutTables> cache, cache_wsb;
   std::string cache_refused;
   try {
-    cache = pipeline::make_block_layout_tables(sp, o.block_size, AttnResTransport::kRankCache);
+    cache = pipeline::make_block_layout_tables(sp, o.block_size, AttnResTransport::kRankCache,
+                                               AttnResCacheBackward::kDeposit);
+    cache_wsb = pipeline::make_block_layout_tables(
+        sp, o.block_size, AttnResTransport::kRankCache, AttnResCacheBackward::kWholeStack);
   } catch (const ConfigError& e) {
     cache_refused = e.what();
   }
@@ -76,23 +85,39 @@ int plan_main(int argc, char** argv) {
   out["bubble_fraction"] = plan.simulation.bubble_fraction;
   nlohmann::json hops = nlohmann::json::array();
   double total_whole = 0, total_cache = 0;
+  // Backward (gradient) bytes: whole stack, cache + deposit, cache + whole-stack backward.
+  double grad_whole = 0, grad_cache = 0, grad_cache_wsb = 0;
+  const auto bytes = [&](int64_t tensors) { return tensors * entry * static_cast<double>(M); };
   for (int64_t s = 0; s + 1 < sp.num_stages; ++s) {
     nlohmann::json h;
     h["from"] = s;
     h["to"] = s + 1;
     h["whole_stack_tensors"] = whole.hop_tensors(s);
-    h["whole_stack_bytes"] = whole.hop_tensors(s) * entry * static_cast<double>(M);
+    h["whole_stack_bytes"] = bytes(whole.hop_tensors(s));
+    h["whole_stack_grad_bytes"] = bytes(whole.grad_hop_tensors(s));
     total_whole += h["whole_stack_bytes"].get<double>();
+    grad_whole += h["whole_stack_grad_bytes"].get<double>();
     if (cache) {
       h["rank_cache_tensors"] = cache->hop_tensors(s);
-      h["rank_cache_bytes"] = cache->hop_tensors(s) * entry * static_cast<double>(M);
+      h["rank_cache_bytes"] = bytes(cache->hop_tensors(s));
+      h["rank_cache_deposit_grad_tensors"] = cache->grad_hop_tensors(s);
+      h["rank_cache_deposit_grad_bytes"] = bytes(cache->grad_hop_tensors(s));
+      h["rank_cache_whole_stack_grad_tensors"] = cache_wsb->grad_hop_tensors(s);
+      h["rank_cache_whole_stack_grad_bytes"] = bytes(cache_wsb->grad_hop_tensors(s));
       total_cache += h["rank_cache_bytes"].get<double>();
+      grad_cache += h["rank_cache_deposit_grad_bytes"].get<double>();
+      grad_cache_wsb += h["rank_cache_whole_stack_grad_bytes"].get<double>();
     }
     hops.push_back(h);
   }
   out["hops"] = hops;
   out["whole_stack_bytes_per_step"] = total_whole;
-  if (cache) out["rank_cache_bytes_per_step"] = total_cache;
+  out["whole_stack_grad_bytes_per_step"] = grad_whole;
+  if (cache) {
+    out["rank_cache_bytes_per_step"] = total_cache;
+    out["rank_cache_deposit_grad_bytes_per_step"] = grad_cache;
+    out["rank_cache_whole_stack_grad_bytes_per_step"] = grad_cache_wsb;
+  }
   if (!cache_refused.empty()) out["rank_cache_refused"] = cache_refused;
   nlohmann::json ranks = nlohmann::json::array();
   for (int64_t r = 0; r < sp.pp; ++r) {
@@ -111,6 +136,8 @@ int plan_main(int argc, char** argv) {
       j["store_peak_bytes"] = static_cast<double>(peak.total) * entry;
       j["store_peak_blocks"] = peak.blocks;
       j["store_peak_grad_slots"] = peak.grad_slots;
+      const auto peak_wsb = pipeline::predict_store_peak(*cache_wsb, plan.compute, r);
+      j["store_peak_bytes_whole_stack_backward"] = static_cast<double>(peak_wsb.total) * entry;
     }
     ranks.push_back(j);
   }
@@ -140,17 +167,27 @@ int plan_main(int argc, char** argv) {
   }
   std::printf("  per step: whole stack %.3f GiB", gib(total_whole));
   if (cache) std::printf(", rank cache %.3f GiB", gib(total_cache));
-  std::printf(" (forward; gradients as many again)\n");
+  std::printf(" forward\n");
+  std::printf("  per step backward: whole stack %.3f GiB", gib(grad_whole));
+  if (cache) {
+    std::printf(", rank cache %.3f GiB (attn_res_cache_backward = deposit) or %.3f GiB "
+                "(= whole_stack)",
+                gib(grad_cache), gib(grad_cache_wsb));
+  }
+  std::printf("\n");
   if (!cache_refused.empty()) std::printf("rank cache: %s\n", cache_refused.c_str());
-  std::printf("  rank  in flight  boundary activations  store peak (blocks + grad slots)\n");
+  std::printf("  rank  in flight  boundary activations  store peak: deposit (blocks + grad "
+              "slots), whole_stack backward\n");
   for (const auto& j : ranks) {
     std::printf("  %4lld  %9lld  %16.3f GiB", j["rank"].get<long long>(),
                 j["peak_microbatches_in_flight"].get<long long>(),
                 gib(j["boundary_activation_bytes"].get<double>()));
     if (cache) {
-      std::printf("  %8.3f GiB (%lld + %lld entries)", gib(j["store_peak_bytes"].get<double>()),
+      std::printf("  %8.3f GiB (%lld + %lld entries), %8.3f GiB",
+                  gib(j["store_peak_bytes"].get<double>()),
                   j["store_peak_blocks"].get<long long>(),
-                  j["store_peak_grad_slots"].get<long long>());
+                  j["store_peak_grad_slots"].get<long long>(),
+                  gib(j["store_peak_bytes_whole_stack_backward"].get<double>()));
     }
     std::printf("\n");
   }
@@ -160,8 +197,8 @@ int plan_main(int argc, char** argv) {
 }  // namespace
 
 VIADUCT_COMMAND("plan",
-                "size a pipeline run: per-hop bytes (AttnRes cache vs whole stack), "
-                "store peak, activations, bubble",
+                "size a pipeline run: per-hop bytes (AttnRes cache vs whole stack, "
+                "both cache backwards), store peak, activations, bubble",
                 plan_main);
 
 }  // namespace viaduct::apps

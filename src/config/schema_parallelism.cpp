@@ -49,6 +49,12 @@ void add_parallelism_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("attn_res_cache", T::kBool, true,
                   "AttnRes: rank block cache (hops carry only missing blocks); "
                   "false = every hop carries the whole stack"));
+  k.push_back(key("attn_res_cache_backward", T::kString, std::string("deposit"),
+                  "AttnRes rank cache's backward: deposit (stored blocks' gradients "
+                  "summed per rank in the store; last bits may differ from one "
+                  "process) | whole_stack (every backward hop carries the whole "
+                  "stack's gradients: one process's bits, whole-stack bytes "
+                  "backward); only with attn_res_cache = true"));
   k.push_back(key("attn_res_cache_offload", T::kBool, false,
                   "AttnRes: keep cached blocks in pinned host memory between "
                   "commit and read"));
@@ -89,6 +95,20 @@ void validate_parallelism(const Config& c) {
   const auto mb = c.get_int_opt("parallelism.pipeline_parallel_microbatches");
   VIADUCT_CHECK_T(ConfigError, !mb || *mb >= 1,
                   "parallelism.pipeline_parallel_microbatches must be >= 1, got ", *mb);
+
+  // Note [AttnRes cache backward] (pipeline/attn_res/block_layout.h).
+  constexpr const char* kCacheBackward = "parallelism.attn_res_cache_backward";
+  const auto cache_backward = c.get_string(kCacheBackward);
+  VIADUCT_CHECK_T(ConfigError, cache_backward == "deposit" || cache_backward == "whole_stack",
+                  kCacheBackward, " must be \"deposit\" or \"whole_stack\", got '",
+                  cache_backward, "'");
+  VIADUCT_CHECK_T(ConfigError,
+                  c.get_bool("parallelism.attn_res_cache") || cache_backward != "deposit" ||
+                      !c.is_set(kCacheBackward),
+                  kCacheBackward, " = \"deposit\" needs parallelism.attn_res_cache = true: "
+                  "without the rank cache there is no store to deposit into and every "
+                  "backward hop already carries the whole stack's gradients (drop the key "
+                  "or set it to \"whole_stack\")");
 
   const std::string csv = c.get_string("parallelism.pipeline_parallel_schedule_csv");
   if (!csv.empty()) {

@@ -123,7 +123,9 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
             split, kimi_k3_options(cfg_).block_size,
             cfg_.get_bool("parallelism.attn_res_cache")
                 ? pipeline::AttnResTransport::kRankCache
-                : pipeline::AttnResTransport::kWholeStack));
+                : pipeline::AttnResTransport::kWholeStack,
+            pipeline::cache_backward_from_name(
+                cfg_.get_string("parallelism.attn_res_cache_backward"))));
     attn_res_store_ = std::make_shared<pipeline::RankBlockStore>(
         pp_rank_, *attn_res_tables_, cfg_.get_bool("parallelism.attn_res_cache_offload"));
   }
@@ -398,16 +400,20 @@ StepMetrics Trainer::train_step() {
   m.p2p_bytes = executor_ ? executor_->last_step_p2p_bytes() : 0;
   if (attn_res_tables_) {
     // Each rank knows its own sends and store: one sum over pp gathers them.
-    const auto S = static_cast<size_t>(plan_->split.num_stages);
-    std::vector<double> v(S - 1 + static_cast<size_t>(plan_->split.pp), 0.0);
+    // v = [forward bytes per hop, backward bytes per hop, store peak per rank].
+    const auto H = static_cast<size_t>(plan_->split.num_stages - 1);
+    std::vector<double> v(2 * H + static_cast<size_t>(plan_->split.pp), 0.0);
     for (const auto& [hop, bytes] : executor_->last_step_hop_bytes()) {
       v[static_cast<size_t>(hop)] = static_cast<double>(bytes);
     }
-    v[S - 1 + static_cast<size_t>(pp_rank_)] =
+    for (const auto& [hop, bytes] : executor_->last_step_hop_grad_bytes()) {
+      v[H + static_cast<size_t>(hop)] = static_cast<double>(bytes);
+    }
+    v[2 * H + static_cast<size_t>(pp_rank_)] =
         static_cast<double>(attn_res_store_->peak_bytes());
     sum_over(mesh_ ? &mesh_->pp_group() : nullptr, v, "pipeline byte counts");
     for (size_t i = 0; i < v.size(); ++i) {
-      (i + 1 < S ? m.hop_bytes : m.attn_res_store_peak_bytes)
+      (i < H ? m.hop_bytes : i < 2 * H ? m.hop_grad_bytes : m.attn_res_store_peak_bytes)
           .push_back(static_cast<int64_t>(v[i]));
     }
   }
@@ -590,6 +596,7 @@ void Trainer::log_step(const StepMetrics& m) {
   if (executor_) j["p2p_bytes"] = m.p2p_bytes;
   if (attn_res_tables_) {
     j["hop_bytes"] = m.hop_bytes;
+    j["hop_grad_bytes"] = m.hop_grad_bytes;
     j["attn_res_store_peak_bytes"] = m.attn_res_store_peak_bytes;
   }
   append_metrics(j.dump());

@@ -49,9 +49,11 @@ struct StepMetrics {
   double mfu = -1;        // fraction of peak; < 0 when the peak is unknown
   double peak_memory_bytes = 0;
   int64_t p2p_bytes = 0;  // this rank's pipeline sends + receives
-  // Forward bytes per hop s -> s+1 (all ranks), and the AttnRes rank block
-  // store's peak bytes per pp rank (empty without an AttnRes pipeline).
+  // Forward and backward (gradient) bytes per hop s -> s+1 (all ranks), and
+  // the AttnRes rank block store's peak bytes per pp rank (empty without an
+  // AttnRes pipeline).
   std::vector<int64_t> hop_bytes;
+  std::vector<int64_t> hop_grad_bytes;
   std::vector<int64_t> attn_res_store_peak_bytes;
 };
 

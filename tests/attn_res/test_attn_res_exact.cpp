@@ -1,9 +1,10 @@
 // The kimi_k3 flavor exact16 (model/exact16.h) under AttnResStage, ranks as
 // threads over Gloo with the real executor: its gradients are small integers
 // times the loss scale, so the rank cache's regrouped sums are exact and
-// every transport and layout must give one process's bits -- and the closed
-// form below, an integer recurrence written from Note [exact16: integer
-// gradients] independently of the model code. Also the flavor's refusals.
+// every transport (the rank cache with either backward) and layout must give
+// one process's bits -- and the closed form below, an integer recurrence
+// written from Note [exact16: integer gradients] independently of the model
+// code. Also the flavor's refusals.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -177,9 +178,9 @@ void run_one_process(const Config& cfg, Record& rec) {
 }
 
 void run_pipeline(const Config& cfg, const PipelinePlan& plan, AttnResTransport transport,
-                  Record& rec) {
-  const auto tables = std::make_shared<const BlockLayoutTables>(
-      make_block_layout_tables(plan.split, exact16_options(cfg).block_size, transport));
+                  AttnResCacheBackward backward, Record& rec) {
+  const auto tables = std::make_shared<const BlockLayoutTables>(make_block_layout_tables(
+      plan.split, exact16_options(cfg).block_size, transport, backward));
   const int port = dist::find_free_port();
   const int pp = static_cast<int>(plan.split.pp);
   std::vector<std::thread> threads;
@@ -380,10 +381,17 @@ TEST(AttnResExact, Exact16AgreesBitwiseAcrossTransportsAndLayoutsAndWithTheClose
                  {"lm_head", "attn_res_final"}})}};
   for (const auto& [name, plan] : layouts) {
     ASSERT_EQ(plan.split.num_stages, name == "16 stages" ? 16 : 8) << name;
-    for (auto tr : {AttnResTransport::kRankCache, AttnResTransport::kWholeStack}) {
+    // The rank cache with both backwards (Note [AttnRes cache backward]),
+    // and the whole stack.
+    using B = AttnResCacheBackward;
+    for (auto [tr, bw] : {std::pair{AttnResTransport::kRankCache, B::kDeposit},
+                          std::pair{AttnResTransport::kRankCache, B::kWholeStack},
+                          std::pair{AttnResTransport::kWholeStack, B::kWholeStack}}) {
       Record rec;
-      run_pipeline(cfg, plan, tr, rec);
-      expect_bitwise(one, rec, name + ", " + transport_name(tr));
+      run_pipeline(cfg, plan, tr, bw, rec);
+      expect_bitwise(one, rec,
+                     name + ", " + transport_name(tr) + " (backward " +
+                         cache_backward_name(bw) + ")");
     }
   }
 }

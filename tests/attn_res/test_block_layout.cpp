@@ -1,5 +1,6 @@
 // BlockLayoutTables: entry counts for uneven splits and boundaries inside a
-// block, the rank cache's delta rule, deposits and the refusals. Pure.
+// block, the rank cache's delta rule, deposits, the two cache backwards and
+// the refusals. Pure.
 #include <gtest/gtest.h>
 
 #include <set>
@@ -55,6 +56,32 @@ TEST(BlockLayout, Debugmodel24Pp2x2) {
     EXPECT_TRUE(l.stored.empty());
   }
   EXPECT_TRUE(w.deposits.empty());
+  EXPECT_EQ(w.backward, AttnResCacheBackward::kWholeStack);
+
+  // Deposit (default): gradients go back for the received columns only.
+  EXPECT_EQ(c.backward, AttnResCacheBackward::kDeposit);
+  EXPECT_EQ(c.stage(2).returned, (V{1}));
+  EXPECT_EQ(c.stage(2).deposited, (V{0}));
+  EXPECT_EQ(c.stage(1).collected, (V{0, 1}));
+  for (int64_t s = 0; s < 3; ++s) EXPECT_EQ(c.grad_hop_tensors(s), c.hop_tensors(s));
+
+  // Whole-stack backward: the cache's forward, the whole stack's backward,
+  // no deposits.
+  const auto cw = make_block_layout_tables(sp, 12, AttnResTransport::kRankCache,
+                                           AttnResCacheBackward::kWholeStack);
+  EXPECT_EQ(cw.backward, AttnResCacheBackward::kWholeStack);
+  EXPECT_TRUE(cw.deposits.empty());
+  for (int64_t s = 0; s < 3; ++s) {
+    EXPECT_EQ(cw.hop_tensors(s), c.hop_tensors(s)) << "hop " << s;
+    EXPECT_EQ(cw.grad_hop_tensors(s), w.grad_hop_tensors(s)) << "hop " << s;
+  }
+  EXPECT_EQ(cw.stage(3).read, (V{0, 1}));
+  EXPECT_EQ(cw.stage(3).returned, (V{0, 1}));
+  EXPECT_EQ(cw.stage(1).stored, (V{0, 1}));  // the forward still stores
+  for (const auto& l : cw.stages) {
+    EXPECT_TRUE(l.deposited.empty());
+    EXPECT_TRUE(l.collected.empty());
+  }
 }
 
 TEST(BlockLayout, Exact16UnevenSplitOpensBlocksAfterFirstLayer) {
@@ -105,6 +132,26 @@ TEST(BlockLayout, PropertiesOverShapes) {
                 EXPECT_EQ(t.expected_deposits(l.rank, n), v - 1 - l.stage_id / pp);
               }
             }
+            if (tr == AttnResTransport::kRankCache) {
+              // The whole-stack backward: the cache's forward routing and the
+              // whole stack's gradient hops.
+              const auto cw =
+                  make_block_layout_tables(sp, K, tr, AttnResCacheBackward::kWholeStack);
+              const auto w = make_block_layout_tables(sp, K, AttnResTransport::kWholeStack);
+              EXPECT_TRUE(cw.deposits.empty());
+              for (int64_t s = 0; s < static_cast<int64_t>(t.stages.size()); ++s) {
+                const auto& a = t.stage(s);
+                const auto& b = cw.stage(s);
+                EXPECT_EQ(b.received, a.received);
+                EXPECT_EQ(b.read, a.read);
+                EXPECT_EQ(b.stored, a.stored);
+                EXPECT_EQ(b.returned, w.stage(s).received);
+                EXPECT_TRUE(b.deposited.empty() && b.collected.empty());
+                EXPECT_EQ(a.returned, a.received);
+                EXPECT_EQ(a.deposited, a.read);
+                EXPECT_EQ(a.collected, a.stored);
+              }
+            }
             ++checked;
           }
         }
@@ -127,6 +174,19 @@ TEST(BlockLayout, RefusesVPlacementAndNonContiguousSplits) {
     EXPECT_NE(std::string(e.what()).find("attn_res_cache"), std::string::npos) << e.what();
   }
   EXPECT_NO_THROW(make_block_layout_tables(plan.split, 4, AttnResTransport::kWholeStack));
+  // The whole-stack backward keeps the cache's forward, so its placement rule.
+  EXPECT_THROW(make_block_layout_tables(plan.split, 4, AttnResTransport::kRankCache,
+                                        AttnResCacheBackward::kWholeStack),
+               ConfigError);
+  EXPECT_EQ(cache_backward_from_name("deposit"), AttnResCacheBackward::kDeposit);
+  EXPECT_EQ(cache_backward_from_name("whole_stack"), AttnResCacheBackward::kWholeStack);
+  try {
+    cache_backward_from_name("chain");
+    FAIL() << "an unknown backward accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("parallelism.attn_res_cache_backward"),
+              std::string::npos) << e.what();
+  }
   EXPECT_THROW(make_block_layout_tables({{0, 4}, {5, 8}}, {0, 1}, 2, 4, 8,
                                         AttnResTransport::kRankCache),
                ConfigError);
@@ -144,9 +204,16 @@ TEST(BlockLayout, StorePeakFollowsTheSchedule) {
   const auto plan = make_pipeline_plan(spec);
   const auto c = make_block_layout_tables(plan.split, 12, AttnResTransport::kRankCache);
   const auto w = make_block_layout_tables(plan.split, 12, AttnResTransport::kWholeStack);
+  const auto cw = make_block_layout_tables(plan.split, 12, AttnResTransport::kRankCache,
+                                           AttnResCacheBackward::kWholeStack);
   for (int64_t r = 0; r < 2; ++r) {
     EXPECT_GT(predict_store_peak(c, plan.compute, r).total, 0);
     EXPECT_EQ(predict_store_peak(w, plan.compute, r).total, 0);
+    // The whole-stack backward keeps the blocks but no gradient slots.
+    const auto p = predict_store_peak(cw, plan.compute, r);
+    EXPECT_GT(p.blocks, 0);
+    EXPECT_EQ(p.grad_slots, 0);
+    EXPECT_LE(p.total, predict_store_peak(c, plan.compute, r).total);
   }
 }
 

@@ -166,3 +166,22 @@ TEST(Config, MissingFileIsAClearError) {
     EXPECT_NE(std::string(e.what()).find("/nonexistent/job.toml"), std::string::npos);
   }
 }
+
+// parallelism.attn_res_cache_backward: two names; "deposit" given with the
+// whole-stack transport is refused (no store), "whole_stack" is what that
+// transport does anyway.
+TEST(Config, AttnResCacheBackwardValuesAndTransport) {
+  auto c = Config::parse("", "job.toml");
+  EXPECT_EQ(c.get_string("parallelism.attn_res_cache_backward"), "deposit");
+  EXPECT_NO_THROW(
+      Config::parse("", "job.toml", {"parallelism.attn_res_cache_backward=whole_stack"}));
+  EXPECT_NO_THROW(Config::parse("", "job.toml", {"parallelism.attn_res_cache=false"}));
+  EXPECT_NO_THROW(Config::parse("", "job.toml",
+                                {"parallelism.attn_res_cache=false",
+                                 "parallelism.attn_res_cache_backward=whole_stack"}));
+  auto msg = error_of("", {"parallelism.attn_res_cache_backward=chain"});
+  EXPECT_NE(msg.find("parallelism.attn_res_cache_backward"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("whole_stack"), std::string::npos) << msg;
+  msg = error_of("[parallelism]\nattn_res_cache = false\nattn_res_cache_backward = \"deposit\"\n");
+  EXPECT_NE(msg.find("parallelism.attn_res_cache = true"), std::string::npos) << msg;
+}

@@ -85,16 +85,17 @@ Activations AttnResStage::expand_grads(int64_t mb, const Activations& grad_paylo
   const auto& l = layout();
   if (is_last()) return grad_payload;
   const auto& next = tables_->stage(stage_id() + 1);
-  VIADUCT_CHECK(static_cast<int64_t>(grad_payload.size()) == next.hop_tensors(),
+  VIADUCT_CHECK(static_cast<int64_t>(grad_payload.size()) == next.grad_hop_tensors(),
                 "AttnRes stage ", stage_id(), " micro-batch ", mb, ": got ",
-                grad_payload.size(), " output gradients, the hop carries ",
-                next.hop_tensors(), " tensors");
+                grad_payload.size(), " output gradients, the ", transport_name(tables_->transport),
+                " tables (backward: ", cache_backward_name(tables_->backward),
+                ") send back ", next.grad_hop_tensors(), " tensors");
   Activations full(static_cast<size_t>(1 + l.entries_out));
   full[0] = grad_payload[0];
-  for (size_t i = 0; i < next.received.size(); ++i) {
-    full[static_cast<size_t>(1 + next.received[i])] = grad_payload[1 + i];
+  for (size_t i = 0; i < next.returned.size(); ++i) {
+    full[static_cast<size_t>(1 + next.returned[i])] = grad_payload[1 + i];
   }
-  for (int64_t n : l.stored) {
+  for (int64_t n : l.collected) {
     auto g = store_->collect(stage_id(), mb, n);
     auto& slot = full[static_cast<size_t>(1 + n)];
     slot = slot.defined() ? slot + g : g;
@@ -105,7 +106,7 @@ Activations AttnResStage::expand_grads(int64_t mb, const Activations& grad_paylo
 Activations AttnResStage::route_input_grads(int64_t mb, const Activations& grads_full) {
   const auto& l = layout();
   if (is_first()) return grads_full;
-  for (int64_t n : l.read) {
+  for (int64_t n : l.deposited) {
     auto g = grads_full.at(static_cast<size_t>(1 + n));
     if (!g.defined()) {
       // No reader on this stage used the entry: its contribution is zero,
@@ -115,8 +116,17 @@ Activations AttnResStage::route_input_grads(int64_t mb, const Activations& grads
     store_->deposit(stage_id(), mb, n, g);
   }
   Activations out{grads_full.at(0)};
-  for (int64_t n : l.received) out.push_back(grads_full.at(static_cast<size_t>(1 + n)));
+  for (int64_t n : l.returned) out.push_back(grads_full.at(static_cast<size_t>(1 + n)));
   return out;
+}
+
+std::vector<TensorMeta> AttnResStage::hop_grad_metas(
+    int64_t s, const std::vector<TensorMeta>& forward) const {
+  VIADUCT_CHECK(!forward.empty(), "AttnRes stage ", stage_id(), ": no tensors cross the hop ",
+                s, " -> ", s + 1);
+  const auto n = static_cast<size_t>(tables_->grad_hop_tensors(s));
+  if (n == forward.size()) return forward;  // deposit or whole stack: one per tensor
+  return std::vector<TensorMeta>(n, forward[0]);
 }
 
 Activations AttnResStage::backward(int64_t mb, const Activations& grad_outputs) {

@@ -10,10 +10,12 @@
 // rank reads are stored, and the payload (hidden, the receiving rank's
 // delta) goes back to the executor. Backward: the payload gradient is
 // spread over the part's full outputs, the deposits for the entries this
-// stage stored are collected and added (a count mismatch is an Error naming
-// stage, micro-batch and block), the part's backward runs, and of the input
-// gradients the received columns go back over P2P while the stored columns'
-// are deposited. The rank's last stage releases the micro-batch's blocks
+// stage collects are added (a count mismatch is an Error naming stage,
+// micro-batch and block), the part's backward runs, and of the input
+// gradients the tables' `returned` columns go back over P2P while the
+// `deposited` ones go to the store (Note [AttnRes cache backward]: with the
+// whole-stack backward every column goes back and nothing is deposited).
+// The rank's last stage releases the micro-batch's blocks
 // right after its forward. Metadata inference and eval run the same
 // assembly without autograd, under micro-batch kNoGradMicrobatch.
 #pragma once
@@ -43,6 +45,10 @@ class AttnResStage : public PipelineStage {
                               const at::Tensor& targets) override;
   void clear() override;
   void check_step_end(const std::string& what) override;
+  // hidden + the tables' returned entries, each with hidden's shape and
+  // dtype (every stack entry has them: Note [Kimi-K3 part activations]).
+  std::vector<TensorMeta> hop_grad_metas(int64_t s,
+                                         const std::vector<TensorMeta>& forward) const override;
 
   const StageBlockLayout& layout() const { return tables_->stage(stage_id()); }
   RankBlockStore& store() { return *store_; }

@@ -32,6 +32,19 @@ const char* transport_name(AttnResTransport t) {
   return t == AttnResTransport::kRankCache ? "rank cache" : "whole stack";
 }
 
+const char* cache_backward_name(AttnResCacheBackward b) {
+  return b == AttnResCacheBackward::kDeposit ? "deposit" : "whole_stack";
+}
+
+AttnResCacheBackward cache_backward_from_name(const std::string& name) {
+  if (name == "deposit") return AttnResCacheBackward::kDeposit;
+  if (name == "whole_stack") return AttnResCacheBackward::kWholeStack;
+  throw ConfigError(str("parallelism.attn_res_cache_backward must be \"deposit\" (gradients "
+                        "of stored blocks summed per rank in the store) or \"whole_stack\" "
+                        "(every backward hop carries the whole stack's gradients: one "
+                        "process's bits), got '", name, "'"));
+}
+
 int64_t BlockLayoutTables::expected_deposits(int64_t rank, int64_t entry) const {
   auto it = deposits.find({rank, entry});
   return it == deposits.end() ? 0 : it->second;
@@ -40,8 +53,9 @@ int64_t BlockLayoutTables::expected_deposits(int64_t rank, int64_t entry) const 
 BlockLayoutTables make_block_layout_tables(
     const std::vector<std::pair<int64_t, int64_t>>& stage_layers,
     const std::vector<int64_t>& stage_to_rank, int64_t pp, int64_t block_size,
-    int64_t n_layers, AttnResTransport transport) {
+    int64_t n_layers, AttnResTransport transport, AttnResCacheBackward backward) {
   const bool cache = transport == AttnResTransport::kRankCache;
+  const bool deposit = cache && backward == AttnResCacheBackward::kDeposit;
   const int64_t S = static_cast<int64_t>(stage_layers.size());
   VIADUCT_CHECK_T(ConfigError, block_size > 0,
                   "model.attn_res_block_size must be > 0, got ", block_size);
@@ -77,6 +91,7 @@ BlockLayoutTables make_block_layout_tables(
 
   BlockLayoutTables t;
   t.transport = transport;
+  t.backward = deposit ? AttnResCacheBackward::kDeposit : AttnResCacheBackward::kWholeStack;
   t.block_size = block_size;
   t.n_layers = n_layers;
   t.n_entries = ceil_div(n_layers, block_size);
@@ -108,9 +123,17 @@ BlockLayoutTables make_block_layout_tables(
       if (stages_left[l.rank] > 0) {
         l.stored = l.received;
         l.stored.insert(l.stored.end(), l.committed.begin(), l.committed.end());
-        for (int64_t n : l.stored) t.deposits[{l.rank, n}] = stages_left[l.rank];
       }
       held_end[l.rank] = l.entries_out;
+    }
+    // Note [AttnRes cache backward].
+    if (deposit) {
+      l.returned = l.received;
+      l.deposited = l.read;
+      l.collected = l.stored;
+      for (int64_t n : l.collected) t.deposits[{l.rank, n}] = stages_left[l.rank];
+    } else if (s > 0) {
+      l.returned = range(0, l.entries_in);
     }
     t.stages.push_back(std::move(l));
   }
@@ -118,7 +141,8 @@ BlockLayoutTables make_block_layout_tables(
 }
 
 BlockLayoutTables make_block_layout_tables(const Split& split, int64_t block_size,
-                                           AttnResTransport transport) {
+                                           AttnResTransport transport,
+                                           AttnResCacheBackward backward) {
   if (transport == AttnResTransport::kRankCache) {
     VIADUCT_CHECK_T(ConfigError, split.placement != Placement::kV,
                     "parallelism.attn_res_cache = true needs loop placement, but the "
@@ -126,7 +150,7 @@ BlockLayoutTables make_block_layout_tables(const Split& split, int64_t block_siz
                     "looped schedule or set parallelism.attn_res_cache = false");
   }
   return make_block_layout_tables(split.stage_layers, split.stage_to_rank, split.pp,
-                                  block_size, split.n_layers, transport);
+                                  block_size, split.n_layers, transport, backward);
 }
 
 StorePeak predict_store_peak(const BlockLayoutTables& t, const Schedule& compute,
@@ -151,8 +175,8 @@ StorePeak predict_store_peak(const BlockLayoutTables& t, const Schedule& compute
         if (l.releases) blocks.erase(mb);
       } else if (leaf.kind == ActionKind::kBackward ||
                  leaf.kind == ActionKind::kBackwardInput) {
-        for (int64_t n : l.stored) slots.erase({mb, n});  // collected
-        for (int64_t n : l.read) ++slots[{mb, n}];        // deposited
+        for (int64_t n : l.collected) slots.erase({mb, n});
+        for (int64_t n : l.deposited) ++slots[{mb, n}];
         total();
       }
     }
@@ -162,14 +186,19 @@ StorePeak predict_store_peak(const BlockLayoutTables& t, const Schedule& compute
 
 std::string describe(const BlockLayoutTables& t) {
   std::ostringstream os;
-  os << "AttnRes " << transport_name(t.transport) << ": " << t.n_layers
-     << " layers, blocks of " << t.block_size << ", " << t.n_entries
+  os << "AttnRes " << transport_name(t.transport);
+  if (t.transport == AttnResTransport::kRankCache) {
+    os << " (backward: " << cache_backward_name(t.backward) << ")";
+  }
+  os << ": " << t.n_layers << " layers, blocks of " << t.block_size << ", " << t.n_entries
      << " stack entries before the head\n";
   for (const auto& l : t.stages) {
     os << "  stage " << l.stage_id << " (rank " << l.rank << ", layers [" << l.first_layer
        << ", " << l.end_layer << ")): receives " << join(l.received) << ", reads "
        << join(l.read) << ", commits " << join(l.committed) << ", stores "
-       << join(l.stored) << (l.releases ? ", releases" : "") << "\n";
+       << join(l.stored) << (l.releases ? ", releases" : "") << "; gradients back "
+       << join(l.returned) << ", deposits " << join(l.deposited) << ", collects "
+       << join(l.collected) << "\n";
   }
   return os.str();
 }

@@ -112,7 +112,11 @@ void PipelineExecutor::send(const Activations& tensors, int dst_rank,
     p.tensors.push_back(t);
   }
   p2p_bytes_ += bytes_of(p.tensors);
-  if (direction == kForwardDir) hop_bytes_[stage - 1] += bytes_of(p.tensors);
+  if (direction == kForwardDir) {
+    hop_bytes_[stage - 1] += bytes_of(p.tensors);
+  } else {
+    hop_grad_bytes_[stage] += bytes_of(p.tensors);  // the hop stage -> stage + 1
+  }
   sends_.push_back(std::move(p));
 }
 
@@ -158,7 +162,7 @@ void PipelineExecutor::run_action(const Action& a) {
       post_recv(recv_f_, key, meta_.at(s - 1), rank_of(s - 1), kForwardDir, a);
       return;
     case ActionKind::kRecvB:
-      post_recv(recv_b_, key, meta_.at(s), rank_of(s + 1), kBackwardDir, a);
+      post_recv(recv_b_, key, grad_meta_.at(s), rank_of(s + 1), kBackwardDir, a);
       return;
     case ActionKind::kSendF: {
       auto it = fwd_out_.find(key);
@@ -213,7 +217,9 @@ void PipelineExecutor::run_action(const Action& a) {
                                                  : st.backward_input(mb, grads);
       if (!st.is_first()) {
         // Inputs that need no gradient still travel, as zeros.
-        const auto& metas = meta_.at(s - 1);
+        const auto& metas = grad_meta_.at(s - 1);
+        VIADUCT_CHECK(gin.size() == metas.size(), context(a), ": the backward returned ",
+                      gin.size(), " input gradients, the hop carries ", metas.size());
         for (size_t i = 0; i < gin.size(); ++i) {
           if (!gin[i].defined()) {
             gin[i] = at::zeros(metas.at(i).shape,
@@ -262,6 +268,7 @@ double PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
   loss_scale_ = loss_scale;
   p2p_bytes_ = 0;
   hop_bytes_.clear();
+  hop_grad_bytes_.clear();
   for (auto& st : stages_) st->clear();
   try {
     for (const auto& a : plan_.lowered.ranks.at(pp_rank_)) run_action(a);
@@ -350,6 +357,7 @@ void PipelineExecutor::infer_metadata(const at::Tensor& tokens) {
         for (int64_t d = 0; d < nd; ++d) m.shape.push_back(v[k++]);
       }
       meta_[s - 1] = metas;
+      grad_meta_[s - 1] = st.hop_grad_metas(s - 1, metas);
       std::map<Key, Pending> tmp;
       post_recv(tmp, {s, 0}, metas, rank_of(s - 1), kForwardDir, a);
       in = take_recv(tmp, {s, 0}, a);
@@ -368,6 +376,7 @@ void PipelineExecutor::infer_metadata(const at::Tensor& tokens) {
       for (auto d : t.sizes()) header.push_back(d);
     }
     meta_[s] = metas;
+    grad_meta_[s] = st.hop_grad_metas(s, metas);
     if (local(s + 1)) {
       carry = std::move(out);
     } else {

@@ -8,7 +8,8 @@
 // through the pipeline (infer_metadata) and records, per stage boundary, the
 // shapes and dtypes of the tensors that cross it. Receive buffers are then
 // allocated dense and contiguous from that record; every micro-batch of a job
-// has the same shapes.
+// has the same shapes. The gradients that travel back over a hop are sized by
+// the stages' hop_grad_metas (by default like the forward tensors).
 #pragma once
 
 #include <torch/torch.h>
@@ -23,11 +24,6 @@
 #include "pipeline/schedule/plan.h"
 
 namespace viaduct::pipeline {
-
-struct TensorMeta {
-  std::vector<int64_t> shape;
-  at::ScalarType dtype = at::kFloat;
-};
 
 class PipelineExecutor {
  public:
@@ -60,9 +56,13 @@ class PipelineExecutor {
   bool holds_first_stage() const;
   // Bytes sent over P2P in the last step (activations + gradients).
   int64_t last_step_p2p_bytes() const { return p2p_bytes_; }
-  // Bytes this rank sent forward over each hop s -> s + 1 in the last step
-  // (all micro-batches), keyed by s; a hop's gradients travel back as many.
+  // Bytes this rank sent over each hop s -> s + 1 in the last step (all
+  // micro-batches), keyed by s: forward (activations) and backward
+  // (gradients, as many unless a stage's hop_grad_metas says otherwise).
   const std::map<int64_t, int64_t>& last_step_hop_bytes() const { return hop_bytes_; }
+  const std::map<int64_t, int64_t>& last_step_hop_grad_bytes() const {
+    return hop_grad_bytes_;
+  }
 
  private:
   using Key = std::pair<int64_t, int64_t>;  // (stage, micro-batch)
@@ -93,8 +93,9 @@ class PipelineExecutor {
   dist::ProcessGroup* pp_group_;
   at::Device device_;
   int64_t num_microbatches_;
-  // meta_[s]: the tensors stage s sends forward (s -> s+1).
-  std::map<int64_t, std::vector<TensorMeta>> meta_;
+  // meta_[s]: the tensors stage s sends forward (s -> s+1); grad_meta_[s]:
+  // those stage s+1 sends back over the same hop.
+  std::map<int64_t, std::vector<TensorMeta>> meta_, grad_meta_;
   bool have_meta_ = false;
 
   // Per step.
@@ -106,7 +107,7 @@ class PipelineExecutor {
   std::map<Key, Pending> recv_f_, recv_b_;
   std::vector<Pending> sends_;
   int64_t p2p_bytes_ = 0;
-  std::map<int64_t, int64_t> hop_bytes_;
+  std::map<int64_t, int64_t> hop_bytes_, hop_grad_bytes_;
 };
 
 }  // namespace viaduct::pipeline

@@ -24,6 +24,13 @@
 
 namespace viaduct::pipeline {
 
+// A tensor that crosses a stage boundary (Note [Boundary metadata] in
+// executor.h).
+struct TensorMeta {
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+};
+
 class PipelineStage {
  public:
   PipelineStage(int64_t stage_id, int64_t num_stages,
@@ -54,6 +61,16 @@ class PipelineStage {
                                      const Activations& grad_outputs);
   // Weight-gradient half (W) of an earlier I; releases the state.
   virtual void backward_weight(int64_t mb);
+
+  // The tensors the backward sends back over the hop s -> s + 1 (this stage
+  // is s or s + 1), given `forward`, those the forward sends over it: one
+  // gradient per forward tensor unless a subclass routes more (Note [AttnRes
+  // cache backward] in pipeline/attn_res/block_layout.h). Both sides of the
+  // hop must answer alike.
+  virtual std::vector<TensorMeta> hop_grad_metas(int64_t s,
+                                                 const std::vector<TensorMeta>& forward) const {
+    return forward;
+  }
 
   // The summed (unscaled) token cross-entropy of `mb` on the last stage.
   double loss_sum(int64_t mb) const;

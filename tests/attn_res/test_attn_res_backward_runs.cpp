@@ -1,0 +1,255 @@
+// parallelism.attn_res_cache_backward through `viaduct train`, ranks as
+// processes over Gloo (Note [AttnRes cache backward] in
+// pipeline/attn_res/block_layout.h): the rank cache with the whole-stack
+// backward trains debugmodel_deep to exactly the bits of one process (losses
+// and every parameter / optimizer-state tensor after three steps) at pp4 x 2
+// and pp2 x 2 stages per rank and under the zero-bubble I/W split, the
+// default deposit backward stays within rounding of it, and the measured
+// forward and backward bytes per hop and the store peaks equal the tables'.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "common/process_runs.h"
+#include "data/temp_dir.h"
+#include "pipeline/attn_res/block_layout.h"
+#include "pipeline/schedule/plan.h"
+
+namespace fs = std::filesystem;
+using namespace viaduct::pipeline;
+
+namespace {
+
+using viaduct::testing::shell;
+using viaduct::testing::ShellRun;
+
+// The three ways a block's gradient can travel.
+enum class Mode { kDeposit, kCacheWholeStack, kWholeStack };
+const char* mode_name(Mode m) {
+  return m == Mode::kDeposit           ? "cache_deposit"
+         : m == Mode::kCacheWholeStack ? "cache_whole_stack_backward"
+                                       : "whole_stack";
+}
+std::string mode_args(Mode m) {
+  switch (m) {
+    case Mode::kDeposit:
+      return " --parallelism.attn_res_cache=true --parallelism.attn_res_cache_backward=deposit";
+    case Mode::kCacheWholeStack:
+      return " --parallelism.attn_res_cache=true"
+             " --parallelism.attn_res_cache_backward=whole_stack";
+    case Mode::kWholeStack:
+      return " --parallelism.attn_res_cache=false";
+  }
+  return "";
+}
+
+class AttnResCacheBackwardRuns : public ::testing::Test {
+ protected:
+  static constexpr int kMicro = 8;
+
+  static void SetUpTestSuite() {
+    dir_ = new viaduct::data::testing::TempDir();
+    viaduct::testing::write_random_corpus((fs::path(dir_->path()) / "d.tok").string(), 24680);
+  }
+  static void TearDownTestSuite() { delete dir_; }
+
+  static std::string base_args() {
+    std::ostringstream os;
+    os << " --model.family=kimi_k3 --model.flavor=debugmodel_deep"
+       << " --training.seq_len=16 --training.local_batch_size=8 --training.steps=3"
+       << " --training.num_threads=1 --training.eval_interval=0"
+       << " --metrics.progress_bar=false --optimizer.lr=0.01"
+       << " --checkpoint.enable=true --checkpoint.interval=3"
+       << " --parallelism.pipeline_parallel_microbatches=" << kMicro
+       << " --data.path=" << (fs::path(dir_->path()) / "d.tok").string();
+    return os.str();
+  }
+
+  // Runs once per suite: later tests reuse a run of the same name.
+  static std::string train(const std::string& name, int nproc, const std::string& args) {
+    const auto out = (fs::path(dir_->path()) / name).string();
+    if (fs::exists(fs::path(out) / "checkpoint")) return out;
+    std::ostringstream cmd;
+    cmd << VIADUCT_BINARY;
+    if (nproc > 1) cmd << " launch --nproc-per-node " << nproc << " -- " << VIADUCT_BINARY;
+    cmd << " train" << base_args() << args << " --job.dump_folder=" << out;
+    auto r = shell(cmd.str());
+    EXPECT_EQ(r.exit_code, 0) << cmd.str() << "\n" << r.output;
+    return out;
+  }
+  static std::string one_process() { return train("one", 1, ""); }
+  static std::string pp_run(int pp, int spr, Mode m,
+                            const std::string& schedule = "Interleaved1F1B") {
+    std::ostringstream args, name;
+    args << " --parallelism.pipeline_parallel_degree=" << pp
+         << " --parallelism.pipeline_parallel_schedule=" << schedule
+         << " --parallelism.pipeline_parallel_stages_per_rank=" << spr << mode_args(m);
+    name << schedule << "_pp" << pp << "x" << spr << "_" << mode_name(m);
+    return train(name.str(), pp, args.str());
+  }
+
+  static std::vector<nlohmann::json> metrics(const std::string& dump) {
+    std::vector<nlohmann::json> out;
+    std::ifstream in(fs::path(dump) / "metrics.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("loss")) out.push_back(j);
+    }
+    return out;
+  }
+  static std::vector<std::string> losses(const std::string& dump) {
+    std::vector<std::string> out;
+    for (const auto& j : metrics(dump)) out.push_back(j["loss"].dump());
+    return out;
+  }
+  static ShellRun compare(const std::string& a, const std::string& b) {
+    return shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + a + "/checkpoint " + b +
+                 "/checkpoint");
+  }
+  static void expect_same_bits(const std::string& a, const std::string& b) {
+    EXPECT_EQ(losses(a), losses(b));
+    EXPECT_EQ(losses(a).size(), 3u);
+    const auto r = compare(a, b);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(" 0 differ"), std::string::npos) << r.output;
+  }
+  // The default deposit backward: losses within rounding of one process.
+  static void expect_within_rounding(const std::string& ref, const std::string& run,
+                                     const std::string& what) {
+    const auto a = metrics(ref), b = metrics(run);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      const double la = a[i]["loss"].get<double>(), lb = b[i]["loss"].get<double>();
+      EXPECT_NEAR(la, lb, 1e-5 * std::abs(la)) << what << " step " << i + 1;
+    }
+    // The summary line of `checkpoint compare`: "N tensors compared, K differ".
+    const auto r = compare(ref, run);
+    const auto at = r.output.rfind("tensors compared");
+    const auto line = at == std::string::npos ? r.output
+                                              : r.output.substr(r.output.rfind('\n', at) + 1);
+    std::printf("[%s vs one process] %s\n", what.c_str(), line.c_str());
+  }
+
+  static viaduct::data::testing::TempDir* dir_;
+};
+viaduct::data::testing::TempDir* AttnResCacheBackwardRuns::dir_ = nullptr;
+
+// The split of a kimi_k3 model as the trainer computes it.
+PipelinePlan k3_plan(int64_t layers, int64_t pp, int64_t spr, int64_t micro) {
+  std::vector<std::string> fqns{"tok_embeddings"};
+  for (int64_t i = 0; i < layers; ++i) fqns.push_back("layers." + std::to_string(i));
+  fqns.insert(fqns.end(), {"norm", "lm_head", "attn_res_final"});
+  PlanSpec spec;
+  spec.split.model = model_layout_from_fqns(fqns);
+  spec.split.pp = pp;
+  spec.split.stages_per_rank = spr;
+  spec.schedule = "Interleaved1F1B";
+  spec.microbatches = micro;
+  return make_pipeline_plan(spec);
+}
+
+}  // namespace
+
+// 35 units over 8 stages: layers [0,4) [4,8) ... [28,33); blocks of 12, so
+// rank r's second stage reads three or four entries from its store.
+TEST_F(AttnResCacheBackwardRuns, DebugmodelDeepPp4x2WholeStackBackwardIsBitwiseOneProcess) {
+  const auto one = one_process();
+  expect_same_bits(one, pp_run(4, 2, Mode::kCacheWholeStack));
+  expect_within_rounding(one, pp_run(4, 2, Mode::kDeposit), "debugmodel_deep pp4x2 deposit");
+}
+
+// 35 units over 4 stages: layers [0,8) [8,17) [17,26) [26,33), every
+// boundary inside a block.
+TEST_F(AttnResCacheBackwardRuns, DebugmodelDeepPp2x2WholeStackBackwardIsBitwiseOneProcess) {
+  const auto one = one_process();
+  expect_same_bits(one, pp_run(2, 2, Mode::kCacheWholeStack));
+  expect_within_rounding(one, pp_run(2, 2, Mode::kDeposit), "debugmodel_deep pp2x2 deposit");
+}
+
+// The zero-bubble split sends the gradients at I and accumulates at W.
+TEST_F(AttnResCacheBackwardRuns, InterleavedZeroBubbleWholeStackBackwardIsBitwiseOneProcess) {
+  expect_same_bits(one_process(),
+                   pp_run(2, 2, Mode::kCacheWholeStack, "InterleavedZeroBubble"));
+}
+
+// metrics.jsonl: hop_bytes = (hidden + received) and hop_grad_bytes =
+// (hidden + returned) x [B/M, T, D] fp32 x M per hop; the store peak as
+// predict_store_peak walks the schedule (blocks only with the whole-stack
+// backward).
+TEST_F(AttnResCacheBackwardRuns, MeasuredForwardAndBackwardBytesEqualTheTables) {
+  const int64_t M = kMicro, B = 8, T = 16, D = 64;
+  const double entry = static_cast<double>(B / M * T * D * 4);
+  const auto plan = k3_plan(33, 4, 2, M);
+  for (Mode m : {Mode::kDeposit, Mode::kCacheWholeStack, Mode::kWholeStack}) {
+    SCOPED_TRACE(mode_name(m));
+    const auto t = make_block_layout_tables(
+        plan.split, 12,
+        m == Mode::kWholeStack ? AttnResTransport::kWholeStack : AttnResTransport::kRankCache,
+        m == Mode::kDeposit ? AttnResCacheBackward::kDeposit : AttnResCacheBackward::kWholeStack);
+    const auto ms = metrics(pp_run(4, 2, m));
+    ASSERT_FALSE(ms.empty());
+    for (const auto& j : ms) {
+      ASSERT_TRUE(j.contains("hop_bytes") && j.contains("hop_grad_bytes")) << j.dump();
+      const auto fwd = j["hop_bytes"].get<std::vector<int64_t>>();
+      const auto bwd = j["hop_grad_bytes"].get<std::vector<int64_t>>();
+      ASSERT_EQ(fwd.size(), 7u);
+      ASSERT_EQ(bwd.size(), 7u);
+      for (int64_t s = 0; s < 7; ++s) {
+        EXPECT_EQ(fwd[s], static_cast<int64_t>(t.hop_tensors(s) * entry * M)) << "hop " << s;
+        EXPECT_EQ(bwd[s], static_cast<int64_t>(t.grad_hop_tensors(s) * entry * M)) << "hop " << s;
+      }
+      const auto peaks = j["attn_res_store_peak_bytes"].get<std::vector<int64_t>>();
+      ASSERT_EQ(peaks.size(), 4u);
+      for (int64_t r = 0; r < 4; ++r) {
+        EXPECT_EQ(peaks[r],
+                  static_cast<int64_t>(predict_store_peak(t, plan.compute, r).total * entry))
+            << "rank " << r;
+      }
+    }
+    std::printf("[bytes] %s: hop_bytes %s hop_grad_bytes %s store peaks %s\n", mode_name(m),
+                ms[0]["hop_bytes"].dump().c_str(), ms[0]["hop_grad_bytes"].dump().c_str(),
+                ms[0]["attn_res_store_peak_bytes"].dump().c_str());
+  }
+}
+
+// `viaduct plan --json` predicts both backwards' gradient bytes.
+TEST(AttnResCacheBackwardPlan, PlanCommandShowsBothBackwards) {
+  const auto r = shell(std::string(VIADUCT_BINARY) +
+                       " plan --config configs/kimi_k3_debug.toml --model.flavor=debugmodel_deep"
+                       " --parallelism.pipeline_parallel_degree=4"
+                       " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
+                       " --parallelism.pipeline_parallel_stages_per_rank=2"
+                       " --parallelism.pipeline_parallel_microbatches=8"
+                       " --training.seq_len=16 --training.local_batch_size=8"
+                       " --training.dtype=float32 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  const auto plan = k3_plan(33, 4, 2, 8);
+  const auto c = make_block_layout_tables(plan.split, 12, AttnResTransport::kRankCache);
+  const auto cw = make_block_layout_tables(plan.split, 12, AttnResTransport::kRankCache,
+                                           AttnResCacheBackward::kWholeStack);
+  const auto w = make_block_layout_tables(plan.split, 12, AttnResTransport::kWholeStack);
+  ASSERT_EQ(j["hops"].size(), 7u);
+  double deposit = 0, whole = 0;
+  for (int64_t s = 0; s < 7; ++s) {
+    const auto& h = j["hops"][s];
+    EXPECT_EQ(h["rank_cache_tensors"].get<int64_t>(), cw.hop_tensors(s));
+    EXPECT_EQ(h["rank_cache_deposit_grad_tensors"].get<int64_t>(), c.grad_hop_tensors(s));
+    EXPECT_EQ(h["rank_cache_whole_stack_grad_tensors"].get<int64_t>(), w.grad_hop_tensors(s));
+    deposit += h["rank_cache_deposit_grad_bytes"].get<double>();
+    whole += h["whole_stack_grad_bytes"].get<double>();
+  }
+  EXPECT_EQ(j["rank_cache_deposit_grad_bytes_per_step"].get<double>(), deposit);
+  EXPECT_EQ(j["rank_cache_whole_stack_grad_bytes_per_step"].get<double>(), whole);
+  EXPECT_EQ(j["rank_cache_deposit_grad_bytes_per_step"].get<double>(),
+            j["rank_cache_bytes_per_step"].get<double>());
+  for (const auto& rank : j["ranks"]) {
+    EXPECT_LE(rank["store_peak_bytes_whole_stack_backward"].get<double>(),
+              rank["store_peak_bytes"].get<double>());
+  }
+}
