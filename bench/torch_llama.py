@@ -14,9 +14,9 @@ checkpoint, training, timing and the report. For llama, for example:
   - fp32 master parameters; the embedding output is cast to bf16; every
     linear casts its fp32 weight to the activation dtype;
   - RMSNorm in fp32 (x * rsqrt(mean(x^2) + eps) * w), returning the input
-    dtype; RoPE on interleaved pairs (x[2i], x[2i+1]) with fp64 tables.
-    viaduct does not cast the fp64 tables down, so type promotion computes
-    the rotation in fp64; --rope-dtype float32 casts them instead;
+    dtype; RoPE on interleaved pairs (x[2i], x[2i+1]) with fp64 tables
+    cast to fp32 at use, as viaduct does (--rope-dtype float64 keeps them,
+    the rotation then runs in fp64 by promotion);
   - GQA by repeat_interleave of K/V over heads, causal SDPA; SwiGLU
     w2(silu(w1 x) * w3 x); final RMSNorm; untied lm_head;
   - loss = summed token cross-entropy over fp32 logits, backward of
@@ -622,8 +622,8 @@ def train_main(argv):
                     "training.num_threads, as viaduct)")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                     help="compute dtype (bf16: mixed precision with fp32 master weights)")
-    ap.add_argument("--rope-dtype", choices=["float64", "float32"], default="float64",
-                    help="dtype of the RoPE tables at use (viaduct: float64 by promotion)")
+    ap.add_argument("--rope-dtype", choices=["float64", "float32"], default="float32",
+                    help="dtype of the RoPE tables at use (viaduct: float32, float64 for fp64 models)")
     ap.add_argument("--optimizer-impl", choices=["fused", "foreach", "exact"],
                     default="fused", help="exact = viaduct's per-tensor loop and "
                     "per-tensor norm (slow: one sync per tensor); fused needs torch "

@@ -663,11 +663,13 @@ if torch is not None:
             self.register_buffer("rope_cos", None, persistent=False)
             self.register_buffer("rope_sin", None, persistent=False)
 
-        def init_buffers(self, device):
+        def init_buffers(self, device, rope_dtype=torch.float32):
             if self.rope:
-                cos, sin = rope_tables(*self.rope_args)  # fp64, as viaduct
-                self.register_buffer("rope_cos", cos.to(device), persistent=False)
-                self.register_buffer("rope_sin", sin.to(device), persistent=False)
+                cos, sin = rope_tables(*self.rope_args)  # fp64, cast at use as viaduct
+                self.register_buffer("rope_cos", cos.to(device=device, dtype=rope_dtype),
+                                     persistent=False)
+                self.register_buffer("rope_sin", sin.to(device=device, dtype=rope_dtype),
+                                     persistent=False)
 
         def forward(self, x):
             B, T, _ = x.shape
@@ -830,7 +832,7 @@ if torch is not None:
         def init_buffers(self, device, rope_dtype):
             for m in self.modules():
                 if isinstance(m, Mla):
-                    m.init_buffers(device)
+                    m.init_buffers(device, rope_dtype)
 
         def moe_layers(self):
             return [m for m in self.modules() if isinstance(m, Moe)]

@@ -84,10 +84,13 @@ at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
     auto s = rope.sin.slice(0, 0, T).to(x.device(), at::kFloat).contiguous();
     return kernels::rope(x, c, s);
   }
-  auto cos = rope.cos.slice(0, 0, T).to(x.device()).view({1, T, 1, -1});
-  auto sin = rope.sin.slice(0, 0, T).to(x.device()).view({1, T, 1, -1});
-  auto xf = (x.scalar_type() == at::kDouble ? x : x.to(at::kFloat))
-                .unflatten(-1, {-1, 2});  // fp64 stays fp64 (gradient checks)  // [B, T, H, hd/2, 2]
+  // fp32 rotation (fp64 for fp64 input, the gradient checks): the tables are
+  // cast down, as the fused kernel does, so no fp64 arithmetic runs on
+  // GPUs whose fp64 rate is a fraction of their fp32 one.
+  const auto st = upcast(x.scalar_type());
+  auto cos = rope.cos.slice(0, 0, T).to(x.device(), st).view({1, T, 1, -1});
+  auto sin = rope.sin.slice(0, 0, T).to(x.device(), st).view({1, T, 1, -1});
+  auto xf = x.to(st).unflatten(-1, {-1, 2});  // [B, T, H, hd/2, 2]
   auto x0 = xf.select(-1, 0), x1 = xf.select(-1, 1);
   auto out = at::stack({x0 * cos - x1 * sin, x0 * sin + x1 * cos}, -1);
   return out.flatten(-2).to(x.scalar_type());

@@ -45,7 +45,8 @@ class LayerNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LayerNorm);
 
-// Rotary tables: cos/sin [max_seq_len, head_dim / 2] in fp64 (cast at use).
+// Rotary tables: cos/sin [max_seq_len, head_dim / 2] in fp64, cast at use to
+// fp32 (fp64 for fp64 input): the rotation itself runs in fp32.
 struct RopeTables {
   at::Tensor cos, sin;
 };
