@@ -185,3 +185,17 @@ TEST(Config, AttnResCacheBackwardValuesAndTransport) {
   msg = error_of("[parallelism]\nattn_res_cache = false\nattn_res_cache_backward = \"deposit\"\n");
   EXPECT_NE(msg.find("parallelism.attn_res_cache = true"), std::string::npos) << msg;
 }
+
+TEST(Config, SpeedKeysDefaultsAndRefusals) {
+  auto c = Config::parse("", "job.toml", {});
+  EXPECT_TRUE(c.get_bool("model.fused_kernels"));
+  EXPECT_EQ(c.get_int("model.loss_chunk_tokens"), -1);  // auto
+  EXPECT_EQ(c.get_int("metrics.profile_step"), 0);      // off
+  auto msg = error_of("", {"model.loss_chunk_tokens=-2"});
+  EXPECT_NE(msg.find("model.loss_chunk_tokens"), std::string::npos) << msg;
+  msg = error_of("[metrics]\nprofile_step = -1\n");
+  EXPECT_NE(msg.find("metrics.profile_step"), std::string::npos) << msg;
+  EXPECT_NO_THROW(Config::parse("", "job.toml", {"model.loss_chunk_tokens=4096",
+                                                 "model.fused_kernels=false",
+                                                 "metrics.profile_step=3"}));
+}

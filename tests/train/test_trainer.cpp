@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.h"
@@ -217,4 +218,49 @@ TEST(Trainer, MoeSelectionBiasIsCheckpointedAndResumesBitwise) {
   }
   EXPECT_TRUE(has_bias);
   for (int i = 2; i < 4; ++i) EXPECT_EQ(tc.train_step().loss, ref[i]) << "step " << i + 1;
+}
+
+TEST(Trainer, ProfileStepWritesATraceOfThatStepOnly) {
+  // metrics.profile_step = 2: a Chrome trace of step 2's host ops, with the
+  // trainer's phase scopes, and the same losses as an unprofiled run.
+  Job job;
+  auto cfg = job.config({"training.steps=3", "training.eval_interval=0",
+                         "metrics.profile_step=2"});
+  const auto profiled = Trainer(cfg).run();
+  const auto trace = fs::path(cfg.get_string("job.dump_folder")) / "profile" /
+                     "step-2-rank-0.trace.json";
+  ASSERT_TRUE(fs::exists(trace)) << trace;
+  EXPECT_FALSE(fs::exists(trace.string() + ".tmp"));
+  std::ifstream in(trace);
+  const auto j = nlohmann::json::parse(in);
+  ASSERT_TRUE(j.contains("traceEvents"));
+  std::set<std::string> names;
+  for (const auto& e : j["traceEvents"]) {
+    if (e.contains("name")) names.insert(e["name"].get<std::string>());
+  }
+  for (const char* want : {"viaduct::forward_backward", "viaduct::grad_norm",
+                           "viaduct::optimizer", "aten::mm"}) {
+    EXPECT_TRUE(names.count(want)) << want << " missing from the trace";
+  }
+  // Only step 2 was profiled.
+  EXPECT_EQ(std::distance(fs::directory_iterator(trace.parent_path()), fs::directory_iterator()), 1);
+  Job plain_job;
+  const auto plain = Trainer(plain_job.config({"training.steps=3", "training.eval_interval=0"})).run();
+  EXPECT_EQ(profiled.loss, plain.loss);
+}
+
+TEST(Trainer, AutoLossChunkIsThePlainLossWithoutKernels) {
+  // model.loss_chunk_tokens = -1 (auto) takes the plain loss where the fused
+  // kernels do not run (here: the CPU), bit for bit; a set chunk size takes
+  // the chunked path, equal to rounding.
+  std::vector<double> losses;
+  for (const char* chunk : {"-1", "0", "40"}) {
+    Job job;
+    auto last = Trainer(job.config({"training.steps=2", "training.eval_interval=0",
+                                    std::string("model.loss_chunk_tokens=") + chunk}))
+                    .run();
+    losses.push_back(last.loss);
+  }
+  EXPECT_EQ(losses[0], losses[1]);
+  EXPECT_NEAR(losses[2], losses[1], 1e-5 * std::abs(losses[1]));
 }
