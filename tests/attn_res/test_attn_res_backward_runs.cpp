@@ -18,6 +18,7 @@
 #include "data/temp_dir.h"
 #include "pipeline/attn_res/block_layout.h"
 #include "pipeline/schedule/plan.h"
+#include "attn_res/k3_plan.h"
 
 namespace fs = std::filesystem;
 using namespace viaduct::pipeline;
@@ -26,6 +27,7 @@ namespace {
 
 using viaduct::testing::shell;
 using viaduct::testing::ShellRun;
+using viaduct::testing::k3_plan;
 
 // The three ways a block's gradient can travel.
 enum class Mode { kDeposit, kCacheWholeStack, kWholeStack };
@@ -73,12 +75,8 @@ class AttnResCacheBackwardRuns : public ::testing::Test {
   static std::string train(const std::string& name, int nproc, const std::string& args) {
     const auto out = (fs::path(dir_->path()) / name).string();
     if (fs::exists(fs::path(out) / "checkpoint")) return out;
-    std::ostringstream cmd;
-    cmd << VIADUCT_BINARY;
-    if (nproc > 1) cmd << " launch --nproc-per-node " << nproc << " -- " << VIADUCT_BINARY;
-    cmd << " train" << base_args() << args << " --job.dump_folder=" << out;
-    auto r = shell(cmd.str());
-    EXPECT_EQ(r.exit_code, 0) << cmd.str() << "\n" << r.output;
+    viaduct::testing::run_viaduct_ok(nproc,
+                                     " train" + base_args() + args + " --job.dump_folder=" + out);
     return out;
   }
   static std::string one_process() { return train("one", 1, ""); }
@@ -93,29 +91,13 @@ class AttnResCacheBackwardRuns : public ::testing::Test {
   }
 
   static std::vector<nlohmann::json> metrics(const std::string& dump) {
-    std::vector<nlohmann::json> out;
-    std::ifstream in(fs::path(dump) / "metrics.jsonl");
-    std::string line;
-    while (std::getline(in, line)) {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains("loss")) out.push_back(j);
-    }
-    return out;
-  }
-  static std::vector<std::string> losses(const std::string& dump) {
-    std::vector<std::string> out;
-    for (const auto& j : metrics(dump)) out.push_back(j["loss"].dump());
-    return out;
+    return viaduct::testing::step_metrics(dump);
   }
   static ShellRun compare(const std::string& a, const std::string& b) {
-    return shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + a + "/checkpoint " + b +
-                 "/checkpoint");
+    return viaduct::testing::checkpoint_compare(a, b);
   }
   static void expect_same_bits(const std::string& a, const std::string& b) {
-    EXPECT_EQ(losses(a), losses(b));
-    EXPECT_EQ(losses(a).size(), 3u);
-    const auto r = compare(a, b);
-    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const auto r = viaduct::testing::expect_same_bits(a, b, 3);
     EXPECT_NE(r.output.find(" 0 differ"), std::string::npos) << r.output;
   }
   // The default deposit backward: losses within rounding of one process.
@@ -138,20 +120,6 @@ class AttnResCacheBackwardRuns : public ::testing::Test {
   static viaduct::data::testing::TempDir* dir_;
 };
 viaduct::data::testing::TempDir* AttnResCacheBackwardRuns::dir_ = nullptr;
-
-// The split of a kimi_k3 model as the trainer computes it.
-PipelinePlan k3_plan(int64_t layers, int64_t pp, int64_t spr, int64_t micro) {
-  std::vector<std::string> fqns{"tok_embeddings"};
-  for (int64_t i = 0; i < layers; ++i) fqns.push_back("layers." + std::to_string(i));
-  fqns.insert(fqns.end(), {"norm", "lm_head", "attn_res_final"});
-  PlanSpec spec;
-  spec.split.model = model_layout_from_fqns(fqns);
-  spec.split.pp = pp;
-  spec.split.stages_per_rank = spr;
-  spec.schedule = "Interleaved1F1B";
-  spec.microbatches = micro;
-  return make_pipeline_plan(spec);
-}
 
 }  // namespace
 

@@ -20,6 +20,7 @@
 #include "data/token_file.h"
 #include "pipeline/attn_res/block_layout.h"
 #include "pipeline/schedule/plan.h"
+#include "attn_res/k3_plan.h"
 
 namespace fs = std::filesystem;
 using namespace viaduct::pipeline;
@@ -28,6 +29,7 @@ namespace {
 
 using viaduct::testing::shell;
 using viaduct::testing::ShellRun;
+using viaduct::testing::k3_plan;
 
 class AttnResRuns : public ::testing::Test {
  protected:
@@ -52,43 +54,18 @@ class AttnResRuns : public ::testing::Test {
   static std::string train(const std::string& name, int nproc, const std::string& args) {
     const auto out = (fs::path(dir_->path()) / name).string();
     fs::remove_all(out);
-    std::ostringstream cmd;
-    cmd << VIADUCT_BINARY;
-    if (nproc > 1) {
-      cmd << " launch --nproc-per-node " << nproc
-          << " -- " << VIADUCT_BINARY;
-    }
-    cmd << " train" << args << " --job.dump_folder=" << out;
-    auto r = shell(cmd.str());
-    EXPECT_EQ(r.exit_code, 0) << cmd.str() << "\n" << r.output;
+    viaduct::testing::run_viaduct_ok(nproc, " train" + args + " --job.dump_folder=" + out);
     return out;
   }
 
   static std::vector<nlohmann::json> metrics(const std::string& dump) {
-    std::vector<nlohmann::json> out;
-    std::ifstream in(fs::path(dump) / "metrics.jsonl");
-    std::string line;
-    while (std::getline(in, line)) {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains("loss")) out.push_back(j);
-    }
-    return out;
+    return viaduct::testing::step_metrics(dump);
   }
-  static std::vector<std::string> losses(const std::string& dump) {
-    std::vector<std::string> out;
-    for (const auto& j : metrics(dump)) out.push_back(j["loss"].dump());
-    return out;
-  }
-
   static ShellRun compare(const std::string& a, const std::string& b) {
-    return shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + a + "/checkpoint " + b +
-                 "/checkpoint");
+    return viaduct::testing::checkpoint_compare(a, b);
   }
   static void expect_same_bits(const std::string& a, const std::string& b, size_t steps = 3) {
-    EXPECT_EQ(losses(a), losses(b));
-    EXPECT_EQ(losses(a).size(), steps);
-    auto r = compare(a, b);
-    EXPECT_EQ(r.exit_code, 0) << r.output;
+    viaduct::testing::expect_same_bits(a, b, steps);
   }
 
   static std::string reference(const std::string& flavor, int micro, int steps = 3) {
@@ -115,20 +92,6 @@ class AttnResRuns : public ::testing::Test {
   static viaduct::data::testing::TempDir* dir_;
 };
 viaduct::data::testing::TempDir* AttnResRuns::dir_ = nullptr;
-
-// The split of a kimi_k3 model as the trainer computes it.
-PipelinePlan k3_plan(int64_t layers, int64_t pp, int64_t spr, int64_t micro) {
-  std::vector<std::string> fqns{"tok_embeddings"};
-  for (int64_t i = 0; i < layers; ++i) fqns.push_back("layers." + std::to_string(i));
-  fqns.insert(fqns.end(), {"norm", "lm_head", "attn_res_final"});
-  PlanSpec spec;
-  spec.split.model = model_layout_from_fqns(fqns);
-  spec.split.pp = pp;
-  spec.split.stages_per_rank = spr;
-  spec.schedule = "Interleaved1F1B";
-  spec.microbatches = micro;
-  return make_pipeline_plan(spec);
-}
 
 }  // namespace
 
@@ -297,7 +260,8 @@ TEST_F(AttnResRuns, PlainResidualsPp2x2IsBitwiseOneProcessWithoutTheTransport) {
                                " --parallelism.pipeline_parallel_stages_per_rank=2");
   expect_same_bits(ref, pp);
   for (const auto& j : metrics(pp)) EXPECT_FALSE(j.contains("hop_bytes")) << j.dump();
-  EXPECT_NE(losses(ref), losses(reference("debugmodel", 4)));
+  EXPECT_NE(viaduct::testing::step_losses(ref),
+            viaduct::testing::step_losses(reference("debugmodel", 4)));
 }
 
 // 35 units over 16 stages (4 per rank): one or two layers per stage.

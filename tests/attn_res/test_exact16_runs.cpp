@@ -41,23 +41,7 @@ class Exact16Runs : public ::testing::Test {
 
   std::string train(const std::string& name, int nproc, const std::string& extra) {
     const auto out = (fs::path(dir_.path()) / name).string();
-    std::ostringstream cmd;
-    cmd << VIADUCT_BINARY;
-    if (nproc > 1) cmd << " launch --nproc-per-node " << nproc << " -- " << VIADUCT_BINARY;
-    cmd << args(extra) << " --job.dump_folder=" << out;
-    auto r = shell(cmd.str());
-    EXPECT_EQ(r.exit_code, 0) << cmd.str() << "\n" << r.output;
-    return out;
-  }
-
-  static std::vector<std::string> losses(const std::string& dump) {
-    std::vector<std::string> out;
-    std::ifstream in(fs::path(dump) / "metrics.jsonl");
-    std::string line;
-    while (std::getline(in, line)) {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains("loss")) out.push_back(j["loss"].dump());
-    }
+    viaduct::testing::run_viaduct_ok(nproc, args(extra) + " --job.dump_folder=" + out);
     return out;
   }
 
@@ -67,7 +51,7 @@ class Exact16Runs : public ::testing::Test {
 
 TEST_F(Exact16Runs, TrainCommandPp4x2BothTransportsIsBitwiseOneProcess) {
   const auto one = train("one", 1, "");
-  const auto want = losses(one);
+  const auto want = viaduct::testing::step_losses(one);
   ASSERT_EQ(want.size(), 3u);
   for (bool cache : {true, false}) {
     SCOPED_TRACE(cache ? "rank cache" : "whole stack");
@@ -77,10 +61,7 @@ TEST_F(Exact16Runs, TrainCommandPp4x2BothTransportsIsBitwiseOneProcess) {
                                       " --parallelism.pipeline_parallel_stages_per_rank=2"
                                       " --parallelism.attn_res_cache=") +
                               (cache ? "true" : "false"));
-    EXPECT_EQ(losses(pp), want);
-    const auto r = shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + one +
-                         "/checkpoint " + pp + "/checkpoint");
-    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const auto r = viaduct::testing::expect_same_bits(one, pp, want.size());
     // 33 parameters (the embedding, two biases a layer) and AdamW's two
     // moments of each.
     EXPECT_NE(r.output.find("99 tensors compared, 0 differ"), std::string::npos) << r.output;

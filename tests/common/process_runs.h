@@ -1,13 +1,18 @@
 // Helpers for the tests that run `viaduct` as processes: a shell runner that
-// captures output and exit status, and a random token corpus. (`viaduct
-// launch` picks a free loopback port itself.)
+// captures output and exit status, a random token corpus, and (for targets
+// that define VIADUCT_BINARY) running jobs and comparing two of them bit for
+// bit. (`viaduct launch` picks a free loopback port itself.)
 #pragma once
 
+#include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -44,5 +49,53 @@ inline void write_random_corpus(const std::string& path, uint64_t seed, int n = 
   w.append(toks);
   w.finish();
 }
+
+#ifdef VIADUCT_BINARY
+// Runs `viaduct <args>` (through `viaduct launch --nproc-per-node N --` when
+// nproc > 1; `env` goes first, e.g. "VAR=1") and expects it to succeed.
+inline ShellRun run_viaduct_ok(int nproc, const std::string& args, const std::string& env = "") {
+  std::string cmd = env + (env.empty() ? "" : " ") + VIADUCT_BINARY;
+  if (nproc > 1) cmd += " launch --nproc-per-node " + std::to_string(nproc) + " -- " + VIADUCT_BINARY;
+  cmd += args;
+  auto r = shell(cmd);
+  EXPECT_EQ(r.exit_code, 0) << cmd << "\n" << r.output;
+  return r;
+}
+
+// The step lines (those with a "loss") of <dump>/metrics.jsonl.
+inline std::vector<nlohmann::json> step_metrics(const std::string& dump) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(std::filesystem::path(dump) / "metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back(j);
+  }
+  return out;
+}
+
+// Each step's loss as written (the text, so equality is bitwise).
+inline std::vector<std::string> step_losses(const std::string& dump) {
+  std::vector<std::string> out;
+  for (const auto& j : step_metrics(dump)) out.push_back(j["loss"].dump());
+  return out;
+}
+
+// `viaduct checkpoint compare` of the newest checkpoints of two dump folders.
+inline ShellRun checkpoint_compare(const std::string& a, const std::string& b) {
+  return shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + a + "/checkpoint " + b +
+               "/checkpoint");
+}
+
+// Two runs with the same losses, `steps` of them, and checkpoints that
+// compare equal; returns the compare run for further checks of its report.
+inline ShellRun expect_same_bits(const std::string& a, const std::string& b, size_t steps) {
+  EXPECT_EQ(step_losses(a), step_losses(b));
+  EXPECT_EQ(step_losses(a).size(), steps);
+  auto r = checkpoint_compare(a, b);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return r;
+}
+#endif  // VIADUCT_BINARY
 
 }  // namespace viaduct::testing

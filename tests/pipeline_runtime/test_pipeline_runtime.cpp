@@ -51,35 +51,16 @@ class PipelineRuns : public ::testing::Test {
                            const std::string& env = "") {
     const auto out = (fs::path(dir_->path()) / name).string();
     fs::remove_all(out);
-    std::ostringstream cmd;
-    cmd << env << " " << VIADUCT_BINARY;
-    if (nproc > 1) {
-      cmd << " launch --nproc-per-node " << nproc
-          << " -- " << VIADUCT_BINARY;
-    }
-    cmd << " train" << args << " --job.dump_folder=" << out;
-    last_ = shell(cmd.str());
-    EXPECT_EQ(last_.exit_code, 0) << cmd.str() << "\n" << last_.output;
+    last_ = viaduct::testing::run_viaduct_ok(nproc, " train" + args + " --job.dump_folder=" + out,
+                                             env);
     return out;
   }
 
   static std::vector<std::string> losses(const std::string& dump) {
-    std::vector<std::string> out;
-    std::ifstream in(fs::path(dump) / "metrics.jsonl");
-    std::string line;
-    while (std::getline(in, line)) {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains("loss")) out.push_back(j["loss"].dump());
-    }
-    return out;
+    return viaduct::testing::step_losses(dump);
   }
-
   static void expect_same_bits(const std::string& a, const std::string& b) {
-    EXPECT_EQ(losses(a), losses(b));
-    EXPECT_EQ(losses(a).size(), 3u);
-    auto r = shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + a +
-                   "/checkpoint " + b + "/checkpoint");
-    EXPECT_EQ(r.exit_code, 0) << r.output;
+    viaduct::testing::expect_same_bits(a, b, 3);
   }
 
   // The single-process reference for (family, layers, micro-batches).
