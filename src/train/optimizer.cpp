@@ -41,50 +41,46 @@ AdamW::AdamW(std::vector<NamedParam> params, double beta1, double beta2,
   }
 }
 
-bool AdamW::fused_step(double lr) {
+bool AdamW::fused_step(double lr, double bc1, double bc2) {
   // Note [Fused AdamW]: on CUDA, one pass per tensor instead of the loop's
   // ~7 kernels and 2 temporaries: viaduct's kernel where kernels::usable(),
   // else ATen's multi-tensor kernel (2.x), the same formulas in fp32.
-  // Elementwise, so every layout still gets the same bits.
-  if (params_.empty() || !params_.front().param.is_cuda()) return false;
-  if (kernels::usable(params_.front().param)) {
-    // viaduct's kernel: one vectorised pass per tensor.
-    const double bc1 = 1.0 - std::pow(beta1_, static_cast<double>(steps_));
-    const double bc2 = 1.0 - std::pow(beta2_, static_cast<double>(steps_));
-    bool all = true;
-    for (const auto& np : params_) {
-      const auto& g = np.param.grad();
-      all = all && (!g.defined() || (kernels::usable(np.param) && g.is_contiguous() &&
-                                     g.scalar_type() == at::kFloat &&
-                                     np.param.is_contiguous()));
+  // Elementwise, so every layout still gets the same bits. Both need every
+  // parameter with a gradient to be a contiguous fp32 tensor on one GPU.
+  if (params_.empty()) return false;
+  const auto& first = params_.front().param;
+  if (!first.is_cuda()) return false;
+  for (const auto& np : params_) {
+    const auto& pr = np.param;
+    if (pr.grad().defined() &&
+        (pr.device() != first.device() || pr.scalar_type() != at::kFloat ||
+         pr.grad().scalar_type() != at::kFloat || !pr.is_contiguous() ||
+         !pr.grad().is_contiguous())) {
+      return false;
     }
-    if (all) {
-      for (size_t i = 0; i < params_.size(); ++i) {
-        auto& pr = params_[i].param;
-        if (!pr.grad().defined()) continue;
-        auto data = pr.detach();
-        kernels::adamw_(data, pr.grad(), exp_avg_[i], exp_avg_sq_[i], lr, beta1_, beta2_, eps_,
-                        params_[i].weight_decay ? weight_decay_ : 0.0, bc1, bc2);
-      }
-      return true;
+  }
+  if (kernels::usable(first)) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto& pr = params_[i].param;
+      if (!pr.grad().defined()) continue;
+      auto data = pr.detach();
+      kernels::adamw_(data, pr.grad(), exp_avg_[i], exp_avg_sq_[i], lr, beta1_, beta2_, eps_,
+                      params_[i].weight_decay ? weight_decay_ : 0.0, bc1, bc2);
     }
+    return true;
   }
   std::vector<at::Tensor> p[2], g[2], m[2], v[2];
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& pr = params_[i].param;
     if (!pr.grad().defined()) continue;
-    if (!pr.is_cuda() || pr.scalar_type() != at::kFloat || !pr.is_contiguous() ||
-        !pr.grad().is_contiguous() || pr.device() != params_.front().param.device()) {
-      return false;
-    }
     const int k = params_[i].weight_decay ? 1 : 0;
     p[k].push_back(pr);
     g[k].push_back(pr.grad());
     m[k].push_back(exp_avg_[i]);
     v[k].push_back(exp_avg_sq_[i]);
   }
-  if (!step_tensor_.defined() || step_tensor_.device() != params_.front().param.device()) {
-    step_tensor_ = at::zeros({1}, params_.front().param.options());
+  if (!step_tensor_.defined() || step_tensor_.device() != first.device()) {
+    step_tensor_ = at::zeros({1}, first.options());
   }
   step_tensor_.fill_(static_cast<double>(steps_));
   for (int k = 0; k < 2; ++k) {
@@ -100,9 +96,9 @@ bool AdamW::fused_step(double lr) {
 void AdamW::step(double lr) {
   torch::NoGradGuard no_grad;
   ++steps_;
-  if (fused_step(lr)) return;
   const double bc1 = 1.0 - std::pow(beta1_, static_cast<double>(steps_));
   const double bc2 = 1.0 - std::pow(beta2_, static_cast<double>(steps_));
+  if (fused_step(lr, bc1, bc2)) return;
   const double step_size = lr / bc1;
   const double bc2_sqrt = std::sqrt(bc2);
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -58,8 +58,9 @@ class AdamW : public Optimizer {
   std::vector<std::string> state_keys() const override;
 
  private:
-  // The update through compat::fused_adamw; false: not available here.
-  bool fused_step(double lr);
+  // The update through a fused kernel (bias corrections bc1, bc2 of this
+  // step); false: none applies here, the caller runs the loop.
+  bool fused_step(double lr, double bc1, double bc2);
   double beta1_, beta2_, eps_, weight_decay_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
   at::Tensor step_tensor_;  // the step count for the fused kernel
