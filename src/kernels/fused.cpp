@@ -54,9 +54,10 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
                             double eps) {
     const auto D = x.size(-1);
     auto x2 = x.contiguous().view({-1, D});
+    auto wc = w.contiguous();  // the backward reads the same pointer
     at::Tensor rstd;
-    auto y = norm_forward(x2, w.contiguous(), eps, rstd);
-    ctx->save_for_backward({x2, w, rstd});
+    auto y = norm_forward(x2, wc, eps, rstd);
+    ctx->save_for_backward({x2, wc, rstd});
     return y.view(x.sizes());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
