@@ -14,11 +14,12 @@ shift
 OUT=${OUT:-outputs/bench/profile}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-DATA=outputs/bench/random_v128256.u32
+VOCAB=${VOCAB:-128256}  # the random data's vocabulary (a variant may change the model)
+DATA=${DATA:-outputs/bench/random_v$VOCAB.u32}
 STEPS=${STEPS:-4}
 if [ ! -f "$DATA" ]; then
   mkdir -p "$(dirname "$DATA")"
-  "$PY" - "$DATA" 128256 $(((STEPS + 4) * 4 * 4096 + 1)) <<'PYEOF'
+  "$PY" - "$DATA" "$VOCAB" $(((STEPS + 4) * 4 * 4096 + 1)) <<'PYEOF'
 import array, os, random, sys
 path, vocab, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 r = random.Random(1234)
@@ -44,7 +45,7 @@ for variant in "$@"; do
     --job.dump_folder="$dir" "${extra[@]}" >"$OUT/$i.log" 2>&1 ||
     { echo "variant $i failed:"; tail -5 "$OUT/$i.log"; continue; }
   grep -E "^step" "$OUT/$i.log" | tail -2
-  "$PY" bench/profile_summary.py "$dir"/profile/step-"$STEPS"-rank-0.trace.json --top 25 \
+  "$PY" bench/profile_summary.py "$dir"/profile/step-"$STEPS"-rank-0.trace.json --top "${TOP:-25}" \
     --json "$OUT/$i.summary.json" >"$OUT/$i.summary.md" 2>&1
-  head -60 "$OUT/$i.summary.md"
+  cat "$OUT/$i.summary.md"
 done

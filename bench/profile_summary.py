@@ -11,6 +11,9 @@ Reads the Chrome trace viaduct writes (<dump_folder>/profile/step-N-rank-R
     outermost ATen op on the host in the forward and the optimizer, the
     autograd node (e.g. MmBackward0) in the backward -- then per kernel name;
     device busy time against the step's wall time;
+  * the device's idle time: before the first kernel, after the last, and the
+    largest gaps between kernels, each with the host op the CPU was in when
+    the gap began and the source of the kernel that ended it;
   * without (Debian's CPU LibTorch records host ops only): host time of the
     outermost ops, the same way.
 
@@ -100,6 +103,48 @@ def kernel_class(name):
     return "other"
 
 
+def idle_gaps(kernels, ops, parent, t0, t1, by_ext, top, min_us=20.0):
+    """Device idle intervals of the step (kernels overlap on streams: the
+    union of their spans is what counts) and where the host was."""
+    ks = sorted(kernels, key=lambda k: k["ts"])
+    gaps = [(ks[0]["ts"] - t0, t0, None, ks[0])]
+    end = ks[0]["ts"] + ks[0]["dur"]
+    prev = ks[0]
+    for k in ks[1:]:
+        if k["ts"] - end >= min_us:
+            gaps.append((k["ts"] - end, end, prev, k))
+        if k["ts"] + k["dur"] > end:
+            end, prev = k["ts"] + k["dur"], k
+    gaps.append((t1 - end, end, prev, None))
+    # The innermost host op open at a time point (any thread).
+    def host_at(t):
+        best = None
+        for e in ops:
+            if e["ts"] <= t < e["ts"] + e["dur"] and (best is None or e["ts"] >= best["ts"]):
+                best = e
+        return best
+    def label(k):
+        if k is None:
+            return "-"
+        op = by_ext.get((k.get("args") or {}).get("External id"))
+        phase, name = source_of(op, parent) if op is not None else ("?", "(no host op)")
+        return f"{phase}: {name}"
+    total = sum(g[0] for g in gaps)
+    lines = [f"device idle {total / 1000:.2f} ms: {gaps[0][0] / 1000:.2f} before the first "
+             f"kernel, {gaps[-1][0] / 1000:.2f} after the last, "
+             f"{sum(g[0] for g in gaps[1:-1]) / 1000:.2f} in {len(gaps) - 2} gaps of "
+             f">= {min_us:.0f} us", "",
+             "| idle ms | at ms | host op when it began | kernel that ended it |",
+             "|---|---|---|---|"]
+    rows = []
+    for dur, start, _, nxt in sorted(gaps, key=lambda g: -g[0])[:top]:
+        h = host_at(start + 1e-3)
+        hname = h.get("name", "?")[:60] if h else "(no host op)"
+        lines.append(f"| {dur / 1000:.3f} | {(start - t0) / 1000:.1f} | {hname} | {label(nxt)} |")
+        rows.append({"idle_us": dur, "at_us": start - t0, "host": hname, "next": label(nxt)})
+    return "\n".join(lines), total, rows
+
+
 def table(rows, total, top, head):
     lines = [f"| {head} | ms | % | calls |", "|---|---|---|---|"]
     for key, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
@@ -144,7 +189,10 @@ def main():
         print(table(phases, busy, a.top, "phase"), "\n")
         print(table(classes, busy, a.top, "kernel class"), "\n")
         print(table(src, busy, a.top, "source (phase: op)"), "\n")
-        print(table(names, busy, a.top, "kernel"))
+        print(table(names, busy, a.top, "kernel"), "\n")
+        text, idle, gap_rows = idle_gaps(kernels, ops, parent, t0, t1, by_ext, min(a.top, 15))
+        print(text)
+        out.update(idle_us=idle, gaps=gap_rows)
         out.update(busy_us=busy, phases=phases, classes=classes, sources=src, kernels=names)
     else:
         top_level = collections.defaultdict(lambda: [0.0, 0])

@@ -96,4 +96,11 @@ void synchronize(const at::Device& device) {
 #endif
 }
 
+at::Tensor to_device_async(const at::Tensor& t, const at::Device& device) {
+  if (device.is_cuda() && t.device().is_cpu()) {
+    return t.pin_memory().to(device, /*non_blocking=*/true);
+  }
+  return t.to(device);
+}
+
 }  // namespace viaduct

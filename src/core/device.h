@@ -20,5 +20,8 @@ std::optional<double> peak_flops(const at::Device& device, at::ScalarType dtype)
 double peak_memory_bytes(const at::Device& device);
 void reset_peak_memory(const at::Device& device);
 void synchronize(const at::Device& device);
+// A host tensor on `device`; to a GPU through pinned memory without blocking
+// the host (the copy is ordered on the current stream), else a plain copy.
+at::Tensor to_device_async(const at::Tensor& t, const at::Device& device);
 
 }  // namespace viaduct

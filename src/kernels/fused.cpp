@@ -14,9 +14,11 @@ namespace viaduct::kernels {
 
 namespace {
 std::atomic<bool> g_enabled{true};
+std::atomic<bool> g_swiglu_recompute{false};
 }  // namespace
 
 void set_enabled(bool on) { g_enabled = on; }
+void set_swiglu_recompute(bool on) { g_swiglu_recompute = on; }
 bool enabled() { return g_enabled; }
 
 #ifdef VIADUCT_WITH_CUDA
@@ -142,17 +144,22 @@ class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
                             const at::Tensor& w) {
     auto ac = a.contiguous(), bc = b.contiguous();
-    ctx->save_for_backward({ac, bc, w});
-    return at::linear(swiglu_launch(ac, bc), w.to(a.scalar_type()));
+    auto wc = w.to(a.scalar_type());  // kept: the backward needs the same cast
+    auto h = swiglu_launch(ac, bc);
+    const bool recompute = g_swiglu_recompute;
+    ctx->save_for_backward({ac, bc, w, wc, recompute ? at::Tensor() : h});
+    return at::linear(h, wc);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &a = saved[0], &b = saved[1], &w = saved[2];
+    const auto &a = saved[0], &b = saved[1], &w = saved[2], &wc = saved[3];
     const auto F = a.size(-1);
     const auto D = w.size(0);
-    auto h = swiglu_launch(a, b).view({-1, F});  // recomputed, not saved
+    // Note [SwiGLU recompute]: without model.swiglu_recompute the product
+    // was kept by the forward; with it, recomputed here (one [tokens x F]
+    // activation less per layer, one more elementwise pass).
+    auto h = (saved[4].defined() ? saved[4] : swiglu_launch(a, b)).view({-1, F});
     auto dy = grads[0].contiguous().view({-1, D}).to(a.scalar_type());
-    auto wc = w.to(a.scalar_type());
     auto dw = at::mm(dy.t(), h).to(w.scalar_type());  // as linear + cast would
     auto dh = at::mm(dy, wc).view(a.sizes());
     h.reset();

@@ -16,6 +16,9 @@ namespace viaduct::kernels {
 // The process-wide switch (model.fused_kernels; on by default).
 void set_enabled(bool on);
 bool enabled();
+// model.swiglu_recompute: swiglu_linear recomputes silu(a) * b in the
+// backward instead of keeping it (off by default).
+void set_swiglu_recompute(bool on);
 
 // True when the kernels can run on `x`: a CUDA build, the switch on, x on a
 // GPU the kernels were compiled for (sm_90a), x float32 or bfloat16.
@@ -33,8 +36,9 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b);
 
 // linear(silu(a) * b, w) with w (fp32 master weight [D, F]) cast to a's
-// dtype. Keeps a and b, not the product, for the backward, which recomputes
-// it: one [tokens x F] activation less per layer.
+// dtype. Keeps a, b and the cast weight for the backward, and the product
+// unless set_swiglu_recompute(true) (then the backward recomputes it: one
+// [tokens x F] activation less per layer).
 at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w);
 
 // Per-row cross-entropy of logits [n, V] (contiguous) against targets [n]

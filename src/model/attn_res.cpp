@@ -1,6 +1,8 @@
 // Block AttnRes read (see Note [AttnRes stack] in attn_res.h).
 #include "model/attn_res.h"
 
+#include <ATen/record_function.h>
+
 #include "core/check.h"
 
 namespace viaduct {
@@ -119,6 +121,7 @@ at::Tensor AttnResReadImpl::weights(const std::vector<at::Tensor>& sources) {
 
 at::Tensor AttnResReadImpl::forward(const std::vector<at::Tensor>& sources) {
   VIADUCT_ASSERT(!sources.empty(), "an AttnRes read needs at least one source");
+  RECORD_FUNCTION("viaduct::attn_res_read", std::vector<c10::IValue>());  // named in profiles
   return AttnResReadFn::apply(at::TensorList(sources), query, norm->weight, norm->eps_);
 }
 

@@ -6,6 +6,7 @@
 
 #include "config/config.h"
 #include "core/check.h"
+#include "core/torch_compat.h"
 #include "kernels/fused.h"
 #include "model/families.h"
 
@@ -66,7 +67,7 @@ class ChunkedHeadCrossEntropy
     const auto acc = h.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     const auto w = weight.scalar_type() == h.scalar_type() ? weight : weight.to(h.scalar_type());
     const bool need_h = h.requires_grad(), need_w = weight.requires_grad();
-    auto grad_h = need_h ? at::empty_like(h) : at::Tensor();
+    auto grad_h = need_h ? at::empty(h.sizes(), h.options()) : at::Tensor();  // contiguous
     auto grad_w = need_w ? at::zeros(w.sizes(), w.options().dtype(acc)) : at::Tensor();
     auto loss = at::zeros({}, h.options().dtype(acc));
     for (int64_t start = 0; start < N; start += chunk) {
@@ -78,8 +79,12 @@ class ChunkedHeadCrossEntropy
         // by softmax - onehot (zero on ignored rows); no fp32 copy.
         auto g = at::matmul(hc, w.t()).contiguous();  // [n, V]
         loss += kernels::cross_entropy_rows_(g, tc).sum().to(acc);
-        if (need_h) grad_h.slice(0, start, end).copy_(at::matmul(g, w));
-        if (need_w) grad_w.add_(at::matmul(g.t(), hc).to(acc));
+        if (need_h) {
+          auto rows = grad_h.slice(0, start, end);  // contiguous rows of grad_h
+          at::mm_out(rows, g, w);
+        }
+        // One GEMM accumulating in fp32, no [V, D] temporaries (compat).
+        if (need_w) compat::add_matmul_fp32_(grad_w, g.t(), hc);
         continue;
       }
       auto logits = at::matmul(hc, w.t()).to(acc);  // [n, V]

@@ -64,6 +64,7 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   // The same thread count whether launched or run alone (determinism).
   at::set_num_threads(static_cast<int>(cfg_.get_int("training.num_threads")));
   kernels::set_enabled(cfg_.get_bool("model.fused_kernels"));
+  kernels::set_swiglu_recompute(cfg_.get_bool("model.swiglu_recompute"));
 
   // Where this process sits: pp x dp ranks over c10d, or one process.
   const auto rdv = dist::rendezvous_from_env();
@@ -297,9 +298,9 @@ std::string Trainer::checkpoint_folder() const {
 
 at::Tensor Trainer::forward_loss(const at::Tensor& inputs,
                                  const at::Tensor& targets) {
-  Activations acts{inputs.to(device_)};
+  Activations acts{to_device_async(inputs, device_)};
   for (size_t i = 0; i + 1 < parts_.size(); ++i) acts = parts_[i]->forward(acts);
-  return parts_.back()->forward_loss(acts, targets.to(device_));
+  return parts_.back()->forward_loss(acts, to_device_async(targets, device_));
 }
 
 StepMetrics Trainer::train_step() {
@@ -329,6 +330,7 @@ StepMetrics Trainer::train_step() {
   const double scale = 1.0 / static_cast<double>(tokens);
   for (auto& p : parts_) p->train();
   double loss_sum = 0.0;
+  std::vector<at::Tensor> pending_losses;
   for (const auto& batch : batches) {
     RECORD_USER_SCOPE("viaduct::forward_backward");
     auto mbs = data::split_microbatches(batch, n_micro);
@@ -340,22 +342,29 @@ StepMetrics Trainer::train_step() {
       }
       loss_sum += executor_->run_step(in, tgt, scale);
     } else {
+      // Note [No sync between forward and backward]: the loss is read once
+      // every backward and the gradient norm are queued; reading it in
+      // between stalled the device while the host started the backward
+      // (3 ms of the llama-1B step's idle time, bench/NOTES.md).
       for (const auto& mb : mbs) {
         auto loss = forward_loss(mb.inputs, mb.targets);
-        loss_sum += loss.item<double>();
         (loss * scale).backward();
+        pending_losses.push_back(loss.detach());
       }
     }
   }
-  // The loss lives on the last stage's rank; gather it (exact: one non-zero).
-  std::vector<double> loss{loss_sum};
-  sum_over(mesh_ ? &mesh_->pp_group() : nullptr, loss, "the loss");
-  sum_over(mesh_ ? &mesh_->dp_group() : nullptr, loss, "the loss");
   allreduce_grads_over_dp();
   const double norm = [&] {
     RECORD_USER_SCOPE("viaduct::grad_norm");
     return global_grad_norm();
   }();
+  // Read after the norm's launches (Note [No sync between forward and
+  // backward]); the norm's host copy has waited for the device already.
+  for (const auto& l : pending_losses) loss_sum += l.item<double>();
+  // The loss lives on the last stage's rank; gather it (exact: one non-zero).
+  std::vector<double> loss{loss_sum};
+  sum_over(mesh_ ? &mesh_->pp_group() : nullptr, loss, "the loss");
+  sum_over(mesh_ ? &mesh_->dp_group() : nullptr, loss, "the loss");
   VIADUCT_CHECK(std::isfinite(norm), "step ", step_ + 1,
                 ": the gradient norm is not finite (", norm,
                 "); lower optimizer.lr or check the data");
@@ -379,7 +388,11 @@ StepMetrics Trainer::train_step() {
   for (auto& p : parts_) p->after_optimizer_step();
   ++step_;
   tokens_seen_ += tokens;
-  synchronize(device_);
+  // Note [Step time without a final sync]: the step ends with the optimizer
+  // queued, not finished; the next step's host work (data, the first
+  // launches) overlaps its device tail, and the reads of the loss and the
+  // gradient norm wait for it. A step's time is host time from its start to
+  // here, so the steps' times add up to the loop's wall time.
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 

@@ -197,23 +197,39 @@ TEST(FusedKernels, SwiGLULinearMatchesUnfused) {
   REQUIRE_GPU();
   for (auto t : kTypes) {
     const auto seed = fresh_seed();
-    auto [a, ar] = draw({4, 50, 512}, t, 2.0);
-    auto [b, br] = draw({4, 50, 512}, t);
-    auto w = (at::randn({256, 512}, at::TensorOptions(at::kCUDA)) * 0.05).requires_grad_(true);
-    auto wr = w.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
-    poison();
-    auto y = kernels::swiglu_linear(a, b, w);
-    auto yr = at::linear(at::silu(ar) * br, wr);
-    ASSERT_EQ(y.scalar_type(), t);
-    EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
-    auto dy = at::randn(y.sizes(), y.options());
-    poison();
-    y.backward(dy);
-    yr.backward(dy.to(at::kCPU, at::kDouble));
-    ASSERT_EQ(w.grad().scalar_type(), at::kFloat);  // fp32 master gradient
-    EXPECT_LT(rel_err(a.grad(), ar.grad()), bound(t)) << "seed " << seed << " " << t;
-    EXPECT_LT(rel_err(b.grad(), br.grad()), bound(t)) << "seed " << seed << " " << t;
-    EXPECT_LT(rel_err(w.grad(), wr.grad()), bound(t)) << "seed " << seed << " " << t;
+    // Kept product (the default) and model.swiglu_recompute: both against
+    // the fp64 reference, and the same bits as each other (same kernels).
+    std::vector<at::Tensor> first;
+    for (bool recompute : {false, true}) {
+      kernels::set_swiglu_recompute(recompute);
+      torch::manual_seed(seed);
+      auto [a, ar] = draw({4, 50, 512}, t, 2.0);
+      auto [b, br] = draw({4, 50, 512}, t);
+      auto w = (at::randn({256, 512}, at::TensorOptions(at::kCUDA)) * 0.05).requires_grad_(true);
+      auto wr = w.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
+      poison();
+      auto y = kernels::swiglu_linear(a, b, w);
+      auto yr = at::linear(at::silu(ar) * br, wr);
+      ASSERT_EQ(y.scalar_type(), t);
+      EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
+      auto dy = at::randn(y.sizes(), y.options());
+      poison();
+      y.backward(dy);
+      yr.backward(dy.to(at::kCPU, at::kDouble));
+      ASSERT_EQ(w.grad().scalar_type(), at::kFloat);  // fp32 master gradient
+      EXPECT_LT(rel_err(a.grad(), ar.grad()), bound(t)) << "seed " << seed << " " << t;
+      EXPECT_LT(rel_err(b.grad(), br.grad()), bound(t)) << "seed " << seed << " " << t;
+      EXPECT_LT(rel_err(w.grad(), wr.grad()), bound(t)) << "seed " << seed << " " << t;
+      std::vector<at::Tensor> got{y.detach(), a.grad(), b.grad(), w.grad()};
+      if (first.empty()) {
+        first = got;
+      } else {
+        for (size_t i = 0; i < got.size(); ++i) {
+          EXPECT_TRUE(at::equal(first[i], got[i])) << "output " << i << " differs with recompute";
+        }
+      }
+    }
+    kernels::set_swiglu_recompute(false);
   }
 }
 
