@@ -5,8 +5,8 @@
 #     pp1 x 2 stages (LoopedBFS), same micro-batches: losses and checkpoints;
 #  2. the executor's overhead at the llama-1B shape (bench/executor_overhead.sh);
 #  3. the AttnRes block store's host offload on kimi_k3 debugmodel_deep
-#     widened to dim 1024: peak device memory and step time, cache on / on +
-#     offload / off.
+#     widened (dim 2048, MLA layers only by default): peak device memory and
+#     step time, cache on / on + offload / off.
 # usage: bench/gpu_checks.sh BUILD_DIR   (writes under $OUT)
 set -uo pipefail
 B=${1:-build-gpu}
@@ -38,21 +38,27 @@ D=$(ls outputs/bench/random_v128256.u32 2>/dev/null | head -1)
 if [ -n "$D" ]; then OUT=$OUT timeout 240 bash bench/executor_overhead.sh "$B" "$D" 8 | tail -5; fi
 fi
 
-# Section 3's shape: K3_DIM (1024), K3_BATCH (4), K3_MICRO (4 micro-batches),
-# K3_BLOCK (the flavor's AttnRes block size); small blocks and many
+# Section 3's shape: K3_DIM (2048), K3_SEQ (2048), K3_BATCH (8), K3_MICRO
+# (8 micro-batches), K3_BLOCK (3 layers per AttnRes block: 11 blocks),
+# K3_MLA_INTERVAL (1: MLA everywhere, so the step is GEMM-bound rather than
+# KDA-bound — the KDA step at dim 1024, batch 8 did not finish one run in
+# 200 s), K3_STEPS (4), K3_RUN_TIMEOUT (150 s per run); small blocks and many
 # micro-batches in flight make the store large. SECTIONS ("1 2 3") picks.
-K3_DIM=${K3_DIM:-1024}
-K3_BATCH=${K3_BATCH:-4}
-K3_MICRO=${K3_MICRO:-4}
+K3_DIM=${K3_DIM:-2048}
+K3_SEQ=${K3_SEQ:-2048}
+K3_BATCH=${K3_BATCH:-8}
+K3_MICRO=${K3_MICRO:-8}
+K3_BLOCK=${K3_BLOCK:-3}
+K3_MLA_INTERVAL=${K3_MLA_INTERVAL:-1}
+K3_STEPS=${K3_STEPS:-4}
+K3_RUN_TIMEOUT=${K3_RUN_TIMEOUT:-150}
 SECTIONS=${SECTIONS:-1 2 3}
-k3_block=()
-[ -n "${K3_BLOCK:-}" ] && k3_block=(--model.attn_res_block_size="$K3_BLOCK")
 [[ " $SECTIONS " == *" 3 "* ]] || exit 0
-echo "== 3. AttnRes store offload (kimi_k3 debugmodel_deep, dim $K3_DIM, batch $K3_BATCH in $K3_MICRO micro-batches, block ${K3_BLOCK:-default}, pp1 x 4 stages) =="
+echo "== 3. AttnRes store offload (kimi_k3 debugmodel_deep, dim $K3_DIM, MLA every $K3_MLA_INTERVAL, $K3_BATCH x $K3_SEQ in $K3_MICRO micro-batches, blocks of $K3_BLOCK, pp1 x 4 stages) =="
 k3=(--config configs/kimi_k3_debug.toml --model.flavor=debugmodel_deep --model.dim="$K3_DIM"
-    "${k3_block[@]}"
-    --training.seq_len=2048 --training.local_batch_size="$K3_BATCH" --training.dtype=bfloat16
-    --training.steps=5 --training.eval_interval=0 --checkpoint.enable=false
+    --model.attn_res_block_size="$K3_BLOCK" --model.mla_interval="$K3_MLA_INTERVAL"
+    --training.seq_len="$K3_SEQ" --training.local_batch_size="$K3_BATCH" --training.dtype=bfloat16
+    --training.steps="$K3_STEPS" --training.eval_interval=0 --checkpoint.enable=false
     --training.deterministic=false --metrics.progress_bar=false
     --parallelism.pipeline_parallel_stages_per_rank=4
     --parallelism.pipeline_parallel_schedule=Interleaved1F1B
@@ -61,12 +67,14 @@ for mode in "cache:--parallelism.attn_res_cache=true" \
             "cache+offload:--parallelism.attn_res_cache=true --parallelism.attn_res_cache_offload=true" \
             "whole-stack:--parallelism.attn_res_cache=false"; do
   name=${mode%%:*}; args=${mode#*:}
-  timeout 200 "$V" train "${k3[@]}" $args --job.dump_folder="$OUT/k3_$name" > "$OUT/k3_$name.log" 2>&1 || tail -4 "$OUT/k3_$name.log"
+  echo "   $name ..."
+  timeout "$K3_RUN_TIMEOUT" "$V" train "${k3[@]}" $args ${K3_EXTRA:-} --job.dump_folder="$OUT/k3_$name" \
+    > "$OUT/k3_$name.log" 2>&1 || { echo "   $name failed or timed out:"; tail -3 "$OUT/k3_$name.log"; }
 done
 python3 - "$OUT" <<'PY'
 import json, sys, statistics, os
 out = sys.argv[1]
-print("| kimi_k3 transport | median step s | peak device GiB | store peak MiB | loss step 5 |")
+print("| kimi_k3 transport | median step s | peak device GiB | store peak MiB | final loss |")
 print("|---|---|---|---|---|")
 for name in ["cache", "cache+offload", "whole-stack"]:
     f = f"{out}/k3_{name}/metrics.jsonl"

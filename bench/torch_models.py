@@ -157,6 +157,7 @@ class KimiK3Spec:
     norm_eps: float = 1e-5
     block_size: int = 12
     first_k_dense: int = 1
+    mla_interval: int = 4
     moe_ffn: bool = True
     attn_res: bool = True
     # KDA
@@ -180,7 +181,7 @@ class KimiK3Spec:
     moe_bias_update_rate: float = 1e-3
 
     def is_mla(self, i):
-        return i % 4 == 3 or i == self.n_layers - 1
+        return i % self.mla_interval == self.mla_interval - 1 or i == self.n_layers - 1
 
     def is_moe(self, i):
         return self.moe_ffn and i >= self.first_k_dense
@@ -222,7 +223,7 @@ K3_KEYS = {
     "vocab_size": "vocab_size", "ffn_hidden_dim": "ffn_hidden_dim",
     "max_seq_len": "max_seq_len", "norm_eps": "norm_eps",
     "attn_res_block_size": "block_size", "first_k_dense": "first_k_dense",
-    "moe_ffn": "moe_ffn", "attn_res": "attn_res",
+    "mla_interval": "mla_interval", "moe_ffn": "moe_ffn", "attn_res": "attn_res",
     "kda_head_dim": "kda_head_dim", "kda_chunk_size": "kda_chunk_size",
     "kda_conv_size": "kda_conv_size", "mla_q_lora_rank": "mla_q_lora_rank",
     "mla_kv_lora_rank": "mla_kv_lora_rank",

@@ -75,6 +75,7 @@ void add_model_keys(std::vector<ConfigKey>& k) {
   // Kimi-K3 hybrid keys (used by family kimi_k3 only).
   k.push_back(key("model", "attn_res_block_size", T::kInt, kUnset, "AttnRes layers per block"));
   k.push_back(key("model", "first_k_dense", T::kInt, kUnset, "leading layers with a dense FFN"));
+  k.push_back(key("model", "mla_interval", T::kInt, kUnset, "kimi_k3: MLA (full attention) at every N-th layer and the last, KDA elsewhere (the flavor: 4; 1: MLA everywhere)"));
   k.push_back(key("model", "n_routed_experts", T::kInt, kUnset, "MoE routed experts"));
   k.push_back(key("model", "n_activated_experts", T::kInt, kUnset, "MoE experts per token (top-k)"));
   k.push_back(key("model", "moe_hidden_dim", T::kInt, kUnset, "MoE expert hidden width"));

@@ -113,6 +113,7 @@ KimiK3Options kimi_k3_options(const Config& cfg) {
   o.norm_eps = float_or(cfg, "model.norm_eps", o.norm_eps);
   o.block_size = int_or(cfg, "model.attn_res_block_size", o.block_size);
   o.first_k_dense = int_or(cfg, "model.first_k_dense", o.first_k_dense);
+  o.mla_interval = int_or(cfg, "model.mla_interval", o.mla_interval);
   o.moe_ffn = bool_or(cfg, "model.moe_ffn", o.moe_ffn);
   o.vision = bool_or(cfg, "model.vision", o.vision);
   o.attn_res = cfg.get_bool("model.attn_res");
@@ -164,6 +165,7 @@ KimiK3Options kimi_k3_options(const Config& cfg) {
   pos(o.dim, "model.dim");
   pos(o.n_heads, "model.n_heads");
   pos(o.block_size, "model.attn_res_block_size");
+  pos(o.mla_interval, "model.mla_interval");
   pos(o.kda.chunk_size, "model.kda_chunk_size");
   pos(o.kda.conv_size, "model.kda_conv_size");
   VIADUCT_CHECK_T(ConfigError, o.vocab_size >= 257,

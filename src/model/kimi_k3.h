@@ -62,9 +62,12 @@ struct KimiK3Options {
   MoeOptions moe;
   VisionOptions vis;
 
-  // Full-attention rule: MLA at every fourth layer and at the last.
+  int64_t mla_interval = 4;  // model.mla_interval
+
+  // Full-attention rule: MLA at every mla_interval-th layer (every fourth by
+  // default: 3, 7, ...) and at the last; KDA elsewhere.
   bool is_mla(int64_t layer) const {
-    return layer % 4 == 3 || layer == n_layers - 1;
+    return layer % mla_interval == mla_interval - 1 || layer == n_layers - 1;
   }
   bool is_moe(int64_t layer) const { return moe_ffn && layer >= first_k_dense; }
   bool opens_block(int64_t layer) const { return layer % block_size == 0; }

@@ -122,6 +122,25 @@ TEST(KimiK3Model, FlavorsAndFullAttentionRule) {
   EXPECT_EQ(fqns[fqns.size() - 3], "norm");
 }
 
+TEST(KimiK3Model, MlaIntervalPicksTheFullAttentionLayers) {
+  auto kinds = [](const Config& cfg) {
+    std::string s;
+    for (const auto& l : describe_kimi_k3(cfg).layers) s += l.attention == "mla" ? 'M' : 'k';
+    return s;
+  };
+  // debugmodel_deep: 33 layers. Default every fourth (3, 7, ...) and the last.
+  EXPECT_EQ(kinds(k3_config("debugmodel_deep")), "kkkMkkkMkkkMkkkMkkkMkkkMkkkMkkkMM");
+  EXPECT_EQ(kinds(k3_config("debugmodel_deep", {"model.mla_interval=1"})),
+            std::string(33, 'M'));
+  EXPECT_EQ(kinds(k3_config("debugmodel_deep", {"model.mla_interval=3"})),
+            "kkMkkMkkMkkMkkMkkMkkMkkMkkMkkMkkM");
+  // The built model follows the same rule (parameter counts differ by kind).
+  auto cfg = k3_config("debugmodel", {"model.mla_interval=2"});
+  EXPECT_EQ(describe_kimi_k3(cfg).params, count_parameters(*build(cfg)));
+  EXPECT_NE(describe_kimi_k3(cfg).params, describe_kimi_k3(k3_config("debugmodel")).params);
+  EXPECT_THROW(describe_kimi_k3(k3_config("debugmodel", {"model.mla_interval=0"})), ConfigError);
+}
+
 TEST(KimiK3Model, DescribeCountsMatchBuiltModel) {
   for (bool vision : {false, true}) {
     auto cfg = small_config(vision);
