@@ -68,24 +68,13 @@ inline void add_matmul_fp32_(at::Tensor& c, const at::Tensor& a, const at::Tenso
   c.add_(at::matmul(a, b).to(c.scalar_type()));
 }
 
-// causal_sdpa with k, v of fewer (grouped) heads: [B, KV, T, hd], H % KV == 0.
-// The KV heads are repeated to H; with VIADUCT_SDPA_GQA=1 on LibTorch >= 2.5
-// and CUDA, SDPA's own enable_gqa is used instead (an experiment: it may
-// select another attention backend; see bench/NOTES.md).
+// causal_sdpa with k, v of fewer (grouped) heads: [B, KV, T, hd], H % KV == 0;
+// the KV heads are repeated to H. (SDPA's own enable_gqa, LibTorch >= 2.5,
+// was measured slower on an H200: bench/NOTES.md, session 3.)
 inline at::Tensor causal_sdpa_gqa(const at::Tensor& q, const at::Tensor& k,
                                   const at::Tensor& v) {
   const auto H = q.size(1), KV = k.size(1);
   if (KV == H) return causal_sdpa(q, k, v);
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
-  static const bool native_gqa = [] {
-    const char* e = std::getenv("VIADUCT_SDPA_GQA");
-    return e != nullptr && std::string(e) == "1";
-  }();
-  if (native_gqa && q.is_cuda()) {
-    return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt,
-                                            /*enable_gqa=*/true);
-  }
-#endif
   return causal_sdpa(q, k.repeat_interleave(H / KV, 1), v.repeat_interleave(H / KV, 1));
 }
 

@@ -79,16 +79,23 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
   }
 };
 
+// repeat > 0: each head of x written `repeat` times (the forward of a
+// grouped-KV rotation); repeat < 0: each run of -repeat heads summed (its
+// backward); 1: a plain rotation.
 at::Tensor rope_launch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                       bool inverse) {
+                       bool inverse, int64_t repeat) {
   // Strided input (SDPA's transposed gradients, q/k sliced from one qkv
   // projection) is read in place; only a non-unit last stride is copied.
   auto xc = x.stride(3) == 1 ? x : x.contiguous();
-  auto y = at::empty(xc.sizes(), xc.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t rep = repeat > 0 ? repeat : -repeat;
+  const int64_t H_out = repeat > 0 ? xc.size(2) * rep : xc.size(2) / rep;
+  auto y = at::empty({xc.size(0), xc.size(1), H_out, xc.size(3)},
+                     xc.options().memory_format(at::MemoryFormat::Contiguous));
   check_launch(cuda::rope(dtype_of(xc), xc.data_ptr(), cos.data_ptr<float>(),
-                          sin.data_ptr<float>(), y.data_ptr(), xc.size(0), xc.size(1),
-                          xc.size(2), xc.size(3), xc.stride(0), xc.stride(1), xc.stride(2),
-                          inverse, stream_of(xc)),
+                          sin.data_ptr<float>(), y.data_ptr(), xc.size(0), xc.size(1), H_out,
+                          xc.size(3), xc.stride(0), xc.stride(1), xc.stride(2), inverse,
+                          /*div=*/repeat > 0 ? rep : 1, /*mul=*/repeat > 0 ? 1 : rep,
+                          /*cnt=*/repeat > 0 ? 1 : rep, stream_of(xc)),
                "rope");
   return y;
 }
@@ -96,14 +103,17 @@ at::Tensor rope_launch(const at::Tensor& x, const at::Tensor& cos, const at::Ten
 class RopeFn : public torch::autograd::Function<RopeFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
-                            const at::Tensor& sin) {
+                            const at::Tensor& sin, int64_t repeat) {
     ctx->save_for_backward({cos, sin});
-    return rope_launch(x, cos, sin, /*inverse=*/false);
+    ctx->saved_data["repeat"] = repeat;
+    return rope_launch(x, cos, sin, /*inverse=*/false, repeat);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    return {rope_launch(grads[0], saved[0], saved[1], /*inverse=*/true), at::Tensor(),
-            at::Tensor()};
+    const auto repeat = ctx->saved_data["repeat"].toInt();
+    return {rope_launch(grads[0], saved[0], saved[1], /*inverse=*/true,
+                        repeat == 1 ? 1 : -repeat),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -185,13 +195,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return RMSNormFn::apply(x, weight, eps);
 }
 
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                int64_t repeat) {
   RECORD_FUNCTION("viaduct::rope", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(x.dim() == 4 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                     cos.is_contiguous() && sin.is_contiguous() && cos.size(0) >= x.size(1) &&
                     2 * cos.size(1) == x.size(3),
                 "fused rope: x must be [B, T, H, hd] and cos/sin contiguous fp32 [>= T, hd/2]");
-  return RopeFn::apply(x, cos, sin);
+  VIADUCT_CHECK(repeat >= 1, "fused rope: repeat must be >= 1, got ", repeat);
+  return RopeFn::apply(x, cos, sin, repeat);
 }
 
 at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b) {
@@ -254,7 +266,9 @@ namespace {
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double) { no_cuda("rms_norm"); }
-at::Tensor rope(const at::Tensor&, const at::Tensor&, const at::Tensor&) { no_cuda("rope"); }
+at::Tensor rope(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  no_cuda("rope");
+}
 at::Tensor swiglu(const at::Tensor&, const at::Tensor&) { no_cuda("swiglu"); }
 at::Tensor swiglu_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   no_cuda("swiglu_linear");

@@ -29,8 +29,12 @@ bool usable(const at::Tensor& x);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // Rotary embedding on interleaved pairs of x: [B, T, H, hd]; cos, sin: fp32
-// [>= T, hd / 2] on x's device. Saves nothing but the tables.
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// [>= T, hd / 2] on x's device. Saves nothing but the tables. repeat > 1
+// returns [B, T, H * repeat, hd] with each rotated head repeated (as
+// repeat_interleave on dim 2 would: grouped KV heads for attention), and
+// the backward sums each head's copies in fp32 before rotating back.
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                int64_t repeat = 1);
 
 // silu(a) * b.
 at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b);

@@ -171,14 +171,85 @@ __global__ void rms_norm_backward_kernel(const T* __restrict__ dy, const T* __re
   }
 }
 
+// The same arithmetic as rms_norm_backward_kernel, in the same order, for
+// rows of at most ITERS * blockDim.x * N elements: a thread keeps its slice of
+// dy and x in registers between the two passes over a row and its slice of
+// the weight gradient across the block's rows, so each element is read once
+// and the block's part is written once (the loop form reads dy and x twice
+// and reads and writes its part on every row).
+template <typename T, int N, int ITERS>
+__global__ void rms_norm_backward_reg_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                             const float* __restrict__ w,
+                                             const float* __restrict__ rstd, T* __restrict__ dx,
+                                             float* __restrict__ dw_partial, int64_t rows,
+                                             int64_t dim) {
+  __shared__ float scratch[32];
+  float* part = dw_partial + static_cast<int64_t>(blockIdx.x) * dim;
+  float pw[ITERS][N];
+  bool first = true;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* dyr = dy + row * dim;
+    const T* xr = x + row * dim;
+    T* dxr = dx + row * dim;
+    const float r = rstd[row];
+    float g[ITERS][N], xv[ITERS][N];
+    float s = 0.f;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int64_t j = (threadIdx.x + static_cast<int64_t>(it) * blockDim.x) * N;
+      if (j < dim) {
+        float wv[N];
+        load_n<T, N>(dyr, j, g[it]);
+        load_n<T, N>(xr, j, xv[it]);
+        load_n<float, N>(w, j, wv);
+#pragma unroll
+        for (int k = 0; k < N; ++k) s += g[it][k] * wv[k] * xv[it][k];
+      }
+    }
+    s = block_sum(s, scratch);
+    const float c = r * r * r * s / static_cast<float>(dim);
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int64_t j = (threadIdx.x + static_cast<int64_t>(it) * blockDim.x) * N;
+      if (j < dim) {
+        float wv[N], out[N];
+        load_n<float, N>(w, j, wv);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          out[k] = r * g[it][k] * wv[k] - xv[it][k] * c;
+          const float d = g[it][k] * xv[it][k] * r;
+          pw[it][k] = first ? d : pw[it][k] + d;
+        }
+        store_n<T, N>(dxr, j, out);
+      }
+    }
+    first = false;
+  }
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int64_t j = (threadIdx.x + static_cast<int64_t>(it) * blockDim.x) * N;
+    if (j < dim) {
+      if (first) {  // more parts than rows: this part is empty
+#pragma unroll
+        for (int k = 0; k < N; ++k) pw[it][k] = 0.f;
+      }
+      store_n<float, N>(part, j, pw[it]);
+    }
+  }
+}
+
 // x is read through strides (sB, sT, sH; the last dim is contiguous) so the
 // backward can rotate SDPA's transposed gradient without a copy; y is
-// contiguous [B, T, H, hd]. Each thread rotates N / 2 pairs.
+// contiguous [B, T, H, hd]. Each thread rotates N / 2 pairs. Output head h
+// reads the sum of input heads (h / div) * mul + r for r < cnt (in that
+// order, in fp32): (1, 1, 1) is a plain rotation; (rep, 1, 1) writes each
+// input head rep times (grouped KV heads repeated for attention); (1, rep,
+// rep) sums rep heads (the repeat's backward).
 template <typename T, int N>
 __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ cos_t,
                             const float* __restrict__ sin_t, T* __restrict__ y, int64_t groups,
                             int64_t T_len, int64_t H, int64_t half, int64_t sB, int64_t sT,
-                            int64_t sH, float sign) {
+                            int64_t sH, float sign, int64_t div, int64_t mul, int64_t cnt) {
   const int64_t per_head = 2 * half / N;  // groups in one head vector
   for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
        g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -188,8 +259,15 @@ __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ c
     rest /= H;
     const int64_t t = rest % T_len;
     const int64_t b = rest / T_len;
+    const int64_t src = (h / div) * mul;
     float v[N], o[N];
-    load_n<T, N>(x, b * sB + t * sT + h * sH + d, v);
+    load_n<T, N>(x, b * sB + t * sT + src * sH + d, v);
+    for (int64_t r = 1; r < cnt; ++r) {
+      float u[N];
+      load_n<T, N>(x, b * sB + t * sT + (src + r) * sH + d, u);
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] += u[k];
+    }
 #pragma unroll
     for (int k = 0; k < N; k += 2) {
       const int64_t i = t * half + (d + k) / 2;
@@ -388,18 +466,33 @@ cudaError_t rms_norm_backward(DType dt, const void* dy, const void* x, const flo
   const auto parts = static_cast<unsigned>(rms_norm_backward_parts(rows));
   const bool vec = dim % group_of(dt) == 0 && aligned16(dy) && aligned16(x) && aligned16(w) &&
                    aligned16(dx) && aligned16(dw_partial);
-  VIADUCT_DISPATCH_VEC(dt, vec,
-                       rms_norm_backward_kernel<T, N><<<parts, kRowThreads, 0, stream>>>(
-                           static_cast<const T*>(dy), static_cast<const T*>(x), w, rstd,
-                           static_cast<T*>(dx), dw_partial, rows, dim));
+  // Rows of up to 2 slices per thread take the register form (4 slices of 8
+  // bf16 need 128 registers a thread: too few blocks per SM).
+  VIADUCT_DISPATCH_VEC(
+      dt, vec, const int64_t per_pass = static_cast<int64_t>(kRowThreads) * N;
+      const int64_t iters = (dim + per_pass - 1) / per_pass;
+      if (iters <= 1) {
+        rms_norm_backward_reg_kernel<T, N, 1><<<parts, kRowThreads, 0, stream>>>(
+            static_cast<const T*>(dy), static_cast<const T*>(x), w, rstd, static_cast<T*>(dx),
+            dw_partial, rows, dim);
+      } else if (iters <= 2) {
+        rms_norm_backward_reg_kernel<T, N, 2><<<parts, kRowThreads, 0, stream>>>(
+            static_cast<const T*>(dy), static_cast<const T*>(x), w, rstd, static_cast<T*>(dx),
+            dw_partial, rows, dim);
+      } else {
+        rms_norm_backward_kernel<T, N><<<parts, kRowThreads, 0, stream>>>(
+            static_cast<const T*>(dy), static_cast<const T*>(x), w, rstd, static_cast<T*>(dx),
+            dw_partial, rows, dim);
+      });
   return cudaGetLastError();
 }
 
 cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin, void* y, int64_t B,
                  int64_t T_len, int64_t H, int64_t hd, int64_t sB, int64_t sT, int64_t sH,
-                 bool inverse, cudaStream_t stream) {
+                 bool inverse, int64_t div, int64_t mul, int64_t cnt, cudaStream_t stream) {
   const int64_t n = B * T_len * H * hd;
   if (n == 0) return cudaSuccess;
+  if (div < 1 || mul < 1 || cnt < 1) return cudaErrorInvalidValue;
   const float sign = inverse ? -1.f : 1.f;
   const int64_t G = group_of(dt);
   const bool vec = hd % G == 0 && sB % G == 0 && sT % G == 0 && sH % G == 0 && aligned16(x) &&
@@ -408,11 +501,11 @@ cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin, vo
     VIADUCT_DISPATCH(dt, constexpr int N = sizeof(T) == 2 ? 8 : 4;
                      rope_kernel<T, N><<<elementwise_blocks(n / N), kElemThreads, 0, stream>>>(
                          static_cast<const T*>(x), cos, sin, static_cast<T*>(y), n / N, T_len, H,
-                         hd / 2, sB, sT, sH, sign));
+                         hd / 2, sB, sT, sH, sign, div, mul, cnt));
   } else {
     VIADUCT_DISPATCH(dt, rope_kernel<T, 2><<<elementwise_blocks(n / 2), kElemThreads, 0, stream>>>(
                              static_cast<const T*>(x), cos, sin, static_cast<T*>(y), n / 2, T_len,
-                             H, hd / 2, sB, sT, sH, sign));
+                             H, hd / 2, sB, sT, sH, sign, div, mul, cnt));
   }
   return cudaGetLastError();
 }

@@ -34,13 +34,17 @@ cudaError_t rms_norm_backward(DType dt, const void* dy, const void* x,
                               float* dw_partial, int64_t rows, int64_t dim,
                               cudaStream_t stream);
 
-// Rotary embedding on interleaved pairs (x[2i], x[2i+1]) of x: [B, T, H, hd]
-// with element strides (sB, sT, sH, 1); y: contiguous [B, T, H, hd];
-// cos, sin: [>= T, hd / 2] (row t used for position t). inverse = true
-// rotates by -theta (the backward).
+// Rotary embedding on interleaved pairs (x[2i], x[2i+1]); y: contiguous
+// [B, T, H, hd]; x read with element strides (sB, sT, sH, 1); cos, sin:
+// [>= T, hd / 2] (row t used for position t). inverse = true rotates by
+// -theta (the backward). Output head h rotates the fp32 sum of x's heads
+// (h / div) * mul + r, r < cnt: (1, 1, 1) a plain rotation of x [B, T, H,
+// hd]; (rep, 1, 1) x [B, T, H / rep, hd] with each head written rep times;
+// (1, rep, rep) x [B, T, H * rep, hd] with each run of rep heads summed.
 cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin,
                  void* y, int64_t B, int64_t T, int64_t H, int64_t hd, int64_t sB,
-                 int64_t sT, int64_t sH, bool inverse, cudaStream_t stream);
+                 int64_t sT, int64_t sH, bool inverse, int64_t div, int64_t mul, int64_t cnt,
+                 cudaStream_t stream);
 
 // One AdamW step on fp32 [n] tensors, in place: p *= 1 - lr * wd;
 // m += (1 - beta1) (g - m); v = beta2 v + (1 - beta2) g^2;

@@ -73,6 +73,15 @@ RopeTables make_rope_tables(int64_t head_dim, int64_t max_seq_len,
   return {freqs.cos(), freqs.sin()};  // fp64; cast at use
 }
 
+namespace {
+// The fused kernel's fp32 tables for positions [0, T) on `device`.
+std::pair<at::Tensor, at::Tensor> rope_tables_fp32(const RopeTables& rope, int64_t T,
+                                                   const at::Device& device) {
+  return {rope.cos.slice(0, 0, T).to(device, at::kFloat).contiguous(),
+          rope.sin.slice(0, 0, T).to(device, at::kFloat).contiguous()};
+}
+}  // namespace
+
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
   // x: [B, T, H, hd]
   const auto T = x.size(1);
@@ -80,8 +89,7 @@ at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
                 " exceeds model.max_seq_len ", rope.cos.size(0));
   if (kernels::usable(x) && x.dim() == 4) {
     // fp32 tables (the ATen path below rotates in fp64 by promotion).
-    auto c = rope.cos.slice(0, 0, T).to(x.device(), at::kFloat).contiguous();
-    auto s = rope.sin.slice(0, 0, T).to(x.device(), at::kFloat).contiguous();
+    auto [c, s] = rope_tables_fp32(rope, T, x.device());
     return kernels::rope(x, c, s);
   }
   // fp32 rotation (fp64 for fp64 input, the gradient checks): the tables are
@@ -159,6 +167,22 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
     q = linear(x, wq).view({B, T, H, hd});
     k = linear(x, wk).view({B, T, KV, hd});
     v = linear(x, wv).view({B, T, KV, hd});
+  }
+  if (opts_.rope && kernels::usable(x)) {
+    // Note [RoPE writes the repeated keys]: one table cast for q and k, and
+    // k's KV heads come out of the RoPE kernel already repeated to H (its
+    // backward sums the copies), instead of a repeat_interleave copy and
+    // its reduction. v is still repeated for SDPA.
+    VIADUCT_CHECK(T <= rope_.cos.size(0), "sequence length ", T,
+                  " exceeds model.max_seq_len ", rope_.cos.size(0));
+    auto [c, s] = rope_tables_fp32(rope_, T, x.device());
+    q = kernels::rope(q, c, s).transpose(1, 2);             // [B, H, T, hd]
+    k = kernels::rope(k, c, s, H / KV).transpose(1, 2);     // [B, H, T, hd]
+    v = v.transpose(1, 2);
+    if (KV != H) v = v.repeat_interleave(H / KV, 1);
+    auto y = compat::causal_sdpa(q, k, v);  // [B, H, T, hd]
+    y = y.transpose(1, 2).reshape({B, T, H * hd});
+    return linear(y, wo);
   }
   if (opts_.rope) {
     // Module::to() moves buffers with set_data, so rope_ stays valid.

@@ -62,10 +62,14 @@ std::pair<at::Tensor, at::Tensor> draw(at::IntArrayRef shape, at::ScalarType t, 
 
 TEST(FusedKernels, RMSNormForwardBackward) {
   REQUIRE_GPU();
+  // Widths for both backward forms: the register form (one or two slices
+  // per thread, vectorised or not, a partial last slice) and the loop form.
+  for (int64_t D : {2048, 3000, 300, 5000, 1001})
   for (auto t : kTypes) {
     const auto seed = fresh_seed();
-    auto [x, xr] = draw({3, 37, 2048}, t, 2.0);
-    auto w = (1.0 + 0.1 * at::randn({2048}, at::TensorOptions(at::kCUDA))).requires_grad_(true);
+    SCOPED_TRACE(testing::Message() << "dim " << D);
+    auto [x, xr] = draw({3, 37, D}, t, 2.0);
+    auto w = (1.0 + 0.1 * at::randn({D}, at::TensorOptions(at::kCUDA))).requires_grad_(true);
     auto wr = w.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
     const double eps = 1e-5;
     poison();
@@ -141,6 +145,31 @@ TEST(FusedKernels, RopeReadsStridedInput) {
     auto qt = at::randn({B, H, T, hd}, at::TensorOptions(at::kCUDA)).to(t).transpose(1, 2);
     EXPECT_TRUE(at::equal(kernels::rope(qt, c, s), kernels::rope(qt.contiguous(), c, s)))
         << "seed " << seed << " " << t;
+  }
+}
+
+TEST(FusedKernels, RopeRepeatsGroupedHeads) {
+  REQUIRE_GPU();
+  // Grouped KV heads: rope(k, repeat) is rope(k) repeated on the head dim,
+  // bit for bit; its backward sums the copies' (SDPA-transposed) gradients.
+  const int64_t B = 2, T = 40, KV = 2, rep = 3, hd = 64;
+  auto tables = make_rope_tables(hd, 64, 10000.0);
+  auto c = tables.cos.to(at::kCUDA, at::kFloat).contiguous();
+  auto s = tables.sin.to(at::kCUDA, at::kFloat).contiguous();
+  for (auto t : kTypes) {
+    const auto seed = fresh_seed();
+    auto [x, xr] = draw({B, T, KV, hd}, t);
+    poison();
+    auto y = kernels::rope(x, c, s, rep);
+    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{B, T, KV * rep, hd}));
+    EXPECT_TRUE(at::equal(y, kernels::rope(x.detach(), c, s).repeat_interleave(rep, 2)))
+        << "seed " << seed << " " << t;
+    auto yr = apply_rope(xr, tables).repeat_interleave(rep, 2);
+    auto dy = at::randn({B, KV * rep, T, hd}, at::TensorOptions(at::kCUDA)).to(t).transpose(1, 2);
+    poison();
+    y.backward(dy);
+    yr.backward(dy.to(at::kCPU, at::kDouble));
+    EXPECT_LT(rel_err(x.grad(), xr.grad()), bound(t)) << "seed " << seed << " " << t;
   }
 }
 
