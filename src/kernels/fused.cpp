@@ -178,6 +178,71 @@ class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
   }
 };
 
+// Note [Fused AttnRes read] in fused_kernels.cu; the equations of Note
+// [AttnRes read without keys] (model/attn_res.cpp), whose ATen form runs
+// everywhere else.
+class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, at::TensorList sources,
+                            const at::Tensor& query, const at::Tensor& norm_weight, double eps) {
+    const auto n = static_cast<int>(sources.size());
+    const auto D = sources[0].size(-1);
+    const auto rows = sources[0].numel() / D;
+    std::vector<at::Tensor> src;
+    cuda::ReadSources ptrs{};
+    for (int i = 0; i < n; ++i) {
+      src.push_back(sources[static_cast<size_t>(i)].contiguous());
+      ptrs.p[i] = src.back().data_ptr();
+    }
+    auto u = (norm_weight.to(at::kFloat) * query.to(at::kFloat)).contiguous();
+    auto out = at::empty(src[0].sizes(), src[0].options());
+    auto stats = at::empty({3, n, rows}, src[0].options().dtype(at::kFloat));
+    auto rstd = stats[0], dot = stats[1], alpha = stats[2];
+    check_launch(cuda::attn_res_read_forward(dtype_of(src[0]), ptrs, n, u.data_ptr<float>(),
+                                             out.data_ptr(), rstd.data_ptr<float>(),
+                                             dot.data_ptr<float>(), alpha.data_ptr<float>(), rows,
+                                             D, static_cast<float>(eps), stream_of(src[0])),
+                 "attn_res_read_forward");
+    src.insert(src.end(), {query, norm_weight, rstd, dot, alpha});
+    ctx->save_for_backward(src);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto n = static_cast<int>(saved.size()) - 5;
+    const auto &query = saved[n], &norm_weight = saved[n + 1];
+    const auto &rstd = saved[n + 2], &dot = saved[n + 3], &alpha = saved[n + 4];
+    const auto D = saved[0].size(-1);
+    const auto rows = saved[0].numel() / D;
+    auto q = query.to(at::kFloat), w = norm_weight.to(at::kFloat);
+    auto u = (w * q).contiguous();
+    auto g = grads[0].contiguous().to(saved[0].scalar_type());
+    cuda::ReadSources ptrs{};
+    cuda::ReadGrads dptrs{};
+    variable_list out;
+    for (int i = 0; i < n; ++i) {
+      ptrs.p[i] = saved[static_cast<size_t>(i)].data_ptr();
+      out.push_back(at::empty(saved[static_cast<size_t>(i)].sizes(),
+                              saved[static_cast<size_t>(i)].options()));
+      dptrs.p[i] = out.back().data_ptr();
+    }
+    auto partial = at::empty({cuda::attn_res_read_backward_parts(rows), D},
+                             u.options().dtype(at::kFloat));
+    check_launch(cuda::attn_res_read_backward(dtype_of(saved[0]), ptrs, dptrs, n, g.data_ptr(),
+                                              u.data_ptr<float>(), rstd.data_ptr<float>(),
+                                              dot.data_ptr<float>(), alpha.data_ptr<float>(),
+                                              partial.data_ptr<float>(), rows, D,
+                                              stream_of(g)),
+                 "attn_res_read_backward");
+    auto du = partial.sum(0);
+    out.push_back((du * w).to(query.scalar_type()));        // d query
+    out.push_back((du * q).to(norm_weight.scalar_type()));  // d norm.weight
+    out.push_back(at::Tensor());                             // eps
+    return out;
+  }
+};
+
 }  // namespace
 
 bool usable(const at::Tensor& x) {
@@ -219,6 +284,25 @@ at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Ten
                     w.size(1) == a.size(-1),
                 "fused swiglu_linear: a, b must match and w be [D, ", a.size(-1), "]");
   return SwiGLULinearFn::apply(a, b, w);
+}
+
+int64_t max_read_sources() { return cuda::kMaxReadSources; }
+
+at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tensor& query,
+                         const at::Tensor& norm_weight, double eps) {
+  RECORD_FUNCTION("viaduct::attn_res_read_kernel", std::vector<c10::IValue>());  // named in profiles
+  VIADUCT_CHECK(!sources.empty() && static_cast<int64_t>(sources.size()) <= cuda::kMaxReadSources,
+                "fused attn_res_read: 1 to ", cuda::kMaxReadSources, " sources, got ",
+                sources.size());
+  for (const auto& v : sources) {
+    VIADUCT_CHECK(v.sizes() == sources[0].sizes() && v.scalar_type() == sources[0].scalar_type() &&
+                      v.device() == sources[0].device(),
+                  "fused attn_res_read: sources differ in shape, dtype or device");
+  }
+  VIADUCT_CHECK(query.dim() == 1 && query.size(0) == sources[0].size(-1) &&
+                    norm_weight.sizes() == query.sizes(),
+                "fused attn_res_read: query and norm weight must be [", sources[0].size(-1), "]");
+  return AttnResReadKernelFn::apply(at::TensorList(sources), query, norm_weight, eps);
 }
 
 void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,
@@ -274,6 +358,11 @@ at::Tensor swiglu_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&
   no_cuda("swiglu_linear");
 }
 at::Tensor cross_entropy_rows_(at::Tensor&, const at::Tensor&) { no_cuda("cross_entropy"); }
+int64_t max_read_sources() { return 0; }
+at::Tensor attn_res_read(const std::vector<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+                         double) {
+  no_cuda("attn_res_read");
+}
 void adamw_(at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, double, double, double,
             double, double, double, double) {
   no_cuda("adamw");

@@ -50,6 +50,14 @@ at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Ten
 // overwrites logits with d(row loss)/d(logits) = softmax - onehot. No autograd.
 at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets);
 
+// The Block AttnRes read softmax_i(rstd(v_i) (v_i . (norm_weight * query)))
+// -weighted sum of the sources (each [B, T, D], one dtype and device; at
+// most max_read_sources() of them; 0 in the CPU build): one kernel forward,
+// one backward, keeping three fp32 statistics per source and token.
+int64_t max_read_sources();
+at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tensor& query,
+                         const at::Tensor& norm_weight, double eps);
+
 // One AdamW step in place on contiguous fp32 CUDA tensors (the formulas of
 // AdamW::step's loop; bias_corr_i = 1 - beta_i^step).
 void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,

@@ -279,6 +279,162 @@ __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ c
   }
 }
 
+// Note [Fused AttnRes read]: one block per row (token) at a time. Pass 1
+// computes each source's (sum of squares, dot with u) with per-warp partials
+// in shared memory (one barrier for all sources), the softmax over the n
+// sources runs on one thread, pass 2 re-reads the sources (L2-resident) for
+// the weighted sum. Every sum has a fixed order: threads' columns, then the
+// warp's shuffle tree, then the warps in order; sources in order.
+template <typename T, int N>
+__global__ void attn_res_read_forward_kernel(ReadSources src, int n, const float* __restrict__ u,
+                                             T* __restrict__ out, float* __restrict__ rstd,
+                                             float* __restrict__ dot, float* __restrict__ alpha,
+                                             int64_t rows, int64_t dim, float eps) {
+  extern __shared__ float sm[];  // [warps][n][2] partials, then [n] alpha
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  float* part = sm;
+  float* a_sh = sm + warps * n * 2;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    for (int i = 0; i < n; ++i) {
+      const T* v = static_cast<const T*>(src.p[i]) + row * dim;
+      float ss = 0.f, dt = 0.f;
+      for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
+        float x[N], uu[N];
+        load_n<T, N>(v, j, x);
+        load_n<float, N>(u, j, uu);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          ss += x[k] * x[k];
+          dt += x[k] * uu[k];
+        }
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        dt += __shfl_xor_sync(0xffffffffu, dt, o);
+      }
+      if (lane == 0) {
+        part[(warp * n + i) * 2] = ss;
+        part[(warp * n + i) * 2 + 1] = dt;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float m = -INFINITY;
+      for (int i = 0; i < n; ++i) {
+        float ss = 0.f, dt = 0.f;
+        for (int w = 0; w < warps; ++w) {
+          ss += part[(w * n + i) * 2];
+          dt += part[(w * n + i) * 2 + 1];
+        }
+        const float r = rsqrtf(ss / static_cast<float>(dim) + eps);
+        rstd[i * rows + row] = r;
+        dot[i * rows + row] = dt;
+        a_sh[i] = r * dt;  // the logit, for now
+        m = fmaxf(m, r * dt);
+      }
+      float z = 0.f;
+      for (int i = 0; i < n; ++i) {
+        a_sh[i] = expf(a_sh[i] - m);
+        z += a_sh[i];
+      }
+      for (int i = 0; i < n; ++i) {
+        a_sh[i] /= z;
+        alpha[i * rows + row] = a_sh[i];
+      }
+    }
+    __syncthreads();
+    T* o = out + row * dim;
+    for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
+      float acc[N];
+      for (int i = 0; i < n; ++i) {
+        float x[N];
+        load_n<T, N>(static_cast<const T*>(src.p[i]) + row * dim, j, x);
+        const float a = a_sh[i];
+#pragma unroll
+        for (int k = 0; k < N; ++k) acc[k] = i == 0 ? a * x[k] : acc[k] + a * x[k];
+      }
+      store_n<T, N>(o, j, acc);
+    }
+    __syncthreads();  // a_sh and part are rewritten by the next row
+  }
+}
+
+template <typename T, int N>
+__global__ void attn_res_read_backward_kernel(ReadSources src, ReadGrads dsrc, int n,
+                                              const T* __restrict__ g,
+                                              const float* __restrict__ u,
+                                              const float* __restrict__ rstd,
+                                              const float* __restrict__ dot,
+                                              const float* __restrict__ alpha,
+                                              float* __restrict__ du_partial, int64_t rows,
+                                              int64_t dim) {
+  extern __shared__ float sm[];  // [warps][n] partials, then [n] x 3 coefficients
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  float* part = sm;
+  float* al = sm + warps * n;  // alpha_i
+  float* dd = al + n;          // dlogit_i rstd_i
+  float* dr = dd + n;          // dlogit_i dot_i rstd_i^3 / dim
+  float* du = du_partial + static_cast<int64_t>(blockIdx.x) * dim;
+  bool first = true;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* gr = g + row * dim;
+    for (int i = 0; i < n; ++i) {
+      const T* v = static_cast<const T*>(src.p[i]) + row * dim;
+      float s = 0.f;
+      for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
+        float x[N], gg[N];
+        load_n<T, N>(v, j, x);
+        load_n<T, N>(gr, j, gg);
+#pragma unroll
+        for (int k = 0; k < N; ++k) s += gg[k] * x[k];
+      }
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (lane == 0) part[warp * n + i] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float mean = 0.f;  // sum_j alpha_j dalpha_j
+      for (int i = 0; i < n; ++i) {
+        float da = 0.f;
+        for (int w = 0; w < warps; ++w) da += part[w * n + i];
+        al[i] = alpha[i * rows + row];
+        dd[i] = da;  // dalpha_i, for now
+        mean += al[i] * da;
+      }
+      for (int i = 0; i < n; ++i) {
+        const float r = rstd[i * rows + row];
+        const float dl = al[i] * (dd[i] - mean);
+        dd[i] = dl * r;
+        dr[i] = dl * dot[i * rows + row] * r * r * r / static_cast<float>(dim);
+      }
+    }
+    __syncthreads();
+    for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
+      float gg[N], uu[N], acc[N];
+      load_n<T, N>(gr, j, gg);
+      load_n<float, N>(u, j, uu);
+      if (!first) load_n<float, N>(du, j, acc);
+      for (int i = 0; i < n; ++i) {
+        float x[N], dv[N];
+        load_n<T, N>(static_cast<const T*>(src.p[i]) + row * dim, j, x);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          dv[k] = al[i] * gg[k] + dd[i] * uu[k] - dr[i] * x[k];
+          const float c = dd[i] * x[k];
+          acc[k] = (first && i == 0) ? c : acc[k] + c;
+        }
+        store_n<T, N>(static_cast<T*>(dsrc.p[i]) + row * dim, j, dv);
+      }
+      store_n<float, N>(du, j, acc);  // this block alone owns its part
+    }
+    first = false;
+    __syncthreads();  // the coefficients are rewritten by the next row
+  }
+  if (first) {  // more parts than rows: this part is empty
+    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) du[j] = 0.f;
+  }
+}
+
 __device__ __forceinline__ float sigmoid(float a) { return 1.f / (1.f + __expf(-a)); }
 
 // Elementwise over `groups` groups of N values (see load_n).
@@ -507,6 +663,52 @@ cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin, vo
                              static_cast<const T*>(x), cos, sin, static_cast<T*>(y), n / 2, T_len,
                              H, hd / 2, sB, sT, sH, sign, div, mul, cnt));
   }
+  return cudaGetLastError();
+}
+
+int64_t attn_res_read_backward_parts(int64_t rows) {
+  return rows < 1 ? 1 : (rows > 1024 ? 1024 : rows);
+}
+
+namespace {
+bool read_vectorisable(DType dt, const void* const* p, int n, int64_t dim) {
+  if (dim % group_of(dt) != 0) return false;
+  for (int i = 0; i < n; ++i) {
+    if (!aligned16(p[i])) return false;
+  }
+  return true;
+}
+}  // namespace
+
+cudaError_t attn_res_read_forward(DType dt, const ReadSources& src, int n, const float* u,
+                                  void* out, float* rstd, float* dot, float* alpha, int64_t rows,
+                                  int64_t dim, float eps, cudaStream_t stream) {
+  if (n < 1 || n > kMaxReadSources) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  const bool vec = read_vectorisable(dt, src.p, n, dim) && aligned16(u) && aligned16(out);
+  const unsigned grid = static_cast<unsigned>(rows < 65535 ? rows : 65535);
+  const size_t smem = sizeof(float) * (static_cast<size_t>(kRowThreads / 32) * n * 2 + n);
+  VIADUCT_DISPATCH_VEC(dt, vec,
+                       attn_res_read_forward_kernel<T, N><<<grid, kRowThreads, smem, stream>>>(
+                           src, n, u, static_cast<T*>(out), rstd, dot, alpha, rows, dim, eps));
+  return cudaGetLastError();
+}
+
+cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadGrads& dsrc,
+                                   int n, const void* g, const float* u, const float* rstd,
+                                   const float* dot, const float* alpha, float* du_partial,
+                                   int64_t rows, int64_t dim, cudaStream_t stream) {
+  if (n < 1 || n > kMaxReadSources) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  bool vec = read_vectorisable(dt, src.p, n, dim) && aligned16(g) && aligned16(u) &&
+             aligned16(du_partial);
+  for (int i = 0; i < n; ++i) vec = vec && aligned16(dsrc.p[i]);
+  const auto grid = static_cast<unsigned>(attn_res_read_backward_parts(rows));
+  const size_t smem = sizeof(float) * (static_cast<size_t>(kRowThreads / 32) * n + 3 * n);
+  VIADUCT_DISPATCH_VEC(dt, vec,
+                       attn_res_read_backward_kernel<T, N><<<grid, kRowThreads, smem, stream>>>(
+                           src, dsrc, n, static_cast<const T*>(g), u, rstd, dot, alpha,
+                           du_partial, rows, dim));
   return cudaGetLastError();
 }
 

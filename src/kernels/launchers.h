@@ -46,6 +46,33 @@ cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin,
                  int64_t sT, int64_t sH, bool inverse, int64_t div, int64_t mul, int64_t cnt,
                  cudaStream_t stream);
 
+// Block AttnRes read (Note [AttnRes read without keys], model/attn_res.cpp)
+// over n <= kMaxReadSources sources, each a contiguous [rows, dim] tensor of
+// the same dtype; u = norm weight * query, fp32 [dim]. Forward: per row,
+// rstd_i = rsqrt(mean(v_i^2) + eps), dot_i = v_i . u, alpha = softmax_i(
+// rstd_i dot_i), out = sum_i alpha_i v_i (in source order); writes rstd,
+// dot, alpha as fp32 [n, rows]. Backward: from g = d out, writes dv_i =
+// alpha_i g + dd_i u - dr_i v_i (dd_i = dlogit_i rstd_i, dr_i = dlogit_i
+// dot_i rstd_i^3 / dim, dlogit_i = alpha_i (g.v_i - sum_j alpha_j g.v_j))
+// and du_partial[p, :] = the sum over the rows block p handles of
+// sum_i dd_i v_i (the caller sums the parts).
+constexpr int kMaxReadSources = 64;
+struct ReadSources {
+  const void* p[kMaxReadSources];
+};
+struct ReadGrads {
+  void* p[kMaxReadSources];
+};
+cudaError_t attn_res_read_forward(DType dt, const ReadSources& src, int n, const float* u,
+                                  void* out, float* rstd, float* dot, float* alpha, int64_t rows,
+                                  int64_t dim, float eps, cudaStream_t stream);
+// How many partial rows attn_res_read_backward writes to du_partial.
+int64_t attn_res_read_backward_parts(int64_t rows);
+cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadGrads& dsrc,
+                                   int n, const void* g, const float* u, const float* rstd,
+                                   const float* dot, const float* alpha, float* du_partial,
+                                   int64_t rows, int64_t dim, cudaStream_t stream);
+
 // One AdamW step on fp32 [n] tensors, in place: p *= 1 - lr * wd;
 // m += (1 - beta1) (g - m); v = beta2 v + (1 - beta2) g^2;
 // p -= lr / bias_corr1 * m / (sqrt(v) / sqrt(bias_corr2) + eps).

@@ -4,6 +4,7 @@
 #include <ATen/record_function.h>
 
 #include "core/check.h"
+#include "kernels/fused.h"
 
 namespace viaduct {
 
@@ -122,6 +123,15 @@ at::Tensor AttnResReadImpl::weights(const std::vector<at::Tensor>& sources) {
 at::Tensor AttnResReadImpl::forward(const std::vector<at::Tensor>& sources) {
   VIADUCT_ASSERT(!sources.empty(), "an AttnRes read needs at least one source");
   RECORD_FUNCTION("viaduct::attn_res_read", std::vector<c10::IValue>());  // named in profiles
+  if (kernels::usable(sources[0]) &&
+      static_cast<int64_t>(sources.size()) <= kernels::max_read_sources()) {
+    bool same = true;
+    for (const auto& v : sources) {
+      same = same && v.sizes() == sources[0].sizes() &&
+             v.scalar_type() == sources[0].scalar_type() && v.device() == sources[0].device();
+    }
+    if (same) return kernels::attn_res_read(sources, query, norm->weight, norm->eps_);
+  }
   return AttnResReadFn::apply(at::TensorList(sources), query, norm->weight, norm->eps_);
 }
 
