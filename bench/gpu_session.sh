@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# A GPU-machine call's worth of issue 6/7 work, in order, within a time
+# budget: each part is skipped (and says so) when the time it needs is not
+# left. Everything lands in one file, $OUT/summary.md (the device tool brings
+# back few files), and its key lines go to stdout.
+#
+#   PARTS="build tests profile k3profile offload" bash bench/gpu_session.sh
+#   PARTS="sbs" CELLS="1B gpt2" bash bench/gpu_session.sh     # a second call
+#
+# Parts (estimated seconds on an H200): build (90), tests (15: the CUDA
+# kernel suite), profile (70: llama-1B step, bench/profile_step.sh), k3profile
+# (110: the kimi_k3 d2048 step of bench/run_single_gpu.sh), offload (150:
+# bench/gpu_checks.sh section 3), sbs (240 per llama cell: the side-by-side
+# of bench/run_single_gpu.sh for CELLS). BUDGET_S (560): the call's limit
+# less a margin. Needs .deps and data carried (bench/README.md).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-$PWD/outputs/bench/session}
+mkdir -p "$OUT"
+SUM=$OUT/summary.md
+PARTS=${PARTS:-build tests profile k3profile offload}
+B=${BUILD:-build-gpu}  # the CUDA build (STAGES=build of run_single_gpu.sh makes it)
+BUDGET_S=${BUDGET_S:-560}
+T0=$(date +%s)
+left() { echo $((BUDGET_S - ($(date +%s) - T0))); }
+note() { echo "$*" | tee -a "$SUM"; }
+want() {  # part estimate
+  [[ " $PARTS " == *" $1 "* ]] || return 1
+  if [ "$(left)" -lt "$2" ]; then
+    note "## $1: skipped ($(left) s left, needs ~$2 s)"
+    return 1
+  fi
+  note "## $1 (at $(($(date +%s) - T0)) s)"
+}
+K3=(--model.family=kimi_k3 --model.flavor=debugmodel_deep --model.dim=2048 --model.n_heads=16
+  --model.kda_head_dim=64 --model.mla_kv_lora_rank=512 --model.mla_qk_nope_head_dim=128
+  --model.mla_qk_rope_head_dim=64 --model.mla_v_head_dim=128 --model.ffn_hidden_dim=5632
+  --model.moe_hidden_dim=512 --training.seq_len=2048 --training.local_batch_size=4)
+: >"$SUM"
+
+if want build 90; then
+  STAGES=build OUT=/tmp/vs_build bash bench/run_single_gpu.sh 2>&1 | tail -3 | tee -a "$SUM"
+fi
+if want tests 15; then
+  if [ -x "$B/tests/kernels/test_fused_kernels" ]; then
+    timeout 120 "$B/tests/kernels/test_fused_kernels" 2>&1 |
+      grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|Which is|seed" | head -40 |
+      tee -a "$SUM"
+  else
+    note "no $B/tests/kernels/test_fused_kernels (GoogleTest not carried in .deps?)"
+  fi
+fi
+if want profile 70; then
+  OUT=/tmp/vs_prof TOP=${TOP:-25} bash bench/profile_step.sh "$B" "" >/tmp/vs_prof.txt 2>&1
+  cat /tmp/vs_prof.txt >>"$SUM"
+  grep -E "^step |^step wall|^device idle" /tmp/vs_prof.txt
+fi
+if want k3profile 110; then
+  OUT=/tmp/vs_k3 VOCAB=320 TOP=${TOP:-25} bash bench/profile_step.sh "$B" "${K3[*]}" \
+    >/tmp/vs_k3.txt 2>&1
+  cat /tmp/vs_k3.txt >>"$SUM"
+  grep -E "^step |^step wall|^device idle|attn_res|AttnRes" /tmp/vs_k3.txt
+fi
+if want offload 150; then
+  SECTIONS=3 OUT=/tmp/vs_off K3_RUN_TIMEOUT=$(($(left) / 3 - 5)) bash bench/gpu_checks.sh "$B" \
+    2>&1 | tee -a "$SUM"
+fi
+if want sbs 240; then
+  OUT=/tmp/vs_sbs CELLS=${CELLS:-1B} bash bench/run_single_gpu.sh >/tmp/vs_sbs.txt 2>&1
+  cat /tmp/vs_sbs.txt >>"$SUM"
+  grep -E "^\|" /tmp/vs_sbs.txt
+fi
+note "done at $(($(date +%s) - T0)) s"
