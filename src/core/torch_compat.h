@@ -46,26 +46,33 @@ inline bool fused_adamw(at::TensorList params, at::TensorList grads, at::TensorL
 #endif
 }
 
-// c += a @ b with c fp32 and a, b bf16/fp16: on CUDA with LibTorch >= 2.8
-// one GEMM that accumulates into c in fp32 (cuBLAS's fp32 output); else the
-// product rounded to a's dtype, cast and added (two more passes over c).
-inline void add_matmul_fp32_(at::Tensor& c, const at::Tensor& a, const at::Tensor& b) {
+// c = a @ b (accumulate: c += a @ b) with c fp32 and a, b bf16/fp16: on
+// CUDA with LibTorch >= 2.8 one GEMM writing (or accumulating into) c in
+// fp32 (cuBLAS's fp32 output); else the product rounded to a's dtype, cast
+// and copied or added (two more passes over c). A build that refuses the
+// fp32-out GEMM (its checks run before any write) takes the fallback from
+// then on.
+inline void matmul_into_fp32_(at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
+                              bool accumulate) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
-  if (c.is_cuda() && c.scalar_type() == at::kFloat && c.is_contiguous() &&
+  static std::atomic<bool> works{true};
+  if (works && c.is_cuda() && c.scalar_type() == at::kFloat && c.is_contiguous() &&
       a.scalar_type() == b.scalar_type() &&
       (a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf)) {
-    static std::atomic<bool> works{true};
-    if (works) {
-      try {
-        at::addmm_out(c, c, a, b, at::kFloat);
-        return;
-      } catch (const c10::Error&) {
-        works = false;  // this build refuses it (checks run before any write)
-      }
+    try {
+      // beta = 0 ignores c's contents (NaN included).
+      at::addmm_out(c, c, a, b, at::kFloat, /*beta=*/accumulate ? 1 : 0);
+      return;
+    } catch (const c10::Error&) {
+      works = false;
     }
   }
 #endif
-  c.add_(at::matmul(a, b).to(c.scalar_type()));
+  if (accumulate) {
+    c.add_(at::matmul(a, b).to(c.scalar_type()));
+  } else {
+    c.copy_(at::matmul(a, b));
+  }
 }
 
 // causal_sdpa with k, v of fewer (grouped) heads: [B, KV, T, hd], H % KV == 0;

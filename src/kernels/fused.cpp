@@ -3,6 +3,7 @@
 #include <atomic>
 
 #include "core/check.h"
+#include "core/torch_compat.h"
 
 #ifdef VIADUCT_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -170,7 +171,9 @@ class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
     // activation less per layer, one more elementwise pass).
     auto h = (saved[4].defined() ? saved[4] : swiglu_launch(a, b)).view({-1, F});
     auto dy = grads[0].contiguous().view({-1, D}).to(a.scalar_type());
-    auto dw = at::mm(dy.t(), h).to(w.scalar_type());  // as linear + cast would
+    // fp32 straight from the GEMM (Note [Linear with an fp32 weight gradient]).
+    auto dw = at::empty(w.sizes(), w.options());
+    compat::matmul_into_fp32_(dw, dy.t(), h, /*accumulate=*/false);
     auto dh = at::mm(dy, wc).view(a.sizes());
     h.reset();
     auto [da, db] = swiglu_grads(dh, a, b);

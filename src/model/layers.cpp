@@ -12,8 +12,52 @@ static at::ScalarType upcast(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+namespace {
+
+// Note [Linear with an fp32 weight gradient]: on the fused-kernel path a
+// linear whose fp32 master weight is cast to the bf16 input's dtype computes
+// its weight gradient with one GEMM writing fp32 (compat::matmul_into_fp32_)
+// instead of a bf16 product cast up by autograd's ToCopyBackward: one pass
+// less over every weight gradient, and no bf16 rounding of it. It keeps what
+// autograd keeps for at::linear (the input and the cast weight).
+class MixedLinearFn : public torch::autograd::Function<MixedLinearFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, const at::Tensor& b) {
+    auto wc = w.to(x.scalar_type());
+    ctx->save_for_backward({x, wc});
+    ctx->saved_data["b_dtype"] =
+        static_cast<int64_t>(b.defined() ? b.scalar_type() : at::kFloat);
+    return b.defined() ? at::linear(x, wc, b.to(x.scalar_type())) : at::linear(x, wc);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &wc = saved[1];
+    const auto out_f = wc.size(0), in_f = wc.size(1);
+    auto dy = grads[0].to(x.scalar_type()).reshape({-1, out_f});
+    at::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) dx = at::mm(dy, wc).view(x.sizes());
+    if (ctx->needs_input_grad(1)) {
+      dw = at::empty({out_f, in_f}, dy.options().dtype(at::kFloat));
+      compat::matmul_into_fp32_(dw, dy.t(), x.reshape({-1, in_f}), /*accumulate=*/false);
+    }
+    if (ctx->needs_input_grad(2)) {
+      db = dy.sum(0, false, at::kFloat)
+               .to(static_cast<at::ScalarType>(ctx->saved_data["b_dtype"].toInt()));
+    }
+    return {dx, dw, db};
+  }
+};
+
+}  // namespace
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w,
                   const at::Tensor& b) {
+  if (w.scalar_type() == at::kFloat && x.scalar_type() == at::kBFloat16 &&
+      w.requires_grad() && kernels::usable(x)) {
+    return MixedLinearFn::apply(x, w, b);
+  }
   const auto wc = w.scalar_type() == x.scalar_type() ? w : w.to(x.scalar_type());
   if (b.defined()) {
     const auto bc = b.scalar_type() == x.scalar_type() ? b : b.to(x.scalar_type());
@@ -155,10 +199,10 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
     // of three (two of them only kv wide), and in the backward one GEMM for
     // dx instead of three plus two additions. The slices are strided views;
     // the RoPE kernel and SDPA read them in place.
-    const auto dt = x.scalar_type();
-    auto w = at::cat({wq->weight.to(dt), wk->weight.to(dt), wv->weight.to(dt)});
-    auto qkv = opts_.bias ? at::linear(x, w, at::cat({wq->bias, wk->bias, wv->bias}).to(dt))
-                          : at::linear(x, w);
+    // fp32 concatenation, then linear()'s cast (and its fp32 weight
+    // gradient, split back into the three).
+    auto w = at::cat({wq->weight, wk->weight, wv->weight});
+    auto qkv = linear(x, w, opts_.bias ? at::cat({wq->bias, wk->bias, wv->bias}) : at::Tensor());
     auto parts = qkv.split_with_sizes({H * hd, KV * hd, KV * hd}, -1);
     q = parts[0].view({B, T, H, hd});
     k = parts[1].view({B, T, KV, hd});

@@ -84,7 +84,7 @@ class ChunkedHeadCrossEntropy
           at::mm_out(rows, g, w);
         }
         // One GEMM accumulating in fp32, no [V, D] temporaries (compat).
-        if (need_w) compat::add_matmul_fp32_(grad_w, g.t(), hc);
+        if (need_w) compat::matmul_into_fp32_(grad_w, g.t(), hc, /*accumulate=*/true);
         continue;
       }
       auto logits = at::matmul(hc, w.t()).to(acc);  // [n, V]

@@ -218,6 +218,36 @@ TEST(FusedKernels, AttnResReadMatchesAtenRead) {
   }
 }
 
+TEST(FusedKernels, MixedLinearWeightGradientIsFp32) {
+  REQUIRE_GPU();
+  // bf16 input, fp32 master weight and bias: the weight gradient comes from
+  // a GEMM writing fp32 (Note [Linear with an fp32 weight gradient]), so
+  // against the fp64 product of the same bf16 values it is off by fp32
+  // accumulation only (~1e-7), not by a bf16 rounding (~1e-3).
+  const auto seed = fresh_seed();
+  auto [x, xr] = draw({3, 37, 256}, at::kBFloat16);
+  auto w = (at::randn({96, 256}, at::TensorOptions(at::kCUDA)) * 0.05).requires_grad_(true);
+  auto b = at::randn({96}, at::TensorOptions(at::kCUDA)).requires_grad_(true);
+  // The reference's leaves are the weight and bias rounded to bf16, as the
+  // forward uses them; their fp64 gradients are the exact ones.
+  auto wr = w.detach().to(at::kBFloat16).to(at::kCPU, at::kDouble).requires_grad_(true);
+  auto br = b.detach().to(at::kBFloat16).to(at::kCPU, at::kDouble).requires_grad_(true);
+  poison();
+  auto y = linear(x, w, b);
+  auto yr = at::linear(xr, wr, br);
+  ASSERT_EQ(y.scalar_type(), at::kBFloat16);
+  EXPECT_LT(rel_err(y, yr), bound(at::kBFloat16)) << "seed " << seed;
+  auto dy = at::randn(y.sizes(), y.options());
+  poison();
+  y.backward(dy);
+  yr.backward(dy.to(at::kCPU, at::kDouble));
+  ASSERT_EQ(w.grad().scalar_type(), at::kFloat);
+  ASSERT_EQ(b.grad().scalar_type(), at::kFloat);
+  EXPECT_LT(rel_err(x.grad(), xr.grad()), bound(at::kBFloat16)) << "seed " << seed;
+  EXPECT_LT(rel_err(w.grad(), wr.grad()), 1e-5) << "seed " << seed;
+  EXPECT_LT(rel_err(b.grad(), br.grad()), 1e-5) << "seed " << seed;
+}
+
 TEST(FusedKernels, LlamaStepMatchesAtenPath) {
   REQUIRE_GPU();
   // The whole fused path (norms, one qkv GEMM, RoPE, SwiGLU, chunked loss)
