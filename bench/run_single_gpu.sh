@@ -12,7 +12,8 @@
 #   CELLS="debug 1B" MODES=eager ...             # choose cells / peer modes
 #
 # Environment (defaults): OUT (outputs/bench/out), CELLS ("1B gpt2 k3
-# k3plain"; also: debug), K3_BATCH x K3_SEQ (4 x 2048: the K3 cells' shape),
+# k3plain"; also: debug, and k3gemm / k3gemmplain: the K3 pair with MLA
+# everywhere and dense FFNs, for a GEMM-bound AttnRes A/B), K3_BATCH x K3_SEQ (4 x 2048: the K3 cells' shape),
 # MODES ("eager compile"), COMPILE_MODE (default; or
 # max-autotune-no-cudagraphs), WARMUP_STEPS (3) untimed + TIMED_STEPS (10)
 # timed steps, STAGES ("build run"), PYTHON (python3), JOBS (nproc),
@@ -154,7 +155,7 @@ for cell in $CELLS; do
         --model.flavor=124M --training.seq_len=1024 --training.local_batch_size=8 \
         --optimizer.lr=6e-4
       ;;
-    k3 | k3plain)
+    k3 | k3plain | k3gemm | k3gemmplain)
       # kimi_k3 debugmodel_deep (33 layers, AttnRes blocks 12 + 12 + 9, MLA
       # at 3, 7, ..., 31, 32, MoE from layer 1) widened to dim 2048 with
       # inner widths to match: 16 heads, KDA head 64, MLA 512 / 128 + 64 /
@@ -168,12 +169,22 @@ for cell in $CELLS; do
         --model.mla_v_head_dim=128 --model.ffn_hidden_dim=5632
         --model.moe_hidden_dim=512 --training.seq_len="$K3_SEQ"
         --training.local_batch_size="$K3_BATCH" --optimizer.lr=3e-4)
-      if [ "$cell" = k3 ]; then
-        run_cell k3 "kimi_k3 deep d2048, ${K3_BATCH}x${K3_SEQ}" "$data" "${k3[@]}"
-      else
-        run_cell k3plain "kimi_k3 deep d2048 no AttnRes, ${K3_BATCH}x${K3_SEQ}" "$data" \
-          "${k3[@]}" --model.attn_res=false
-      fi
+      case $cell in
+        k3) run_cell k3 "kimi_k3 deep d2048, ${K3_BATCH}x${K3_SEQ}" "$data" "${k3[@]}" ;;
+        k3plain)
+          run_cell k3plain "kimi_k3 deep d2048 no AttnRes, ${K3_BATCH}x${K3_SEQ}" "$data" \
+            "${k3[@]}" --model.attn_res=false ;;
+        # The same without KDA and MoE (MLA everywhere, dense FFNs): a
+        # GEMM-bound step whose time does not hang on routing or on KDA's
+        # chunk loop, so the pair's difference is the reads'.
+        k3gemm)
+          run_cell k3gemm "kimi_k3 deep d2048 MLA+dense, ${K3_BATCH}x${K3_SEQ}" "$data" \
+            "${k3[@]}" --model.mla_interval=1 --model.moe_ffn=false ;;
+        k3gemmplain)
+          run_cell k3gemmplain "kimi_k3 deep d2048 MLA+dense no AttnRes, ${K3_BATCH}x${K3_SEQ}" \
+            "$data" "${k3[@]}" --model.mla_interval=1 --model.moe_ffn=false \
+            --model.attn_res=false ;;
+      esac
       ;;
     debug)
       if [ -f data/fortunes.tok ]; then
@@ -184,7 +195,7 @@ for cell in $CELLS; do
         say "debug: data/fortunes.tok not carried: skipped"
       fi
       ;;
-    *) say "unknown cell '$cell' (1B, gpt2, k3, k3plain, debug)" ;;
+    *) say "unknown cell '$cell' (1B, gpt2, k3, k3plain, k3gemm, k3gemmplain, debug)" ;;
   esac
 done
 
@@ -201,6 +212,12 @@ torch_v=$("$PY" -c 'import torch;print(torch.__version__)' 2>/dev/null)
     "$PY" bench/torch_llama.py overhead --timing-warmup "$WARM" \
       --name "AttnRes overhead (viaduct, kimi_k3 deep d2048 ${K3_BATCH}x${K3_SEQ}: step time k3 / k3plain - 1)" \
       --with "$OUT/k3.viaduct.metrics.jsonl" --without "$OUT/k3plain.viaduct.metrics.jsonl"
+  fi
+  if [ -f "$OUT/k3gemm.viaduct.metrics.jsonl" ] && [ -f "$OUT/k3gemmplain.viaduct.metrics.jsonl" ]; then
+    echo
+    "$PY" bench/torch_llama.py overhead --timing-warmup "$WARM" \
+      --name "AttnRes overhead (viaduct, kimi_k3 deep d2048 MLA+dense ${K3_BATCH}x${K3_SEQ}: step time k3gemm / k3gemmplain - 1)" \
+      --with "$OUT/k3gemm.viaduct.metrics.jsonl" --without "$OUT/k3gemmplain.viaduct.metrics.jsonl"
   fi
 } >"$RESULTS"
 say "done; per-process logs and JSON in $OUT"
