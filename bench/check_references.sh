@@ -23,7 +23,7 @@ VIADUCT=${VIADUCT:-build/viaduct}
 OUT=${OUT:-$PWD/outputs/check_references}
 STEPS=${STEPS:-5}
 RTOL=${RTOL:-1e-5}
-CASES=${CASES:-llama gpt2 k3 k3deep k3plain k3deepplain}
+CASES=${CASES:-llama gpt2 k3 k3deep k3plain k3deepplain k3gemm k3mla3}
 if [ -z "${PYTHON:-}" ]; then
   for p in python3 /usr/bin/python3; do
     if "$p" -c 'import torch' 2>/dev/null; then PYTHON=$p; break; fi
@@ -108,7 +108,13 @@ for c in $CASES; do
     k3deepplain) args=(k3deepplain configs/kimi_k3_debug.toml
       --model.flavor=debugmodel_deep --model.attn_res=false)
       label="kimi_k3 debugmodel_deep, model.attn_res=false" ;;
-    *) echo "unknown case '$c' (llama gpt2 k3 k3deep k3plain k3deepplain)"; status=1; continue ;;
+    k3gemm) args=(k3gemm configs/kimi_k3_debug.toml --model.flavor=debugmodel_deep
+      --model.mla_interval=1 --model.moe_ffn=false)
+      label="kimi_k3 debugmodel_deep, MLA everywhere, dense FFNs" ;;
+    k3mla3) args=(k3mla3 configs/kimi_k3_debug.toml --model.mla_interval=3)
+      label="kimi_k3 debugmodel, MLA every third layer" ;;
+    *) echo "unknown case '$c' (llama gpt2 k3 k3deep k3plain k3deepplain k3gemm k3mla3)"
+      status=1; continue ;;
   esac
   if run_case "${args[@]}"; then
     compare "$c" "$label" || status=1
