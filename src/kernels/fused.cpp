@@ -1,6 +1,10 @@
 #include "kernels/fused.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <set>
+#include <string>
 
 #include "core/check.h"
 #include "core/torch_compat.h"
@@ -16,10 +20,38 @@ namespace viaduct::kernels {
 namespace {
 std::atomic<bool> g_enabled{true};
 std::atomic<bool> g_swiglu_recompute{false};
+const char* const kSwitchableKernels[] = {"rms_norm_bwd_reg", "rope_repeat", "attn_res_read",
+                                          "mixed_linear"};
 }  // namespace
 
 void set_enabled(bool on) { g_enabled = on; }
 void set_swiglu_recompute(bool on) { g_swiglu_recompute = on; }
+
+std::set<std::string> parse_kernel_list(const std::string& csv) {
+  std::set<std::string> out;
+  size_t start = 0;
+  while (start <= csv.size()) {
+    const auto end = std::min(csv.find(',', start), csv.size());
+    if (end > start) {
+      auto name = csv.substr(start, end - start);
+      VIADUCT_CHECK(std::find(std::begin(kSwitchableKernels), std::end(kSwitchableKernels),
+                              name) != std::end(kSwitchableKernels),
+                    "VIADUCT_DISABLE_KERNELS: unknown kernel '", name,
+                    "' (rms_norm_bwd_reg, rope_repeat, attn_res_read, mixed_linear)");
+      out.insert(std::move(name));
+    }
+    start = end + 1;
+  }
+  return out;
+}
+
+bool disabled(const std::string& name) {
+  static const std::set<std::string> off = [] {
+    const char* e = std::getenv("VIADUCT_DISABLE_KERNELS");
+    return parse_kernel_list(e ? e : "");
+  }();
+  return off.count(name) > 0;
+}
 bool enabled() { return g_enabled; }
 
 #ifdef VIADUCT_WITH_CUDA
@@ -74,7 +106,7 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
     check_launch(cuda::rms_norm_backward(dtype_of(x2), dy.data_ptr(), x2.data_ptr(),
                                          w.data_ptr<float>(), rstd.data_ptr<float>(),
                                          dx.data_ptr(), partial.data_ptr<float>(), rows, D,
-                                         stream_of(x2)),
+                                         !disabled("rms_norm_bwd_reg"), stream_of(x2)),
                  "rms_norm_backward");
     return {dx.view(grads[0].sizes()), partial.sum(0), at::Tensor()};
   }

@@ -11,6 +11,9 @@
 
 #include <torch/torch.h>
 
+#include <set>
+#include <string>
+
 namespace viaduct::kernels {
 
 // The process-wide switch (model.fused_kernels; on by default).
@@ -19,6 +22,14 @@ bool enabled();
 // model.swiglu_recompute: swiglu_linear recomputes silu(a) * b in the
 // backward instead of keeping it (off by default).
 void set_swiglu_recompute(bool on);
+// VIADUCT_DISABLE_KERNELS=name[,name...] turns single fused paths back to
+// their previous form without a rebuild (for measuring or isolating them):
+// rms_norm_bwd_reg, rope_repeat, attn_res_read, mixed_linear. An unknown
+// name is an error.
+bool disabled(const std::string& name);
+// The names of a comma-separated list (empty entries skipped); Error on an
+// unknown one.
+std::set<std::string> parse_kernel_list(const std::string& csv);
 
 // True when the kernels can run on `x`: a CUDA build, the switch on, x on a
 // GPU the kernels were compiled for (sm_90a), x float32 or bfloat16.

@@ -618,7 +618,7 @@ int64_t rms_norm_backward_parts(int64_t rows) {
 
 cudaError_t rms_norm_backward(DType dt, const void* dy, const void* x, const float* w,
                               const float* rstd, void* dx, float* dw_partial, int64_t rows,
-                              int64_t dim, cudaStream_t stream) {
+                              int64_t dim, bool register_form, cudaStream_t stream) {
   const auto parts = static_cast<unsigned>(rms_norm_backward_parts(rows));
   const bool vec = dim % group_of(dt) == 0 && aligned16(dy) && aligned16(x) && aligned16(w) &&
                    aligned16(dx) && aligned16(dw_partial);
@@ -626,7 +626,7 @@ cudaError_t rms_norm_backward(DType dt, const void* dy, const void* x, const flo
   // bf16 need 128 registers a thread: too few blocks per SM).
   VIADUCT_DISPATCH_VEC(
       dt, vec, const int64_t per_pass = static_cast<int64_t>(kRowThreads) * N;
-      const int64_t iters = (dim + per_pass - 1) / per_pass;
+      const int64_t iters = register_form ? (dim + per_pass - 1) / per_pass : 3;
       if (iters <= 1) {
         rms_norm_backward_reg_kernel<T, N, 1><<<parts, kRowThreads, 0, stream>>>(
             static_cast<const T*>(dy), static_cast<const T*>(x), w, rstd, static_cast<T*>(dx),

@@ -29,10 +29,12 @@ int64_t rms_norm_backward_parts(int64_t rows);
 // dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * w, and
 // dw_partial[p, :] = sum over the rows block p handles of dy * x * rstd
 // (the caller sums the parts: dw = dw_partial.sum(0)).
+// register_form = false forces the loop form (the register form keeps a
+// thread's row slices in registers for rows of up to 2 slices a thread).
 cudaError_t rms_norm_backward(DType dt, const void* dy, const void* x,
                               const float* w, const float* rstd, void* dx,
                               float* dw_partial, int64_t rows, int64_t dim,
-                              cudaStream_t stream);
+                              bool register_form, cudaStream_t stream);
 
 // Rotary embedding on interleaved pairs (x[2i], x[2i+1]); y: contiguous
 // [B, T, H, hd]; x read with element strides (sB, sT, sH, 1); cos, sin:

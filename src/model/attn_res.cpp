@@ -123,7 +123,7 @@ at::Tensor AttnResReadImpl::weights(const std::vector<at::Tensor>& sources) {
 at::Tensor AttnResReadImpl::forward(const std::vector<at::Tensor>& sources) {
   VIADUCT_ASSERT(!sources.empty(), "an AttnRes read needs at least one source");
   RECORD_FUNCTION("viaduct::attn_res_read", std::vector<c10::IValue>());  // named in profiles
-  if (kernels::usable(sources[0]) &&
+  if (kernels::usable(sources[0]) && !kernels::disabled("attn_res_read") &&
       static_cast<int64_t>(sources.size()) <= kernels::max_read_sources()) {
     bool same = true;
     for (const auto& v : sources) {

@@ -55,7 +55,7 @@ class MixedLinearFn : public torch::autograd::Function<MixedLinearFn> {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w,
                   const at::Tensor& b) {
   if (w.scalar_type() == at::kFloat && x.scalar_type() == at::kBFloat16 &&
-      w.requires_grad() && kernels::usable(x)) {
+      w.requires_grad() && kernels::usable(x) && !kernels::disabled("mixed_linear")) {
     return MixedLinearFn::apply(x, w, b);
   }
   const auto wc = w.scalar_type() == x.scalar_type() ? w : w.to(x.scalar_type());
@@ -212,7 +212,7 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
     k = linear(x, wk).view({B, T, KV, hd});
     v = linear(x, wv).view({B, T, KV, hd});
   }
-  if (opts_.rope && kernels::usable(x)) {
+  if (opts_.rope && kernels::usable(x) && !kernels::disabled("rope_repeat")) {
     // Note [RoPE writes the repeated keys]: one table cast for q and k, and
     // k's KV heads come out of the RoPE kernel already repeated to H (its
     // backward sums the copies), instead of a repeat_interleave copy and

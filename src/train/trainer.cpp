@@ -203,6 +203,11 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
                                  : cfg_.get_bool("model.fused_kernels")
                                      ? "off (this GPU or build has none; ATen ops)"
                                      : "off (model.fused_kernels = false)");
+    if (fused) {
+      const char* off = std::getenv("VIADUCT_DISABLE_KERNELS");
+      kernels::disabled("");  // checks the names
+      if (off && *off) log::info("fused kernels disabled by VIADUCT_DISABLE_KERNELS: ", off);
+    }
   }
   if (split.num_stages > 1 || dp_size_ > 1) {
     log::info("parallelism: pp ", split.pp, " x dp ", dp_size_, ", ",

@@ -8,6 +8,7 @@
 
 #include "config/config.h"
 #include "core/check.h"
+#include "kernels/fused.h"
 #include "model/model.h"
 
 using namespace viaduct;
@@ -275,5 +276,19 @@ TEST(ChunkedHeadLoss, ModelLossAndGradientsMatchThePlainHead) {
     for (auto& [k, g] : grads[0]) {
       EXPECT_TRUE(torch::allclose(g, grads[1][k], 1e-9, 1e-11)) << fam << " " << k;
     }
+  }
+}
+
+TEST(FusedKernelSwitches, KernelListParsesAndRefusesUnknownNames) {
+  EXPECT_TRUE(kernels::parse_kernel_list("").empty());
+  EXPECT_EQ(kernels::parse_kernel_list("rope_repeat"), (std::set<std::string>{"rope_repeat"}));
+  EXPECT_EQ(kernels::parse_kernel_list("attn_res_read,,mixed_linear,"),
+            (std::set<std::string>{"attn_res_read", "mixed_linear"}));
+  EXPECT_EQ(kernels::parse_kernel_list("rms_norm_bwd_reg,rms_norm_bwd_reg").size(), 1u);
+  try {
+    kernels::parse_kernel_list("rope_repeat,rope");
+    FAIL() << "an unknown name was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown kernel 'rope'"), std::string::npos) << e.what();
   }
 }
