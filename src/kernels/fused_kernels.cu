@@ -623,23 +623,19 @@ cudaError_t rms_norm_backward(DType dt, const void* dy, const void* x, const flo
   const bool vec = dim % group_of(dt) == 0 && aligned16(dy) && aligned16(x) && aligned16(w) &&
                    aligned16(dx) && aligned16(dw_partial);
   // Rows of up to 2 slices per thread take the register form (4 slices of 8
-  // bf16 need 128 registers a thread: too few blocks per SM).
+  // bf16 need 128 registers a thread: too few blocks per SM); the kernels
+  // share one signature.
   VIADUCT_DISPATCH_VEC(
       dt, vec, const int64_t per_pass = static_cast<int64_t>(kRowThreads) * N;
-      const int64_t iters = register_form ? (dim + per_pass - 1) / per_pass : 3;
-      if (iters <= 1) {
-        rms_norm_backward_reg_kernel<T, N, 1><<<parts, kRowThreads, 0, stream>>>(
-            static_cast<const T*>(dy), static_cast<const T*>(x), w, rstd, static_cast<T*>(dx),
-            dw_partial, rows, dim);
-      } else if (iters <= 2) {
-        rms_norm_backward_reg_kernel<T, N, 2><<<parts, kRowThreads, 0, stream>>>(
-            static_cast<const T*>(dy), static_cast<const T*>(x), w, rstd, static_cast<T*>(dx),
-            dw_partial, rows, dim);
-      } else {
-        rms_norm_backward_kernel<T, N><<<parts, kRowThreads, 0, stream>>>(
-            static_cast<const T*>(dy), static_cast<const T*>(x), w, rstd, static_cast<T*>(dx),
-            dw_partial, rows, dim);
-      });
+      auto kernel = rms_norm_backward_kernel<T, N>;
+      if (register_form && dim <= per_pass) {
+        kernel = rms_norm_backward_reg_kernel<T, N, 1>;
+      } else if (register_form && dim <= 2 * per_pass) {
+        kernel = rms_norm_backward_reg_kernel<T, N, 2>;
+      }
+      kernel<<<parts, kRowThreads, 0, stream>>>(static_cast<const T*>(dy),
+                                                static_cast<const T*>(x), w, rstd,
+                                                static_cast<T*>(dx), dw_partial, rows, dim));
   return cudaGetLastError();
 }
 
