@@ -321,19 +321,32 @@ at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Ten
   return SwiGLULinearFn::apply(a, b, w);
 }
 
-int64_t max_read_sources() { return cuda::kMaxReadSources; }
+namespace {
+// 1 to kMaxReadSources sources of one shape, dtype and device.
+bool read_sources_fit(const std::vector<at::Tensor>& sources) {
+  if (sources.empty() || static_cast<int64_t>(sources.size()) > cuda::kMaxReadSources) {
+    return false;
+  }
+  for (const auto& v : sources) {
+    if (v.sizes() != sources[0].sizes() || v.scalar_type() != sources[0].scalar_type() ||
+        v.device() != sources[0].device()) {
+      return false;
+    }
+  }
+  return true;
+}
+}  // namespace
+
+bool attn_res_read_usable(const std::vector<at::Tensor>& sources) {
+  return !sources.empty() && usable(sources[0]) && !disabled("attn_res_read") &&
+         read_sources_fit(sources);
+}
 
 at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tensor& query,
                          const at::Tensor& norm_weight, double eps) {
   RECORD_FUNCTION("viaduct::attn_res_read_kernel", std::vector<c10::IValue>());  // named in profiles
-  VIADUCT_CHECK(!sources.empty() && static_cast<int64_t>(sources.size()) <= cuda::kMaxReadSources,
-                "fused attn_res_read: 1 to ", cuda::kMaxReadSources, " sources, got ",
-                sources.size());
-  for (const auto& v : sources) {
-    VIADUCT_CHECK(v.sizes() == sources[0].sizes() && v.scalar_type() == sources[0].scalar_type() &&
-                      v.device() == sources[0].device(),
-                  "fused attn_res_read: sources differ in shape, dtype or device");
-  }
+  VIADUCT_CHECK(read_sources_fit(sources), "fused attn_res_read: 1 to ", cuda::kMaxReadSources,
+                " sources of one shape, dtype and device, got ", sources.size());
   VIADUCT_CHECK(query.dim() == 1 && query.size(0) == sources[0].size(-1) &&
                     norm_weight.sizes() == query.sizes(),
                 "fused attn_res_read: query and norm weight must be [", sources[0].size(-1), "]");
@@ -393,7 +406,7 @@ at::Tensor swiglu_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&
   no_cuda("swiglu_linear");
 }
 at::Tensor cross_entropy_rows_(at::Tensor&, const at::Tensor&) { no_cuda("cross_entropy"); }
-int64_t max_read_sources() { return 0; }
+bool attn_res_read_usable(const std::vector<at::Tensor>&) { return false; }
 at::Tensor attn_res_read(const std::vector<at::Tensor>&, const at::Tensor&, const at::Tensor&,
                          double) {
   no_cuda("attn_res_read");

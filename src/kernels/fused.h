@@ -62,10 +62,12 @@ at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Ten
 at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets);
 
 // The Block AttnRes read softmax_i(rstd(v_i) (v_i . (norm_weight * query)))
-// -weighted sum of the sources (each [B, T, D], one dtype and device; at
-// most max_read_sources() of them; 0 in the CPU build): one kernel forward,
-// one backward, keeping three fp32 statistics per source and token.
-int64_t max_read_sources();
+// -weighted sum of the sources (each [B, T, D], one dtype and device, at
+// most 64 of them): one kernel forward, one backward, keeping three fp32
+// statistics per source and token. attn_res_read_usable: the kernels can
+// take these sources (usable(), not disabled, the limits above; false in the
+// CPU build).
+bool attn_res_read_usable(const std::vector<at::Tensor>& sources);
 at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tensor& query,
                          const at::Tensor& norm_weight, double eps);
 

@@ -123,14 +123,8 @@ at::Tensor AttnResReadImpl::weights(const std::vector<at::Tensor>& sources) {
 at::Tensor AttnResReadImpl::forward(const std::vector<at::Tensor>& sources) {
   VIADUCT_ASSERT(!sources.empty(), "an AttnRes read needs at least one source");
   RECORD_FUNCTION("viaduct::attn_res_read", std::vector<c10::IValue>());  // named in profiles
-  if (kernels::usable(sources[0]) && !kernels::disabled("attn_res_read") &&
-      static_cast<int64_t>(sources.size()) <= kernels::max_read_sources()) {
-    bool same = true;
-    for (const auto& v : sources) {
-      same = same && v.sizes() == sources[0].sizes() &&
-             v.scalar_type() == sources[0].scalar_type() && v.device() == sources[0].device();
-    }
-    if (same) return kernels::attn_res_read(sources, query, norm->weight, norm->eps_);
+  if (kernels::attn_res_read_usable(sources)) {
+    return kernels::attn_res_read(sources, query, norm->weight, norm->eps_);
   }
   return AttnResReadFn::apply(at::TensorList(sources), query, norm->weight, norm->eps_);
 }
