@@ -118,6 +118,11 @@ RopeTables make_rope_tables(int64_t head_dim, int64_t max_seq_len,
 }
 
 namespace {
+void check_rope_length(const RopeTables& rope, int64_t T) {
+  VIADUCT_CHECK(T <= rope.cos.size(0), "sequence length ", T,
+                " exceeds model.max_seq_len ", rope.cos.size(0));
+}
+
 // The fused kernel's fp32 tables for positions [0, T) on `device`.
 std::pair<at::Tensor, at::Tensor> rope_tables_fp32(const RopeTables& rope, int64_t T,
                                                    const at::Device& device) {
@@ -129,8 +134,7 @@ std::pair<at::Tensor, at::Tensor> rope_tables_fp32(const RopeTables& rope, int64
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
   // x: [B, T, H, hd]
   const auto T = x.size(1);
-  VIADUCT_CHECK(T <= rope.cos.size(0), "sequence length ", T,
-                " exceeds model.max_seq_len ", rope.cos.size(0));
+  check_rope_length(rope, T);
   if (kernels::usable(x) && x.dim() == 4) {
     // fp32 tables (the ATen path below rotates in fp64 by promotion).
     auto [c, s] = rope_tables_fp32(rope, T, x.device());
@@ -212,31 +216,30 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
     k = linear(x, wk).view({B, T, KV, hd});
     v = linear(x, wv).view({B, T, KV, hd});
   }
+  at::Tensor y;
   if (opts_.rope && kernels::usable(x) && !kernels::disabled("rope_repeat")) {
     // Note [RoPE writes the repeated keys]: one table cast for q and k, and
     // k's KV heads come out of the RoPE kernel already repeated to H (its
     // backward sums the copies), instead of a repeat_interleave copy and
     // its reduction. v is still repeated for SDPA.
-    VIADUCT_CHECK(T <= rope_.cos.size(0), "sequence length ", T,
-                  " exceeds model.max_seq_len ", rope_.cos.size(0));
+    check_rope_length(rope_, T);
     auto [c, s] = rope_tables_fp32(rope_, T, x.device());
-    q = kernels::rope(q, c, s).transpose(1, 2);             // [B, H, T, hd]
-    k = kernels::rope(k, c, s, H / KV).transpose(1, 2);     // [B, H, T, hd]
+    q = kernels::rope(q, c, s).transpose(1, 2);          // [B, H, T, hd]
+    k = kernels::rope(k, c, s, H / KV).transpose(1, 2);  // [B, H, T, hd]
     v = v.transpose(1, 2);
     if (KV != H) v = v.repeat_interleave(H / KV, 1);
-    auto y = compat::causal_sdpa(q, k, v);  // [B, H, T, hd]
-    y = y.transpose(1, 2).reshape({B, T, H * hd});
-    return linear(y, wo);
+    y = compat::causal_sdpa(q, k, v);  // [B, H, T, hd]
+  } else {
+    if (opts_.rope) {
+      // Module::to() moves buffers with set_data, so rope_ stays valid.
+      q = apply_rope(q, rope_);
+      k = apply_rope(k, rope_);
+    }
+    q = q.transpose(1, 2);  // [B, H, T, hd]
+    k = k.transpose(1, 2);  // [B, KV, T, hd]
+    v = v.transpose(1, 2);
+    y = compat::causal_sdpa_gqa(q, k, v);  // [B, H, T, hd]
   }
-  if (opts_.rope) {
-    // Module::to() moves buffers with set_data, so rope_ stays valid.
-    q = apply_rope(q, rope_);
-    k = apply_rope(k, rope_);
-  }
-  q = q.transpose(1, 2);  // [B, H, T, hd]
-  k = k.transpose(1, 2);  // [B, KV, T, hd]
-  v = v.transpose(1, 2);
-  auto y = compat::causal_sdpa_gqa(q, k, v);  // [B, H, T, hd]
   y = y.transpose(1, 2).reshape({B, T, H * hd});
   return linear(y, wo);
 }
