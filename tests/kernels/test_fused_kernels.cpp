@@ -50,6 +50,15 @@ double rel_err(const at::Tensor& out, const at::Tensor& ref) {
   return (o - r).norm().item<double>() / std::max(r.norm().item<double>(), 1e-30);
 }
 
+// The kernel's and the fp64 reference's backward with the same output
+// gradient (a fresh random one unless given), the allocator poisoned first.
+void backward_both(const at::Tensor& y, const at::Tensor& yr, at::Tensor dy = {}) {
+  if (!dy.defined()) dy = at::randn(y.sizes(), y.options());
+  poison();
+  y.backward(dy);
+  yr.backward(dy.to(at::kCPU, at::kDouble));
+}
+
 double bound(at::ScalarType t) { return t == at::kFloat ? 1e-5 : 1e-2; }
 
 const at::ScalarType kTypes[] = {at::kFloat, at::kBFloat16};
@@ -78,10 +87,7 @@ TEST(FusedKernels, RMSNormForwardBackward) {
     auto yr = xr * at::rsqrt(xr.pow(2).mean(-1, true) + eps) * wr;
     ASSERT_EQ(y.scalar_type(), t);
     EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
-    auto dy = at::randn(y.sizes(), y.options());
-    poison();
-    y.backward(dy);
-    yr.backward(dy.to(at::kCPU, at::kDouble));
+    backward_both(y, yr);
     EXPECT_LT(rel_err(x.grad(), xr.grad()), bound(t)) << "seed " << seed << " " << t;
     EXPECT_LT(rel_err(w.grad(), wr.grad()), bound(t)) << "seed " << seed << " " << t;
   }
@@ -118,10 +124,7 @@ TEST(FusedKernels, RopeForwardBackward) {
     // Reference: the ATen path in fp64 (apply_rope on CPU fp64 input).
     auto yr = apply_rope(xr, tables);
     EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
-    auto dy = at::randn(y.sizes(), y.options());
-    poison();
-    y.backward(dy);
-    yr.backward(dy.to(at::kCPU, at::kDouble));
+    backward_both(y, yr);
     EXPECT_LT(rel_err(x.grad(), xr.grad()), bound(t)) << "seed " << seed << " " << t;
   }
 }
@@ -166,10 +169,9 @@ TEST(FusedKernels, RopeRepeatsGroupedHeads) {
     EXPECT_TRUE(at::equal(y, kernels::rope(x.detach(), c, s).repeat_interleave(rep, 2)))
         << "seed " << seed << " " << t;
     auto yr = apply_rope(xr, tables).repeat_interleave(rep, 2);
-    auto dy = at::randn({B, KV * rep, T, hd}, at::TensorOptions(at::kCUDA)).to(t).transpose(1, 2);
-    poison();
-    y.backward(dy);
-    yr.backward(dy.to(at::kCPU, at::kDouble));
+    // An SDPA-like (transposed) gradient.
+    backward_both(y, yr,
+                  at::randn({B, KV * rep, T, hd}, at::TensorOptions(at::kCUDA)).to(t).transpose(1, 2));
     EXPECT_LT(rel_err(x.grad(), xr.grad()), bound(t)) << "seed " << seed << " " << t;
   }
 }
@@ -204,10 +206,7 @@ TEST(FusedKernels, AttnResReadMatchesAtenRead) {
     auto yr = ref->forward(src_ref);
     ASSERT_EQ(y.scalar_type(), t);
     EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
-    auto dy = at::randn(y.sizes(), y.options());
-    poison();
-    y.backward(dy);
-    yr.backward(dy.to(at::kCPU, at::kDouble));
+    backward_both(y, yr);
     for (int64_t i = 0; i < n; ++i) {
       EXPECT_LT(rel_err(src[i].grad(), src_ref[i].grad()), bound(t))
           << "source " << i << " seed " << seed << " " << t;
@@ -237,10 +236,7 @@ TEST(FusedKernels, MixedLinearWeightGradientIsFp32) {
   auto yr = at::linear(xr, wr, br);
   ASSERT_EQ(y.scalar_type(), at::kBFloat16);
   EXPECT_LT(rel_err(y, yr), bound(at::kBFloat16)) << "seed " << seed;
-  auto dy = at::randn(y.sizes(), y.options());
-  poison();
-  y.backward(dy);
-  yr.backward(dy.to(at::kCPU, at::kDouble));
+  backward_both(y, yr);
   ASSERT_EQ(w.grad().scalar_type(), at::kFloat);
   ASSERT_EQ(b.grad().scalar_type(), at::kFloat);
   EXPECT_LT(rel_err(x.grad(), xr.grad()), bound(at::kBFloat16)) << "seed " << seed;
@@ -288,10 +284,7 @@ TEST(FusedKernels, SwiGLUForwardBackward) {
     auto y = kernels::swiglu(a, b);
     auto yr = at::silu(ar) * br;
     EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
-    auto dy = at::randn(y.sizes(), y.options());
-    poison();
-    y.backward(dy);
-    yr.backward(dy.to(at::kCPU, at::kDouble));
+    backward_both(y, yr);
     EXPECT_LT(rel_err(a.grad(), ar.grad()), bound(t)) << "seed " << seed << " " << t;
     EXPECT_LT(rel_err(b.grad(), br.grad()), bound(t)) << "seed " << seed << " " << t;
   }
@@ -316,10 +309,7 @@ TEST(FusedKernels, SwiGLULinearMatchesUnfused) {
       auto yr = at::linear(at::silu(ar) * br, wr);
       ASSERT_EQ(y.scalar_type(), t);
       EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
-      auto dy = at::randn(y.sizes(), y.options());
-      poison();
-      y.backward(dy);
-      yr.backward(dy.to(at::kCPU, at::kDouble));
+      backward_both(y, yr);
       ASSERT_EQ(w.grad().scalar_type(), at::kFloat);  // fp32 master gradient
       EXPECT_LT(rel_err(a.grad(), ar.grad()), bound(t)) << "seed " << seed << " " << t;
       EXPECT_LT(rel_err(b.grad(), br.grad()), bound(t)) << "seed " << seed << " " << t;
