@@ -203,10 +203,10 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
                                  : cfg_.get_bool("model.fused_kernels")
                                      ? "off (this GPU or build has none; ATen ops)"
                                      : "off (model.fused_kernels = false)");
-    if (fused) {
-      const char* off = std::getenv("VIADUCT_DISABLE_KERNELS");
-      kernels::disabled("");  // checks the names
-      if (off && *off) log::info("fused kernels disabled by VIADUCT_DISABLE_KERNELS: ", off);
+    const char* off = std::getenv("VIADUCT_DISABLE_KERNELS");
+    if (fused && off && *off) {
+      kernels::parse_kernel_list(off);  // an unknown name is an error at start
+      log::info("fused kernels disabled by VIADUCT_DISABLE_KERNELS: ", off);
     }
   }
   if (split.num_stages > 1 || dp_size_ > 1) {
