@@ -63,6 +63,11 @@ if want tests 15; then
     note "no $B/tests/kernels/test_fused_kernels (GoogleTest not carried in .deps?)"
   fi
 fi
+if want sbs 240; then
+  OUT=/tmp/vs_sbs CELLS=${CELLS:-1B} bash bench/run_single_gpu.sh >/tmp/vs_sbs.txt 2>&1
+  cat /tmp/vs_sbs.txt >>"$SUM"
+  grep -E "^\|" /tmp/vs_sbs.txt
+fi
 if want profile 70; then
   OUT=/tmp/vs_prof TOP=${TOP:-25} bash bench/profile_step.sh "$B" "" >/tmp/vs_prof.txt 2>&1
   cat /tmp/vs_prof.txt >>"$SUM"
@@ -77,10 +82,5 @@ fi
 if want offload 150; then
   SECTIONS=3 OUT=/tmp/vs_off K3_RUN_TIMEOUT=$(($(left) / 3 - 5)) bash bench/gpu_checks.sh "$B" \
     2>&1 | tee -a "$SUM"
-fi
-if want sbs 240; then
-  OUT=/tmp/vs_sbs CELLS=${CELLS:-1B} bash bench/run_single_gpu.sh >/tmp/vs_sbs.txt 2>&1
-  cat /tmp/vs_sbs.txt >>"$SUM"
-  grep -E "^\|" /tmp/vs_sbs.txt
 fi
 note "done at $(($(date +%s) - T0)) s"
