@@ -69,7 +69,7 @@ for mode in "cache:--parallelism.attn_res_cache=true" \
   name=${mode%%:*}; args=${mode#*:}
   echo "   $name ..."
   timeout "$K3_RUN_TIMEOUT" "$V" train "${k3[@]}" $args ${K3_EXTRA:-} --job.dump_folder="$OUT/k3_$name" \
-    > "$OUT/k3_$name.log" 2>&1 || { echo "   $name failed or timed out:"; tail -3 "$OUT/k3_$name.log"; }
+    > "$OUT/k3_$name.log" 2>&1 || { echo "   $name failed or timed out:"; grep -v '^frame #' "$OUT/k3_$name.log" | tail -8; }
 done
 python3 - "$OUT" <<'PY'
 import json, sys, statistics, os

@@ -8,7 +8,8 @@
 #   PARTS="sbs" CELLS="1B gpt2" bash bench/gpu_session.sh     # a second call
 #
 # Parts (estimated seconds on an H200): build (90), tests (15: the CUDA
-# kernel suite), profile (70: llama-1B step, bench/profile_step.sh), k3profile
+# kernel suite), probe (60: short llama-1B and K3 runs that find a failing
+# kernel path and turn it off), profile (70: llama-1B step, bench/profile_step.sh), k3profile
 # (110: the kimi_k3 d2048 step of bench/run_single_gpu.sh), offload (150:
 # bench/gpu_checks.sh section 3), sbs (240 per llama cell: the side-by-side
 # of bench/run_single_gpu.sh for CELLS). BUDGET_S (560): the call's limit
@@ -44,7 +45,7 @@ fi
 if want tests 15; then
   if [ -x "$B/tests/kernels/test_fused_kernels" ]; then
     timeout 120 "$B/tests/kernels/test_fused_kernels" >/tmp/vs_tests.txt 2>&1
-    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|Which is|seed" /tmp/vs_tests.txt |
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED|^\[  SKIPPED|Failure|Expected|Which is|seed" /tmp/vs_tests.txt |
       head -40 | tee -a "$SUM"
     # A failing kernel test turns its path off for the rest of the call
     # (VIADUCT_DISABLE_KERNELS), so the others are still measured.
@@ -62,6 +63,51 @@ if want tests 15; then
   else
     note "no $B/tests/kernels/test_fused_kernels (GoogleTest not carried in .deps?)"
   fi
+fi
+# probe: short runs of the llama-1B and the K3 (section 3's) shapes; a run
+# that fails prints its error, then runs again with each new kernel path
+# off in turn, and the first setting that works is kept for the rest of
+# the call (VIADUCT_DISABLE_KERNELS).
+probe_run() {  # name args...
+  local name=$1; shift
+  local log=/tmp/vs_probe_$name.log
+  timeout 150 "$B/viaduct" train "$@" >"$log" 2>&1 && {
+    note "$name: ok ($(grep -E '^step +[0-9]+ \|' "$log" | tail -1 | cut -c1-110))"; return 0; }
+  note "$name failed (VIADUCT_DISABLE_KERNELS=${VIADUCT_DISABLE_KERNELS:-}):"
+  grep -v '^frame #' "$log" | grep -v '^$' | tail -8 | tee -a "$SUM"
+  return 1
+}
+probe_fix() {  # name args...
+  probe_run "$@" && return 0
+  local base=${VIADUCT_DISABLE_KERNELS:-} k
+  for k in attn_res_read rope_repeat rms_norm_bwd_reg mixed_linear; do
+    export VIADUCT_DISABLE_KERNELS=${base:+$base,}$k
+    probe_run "$@" && { note "kept VIADUCT_DISABLE_KERNELS=$VIADUCT_DISABLE_KERNELS"; return 0; }
+  done
+  export VIADUCT_DISABLE_KERNELS=${base:+$base,}attn_res_read,rope_repeat,rms_norm_bwd_reg,mixed_linear
+  probe_run "$@" && note "kept VIADUCT_DISABLE_KERNELS=$VIADUCT_DISABLE_KERNELS" ||
+    { note "fails with every new path off too"; export VIADUCT_DISABLE_KERNELS=$base; }
+}
+if want probe 60; then
+  df -h . /tmp | tail -2 | tee -a "$SUM"
+  mkdir -p outputs/bench
+  python3 -c "
+import array,random
+r=random.Random(1);a=array.array('I',(r.randrange(128256) for _ in range(8*4*4096+1)))
+open('outputs/bench/probe_v128256.u32','wb').write(a.tobytes())"
+  probe_fix llama1B --config configs/llama_debug.toml --model.flavor=1B --training.seq_len=4096 \
+    --training.local_batch_size=4 --training.dtype=bfloat16 --training.device=cuda \
+    --training.steps=3 --training.eval_interval=0 --checkpoint.enable=false \
+    --training.deterministic=false --metrics.progress_bar=false --metrics.log_freq=1 \
+    --data.path=outputs/bench/probe_v128256.u32 --job.dump_folder=/tmp/vs_probe_1B
+  probe_fix k3 --config configs/kimi_k3_debug.toml --model.flavor=debugmodel_deep \
+    --model.dim=2048 --model.attn_res_block_size=3 --model.mla_interval=1 \
+    --training.seq_len=2048 --training.local_batch_size=8 --training.dtype=bfloat16 \
+    --training.device=cuda --training.steps=2 --training.eval_interval=0 \
+    --checkpoint.enable=false --training.deterministic=false --metrics.progress_bar=false \
+    --metrics.log_freq=1 --parallelism.pipeline_parallel_stages_per_rank=4 \
+    --parallelism.pipeline_parallel_schedule=Interleaved1F1B \
+    --parallelism.pipeline_parallel_microbatches=8 --job.dump_folder=/tmp/vs_probe_k3
 fi
 if want sbs 240; then
   OUT=/tmp/vs_sbs CELLS=${CELLS:-1B} bash bench/run_single_gpu.sh >/tmp/vs_sbs.txt 2>&1

@@ -107,7 +107,7 @@ run_cell() {  # name label data viaduct-overrides...
   vd_cmd+=("${extra[@]}")
   echo "${vd_cmd[*]}" >"$OUT/$name.viaduct.cmd"
   timeout "$CELL_TIMEOUT" "${vd_cmd[@]}" >"$OUT/$name.viaduct.log" 2>&1 ||
-    { say "$name: viaduct failed"; tail -4 "$OUT/$name.viaduct.log"; }
+    { say "$name: viaduct failed"; grep -v '^frame #' "$OUT/$name.viaduct.log" | tail -8; }
   cp "$dir/viaduct/metrics.jsonl" "$OUT/$name.viaduct.metrics.jsonl" 2>/dev/null
   rm -rf "$ck/step-$STEPS"  # the final save: only step-0 is needed (disk)
   local peers=()
