@@ -52,6 +52,7 @@ void add_core_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("metrics", "log_freq", T::kInt, int64_t{1}, "log every N steps"));
   k.push_back(key("metrics", "enable_jsonl", T::kBool, true, "append a JSON object per step to <dump_folder>/metrics.jsonl"));
   k.push_back(key("metrics", "progress_bar", T::kBool, true, "draw a progress bar when stdout is a terminal"));
+  k.push_back(key("metrics", "pipeline_timing", T::kBool, true, "time each rank's pipeline compute actions and P2P waits: pipeline_* and bubble_measured* per step in metrics.jsonl (CUDA: timing events, no extra sync)"));
   k.push_back(key("metrics", "profile_step", T::kInt, int64_t{0}, "profile this step (1-based; 0: off) into <dump_folder>/profile/"));
   (void)kUnset;
 }

@@ -46,6 +46,12 @@ std::string human_bytes(double b) {
   return os.str();
 }
 
+double mean(const std::vector<double>& v) {
+  double sum = 0;
+  for (double x : v) sum += x;
+  return v.empty() ? 0.0 : sum / static_cast<double>(v.size());
+}
+
 // Enough digits to round-trip a float32 (and more than enough for display).
 std::string float_repr(double v) {
   char buf[64];
@@ -167,6 +173,7 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
     executor_ = std::make_unique<pipeline::PipelineExecutor>(
         *plan_, pp_rank_, std::move(stages), mesh_ ? &mesh_->pp_group() : nullptr,
         device_);
+    executor_->set_timing(cfg_.get_bool("metrics.pipeline_timing"));
   }
 
   data::SamplerOptions so;
@@ -367,8 +374,22 @@ StepMetrics Trainer::train_step() {
   // backward]); the norm's host copy has waited for the device already.
   for (const auto& l : pending_losses) loss_sum += l.item<double>();
   // The loss lives on the last stage's rank; gather it (exact: one non-zero).
-  std::vector<double> loss{loss_sum};
-  sum_over(mesh_ ? &mesh_->pp_group() : nullptr, loss, "the loss");
+  // With pipeline timing the same all-reduce gathers each pp rank's span and
+  // compute seconds into its own slots: v = [loss, spans, computes]. The
+  // device has finished the pipeline's work here (the norm was read).
+  std::vector<double> gathered{loss_sum};
+  const auto pp = static_cast<size_t>(plan_->split.pp);
+  pipeline::PipelineTimes times;
+  const bool timed = executor_ && executor_->timing();
+  if (timed) {
+    times = executor_->take_times();
+    gathered.resize(1 + 2 * pp, 0.0);
+    gathered[1 + static_cast<size_t>(pp_rank_)] = times.seconds;
+    gathered[1 + pp + static_cast<size_t>(pp_rank_)] = times.compute_seconds;
+  }
+  sum_over(mesh_ ? &mesh_->pp_group() : nullptr, gathered,
+           timed ? "the loss and pipeline times" : "the loss");
+  std::vector<double> loss{gathered[0]};
   sum_over(mesh_ ? &mesh_->dp_group() : nullptr, loss, "the loss");
   VIADUCT_CHECK(std::isfinite(norm), "step ", step_ + 1,
                 ": the gradient norm is not finite (", norm,
@@ -416,6 +437,15 @@ StepMetrics Trainer::train_step() {
   }
   m.peak_memory_bytes = peak_memory_bytes(device_);
   m.p2p_bytes = executor_ ? executor_->last_step_p2p_bytes() : 0;
+  if (timed) {
+    m.pipeline_seconds = times.seconds;
+    m.pipeline_compute_seconds = times.compute_seconds;
+    m.pipeline_p2p_wait_seconds = times.p2p_wait_seconds;
+    for (size_t r = 0; r < pp; ++r) {
+      m.bubble_measured_per_rank.push_back(
+          pipeline::PipelineTimes{gathered[1 + r], gathered[1 + pp + r], 0.0}.bubble());
+    }
+  }
   if (attn_res_tables_) {
     // Each rank knows its own sends and store: one sum over pp gathers them.
     // v = [forward bytes per hop, backward bytes per hop, store peak per rank].
@@ -612,6 +642,17 @@ void Trainer::log_step(const StepMetrics& m) {
   j["mfu"] = m.mfu >= 0 ? nlohmann::json(m.mfu) : nlohmann::json(nullptr);
   j["peak_memory_bytes"] = m.peak_memory_bytes;
   if (executor_) j["p2p_bytes"] = m.p2p_bytes;
+  if (!m.bubble_measured_per_rank.empty()) {
+    // Note [Measured bubble]: this rank's times; the mean over the pp ranks
+    // is what compares with the simulator's bubble.
+    j["pipeline_seconds"] = m.pipeline_seconds;
+    j["pipeline_compute_seconds"] = m.pipeline_compute_seconds;
+    j["pipeline_p2p_wait_seconds"] = m.pipeline_p2p_wait_seconds;
+    j["bubble_measured"] = m.bubble_measured_per_rank.at(static_cast<size_t>(pp_rank_));
+    j["bubble_measured_per_rank"] = m.bubble_measured_per_rank;
+    j["bubble_measured_mean"] = mean(m.bubble_measured_per_rank);
+    j["bubble_simulated"] = plan_->simulation.bubble_fraction;
+  }
   if (attn_res_tables_) {
     j["hop_bytes"] = m.hop_bytes;
     j["hop_grad_bytes"] = m.hop_grad_bytes;
@@ -635,6 +676,10 @@ void Trainer::log_step(const StepMetrics& m) {
     line << "n/a";
   }
   line << " | mem " << human_bytes(m.peak_memory_bytes);
+  if (!m.bubble_measured_per_rank.empty()) {
+    line << " | bubble " << std::setprecision(1) << 100 * mean(m.bubble_measured_per_rank)
+         << "% (sim " << 100 * plan_->simulation.bubble_fraction << "%)";
+  }
   if (progress_bar_) {
     const int width = 30;
     const int filled = static_cast<int>(width * m.step / std::max<int64_t>(total, 1));

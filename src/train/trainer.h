@@ -55,6 +55,13 @@ struct StepMetrics {
   std::vector<int64_t> hop_bytes;
   std::vector<int64_t> hop_grad_bytes;
   std::vector<int64_t> attn_res_store_peak_bytes;
+  // Pipeline timing (Note [Measured bubble], pipeline/runtime/executor.h):
+  // this rank's span of the schedule, compute and P2P wait seconds, and
+  // 1 - compute / span for each pp rank of this pipeline; empty when off.
+  double pipeline_seconds = 0;
+  double pipeline_compute_seconds = 0;
+  double pipeline_p2p_wait_seconds = 0;
+  std::vector<double> bubble_measured_per_rank;
 };
 
 class Trainer {

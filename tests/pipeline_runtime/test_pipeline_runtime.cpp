@@ -250,3 +250,71 @@ TEST_F(PipelineRuns, EvalBeforeTrainingAndAfterMatchesOneProcess) {
   ASSERT_EQ(a.size(), 2u);  // step 0 and step 3
   EXPECT_EQ(a, b);
 }
+
+// Note [Measured bubble] (pipeline/runtime/executor.h): every step line of a
+// pipeline run carries this rank's span, compute and P2P wait seconds and the
+// measured bubble per pp rank. On CPU the intervals are disjoint host times
+// inside the span, so the bounds hold exactly. A model whose micro-batch
+// compute (~10 ms) dwarfs a loopback message makes 1F1B's measured bubble
+// follow the simulator's ordering: (p-1)/(m+p-1) is 1/3 at m = 2, 1/9 at m = 8.
+TEST_F(PipelineRuns, MeasuredBubbleIsBoundedAndFallsWithMoreMicrobatches) {
+  auto run = [&](int micro, const std::string& extra) {
+    std::ostringstream os;
+    os << " --model.family=llama --model.n_layers=4 --model.dim=128 --model.n_heads=4"
+       << " --model.n_kv_heads=2 --training.seq_len=64 --training.local_batch_size=16"
+       << " --training.steps=3 --training.num_threads=1 --training.eval_interval=0"
+       << " --metrics.progress_bar=false --checkpoint.enable=false"
+       << " --parallelism.pipeline_parallel_degree=2"
+       << " --parallelism.pipeline_parallel_schedule=1F1B"
+       << " --parallelism.pipeline_parallel_microbatches=" << micro
+       << " --data.path=" << (fs::path(dir_->path()) / "d.tok").string() << extra;
+    return viaduct::testing::step_metrics(
+        train("bubble_m" + std::to_string(micro) + (extra.empty() ? "" : "_off"), 2, os.str()));
+  };
+  // Mean over steps 2..3 (the first warms up) of the mean over the pp ranks.
+  auto measured = [](const std::vector<nlohmann::json>& steps) {
+    double sum = 0;
+    for (size_t i = 1; i < steps.size(); ++i) sum += steps[i]["bubble_measured_mean"].get<double>();
+    return sum / static_cast<double>(steps.size() - 1);
+  };
+  const auto few = run(2, ""), many = run(8, "");
+  ASSERT_EQ(few.size(), 3u) << last_.output;
+  ASSERT_EQ(many.size(), 3u) << last_.output;
+  for (const auto* steps : {&few, &many}) {
+    for (const auto& j : *steps) {
+      SCOPED_TRACE(j.dump());
+      for (const char* k : {"pipeline_seconds", "pipeline_compute_seconds",
+                            "pipeline_p2p_wait_seconds", "bubble_measured",
+                            "bubble_measured_per_rank", "bubble_measured_mean",
+                            "bubble_simulated"}) {
+        ASSERT_TRUE(j.contains(k)) << k;
+      }
+      const double span = j["pipeline_seconds"], compute = j["pipeline_compute_seconds"],
+                   wait = j["pipeline_p2p_wait_seconds"], bubble = j["bubble_measured"];
+      EXPECT_GT(compute, 0.0);
+      EXPECT_GE(wait, 0.0);
+      EXPECT_LE(compute + wait, span);
+      EXPECT_LE(span, j["step_seconds"].get<double>());
+      EXPECT_GE(bubble, 0.0);
+      EXPECT_LT(bubble, 1.0);
+      EXPECT_DOUBLE_EQ(bubble, 1.0 - compute / span);  // rank 0 writes the line
+      ASSERT_EQ(j["bubble_measured_per_rank"].size(), 2u);
+      EXPECT_DOUBLE_EQ(j["bubble_measured_per_rank"][0].get<double>(), bubble);
+      for (const auto& b : j["bubble_measured_per_rank"]) {
+        EXPECT_GE(b.get<double>(), 0.0);
+        EXPECT_LT(b.get<double>(), 1.0);
+      }
+    }
+  }
+  const double sim_few = few[0]["bubble_simulated"], sim_many = many[0]["bubble_simulated"];
+  EXPECT_NEAR(sim_few, 1.0 / 3, 1e-12);
+  EXPECT_NEAR(sim_many, 1.0 / 9, 1e-12);
+  EXPECT_GT(measured(few), measured(many))
+      << "simulated " << sim_few << " > " << sim_many << "; measured " << measured(few)
+      << " vs " << measured(many);
+  // Off: no timing fields.
+  const auto off = run(2, " --metrics.pipeline_timing=false");
+  ASSERT_FALSE(off.empty());
+  EXPECT_FALSE(off[0].contains("bubble_measured"));
+  EXPECT_FALSE(off[0].contains("pipeline_compute_seconds"));
+}

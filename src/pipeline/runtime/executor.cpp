@@ -142,7 +142,9 @@ Activations PipelineExecutor::take_recv(std::map<Key, Pending>& from,
   VIADUCT_CHECK(it != from.end(), context(a),
                 ": its input was neither received nor produced locally (the "
                 "schedule has no matching RECV)");
+  time_begin(kWaitSlot);
   for (auto& w : it->second.works) w.wait(context(a));
+  time_end(kWaitSlot);
   auto out = std::move(it->second.tensors);
   from.erase(it);
   p2p_bytes_ += bytes_of(out);
@@ -194,7 +196,9 @@ void PipelineExecutor::run_action(const Action& a) {
       }
       at::Tensor tgt;
       if (st.is_last()) tgt = targets_->at(mb).to(device_);
+      time_begin(kComputeSlot);
       auto out = st.forward(mb, in, tgt, loss_scale_);
+      time_end(kComputeSlot);
       if (!st.is_last()) fwd_out_[key] = std::move(out);
       return;
     }
@@ -213,8 +217,10 @@ void PipelineExecutor::run_action(const Action& a) {
           grads = take_recv(recv_b_, key, a);
         }
       }
+      time_begin(kComputeSlot);
       auto gin = a.kind == ActionKind::kBackward ? st.backward(mb, grads)
                                                  : st.backward_input(mb, grads);
+      time_end(kComputeSlot);
       if (!st.is_first()) {
         // Inputs that need no gradient still travel, as zeros.
         const auto& metas = grad_meta_.at(s - 1);
@@ -230,16 +236,22 @@ void PipelineExecutor::run_action(const Action& a) {
       }
       return;
     }
-    case ActionKind::kBackwardWeight:
-      stage(s).backward_weight(mb);
+    case ActionKind::kBackwardWeight: {
+      auto& st = stage(s);
+      time_begin(kComputeSlot);
+      st.backward_weight(mb);
+      time_end(kComputeSlot);
       return;
+    }
   }
 }
 
 void PipelineExecutor::finish_step(const char* what) {
+  time_begin(kWaitSlot);
   for (auto& p : sends_) {
     for (auto& w : p.works) w.wait(str("pp rank ", pp_rank_, " ", what));
   }
+  time_end(kWaitSlot);
   sends_.clear();
   VIADUCT_CHECK(recv_f_.empty() && recv_b_.empty(), "pp rank ", pp_rank_, " ",
                 what, ": ", recv_f_.size() + recv_b_.size(),
@@ -270,14 +282,20 @@ double PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
   hop_bytes_.clear();
   hop_grad_bytes_.clear();
   for (auto& st : stages_) st->clear();
+  timing_now_ = timer_ != nullptr;
   try {
+    time_begin(kSpanSlot);
     for (const auto& a : plan_.lowered.ranks.at(pp_rank_)) run_action(a);
     finish_step("step end");
+    time_end(kSpanSlot);
+    timing_now_ = false;
     for (auto& st : stages_) {
       if (st->deferred_grads()) st->flush_deferred_grads();
     }
   } catch (...) {
     inputs_ = targets_ = nullptr;
+    timing_now_ = false;
+    if (timer_) timer_->reset();
     throw;
   }
   double loss = 0.0;
@@ -287,6 +305,20 @@ double PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
   }
   inputs_ = targets_ = nullptr;
   return loss;
+}
+
+void PipelineExecutor::set_timing(bool on) {
+  if (!on) {
+    timer_.reset();
+  } else if (!timer_) {
+    timer_ = std::make_unique<DeviceTimer>(device_, kNumSlots);
+  }
+}
+
+PipelineTimes PipelineExecutor::take_times() {
+  if (!timer_) return {};
+  const auto s = timer_->take_seconds();
+  return {s[kSpanSlot], s[kComputeSlot], s[kWaitSlot]};
 }
 
 // Forward only, micro-batch by micro-batch, each rank's stages in ascending

@@ -10,6 +10,20 @@
 // allocated dense and contiguous from that record; every micro-batch of a job
 // has the same shapes. The gradients that travel back over a hop are sized by
 // the stages' hop_grad_metas (by default like the forward tensors).
+//
+// Note [Measured bubble]
+// With timing on (set_timing), run_step measures three sums per rank: the
+// span of its schedule (`seconds`: from the first action until the last
+// send has been waited for), the time in its stages' F, B, I and W calls
+// (`compute_seconds`), and the time spent waiting for P2P receives and, at
+// the end, sends (`p2p_wait_seconds`). On CPU these are host times; on CUDA
+// device times between timing events on the compute stream (a wait is the
+// time the stream stalls for NCCL; a gap inside one action, where the host
+// launches slower than the device runs, counts as compute), read once per
+// step (core/device_timer.h).
+// The rank's measured bubble is 1 - compute_seconds / seconds, idle time in
+// its span as the simulator counts it; the simulator's bubble_fraction,
+// 1 - sum(busy) / (pp * makespan), compares with the mean over the pp ranks.
 #pragma once
 
 #include <torch/torch.h>
@@ -19,11 +33,22 @@
 #include <string>
 #include <vector>
 
+#include "core/device_timer.h"
 #include "dist/dist.h"
 #include "pipeline/runtime/stage.h"
 #include "pipeline/schedule/plan.h"
 
 namespace viaduct::pipeline {
+
+// One rank's pipeline times over the run_steps since the last take
+// (Note [Measured bubble]).
+struct PipelineTimes {
+  double seconds = 0;           // the schedule's span
+  double compute_seconds = 0;   // F, B, I, W of this rank's stages
+  double p2p_wait_seconds = 0;  // waiting for receives and sends
+
+  double bubble() const { return seconds > 0 ? 1.0 - compute_seconds / seconds : 0.0; }
+};
 
 class PipelineExecutor {
  public:
@@ -63,6 +88,14 @@ class PipelineExecutor {
   const std::map<int64_t, int64_t>& last_step_hop_grad_bytes() const {
     return hop_grad_bytes_;
   }
+  // Note [Measured bubble]. Off by default; the trainer turns it on.
+  void set_timing(bool on);
+  bool timing() const { return timer_ != nullptr; }
+  // The times of the run_steps since the previous take (sums over gradient
+  // accumulation), then starts new sums; take once per optimizer step (on
+  // CUDA the events of untaken steps pile up). Waits for the device only
+  // until the last timed work has finished.
+  PipelineTimes take_times();
 
  private:
   using Key = std::pair<int64_t, int64_t>;  // (stage, micro-batch)
@@ -85,6 +118,14 @@ class PipelineExecutor {
   void send(const Activations& tensors, int dst_rank, int64_t stage,
             int64_t mb, int direction, const Action& a);
   void finish_step(const char* what);
+  // Timer slots; each call is a no-op outside a timed run_step.
+  enum TimerSlot : size_t { kSpanSlot, kComputeSlot, kWaitSlot, kNumSlots };
+  void time_begin(TimerSlot slot) {
+    if (timing_now_) timer_->begin(slot);
+  }
+  void time_end(TimerSlot slot) {
+    if (timing_now_) timer_->end(slot);
+  }
 
   const PipelinePlan& plan_;
   int pp_rank_;
@@ -108,6 +149,8 @@ class PipelineExecutor {
   std::vector<Pending> sends_;
   int64_t p2p_bytes_ = 0;
   std::map<int64_t, int64_t> hop_bytes_, hop_grad_bytes_;
+  std::unique_ptr<DeviceTimer> timer_;  // null: timing off
+  bool timing_now_ = false;             // inside a timed run_step
 };
 
 }  // namespace viaduct::pipeline
