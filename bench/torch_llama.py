@@ -103,10 +103,12 @@ class TrainSettings:
     shuffle: bool
 
 
-def train_settings_from_config(cfg):
+def train_settings_from_config(cfg, single_process=True):
+    """single_process: note that a pp/dp checkpoint is replayed in one process
+    (torch_pipeline.py, which runs the pipeline, passes False)."""
     pp = cfg_get(cfg, "parallelism.pipeline_parallel_degree", 1)
     dp = cfg_get(cfg, "parallelism.data_parallel_degree", 1)
-    if pp != 1 or dp != 1:
+    if single_process and (pp != 1 or dp != 1):
         print(f"note: the checkpoint was written by a pp={pp} x dp={dp} run; "
               "the reference runs one process with the same global batch "
               "per dp rank = local_batch_size", file=sys.stderr)
@@ -406,9 +408,10 @@ def open_checkpoint(step_dir):
 
 
 
-def check_shapes(model, entries):
+def check_shapes(model, entries, allow_extra=False):
     """Every parameter and persistent buffer of the model against the
-    checkpoint; returns the names to load, in registration order."""
+    checkpoint; returns the names to load, in registration order.
+    allow_extra: the model is one pipeline stage, the checkpoint holds more."""
     want = {n: list(p.shape) for n, p in model.named_parameters()}
     want.update({n: list(b.shape) for n, b in model.named_buffers()
                  if b is not None and n.rsplit(".", 1)[-1] not in
@@ -420,7 +423,7 @@ def check_shapes(model, entries):
             fail(f"tensor '{name}' is {entries[name][1]} in the checkpoint, the "
                  f"config's shape says {shape}")
     extra = sorted(set(entries) - set(want))
-    if extra:
+    if extra and not allow_extra:
         fail(f"the checkpoint holds tensors this {model.spec.family} lacks: {extra[:5]}")
     return list(want)
 
@@ -607,6 +610,89 @@ def clip_grad_norm(params, max_norm):
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 
+def add_config_override_args(ap):
+    """Flags shared with torch_pipeline.py: settings read from the
+    checkpoint's config (given, they override it) and shapes (given, they
+    must agree with it)."""
+    ap.add_argument("--data", help="token file or glob (default: data.path)")
+    ap.add_argument("--data-format", help="default: data.format")
+    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--steps", type=int,
+                    help="training.steps: steps to run and the LR schedule's total")
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--warmup", type=int, help="lr_scheduler.warmup_steps")
+    for flag in ("dim", "n-layers", "n-heads", "n-kv-heads", "vocab-size", "ffn-hidden"):
+        ap.add_argument("--" + flag, type=int)
+    ap.add_argument("--rope-theta", type=float)
+    ap.add_argument("--norm-eps", type=float)
+
+
+def check_shape_flags(args, spec):
+    for flag, field in (("dim", "dim"), ("n_layers", "n_layers"), ("n_heads", "n_heads"),
+                        ("n_kv_heads", "n_kv_heads"), ("vocab_size", "vocab_size"),
+                        ("ffn_hidden", "ffn_hidden"), ("rope_theta", "rope_theta"),
+                        ("norm_eps", "norm_eps")):
+        given = getattr(args, flag)
+        if given is not None and given != getattr(spec, field, None):
+            fail(f"--{flag.replace('_', '-')} {given} disagrees with the checkpoint's "
+                 f"{field} = {getattr(spec, field, None)}")
+
+
+def resolve_settings(args, cfg, spec, meta, microbatches=None, single_process=True):
+    """(TrainSettings, start step, steps to run): the checkpoint's config with
+    the flags' overrides; microbatches, given, replaces the config's count."""
+    ts = train_settings_from_config(cfg, single_process)
+    for flag, field in (("data", "data_path"), ("data_format", "data_format"),
+                        ("seq_len", "seq_len"), ("batch", "batch_size"),
+                        ("steps", "steps"), ("lr", "lr"), ("warmup", "warmup")):
+        if getattr(args, flag) is not None:
+            setattr(ts, field, getattr(args, flag))
+    if microbatches is not None:
+        ts.microbatches = microbatches
+    ts.warmup = min(ts.warmup, ts.steps)  # config.cpp: warmup never outlasts the run
+    if ts.optimizer != "AdamW":
+        fail(f"optimizer.name is {ts.optimizer}; the reference implements AdamW")
+    if ts.seq_len > spec.max_seq_len:
+        fail(f"seq_len {ts.seq_len} exceeds model.max_seq_len {spec.max_seq_len}")
+    if ts.batch_size % ts.microbatches:
+        fail(f"local_batch_size {ts.batch_size} is not divisible by "
+             f"{ts.microbatches} micro-batches")
+    start_step = int(meta.get("step", 0))
+    n_steps = ts.steps - start_step
+    if n_steps <= args.timing_warmup:
+        fail(f"{n_steps} steps to run ({ts.steps} - checkpoint step {start_step}) "
+             f"leave none after {args.timing_warmup} warm-up steps; pass --steps")
+    return ts, start_step, n_steps
+
+
+def sampler_from_checkpoint(ts, meta):
+    """(TokenStream, TokenSampler) positioned at the checkpoint's data cursor."""
+    stream = TokenStream(ts.data_path, ts.data_format)
+    cursor = meta.get("data_cursor") or {}
+    sampler = TokenSampler(stream, ts.batch_size, ts.seq_len, ts.seed, ts.shuffle,
+                           cursor.get("epoch", 0), cursor.get("position", 0))
+    return stream, sampler
+
+
+def read_batches(sampler, n_steps, grad_accum, B, T, vocab_size, pin):
+    """Every step's (inputs, targets) [B, T] int64 pairs, grad_accum per
+    step, read up front (pinned when pin) so the timed loop reads no file."""
+    batches = []
+    max_tok = 0
+    for _ in range(n_steps):
+        step_batches = []
+        for _ in range(grad_accum):
+            buf = torch.frombuffer(sampler.next(), dtype=torch.int64).view(B, T + 1)
+            max_tok = max(max_tok, int(buf.max()))
+            inp, tgt = buf[:, :T].contiguous(), buf[:, 1:].contiguous()
+            step_batches.append((inp.pin_memory(), tgt.pin_memory()) if pin else (inp, tgt))
+        batches.append(step_batches)
+    if max_tok >= vocab_size:
+        fail(f"the data holds token id {max_tok}, but vocab_size is {vocab_size}")
+    return batches
+
+
 def train_main(argv):
     ap = argparse.ArgumentParser(
         description="PyTorch reference of viaduct's models (see the file's top comment)")
@@ -635,20 +721,7 @@ def train_main(argv):
                     f"H100/H200 {PEAK_BF16_FLOPS:.4g})")
     ap.add_argument("--json", help="write the summary JSON here too")
     ap.add_argument("--label", default="", help="free text carried into the JSON")
-    # Settings read from the checkpoint's config; given, they override it.
-    ap.add_argument("--data", help="token file or glob (default: data.path)")
-    ap.add_argument("--data-format", help="default: data.format")
-    ap.add_argument("--seq-len", type=int)
-    ap.add_argument("--batch", type=int)
-    ap.add_argument("--steps", type=int,
-                    help="training.steps: steps to run and the LR schedule's total")
-    ap.add_argument("--lr", type=float)
-    ap.add_argument("--warmup", type=int, help="lr_scheduler.warmup_steps")
-    # Shapes: read from the checkpoint; given, they must agree with it.
-    for flag in ("dim", "n-layers", "n-heads", "n-kv-heads", "vocab-size", "ffn-hidden"):
-        ap.add_argument("--" + flag, type=int)
-    ap.add_argument("--rope-theta", type=float)
-    ap.add_argument("--norm-eps", type=float)
+    add_config_override_args(ap)
     ap.add_argument("--dry-run", action="store_true",
                     help="resolve the checkpoint, config and data, print them, "
                     "and stop (needs no torch)")
@@ -657,42 +730,14 @@ def train_main(argv):
     meta, ckpt_file = open_checkpoint(args.checkpoint)
     cfg = parse_config_toml(meta["config_toml"])
     spec = spec_from_config(cfg)
-    for flag, field in (("dim", "dim"), ("n_layers", "n_layers"), ("n_heads", "n_heads"),
-                        ("n_kv_heads", "n_kv_heads"), ("vocab_size", "vocab_size"),
-                        ("ffn_hidden", "ffn_hidden"), ("rope_theta", "rope_theta"),
-                        ("norm_eps", "norm_eps")):
-        given = getattr(args, flag)
-        if given is not None and given != getattr(spec, field, None):
-            fail(f"--{flag.replace('_', '-')} {given} disagrees with the checkpoint's "
-                 f"{field} = {getattr(spec, field, None)}")
+    check_shape_flags(args, spec)
     entries, _, _ = read_safetensors_header(ckpt_file)
 
-    ts = train_settings_from_config(cfg)
-    for flag, field in (("data", "data_path"), ("data_format", "data_format"),
-                        ("seq_len", "seq_len"), ("batch", "batch_size"),
-                        ("steps", "steps"), ("lr", "lr"), ("warmup", "warmup")):
-        if getattr(args, flag) is not None:
-            setattr(ts, field, getattr(args, flag))
-    ts.warmup = min(ts.warmup, ts.steps)  # config.cpp: warmup never outlasts the run
-    if ts.optimizer != "AdamW":
-        fail(f"optimizer.name is {ts.optimizer}; the reference implements AdamW")
-    if ts.seq_len > spec.max_seq_len:
-        fail(f"seq_len {ts.seq_len} exceeds model.max_seq_len {spec.max_seq_len}")
-    if ts.batch_size % ts.microbatches:
-        fail(f"local_batch_size {ts.batch_size} is not divisible by "
-             f"{ts.microbatches} micro-batches")
-    start_step = int(meta.get("step", 0))
-    n_steps = ts.steps - start_step
-    if n_steps <= args.timing_warmup:
-        fail(f"{n_steps} steps to run ({ts.steps} - checkpoint step {start_step}) "
-             f"leave none after {args.timing_warmup} warm-up steps; pass --steps")
+    ts, start_step, n_steps = resolve_settings(args, cfg, spec, meta)
 
     # Data: the sampler from the checkpoint's cursor, every step's batch read
     # up front (pinned on CUDA), so the timed loop does no file reads.
-    stream = TokenStream(ts.data_path, ts.data_format)
-    cursor = meta.get("data_cursor") or {}
-    sampler = TokenSampler(stream, ts.batch_size, ts.seq_len, ts.seed, ts.shuffle,
-                           cursor.get("epoch", 0), cursor.get("position", 0))
+    stream, sampler = sampler_from_checkpoint(ts, meta)
     B, T = ts.batch_size, ts.seq_len
     if args.dry_run:
         print(json.dumps({"spec": asdict(spec), "settings": asdict(ts),
@@ -712,18 +757,7 @@ def train_main(argv):
     if device.type == "cpu":
         torch.set_num_threads(args.threads or cfg_get(cfg, "training.num_threads", 2))
     cuda = device.type == "cuda"
-    batches = []
-    max_tok = 0
-    for _ in range(n_steps):
-        step_batches = []
-        for _ in range(ts.grad_accum):
-            buf = torch.frombuffer(sampler.next(), dtype=torch.int64).view(B, T + 1)
-            max_tok = max(max_tok, int(buf.max()))
-            inp, tgt = buf[:, :T].contiguous(), buf[:, 1:].contiguous()
-            step_batches.append((inp.pin_memory(), tgt.pin_memory()) if cuda else (inp, tgt))
-        batches.append(step_batches)
-    if max_tok >= spec.vocab_size:
-        fail(f"the data holds token id {max_tok}, but vocab_size is {spec.vocab_size}")
+    batches = read_batches(sampler, n_steps, ts.grad_accum, B, T, spec.vocab_size, cuda)
 
     compute_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     rope_dtype = torch.float64 if args.rope_dtype == "float64" else torch.float32
@@ -894,7 +928,11 @@ def report_main(argv):
     ap.add_argument("--cell", required=True, help="the cell's name, e.g. 'llama 1B, 4x4096'")
     ap.add_argument("--viaduct-metrics", help="viaduct's metrics.jsonl")
     ap.add_argument("--peer", action="append", default=[],
-                    help="a summary JSON of torch_llama.py (repeatable)")
+                    help="a summary JSON of torch_llama.py or torch_pipeline.py "
+                    "(repeatable)")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="devices of the viaduct run, for its MFU (default: the "
+                    "peers' world_size, else 1)")
     ap.add_argument("--checkpoint", help="step folder: the FLOP count when no peer ran")
     ap.add_argument("--timing-warmup", type=int, default=3)
     ap.add_argument("--peak-flops", type=float, default=PEAK_BF16_FLOPS)
@@ -917,11 +955,14 @@ def report_main(argv):
         cfg = parse_config_toml(meta["config_toml"])
         fpt = flops_per_token(spec_from_config(cfg),
                               train_settings_from_config(cfg).seq_len)
+    # A pipeline cell's MFU is over all its devices (as viaduct's own mfu).
+    gpus = args.gpus or max([p.get("world_size", 1) for p in peers if not p.get("failed")]
+                            or [1])
     rows = []
     vd = None
     if args.viaduct_metrics and os.path.isfile(args.viaduct_metrics) and fpt:
         vd = viaduct_summary(args.viaduct_metrics, args.timing_warmup, fpt,
-                             args.peak_flops)
+                             args.peak_flops * gpus if args.peak_flops else None)
         rows.append(vd)
     elif args.viaduct_metrics:
         rows.append({"impl": "viaduct", "failed": True})
@@ -937,7 +978,10 @@ def report_main(argv):
             lines.append(f"| {args.cell} | {r['impl']} | failed | | | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
-        gib = r["peak_memory_bytes"] / 2**30
+        gib = f"{r['peak_memory_bytes'] / 2**30:.1f}"
+        if len(r.get("peak_memory_bytes_per_rank") or []) > 1:  # rank 0's first, as viaduct's
+            gib += " (ranks " + " / ".join(
+                f"{b / 2**30:.1f}" for b in r["peak_memory_bytes_per_rank"]) + ")"
         dl = ratio = ""
         if vd is not None and r is not vd:
             n = min(len(vd["losses"]), len(r["losses"]), 5)
@@ -951,7 +995,7 @@ def report_main(argv):
         if r.get("compile_s") is not None:
             extra = f" (compile {r['compile_s']:.0f} s)"
         lines.append(f"| {args.cell} | {r['impl']}{extra} | {r['tokens_per_s']:.0f} | "
-                     f"{mfu} | {gib:.1f} | {fmt_losses(r['losses'])} | {dl} | {ratio} |")
+                     f"{mfu} | {gib} | {fmt_losses(r['losses'])} | {dl} | {ratio} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

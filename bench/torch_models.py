@@ -38,8 +38,11 @@ except ImportError:  # specs and FLOP counts work without torch
     F = None
 
 
+PROG = "torch_llama.py"  # the program errors name (torch_pipeline.py sets its own)
+
+
 def fail(msg):
-    sys.exit(f"torch_llama.py: error: {msg}")
+    sys.exit(f"{PROG}: error: {msg}")
 
 
 def cfg_get(cfg, dotted, default=None):

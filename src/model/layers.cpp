@@ -20,18 +20,23 @@ namespace {
 // instead of a bf16 product cast up by autograd's ToCopyBackward: one pass
 // less over every weight gradient, and no bf16 rounding of it. It keeps what
 // autograd keeps for at::linear (the input and the cast weight).
-class MixedLinearFn : public torch::autograd::Function<MixedLinearFn> {
- public:
+// The shared body of the two autograd functions below. Custom functions
+// cannot take an undefined tensor as an input on LibTorch 2.x (their input
+// metadata reads its device), so a linear without a bias is its own
+// function rather than MixedLinearFn with an empty bias.
+struct MixedLinear {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& w, const at::Tensor& b) {
     auto wc = w.to(x.scalar_type());
     ctx->save_for_backward({x, wc});
-    ctx->saved_data["b_dtype"] =
-        static_cast<int64_t>(b.defined() ? b.scalar_type() : at::kFloat);
-    return b.defined() ? at::linear(x, wc, b.to(x.scalar_type())) : at::linear(x, wc);
+    if (!b.defined()) return at::linear(x, wc);
+    ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
+    return at::linear(x, wc, b.to(x.scalar_type()));
   }
+  // {dx, dw, db}; db only when `bias_slot` and its gradient is needed.
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+                                                 const torch::autograd::variable_list& grads,
+                                                 bool bias_slot) {
     const auto saved = ctx->get_saved_variables();
     const auto &x = saved[0], &wc = saved[1];
     const auto out_f = wc.size(0), in_f = wc.size(1);
@@ -42,11 +47,36 @@ class MixedLinearFn : public torch::autograd::Function<MixedLinearFn> {
       dw = at::empty({out_f, in_f}, dy.options().dtype(at::kFloat));
       compat::matmul_into_fp32_(dw, dy.t(), x.reshape({-1, in_f}), /*accumulate=*/false);
     }
+    if (!bias_slot) return {dx, dw};
     if (ctx->needs_input_grad(2)) {
       db = dy.sum(0, false, at::kFloat)
                .to(static_cast<at::ScalarType>(ctx->saved_data["b_dtype"].toInt()));
     }
     return {dx, dw, db};
+  }
+};
+
+class MixedLinearFn : public torch::autograd::Function<MixedLinearFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, const at::Tensor& b) {
+    return MixedLinear::forward(ctx, x, w, b);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return MixedLinear::backward(ctx, grads, /*bias_slot=*/true);
+  }
+};
+
+class MixedLinearNoBiasFn : public torch::autograd::Function<MixedLinearNoBiasFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w) {
+    return MixedLinear::forward(ctx, x, w, at::Tensor());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return MixedLinear::backward(ctx, grads, /*bias_slot=*/false);
   }
 };
 
@@ -56,7 +86,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w,
                   const at::Tensor& b) {
   if (w.scalar_type() == at::kFloat && x.scalar_type() == at::kBFloat16 &&
       w.requires_grad() && kernels::usable(x) && !kernels::disabled("mixed_linear")) {
-    return MixedLinearFn::apply(x, w, b);
+    return b.defined() ? MixedLinearFn::apply(x, w, b) : MixedLinearNoBiasFn::apply(x, w);
   }
   const auto wc = w.scalar_type() == x.scalar_type() ? w : w.to(x.scalar_type());
   if (b.defined()) {

@@ -1,9 +1,26 @@
 #include "pipeline/runtime/executor.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 #include "core/check.h"
 
 namespace viaduct::pipeline {
 namespace {
+// VIADUCT_TRACE_P2P=1: every action and metadata hop is printed to stderr
+// before it runs, to find where a rank waits (a hang across GPUs).
+bool trace_p2p() {
+  static const bool on = [] {
+    const char* e = std::getenv("VIADUCT_TRACE_P2P");
+    return e != nullptr && *e != '\0' && std::string(e) != "0";
+  }();
+  return on;
+}
+void trace(const std::string& what) {
+  if (!trace_p2p()) return;
+  std::fprintf(stderr, "trace: %s\n", what.c_str());
+  std::fflush(stderr);
+}
 constexpr int kForwardDir = 0;
 constexpr int kBackwardDir = 1;
 constexpr size_t kMaxTensorsPerHop = 64;
@@ -152,6 +169,7 @@ Activations PipelineExecutor::take_recv(std::map<Key, Pending>& from,
 }
 
 void PipelineExecutor::run_action(const Action& a) {
+  trace(context(a));
   const int64_t s = a.stage, mb = a.microbatch;
   const Key key{s, mb};
   switch (a.kind) {
@@ -375,6 +393,7 @@ void PipelineExecutor::infer_metadata(const at::Tensor& tokens) {
       auto len = at::empty({1}, at::TensorOptions().dtype(at::kLong).device(device_));
       std::vector<at::Tensor> one{len};
       const int base = kHeaderTagBase + static_cast<int>(2 * s);
+      trace(context(a) + " (metadata receive)");
       pp_group_->recv(one, rank_of(s - 1), base).wait(context(a) + " (metadata)");
       auto header = at::empty({len.item<int64_t>()}, len.options());
       std::vector<at::Tensor> h{header};
@@ -416,11 +435,13 @@ void PipelineExecutor::infer_metadata(const at::Tensor& tokens) {
       auto htensor = at::tensor(header, at::kLong).to(device_);
       const int base = kHeaderTagBase + static_cast<int>(2 * (s + 1));
       std::vector<at::Tensor> l{len}, h{htensor};
+      trace(context(a) + " (metadata send)");
       pp_group_->send(l, rank_of(s + 1), base).wait(context(a) + " (metadata)");
       pp_group_->send(h, rank_of(s + 1), base + 1).wait(context(a) + " (metadata)");
       send(out, rank_of(s + 1), s + 1, 0, kForwardDir, a);
     }
   }
+  trace(str("pp rank ", pp_rank_, ": metadata sent and received"));
   finish_step("metadata inference");
   have_meta_ = true;
 }
