@@ -12,10 +12,16 @@
 #            for SCHEDULES: tok/s, MFU, rank 0's peak memory, measured bubble
 #            (mean over ranks) against the simulator's;
 #   peer     the same shape and layout trained by torch.distributed.pipelining
-#            (bench/torch_pipeline.py) from viaduct's step-0, same data: the
-#            side-by-side row of the first schedule in SCHEDULES.
+#            (bench/torch_pipeline.py) from viaduct's step-0 (saved by a
+#            separate untimed run), same data: the side-by-side row of the
+#            first schedule in SCHEDULES;
+#   k3       kimi_k3 debugmodel_deep as it is and widened (dim 2048, MLA in
+#            every layer, AttnRes blocks of 3), pp = NGPU x 2 stages
+#            (Interleaved1F1B, 8 micro-batches): rank cache, rank cache +
+#            host offload, whole stack: tok/s, peak memory and block-store
+#            peak per rank, P2P bytes and wait per step.
 #
-#   SECTIONS="smoke bitwise layers peer" bash bench/run_multi_gpu.sh build-gpu
+#   SECTIONS="smoke bitwise layers peer k3" bash bench/run_multi_gpu.sh build-gpu
 # Results: $OUT/multi.md (one table) and stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -24,7 +30,7 @@ V=$B/viaduct
 OUT=${OUT:-/tmp/multi_gpu}
 mkdir -p "$OUT"
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c GPU)}
-SECTIONS=${SECTIONS:-smoke bitwise layers peer}
+SECTIONS=${SECTIONS:-smoke bitwise layers peer k3}
 SCHEDULES=${SCHEDULES:-1F1B Interleaved1F1B GPipe ZBVZeroBubble}
 LAYERS=${LAYERS:-8}
 MICRO=${MICRO:-8}
@@ -116,25 +122,26 @@ open('$DATA', 'wb').write(a.tobytes())"
 fi
 stages_for() { case $1 in Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble) echo 2 ;; *) echo 1 ;; esac; }
 
+first_sched=${SCHEDULES%% *}
+if has peer; then  # the peer's step-0: an untimed run of the first schedule
+  launch "${L8[@]}" --training.steps=1 --checkpoint.enable=true --checkpoint.save_initial=true \
+    --checkpoint.save_final=false --parallelism.pipeline_parallel_schedule="$first_sched" \
+    --parallelism.pipeline_parallel_stages_per_rank="$(stages_for "$first_sched")" \
+    --data.path="$DATA" --job.dump_folder="$OUT/l8_ck" >"$OUT/l8_ck.log" 2>&1 ||
+    { say "step-0 save for the peer failed:"; errors "$OUT/l8_ck.log"; }
+fi
+
 if has layers; then
   say "## layers: llama 8B layer shape, $LAYERS layers, $MICRO x 4096 tokens in $MICRO micro-batches, pp $NGPU"
-  say "| schedule | stages/rank | tok/s | MFU | rank-0 peak GiB | bubble measured (mean) | simulated | P2P MB/step |"
+  say "| schedule | stages/rank | tok/s | MFU | peak GiB per rank | bubble measured (mean) | simulated | P2P MB/step |"
   say "|---|---|---|---|---|---|---|---|"
-  first=1
   for sched in $SCHEDULES; do
     v=$(stages_for "$sched")
     name=l8_$sched
-    extra=()
-    if [ $first = 1 ] && has peer; then
-      extra=(--checkpoint.enable=true --checkpoint.save_initial=true
-        --checkpoint.interval=1000000 --checkpoint.keep_latest_k=0)
-    else
-      extra=(--checkpoint.enable=false)
-    fi
-    launch "${L8[@]}" "${extra[@]}" --parallelism.pipeline_parallel_schedule="$sched" \
+    launch "${L8[@]}" --checkpoint.enable=false --parallelism.pipeline_parallel_schedule="$sched" \
       --parallelism.pipeline_parallel_stages_per_rank="$v" --data.path="$DATA" \
       --job.dump_folder="$OUT/$name" >"$OUT/$name.log" 2>&1 ||
-      { say "| $sched | $v | failed: $(errors "$OUT/$name.log" | head -1 | cut -c1-150) | | | | | |"; first=0; continue; }
+      { say "| $sched | $v | failed: $(errors "$OUT/$name.log" | head -1 | cut -c1-150) | | | | | |"; continue; }
     "$PY" - "$OUT/$name/metrics.jsonl" "$sched" "$v" <<'PY' | tee -a "$MD"
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
@@ -143,19 +150,20 @@ def med(k):
     v = [r[k] for r in t if r.get(k) is not None]
     return statistics.median(v) if v else float("nan")
 mfu = med("mfu")
+pr = [r.get("peak_memory_bytes_per_rank", [r["peak_memory_bytes"]]) for r in t]
+mem = " / ".join(f"{max(p[i] for p in pr) / 2**30:.1f}" for i in range(len(pr[-1])))
 print(f"| {sys.argv[2]} | {sys.argv[3]} | {med('tokens_per_sec'):.0f} | {100 * mfu:.1f}% | "
-      f"{max(r['peak_memory_bytes'] for r in t) / 2**30:.1f} | "
+      f"{mem} | "
       f"{100 * med('bubble_measured_mean'):.1f}% | {100 * t[-1].get('bubble_simulated', float('nan')):.1f}% | "
       f"{med('p2p_bytes') / 1e6:.0f} |")
 PY
-    first=0
   done
 fi
 
 if has peer; then
-  sched=${SCHEDULES%% *}
+  sched=$first_sched
   v=$(stages_for "$sched")
-  ck=$OUT/l8_$sched/checkpoint/step-0
+  ck=$OUT/l8_ck/checkpoint/step-0
   say "## peer: torch.distributed.pipelining, $sched, pp $NGPU x $v"
   if [ -f "$ck/metadata.json" ]; then
     "$V" split "${L8[@]}" --parallelism.pipeline_parallel_schedule="$sched" \
@@ -170,7 +178,54 @@ if has peer; then
         --peer "$OUT/peer.json" --checkpoint "$ck" 2>&1 | tee -a "$MD"
     fi
   else
-    say "no $ck (the layers section's first run saves it)"
+    say "no $ck (the untimed save run failed)"
   fi
+fi
+if has k3; then
+  mkdir -p outputs/bench
+  K3DATA=outputs/bench/random_v320_multi.u32
+  [ -f "$K3DATA" ] || "$PY" -c "
+import array, random
+r = random.Random(1234)
+a = array.array('I', (r.randrange(320) for _ in range(($STEPS + 4) * 8 * 2048 + 1)))
+open('$K3DATA', 'wb').write(a.tobytes())"
+  k3=(--config configs/kimi_k3_debug.toml --model.flavor=debugmodel_deep --training.seq_len=2048
+    --training.local_batch_size=8 --training.dtype="$DTYPE" --training.device="$DEVICE"
+    --training.steps="$STEPS" --training.eval_interval=0 --checkpoint.enable=false
+    --training.deterministic=false --metrics.log_freq=1 --metrics.progress_bar=false
+    --parallelism.pipeline_parallel_degree="$NGPU" --parallelism.pipeline_parallel_stages_per_rank=2
+    --parallelism.pipeline_parallel_schedule=Interleaved1F1B
+    --parallelism.pipeline_parallel_microbatches=8 --data.path="$K3DATA")
+  say "## k3: kimi_k3 debugmodel_deep, 8 x 2048 tokens in 8 micro-batches, pp $NGPU x 2 stages, Interleaved1F1B"
+  say "| shape | transport | tok/s | peak GiB per rank | store peak MiB per rank | P2P MB/step | P2P wait s/step | final loss |"
+  say "|---|---|---|---|---|---|---|---|"
+  for shape in "deep:" "wide:--model.dim=2048 --model.mla_interval=1 --model.attn_res_block_size=3"; do
+    sname=${shape%%:*} sargs=${shape#*:}
+    for mode in "cache:--parallelism.attn_res_cache=true" \
+        "cache+offload:--parallelism.attn_res_cache=true --parallelism.attn_res_cache_offload=true" \
+        "whole-stack:--parallelism.attn_res_cache=false"; do
+      name=${mode%%:*} args=${mode#*:}
+      dir=$OUT/k3_${sname}_$name
+      # shellcheck disable=SC2086
+      launch "${k3[@]}" $sargs $args ${K3_EXTRA:-} --job.dump_folder="$dir" >"$dir.log" 2>&1 ||
+        { say "| $sname | $name | failed: $(errors "$dir.log" | head -1 | cut -c1-150) | | | | | |"; continue; }
+      "$PY" - "$dir/metrics.jsonl" "$sname" "$name" <<'PY' | tee -a "$MD"
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
+t = rows[2:] if len(rows) > 3 else rows[1:]
+def med(k):
+    v = [r[k] for r in t if r.get(k) is not None]
+    return statistics.median(v) if v else float("nan")
+def per_rank(k):
+    n = len(t[-1].get(k, []))
+    return " / ".join(f"{max(r[k][i] for r in t) / 2**20:.0f}" for i in range(n)) or "-"
+mem = " / ".join(f"{max(r['peak_memory_bytes_per_rank'][i] for r in t) / 2**30:.2f}"
+                 for i in range(len(t[-1].get("peak_memory_bytes_per_rank", []))))
+print(f"| {sys.argv[2]} | {sys.argv[3]} | {med('tokens_per_sec'):.0f} | {mem} | "
+      f"{per_rank('attn_res_store_peak_bytes')} | {med('p2p_bytes') / 1e6:.0f} | "
+      f"{med('pipeline_p2p_wait_seconds'):.3f} | {rows[-1]['loss']} |")
+PY
+    done
+  done
 fi
 say "done"

@@ -23,8 +23,11 @@ c10::intrusive_ptr<compat::PgBase> make_nccl(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     std::chrono::milliseconds timeout);
 
-// Ends an NCCL group cleanly where LibTorch offers it (2.x warns when a group
-// is destroyed without); never throws.
-void shutdown_nccl(compat::PgBase& backend) noexcept;
+// Ends an NCCL group (2.x warns when a group is destroyed without); never
+// throws: shutdown() (waits for its work) normally, abort()
+// (does not wait for peers) when `failing`: after an error this rank's peers
+// may be stuck in an operation it will never join, and a graceful shutdown
+// can then wait forever instead of letting the process exit.
+void shutdown_nccl(compat::PgBase& backend, bool failing) noexcept;
 
 }  // namespace viaduct::dist::detail

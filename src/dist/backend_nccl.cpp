@@ -33,11 +33,26 @@ void shutdown_if_supported(Group& group) {
   }
 }
 
-void shutdown_nccl(compat::PgBase& backend) noexcept {
+template <typename Group>
+void abort_if_supported(Group& group) {
+  if constexpr (requires { group.abort(); }) {
+    group.abort();
+  } else if constexpr (requires { group.abort(std::nullopt); }) {
+    group.abort(std::nullopt);
+  } else {
+    shutdown_if_supported(group);
+  }
+}
+
+void shutdown_nccl(compat::PgBase& backend, bool failing) noexcept {
   auto* nccl = dynamic_cast<c10d::ProcessGroupNCCL*>(&backend);
   if (nccl == nullptr) return;
   try {
-    shutdown_if_supported(*nccl);
+    if (failing) {
+      abort_if_supported(*nccl);
+    } else {
+      shutdown_if_supported(*nccl);
+    }
   } catch (const std::exception&) {
     // Tearing down after a failure: the error was already reported.
   }
@@ -47,7 +62,7 @@ void shutdown_nccl(compat::PgBase& backend) noexcept {
 
 bool nccl_available() { return false; }
 
-void shutdown_nccl(compat::PgBase&) noexcept {}
+void shutdown_nccl(compat::PgBase&, bool) noexcept {}
 
 c10::intrusive_ptr<compat::PgBase> make_nccl(
     const c10::intrusive_ptr<c10d::Store>&, int, int,

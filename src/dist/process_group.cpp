@@ -1,6 +1,8 @@
 // ProcessGroup and Work: a thin RAII wrapper over one c10d backend that gives
 // every operation the group's timeout and turns every failure into a
 // viaduct::Error carrying the caller's context (see Note [Timeouts]).
+#include <exception>
+
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -161,7 +163,9 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank,
 
 ProcessGroup::~ProcessGroup() {
   if (backend_ && kind_ == BackendKind::kNccl) {
-    detail::shutdown_nccl(*backend_);
+    // Destroyed while an exception unwinds (a failed step, a bad config
+    // found after the groups exist): abort, do not wait for the peers.
+    detail::shutdown_nccl(*backend_, std::uncaught_exceptions() > 0);
   }
 }
 

@@ -387,6 +387,14 @@ StepMetrics Trainer::train_step() {
     gathered[1 + static_cast<size_t>(pp_rank_)] = times.seconds;
     gathered[1 + pp + static_cast<size_t>(pp_rank_)] = times.compute_seconds;
   }
+  // Each pp rank's memory peak rides in the same all-reduce (the JSON line
+  // is written by one rank).
+  const size_t mem_at = gathered.size();
+  const bool per_rank_mem = mesh_ && pp > 1;
+  if (per_rank_mem) {
+    gathered.resize(mem_at + pp, 0.0);
+    gathered[mem_at + static_cast<size_t>(pp_rank_)] = peak_memory_bytes(device_);
+  }
   sum_over(mesh_ ? &mesh_->pp_group() : nullptr, gathered,
            timed ? "the loss and pipeline times" : "the loss");
   std::vector<double> loss{gathered[0]};
@@ -437,6 +445,10 @@ StepMetrics Trainer::train_step() {
   }
   m.peak_memory_bytes = peak_memory_bytes(device_);
   m.p2p_bytes = executor_ ? executor_->last_step_p2p_bytes() : 0;
+  if (per_rank_mem) {
+    m.peak_memory_bytes_per_rank.assign(gathered.begin() + static_cast<std::ptrdiff_t>(mem_at),
+                                        gathered.begin() + static_cast<std::ptrdiff_t>(mem_at + pp));
+  }
   if (timed) {
     m.pipeline_seconds = times.seconds;
     m.pipeline_compute_seconds = times.compute_seconds;
@@ -641,6 +653,9 @@ void Trainer::log_step(const StepMetrics& m) {
   j["step_seconds"] = m.seconds;
   j["mfu"] = m.mfu >= 0 ? nlohmann::json(m.mfu) : nlohmann::json(nullptr);
   j["peak_memory_bytes"] = m.peak_memory_bytes;
+  if (!m.peak_memory_bytes_per_rank.empty()) {
+    j["peak_memory_bytes_per_rank"] = m.peak_memory_bytes_per_rank;
+  }
   if (executor_) j["p2p_bytes"] = m.p2p_bytes;
   if (!m.bubble_measured_per_rank.empty()) {
     // Note [Measured bubble]: this rank's times; the mean over the pp ranks

@@ -48,6 +48,9 @@ struct StepMetrics {
   double tokens_per_sec = 0;
   double mfu = -1;        // fraction of peak; < 0 when the peak is unknown
   double peak_memory_bytes = 0;
+  // pp > 1: each pp rank's device peak so far, read at the loss's all-reduce
+  // (after the backward; on CPU the process's peak resident set).
+  std::vector<double> peak_memory_bytes_per_rank;
   int64_t p2p_bytes = 0;  // this rank's pipeline sends + receives
   // Forward and backward (gradient) bytes per hop s -> s+1 (all ranks), and
   // the AttnRes rank block store's peak bytes per pp rank (empty without an

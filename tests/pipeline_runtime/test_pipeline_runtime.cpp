@@ -304,6 +304,13 @@ TEST_F(PipelineRuns, MeasuredBubbleIsBoundedAndFallsWithMoreMicrobatches) {
         EXPECT_GE(b.get<double>(), 0.0);
         EXPECT_LT(b.get<double>(), 1.0);
       }
+      // Each pp rank's memory peak, read before the optimizer: rank 0's
+      // is at most its peak at the step's end (the line's own figure), up
+      // to the kernel's lazily synced RSS counters behind VmHWM on CPU.
+      ASSERT_EQ(j["peak_memory_bytes_per_rank"].size(), 2u);
+      for (const auto& b : j["peak_memory_bytes_per_rank"]) EXPECT_GT(b.get<double>(), 0.0);
+      EXPECT_LE(j["peak_memory_bytes_per_rank"][0].get<double>(),
+                1.01 * j["peak_memory_bytes"].get<double>());
     }
   }
   const double sim_few = few[0]["bubble_simulated"], sim_many = many[0]["bubble_simulated"];
