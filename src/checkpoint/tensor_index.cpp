@@ -133,6 +133,9 @@ LoadReport TensorFileIndex::load_into(const NamedTensors& destinations,
     if (same_dtype && dst.device().is_cpu() && dst.is_contiguous()) {
       // Straight into the destination's memory, no staging copy.
       file.read_into(e, dst.data_ptr(), options.verify_checksums);
+      // A raw write: move the version counter as copy_ would (the weight
+      // cache, Note [Low-precision weight cache], trusts it).
+      torch::autograd::impl::bump_version(dst);
     } else {
       at::Tensor staged = file.read(fqn, options.verify_checksums);
       at::Tensor target = dst;  // a handle: copy_ writes the caller's storage

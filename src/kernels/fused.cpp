@@ -1,4 +1,5 @@
 #include "kernels/fused.h"
+#include "kernels/weight_cache.h"
 
 #include <algorithm>
 #include <atomic>
@@ -21,7 +22,7 @@ namespace {
 std::atomic<bool> g_enabled{true};
 std::atomic<bool> g_swiglu_recompute{false};
 const char* const kSwitchableKernels[] = {"rms_norm_bwd_reg", "rope_repeat", "attn_res_read",
-                                          "mixed_linear"};
+                                          "mixed_linear", "weight_cache"};
 }  // namespace
 
 void set_enabled(bool on) { g_enabled = on; }
@@ -37,7 +38,7 @@ std::set<std::string> parse_kernel_list(const std::string& csv) {
       VIADUCT_CHECK(std::find(std::begin(kSwitchableKernels), std::end(kSwitchableKernels),
                               name) != std::end(kSwitchableKernels),
                     "VIADUCT_DISABLE_KERNELS: unknown kernel '", name,
-                    "' (rms_norm_bwd_reg, rope_repeat, attn_res_read, mixed_linear)");
+                    "' (rms_norm_bwd_reg, rope_repeat, attn_res_read, mixed_linear, weight_cache)");
       out.insert(std::move(name));
     }
     start = end + 1;
@@ -187,7 +188,9 @@ class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
                             const at::Tensor& w) {
     auto ac = a.contiguous(), bc = b.contiguous();
-    auto wc = w.to(a.scalar_type());  // kept: the backward needs the same cast
+    // Kept: the backward needs the same cast (from the weight cache, Note
+    // [Low-precision weight cache]).
+    auto wc = w.scalar_type() == a.scalar_type() ? w : weight_cache::get({w}, a.scalar_type());
     auto h = swiglu_launch(ac, bc);
     const bool recompute = g_swiglu_recompute;
     ctx->save_for_backward({ac, bc, w, wc, recompute ? at::Tensor() : h});
@@ -355,7 +358,7 @@ at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tenso
 
 void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,
             double beta1, double beta2, double eps, double weight_decay, double bias_corr1,
-            double bias_corr2) {
+            double bias_corr2, const at::Tensor& low) {
   for (const at::Tensor* t : {static_cast<const at::Tensor*>(&p), &g, static_cast<const at::Tensor*>(&m),
                                static_cast<const at::Tensor*>(&v)}) {
     VIADUCT_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
@@ -363,8 +366,14 @@ void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, do
                   "fused adamw: parameter, gradient and moments must be contiguous fp32 CUDA "
                   "tensors of one size");
   }
+  VIADUCT_CHECK(!low.defined() || (low.device() == p.device() &&
+                                   low.scalar_type() == at::kBFloat16 && low.is_contiguous() &&
+                                   low.numel() == p.numel()),
+                "fused adamw: the low-precision copy must be a contiguous bf16 tensor of the "
+                "parameter's size on its device");
   check_launch(cuda::adamw(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(),
-                           v.data_ptr<float>(), p.numel(), static_cast<float>(lr),
+                           v.data_ptr<float>(), low.defined() ? low.data_ptr() : nullptr,
+                           p.numel(), static_cast<float>(lr),
                            static_cast<float>(beta1), static_cast<float>(beta2),
                            static_cast<float>(eps), static_cast<float>(weight_decay),
                            static_cast<float>(bias_corr1), static_cast<float>(bias_corr2),
@@ -412,7 +421,7 @@ at::Tensor attn_res_read(const std::vector<at::Tensor>&, const at::Tensor&, cons
   no_cuda("attn_res_read");
 }
 void adamw_(at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, double, double, double,
-            double, double, double, double) {
+            double, double, double, double, const at::Tensor&) {
   no_cuda("adamw");
 }
 

@@ -24,8 +24,8 @@ bool enabled();
 void set_swiglu_recompute(bool on);
 // VIADUCT_DISABLE_KERNELS=name[,name...] turns single fused paths back to
 // their previous form without a rebuild (for measuring or isolating them):
-// rms_norm_bwd_reg, rope_repeat, attn_res_read, mixed_linear. An unknown
-// name is an error.
+// rms_norm_bwd_reg, rope_repeat, attn_res_read, mixed_linear, weight_cache
+// (Note [Low-precision weight cache]). An unknown name is an error.
 bool disabled(const std::string& name);
 // The names of a comma-separated list (empty entries skipped); Error on an
 // unknown one.
@@ -72,9 +72,12 @@ at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tenso
                          const at::Tensor& norm_weight, double eps);
 
 // One AdamW step in place on contiguous fp32 CUDA tensors (the formulas of
-// AdamW::step's loop; bias_corr_i = 1 - beta_i^step).
+// AdamW::step's loop; bias_corr_i = 1 - beta_i^step). `low`, when defined (a
+// contiguous bf16 tensor of p's size), receives the new p cast to bf16 in
+// the same pass (Note [Low-precision weight cache]). Raw writes: the
+// caller bumps p's version.
 void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,
             double beta1, double beta2, double eps, double weight_decay, double bias_corr1,
-            double bias_corr2);
+            double bias_corr2, const at::Tensor& low = at::Tensor());
 
 }  // namespace viaduct::kernels

@@ -517,9 +517,10 @@ __global__ void cross_entropy_kernel(T* __restrict__ logits, const int64_t* __re
 // One AdamW update, the formulas of train/optimizer.cpp's loop in fp32.
 template <int N>
 __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
-                             float* __restrict__ m, float* __restrict__ v, int64_t groups,
-                             float decay, float beta1, float beta2, float step_size,
-                             float inv_bc2_sqrt, float eps) {
+                             float* __restrict__ m, float* __restrict__ v,
+                             __nv_bfloat16* __restrict__ low, int64_t groups, float decay,
+                             float beta1, float beta2, float step_size, float inv_bc2_sqrt,
+                             float eps) {
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < groups;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float pv[N], gv[N], mv[N], vv[N];
@@ -537,6 +538,9 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
     store_n<float, N>(p, k * N, pv);
     store_n<float, N>(m, k * N, mv);
     store_n<float, N>(v, k * N, vv);
+    // Note [Low-precision weight cache]: the new weight's bf16 copy in the
+    // same pass, rounded as a cast rounds.
+    if (low != nullptr) store_n<__nv_bfloat16, N>(low, k * N, pv);
   }
 }
 
@@ -746,19 +750,20 @@ cudaError_t cross_entropy_forward_backward(DType dt, void* logits, const int64_t
   return cudaGetLastError();
 }
 
-cudaError_t adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr,
-                  float beta1, float beta2, float eps, float weight_decay, float bias_corr1,
-                  float bias_corr2, cudaStream_t stream) {
+cudaError_t adamw(float* p, const float* g, float* m, float* v, void* low_bf16, int64_t n,
+                  float lr, float beta1, float beta2, float eps, float weight_decay,
+                  float bias_corr1, float bias_corr2, cudaStream_t stream) {
+  auto* low = static_cast<__nv_bfloat16*>(low_bf16);
   if (n == 0) return cudaSuccess;
   const float decay = 1.f - lr * weight_decay;
   const float step_size = lr / bias_corr1;
   const float inv_bc2_sqrt = 1.f / sqrtf(bias_corr2);
   if (n % 4 == 0 && aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v)) {
     adamw_kernel<4><<<elementwise_blocks(n / 4), kElemThreads, 0, stream>>>(
-        p, g, m, v, n / 4, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps);
+        p, g, m, v, low, n / 4, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps);
   } else {
     adamw_kernel<1><<<elementwise_blocks(n), kElemThreads, 0, stream>>>(
-        p, g, m, v, n, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps);
+        p, g, m, v, low, n, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps);
   }
   return cudaGetLastError();
 }

@@ -77,10 +77,11 @@ cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadG
 
 // One AdamW step on fp32 [n] tensors, in place: p *= 1 - lr * wd;
 // m += (1 - beta1) (g - m); v = beta2 v + (1 - beta2) g^2;
-// p -= lr / bias_corr1 * m / (sqrt(v) / sqrt(bias_corr2) + eps).
-cudaError_t adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr,
-                  float beta1, float beta2, float eps, float weight_decay, float bias_corr1,
-                  float bias_corr2, cudaStream_t stream);
+// p -= lr / bias_corr1 * m / (sqrt(v) / sqrt(bias_corr2) + eps); and, when
+// low_bf16 is not null, low_bf16[i] = bf16(p[i]) (round to nearest even).
+cudaError_t adamw(float* p, const float* g, float* m, float* v, void* low_bf16, int64_t n,
+                  float lr, float beta1, float beta2, float eps, float weight_decay,
+                  float bias_corr1, float bias_corr2, cudaStream_t stream);
 
 // y = silu(a) * b, elementwise over n values.
 cudaError_t swiglu_forward(DType dt, const void* a, const void* b, void* y,

@@ -4,6 +4,7 @@
 #include "core/rng.h"
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
+#include "kernels/weight_cache.h"
 
 namespace viaduct {
 
@@ -15,51 +16,65 @@ static at::ScalarType upcast(at::ScalarType t) {
 namespace {
 
 // Note [Linear with an fp32 weight gradient]: on the fused-kernel path a
-// linear whose fp32 master weight is cast to the bf16 input's dtype computes
+// linear whose fp32 master weight is used in the bf16 input's dtype computes
 // its weight gradient with one GEMM writing fp32 (compat::matmul_into_fp32_)
 // instead of a bf16 product cast up by autograd's ToCopyBackward: one pass
-// less over every weight gradient, and no bf16 rounding of it. It keeps what
-// autograd keeps for at::linear (the input and the cast weight).
-// The shared body of the two autograd functions below. Custom functions
-// cannot take an undefined tensor as an input on LibTorch 2.x (their input
-// metadata reads its device), so a linear without a bias is its own
-// function rather than MixedLinearFn with an empty bias.
+// less over every weight gradient, and no bf16 rounding of it. The weight
+// may come in parts (q, k and v: one GEMM, Note [One qkv projection]); the
+// bf16 weight is their concatenation from the weight cache (Note
+// [Low-precision weight cache]), kept for the backward as at::linear keeps
+// its cast weight, and the fp32 gradient is split back into the parts.
 struct MixedLinear {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& w, const at::Tensor& b) {
-    auto wc = w.to(x.scalar_type());
+                            at::TensorList w, const at::Tensor& b) {
+    auto wc = kernels::weight_cache::get(w, x.scalar_type());
     ctx->save_for_backward({x, wc});
+    std::vector<int64_t> rows;
+    for (const auto& p : w) rows.push_back(p.size(0));
+    ctx->saved_data["rows"] = rows;
     if (!b.defined()) return at::linear(x, wc);
     ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
     return at::linear(x, wc, b.to(x.scalar_type()));
   }
-  // {dx, dw, db}; db only when `bias_slot` and its gradient is needed.
+  // {dx, dw per part..., db}; db only when `bias_slot`.
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  const torch::autograd::variable_list& grads,
                                                  bool bias_slot) {
     const auto saved = ctx->get_saved_variables();
     const auto &x = saved[0], &wc = saved[1];
+    const auto rows = ctx->saved_data["rows"].toIntVector();
+    const auto n = rows.size();
     const auto out_f = wc.size(0), in_f = wc.size(1);
     auto dy = grads[0].to(x.scalar_type()).reshape({-1, out_f});
-    at::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0)) dx = at::mm(dy, wc).view(x.sizes());
-    if (ctx->needs_input_grad(1)) {
-      dw = at::empty({out_f, in_f}, dy.options().dtype(at::kFloat));
+    torch::autograd::variable_list out(1 + n + (bias_slot ? 1 : 0));
+    if (ctx->needs_input_grad(0)) out[0] = at::mm(dy, wc).view(x.sizes());
+    bool any_w = false;
+    for (size_t i = 0; i < n; ++i) any_w = any_w || ctx->needs_input_grad(1 + i);
+    if (any_w) {
+      auto dw = at::empty({out_f, in_f}, dy.options().dtype(at::kFloat));
       compat::matmul_into_fp32_(dw, dy.t(), x.reshape({-1, in_f}), /*accumulate=*/false);
+      int64_t row = 0;
+      for (size_t i = 0; i < n; ++i) {
+        // Rows of a contiguous tensor: contiguous views, no copies.
+        if (ctx->needs_input_grad(1 + i)) out[1 + i] = n == 1 ? dw : dw.narrow(0, row, rows[i]);
+        row += rows[i];
+      }
     }
-    if (!bias_slot) return {dx, dw};
-    if (ctx->needs_input_grad(2)) {
-      db = dy.sum(0, false, at::kFloat)
-               .to(static_cast<at::ScalarType>(ctx->saved_data["b_dtype"].toInt()));
+    if (bias_slot && ctx->needs_input_grad(1 + n)) {
+      out[1 + n] = dy.sum(0, false, at::kFloat)
+                       .to(static_cast<at::ScalarType>(ctx->saved_data["b_dtype"].toInt()));
     }
-    return {dx, dw, db};
+    return out;
   }
 };
 
+// Custom functions cannot take an undefined tensor as an input on LibTorch
+// 2.x (their input metadata reads its device), so a linear without a bias is
+// its own function rather than MixedLinearFn with an empty bias.
 class MixedLinearFn : public torch::autograd::Function<MixedLinearFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& w, const at::Tensor& b) {
+                            at::TensorList w, const at::Tensor& b) {
     return MixedLinear::forward(ctx, x, w, b);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -71,7 +86,7 @@ class MixedLinearFn : public torch::autograd::Function<MixedLinearFn> {
 class MixedLinearNoBiasFn : public torch::autograd::Function<MixedLinearNoBiasFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& w) {
+                            at::TensorList w) {
     return MixedLinear::forward(ctx, x, w, at::Tensor());
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -80,15 +95,30 @@ class MixedLinearNoBiasFn : public torch::autograd::Function<MixedLinearNoBiasFn
   }
 };
 
+bool mixed_linear_applies(const at::Tensor& x, at::TensorList w) {
+  if (x.scalar_type() != at::kBFloat16 || !kernels::usable(x) ||
+      kernels::disabled("mixed_linear")) {
+    return false;
+  }
+  for (const auto& p : w) {
+    if (p.scalar_type() != at::kFloat || !p.requires_grad() || p.dim() != 2) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w,
                   const at::Tensor& b) {
-  if (w.scalar_type() == at::kFloat && x.scalar_type() == at::kBFloat16 &&
-      w.requires_grad() && kernels::usable(x) && !kernels::disabled("mixed_linear")) {
+  return linear_parts(x, {w}, b);
+}
+
+at::Tensor linear_parts(const at::Tensor& x, at::TensorList w, const at::Tensor& b) {
+  if (mixed_linear_applies(x, w)) {
     return b.defined() ? MixedLinearFn::apply(x, w, b) : MixedLinearNoBiasFn::apply(x, w);
   }
-  const auto wc = w.scalar_type() == x.scalar_type() ? w : w.to(x.scalar_type());
+  const auto whole = w.size() == 1 ? w[0] : at::cat(w);
+  const auto wc = whole.scalar_type() == x.scalar_type() ? whole : whole.to(x.scalar_type());
   if (b.defined()) {
     const auto bc = b.scalar_type() == x.scalar_type() ? b : b.to(x.scalar_type());
     return at::linear(x, wc, bc);
@@ -233,10 +263,11 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
     // of three (two of them only kv wide), and in the backward one GEMM for
     // dx instead of three plus two additions. The slices are strided views;
     // the RoPE kernel and SDPA read them in place.
-    // fp32 concatenation, then linear()'s cast (and its fp32 weight
-    // gradient, split back into the three).
-    auto w = at::cat({wq->weight, wk->weight, wv->weight});
-    auto qkv = linear(x, w, opts_.bias ? at::cat({wq->bias, wk->bias, wv->bias}) : at::Tensor());
+    // The three weights as parts of one linear (Note [Linear with an fp32
+    // weight gradient]): their bf16 concatenation from the weight cache,
+    // the fp32 gradient split back into the three.
+    auto qkv = linear_parts(x, {wq->weight, wk->weight, wv->weight},
+                            opts_.bias ? at::cat({wq->bias, wk->bias, wv->bias}) : at::Tensor());
     auto parts = qkv.split_with_sizes({H * hd, KV * hd, KV * hd}, -1);
     q = parts[0].view({B, T, H, hd});
     k = parts[1].view({B, T, KV, hd});

@@ -16,9 +16,13 @@
 
 namespace viaduct {
 
-// y = x W^T (+ b), with W cast to x's dtype.
+// y = x W^T (+ b), with W cast to x's dtype (on the fused-kernel path the
+// cast comes from the weight cache, Note [Low-precision weight cache]).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w,
                   const at::Tensor& b = {});
+// The same with W the concatenation of `w` along dim 0 (one GEMM for
+// several projections of x); each part gets its own gradient.
+at::Tensor linear_parts(const at::Tensor& x, at::TensorList w, const at::Tensor& b = {});
 // The same through a torch::nn::Linear used as the parameter holder.
 at::Tensor linear(const at::Tensor& x, const torch::nn::Linear& l);
 // A parameter holder registered as `name` (FQN `<name>.weight`/`.bias`).

@@ -8,6 +8,7 @@
 #include "core/check.h"
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
+#include "kernels/weight_cache.h"
 #include "model/families.h"
 
 namespace viaduct {
@@ -65,7 +66,12 @@ class ChunkedHeadCrossEntropy
     at::NoGradGuard no_grad;
     const auto N = h.size(0);
     const auto acc = h.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    const auto w = weight.scalar_type() == h.scalar_type() ? weight : weight.to(h.scalar_type());
+    // The bf16 head weight from the weight cache where the kernels run
+    // (Note [Low-precision weight cache]): no cast per step.
+    const auto w = weight.scalar_type() == h.scalar_type() ? weight
+                   : kernels::usable(h) && weight.dim() == 2
+                       ? kernels::weight_cache::get({weight}, h.scalar_type())
+                       : weight.to(h.scalar_type());
     const bool need_h = h.requires_grad(), need_w = weight.requires_grad();
     auto grad_h = need_h ? at::empty(h.sizes(), h.options()) : at::Tensor();  // contiguous
     auto grad_w = need_w ? at::zeros(w.sizes(), w.options().dtype(acc)) : at::Tensor();

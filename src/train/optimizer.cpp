@@ -6,6 +6,7 @@
 #include "core/check.h"
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
+#include "kernels/weight_cache.h"
 
 namespace viaduct {
 
@@ -64,8 +65,17 @@ bool AdamW::fused_step(double lr, double bc1, double bc2) {
       auto& pr = params_[i].param;
       if (!pr.grad().defined()) continue;
       auto data = pr.detach();
+      // The weight's bf16 copy, where a forward made one, is written in the
+      // same pass (Note [Low-precision weight cache]).
+      const auto low = kernels::weight_cache::slot_for(pr);
       kernels::adamw_(data, pr.grad(), exp_avg_[i], exp_avg_sq_[i], lr, beta1_, beta2_, eps_,
-                      params_[i].weight_decay ? weight_decay_ : 0.0, bc1, bc2);
+                      params_[i].weight_decay ? weight_decay_ : 0.0, bc1, bc2, low);
+      // Raw writes move no version counter: say that the weight changed.
+      if (low.defined()) {
+        kernels::weight_cache::mark_written(pr);
+      } else {
+        torch::autograd::impl::bump_version(pr);
+      }
     }
     return true;
   }
@@ -89,6 +99,9 @@ bool AdamW::fused_step(double lr, double bc1, double bc2) {
                              k == 1 ? weight_decay_ : 0.0, eps_)) {
       return false;  // only ever before the first group: no kernel at all
     }
+    // Whether ATen's multi-tensor kernel moves the version counters is its
+    // business; the weight cache relies on them moving.
+    for (auto& t : p[k]) torch::autograd::impl::bump_version(t);
   }
   return true;
 }

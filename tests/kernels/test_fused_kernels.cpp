@@ -15,6 +15,7 @@
 #include "config/config.h"
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
+#include "kernels/weight_cache.h"
 #include "model/attn_res.h"
 #include "model/layers.h"
 #include "model/model.h"
@@ -411,6 +412,79 @@ TEST(FusedKernels, FusedAdamWMatchesLoop) {
   for (size_t i = 0; i < gpu.size(); ++i) {
     EXPECT_LT(rel_err(gpu[i].param.detach(), cpu[i].param.detach()), 1e-6)
         << gpu[i].fqn << " seed " << seed;
+  }
+}
+
+TEST(FusedKernels, AdamWWritesTheWeightCache) {
+  REQUIRE_GPU();
+  // Note [Low-precision weight cache]: after a step of the fused AdamW the
+  // bf16 copy of q|k is current (no cast on the next forward) and holds the
+  // bits a fresh cast of the new weights gives.
+  const auto seed = fresh_seed();
+  kernels::weight_cache::clear();
+  const auto cuda = at::TensorOptions(at::kCUDA);
+  std::vector<NamedParam> ps;
+  ps.push_back({"q", (at::randn({48, 64}, cuda) * 0.1).requires_grad_(true), true});
+  ps.push_back({"k", (at::randn({16, 64}, cuda) * 0.1).requires_grad_(true), true});
+  AdamW opt(ps, 0.9, 0.95, 1e-8, 0.1);
+  auto x = at::randn({2, 9, 64}, cuda).to(at::kBFloat16);
+  for (int step = 0; step < 3; ++step) {
+    auto y = linear_parts(x, {ps[0].param, ps[1].param});
+    y.to(at::kFloat).square().sum().backward();
+    ASSERT_EQ(ps[1].param.grad().scalar_type(), at::kFloat);
+    const auto casts = kernels::weight_cache::casts();
+    opt.step(1e-2);
+    opt.zero_grad();
+    auto copy = kernels::weight_cache::get({ps[0].param, ps[1].param}, at::kBFloat16);
+    EXPECT_EQ(kernels::weight_cache::casts(), casts) << "step " << step << " seed " << seed;
+    auto fresh = at::cat({ps[0].param, ps[1].param}).detach().to(at::kBFloat16);
+    EXPECT_TRUE(at::equal(copy.view(at::kShort), fresh.view(at::kShort)))
+        << "step " << step << " seed " << seed;
+  }
+  kernels::weight_cache::clear();
+}
+
+TEST(FusedKernels, WeightCacheChangesNoBit) {
+  REQUIRE_GPU();
+  // Three bf16 AdamW steps of a small llama with the cache kept across
+  // steps (copies written by the AdamW kernel) and with it emptied before
+  // every step (fresh casts, as before the cache): the same losses and
+  // parameters, bit for bit. Deterministic kernels, as training.deterministic.
+  const auto seed = fresh_seed();
+  const bool det = at::globalContext().deterministicAlgorithms();
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  auto cfg = Config::parse("", "test", {"model.n_layers=2", "training.seq_len=64"});
+  auto tokens = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
+  auto targets = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
+  std::vector<std::vector<double>> losses(2);
+  std::vector<std::vector<at::Tensor>> params(2);
+  for (int keep = 0; keep < 2; ++keep) {
+    kernels::weight_cache::clear();
+    auto model = build_model_part(cfg);
+    model->init_weights(11);
+    model->to(at::kCUDA);
+    model->set_compute_dtype(at::kBFloat16);
+    std::vector<NamedParam> ps;
+    for (const auto& kv : model->named_parameters()) {
+      ps.push_back({kv.key(), kv.value(), kv.value().dim() >= 2});
+    }
+    AdamW opt(ps, 0.9, 0.95, 1e-8, 0.1);
+    for (int step = 0; step < 3; ++step) {
+      if (keep == 0) kernels::weight_cache::clear();
+      auto loss = model->forward_loss({tokens}, targets);
+      loss.backward();
+      losses[keep].push_back(loss.item<double>());
+      opt.step(1e-3);
+      opt.zero_grad();
+    }
+    for (const auto& p : model->parameters()) params[keep].push_back(p.detach().clone());
+  }
+  at::globalContext().setDeterministicAlgorithms(det, /*warn_only=*/false);
+  kernels::weight_cache::clear();
+  EXPECT_EQ(losses[0], losses[1]) << "seed " << seed;
+  ASSERT_EQ(params[0].size(), params[1].size());
+  for (size_t i = 0; i < params[0].size(); ++i) {
+    EXPECT_TRUE(at::equal(params[0][i], params[1][i])) << "parameter " << i << " seed " << seed;
   }
 }
 

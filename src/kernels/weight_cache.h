@@ -1,0 +1,56 @@
+// Note [Low-precision weight cache]
+//
+// Training keeps fp32 master weights and computes in bf16, so every linear
+// casts its weight on every forward -- once per micro-batch under a
+// pipeline, and the cast weight is kept for the backward anyway. The cache
+// keeps that cast copy between forwards instead:
+//
+//  - get(parts, dtype) returns the parts (fp32 [out_i, in] weights)
+//    cast to `dtype` and concatenated along dim 0 (one part: the weight
+//    itself; q, k, v: the one-GEMM projection's weight). The copy is reused
+//    while every part's version counter still reads what it read when the
+//    copy was made; a part that moved is re-cast into its rows. Any ATen
+//    in-place write of a weight (the optimizer's loop, a checkpoint load,
+//    init) bumps its version, so a stale copy is never returned.
+//  - The fused AdamW kernel writes the new bf16 value of each weight that
+//    has a copy in the same pass as the fp32 update (slot_for), then
+//    mark_written bumps the weight's version (the kernel's raw writes do
+//    not) and records the copy as current: the next forward casts nothing.
+//    The kernel rounds to nearest-even as a cast does, so the copy has the
+//    bits a cast would give and the cache changes no result.
+//
+// Memory: the copies of all cached weights stay resident (2 bytes a
+// parameter for bf16), but the cast weights were kept for the backward
+// already, so the activation peak does not grow. The copies do not require
+// grad; the autograd functions that use them return the gradient to the
+// fp32 parts. Off with VIADUCT_DISABLE_KERNELS=weight_cache (get() then
+// casts every time, as before).
+#pragma once
+
+#include <torch/torch.h>
+
+namespace viaduct::kernels::weight_cache {
+
+// `parts` cast to `dtype` and concatenated along dim 0 (see above). Every
+// part a 2-D tensor with the same number of columns on one device. The
+// result must not be written.
+at::Tensor get(at::TensorList parts, at::ScalarType dtype);
+
+// For the optimizer: the rows of `p`'s copy as a contiguous tensor of
+// p.numel() elements (in the copy's dtype), or an undefined tensor when p
+// has no current-layout copy.
+at::Tensor slot_for(const at::Tensor& p);
+
+// After the optimizer wrote p and slot_for(p) from the same new values:
+// bumps p's version and records p's rows of the copy as current.
+void mark_written(const at::Tensor& p);
+
+// Forgets every copy (they are rebuilt on use).
+void clear();
+
+// Bytes held by the copies; the number of get() calls that cast at least
+// one part (for tests and logs).
+int64_t bytes();
+int64_t casts();
+
+}  // namespace viaduct::kernels::weight_cache

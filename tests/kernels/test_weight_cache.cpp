@@ -1,0 +1,124 @@
+// The low-precision weight cache (Note [Low-precision weight cache]) on CPU
+// tensors: its copies against fresh casts, its validity rule (version
+// counters), the optimizer's slot protocol, and linear_parts against
+// separate linears. The CUDA path (the AdamW kernel writing the copies, the
+// fused linear using them) is in test_fused_kernels.
+#include <gtest/gtest.h>
+
+#include "kernels/weight_cache.h"
+#include "model/layers.h"
+
+namespace viaduct {
+namespace {
+
+namespace wc = kernels::weight_cache;
+
+bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
+         at::equal(a.view(at::kShort), b.view(at::kShort));
+}
+
+class WeightCache : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    wc::clear();
+    torch::manual_seed(7);
+  }
+  void TearDown() override { wc::clear(); }
+};
+
+TEST_F(WeightCache, ReusesTheCopyUntilTheWeightChanges) {
+  auto w = at::randn({6, 5}).requires_grad_(true);
+  const auto casts0 = wc::casts();
+  auto c1 = wc::get({w}, at::kBFloat16);
+  EXPECT_TRUE(bitwise_equal(c1, w.detach().to(at::kBFloat16)));
+  EXPECT_FALSE(c1.requires_grad());
+  EXPECT_EQ(wc::casts(), casts0 + 1);
+  auto c2 = wc::get({w}, at::kBFloat16);
+  EXPECT_EQ(c2.data_ptr(), c1.data_ptr());
+  EXPECT_EQ(wc::casts(), casts0 + 1);  // nothing changed: no cast
+  EXPECT_EQ(wc::bytes(), 6 * 5 * 2);
+  {
+    at::NoGradGuard g;
+    w.add_(0.25);  // an ATen in-place write moves the version
+  }
+  auto c3 = wc::get({w}, at::kBFloat16);
+  EXPECT_EQ(wc::casts(), casts0 + 2);
+  EXPECT_TRUE(bitwise_equal(c3, w.detach().to(at::kBFloat16)));
+}
+
+TEST_F(WeightCache, PartsAreConcatenatedAndRecastOneByOne) {
+  auto a = at::randn({4, 3}), b = at::randn({2, 3}), c = at::randn({5, 3});
+  auto copy = wc::get({a, b, c}, at::kBFloat16);
+  EXPECT_TRUE(bitwise_equal(copy, at::cat({a, b, c}).to(at::kBFloat16)));
+  const auto a_rows_before = copy.narrow(0, 0, 4).clone();
+  b.mul_(-3.0);
+  auto again = wc::get({a, b, c}, at::kBFloat16);
+  EXPECT_EQ(again.data_ptr(), copy.data_ptr());
+  EXPECT_TRUE(bitwise_equal(again, at::cat({a, b, c}).to(at::kBFloat16)));
+  EXPECT_TRUE(bitwise_equal(again.narrow(0, 0, 4), a_rows_before));
+  // Another grouping of the same weights replaces the copy.
+  auto alone = wc::get({b}, at::kBFloat16);
+  EXPECT_TRUE(bitwise_equal(alone, b.to(at::kBFloat16)));
+  EXPECT_FALSE(wc::slot_for(a).defined());  // a's copy went with its group
+  EXPECT_THROW(wc::get({a, at::randn({2, 4})}, at::kBFloat16), std::exception);
+  EXPECT_THROW(wc::get({a.to(at::kBFloat16)}, at::kBFloat16), std::exception);
+}
+
+TEST_F(WeightCache, OptimizerSlotProtocol) {
+  // The optimizer writes the weight and its rows of the copy from the same
+  // new values without moving any version (as the AdamW kernel does), then
+  // calls mark_written: the next get() casts nothing and sees the values.
+  auto q = at::randn({3, 4}).requires_grad_(true), k = at::randn({2, 4}).requires_grad_(true);
+  auto copy = wc::get({q, k}, at::kBFloat16);
+  const auto casts0 = wc::casts();
+  auto slot = wc::slot_for(k);
+  ASSERT_TRUE(slot.defined());
+  EXPECT_EQ(slot.numel(), k.numel());
+  EXPECT_EQ(static_cast<char*>(slot.data_ptr()),
+            static_cast<char*>(copy.data_ptr()) + 3 * 4 * 2);  // after q's rows
+  const auto fresh = at::randn({2, 4});
+  std::memcpy(k.data_ptr(), fresh.data_ptr(), fresh.nbytes());  // raw: no version bump
+  std::memcpy(slot.data_ptr(), fresh.to(at::kBFloat16).data_ptr(), slot.nbytes());
+  const auto version = k._version();
+  wc::mark_written(k);
+  EXPECT_GT(k._version(), version);
+  auto after = wc::get({q, k}, at::kBFloat16);
+  EXPECT_EQ(wc::casts(), casts0);
+  EXPECT_TRUE(bitwise_equal(after, at::cat({q, k}).detach().to(at::kBFloat16)));
+  EXPECT_FALSE(wc::slot_for(at::randn({2, 4})).defined());
+  EXPECT_THROW(wc::mark_written(at::randn({2, 4})), std::exception);
+}
+
+TEST_F(WeightCache, FreedWeightsReleaseTheirCopies) {
+  {
+    auto w = at::randn({64, 64});
+    wc::get({w}, at::kBFloat16);
+    EXPECT_EQ(wc::bytes(), 64 * 64 * 2);
+  }
+  auto other = at::randn({8, 8});
+  wc::get({other}, at::kBFloat16);  // a new copy sweeps the dead ones
+  EXPECT_EQ(wc::bytes(), 8 * 8 * 2);
+}
+
+TEST(LinearParts, MatchesSeparateLinears) {
+  // The CPU path concatenates; values and each part's gradient equal those
+  // of three linears (fp64, so only summation order differs).
+  torch::manual_seed(3);
+  auto x = at::randn({2, 5, 6}, at::kDouble).requires_grad_(true);
+  auto a = at::randn({4, 6}, at::kDouble).requires_grad_(true);
+  auto b = at::randn({2, 6}, at::kDouble).requires_grad_(true);
+  auto bias = at::randn({6}, at::kDouble).requires_grad_(true);
+  auto y = linear_parts(x, {a, b}, bias);
+  auto ref = at::cat({at::linear(x, a, bias.narrow(0, 0, 4)), at::linear(x, b, bias.narrow(0, 4, 2))}, -1);
+  EXPECT_TRUE(at::allclose(y, ref, 1e-12, 1e-12));
+  auto g = at::randn_like(y);
+  auto grads = torch::autograd::grad({y}, {x, a, b, bias}, {g});
+  auto rgrads = torch::autograd::grad({ref}, {x, a, b, bias}, {g});
+  for (size_t i = 0; i < grads.size(); ++i) {
+    EXPECT_TRUE(at::allclose(grads[i], rgrads[i], 1e-12, 1e-12)) << i;
+  }
+}
+
+}  // namespace
+}  // namespace viaduct
