@@ -55,7 +55,8 @@ if want tests 15; then
     [[ $failed == *RopeRepeats* ]] && off+=(rope_repeat)
     [[ $failed == *AttnResRead* ]] && off+=(attn_res_read)
     [[ $failed == *MixedLinear* ]] && off+=(mixed_linear)
-    [[ $failed == *LlamaStep* ]] && off=(rms_norm_bwd_reg rope_repeat attn_res_read mixed_linear)
+    [[ $failed == *WeightCache* ]] && off+=(weight_cache)
+    [[ $failed == *LlamaStep* ]] && off=(rms_norm_bwd_reg rope_repeat attn_res_read mixed_linear weight_cache)
     if [ ${#off[@]} -gt 0 ]; then
       export VIADUCT_DISABLE_KERNELS=$(IFS=,; echo "${off[*]}")
       note "kernel tests failed: VIADUCT_DISABLE_KERNELS=$VIADUCT_DISABLE_KERNELS for the rest of the call"
@@ -80,11 +81,11 @@ probe_run() {  # name args...
 probe_fix() {  # name args...
   probe_run "$@" && return 0
   local base=${VIADUCT_DISABLE_KERNELS:-} k
-  for k in attn_res_read rope_repeat rms_norm_bwd_reg mixed_linear; do
+  for k in weight_cache attn_res_read rope_repeat rms_norm_bwd_reg mixed_linear; do
     export VIADUCT_DISABLE_KERNELS=${base:+$base,}$k
     probe_run "$@" && { note "kept VIADUCT_DISABLE_KERNELS=$VIADUCT_DISABLE_KERNELS"; return 0; }
   done
-  export VIADUCT_DISABLE_KERNELS=${base:+$base,}attn_res_read,rope_repeat,rms_norm_bwd_reg,mixed_linear
+  export VIADUCT_DISABLE_KERNELS=${base:+$base,}weight_cache,attn_res_read,rope_repeat,rms_norm_bwd_reg,mixed_linear
   probe_run "$@" && note "kept VIADUCT_DISABLE_KERNELS=$VIADUCT_DISABLE_KERNELS" ||
     { note "fails with every new path off too"; export VIADUCT_DISABLE_KERNELS=$base; }
 }
