@@ -43,8 +43,7 @@ int plan_main(int argc, char** argv) {
   VIADUCT_CHECK_T(ConfigError, cfg.get_string("model.family") == "kimi_k3",
                   "plan: model.family is '", cfg.get_string("model.family"),
                   "'; the AttnRes byte plan needs kimi_k3");
-  const auto plan = pipeline::make_pipeline_plan(
-      pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg)));
+  const auto plan = plan_for(cfg);
   const auto& sp = plan.split;
   const auto o = kimi_k3_options(cfg);
   const int64_t M = plan.compute.microbatches;
@@ -83,6 +82,9 @@ int plan_main(int argc, char** argv) {
   out["microbatches"] = M;
   out["entry_bytes"] = entry;
   out["bubble_fraction"] = plan.simulation.bubble_fraction;
+  if (plan.simulation_flops) {
+    out["bubble_fraction_flops"] = plan.simulation_flops->bubble_fraction;
+  }
   nlohmann::json hops = nlohmann::json::array();
   double total_whole = 0, total_cache = 0;
   // Backward (gradient) bytes: whole stack, cache + deposit, cache + whole-stack backward.
@@ -153,7 +155,12 @@ int plan_main(int argc, char** argv) {
               static_cast<long long>(sp.pp), plan.compute.name.c_str(),
               static_cast<long long>(M), static_cast<long long>(B / M),
               static_cast<long long>(T), static_cast<long long>(o.dim), entry);
-  std::printf("bubble %.1f%% (F = 1, B = 2)\n", 100.0 * plan.simulation.bubble_fraction);
+  std::printf("bubble %.1f%% (F = 1, B = 2)", 100.0 * plan.simulation.bubble_fraction);
+  if (plan.simulation_flops) {
+    std::printf(", %.1f%% with stage costs by FLOPs",
+                100.0 * plan.simulation_flops->bubble_fraction);
+  }
+  std::printf("\n");
   std::printf("  hop      whole stack            rank cache\n");
   for (const auto& h : hops) {
     std::printf("  %3lld->%-3lld %3lld tensors %8.3f GiB", h["from"].get<long long>(),

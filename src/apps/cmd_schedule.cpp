@@ -38,8 +38,7 @@ int schedule_main(int argc, char** argv) {
   const bool json = cmd->has("--json"), csv = cmd->has("--csv"),
              lowered = cmd->has("--lowered");
   VIADUCT_CHECK_T(ConfigError, !(json && csv), "schedule: --json and --csv exclude each other");
-  const auto plan = pipeline::make_pipeline_plan(
-      pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg)));
+  const auto plan = plan_for(cfg);
   const auto& sim = plan.simulation;
   const auto& shown = lowered ? plan.lowered : plan.compute;
 
@@ -77,6 +76,10 @@ int schedule_main(int argc, char** argv) {
     out["stage_to_rank"] = plan.split.stage_to_rank;
     out["ranks"] = ranks;
     out["bubble"] = sim.bubble_fraction;
+    if (plan.simulation_flops) {
+      out["bubble_flops"] = plan.simulation_flops->bubble_fraction;
+      out["stage_flops_per_token"] = plan.stage_flops;
+    }
     out["makespan"] = sim.makespan;
     out["peak_activations"] = sim.peak_activations;
     out["messages"] = sim.messages;
@@ -94,6 +97,14 @@ int schedule_main(int argc, char** argv) {
               static_cast<long long>(sim.messages));
   for (auto p : sim.peak_activations) std::printf(" %lld", static_cast<long long>(p));
   std::printf("\n");
+  if (plan.simulation_flops) {
+    // Note [Bubble weighted by FLOPs]
+    std::printf("with stage costs in proportion to their FLOPs: bubble %.2f%% (stage GFLOP per "
+                "token:",
+                100.0 * plan.simulation_flops->bubble_fraction);
+    for (double f : plan.stage_flops) std::printf(" %.3g", f / 1e9);
+    std::printf(")\n");
+  }
   return 0;
 }
 

@@ -32,8 +32,7 @@ int split_main(int argc, char** argv) {
   if (!cmd) return 0;
   const auto& cfg = cmd->config;
   const bool json = cmd->has("--json");
-  const auto plan = pipeline::make_pipeline_plan(
-      pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg)));
+  const auto plan = plan_for(cfg);
   const auto& sp = plan.split;
   if (json) {
     nlohmann::json stages = nlohmann::json::array();

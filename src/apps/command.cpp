@@ -3,6 +3,8 @@
 
 #include "apps/command.h"
 #include "core/check.h"
+#include "model/model.h"
+#include "pipeline/schedule/plan_config.h"
 
 namespace viaduct::apps {
 
@@ -31,6 +33,12 @@ std::optional<ConfigCommand> parse_config_command(
   out.options = args.options;
   out.config = Config::load(args.config_path, args.overrides);
   return out;
+}
+
+pipeline::PipelinePlan plan_for(const Config& cfg) {
+  auto spec = pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg));
+  spec.module_flops = describe_model(cfg).module_flops;
+  return pipeline::make_pipeline_plan(spec);
 }
 
 }  // namespace viaduct::apps

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "config/config.h"
+#include "pipeline/schedule/plan.h"
 
 namespace viaduct::apps {
 
@@ -28,6 +29,10 @@ std::optional<ConfigCommand> parse_config_command(
     int argc, char** argv, const std::string& name, const char* usage,
     const std::vector<std::string>& allowed_flags,
     const std::vector<std::string>& valued_options = {});
+
+// The job's pipeline plan as the trainer makes it, with the model's module
+// FLOPs (Note [Bubble weighted by FLOPs]).
+pipeline::PipelinePlan plan_for(const Config& cfg);
 
 // argv[0] is the subcommand name; returns the process exit code.
 using CommandFn = std::function<int(int argc, char** argv)>;

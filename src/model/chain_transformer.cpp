@@ -258,7 +258,11 @@ ModelInfo describe_chain(const ChainSpec& s, int64_t seq_len) {
   const int64_t matmul_params = s.n_layers * (attn + ffn) + s.vocab_size * s.dim;
   info.flops_per_token = 6.0 * static_cast<double>(matmul_params) +
                          12.0 * s.n_layers * s.dim * static_cast<double>(seq_len);
+  const double layer_flops = 6.0 * static_cast<double>(attn + ffn) +
+                             12.0 * s.dim * static_cast<double>(seq_len);
+  info.module_flops["lm_head"] = 6.0 * static_cast<double>(s.vocab_size * s.dim);
   for (int64_t i = 0; i < s.n_layers; ++i) {
+    info.module_flops["layers." + std::to_string(i)] = layer_flops;
     LayerInfo l;
     l.layer = i;
     l.attention = s.n_kv_heads == s.n_heads ? "mha" : "gqa";

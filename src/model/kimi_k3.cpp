@@ -467,27 +467,38 @@ ModelInfo describe_kimi_k3(const Config& cfg) {
                           : KdaImpl::count_params(o.kda);
     params += common;
     active += common;
+    int64_t layer_active = common;
     if (o.is_moe(i)) {
       params += MoeImpl::count_params(o.moe);
       active += MoeImpl::active_params(o.moe);
+      layer_active += MoeImpl::active_params(o.moe);
     } else {
       params += 3 * D * o.ffn_hidden_dim;
       active += 3 * D * o.ffn_hidden_dim;
+      layer_active += 3 * D * o.ffn_hidden_dim;
     }
-    mixing += o.is_mla(i) ? MlaImpl::mixing_flops(o.mla, T)
-                          : KdaImpl::mixing_flops(o.kda);
+    double layer_mixing = o.is_mla(i) ? MlaImpl::mixing_flops(o.mla, T)
+                                      : KdaImpl::mixing_flops(o.kda);
     if (o.attn_res) {
-      mixing += 3 * (attn_res_read_flops(first_read_sources(o, i), D) +
-                     attn_res_read_flops(second_read_sources(o, i), D));
+      layer_mixing += 3 * (attn_res_read_flops(first_read_sources(o, i), D) +
+                           attn_res_read_flops(second_read_sources(o, i), D));
     }
+    mixing += layer_mixing;
+    info.module_flops["layers." + std::to_string(i)] =
+        6.0 * static_cast<double>(layer_active) + layer_mixing;
   }
   const int64_t head = D + D * V + (o.attn_res ? AttnResReadImpl::count_params(D) : 0);
   params += head;
   active += head;
+  info.module_flops["norm"] = 6.0 * static_cast<double>(D);
+  info.module_flops["lm_head"] = 6.0 * static_cast<double>(D * V);
   if (o.attn_res) {
     const int64_t n_blocks = (o.n_layers + o.block_size - 1) / o.block_size;
     mixing += 3 * attn_res_read_flops(n_blocks + 1, D);
     info.pinned_last.push_back("attn_res_final");
+    info.module_flops["attn_res_final"] =
+        6.0 * static_cast<double>(AttnResReadImpl::count_params(D)) +
+        3 * attn_res_read_flops(n_blocks + 1, D);
   }
   info.params = params;
   info.active_params = active;

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -81,6 +82,11 @@ struct ModelInfo {
   int64_t active_params = 0;     // per token (MoE: activated experts only)
   int64_t embedding_params = 0;  // excluded from the 6N FLOP count
   double flops_per_token = 0;    // training FLOPs per token (fwd + bwd)
+  // flops_per_token by top-level module FQN (layers.i, lm_head, ...; a
+  // module missing costs nothing); they add up to flops_per_token. Empty
+  // where a family does not say (exact16). The pipeline plan weighs its
+  // stages with them (Note [Bubble weighted by FLOPs]).
+  std::map<std::string, double> module_flops;
   std::vector<LayerInfo> layers;
   // Pinned modules: these ride with the first / last stage and count as no
   // split unit (a vision tower, the AttnRes final aggregation).

@@ -112,10 +112,11 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   if (!val.empty()) eval_tokens_ = data::open_token_stream(val, format);
 
   // The pipeline plan (a pure function of the config: every rank agrees).
-  plan_ = std::make_unique<pipeline::PipelinePlan>(pipeline::make_pipeline_plan(
-      pipeline::plan_spec_from_config(cfg_, model_module_fqns(cfg_))));
-  const auto& split = plan_->split;
   const auto info = describe_model(cfg_);
+  auto plan_spec = pipeline::plan_spec_from_config(cfg_, model_module_fqns(cfg_));
+  plan_spec.module_flops = info.module_flops;  // Note [Bubble weighted by FLOPs]
+  plan_ = std::make_unique<pipeline::PipelinePlan>(pipeline::make_pipeline_plan(plan_spec));
+  const auto& split = plan_->split;
   flops_per_token_ = info.flops_per_token;
   const auto seed = static_cast<uint64_t>(cfg_.get_int("training.seed"));
   std::vector<NamedParam> params;
@@ -222,7 +223,11 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
               pipeline::placement_name(split.placement), "), schedule ",
               cfg_.get_string("parallelism.pipeline_parallel_schedule"), ", ",
               num_microbatches(), " micro-batches, simulated bubble ",
-              plan_->simulation.bubble_fraction);
+              plan_->simulation.bubble_fraction,
+              plan_->simulation_flops
+                  ? str(" (", plan_->simulation_flops->bubble_fraction,
+                        " with stage costs by FLOPs)")
+                  : std::string());
   }
   log::info("data ", train_tokens_->describe(), ": ", train_tokens_->size(),
             " tokens", eval_tokens_ ? ", eval " + eval_tokens_->describe() : "");
@@ -667,6 +672,9 @@ void Trainer::log_step(const StepMetrics& m) {
     j["bubble_measured_per_rank"] = m.bubble_measured_per_rank;
     j["bubble_measured_mean"] = mean(m.bubble_measured_per_rank);
     j["bubble_simulated"] = plan_->simulation.bubble_fraction;
+    if (plan_->simulation_flops) {
+      j["bubble_simulated_flops"] = plan_->simulation_flops->bubble_fraction;
+    }
   }
   if (attn_res_tables_) {
     j["hop_bytes"] = m.hop_bytes;
@@ -693,7 +701,11 @@ void Trainer::log_step(const StepMetrics& m) {
   line << " | mem " << human_bytes(m.peak_memory_bytes);
   if (!m.bubble_measured_per_rank.empty()) {
     line << " | bubble " << std::setprecision(1) << 100 * mean(m.bubble_measured_per_rank)
-         << "% (sim " << 100 * plan_->simulation.bubble_fraction << "%)";
+         << "% (sim " << 100 * plan_->simulation.bubble_fraction << "%";
+    if (plan_->simulation_flops) {
+      line << ", " << 100 * plan_->simulation_flops->bubble_fraction << "% by FLOPs";
+    }
+    line << ")";
   }
   if (progress_bar_) {
     const int width = 30;

@@ -4,6 +4,7 @@
 // parameter's gradient.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "config/config.h"
@@ -172,6 +173,36 @@ TEST(Models, FqnsFollowTorchtitanNames) {
   EXPECT_EQ(model_module_fqns(g),
             (std::vector<std::string>{"tok_embeddings", "pos_embeddings", "layers.0",
                                       "norm", "lm_head"}));
+}
+
+TEST(Models, ModuleFlopsAddUpToTheModelsFlops) {
+  // Note [Bubble weighted by FLOPs]: the per-module figures partition
+  // flops_per_token, name real modules, and give llama's head 6 V D.
+  const std::vector<std::vector<std::string>> configs = {
+      {"model.n_layers=3"},
+      {"model.family=gpt2", "model.n_layers=2", "model.tie_embeddings=false"},
+      {"model.family=kimi_k3", "model.flavor=debugmodel"},
+      {"model.family=kimi_k3", "model.flavor=debugmodel", "model.attn_res=false"},
+  };
+  for (const auto& overrides : configs) {
+    auto cfg = Config::parse("", "test", overrides);
+    const auto info = describe_model(cfg);
+    const auto fqns = model_module_fqns(cfg);
+    double sum = 0;
+    for (const auto& [fqn, f] : info.module_flops) {
+      EXPECT_NE(std::find(fqns.begin(), fqns.end(), fqn), fqns.end()) << fqn;
+      EXPECT_GT(f, 0) << fqn;
+      sum += f;
+    }
+    EXPECT_NEAR(sum, info.flops_per_token, 1e-12 * info.flops_per_token) << overrides[0];
+    for (int64_t i = 0; i < info.n_layers; ++i) {
+      EXPECT_EQ(info.module_flops.count("layers." + std::to_string(i)), 1u) << i;
+    }
+  }
+  auto cfg = Config::parse("", "test", {"model.n_layers=3"});
+  const auto info = describe_model(cfg);
+  // llama: the embedding is V x D, as the untied head.
+  EXPECT_DOUBLE_EQ(info.module_flops.at("lm_head"), 6.0 * static_cast<double>(info.embedding_params));
 }
 
 TEST(Models, PartsChainedEqualTheWholeModelBitwise) {

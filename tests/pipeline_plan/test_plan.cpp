@@ -2,6 +2,7 @@
 // timeline.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -55,6 +56,45 @@ TEST(PipelinePlan, ScheduleDecidesStagesPerRankAndPlacement) {
   bad.microbatches = 3;
   EXPECT_THROW(make_pipeline_plan(bad), ConfigError);
   EXPECT_THROW(make_pipeline_plan(spec_for(16, 4, "OneFOneB")), ConfigError);
+}
+
+TEST(PipelinePlan, FlopWeightedBubbleMatchesTheFlowShopClosedForm) {
+  // Note [Bubble weighted by FLOPs]. GPipe on p ranks, one stage each, stage
+  // costs c_s (F = c_s, B = 2 c_s), m micro-batches, free messages: the
+  // forwards are a flow shop of identical jobs, done at sum(c) + (m - 1)
+  // max(c); the backwards run the same shop in reverse at twice the cost,
+  // so makespan = 3 (sum(c) + (m - 1) max(c)) and the bubble is
+  // 1 - m sum(c) / (p (sum(c) + (m - 1) max(c))).
+  auto spec = spec_for(6, 3, "GPipe");
+  spec.microbatches = 5;
+  spec.module_flops = {{"layers.0", 1}, {"layers.1", 1}, {"layers.2", 4},
+                       {"layers.3", 1}, {"layers.4", 2}, {"layers.5", 2},
+                       {"lm_head", 3}, {"not.a.module", 100}};
+  const auto plan = make_pipeline_plan(spec);
+  ASSERT_TRUE(plan.simulation_flops.has_value());
+  ASSERT_EQ(plan.stage_flops.size(), 3u);
+  double sum = 0, mx = 0;
+  for (double c : plan.stage_flops) {
+    sum += c;
+    mx = std::max(mx, c);
+  }
+  EXPECT_DOUBLE_EQ(sum, 14.0);  // every real module once, the stray name never
+  EXPECT_GT(mx, sum / 3);       // uneven, or the test proves nothing
+  const double m = 5, p = 3;
+  EXPECT_NEAR(plan.simulation_flops->bubble_fraction, 1 - m * sum / (p * (sum + (m - 1) * mx)),
+              1e-12);
+  EXPECT_GT(plan.simulation_flops->bubble_fraction, plan.simulation.bubble_fraction);
+  // Equal stage FLOPs: the unit simulation's bubble, (p - 1) / (m + p - 1).
+  // 7 layers + embedding + head = 9 split units, 3 a stage.
+  auto even = spec_for(7, 3, "GPipe");
+  even.microbatches = 5;
+  even.module_flops = {{"tok_embeddings", 2.5}, {"lm_head", 2.5}};
+  for (int i = 0; i < 7; ++i) even.module_flops["layers." + std::to_string(i)] = 2.5;
+  const auto ep = make_pipeline_plan(even);
+  ASSERT_TRUE(ep.simulation_flops.has_value());
+  ASSERT_EQ(ep.stage_flops, std::vector<double>(3, 7.5)) << "the split is not 3 units a stage";
+  EXPECT_NEAR(ep.simulation_flops->bubble_fraction, 2.0 / 7, 1e-12);
+  EXPECT_FALSE(make_pipeline_plan(spec_for(6, 3, "GPipe")).simulation_flops.has_value());
 }
 
 TEST(PipelinePlan, CsvScheduleDecidesStageCountAndPlacement) {

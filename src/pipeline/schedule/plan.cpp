@@ -51,6 +51,23 @@ PipelinePlan make_pipeline_plan(const PlanSpec& spec) {
     plan.lowered = lower_schedule(plan.compute);
   }
   plan.simulation = simulate(plan.lowered);
+  if (!spec.module_flops.empty()) {
+    double total = 0;
+    for (const auto& modules : plan.split.stage_modules) {
+      double f = 0;
+      for (const auto& fqn : modules) {
+        if (auto it = spec.module_flops.find(fqn); it != spec.module_flops.end()) f += it->second;
+      }
+      plan.stage_flops.push_back(f);
+      total += f;
+    }
+    if (total > 0) {
+      CostModel costs;
+      const double mean = total / static_cast<double>(plan.stage_flops.size());
+      for (double f : plan.stage_flops) costs.stage_scale.push_back(f / mean);
+      plan.simulation_flops = simulate(plan.lowered, costs);
+    }
+  }
   return plan;
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 
@@ -23,6 +24,9 @@ struct PlanSpec {
   // parallelism.pipeline_parallel_microbatches; unset: pp * stages per rank
   // (a CSV: its largest micro-batch + 1).
   std::optional<int64_t> microbatches;
+  // Training FLOPs per token of each top-level module (ModelInfo's
+  // module_flops); empty: no FLOP-weighted simulation.
+  std::map<std::string, double> module_flops;
 };
 
 struct PipelinePlan {
@@ -30,6 +34,14 @@ struct PipelinePlan {
   Schedule compute;  // per rank, compute actions
   Schedule lowered;  // per rank, what the runtime executes
   SimulationResult simulation;  // default costs; proves deadlock freedom
+  // Note [Bubble weighted by FLOPs]: with module FLOPs, each stage's FLOPs
+  // per token and the simulation with every compute cost scaled by its
+  // stage's FLOPs over the stages' mean (F 1, B 2, I 1, W 1 on average).
+  // A split that counts the head as one layer (torchtitan's rule) is uneven
+  // in FLOPs where the vocabulary is large; this simulation says what that
+  // costs, the unit one does not.
+  std::vector<double> stage_flops;
+  std::optional<SimulationResult> simulation_flops;
 };
 
 // Throws ConfigError for impossible shapes, Error for a malformed CSV.
