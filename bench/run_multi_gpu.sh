@@ -154,7 +154,8 @@ pr = [r.get("peak_memory_bytes_per_rank", [r["peak_memory_bytes"]]) for r in t]
 mem = " / ".join(f"{max(p[i] for p in pr) / 2**30:.1f}" for i in range(len(pr[-1])))
 print(f"| {sys.argv[2]} | {sys.argv[3]} | {med('tokens_per_sec'):.0f} | {100 * mfu:.1f}% | "
       f"{mem} | "
-      f"{100 * med('bubble_measured_mean'):.1f}% | {100 * t[-1].get('bubble_simulated', float('nan')):.1f}% | "
+      f"{100 * med('bubble_measured_mean'):.1f}% | {100 * t[-1].get('bubble_simulated', float('nan')):.1f}% "
+      f"({100 * t[-1].get('bubble_simulated_flops', float('nan')):.1f}% by FLOPs) | "
       f"{med('p2p_bytes') / 1e6:.0f} |")
 PY
   done
