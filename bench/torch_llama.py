@@ -71,6 +71,16 @@ torch = torch_models.torch  # None without torch: parsing and the report still w
 PEAK_BF16_FLOPS = 989.4e12  # H100 / H200 SXM, dense bf16 (src/core/device.cpp)
 
 
+def print_steps(start_step, losses, grad_norms, lrs, step_s):
+    """The first steps' lines of a run's report, and a warning if a loss is
+    not finite (shared by the single-GPU and the pipeline reference)."""
+    for i, (l, g) in enumerate(zip(losses[:5], grad_norms)):
+        print(f"step {start_step + i + 1:5d} | loss {l:.9g} | grad_norm {g:.6g} | "
+              f"lr {lrs[i]:.3e} | {step_s[i] * 1e3:.1f} ms")
+    if not all(math.isfinite(l) for l in losses):
+        print("warning: a loss is not finite", file=sys.stderr)
+
+
 # --------------------------------------------------------------- config
 
 
@@ -868,11 +878,7 @@ def train_main(argv):
         "grad_norms": grad_norms,
         "lrs": lrs,
     }
-    for i, (l, g) in enumerate(zip(losses[:5], grad_norms)):
-        print(f"step {start_step + i + 1:5d} | loss {l:.9g} | grad_norm {g:.6g} | "
-              f"lr {lrs[i]:.3e} | {step_s[i] * 1e3:.1f} ms")
-    if not all(math.isfinite(l) for l in losses):
-        print("warning: a loss is not finite", file=sys.stderr)
+    print_steps(start_step, losses, grad_norms, lrs, step_s)
     line = json.dumps(summary)
     print(line)
     if args.json:

@@ -711,11 +711,7 @@ def _train(args, c, dist, rank, world, device, local, schedule_cls, traits, name
         "grad_norms": grad_norms,
         "lrs": lrs,
     }
-    for i, (l, g) in enumerate(zip(losses[:5], grad_norms)):
-        print(f"step {start_step + i + 1:5d} | loss {l:.9g} | grad_norm {g:.6g} | "
-              f"lr {lrs[i]:.3e} | {step_s[i] * 1e3:.1f} ms")
-    if not all(math.isfinite(l) for l in losses):
-        print("warning: a loss is not finite", file=sys.stderr)
+    tl.print_steps(start_step, losses, grad_norms, lrs, step_s)
     mfu = f"{100 * summary['mfu']:.1f}%" if summary["mfu"] is not None else "n/a"
     print(f"summary: {impl}, pp={c['pp']} x {S // c['pp']} stages/rank, m={m}: "
           f"{tok_s:.0f} tok/s, MFU {mfu}, median step {1e3 * median:.1f} ms, peak GiB "
