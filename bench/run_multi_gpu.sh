@@ -31,7 +31,9 @@ OUT=${OUT:-/tmp/multi_gpu}
 mkdir -p "$OUT"
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c GPU)}
 SECTIONS=${SECTIONS:-smoke bitwise layers peer k3}
-SCHEDULES=${SCHEDULES:-1F1B Interleaved1F1B GPipe ZBVZeroBubble}
+# A schedule name with "+flops" runs with parallelism.pipeline_parallel_balance
+# = flops (Note [Split balanced by FLOPs]).
+SCHEDULES=${SCHEDULES:-1F1B Interleaved1F1B Interleaved1F1B+flops GPipe ZBVZeroBubble}
 LAYERS=${LAYERS:-8}
 MICRO=${MICRO:-8}
 STEPS=${STEPS:-8}
@@ -123,6 +125,7 @@ fi
 stages_for() { case $1 in Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble) echo 2 ;; *) echo 1 ;; esac; }
 
 first_sched=${SCHEDULES%% *}
+first_sched=${first_sched%+flops}
 if has peer; then  # the peer's step-0: an untimed run of the first schedule
   launch "${L8[@]}" --training.steps=1 --checkpoint.enable=true --checkpoint.save_initial=true \
     --checkpoint.save_final=false --parallelism.pipeline_parallel_schedule="$first_sched" \
@@ -135,14 +138,18 @@ if has layers; then
   say "## layers: llama 8B layer shape, $LAYERS layers, $MICRO x 4096 tokens in $MICRO micro-batches, pp $NGPU"
   say "| schedule | stages/rank | tok/s | MFU | peak GiB per rank | bubble measured (mean) | simulated | P2P MB/step |"
   say "|---|---|---|---|---|---|---|---|"
-  for sched in $SCHEDULES; do
+  for entry in $SCHEDULES; do
+    sched=${entry%+flops}
+    balance=layers
+    [ "$sched" != "$entry" ] && balance=flops
     v=$(stages_for "$sched")
-    name=l8_$sched
+    name=l8_$entry
     launch "${L8[@]}" --checkpoint.enable=false --parallelism.pipeline_parallel_schedule="$sched" \
+      --parallelism.pipeline_parallel_balance="$balance" \
       --parallelism.pipeline_parallel_stages_per_rank="$v" --data.path="$DATA" \
       --job.dump_folder="$OUT/$name" >"$OUT/$name.log" 2>&1 ||
-      { say "| $sched | $v | failed: $(errors "$OUT/$name.log" | head -1 | cut -c1-150) | | | | | |"; continue; }
-    "$PY" - "$OUT/$name/metrics.jsonl" "$sched" "$v" <<'PY' | tee -a "$MD"
+      { say "| $entry | $v | failed: $(errors "$OUT/$name.log" | head -1 | cut -c1-150) | | | | | |"; continue; }
+    "$PY" - "$OUT/$name/metrics.jsonl" "$entry" "$v" <<'PY' | tee -a "$MD"
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
 t = rows[3:] if len(rows) > 4 else rows[1:]

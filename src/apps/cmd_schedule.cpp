@@ -80,6 +80,10 @@ int schedule_main(int argc, char** argv) {
       out["bubble_flops"] = plan.simulation_flops->bubble_fraction;
       out["stage_flops_per_token"] = plan.stage_flops;
     }
+    if (plan.balanced_weights) {
+      out["balanced_weights"] = {plan.balanced_weights->first, plan.balanced_weights->second};
+      out["balanced_bubble_flops"] = plan.balanced_bubble_flops;
+    }
     out["makespan"] = sim.makespan;
     out["peak_activations"] = sim.peak_activations;
     out["messages"] = sim.messages;
@@ -104,6 +108,16 @@ int schedule_main(int argc, char** argv) {
                 100.0 * plan.simulation_flops->bubble_fraction);
     for (double f : plan.stage_flops) std::printf(" %.3g", f / 1e9);
     std::printf(")\n");
+  }
+  if (plan.balanced_weights) {
+    // Note [Split balanced by FLOPs]
+    const bool applied = cfg.get_string("parallelism.pipeline_parallel_balance") == "flops";
+    std::printf("%s: the embedding counts %lld layer(s), the head %lld; bubble by FLOPs %.2f%%\n",
+                applied ? "split balanced by FLOPs"
+                        : "with parallelism.pipeline_parallel_balance = \"flops\"",
+                static_cast<long long>(plan.balanced_weights->first),
+                static_cast<long long>(plan.balanced_weights->second),
+                100.0 * plan.balanced_bubble_flops);
   }
   return 0;
 }

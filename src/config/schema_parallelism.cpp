@@ -34,6 +34,10 @@ void add_parallelism_keys(std::vector<ConfigKey>& k) {
                   "split units the embedding counts for"));
   k.push_back(key("pipeline_parallel_last_stage_less_layers", T::kInt, int64_t{1},
                   "split units the head counts for"));
+  k.push_back(key("pipeline_parallel_balance", T::kString, std::string("layers"),
+                  "layers: the split counts the embedding and the head as the two keys "
+                  "above say (torchtitan's rule); flops: it chooses those two weights so "
+                  "the stages' FLOPs give the smallest simulated bubble"));
   k.push_back(key("module_fqns_per_model_part", T::kStringListList, kUnset,
                   "explicit top-level modules per stage, e.g. "
                   "[[\"tok_embeddings\", \"layers.0\"], [\"layers.1\", \"norm\", \"lm_head\"]]"));
@@ -72,6 +76,10 @@ void validate_parallelism(const Config& c) {
     VIADUCT_CHECK_T(ConfigError, c.get_int(w) >= 0, w, " must be >= 0, got ",
                     c.get_int(w));
   }
+  const auto balance = c.get_string("parallelism.pipeline_parallel_balance");
+  VIADUCT_CHECK_T(ConfigError, balance == "layers" || balance == "flops",
+                  "parallelism.pipeline_parallel_balance must be \"layers\" or \"flops\", "
+                  "got \"", balance, "\"");
   const auto lps = c.get_int_opt("parallelism.pipeline_parallel_layers_per_stage");
   const auto spr = c.get_int_opt("parallelism.pipeline_parallel_stages_per_rank");
   const bool fqns = c.is_set("parallelism.module_fqns_per_model_part");

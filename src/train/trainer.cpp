@@ -228,6 +228,16 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
                   ? str(" (", plan_->simulation_flops->bubble_fraction,
                         " with stage costs by FLOPs)")
                   : std::string());
+    const auto& bw = plan_->balanced_weights;
+    if (bw && cfg_.get_string("parallelism.pipeline_parallel_balance") == "flops") {
+      log::info("split balanced by FLOPs: the embedding counts ", bw->first,
+                " layer(s), the head ", bw->second, " (Note [Split balanced by FLOPs])");
+    } else if (bw && plan_->simulation_flops &&
+               plan_->simulation_flops->bubble_fraction - plan_->balanced_bubble_flops > 0.02) {
+      log::info("hint: parallelism.pipeline_parallel_balance = \"flops\" (embedding ", bw->first,
+                ", head ", bw->second, " layers) would cut the FLOP-weighted bubble from ",
+                plan_->simulation_flops->bubble_fraction, " to ", plan_->balanced_bubble_flops);
+    }
   }
   log::info("data ", train_tokens_->describe(), ": ", train_tokens_->size(),
             " tokens", eval_tokens_ ? ", eval " + eval_tokens_->describe() : "");

@@ -199,3 +199,14 @@ TEST(Config, SpeedKeysDefaultsAndRefusals) {
                                                  "model.fused_kernels=false",
                                                  "metrics.profile_step=3"}));
 }
+
+TEST(Config, PipelineBalanceValues) {
+  // Note [Split balanced by FLOPs]: "layers" (torchtitan's rule, the
+  // default) or "flops"; anything else is refused by name.
+  auto c = Config::parse("", "job.toml", {});
+  EXPECT_EQ(c.get_string("parallelism.pipeline_parallel_balance"), "layers");
+  EXPECT_NO_THROW(Config::parse("", "job.toml", {"parallelism.pipeline_parallel_balance=flops"}));
+  const auto msg = error_of("", {"parallelism.pipeline_parallel_balance=time"});
+  EXPECT_NE(msg.find("parallelism.pipeline_parallel_balance"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("\"time\""), std::string::npos) << msg;
+}

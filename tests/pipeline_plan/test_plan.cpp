@@ -97,6 +97,40 @@ TEST(PipelinePlan, FlopWeightedBubbleMatchesTheFlowShopClosedForm) {
   EXPECT_FALSE(make_pipeline_plan(spec_for(6, 3, "GPipe")).simulation_flops.has_value());
 }
 
+TEST(PipelinePlan, BalancedSplitMinimisesTheSlowestStage) {
+  // Note [Split balanced by FLOPs]. 8 layers of 1 FLOP, a head of 3, GPipe
+  // on 2 ranks: torchtitan's rule (weights 1, 1) gives stages of 4 and 4 + 3;
+  // the best split of layers (k, 8 - k) has max(k, 11 - k) = 6 (k = 5 or 6),
+  // and GPipe's makespan 3 (sum + (m - 1) max) makes that the optimum.
+  auto spec = spec_for(8, 2, "GPipe");
+  spec.microbatches = 4;
+  spec.module_flops = {{"lm_head", 3}};
+  for (int i = 0; i < 8; ++i) spec.module_flops["layers." + std::to_string(i)] = 1;
+  const auto plain = make_pipeline_plan(spec);
+  ASSERT_EQ(plain.stage_flops, (std::vector<double>{4, 7}));
+  ASSERT_TRUE(plain.balanced_weights.has_value());  // the hint is there
+  spec.balance_flops = true;
+  const auto bal = make_pipeline_plan(spec);
+  ASSERT_TRUE(bal.balanced_weights.has_value());
+  ASSERT_EQ(bal.stage_flops.size(), 2u);
+  EXPECT_DOUBLE_EQ(std::max(bal.stage_flops[0], bal.stage_flops[1]), 6.0);
+  const double m = 4, p = 2, sum = 11;
+  EXPECT_NEAR(bal.simulation_flops->bubble_fraction, 1 - m * sum / (p * (sum + (m - 1) * 6)),
+              1e-12);
+  EXPECT_DOUBLE_EQ(bal.balanced_bubble_flops, bal.simulation_flops->bubble_fraction);
+  EXPECT_DOUBLE_EQ(plain.balanced_bubble_flops, bal.simulation_flops->bubble_fraction);
+  EXPECT_LT(bal.simulation_flops->bubble_fraction, plain.simulation_flops->bubble_fraction);
+  // Where it cannot choose: no FLOPs, an explicit split, a CSV schedule.
+  auto none = spec_for(8, 2, "GPipe");
+  none.balance_flops = true;
+  EXPECT_THROW(make_pipeline_plan(none), ConfigError);
+  auto fixed = spec;
+  fixed.split.module_fqns_per_stage = std::vector<std::vector<std::string>>{
+      {"tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3"},
+      {"layers.4", "layers.5", "layers.6", "layers.7", "norm", "lm_head"}};
+  EXPECT_THROW(make_pipeline_plan(fixed), ConfigError);
+}
+
 TEST(PipelinePlan, CsvScheduleDecidesStageCountAndPlacement) {
   for (auto type : {ScheduleType::kInterleaved1F1B, ScheduleType::kDualPipeV}) {
     const Schedule s = generate_schedule(type, 2, 2, 6);

@@ -6,6 +6,80 @@
 
 namespace viaduct::pipeline {
 
+namespace {
+
+// The stages' FLOPs per token and the simulation with costs in proportion
+// to them (Note [Bubble weighted by FLOPs]).
+void weigh_by_flops(PipelinePlan& plan, const std::map<std::string, double>& module_flops) {
+  plan.stage_flops.clear();
+  double total = 0;
+  for (const auto& modules : plan.split.stage_modules) {
+    double f = 0;
+    for (const auto& fqn : modules) {
+      if (auto it = module_flops.find(fqn); it != module_flops.end()) f += it->second;
+    }
+    plan.stage_flops.push_back(f);
+    total += f;
+  }
+  if (total <= 0) return;
+  CostModel costs;
+  const double mean = total / static_cast<double>(plan.stage_flops.size());
+  for (double f : plan.stage_flops) costs.stage_scale.push_back(f / mean);
+  plan.simulation_flops = simulate(plan.lowered, costs);
+}
+
+PipelinePlan rule_based_plan(const PlanSpec& spec, SplitSpec split) {
+  PipelinePlan plan;
+  const ScheduleType type = schedule_type_from_name(spec.schedule);
+  split.rule = stages_per_rank_rule(type);
+  split.placement = schedule_traits(type).placement;
+  plan.split = make_split(split);
+  const int64_t m = spec.microbatches.value_or(split.pp * plan.split.stages_per_rank);
+  plan.compute = generate_schedule(type, split.pp, plan.split.stages_per_rank, m);
+  plan.lowered = lower_schedule(plan.compute);
+  plan.simulation = simulate(plan.lowered);
+  if (!spec.module_flops.empty()) weigh_by_flops(plan, spec.module_flops);
+  return plan;
+}
+
+// Note [Split balanced by FLOPs]: torchtitan's rule counts the embedding and
+// the head as `first/last_stage_weight` layers each; where a vocabulary is
+// large the head's stage is then the slowest (bench/RESULTS.md: 20% bubble
+// at the llama 8B layer shape, pp 2 x 2, where unit costs say 6%). Every
+// pair of weights in 0..4 that makes a valid split is simulated with stage
+// costs by FLOPs; the smallest makespan wins, and on a tie the configured
+// weights, then the pair found first (smaller weights first). The total
+// work is the same for every split, so the smallest makespan is the
+// smallest bubble.
+std::optional<std::pair<std::pair<int64_t, int64_t>, PipelinePlan>> best_balanced(
+    const PlanSpec& spec) {
+  std::optional<std::pair<std::pair<int64_t, int64_t>, PipelinePlan>> best;
+  std::vector<std::pair<int64_t, int64_t>> order{
+      {spec.split.first_stage_weight, spec.split.last_stage_weight}};
+  for (int64_t first = 0; first <= 4; ++first) {
+    for (int64_t last = 0; last <= 4; ++last) order.emplace_back(first, last);
+  }
+  for (const auto& [first, last] : order) {
+    SplitSpec split = spec.split;
+    split.first_stage_weight = first;
+    split.last_stage_weight = last;
+    PipelinePlan plan;
+    try {
+      plan = rule_based_plan(spec, split);
+    } catch (const ConfigError&) {
+      continue;  // no valid split with these weights
+    }
+    if (!plan.simulation_flops) return std::nullopt;
+    if (!best || plan.simulation_flops->makespan <
+                     best->second.simulation_flops->makespan * (1 - 1e-12)) {
+      best.emplace(std::make_pair(first, last), std::move(plan));
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
 PipelinePlan make_pipeline_plan(const PlanSpec& spec) {
   PipelinePlan plan;
   SplitSpec split = spec.split;
@@ -39,33 +113,31 @@ PipelinePlan make_pipeline_plan(const PlanSpec& spec) {
       plan.compute = sch;
       plan.lowered = lower_schedule(sch);
     }
-  } else {
-    const ScheduleType type = schedule_type_from_name(spec.schedule);
-    split.rule = stages_per_rank_rule(type);
-    split.placement = schedule_traits(type).placement;
-    plan.split = make_split(split);
-    const int64_t m =
-        spec.microbatches.value_or(split.pp * plan.split.stages_per_rank);
-    plan.compute =
-        generate_schedule(type, split.pp, plan.split.stages_per_rank, m);
-    plan.lowered = lower_schedule(plan.compute);
+    plan.simulation = simulate(plan.lowered);
+    if (!spec.module_flops.empty()) weigh_by_flops(plan, spec.module_flops);
+    VIADUCT_CHECK_T(ConfigError, !spec.balance_flops,
+                    "parallelism.pipeline_parallel_balance = \"flops\" chooses a rule-based "
+                    "split; a CSV schedule (", spec.schedule_csv_path, ") fixes its own");
+    return plan;
   }
-  plan.simulation = simulate(plan.lowered);
-  if (!spec.module_flops.empty()) {
-    double total = 0;
-    for (const auto& modules : plan.split.stage_modules) {
-      double f = 0;
-      for (const auto& fqn : modules) {
-        if (auto it = spec.module_flops.find(fqn); it != spec.module_flops.end()) f += it->second;
+  const bool rule_based = !split.module_fqns_per_stage.has_value();
+  VIADUCT_CHECK_T(ConfigError, !spec.balance_flops || rule_based,
+                  "parallelism.pipeline_parallel_balance = \"flops\" chooses the split; "
+                  "parallelism.module_fqns_per_model_part already fixes it");
+  VIADUCT_CHECK_T(ConfigError, !spec.balance_flops || !spec.module_flops.empty(),
+                  "parallelism.pipeline_parallel_balance = \"flops\" needs the model's "
+                  "per-module FLOPs, which this model family does not give");
+  plan = rule_based_plan(spec, split);
+  if (rule_based && !spec.module_flops.empty() && plan.simulation_flops) {
+    if (auto best = best_balanced(spec)) {
+      if (spec.balance_flops) {
+        auto chosen = std::move(best->second);
+        chosen.balanced_weights = best->first;
+        chosen.balanced_bubble_flops = chosen.simulation_flops->bubble_fraction;
+        return chosen;
       }
-      plan.stage_flops.push_back(f);
-      total += f;
-    }
-    if (total > 0) {
-      CostModel costs;
-      const double mean = total / static_cast<double>(plan.stage_flops.size());
-      for (double f : plan.stage_flops) costs.stage_scale.push_back(f / mean);
-      plan.simulation_flops = simulate(plan.lowered, costs);
+      plan.balanced_weights = best->first;
+      plan.balanced_bubble_flops = best->second.simulation_flops->bubble_fraction;
     }
   }
   return plan;

@@ -27,6 +27,10 @@ struct PlanSpec {
   // Training FLOPs per token of each top-level module (ModelInfo's
   // module_flops); empty: no FLOP-weighted simulation.
   std::map<std::string, double> module_flops;
+  // parallelism.pipeline_parallel_balance = "flops": choose the split's
+  // first/last stage weights by the FLOP-weighted simulation (Note [Split
+  // balanced by FLOPs]); needs module_flops and a rule-based split.
+  bool balance_flops = false;
 };
 
 struct PipelinePlan {
@@ -42,6 +46,12 @@ struct PipelinePlan {
   // costs, the unit one does not.
   std::vector<double> stage_flops;
   std::optional<SimulationResult> simulation_flops;
+  // Note [Split balanced by FLOPs]: with module FLOPs and a rule-based
+  // split, the embedding / head weights (0..4 split units each) whose split
+  // has the smallest FLOP-weighted makespan, and its bubble -- applied when
+  // balance_flops, otherwise a hint for the log.
+  std::optional<std::pair<int64_t, int64_t>> balanced_weights;
+  double balanced_bubble_flops = 0;
 };
 
 // Throws ConfigError for impossible shapes, Error for a malformed CSV.

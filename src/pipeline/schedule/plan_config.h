@@ -34,6 +34,7 @@ inline PlanSpec plan_spec_from_config(const Config& cfg,
       cfg.get_string("parallelism.pipeline_parallel_schedule_csv");
   spec.microbatches =
       cfg.get_int_opt("parallelism.pipeline_parallel_microbatches");
+  spec.balance_flops = cfg.get_string("parallelism.pipeline_parallel_balance") == "flops";
   return spec;
 }
 
