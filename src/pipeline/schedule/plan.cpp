@@ -66,8 +66,8 @@ std::optional<std::pair<std::pair<int64_t, int64_t>, PipelinePlan>> best_balance
     PipelinePlan plan;
     try {
       plan = rule_based_plan(spec, split);
-    } catch (const ConfigError&) {
-      continue;  // no valid split with these weights
+    } catch (const Error&) {
+      continue;  // no valid split or schedule with these weights
     }
     if (!plan.simulation_flops) return std::nullopt;
     if (!best || plan.simulation_flops->makespan <
