@@ -129,6 +129,14 @@ TEST(PipelinePlan, BalancedSplitMinimisesTheSlowestStage) {
       {"tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3"},
       {"layers.4", "layers.5", "layers.6", "layers.7", "norm", "lm_head"}};
   EXPECT_THROW(make_pipeline_plan(fixed), ConfigError);
+  auto csv = spec_for(8, 2, "ignored");
+  csv.module_flops = spec.module_flops;
+  csv.schedule_csv_path =
+      write_temp("balanced.csv", schedule_to_csv(generate_schedule(ScheduleType::kGPipe, 2, 1, 4)));
+  EXPECT_NO_THROW(make_pipeline_plan(csv));
+  csv.balance_flops = true;
+  EXPECT_THROW(make_pipeline_plan(csv), ConfigError);
+  std::remove(csv.schedule_csv_path.c_str());
 }
 
 TEST(PipelinePlan, CsvScheduleDecidesStageCountAndPlacement) {
