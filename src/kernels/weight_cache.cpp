@@ -81,7 +81,12 @@ at::Tensor get(at::TensorList parts, at::ScalarType dtype) {
   }
   at::NoGradGuard no_grad;
   auto& r = registry();
-  if (disabled("weight_cache")) {
+  // Only leaves are cached: a view of a weight (an expert's slice of the
+  // MoE's stacked weights) is a new tensor on every forward, so a copy keyed
+  // by it would never be found again.
+  bool leaves = true;
+  for (const auto& p : parts) leaves = leaves && p.is_leaf();
+  if (!leaves || disabled("weight_cache")) {
     std::lock_guard<std::mutex> lock(r.mu);
     ++r.casts;
     return parts.size() == 1 ? parts[0].to(dtype) : at::cat(parts).to(dtype);

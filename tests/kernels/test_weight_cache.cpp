@@ -90,6 +90,19 @@ TEST_F(WeightCache, OptimizerSlotProtocol) {
   EXPECT_THROW(wc::mark_written(at::randn({2, 4})), std::exception);
 }
 
+TEST_F(WeightCache, ViewsAreCastButNotKept) {
+  // An expert's slice of stacked MoE weights is a new view every forward.
+  auto stacked = at::randn({3, 4, 5}).requires_grad_(true);
+  auto view = stacked.select(0, 1);
+  ASSERT_FALSE(view.is_leaf());
+  const auto casts0 = wc::casts();
+  auto c = wc::get({view}, at::kBFloat16);
+  EXPECT_TRUE(bitwise_equal(c, view.detach().to(at::kBFloat16)));
+  EXPECT_EQ(wc::casts(), casts0 + 1);
+  EXPECT_EQ(wc::bytes(), 0);
+  EXPECT_FALSE(wc::slot_for(view).defined());
+}
+
 TEST_F(WeightCache, FreedWeightsReleaseTheirCopies) {
   {
     auto w = at::randn({64, 64});
