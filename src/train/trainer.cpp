@@ -23,6 +23,7 @@
 #include "data/token_file.h"
 #include "dist/dist.h"
 #include "kernels/fused.h"
+#include "kernels/weight_cache.h"
 #include "model/kimi_k3.h"
 #include "pipeline/attn_res/attn_res_stage.h"
 #include "pipeline/runtime/executor.h"
@@ -315,7 +316,12 @@ double Trainer::global_grad_norm() {
   return total_norm(all);
 }
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+  // The weight cache's copies live in a process-wide registry; drop them
+  // with the model rather than at static destruction, after the CUDA
+  // runtime may be gone (Note [Low-precision weight cache]).
+  kernels::weight_cache::clear();
+}
 
 std::string Trainer::checkpoint_folder() const {
   fs::path f = cfg_.get_string("checkpoint.folder");
