@@ -45,6 +45,7 @@ nlohmann::json to_json(const ModelInfo& info) {
   out["flops_per_token"] = info.flops_per_token;
   out["pinned_first"] = info.pinned_first;
   out["pinned_last"] = info.pinned_last;
+  out["module_flops_per_token"] = info.module_flops;
   return out;
 }
 
@@ -64,15 +65,27 @@ void print_text(const ModelInfo& info) {
   std::printf("%s / %s: %lld layers\n", info.family.c_str(),
               info.flavor.c_str(), static_cast<long long>(info.n_layers));
   const bool attn_res = !info.layers.empty() && info.layers[0].block >= 0;
-  std::printf("  layer  attention  ffn     %s\n", attn_res ? "block" : "");
+  const bool flops = !info.module_flops.empty();
+  std::printf("  layer  attention  ffn     %s%s\n", flops ? "flops/token  " : "",
+              attn_res ? "block" : "");
   for (const auto& l : info.layers) {
     std::printf("  %5lld  %-9s  %-6s", static_cast<long long>(l.layer),
                 l.attention.c_str(), l.ffn.c_str());
+    if (flops) {
+      const auto it = info.module_flops.find("layers." + std::to_string(l.layer));
+      std::printf("  %-11s", human(it == info.module_flops.end() ? 0.0 : it->second).c_str());
+    }
     if (attn_res) {
       std::printf("  %5lld%s", static_cast<long long>(l.block),
                   l.opens_block ? "  (opens)" : "");
     }
     std::printf("\n");
+  }
+  // The rest of the per-module FLOPs (Note [Bubble weighted by FLOPs]).
+  for (const auto& [fqn, f] : info.module_flops) {
+    if (fqn.rfind("layers.", 0) != 0) {
+      std::printf("  %-24s %s flops/token\n", fqn.c_str(), human(f).c_str());
+    }
   }
   auto list = [](const std::vector<std::string>& v) {
     std::string s;
