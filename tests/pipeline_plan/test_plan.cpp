@@ -120,6 +120,18 @@ TEST(PipelinePlan, BalancedSplitMinimisesTheSlowestStage) {
   EXPECT_DOUBLE_EQ(bal.balanced_bubble_flops, bal.simulation_flops->bubble_fraction);
   EXPECT_DOUBLE_EQ(plain.balanced_bubble_flops, bal.simulation_flops->bubble_fraction);
   EXPECT_LT(bal.simulation_flops->bubble_fraction, plain.simulation_flops->bubble_fraction);
+  // One FLOP unit for every candidate: makespans compare even where the
+  // weights change the stage count (layers per stage).
+  EXPECT_LT(bal.simulation_flops->makespan, plain.simulation_flops->makespan);
+  // Interleaved, 3 units a stage: weights (1, 1) give 4 stages, (4, 4) 6.
+  auto per_stage = spec_for(8, 2, "Interleaved1F1B");
+  per_stage.microbatches = 4;
+  per_stage.module_flops = spec.module_flops;
+  per_stage.split.layers_per_stage = 3;
+  const auto ps_plain = make_pipeline_plan(per_stage);
+  per_stage.balance_flops = true;
+  const auto ps_bal = make_pipeline_plan(per_stage);
+  EXPECT_LE(ps_bal.simulation_flops->makespan, ps_plain.simulation_flops->makespan);
   // Where it cannot choose: no FLOPs, an explicit split, a CSV schedule.
   auto none = spec_for(8, 2, "GPipe");
   none.balance_flops = true;

@@ -1,6 +1,8 @@
 // make_pipeline_plan: the split and the schedule of a job (see plan.h).
 #include "pipeline/schedule/plan.h"
 
+#include <numeric>
+
 #include "core/check.h"
 #include "pipeline/schedule/csv.h"
 
@@ -9,8 +11,11 @@ namespace viaduct::pipeline {
 namespace {
 
 // The stages' FLOPs per token and the simulation with costs in proportion
-// to them (Note [Bubble weighted by FLOPs]).
-void weigh_by_flops(PipelinePlan& plan, const std::map<std::string, double>& module_flops) {
+// to them (Note [Bubble weighted by FLOPs]): a stage of `unit` FLOPs costs
+// F 1, B 2 (default unit: the stages' mean). Splits compared by makespan
+// share one unit, as their stage counts may differ.
+void weigh_by_flops(PipelinePlan& plan, const std::map<std::string, double>& module_flops,
+                    double unit = 0) {
   plan.stage_flops.clear();
   double total = 0;
   for (const auto& modules : plan.split.stage_modules) {
@@ -23,12 +28,12 @@ void weigh_by_flops(PipelinePlan& plan, const std::map<std::string, double>& mod
   }
   if (total <= 0) return;
   CostModel costs;
-  const double mean = total / static_cast<double>(plan.stage_flops.size());
-  for (double f : plan.stage_flops) costs.stage_scale.push_back(f / mean);
+  if (unit <= 0) unit = total / static_cast<double>(plan.stage_flops.size());
+  for (double f : plan.stage_flops) costs.stage_scale.push_back(f / unit);
   plan.simulation_flops = simulate(plan.lowered, costs);
 }
 
-PipelinePlan rule_based_plan(const PlanSpec& spec, SplitSpec split) {
+PipelinePlan rule_based_plan(const PlanSpec& spec, SplitSpec split, double unit = 0) {
   PipelinePlan plan;
   const ScheduleType type = schedule_type_from_name(spec.schedule);
   split.rule = stages_per_rank_rule(type);
@@ -38,7 +43,7 @@ PipelinePlan rule_based_plan(const PlanSpec& spec, SplitSpec split) {
   plan.compute = generate_schedule(type, split.pp, plan.split.stages_per_rank, m);
   plan.lowered = lower_schedule(plan.compute);
   plan.simulation = simulate(plan.lowered);
-  if (!spec.module_flops.empty()) weigh_by_flops(plan, spec.module_flops);
+  if (!spec.module_flops.empty()) weigh_by_flops(plan, spec.module_flops, unit);
   return plan;
 }
 
@@ -48,11 +53,12 @@ PipelinePlan rule_based_plan(const PlanSpec& spec, SplitSpec split) {
 // at the llama 8B layer shape, pp 2 x 2, where unit costs say 6%). Every
 // pair of weights in 0..4 that makes a valid split is simulated with stage
 // costs by FLOPs; the smallest makespan wins, and on a tie the configured
-// weights, then the pair found first (smaller weights first). The total
-// work is the same for every split, so the smallest makespan is the
-// smallest bubble.
+// weights, then the pair found first (smaller weights first). Every
+// candidate's costs use one FLOP unit (the configured split's mean stage),
+// so makespans compare even where the stage count changes with the weights
+// (pipeline_parallel_layers_per_stage).
 std::optional<std::pair<std::pair<int64_t, int64_t>, PipelinePlan>> best_balanced(
-    const PlanSpec& spec) {
+    const PlanSpec& spec, double unit) {
   std::optional<std::pair<std::pair<int64_t, int64_t>, PipelinePlan>> best;
   std::vector<std::pair<int64_t, int64_t>> order{
       {spec.split.first_stage_weight, spec.split.last_stage_weight}};
@@ -65,7 +71,7 @@ std::optional<std::pair<std::pair<int64_t, int64_t>, PipelinePlan>> best_balance
     split.last_stage_weight = last;
     PipelinePlan plan;
     try {
-      plan = rule_based_plan(spec, split);
+      plan = rule_based_plan(spec, split, unit);
     } catch (const Error&) {
       continue;  // no valid split or schedule with these weights
     }
@@ -129,7 +135,10 @@ PipelinePlan make_pipeline_plan(const PlanSpec& spec) {
                   "per-module FLOPs, which this model family does not give");
   plan = rule_based_plan(spec, split);
   if (rule_based && !spec.module_flops.empty() && plan.simulation_flops) {
-    if (auto best = best_balanced(spec)) {
+    const double unit =
+        std::accumulate(plan.stage_flops.begin(), plan.stage_flops.end(), 0.0) /
+        static_cast<double>(plan.stage_flops.size());
+    if (auto best = best_balanced(spec, unit)) {
       if (spec.balance_flops) {
         auto chosen = std::move(best->second);
         chosen.balanced_weights = best->first;
