@@ -48,6 +48,10 @@ int plan_main(int argc, char** argv) {
   const auto o = kimi_k3_options(cfg);
   const int64_t M = plan.compute.microbatches;
   const int64_t B = cfg.get_int("training.local_batch_size");
+  // As the trainer refuses it: a micro-batch of B / M sequences.
+  VIADUCT_CHECK_T(ConfigError, M >= 1 && B % M == 0, "training.local_batch_size (", B,
+                  ") must be divisible by the ", M,
+                  " micro-batches (parallelism.pipeline_parallel_microbatches)");
   const int64_t T = cfg.get_int("training.seq_len");
   VIADUCT_CHECK_T(ConfigError, o.attn_res,
                   "plan: model.attn_res = false; without AttnRes no block "
@@ -84,6 +88,10 @@ int plan_main(int argc, char** argv) {
   out["bubble_fraction"] = plan.simulation.bubble_fraction;
   if (plan.simulation_flops) {
     out["bubble_fraction_flops"] = plan.simulation_flops->bubble_fraction;
+  }
+  if (plan.balanced_weights) {
+    out["balanced_weights"] = {plan.balanced_weights->first, plan.balanced_weights->second};
+    out["balanced_bubble_fraction_flops"] = plan.balanced_bubble_flops;
   }
   nlohmann::json hops = nlohmann::json::array();
   double total_whole = 0, total_cache = 0;
@@ -159,6 +167,13 @@ int plan_main(int argc, char** argv) {
   if (plan.simulation_flops) {
     std::printf(", %.1f%% with stage costs by FLOPs",
                 100.0 * plan.simulation_flops->bubble_fraction);
+  }
+  if (plan.balanced_weights &&
+      cfg.get_string("parallelism.pipeline_parallel_balance") != "flops" &&
+      plan.balanced_bubble_flops < plan.simulation_flops->bubble_fraction) {
+    // Note [Split balanced by FLOPs]
+    std::printf("; %.1f%% with parallelism.pipeline_parallel_balance = \"flops\"",
+                100.0 * plan.balanced_bubble_flops);
   }
   std::printf("\n");
   std::printf("  hop      whole stack            rank cache\n");
