@@ -169,7 +169,7 @@ int plan_main(int argc, char** argv) {
                 100.0 * plan.simulation_flops->bubble_fraction);
   }
   if (plan.balanced_weights &&
-      cfg.get_string("parallelism.pipeline_parallel_balance") != "flops" &&
+      !plan.balanced &&
       plan.balanced_bubble_flops < plan.simulation_flops->bubble_fraction) {
     // Note [Split balanced by FLOPs]
     std::printf("; %.1f%% with parallelism.pipeline_parallel_balance = \"flops\"",

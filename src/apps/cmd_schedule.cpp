@@ -111,9 +111,8 @@ int schedule_main(int argc, char** argv) {
   }
   if (plan.balanced_weights) {
     // Note [Split balanced by FLOPs]
-    const bool applied = cfg.get_string("parallelism.pipeline_parallel_balance") == "flops";
     std::printf("%s: the embedding counts %lld layer(s), the head %lld; bubble by FLOPs %.2f%%\n",
-                applied ? "split balanced by FLOPs"
+                plan.balanced ? "split balanced by FLOPs"
                         : "with parallelism.pipeline_parallel_balance = \"flops\"",
                 static_cast<long long>(plan.balanced_weights->first),
                 static_cast<long long>(plan.balanced_weights->second),

@@ -35,10 +35,12 @@ std::set<std::string> parse_kernel_list(const std::string& csv) {
     const auto end = std::min(csv.find(',', start), csv.size());
     if (end > start) {
       auto name = csv.substr(start, end - start);
-      VIADUCT_CHECK(std::find(std::begin(kSwitchableKernels), std::end(kSwitchableKernels),
-                              name) != std::end(kSwitchableKernels),
-                    "VIADUCT_DISABLE_KERNELS: unknown kernel '", name,
-                    "' (rms_norm_bwd_reg, rope_repeat, attn_res_read, mixed_linear, weight_cache)");
+      if (std::find(std::begin(kSwitchableKernels), std::end(kSwitchableKernels), name) ==
+          std::end(kSwitchableKernels)) {
+        std::string known;
+        for (const char* k : kSwitchableKernels) known += (known.empty() ? "" : ", ") + std::string(k);
+        throw Error(str("VIADUCT_DISABLE_KERNELS: unknown kernel '", name, "' (", known, ")"));
+      }
       out.insert(std::move(name));
     }
     start = end + 1;

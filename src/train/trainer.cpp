@@ -230,7 +230,7 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
                         " with stage costs by FLOPs)")
                   : std::string());
     const auto& bw = plan_->balanced_weights;
-    if (bw && cfg_.get_string("parallelism.pipeline_parallel_balance") == "flops") {
+    if (bw && plan_->balanced) {
       log::info("split balanced by FLOPs: the embedding counts ", bw->first,
                 " layer(s), the head ", bw->second, " (Note [Split balanced by FLOPs])");
     } else if (bw && plan_->simulation_flops &&

@@ -143,6 +143,7 @@ PipelinePlan make_pipeline_plan(const PlanSpec& spec) {
         auto chosen = std::move(best->second);
         chosen.balanced_weights = best->first;
         chosen.balanced_bubble_flops = chosen.simulation_flops->bubble_fraction;
+        chosen.balanced = true;
         return chosen;
       }
       plan.balanced_weights = best->first;

@@ -48,10 +48,11 @@ struct PipelinePlan {
   std::optional<SimulationResult> simulation_flops;
   // Note [Split balanced by FLOPs]: with module FLOPs and a rule-based
   // split, the embedding / head weights (0..4 split units each) whose split
-  // has the smallest FLOP-weighted makespan, and its bubble -- applied when
-  // balance_flops, otherwise a hint for the log.
+  // has the smallest FLOP-weighted makespan, and its bubble -- the split's
+  // own when `balanced` (PlanSpec::balance_flops), otherwise a hint.
   std::optional<std::pair<int64_t, int64_t>> balanced_weights;
   double balanced_bubble_flops = 0;
+  bool balanced = false;
 };
 
 // Throws ConfigError for impossible shapes, Error for a malformed CSV.
