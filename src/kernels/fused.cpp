@@ -21,12 +21,15 @@ namespace viaduct::kernels {
 namespace {
 std::atomic<bool> g_enabled{true};
 std::atomic<bool> g_swiglu_recompute{false};
-const char* const kSwitchableKernels[] = {"rms_norm_bwd_reg", "rope_repeat", "attn_res_read",
-                                          "mixed_linear", "weight_cache"};
+std::atomic<bool> g_read_v2{true};
+const char* const kSwitchableKernels[] = {
+    "rms_norm_bwd_reg", "rope_repeat",  "attn_res_read", "attn_res_read_v2",
+    "mixed_linear",     "weight_cache", "add_rms_norm",  "adamw_clip"};
 }  // namespace
 
 void set_enabled(bool on) { g_enabled = on; }
 void set_swiglu_recompute(bool on) { g_swiglu_recompute = on; }
+void set_attn_res_read_v2(bool on) { g_read_v2 = on; }
 
 std::set<std::string> parse_kernel_list(const std::string& csv) {
   std::set<std::string> out;
@@ -76,14 +79,37 @@ void check_launch(cudaError_t err, const char* what) {
   VIADUCT_CHECK(err == cudaSuccess, "CUDA kernel ", what, " failed: ", cudaGetErrorString(err));
 }
 
-at::Tensor norm_forward(const at::Tensor& x2, const at::Tensor& w, double eps, at::Tensor& rstd) {
+// res2 defined: normalises h = x2 + res2, written to h (same shape).
+at::Tensor norm_forward(const at::Tensor& x2, const at::Tensor& w, double eps, at::Tensor& rstd,
+                        const at::Tensor& res2 = at::Tensor(), at::Tensor* h = nullptr) {
   auto y = at::empty_like(x2);
   rstd = at::empty({x2.size(0)}, x2.options().dtype(at::kFloat));
-  check_launch(cuda::rms_norm_forward(dtype_of(x2), x2.data_ptr(), w.data_ptr<float>(),
+  if (res2.defined()) *h = at::empty_like(x2);
+  check_launch(cuda::rms_norm_forward(dtype_of(x2), x2.data_ptr(),
+                                      res2.defined() ? res2.data_ptr() : nullptr,
+                                      w.data_ptr<float>(), res2.defined() ? h->data_ptr() : nullptr,
                                       y.data_ptr(), rstd.data_ptr<float>(), x2.size(0),
                                       x2.size(1), static_cast<float>(eps), stream_of(x2)),
                "rms_norm_forward");
   return y;
+}
+
+// The norm's backward; dres2 defined: added to dx (Note [Residual add
+// inside the norm]). Returns dx and dw.
+std::pair<at::Tensor, at::Tensor> norm_backward(const at::Tensor& dy2, const at::Tensor& x2,
+                                                const at::Tensor& w, const at::Tensor& rstd,
+                                                const at::Tensor& dres2) {
+  const auto rows = x2.size(0), D = x2.size(1);
+  auto dx = at::empty_like(x2);
+  auto partial = at::empty({cuda::rms_norm_backward_parts(rows), D},
+                           x2.options().dtype(at::kFloat));
+  check_launch(cuda::rms_norm_backward(dtype_of(x2), dy2.data_ptr(), x2.data_ptr(),
+                                       w.data_ptr<float>(), rstd.data_ptr<float>(),
+                                       dres2.defined() ? dres2.data_ptr() : nullptr,
+                                       dx.data_ptr(), partial.data_ptr<float>(), rows, D,
+                                       !disabled("rms_norm_bwd_reg"), stream_of(x2)),
+               "rms_norm_backward");
+  return {dx, partial.sum(0)};
 }
 
 class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
@@ -103,15 +129,45 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
     const auto &x2 = saved[0], &w = saved[1], &rstd = saved[2];
     const auto rows = x2.size(0), D = x2.size(1);
     auto dy = grads[0].contiguous().view({rows, D}).to(x2.scalar_type());
-    auto dx = at::empty_like(x2);
-    auto partial = at::empty({cuda::rms_norm_backward_parts(rows), D},
-                             x2.options().dtype(at::kFloat));
-    check_launch(cuda::rms_norm_backward(dtype_of(x2), dy.data_ptr(), x2.data_ptr(),
-                                         w.data_ptr<float>(), rstd.data_ptr<float>(),
-                                         dx.data_ptr(), partial.data_ptr<float>(), rows, D,
-                                         !disabled("rms_norm_bwd_reg"), stream_of(x2)),
-                 "rms_norm_backward");
-    return {dx.view(grads[0].sizes()), partial.sum(0), at::Tensor()};
+    auto [dx, dw] = norm_backward(dy, x2, w, rstd, at::Tensor());
+    return {dx.view(grads[0].sizes()), dw, at::Tensor()};
+  }
+};
+
+// Note [Residual add inside the norm]: a block's h = x + attn(...) is
+// normalised for the FFN and also carried on the residual. As two ops, the
+// forward wrote h and read it back for the norm, and the backward wrote
+// the norm's dx, then autograd added the residual's gradient in another
+// kernel (two reads and a write). Here one kernel adds and normalises
+// (h written once), and the norm's backward adds the residual's gradient
+// as it writes dx. Each sum is rounded to the activation type at the point
+// where the two ops rounded it, so the bits are those of the two ops.
+class AddRMSNormFn : public torch::autograd::Function<AddRMSNormFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& res,
+                               const at::Tensor& w, double eps) {
+    const auto D = x.size(-1);
+    auto x2 = x.contiguous().view({-1, D});
+    auto r2 = res.contiguous().view({-1, D});
+    auto wc = w.contiguous();
+    at::Tensor rstd, h2;
+    auto y = norm_forward(x2, wc, eps, rstd, r2, &h2);
+    ctx->save_for_backward({h2, wc, rstd});
+    return {h2.view(x.sizes()), y.view(x.sizes())};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &h2 = saved[0], &w = saved[1], &rstd = saved[2];
+    const auto rows = h2.size(0), D = h2.size(1);
+    const auto sizes = grads[1].defined() ? grads[1].sizes() : grads[0].sizes();
+    auto as_rows = [&](const at::Tensor& g) {
+      return g.defined() ? g.contiguous().view({rows, D}).to(h2.scalar_type()) : g;
+    };
+    auto dres = as_rows(grads[0]);
+    auto dy = grads[1].defined() ? as_rows(grads[1]) : at::zeros_like(h2);
+    auto [dx, dw] = norm_backward(dy, h2, w, rstd, dres);
+    auto out = dx.view(sizes);
+    return {out, out, dw, at::Tensor()};
   }
 };
 
@@ -127,8 +183,10 @@ at::Tensor rope_launch(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   const int64_t H_out = repeat > 0 ? xc.size(2) * rep : xc.size(2) / rep;
   auto y = at::empty({xc.size(0), xc.size(1), H_out, xc.size(3)},
                      xc.options().memory_format(at::MemoryFormat::Contiguous));
-  check_launch(cuda::rope(dtype_of(xc), xc.data_ptr(), cos.data_ptr<float>(),
-                          sin.data_ptr<float>(), y.data_ptr(), xc.size(0), xc.size(1), H_out,
+  // Undefined tables: no rotation (repeat_heads).
+  check_launch(cuda::rope(dtype_of(xc), xc.data_ptr(),
+                          cos.defined() ? cos.data_ptr<float>() : nullptr,
+                          sin.defined() ? sin.data_ptr<float>() : nullptr, y.data_ptr(), xc.size(0), xc.size(1), H_out,
                           xc.size(3), xc.stride(0), xc.stride(1), xc.stride(2), inverse,
                           /*div=*/repeat > 0 ? rep : 1, /*mul=*/repeat > 0 ? 1 : rep,
                           /*cnt=*/repeat > 0 ? 1 : rep, stream_of(xc)),
@@ -150,6 +208,25 @@ class RopeFn : public torch::autograd::Function<RopeFn> {
     return {rope_launch(grads[0], saved[0], saved[1], /*inverse=*/true,
                         repeat == 1 ? 1 : -repeat),
             at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Note [Repeated heads without a gather]: v's grouped heads repeated for
+// SDPA went through repeat_interleave, a strided gather from the qkv GEMM's
+// output at ~0.6 TB/s (1.7 ms of the llama-1B forward, bench/NOTES.md), and
+// its backward through a reduction kernel. The RoPE kernel already writes
+// and sums repeated heads through strides; without tables it does so with
+// no rotation, vectorised.
+class RepeatHeadsFn : public torch::autograd::Function<RepeatHeadsFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t repeat) {
+    ctx->saved_data["repeat"] = repeat;
+    return rope_launch(x, at::Tensor(), at::Tensor(), /*inverse=*/false, repeat);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto repeat = ctx->saved_data["repeat"].toInt();
+    return {rope_launch(grads[0], at::Tensor(), at::Tensor(), /*inverse=*/false, -repeat),
+            at::Tensor()};
   }
 };
 
@@ -238,10 +315,15 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
     auto out = at::empty(src[0].sizes(), src[0].options());
     auto stats = at::empty({3, n, rows}, src[0].options().dtype(at::kFloat));
     auto rstd = stats[0], dot = stats[1], alpha = stats[2];
+    // Note [Fused AttnRes read, warp per row]; the backward takes the same
+    // pair of kernels.
+    const bool warp_per_row = g_read_v2 && !disabled("attn_res_read_v2");
+    ctx->saved_data["warp_per_row"] = warp_per_row;
     check_launch(cuda::attn_res_read_forward(dtype_of(src[0]), ptrs, n, u.data_ptr<float>(),
                                              out.data_ptr(), rstd.data_ptr<float>(),
                                              dot.data_ptr<float>(), alpha.data_ptr<float>(), rows,
-                                             D, static_cast<float>(eps), stream_of(src[0])),
+                                             D, static_cast<float>(eps), warp_per_row,
+                                             stream_of(src[0])),
                  "attn_res_read_forward");
     src.insert(src.end(), {query, norm_weight, rstd, dot, alpha});
     ctx->save_for_backward(src);
@@ -267,12 +349,15 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
                               saved[static_cast<size_t>(i)].options()));
       dptrs.p[i] = out.back().data_ptr();
     }
-    auto partial = at::empty({cuda::attn_res_read_backward_parts(rows), D},
+    const bool warp_per_row = ctx->saved_data["warp_per_row"].toBool();
+    // No rows: the kernels launch nothing, so the parts must start at zero.
+    auto partial = at::empty({cuda::attn_res_read_backward_parts(rows, warp_per_row), D},
                              u.options().dtype(at::kFloat));
+    if (rows == 0) partial.zero_();
     check_launch(cuda::attn_res_read_backward(dtype_of(saved[0]), ptrs, dptrs, n, g.data_ptr(),
                                               u.data_ptr<float>(), rstd.data_ptr<float>(),
                                               dot.data_ptr<float>(), alpha.data_ptr<float>(),
-                                              partial.data_ptr<float>(), rows, D,
+                                              partial.data_ptr<float>(), rows, D, warp_per_row,
                                               stream_of(g)),
                  "attn_res_read_backward");
     auto du = partial.sum(0);
@@ -309,6 +394,25 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
                 "fused rope: x must be [B, T, H, hd] and cos/sin contiguous fp32 [>= T, hd/2]");
   VIADUCT_CHECK(repeat >= 1, "fused rope: repeat must be >= 1, got ", repeat);
   return RopeFn::apply(x, cos, sin, repeat);
+}
+
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& res,
+                                               const at::Tensor& weight, double eps) {
+  RECORD_FUNCTION("viaduct::add_rms_norm", std::vector<c10::IValue>());  // named in profiles
+  VIADUCT_CHECK(x.sizes() == res.sizes() && x.scalar_type() == res.scalar_type() &&
+                    weight.dim() == 1 && weight.size(0) == x.size(-1) &&
+                    weight.scalar_type() == at::kFloat,
+                "fused add_rms_norm: x and res must have one shape and type, weight fp32 [D]");
+  auto out = AddRMSNormFn::apply(x, res, weight, eps);
+  return {out[0], out[1]};
+}
+
+at::Tensor repeat_heads(const at::Tensor& x, int64_t repeat) {
+  RECORD_FUNCTION("viaduct::repeat_heads", std::vector<c10::IValue>());  // named in profiles
+  VIADUCT_CHECK(x.dim() == 4 && repeat >= 1,
+                "fused repeat_heads: x must be [B, T, H, hd] and repeat >= 1");
+  if (repeat == 1) return x;
+  return RepeatHeadsFn::apply(x, repeat);
 }
 
 at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b) {
@@ -360,7 +464,7 @@ at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tenso
 
 void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,
             double beta1, double beta2, double eps, double weight_decay, double bias_corr1,
-            double bias_corr2, const at::Tensor& low) {
+            double bias_corr2, const at::Tensor& low, double grad_scale) {
   for (const at::Tensor* t : {static_cast<const at::Tensor*>(&p), &g, static_cast<const at::Tensor*>(&m),
                                static_cast<const at::Tensor*>(&v)}) {
     VIADUCT_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
@@ -379,7 +483,7 @@ void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, do
                            static_cast<float>(beta1), static_cast<float>(beta2),
                            static_cast<float>(eps), static_cast<float>(weight_decay),
                            static_cast<float>(bias_corr1), static_cast<float>(bias_corr2),
-                           stream_of(p)),
+                           static_cast<float>(grad_scale), stream_of(p)),
                "adamw");
 }
 
@@ -412,6 +516,11 @@ at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double) { no_cuda("rms
 at::Tensor rope(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   no_cuda("rope");
 }
+at::Tensor repeat_heads(const at::Tensor&, int64_t) { no_cuda("repeat_heads"); }
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, double) {
+  no_cuda("add_rms_norm");
+}
 at::Tensor swiglu(const at::Tensor&, const at::Tensor&) { no_cuda("swiglu"); }
 at::Tensor swiglu_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   no_cuda("swiglu_linear");
@@ -423,7 +532,7 @@ at::Tensor attn_res_read(const std::vector<at::Tensor>&, const at::Tensor&, cons
   no_cuda("attn_res_read");
 }
 void adamw_(at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, double, double, double,
-            double, double, double, double, const at::Tensor&) {
+            double, double, double, double, const at::Tensor&, double) {
   no_cuda("adamw");
 }
 

@@ -24,7 +24,9 @@ bool enabled();
 void set_swiglu_recompute(bool on);
 // VIADUCT_DISABLE_KERNELS=name[,name...] turns single fused paths back to
 // their previous form without a rebuild (for measuring or isolating them):
-// rms_norm_bwd_reg, rope_repeat, attn_res_read, mixed_linear, weight_cache
+// rms_norm_bwd_reg, rope_repeat, attn_res_read, attn_res_read_v2 (its
+// warp-per-row kernels), mixed_linear, weight_cache, add_rms_norm,
+// adamw_clip
 // (Note [Low-precision weight cache]). An unknown name is an error.
 bool disabled(const std::string& name);
 // The names of a comma-separated list (empty entries skipped); Error on an
@@ -38,6 +40,11 @@ bool usable(const at::Tensor& x);
 // x * rsqrt(mean(x^2, -1) + eps) * weight over the last dim, returned in x's
 // dtype; weight: fp32 [D]. Saves x and one fp32 per row for the backward.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// (h, rms_norm(h)) for h = x + res, h rounded to x's type as an add rounds:
+// one kernel each way, the bits of the two ops (Note [Residual add inside
+// the norm]).
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& res,
+                                               const at::Tensor& weight, double eps);
 
 // Rotary embedding on interleaved pairs of x: [B, T, H, hd]; cos, sin: fp32
 // [>= T, hd / 2] on x's device. Saves nothing but the tables. repeat > 1
@@ -46,6 +53,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // the backward sums each head's copies in fp32 before rotating back.
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                 int64_t repeat = 1);
+
+// x [B, T, KV, hd] (the last dim contiguous, other strides free) ->
+// contiguous [B, T, KV * repeat, hd], each head written `repeat` times (as
+// repeat_interleave on dim 2); the backward sums each head's copies in
+// fp32 in head order. Note [Repeated heads without a gather].
+at::Tensor repeat_heads(const at::Tensor& x, int64_t repeat);
 
 // silu(a) * b.
 at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b);
@@ -68,16 +81,22 @@ at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets);
 // take these sources (usable(), not disabled, the limits above; false in the
 // CPU build).
 bool attn_res_read_usable(const std::vector<at::Tensor>& sources);
+// Which read kernels attn_res_read launches from here on: one warp a row
+// (true, the default; Note [Fused AttnRes read, warp per row]) or one block
+// a row. VIADUCT_DISABLE_KERNELS=attn_res_read_v2 makes it the latter
+// whatever is set here. For tests comparing the two.
+void set_attn_res_read_v2(bool on);
 at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tensor& query,
                          const at::Tensor& norm_weight, double eps);
 
 // One AdamW step in place on contiguous fp32 CUDA tensors (the formulas of
 // AdamW::step's loop; bias_corr_i = 1 - beta_i^step). `low`, when defined (a
 // contiguous bf16 tensor of p's size), receives the new p cast to bf16 in
-// the same pass (Note [Low-precision weight cache]). Raw writes: the
-// caller bumps p's version.
+// the same pass (Note [Low-precision weight cache]). The update reads
+// g * grad_scale (the clip coefficient, Note [Clip folded into AdamW]); g
+// itself is not written. Raw writes: the caller bumps p's version.
 void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,
             double beta1, double beta2, double eps, double weight_decay, double bias_corr1,
-            double bias_corr2, const at::Tensor& low = at::Tensor());
+            double bias_corr2, const at::Tensor& low = at::Tensor(), double grad_scale = 1.0);
 
 }  // namespace viaduct::kernels

@@ -26,6 +26,15 @@ __device__ __forceinline__ void store(float* p, int64_t i, float v) { p[i] = v; 
 __device__ __forceinline__ void store(__nv_bfloat16* p, int64_t i, float v) {
   p[i] = __float2bfloat16_rn(v);  // round to nearest even, as ATen casts
 }
+// v rounded to T and back: what storing v as T and loading it gives.
+template <typename T>
+__device__ __forceinline__ float round_as(float v) {
+  if constexpr (sizeof(T) == 2) {
+    return __bfloat162float(__float2bfloat16_rn(v));
+  } else {
+    return v;
+  }
+}
 
 // N consecutive values from p + i as floats: one 16-byte access when N
 // values of T fill 16 bytes (the caller guarantees alignment), else scalars.
@@ -96,8 +105,11 @@ __device__ MaxSum block_max_sum(MaxSum v, MaxSum* scratch) {
 
 // Rows are read in groups of N values (16 bytes when the launcher found the
 // rows aligned, else N = 1).
+// With res (Note [Residual add inside the norm]): the normalised row is
+// h = x + res, rounded to T as ATen's add rounds, and h is written too.
 template <typename T, int N>
-__global__ void rms_norm_forward_kernel(const T* __restrict__ x, const float* __restrict__ w,
+__global__ void rms_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ res,
+                                        const float* __restrict__ w, T* __restrict__ h,
                                         T* __restrict__ y, float* __restrict__ rstd,
                                         int64_t dim, float eps) {
   __shared__ float scratch[32];
@@ -108,15 +120,29 @@ __global__ void rms_norm_forward_kernel(const T* __restrict__ x, const float* __
   for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
     float v[N];
     load_n<T, N>(xr, j, v);
+    if (res != nullptr) {
+      float rv[N];
+      load_n<T, N>(res + row * dim, j, rv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] = round_as<T>(v[k] + rv[k]);
+      store_n<T, N>(h + row * dim, j, v);
+    }
 #pragma unroll
     for (int k = 0; k < N; ++k) ss += v[k] * v[k];
   }
+
   ss = block_sum(ss, scratch);
   const float r = rsqrtf(ss / static_cast<float>(dim) + eps);
   if (threadIdx.x == 0) rstd[row] = r;
   for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
     float v[N], wv[N];
     load_n<T, N>(xr, j, v);
+    if (res != nullptr) {  // h again from its inputs (no read back of h)
+      float rv[N];
+      load_n<T, N>(res + row * dim, j, rv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] = round_as<T>(v[k] + rv[k]);
+    }
     load_n<float, N>(w, j, wv);
 #pragma unroll
     for (int k = 0; k < N; ++k) v[k] = (v[k] * r) * wv[k];
@@ -124,10 +150,23 @@ __global__ void rms_norm_forward_kernel(const T* __restrict__ x, const float* __
   }
 }
 
+// With dres (Note [Residual add inside the norm]): dx = dres + the norm's
+// dx rounded to T, the sum autograd formed for h's two uses, same bits.
+template <typename T, int N>
+__device__ __forceinline__ void add_residual_grad(const T* dres, int64_t row, int64_t dim,
+                                                  int64_t j, float (&out)[N]) {
+  if (dres == nullptr) return;
+  float dr[N];
+  load_n<T, N>(dres + row * dim, j, dr);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = dr[k] + round_as<T>(out[k]);
+}
+
 template <typename T, int N>
 __global__ void rms_norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                          const float* __restrict__ w,
-                                         const float* __restrict__ rstd, T* __restrict__ dx,
+                                         const float* __restrict__ rstd,
+                                         const T* __restrict__ dres, T* __restrict__ dx,
                                          float* __restrict__ dw_partial, int64_t rows,
                                          int64_t dim) {
   __shared__ float scratch[32];
@@ -161,6 +200,7 @@ __global__ void rms_norm_backward_kernel(const T* __restrict__ dy, const T* __re
         const float d = g[k] * xv[k] * r;
         pw[k] = first ? d : pw[k] + d;  // this block alone owns `part`
       }
+      add_residual_grad<T, N>(dres, row, dim, j, out);
       store_n<T, N>(dxr, j, out);
       store_n<float, N>(part, j, pw);
     }
@@ -180,7 +220,8 @@ __global__ void rms_norm_backward_kernel(const T* __restrict__ dy, const T* __re
 template <typename T, int N, int ITERS>
 __global__ void rms_norm_backward_reg_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                              const float* __restrict__ w,
-                                             const float* __restrict__ rstd, T* __restrict__ dx,
+                                             const float* __restrict__ rstd,
+                                             const T* __restrict__ dres, T* __restrict__ dx,
                                              float* __restrict__ dw_partial, int64_t rows,
                                              int64_t dim) {
   __shared__ float scratch[32];
@@ -220,6 +261,7 @@ __global__ void rms_norm_backward_reg_kernel(const T* __restrict__ dy, const T* 
           const float d = g[it][k] * xv[it][k] * r;
           pw[it][k] = first ? d : pw[it][k] + d;
         }
+        add_residual_grad<T, N>(dres, row, dim, j, out);
         store_n<T, N>(dxr, j, out);
       }
     }
@@ -245,6 +287,9 @@ __global__ void rms_norm_backward_reg_kernel(const T* __restrict__ dy, const T* 
 // order, in fp32): (1, 1, 1) is a plain rotation; (rep, 1, 1) writes each
 // input head rep times (grouped KV heads repeated for attention); (1, rep,
 // rep) sums rep heads (the repeat's backward).
+// cos_t == nullptr: no rotation (the heads copied or summed as above; v's
+// grouped heads repeated for attention, Note [Repeated heads without a
+// gather]).
 template <typename T, int N>
 __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ cos_t,
                             const float* __restrict__ sin_t, T* __restrict__ y, int64_t groups,
@@ -268,12 +313,17 @@ __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ c
 #pragma unroll
       for (int k = 0; k < N; ++k) v[k] += u[k];
     }
+    if (cos_t == nullptr) {  // no rotation: the heads copied or summed
 #pragma unroll
-    for (int k = 0; k < N; k += 2) {
-      const int64_t i = t * half + (d + k) / 2;
-      const float c = cos_t[i], sn = sign * sin_t[i];
-      o[k] = v[k] * c - v[k + 1] * sn;
-      o[k + 1] = v[k] * sn + v[k + 1] * c;
+      for (int k = 0; k < N; ++k) o[k] = v[k];
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; k += 2) {
+        const int64_t i = t * half + (d + k) / 2;
+        const float c = cos_t[i], sn = sign * sin_t[i];
+        o[k] = v[k] * c - v[k + 1] * sn;
+        o[k + 1] = v[k] * sn + v[k + 1] * c;
+      }
     }
     store_n<T, N>(y, g * N, o);
   }
@@ -435,6 +485,515 @@ __global__ void attn_res_read_backward_kernel(ReadSources src, ReadGrads dsrc, i
   }
 }
 
+// Note [Fused AttnRes read, warp per row]: the read's second form (on by
+// default; VIADUCT_DISABLE_KERNELS=attn_res_read_v2 goes back to the
+// block-per-row kernels above). The block-per-row form is latency-bound:
+// each row waits on two block barriers and a softmax that one thread runs
+// while the other 255 idle, so few loads are in flight (on an H200 at 8192
+// rows x 2048 bf16: 97 us forward and 157 us backward a read, against ~32
+// and ~56 us of memory traffic at 4 TB/s). Here a warp owns a row, blocks
+// of kReadWarps independent warps, and no block barrier sits on a row's
+// path. A sum over the row is the lane's columns in order, then a shuffle
+// butterfly (warp_sum), which leaves the same bits in every lane, so every
+// lane runs the n-source softmax itself; per-source scalars of the row are
+// spread over the lanes (LaneSlots). Rows of up to kReadWords 16-byte words
+// a lane (dim <= 2048 in bf16, 1024 in fp32; rows read in words, see
+// VIADUCT_DISPATCH_VEC) stay in registers:
+//  - forward: each source is read once. An online softmax (running max m,
+//    rescaled sum z) accumulates sum_i exp(logit_i - m) v_i in registers;
+//    out = that / z, alpha_i = exp(logit_i - m) / z. Traffic: n + 1 rows,
+//    the roofline's.
+//  - backward: g stays in registers; pass 1 reads the sources for g . v_i,
+//    each lane computes the coefficients of the sources in its slots, and
+//    pass 2 re-reads the sources (mostly from L2) for dv_i. du accumulates
+//    per warp over its rows in shared memory (in registers it would cost
+//    a block per SM); the block adds its warps' sums in warp order and
+//    writes one du_partial row (kReadRowsPerPart rows a part).
+// Longer rows take the loop forms: the forward's second pass re-reads the
+// sources for the alpha-weighted sum; the backward finds each warp's row's
+// coefficients, then the whole block walks its kReadWarps rows by column
+// groups, adding du into its du_partial row (one barrier pair per
+// kReadWarps rows). Every sum has a fixed order (lane columns, butterfly,
+// sources, each warp's rows, warps), so runs are bitwise reproducible; the
+// statistics are the same bits in both forms, the outputs agree with the
+// block-per-row kernels to rounding, not bitwise. Expected, not yet
+// measured: 16 warps an SM forward and 12 backward with a source's 4 KiB
+// slice of a row in flight per warp, enough to stream near the roofline:
+// about 40 us forward and 70-80 us backward at the shape above, 2x or more
+// over the block-per-row form.
+constexpr int kReadWarps = 4;         // rows in flight per block
+constexpr int kReadWords = 8;         // register forms: 16-byte words of a row per lane
+// Backward: rows per block, so per du_partial row. Fewer rows a block
+// shorten the tail of the last wave of blocks; more shrink du_partial.
+constexpr int kReadRowsPerPart = 8;
+// Register caps of the register forms (4 and 3 blocks of kReadWarps warps
+// an SM, no spills at sm_90a): the forward holds sum_i e_i v_i
+// (kReadWords * 16 / sizeof(T) floats a lane) and a source's slice, the
+// backward g's and a source's slices (du is in shared memory).
+constexpr int kReadForwardBlocksPerSM = 4;
+constexpr int kReadBackwardBlocksPerSM = 3;
+static_assert(kMaxReadSources <= 64, "LaneSlots hold two sources a lane");
+
+// Sum over the warp by a butterfly: every lane ends with the same bits
+// (each step adds the same two values, in either order).
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// One float per source of a row, spread over a warp: source i's in lane
+// i % 32, slot i / 32. get() is a shuffle, so every lane must call it.
+struct LaneSlots {
+  float s0 = 0.f, s1 = 0.f;
+  __device__ __forceinline__ void set(int i, int lane, float v) {
+    if (lane == (i & 31)) {
+      if (i < 32) {
+        s0 = v;
+      } else {
+        s1 = v;
+      }
+    }
+  }
+  __device__ __forceinline__ float get(int i) const {
+    return __shfl_sync(0xffffffffu, i < 32 ? s0 : s1, i & 31);
+  }
+};
+
+// N values of T as loaded, unconverted (a bf16 row slice kept between
+// passes takes half the registers of its floats).
+template <typename T, int N, bool kWord = N * sizeof(T) == 16>
+struct Packed {
+  T v[N];
+};
+template <typename T, int N>
+struct Packed<T, N, true> {
+  uint4 w;
+};
+template <typename T, int N>
+__device__ __forceinline__ Packed<T, N> load_packed(const T* p, int64_t i) {
+  Packed<T, N> r;
+  if constexpr (N * sizeof(T) == 16) {
+    r.w = *reinterpret_cast<const uint4*>(p + i);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) r.v[k] = p[i + k];
+  }
+  return r;
+}
+template <typename T, int N>
+__device__ __forceinline__ void unpack(const Packed<T, N>& r, float (&out)[N]) {
+  if constexpr (N * sizeof(T) == 16) {
+    const T* e = reinterpret_cast<const T*>(&r.w);
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = load(e, k);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = load(r.v, k);
+  }
+}
+// Makes a held word opaque to the compiler: without it, the floats of a
+// slice unpacked twice (or in a loop) are kept live from the first unpack,
+// twice the registers of the packed bf16.
+template <typename T, int N>
+__device__ __forceinline__ void keep_packed(Packed<T, N>& r) {
+  static_assert(N * sizeof(T) == 16, "register forms hold 16-byte words");
+  asm volatile("" : "+r"(r.w.x), "+r"(r.w.y), "+r"(r.w.z), "+r"(r.w.w));
+}
+// N floats from p + i, 16 bytes at a time when N is a multiple of 4 (the
+// caller guarantees alignment), else one at a time.
+template <int N>
+__device__ __forceinline__ void load_f32(const float* p, int64_t i, float (&out)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int q = 0; q < N / 4; ++q) {
+      const float4 w = *reinterpret_cast<const float4*>(p + i + 4 * q);
+      out[4 * q] = w.x;
+      out[4 * q + 1] = w.y;
+      out[4 * q + 2] = w.z;
+      out[4 * q + 3] = w.w;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = p[i + k];
+  }
+}
+
+// The warp's row's logit for source i from the lanes' partial sums; writes
+// its rstd and dot.
+__device__ __forceinline__ float read_logit(float ss, float dt, int i, int lane, int64_t row,
+                                           int64_t rows, int64_t dim, float eps,
+                                           float* __restrict__ rstd, float* __restrict__ dot) {
+  ss = warp_sum(ss);
+  dt = warp_sum(dt);
+  const float r = rsqrtf(ss / static_cast<float>(dim) + eps);
+  if (lane == 0) {
+    rstd[i * rows + row] = r;
+    dot[i * rows + row] = dt;
+  }
+  return r * dt;
+}
+
+// Register form: dim <= 32 * N * ITERS. Lane columns: lane * N + it * 32 * N
+// + k (constant offsets from a per-row base; `rem` bounds a partial row).
+template <typename T, int N, int ITERS>
+__global__ void __launch_bounds__(kReadWarps * 32, kReadForwardBlocksPerSM)
+    attn_res_read_forward_warp_kernel(ReadSources src, int n, const float* __restrict__ u,
+                                      T* __restrict__ out, float* __restrict__ rstd,
+                                      float* __restrict__ dot, float* __restrict__ alpha,
+                                      int64_t rows, int64_t dim, float eps) {
+  constexpr int kStride = 32 * N;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kReadWarps + (threadIdx.x >> 5);
+  if (row >= rows) return;  // the whole warp; nothing below waits on the block
+  const int64_t base = row * dim + lane * N;
+  const int rem = static_cast<int>(dim) - lane * N;  // this lane's columns: it * kStride < rem
+  const float* ul = u + lane * N;
+  float acc[ITERS][N];  // sum_i exp(logit_i - m) v_i
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) acc[it][k] = 0.f;
+  }
+  float m = -INFINITY, z = 0.f;
+  LaneSlots logit;
+  for (int i = 0; i < n; ++i) {
+    const T* v = static_cast<const T*>(src.p[i]) + base;
+    Packed<T, N> x[ITERS];
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {  // every load of the slice in flight at once
+      if (it * kStride < rem) x[it] = load_packed<T, N>(v, it * kStride);
+    }
+    float ss = 0.f, dt = 0.f;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      if (it * kStride < rem) {
+        float xf[N], uu[N];
+        unpack(x[it], xf);
+        load_f32<N>(ul, it * kStride, uu);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          ss += xf[k] * xf[k];
+          dt += xf[k] * uu[k];
+        }
+      }
+    }
+    const float l = read_logit(ss, dt, i, lane, row, rows, dim, eps, rstd, dot);
+    logit.set(i, lane, l);
+    const float m_new = fmaxf(m, l);
+    const float scale = expf(m - m_new), e = expf(l - m_new);  // scale = 0 for i = 0
+    z = z * scale + e;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      if (it * kStride < rem) {
+        float xf[N];
+        keep_packed(x[it]);
+        unpack(x[it], xf);
+#pragma unroll
+        for (int k = 0; k < N; ++k) acc[it][k] = acc[it][k] * scale + e * xf[k];
+      }
+    }
+    m = m_new;
+  }
+  if (lane < n) alpha[lane * rows + row] = expf(logit.s0 - m) / z;
+  if (lane + 32 < n) alpha[(lane + 32) * rows + row] = expf(logit.s1 - m) / z;
+  const float inv_z = 1.f / z;
+  T* o = out + base;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    if (it * kStride < rem) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) acc[it][k] *= inv_z;
+      store_n<T, N>(o, it * kStride, acc[it]);
+    }
+  }
+}
+
+// Loop form, any dim: the same statistics (same order), then a second pass
+// over the sources for sum_i alpha_i v_i.
+template <typename T, int N>
+__global__ void __launch_bounds__(kReadWarps * 32)
+    attn_res_read_forward_warp_loop_kernel(ReadSources src, int n, const float* __restrict__ u,
+                                           T* __restrict__ out, float* __restrict__ rstd,
+                                           float* __restrict__ dot, float* __restrict__ alpha,
+                                           int64_t rows, int64_t dim, float eps) {
+  __shared__ float a_sh[kReadWarps][kMaxReadSources];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kReadWarps + warp;
+  if (row >= rows) return;
+  float m = -INFINITY, z = 0.f;
+  LaneSlots logit;
+  for (int i = 0; i < n; ++i) {
+    const T* v = static_cast<const T*>(src.p[i]) + row * dim;
+    float ss = 0.f, dt = 0.f;
+    for (int64_t j = lane * static_cast<int64_t>(N); j < dim; j += 32 * N) {
+      float x[N], uu[N];
+      load_n<T, N>(v, j, x);
+      load_f32<N>(u, j, uu);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        ss += x[k] * x[k];
+        dt += x[k] * uu[k];
+      }
+    }
+    const float l = read_logit(ss, dt, i, lane, row, rows, dim, eps, rstd, dot);
+    logit.set(i, lane, l);
+    const float m_new = fmaxf(m, l);
+    z = z * expf(m - m_new) + expf(l - m_new);
+    m = m_new;
+  }
+  if (lane < n) {
+    a_sh[warp][lane] = expf(logit.s0 - m) / z;
+    alpha[lane * rows + row] = a_sh[warp][lane];
+  }
+  if (lane + 32 < n) {
+    a_sh[warp][lane + 32] = expf(logit.s1 - m) / z;
+    alpha[(lane + 32) * rows + row] = a_sh[warp][lane + 32];
+  }
+  __syncwarp();
+  T* o = out + row * dim;
+  for (int64_t j = lane * static_cast<int64_t>(N); j < dim; j += 32 * N) {
+    float acc[N];
+    for (int i = 0; i < n; ++i) {
+      float x[N];
+      load_n<T, N>(static_cast<const T*>(src.p[i]) + row * dim, j, x);
+      const float a = a_sh[warp][i];
+#pragma unroll
+      for (int k = 0; k < N; ++k) acc[k] = i == 0 ? a * x[k] : acc[k] + a * x[k];
+    }
+    store_n<T, N>(o, j, acc);
+  }
+}
+
+// The backward's per-source coefficients of the warp's row (Note [Fused
+// AttnRes read]'s formulas), for the sources in this lane's slots: pass 1
+// (g . v_i for every source, in order) given the row's statistics.
+struct ReadCoefficients {
+  LaneSlots al, dd, dr;  // alpha_i; dlogit_i rstd_i; dlogit_i dot_i rstd_i^3 / dim
+};
+__device__ __forceinline__ ReadCoefficients read_coefficients(const LaneSlots& da, float mean,
+                                                              const LaneSlots& al,
+                                                              const LaneSlots& rs,
+                                                              const LaneSlots& dt, int64_t dim) {
+  ReadCoefficients c;
+  c.al = al;
+  const float dl0 = al.s0 * (da.s0 - mean), dl1 = al.s1 * (da.s1 - mean);
+  c.dd.s0 = dl0 * rs.s0;
+  c.dd.s1 = dl1 * rs.s1;
+  c.dr.s0 = dl0 * dt.s0 * rs.s0 * rs.s0 * rs.s0 / static_cast<float>(dim);
+  c.dr.s1 = dl1 * dt.s1 * rs.s1 * rs.s1 * rs.s1 / static_cast<float>(dim);
+  return c;
+}
+// The row's forward statistics, source i in lane slot i.
+__device__ __forceinline__ void load_read_stats(const float* __restrict__ stat, int n, int lane,
+                                                int64_t row, int64_t rows, LaneSlots& out) {
+  if (lane < n) out.s0 = stat[lane * rows + row];
+  if (lane + 32 < n) out.s1 = stat[(lane + 32) * rows + row];
+}
+
+// Register form: dim <= 32 * N * ITERS, columns as in the forward's. Warp w
+// of block b takes rows b * kReadWarps + w + k * gridDim.x * kReadWarps.
+template <typename T, int N, int ITERS>
+__global__ void __launch_bounds__(kReadWarps * 32, kReadBackwardBlocksPerSM)
+    attn_res_read_backward_warp_kernel(ReadSources src, ReadGrads dsrc, int n,
+                                       const T* __restrict__ g, const float* __restrict__ u,
+                                       const float* __restrict__ rstd,
+                                       const float* __restrict__ dot,
+                                       const float* __restrict__ alpha,
+                                       float* __restrict__ du_partial, int64_t rows,
+                                       int64_t dim) {
+  constexpr int kStride = 32 * N, kQuads = N / 4;
+  static_assert(N % 4 == 0, "du is held in float4s");
+  // Each warp's du over its rows, in shared memory (registers hold g and a
+  // source's slice): [warp][it * kQuads + q][lane] holds columns lane * N +
+  // it * kStride + 4 q + (0..3), so a warp's accesses are contiguous.
+  __shared__ float4 du_sh[kReadWarps][ITERS * kQuads][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rem = static_cast<int>(dim) - lane * N;  // this lane's columns: it * kStride < rem
+  const float* ul = u + lane * N;
+#pragma unroll
+  for (int q = 0; q < ITERS * kQuads; ++q) du_sh[warp][q][lane] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kReadWarps;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kReadWarps + warp; row < rows;
+       row += step) {
+    const int64_t base = row * dim + lane * N;
+    Packed<T, N> gp[ITERS];
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      if (it * kStride < rem) gp[it] = load_packed<T, N>(g + base, it * kStride);
+    }
+    LaneSlots al, rs, dt, da;
+    load_read_stats(alpha, n, lane, row, rows, al);
+    load_read_stats(rstd, n, lane, row, rows, rs);
+    load_read_stats(dot, n, lane, row, rows, dt);
+    float mean = 0.f;  // sum_j alpha_j g . v_j
+    for (int i = 0; i < n; ++i) {
+      const T* v = static_cast<const T*>(src.p[i]) + base;
+      Packed<T, N> x[ITERS];
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        if (it * kStride < rem) x[it] = load_packed<T, N>(v, it * kStride);
+      }
+      float s = 0.f;
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        if (it * kStride < rem) {
+          float xf[N], gf[N];
+          unpack(x[it], xf);
+          keep_packed(gp[it]);
+          unpack(gp[it], gf);
+#pragma unroll
+          for (int k = 0; k < N; ++k) s += gf[k] * xf[k];
+        }
+      }
+      s = warp_sum(s);
+      da.set(i, lane, s);
+      mean += al.get(i) * s;
+    }
+    const ReadCoefficients c = read_coefficients(da, mean, al, rs, dt, dim);
+    for (int i = 0; i < n; ++i) {
+      const T* v = static_cast<const T*>(src.p[i]) + base;
+      T* dv = static_cast<T*>(dsrc.p[i]) + base;
+      const float a = c.al.get(i), cd = c.dd.get(i), cr = c.dr.get(i);
+      Packed<T, N> x[ITERS];
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {  // all loads before the first store (dv may alias)
+        if (it * kStride < rem) x[it] = load_packed<T, N>(v, it * kStride);
+      }
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        if (it * kStride < rem) {
+          float xf[N], gf[N], uu[N], o[N];
+          unpack(x[it], xf);
+          keep_packed(gp[it]);
+          unpack(gp[it], gf);
+          load_f32<N>(ul, it * kStride, uu);
+#pragma unroll
+          for (int k = 0; k < N; ++k) o[k] = a * gf[k] + cd * uu[k] - cr * xf[k];
+          store_n<T, N>(dv, it * kStride, o);
+#pragma unroll
+          for (int q = 0; q < kQuads; ++q) {
+            float4& d = du_sh[warp][it * kQuads + q][lane];
+            d.x += cd * xf[4 * q];
+            d.y += cd * xf[4 * q + 1];
+            d.z += cd * xf[4 * q + 2];
+            d.w += cd * xf[4 * q + 3];
+          }
+        }
+      }
+    }
+  }
+  // The block's part: ((warp 0 + warp 1) + warp 2) + ... per column (every
+  // warp comes here: no early exit above).
+  __syncthreads();
+  float* part = du_partial + static_cast<int64_t>(blockIdx.x) * dim;
+  for (int t = threadIdx.x; t < ITERS * kQuads * 32; t += blockDim.x) {
+    const int l = t & 31, q = t >> 5;  // q = it * kQuads + quad
+    const int col = l * N + (q / kQuads) * kStride + (q % kQuads) * 4;
+    if (col < dim) {
+      float4 sum = du_sh[0][q][l];
+#pragma unroll
+      for (int w = 1; w < kReadWarps; ++w) {
+        const float4 d = du_sh[w][q][l];
+        sum.x += d.x;
+        sum.y += d.y;
+        sum.z += d.z;
+        sum.w += d.w;
+      }
+      *reinterpret_cast<float4*>(part + col) = sum;
+    }
+  }
+}
+
+// Loop form, any dim: each warp finds its row's coefficients (pass 1 as in
+// the register form), then the block walks its kReadWarps rows by column
+// groups (thread t: columns t * N + q * blockDim.x * N), adding du into its
+// du_partial row, which only that thread touches.
+template <typename T, int N>
+__global__ void __launch_bounds__(kReadWarps * 32)
+    attn_res_read_backward_warp_loop_kernel(ReadSources src, ReadGrads dsrc, int n,
+                                            const T* __restrict__ g,
+                                            const float* __restrict__ u,
+                                            const float* __restrict__ rstd,
+                                            const float* __restrict__ dot,
+                                            const float* __restrict__ alpha,
+                                            float* __restrict__ du_partial, int64_t rows,
+                                            int64_t dim) {
+  __shared__ float coef[kReadWarps][3][kMaxReadSources];  // each warp's row: al, dd, dr
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* part = du_partial + static_cast<int64_t>(blockIdx.x) * dim;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kReadWarps;
+  bool first = true;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kReadWarps; base < rows; base += step) {
+    const int64_t row = base + warp;
+    if (row < rows) {
+      const T* gr = g + row * dim;
+      LaneSlots al, rs, dt, da;
+      load_read_stats(alpha, n, lane, row, rows, al);
+      load_read_stats(rstd, n, lane, row, rows, rs);
+      load_read_stats(dot, n, lane, row, rows, dt);
+      float mean = 0.f;
+      for (int i = 0; i < n; ++i) {
+        const T* v = static_cast<const T*>(src.p[i]) + row * dim;
+        float s = 0.f;
+        for (int64_t j = lane * static_cast<int64_t>(N); j < dim; j += 32 * N) {
+          float x[N], gg[N];
+          load_n<T, N>(v, j, x);
+          load_n<T, N>(gr, j, gg);
+#pragma unroll
+          for (int k = 0; k < N; ++k) s += gg[k] * x[k];
+        }
+        s = warp_sum(s);
+        da.set(i, lane, s);
+        mean += al.get(i) * s;
+      }
+      const ReadCoefficients c = read_coefficients(da, mean, al, rs, dt, dim);
+      if (lane < n) {
+        coef[warp][0][lane] = c.al.s0;
+        coef[warp][1][lane] = c.dd.s0;
+        coef[warp][2][lane] = c.dr.s0;
+      }
+      if (lane + 32 < n) {
+        coef[warp][0][lane + 32] = c.al.s1;
+        coef[warp][1][lane + 32] = c.dd.s1;
+        coef[warp][2][lane + 32] = c.dr.s1;
+      }
+    }
+    __syncthreads();
+    for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
+      float uu[N], acc[N];
+      load_f32<N>(u, j, uu);
+      if (first) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) acc[k] = 0.f;
+      } else {
+        load_f32<N>(part, j, acc);
+      }
+      for (int w = 0; w < kReadWarps && base + w < rows; ++w) {
+        const int64_t r = base + w;
+        float gg[N];
+        load_n<T, N>(g + r * dim, j, gg);
+        for (int i = 0; i < n; ++i) {
+          float x[N], o[N];
+          load_n<T, N>(static_cast<const T*>(src.p[i]) + r * dim, j, x);
+          const float a = coef[w][0][i], cd = coef[w][1][i], cr = coef[w][2][i];
+#pragma unroll
+          for (int k = 0; k < N; ++k) {
+            o[k] = a * gg[k] + cd * uu[k] - cr * x[k];
+            acc[k] += cd * x[k];
+          }
+          store_n<T, N>(static_cast<T*>(dsrc.p[i]) + r * dim, j, o);
+        }
+      }
+      store_n<float, N>(part, j, acc);
+    }
+    first = false;
+    __syncthreads();  // coef is rewritten by the next rows
+  }
+  if (first) {  // no rows for this block: its part is empty
+    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) part[j] = 0.f;
+  }
+}
+
 __device__ __forceinline__ float sigmoid(float a) { return 1.f / (1.f + __expf(-a)); }
 
 // Elementwise over `groups` groups of N values (see load_n).
@@ -520,7 +1079,7 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
                              float* __restrict__ m, float* __restrict__ v,
                              __nv_bfloat16* __restrict__ low, int64_t groups, float decay,
                              float beta1, float beta2, float step_size, float inv_bc2_sqrt,
-                             float eps) {
+                             float eps, float grad_scale) {
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < groups;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float pv[N], gv[N], mv[N], vv[N];
@@ -530,6 +1089,10 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
     load_n<float, N>(v, k * N, vv);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
+      // The clip coefficient (Note [Clip folded into AdamW]): rounded on its
+      // own, as ATen's in-place multiply of the gradient rounds it, never
+      // contracted into the lerp's multiply-add.
+      gv[j] = __fmul_rn(gv[j], grad_scale);
       pv[j] *= decay;
       mv[j] += (1.f - beta1) * (gv[j] - mv[j]);  // lerp toward g
       vv[j] = vv[j] * beta2 + (1.f - beta2) * gv[j] * gv[j];
@@ -602,14 +1165,18 @@ bool device_supported(int device) {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 int64_t group_of(DType dt) { return dt == DType::kFloat32 ? 4 : 8; }
 
-cudaError_t rms_norm_forward(DType dt, const void* x, const float* w, void* y, float* rstd,
-                             int64_t rows, int64_t dim, float eps, cudaStream_t stream) {
+cudaError_t rms_norm_forward(DType dt, const void* x, const void* res, const float* w,
+                             void* h, void* y, float* rstd, int64_t rows, int64_t dim, float eps,
+                             cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  const bool vec = dim % group_of(dt) == 0 && aligned16(x) && aligned16(y) && aligned16(w);
+  if ((res == nullptr) != (h == nullptr)) return cudaErrorInvalidValue;
+  const bool vec = dim % group_of(dt) == 0 && aligned16(x) && aligned16(y) && aligned16(w) &&
+                   aligned16(res) && aligned16(h);
   VIADUCT_DISPATCH_VEC(dt, vec,
                        rms_norm_forward_kernel<T, N><<<static_cast<unsigned>(rows), kRowThreads,
                                                        0, stream>>>(
-                           static_cast<const T*>(x), w, static_cast<T*>(y), rstd, dim, eps));
+                           static_cast<const T*>(x), static_cast<const T*>(res), w,
+                           static_cast<T*>(h), static_cast<T*>(y), rstd, dim, eps));
   return cudaGetLastError();
 }
 
@@ -621,11 +1188,12 @@ int64_t rms_norm_backward_parts(int64_t rows) {
 }
 
 cudaError_t rms_norm_backward(DType dt, const void* dy, const void* x, const float* w,
-                              const float* rstd, void* dx, float* dw_partial, int64_t rows,
-                              int64_t dim, bool register_form, cudaStream_t stream) {
+                              const float* rstd, const void* dres, void* dx, float* dw_partial,
+                              int64_t rows, int64_t dim, bool register_form,
+                              cudaStream_t stream) {
   const auto parts = static_cast<unsigned>(rms_norm_backward_parts(rows));
   const bool vec = dim % group_of(dt) == 0 && aligned16(dy) && aligned16(x) && aligned16(w) &&
-                   aligned16(dx) && aligned16(dw_partial);
+                   aligned16(dx) && aligned16(dw_partial) && aligned16(dres);
   // Rows of up to 2 slices per thread take the register form (4 slices of 8
   // bf16 need 128 registers a thread: too few blocks per SM); the kernels
   // share one signature.
@@ -637,9 +1205,9 @@ cudaError_t rms_norm_backward(DType dt, const void* dy, const void* x, const flo
       } else if (register_form && dim <= 2 * per_pass) {
         kernel = rms_norm_backward_reg_kernel<T, N, 2>;
       }
-      kernel<<<parts, kRowThreads, 0, stream>>>(static_cast<const T*>(dy),
-                                                static_cast<const T*>(x), w, rstd,
-                                                static_cast<T*>(dx), dw_partial, rows, dim));
+      kernel<<<parts, kRowThreads, 0, stream>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(x), w, rstd,
+          static_cast<const T*>(dres), static_cast<T*>(dx), dw_partial, rows, dim));
   return cudaGetLastError();
 }
 
@@ -666,11 +1234,32 @@ cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin, vo
   return cudaGetLastError();
 }
 
-int64_t attn_res_read_backward_parts(int64_t rows) {
-  return rows < 1 ? 1 : (rows > 1024 ? 1024 : rows);
+// Block per row: one part per block, up to 1024 blocks. Warp per row:
+// kReadRowsPerPart rows a block, up to 1024 blocks (8 MiB of fp32 partials
+// at dim 2048; each warp takes more rows beyond that).
+int64_t attn_res_read_backward_parts(int64_t rows, bool warp_per_row) {
+  const int64_t parts = warp_per_row ? (rows + kReadRowsPerPart - 1) / kReadRowsPerPart : rows;
+  return parts < 1 ? 1 : (parts > 1024 ? 1024 : parts);
 }
 
 namespace {
+// The register form where a lane's words hold the row (rows read in
+// 16-byte words, dim <= 32 * kReadWords * N), else the loop form.
+template <typename T, int N>
+auto read_forward_warp_kernel(int64_t dim) {
+  if constexpr (N * sizeof(T) == 16) {
+    if (dim <= 32 * kReadWords * N) return attn_res_read_forward_warp_kernel<T, N, kReadWords>;
+  }
+  return attn_res_read_forward_warp_loop_kernel<T, N>;
+}
+template <typename T, int N>
+auto read_backward_warp_kernel(int64_t dim) {
+  if constexpr (N * sizeof(T) == 16) {
+    if (dim <= 32 * kReadWords * N) return attn_res_read_backward_warp_kernel<T, N, kReadWords>;
+  }
+  return attn_res_read_backward_warp_loop_kernel<T, N>;
+}
+
 bool read_vectorisable(DType dt, const void* const* p, int n, int64_t dim) {
   if (dim % group_of(dt) != 0) return false;
   for (int i = 0; i < n; ++i) {
@@ -682,10 +1271,18 @@ bool read_vectorisable(DType dt, const void* const* p, int n, int64_t dim) {
 
 cudaError_t attn_res_read_forward(DType dt, const ReadSources& src, int n, const float* u,
                                   void* out, float* rstd, float* dot, float* alpha, int64_t rows,
-                                  int64_t dim, float eps, cudaStream_t stream) {
+                                  int64_t dim, float eps, bool warp_per_row, cudaStream_t stream) {
   if (n < 1 || n > kMaxReadSources) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   const bool vec = read_vectorisable(dt, src.p, n, dim) && aligned16(u) && aligned16(out);
+  if (warp_per_row) {  // Note [Fused AttnRes read, warp per row]
+    const int64_t blocks = (rows + kReadWarps - 1) / kReadWarps;
+    if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+    VIADUCT_DISPATCH_VEC(dt, vec, auto kernel = read_forward_warp_kernel<T, N>(dim);
+                         kernel<<<static_cast<unsigned>(blocks), kReadWarps * 32, 0, stream>>>(
+                             src, n, u, static_cast<T*>(out), rstd, dot, alpha, rows, dim, eps));
+    return cudaGetLastError();
+  }
   const unsigned grid = static_cast<unsigned>(rows < 65535 ? rows : 65535);
   const size_t smem = sizeof(float) * (static_cast<size_t>(kRowThreads / 32) * n * 2 + n);
   VIADUCT_DISPATCH_VEC(dt, vec,
@@ -697,13 +1294,21 @@ cudaError_t attn_res_read_forward(DType dt, const ReadSources& src, int n, const
 cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadGrads& dsrc,
                                    int n, const void* g, const float* u, const float* rstd,
                                    const float* dot, const float* alpha, float* du_partial,
-                                   int64_t rows, int64_t dim, cudaStream_t stream) {
+                                   int64_t rows, int64_t dim, bool warp_per_row,
+                                   cudaStream_t stream) {
   if (n < 1 || n > kMaxReadSources) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   bool vec = read_vectorisable(dt, src.p, n, dim) && aligned16(g) && aligned16(u) &&
              aligned16(du_partial);
   for (int i = 0; i < n; ++i) vec = vec && aligned16(dsrc.p[i]);
-  const auto grid = static_cast<unsigned>(attn_res_read_backward_parts(rows));
+  const auto grid = static_cast<unsigned>(attn_res_read_backward_parts(rows, warp_per_row));
+  if (warp_per_row) {  // Note [Fused AttnRes read, warp per row]
+    VIADUCT_DISPATCH_VEC(dt, vec, auto kernel = read_backward_warp_kernel<T, N>(dim);
+                         kernel<<<grid, kReadWarps * 32, 0, stream>>>(
+                             src, dsrc, n, static_cast<const T*>(g), u, rstd, dot, alpha,
+                             du_partial, rows, dim));
+    return cudaGetLastError();
+  }
   const size_t smem = sizeof(float) * (static_cast<size_t>(kRowThreads / 32) * n + 3 * n);
   VIADUCT_DISPATCH_VEC(dt, vec,
                        attn_res_read_backward_kernel<T, N><<<grid, kRowThreads, smem, stream>>>(
@@ -752,7 +1357,7 @@ cudaError_t cross_entropy_forward_backward(DType dt, void* logits, const int64_t
 
 cudaError_t adamw(float* p, const float* g, float* m, float* v, void* low_bf16, int64_t n,
                   float lr, float beta1, float beta2, float eps, float weight_decay,
-                  float bias_corr1, float bias_corr2, cudaStream_t stream) {
+                  float bias_corr1, float bias_corr2, float grad_scale, cudaStream_t stream) {
   auto* low = static_cast<__nv_bfloat16*>(low_bf16);
   if (n == 0) return cudaSuccess;
   const float decay = 1.f - lr * weight_decay;
@@ -760,10 +1365,10 @@ cudaError_t adamw(float* p, const float* g, float* m, float* v, void* low_bf16, 
   const float inv_bc2_sqrt = 1.f / sqrtf(bias_corr2);
   if (n % 4 == 0 && aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v)) {
     adamw_kernel<4><<<elementwise_blocks(n / 4), kElemThreads, 0, stream>>>(
-        p, g, m, v, low, n / 4, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps);
+        p, g, m, v, low, n / 4, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps, grad_scale);
   } else {
     adamw_kernel<1><<<elementwise_blocks(n), kElemThreads, 0, stream>>>(
-        p, g, m, v, low, n, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps);
+        p, g, m, v, low, n, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps, grad_scale);
   }
   return cudaGetLastError();
 }

@@ -20,20 +20,24 @@ enum class DType { kFloat32, kBFloat16 };
 bool device_supported(int device);
 
 // y = x * rsqrt(mean(x^2) + eps) * w per row; rstd[row] = that rsqrt.
-// x, y: [rows, dim]; w: [dim]; rstd: [rows].
-cudaError_t rms_norm_forward(DType dt, const void* x, const float* w, void* y,
-                             float* rstd, int64_t rows, int64_t dim, float eps,
-                             cudaStream_t stream);
+// x, y: [rows, dim]; w: [dim]; rstd: [rows]. With res and h (both or
+// neither): h = x + res rounded to dt, written to h, and normalised instead
+// of x.
+cudaError_t rms_norm_forward(DType dt, const void* x, const void* res, const float* w,
+                             void* h, void* y, float* rstd, int64_t rows, int64_t dim,
+                             float eps, cudaStream_t stream);
 // How many partial rows rms_norm_backward writes to dw_partial.
 int64_t rms_norm_backward_parts(int64_t rows);
 // dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * w, and
 // dw_partial[p, :] = sum over the rows block p handles of dy * x * rstd
-// (the caller sums the parts: dw = dw_partial.sum(0)).
+// (the caller sums the parts: dw = dw_partial.sum(0)). dres, when not
+// null ([rows, dim]): dx = dres + dx rounded to dt (the gradient of a
+// normalised h = x + res that is also used elsewhere).
 // register_form = false forces the loop form (the register form keeps a
 // thread's row slices in registers for rows of up to 2 slices a thread).
 cudaError_t rms_norm_backward(DType dt, const void* dy, const void* x,
-                              const float* w, const float* rstd, void* dx,
-                              float* dw_partial, int64_t rows, int64_t dim,
+                              const float* w, const float* rstd, const void* dres,
+                              void* dx, float* dw_partial, int64_t rows, int64_t dim,
                               bool register_form, cudaStream_t stream);
 
 // Rotary embedding on interleaved pairs (x[2i], x[2i+1]); y: contiguous
@@ -43,6 +47,7 @@ cudaError_t rms_norm_backward(DType dt, const void* dy, const void* x,
 // (h / div) * mul + r, r < cnt: (1, 1, 1) a plain rotation of x [B, T, H,
 // hd]; (rep, 1, 1) x [B, T, H / rep, hd] with each head written rep times;
 // (1, rep, rep) x [B, T, H * rep, hd] with each run of rep heads summed.
+// cos == sin == nullptr: the same without the rotation (copies and sums).
 cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin,
                  void* y, int64_t B, int64_t T, int64_t H, int64_t hd, int64_t sB,
                  int64_t sT, int64_t sH, bool inverse, int64_t div, int64_t mul, int64_t cnt,
@@ -57,7 +62,10 @@ cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin,
 // alpha_i g + dd_i u - dr_i v_i (dd_i = dlogit_i rstd_i, dr_i = dlogit_i
 // dot_i rstd_i^3 / dim, dlogit_i = alpha_i (g.v_i - sum_j alpha_j g.v_j))
 // and du_partial[p, :] = the sum over the rows block p handles of
-// sum_i dd_i v_i (the caller sums the parts).
+// sum_i dd_i v_i (the caller sums the parts). warp_per_row picks the
+// kernels: one warp a row (Note [Fused AttnRes read, warp per row]) or one
+// block a row (Note [Fused AttnRes read]); the statistics are interchangeable
+// between them, du_partial's row count is not.
 constexpr int kMaxReadSources = 64;
 struct ReadSources {
   const void* p[kMaxReadSources];
@@ -67,21 +75,23 @@ struct ReadGrads {
 };
 cudaError_t attn_res_read_forward(DType dt, const ReadSources& src, int n, const float* u,
                                   void* out, float* rstd, float* dot, float* alpha, int64_t rows,
-                                  int64_t dim, float eps, cudaStream_t stream);
+                                  int64_t dim, float eps, bool warp_per_row, cudaStream_t stream);
 // How many partial rows attn_res_read_backward writes to du_partial.
-int64_t attn_res_read_backward_parts(int64_t rows);
+int64_t attn_res_read_backward_parts(int64_t rows, bool warp_per_row);
 cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadGrads& dsrc,
                                    int n, const void* g, const float* u, const float* rstd,
                                    const float* dot, const float* alpha, float* du_partial,
-                                   int64_t rows, int64_t dim, cudaStream_t stream);
+                                   int64_t rows, int64_t dim, bool warp_per_row,
+                                   cudaStream_t stream);
 
-// One AdamW step on fp32 [n] tensors, in place: p *= 1 - lr * wd;
-// m += (1 - beta1) (g - m); v = beta2 v + (1 - beta2) g^2;
-// p -= lr / bias_corr1 * m / (sqrt(v) / sqrt(bias_corr2) + eps); and, when
+// One AdamW step on fp32 [n] tensors, in place, on the gradient
+// g' = g * grad_scale (rounded as a separate multiply): p *= 1 - lr * wd;
+// m += (1 - beta1) (g' - m); v = beta2 v + (1 - beta2) g^2;
+// p -= lr / bias_corr1 * m / (sqrt(v) / sqrt(bias_corr2) + eps) (g' for g); and, when
 // low_bf16 is not null, low_bf16[i] = bf16(p[i]) (round to nearest even).
 cudaError_t adamw(float* p, const float* g, float* m, float* v, void* low_bf16, int64_t n,
                   float lr, float beta1, float beta2, float eps, float weight_decay,
-                  float bias_corr1, float bias_corr2, cudaStream_t stream);
+                  float bias_corr1, float bias_corr2, float grad_scale, cudaStream_t stream);
 
 // y = silu(a) * b, elementwise over n values.
 cudaError_t swiglu_forward(DType dt, const void* a, const void* b, void* y,

@@ -65,8 +65,13 @@ void ChainBlockImpl::init_weights(uint64_t seed, const std::string& p) {
 
 at::Tensor ChainBlockImpl::forward(const at::Tensor& x) {
   auto a = spec_.layer_norm ? attention_ln_->forward(x) : attention_rms_->forward(x);
-  auto h = x + attention_->forward(a);
-  auto f = spec_.layer_norm ? ffn_ln_->forward(h) : ffn_rms_->forward(h);
+  at::Tensor h, f;
+  if (spec_.layer_norm) {
+    h = x + attention_->forward(a);
+    f = ffn_ln_->forward(h);
+  } else {
+    std::tie(h, f) = ffn_rms_->forward_with_residual(x, attention_->forward(a));
+  }
   return h + (spec_.gelu_mlp ? gelu_->forward(f) : swiglu_->forward(f));
 }
 

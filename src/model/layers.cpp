@@ -151,6 +151,16 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   return (y * weight).to(x.scalar_type());
 }
 
+std::pair<at::Tensor, at::Tensor> RMSNormImpl::forward_with_residual(const at::Tensor& x,
+                                                                     const at::Tensor& res) {
+  if (kernels::usable(x) && !kernels::disabled("add_rms_norm") &&
+      x.scalar_type() == res.scalar_type() && x.sizes() == res.sizes()) {
+    return kernels::add_rms_norm(x, res, weight, eps_);
+  }
+  auto h = x + res;
+  return {h, forward(h)};
+}
+
 LayerNormImpl::LayerNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
   bias = register_parameter("bias", torch::zeros({dim}));
@@ -282,13 +292,13 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
     // Note [RoPE writes the repeated keys]: one table cast for q and k, and
     // k's KV heads come out of the RoPE kernel already repeated to H (its
     // backward sums the copies), instead of a repeat_interleave copy and
-    // its reduction. v is still repeated for SDPA.
+    // its reduction. v's heads are repeated by the same kernel without the
+    // rotation (Note [Repeated heads without a gather]).
     check_rope_length(rope_, T);
     auto [c, s] = rope_tables_fp32(rope_, T, x.device());
     q = kernels::rope(q, c, s).transpose(1, 2);          // [B, H, T, hd]
     k = kernels::rope(k, c, s, H / KV).transpose(1, 2);  // [B, H, T, hd]
-    v = v.transpose(1, 2);
-    if (KV != H) v = v.repeat_interleave(H / KV, 1);
+    v = kernels::repeat_heads(v, H / KV).transpose(1, 2);  // [B, H, T, hd]
     y = compat::causal_sdpa(q, k, v);  // [B, H, T, hd]
   } else {
     if (opts_.rope) {

@@ -33,6 +33,10 @@ class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(int64_t dim, double eps);
   at::Tensor forward(const at::Tensor& x);  // x: [..., D]
+  // (h, forward(h)) for h = x + res: one fused kernel where the kernels
+  // run (Note [Residual add inside the norm]), the two ops elsewhere.
+  std::pair<at::Tensor, at::Tensor> forward_with_residual(const at::Tensor& x,
+                                                          const at::Tensor& res);
   void reset_parameters();
   at::Tensor weight;
   double eps_;

@@ -28,6 +28,12 @@ class Optimizer {
   virtual ~Optimizer() = default;
   // One update with learning rate `lr`, reading each param's .grad().
   virtual void step(double lr) = 0;
+  // The update from every gradient times grad_scale (the clip coefficient;
+  // 1: as they are). Here: the gradients are scaled in place, then step();
+  // AdamW's CUDA kernel reads the scale instead and leaves the gradients
+  // as they are (Note [Clip folded into AdamW]). Either way the update has
+  // the same bits.
+  virtual void step_scaled(double lr, double grad_scale);
   // FQN-keyed state: "optim.<slot>.<fqn>" -> tensor (the checkpoint layer's
   // naming, see checkpoint/tensor_index.h).
   virtual std::vector<std::pair<std::string, at::Tensor>> state() const = 0;
@@ -53,15 +59,21 @@ class AdamW : public Optimizer {
   AdamW(std::vector<NamedParam> params, double beta1, double beta2, double eps,
         double weight_decay);
   void step(double lr) override;
+  void step_scaled(double lr, double grad_scale) override;
   std::vector<std::pair<std::string, at::Tensor>> state() const override;
   void load_state(const std::map<std::string, at::Tensor>& tensors) override;
   std::vector<std::string> state_keys() const override;
 
  private:
+  // Whether every gradient meets the fused paths' needs (contiguous fp32
+  // on one GPU), and whether viaduct's own kernel runs (not ATen's).
+  bool fusable() const;
+  bool own_kernel() const;
   // The update through a fused kernel (bias corrections bc1, bc2 of this
   // step); false: none applies here, the caller runs the loop.
   bool fused_step(double lr, double bc1, double bc2);
   double beta1_, beta2_, eps_, weight_decay_;
+  double grad_scale_ = 1.0;  // read by viaduct's kernel (step_scaled)
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
   at::Tensor step_tensor_;  // the step count for the fused kernel
 };
@@ -89,8 +101,12 @@ std::vector<double> grad_squared_norms(const std::vector<NamedParam>& params);
 // Sum squared norms in the order given (global FQN order: the caller orders
 // them), take the root. fp64 accumulation keeps every layout's bits equal.
 double total_norm(const std::vector<double>& squared_norms_in_fqn_order);
-// Multiply every gradient by min(1, max_norm / (norm + 1e-6)).
+// min(1, max_norm / (norm + 1e-6)); 1 when max_norm <= 0 (no clipping).
+double clip_coefficient(double total_norm, double max_norm);
+// Multiply every gradient by clip_coefficient(total_norm, max_norm).
 void scale_grads(const std::vector<NamedParam>& params, double total_norm,
                  double max_norm);
+// Multiply every gradient by coef (nothing when coef == 1).
+void multiply_grads(const std::vector<NamedParam>& params, double coef);
 
 }  // namespace viaduct

@@ -423,12 +423,12 @@ StepMetrics Trainer::train_step() {
   VIADUCT_CHECK(std::isfinite(norm), "step ", step_ + 1,
                 ": the gradient norm is not finite (", norm,
                 "); lower optimizer.lr or check the data");
-  const auto& params = optimizer_->params();
   const double lr = lr_at(cfg_, step_ + 1);
   {
     RECORD_USER_SCOPE("viaduct::optimizer");
-    scale_grads(params, norm, cfg_.get_float("training.max_norm"));
-    optimizer_->step(lr);
+    // The clip coefficient rides into the update (Note [Clip folded into
+    // AdamW]).
+    optimizer_->step_scaled(lr, clip_coefficient(norm, cfg_.get_float("training.max_norm")));
     optimizer_->zero_grad();
   }
   if (mesh_ && dp_size_ > 1) {

@@ -94,6 +94,47 @@ TEST(FusedKernels, RMSNormForwardBackward) {
   }
 }
 
+TEST(FusedKernels, AddRMSNormIsBitwiseTheTwoOps) {
+  REQUIRE_GPU();
+  // Note [Residual add inside the norm]: (h, norm(h)) for h = x + res and
+  // the gradients of x and res (h also used elsewhere, as on the residual)
+  // have the bits of the add followed by the norm kernel, for both backward
+  // forms; and they match an fp64 reference.
+  for (int64_t D : {2048, 5000, 300})
+  for (auto t : kTypes) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "dim " << D << " " << t << " seed " << seed);
+    auto [x, xr] = draw({3, 37, D}, t, 2.0);
+    auto [r, rr] = draw({3, 37, D}, t, 2.0);
+    auto w = (1.0 + 0.1 * at::randn({D}, at::TensorOptions(at::kCUDA))).requires_grad_(true);
+    const double eps = 1e-5;
+    auto gh = at::randn({3, 37, D}, at::TensorOptions(at::kCUDA)).to(t);
+    auto gy = at::randn({3, 37, D}, at::TensorOptions(at::kCUDA)).to(t);
+    poison();
+    auto [h, y] = kernels::add_rms_norm(x, r, w, eps);
+    torch::autograd::backward({h, y}, {gh, gy});
+    // The two ops, on copies of the same leaves.
+    auto x2 = x.detach().clone().requires_grad_(true);
+    auto r2 = r.detach().clone().requires_grad_(true);
+    auto w2 = w.detach().clone().requires_grad_(true);
+    auto h2 = x2 + r2;
+    auto y2 = kernels::rms_norm(h2, w2, eps);
+    torch::autograd::backward({h2, y2}, {gh, gy});
+    EXPECT_TRUE(at::equal(h, h2));
+    EXPECT_TRUE(at::equal(y, y2));
+    EXPECT_TRUE(at::equal(x.grad(), x2.grad()));
+    EXPECT_TRUE(at::equal(r.grad(), r2.grad()));
+    EXPECT_TRUE(at::equal(w.grad(), w2.grad()));
+    // fp64 reference.
+    auto hr = xr + rr;
+    auto yr = hr * at::rsqrt(hr.pow(2).mean(-1, true) + eps) *
+              w.detach().to(at::kCPU, at::kDouble);
+    EXPECT_LT(rel_err(y, yr), bound(t));
+    torch::autograd::backward({hr, yr}, {gh.to(at::kCPU, at::kDouble), gy.to(at::kCPU, at::kDouble)});
+    EXPECT_LT(rel_err(x.grad(), xr.grad()), bound(t));
+  }
+}
+
 TEST(FusedKernels, RMSNormBackwardIsDeterministic) {
   REQUIRE_GPU();
   fresh_seed();
@@ -177,44 +218,196 @@ TEST(FusedKernels, RopeRepeatsGroupedHeads) {
   }
 }
 
-TEST(FusedKernels, AttnResReadMatchesAtenRead) {
+TEST(FusedKernels, RepeatHeadsMatchesRepeatInterleave) {
   REQUIRE_GPU();
-  // The read kernel against the module's ATen form in fp64 on the CPU:
-  // output and the gradients of every source, the query and the norm weight.
-  // Widths: vectorised (512) and scalar (100); one source and several.
-  for (int64_t D : {512, 100})
-  for (int64_t n : {1, 5})
+  // Note [Repeated heads without a gather]: v's grouped heads, a strided
+  // slice of one qkv output as in the attention layer, repeated for SDPA:
+  // bit for bit repeat_interleave's copy; the backward sums the copies.
+  const int64_t B = 2, T = 40, H = 6, KV = 2, rep = H / KV, hd = 64;
   for (auto t : kTypes) {
     const auto seed = fresh_seed();
-    SCOPED_TRACE(testing::Message() << "dim " << D << " sources " << n);
-    std::vector<at::Tensor> src, src_ref;
-    for (int64_t i = 0; i < n; ++i) {
-      auto [v, vr] = draw({2, 37, D}, t, 1.0 + 0.5 * static_cast<double>(i));
-      src.push_back(v);
-      src_ref.push_back(vr);
-    }
-    auto q = (at::randn({D}, at::TensorOptions(at::kCUDA)) * 0.3).requires_grad_(true);
-    auto w = (1.0 + 0.1 * at::randn({D}, at::TensorOptions(at::kCUDA))).requires_grad_(true);
-    AttnResRead ref(D, 1e-5);
-    ref->to(at::kDouble);
-    {
-      torch::NoGradGuard g;
-      ref->query.copy_(q.detach().cpu());
-      ref->norm->weight.copy_(w.detach().cpu());
-    }
+    auto [qkv, qkv_ref] = draw({B, T, (H + 2 * KV) * hd}, t);
+    auto v = qkv.narrow(-1, (H + KV) * hd, KV * hd).view({B, T, KV, hd});
+    auto vr = qkv_ref.narrow(-1, (H + KV) * hd, KV * hd).view({B, T, KV, hd});
     poison();
-    auto y = kernels::attn_res_read(src, q, w, 1e-5);
-    auto yr = ref->forward(src_ref);
-    ASSERT_EQ(y.scalar_type(), t);
-    EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
-    backward_both(y, yr);
-    for (int64_t i = 0; i < n; ++i) {
-      EXPECT_LT(rel_err(src[i].grad(), src_ref[i].grad()), bound(t))
-          << "source " << i << " seed " << seed << " " << t;
-    }
-    EXPECT_LT(rel_err(q.grad(), ref->query.grad()), bound(t)) << "seed " << seed << " " << t;
-    EXPECT_LT(rel_err(w.grad(), ref->norm->weight.grad()), bound(t))
+    auto y = kernels::repeat_heads(v, rep);
+    auto yr = vr.repeat_interleave(rep, 2);
+    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{B, T, H, hd}));
+    EXPECT_TRUE(at::equal(y.detach().to(at::kCPU, at::kDouble), yr.detach()))
         << "seed " << seed << " " << t;
+    backward_both(y, yr,
+                  at::randn({B, H, T, hd}, at::TensorOptions(at::kCUDA)).to(t).transpose(1, 2));
+    EXPECT_LT(rel_err(qkv.grad(), qkv_ref.grad()), bound(t)) << "seed " << seed << " " << t;
+  }
+}
+
+// Selects the AttnRes read's kernels for a scope; the default (warp per
+// row) again at its end.
+struct ReadKernels {
+  explicit ReadKernels(bool warp_per_row) { kernels::set_attn_res_read_v2(warp_per_row); }
+  ~ReadKernels() { kernels::set_attn_res_read_v2(true); }
+  ReadKernels(const ReadKernels&) = delete;
+  ReadKernels& operator=(const ReadKernels&) = delete;
+};
+
+#define REQUIRE_READ_V2()                   \
+  if (kernels::disabled("attn_res_read_v2")) \
+  GTEST_SKIP() << "VIADUCT_DISABLE_KERNELS names attn_res_read_v2"
+
+// n sources of `shape` (the last dim the width) and type t, source i scaled
+// by 1 + i / 2, as CUDA leaves and fp64 CPU copies; the query and the norm
+// weight. shifted: source 0 starts one element past a 16-byte boundary, so
+// the kernels read the rows one value at a time.
+struct ReadInputs {
+  std::vector<at::Tensor> src, src_ref;
+  at::Tensor q, w;
+};
+ReadInputs draw_read(at::IntArrayRef shape, int64_t n, at::ScalarType t, bool shifted = false) {
+  ReadInputs in;
+  for (int64_t i = 0; i < n; ++i) {
+    auto [v, vr] = draw(shape, t, 1.0 + 0.5 * static_cast<double>(i));
+    if (shifted && i == 0) {
+      auto buf = at::empty({v.numel() + 1}, v.options());
+      buf.narrow(0, 1, v.numel()).copy_(v.detach().flatten());
+      v = buf.narrow(0, 1, v.numel()).view(v.sizes()).detach().requires_grad_(true);
+    }
+    in.src.push_back(v);
+    in.src_ref.push_back(vr);
+  }
+  const auto D = shape.back();
+  in.q = (at::randn({D}, at::TensorOptions(at::kCUDA)) * 0.3).requires_grad_(true);
+  in.w = (1.0 + 0.1 * at::randn({D}, at::TensorOptions(at::kCUDA))).requires_grad_(true);
+  return in;
+}
+
+// The read kernels (whichever pair is selected) against the module's ATen
+// form in fp64 on the CPU: the output and the gradients of every source,
+// the query and the norm weight.
+void expect_read_matches_aten(int64_t D, int64_t n, at::ScalarType t, bool shifted = false) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "dim " << D << " sources " << n << " " << t
+                                  << (shifted ? " shifted" : "") << " seed " << seed);
+  auto in = draw_read({2, 37, D}, n, t, shifted);
+  AttnResRead ref(D, 1e-5);
+  ref->to(at::kDouble);
+  {
+    torch::NoGradGuard g;
+    ref->query.copy_(in.q.detach().cpu());
+    ref->norm->weight.copy_(in.w.detach().cpu());
+  }
+  poison();
+  auto y = kernels::attn_res_read(in.src, in.q, in.w, 1e-5);
+  auto yr = ref->forward(in.src_ref);
+  ASSERT_EQ(y.scalar_type(), t);
+  EXPECT_LT(rel_err(y, yr), bound(t));
+  backward_both(y, yr);
+  for (int64_t i = 0; i < n; ++i) {
+    EXPECT_LT(rel_err(in.src[i].grad(), in.src_ref[i].grad()), bound(t)) << "source " << i;
+  }
+  EXPECT_LT(rel_err(in.q.grad(), ref->query.grad()), bound(t));
+  EXPECT_LT(rel_err(in.w.grad(), ref->norm->weight.grad()), bound(t));
+}
+
+// The read's output, then the gradients of the sources, the query and the
+// norm weight, from fresh leaves over `in`'s values and output gradient dy.
+std::vector<at::Tensor> read_outputs(const ReadInputs& in, const at::Tensor& dy) {
+  std::vector<at::Tensor> src;
+  for (const auto& v : in.src) src.push_back(v.detach().requires_grad_(true));
+  auto q = in.q.detach().requires_grad_(true), w = in.w.detach().requires_grad_(true);
+  poison();
+  auto y = kernels::attn_res_read(src, q, w, 1e-5);
+  y.backward(dy);
+  std::vector<at::Tensor> out{y.detach()};
+  for (const auto& v : src) out.push_back(v.grad());
+  out.push_back(q.grad());
+  out.push_back(w.grad());
+  return out;
+}
+
+TEST(FusedKernels, AttnResReadMatchesAtenRead) {
+  REQUIRE_GPU();
+  // The block-per-row kernels (Note [Fused AttnRes read]). Widths:
+  // vectorised (512) and scalar (100); one source and several.
+  ReadKernels block_per_row(false);
+  for (int64_t D : {512, 100})
+  for (int64_t n : {1, 5})
+  for (auto t : kTypes) expect_read_matches_aten(D, n, t);
+}
+
+TEST(FusedKernels, AttnResReadV2MatchesAtenRead) {
+  REQUIRE_GPU();
+  REQUIRE_READ_V2();
+  // The warp-per-row kernels (Note [Fused AttnRes read, warp per row]):
+  // register forms (2048: whole rows in bf16, the loop form in fp32; 1000:
+  // lanes past the row's end) and loop forms (4096; the odd 1001 and a
+  // source off 16-byte alignment, read one value at a time).
+  ReadKernels warp_per_row(true);
+  struct Width {
+    int64_t D;
+    bool shifted;
+  };
+  for (auto c : {Width{2048, false}, Width{1000, false}, Width{4096, false}, Width{1001, false},
+                 Width{2048, true}})
+  for (int64_t n : {1, 3, 9})
+  for (auto t : kTypes) expect_read_matches_aten(c.D, n, t, c.shifted);
+}
+
+TEST(FusedKernels, AttnResReadV2MatchesBlockPerRow) {
+  REQUIRE_GPU();
+  REQUIRE_READ_V2();
+  // Both kernel pairs on the same inputs and output gradient. Same formulas,
+  // sums in other orders (and the warp-per-row forward's online softmax):
+  // fp32 results agree to fp32 rounding, relative error below 1e-5; bf16
+  // ones up to the few values an fp32 difference rounds to the neighbouring
+  // bf16 value, below 1e-3 (measured against fp64, both are within 1e-2).
+  // n = 40 puts sources in the lanes' second slot.
+  for (int64_t D : {2048, 1000, 4096, 1001})
+  for (int64_t n : {1, 3, 9, 40})
+  for (auto t : kTypes) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "dim " << D << " sources " << n << " " << t << " seed "
+                                    << seed);
+    auto in = draw_read({3, 50, D}, n, t);
+    auto dy = at::randn({3, 50, D}, at::TensorOptions(at::kCUDA)).to(t);
+    std::vector<at::Tensor> block, warp;
+    {
+      ReadKernels k(false);
+      block = read_outputs(in, dy);
+    }
+    {
+      ReadKernels k(true);
+      warp = read_outputs(in, dy);
+    }
+    ASSERT_EQ(block.size(), warp.size());
+    const double tol = t == at::kFloat ? 1e-5 : 1e-3;
+    for (size_t i = 0; i < warp.size(); ++i) {
+      ASSERT_EQ(warp[i].scalar_type(), block[i].scalar_type()) << "output " << i;
+      EXPECT_LT(rel_err(warp[i], block[i]), tol)
+          << "output " << i << " (0: y; 1.." << n << ": sources; then query, norm weight)";
+    }
+  }
+}
+
+TEST(FusedKernels, AttnResReadV2IsDeterministic) {
+  REQUIRE_GPU();
+  REQUIRE_READ_V2();
+  // Run to run, bit for bit, on 9000 rows (several rows per warp in the
+  // backward): register forms (2048 bf16, 1000 fp32) and loop forms (4096
+  // bf16, 1001 fp32).
+  ReadKernels warp_per_row(true);
+  const std::pair<int64_t, at::ScalarType> cases[] = {
+      {2048, at::kBFloat16}, {1000, at::kFloat}, {4096, at::kBFloat16}, {1001, at::kFloat}};
+  for (const auto& [D, t] : cases) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "dim " << D << " " << t << " seed " << seed);
+    auto in = draw_read({2, 4500, D}, 5, t);
+    auto dy = at::randn({2, 4500, D}, at::TensorOptions(at::kCUDA)).to(t);
+    const auto first = read_outputs(in, dy), second = read_outputs(in, dy);
+    ASSERT_EQ(first.size(), second.size());
+    for (size_t i = 0; i < first.size(); ++i) {
+      EXPECT_TRUE(at::isfinite(first[i]).all().item<bool>()) << "output " << i;
+      EXPECT_TRUE(at::equal(first[i], second[i])) << "output " << i;
+    }
   }
 }
 
@@ -412,6 +605,41 @@ TEST(FusedKernels, FusedAdamWMatchesLoop) {
   for (size_t i = 0; i < gpu.size(); ++i) {
     EXPECT_LT(rel_err(gpu[i].param.detach(), cpu[i].param.detach()), 1e-6)
         << gpu[i].fqn << " seed " << seed;
+  }
+}
+
+TEST(FusedKernels, AdamWFoldsTheClipBitwise) {
+  REQUIRE_GPU();
+  // Note [Clip folded into AdamW]: step_scaled(lr, c) through the kernel
+  // gives the bits of scaling the gradients in place and then step(lr), and
+  // leaves the gradients unscaled.
+  const auto seed = fresh_seed();
+  auto make = [] {
+    std::vector<NamedParam> ps;
+    torch::manual_seed(5);
+    const auto cuda = at::TensorOptions(at::kCUDA);
+    ps.push_back({"w", at::randn({96, 40}, cuda).requires_grad_(true), true});
+    ps.push_back({"n", at::randn({37}, cuda).requires_grad_(true), false});  // odd: scalar path
+    return ps;
+  };
+  auto folded = make(), scaled = make();
+  AdamW of(folded, 0.9, 0.95, 1e-8, 0.1), os(scaled, 0.9, 0.95, 1e-8, 0.1);
+  const double coefs[] = {0.3717, 1.0, 0.01234567};
+  for (double c : coefs) {
+    for (size_t i = 0; i < folded.size(); ++i) {
+      auto g = at::randn(folded[i].param.sizes(), at::TensorOptions(at::kCUDA)) * 3.0;
+      folded[i].param.mutable_grad() = g.clone();
+      scaled[i].param.mutable_grad() = g.clone();
+    }
+    const auto g0 = folded[0].param.grad().clone();
+    of.step_scaled(1e-2, c);
+    multiply_grads(scaled, c);
+    os.step(1e-2);
+    EXPECT_TRUE(at::equal(folded[0].param.grad(), g0)) << "the gradient was written, coef " << c;
+    for (size_t i = 0; i < folded.size(); ++i) {
+      EXPECT_TRUE(at::equal(folded[i].param.detach(), scaled[i].param.detach()))
+          << folded[i].fqn << " coef " << c << " seed " << seed;
+    }
   }
 }
 

@@ -59,6 +59,40 @@ TEST(LrSchedule, WarmupThenCosineToMin) {
   EXPECT_NEAR(lr_at(lin, 60), 0.5, 1e-12);
 }
 
+TEST(Clipping, CoefficientClosedForm) {
+  EXPECT_DOUBLE_EQ(clip_coefficient(5.0, 1.0), 1.0 / (5.0 + 1e-6));
+  EXPECT_DOUBLE_EQ(clip_coefficient(0.5, 1.0), 1.0);   // under the limit
+  EXPECT_DOUBLE_EQ(clip_coefficient(50.0, 0.0), 1.0);  // clipping off
+}
+
+TEST(Clipping, StepScaledEqualsScalingThenStepOnCpu) {
+  // Off the fused kernel, step_scaled scales the gradients in place and
+  // steps: the same bits as the two calls (Note [Clip folded into AdamW]).
+  auto make = [] {
+    torch::manual_seed(3);
+    std::vector<NamedParam> ps;
+    ps.push_back({"w", at::randn({8, 5}).requires_grad_(true), true});
+    ps.push_back({"n", at::randn({5}).requires_grad_(true), false});
+    return ps;
+  };
+  auto a = make(), b = make();
+  AdamW oa(a, 0.9, 0.95, 1e-8, 0.1), ob(b, 0.9, 0.95, 1e-8, 0.1);
+  for (double c : {0.25, 1.0, 0.7}) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      auto g = at::randn(a[i].param.sizes());
+      a[i].param.mutable_grad() = g.clone();
+      b[i].param.mutable_grad() = g.clone();
+    }
+    oa.step_scaled(1e-2, c);
+    multiply_grads(b, c);
+    ob.step(1e-2);
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(at::equal(a[i].param.detach(), b[i].param.detach())) << a[i].fqn << " " << c;
+    }
+  }
+  EXPECT_FALSE(at::equal(a[0].param.detach(), make()[0].param.detach()));  // it moved
+}
+
 TEST(Clipping, ScalesToMaxNormAndSumsInGivenOrder) {
   auto a = torch::tensor({3.0f}).requires_grad_(true);
   auto b = torch::tensor({4.0f}).requires_grad_(true);
