@@ -85,6 +85,46 @@ os.replace(path + ".tmp", path)
 EOF
 }
 
+# Runs "$@" with GPU 0's SM clock, power and temperature sampled every
+# 200 ms (when nvidia-smi exists) and appends one summary line for `what`
+# to $OUT/gpu.md.
+with_gpu_log() {  # what cmd...
+  local what=$1
+  shift
+  local csv=$OUT/gpu.$$.csv pid=""
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi -i 0 --query-gpu=clocks.sm,power.draw,temperature.gpu \
+      --format=csv,noheader,nounits -lms 200 >"$csv" 2>/dev/null &
+    pid=$!
+  fi
+  "$@"
+  local rc=$?
+  if [ -n "$pid" ]; then
+    kill "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+    "$PY" - "$csv" "$what" >>"$OUT/gpu.md" <<'PYEOF'
+import statistics, sys
+rows = []
+for line in open(sys.argv[1]):
+    try:
+        rows.append([float(x) for x in line.split(",")])
+    except ValueError:
+        pass
+busy = [r for r in rows if r[1] > 150]  # samples while the GPU worked (W)
+if busy:
+    clk = [r[0] for r in busy]
+    pw = [r[1] for r in busy]
+    print(f"- {sys.argv[2]}: {len(busy)} busy samples, SM clock mean {statistics.fmean(clk):.0f} "
+          f"MHz (min {min(clk):.0f}, max {max(clk):.0f}), power mean {statistics.fmean(pw):.0f} W "
+          f"(max {max(pw):.0f}), temperature max {max(r[2] for r in busy):.0f} C")
+else:
+    print(f"- {sys.argv[2]}: no busy samples")
+PYEOF
+    rm -f "$csv"
+  fi
+  return $rc
+}
+
 # One cell: viaduct, then the reference in each mode, then its table rows.
 run_cell() {  # name label data viaduct-overrides...
   local name=$1 label=$2 data=$3
@@ -106,7 +146,7 @@ run_cell() {  # name label data viaduct-overrides...
   read -r -a extra <<<"${VD_EXTRA:-}"
   vd_cmd+=("${extra[@]}")
   echo "${vd_cmd[*]}" >"$OUT/$name.viaduct.cmd"
-  timeout "$CELL_TIMEOUT" "${vd_cmd[@]}" >"$OUT/$name.viaduct.log" 2>&1 ||
+  with_gpu_log "$name viaduct" timeout "$CELL_TIMEOUT" "${vd_cmd[@]}" >"$OUT/$name.viaduct.log" 2>&1 ||
     { say "$name: viaduct failed"; grep -v '^frame #' "$OUT/$name.viaduct.log" | tail -8; }
   cp "$dir/viaduct/metrics.jsonl" "$OUT/$name.viaduct.metrics.jsonl" 2>/dev/null
   rm -rf "$ck/step-$STEPS"  # the final save: only step-0 is needed (disk)
@@ -116,7 +156,8 @@ run_cell() {  # name label data viaduct-overrides...
       say "$name: torch $mode"
       local json=$OUT/$name.torch-$mode.json
       rm -f "$json"
-      timeout "$CELL_TIMEOUT" "$PY" bench/torch_llama.py --checkpoint "$ck/step-0" \
+      with_gpu_log "$name torch-$mode" timeout "$CELL_TIMEOUT" "$PY" bench/torch_llama.py \
+        --checkpoint "$ck/step-0" \
         --mode "$mode" --compile-mode "$COMPILE_MODE" --timing-warmup "$WARM" \
         --label "$label" --json "$json" >"$OUT/$name.torch-$mode.log" 2>&1 ||
         { say "$name: torch $mode failed"; tail -4 "$OUT/$name.torch-$mode.log"; }
@@ -127,7 +168,7 @@ run_cell() {  # name label data viaduct-overrides...
   fi
   "$PY" bench/torch_llama.py report --cell "$label" --timing-warmup "$WARM" \
     --viaduct-metrics "$dir/viaduct/metrics.jsonl" "${peers[@]}" \
-    --checkpoint "$ck/step-0" >>"$OUT/table.md" 2>>"$OUT/report.log" ||
+    --checkpoint "$ck/step-0" --steps-out "$OUT/steps.md" >>"$OUT/table.md" 2>>"$OUT/report.log" ||
     echo "| $label | (report failed, see report.log) | | | | | | |" >>"$OUT/table.md"
   rm -rf "$ck"  # step-0 of a 1B model is 18 GB
 }
@@ -139,7 +180,7 @@ fi
 [[ " $STAGES " == *" run "* ]] || exit 0
 [ -x build-gpu/viaduct ] || { say "no build-gpu/viaduct: run with STAGES=build first"; exit 1; }
 
-rm -f "$OUT/table.md"
+rm -f "$OUT/table.md" "$OUT/steps.md" "$OUT/gpu.md"
 for cell in $CELLS; do
   case $cell in
     1B)
@@ -207,6 +248,18 @@ torch_v=$("$PY" -c 'import torch;print(torch.__version__)' 2>/dev/null)
   echo "| cell | impl | tok/s | MFU | peak GiB | loss steps 1-5 | rel Δloss vs viaduct: step 1 / max 1-5 | viaduct ÷ this: tok/s, mem |"
   echo "|---|---|---|---|---|---|---|---|"
   cat "$OUT/table.md" 2>/dev/null
+  if [ -s "$OUT/steps.md" ]; then
+    echo
+    echo "Timed steps, each process (median alone hides a bimodal run):"
+    echo
+    cat "$OUT/steps.md"
+  fi
+  if [ -s "$OUT/gpu.md" ]; then
+    echo
+    echo "GPU 0 while each process ran (nvidia-smi every 200 ms; a clock or power cap that differs between the processes is a confound):"
+    echo
+    cat "$OUT/gpu.md"
+  fi
   if [ -f "$OUT/k3.viaduct.metrics.jsonl" ] && [ -f "$OUT/k3plain.viaduct.metrics.jsonl" ]; then
     echo
     "$PY" bench/torch_llama.py overhead --timing-warmup "$WARM" \

@@ -945,6 +945,8 @@ def report_main(argv):
     ap.add_argument("--loss-rtol", type=float, default=1e-2,
                     help="relative loss difference still called agreement (bf16)")
     ap.add_argument("--out", help="append the table here")
+    ap.add_argument("--steps-out", help="append the step-time lines here (default: "
+                    "printed after the table)")
     ap.add_argument("--header", action="store_true", help="print the table header")
     args = ap.parse_args(argv)
 
@@ -1002,8 +1004,33 @@ def report_main(argv):
             extra = f" (compile {r['compile_s']:.0f} s)"
         lines.append(f"| {args.cell} | {r['impl']}{extra} | {r['tokens_per_s']:.0f} | "
                      f"{mfu} | {gib} | {fmt_losses(r['losses'])} | {dl} | {ratio} |")
+    # Step times of the timed steps, each side: a median alone hides a
+    # bimodal run (viaduct's steps alternated in pairs between 256 and 269 ms
+    # in session 5), so the mean (the wall rate) and the spread go beside it.
+    spread = []
+    for r in rows:
+        if r.get("failed") or not r.get("step_s"):
+            continue
+        t = r["step_s"][args.timing_warmup:]
+        if not t:
+            continue
+        mean = statistics.fmean(t)
+        by_mean = ""
+        if vd is not None and r is not vd and vd.get("step_s"):
+            vt = vd["step_s"][args.timing_warmup:]
+            if vt:
+                by_mean = f"; viaduct ÷ this by mean {mean / statistics.fmean(vt):.3f}x"
+        spread.append(f"{r['impl']}: timed steps {len(t)}, median {1e3 * statistics.median(t):.1f} ms, "
+                      f"mean {1e3 * mean:.1f} ms, min {1e3 * min(t):.1f}, max {1e3 * max(t):.1f}"
+                      f"{by_mean}")
     text = "\n".join(lines)
     print(text)
+    spread = [f"- {args.cell}, {x}" for x in spread]
+    if args.steps_out:
+        with open(args.steps_out, "a") as f:
+            f.write("".join(x + "\n" for x in spread))
+    elif spread:
+        print("\n" + "\n".join(spread))
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n")
