@@ -82,9 +82,14 @@ void AdamW::step_scaled(double lr, double grad_scale) {
     Optimizer::step_scaled(lr, grad_scale);
     return;
   }
+  // The kernel reads grad_scale_ during this one step only (also when it
+  // throws).
+  struct Reset {
+    double& v;
+    ~Reset() { v = 1.0; }
+  } reset{grad_scale_};
   grad_scale_ = grad_scale;
   step(lr);
-  grad_scale_ = 1.0;
 }
 
 bool AdamW::fused_step(double lr, double bc1, double bc2) {
