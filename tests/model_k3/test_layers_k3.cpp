@@ -55,10 +55,13 @@ TEST(KdaChunked, MatchesRecurrentFp64) {
 TEST(KdaChunked, GradientsMatchRecurrentFp64) {
   auto in = random_kda(1, 21, 2, 4, 5, 0.5, 2);
   std::vector<at::Tensor> leaves{in.q, in.k, in.v, in.g, in.beta};
+  // Chunks of 8 (one sub-chunk) and of 32 (two sub-chunks of 16, Note [KDA
+  // decayed products in sub-chunks]).
+  for (int64_t chunk : {8, 32}) {
   auto grads = [&](bool chunked) {
     std::vector<at::Tensor> xs;
     for (auto& t : leaves) xs.push_back(t.detach().clone().requires_grad_(true));
-    auto o = chunked ? kda_chunked(xs[0], xs[1], xs[2], xs[3], xs[4], 8)
+    auto o = chunked ? kda_chunked(xs[0], xs[1], xs[2], xs[3], xs[4], chunk)
                      : kda_recurrent(xs[0], xs[1], xs[2], xs[3], xs[4]);
     torch::manual_seed(3);
     (o * torch::randn(o.sizes(), o.options())).sum().backward();
@@ -68,7 +71,9 @@ TEST(KdaChunked, GradientsMatchRecurrentFp64) {
   };
   auto a = grads(true), b = grads(false);
   for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_LT((a[i] - b[i]).abs().max().item<double>(), 1e-11) << "input " << i;
+    EXPECT_LT((a[i] - b[i]).abs().max().item<double>(), 1e-11) << "input " << i << " chunk "
+                                                               << chunk;
+  }
   }
 }
 
