@@ -149,22 +149,7 @@ if has layers; then
       --parallelism.pipeline_parallel_stages_per_rank="$v" --data.path="$DATA" \
       --job.dump_folder="$OUT/$name" >"$OUT/$name.log" 2>&1 ||
       { say "| $entry | $v | failed: $(errors "$OUT/$name.log" | head -1 | cut -c1-150) | | | | | |"; continue; }
-    "$PY" - "$OUT/$name/metrics.jsonl" "$entry" "$v" <<'PY' | tee -a "$MD"
-import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
-t = rows[3:] if len(rows) > 4 else rows[1:]
-def med(k):
-    v = [r[k] for r in t if r.get(k) is not None]
-    return statistics.median(v) if v else float("nan")
-mfu = med("mfu")
-pr = [r.get("peak_memory_bytes_per_rank", [r["peak_memory_bytes"]]) for r in t]
-mem = " / ".join(f"{max(p[i] for p in pr) / 2**30:.1f}" for i in range(len(pr[-1])))
-print(f"| {sys.argv[2]} | {sys.argv[3]} | {med('tokens_per_sec'):.0f} | {100 * mfu:.1f}% | "
-      f"{mem} | "
-      f"{100 * med('bubble_measured_mean'):.1f}% | {100 * t[-1].get('bubble_simulated', float('nan')):.1f}% "
-      f"({100 * t[-1].get('bubble_simulated_flops', float('nan')):.1f}% by FLOPs) | "
-      f"{med('p2p_bytes') / 1e6:.0f} |")
-PY
+    "$PY" bench/multi_gpu_row.py layers "$OUT/$name/metrics.jsonl" "$entry" "$v" | tee -a "$MD"
   done
 fi
 
@@ -217,22 +202,7 @@ open('$K3DATA', 'wb').write(a.tobytes())"
       # shellcheck disable=SC2086
       launch "${k3[@]}" $sargs $args ${K3_EXTRA:-} --job.dump_folder="$dir" >"$dir.log" 2>&1 ||
         { say "| $sname | $name | failed: $(errors "$dir.log" | head -1 | cut -c1-150) | | | | | |"; continue; }
-      "$PY" - "$dir/metrics.jsonl" "$sname" "$name" <<'PY' | tee -a "$MD"
-import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
-t = rows[2:] if len(rows) > 3 else rows[1:]
-def med(k):
-    v = [r[k] for r in t if r.get(k) is not None]
-    return statistics.median(v) if v else float("nan")
-def per_rank(k):
-    n = len(t[-1].get(k, []))
-    return " / ".join(f"{max(r[k][i] for r in t) / 2**20:.0f}" for i in range(n)) or "-"
-mem = " / ".join(f"{max(r['peak_memory_bytes_per_rank'][i] for r in t) / 2**30:.2f}"
-                 for i in range(len(t[-1].get("peak_memory_bytes_per_rank", []))))
-print(f"| {sys.argv[2]} | {sys.argv[3]} | {med('tokens_per_sec'):.0f} | {mem} | "
-      f"{per_rank('attn_res_store_peak_bytes')} | {med('p2p_bytes') / 1e6:.0f} | "
-      f"{med('pipeline_p2p_wait_seconds'):.3f} | {rows[-1]['loss']} |")
-PY
+      "$PY" bench/multi_gpu_row.py k3 "$dir/metrics.jsonl" "$sname" "$name" | tee -a "$MD"
     done
   done
 fi
