@@ -27,6 +27,15 @@ const char* const kSwitchableKernels[] = {
     "mixed_linear",     "weight_cache", "add_rms_norm",  "adamw_clip"};
 }  // namespace
 
+void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad) {
+  at::Tensor s = slot;  // the same TensorImpl as every holder of the slot
+  if (s.numel() == 0) {
+    s.set_(grad);
+  } else {
+    s.add_(grad);
+  }
+}
+
 void set_enabled(bool on) { g_enabled = on; }
 void set_swiglu_recompute(bool on) { g_swiglu_recompute = on; }
 void set_attn_res_read_v2(bool on) { g_read_v2 = on; }
@@ -301,8 +310,15 @@ class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
 class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, at::TensorList sources,
-                            const at::Tensor& query, const at::Tensor& norm_weight, double eps) {
+                            const at::Tensor& query, const at::Tensor& norm_weight, double eps,
+                            const std::vector<at::Tensor>* slots) {
     const auto n = static_cast<int>(sources.size());
+    if (slots != nullptr) {
+      for (int i = 0; i < n; ++i) {
+        const auto& slot = (*slots)[static_cast<size_t>(i)];
+        if (slot.defined()) ctx->saved_data["slot" + std::to_string(i)] = slot;
+      }
+    }
     const auto D = sources[0].size(-1);
     const auto rows = sources[0].numel() / D;
     std::vector<at::Tensor> src;
@@ -340,30 +356,49 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
     auto q = query.to(at::kFloat), w = norm_weight.to(at::kFloat);
     auto u = (w * q).contiguous();
     auto g = grads[0].contiguous().to(saved[0].scalar_type());
-    cuda::ReadSources ptrs{};
+    const bool warp_per_row = ctx->saved_data["warp_per_row"].toBool();
+    cuda::ReadSources ptrs{}, accs{};  // accs: the slot to add into, per source
     cuda::ReadGrads dptrs{};
     variable_list out;
+    std::vector<std::pair<at::Tensor, at::Tensor>> to_add;  // (slot, gradient) after the kernel
     for (int i = 0; i < n; ++i) {
-      ptrs.p[i] = saved[static_cast<size_t>(i)].data_ptr();
-      out.push_back(at::empty(saved[static_cast<size_t>(i)].sizes(),
-                              saved[static_cast<size_t>(i)].options()));
-      dptrs.p[i] = out.back().data_ptr();
+      const auto& v = saved[static_cast<size_t>(i)];
+      ptrs.p[i] = v.data_ptr();
+      auto it = ctx->saved_data.find("slot" + std::to_string(i));
+      at::Tensor slot = it == ctx->saved_data.end() ? at::Tensor() : it->second.toTensor();
+      if (slot.defined() && slot.numel() > 0 && warp_per_row && slot.is_contiguous() &&
+          slot.sizes() == v.sizes() && slot.scalar_type() == v.scalar_type()) {
+        accs.p[i] = slot.data_ptr();  // added into in place
+        dptrs.p[i] = slot.data_ptr();
+        out.emplace_back();
+        continue;
+      }
+      auto dv = at::empty(v.sizes(), v.options());
+      dptrs.p[i] = dv.data_ptr();
+      if (slot.defined()) {  // the first gradient becomes the slot; others added after
+        to_add.emplace_back(slot, dv);
+        out.emplace_back();
+      } else {
+        out.push_back(dv);
+      }
     }
-    const bool warp_per_row = ctx->saved_data["warp_per_row"].toBool();
     // No rows: the kernels launch nothing, so the parts must start at zero.
     auto partial = at::empty({cuda::attn_res_read_backward_parts(rows, warp_per_row), D},
                              u.options().dtype(at::kFloat));
     if (rows == 0) partial.zero_();
-    check_launch(cuda::attn_res_read_backward(dtype_of(saved[0]), ptrs, dptrs, n, g.data_ptr(),
+    check_launch(cuda::attn_res_read_backward(dtype_of(saved[0]), ptrs, accs, dptrs, n,
+                                              g.data_ptr(),
                                               u.data_ptr<float>(), rstd.data_ptr<float>(),
                                               dot.data_ptr<float>(), alpha.data_ptr<float>(),
                                               partial.data_ptr<float>(), rows, D, warp_per_row,
                                               stream_of(g)),
                  "attn_res_read_backward");
+    for (auto& [slot, dv] : to_add) attn_res_slot_add(slot, dv);
     auto du = partial.sum(0);
     out.push_back((du * w).to(query.scalar_type()));        // d query
     out.push_back((du * q).to(norm_weight.scalar_type()));  // d norm.weight
-    out.push_back(at::Tensor());                             // eps
+    out.emplace_back();                                      // eps
+    out.emplace_back();                                      // slots
     return out;
   }
 };
@@ -452,14 +487,17 @@ bool attn_res_read_usable(const std::vector<at::Tensor>& sources) {
 }
 
 at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tensor& query,
-                         const at::Tensor& norm_weight, double eps) {
+                         const at::Tensor& norm_weight, double eps,
+                         const std::vector<at::Tensor>* slots) {
   RECORD_FUNCTION("viaduct::attn_res_read_kernel", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(read_sources_fit(sources), "fused attn_res_read: 1 to ", cuda::kMaxReadSources,
                 " sources of one shape, dtype and device, got ", sources.size());
   VIADUCT_CHECK(query.dim() == 1 && query.size(0) == sources[0].size(-1) &&
                     norm_weight.sizes() == query.sizes(),
                 "fused attn_res_read: query and norm weight must be [", sources[0].size(-1), "]");
-  return AttnResReadKernelFn::apply(at::TensorList(sources), query, norm_weight, eps);
+  VIADUCT_CHECK(slots == nullptr || slots->size() == sources.size(),
+                "fused attn_res_read: one slot entry per source");
+  return AttnResReadKernelFn::apply(at::TensorList(sources), query, norm_weight, eps, slots);
 }
 
 void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,
@@ -528,7 +566,7 @@ at::Tensor swiglu_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&
 at::Tensor cross_entropy_rows_(at::Tensor&, const at::Tensor&) { no_cuda("cross_entropy"); }
 bool attn_res_read_usable(const std::vector<at::Tensor>&) { return false; }
 at::Tensor attn_res_read(const std::vector<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-                         double) {
+                         double, const std::vector<at::Tensor>*) {
   no_cuda("attn_res_read");
 }
 void adamw_(at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, double, double, double,

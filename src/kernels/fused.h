@@ -86,8 +86,16 @@ bool attn_res_read_usable(const std::vector<at::Tensor>& sources);
 // a row. VIADUCT_DISABLE_KERNELS=attn_res_read_v2 makes it the latter
 // whatever is set here. For tests comparing the two.
 void set_attn_res_read_v2(bool on);
+// slots: as AttnResReadImpl::forward's (Note [AttnRes block gradients in
+// place], model/attn_res.h); the warp-per-row backward adds into a slot in
+// the pass that computes the gradient.
 at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tensor& query,
-                         const at::Tensor& norm_weight, double eps);
+                         const at::Tensor& norm_weight, double eps,
+                         const std::vector<at::Tensor>* slots = nullptr);
+// Adds one source's read gradient into its slot: the first gradient becomes
+// the slot (Tensor::set_, no copy), later ones are added in place (autograd's
+// sum, same bits). Both builds.
+void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad);
 
 // One AdamW step in place on contiguous fp32 CUDA tensors (the formulas of
 // AdamW::step's loop; bias_corr_i = 1 - beta_i^step). `low`, when defined (a

@@ -63,6 +63,16 @@ __device__ __forceinline__ void store_n(T* p, int64_t i, const float (&v)[N]) {
     for (int k = 0; k < N; ++k) store(p, i + k, v[k]);
   }
 }
+// v[k] := p[i + k] + v[k] rounded to T: the sum autograd forms when it adds
+// a gradient stored as T into an accumulated one (Note [AttnRes block
+// gradients in place], model/attn_res.h); the caller stores the result as T.
+template <typename T, int N>
+__device__ __forceinline__ void add_rounded(const T* p, int64_t i, float (&v)[N]) {
+  float a[N];
+  load_n<T, N>(p, i, a);
+#pragma unroll
+  for (int k = 0; k < N; ++k) v[k] = a[k] + round_as<T>(v[k]);
+}
 
 // Sum over the block, in a fixed order; every thread gets the result.
 // `scratch` holds one float per warp. blockDim.x is a multiple of 32.
@@ -794,7 +804,7 @@ __device__ __forceinline__ void load_read_stats(const float* __restrict__ stat, 
 // of block b takes rows b * kReadWarps + w + k * gridDim.x * kReadWarps.
 template <typename T, int N, int ITERS>
 __global__ void __launch_bounds__(kReadWarps * 32, kReadBackwardBlocksPerSM)
-    attn_res_read_backward_warp_kernel(ReadSources src, ReadGrads dsrc, int n,
+    attn_res_read_backward_warp_kernel(ReadSources src, ReadSources acc, ReadGrads dsrc, int n,
                                        const T* __restrict__ g, const float* __restrict__ u,
                                        const float* __restrict__ rstd,
                                        const float* __restrict__ dot,
@@ -853,6 +863,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kReadBackwardBlocksPerSM)
     for (int i = 0; i < n; ++i) {
       const T* v = static_cast<const T*>(src.p[i]) + base;
       T* dv = static_cast<T*>(dsrc.p[i]) + base;
+      const T* ap = acc.p[i] == nullptr ? nullptr : static_cast<const T*>(acc.p[i]) + base;
       const float a = c.al.get(i), cd = c.dd.get(i), cr = c.dr.get(i);
       Packed<T, N> x[ITERS];
 #pragma unroll
@@ -869,6 +880,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kReadBackwardBlocksPerSM)
           load_f32<N>(ul, it * kStride, uu);
 #pragma unroll
           for (int k = 0; k < N; ++k) o[k] = a * gf[k] + cd * uu[k] - cr * xf[k];
+          if (ap != nullptr) add_rounded<T, N>(ap, it * kStride, o);
           store_n<T, N>(dv, it * kStride, o);
 #pragma unroll
           for (int q = 0; q < kQuads; ++q) {
@@ -910,7 +922,8 @@ __global__ void __launch_bounds__(kReadWarps * 32, kReadBackwardBlocksPerSM)
 // du_partial row, which only that thread touches.
 template <typename T, int N>
 __global__ void __launch_bounds__(kReadWarps * 32)
-    attn_res_read_backward_warp_loop_kernel(ReadSources src, ReadGrads dsrc, int n,
+    attn_res_read_backward_warp_loop_kernel(ReadSources src, ReadSources acc, ReadGrads dsrc,
+                                            int n,
                                             const T* __restrict__ g,
                                             const float* __restrict__ u,
                                             const float* __restrict__ rstd,
@@ -960,13 +973,13 @@ __global__ void __launch_bounds__(kReadWarps * 32)
     }
     __syncthreads();
     for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
-      float uu[N], acc[N];
+      float uu[N], du[N];
       load_f32<N>(u, j, uu);
       if (first) {
 #pragma unroll
-        for (int k = 0; k < N; ++k) acc[k] = 0.f;
+        for (int k = 0; k < N; ++k) du[k] = 0.f;
       } else {
-        load_f32<N>(part, j, acc);
+        load_f32<N>(part, j, du);
       }
       for (int w = 0; w < kReadWarps && base + w < rows; ++w) {
         const int64_t r = base + w;
@@ -979,12 +992,13 @@ __global__ void __launch_bounds__(kReadWarps * 32)
 #pragma unroll
           for (int k = 0; k < N; ++k) {
             o[k] = a * gg[k] + cd * uu[k] - cr * x[k];
-            acc[k] += cd * x[k];
+            du[k] += cd * x[k];
           }
+          if (acc.p[i] != nullptr) add_rounded<T, N>(static_cast<const T*>(acc.p[i]) + r * dim, j, o);
           store_n<T, N>(static_cast<T*>(dsrc.p[i]) + r * dim, j, o);
         }
       }
-      store_n<float, N>(part, j, acc);
+      store_n<float, N>(part, j, du);
     }
     first = false;
     __syncthreads();  // coef is rewritten by the next rows
@@ -1291,21 +1305,24 @@ cudaError_t attn_res_read_forward(DType dt, const ReadSources& src, int n, const
   return cudaGetLastError();
 }
 
-cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadGrads& dsrc,
-                                   int n, const void* g, const float* u, const float* rstd,
-                                   const float* dot, const float* alpha, float* du_partial,
-                                   int64_t rows, int64_t dim, bool warp_per_row,
-                                   cudaStream_t stream) {
+cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadSources& acc,
+                                   const ReadGrads& dsrc, int n, const void* g, const float* u,
+                                   const float* rstd, const float* dot, const float* alpha,
+                                   float* du_partial, int64_t rows, int64_t dim,
+                                   bool warp_per_row, cudaStream_t stream) {
   if (n < 1 || n > kMaxReadSources) return cudaErrorInvalidValue;
+  for (int i = 0; i < n; ++i) {  // the block-per-row kernels add into nothing
+    if (acc.p[i] != nullptr && !warp_per_row) return cudaErrorInvalidValue;
+  }
   if (rows == 0) return cudaSuccess;
   bool vec = read_vectorisable(dt, src.p, n, dim) && aligned16(g) && aligned16(u) &&
              aligned16(du_partial);
-  for (int i = 0; i < n; ++i) vec = vec && aligned16(dsrc.p[i]);
+  for (int i = 0; i < n; ++i) vec = vec && aligned16(dsrc.p[i]) && aligned16(acc.p[i]);
   const auto grid = static_cast<unsigned>(attn_res_read_backward_parts(rows, warp_per_row));
   if (warp_per_row) {  // Note [Fused AttnRes read, warp per row]
     VIADUCT_DISPATCH_VEC(dt, vec, auto kernel = read_backward_warp_kernel<T, N>(dim);
                          kernel<<<grid, kReadWarps * 32, 0, stream>>>(
-                             src, dsrc, n, static_cast<const T*>(g), u, rstd, dot, alpha,
+                             src, acc, dsrc, n, static_cast<const T*>(g), u, rstd, dot, alpha,
                              du_partial, rows, dim));
     return cudaGetLastError();
   }

@@ -3,6 +3,8 @@
 
 #include <ATen/record_function.h>
 
+#include <string>
+
 #include "core/check.h"
 #include "kernels/fused.h"
 
@@ -40,6 +42,19 @@ at::ScalarType read_type(const at::Tensor& t) {
 //   dv_i = alpha_i g + dlogit_i r_i u - dlogit_i (v_i . u) r_i^3 / D v_i
 //   du = sum_i sum_tokens dlogit_i r_i v_i;  dq = du * w, dw = du * q.
 // Same equations as the keys form, different rounding.
+// A read's slots (Note [AttnRes block gradients in place] in attn_res.h),
+// kept as the same TensorImpls the sink holds.
+void save_slots(AutogradContext* ctx, const std::vector<at::Tensor>* slots) {
+  if (slots == nullptr) return;
+  for (size_t i = 0; i < slots->size(); ++i) {
+    if ((*slots)[i].defined()) ctx->saved_data["slot" + std::to_string(i)] = (*slots)[i];
+  }
+}
+at::Tensor saved_slot(AutogradContext* ctx, size_t i) {
+  auto it = ctx->saved_data.find("slot" + std::to_string(i));
+  return it == ctx->saved_data.end() ? at::Tensor() : it->second.toTensor();
+}
+
 struct ReadStats {
   at::Tensor rstd, dot, alpha;  // [N, B, T]
 };
@@ -57,10 +72,60 @@ ReadStats read_stats(at::TensorList sources, const at::Tensor& u, double eps,
   return s;
 }
 
+class BlockSinkFn : public torch::autograd::Function<BlockSinkFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& block,
+                            const at::Tensor* slot) {
+    ctx->saved_data["slot"] = *slot;
+    return block;  // returned as a view with this node as its gradient edge
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto slot = ctx->saved_data["slot"].toTensor();
+    at::Tensor g;
+    if (slot.numel() > 0) {
+      g = slot.detach();  // a new TensorImpl on the sum's storage
+      slot.set_();        // empty again, for a rerun of this backward
+    }
+    if (grads[0].defined()) g = g.defined() ? g.add_(grads[0]) : grads[0];
+    return {g, at::Tensor()};
+  }
+};
+
+class SeedFn : public torch::autograd::Function<SeedFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, at::TensorList outputs,
+                               const std::vector<at::Tensor>* slots) {
+    save_slots(ctx, slots);
+    return variable_list(outputs.begin(), outputs.end());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list out;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      auto slot = saved_slot(ctx, i);
+      if (!slot.defined()) {
+        out.push_back(grads[i]);
+        continue;
+      }
+      if (grads[i].defined()) {
+        VIADUCT_ASSERT(slot.numel() == 0, "AttnRes seed: output ", i,
+                       "'s slot already holds a gradient");
+        // A copy: the slot is added into in place, and the executor keeps
+        // the received gradient (zero-bubble's W pass seeds again from it).
+        slot.set_(grads[i].clone(at::MemoryFormat::Contiguous));
+      }
+      out.emplace_back();
+    }
+    out.emplace_back();  // slots
+    return out;
+  }
+};
+
 class AttnResReadFn : public torch::autograd::Function<AttnResReadFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, at::TensorList sources,
-                            const at::Tensor& query, const at::Tensor& norm_weight, double eps) {
+                            const at::Tensor& query, const at::Tensor& norm_weight, double eps,
+                            const std::vector<at::Tensor>* slots) {
+    save_slots(ctx, slots);
     const auto st = read_type(sources[0]);
     auto u = norm_weight.to(st) * query.to(st);
     auto s = read_stats(sources, u, eps, st);
@@ -102,16 +167,36 @@ class AttnResReadFn : public torch::autograd::Function<AttnResReadFn> {
                 dr_coef[k].unsqueeze(-1) * vf;
       auto dui = at::matmul(dd[k].reshape({1, -1}), vf.reshape({-1, vf.size(-1)})).squeeze(0);
       du = du.defined() ? du.add_(dui) : dui;
-      out.push_back(dv.to(saved[i].scalar_type()));
+      auto slot = saved_slot(ctx, i);
+      if (slot.defined()) {
+        kernels::attn_res_slot_add(slot, dv.to(saved[i].scalar_type()));
+        out.emplace_back();
+      } else {
+        out.push_back(dv.to(saved[i].scalar_type()));
+      }
     }
     out.push_back((du * w).to(query.scalar_type()));        // d query
     out.push_back((du * q).to(norm_weight.scalar_type()));  // d norm.weight
-    out.push_back(at::Tensor());                             // eps
+    out.emplace_back();                                      // eps
+    out.emplace_back();                                      // slots
     return out;
   }
 };
 
 }  // namespace
+
+at::Tensor attn_res_new_slot(const at::Tensor& like) { return at::empty({0}, like.options()); }
+
+at::Tensor attn_res_block_sink(const at::Tensor& block, const at::Tensor& slot) {
+  return BlockSinkFn::apply(block, &slot);
+}
+
+std::vector<at::Tensor> attn_res_seed(const std::vector<at::Tensor>& outputs,
+                                      const std::vector<at::Tensor>& slots) {
+  VIADUCT_ASSERT(outputs.size() == slots.size(), "attn_res_seed: ", outputs.size(),
+                 " outputs, ", slots.size(), " slots");
+  return SeedFn::apply(at::TensorList(outputs), &slots);
+}
 
 at::Tensor AttnResReadImpl::weights(const std::vector<at::Tensor>& sources) {
   VIADUCT_ASSERT(!sources.empty(), "an AttnRes read needs at least one source");
@@ -120,13 +205,16 @@ at::Tensor AttnResReadImpl::weights(const std::vector<at::Tensor>& sources) {
   return read_stats(sources, u, norm->eps_, st).alpha;  // [N, B, T]
 }
 
-at::Tensor AttnResReadImpl::forward(const std::vector<at::Tensor>& sources) {
+at::Tensor AttnResReadImpl::forward(const std::vector<at::Tensor>& sources,
+                                    const std::vector<at::Tensor>* slots) {
   VIADUCT_ASSERT(!sources.empty(), "an AttnRes read needs at least one source");
+  VIADUCT_ASSERT(slots == nullptr || slots->size() == sources.size(), "an AttnRes read got ",
+                 sources.size(), " sources and ", slots ? slots->size() : 0, " slots");
   RECORD_FUNCTION("viaduct::attn_res_read", std::vector<c10::IValue>());  // named in profiles
   if (kernels::attn_res_read_usable(sources)) {
-    return kernels::attn_res_read(sources, query, norm->weight, norm->eps_);
+    return kernels::attn_res_read(sources, query, norm->weight, norm->eps_, slots);
   }
-  return AttnResReadFn::apply(at::TensorList(sources), query, norm->weight, norm->eps_);
+  return AttnResReadFn::apply(at::TensorList(sources), query, norm->weight, norm->eps_, slots);
 }
 
 }  // namespace viaduct

@@ -25,7 +25,11 @@ class AttnResReadImpl : public torch::nn::Module {
  public:
   AttnResReadImpl(int64_t dim, double eps);
   // sources: N tensors [B, T, D] (N >= 1) -> [B, T, D] in the sources' dtype.
-  at::Tensor forward(const std::vector<at::Tensor>& sources);
+  // slots, when given (one entry per source, undefined for none): the
+  // source's gradient is added into its slot instead of being returned
+  // (Note [AttnRes block gradients in place]).
+  at::Tensor forward(const std::vector<at::Tensor>& sources,
+                     const std::vector<at::Tensor>* slots = nullptr);
   // The softmax weights over depth, [N, B, T] fp32 (for tests and probes).
   at::Tensor weights(const std::vector<at::Tensor>& sources);
   void init_weights();  // query = 0, norm weight = 1
@@ -36,6 +40,35 @@ class AttnResReadImpl : public torch::nn::Module {
 };
 TORCH_MODULE(AttnResRead);
 
+// Note [AttnRes block gradients in place]
+// A completed block is a source of every later read, so autograd would sum
+// one new [B, T, D] gradient tensor per read into the block's gradient (an
+// out-of-place add each: two reads and a write of the block's size). With
+// a slot, the reads' backward adds into one buffer per block instead (the
+// read kernels in the same pass as the gradient itself):
+//  - attn_res_block_sink(block, slot) stands for the block on the stack;
+//    its backward returns the slot's sum (plus any gradient that reached the
+//    block another way) and empties the slot. Every read of the block runs
+//    its backward before the sink (autograd's dependency order).
+//  - A read with a slot for source i returns no gradient for it; it adds
+//    dv_i rounded to the source's dtype into the slot, the first one
+//    becoming the slot. That is the rounding and the order in which
+//    autograd's own accumulation adds the same tensors, so the bits are
+//    those of the autograd sum.
+//  - attn_res_seed(outputs, slots) wraps a part's outputs: their gradients
+//    (from the next stage) are copied into the blocks' slots before any read
+//    of the part runs its backward (the seed node is the only one the
+//    outputs' gradients reach), so a block's sum starts where autograd's
+//    would: with the later stages' gradient.
+// A slot is a tensor whose storage the first gradient replaces (Tensor::set_);
+// every read and the sink hold the same TensorImpl. Reruns of the backward
+// (zero-bubble's W pass) start from an empty slot again: the sink empties it.
+at::Tensor attn_res_new_slot(const at::Tensor& like);
+at::Tensor attn_res_block_sink(const at::Tensor& block, const at::Tensor& slot);
+// outputs[i] with slots[i] defined: its gradient goes to the slot. Returns
+// the outputs (views) in order.
+std::vector<at::Tensor> attn_res_seed(const std::vector<at::Tensor>& outputs,
+                                      const std::vector<at::Tensor>& slots);
 // FLOPs of one read per token, forward only: the keys' norm and the dot with
 // the query (about 4 D per source) and the weighted sum (2 D per source).
 inline double attn_res_read_flops(int64_t n_sources, int64_t dim) {

@@ -117,6 +117,7 @@ KimiK3Options kimi_k3_options(const Config& cfg) {
   o.moe_ffn = bool_or(cfg, "model.moe_ffn", o.moe_ffn);
   o.vision = bool_or(cfg, "model.vision", o.vision);
   o.attn_res = cfg.get_bool("model.attn_res");
+  o.attn_res_grad_in_place = cfg.get_bool("model.attn_res_grad_in_place");
   o.synthetic_images = bool_or(cfg, "model.synthetic_images", o.synthetic_images);
 
   o.kda.dim = o.dim;
@@ -228,7 +229,8 @@ void KimiK3LayerImpl::init_weights(uint64_t seed, const std::string& p,
 }
 
 at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
-                                    std::vector<at::Tensor>& blocks) {
+                                    std::vector<at::Tensor>& blocks,
+                                    std::vector<at::Tensor>* slots) {
   // hidden, blocks[i]: [B, T, D]
   if (!attn_res_) {
     // Plain residuals: h = h + attention(norm(h)); h = h + ffn(norm(h)).
@@ -239,22 +241,34 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
   }
   at::Tensor partial;
   std::vector<at::Tensor> sources;
-  if (opens_block_) {
-    blocks.push_back(hidden);  // the incoming block is complete
+  if (opens_block_) {  // the incoming block is complete
+    if (slots != nullptr) {
+      slots->push_back(attn_res_new_slot(hidden));
+      blocks.push_back(attn_res_block_sink(hidden, slots->back()));
+    } else {
+      blocks.push_back(hidden);
+    }
     sources = blocks;
   } else {
     partial = hidden;
     sources = blocks;
     sources.push_back(partial);
   }
+  // The read's slots: the blocks', none for the partial sum.
+  std::vector<at::Tensor> read_slots;
+  if (slots != nullptr) {
+    read_slots = *slots;
+    read_slots.resize(sources.size());
+  }
   if (trace_) trace_->push_back(sources);
-  auto h = attn_res_attn(sources);
+  auto h = attn_res_attn(sources, slots != nullptr ? &read_slots : nullptr);
   auto a = mla ? mla(attention_norm(h)) : kda(attention_norm(h));
   partial = partial.defined() ? partial + a : a;
   sources = blocks;
   sources.push_back(partial);
+  if (slots != nullptr) read_slots.resize(sources.size());
   if (trace_) trace_->push_back(sources);
-  h = attn_res_ffn(sources);
+  h = attn_res_ffn(sources, slots != nullptr ? &read_slots : nullptr);
   auto f = moe ? moe(ffn_norm(h)) : feed_forward(ffn_norm(h));
   return partial + f;
 }
@@ -393,6 +407,18 @@ Activations KimiK3Part::forward(const Activations& in) {
     hidden = in[0];
     blocks.assign(in.begin() + 1, in.end());
   }
+  // Note [AttnRes block gradients in place]: while autograd records, every
+  // block on the stack is a sink with a slot, and a middle part's outputs
+  // go through the seed.
+  const bool in_place = opts_.attn_res && opts_.attn_res_grad_in_place &&
+                        at::GradMode::is_enabled();
+  std::vector<at::Tensor> slots;
+  if (in_place) {
+    for (auto& b : blocks) {
+      slots.push_back(b.requires_grad() ? attn_res_new_slot(b) : at::Tensor());
+      if (slots.back().defined()) b = attn_res_block_sink(b, slots.back());
+    }
+  }
   for (auto& layer : layers_) {
     const int64_t expected =  // without AttnRes the stack stays empty
         opts_.attn_res ? opts_.block_of(layer->layer_id_) + (layer->opens_block_ ? 0 : 1)
@@ -400,17 +426,24 @@ Activations KimiK3Part::forward(const Activations& in) {
     VIADUCT_CHECK(static_cast<int64_t>(blocks.size()) == expected,
                   "kimi_k3: layers.", layer->layer_id_, " expects ", expected,
                   " completed blocks on the stack, got ", blocks.size());
-    hidden = layer(hidden, blocks);
+    hidden = layer(hidden, blocks, in_place ? &slots : nullptr);
   }
   if (has_last_ && !opts_.attn_res) return {linear(norm(hidden), lm_head)};
   if (has_last_) {
     std::vector<at::Tensor> sources = blocks;
     sources.push_back(hidden);
-    auto out = attn_res_final(sources);
+    auto read_slots = slots;
+    read_slots.resize(sources.size());
+    auto out = attn_res_final(sources, in_place ? &read_slots : nullptr);
     return {linear(norm(out), lm_head)};  // [B, T, V]
   }
   Activations out{hidden};
   out.insert(out.end(), blocks.begin(), blocks.end());
+  if (in_place && !slots.empty()) {
+    std::vector<at::Tensor> out_slots{at::Tensor()};
+    out_slots.insert(out_slots.end(), slots.begin(), slots.end());
+    out = attn_res_seed(out, out_slots);
+  }
   return out;
 }
 

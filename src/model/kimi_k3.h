@@ -55,6 +55,8 @@ struct KimiK3Options {
   bool moe_ffn = true;
   bool vision = false;
   bool attn_res = true;  // false: plain residuals (Note above)
+  // Note [AttnRes block gradients in place] (model/attn_res.h)
+  bool attn_res_grad_in_place = true;
   bool synthetic_images = false;
   int64_t image_token_id = 0;
   KdaOptions kda;
@@ -84,7 +86,11 @@ class KimiK3LayerImpl : public torch::nn::Module {
   // extended in place when this layer opens a block. Returns the new partial
   // sum of the open block. Without AttnRes: hidden + both sublayers' outputs,
   // and `blocks` is left alone.
-  at::Tensor forward(const at::Tensor& hidden, std::vector<at::Tensor>& blocks);
+  // slots, when given, runs parallel to blocks: each block this layer opens
+  // goes on the stack as its sink with a new slot, and the reads add into
+  // the slots (Note [AttnRes block gradients in place]).
+  at::Tensor forward(const at::Tensor& hidden, std::vector<at::Tensor>& blocks,
+                     std::vector<at::Tensor>* slots = nullptr);
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out);
 

@@ -415,6 +415,46 @@ TEST(FusedKernels, AttnResReadV2IsDeterministic) {
   }
 }
 
+TEST(FusedKernels, AttnResReadAddsIntoSlotsWithAutogradsBits) {
+  REQUIRE_GPU();
+  // Note [AttnRes block gradients in place] (model/attn_res.h): a slot that
+  // holds a gradient receives it + this read's gradient as the source's
+  // dtype adds them (autograd's sum), an empty slot becomes the gradient,
+  // and the source itself gets none; bit for bit against the read without
+  // slots. Warp-per-row register (2048) and loop (4096, 1001) forms add in
+  // the kernel; the block-per-row kernels after it.
+  for (bool warp_per_row : {true, false})
+  for (int64_t D : {2048, 4096, 1001})
+  for (auto t : kTypes) {
+    if (warp_per_row && kernels::disabled("attn_res_read_v2")) continue;
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << (warp_per_row ? "warp" : "block") << " per row, dim " << D
+                                    << " " << t << " seed " << seed);
+    ReadKernels k(warp_per_row);
+    auto in = draw_read({2, 45, D}, 3, t);
+    auto dy = at::randn({2, 45, D}, at::TensorOptions(at::kCUDA)).to(t);
+    auto prior = at::randn({2, 45, D}, at::TensorOptions(at::kCUDA)).to(t);
+    const auto plain = read_outputs(in, dy);  // y, dv_0..2, dq, dw
+    std::vector<at::Tensor> src;
+    for (const auto& v : in.src) src.push_back(v.detach().requires_grad_(true));
+    auto q = in.q.detach().requires_grad_(true), w = in.w.detach().requires_grad_(true);
+    std::vector<at::Tensor> slots{attn_res_new_slot(src[0]), attn_res_new_slot(src[1]),
+                                  at::Tensor()};
+    kernels::attn_res_slot_add(slots[0], prior.clone());
+    poison();
+    auto y = kernels::attn_res_read(src, q, w, 1e-5, &slots);
+    y.backward(dy);
+    EXPECT_TRUE(at::equal(y, plain[0]));
+    EXPECT_TRUE(at::equal(slots[0], prior + plain[1])) << "slot with a gradient";
+    EXPECT_TRUE(at::equal(slots[1], plain[2])) << "empty slot";
+    EXPECT_FALSE(src[0].grad().defined());
+    EXPECT_FALSE(src[1].grad().defined());
+    EXPECT_TRUE(at::equal(src[2].grad(), plain[3])) << "source without a slot";
+    EXPECT_TRUE(at::equal(q.grad(), plain[4]));
+    EXPECT_TRUE(at::equal(w.grad(), plain[5]));
+  }
+}
+
 TEST(FusedKernels, MixedLinearWeightGradientIsFp32) {
   REQUIRE_GPU();
   // bf16 input, fp32 master weight and bias: the weight gradient comes from

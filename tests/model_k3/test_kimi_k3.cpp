@@ -166,7 +166,13 @@ TEST(KimiK3Model, PartActivationContract) {
   EXPECT_FALSE(mid->has_last());
   auto a1 = mid->forward(a0);
   ASSERT_EQ(a1.size(), 3u);  // hidden, b_0 (embedding), b_1
-  EXPECT_TRUE(a1[1].is_same(a0[0]));
+  // The embedding passes through unchanged: the same tensor, or (while
+  // autograd records, Note [AttnRes block gradients in place]) a view of it.
+  EXPECT_TRUE(a1[1].is_same(a0[0]) || (a1[1].is_alias_of(a0[0]) && a1[1].equal(a0[0])));
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(mid->forward(a0)[1].is_same(a0[0]));
+  }
   // layers 0..2 end on a block boundary: hidden is the completed block 1,
   // not yet pushed.
   auto blk = build(cfg, {"layers.0", "layers.1", "layers.2"});
@@ -225,6 +231,81 @@ TEST(KimiK3Model, PartsChainedGiveTheWholeModelBitwise) {
        {"layers.7"},
        {"norm", "lm_head", "attn_res_final"}},
       {tokens});
+}
+
+// Note [AttnRes block gradients in place]: the slots give every parameter
+// and every input gradient the bits of autograd's own sums, through three
+// parts (the seed at both boundaries) and through a rerun of a part's
+// backward from the same received gradients (zero-bubble's W pass).
+TEST(KimiK3Model, BlockGradientsInPlaceHaveAutogradsBits) {
+  auto tokens = random_tokens(2, 24, 320, 5);
+  const std::vector<std::vector<std::string>> split{
+      {"tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3"},
+      {"layers.4", "layers.5", "layers.6"},
+      {"layers.7", "norm", "lm_head", "attn_res_final"}};
+  struct Run {
+    std::vector<at::Tensor> grads;  // every part's parameters, then the middle inputs'
+    std::vector<std::string> output_nodes;
+  };
+  auto run = [&](bool in_place) {
+    auto cfg = small_config();
+    cfg = Config::parse("", "test",
+                        {"model.family=kimi_k3", "model.flavor=debugmodel", "model.n_layers=8",
+                         "model.attn_res_block_size=3", "model.dim=32", "model.kda_head_dim=16",
+                         "model.kda_chunk_size=8", "training.seq_len=24",
+                         std::string("model.attn_res_grad_in_place=") +
+                             (in_place ? "true" : "false")});
+    std::vector<std::shared_ptr<KimiK3Part>> parts;
+    for (const auto& fqns : split) parts.push_back(build(cfg, fqns));
+    Run r;
+    auto a0 = parts[0]->forward({tokens});
+    std::vector<at::Tensor> in1, in2;
+    for (auto& t : a0) in1.push_back(t.detach().requires_grad_(true));
+    auto a1 = parts[1]->forward(in1);
+    for (auto& t : a1) {
+      r.output_nodes.push_back(t.grad_fn() ? t.grad_fn()->name() : "leaf");
+      in2.push_back(t.detach().requires_grad_(true));
+    }
+    auto logits = parts[2]->forward(in2)[0];
+    torch::manual_seed(9);
+    auto w = torch::randn(logits.sizes());
+    (logits * w).sum().backward();
+    std::vector<at::Tensor> g2;
+    for (auto& t : in2) g2.push_back(t.grad().clone());
+    // The middle part twice from the same gradients, as I then W would.
+    torch::autograd::backward(a1, g2, /*retain_graph=*/true);
+    std::vector<at::Tensor> first;
+    for (auto& t : in1) first.push_back(t.grad().clone());
+    for (auto& p : parts[1]->parameters()) first.push_back(p.grad().clone());
+    for (auto& t : in1) t.mutable_grad() = at::Tensor();
+    for (auto& p : parts[1]->parameters()) p.mutable_grad() = at::Tensor();
+    torch::autograd::backward(a1, g2);
+    std::vector<at::Tensor> g1;
+    for (size_t i = 0; i < in1.size(); ++i) {
+      EXPECT_TRUE(torch::equal(in1[i].grad(), first[i])) << "rerun, input " << i;
+      g1.push_back(in1[i].grad());
+    }
+    torch::autograd::backward(a0, g1);
+    for (auto& part : parts) {
+      for (auto& p : part->parameters()) r.grads.push_back(p.grad());
+    }
+    r.grads.insert(r.grads.end(), g1.begin(), g1.end());
+    r.grads.insert(r.grads.end(), g2.begin(), g2.end());
+    return r;
+  };
+  auto on = run(true), off = run(false);
+  // Not vacuous: the middle part's block outputs go through the seed only
+  // when the slots are on.
+  ASSERT_EQ(on.output_nodes.size(), 4u);  // hidden, b_0 (embedding), b_1, b_2
+  for (size_t i = 1; i < 4; ++i) {
+    EXPECT_NE(on.output_nodes[i].find("SeedFn"), std::string::npos) << on.output_nodes[i];
+    EXPECT_EQ(off.output_nodes[i].find("SeedFn"), std::string::npos) << off.output_nodes[i];
+  }
+  ASSERT_EQ(on.grads.size(), off.grads.size());
+  for (size_t i = 0; i < on.grads.size(); ++i) {
+    ASSERT_TRUE(on.grads[i].defined() && off.grads[i].defined()) << i;
+    EXPECT_TRUE(torch::equal(on.grads[i], off.grads[i])) << "gradient " << i;
+  }
 }
 
 TEST(KimiK3Model, VisionPartsAndImagesBitwise) {
