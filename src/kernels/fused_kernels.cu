@@ -542,6 +542,9 @@ constexpr int kReadRowsPerPart = 8;
 // backward g's and a source's slices (du is in shared memory).
 constexpr int kReadForwardBlocksPerSM = 4;
 constexpr int kReadBackwardBlocksPerSM = 3;
+// The form that adds into slots (Note [AttnRes block gradients in place])
+// holds a slot's slice too.
+constexpr int kReadBackwardAccBlocksPerSM = 2;
 static_assert(kMaxReadSources <= 64, "LaneSlots hold two sources a lane");
 
 // Sum over the warp by a butterfly: every lane ends with the same bits
@@ -802,8 +805,9 @@ __device__ __forceinline__ void load_read_stats(const float* __restrict__ stat, 
 
 // Register form: dim <= 32 * N * ITERS, columns as in the forward's. Warp w
 // of block b takes rows b * kReadWarps + w + k * gridDim.x * kReadWarps.
-template <typename T, int N, int ITERS>
-__global__ void __launch_bounds__(kReadWarps * 32, kReadBackwardBlocksPerSM)
+template <typename T, int N, int ITERS, bool kAcc>
+__global__ void __launch_bounds__(kReadWarps * 32, kAcc ? kReadBackwardAccBlocksPerSM
+                                                         : kReadBackwardBlocksPerSM)
     attn_res_read_backward_warp_kernel(ReadSources src, ReadSources acc, ReadGrads dsrc, int n,
                                        const T* __restrict__ g, const float* __restrict__ u,
                                        const float* __restrict__ rstd,
@@ -866,9 +870,21 @@ __global__ void __launch_bounds__(kReadWarps * 32, kReadBackwardBlocksPerSM)
       const T* ap = acc.p[i] == nullptr ? nullptr : static_cast<const T*>(acc.p[i]) + base;
       const float a = c.al.get(i), cd = c.dd.get(i), cr = c.dr.get(i);
       Packed<T, N> x[ITERS];
+      // The slot's words (kAcc): loaded with the source's, not one at a time
+      // between stores (which the compiler must keep in order: dv may be the
+      // slot itself).
+      Packed<T, N> sw[kAcc ? ITERS : 1];
 #pragma unroll
       for (int it = 0; it < ITERS; ++it) {  // all loads before the first store (dv may alias)
         if (it * kStride < rem) x[it] = load_packed<T, N>(v, it * kStride);
+      }
+      if constexpr (kAcc) {
+        if (ap != nullptr) {
+#pragma unroll
+          for (int it = 0; it < ITERS; ++it) {
+            if (it * kStride < rem) sw[it] = load_packed<T, N>(ap, it * kStride);
+          }
+        }
       }
 #pragma unroll
       for (int it = 0; it < ITERS; ++it) {
@@ -880,7 +896,15 @@ __global__ void __launch_bounds__(kReadWarps * 32, kReadBackwardBlocksPerSM)
           load_f32<N>(ul, it * kStride, uu);
 #pragma unroll
           for (int k = 0; k < N; ++k) o[k] = a * gf[k] + cd * uu[k] - cr * xf[k];
-          if (ap != nullptr) add_rounded<T, N>(ap, it * kStride, o);
+          if constexpr (kAcc) {
+            if (ap != nullptr) {
+              float sf[N];
+              keep_packed(sw[it]);
+              unpack(sw[it], sf);
+#pragma unroll
+              for (int k = 0; k < N; ++k) o[k] = sf[k] + round_as<T>(o[k]);
+            }
+          }
           store_n<T, N>(dv, it * kStride, o);
 #pragma unroll
           for (int q = 0; q < kQuads; ++q) {
@@ -1267,9 +1291,12 @@ auto read_forward_warp_kernel(int64_t dim) {
   return attn_res_read_forward_warp_loop_kernel<T, N>;
 }
 template <typename T, int N>
-auto read_backward_warp_kernel(int64_t dim) {
+auto read_backward_warp_kernel(int64_t dim, bool acc) {
   if constexpr (N * sizeof(T) == 16) {
-    if (dim <= 32 * kReadWords * N) return attn_res_read_backward_warp_kernel<T, N, kReadWords>;
+    if (dim <= 32 * kReadWords * N) {
+      return acc ? attn_res_read_backward_warp_kernel<T, N, kReadWords, true>
+                 : attn_res_read_backward_warp_kernel<T, N, kReadWords, false>;
+    }
   }
   return attn_res_read_backward_warp_loop_kernel<T, N>;
 }
@@ -1311,16 +1338,16 @@ cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadS
                                    float* du_partial, int64_t rows, int64_t dim,
                                    bool warp_per_row, cudaStream_t stream) {
   if (n < 1 || n > kMaxReadSources) return cudaErrorInvalidValue;
-  for (int i = 0; i < n; ++i) {  // the block-per-row kernels add into nothing
-    if (acc.p[i] != nullptr && !warp_per_row) return cudaErrorInvalidValue;
-  }
+  bool any_acc = false;
+  for (int i = 0; i < n; ++i) any_acc = any_acc || acc.p[i] != nullptr;
+  if (any_acc && !warp_per_row) return cudaErrorInvalidValue;  // those add into nothing
   if (rows == 0) return cudaSuccess;
   bool vec = read_vectorisable(dt, src.p, n, dim) && aligned16(g) && aligned16(u) &&
              aligned16(du_partial);
   for (int i = 0; i < n; ++i) vec = vec && aligned16(dsrc.p[i]) && aligned16(acc.p[i]);
   const auto grid = static_cast<unsigned>(attn_res_read_backward_parts(rows, warp_per_row));
   if (warp_per_row) {  // Note [Fused AttnRes read, warp per row]
-    VIADUCT_DISPATCH_VEC(dt, vec, auto kernel = read_backward_warp_kernel<T, N>(dim);
+    VIADUCT_DISPATCH_VEC(dt, vec, auto kernel = read_backward_warp_kernel<T, N>(dim, any_acc);
                          kernel<<<grid, kReadWarps * 32, 0, stream>>>(
                              src, acc, dsrc, n, static_cast<const T*>(g), u, rstd, dot, alpha,
                              du_partial, rows, dim));
