@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# kimi_k3 debugmodel_deep (MLA in every layer, dense FFNs, AttnRes blocks of
+# 3), 3 deterministic steps: one stage against pp 1 x 4 stages
+# (Interleaved1F1B, InterleavedZeroBubble), with the in-place block
+# gradients on and off, and with the whole-stack backward. Prints each run's
+# (loss, grad_norm) per step; equal rows are equal bits of what metrics.jsonl
+# holds. GPU: B=build-gpu bash bench/k3_bitwise.sh; CPU rehearsal:
+# B=build DEV=cpu DT=float32 DIM=64 SEQ=64 bash bench/k3_bitwise.sh
+cd "$(dirname "$0")/.." || exit 1
+B=${B:-build-gpu}; DEV=${DEV:-cuda}; DT=${DT:-bfloat16}; DIM=${DIM:-512}; SEQ=${SEQ:-512}
+run() { name=$1; shift
+  timeout 200 $B/viaduct train --config configs/kimi_k3_debug.toml --model.flavor=debugmodel_deep \
+    --model.dim=$DIM --model.mla_interval=1 --model.moe_ffn=false --model.attn_res_block_size=3 \
+    --training.seq_len=$SEQ --training.local_batch_size=8 --training.dtype=$DT --training.device=$DEV \
+    --training.steps=3 --training.eval_interval=0 --checkpoint.enable=false --training.deterministic=true \
+    --metrics.progress_bar=false --metrics.log_freq=1 --parallelism.pipeline_parallel_microbatches=4 \
+    --job.dump_folder=/tmp/k3bw_$name "$@" > /tmp/k3bw_$name.log 2>&1 || { echo "$name failed"; tail -5 /tmp/k3bw_$name.log; }
+  python3 -c "
+import json,sys
+rows=[json.loads(l) for l in open('/tmp/k3bw_$name/metrics.jsonl')]
+print('$name', [ (r.get('loss'), r.get('grad_norm')) for r in rows if 'loss' in r])" 2>&1 | tail -1
+}
+run one --parallelism.pipeline_parallel_stages_per_rank=1
+run i1f1b --parallelism.pipeline_parallel_stages_per_rank=4 --parallelism.pipeline_parallel_schedule=Interleaved1F1B
+run izb --parallelism.pipeline_parallel_stages_per_rank=4 --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble
+run off --parallelism.pipeline_parallel_stages_per_rank=4 --parallelism.pipeline_parallel_schedule=Interleaved1F1B --model.attn_res_grad_in_place=false
+run ws --parallelism.pipeline_parallel_stages_per_rank=4 --parallelism.pipeline_parallel_schedule=Interleaved1F1B --parallelism.attn_res_cache_backward=whole_stack
+run wszb --parallelism.pipeline_parallel_stages_per_rank=4 --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble --parallelism.attn_res_cache_backward=whole_stack
