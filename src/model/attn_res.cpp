@@ -42,6 +42,7 @@ at::ScalarType read_type(const at::Tensor& t) {
 //   dv_i = alpha_i g + dlogit_i r_i u - dlogit_i (v_i . u) r_i^3 / D v_i
 //   du = sum_i sum_tokens dlogit_i r_i v_i;  dq = du * w, dw = du * q.
 // Same equations as the keys form, different rounding.
+
 // A read's slots (Note [AttnRes block gradients in place] in attn_res.h),
 // kept as the same TensorImpls the sink holds.
 void save_slots(AutogradContext* ctx, const std::vector<at::Tensor>* slots) {
