@@ -22,9 +22,33 @@ namespace {
 std::atomic<bool> g_enabled{true};
 std::atomic<bool> g_swiglu_recompute{false};
 std::atomic<bool> g_read_v2{true};
+std::atomic<int> g_read_staged{-1};  // -1: as VIADUCT_ENABLE_KERNELS says
 const char* const kSwitchableKernels[] = {
     "rms_norm_bwd_reg", "rope_repeat",  "attn_res_read", "attn_res_read_v2",
     "mixed_linear",     "weight_cache", "add_rms_norm",  "adamw_clip"};
+const char* const kOptInKernels[] = {"attn_res_read_staged"};
+
+// The names of `csv`, each one of `known`; Error naming `var` otherwise.
+template <size_t K>
+std::set<std::string> parse_names(const std::string& csv, const char* const (&known)[K],
+                                  const char* var) {
+  std::set<std::string> out;
+  size_t start = 0;
+  while (start <= csv.size()) {
+    const auto end = std::min(csv.find(',', start), csv.size());
+    if (end > start) {
+      auto name = csv.substr(start, end - start);
+      if (std::find(std::begin(known), std::end(known), name) == std::end(known)) {
+        std::string list;
+        for (const char* k : known) list += (list.empty() ? "" : ", ") + std::string(k);
+        throw Error(str(var, ": unknown kernel '", name, "' (", list, ")"));
+      }
+      out.insert(std::move(name));
+    }
+    start = end + 1;
+  }
+  return out;
+}
 }  // namespace
 
 void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad) {
@@ -41,24 +65,22 @@ void set_swiglu_recompute(bool on) { g_swiglu_recompute = on; }
 void set_attn_res_read_v2(bool on) { g_read_v2 = on; }
 
 std::set<std::string> parse_kernel_list(const std::string& csv) {
-  std::set<std::string> out;
-  size_t start = 0;
-  while (start <= csv.size()) {
-    const auto end = std::min(csv.find(',', start), csv.size());
-    if (end > start) {
-      auto name = csv.substr(start, end - start);
-      if (std::find(std::begin(kSwitchableKernels), std::end(kSwitchableKernels), name) ==
-          std::end(kSwitchableKernels)) {
-        std::string known;
-        for (const char* k : kSwitchableKernels) known += (known.empty() ? "" : ", ") + std::string(k);
-        throw Error(str("VIADUCT_DISABLE_KERNELS: unknown kernel '", name, "' (", known, ")"));
-      }
-      out.insert(std::move(name));
-    }
-    start = end + 1;
-  }
-  return out;
+  return parse_names(csv, kSwitchableKernels, "VIADUCT_DISABLE_KERNELS");
 }
+
+std::set<std::string> parse_opt_in_list(const std::string& csv) {
+  return parse_names(csv, kOptInKernels, "VIADUCT_ENABLE_KERNELS");
+}
+
+bool opted_in(const std::string& name) {
+  static const std::set<std::string> on = [] {
+    const char* e = std::getenv("VIADUCT_ENABLE_KERNELS");
+    return parse_opt_in_list(e ? e : "");
+  }();
+  return on.count(name) > 0;
+}
+
+void set_attn_res_read_staged(bool on) { g_read_staged = on ? 1 : 0; }
 
 bool disabled(const std::string& name) {
   static const std::set<std::string> off = [] {
@@ -357,6 +379,9 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
     auto u = (w * q).contiguous();
     auto g = grads[0].contiguous().to(saved[0].scalar_type());
     const bool warp_per_row = ctx->saved_data["warp_per_row"].toBool();
+    const int staged_switch = g_read_staged;
+    const bool staged =
+        staged_switch < 0 ? opted_in("attn_res_read_staged") : staged_switch > 0;
     cuda::ReadSources ptrs{}, accs{};  // accs: the slot to add into, per source
     cuda::ReadGrads dptrs{};
     variable_list out;
@@ -391,7 +416,7 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
                                               u.data_ptr<float>(), rstd.data_ptr<float>(),
                                               dot.data_ptr<float>(), alpha.data_ptr<float>(),
                                               partial.data_ptr<float>(), rows, D, warp_per_row,
-                                              stream_of(g)),
+                                              staged, stream_of(g)),
                  "attn_res_read_backward");
     for (auto& [slot, dv] : to_add) attn_res_slot_add(slot, dv);
     auto du = partial.sum(0);

@@ -29,6 +29,14 @@ void set_swiglu_recompute(bool on);
 // adamw_clip
 // (Note [Low-precision weight cache]). An unknown name is an error.
 bool disabled(const std::string& name);
+// VIADUCT_ENABLE_KERNELS=name[,name...]: kernels not yet on by default,
+// turned on for measuring them: attn_res_read_staged (Note [Read backward
+// with staged sources]). An unknown name is an error.
+bool opted_in(const std::string& name);
+std::set<std::string> parse_opt_in_list(const std::string& csv);  // as parse_kernel_list
+// Tests: the staged read backward on or off from here on, whatever
+// VIADUCT_ENABLE_KERNELS says.
+void set_attn_res_read_staged(bool on);
 // The names of a comma-separated list (empty entries skipped); Error on an
 // unknown one.
 std::set<std::string> parse_kernel_list(const std::string& csv);

@@ -63,6 +63,19 @@ __device__ __forceinline__ void store_n(T* p, int64_t i, const float (&v)[N]) {
     for (int k = 0; k < N; ++k) store(p, i + k, v[k]);
   }
 }
+// 16 bytes global -> shared without a register stop (sm_80+), and the
+// waits for them (this thread's copies).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const auto s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
 // v[k] := p[i + k] + v[k] rounded to T: the sum autograd forms when it adds
 // a gradient stored as T into an accumulated one (Note [AttnRes block
 // gradients in place], model/attn_res.h); the caller stores the result as T.
@@ -545,6 +558,15 @@ constexpr int kReadBackwardBlocksPerSM = 3;
 // The form that adds into slots (Note [AttnRes block gradients in place])
 // holds a slot's slice too.
 constexpr int kReadBackwardAccBlocksPerSM = 2;
+// Note [Read backward with staged sources]: the register form can copy a
+// row's sources into shared memory first (cp.async, all at once) and run
+// both passes from there: one trip to DRAM per source and row, every load
+// of the row in flight together, instead of a source at a time per pass
+// with the second pass hoping for L2. kReadWarps * n * 4 KiB of shared
+// memory a block besides du's 32 KiB (bf16 rows of 2048): up to 4 sources
+// (96 KiB, 2 blocks an SM). Opt-in (VIADUCT_ENABLE_KERNELS=
+// attn_res_read_staged) until measured; the bits are the unstaged form's.
+constexpr int kReadStagedMaxSources = 4;
 static_assert(kMaxReadSources <= 64, "LaneSlots hold two sources a lane");
 
 // Sum over the warp by a butterfly: every lane ends with the same bits
@@ -805,7 +827,13 @@ __device__ __forceinline__ void load_read_stats(const float* __restrict__ stat, 
 
 // Register form: dim <= 32 * N * ITERS, columns as in the forward's. Warp w
 // of block b takes rows b * kReadWarps + w + k * gridDim.x * kReadWarps.
-template <typename T, int N, int ITERS, bool kAcc>
+//
+// kStaged (Note [Read backward with staged sources]): the row's sources are
+// copied into shared memory by cp.async at the row's start, all n at once,
+// and both passes read them there; otherwise each pass loads them from
+// global memory (the second mostly from L2). The arithmetic is the same
+// code in the same order, so the two give the same bits.
+template <typename T, int N, int ITERS, bool kAcc, bool kStaged>
 __global__ void __launch_bounds__(kReadWarps * 32, kAcc ? kReadBackwardAccBlocksPerSM
                                                          : kReadBackwardBlocksPerSM)
     attn_res_read_backward_warp_kernel(ReadSources src, ReadSources acc, ReadGrads dsrc, int n,
@@ -821,15 +849,39 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc ? kReadBackwardAccBlocks
   // source's slice): [warp][it * kQuads + q][lane] holds columns lane * N +
   // it * kStride + 4 q + (0..3), so a warp's accesses are contiguous.
   __shared__ float4 du_sh[kReadWarps][ITERS * kQuads][32];
+  // kStaged: [warp][source][it][lane] 16-byte words, n * ITERS * 32 a warp
+  // (the launch sizes it); each lane reads back only the words it copied.
+  extern __shared__ uint4 staged[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rem = static_cast<int>(dim) - lane * N;  // this lane's columns: it * kStride < rem
   const float* ul = u + lane * N;
+  uint4* my_words = staged + static_cast<int64_t>(warp) * n * ITERS * 32 + lane;
+  // Word `it` of source i's slice of the row, from shared or global memory.
+  auto source_word = [&](int i, const T* v, int it) {
+    if constexpr (kStaged) {
+      Packed<T, N> r;
+      r.w = my_words[(i * ITERS + it) * 32];
+      return r;
+    } else {
+      return load_packed<T, N>(v, it * kStride);
+    }
+  };
 #pragma unroll
   for (int q = 0; q < ITERS * kQuads; ++q) du_sh[warp][q][lane] = make_float4(0.f, 0.f, 0.f, 0.f);
   const int64_t step = static_cast<int64_t>(gridDim.x) * kReadWarps;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kReadWarps + warp; row < rows;
        row += step) {
     const int64_t base = row * dim + lane * N;
+    if constexpr (kStaged) {  // every source's slice in flight at once
+      for (int i = 0; i < n; ++i) {
+        const T* v = static_cast<const T*>(src.p[i]) + base;
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+          if (it * kStride < rem) cp_async16(my_words + (i * ITERS + it) * 32, v + it * kStride);
+        }
+      }
+      cp_async_commit();
+    }
     Packed<T, N> gp[ITERS];
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
@@ -839,13 +891,14 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc ? kReadBackwardAccBlocks
     load_read_stats(alpha, n, lane, row, rows, al);
     load_read_stats(rstd, n, lane, row, rows, rs);
     load_read_stats(dot, n, lane, row, rows, dt);
+    if constexpr (kStaged) cp_async_wait_all();
     float mean = 0.f;  // sum_j alpha_j g . v_j
     for (int i = 0; i < n; ++i) {
       const T* v = static_cast<const T*>(src.p[i]) + base;
       Packed<T, N> x[ITERS];
 #pragma unroll
       for (int it = 0; it < ITERS; ++it) {
-        if (it * kStride < rem) x[it] = load_packed<T, N>(v, it * kStride);
+        if (it * kStride < rem) x[it] = source_word(i, v, it);
       }
       float s = 0.f;
 #pragma unroll
@@ -876,7 +929,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc ? kReadBackwardAccBlocks
       Packed<T, N> sw[kAcc ? ITERS : 1];
 #pragma unroll
       for (int it = 0; it < ITERS; ++it) {  // all loads before the first store (dv may alias)
-        if (it * kStride < rem) x[it] = load_packed<T, N>(v, it * kStride);
+        if (it * kStride < rem) x[it] = source_word(i, v, it);
       }
       if constexpr (kAcc) {
         if (ap != nullptr) {
@@ -917,6 +970,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc ? kReadBackwardAccBlocks
         }
       }
     }
+    if constexpr (kStaged) __syncwarp();  // the next row's copies overwrite these words
   }
   // The block's part: ((warp 0 + warp 1) + warp 2) + ... per column (every
   // warp comes here: no early exit above).
@@ -1290,15 +1344,39 @@ auto read_forward_warp_kernel(int64_t dim) {
   }
   return attn_res_read_forward_warp_loop_kernel<T, N>;
 }
+// The backward's warp-per-row launch: the register form (with slots or
+// without; staged when asked and n <= kReadStagedMaxSources), else the
+// loop form.
 template <typename T, int N>
-auto read_backward_warp_kernel(int64_t dim, bool acc) {
+cudaError_t launch_read_backward_warp(unsigned grid, cudaStream_t stream, bool any_acc,
+                                      bool staged, const ReadSources& src,
+                                      const ReadSources& acc, const ReadGrads& dsrc, int n,
+                                      const T* g, const float* u, const float* rstd,
+                                      const float* dot, const float* alpha, float* du_partial,
+                                      int64_t rows, int64_t dim) {
   if constexpr (N * sizeof(T) == 16) {
     if (dim <= 32 * kReadWords * N) {
-      return acc ? attn_res_read_backward_warp_kernel<T, N, kReadWords, true>
-                 : attn_res_read_backward_warp_kernel<T, N, kReadWords, false>;
+      if (staged && n <= kReadStagedMaxSources) {
+        auto kernel = any_acc ? attn_res_read_backward_warp_kernel<T, N, kReadWords, true, true>
+                              : attn_res_read_backward_warp_kernel<T, N, kReadWords, false, true>;
+        const size_t smem = sizeof(uint4) * kReadWarps * n * kReadWords * 32;
+        const cudaError_t e = cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+        if (e != cudaSuccess) return e;
+        kernel<<<grid, kReadWarps * 32, smem, stream>>>(src, acc, dsrc, n, g, u, rstd, dot,
+                                                        alpha, du_partial, rows, dim);
+        return cudaGetLastError();
+      }
+      auto kernel = any_acc ? attn_res_read_backward_warp_kernel<T, N, kReadWords, true, false>
+                            : attn_res_read_backward_warp_kernel<T, N, kReadWords, false, false>;
+      kernel<<<grid, kReadWarps * 32, 0, stream>>>(src, acc, dsrc, n, g, u, rstd, dot, alpha,
+                                                   du_partial, rows, dim);
+      return cudaGetLastError();
     }
   }
-  return attn_res_read_backward_warp_loop_kernel<T, N>;
+  attn_res_read_backward_warp_loop_kernel<T, N><<<grid, kReadWarps * 32, 0, stream>>>(
+      src, acc, dsrc, n, g, u, rstd, dot, alpha, du_partial, rows, dim);
+  return cudaGetLastError();
 }
 
 bool read_vectorisable(DType dt, const void* const* p, int n, int64_t dim) {
@@ -1336,7 +1414,7 @@ cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadS
                                    const ReadGrads& dsrc, int n, const void* g, const float* u,
                                    const float* rstd, const float* dot, const float* alpha,
                                    float* du_partial, int64_t rows, int64_t dim,
-                                   bool warp_per_row, cudaStream_t stream) {
+                                   bool warp_per_row, bool staged, cudaStream_t stream) {
   if (n < 1 || n > kMaxReadSources) return cudaErrorInvalidValue;
   bool any_acc = false;
   for (int i = 0; i < n; ++i) any_acc = any_acc || acc.p[i] != nullptr;
@@ -1347,11 +1425,11 @@ cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadS
   for (int i = 0; i < n; ++i) vec = vec && aligned16(dsrc.p[i]) && aligned16(acc.p[i]);
   const auto grid = static_cast<unsigned>(attn_res_read_backward_parts(rows, warp_per_row));
   if (warp_per_row) {  // Note [Fused AttnRes read, warp per row]
-    VIADUCT_DISPATCH_VEC(dt, vec, auto kernel = read_backward_warp_kernel<T, N>(dim, any_acc);
-                         kernel<<<grid, kReadWarps * 32, 0, stream>>>(
-                             src, acc, dsrc, n, static_cast<const T*>(g), u, rstd, dot, alpha,
-                             du_partial, rows, dim));
-    return cudaGetLastError();
+    VIADUCT_DISPATCH_VEC(dt, vec,
+                         return launch_read_backward_warp<T, N>(
+                             grid, stream, any_acc, staged, src, acc, dsrc, n,
+                             static_cast<const T*>(g), u, rstd, dot, alpha, du_partial, rows,
+                             dim));
   }
   const size_t smem = sizeof(float) * (static_cast<size_t>(kRowThreads / 32) * n + 3 * n);
   VIADUCT_DISPATCH_VEC(dt, vec,

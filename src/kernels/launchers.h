@@ -80,11 +80,12 @@ cudaError_t attn_res_read_forward(DType dt, const ReadSources& src, int n, const
 int64_t attn_res_read_backward_parts(int64_t rows, bool warp_per_row);
 // acc.p[i], when not null (warp_per_row only): dsrc.p[i] receives acc.p[i]
 // + the gradient rounded to the dtype (the two may be the same buffer).
+// staged: Note [Read backward with staged sources] where it applies.
 cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadSources& acc,
                                    const ReadGrads& dsrc, int n, const void* g, const float* u,
                                    const float* rstd, const float* dot, const float* alpha,
                                    float* du_partial, int64_t rows, int64_t dim,
-                                   bool warp_per_row, cudaStream_t stream);
+                                   bool warp_per_row, bool staged, cudaStream_t stream);
 
 // One AdamW step on fp32 [n] tensors, in place, on the gradient
 // g' = g * grad_scale (rounded as a separate multiply): p *= 1 - lr * wd;

@@ -455,6 +455,58 @@ TEST(FusedKernels, AttnResReadAddsIntoSlotsWithAutogradsBits) {
   }
 }
 
+TEST(FusedKernels, AttnResReadStagedHasTheUnstagedBits) {
+  REQUIRE_GPU();
+  REQUIRE_READ_V2();
+  // Note [Read backward with staged sources]: the same arithmetic from
+  // shared memory, so every output is bit for bit the unstaged kernel's:
+  // register forms (2048 bf16, 1000 both types: lanes past the row's end),
+  // up to 4 sources staged, 5 falling back; 9000 rows (several a warp);
+  // with slots (their register form) and without.
+  ReadKernels warp_per_row(true);
+  struct Case {
+    int64_t D;
+    at::ScalarType t;
+  };
+  for (auto c : {Case{2048, at::kBFloat16}, Case{1000, at::kBFloat16}, Case{1000, at::kFloat}})
+  for (int64_t n : {1, 3, 4, 5})
+  for (bool slots_on : {false, true}) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "dim " << c.D << " " << c.t << " sources " << n
+                                    << (slots_on ? " with slots" : "") << " seed " << seed);
+    auto in = draw_read({2, 4500, c.D}, n, c.t);
+    auto dy = at::randn({2, 4500, c.D}, at::TensorOptions(at::kCUDA)).to(c.t);
+    auto prior = at::randn({2, 4500, c.D}, at::TensorOptions(at::kCUDA)).to(c.t);
+    auto run = [&](bool staged) {
+      kernels::set_attn_res_read_staged(staged);
+      std::vector<at::Tensor> src;
+      for (const auto& v : in.src) src.push_back(v.detach().requires_grad_(true));
+      auto q = in.q.detach().requires_grad_(true), w = in.w.detach().requires_grad_(true);
+      std::vector<at::Tensor> slots(src.size());
+      if (slots_on) {  // a slot holding a gradient for source 0, an empty one for 1
+        slots[0] = attn_res_new_slot(src[0]);
+        kernels::attn_res_slot_add(slots[0], prior.clone());
+        if (n > 1) slots[1] = attn_res_new_slot(src[1]);
+      }
+      poison();
+      auto y = kernels::attn_res_read(src, q, w, 1e-5, &slots);
+      y.backward(dy);
+      std::vector<at::Tensor> out{y.detach(), q.grad(), w.grad()};
+      for (size_t i = 0; i < src.size(); ++i) {
+        out.push_back(slots[i].defined() ? slots[i] : src[i].grad());
+      }
+      return out;
+    };
+    const auto plain = run(false), staged = run(true);
+    kernels::set_attn_res_read_staged(false);
+    ASSERT_EQ(plain.size(), staged.size());
+    for (size_t i = 0; i < plain.size(); ++i) {
+      EXPECT_TRUE(at::equal(plain[i], staged[i]))
+          << "output " << i << " (0: y, 1: query, 2: norm weight, then the sources)";
+    }
+  }
+}
+
 TEST(FusedKernels, MixedLinearWeightGradientIsFp32) {
   REQUIRE_GPU();
   // bf16 input, fp32 master weight and bias: the weight gradient comes from
