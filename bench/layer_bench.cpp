@@ -9,6 +9,13 @@
 // counts but runs as many small batched products).
 //
 // usage: layer_bench [--tokens T] [--dim D] [--batch B] [--iters N] [--cpu] [--only SUBSTRING]
+//                    [--blocks K]
+// --blocks: the AttnRes reads' completed blocks (default 8; the read has
+// K + 1 sources). "attn_res read (K blocks, slots)" is the same read with a
+// slot per block already holding a gradient (Note [AttnRes block gradients
+// in place]): the backward adds into the slots, as in the model's step.
+// Kernel switches (VIADUCT_DISABLE_KERNELS / VIADUCT_ENABLE_KERNELS) apply,
+// so two runs make an A/B of one kernel in seconds.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -18,6 +25,7 @@
 #include <vector>
 
 #include "core/device.h"
+#include "kernels/fused.h"
 #include "model/attn_res.h"
 #include "model/kda.h"
 #include "model/layers.h"
@@ -57,7 +65,7 @@ double time_fwd_bwd(torch::nn::Module& m, const std::function<at::Tensor(const a
 }  // namespace
 
 int main(int argc, char** argv) {
-  int64_t T = 4096, D = 2048, B = 1;
+  int64_t T = 4096, D = 2048, B = 1, K = 8;
   int iters = 10;
   bool cpu = false;
   std::string only;  // run only the layers whose name contains this
@@ -68,6 +76,7 @@ int main(int argc, char** argv) {
     else if (a == "--dim") D = next();
     else if (a == "--batch") B = next();
     else if (a == "--iters") iters = static_cast<int>(next());
+    else if (a == "--blocks") K = next();
     else if (a == "--cpu") cpu = true;
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
   }
@@ -134,15 +143,32 @@ int main(int argc, char** argv) {
   }
   {
     // The stack's blocks take gradients too, as in the model.
-    std::vector<at::Tensor> stack;
-    for (int i = 0; i < 8; ++i) stack.push_back(at::randn_like(x).requires_grad_(true));
+    std::vector<at::Tensor> stack, prior;
+    for (int64_t i = 0; i < K; ++i) {
+      stack.push_back(at::randn_like(x).requires_grad_(true));
+      prior.push_back(at::randn_like(x));
+    }
+    const std::string blocks = std::to_string(K) + " blocks";
     AttnResRead m(D, 1e-6);
     m->init_weights();
-    run("attn_res read (8 blocks)", *m,
+    run("attn_res read (" + blocks + ")", *m,
         [&](const at::Tensor& in) {
           auto s = stack;
           s.push_back(in);
           return m->forward(s);
+        },
+        0.0);
+    run("attn_res read (" + blocks + ", slots)", *m,
+        [&](const at::Tensor& in) {
+          auto s = stack;
+          s.push_back(in);
+          std::vector<at::Tensor> slots;
+          for (int64_t i = 0; i < K; ++i) {  // each holding a gradient (no copy: set_)
+            slots.push_back(attn_res_new_slot(stack[static_cast<size_t>(i)]));
+            kernels::attn_res_slot_add(slots.back(), prior[static_cast<size_t>(i)]);
+          }
+          slots.emplace_back();  // none for the partial sum
+          return m->forward(s, &slots);
         },
         0.0);
     // The same read in its keys form (Note [AttnRes read without keys]):
