@@ -13,7 +13,9 @@
 #
 # Environment (defaults): OUT (outputs/bench/out), CELLS ("1B gpt2 k3
 # k3plain"; also: debug, and k3gemm / k3gemmplain: the K3 pair with MLA
-# everywhere and dense FFNs, for a GEMM-bound AttnRes A/B), K3_BATCH x K3_SEQ (4 x 2048: the K3 cells' shape),
+# everywhere and dense FFNs, for a GEMM-bound AttnRes A/B; k3gemmab: that
+# pair K3_ROUNDS (3) times in alternating processes, viaduct only, the
+# overhead pooled over the rounds), K3_BATCH x K3_SEQ (4 x 2048: the K3 cells' shape),
 # MODES ("eager compile"), COMPILE_MODE (default; or
 # max-autotune-no-cudagraphs), WARMUP_STEPS (3) untimed + TIMED_STEPS (10)
 # timed steps, STAGES ("build run"), PYTHON (python3), JOBS (nproc),
@@ -32,6 +34,7 @@ STEPS=$((WARM + TIMED))
 CELLS=${CELLS:-1B gpt2 k3 k3plain}
 K3_BATCH=${K3_BATCH:-4}
 K3_SEQ=${K3_SEQ:-2048}
+K3_ROUNDS=${K3_ROUNDS:-3}
 MODES=${MODES:-eager compile}
 COMPILE_MODE=${COMPILE_MODE:-default}
 STAGES=${STAGES:-build run}
@@ -196,7 +199,7 @@ for cell in $CELLS; do
         --model.flavor=124M --training.seq_len=1024 --training.local_batch_size=8 \
         --optimizer.lr=6e-4
       ;;
-    k3 | k3plain | k3gemm | k3gemmplain)
+    k3 | k3plain | k3gemm | k3gemmplain | k3gemmab)
       # kimi_k3 debugmodel_deep (33 layers, AttnRes blocks 12 + 12 + 9, MLA
       # at 3, 7, ..., 31, 32, MoE from layer 1) widened to dim 2048 with
       # inner widths to match: 16 heads, KDA head 64, MLA 512 / 128 + 64 /
@@ -225,6 +228,20 @@ for cell in $CELLS; do
           run_cell k3gemmplain "kimi_k3 deep d2048 MLA+dense no AttnRes, ${K3_BATCH}x${K3_SEQ}" \
             "$data" "${k3[@]}" --model.mla_interval=1 --model.moe_ffn=false \
             --model.attn_res=false ;;
+        # The pair K3_ROUNDS times, alternating processes (viaduct only):
+        # the overhead from all their timed steps pooled, and per pair.
+        k3gemmab)
+          saved_modes=$MODES
+          MODES=""
+          for r in $(seq 1 "$K3_ROUNDS"); do
+            run_cell "k3gemm_r$r" "kimi_k3 deep d2048 MLA+dense, ${K3_BATCH}x${K3_SEQ}, round $r" \
+              "$data" "${k3[@]}" --model.mla_interval=1 --model.moe_ffn=false
+            run_cell "k3gemmplain_r$r" \
+              "kimi_k3 deep d2048 MLA+dense no AttnRes, ${K3_BATCH}x${K3_SEQ}, round $r" \
+              "$data" "${k3[@]}" --model.mla_interval=1 --model.moe_ffn=false \
+              --model.attn_res=false
+          done
+          MODES=$saved_modes ;;
       esac
       ;;
     debug)
@@ -236,7 +253,7 @@ for cell in $CELLS; do
         say "debug: data/fortunes.tok not carried: skipped"
       fi
       ;;
-    *) say "unknown cell '$cell' (1B, gpt2, k3, k3plain, k3gemm, k3gemmplain, debug)" ;;
+    *) say "unknown cell '$cell' (1B, gpt2, k3, k3plain, k3gemm, k3gemmplain, k3gemmab, debug)" ;;
   esac
 done
 
@@ -265,6 +282,17 @@ torch_v=$("$PY" -c 'import torch;print(torch.__version__)' 2>/dev/null)
     "$PY" bench/torch_llama.py overhead --timing-warmup "$WARM" \
       --name "AttnRes overhead (viaduct, kimi_k3 deep d2048 ${K3_BATCH}x${K3_SEQ}: step time k3 / k3plain - 1)" \
       --with "$OUT/k3.viaduct.metrics.jsonl" --without "$OUT/k3plain.viaduct.metrics.jsonl"
+  fi
+  if [ -f "$OUT/k3gemm_r1.viaduct.metrics.jsonl" ]; then
+    ab=()
+    for r in $(seq 1 "$K3_ROUNDS"); do
+      ab+=(--with "$OUT/k3gemm_r$r.viaduct.metrics.jsonl"
+        --without "$OUT/k3gemmplain_r$r.viaduct.metrics.jsonl")
+    done
+    echo
+    "$PY" bench/torch_llama.py overhead --timing-warmup "$WARM" \
+      --name "AttnRes overhead (viaduct, kimi_k3 deep d2048 MLA+dense ${K3_BATCH}x${K3_SEQ}, $K3_ROUNDS alternating rounds: step time k3gemm / k3gemmplain - 1)" \
+      "${ab[@]}"
   fi
   if [ -f "$OUT/k3gemm.viaduct.metrics.jsonl" ] && [ -f "$OUT/k3gemmplain.viaduct.metrics.jsonl" ]; then
     echo

@@ -1039,24 +1039,42 @@ def report_main(argv):
 
 def overhead_main(argv):
     """One results line: the step-time cost of a model feature, from viaduct's
-    own metrics of the model with it and the same model without it."""
+    own metrics of the model with it and the same model without it. Given
+    several runs of each (alternating processes, to average out the
+    process-to-process spread), the medians are over all their timed steps
+    pooled, and each pair's own ratio follows."""
     ap = argparse.ArgumentParser(prog="torch_llama.py overhead",
                                  description="median step time with / without - 1")
     ap.add_argument("--name", required=True, help="e.g. 'AttnRes overhead (k3 / k3plain - 1)'")
-    ap.add_argument("--with", dest="with_", required=True, help="metrics.jsonl with it")
-    ap.add_argument("--without", required=True, help="metrics.jsonl without it")
+    ap.add_argument("--with", dest="with_", required=True, action="append",
+                    help="metrics.jsonl with it (repeat for several runs)")
+    ap.add_argument("--without", required=True, action="append",
+                    help="metrics.jsonl without it (repeat for several runs)")
     ap.add_argument("--timing-warmup", type=int, default=3)
     args = ap.parse_args(argv)
-    if not (os.path.isfile(args.with_) and os.path.isfile(args.without)):
-        print(f"{args.name}: n/a (a run failed: {args.with_}, {args.without})")
+    missing = [p for p in args.with_ + args.without if not os.path.isfile(p)]
+    if missing:
+        print(f"{args.name}: n/a (a run failed: {', '.join(missing)})")
         return 0
-    a = viaduct_summary(args.with_, args.timing_warmup, 0.0, None)
-    b = viaduct_summary(args.without, args.timing_warmup, 0.0, None)
-    ta, tb = a["median_step_s"], b["median_step_s"]
-    print(f"{args.name}: {100 * (ta / tb - 1):+.1f}% "
-          f"(viaduct median step {1e3 * ta:.1f} ms vs {1e3 * tb:.1f} ms; "
-          f"peak {a['peak_memory_bytes'] / 2**30:.1f} vs "
-          f"{b['peak_memory_bytes'] / 2**30:.1f} GiB)")
+    a = [viaduct_summary(p, args.timing_warmup, 0.0, None) for p in args.with_]
+    b = [viaduct_summary(p, args.timing_warmup, 0.0, None) for p in args.without]
+
+    def pooled(runs):
+        return statistics.median(
+            [t for r in runs for t in r["step_s"][args.timing_warmup:]])
+
+    ta, tb = pooled(a), pooled(b)
+    peak_a = max(r["peak_memory_bytes"] for r in a)
+    peak_b = max(r["peak_memory_bytes"] for r in b)
+    runs = "" if len(a) == len(b) == 1 else f" over {len(a)} + {len(b)} runs"
+    line = (f"{args.name}: {100 * (ta / tb - 1):+.1f}% "
+            f"(viaduct median step {1e3 * ta:.1f} ms vs {1e3 * tb:.1f} ms{runs}; "
+            f"peak {peak_a / 2**30:.1f} vs {peak_b / 2**30:.1f} GiB)")
+    if len(a) == len(b) > 1:
+        pairs = ", ".join(f"{100 * (x['median_step_s'] / y['median_step_s'] - 1):+.1f}%"
+                          for x, y in zip(a, b))
+        line += f"; each pair: {pairs}"
+    print(line)
     return 0
 
 
