@@ -60,6 +60,19 @@ void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad) {
   }
 }
 
+void save_read_slots(torch::autograd::AutogradContext* ctx,
+                     const std::vector<at::Tensor>* slots) {
+  if (slots == nullptr) return;
+  for (size_t i = 0; i < slots->size(); ++i) {
+    if ((*slots)[i].defined()) ctx->saved_data["slot" + std::to_string(i)] = (*slots)[i];
+  }
+}
+
+at::Tensor saved_read_slot(torch::autograd::AutogradContext* ctx, size_t i) {
+  auto it = ctx->saved_data.find("slot" + std::to_string(i));
+  return it == ctx->saved_data.end() ? at::Tensor() : it->second.toTensor();
+}
+
 void set_enabled(bool on) { g_enabled = on; }
 void set_swiglu_recompute(bool on) { g_swiglu_recompute = on; }
 void set_attn_res_read_v2(bool on) { g_read_v2 = on; }
@@ -335,12 +348,7 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
                             const at::Tensor& query, const at::Tensor& norm_weight, double eps,
                             const std::vector<at::Tensor>* slots) {
     const auto n = static_cast<int>(sources.size());
-    if (slots != nullptr) {
-      for (int i = 0; i < n; ++i) {
-        const auto& slot = (*slots)[static_cast<size_t>(i)];
-        if (slot.defined()) ctx->saved_data["slot" + std::to_string(i)] = slot;
-      }
-    }
+    save_read_slots(ctx, slots);
     const auto D = sources[0].size(-1);
     const auto rows = sources[0].numel() / D;
     std::vector<at::Tensor> src;
@@ -389,8 +397,7 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
     for (int i = 0; i < n; ++i) {
       const auto& v = saved[static_cast<size_t>(i)];
       ptrs.p[i] = v.data_ptr();
-      auto it = ctx->saved_data.find("slot" + std::to_string(i));
-      at::Tensor slot = it == ctx->saved_data.end() ? at::Tensor() : it->second.toTensor();
+      const at::Tensor slot = saved_read_slot(ctx, static_cast<size_t>(i));
       if (slot.defined() && slot.numel() > 0 && warp_per_row && slot.is_contiguous() &&
           slot.sizes() == v.sizes() && slot.scalar_type() == v.scalar_type()) {
         accs.p[i] = slot.data_ptr();  // added into in place

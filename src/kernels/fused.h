@@ -104,6 +104,11 @@ at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tenso
 // the slot (Tensor::set_, no copy), later ones are added in place (autograd's
 // sum, same bits). Both builds.
 void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad);
+// A read's slots kept in its autograd context (the same TensorImpls the
+// sink holds), and source i's slot back (undefined: none). Both read forms.
+void save_read_slots(torch::autograd::AutogradContext* ctx,
+                     const std::vector<at::Tensor>* slots);
+at::Tensor saved_read_slot(torch::autograd::AutogradContext* ctx, size_t i);
 
 // One AdamW step in place on contiguous fp32 CUDA tensors (the formulas of
 // AdamW::step's loop; bias_corr_i = 1 - beta_i^step). `low`, when defined (a

@@ -352,6 +352,18 @@ __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ c
   }
 }
 
+// A read's per-source row statistics over N columns, in column order:
+// ss += x^2 (for rstd), dt += x . u (the logit's dot). Every read kernel's.
+template <int N>
+__device__ __forceinline__ void add_read_stats(const float (&x)[N], const float (&uu)[N],
+                                               float& ss, float& dt) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    ss += x[k] * x[k];
+    dt += x[k] * uu[k];
+  }
+}
+
 // Note [Fused AttnRes read]: one block per row (token) at a time. Pass 1
 // computes each source's (sum of squares, dot with u) with per-warp partials
 // in shared memory (one barrier for all sources), the softmax over the n
@@ -375,11 +387,7 @@ __global__ void attn_res_read_forward_kernel(ReadSources src, int n, const float
         float x[N], uu[N];
         load_n<T, N>(v, j, x);
         load_n<float, N>(u, j, uu);
-#pragma unroll
-        for (int k = 0; k < N; ++k) {
-          ss += x[k] * x[k];
-          dt += x[k] * uu[k];
-        }
+        add_read_stats(x, uu, ss, dt);
       }
       for (int o = 16; o > 0; o >>= 1) {
         ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -705,11 +713,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kReadForwardBlocksPerSM)
         float xf[N], uu[N];
         unpack(x[it], xf);
         load_f32<N>(ul, it * kStride, uu);
-#pragma unroll
-        for (int k = 0; k < N; ++k) {
-          ss += xf[k] * xf[k];
-          dt += xf[k] * uu[k];
-        }
+        add_read_stats(xf, uu, ss, dt);
       }
     }
     const float l = read_logit(ss, dt, i, lane, row, rows, dim, eps, rstd, dot);
@@ -764,11 +768,7 @@ __global__ void __launch_bounds__(kReadWarps * 32)
       float x[N], uu[N];
       load_n<T, N>(v, j, x);
       load_f32<N>(u, j, uu);
-#pragma unroll
-      for (int k = 0; k < N; ++k) {
-        ss += x[k] * x[k];
-        dt += x[k] * uu[k];
-      }
+      add_read_stats(x, uu, ss, dt);
     }
     const float l = read_logit(ss, dt, i, lane, row, rows, dim, eps, rstd, dot);
     logit.set(i, lane, l);

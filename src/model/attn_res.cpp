@@ -3,8 +3,6 @@
 
 #include <ATen/record_function.h>
 
-#include <string>
-
 #include "core/check.h"
 #include "kernels/fused.h"
 
@@ -42,19 +40,6 @@ at::ScalarType read_type(const at::Tensor& t) {
 //   dv_i = alpha_i g + dlogit_i r_i u - dlogit_i (v_i . u) r_i^3 / D v_i
 //   du = sum_i sum_tokens dlogit_i r_i v_i;  dq = du * w, dw = du * q.
 // Same equations as the keys form, different rounding.
-
-// A read's slots (Note [AttnRes block gradients in place] in attn_res.h),
-// kept as the same TensorImpls the sink holds.
-void save_slots(AutogradContext* ctx, const std::vector<at::Tensor>* slots) {
-  if (slots == nullptr) return;
-  for (size_t i = 0; i < slots->size(); ++i) {
-    if ((*slots)[i].defined()) ctx->saved_data["slot" + std::to_string(i)] = (*slots)[i];
-  }
-}
-at::Tensor saved_slot(AutogradContext* ctx, size_t i) {
-  auto it = ctx->saved_data.find("slot" + std::to_string(i));
-  return it == ctx->saved_data.end() ? at::Tensor() : it->second.toTensor();
-}
 
 struct ReadStats {
   at::Tensor rstd, dot, alpha;  // [N, B, T]
@@ -96,13 +81,13 @@ class SeedFn : public torch::autograd::Function<SeedFn> {
  public:
   static variable_list forward(AutogradContext* ctx, at::TensorList outputs,
                                const std::vector<at::Tensor>* slots) {
-    save_slots(ctx, slots);
+    kernels::save_read_slots(ctx, slots);
     return variable_list(outputs.begin(), outputs.end());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list out;
     for (size_t i = 0; i < grads.size(); ++i) {
-      auto slot = saved_slot(ctx, i);
+      auto slot = kernels::saved_read_slot(ctx, i);
       if (!slot.defined()) {
         out.push_back(grads[i]);
         continue;
@@ -126,7 +111,7 @@ class AttnResReadFn : public torch::autograd::Function<AttnResReadFn> {
   static at::Tensor forward(AutogradContext* ctx, at::TensorList sources,
                             const at::Tensor& query, const at::Tensor& norm_weight, double eps,
                             const std::vector<at::Tensor>* slots) {
-    save_slots(ctx, slots);
+    kernels::save_read_slots(ctx, slots);
     const auto st = read_type(sources[0]);
     auto u = norm_weight.to(st) * query.to(st);
     auto s = read_stats(sources, u, eps, st);
@@ -168,7 +153,7 @@ class AttnResReadFn : public torch::autograd::Function<AttnResReadFn> {
                 dr_coef[k].unsqueeze(-1) * vf;
       auto dui = at::matmul(dd[k].reshape({1, -1}), vf.reshape({-1, vf.size(-1)})).squeeze(0);
       du = du.defined() ? du.add_(dui) : dui;
-      auto slot = saved_slot(ctx, i);
+      auto slot = kernels::saved_read_slot(ctx, i);
       if (slot.defined()) {
         kernels::attn_res_slot_add(slot, dv.to(saved[i].scalar_type()));
         out.emplace_back();
