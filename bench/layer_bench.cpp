@@ -14,7 +14,7 @@
 // K + 1 sources). "attn_res read (K blocks, slots)" is the same read with a
 // slot per block already holding a gradient (Note [AttnRes block gradients
 // in place]): the backward adds into the slots, as in the model's step.
-// Kernel switches (VIADUCT_DISABLE_KERNELS / VIADUCT_ENABLE_KERNELS) apply,
+// Kernel switches (VIADUCT_DISABLE_KERNELS) apply,
 // so two runs make an A/B of one kernel in seconds.
 #include <algorithm>
 #include <chrono>

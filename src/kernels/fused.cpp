@@ -22,11 +22,9 @@ namespace {
 std::atomic<bool> g_enabled{true};
 std::atomic<bool> g_swiglu_recompute{false};
 std::atomic<bool> g_read_v2{true};
-std::atomic<int> g_read_staged{-1};  // -1: as VIADUCT_ENABLE_KERNELS says
 const char* const kSwitchableKernels[] = {
     "rms_norm_bwd_reg", "rope_repeat",  "attn_res_read", "attn_res_read_v2",
-    "mixed_linear",     "weight_cache", "add_rms_norm",  "adamw_clip"};
-const char* const kOptInKernels[] = {"attn_res_read_staged"};
+    "attn_res_read_norm", "mixed_linear", "weight_cache", "add_rms_norm", "adamw_clip"};
 
 // The names of `csv`, each one of `known`; Error naming `var` otherwise.
 template <size_t K>
@@ -81,19 +79,6 @@ std::set<std::string> parse_kernel_list(const std::string& csv) {
   return parse_names(csv, kSwitchableKernels, "VIADUCT_DISABLE_KERNELS");
 }
 
-std::set<std::string> parse_opt_in_list(const std::string& csv) {
-  return parse_names(csv, kOptInKernels, "VIADUCT_ENABLE_KERNELS");
-}
-
-bool opted_in(const std::string& name) {
-  static const std::set<std::string> on = [] {
-    const char* e = std::getenv("VIADUCT_ENABLE_KERNELS");
-    return parse_opt_in_list(e ? e : "");
-  }();
-  return on.count(name) > 0;
-}
-
-void set_attn_res_read_staged(bool on) { g_read_staged = on ? 1 : 0; }
 
 bool disabled(const std::string& name) {
   static const std::set<std::string> off = [] {
@@ -339,14 +324,18 @@ class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
   }
 };
 
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Note [Fused AttnRes read] in fused_kernels.cu; the equations of Note
 // [AttnRes read without keys] (model/attn_res.cpp), whose ATen form runs
-// everywhere else.
+// everywhere else. With out_weight defined, the read and the RMSNorm after
+// it (Note [AttnRes read with its norm]): the output is norm(h).
 class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, at::TensorList sources,
                             const at::Tensor& query, const at::Tensor& norm_weight, double eps,
-                            const std::vector<at::Tensor>* slots) {
+                            const std::vector<at::Tensor>* slots, const at::Tensor& out_weight,
+                            double out_eps) {
     const auto n = static_cast<int>(sources.size());
     save_read_slots(ctx, slots);
     const auto D = sources[0].size(-1);
@@ -359,37 +348,48 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
     }
     auto u = (norm_weight.to(at::kFloat) * query.to(at::kFloat)).contiguous();
     auto out = at::empty(src[0].sizes(), src[0].options());
-    auto stats = at::empty({3, n, rows}, src[0].options().dtype(at::kFloat));
-    auto rstd = stats[0], dot = stats[1], alpha = stats[2];
+    const bool with_norm = out_weight.defined();
+    auto stats = at::empty({3 * n + (with_norm ? 1 : 0), rows},
+                           src[0].options().dtype(at::kFloat));
+    auto rstd = stats.narrow(0, 0, n), dot = stats.narrow(0, n, n),
+         alpha = stats.narrow(0, 2 * n, n);
     // Note [Fused AttnRes read, warp per row]; the backward takes the same
-    // pair of kernels.
-    const bool warp_per_row = g_read_v2 && !disabled("attn_res_read_v2");
+    // pair of kernels. The norm runs only in that form.
+    const bool warp_per_row = with_norm || (g_read_v2 && !disabled("attn_res_read_v2"));
     ctx->saved_data["warp_per_row"] = warp_per_row;
+    cuda::ReadNorm nrm;
+    at::Tensor out_rstd;
+    if (with_norm) {
+      out_rstd = stats[3 * n];
+      nrm.w = out_weight.data_ptr<float>();
+      nrm.eps = static_cast<float>(out_eps);
+      nrm.rstd = out_rstd.data_ptr<float>();
+    }
     check_launch(cuda::attn_res_read_forward(dtype_of(src[0]), ptrs, n, u.data_ptr<float>(),
                                              out.data_ptr(), rstd.data_ptr<float>(),
                                              dot.data_ptr<float>(), alpha.data_ptr<float>(), rows,
                                              D, static_cast<float>(eps), warp_per_row,
-                                             stream_of(src[0])),
-                 "attn_res_read_forward");
-    src.insert(src.end(), {query, norm_weight, rstd, dot, alpha});
+                                             stream_of(src[0]), with_norm ? &nrm : nullptr),
+                 with_norm ? "attn_res_read_norm_forward" : "attn_res_read_forward");
+    src.insert(src.end(), {query, norm_weight, rstd, dot, alpha, u});
+    if (with_norm) src.insert(src.end(), {out_weight, out_rstd});
     ctx->save_for_backward(src);
+    ctx->saved_data["n"] = static_cast<int64_t>(n);
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto n = static_cast<int>(saved.size()) - 5;
+    const auto n = static_cast<int>(ctx->saved_data["n"].toInt());
     const auto &query = saved[n], &norm_weight = saved[n + 1];
-    const auto &rstd = saved[n + 2], &dot = saved[n + 3], &alpha = saved[n + 4];
+    const auto &rstd = saved[n + 2], &dot = saved[n + 3], &alpha = saved[n + 4],
+               &u = saved[n + 5];
+    const bool with_norm = saved.size() > static_cast<size_t>(n) + 6;
     const auto D = saved[0].size(-1);
     const auto rows = saved[0].numel() / D;
-    auto q = query.to(at::kFloat), w = norm_weight.to(at::kFloat);
-    auto u = (w * q).contiguous();
     auto g = grads[0].contiguous().to(saved[0].scalar_type());
+    if (with_norm && !aligned16(g.data_ptr())) g = g.clone();
     const bool warp_per_row = ctx->saved_data["warp_per_row"].toBool();
-    const int staged_switch = g_read_staged;
-    const bool staged =
-        staged_switch < 0 ? opted_in("attn_res_read_staged") : staged_switch > 0;
     cuda::ReadSources ptrs{}, accs{};  // accs: the slot to add into, per source
     cuda::ReadGrads dptrs{};
     variable_list out;
@@ -399,7 +399,8 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
       ptrs.p[i] = v.data_ptr();
       const at::Tensor slot = saved_read_slot(ctx, static_cast<size_t>(i));
       if (slot.defined() && slot.numel() > 0 && warp_per_row && slot.is_contiguous() &&
-          slot.sizes() == v.sizes() && slot.scalar_type() == v.scalar_type()) {
+          slot.sizes() == v.sizes() && slot.scalar_type() == v.scalar_type() &&
+          (!with_norm || aligned16(slot.data_ptr()))) {
         accs.p[i] = slot.data_ptr();  // added into in place
         dptrs.p[i] = slot.data_ptr();
         out.emplace_back();
@@ -415,22 +416,31 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
       }
     }
     // No rows: the kernels launch nothing, so the parts must start at zero.
-    auto partial = at::empty({cuda::attn_res_read_backward_parts(rows, warp_per_row), D},
-                             u.options().dtype(at::kFloat));
+    const auto parts = cuda::attn_res_read_backward_parts(rows, warp_per_row);
+    auto partial = at::empty({with_norm ? 2 * parts : parts, D}, u.options());
     if (rows == 0) partial.zero_();
+    cuda::ReadNorm nrm;
+    if (with_norm) {
+      nrm.w = saved[static_cast<size_t>(n) + 6].data_ptr<float>();
+      nrm.rstd = saved[static_cast<size_t>(n) + 7].data_ptr<float>();
+      nrm.dy = g.data_ptr();
+      nrm.dw_partial = partial[parts].data_ptr<float>();
+    }
     check_launch(cuda::attn_res_read_backward(dtype_of(saved[0]), ptrs, accs, dptrs, n,
-                                              g.data_ptr(),
-                                              u.data_ptr<float>(), rstd.data_ptr<float>(),
-                                              dot.data_ptr<float>(), alpha.data_ptr<float>(),
-                                              partial.data_ptr<float>(), rows, D, warp_per_row,
-                                              staged, stream_of(g)),
-                 "attn_res_read_backward");
+                                              g.data_ptr(), u.data_ptr<float>(),
+                                              rstd.data_ptr<float>(), dot.data_ptr<float>(),
+                                              alpha.data_ptr<float>(), partial.data_ptr<float>(),
+                                              rows, D, warp_per_row, stream_of(g),
+                                              with_norm ? &nrm : nullptr),
+                 with_norm ? "attn_res_read_norm_backward" : "attn_res_read_backward");
     for (auto& [slot, dv] : to_add) attn_res_slot_add(slot, dv);
-    auto du = partial.sum(0);
-    out.push_back((du * w).to(query.scalar_type()));        // d query
-    out.push_back((du * q).to(norm_weight.scalar_type()));  // d norm.weight
-    out.emplace_back();                                      // eps
-    out.emplace_back();                                      // slots
+    auto du = partial.narrow(0, 0, parts).sum(0);
+    out.push_back((du * norm_weight.to(at::kFloat)).to(query.scalar_type()));  // d query
+    out.push_back((du * query.to(at::kFloat)).to(norm_weight.scalar_type()));  // d norm.weight
+    out.emplace_back();                                                         // eps
+    out.emplace_back();                                                         // slots
+    out.push_back(with_norm ? partial.narrow(0, parts, parts).sum(0) : at::Tensor());  // d out_weight
+    out.emplace_back();                                                                 // out_eps
     return out;
   }
 };
@@ -529,7 +539,47 @@ at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tenso
                 "fused attn_res_read: query and norm weight must be [", sources[0].size(-1), "]");
   VIADUCT_CHECK(slots == nullptr || slots->size() == sources.size(),
                 "fused attn_res_read: one slot entry per source");
-  return AttnResReadKernelFn::apply(at::TensorList(sources), query, norm_weight, eps, slots);
+  return AttnResReadKernelFn::apply(at::TensorList(sources), query, norm_weight, eps, slots,
+                                    at::Tensor(), 0.0);
+}
+
+bool attn_res_read_norm_usable(const std::vector<at::Tensor>& sources,
+                               const at::Tensor& out_weight) {
+  if (!attn_res_read_usable(sources) || disabled("attn_res_read_norm") ||
+      disabled("attn_res_read_v2") || !g_read_v2) {
+    return false;
+  }
+  const auto D = sources[0].size(-1);
+  if (!out_weight.defined() || out_weight.scalar_type() != at::kFloat || out_weight.dim() != 1 ||
+      out_weight.size(0) != D || !out_weight.is_contiguous() ||
+      out_weight.device() != sources[0].device() || !aligned16(out_weight.data_ptr())) {
+    return false;
+  }
+  cuda::ReadSources ptrs{};
+  for (size_t i = 0; i < sources.size(); ++i) {
+    if (!sources[i].is_contiguous()) return false;
+    ptrs.p[i] = sources[i].data_ptr();
+  }
+  return cuda::attn_res_read_norm_fits(dtype_of(sources[0]), ptrs,
+                                       static_cast<int>(sources.size()), D);
+}
+
+at::Tensor attn_res_read_norm(const std::vector<at::Tensor>& sources, const at::Tensor& query,
+                              const at::Tensor& norm_weight, double eps,
+                              const std::vector<at::Tensor>* slots, const at::Tensor& out_weight,
+                              double out_eps) {
+  RECORD_FUNCTION("viaduct::attn_res_read_norm_kernel", std::vector<c10::IValue>());
+  VIADUCT_CHECK(attn_res_read_norm_usable(sources, out_weight),
+                "fused attn_res_read_norm: these sources and norm weight do not fit the kernel "
+                "(attn_res_read_norm_usable)");
+  VIADUCT_CHECK(query.dim() == 1 && query.size(0) == sources[0].size(-1) &&
+                    norm_weight.sizes() == query.sizes(),
+                "fused attn_res_read_norm: query and norm weight must be [", sources[0].size(-1),
+                "]");
+  VIADUCT_CHECK(slots == nullptr || slots->size() == sources.size(),
+                "fused attn_res_read_norm: one slot entry per source");
+  return AttnResReadKernelFn::apply(at::TensorList(sources), query, norm_weight, eps, slots,
+                                    out_weight, out_eps);
 }
 
 void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,
@@ -597,6 +647,14 @@ at::Tensor swiglu_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&
 }
 at::Tensor cross_entropy_rows_(at::Tensor&, const at::Tensor&) { no_cuda("cross_entropy"); }
 bool attn_res_read_usable(const std::vector<at::Tensor>&) { return false; }
+bool attn_res_read_norm_usable(const std::vector<at::Tensor>&, const at::Tensor&) {
+  return false;
+}
+at::Tensor attn_res_read_norm(const std::vector<at::Tensor>&, const at::Tensor&,
+                              const at::Tensor&, double, const std::vector<at::Tensor>*,
+                              const at::Tensor&, double) {
+  no_cuda("attn_res_read_norm");
+}
 at::Tensor attn_res_read(const std::vector<at::Tensor>&, const at::Tensor&, const at::Tensor&,
                          double, const std::vector<at::Tensor>*) {
   no_cuda("attn_res_read");

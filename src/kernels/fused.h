@@ -25,18 +25,11 @@ void set_swiglu_recompute(bool on);
 // VIADUCT_DISABLE_KERNELS=name[,name...] turns single fused paths back to
 // their previous form without a rebuild (for measuring or isolating them):
 // rms_norm_bwd_reg, rope_repeat, attn_res_read, attn_res_read_v2 (its
-// warp-per-row kernels), mixed_linear, weight_cache, add_rms_norm,
-// adamw_clip
-// (Note [Low-precision weight cache]). An unknown name is an error.
+// warp-per-row kernels), attn_res_read_norm (a read and the norm after it
+// in one kernel, Note [AttnRes read with its norm]), mixed_linear,
+// weight_cache (Note [Low-precision weight cache]), add_rms_norm,
+// adamw_clip. An unknown name is an error.
 bool disabled(const std::string& name);
-// VIADUCT_ENABLE_KERNELS=name[,name...]: kernels not yet on by default,
-// turned on for measuring them: attn_res_read_staged (Note [Read backward
-// with staged sources]). An unknown name is an error.
-bool opted_in(const std::string& name);
-std::set<std::string> parse_opt_in_list(const std::string& csv);  // as parse_kernel_list
-// Tests: the staged read backward on or off from here on, whatever
-// VIADUCT_ENABLE_KERNELS says.
-void set_attn_res_read_staged(bool on);
 // The names of a comma-separated list (empty entries skipped); Error on an
 // unknown one.
 std::set<std::string> parse_kernel_list(const std::string& csv);
@@ -100,6 +93,18 @@ void set_attn_res_read_v2(bool on);
 at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tensor& query,
                          const at::Tensor& norm_weight, double eps,
                          const std::vector<at::Tensor>* slots = nullptr);
+// RMSNorm(attn_res_read(...)) with weight out_weight (fp32 [D]) and out_eps
+// in one kernel forward and one backward (Note [AttnRes read with its
+// norm], fused_kernels.cu): h itself is neither written nor kept.
+// attn_res_read_norm_usable: attn_res_read_usable, attn_res_read_norm and
+// the warp-per-row kernels not disabled, contiguous sources of rows of at
+// most 2048 bf16 / 1024 fp32 in 16-byte words.
+bool attn_res_read_norm_usable(const std::vector<at::Tensor>& sources,
+                               const at::Tensor& out_weight);
+at::Tensor attn_res_read_norm(const std::vector<at::Tensor>& sources, const at::Tensor& query,
+                              const at::Tensor& norm_weight, double eps,
+                              const std::vector<at::Tensor>* slots, const at::Tensor& out_weight,
+                              double out_eps);
 // Adds one source's read gradient into its slot: the first gradient becomes
 // the slot (Tensor::set_, no copy), later ones are added in place (autograd's
 // sum, same bits). Both builds.

@@ -63,19 +63,6 @@ __device__ __forceinline__ void store_n(T* p, int64_t i, const float (&v)[N]) {
     for (int k = 0; k < N; ++k) store(p, i + k, v[k]);
   }
 }
-// 16 bytes global -> shared without a register stop (sm_80+), and the
-// waits for them (this thread's copies).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const auto s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
-
 // v[k] := p[i + k] + v[k] rounded to T: the sum autograd forms when it adds
 // a gradient stored as T into an accumulated one (Note [AttnRes block
 // gradients in place], model/attn_res.h); the caller stores the result as T.
@@ -566,15 +553,21 @@ constexpr int kReadBackwardBlocksPerSM = 3;
 // The form that adds into slots (Note [AttnRes block gradients in place])
 // holds a slot's slice too.
 constexpr int kReadBackwardAccBlocksPerSM = 2;
-// Note [Read backward with staged sources]: the register form can copy a
-// row's sources into shared memory first (cp.async, all at once) and run
-// both passes from there: one trip to DRAM per source and row, every load
-// of the row in flight together, instead of a source at a time per pass
-// with the second pass hoping for L2. kReadWarps * n * 4 KiB of shared
-// memory a block besides du's 32 KiB (bf16 rows of 2048): up to 4 sources
-// (96 KiB, 2 blocks an SM). Opt-in (VIADUCT_ENABLE_KERNELS=
-// attn_res_read_staged) until measured; the bits are the unstaged form's.
-constexpr int kReadStagedMaxSources = 4;
+// Note [AttnRes read with its norm]: every AttnRes read in kimi_k3 feeds
+// an RMSNorm (attention_norm, ffn_norm, the final norm) and nothing else,
+// so the register forms can take that norm in too (ReadNorm). Forward: h is
+// rounded to T in registers as it would be stored, and y = (h r) w is
+// written instead of h (rms_norm_forward_kernel's arithmetic; r's sum runs
+// in the read's lane order, so y may differ from the two kernels' by an
+// ulp). Backward: h is formed again from the sources with the saved
+// statistics, the same online-softmax steps and roundings (OnlineStep), the
+// norm's backward gives g rounded to T in registers, and the read's two
+// passes follow as before; the norm weight's gradient is summed like du.
+// Saved: the norm's rstd per row instead of h. Traffic per read: the two
+// ops move h out and back in forward (2 rows) and h, dh out, dh in
+// backward (3 rows) that this form does not, at one more pass over the
+// sources in backward (from L2 where it stays). Predicted at the k3gemm
+// shape: ~50 us a read, ~3 ms a step, and h's 32 MiB a read not kept.
 static_assert(kMaxReadSources <= 64, "LaneSlots hold two sources a lane");
 
 // Sum over the warp by a butterfly: every lane ends with the same bits
@@ -676,14 +669,43 @@ __device__ __forceinline__ float read_logit(float ss, float dt, int i, int lane,
   return r * dt;
 }
 
+// One step of the online softmax's weighted sum, with its roundings spelt
+// out (no contraction left to the compiler): the read-with-norm backward
+// forms the forward's h again from the same statistics, bit for bit.
+struct OnlineStep {
+  float scale, e;
+};
+__device__ __forceinline__ OnlineStep online_step(float& m, float& z, float l) {
+  const float m_new = fmaxf(m, l);
+  const OnlineStep st{expf(m - m_new), expf(l - m_new)};  // scale = 0 for the first
+  z = __fmaf_rn(z, st.scale, st.e);
+  m = m_new;
+  return st;
+}
+__device__ __forceinline__ float online_acc(float acc, const OnlineStep& st, float x) {
+  return __fmaf_rn(st.e, x, __fmul_rn(acc, st.scale));
+}
+
+// N values rounded to T, packed as the loads pack them.
+template <typename T, int N>
+__device__ __forceinline__ Packed<T, N> pack_n(const float (&v)[N]) {
+  static_assert(N * sizeof(T) == 16, "register forms hold 16-byte words");
+  Packed<T, N> r;
+  T* e = reinterpret_cast<T*>(&r.w);
+#pragma unroll
+  for (int k = 0; k < N; ++k) store(e, k, v[k]);
+  return r;
+}
+
 // Register form: dim <= 32 * N * ITERS. Lane columns: lane * N + it * 32 * N
 // + k (constant offsets from a per-row base; `rem` bounds a partial row).
-template <typename T, int N, int ITERS>
+// kNorm (Note [AttnRes read with its norm]): out is norm(h), not h.
+template <typename T, int N, int ITERS, bool kNorm>
 __global__ void __launch_bounds__(kReadWarps * 32, kReadForwardBlocksPerSM)
     attn_res_read_forward_warp_kernel(ReadSources src, int n, const float* __restrict__ u,
                                       T* __restrict__ out, float* __restrict__ rstd,
                                       float* __restrict__ dot, float* __restrict__ alpha,
-                                      int64_t rows, int64_t dim, float eps) {
+                                      int64_t rows, int64_t dim, float eps, ReadNorm nrm) {
   constexpr int kStride = 32 * N;
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kReadWarps + (threadIdx.x >> 5);
@@ -718,9 +740,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kReadForwardBlocksPerSM)
     }
     const float l = read_logit(ss, dt, i, lane, row, rows, dim, eps, rstd, dot);
     logit.set(i, lane, l);
-    const float m_new = fmaxf(m, l);
-    const float scale = expf(m - m_new), e = expf(l - m_new);  // scale = 0 for i = 0
-    z = z * scale + e;
+    const OnlineStep st = online_step(m, z, l);
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       if (it * kStride < rem) {
@@ -728,21 +748,42 @@ __global__ void __launch_bounds__(kReadWarps * 32, kReadForwardBlocksPerSM)
         keep_packed(x[it]);
         unpack(x[it], xf);
 #pragma unroll
-        for (int k = 0; k < N; ++k) acc[it][k] = acc[it][k] * scale + e * xf[k];
+        for (int k = 0; k < N; ++k) acc[it][k] = online_acc(acc[it][k], st, xf[k]);
       }
     }
-    m = m_new;
   }
   if (lane < n) alpha[lane * rows + row] = expf(logit.s0 - m) / z;
   if (lane + 32 < n) alpha[(lane + 32) * rows + row] = expf(logit.s1 - m) / z;
   const float inv_z = 1.f / z;
   T* o = out + base;
+  float ss = 0.f;  // kNorm: the norm's sum of squares of h as stored
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     if (it * kStride < rem) {
 #pragma unroll
-      for (int k = 0; k < N; ++k) acc[it][k] *= inv_z;
-      store_n<T, N>(o, it * kStride, acc[it]);
+      for (int k = 0; k < N; ++k) {
+        acc[it][k] = __fmul_rn(acc[it][k], inv_z);
+        if constexpr (kNorm) {
+          acc[it][k] = round_as<T>(acc[it][k]);
+          ss += acc[it][k] * acc[it][k];
+        }
+      }
+      if constexpr (!kNorm) store_n<T, N>(o, it * kStride, acc[it]);
+    }
+  }
+  if constexpr (kNorm) {  // y = (h r) w, as rms_norm_forward_kernel forms it
+    const float r = rsqrtf(warp_sum(ss) / static_cast<float>(dim) + nrm.eps);
+    if (lane == 0) nrm.rstd[row] = r;
+    const float* wl = nrm.w + lane * N;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      if (it * kStride < rem) {
+        float wv[N];
+        load_f32<N>(wl, it * kStride, wv);
+#pragma unroll
+        for (int k = 0; k < N; ++k) acc[it][k] = (acc[it][k] * r) * wv[k];
+        store_n<T, N>(o, it * kStride, acc[it]);
+      }
     }
   }
 }
@@ -825,80 +866,176 @@ __device__ __forceinline__ void load_read_stats(const float* __restrict__ stat, 
   if (lane + 32 < n) out.s1 = stat[(lane + 32) * rows + row];
 }
 
+// A register-form backward block's part of a per-column sum: row
+// blockIdx.x of `partial` = the warps' rows of `sh` added in warp order.
+template <int N, int ITERS>
+__device__ __forceinline__ void write_block_part(const float4 (*sh)[ITERS * (N / 4)][32],
+                                                 float* __restrict__ partial, int64_t dim) {
+  constexpr int kQuads = N / 4, kStride = 32 * N;
+  float* part = partial + static_cast<int64_t>(blockIdx.x) * dim;
+  for (int t = threadIdx.x; t < ITERS * kQuads * 32; t += blockDim.x) {
+    const int l = t & 31, q = t >> 5;  // q = it * kQuads + quad
+    const int col = l * N + (q / kQuads) * kStride + (q % kQuads) * 4;
+    if (col < dim) {
+      float4 sum = sh[0][q][l];
+#pragma unroll
+      for (int w = 1; w < kReadWarps; ++w) {
+        const float4 d = sh[w][q][l];
+        sum.x += d.x;
+        sum.y += d.y;
+        sum.z += d.z;
+        sum.w += d.w;
+      }
+      *reinterpret_cast<float4*>(part + col) = sum;
+    }
+  }
+}
+
 // Register form: dim <= 32 * N * ITERS, columns as in the forward's. Warp w
 // of block b takes rows b * kReadWarps + w + k * gridDim.x * kReadWarps.
 //
-// kStaged (Note [Read backward with staged sources]): the row's sources are
-// copied into shared memory by cp.async at the row's start, all n at once,
-// and both passes read them there; otherwise each pass loads them from
-// global memory (the second mostly from L2). The arithmetic is the same
-// code in the same order, so the two give the same bits.
-template <typename T, int N, int ITERS, bool kAcc, bool kStaged>
-__global__ void __launch_bounds__(kReadWarps * 32, kAcc ? kReadBackwardAccBlocksPerSM
-                                                         : kReadBackwardBlocksPerSM)
+// kNorm (Note [AttnRes read with its norm]): g is not loaded but formed from
+// nrm.dy through the norm's backward, with h formed again from the sources
+// as the forward formed it; the norm weight's gradient accumulates per warp
+// in dynamic shared memory beside du's and leaves as nrm.dw_partial rows.
+template <typename T, int N, int ITERS, bool kAcc, bool kNorm>
+__global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackwardAccBlocksPerSM
+                                                                  : kReadBackwardBlocksPerSM)
     attn_res_read_backward_warp_kernel(ReadSources src, ReadSources acc, ReadGrads dsrc, int n,
                                        const T* __restrict__ g, const float* __restrict__ u,
                                        const float* __restrict__ rstd,
                                        const float* __restrict__ dot,
                                        const float* __restrict__ alpha,
                                        float* __restrict__ du_partial, int64_t rows,
-                                       int64_t dim) {
+                                       int64_t dim, ReadNorm nrm) {
   constexpr int kStride = 32 * N, kQuads = N / 4;
   static_assert(N % 4 == 0, "du is held in float4s");
   // Each warp's du over its rows, in shared memory (registers hold g and a
   // source's slice): [warp][it * kQuads + q][lane] holds columns lane * N +
   // it * kStride + 4 q + (0..3), so a warp's accesses are contiguous.
   __shared__ float4 du_sh[kReadWarps][ITERS * kQuads][32];
-  // kStaged: [warp][source][it][lane] 16-byte words, n * ITERS * 32 a warp
-  // (the launch sizes it); each lane reads back only the words it copied.
-  extern __shared__ uint4 staged[];
+  // kNorm: the norm weight's gradient, laid out as du_sh (the launch sizes it).
+  extern __shared__ float4 dw_dyn[];
+  float4(*dw_sh)[ITERS * kQuads][32] = reinterpret_cast<float4(*)[ITERS * kQuads][32]>(dw_dyn);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rem = static_cast<int>(dim) - lane * N;  // this lane's columns: it * kStride < rem
   const float* ul = u + lane * N;
-  uint4* my_words = staged + static_cast<int64_t>(warp) * n * ITERS * 32 + lane;
-  // Word `it` of source i's slice of the row, from shared or global memory.
-  auto source_word = [&](int i, const T* v, int it) {
-    if constexpr (kStaged) {
-      Packed<T, N> r;
-      r.w = my_words[(i * ITERS + it) * 32];
-      return r;
-    } else {
-      return load_packed<T, N>(v, it * kStride);
-    }
-  };
 #pragma unroll
-  for (int q = 0; q < ITERS * kQuads; ++q) du_sh[warp][q][lane] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int q = 0; q < ITERS * kQuads; ++q) {
+    du_sh[warp][q][lane] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if constexpr (kNorm) dw_sh[warp][q][lane] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   const int64_t step = static_cast<int64_t>(gridDim.x) * kReadWarps;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kReadWarps + warp; row < rows;
        row += step) {
     const int64_t base = row * dim + lane * N;
-    if constexpr (kStaged) {  // every source's slice in flight at once
-      for (int i = 0; i < n; ++i) {
-        const T* v = static_cast<const T*>(src.p[i]) + base;
-#pragma unroll
-        for (int it = 0; it < ITERS; ++it) {
-          if (it * kStride < rem) cp_async16(my_words + (i * ITERS + it) * 32, v + it * kStride);
-        }
-      }
-      cp_async_commit();
-    }
     Packed<T, N> gp[ITERS];
-#pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
-      if (it * kStride < rem) gp[it] = load_packed<T, N>(g + base, it * kStride);
-    }
     LaneSlots al, rs, dt, da;
     load_read_stats(alpha, n, lane, row, rows, al);
     load_read_stats(rstd, n, lane, row, rows, rs);
     load_read_stats(dot, n, lane, row, rows, dt);
-    if constexpr (kStaged) cp_async_wait_all();
+    if constexpr (kNorm) {
+      // h as the forward stored it: the same online softmax over the same
+      // logits (rstd_i dot_i, as read_logit formed them), same roundings.
+      float h[ITERS][N];
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) h[it][k] = 0.f;
+      }
+      float m = -INFINITY, z = 0.f;
+      for (int i = 0; i < n; ++i) {
+        const T* v = static_cast<const T*>(src.p[i]) + base;
+        Packed<T, N> x[ITERS];
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+          if (it * kStride < rem) x[it] = load_packed<T, N>(v, it * kStride);
+        }
+        const OnlineStep st = online_step(m, z, rs.get(i) * dt.get(i));
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+          if (it * kStride < rem) {
+            float xf[N];
+            keep_packed(x[it]);
+            unpack(x[it], xf);
+#pragma unroll
+            for (int k = 0; k < N; ++k) h[it][k] = online_acc(h[it][k], st, xf[k]);
+          }
+        }
+      }
+      // h as stored (rounded to T), packed: half the registers of its floats.
+      const float inv_z = 1.f / z;
+      Packed<T, N> hp[ITERS];
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        if (it * kStride < rem) {
+#pragma unroll
+          for (int k = 0; k < N; ++k) h[it][k] = __fmul_rn(h[it][k], inv_z);
+          hp[it] = pack_n<T, N>(h[it]);
+        }
+      }
+      // The norm's backward (rms_norm_backward_kernel's arithmetic): g =
+      // r dy w - h r^3 (sum dy w h) / dim, rounded to T as that kernel
+      // stores it; dw += dy h r.
+      const T* dyr = static_cast<const T*>(nrm.dy) + base;
+      const float* wl = nrm.w + lane * N;
+      Packed<T, N> dyp[ITERS];
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        if (it * kStride < rem) dyp[it] = load_packed<T, N>(dyr, it * kStride);
+      }
+      float s = 0.f;
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        if (it * kStride < rem) {
+          float gf[N], hf[N], wv[N];
+          keep_packed(dyp[it]);
+          keep_packed(hp[it]);
+          unpack(dyp[it], gf);
+          unpack(hp[it], hf);
+          load_f32<N>(wl, it * kStride, wv);
+#pragma unroll
+          for (int k = 0; k < N; ++k) s += gf[k] * wv[k] * hf[k];
+        }
+      }
+      s = warp_sum(s);
+      const float r = nrm.rstd[row];
+      const float c = r * r * r * s / static_cast<float>(dim);
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        if (it * kStride < rem) {
+          float gf[N], hf[N], wv[N], o[N];
+          keep_packed(dyp[it]);
+          keep_packed(hp[it]);
+          unpack(dyp[it], gf);
+          unpack(hp[it], hf);
+          load_f32<N>(wl, it * kStride, wv);
+#pragma unroll
+          for (int k = 0; k < N; ++k) o[k] = r * gf[k] * wv[k] - hf[k] * c;
+          gp[it] = pack_n<T, N>(o);
+#pragma unroll
+          for (int q = 0; q < kQuads; ++q) {
+            float4& d = dw_sh[warp][it * kQuads + q][lane];
+            d.x += gf[4 * q] * hf[4 * q] * r;
+            d.y += gf[4 * q + 1] * hf[4 * q + 1] * r;
+            d.z += gf[4 * q + 2] * hf[4 * q + 2] * r;
+            d.w += gf[4 * q + 3] * hf[4 * q + 3] * r;
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        if (it * kStride < rem) gp[it] = load_packed<T, N>(g + base, it * kStride);
+      }
+    }
     float mean = 0.f;  // sum_j alpha_j g . v_j
     for (int i = 0; i < n; ++i) {
       const T* v = static_cast<const T*>(src.p[i]) + base;
       Packed<T, N> x[ITERS];
 #pragma unroll
       for (int it = 0; it < ITERS; ++it) {
-        if (it * kStride < rem) x[it] = source_word(i, v, it);
+        if (it * kStride < rem) x[it] = load_packed<T, N>(v, it * kStride);
       }
       float s = 0.f;
 #pragma unroll
@@ -929,7 +1066,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc ? kReadBackwardAccBlocks
       Packed<T, N> sw[kAcc ? ITERS : 1];
 #pragma unroll
       for (int it = 0; it < ITERS; ++it) {  // all loads before the first store (dv may alias)
-        if (it * kStride < rem) x[it] = source_word(i, v, it);
+        if (it * kStride < rem) x[it] = load_packed<T, N>(v, it * kStride);
       }
       if constexpr (kAcc) {
         if (ap != nullptr) {
@@ -970,28 +1107,12 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc ? kReadBackwardAccBlocks
         }
       }
     }
-    if constexpr (kStaged) __syncwarp();  // the next row's copies overwrite these words
   }
   // The block's part: ((warp 0 + warp 1) + warp 2) + ... per column (every
   // warp comes here: no early exit above).
   __syncthreads();
-  float* part = du_partial + static_cast<int64_t>(blockIdx.x) * dim;
-  for (int t = threadIdx.x; t < ITERS * kQuads * 32; t += blockDim.x) {
-    const int l = t & 31, q = t >> 5;  // q = it * kQuads + quad
-    const int col = l * N + (q / kQuads) * kStride + (q % kQuads) * 4;
-    if (col < dim) {
-      float4 sum = du_sh[0][q][l];
-#pragma unroll
-      for (int w = 1; w < kReadWarps; ++w) {
-        const float4 d = du_sh[w][q][l];
-        sum.x += d.x;
-        sum.y += d.y;
-        sum.z += d.z;
-        sum.w += d.w;
-      }
-      *reinterpret_cast<float4*>(part + col) = sum;
-    }
-  }
+  write_block_part<N, ITERS>(du_sh, du_partial, dim);
+  if constexpr (kNorm) write_block_part<N, ITERS>(dw_sh, nrm.dw_partial, dim);
 }
 
 // Loop form, any dim: each warp finds its row's coefficients (pass 1 as in
@@ -1335,45 +1456,60 @@ int64_t attn_res_read_backward_parts(int64_t rows, bool warp_per_row) {
 }
 
 namespace {
-// The register form where a lane's words hold the row (rows read in
-// 16-byte words, dim <= 32 * kReadWords * N), else the loop form.
+// The forward's warp-per-row launch: the register form where a lane's words
+// hold the row (rows read in 16-byte words, dim <= 32 * kReadWords * N; the
+// only form with the norm), else the loop form.
 template <typename T, int N>
-auto read_forward_warp_kernel(int64_t dim) {
-  if constexpr (N * sizeof(T) == 16) {
-    if (dim <= 32 * kReadWords * N) return attn_res_read_forward_warp_kernel<T, N, kReadWords>;
-  }
-  return attn_res_read_forward_warp_loop_kernel<T, N>;
-}
-// The backward's warp-per-row launch: the register form (with slots or
-// without; staged when asked and n <= kReadStagedMaxSources), else the
-// loop form.
-template <typename T, int N>
-cudaError_t launch_read_backward_warp(unsigned grid, cudaStream_t stream, bool any_acc,
-                                      bool staged, const ReadSources& src,
-                                      const ReadSources& acc, const ReadGrads& dsrc, int n,
-                                      const T* g, const float* u, const float* rstd,
-                                      const float* dot, const float* alpha, float* du_partial,
-                                      int64_t rows, int64_t dim) {
+cudaError_t launch_read_forward_warp(unsigned grid, cudaStream_t stream, const ReadSources& src,
+                                     int n, const float* u, void* out, float* rstd, float* dot,
+                                     float* alpha, int64_t rows, int64_t dim, float eps,
+                                     const ReadNorm* nrm) {
   if constexpr (N * sizeof(T) == 16) {
     if (dim <= 32 * kReadWords * N) {
-      if (staged && n <= kReadStagedMaxSources) {
+      auto kernel = nrm != nullptr ? attn_res_read_forward_warp_kernel<T, N, kReadWords, true>
+                                   : attn_res_read_forward_warp_kernel<T, N, kReadWords, false>;
+      kernel<<<grid, kReadWarps * 32, 0, stream>>>(src, n, u, static_cast<T*>(out), rstd, dot,
+                                                   alpha, rows, dim, eps,
+                                                   nrm != nullptr ? *nrm : ReadNorm{});
+      return cudaGetLastError();
+    }
+  }
+  if (nrm != nullptr) return cudaErrorNotSupported;
+  attn_res_read_forward_warp_loop_kernel<T, N><<<grid, kReadWarps * 32, 0, stream>>>(
+      src, n, u, static_cast<T*>(out), rstd, dot, alpha, rows, dim, eps);
+  return cudaGetLastError();
+}
+// The backward's warp-per-row launch: the register form (with slots or
+// without, with the norm or without), else the loop form.
+template <typename T, int N>
+cudaError_t launch_read_backward_warp(unsigned grid, cudaStream_t stream, bool any_acc,
+                                      const ReadSources& src, const ReadSources& acc,
+                                      const ReadGrads& dsrc, int n, const T* g, const float* u,
+                                      const float* rstd, const float* dot, const float* alpha,
+                                      float* du_partial, int64_t rows, int64_t dim,
+                                      const ReadNorm* nrm) {
+  if constexpr (N * sizeof(T) == 16) {
+    if (dim <= 32 * kReadWords * N) {
+      if (nrm != nullptr) {
         auto kernel = any_acc ? attn_res_read_backward_warp_kernel<T, N, kReadWords, true, true>
                               : attn_res_read_backward_warp_kernel<T, N, kReadWords, false, true>;
-        const size_t smem = sizeof(uint4) * kReadWarps * n * kReadWords * 32;
+        // dw_sh: as du_sh, kReadWarps x ITERS x 32 lanes x N floats.
+        const size_t smem = sizeof(float) * kReadWarps * kReadWords * 32 * N;
         const cudaError_t e = cudaFuncSetAttribute(
             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
         if (e != cudaSuccess) return e;
         kernel<<<grid, kReadWarps * 32, smem, stream>>>(src, acc, dsrc, n, g, u, rstd, dot,
-                                                        alpha, du_partial, rows, dim);
+                                                        alpha, du_partial, rows, dim, *nrm);
         return cudaGetLastError();
       }
       auto kernel = any_acc ? attn_res_read_backward_warp_kernel<T, N, kReadWords, true, false>
                             : attn_res_read_backward_warp_kernel<T, N, kReadWords, false, false>;
       kernel<<<grid, kReadWarps * 32, 0, stream>>>(src, acc, dsrc, n, g, u, rstd, dot, alpha,
-                                                   du_partial, rows, dim);
+                                                   du_partial, rows, dim, ReadNorm{});
       return cudaGetLastError();
     }
   }
+  if (nrm != nullptr) return cudaErrorNotSupported;
   attn_res_read_backward_warp_loop_kernel<T, N><<<grid, kReadWarps * 32, 0, stream>>>(
       src, acc, dsrc, n, g, u, rstd, dot, alpha, du_partial, rows, dim);
   return cudaGetLastError();
@@ -1388,20 +1524,31 @@ bool read_vectorisable(DType dt, const void* const* p, int n, int64_t dim) {
 }
 }  // namespace
 
+bool attn_res_read_norm_fits(DType dt, const ReadSources& src, int n, int64_t dim) {
+  return n >= 1 && n <= kMaxReadSources && read_vectorisable(dt, src.p, n, dim) &&
+         dim <= 32 * kReadWords * group_of(dt);
+}
+
 cudaError_t attn_res_read_forward(DType dt, const ReadSources& src, int n, const float* u,
                                   void* out, float* rstd, float* dot, float* alpha, int64_t rows,
-                                  int64_t dim, float eps, bool warp_per_row, cudaStream_t stream) {
+                                  int64_t dim, float eps, bool warp_per_row, cudaStream_t stream,
+                                  const ReadNorm* nrm) {
   if (n < 1 || n > kMaxReadSources) return cudaErrorInvalidValue;
+  if (nrm != nullptr && !(warp_per_row && attn_res_read_norm_fits(dt, src, n, dim) &&
+                          aligned16(nrm->w) && aligned16(out) && aligned16(u))) {
+    return cudaErrorNotSupported;
+  }
   if (rows == 0) return cudaSuccess;
   const bool vec = read_vectorisable(dt, src.p, n, dim) && aligned16(u) && aligned16(out);
   if (warp_per_row) {  // Note [Fused AttnRes read, warp per row]
     const int64_t blocks = (rows + kReadWarps - 1) / kReadWarps;
     if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-    VIADUCT_DISPATCH_VEC(dt, vec, auto kernel = read_forward_warp_kernel<T, N>(dim);
-                         kernel<<<static_cast<unsigned>(blocks), kReadWarps * 32, 0, stream>>>(
-                             src, n, u, static_cast<T*>(out), rstd, dot, alpha, rows, dim, eps));
-    return cudaGetLastError();
+    VIADUCT_DISPATCH_VEC(dt, vec,
+                         return launch_read_forward_warp<T, N>(
+                             static_cast<unsigned>(blocks), stream, src, n, u, out, rstd, dot,
+                             alpha, rows, dim, eps, nrm));
   }
+  if (nrm != nullptr) return cudaErrorNotSupported;
   const unsigned grid = static_cast<unsigned>(rows < 65535 ? rows : 65535);
   const size_t smem = sizeof(float) * (static_cast<size_t>(kRowThreads / 32) * n * 2 + n);
   VIADUCT_DISPATCH_VEC(dt, vec,
@@ -1414,23 +1561,32 @@ cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadS
                                    const ReadGrads& dsrc, int n, const void* g, const float* u,
                                    const float* rstd, const float* dot, const float* alpha,
                                    float* du_partial, int64_t rows, int64_t dim,
-                                   bool warp_per_row, bool staged, cudaStream_t stream) {
+                                   bool warp_per_row, cudaStream_t stream,
+                                   const ReadNorm* nrm) {
   if (n < 1 || n > kMaxReadSources) return cudaErrorInvalidValue;
   bool any_acc = false;
   for (int i = 0; i < n; ++i) any_acc = any_acc || acc.p[i] != nullptr;
   if (any_acc && !warp_per_row) return cudaErrorInvalidValue;  // those add into nothing
+  if (nrm != nullptr) {  // g is formed from nrm->dy; every pointer as the register form needs
+    bool ok = warp_per_row && attn_res_read_norm_fits(dt, src, n, dim) && aligned16(nrm->w) &&
+              aligned16(nrm->dy) && aligned16(nrm->dw_partial) && aligned16(u) &&
+              aligned16(du_partial);
+    for (int i = 0; i < n; ++i) ok = ok && aligned16(dsrc.p[i]) && aligned16(acc.p[i]);
+    if (!ok) return cudaErrorNotSupported;
+  }
   if (rows == 0) return cudaSuccess;
-  bool vec = read_vectorisable(dt, src.p, n, dim) && aligned16(g) && aligned16(u) &&
-             aligned16(du_partial);
+  bool vec = read_vectorisable(dt, src.p, n, dim) && (nrm != nullptr || aligned16(g)) &&
+             aligned16(u) && aligned16(du_partial);
   for (int i = 0; i < n; ++i) vec = vec && aligned16(dsrc.p[i]) && aligned16(acc.p[i]);
   const auto grid = static_cast<unsigned>(attn_res_read_backward_parts(rows, warp_per_row));
   if (warp_per_row) {  // Note [Fused AttnRes read, warp per row]
     VIADUCT_DISPATCH_VEC(dt, vec,
                          return launch_read_backward_warp<T, N>(
-                             grid, stream, any_acc, staged, src, acc, dsrc, n,
+                             grid, stream, any_acc, src, acc, dsrc, n,
                              static_cast<const T*>(g), u, rstd, dot, alpha, du_partial, rows,
-                             dim));
+                             dim, nrm));
   }
+  if (nrm != nullptr) return cudaErrorNotSupported;
   const size_t smem = sizeof(float) * (static_cast<size_t>(kRowThreads / 32) * n + 3 * n);
   VIADUCT_DISPATCH_VEC(dt, vec,
                        attn_res_read_backward_kernel<T, N><<<grid, kRowThreads, smem, stream>>>(

@@ -73,19 +73,36 @@ struct ReadSources {
 struct ReadGrads {
   void* p[kMaxReadSources];
 };
+// The RMSNorm that takes the read's output (Note [AttnRes read with its
+// norm], fused_kernels.cu), when the launches get one: weight w [dim] fp32
+// and eps; the forward writes out = norm(h) instead of h and the norm's
+// rstd [rows]; the backward takes dy, the gradient of norm(h), instead of
+// h's, and writes the weight's gradient as dw_partial rows (as du_partial).
+struct ReadNorm {
+  const float* w = nullptr;
+  float eps = 0.f;
+  float* rstd = nullptr;  // forward: written; backward: read
+  const void* dy = nullptr;
+  float* dw_partial = nullptr;
+};
+// Whether the read with its norm runs for these sources (the warp-per-row
+// register form: 16-byte aligned rows of at most 2048 bf16 / 1024 fp32).
+bool attn_res_read_norm_fits(DType dt, const ReadSources& src, int n, int64_t dim);
+// nrm: null, or the norm (attn_res_read_norm_fits, warp_per_row only).
 cudaError_t attn_res_read_forward(DType dt, const ReadSources& src, int n, const float* u,
                                   void* out, float* rstd, float* dot, float* alpha, int64_t rows,
-                                  int64_t dim, float eps, bool warp_per_row, cudaStream_t stream);
+                                  int64_t dim, float eps, bool warp_per_row, cudaStream_t stream,
+                                  const ReadNorm* nrm = nullptr);
 // How many partial rows attn_res_read_backward writes to du_partial.
 int64_t attn_res_read_backward_parts(int64_t rows, bool warp_per_row);
 // acc.p[i], when not null (warp_per_row only): dsrc.p[i] receives acc.p[i]
 // + the gradient rounded to the dtype (the two may be the same buffer).
-// staged: Note [Read backward with staged sources] where it applies.
 cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadSources& acc,
                                    const ReadGrads& dsrc, int n, const void* g, const float* u,
                                    const float* rstd, const float* dot, const float* alpha,
                                    float* du_partial, int64_t rows, int64_t dim,
-                                   bool warp_per_row, bool staged, cudaStream_t stream);
+                                   bool warp_per_row, cudaStream_t stream,
+                                   const ReadNorm* nrm = nullptr);
 
 // One AdamW step on fp32 [n] tensors, in place, on the gradient
 // g' = g * grad_scale (rounded as a separate multiply): p *= 1 - lr * wd;

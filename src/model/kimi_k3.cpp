@@ -261,15 +261,17 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
     read_slots.resize(sources.size());
   }
   if (trace_) trace_->push_back(sources);
-  auto h = attn_res_attn(sources, slots != nullptr ? &read_slots : nullptr);
-  auto a = mla ? mla(attention_norm(h)) : kda(attention_norm(h));
+  auto n = attn_res_attn->forward_normed(sources, slots != nullptr ? &read_slots : nullptr,
+                                         *attention_norm);
+  auto a = mla ? mla(n) : kda(n);
   partial = partial.defined() ? partial + a : a;
   sources = blocks;
   sources.push_back(partial);
   if (slots != nullptr) read_slots.resize(sources.size());
   if (trace_) trace_->push_back(sources);
-  h = attn_res_ffn(sources, slots != nullptr ? &read_slots : nullptr);
-  auto f = moe ? moe(ffn_norm(h)) : feed_forward(ffn_norm(h));
+  n = attn_res_ffn->forward_normed(sources, slots != nullptr ? &read_slots : nullptr,
+                                    *ffn_norm);
+  auto f = moe ? moe(n) : feed_forward(n);
   return partial + f;
 }
 
@@ -434,8 +436,8 @@ Activations KimiK3Part::forward(const Activations& in) {
     sources.push_back(hidden);
     auto read_slots = slots;
     read_slots.resize(sources.size());
-    auto out = attn_res_final(sources, in_place ? &read_slots : nullptr);
-    return {linear(norm(out), lm_head)};  // [B, T, V]
+    auto out = attn_res_final->forward_normed(sources, in_place ? &read_slots : nullptr, *norm);
+    return {linear(out, lm_head)};  // [B, T, V]
   }
   Activations out{hidden};
   out.insert(out.end(), blocks.begin(), blocks.end());

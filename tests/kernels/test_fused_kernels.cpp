@@ -455,56 +455,112 @@ TEST(FusedKernels, AttnResReadAddsIntoSlotsWithAutogradsBits) {
   }
 }
 
-TEST(FusedKernels, AttnResReadStagedHasTheUnstagedBits) {
+// Note [AttnRes read with its norm]: norm(read(sources)) in one kernel each
+// way against the fp64 modules (the read, then the RMSNorm): register forms
+// (2048 and 1000 bf16: lanes past the row's end; 1000 and 512 fp32), 1 to 5
+// sources, with slots (one holding a gradient, one empty) and without.
+TEST(FusedKernels, AttnResReadNormMatchesAtenReadThenNorm) {
   REQUIRE_GPU();
   REQUIRE_READ_V2();
-  // Note [Read backward with staged sources]: the same arithmetic from
-  // shared memory, so every output is bit for bit the unstaged kernel's:
-  // register forms (2048 bf16, 1000 both types: lanes past the row's end),
-  // up to 4 sources staged, 5 falling back; 9000 rows (several a warp);
-  // with slots (their register form) and without.
-  ReadKernels warp_per_row(true);
+  if (kernels::disabled("attn_res_read_norm")) GTEST_SKIP() << "attn_res_read_norm disabled";
   struct Case {
     int64_t D;
     at::ScalarType t;
   };
-  for (auto c : {Case{2048, at::kBFloat16}, Case{1000, at::kBFloat16}, Case{1000, at::kFloat}})
-  for (int64_t n : {1, 3, 4, 5})
+  for (auto c : {Case{2048, at::kBFloat16}, Case{1000, at::kBFloat16}, Case{1000, at::kFloat},
+                 Case{512, at::kFloat}})
+  for (int64_t n : {1, 3, 5})
   for (bool slots_on : {false, true}) {
     const auto seed = fresh_seed();
     SCOPED_TRACE(testing::Message() << "dim " << c.D << " " << c.t << " sources " << n
                                     << (slots_on ? " with slots" : "") << " seed " << seed);
-    auto in = draw_read({2, 4500, c.D}, n, c.t);
-    auto dy = at::randn({2, 4500, c.D}, at::TensorOptions(at::kCUDA)).to(c.t);
-    auto prior = at::randn({2, 4500, c.D}, at::TensorOptions(at::kCUDA)).to(c.t);
-    auto run = [&](bool staged) {
-      kernels::set_attn_res_read_staged(staged);
+    auto in = draw_read({2, 37, c.D}, n, c.t);
+    auto ow = (1.0 + 0.1 * at::randn({c.D}, at::TensorOptions(at::kCUDA))).requires_grad_(true);
+    AttnResRead ref(c.D, 1e-5);
+    RMSNorm ref_norm(c.D, 1e-6);
+    ref->to(at::kDouble);
+    ref_norm->to(at::kDouble);
+    {
+      torch::NoGradGuard g;
+      ref->query.copy_(in.q.detach().cpu());
+      ref->norm->weight.copy_(in.w.detach().cpu());
+      ref_norm->weight.copy_(ow.detach().cpu());
+    }
+    ASSERT_TRUE(kernels::attn_res_read_norm_usable(in.src, ow));
+    std::vector<at::Tensor> slots(in.src.size());
+    auto prior = at::randn({2, 37, c.D}, at::TensorOptions(at::kCUDA)).to(c.t);
+    if (slots_on) {
+      slots[0] = attn_res_new_slot(in.src[0]);
+      kernels::attn_res_slot_add(slots[0], prior.clone());
+      if (n > 1) slots[1] = attn_res_new_slot(in.src[1]);
+    }
+    poison();
+    auto y = kernels::attn_res_read_norm(in.src, in.q, in.w, 1e-5, &slots, ow, 1e-6);
+    auto yr = ref_norm->forward(ref->forward(in.src_ref));
+    ASSERT_EQ(y.scalar_type(), c.t);
+    EXPECT_LT(rel_err(y, yr), bound(c.t));
+    backward_both(y, yr);
+    for (int64_t i = 0; i < n; ++i) {
+      const auto& slot = slots[static_cast<size_t>(i)];
+      if (slot.defined()) {
+        EXPECT_FALSE(in.src[i].grad().defined()) << "source " << i << " has a slot";
+        // Slot 0 started with `prior`: it holds prior + the gradient.
+        auto want = i == 0 ? prior.to(at::kCPU, at::kDouble) + in.src_ref[i].grad()
+                           : in.src_ref[i].grad();
+        EXPECT_LT(rel_err(slot, want), bound(c.t)) << "slot " << i;
+      } else {
+        EXPECT_LT(rel_err(in.src[i].grad(), in.src_ref[i].grad()), bound(c.t)) << "source " << i;
+      }
+    }
+    EXPECT_LT(rel_err(in.q.grad(), ref->query.grad()), bound(c.t));
+    EXPECT_LT(rel_err(in.w.grad(), ref->norm->weight.grad()), bound(c.t));
+    EXPECT_LT(rel_err(ow.grad(), ref_norm->weight.grad()), bound(c.t));
+  }
+}
+
+// Run to run, bit for bit, on 9000 rows (several rows a warp); rows the
+// kernel does not take (4096 bf16) are refused, and the module then runs
+// the read and the norm as two ops, the same values.
+TEST(FusedKernels, AttnResReadNormIsDeterministicAndFallsBack) {
+  REQUIRE_GPU();
+  REQUIRE_READ_V2();
+  if (kernels::disabled("attn_res_read_norm")) GTEST_SKIP() << "attn_res_read_norm disabled";
+  for (auto [D, t] : {std::pair{int64_t{2048}, at::kBFloat16}, std::pair{int64_t{1000}, at::kFloat}}) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "dim " << D << " " << t << " seed " << seed);
+    auto in = draw_read({2, 4500, D}, 5, t);
+    auto ow = (1.0 + 0.1 * at::randn({D}, at::TensorOptions(at::kCUDA))).requires_grad_(true);
+    auto dy = at::randn({2, 4500, D}, at::TensorOptions(at::kCUDA)).to(t);
+    auto run = [&] {
       std::vector<at::Tensor> src;
       for (const auto& v : in.src) src.push_back(v.detach().requires_grad_(true));
       auto q = in.q.detach().requires_grad_(true), w = in.w.detach().requires_grad_(true);
-      std::vector<at::Tensor> slots(src.size());
-      if (slots_on) {  // a slot holding a gradient for source 0, an empty one for 1
-        slots[0] = attn_res_new_slot(src[0]);
-        kernels::attn_res_slot_add(slots[0], prior.clone());
-        if (n > 1) slots[1] = attn_res_new_slot(src[1]);
-      }
+      auto o = ow.detach().requires_grad_(true);
       poison();
-      auto y = kernels::attn_res_read(src, q, w, 1e-5, &slots);
+      auto y = kernels::attn_res_read_norm(src, q, w, 1e-5, nullptr, o, 1e-5);
       y.backward(dy);
-      std::vector<at::Tensor> out{y.detach(), q.grad(), w.grad()};
-      for (size_t i = 0; i < src.size(); ++i) {
-        out.push_back(slots[i].defined() ? slots[i] : src[i].grad());
-      }
+      std::vector<at::Tensor> out{y.detach(), q.grad(), w.grad(), o.grad()};
+      for (const auto& v : src) out.push_back(v.grad());
       return out;
     };
-    const auto plain = run(false), staged = run(true);
-    kernels::set_attn_res_read_staged(false);
-    ASSERT_EQ(plain.size(), staged.size());
-    for (size_t i = 0; i < plain.size(); ++i) {
-      EXPECT_TRUE(at::equal(plain[i], staged[i]))
-          << "output " << i << " (0: y, 1: query, 2: norm weight, then the sources)";
+    const auto first = run(), second = run();
+    for (size_t i = 0; i < first.size(); ++i) {
+      EXPECT_TRUE(at::isfinite(first[i]).all().item<bool>()) << "output " << i;
+      EXPECT_TRUE(at::equal(first[i], second[i])) << "output " << i;
     }
   }
+  auto wide = draw_read({2, 5, 4096}, 3, at::kBFloat16);
+  RMSNorm next(4096, 1e-5);
+  next->to(at::kCUDA);
+  EXPECT_FALSE(kernels::attn_res_read_norm_usable(wide.src, next->weight));
+  AttnResRead m(4096, 1e-5);
+  m->to(at::kCUDA);
+  {
+    torch::NoGradGuard g;
+    m->query.copy_(wide.q.detach());
+  }
+  EXPECT_TRUE(at::equal(m->forward_normed(wide.src, nullptr, *next),
+                        next->forward(m->forward(wide.src))));
 }
 
 TEST(FusedKernels, MixedLinearWeightGradientIsFp32) {

@@ -323,20 +323,4 @@ TEST(FusedKernelSwitches, KernelListParsesAndRefusesUnknownNames) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("unknown kernel 'rope'"), std::string::npos) << e.what();
   }
-  // The opt-in list (VIADUCT_ENABLE_KERNELS) takes only kernels that are
-  // off by default, and the two lists do not share names.
-  EXPECT_EQ(kernels::parse_opt_in_list("attn_res_read_staged,"),
-            (std::set<std::string>{"attn_res_read_staged"}));
-  EXPECT_THROW(kernels::parse_kernel_list("attn_res_read_staged"), Error);
-  try {
-    kernels::parse_opt_in_list("rope_repeat");
-    FAIL() << "a default-on kernel was accepted as opt-in";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("VIADUCT_ENABLE_KERNELS: unknown kernel 'rope_repeat'"),
-              std::string::npos)
-        << e.what();
-  }
-  if (std::getenv("VIADUCT_ENABLE_KERNELS") == nullptr) {
-    EXPECT_FALSE(kernels::opted_in("attn_res_read_staged"));
-  }
 }
