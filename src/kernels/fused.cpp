@@ -328,8 +328,8 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 // Note [Fused AttnRes read] in fused_kernels.cu; the equations of Note
 // [AttnRes read without keys] (model/attn_res.cpp), whose ATen form runs
-// everywhere else. With out_weight defined, the read and the RMSNorm after
-// it (Note [AttnRes read with its norm]): the output is norm(h).
+// everywhere else. With out_weight not empty, the read and the RMSNorm
+// after it (Note [AttnRes read with its norm]): the output is norm(h).
 class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, at::TensorList sources,
@@ -348,7 +348,7 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
     }
     auto u = (norm_weight.to(at::kFloat) * query.to(at::kFloat)).contiguous();
     auto out = at::empty(src[0].sizes(), src[0].options());
-    const bool with_norm = out_weight.defined();
+    const bool with_norm = out_weight.numel() > 0;  // else the 0-size stand-in
     auto stats = at::empty({3 * n + (with_norm ? 1 : 0), rows},
                            src[0].options().dtype(at::kFloat));
     auto rstd = stats.narrow(0, 0, n), dot = stats.narrow(0, n, n),
@@ -539,8 +539,10 @@ at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tenso
                 "fused attn_res_read: query and norm weight must be [", sources[0].size(-1), "]");
   VIADUCT_CHECK(slots == nullptr || slots->size() == sources.size(),
                 "fused attn_res_read: one slot entry per source");
+  // No norm: a 0-size stand-in (an undefined tensor cannot be an input of
+  // a custom autograd function in LibTorch 2.x).
   return AttnResReadKernelFn::apply(at::TensorList(sources), query, norm_weight, eps, slots,
-                                    at::Tensor(), 0.0);
+                                    at::empty({0}, query.options()), 0.0);
 }
 
 bool attn_res_read_norm_usable(const std::vector<at::Tensor>& sources,
