@@ -917,6 +917,10 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
   // kNorm: the norm weight's gradient, laid out as du_sh (the launch sizes it).
   extern __shared__ float4 dw_dyn[];
   float4(*dw_sh)[ITERS * kQuads][32] = reinterpret_cast<float4(*)[ITERS * kQuads][32]>(dw_dyn);
+  // kNorm: g's words [warp][it][lane] after dw_sh's (formed here, not
+  // loaded, and kept in shared memory: registers would spill).
+  uint4* g_sh = reinterpret_cast<uint4*>(dw_dyn + kReadWarps * ITERS * kQuads * 32) +
+                (threadIdx.x >> 5) * ITERS * 32 + (threadIdx.x & 31);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rem = static_cast<int>(dim) - lane * N;  // this lane's columns: it * kStride < rem
   const float* ul = u + lane * N;
@@ -944,6 +948,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
         for (int k = 0; k < N; ++k) h[it][k] = 0.f;
       }
       float m = -INFINITY, z = 0.f;
+#pragma unroll 1
       for (int i = 0; i < n; ++i) {
         const T* v = static_cast<const T*>(src.p[i]) + base;
         Packed<T, N> x[ITERS];
@@ -1012,7 +1017,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
           load_f32<N>(wl, it * kStride, wv);
 #pragma unroll
           for (int k = 0; k < N; ++k) o[k] = r * gf[k] * wv[k] - hf[k] * c;
-          gp[it] = pack_n<T, N>(o);
+          g_sh[it * 32] = pack_n<T, N>(o).w;
 #pragma unroll
           for (int q = 0; q < kQuads; ++q) {
             float4& d = dw_sh[warp][it * kQuads + q][lane];
@@ -1043,8 +1048,14 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
         if (it * kStride < rem) {
           float xf[N], gf[N];
           unpack(x[it], xf);
-          keep_packed(gp[it]);
-          unpack(gp[it], gf);
+          if constexpr (kNorm) {
+            Packed<T, N> gw;
+            gw.w = g_sh[it * 32];
+            unpack(gw, gf);
+          } else {
+            keep_packed(gp[it]);
+            unpack(gp[it], gf);
+          }
 #pragma unroll
           for (int k = 0; k < N; ++k) s += gf[k] * xf[k];
         }
@@ -1081,8 +1092,14 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
         if (it * kStride < rem) {
           float xf[N], gf[N], uu[N], o[N];
           unpack(x[it], xf);
-          keep_packed(gp[it]);
-          unpack(gp[it], gf);
+          if constexpr (kNorm) {
+            Packed<T, N> gw;
+            gw.w = g_sh[it * 32];
+            unpack(gw, gf);
+          } else {
+            keep_packed(gp[it]);
+            unpack(gp[it], gf);
+          }
           load_f32<N>(ul, it * kStride, uu);
 #pragma unroll
           for (int k = 0; k < N; ++k) o[k] = a * gf[k] + cd * uu[k] - cr * xf[k];
@@ -1493,8 +1510,10 @@ cudaError_t launch_read_backward_warp(unsigned grid, cudaStream_t stream, bool a
       if (nrm != nullptr) {
         auto kernel = any_acc ? attn_res_read_backward_warp_kernel<T, N, kReadWords, true, true>
                               : attn_res_read_backward_warp_kernel<T, N, kReadWords, false, true>;
-        // dw_sh: as du_sh, kReadWarps x ITERS x 32 lanes x N floats.
-        const size_t smem = sizeof(float) * kReadWarps * kReadWords * 32 * N;
+        // dw_sh: as du_sh, kReadWarps x ITERS x 32 lanes x N floats; then
+        // g_sh: a 16-byte word per lane and ITERS.
+        const size_t smem = sizeof(float) * kReadWarps * kReadWords * 32 * N +
+                            sizeof(uint4) * kReadWarps * kReadWords * 32;
         const cudaError_t e = cudaFuncSetAttribute(
             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
         if (e != cudaSuccess) return e;

@@ -30,12 +30,12 @@ class AttnResReadImpl : public torch::nn::Module {
   // (Note [AttnRes block gradients in place]).
   at::Tensor forward(const std::vector<at::Tensor>& sources,
                      const std::vector<at::Tensor>* slots = nullptr);
-  // next(forward(sources, slots)): the read and the RMSNorm that takes its
-  // output, in one kernel each way where the kernels run (Note [AttnRes
-  // read with its norm], kernels/fused_kernels.cu); the two modules
-  // elsewhere.
+  // next(forward(sources, slots)); with `fused` (model.attn_res_fused_norm)
+  // the read and the RMSNorm in one kernel each way where those kernels run
+  // (Note [AttnRes read with its norm], kernels/fused_kernels.cu).
   at::Tensor forward_normed(const std::vector<at::Tensor>& sources,
-                            const std::vector<at::Tensor>* slots, RMSNormImpl& next);
+                            const std::vector<at::Tensor>* slots, RMSNormImpl& next,
+                            bool fused = true);
   // The softmax weights over depth, [N, B, T] fp32 (for tests and probes).
   at::Tensor weights(const std::vector<at::Tensor>& sources);
   void init_weights();  // query = 0, norm weight = 1

@@ -57,6 +57,8 @@ struct KimiK3Options {
   bool attn_res = true;  // false: plain residuals (Note above)
   // Note [AttnRes block gradients in place] (model/attn_res.h)
   bool attn_res_grad_in_place = true;
+  // Note [AttnRes read with its norm] (kernels/fused_kernels.cu)
+  bool attn_res_fused_norm = false;
   bool synthetic_images = false;
   int64_t image_token_id = 0;
   KdaOptions kda;
@@ -97,6 +99,7 @@ class KimiK3LayerImpl : public torch::nn::Module {
   int64_t layer_id_;
   bool attn_res_;
   bool opens_block_;  // false without AttnRes
+  bool fused_norm_;   // model.attn_res_fused_norm
   AttnResRead attn_res_attn{nullptr}, attn_res_ffn{nullptr};
   RMSNorm attention_norm{nullptr}, ffn_norm{nullptr};
   Kda kda{nullptr};
