@@ -171,6 +171,26 @@ int main(int argc, char** argv) {
           return m->forward(s, &slots);
         },
         0.0);
+    // The read and the RMSNorm after it, as the model runs them: two ops,
+    // and the one kernel each way of model.attn_res_fused_norm (Note
+    // [AttnRes read with its norm]; the same two ops where it cannot run).
+    RMSNorm next(D, 1e-6);
+    next->to(x.device());
+    for (bool fused : {false, true}) {
+      run("attn_res read+norm (" + blocks + ", slots" + (fused ? ", fused)" : ")"), *m,
+          [&, fused](const at::Tensor& in) {
+            auto s = stack;
+            s.push_back(in);
+            std::vector<at::Tensor> slots;
+            for (int64_t i = 0; i < K; ++i) {
+              slots.push_back(attn_res_new_slot(stack[static_cast<size_t>(i)]));
+              kernels::attn_res_slot_add(slots.back(), prior[static_cast<size_t>(i)]);
+            }
+            slots.emplace_back();
+            return m->forward_normed(s, &slots, *next, fused);
+          },
+          0.0);
+    }
     // The same read in its keys form (Note [AttnRes read without keys]):
     // RMSNorm over the fp32 stack [N, B, T, D], then the query; autograd
     // keeps the stack and the keys.

@@ -633,6 +633,40 @@ TEST(FusedKernels, LlamaStepMatchesAtenPath) {
   }
 }
 
+TEST(FusedKernels, KimiK3FusedReadNormMatchesTwoOps) {
+  REQUIRE_GPU();
+  REQUIRE_READ_V2();
+  if (kernels::disabled("attn_res_read_norm")) GTEST_SKIP() << "attn_res_read_norm disabled";
+  // model.attn_res_fused_norm through a kimi_k3 step (debugmodel: every
+  // read, the final one too, with the in-place block gradients), fp32 on
+  // the GPU, against the same model running each read and norm as two ops.
+  const auto seed = fresh_seed();
+  auto tokens = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
+  auto targets = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
+  std::vector<std::vector<at::Tensor>> grads;
+  std::vector<double> losses;
+  for (const char* fused : {"model.attn_res_fused_norm=true", "model.attn_res_fused_norm=false"}) {
+    auto cfg = Config::parse("", "test", {"model.family=kimi_k3", "model.flavor=debugmodel",
+                                          "training.seq_len=64", "model.mla_interval=1",
+                                          "model.moe_ffn=false", fused});
+    auto model = build_model_part(cfg);
+    model->init_weights(11);
+    model->to(at::kCUDA);
+    auto loss = model->forward_loss({tokens}, targets);
+    loss.backward();
+    losses.push_back(loss.item<double>());
+    grads.emplace_back();
+    for (const auto& p : model->parameters()) {
+      grads.back().push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
+    }
+  }
+  EXPECT_LT(std::abs(losses[0] - losses[1]) / std::abs(losses[1]), 1e-5) << "seed " << seed;
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    EXPECT_LT(rel_err(grads[0][i], grads[1][i]), 1e-4) << "parameter " << i << " seed " << seed;
+  }
+}
+
 TEST(FusedKernels, SwiGLUForwardBackward) {
   REQUIRE_GPU();
   for (auto t : kTypes) {
