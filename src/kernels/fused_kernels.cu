@@ -568,6 +568,10 @@ constexpr int kReadBackwardAccBlocksPerSM = 2;
 // backward (3 rows) that this form does not, at one more pass over the
 // sources in backward (from L2 where it stays). Predicted at the k3gemm
 // shape: ~50 us a read, ~3 ms a step, and h's 32 MiB a read not kept.
+// Measured on an H200 (bench/NOTES.md, session 7): 2.07 GiB less, the step
+// +0.6% (g in shared memory; +1.5% with g in registers, which spilled).
+// h's sums now wait in shared memory too (fewer spills; not yet measured).
+// Off by default (model.attn_res_fused_norm).
 static_assert(kMaxReadSources <= 64, "LaneSlots hold two sources a lane");
 
 // Sum over the warp by a butterfly: every lane ends with the same bits
@@ -917,10 +921,13 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
   // kNorm: the norm weight's gradient, laid out as du_sh (the launch sizes it).
   extern __shared__ float4 dw_dyn[];
   float4(*dw_sh)[ITERS * kQuads][32] = reinterpret_cast<float4(*)[ITERS * kQuads][32]>(dw_dyn);
-  // kNorm: g's words [warp][it][lane] after dw_sh's (formed here, not
-  // loaded, and kept in shared memory: registers would spill).
-  uint4* g_sh = reinterpret_cast<uint4*>(dw_dyn + kReadWarps * ITERS * kQuads * 32) +
-                (threadIdx.x >> 5) * ITERS * 32 + (threadIdx.x & 31);
+  // kNorm: h's fp32 sums after dw_sh, laid out alike; once h is packed, the
+  // first word of each lane's `it` slice holds g's 16 bytes (formed here,
+  // not loaded; in registers both would spill). A lane touches only its own.
+  float4(*h_sh)[ITERS * kQuads][32] = dw_sh + kReadWarps;
+  auto g_word = [&](int w, int it) -> uint4& {
+    return *reinterpret_cast<uint4*>(&h_sh[w][it * kQuads][threadIdx.x & 31]);
+  };
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rem = static_cast<int>(dim) - lane * N;  // this lane's columns: it * kStride < rem
   const float* ul = u + lane * N;
@@ -940,13 +947,8 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
     load_read_stats(dot, n, lane, row, rows, dt);
     if constexpr (kNorm) {
       // h as the forward stored it: the same online softmax over the same
-      // logits (rstd_i dot_i, as read_logit formed them), same roundings.
-      float h[ITERS][N];
-#pragma unroll
-      for (int it = 0; it < ITERS; ++it) {
-#pragma unroll
-        for (int k = 0; k < N; ++k) h[it][k] = 0.f;
-      }
+      // logits (rstd_i dot_i, as read_logit formed them), same roundings;
+      // the sums wait in shared memory (in registers they spill).
       float m = -INFINITY, z = 0.f;
 #pragma unroll 1
       for (int i = 0; i < n; ++i) {
@@ -961,10 +963,15 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
         for (int it = 0; it < ITERS; ++it) {
           if (it * kStride < rem) {
             float xf[N];
-            keep_packed(x[it]);
             unpack(x[it], xf);
 #pragma unroll
-            for (int k = 0; k < N; ++k) h[it][k] = online_acc(h[it][k], st, xf[k]);
+            for (int q = 0; q < kQuads; ++q) {
+              float4& hq = h_sh[warp][it * kQuads + q][lane];
+              const float4 a = i == 0 ? make_float4(0.f, 0.f, 0.f, 0.f) : hq;
+              hq = make_float4(online_acc(a.x, st, xf[4 * q]), online_acc(a.y, st, xf[4 * q + 1]),
+                               online_acc(a.z, st, xf[4 * q + 2]),
+                               online_acc(a.w, st, xf[4 * q + 3]));
+            }
           }
         }
       }
@@ -974,11 +981,20 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
 #pragma unroll
       for (int it = 0; it < ITERS; ++it) {
         if (it * kStride < rem) {
+          float hf[N];
 #pragma unroll
-          for (int k = 0; k < N; ++k) h[it][k] = __fmul_rn(h[it][k], inv_z);
-          hp[it] = pack_n<T, N>(h[it]);
+          for (int q = 0; q < kQuads; ++q) {
+            const float4 a = h_sh[warp][it * kQuads + q][lane];
+            hf[4 * q] = __fmul_rn(a.x, inv_z);
+            hf[4 * q + 1] = __fmul_rn(a.y, inv_z);
+            hf[4 * q + 2] = __fmul_rn(a.z, inv_z);
+            hf[4 * q + 3] = __fmul_rn(a.w, inv_z);
+          }
+          hp[it] = pack_n<T, N>(hf);
         }
       }
+      // Phases in order: no load moved across (registers for one at a time).
+      asm volatile("" ::: "memory");
       // The norm's backward (rms_norm_backward_kernel's arithmetic): g =
       // r dy w - h r^3 (sum dy w h) / dim, rounded to T as that kernel
       // stores it; dw += dy h r.
@@ -1017,7 +1033,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
           load_f32<N>(wl, it * kStride, wv);
 #pragma unroll
           for (int k = 0; k < N; ++k) o[k] = r * gf[k] * wv[k] - hf[k] * c;
-          g_sh[it * 32] = pack_n<T, N>(o).w;
+          g_word(warp, it) = pack_n<T, N>(o).w;
 #pragma unroll
           for (int q = 0; q < kQuads; ++q) {
             float4& d = dw_sh[warp][it * kQuads + q][lane];
@@ -1028,6 +1044,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
           }
         }
       }
+      asm volatile("" ::: "memory");
     } else {
 #pragma unroll
       for (int it = 0; it < ITERS; ++it) {
@@ -1050,7 +1067,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
           unpack(x[it], xf);
           if constexpr (kNorm) {
             Packed<T, N> gw;
-            gw.w = g_sh[it * 32];
+            gw.w = g_word(warp, it);
             unpack(gw, gf);
           } else {
             keep_packed(gp[it]);
@@ -1094,7 +1111,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
           unpack(x[it], xf);
           if constexpr (kNorm) {
             Packed<T, N> gw;
-            gw.w = g_sh[it * 32];
+            gw.w = g_word(warp, it);
             unpack(gw, gf);
           } else {
             keep_packed(gp[it]);
@@ -1510,10 +1527,9 @@ cudaError_t launch_read_backward_warp(unsigned grid, cudaStream_t stream, bool a
       if (nrm != nullptr) {
         auto kernel = any_acc ? attn_res_read_backward_warp_kernel<T, N, kReadWords, true, true>
                               : attn_res_read_backward_warp_kernel<T, N, kReadWords, false, true>;
-        // dw_sh: as du_sh, kReadWarps x ITERS x 32 lanes x N floats; then
-        // g_sh: a 16-byte word per lane and ITERS.
-        const size_t smem = sizeof(float) * kReadWarps * kReadWords * 32 * N +
-                            sizeof(uint4) * kReadWarps * kReadWords * 32;
+        // dw_sh and h_sh: each as du_sh, kReadWarps x ITERS x 32 lanes x N
+        // floats (96 KiB a block with du_sh in bf16: 2 blocks an SM).
+        const size_t smem = 2 * sizeof(float) * kReadWarps * kReadWords * 32 * N;
         const cudaError_t e = cudaFuncSetAttribute(
             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
         if (e != cudaSuccess) return e;
