@@ -15,7 +15,8 @@
 # k3plain"; also: debug, and k3gemm / k3gemmplain: the K3 pair with MLA
 # everywhere and dense FFNs, for a GEMM-bound AttnRes A/B; k3gemmab: that
 # pair K3_ROUNDS (3) times in alternating processes, viaduct only, the
-# overhead pooled over the rounds), K3_BATCH x K3_SEQ (4 x 2048: the K3 cells' shape),
+# overhead pooled over the rounds; 1Bab: the 1B cell ROUNDS_1B (2) times,
+# viaduct then torch.compile, their step-time ratio pooled and per round), K3_BATCH x K3_SEQ (4 x 2048: the K3 cells' shape),
 # MODES ("eager compile"), COMPILE_MODE (default; or
 # max-autotune-no-cudagraphs), WARMUP_STEPS (3) untimed + TIMED_STEPS (10)
 # timed steps, STAGES ("build run"), PYTHON (python3), JOBS (nproc),
@@ -199,6 +200,19 @@ for cell in $CELLS; do
       run_cell 1B "llama 1B, 4x4096" "$data" --model.flavor=1B \
         --training.seq_len=4096 --training.local_batch_size=4 --optimizer.lr=3e-4
       ;;
+    # The 1B cell ROUNDS_1B (2) times, viaduct then torch.compile in each
+    # round (no eager), each pair's ratio and the pooled one below.
+    1Bab)
+      data=$WORK/random_v128256.u32
+      make_random_tokens "$data" 128256 $(((STEPS + 4) * 4 * 4096 + 1))
+      saved_modes=$MODES
+      MODES=compile
+      for r in $(seq 1 "${ROUNDS_1B:-2}"); do
+        run_cell "1B_r$r" "llama 1B, 4x4096, round $r" "$data" --model.flavor=1B \
+          --training.seq_len=4096 --training.local_batch_size=4 --optimizer.lr=3e-4
+      done
+      MODES=$saved_modes
+      ;;
     gpt2)
       data=$WORK/random_v50257.u32
       make_random_tokens "$data" 50257 $(((STEPS + 4) * 8 * 1024 + 1))
@@ -260,7 +274,7 @@ for cell in $CELLS; do
         say "debug: data/fortunes.tok not carried: skipped"
       fi
       ;;
-    *) say "unknown cell '$cell' (1B, gpt2, k3, k3plain, k3gemm, k3gemmplain, k3gemmab, debug)" ;;
+    *) say "unknown cell '$cell' (1B, 1Bab, gpt2, k3, k3plain, k3gemm, k3gemmplain, k3gemmab, debug)" ;;
   esac
 done
 
@@ -289,6 +303,16 @@ torch_v=$("$PY" -c 'import torch;print(torch.__version__)' 2>/dev/null)
     "$PY" bench/torch_llama.py overhead --timing-warmup "$WARM" \
       --name "AttnRes overhead (viaduct, kimi_k3 deep d2048 ${K3_BATCH}x${K3_SEQ}: step time k3 / k3plain - 1)" \
       --with "$OUT/k3.viaduct.metrics.jsonl" --without "$OUT/k3plain.viaduct.metrics.jsonl"
+  fi
+  if [ -f "$OUT/1B_r1.viaduct.metrics.jsonl" ]; then
+    ab=()
+    for r in $(seq 1 "${ROUNDS_1B:-2}"); do
+      ab+=(--with "$OUT/1B_r$r.viaduct.metrics.jsonl" --without "$OUT/1B_r$r.torch-compile.json")
+    done
+    echo
+    "$PY" bench/torch_llama.py overhead --timing-warmup "$WARM" \
+      --name "viaduct against torch.compile (llama 1B 4x4096, ${ROUNDS_1B:-2} rounds, viaduct then compile: step time viaduct / compile - 1, below 0 is faster)" \
+      "${ab[@]}"
   fi
   if [ -f "$OUT/k3gemm_r1.viaduct.metrics.jsonl" ]; then
     ab=()

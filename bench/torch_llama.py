@@ -1047,17 +1047,28 @@ def overhead_main(argv):
                                  description="median step time with / without - 1")
     ap.add_argument("--name", required=True, help="e.g. 'AttnRes overhead (k3 / k3plain - 1)'")
     ap.add_argument("--with", dest="with_", required=True, action="append",
-                    help="metrics.jsonl with it (repeat for several runs)")
+                    help="metrics.jsonl with it (repeat for several runs); a peer's "
+                    "summary .json also serves, to compare viaduct with a peer")
     ap.add_argument("--without", required=True, action="append",
-                    help="metrics.jsonl without it (repeat for several runs)")
+                    help="metrics.jsonl or summary .json without it (repeat for several runs)")
     ap.add_argument("--timing-warmup", type=int, default=3)
     args = ap.parse_args(argv)
     missing = [p for p in args.with_ + args.without if not os.path.isfile(p)]
     if missing:
         print(f"{args.name}: n/a (a run failed: {', '.join(missing)})")
         return 0
-    a = [viaduct_summary(p, args.timing_warmup, 0.0, None) for p in args.with_]
-    b = [viaduct_summary(p, args.timing_warmup, 0.0, None) for p in args.without]
+    def load(path):
+        # viaduct's metrics.jsonl, or a peer's summary JSON (same step_s list).
+        if path.endswith(".json"):
+            with open(path) as f:
+                j = json.loads(f.readline())
+            if "step_s" not in j:
+                fail(f"{path} has no per-step times (a failed run?)")
+            return j
+        return viaduct_summary(path, args.timing_warmup, 0.0, None)
+
+    a = [load(p) for p in args.with_]
+    b = [load(p) for p in args.without]
 
     def pooled(runs):
         return statistics.median(
@@ -1068,10 +1079,10 @@ def overhead_main(argv):
     peak_b = max(r["peak_memory_bytes"] for r in b)
     runs = "" if len(a) == len(b) == 1 else f" over {len(a)} + {len(b)} runs"
     line = (f"{args.name}: {100 * (ta / tb - 1):+.1f}% "
-            f"(viaduct median step {1e3 * ta:.1f} ms vs {1e3 * tb:.1f} ms{runs}; "
+            f"(median step {1e3 * ta:.1f} ms vs {1e3 * tb:.1f} ms{runs}; "
             f"peak {peak_a / 2**30:.1f} vs {peak_b / 2**30:.1f} GiB)")
     if len(a) == len(b) > 1:
-        pairs = ", ".join(f"{100 * (x['median_step_s'] / y['median_step_s'] - 1):+.1f}%"
+        pairs = ", ".join(f"{100 * (pooled([x]) / pooled([y]) - 1):+.1f}%"
                           for x, y in zip(a, b))
         line += f"; each pair: {pairs}"
     print(line)
