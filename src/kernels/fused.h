@@ -28,7 +28,7 @@ void set_swiglu_recompute(bool on);
 // warp-per-row kernels), attn_res_read_norm (a read and the norm after it
 // in one kernel, Note [AttnRes read with its norm]), mixed_linear,
 // weight_cache (Note [Low-precision weight cache]), add_rms_norm,
-// adamw_clip. An unknown name is an error.
+// adamw_clip, swiglu_w13 (Note [One w1/w3 projection]). An unknown name is an error.
 bool disabled(const std::string& name);
 // The names of a comma-separated list (empty entries skipped); Error on an
 // unknown one.
@@ -69,6 +69,10 @@ at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b);
 // unless set_swiglu_recompute(true) (then the backward recomputes it: one
 // [tokens x F] activation less per layer).
 at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w);
+// swiglu_linear(ab[..., :F], ab[..., F:], w) for ab the [..., 2F] output of
+// one GEMM over w1 and w3 (Note [One w1/w3 projection], model/layers.cpp):
+// the halves are read in place and their gradient is one [..., 2F] tensor.
+at::Tensor swiglu_linear_packed(const at::Tensor& ab, const at::Tensor& w);
 
 // Per-row cross-entropy of logits [n, V] (contiguous) against targets [n]
 // (-100: ignored). Returns the row losses (fp32 [n], 0 where ignored) and

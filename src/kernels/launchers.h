@@ -113,13 +113,17 @@ cudaError_t adamw(float* p, const float* g, float* m, float* v, void* low_bf16, 
                   float lr, float beta1, float beta2, float eps, float weight_decay,
                   float bias_corr1, float bias_corr2, float grad_scale, cudaStream_t stream);
 
-// y = silu(a) * b, elementwise over n values.
+// y = silu(a) * b, elementwise over n values. With width > 0: n / width
+// rows of `width` values, y contiguous, a and b (da and db) `pitch` values
+// apart from row to row (the halves of one [rows, 2 width] GEMM output:
+// pitch = 2 width; Note [One w1/w3 projection]); width 0: all contiguous.
 cudaError_t swiglu_forward(DType dt, const void* a, const void* b, void* y,
-                           int64_t n, cudaStream_t stream);
-// da = dy * b * silu'(a), db = dy * silu(a).
+                           int64_t n, cudaStream_t stream, int64_t width = 0, int64_t pitch = 0);
+// da = dy * b * silu'(a), db = dy * silu(a); dy contiguous, a, b, da, db
+// as swiglu_forward's a and b.
 cudaError_t swiglu_backward(DType dt, const void* dy, const void* a,
                             const void* b, void* da, void* db, int64_t n,
-                            cudaStream_t stream);
+                            cudaStream_t stream, int64_t width = 0, int64_t pitch = 0);
 
 // Cross-entropy of each row of logits [rows, vocab] against targets[row]
 // (== ignore_index: skipped). Writes row_loss[row] = logsumexp - logit[target]

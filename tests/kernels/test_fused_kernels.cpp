@@ -683,6 +683,57 @@ TEST(FusedKernels, SwiGLUForwardBackward) {
   }
 }
 
+// Note [One w1/w3 projection]: the packed form reads the halves of one
+// [tokens, 2F] tensor in place. Against the two-tensor form on the same
+// values it is the same arithmetic: every output and gradient bit for bit
+// (with the recompute on and off). Then the module's bf16 step (one GEMM
+// over w1 and w3) against two projections, to GEMM rounding.
+TEST(FusedKernels, SwiGLUPackedMatchesTwoTensors) {
+  REQUIRE_GPU();
+  for (bool recompute : {false, true}) {
+    kernels::set_swiglu_recompute(recompute);
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "recompute " << recompute << " seed " << seed);
+    auto a = at::randn({3, 37, 96}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16);
+    auto b = at::randn({3, 37, 96}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16);
+    auto w = (at::randn({64, 96}, at::TensorOptions(at::kCUDA)) * 0.1).requires_grad_(true);
+    auto w2 = w.detach().clone().requires_grad_(true);
+    auto dy = at::randn({3, 37, 64}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16);
+    auto al = a.clone().requires_grad_(true), bl = b.clone().requires_grad_(true);
+    auto y = kernels::swiglu_linear(al, bl, w);
+    y.backward(dy);
+    auto ab = at::cat({a, b}, -1).requires_grad_(true);
+    auto yp = kernels::swiglu_linear_packed(ab, w2);
+    yp.backward(dy);
+    EXPECT_TRUE(at::equal(y, yp));
+    EXPECT_TRUE(at::equal(ab.grad(), at::cat({al.grad(), bl.grad()}, -1)));
+    EXPECT_TRUE(at::equal(w.grad(), w2.grad()));
+  }
+  kernels::set_swiglu_recompute(false);
+  if (kernels::disabled("swiglu_w13") || kernels::disabled("mixed_linear")) return;
+  const auto seed = fresh_seed();
+  SwiGLU m(256, 512);
+  m->init_weights(3, "f.", 0.05, 0.05);
+  m->to(at::kCUDA);
+  auto x = at::randn({2, 50, 256}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16);
+  auto xl = x.clone().requires_grad_(true), xr = x.clone().requires_grad_(true);
+  auto y = m->forward(xl);
+  auto dy = at::randn(y.sizes(), y.options());
+  y.backward(dy);
+  std::vector<at::Tensor> got{xl.grad()};
+  for (auto* l : {&m->w1, &m->w2, &m->w3}) got.push_back((*l)->weight.grad().clone());
+  m->zero_grad();
+  auto yr = kernels::swiglu_linear(linear(xr, m->w1), linear(xr, m->w3), m->w2->weight);
+  yr.backward(dy);
+  std::vector<at::Tensor> want{xr.grad()};
+  for (auto* l : {&m->w1, &m->w2, &m->w3}) want.push_back((*l)->weight.grad());
+  EXPECT_LT(rel_err(y, yr), 1e-2) << "seed " << seed;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_LT(rel_err(got[i], want[i]), 1e-2) << "gradient " << i << " (x, w1, w2, w3) seed "
+                                              << seed;
+  }
+}
+
 TEST(FusedKernels, SwiGLULinearMatchesUnfused) {
   REQUIRE_GPU();
   for (auto t : kTypes) {
