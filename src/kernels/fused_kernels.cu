@@ -631,6 +631,16 @@ __device__ __forceinline__ void unpack(const Packed<T, N>& r, float (&out)[N]) {
     for (int k = 0; k < N; ++k) out[k] = load(r.v, k);
   }
 }
+// A lane's ITERS words of a row, from p (the row's base plus the lane's
+// offset); words at or past the row's end (rem: the lane's columns left)
+// are not loaded. All loads are issued before any is used.
+template <typename T, int N, int ITERS>
+__device__ __forceinline__ void load_slices(const T* p, int rem, Packed<T, N> (&out)[ITERS]) {
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    if (it * 32 * N < rem) out[it] = load_packed<T, N>(p, it * 32 * N);
+  }
+}
 // Makes a held word opaque to the compiler: without it, the floats of a
 // slice unpacked twice (or in a loop) are kept live from the first unpack,
 // twice the registers of the packed bf16.
@@ -728,10 +738,8 @@ __global__ void __launch_bounds__(kReadWarps * 32, kReadForwardBlocksPerSM)
   for (int i = 0; i < n; ++i) {
     const T* v = static_cast<const T*>(src.p[i]) + base;
     Packed<T, N> x[ITERS];
-#pragma unroll
-    for (int it = 0; it < ITERS; ++it) {  // every load of the slice in flight at once
-      if (it * kStride < rem) x[it] = load_packed<T, N>(v, it * kStride);
-    }
+    // Every load of the slice in flight at once.
+    load_slices<T, N, ITERS>(v, rem, x);
     float ss = 0.f, dt = 0.f;
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
@@ -941,6 +949,17 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
        row += step) {
     const int64_t base = row * dim + lane * N;
     Packed<T, N> gp[ITERS];
+    // g's slice `it` as floats: from shared memory (kNorm) or registers.
+    auto g_slice = [&](int it, float (&gf)[N]) {
+      if constexpr (kNorm) {
+        Packed<T, N> gw;
+        gw.w = g_word(warp, it);
+        unpack(gw, gf);
+      } else {
+        keep_packed(gp[it]);
+        unpack(gp[it], gf);
+      }
+    };
     LaneSlots al, rs, dt, da;
     load_read_stats(alpha, n, lane, row, rows, al);
     load_read_stats(rstd, n, lane, row, rows, rs);
@@ -954,10 +973,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
       for (int i = 0; i < n; ++i) {
         const T* v = static_cast<const T*>(src.p[i]) + base;
         Packed<T, N> x[ITERS];
-#pragma unroll
-        for (int it = 0; it < ITERS; ++it) {
-          if (it * kStride < rem) x[it] = load_packed<T, N>(v, it * kStride);
-        }
+        load_slices<T, N, ITERS>(v, rem, x);
         const OnlineStep st = online_step(m, z, rs.get(i) * dt.get(i));
 #pragma unroll
         for (int it = 0; it < ITERS; ++it) {
@@ -993,18 +1009,13 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
           hp[it] = pack_n<T, N>(hf);
         }
       }
-      // Phases in order: no load moved across (registers for one at a time).
-      asm volatile("" ::: "memory");
       // The norm's backward (rms_norm_backward_kernel's arithmetic): g =
       // r dy w - h r^3 (sum dy w h) / dim, rounded to T as that kernel
       // stores it; dw += dy h r.
       const T* dyr = static_cast<const T*>(nrm.dy) + base;
       const float* wl = nrm.w + lane * N;
       Packed<T, N> dyp[ITERS];
-#pragma unroll
-      for (int it = 0; it < ITERS; ++it) {
-        if (it * kStride < rem) dyp[it] = load_packed<T, N>(dyr, it * kStride);
-      }
+      load_slices<T, N, ITERS>(dyr, rem, dyp);
       float s = 0.f;
 #pragma unroll
       for (int it = 0; it < ITERS; ++it) {
@@ -1044,35 +1055,21 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
           }
         }
       }
-      asm volatile("" ::: "memory");
     } else {
-#pragma unroll
-      for (int it = 0; it < ITERS; ++it) {
-        if (it * kStride < rem) gp[it] = load_packed<T, N>(g + base, it * kStride);
-      }
+      load_slices<T, N, ITERS>(g + base, rem, gp);
     }
     float mean = 0.f;  // sum_j alpha_j g . v_j
     for (int i = 0; i < n; ++i) {
       const T* v = static_cast<const T*>(src.p[i]) + base;
       Packed<T, N> x[ITERS];
-#pragma unroll
-      for (int it = 0; it < ITERS; ++it) {
-        if (it * kStride < rem) x[it] = load_packed<T, N>(v, it * kStride);
-      }
+      load_slices<T, N, ITERS>(v, rem, x);
       float s = 0.f;
 #pragma unroll
       for (int it = 0; it < ITERS; ++it) {
         if (it * kStride < rem) {
           float xf[N], gf[N];
           unpack(x[it], xf);
-          if constexpr (kNorm) {
-            Packed<T, N> gw;
-            gw.w = g_word(warp, it);
-            unpack(gw, gf);
-          } else {
-            keep_packed(gp[it]);
-            unpack(gp[it], gf);
-          }
+          g_slice(it, gf);
 #pragma unroll
           for (int k = 0; k < N; ++k) s += gf[k] * xf[k];
         }
@@ -1092,16 +1089,11 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
       // between stores (which the compiler must keep in order: dv may be the
       // slot itself).
       Packed<T, N> sw[kAcc ? ITERS : 1];
-#pragma unroll
-      for (int it = 0; it < ITERS; ++it) {  // all loads before the first store (dv may alias)
-        if (it * kStride < rem) x[it] = load_packed<T, N>(v, it * kStride);
-      }
+      // all loads before the first store (dv may alias)
+      load_slices<T, N, ITERS>(v, rem, x);
       if constexpr (kAcc) {
         if (ap != nullptr) {
-#pragma unroll
-          for (int it = 0; it < ITERS; ++it) {
-            if (it * kStride < rem) sw[it] = load_packed<T, N>(ap, it * kStride);
-          }
+          load_slices<T, N, ITERS>(ap, rem, sw);
         }
       }
 #pragma unroll
@@ -1109,14 +1101,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
         if (it * kStride < rem) {
           float xf[N], gf[N], uu[N], o[N];
           unpack(x[it], xf);
-          if constexpr (kNorm) {
-            Packed<T, N> gw;
-            gw.w = g_word(warp, it);
-            unpack(gw, gf);
-          } else {
-            keep_packed(gp[it]);
-            unpack(gp[it], gf);
-          }
+          g_slice(it, gf);
           load_f32<N>(ul, it * kStride, uu);
 #pragma unroll
           for (int k = 0; k < N; ++k) o[k] = a * gf[k] + cd * uu[k] - cr * xf[k];

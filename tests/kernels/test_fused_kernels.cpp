@@ -603,34 +603,50 @@ TEST(FusedKernels, MixedLinearWeightGradientIsFp32) {
   EXPECT_LT(rel_err(w.grad(), wr2.grad()), 1e-5) << "seed " << seed;
 }
 
+// One forward_loss + backward of a fresh model built from `overrides` on the
+// GPU (init seed 11): the loss and every parameter's gradient (zeros where
+// none reached it).
+struct StepResult {
+  double loss;
+  std::vector<at::Tensor> grads;
+};
+StepResult gpu_step(const std::vector<std::string>& overrides, const at::Tensor& tokens,
+                    const at::Tensor& targets) {
+  auto model = build_model_part(Config::parse("", "test", overrides));
+  model->init_weights(11);
+  model->to(at::kCUDA);
+  auto loss = model->forward_loss({tokens}, targets);
+  loss.backward();
+  StepResult r{loss.item<double>(), {}};
+  for (const auto& p : model->parameters()) {
+    r.grads.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
+  }
+  return r;
+}
+// Two such steps agree: the loss to 1e-5 relative, each gradient to 1e-4.
+void expect_same_step(const StepResult& a, const StepResult& b, uint64_t seed) {
+  EXPECT_LT(std::abs(a.loss - b.loss) / std::abs(b.loss), 1e-5) << "seed " << seed;
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  for (size_t i = 0; i < a.grads.size(); ++i) {
+    EXPECT_LT(rel_err(a.grads[i], b.grads[i]), 1e-4) << "parameter " << i << " seed " << seed;
+  }
+}
+
 TEST(FusedKernels, LlamaStepMatchesAtenPath) {
   REQUIRE_GPU();
   // The whole fused path (norms, one qkv GEMM, RoPE, SwiGLU, chunked loss)
   // against the ATen ops, fp32 on the GPU, same weights and tokens.
   const auto seed = fresh_seed();
-  auto cfg = Config::parse("", "test", {"model.n_layers=2", "training.seq_len=64",
-                                        "model.loss_chunk_tokens=50"});
+  const std::vector<std::string> cfg{"model.n_layers=2", "training.seq_len=64",
+                                     "model.loss_chunk_tokens=50"};
   auto tokens = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
   auto targets = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
-  std::vector<std::vector<at::Tensor>> grads;
-  std::vector<double> losses;
-  for (bool fused : {true, false}) {
-    kernels::set_enabled(fused);
-    auto model = build_model_part(cfg);
-    model->init_weights(11);
-    model->to(at::kCUDA);
-    auto loss = model->forward_loss({tokens}, targets);
-    loss.backward();
-    losses.push_back(loss.item<double>());
-    grads.emplace_back();
-    for (const auto& p : model->parameters()) grads.back().push_back(p.grad().clone());
-  }
   kernels::set_enabled(true);
-  EXPECT_LT(std::abs(losses[0] - losses[1]) / std::abs(losses[1]), 1e-5) << "seed " << seed;
-  ASSERT_EQ(grads[0].size(), grads[1].size());
-  for (size_t i = 0; i < grads[0].size(); ++i) {
-    EXPECT_LT(rel_err(grads[0][i], grads[1][i]), 1e-4) << "parameter " << i << " seed " << seed;
-  }
+  const auto fused = gpu_step(cfg, tokens, targets);
+  kernels::set_enabled(false);
+  const auto aten = gpu_step(cfg, tokens, targets);
+  kernels::set_enabled(true);
+  expect_same_step(fused, aten, seed);
 }
 
 TEST(FusedKernels, KimiK3FusedReadNormMatchesTwoOps) {
@@ -643,44 +659,12 @@ TEST(FusedKernels, KimiK3FusedReadNormMatchesTwoOps) {
   const auto seed = fresh_seed();
   auto tokens = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
   auto targets = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
-  std::vector<std::vector<at::Tensor>> grads;
-  std::vector<double> losses;
-  for (const char* fused : {"model.attn_res_fused_norm=true", "model.attn_res_fused_norm=false"}) {
-    auto cfg = Config::parse("", "test", {"model.family=kimi_k3", "model.flavor=debugmodel",
-                                          "training.seq_len=64", "model.mla_interval=1",
-                                          "model.moe_ffn=false", fused});
-    auto model = build_model_part(cfg);
-    model->init_weights(11);
-    model->to(at::kCUDA);
-    auto loss = model->forward_loss({tokens}, targets);
-    loss.backward();
-    losses.push_back(loss.item<double>());
-    grads.emplace_back();
-    for (const auto& p : model->parameters()) {
-      grads.back().push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
-    }
-  }
-  EXPECT_LT(std::abs(losses[0] - losses[1]) / std::abs(losses[1]), 1e-5) << "seed " << seed;
-  ASSERT_EQ(grads[0].size(), grads[1].size());
-  for (size_t i = 0; i < grads[0].size(); ++i) {
-    EXPECT_LT(rel_err(grads[0][i], grads[1][i]), 1e-4) << "parameter " << i << " seed " << seed;
-  }
-}
-
-TEST(FusedKernels, SwiGLUForwardBackward) {
-  REQUIRE_GPU();
-  for (auto t : kTypes) {
-    const auto seed = fresh_seed();
-    auto [a, ar] = draw({5, 33, 704}, t, 3.0);
-    auto [b, br] = draw({5, 33, 704}, t);
-    poison();
-    auto y = kernels::swiglu(a, b);
-    auto yr = at::silu(ar) * br;
-    EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
-    backward_both(y, yr);
-    EXPECT_LT(rel_err(a.grad(), ar.grad()), bound(t)) << "seed " << seed << " " << t;
-    EXPECT_LT(rel_err(b.grad(), br.grad()), bound(t)) << "seed " << seed << " " << t;
-  }
+  std::vector<std::string> cfg{"model.family=kimi_k3", "model.flavor=debugmodel",
+                               "training.seq_len=64", "model.mla_interval=1",
+                               "model.moe_ffn=false", "model.attn_res_fused_norm=true"};
+  const auto fused = gpu_step(cfg, tokens, targets);
+  cfg.back() = "model.attn_res_fused_norm=false";
+  expect_same_step(fused, gpu_step(cfg, tokens, targets), seed);
 }
 
 // Note [One w1/w3 projection]: the packed form reads the halves of one
