@@ -59,8 +59,7 @@ if want tests 15; then
     [[ $failed == *AttnResReadMatchesAtenRead* ]] && off+=(attn_res_read)
     [[ $failed == *MixedLinear* ]] && off+=(mixed_linear)
     [[ $failed == *WeightCache* ]] && off+=(weight_cache)
-    [[ $failed == *SwiGLUPacked* ]] && off+=(swiglu_w13)
-    [[ $failed == *LlamaStep* ]] && off=(rms_norm_bwd_reg rope_repeat attn_res_read mixed_linear weight_cache swiglu_w13)
+    [[ $failed == *LlamaStep* ]] && off=(rms_norm_bwd_reg rope_repeat attn_res_read mixed_linear weight_cache)
     # The slot-adding backward is a model option, not a kernel switch.
     if [[ $failed == *AttnResReadAddsIntoSlots* ]]; then
       export VD_EXTRA="${VD_EXTRA:-} --model.attn_res_grad_in_place=false"
@@ -92,12 +91,12 @@ probe_run() {  # name args...
 probe_fix() {  # name args...
   probe_run "$@" && return 0
   local base=${VIADUCT_DISABLE_KERNELS:-} k
-  for k in swiglu_w13 add_rms_norm adamw_clip attn_res_read_v2 weight_cache attn_res_read \
-      rope_repeat rms_norm_bwd_reg mixed_linear; do
+  for k in add_rms_norm adamw_clip attn_res_read_v2 weight_cache attn_res_read rope_repeat \
+      rms_norm_bwd_reg mixed_linear; do
     export VIADUCT_DISABLE_KERNELS=${base:+$base,}$k
     probe_run "$@" && { note "kept VIADUCT_DISABLE_KERNELS=$VIADUCT_DISABLE_KERNELS"; return 0; }
   done
-  export VIADUCT_DISABLE_KERNELS=${base:+$base,}swiglu_w13,add_rms_norm,adamw_clip,attn_res_read_v2,weight_cache,attn_res_read,rope_repeat,rms_norm_bwd_reg,mixed_linear
+  export VIADUCT_DISABLE_KERNELS=${base:+$base,}add_rms_norm,adamw_clip,attn_res_read_v2,weight_cache,attn_res_read,rope_repeat,rms_norm_bwd_reg,mixed_linear
   probe_run "$@" && note "kept VIADUCT_DISABLE_KERNELS=$VIADUCT_DISABLE_KERNELS" ||
     { note "fails with every new path off too"; export VIADUCT_DISABLE_KERNELS=$base; }
 }

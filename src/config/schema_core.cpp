@@ -70,6 +70,7 @@ void add_model_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("model", "norm_eps", T::kFloat, kUnset, "norm epsilon (flavor default)"));
   k.push_back(key("model", "rope_theta", T::kFloat, kUnset, "RoPE base (flavor default)"));
   k.push_back(key("model", "fused_kernels", T::kBool, true, "use viaduct's CUDA kernels (RMSNorm, RoPE, SwiGLU, the chunked loss) where the GPU has them; false: ATen ops only"));
+  k.push_back(key("model", "swiglu_one_gemm", T::kBool, false, "fused SwiGLU (CUDA kernels, bf16 with fp32 weights): w1 and w3 as one GEMM whose halves the SwiGLU kernels read and write in place, so the backward adds no gradients of the FFN input (Note [One w1/w3 projection]); off until measured on a GPU"));
   k.push_back(key("model", "swiglu_recompute", T::kBool, false, "fused SwiGLU (CUDA kernels): recompute silu(w1 x) * w3 x in the backward instead of keeping it; saves tokens x ffn_hidden_dim x 2 bytes per layer for one more elementwise pass"));
   k.push_back(key("model", "loss_chunk_tokens", T::kInt, int64_t{-1}, "> 0: fuse head and cross-entropy in chunks of this many tokens (no full logits); 0: plain; -1: auto (4096 where the fused CUDA kernels run, else plain)"));
   k.push_back(key("model", "tie_embeddings", T::kBool, kUnset, "share tok_embeddings and lm_head (gpt2 default true)"));

@@ -21,11 +21,11 @@ namespace viaduct::kernels {
 namespace {
 std::atomic<bool> g_enabled{true};
 std::atomic<bool> g_swiglu_recompute{false};
+std::atomic<bool> g_swiglu_one_gemm{false};
 std::atomic<bool> g_read_v2{true};
 const char* const kSwitchableKernels[] = {
     "rms_norm_bwd_reg", "rope_repeat",  "attn_res_read", "attn_res_read_v2",
-    "attn_res_read_norm", "mixed_linear", "weight_cache", "add_rms_norm", "adamw_clip",
-    "swiglu_w13"};
+    "attn_res_read_norm", "mixed_linear", "weight_cache", "add_rms_norm", "adamw_clip"};
 
 // The names of `csv`, each one of `known`; Error naming `var` otherwise.
 template <size_t K>
@@ -74,6 +74,8 @@ at::Tensor saved_read_slot(torch::autograd::AutogradContext* ctx, size_t i) {
 
 void set_enabled(bool on) { g_enabled = on; }
 void set_swiglu_recompute(bool on) { g_swiglu_recompute = on; }
+void set_swiglu_one_gemm(bool on) { g_swiglu_one_gemm = on; }
+bool swiglu_one_gemm() { return g_swiglu_one_gemm; }
 void set_attn_res_read_v2(bool on) { g_read_v2 = on; }
 
 std::set<std::string> parse_kernel_list(const std::string& csv) {

@@ -22,13 +22,17 @@ bool enabled();
 // model.swiglu_recompute: swiglu_linear recomputes silu(a) * b in the
 // backward instead of keeping it (off by default).
 void set_swiglu_recompute(bool on);
+// model.swiglu_one_gemm: the SwiGLU FFN's w1 and w3 as one GEMM (Note [One
+// w1/w3 projection], model/layers.cpp); off by default.
+void set_swiglu_one_gemm(bool on);
+bool swiglu_one_gemm();
 // VIADUCT_DISABLE_KERNELS=name[,name...] turns single fused paths back to
 // their previous form without a rebuild (for measuring or isolating them):
 // rms_norm_bwd_reg, rope_repeat, attn_res_read, attn_res_read_v2 (its
 // warp-per-row kernels), attn_res_read_norm (a read and the norm after it
 // in one kernel, Note [AttnRes read with its norm]), mixed_linear,
 // weight_cache (Note [Low-precision weight cache]), add_rms_norm,
-// adamw_clip, swiglu_w13 (Note [One w1/w3 projection]). An unknown name is an error.
+// adamw_clip. An unknown name is an error.
 bool disabled(const std::string& name);
 // The names of a comma-separated list (empty entries skipped); Error on an
 // unknown one.

@@ -72,6 +72,7 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   at::set_num_threads(static_cast<int>(cfg_.get_int("training.num_threads")));
   kernels::set_enabled(cfg_.get_bool("model.fused_kernels"));
   kernels::set_swiglu_recompute(cfg_.get_bool("model.swiglu_recompute"));
+  kernels::set_swiglu_one_gemm(cfg_.get_bool("model.swiglu_one_gemm"));
 
   // Where this process sits: pp x dp ranks over c10d, or one process.
   const auto rdv = dist::rendezvous_from_env();
