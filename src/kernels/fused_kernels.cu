@@ -570,8 +570,9 @@ constexpr int kReadBackwardAccBlocksPerSM = 2;
 // shape: ~50 us a read, ~3 ms a step, and h's 32 MiB a read not kept.
 // Measured on an H200 (bench/NOTES.md, session 7): 2.07 GiB less, the step
 // +0.6% (g in shared memory; +1.5% with g in registers, which spilled).
-// h's sums now wait in shared memory too (fewer spills; not yet measured).
-// Off by default (model.attn_res_fused_norm).
+// Now h's sums wait in shared memory too and dy is loaded where used: 158
+// registers (197 with slots), no spills; not yet measured. Off by default
+// (model.attn_res_fused_norm).
 static_assert(kMaxReadSources <= 64, "LaneSlots hold two sources a lane");
 
 // Sum over the warp by a butterfly: every lane ends with the same bits
@@ -933,8 +934,17 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
   // first word of each lane's `it` slice holds g's 16 bytes (formed here,
   // not loaded; in registers both would spill). A lane touches only its own.
   float4(*h_sh)[ITERS * kQuads][32] = dw_sh + kReadWarps;
-  auto g_word = [&](int w, int it) -> uint4& {
-    return *reinterpret_cast<uint4*>(&h_sh[w][it * kQuads][threadIdx.x & 31]);
+  // Stored and loaded as float4 (the sums' type), so the compiler keeps
+  // each slice's h reads before its g write.
+  auto store_g = [&](int it, const uint4& w) {
+    h_sh[threadIdx.x >> 5][it * kQuads][threadIdx.x & 31] =
+        make_float4(__uint_as_float(w.x), __uint_as_float(w.y), __uint_as_float(w.z),
+                    __uint_as_float(w.w));
+  };
+  auto load_g = [&](int it) {
+    const float4 f = h_sh[threadIdx.x >> 5][it * kQuads][threadIdx.x & 31];
+    return make_uint4(__float_as_uint(f.x), __float_as_uint(f.y), __float_as_uint(f.z),
+                      __float_as_uint(f.w));
   };
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rem = static_cast<int>(dim) - lane * N;  // this lane's columns: it * kStride < rem
@@ -953,7 +963,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
     auto g_slice = [&](int it, float (&gf)[N]) {
       if constexpr (kNorm) {
         Packed<T, N> gw;
-        gw.w = g_word(warp, it);
+        gw.w = load_g(it);
         unpack(gw, gf);
       } else {
         keep_packed(gp[it]);
@@ -991,40 +1001,32 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
           }
         }
       }
-      // h as stored (rounded to T), packed: half the registers of its floats.
+      // h as stored (rounded to T), slice `it`, from the sums in shared
+      // memory; dy's slices are loaded where used (the second time from
+      // L1): held in registers, the two cost ~70 and spill.
       const float inv_z = 1.f / z;
-      Packed<T, N> hp[ITERS];
+      auto h_slice = [&](int it, float (&hf)[N]) {
 #pragma unroll
-      for (int it = 0; it < ITERS; ++it) {
-        if (it * kStride < rem) {
-          float hf[N];
-#pragma unroll
-          for (int q = 0; q < kQuads; ++q) {
-            const float4 a = h_sh[warp][it * kQuads + q][lane];
-            hf[4 * q] = __fmul_rn(a.x, inv_z);
-            hf[4 * q + 1] = __fmul_rn(a.y, inv_z);
-            hf[4 * q + 2] = __fmul_rn(a.z, inv_z);
-            hf[4 * q + 3] = __fmul_rn(a.w, inv_z);
-          }
-          hp[it] = pack_n<T, N>(hf);
+        for (int q = 0; q < kQuads; ++q) {
+          const float4 a = h_sh[warp][it * kQuads + q][lane];
+          hf[4 * q] = round_as<T>(__fmul_rn(a.x, inv_z));
+          hf[4 * q + 1] = round_as<T>(__fmul_rn(a.y, inv_z));
+          hf[4 * q + 2] = round_as<T>(__fmul_rn(a.z, inv_z));
+          hf[4 * q + 3] = round_as<T>(__fmul_rn(a.w, inv_z));
         }
-      }
+      };
       // The norm's backward (rms_norm_backward_kernel's arithmetic): g =
       // r dy w - h r^3 (sum dy w h) / dim, rounded to T as that kernel
       // stores it; dw += dy h r.
       const T* dyr = static_cast<const T*>(nrm.dy) + base;
       const float* wl = nrm.w + lane * N;
-      Packed<T, N> dyp[ITERS];
-      load_slices<T, N, ITERS>(dyr, rem, dyp);
       float s = 0.f;
 #pragma unroll
       for (int it = 0; it < ITERS; ++it) {
         if (it * kStride < rem) {
           float gf[N], hf[N], wv[N];
-          keep_packed(dyp[it]);
-          keep_packed(hp[it]);
-          unpack(dyp[it], gf);
-          unpack(hp[it], hf);
+          load_n<T, N>(dyr, it * kStride, gf);
+          h_slice(it, hf);
           load_f32<N>(wl, it * kStride, wv);
 #pragma unroll
           for (int k = 0; k < N; ++k) s += gf[k] * wv[k] * hf[k];
@@ -1037,14 +1039,12 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
       for (int it = 0; it < ITERS; ++it) {
         if (it * kStride < rem) {
           float gf[N], hf[N], wv[N], o[N];
-          keep_packed(dyp[it]);
-          keep_packed(hp[it]);
-          unpack(dyp[it], gf);
-          unpack(hp[it], hf);
+          load_n<T, N>(dyr, it * kStride, gf);
+          h_slice(it, hf);  // before g's word overwrites the slice's first sums
           load_f32<N>(wl, it * kStride, wv);
 #pragma unroll
           for (int k = 0; k < N; ++k) o[k] = r * gf[k] * wv[k] - hf[k] * c;
-          g_word(warp, it) = pack_n<T, N>(o).w;
+          store_g(it, pack_n<T, N>(o).w);
 #pragma unroll
           for (int q = 0; q < kQuads; ++q) {
             float4& d = dw_sh[warp][it * kQuads + q][lane];
