@@ -930,9 +930,10 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
   // kNorm: the norm weight's gradient, laid out as du_sh (the launch sizes it).
   extern __shared__ float4 dw_dyn[];
   float4(*dw_sh)[ITERS * kQuads][32] = reinterpret_cast<float4(*)[ITERS * kQuads][32]>(dw_dyn);
-  // kNorm: h's fp32 sums after dw_sh, laid out alike; once h is packed, the
-  // first word of each lane's `it` slice holds g's 16 bytes (formed here,
-  // not loaded; in registers both would spill). A lane touches only its own.
+  // kNorm: h's fp32 sums after dw_sh, laid out alike; once slice `it`'s h
+  // has been read for g, the slice's first float4 holds g's 16 bytes
+  // (formed here, not loaded; in registers both would spill). A lane
+  // touches only its own.
   float4(*h_sh)[ITERS * kQuads][32] = dw_sh + kReadWarps;
   // Stored and loaded as float4 (the sums' type), so the compiler keeps
   // each slice's h reads before its g write.
