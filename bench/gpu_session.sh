@@ -12,8 +12,11 @@
 # kernel path and turn it off), profile (70: llama-1B step, bench/profile_step.sh), k3profile
 # (110: the kimi_k3 d2048 step of bench/run_single_gpu.sh), offload (150:
 # bench/gpu_checks.sh section 3), sbs (240 per llama cell: the side-by-side
-# of bench/run_single_gpu.sh for CELLS). BUDGET_S (560): the call's limit
-# less a margin. Needs .deps and data carried (bench/README.md).
+# of bench/run_single_gpu.sh for CELLS), readnorm (200: the read with its
+# norm, model.attn_res_fused_norm: layer_bench's read+norm rows, the K3 A/B
+# with it on, one unfused K3 process), sbs1Bab (330: viaduct then
+# torch.compile twice on the 1B; VD_EXTRA applies). BUDGET_S (560): the
+# call's limit less a margin. Needs .deps and data carried (bench/README.md).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/outputs/bench/session}
@@ -125,6 +128,37 @@ if want sbs 240; then
   OUT=/tmp/vs_sbs CELLS=${CELLS:-1B} bash bench/run_single_gpu.sh >/tmp/vs_sbs.txt 2>&1
   cat /tmp/vs_sbs.txt >>"$SUM"
   grep -E "^\|" /tmp/vs_sbs.txt
+fi
+if want readnorm 200; then
+  for k in 1 2 3; do
+    timeout 60 "$B/bench/layer_bench" --only "read+norm" --tokens 8192 --dim 2048 --blocks "$k" \
+      --iters 20 2>&1 | grep -E "^\| attn|rror" | tee -a "$SUM"
+  done
+  OUT=/tmp/vs_rn STAGES=run CELLS=k3gemmab K3_ROUNDS=2 MODES=" " CELL_TIMEOUT=120 \
+    VD_EXTRA="${VD_EXTRA:-} --model.attn_res_fused_norm=true" bash bench/run_single_gpu.sh \
+    >/tmp/vs_rn.txt 2>&1
+  grep -E "overhead" /tmp/vs_rn.txt | tee -a "$SUM"
+  OUT=/tmp/vs_rn0 STAGES=run CELLS=k3gemm MODES=" " CELL_TIMEOUT=120 \
+    bash bench/run_single_gpu.sh >/tmp/vs_rn0.txt 2>&1
+  python3 - /tmp/vs_rn/k3gemm_r1.viaduct.metrics.jsonl /tmp/vs_rn/k3gemm_r2.viaduct.metrics.jsonl \
+    /tmp/vs_rn0/k3gemm.viaduct.metrics.jsonl <<'PYEOF' | tee -a "$SUM"
+import json, statistics, sys
+for f in sys.argv[1:]:
+    try:
+        rows = [json.loads(l) for l in open(f) if '"loss"' in l]
+    except OSError:
+        print(f, "missing")
+        continue
+    t = [r["step_seconds"] * 1e3 for r in rows[3:]]
+    print(f, "median %.1f ms, peak %.2f GiB, losses" % (statistics.median(t),
+          max(r["peak_memory_bytes"] for r in rows) / 2**30),
+          " ".join("%.5f" % r["loss"] for r in rows[:5]))
+PYEOF
+fi
+if want sbs1Bab 330; then
+  OUT=/tmp/vs_1Bab CELLS=1Bab STAGES=run bash bench/run_single_gpu.sh >/tmp/vs_1Bab.txt 2>&1
+  cat /tmp/vs_1Bab.txt >>"$SUM"
+  grep -E "^\||against torch.compile" /tmp/vs_1Bab.txt
 fi
 if want profile 70; then
   OUT=/tmp/vs_prof TOP=${TOP:-25} bash bench/profile_step.sh "$B" "" >/tmp/vs_prof.txt 2>&1

@@ -54,7 +54,7 @@ build_viaduct() {
     { say "build: $PY has no torch"; return 1; }
   command -v cmake >/dev/null || { say "build: no cmake on PATH"; return 1; }
   # The CUDA kernel tests need GoogleTest: its sources travel in .deps.
-  local tests=(-DVIADUCT_BUILD_TESTS=OFF) targets=(viaduct_app)
+  local tests=(-DVIADUCT_BUILD_TESTS=OFF) targets=(viaduct_app layer_bench)
   if [ -f .deps/usr/src/googletest/CMakeLists.txt ]; then
     tests=(-DVIADUCT_BUILD_TESTS=ON -DVIADUCT_GTEST_SOURCE_DIR="$PWD/.deps/usr/src/googletest")
     targets+=(test_fused_kernels)
