@@ -84,7 +84,7 @@ void add_model_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("model", "moe_ffn", T::kBool, kUnset, "MoE FFN after the dense layers (false: dense SwiGLU)"));
   k.push_back(key("model", "vision", T::kBool, kUnset, "include the vision tower"));
   k.push_back(key("model", "attn_res", T::kBool, true, "kimi_k3 only: Block AttnRes reads between sublayers (false: plain residuals h = h + sublayer(h), a chain model)"));
-  k.push_back(key("model", "attn_res_fused_norm", T::kBool, false, "kimi_k3 AttnRes on CUDA: each read and the RMSNorm after it in one kernel each way, so the read's output is never stored (about 2 GiB less at d2048 x 8192 tokens x 67 reads, about 1.5% slower on an H200; bench/NOTES.md)"));
+  k.push_back(key("model", "attn_res_fused_norm", T::kBool, false, "kimi_k3 AttnRes on CUDA: each read and the RMSNorm after it in one kernel each way, so the read's output is never stored (measured on an H200 with the previous form of its backward at d2048 x 8192 tokens x 67 reads: 2.07 GiB less, 0.6% slower; bench/NOTES.md)"));
   k.push_back(key("model", "attn_res_grad_in_place", T::kBool, true, "kimi_k3 AttnRes: the reads' backward adds each completed block's gradient into one buffer per block (in the read kernels' own pass on CUDA) instead of autograd summing a new tensor per read; the same bits either way"));
   // Kimi-K3 (issue 4)
   k.push_back(key("model", "kda_head_dim", T::kInt, kUnset, "KDA head width (dk = dv; also the rank of its decay and gate maps)"));

@@ -26,28 +26,6 @@ std::atomic<bool> g_read_v2{true};
 const char* const kSwitchableKernels[] = {
     "rms_norm_bwd_reg", "rope_repeat",  "attn_res_read", "attn_res_read_v2",
     "attn_res_read_norm", "mixed_linear", "weight_cache", "add_rms_norm", "adamw_clip"};
-
-// The names of `csv`, each one of `known`; Error naming `var` otherwise.
-template <size_t K>
-std::set<std::string> parse_names(const std::string& csv, const char* const (&known)[K],
-                                  const char* var) {
-  std::set<std::string> out;
-  size_t start = 0;
-  while (start <= csv.size()) {
-    const auto end = std::min(csv.find(',', start), csv.size());
-    if (end > start) {
-      auto name = csv.substr(start, end - start);
-      if (std::find(std::begin(known), std::end(known), name) == std::end(known)) {
-        std::string list;
-        for (const char* k : known) list += (list.empty() ? "" : ", ") + std::string(k);
-        throw Error(str(var, ": unknown kernel '", name, "' (", list, ")"));
-      }
-      out.insert(std::move(name));
-    }
-    start = end + 1;
-  }
-  return out;
-}
 }  // namespace
 
 void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad) {
@@ -79,9 +57,24 @@ bool swiglu_one_gemm() { return g_swiglu_one_gemm; }
 void set_attn_res_read_v2(bool on) { g_read_v2 = on; }
 
 std::set<std::string> parse_kernel_list(const std::string& csv) {
-  return parse_names(csv, kSwitchableKernels, "VIADUCT_DISABLE_KERNELS");
+  std::set<std::string> out;
+  size_t start = 0;
+  while (start <= csv.size()) {
+    const auto end = std::min(csv.find(',', start), csv.size());
+    if (end > start) {
+      auto name = csv.substr(start, end - start);
+      if (std::find(std::begin(kSwitchableKernels), std::end(kSwitchableKernels), name) ==
+          std::end(kSwitchableKernels)) {
+        std::string known;
+        for (const char* k : kSwitchableKernels) known += (known.empty() ? "" : ", ") + std::string(k);
+        throw Error(str("VIADUCT_DISABLE_KERNELS: unknown kernel '", name, "' (", known, ")"));
+      }
+      out.insert(std::move(name));
+    }
+    start = end + 1;
+  }
+  return out;
 }
-
 
 bool disabled(const std::string& name) {
   static const std::set<std::string> off = [] {

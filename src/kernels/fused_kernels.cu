@@ -826,9 +826,7 @@ __global__ void __launch_bounds__(kReadWarps * 32)
     }
     const float l = read_logit(ss, dt, i, lane, row, rows, dim, eps, rstd, dot);
     logit.set(i, lane, l);
-    const float m_new = fmaxf(m, l);
-    z = z * expf(m - m_new) + expf(l - m_new);
-    m = m_new;
+    online_step(m, z, l);  // the register form's statistics, bit for bit
   }
   if (lane < n) {
     a_sh[warp][lane] = expf(logit.s0 - m) / z;

@@ -206,8 +206,7 @@ at::Tensor AttnResReadImpl::forward(const std::vector<at::Tensor>& sources,
 at::Tensor AttnResReadImpl::forward_normed(const std::vector<at::Tensor>& sources,
                                            const std::vector<at::Tensor>* slots,
                                            RMSNormImpl& next, bool fused) {
-  if (fused && kernels::attn_res_read_norm_usable(sources, next.weight) &&
-      (slots == nullptr || slots->size() == sources.size())) {
+  if (fused && kernels::attn_res_read_norm_usable(sources, next.weight)) {
     RECORD_FUNCTION("viaduct::attn_res_read", std::vector<c10::IValue>());  // named in profiles
     return kernels::attn_res_read_norm(sources, query, norm->weight, norm->eps_, slots,
                                        next.weight, next.eps_);
