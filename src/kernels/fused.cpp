@@ -21,7 +21,7 @@ namespace viaduct::kernels {
 namespace {
 std::atomic<bool> g_enabled{true};
 std::atomic<bool> g_swiglu_recompute{false};
-std::atomic<bool> g_swiglu_one_gemm{false};
+std::atomic<bool> g_swiglu_one_gemm{true};
 std::atomic<bool> g_read_v2{true};
 const char* const kSwitchableKernels[] = {
     "rms_norm_bwd_reg", "rope_repeat",  "attn_res_read", "attn_res_read_v2",
@@ -466,13 +466,34 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
                                               with_norm ? &nrm : nullptr),
                  with_norm ? "attn_res_read_norm_backward" : "attn_res_read_backward");
     for (auto& [slot, dv] : to_add) attn_res_slot_add(slot, dv);
-    auto du = partial.narrow(0, 0, parts).sum(0);
-    out.push_back((du * norm_weight.to(at::kFloat)).to(query.scalar_type()));  // d query
-    out.push_back((du * query.to(at::kFloat)).to(norm_weight.scalar_type()));  // d norm.weight
-    out.emplace_back();                                                         // eps
-    out.emplace_back();                                                         // slots
-    out.push_back(with_norm ? partial.narrow(0, parts, parts).sum(0) : at::Tensor());  // d out_weight
-    out.emplace_back();                                                                 // out_eps
+    // Note [Summing the read's partial rows]: one launch sums the parts and
+    // forms d query = du * w and d norm.weight = du * q, when both are the
+    // fp32 parameters they are in the model; ATen otherwise.
+    const int sets = with_norm ? 2 : 1;
+    auto sums = at::empty({sets, D}, u.options());
+    at::Tensor dq, dw;
+    if (query.scalar_type() == at::kFloat && norm_weight.scalar_type() == at::kFloat &&
+        query.is_contiguous() && norm_weight.is_contiguous()) {
+      dq = at::empty_like(query);
+      dw = at::empty_like(norm_weight);
+      cuda::PartsProducts prod{norm_weight.data_ptr<float>(), query.data_ptr<float>(),
+                               dq.data_ptr<float>(), dw.data_ptr<float>()};
+      check_launch(cuda::sum_parts(partial.data_ptr<float>(), parts, D, sets,
+                                   sums.data_ptr<float>(), stream_of(g), &prod),
+                   "sum_parts");
+    } else {
+      check_launch(cuda::sum_parts(partial.data_ptr<float>(), parts, D, sets,
+                                   sums.data_ptr<float>(), stream_of(g)),
+                   "sum_parts");
+      dq = (sums[0] * norm_weight.to(at::kFloat)).to(query.scalar_type());
+      dw = (sums[0] * query.to(at::kFloat)).to(norm_weight.scalar_type());
+    }
+    out.push_back(dq);                                     // d query
+    out.push_back(dw);                                     // d norm.weight
+    out.emplace_back();                                    // eps
+    out.emplace_back();                                    // slots
+    out.push_back(with_norm ? sums[1] : at::Tensor());     // d out_weight
+    out.emplace_back();                                    // out_eps
     return out;
   }
 };

@@ -23,7 +23,7 @@ bool enabled();
 // backward instead of keeping it (off by default).
 void set_swiglu_recompute(bool on);
 // model.swiglu_one_gemm: the SwiGLU FFN's w1 and w3 as one GEMM (Note [One
-// w1/w3 projection], model/layers.cpp); off by default.
+// w1/w3 projection], model/layers.cpp); on by default.
 void set_swiglu_one_gemm(bool on);
 bool swiglu_one_gemm();
 // VIADUCT_DISABLE_KERNELS=name[,name...] turns single fused paths back to

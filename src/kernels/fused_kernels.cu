@@ -1350,6 +1350,46 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
   }
 }
 
+// Note [Summing the read's partial rows]
+// The read's backward (and the norm's, when fused with it) leaves its
+// weight-shaped gradients as fp32 partial rows, one per block of rows:
+// [sets, parts, dim]. Summing them took an ATen reduction per set and two
+// multiplies for the query's and the norm weight's gradients (du * w,
+// du * q): four small launches a read, 67 reads a K3 step, ~0.9 ms in
+// session 6's profile. One launch does it all: a block owns 32 columns of
+// one set, its 32 warps take every 32nd part (lanes on consecutive
+// columns, so each load is one 128-byte line), and warp 0 adds the 32 warp
+// sums in warp order. The order is fixed, so runs are bitwise reproducible;
+// it is not ATen's order, so the sums differ from `partial.sum(0)` in the
+// last bits. With the products, set 0's sum s also gives a * s and b * s,
+// rounded as the separate multiplies rounded.
+constexpr int kSumPartsWarps = 32;
+__global__ void __launch_bounds__(32 * kSumPartsWarps)
+    sum_parts_kernel(const float* __restrict__ partial, int64_t parts, int64_t dim,
+                     float* __restrict__ out, const float* __restrict__ mul_a,
+                     const float* __restrict__ mul_b, float* __restrict__ out_a,
+                     float* __restrict__ out_b) {
+  __shared__ float warp_sums[kSumPartsWarps][33];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  const int64_t set = blockIdx.y;
+  const float* base = partial + set * parts * dim + c;
+  float s = 0.f;
+  if (c < dim) {
+#pragma unroll 8
+    for (int64_t p = threadIdx.y; p < parts; p += kSumPartsWarps) s += base[p * dim];
+  }
+  warp_sums[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= dim) return;
+  float t = 0.f;
+  for (int w = 0; w < kSumPartsWarps; ++w) t += warp_sums[w][threadIdx.x];
+  out[set * dim + c] = t;
+  if (set == 0 && mul_a != nullptr) {
+    out_a[c] = t * mul_a[c];
+    out_b[c] = t * mul_b[c];
+  }
+}
+
 int elementwise_blocks(int64_t n) {
   const int64_t want = (n + kElemThreads - 1) / kElemThreads;
   return static_cast<int>(want < 65536 ? (want > 0 ? want : 1) : 65536);
@@ -1623,6 +1663,20 @@ cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadS
                        attn_res_read_backward_kernel<T, N><<<grid, kRowThreads, smem, stream>>>(
                            src, dsrc, n, static_cast<const T*>(g), u, rstd, dot, alpha,
                            du_partial, rows, dim));
+  return cudaGetLastError();
+}
+
+cudaError_t sum_parts(const float* partial, int64_t parts, int64_t dim, int sets, float* out,
+                      cudaStream_t stream, const PartsProducts* prod) {
+  if (parts < 1 || dim < 0 || sets < 1 || sets > 65535) return cudaErrorInvalidValue;
+  if (prod != nullptr &&
+      (prod->a == nullptr || prod->b == nullptr || prod->out_a == nullptr || prod->out_b == nullptr))
+    return cudaErrorInvalidValue;
+  if (dim == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((dim + 31) / 32), static_cast<unsigned>(sets));
+  sum_parts_kernel<<<grid, dim3(32, kSumPartsWarps), 0, stream>>>(
+      partial, parts, dim, out, prod ? prod->a : nullptr, prod ? prod->b : nullptr,
+      prod ? prod->out_a : nullptr, prod ? prod->out_b : nullptr);
   return cudaGetLastError();
 }
 

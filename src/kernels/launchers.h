@@ -104,6 +104,19 @@ cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadS
                                    bool warp_per_row, cudaStream_t stream,
                                    const ReadNorm* nrm = nullptr);
 
+// out[s, c] = the sum over p of partial[s, p, c], for fp32 partial rows
+// [sets, parts, dim] (Note [Summing the read's partial rows]); in a fixed
+// order, bitwise reproducible. With prod: also prod->out_a[c] = out[0, c] *
+// prod->a[c] and prod->out_b[c] = out[0, c] * prod->b[c].
+struct PartsProducts {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  float* out_a = nullptr;
+  float* out_b = nullptr;
+};
+cudaError_t sum_parts(const float* partial, int64_t parts, int64_t dim, int sets, float* out,
+                      cudaStream_t stream, const PartsProducts* prod = nullptr);
+
 // One AdamW step on fp32 [n] tensors, in place, on the gradient
 // g' = g * grad_scale (rounded as a separate multiply): p *= 1 - lr * wd;
 // m += (1 - beta1) (g' - m); v = beta2 v + (1 - beta2) g^2;

@@ -58,7 +58,7 @@ struct KimiK3Options {
   // Note [AttnRes block gradients in place] (model/attn_res.h)
   bool attn_res_grad_in_place = true;
   // Note [AttnRes read with its norm] (kernels/fused_kernels.cu)
-  bool attn_res_fused_norm = false;
+  bool attn_res_fused_norm = true;
   bool synthetic_images = false;
   int64_t image_token_id = 0;
   KdaOptions kda;

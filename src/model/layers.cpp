@@ -333,7 +333,7 @@ at::Tensor SwiGLUImpl::forward(const at::Tensor& x) {
     // SwiGLU kernels read its halves in place and write their gradient as
     // one [tokens, 2F] tensor, so the backward's dx is one GEMM and x's two
     // gradients need no addition (one [tokens, D] add a layer less). With
-    // model.swiglu_one_gemm (off until measured on a GPU); bf16 with fp32
+    // model.swiglu_one_gemm (on by default); bf16 with fp32
     // weights only (elsewhere the concatenation would be a copy).
     if (kernels::swiglu_one_gemm() && mixed_linear_applies(x, {w1->weight, w3->weight})) {
       return kernels::swiglu_linear_packed(linear_parts(x, {w1->weight, w3->weight}, {}),

@@ -12,9 +12,12 @@
 
 #include <random>
 
+#include <c10/cuda/CUDAStream.h>
+
 #include "config/config.h"
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
+#include "kernels/launchers.h"
 #include "kernels/weight_cache.h"
 #include "model/attn_res.h"
 #include "model/layers.h"
@@ -563,6 +566,42 @@ TEST(FusedKernels, AttnResReadNormIsDeterministicAndFallsBack) {
                         next->forward(m->forward(wide.src))));
 }
 
+// Note [Summing the read's partial rows]: the column sums of [sets, parts,
+// dim] fp32 partial rows against fp64 sums, the products bit for bit the
+// separate multiplies of the sum, and run to run the same bits. Shapes: the
+// K3 read's (1024 parts of 2048, one and two sets), parts and columns that
+// are not multiples of 32, fewer parts than warps.
+TEST(FusedKernels, SumPartsMatchesFp64Sums) {
+  REQUIRE_GPU();
+  struct Case { int sets; int64_t parts, dim; };
+  for (const auto& c : {Case{1, 1024, 2048}, Case{2, 1024, 2048}, Case{2, 37, 1001}, Case{1, 5, 31}}) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << c.sets << " x " << c.parts << " x " << c.dim << " seed " << seed);
+    const auto f32 = at::TensorOptions(at::kCUDA).dtype(at::kFloat);
+    auto partial = at::randn({c.sets, c.parts, c.dim}, f32);
+    auto a = at::randn({c.dim}, f32), b = at::randn({c.dim}, f32);
+    std::vector<at::Tensor> runs;
+    for (int run = 0; run < 2; ++run) {
+      poison();
+      auto out = at::empty({c.sets, c.dim}, f32);
+      auto oa = at::empty({c.dim}, f32), ob = at::empty({c.dim}, f32);
+      cuda::PartsProducts prod{a.data_ptr<float>(), b.data_ptr<float>(), oa.data_ptr<float>(),
+                               ob.data_ptr<float>()};
+      ASSERT_EQ(cuda::sum_parts(partial.data_ptr<float>(), c.parts, c.dim, c.sets,
+                                out.data_ptr<float>(),
+                                c10::cuda::getCurrentCUDAStream().stream(), &prod),
+                cudaSuccess);
+      EXPECT_LT(rel_err(out, partial.to(at::kCPU, at::kDouble).sum(1)), 1e-6);
+      EXPECT_TRUE(at::equal(oa, out[0] * a));
+      EXPECT_TRUE(at::equal(ob, out[0] * b));
+      runs.push_back(out);
+    }
+    EXPECT_TRUE(at::equal(runs[0], runs[1]));
+  }
+  // Bad shapes are refused, not launched.
+  EXPECT_EQ(cuda::sum_parts(nullptr, 0, 8, 1, nullptr, nullptr), cudaErrorInvalidValue);
+}
+
 TEST(FusedKernels, MixedLinearWeightGradientIsFp32) {
   REQUIRE_GPU();
   // bf16 input, fp32 master weight and bias: the weight gradient comes from
@@ -711,6 +750,7 @@ TEST(FusedKernels, SwiGLUPackedMatchesTwoTensors) {
   kernels::set_swiglu_one_gemm(false);
   auto yr = m->forward(xr);  // two projections
   yr.backward(dy);
+  kernels::set_swiglu_one_gemm(true);  // the default again
   std::vector<at::Tensor> want{xr.grad()};
   for (auto* l : {&m->w1, &m->w2, &m->w3}) want.push_back((*l)->weight.grad());
   EXPECT_LT(rel_err(y, yr), 1e-2) << "seed " << seed;
