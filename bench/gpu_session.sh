@@ -14,7 +14,9 @@
 # bench/gpu_checks.sh section 3), sbs (240 per llama cell: the side-by-side
 # of bench/run_single_gpu.sh for CELLS), readnorm (200: the read with its
 # norm, model.attn_res_fused_norm: layer_bench's read+norm rows, the K3 A/B
-# with it on, one unfused K3 process), sbs1Bab (330: viaduct then
+# as built, one K3 process with the norm unfused), k3gemmprofile (60: the
+# k3gemm cell's step, MLA everywhere and dense FFNs, where the AttnRes reads
+# are the difference from plain residuals), sbs1Bab (330: viaduct then
 # torch.compile twice on the 1B; VD_EXTRA applies). BUDGET_S (560): the
 # call's limit less a margin. Needs .deps and data carried (bench/README.md).
 set -uo pipefail
@@ -135,11 +137,11 @@ if want readnorm 200; then
       --iters 20 2>&1 | grep -E "^\| attn|rror" | tee -a "$SUM"
   done
   OUT=/tmp/vs_rn STAGES=run CELLS=k3gemmab K3_ROUNDS=2 MODES=" " CELL_TIMEOUT=120 \
-    VD_EXTRA="${VD_EXTRA:-} --model.attn_res_fused_norm=true" bash bench/run_single_gpu.sh \
-    >/tmp/vs_rn.txt 2>&1
+    bash bench/run_single_gpu.sh >/tmp/vs_rn.txt 2>&1
   grep -E "overhead" /tmp/vs_rn.txt | tee -a "$SUM"
   OUT=/tmp/vs_rn0 STAGES=run CELLS=k3gemm MODES=" " CELL_TIMEOUT=120 \
-    bash bench/run_single_gpu.sh >/tmp/vs_rn0.txt 2>&1
+    VD_EXTRA="${VD_EXTRA:-} --model.attn_res_fused_norm=false" bash bench/run_single_gpu.sh \
+    >/tmp/vs_rn0.txt 2>&1
   python3 - /tmp/vs_rn/k3gemm_r1.viaduct.metrics.jsonl /tmp/vs_rn/k3gemm_r2.viaduct.metrics.jsonl \
     /tmp/vs_rn0/k3gemm.viaduct.metrics.jsonl <<'PYEOF' | tee -a "$SUM"
 import json, statistics, sys
@@ -170,6 +172,12 @@ if want k3profile 110; then
     >/tmp/vs_k3.txt 2>&1
   cat /tmp/vs_k3.txt >>"$SUM"
   grep -E "^step |^step wall|^device idle|attn_res|AttnRes" /tmp/vs_k3.txt
+fi
+if want k3gemmprofile 60; then
+  OUT=/tmp/vs_k3g VOCAB=320 TOP=${TOP:-25} bash bench/profile_step.sh "$B" \
+    "${K3[*]} --model.mla_interval=1 --model.moe_ffn=false" >/tmp/vs_k3g.txt 2>&1
+  cat /tmp/vs_k3g.txt >>"$SUM"
+  grep -E "^step |^step wall|^device idle|attn_res|AttnRes|sum_parts" /tmp/vs_k3g.txt
 fi
 if want offload 150; then
   SECTIONS=3 OUT=/tmp/vs_off K3_RUN_TIMEOUT=$(($(left) / 3 - 5)) bash bench/gpu_checks.sh "$B" \
