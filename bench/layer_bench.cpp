@@ -176,9 +176,14 @@ int main(int argc, char** argv) {
     // [AttnRes read with its norm]; the same two ops where it cannot run).
     RMSNorm next(D, 1e-6);
     next->to(x.device());
-    for (bool fused : {false, true}) {
-      run("attn_res read+norm (" + blocks + ", slots" + (fused ? ", fused)" : ")"), *m,
-          [&, fused](const at::Tensor& in) {
+    // Fused: the backward in two passes (the default) and in three (Note
+    // [Read with its norm in two passes]).
+    for (int form : {0, 2, 3}) {
+      const bool fused = form > 0;
+      const std::string name = form == 0 ? ")" : form == 2 ? ", fused)" : ", fused, 3 passes)";
+      run("attn_res read+norm (" + blocks + ", slots" + name, *m,
+          [&, fused, form](const at::Tensor& in) {
+            kernels::set_attn_res_read_norm_two_pass(form != 3);
             auto s = stack;
             s.push_back(in);
             std::vector<at::Tensor> slots;
@@ -191,6 +196,7 @@ int main(int argc, char** argv) {
           },
           0.0);
     }
+    kernels::set_attn_res_read_norm_two_pass(true);
     // The same read in its keys form (Note [AttnRes read without keys]):
     // RMSNorm over the fp32 stack [N, B, T, D], then the query; autograd
     // keeps the stack and the keys.

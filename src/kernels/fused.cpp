@@ -23,9 +23,11 @@ std::atomic<bool> g_enabled{true};
 std::atomic<bool> g_swiglu_recompute{false};
 std::atomic<bool> g_swiglu_one_gemm{true};
 std::atomic<bool> g_read_v2{true};
+std::atomic<bool> g_read_norm_2pass{true};
 const char* const kSwitchableKernels[] = {
     "rms_norm_bwd_reg", "rope_repeat",  "attn_res_read", "attn_res_read_v2",
-    "attn_res_read_norm", "mixed_linear", "weight_cache", "add_rms_norm", "adamw_clip"};
+    "attn_res_read_norm", "attn_res_read_norm_2pass", "mixed_linear", "weight_cache",
+    "add_rms_norm", "adamw_clip"};
 }  // namespace
 
 void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad) {
@@ -55,6 +57,7 @@ void set_swiglu_recompute(bool on) { g_swiglu_recompute = on; }
 void set_swiglu_one_gemm(bool on) { g_swiglu_one_gemm = on; }
 bool swiglu_one_gemm() { return g_swiglu_one_gemm; }
 void set_attn_res_read_v2(bool on) { g_read_v2 = on; }
+void set_attn_res_read_norm_two_pass(bool on) { g_read_norm_2pass = on; }
 
 std::set<std::string> parse_kernel_list(const std::string& csv) {
   std::set<std::string> out;
@@ -457,6 +460,8 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
       nrm.rstd = saved[static_cast<size_t>(n) + 7].data_ptr<float>();
       nrm.dy = g.data_ptr();
       nrm.dw_partial = partial[parts].data_ptr<float>();
+      // Note [Read with its norm in two passes] (fused_kernels.cu).
+      nrm.two_pass = g_read_norm_2pass && !disabled("attn_res_read_norm_2pass");
     }
     check_launch(cuda::attn_res_read_backward(dtype_of(saved[0]), ptrs, accs, dptrs, n,
                                               g.data_ptr(), u.data_ptr<float>(),

@@ -95,6 +95,12 @@ bool attn_res_read_usable(const std::vector<at::Tensor>& sources);
 // a row. VIADUCT_DISABLE_KERNELS=attn_res_read_v2 makes it the latter
 // whatever is set here. For tests comparing the two.
 void set_attn_res_read_v2(bool on);
+// Which backward the read with its norm runs for up to 5 sources: two
+// passes over the sources (true, the default; Note [Read with its norm in
+// two passes], fused_kernels.cu) or three. VIADUCT_DISABLE_KERNELS=
+// attn_res_read_norm_2pass makes it three whatever is set here. For tests
+// comparing the two.
+void set_attn_res_read_norm_two_pass(bool on);
 // slots: as AttnResReadImpl::forward's (Note [AttnRes block gradients in
 // place], model/attn_res.h); the warp-per-row backward adds into a slot in
 // the pass that computes the gradient.

@@ -84,6 +84,9 @@ struct ReadNorm {
   float* rstd = nullptr;  // forward: written; backward: read
   const void* dy = nullptr;
   float* dw_partial = nullptr;
+  // Backward: the two-pass form where it takes the source count (Note [Read
+  // with its norm in two passes]); false: the three-pass form.
+  bool two_pass = true;
 };
 // Whether the read with its norm runs for these sources (the warp-per-row
 // register form: 16-byte aligned rows of at most 2048 bf16 / 1024 fp32).

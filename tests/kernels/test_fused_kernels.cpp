@@ -253,6 +253,15 @@ struct ReadKernels {
   ReadKernels& operator=(const ReadKernels&) = delete;
 };
 
+// The read-with-norm backward's form for a scope (two passes, the default,
+// or three), put back after.
+struct ReadNormForm {
+  explicit ReadNormForm(bool two_pass) { kernels::set_attn_res_read_norm_two_pass(two_pass); }
+  ~ReadNormForm() { kernels::set_attn_res_read_norm_two_pass(true); }
+  ReadNormForm(const ReadNormForm&) = delete;
+  ReadNormForm& operator=(const ReadNormForm&) = delete;
+};
+
 #define REQUIRE_READ_V2()                   \
   if (kernels::disabled("attn_res_read_v2")) \
   GTEST_SKIP() << "VIADUCT_DISABLE_KERNELS names attn_res_read_v2"
@@ -460,8 +469,10 @@ TEST(FusedKernels, AttnResReadAddsIntoSlotsWithAutogradsBits) {
 
 // Note [AttnRes read with its norm]: norm(read(sources)) in one kernel each
 // way against the fp64 modules (the read, then the RMSNorm): register forms
-// (2048 and 1000 bf16: lanes past the row's end; 1000 and 512 fp32), 1 to 5
-// sources, with slots (one holding a gradient, one empty) and without.
+// (2048 and 1000 bf16: lanes past the row's end; 1000 and 512 fp32), 1 to 6
+// sources, with slots (one holding a gradient, one empty) and without; both
+// backward forms (Note [Read with its norm in two passes]: two passes up to
+// 5 sources, three beyond).
 TEST(FusedKernels, AttnResReadNormMatchesAtenReadThenNorm) {
   REQUIRE_GPU();
   REQUIRE_READ_V2();
@@ -470,12 +481,16 @@ TEST(FusedKernels, AttnResReadNormMatchesAtenReadThenNorm) {
     int64_t D;
     at::ScalarType t;
   };
+  for (bool two_pass : {true, false})
   for (auto c : {Case{2048, at::kBFloat16}, Case{1000, at::kBFloat16}, Case{1000, at::kFloat},
                  Case{512, at::kFloat}})
-  for (int64_t n : {1, 3, 5})
+  for (int64_t n : {1, 2, 3, 4, 5, 6})
   for (bool slots_on : {false, true}) {
+    if (two_pass && kernels::disabled("attn_res_read_norm_2pass")) continue;
+    ReadNormForm form(two_pass);
     const auto seed = fresh_seed();
-    SCOPED_TRACE(testing::Message() << "dim " << c.D << " " << c.t << " sources " << n
+    SCOPED_TRACE(testing::Message() << (two_pass ? "two" : "three") << " passes, dim " << c.D
+                                    << " " << c.t << " sources " << n
                                     << (slots_on ? " with slots" : "") << " seed " << seed);
     auto in = draw_read({2, 37, c.D}, n, c.t);
     auto ow = (1.0 + 0.1 * at::randn({c.D}, at::TensorOptions(at::kCUDA))).requires_grad_(true);
@@ -521,16 +536,19 @@ TEST(FusedKernels, AttnResReadNormMatchesAtenReadThenNorm) {
   }
 }
 
-// Run to run, bit for bit, on 9000 rows (several rows a warp); rows the
-// kernel does not take (4096 bf16) are refused, and the module then runs
-// the read and the norm as two ops, the same values.
+// Run to run, bit for bit, on 9000 rows (several rows a warp), both backward
+// forms; rows the kernel does not take (4096 bf16) are refused, and the
+// module then runs the read and the norm as two ops, the same values.
 TEST(FusedKernels, AttnResReadNormIsDeterministicAndFallsBack) {
   REQUIRE_GPU();
   REQUIRE_READ_V2();
   if (kernels::disabled("attn_res_read_norm")) GTEST_SKIP() << "attn_res_read_norm disabled";
+  for (bool two_pass : {true, false})
   for (auto [D, t] : {std::pair{int64_t{2048}, at::kBFloat16}, std::pair{int64_t{1000}, at::kFloat}}) {
+    ReadNormForm form(two_pass);
     const auto seed = fresh_seed();
-    SCOPED_TRACE(testing::Message() << "dim " << D << " " << t << " seed " << seed);
+    SCOPED_TRACE(testing::Message() << (two_pass ? "two" : "three") << " passes, dim " << D
+                                    << " " << t << " seed " << seed);
     auto in = draw_read({2, 4500, D}, 5, t);
     auto ow = (1.0 + 0.1 * at::randn({D}, at::TensorOptions(at::kCUDA))).requires_grad_(true);
     auto dy = at::randn({2, 4500, D}, at::TensorOptions(at::kCUDA)).to(t);
