@@ -27,7 +27,7 @@ std::atomic<bool> g_read_norm_2pass{true};
 const char* const kSwitchableKernels[] = {
     "rms_norm_bwd_reg", "rope_repeat",  "attn_res_read", "attn_res_read_v2",
     "attn_res_read_norm", "attn_res_read_norm_2pass", "mixed_linear", "weight_cache",
-    "add_rms_norm", "adamw_clip"};
+    "add_rms_norm", "adamw_clip", "adamw_batch"};
 }  // namespace
 
 void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad) {
@@ -676,6 +676,51 @@ void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, do
                "adamw");
 }
 
+namespace {
+cuda::AdamWItem adamw_item(const AdamWTensors& t) {
+  cuda::AdamWItem it;
+  it.p = t.p.data_ptr<float>();
+  it.g = t.g.data_ptr<float>();
+  it.m = t.m.data_ptr<float>();
+  it.v = t.v.data_ptr<float>();
+  it.low_bf16 = t.low.defined() ? t.low.data_ptr() : nullptr;
+  it.n = t.p.numel();
+  it.weight_decay = static_cast<float>(t.weight_decay);
+  return it;
+}
+}  // namespace
+
+bool adamw_many_takes(const AdamWTensors& t) {
+  if (!t.p.defined() || !t.p.is_cuda() || t.p.scalar_type() != at::kFloat) return false;
+  for (const at::Tensor* x : {&t.p, &t.g, &t.m, &t.v}) {
+    if (!x->defined() || x->device() != t.p.device() || x->scalar_type() != at::kFloat ||
+        !x->is_contiguous() || x->numel() != t.p.numel())
+      return false;
+  }
+  if (t.low.defined() && (t.low.device() != t.p.device() || t.low.scalar_type() != at::kBFloat16 ||
+                          !t.low.is_contiguous() || t.low.numel() != t.p.numel()))
+    return false;
+  return cuda::adamw_batchable(adamw_item(t));
+}
+
+void adamw_many_(const std::vector<AdamWTensors>& ts, double lr, double beta1, double beta2,
+                 double eps, double bias_corr1, double bias_corr2, double grad_scale) {
+  if (ts.empty()) return;
+  std::vector<cuda::AdamWItem> items;
+  for (const auto& t : ts) {
+    VIADUCT_CHECK(adamw_many_takes(t) && t.p.device() == ts.front().p.device(),
+                  "fused adamw_many: every tensor must be small, contiguous, aligned fp32 on one "
+                  "CUDA device (adamw_many_takes)");
+    items.push_back(adamw_item(t));
+  }
+  check_launch(cuda::adamw_batch(items.data(), static_cast<int>(items.size()),
+                                 static_cast<float>(lr), static_cast<float>(beta1),
+                                 static_cast<float>(beta2), static_cast<float>(eps),
+                                 static_cast<float>(bias_corr1), static_cast<float>(bias_corr2),
+                                 static_cast<float>(grad_scale), stream_of(ts.front().p)),
+               "adamw_batch");
+}
+
 at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets) {
   RECORD_FUNCTION("viaduct::cross_entropy_rows", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(logits.dim() == 2 && logits.is_contiguous() && targets.dim() == 1 &&
@@ -734,6 +779,11 @@ at::Tensor attn_res_read(const std::vector<at::Tensor>&, const at::Tensor&, cons
 void adamw_(at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, double, double, double,
             double, double, double, double, const at::Tensor&, double) {
   no_cuda("adamw");
+}
+bool adamw_many_takes(const AdamWTensors&) { return false; }
+void adamw_many_(const std::vector<AdamWTensors>& ts, double, double, double, double, double,
+                 double, double) {
+  if (!ts.empty()) no_cuda("adamw_many");
 }
 
 #endif

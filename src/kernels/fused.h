@@ -30,9 +30,11 @@ bool swiglu_one_gemm();
 // their previous form without a rebuild (for measuring or isolating them):
 // rms_norm_bwd_reg, rope_repeat, attn_res_read, attn_res_read_v2 (its
 // warp-per-row kernels), attn_res_read_norm (a read and the norm after it
-// in one kernel, Note [AttnRes read with its norm]), mixed_linear,
+// in one kernel, Note [AttnRes read with its norm]),
+// attn_res_read_norm_2pass (its backward in two passes), mixed_linear,
 // weight_cache (Note [Low-precision weight cache]), add_rms_norm,
-// adamw_clip. An unknown name is an error.
+// adamw_clip, adamw_batch (small tensors' updates in shared launches). An
+// unknown name is an error.
 bool disabled(const std::string& name);
 // The names of a comma-separated list (empty entries skipped); Error on an
 // unknown one.
@@ -138,5 +140,17 @@ at::Tensor saved_read_slot(torch::autograd::AutogradContext* ctx, size_t i);
 void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,
             double beta1, double beta2, double eps, double weight_decay, double bias_corr1,
             double bias_corr2, const at::Tensor& low = at::Tensor(), double grad_scale = 1.0);
+
+// adamw_ for many small tensors in few launches (Note [Small tensors in one
+// AdamW launch], fused_kernels.cu), the same bits. adamw_many_takes says
+// which: contiguous fp32 CUDA tensors of one size, at most 65536 values, a
+// multiple of 4, 16-byte aligned (low as adamw_'s). All on one device.
+struct AdamWTensors {
+  at::Tensor p, g, m, v, low;
+  double weight_decay = 0.0;
+};
+bool adamw_many_takes(const AdamWTensors& t);
+void adamw_many_(const std::vector<AdamWTensors>& ts, double lr, double beta1, double beta2,
+                 double eps, double bias_corr1, double bias_corr2, double grad_scale = 1.0);
 
 }  // namespace viaduct::kernels

@@ -120,6 +120,25 @@ struct PartsProducts {
 cudaError_t sum_parts(const float* partial, int64_t parts, int64_t dim, int sets, float* out,
                       cudaStream_t stream, const PartsProducts* prod = nullptr);
 
+// Note [Small tensors in one AdamW launch] (fused_kernels.cu): adamw() for
+// `count` tensors, up to 24 a launch, with the bits of one call each. Every
+// item must be adamw_batchable: 1 to kAdamWSmall values, a multiple of 4,
+// every pointer 16-byte aligned (low_bf16 may be null).
+constexpr int64_t kAdamWSmall = 1 << 16;
+struct AdamWItem {
+  float* p = nullptr;
+  const float* g = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  void* low_bf16 = nullptr;
+  int64_t n = 0;
+  float weight_decay = 0.f;
+};
+bool adamw_batchable(const AdamWItem& t);
+cudaError_t adamw_batch(const AdamWItem* items, int count, float lr, float beta1, float beta2,
+                        float eps, float bias_corr1, float bias_corr2, float grad_scale,
+                        cudaStream_t stream);
+
 // One AdamW step on fp32 [n] tensors, in place, on the gradient
 // g' = g * grad_scale (rounded as a separate multiply): p *= 1 - lr * wd;
 // m += (1 - beta1) (g' - m); v = beta2 v + (1 - beta2) g^2;

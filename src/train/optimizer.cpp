@@ -96,6 +96,10 @@ bool AdamW::fused_step(double lr, double bc1, double bc2) {
   if (!fusable()) return false;
   const auto& first = params_.front().param;
   if (kernels::usable(first)) {
+    // Note [Small tensors in one AdamW launch] (kernels/fused_kernels.cu):
+    // the small tensors go in batches after the others, the same bits.
+    const bool batch = !kernels::disabled("adamw_batch");
+    std::vector<kernels::AdamWTensors> small;
     for (size_t i = 0; i < params_.size(); ++i) {
       auto& pr = params_[i].param;
       if (!pr.grad().defined()) continue;
@@ -103,8 +107,14 @@ bool AdamW::fused_step(double lr, double bc1, double bc2) {
       // The weight's bf16 copy, where a forward made one, is written in the
       // same pass (Note [Low-precision weight cache]).
       const auto low = kernels::weight_cache::slot_for(pr);
-      kernels::adamw_(data, pr.grad(), exp_avg_[i], exp_avg_sq_[i], lr, beta1_, beta2_, eps_,
-                      params_[i].weight_decay ? weight_decay_ : 0.0, bc1, bc2, low, grad_scale_);
+      const double wd = params_[i].weight_decay ? weight_decay_ : 0.0;
+      kernels::AdamWTensors t{data, pr.grad(), exp_avg_[i], exp_avg_sq_[i], low, wd};
+      if (batch && kernels::adamw_many_takes(t)) {
+        small.push_back(std::move(t));
+      } else {
+        kernels::adamw_(data, pr.grad(), exp_avg_[i], exp_avg_sq_[i], lr, beta1_, beta2_, eps_,
+                        wd, bc1, bc2, low, grad_scale_);
+      }
       // Raw writes move no version counter: say that the weight changed.
       if (low.defined()) {
         kernels::weight_cache::mark_written(pr);
@@ -112,6 +122,7 @@ bool AdamW::fused_step(double lr, double bc1, double bc2) {
         torch::autograd::impl::bump_version(pr);
       }
     }
+    kernels::adamw_many_(small, lr, beta1_, beta2_, eps_, bc1, bc2, grad_scale_);
     return true;
   }
   std::vector<at::Tensor> p[2], g[2], m[2], v[2];

@@ -889,6 +889,48 @@ TEST(FusedKernels, FusedAdamWMatchesLoop) {
   }
 }
 
+// Note [Small tensors in one AdamW launch]: 30 small tensors (two
+// launches of at most 24) updated in batches get the bits of one adamw_
+// call each: parameters, moments and the bf16 copies, with and without
+// weight decay, with a clip coefficient. Tensors that do not qualify are
+// refused.
+TEST(FusedKernels, AdamWBatchHasTheBitsOfOneCallEach) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  const auto f32 = at::TensorOptions(at::kCUDA).dtype(at::kFloat);
+  std::vector<kernels::AdamWTensors> batch, single;
+  for (int i = 0; i < 30; ++i) {
+    const int64_t n = i == 0 ? 65536 : 4 * (1 + 37 * i);
+    auto p = at::randn({n}, f32), g = at::randn({n}, f32), m = at::randn({n}, f32) * 0.1,
+         v = at::rand({n}, f32) * 0.01;
+    auto low = i % 3 == 0 ? at::empty({n}, f32.dtype(at::kBFloat16)) : at::Tensor();
+    const double wd = i % 2 == 0 ? 0.1 : 0.0;
+    batch.push_back({p.clone(), g, m.clone(), v.clone(), low.defined() ? low.clone() : low, wd});
+    single.push_back({p.clone(), g, m.clone(), v.clone(), low.defined() ? low.clone() : low, wd});
+    ASSERT_TRUE(kernels::adamw_many_takes(batch.back())) << "tensor " << i;
+  }
+  for (int step = 1; step <= 2; ++step) {
+    const double bc1 = 1 - std::pow(0.9, step), bc2 = 1 - std::pow(0.95, step);
+    kernels::adamw_many_(batch, 3e-3, 0.9, 0.95, 1e-8, bc1, bc2, 0.37);
+    for (auto& t : single) {
+      kernels::adamw_(t.p, t.g, t.m, t.v, 3e-3, 0.9, 0.95, 1e-8, t.weight_decay, bc1, bc2, t.low,
+                      0.37);
+    }
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    EXPECT_TRUE(at::equal(batch[i].p, single[i].p)) << "tensor " << i << " seed " << seed;
+    EXPECT_TRUE(at::equal(batch[i].m, single[i].m)) << "tensor " << i;
+    EXPECT_TRUE(at::equal(batch[i].v, single[i].v)) << "tensor " << i;
+    if (batch[i].low.defined()) EXPECT_TRUE(at::equal(batch[i].low, single[i].low)) << "tensor " << i;
+  }
+  auto odd = at::randn({33}, f32), big = at::randn({65540}, f32);
+  EXPECT_FALSE(kernels::adamw_many_takes({odd, odd, odd.clone(), odd.clone(), {}, 0.0}));
+  EXPECT_FALSE(kernels::adamw_many_takes({big, big, big.clone(), big.clone(), {}, 0.0}));
+  auto base = at::randn({64}, f32);
+  auto shifted = base.narrow(0, 1, 60);  // not 16-byte aligned
+  EXPECT_FALSE(kernels::adamw_many_takes({shifted, shifted, shifted.clone(), shifted.clone(), {}, 0.0}));
+}
+
 TEST(FusedKernels, AdamWFoldsTheClipBitwise) {
   REQUIRE_GPU();
   // Note [Clip folded into AdamW]: step_scaled(lr, c) through the kernel
