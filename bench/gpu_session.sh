@@ -64,13 +64,15 @@ if want tests 15; then
     [[ $failed == *AttnResReadMatchesAtenRead* ]] && off+=(attn_res_read)
     [[ $failed == *MixedLinear* ]] && off+=(mixed_linear)
     [[ $failed == *AdamWBatch* ]] && off+=(adamw_batch)
+    [[ $failed == *ClipOnTheDevice* ]] && off+=(clip_on_device)
     # The read-with-norm tests run both backward forms; a failure's trace
     # names the form (Note [Read with its norm in two passes]).
     [[ $failed == *ReadNorm* ]] && grep -q "two passes" /tmp/vs_tests.txt &&
       off+=(attn_res_read_norm_2pass)
     [[ $failed == *WeightCache* ]] && off+=(weight_cache)
     [[ $failed == *LlamaStep* ]] &&
-      off=(rms_norm_bwd_reg rope_repeat attn_res_read mixed_linear weight_cache adamw_batch)
+      off=(rms_norm_bwd_reg rope_repeat attn_res_read mixed_linear weight_cache adamw_batch
+        clip_on_device)
     # The slot-adding backward is a model option, not a kernel switch.
     if [[ $failed == *AttnResReadAddsIntoSlots* ]]; then
       export VD_EXTRA="${VD_EXTRA:-} --model.attn_res_grad_in_place=false"
@@ -102,12 +104,12 @@ probe_run() {  # name args...
 probe_fix() {  # name args...
   probe_run "$@" && return 0
   local base=${VIADUCT_DISABLE_KERNELS:-} k
-  for k in attn_res_read_norm_2pass adamw_batch add_rms_norm adamw_clip attn_res_read_v2 weight_cache \
+  for k in attn_res_read_norm_2pass adamw_batch clip_on_device add_rms_norm adamw_clip attn_res_read_v2 weight_cache \
       attn_res_read rope_repeat rms_norm_bwd_reg mixed_linear; do
     export VIADUCT_DISABLE_KERNELS=${base:+$base,}$k
     probe_run "$@" && { note "kept VIADUCT_DISABLE_KERNELS=$VIADUCT_DISABLE_KERNELS"; return 0; }
   done
-  export VIADUCT_DISABLE_KERNELS=${base:+$base,}attn_res_read_norm_2pass,adamw_batch,add_rms_norm,adamw_clip,attn_res_read_v2,weight_cache,attn_res_read,rope_repeat,rms_norm_bwd_reg,mixed_linear
+  export VIADUCT_DISABLE_KERNELS=${base:+$base,}attn_res_read_norm_2pass,adamw_batch,clip_on_device,add_rms_norm,adamw_clip,attn_res_read_v2,weight_cache,attn_res_read,rope_repeat,rms_norm_bwd_reg,mixed_linear
   probe_run "$@" && note "kept VIADUCT_DISABLE_KERNELS=$VIADUCT_DISABLE_KERNELS" ||
     { note "fails with every new path off too"; export VIADUCT_DISABLE_KERNELS=$base; }
 }

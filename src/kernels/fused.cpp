@@ -11,6 +11,7 @@
 #include "core/torch_compat.h"
 
 #ifdef VIADUCT_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "kernels/launchers.h"
@@ -27,7 +28,7 @@ std::atomic<bool> g_read_norm_2pass{true};
 const char* const kSwitchableKernels[] = {
     "rms_norm_bwd_reg", "rope_repeat",  "attn_res_read", "attn_res_read_v2",
     "attn_res_read_norm", "attn_res_read_norm_2pass", "mixed_linear", "weight_cache",
-    "add_rms_norm", "adamw_clip", "adamw_batch"};
+    "add_rms_norm", "adamw_clip", "adamw_batch", "clip_on_device"};
 }  // namespace
 
 void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad) {
@@ -651,9 +652,20 @@ at::Tensor attn_res_read_norm(const std::vector<at::Tensor>& sources, const at::
                                     out_weight, out_eps);
 }
 
+namespace {
+const float* scale_ptr(const at::Tensor& scale_dev, const at::Tensor& like) {
+  if (!scale_dev.defined()) return nullptr;
+  VIADUCT_CHECK(scale_dev.device() == like.device() && scale_dev.scalar_type() == at::kFloat &&
+                    scale_dev.numel() == 1,
+                "fused adamw: the device scale must be one fp32 value on the parameters' device");
+  return scale_dev.data_ptr<float>();
+}
+}  // namespace
+
 void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,
             double beta1, double beta2, double eps, double weight_decay, double bias_corr1,
-            double bias_corr2, const at::Tensor& low, double grad_scale) {
+            double bias_corr2, const at::Tensor& low, double grad_scale,
+            const at::Tensor& scale_dev) {
   for (const at::Tensor* t : {static_cast<const at::Tensor*>(&p), &g, static_cast<const at::Tensor*>(&m),
                                static_cast<const at::Tensor*>(&v)}) {
     VIADUCT_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
@@ -672,7 +684,8 @@ void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, do
                            static_cast<float>(beta1), static_cast<float>(beta2),
                            static_cast<float>(eps), static_cast<float>(weight_decay),
                            static_cast<float>(bias_corr1), static_cast<float>(bias_corr2),
-                           static_cast<float>(grad_scale), stream_of(p)),
+                           static_cast<float>(grad_scale), stream_of(p),
+                           scale_ptr(scale_dev, p)),
                "adamw");
 }
 
@@ -704,7 +717,8 @@ bool adamw_many_takes(const AdamWTensors& t) {
 }
 
 void adamw_many_(const std::vector<AdamWTensors>& ts, double lr, double beta1, double beta2,
-                 double eps, double bias_corr1, double bias_corr2, double grad_scale) {
+                 double eps, double bias_corr1, double bias_corr2, double grad_scale,
+                 const at::Tensor& scale_dev) {
   if (ts.empty()) return;
   std::vector<cuda::AdamWItem> items;
   for (const auto& t : ts) {
@@ -717,8 +731,53 @@ void adamw_many_(const std::vector<AdamWTensors>& ts, double lr, double beta1, d
                                  static_cast<float>(lr), static_cast<float>(beta1),
                                  static_cast<float>(beta2), static_cast<float>(eps),
                                  static_cast<float>(bias_corr1), static_cast<float>(bias_corr2),
-                                 static_cast<float>(grad_scale), stream_of(ts.front().p)),
+                                 static_cast<float>(grad_scale), stream_of(ts.front().p),
+                                 scale_ptr(scale_dev, ts.front().p)),
                "adamw_batch");
+}
+
+bool clip_on_device_takes(const std::vector<at::Tensor>& grads) {
+  if (grads.empty() || !usable(grads.front()) || disabled("clip_on_device")) return false;
+  for (const auto& g : grads) {
+    if (!g.defined() || g.device() != grads.front().device() || g.scalar_type() != at::kFloat)
+      return false;
+  }
+  return true;
+}
+
+DeviceClip clip_on_device(const std::vector<at::Tensor>& grads, double max_norm,
+                          const std::vector<at::Tensor>& also) {
+  VIADUCT_CHECK(clip_on_device_takes(grads),
+                "clip_on_device: the gradients must be fp32 on one CUDA device");
+  const auto opts = grads.front().options();
+  for (const auto& t : also) {
+    VIADUCT_CHECK(t.defined() && t.numel() == 1 && t.device() == opts.device(),
+                  "clip_on_device: each value to fetch must be one element on the gradients' "
+                  "device");
+  }
+  // The norms as grad_squared_norms (train/optimizer.cpp) forms them.
+  auto norms = at::stack(at::_foreach_norm(grads, 2)).contiguous();
+  const auto n = static_cast<int64_t>(also.size());
+  auto vals = at::empty({1 + n}, opts.dtype(at::kDouble));  // [norm, also...]
+  auto scale = at::empty({1}, opts.dtype(at::kFloat));
+  const auto stream = c10::cuda::getCurrentCUDAStream(opts.device().index());
+  check_launch(cuda::clip_scale(norms.data_ptr<float>(), norms.numel(), max_norm,
+                                vals.data_ptr<double>(), scale.data_ptr<float>(), stream.stream()),
+               "clip_scale");
+  if (n > 0) {
+    std::vector<at::Tensor> flat;
+    for (const auto& t : also) flat.push_back(t.reshape({1}));
+    vals.narrow(0, 1, n).copy_(at::cat(flat));
+  }
+  auto host = at::empty({1 + n}, at::TensorOptions().dtype(at::kDouble).pinned_memory(true));
+  host.copy_(vals, /*non_blocking=*/true);
+  auto ready = std::make_shared<at::cuda::CUDAEvent>();
+  ready->record(stream);
+  return {scale, [host, ready, vals] {
+            ready->synchronize();
+            const double* v = host.data_ptr<double>();
+            return std::vector<double>(v, v + host.numel());
+          }};
 }
 
 at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets) {
@@ -777,13 +836,17 @@ at::Tensor attn_res_read(const std::vector<at::Tensor>&, const at::Tensor&, cons
   no_cuda("attn_res_read");
 }
 void adamw_(at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, double, double, double,
-            double, double, double, double, const at::Tensor&, double) {
+            double, double, double, double, const at::Tensor&, double, const at::Tensor&) {
   no_cuda("adamw");
 }
 bool adamw_many_takes(const AdamWTensors&) { return false; }
 void adamw_many_(const std::vector<AdamWTensors>& ts, double, double, double, double, double,
-                 double, double) {
+                 double, double, const at::Tensor&) {
   if (!ts.empty()) no_cuda("adamw_many");
+}
+bool clip_on_device_takes(const std::vector<at::Tensor>&) { return false; }
+DeviceClip clip_on_device(const std::vector<at::Tensor>&, double, const std::vector<at::Tensor>&) {
+  no_cuda("clip_on_device");
 }
 
 #endif

@@ -11,6 +11,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <set>
 #include <string>
 
@@ -33,7 +34,8 @@ bool swiglu_one_gemm();
 // in one kernel, Note [AttnRes read with its norm]),
 // attn_res_read_norm_2pass (its backward in two passes), mixed_linear,
 // weight_cache (Note [Low-precision weight cache]), add_rms_norm,
-// adamw_clip, adamw_batch (small tensors' updates in shared launches). An
+// adamw_clip, adamw_batch (small tensors' updates in shared launches),
+// clip_on_device (the clip coefficient formed on the host again). An
 // unknown name is an error.
 bool disabled(const std::string& name);
 // The names of a comma-separated list (empty entries skipped); Error on an
@@ -137,9 +139,13 @@ at::Tensor saved_read_slot(torch::autograd::AutogradContext* ctx, size_t i);
 // the same pass (Note [Low-precision weight cache]). The update reads
 // g * grad_scale (the clip coefficient, Note [Clip folded into AdamW]); g
 // itself is not written. Raw writes: the caller bumps p's version.
+// With scale_dev (a [1] fp32 tensor on p's device), grad_scale is read from
+// there instead, and NaN there updates nothing (Note [Clip coefficient on
+// the device], fused_kernels.cu).
 void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,
             double beta1, double beta2, double eps, double weight_decay, double bias_corr1,
-            double bias_corr2, const at::Tensor& low = at::Tensor(), double grad_scale = 1.0);
+            double bias_corr2, const at::Tensor& low = at::Tensor(), double grad_scale = 1.0,
+            const at::Tensor& scale_dev = at::Tensor());
 
 // adamw_ for many small tensors in few launches (Note [Small tensors in one
 // AdamW launch], fused_kernels.cu), the same bits. adamw_many_takes says
@@ -151,6 +157,23 @@ struct AdamWTensors {
 };
 bool adamw_many_takes(const AdamWTensors& t);
 void adamw_many_(const std::vector<AdamWTensors>& ts, double lr, double beta1, double beta2,
-                 double eps, double bias_corr1, double bias_corr2, double grad_scale = 1.0);
+                 double eps, double bias_corr1, double bias_corr2, double grad_scale = 1.0,
+                 const at::Tensor& scale_dev = at::Tensor());
+
+// Note [Clip coefficient on the device] (fused_kernels.cu): the global norm
+// of these gradients (contiguous or not, fp32, on one CUDA device, in
+// parameter order) and the clip coefficient for max_norm (<= 0: 1), formed
+// on the device with the host's arithmetic (total_norm, clip_coefficient).
+// scale: [1] fp32 on the device, NaN when the norm is not finite, for
+// adamw_'s scale_dev. fetch(): waits for this call's work only (not for
+// work queued after it) and returns the norm, then the values of `also`
+// (one-element tensors on that device, e.g. the step's losses) as doubles.
+struct DeviceClip {
+  at::Tensor scale;
+  std::function<std::vector<double>()> fetch;
+};
+bool clip_on_device_takes(const std::vector<at::Tensor>& grads);
+DeviceClip clip_on_device(const std::vector<at::Tensor>& grads, double max_norm,
+                          const std::vector<at::Tensor>& also = {});
 
 }  // namespace viaduct::kernels

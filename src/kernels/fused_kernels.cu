@@ -1532,6 +1532,39 @@ __global__ void cross_entropy_kernel(T* __restrict__ logits, const int64_t* __re
   }
 }
 
+// Note [Clip coefficient on the device]
+// The clip coefficient needs the global gradient norm. Read on the host, it
+// held the device idle between the backward and the optimizer: the host
+// waited for the norm, then launched every AdamW update while the device
+// ran them faster than they came (0.5 ms of the llama-1B step, 1.2 ms of
+// the K3 step; bench/NOTES.md). Where one process holds the whole model,
+// one thread on the device forms the norm and the coefficient instead, and
+// the AdamW kernels read the coefficient from there. The host reads the
+// norm (for the log and the finiteness check) after it has queued the
+// updates. The arithmetic is the host's, in the host's order: squares of
+// the fp32 norms and their sum in double, sqrt, max_norm / (norm + 1e-6)
+// capped at 1, rounded to fp32, with no contraction. So the update has
+// the same bits. A norm that is not finite makes the coefficient NaN, and
+// the AdamW kernels then update nothing; the host raises the error it
+// raised before.
+__global__ void clip_scale_kernel(const float* __restrict__ norms, int64_t k, double max_norm,
+                                  double* __restrict__ norm_out, float* __restrict__ scale_out) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  double s = 0.0;
+  for (int64_t i = 0; i < k; ++i) {
+    const double v = norms[i];
+    s = __dadd_rn(s, __dmul_rn(v, v));
+  }
+  const double norm = sqrt(s);
+  double coef = 1.0;
+  if (max_norm > 0) {
+    coef = __ddiv_rn(max_norm, __dadd_rn(norm, 1e-6));
+    if (!(coef < 1.0)) coef = 1.0;
+  }
+  norm_out[0] = norm;
+  scale_out[0] = isfinite(norm) ? static_cast<float>(coef) : __int_as_float(0x7fc00000);
+}
+
 // Note [Small tensors in one AdamW launch]
 // A model has many small parameters: every norm weight, and in kimi_k3 two
 // [dim] tensors per AttnRes read (134 at the K3 benchmark shape). One
@@ -1553,7 +1586,11 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
                              float* __restrict__ m, float* __restrict__ v,
                              __nv_bfloat16* __restrict__ low, int64_t groups, float decay,
                              float beta1, float beta2, float step_size, float inv_bc2_sqrt,
-                             float eps, float grad_scale) {
+                             float eps, float grad_scale, const float* __restrict__ scale_dev) {
+  // Note [Clip coefficient on the device]: NaN there means the norm was
+  // not finite, and nothing is updated.
+  if (scale_dev != nullptr) grad_scale = *scale_dev;
+  if (grad_scale != grad_scale) return;
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < groups;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float pv[N], gv[N], mv[N], vv[N];
@@ -1585,7 +1622,10 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
 // blockIdx.y of the batch, values in groups of 4 (every item 16-byte
 // aligned with a multiple of 4 values), as adamw_kernel<4> does it.
 __global__ void adamw_batch_kernel(AdamWBatch batch, float beta1, float beta2, float step_size,
-                                   float inv_bc2_sqrt, float eps, float grad_scale) {
+                                   float inv_bc2_sqrt, float eps, float grad_scale,
+                                   const float* __restrict__ scale_dev) {
+  if (scale_dev != nullptr) grad_scale = *scale_dev;  // as adamw_kernel
+  if (grad_scale != grad_scale) return;
   const AdamWItem& it = batch.item[blockIdx.y];
   const float decay = batch.decay[blockIdx.y];
   const int64_t groups = it.n / 4;
@@ -1975,6 +2015,13 @@ cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadS
   return cudaGetLastError();
 }
 
+cudaError_t clip_scale(const float* norms, int64_t k, double max_norm, double* norm_out,
+                       float* scale_out, cudaStream_t stream) {
+  if (k < 0) return cudaErrorInvalidValue;
+  clip_scale_kernel<<<1, 32, 0, stream>>>(norms, k, max_norm, norm_out, scale_out);
+  return cudaGetLastError();
+}
+
 cudaError_t sum_parts(const float* partial, int64_t parts, int64_t dim, int sets, float* out,
                       cudaStream_t stream, const PartsProducts* prod) {
   if (parts < 1 || dim < 0 || sets < 1 || sets > 65535) return cudaErrorInvalidValue;
@@ -2043,7 +2090,7 @@ float adamw_decay(float lr, float weight_decay) { return 1.f - lr * weight_decay
 
 cudaError_t adamw_batch(const AdamWItem* items, int count, float lr, float beta1, float beta2,
                         float eps, float bias_corr1, float bias_corr2, float grad_scale,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, const float* scale_dev) {
   const float step_size = lr / bias_corr1;
   const float inv_bc2_sqrt = 1.f / sqrtf(bias_corr2);
   for (int start = 0; start < count; start += kAdamWBatch) {
@@ -2059,7 +2106,8 @@ cudaError_t adamw_batch(const AdamWItem* items, int count, float lr, float beta1
     }
     const dim3 grid(static_cast<unsigned>(elementwise_blocks(most / 4)), static_cast<unsigned>(k));
     adamw_batch_kernel<<<grid, kElemThreads, 0, stream>>>(b, beta1, beta2, step_size,
-                                                          inv_bc2_sqrt, eps, grad_scale);
+                                                          inv_bc2_sqrt, eps, grad_scale,
+                                                          scale_dev);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
@@ -2068,7 +2116,8 @@ cudaError_t adamw_batch(const AdamWItem* items, int count, float lr, float beta1
 
 cudaError_t adamw(float* p, const float* g, float* m, float* v, void* low_bf16, int64_t n,
                   float lr, float beta1, float beta2, float eps, float weight_decay,
-                  float bias_corr1, float bias_corr2, float grad_scale, cudaStream_t stream) {
+                  float bias_corr1, float bias_corr2, float grad_scale, cudaStream_t stream,
+                  const float* scale_dev) {
   auto* low = static_cast<__nv_bfloat16*>(low_bf16);
   if (n == 0) return cudaSuccess;
   const float decay = adamw_decay(lr, weight_decay);
@@ -2076,10 +2125,12 @@ cudaError_t adamw(float* p, const float* g, float* m, float* v, void* low_bf16, 
   const float inv_bc2_sqrt = 1.f / sqrtf(bias_corr2);
   if (n % 4 == 0 && aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v)) {
     adamw_kernel<4><<<elementwise_blocks(n / 4), kElemThreads, 0, stream>>>(
-        p, g, m, v, low, n / 4, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps, grad_scale);
+        p, g, m, v, low, n / 4, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps, grad_scale,
+        scale_dev);
   } else {
     adamw_kernel<1><<<elementwise_blocks(n), kElemThreads, 0, stream>>>(
-        p, g, m, v, low, n, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps, grad_scale);
+        p, g, m, v, low, n, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps, grad_scale,
+        scale_dev);
   }
   return cudaGetLastError();
 }

@@ -137,16 +137,26 @@ struct AdamWItem {
 bool adamw_batchable(const AdamWItem& t);
 cudaError_t adamw_batch(const AdamWItem* items, int count, float lr, float beta1, float beta2,
                         float eps, float bias_corr1, float bias_corr2, float grad_scale,
-                        cudaStream_t stream);
+                        cudaStream_t stream, const float* scale_dev = nullptr);
+
+// Note [Clip coefficient on the device] (fused_kernels.cu): from k fp32
+// per-tensor gradient norms, norm_out[0] = the global norm (double) and
+// scale_out[0] = the clip coefficient as fp32, or NaN when the norm is not
+// finite (max_norm <= 0: no clipping, 1).
+cudaError_t clip_scale(const float* norms, int64_t k, double max_norm, double* norm_out,
+                       float* scale_out, cudaStream_t stream);
 
 // One AdamW step on fp32 [n] tensors, in place, on the gradient
 // g' = g * grad_scale (rounded as a separate multiply): p *= 1 - lr * wd;
 // m += (1 - beta1) (g' - m); v = beta2 v + (1 - beta2) g^2;
 // p -= lr / bias_corr1 * m / (sqrt(v) / sqrt(bias_corr2) + eps) (g' for g); and, when
 // low_bf16 is not null, low_bf16[i] = bf16(p[i]) (round to nearest even).
+// With scale_dev: grad_scale is read from scale_dev[0] on the device, and
+// NaN there updates nothing (Note [Clip coefficient on the device]).
 cudaError_t adamw(float* p, const float* g, float* m, float* v, void* low_bf16, int64_t n,
                   float lr, float beta1, float beta2, float eps, float weight_decay,
-                  float bias_corr1, float bias_corr2, float grad_scale, cudaStream_t stream);
+                  float bias_corr1, float bias_corr2, float grad_scale, cudaStream_t stream,
+                  const float* scale_dev = nullptr);
 
 // y = silu(a) * b, elementwise over n values. With width > 0: n / width
 // rows of `width` values, y contiguous, a and b (da and db) `pitch` values

@@ -92,6 +92,25 @@ void AdamW::step_scaled(double lr, double grad_scale) {
   step(lr);
 }
 
+void Optimizer::step_device_scaled(double, const at::Tensor&) {
+  throw Error("this optimizer cannot read its clip coefficient on the device");
+}
+
+bool AdamW::takes_device_scale() const {
+  return own_kernel() && !kernels::disabled("adamw_clip");
+}
+
+void AdamW::step_device_scaled(double lr, const at::Tensor& scale) {
+  VIADUCT_CHECK(takes_device_scale(),
+                "AdamW: the clip coefficient on the device needs viaduct's CUDA kernel");
+  struct Reset {  // the kernels read scale_dev_ during this one step only
+    at::Tensor& t;
+    ~Reset() { t = at::Tensor(); }
+  } reset{scale_dev_};
+  scale_dev_ = scale;
+  step(lr);
+}
+
 bool AdamW::fused_step(double lr, double bc1, double bc2) {
   if (!fusable()) return false;
   const auto& first = params_.front().param;
@@ -113,7 +132,7 @@ bool AdamW::fused_step(double lr, double bc1, double bc2) {
         small.push_back(std::move(t));
       } else {
         kernels::adamw_(data, pr.grad(), exp_avg_[i], exp_avg_sq_[i], lr, beta1_, beta2_, eps_,
-                        wd, bc1, bc2, low, grad_scale_);
+                        wd, bc1, bc2, low, grad_scale_, scale_dev_);
       }
       // Raw writes move no version counter: say that the weight changed.
       if (low.defined()) {
@@ -122,7 +141,7 @@ bool AdamW::fused_step(double lr, double bc1, double bc2) {
         torch::autograd::impl::bump_version(pr);
       }
     }
-    kernels::adamw_many_(small, lr, beta1_, beta2_, eps_, bc1, bc2, grad_scale_);
+    kernels::adamw_many_(small, lr, beta1_, beta2_, eps_, bc1, bc2, grad_scale_, scale_dev_);
     return true;
   }
   std::vector<at::Tensor> p[2], g[2], m[2], v[2];

@@ -34,6 +34,12 @@ class Optimizer {
   // as they are (Note [Clip folded into AdamW]). Either way the update has
   // the same bits.
   virtual void step_scaled(double lr, double grad_scale);
+  // Note [Clip coefficient on the device] (kernels/fused_kernels.cu): the
+  // update with the clip coefficient read on the device from `scale` ([1]
+  // fp32, kernels::clip_on_device), NaN there updating nothing; only where
+  // takes_device_scale() (AdamW's own CUDA kernel), else an error.
+  virtual bool takes_device_scale() const { return false; }
+  virtual void step_device_scaled(double lr, const at::Tensor& scale);
   // FQN-keyed state: "optim.<slot>.<fqn>" -> tensor (the checkpoint layer's
   // naming, see checkpoint/tensor_index.h).
   virtual std::vector<std::pair<std::string, at::Tensor>> state() const = 0;
@@ -60,6 +66,8 @@ class AdamW : public Optimizer {
         double weight_decay);
   void step(double lr) override;
   void step_scaled(double lr, double grad_scale) override;
+  bool takes_device_scale() const override;
+  void step_device_scaled(double lr, const at::Tensor& scale) override;
   std::vector<std::pair<std::string, at::Tensor>> state() const override;
   void load_state(const std::map<std::string, at::Tensor>& tensors) override;
   std::vector<std::string> state_keys() const override;
@@ -74,6 +82,7 @@ class AdamW : public Optimizer {
   bool fused_step(double lr, double bc1, double bc2);
   double beta1_, beta2_, eps_, weight_decay_;
   double grad_scale_ = 1.0;  // read by viaduct's kernel (step_scaled)
+  at::Tensor scale_dev_;     // or this, on the device (step_device_scaled)
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
   at::Tensor step_tensor_;  // the step count for the fused kernel
 };

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -388,13 +389,42 @@ StepMetrics Trainer::train_step() {
     }
   }
   allreduce_grads_over_dp();
-  const double norm = [&] {
+  const double lr = lr_at(cfg_, step_ + 1);
+  const double max_norm = cfg_.get_float("training.max_norm");
+  // Note [Clip coefficient on the device] (kernels/fused_kernels.cu): where
+  // this process holds every parameter and AdamW's CUDA kernel runs, the
+  // norm and the clip coefficient are formed on the device and the update
+  // is queued before the host reads the norm and the losses, which wait for
+  // the norm only. The update has the host path's bits; a norm that is not
+  // finite updates nothing, and the check below raises the error.
+  std::optional<kernels::DeviceClip> device_clip;
+  if ((!mesh_ || mesh_->pp() == 1) && optimizer_->takes_device_scale()) {
+    std::vector<at::Tensor> grads;
+    for (const auto& np : optimizer_->params()) {
+      if (np.param.grad().defined()) grads.push_back(np.param.grad());
+    }
+    if (kernels::clip_on_device_takes(grads)) {
+      RECORD_USER_SCOPE("viaduct::optimizer");
+      device_clip = kernels::clip_on_device(grads, max_norm, pending_losses);
+      optimizer_->step_device_scaled(lr, device_clip->scale);
+      optimizer_->zero_grad();
+    }
+  }
+  double norm = 0.0;
+  if (device_clip) {
     RECORD_USER_SCOPE("viaduct::grad_norm");
-    return global_grad_norm();
-  }();
-  // Read after the norm's launches (Note [No sync between forward and
-  // backward]); the norm's host copy has waited for the device already.
-  for (const auto& l : pending_losses) loss_sum += l.item<double>();
+    const auto v = device_clip->fetch();  // [norm, the losses in order]
+    norm = v[0];
+    for (size_t i = 1; i < v.size(); ++i) loss_sum += v[i];
+  } else {
+    {
+      RECORD_USER_SCOPE("viaduct::grad_norm");
+      norm = global_grad_norm();
+    }
+    // Read after the norm's launches (Note [No sync between forward and
+    // backward]); the norm's host copy has waited for the device already.
+    for (const auto& l : pending_losses) loss_sum += l.item<double>();
+  }
   // The loss lives on the last stage's rank; gather it (exact: one non-zero).
   // With pipeline timing the same all-reduce gathers each pp rank's span and
   // compute seconds into its own slots: v = [loss, spans, computes]. The
@@ -424,12 +454,11 @@ StepMetrics Trainer::train_step() {
   VIADUCT_CHECK(std::isfinite(norm), "step ", step_ + 1,
                 ": the gradient norm is not finite (", norm,
                 "); lower optimizer.lr or check the data");
-  const double lr = lr_at(cfg_, step_ + 1);
-  {
+  if (!device_clip) {
     RECORD_USER_SCOPE("viaduct::optimizer");
     // The clip coefficient rides into the update (Note [Clip folded into
     // AdamW]).
-    optimizer_->step_scaled(lr, clip_coefficient(norm, cfg_.get_float("training.max_norm")));
+    optimizer_->step_scaled(lr, clip_coefficient(norm, max_norm));
     optimizer_->zero_grad();
   }
   if (mesh_ && dp_size_ > 1) {

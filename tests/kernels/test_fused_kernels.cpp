@@ -966,6 +966,65 @@ TEST(FusedKernels, AdamWFoldsTheClipBitwise) {
   }
 }
 
+// Note [Clip coefficient on the device]: the norm formed on the device is
+// the host's to the bit, and the update that reads its coefficient there
+// has the bits of step_scaled with the host's coefficient, clipping (0.5),
+// not clipping (1e9) and off (0); the values fetched with the norm are the
+// losses as item() reads them. A non-finite gradient updates nothing.
+TEST(FusedKernels, ClipOnTheDeviceHasTheHostBits) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  auto make = [] {
+    std::vector<NamedParam> ps;
+    torch::manual_seed(5);
+    const auto cuda = at::TensorOptions(at::kCUDA);
+    ps.push_back({"w", at::randn({96, 40}, cuda).requires_grad_(true), true});
+    ps.push_back({"n", at::randn({37}, cuda).requires_grad_(true), false});  // scalar path
+    ps.push_back({"q", at::randn({256}, cuda).requires_grad_(true), false});  // batched
+    ps.push_back({"u", at::randn({8}, cuda).requires_grad_(true), false});    // no gradient
+    return ps;
+  };
+  for (double max_norm : {0.5, 1e9, 0.0}) {
+    SCOPED_TRACE(testing::Message() << "max_norm " << max_norm << " seed " << seed);
+    auto dev = make(), host = make();
+    AdamW od(dev, 0.9, 0.95, 1e-8, 0.1), oh(host, 0.9, 0.95, 1e-8, 0.1);
+    ASSERT_TRUE(od.takes_device_scale());
+    for (int step = 0; step < 3; ++step) {
+      std::vector<at::Tensor> grads;
+      for (size_t i = 0; i + 1 < dev.size(); ++i) {
+        auto g = at::randn(dev[i].param.sizes(), at::TensorOptions(at::kCUDA)) * 3.0;
+        dev[i].param.mutable_grad() = g.clone();
+        host[i].param.mutable_grad() = g.clone();
+        grads.push_back(dev[i].param.grad());
+      }
+      auto loss = at::randn({}, at::TensorOptions(at::kCUDA));
+      const double norm = total_norm(grad_squared_norms(host));
+      auto clip = kernels::clip_on_device(grads, max_norm, {loss});
+      od.step_device_scaled(1e-2, clip.scale);
+      oh.step_scaled(1e-2, clip_coefficient(norm, max_norm));
+      const auto v = clip.fetch();
+      ASSERT_EQ(v.size(), 2u);
+      EXPECT_EQ(v[0], norm) << "step " << step;
+      EXPECT_EQ(v[1], loss.item<double>());
+      for (size_t i = 0; i < dev.size(); ++i) {
+        EXPECT_TRUE(at::equal(dev[i].param.detach(), host[i].param.detach()))
+            << dev[i].fqn << " step " << step;
+      }
+    }
+  }
+  auto ps = make();
+  AdamW o(ps, 0.9, 0.95, 1e-8, 0.1);
+  const auto before = ps[0].param.detach().clone();
+  auto g = at::randn(ps[0].param.sizes(), at::TensorOptions(at::kCUDA));
+  g[3][7].fill_(INFINITY);
+  ps[0].param.mutable_grad() = g;
+  auto clip = kernels::clip_on_device({g}, 1.0);
+  o.step_device_scaled(1e-2, clip.scale);
+  EXPECT_FALSE(std::isfinite(clip.fetch()[0]));
+  EXPECT_TRUE(std::isnan(clip.scale.item<float>()));
+  EXPECT_TRUE(at::equal(ps[0].param.detach(), before)) << "a non-finite norm updated the weight";
+}
+
 TEST(FusedKernels, AdamWWritesTheWeightCache) {
   REQUIRE_GPU();
   // Note [Low-precision weight cache]: after a step of the fused AdamW the
