@@ -14,7 +14,7 @@
 # bench/gpu_checks.sh section 3), sbs (240 per llama cell: the side-by-side
 # of bench/run_single_gpu.sh for CELLS), readnorm (200: the read with its
 # norm, model.attn_res_fused_norm: layer_bench's read+norm rows, the K3 A/B
-# as built, one K3 process with the norm unfused), k3gemmprofile (60: the
+# as built (K3_ROUNDS pairs, default 2), one K3 process with the norm unfused), k3gemmprofile (60: the
 # k3gemm cell's step, MLA everywhere and dense FFNs, where the AttnRes reads
 # are the difference from plain residuals), sbs1Bab (330: viaduct then
 # torch.compile twice on the 1B; VD_EXTRA applies). BUDGET_S (560): the
@@ -144,7 +144,7 @@ if want readnorm 200; then
     timeout 60 "$B/bench/layer_bench" --only "read+norm" --tokens 8192 --dim 2048 --blocks "$k" \
       --iters 20 2>&1 | grep -E "^\| attn|rror" | tee -a "$SUM"
   done
-  OUT=/tmp/vs_rn STAGES=run CELLS=k3gemmab K3_ROUNDS=2 MODES=" " CELL_TIMEOUT=120 \
+  OUT=/tmp/vs_rn STAGES=run CELLS=k3gemmab K3_ROUNDS=${K3_ROUNDS:-2} MODES=" " CELL_TIMEOUT=120 \
     bash bench/run_single_gpu.sh >/tmp/vs_rn.txt 2>&1
   grep -E "overhead" /tmp/vs_rn.txt | tee -a "$SUM"
   OUT=/tmp/vs_rn0 STAGES=run CELLS=k3gemm MODES=" " CELL_TIMEOUT=120 \
