@@ -931,21 +931,29 @@ TEST(FusedKernels, AdamWBatchHasTheBitsOfOneCallEach) {
   EXPECT_FALSE(kernels::adamw_many_takes({shifted, shifted, shifted.clone(), shifted.clone(), {}, 0.0}));
 }
 
+// The clip tests' parameters, the same values every call: the first
+// `count` of a [96, 40] weight (decayed), an odd [37] one (the kernel's
+// scalar path), a [256] one (batched small tensors), an [8] one left
+// without a gradient.
+std::vector<NamedParam> clip_test_params(size_t count) {
+  std::vector<NamedParam> ps;
+  torch::manual_seed(5);
+  const auto cuda = at::TensorOptions(at::kCUDA);
+  ps.push_back({"w", at::randn({96, 40}, cuda).requires_grad_(true), true});
+  ps.push_back({"n", at::randn({37}, cuda).requires_grad_(true), false});
+  ps.push_back({"q", at::randn({256}, cuda).requires_grad_(true), false});
+  ps.push_back({"u", at::randn({8}, cuda).requires_grad_(true), false});
+  ps.resize(count);
+  return ps;
+}
+
 TEST(FusedKernels, AdamWFoldsTheClipBitwise) {
   REQUIRE_GPU();
   // Note [Clip folded into AdamW]: step_scaled(lr, c) through the kernel
   // gives the bits of scaling the gradients in place and then step(lr), and
   // leaves the gradients unscaled.
   const auto seed = fresh_seed();
-  auto make = [] {
-    std::vector<NamedParam> ps;
-    torch::manual_seed(5);
-    const auto cuda = at::TensorOptions(at::kCUDA);
-    ps.push_back({"w", at::randn({96, 40}, cuda).requires_grad_(true), true});
-    ps.push_back({"n", at::randn({37}, cuda).requires_grad_(true), false});  // odd: scalar path
-    return ps;
-  };
-  auto folded = make(), scaled = make();
+  auto folded = clip_test_params(2), scaled = clip_test_params(2);
   AdamW of(folded, 0.9, 0.95, 1e-8, 0.1), os(scaled, 0.9, 0.95, 1e-8, 0.1);
   const double coefs[] = {0.3717, 1.0, 0.01234567};
   for (double c : coefs) {
@@ -974,19 +982,9 @@ TEST(FusedKernels, AdamWFoldsTheClipBitwise) {
 TEST(FusedKernels, ClipOnTheDeviceHasTheHostBits) {
   REQUIRE_GPU();
   const auto seed = fresh_seed();
-  auto make = [] {
-    std::vector<NamedParam> ps;
-    torch::manual_seed(5);
-    const auto cuda = at::TensorOptions(at::kCUDA);
-    ps.push_back({"w", at::randn({96, 40}, cuda).requires_grad_(true), true});
-    ps.push_back({"n", at::randn({37}, cuda).requires_grad_(true), false});  // scalar path
-    ps.push_back({"q", at::randn({256}, cuda).requires_grad_(true), false});  // batched
-    ps.push_back({"u", at::randn({8}, cuda).requires_grad_(true), false});    // no gradient
-    return ps;
-  };
   for (double max_norm : {0.5, 1e9, 0.0}) {
     SCOPED_TRACE(testing::Message() << "max_norm " << max_norm << " seed " << seed);
-    auto dev = make(), host = make();
+    auto dev = clip_test_params(4), host = clip_test_params(4);
     AdamW od(dev, 0.9, 0.95, 1e-8, 0.1), oh(host, 0.9, 0.95, 1e-8, 0.1);
     ASSERT_TRUE(od.takes_device_scale());
     for (int step = 0; step < 3; ++step) {
@@ -1012,7 +1010,7 @@ TEST(FusedKernels, ClipOnTheDeviceHasTheHostBits) {
       }
     }
   }
-  auto ps = make();
+  auto ps = clip_test_params(4);
   AdamW o(ps, 0.9, 0.95, 1e-8, 0.1);
   const auto before = ps[0].param.detach().clone();
   auto g = at::randn(ps[0].param.sizes(), at::TensorOptions(at::kCUDA));
