@@ -477,20 +477,22 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
     // fp32 parameters they are in the model; ATen otherwise.
     const int sets = with_norm ? 2 : 1;
     auto sums = at::empty({sets, D}, u.options());
+    const bool fp32_params = query.scalar_type() == at::kFloat &&
+                             norm_weight.scalar_type() == at::kFloat &&
+                             query.is_contiguous() && norm_weight.is_contiguous();
     at::Tensor dq, dw;
-    if (query.scalar_type() == at::kFloat && norm_weight.scalar_type() == at::kFloat &&
-        query.is_contiguous() && norm_weight.is_contiguous()) {
+    cuda::PartsProducts prod;
+    if (fp32_params) {
       dq = at::empty_like(query);
       dw = at::empty_like(norm_weight);
-      cuda::PartsProducts prod{norm_weight.data_ptr<float>(), query.data_ptr<float>(),
-                               dq.data_ptr<float>(), dw.data_ptr<float>()};
-      check_launch(cuda::sum_parts(partial.data_ptr<float>(), parts, D, sets,
-                                   sums.data_ptr<float>(), stream_of(g), &prod),
-                   "sum_parts");
-    } else {
-      check_launch(cuda::sum_parts(partial.data_ptr<float>(), parts, D, sets,
-                                   sums.data_ptr<float>(), stream_of(g)),
-                   "sum_parts");
+      prod = {norm_weight.data_ptr<float>(), query.data_ptr<float>(), dq.data_ptr<float>(),
+              dw.data_ptr<float>()};
+    }
+    check_launch(cuda::sum_parts(partial.data_ptr<float>(), parts, D, sets,
+                                 sums.data_ptr<float>(), stream_of(g),
+                                 fp32_params ? &prod : nullptr),
+                 "sum_parts");
+    if (!fp32_params) {
       dq = (sums[0] * norm_weight.to(at::kFloat)).to(query.scalar_type());
       dw = (sums[0] * query.to(at::kFloat)).to(norm_weight.scalar_type());
     }

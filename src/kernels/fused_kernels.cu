@@ -1580,17 +1580,16 @@ struct AdamWBatch {
   float decay[kAdamWBatch];  // 1 - lr * weight_decay, per tensor
 };
 
-// One AdamW update, the formulas of train/optimizer.cpp's loop in fp32.
+// One AdamW update of `groups` groups of N values, grid-stride: the
+// formulas of train/optimizer.cpp's loop in fp32. Both AdamW kernels run
+// it, so one launch per tensor and the batched launches have the same bits.
 template <int N>
-__global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
-                             float* __restrict__ m, float* __restrict__ v,
-                             __nv_bfloat16* __restrict__ low, int64_t groups, float decay,
-                             float beta1, float beta2, float step_size, float inv_bc2_sqrt,
-                             float eps, float grad_scale, const float* __restrict__ scale_dev) {
-  // Note [Clip coefficient on the device]: NaN there means the norm was
-  // not finite, and nothing is updated.
-  if (scale_dev != nullptr) grad_scale = *scale_dev;
-  if (grad_scale != grad_scale) return;
+__device__ __forceinline__ void adamw_groups(float* __restrict__ p, const float* __restrict__ g,
+                                             float* __restrict__ m, float* __restrict__ v,
+                                             __nv_bfloat16* __restrict__ low, int64_t groups,
+                                             float decay, float beta1, float beta2,
+                                             float step_size, float inv_bc2_sqrt, float eps,
+                                             float grad_scale) {
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < groups;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float pv[N], gv[N], mv[N], vv[N];
@@ -1618,38 +1617,36 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
   }
 }
 
+// The clip coefficient an AdamW kernel applies: grad_scale, or with
+// scale_dev the one formed on the device (Note [Clip coefficient on the
+// device]), where NaN means the norm was not finite and nothing is updated.
+__device__ __forceinline__ float adamw_scale(float grad_scale, const float* scale_dev) {
+  return scale_dev != nullptr ? *scale_dev : grad_scale;
+}
+
+template <int N>
+__global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
+                             float* __restrict__ m, float* __restrict__ v,
+                             __nv_bfloat16* __restrict__ low, int64_t groups, float decay,
+                             float beta1, float beta2, float step_size, float inv_bc2_sqrt,
+                             float eps, float grad_scale, const float* __restrict__ scale_dev) {
+  const float scale = adamw_scale(grad_scale, scale_dev);
+  if (scale != scale) return;
+  adamw_groups<N>(p, g, m, v, low, groups, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps,
+                  scale);
+}
+
 // Note [Small tensors in one AdamW launch]: the update of tensor
 // blockIdx.y of the batch, values in groups of 4 (every item 16-byte
-// aligned with a multiple of 4 values), as adamw_kernel<4> does it.
+// aligned with a multiple of 4 values).
 __global__ void adamw_batch_kernel(AdamWBatch batch, float beta1, float beta2, float step_size,
                                    float inv_bc2_sqrt, float eps, float grad_scale,
                                    const float* __restrict__ scale_dev) {
-  if (scale_dev != nullptr) grad_scale = *scale_dev;  // as adamw_kernel
-  if (grad_scale != grad_scale) return;
+  const float scale = adamw_scale(grad_scale, scale_dev);
+  if (scale != scale) return;
   const AdamWItem& it = batch.item[blockIdx.y];
-  const float decay = batch.decay[blockIdx.y];
-  const int64_t groups = it.n / 4;
-  auto* low = static_cast<__nv_bfloat16*>(it.low_bf16);
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < groups;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float pv[4], gv[4], mv[4], vv[4];
-    load_n<float, 4>(it.p, k * 4, pv);
-    load_n<float, 4>(it.g, k * 4, gv);
-    load_n<float, 4>(it.m, k * 4, mv);
-    load_n<float, 4>(it.v, k * 4, vv);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      gv[j] = __fmul_rn(gv[j], grad_scale);
-      pv[j] *= decay;
-      mv[j] += (1.f - beta1) * (gv[j] - mv[j]);
-      vv[j] = vv[j] * beta2 + (1.f - beta2) * gv[j] * gv[j];
-      pv[j] -= step_size * mv[j] / (sqrtf(vv[j]) * inv_bc2_sqrt + eps);
-    }
-    store_n<float, 4>(it.p, k * 4, pv);
-    store_n<float, 4>(it.m, k * 4, mv);
-    store_n<float, 4>(it.v, k * 4, vv);
-    if (low != nullptr) store_n<__nv_bfloat16, 4>(low, k * 4, pv);
-  }
+  adamw_groups<4>(it.p, it.g, it.m, it.v, static_cast<__nv_bfloat16*>(it.low_bf16), it.n / 4,
+                  batch.decay[blockIdx.y], beta1, beta2, step_size, inv_bc2_sqrt, eps, scale);
 }
 
 // Note [Summing the read's partial rows]
