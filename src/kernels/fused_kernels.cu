@@ -1599,14 +1599,20 @@ __device__ __forceinline__ void adamw_groups(float* __restrict__ p, const float*
     load_n<float, N>(v, k * N, vv);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      // The clip coefficient (Note [Clip folded into AdamW]): rounded on its
-      // own, as ATen's in-place multiply of the gradient rounds it, never
-      // contracted into the lerp's multiply-add.
+      // The clip coefficient (Note [Clip folded into AdamW]) is rounded on
+      // its own, as ATen's in-place multiply of the gradient rounds it.
+      // Every operation is spelled with its rounding (the _rn intrinsics
+      // become mul.rn/sub.rn, which ptxas may not fuse into an fma), so the
+      // bits do not depend on how this function is scheduled inside each
+      // kernel. Written as plain arithmetic, the PTX had contractible
+      // mul.f32/sub.f32 and the two kernels' weights differed for the
+      // tensors with weight decay (session 9, AdamWBatchHasTheBitsOfOneCallEach).
       gv[j] = __fmul_rn(gv[j], grad_scale);
-      pv[j] *= decay;
-      mv[j] += (1.f - beta1) * (gv[j] - mv[j]);  // lerp toward g
-      vv[j] = vv[j] * beta2 + (1.f - beta2) * gv[j] * gv[j];
-      pv[j] -= step_size * mv[j] / (sqrtf(vv[j]) * inv_bc2_sqrt + eps);
+      pv[j] = __fmul_rn(pv[j], decay);
+      mv[j] = __fmaf_rn(1.f - beta1, __fsub_rn(gv[j], mv[j]), mv[j]);  // lerp toward g
+      vv[j] = __fmaf_rn(__fmul_rn(1.f - beta2, gv[j]), gv[j], __fmul_rn(vv[j], beta2));
+      const float den = __fmaf_rn(__fsqrt_rn(vv[j]), inv_bc2_sqrt, eps);
+      pv[j] = __fsub_rn(pv[j], __fdiv_rn(__fmul_rn(step_size, mv[j]), den));
     }
     store_n<float, N>(p, k * N, pv);
     store_n<float, N>(m, k * N, mv);
@@ -2082,8 +2088,12 @@ bool adamw_batchable(const AdamWItem& t) {
          aligned16(t.m) && aligned16(t.v) && aligned16(t.low_bf16);
 }
 
-// Every item's decay is formed as adamw() forms it, in float on the host.
-float adamw_decay(float lr, float weight_decay) { return 1.f - lr * weight_decay; }
+// Every item's decay is formed as adamw() forms it, on the host. The
+// product of two floats is exact in double, so a contracted and an
+// uncontracted build give the same decay.
+float adamw_decay(float lr, float weight_decay) {
+  return static_cast<float>(1.0 - static_cast<double>(lr) * static_cast<double>(weight_decay));
+}
 
 cudaError_t adamw_batch(const AdamWItem* items, int count, float lr, float beta1, float beta2,
                         float eps, float bias_corr1, float bias_corr2, float grad_scale,

@@ -660,25 +660,41 @@ TEST(FusedKernels, MixedLinearWeightGradientIsFp32) {
   EXPECT_LT(rel_err(w.grad(), wr2.grad()), 1e-5) << "seed " << seed;
 }
 
-// One forward_loss + backward of a fresh model built from `overrides` on the
-// GPU (init seed 11): the loss and every parameter's gradient (zeros where
-// none reached it).
+// One forward_loss + backward of a fresh model built from `overrides` (init
+// seed 11): the loss and every parameter's gradient (zeros where none
+// reached it). gpu_step runs it on the GPU as configured; fp64_step on the
+// CPU in fp64 (the ATen path), the reference the fp32 GPU forms are
+// measured against.
 struct StepResult {
   double loss;
   std::vector<at::Tensor> grads;
 };
-StepResult gpu_step(const std::vector<std::string>& overrides, const at::Tensor& tokens,
-                    const at::Tensor& targets) {
+StepResult run_step(const std::vector<std::string>& overrides, const at::Tensor& tokens,
+                    const at::Tensor& targets, bool fp64_cpu) {
   auto model = build_model_part(Config::parse("", "test", overrides));
   model->init_weights(11);
-  model->to(at::kCUDA);
-  auto loss = model->forward_loss({tokens}, targets);
+  if (fp64_cpu) {
+    model->to(at::kDouble);
+    model->set_compute_dtype(at::kDouble);
+  } else {
+    model->to(at::kCUDA);
+  }
+  auto loss = fp64_cpu ? model->forward_loss({tokens.cpu()}, targets.cpu())
+                       : model->forward_loss({tokens}, targets);
   loss.backward();
   StepResult r{loss.item<double>(), {}};
   for (const auto& p : model->parameters()) {
     r.grads.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
   }
   return r;
+}
+StepResult gpu_step(const std::vector<std::string>& overrides, const at::Tensor& tokens,
+                    const at::Tensor& targets) {
+  return run_step(overrides, tokens, targets, false);
+}
+StepResult fp64_step(const std::vector<std::string>& overrides, const at::Tensor& tokens,
+                     const at::Tensor& targets) {
+  return run_step(overrides, tokens, targets, true);
 }
 // Two such steps agree: the loss to 1e-5 relative, each gradient to 1e-4.
 void expect_same_step(const StepResult& a, const StepResult& b, uint64_t seed) {
@@ -721,7 +737,22 @@ TEST(FusedKernels, KimiK3FusedReadNormMatchesTwoOps) {
                                "model.moe_ffn=false", "model.attn_res_fused_norm=true"};
   const auto fused = gpu_step(cfg, tokens, targets);
   cfg.back() = "model.attn_res_fused_norm=false";
-  expect_same_step(fused, gpu_step(cfg, tokens, targets), seed);
+  const auto two_ops = gpu_step(cfg, tokens, targets);
+  // Both fp32 forms are measured against the fp64 step: the fused one may
+  // round differently (the two-pass backward sums in another order), so
+  // each of its errors is bounded by the two ops' own fp32 error (three
+  // times it) or 1e-4, whichever is larger. Session 9 saw 1.6e-4 between
+  // the two fp32 forms on one parameter, which a fixed 1e-4 between them
+  // could not tell from a fault.
+  const auto ref = fp64_step(cfg, tokens, targets);
+  EXPECT_LT(std::abs(fused.loss - ref.loss) / std::abs(ref.loss), 1e-5) << "seed " << seed;
+  ASSERT_EQ(fused.grads.size(), ref.grads.size());
+  for (size_t i = 0; i < ref.grads.size(); ++i) {
+    const double e_fused = rel_err(fused.grads[i], ref.grads[i]);
+    const double e_two = rel_err(two_ops.grads[i], ref.grads[i]);
+    EXPECT_LT(e_fused, std::max(1e-4, 3 * e_two))
+        << "parameter " << i << " (two ops: " << e_two << ") seed " << seed;
+  }
 }
 
 // Note [One w1/w3 projection]: the packed form reads the halves of one
