@@ -1162,7 +1162,11 @@ __global__ void __launch_bounds__(kReadWarps * 32, kAcc || kNorm ? kReadBackward
 // the two ops store them. The results agree with the ops to rounding, not
 // bit for bit, and runs stay bitwise reproducible (fixed orders
 // throughout). VIADUCT_DISABLE_KERNELS=attn_res_read_norm_2pass goes back
-// to the form above.
+// to the form above. Measured on an H200 (session 9, layer_bench, fwd+bwd
+// of one read and its norm at 8192 x 2048): 0.187 / 0.254 / 0.273 ms with
+// 1 / 2 / 3 blocks, against 0.236 / 0.342 / 0.354 ms in three passes; the
+// K3 step's read backward kernels 8.6 ms against 13.6 ms, and its AttnRes
+// overhead +2.0-2.3% against +4.3%.
 constexpr int kReadNormPassMaxSources = 5;
 // 3 blocks of kReadWarps an SM (du's and w's sums: 64 KiB of shared memory
 // a block in bf16), so at most 168 registers.
