@@ -282,27 +282,43 @@ TEST(ChunkedHeadLoss, MatchesLogitsThenCrossEntropyInFp64) {
   }
 }
 
+// One forward_loss + backward of a fresh model from `overrides` (init seed
+// `seed`) in dtype `dt` on tokens [2, seq]: the loss and every parameter's
+// gradient by FQN.
+struct LossAndGrads {
+  double loss;
+  ParamMap grads;
+};
+LossAndGrads loss_and_grads(const std::vector<std::string>& overrides, at::ScalarType dt,
+                            int64_t seq, uint64_t seed) {
+  auto model = build_model_part(Config::parse("", "test", overrides));
+  model->init_weights(seed);
+  model->to(dt);
+  model->set_compute_dtype(dt);
+  auto tokens = torch::arange(2 * seq, torch::kLong).view({2, seq}) * 7 % 300;
+  auto targets = (tokens * 3 + 1) % 300;
+  auto loss = model->forward_loss({tokens}, targets);
+  loss.backward();
+  LossAndGrads r{loss.item<double>(), {}};
+  for (auto& [k, v] : params_of(*model)) {
+    EXPECT_EQ(v.scalar_type(), dt) << k;
+    EXPECT_TRUE(v.grad().defined()) << k;
+    r.grads[k] = v.grad().defined() ? v.grad().clone() : at::zeros_like(v);
+  }
+  return r;
+}
+
 TEST(ChunkedHeadLoss, ModelLossAndGradientsMatchThePlainHead) {
   at::set_num_threads(1);
   for (const char* fam : {"llama", "gpt2"}) {
     std::vector<ParamMap> grads;
     std::vector<double> losses;
     for (const char* chunk : {"0", "5"}) {
-      auto cfg = Config::parse("", "test", {std::string("model.family=") + fam,
-                                            "model.n_layers=2", "training.seq_len=8",
-                                            std::string("model.loss_chunk_tokens=") + chunk});
-      auto model = build_model_part(cfg);
-      model->init_weights(5);
-      model->to(at::kDouble);
-      model->set_compute_dtype(at::kDouble);
-      auto tokens = torch::arange(16, torch::kLong).view({2, 8}) * 7 % 300;
-      auto targets = (tokens * 3 + 1) % 300;
-      auto loss = model->forward_loss({tokens}, targets);
-      loss.backward();
-      losses.push_back(loss.item<double>());
-      ParamMap g;
-      for (auto& [k, v] : params_of(*model)) g[k] = v.grad().clone();
-      grads.push_back(g);
+      auto r = loss_and_grads({std::string("model.family=") + fam, "model.n_layers=2",
+                               "training.seq_len=8", std::string("model.loss_chunk_tokens=") + chunk},
+                              at::kDouble, 8, 5);
+      losses.push_back(r.loss);
+      grads.push_back(r.grads);
     }
     EXPECT_NEAR(losses[0], losses[1], 1e-10 * std::abs(losses[0])) << fam;
     for (auto& [k, g] : grads[0]) {
@@ -320,26 +336,12 @@ TEST(Models, KimiK3RunsInFp64AndAgreesWithFp32) {
   std::vector<ParamMap> grads;
   std::vector<double> losses;
   for (auto dt : {at::kFloat, at::kDouble}) {
-    auto cfg = Config::parse("", "test",
-                             {"model.family=kimi_k3", "model.flavor=debugmodel",
-                              "training.seq_len=16", "model.mla_interval=1",
-                              "model.moe_ffn=false"});
-    auto model = build_model_part(cfg);
-    model->init_weights(11);
-    model->to(dt);
-    model->set_compute_dtype(dt);
-    auto tokens = torch::arange(32, torch::kLong).view({2, 16}) * 7 % 300;
-    auto targets = (tokens * 3 + 1) % 300;
-    auto loss = model->forward_loss({tokens}, targets);
-    loss.backward();
-    losses.push_back(loss.item<double>());
-    ParamMap g;
-    for (auto& [k, v] : params_of(*model)) {
-      ASSERT_EQ(v.scalar_type(), dt) << k;
-      ASSERT_TRUE(v.grad().defined()) << k;
-      g[k] = v.grad().to(at::kDouble);
-    }
-    grads.push_back(g);
+    auto r = loss_and_grads({"model.family=kimi_k3", "model.flavor=debugmodel",
+                             "training.seq_len=16", "model.mla_interval=1", "model.moe_ffn=false"},
+                            dt, 16, 11);
+    for (auto& [k, g] : r.grads) g = g.to(at::kDouble);
+    losses.push_back(r.loss);
+    grads.push_back(r.grads);
   }
   EXPECT_NEAR(losses[0], losses[1], 1e-5 * std::abs(losses[1]));
   int nonzero = 0;
