@@ -116,13 +116,28 @@ int main(int argc, char** argv) {
     run("mla", *m, [&](const at::Tensor& in) { return m->forward(in); },
         3.0 * 2 * 2 * (double(T) * T / 2) * H * (hd + hd / 2 + hd) / 2 * B);
   }
-  for (int64_t chunk : {64}) {
+  for (int64_t chunk : {16, 64}) {
     KdaOptions o;
     o.dim = D; o.n_heads = H; o.head_dim = hd; o.chunk_size = chunk;
     Kda m(o);
     m->init_weights(1, "k.", 0.02, 0.02);
     run("kda (chunk " + std::to_string(chunk) + ")", *m,
         [&](const at::Tensor& in) { return m->forward(in); }, 0.0);
+  }
+  // The chunked gated delta rule alone, on inputs formed from x (H heads of
+  // hd): at a small --dim its time is mostly the scan's per-op cost, the
+  // proxy on CPU for the launch-bound GPU step (Note [KDA chunk scan as one
+  // autograd node]).
+  for (int64_t chunk : {16, 64}) {
+    torch::nn::Module none;
+    run("kda core (chunk " + std::to_string(chunk) + ")", none,
+        [&, chunk](const at::Tensor& in) {
+          auto h = in.view({B, T, H, hd}).to(at::kFloat);
+          auto k = h / h.norm(2, -1, /*keepdim=*/true);
+          return kda_chunked(k / std::sqrt(double(hd)), k, h, -at::sigmoid(h),
+                             at::sigmoid(h.mean(-1)), chunk);
+        },
+        0.0);
   }
   {
     SwiGLU m(D, 4 * D);

@@ -28,7 +28,7 @@ std::atomic<bool> g_read_norm_2pass{true};
 const char* const kSwitchableKernels[] = {
     "rms_norm_bwd_reg", "rope_repeat",  "attn_res_read", "attn_res_read_v2",
     "attn_res_read_norm", "attn_res_read_norm_2pass", "mixed_linear", "weight_cache",
-    "add_rms_norm", "adamw_clip", "adamw_batch", "clip_on_device"};
+    "add_rms_norm", "adamw_clip", "adamw_batch", "clip_on_device", "kda_scan_node"};
 }  // namespace
 
 void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad) {

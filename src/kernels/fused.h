@@ -35,8 +35,10 @@ bool swiglu_one_gemm();
 // attn_res_read_norm_2pass (its backward in two passes), mixed_linear,
 // weight_cache (Note [Low-precision weight cache]), add_rms_norm,
 // adamw_clip, adamw_batch (small tensors' updates in shared launches),
-// clip_on_device (the clip coefficient formed on the host again). An
-// unknown name is an error.
+// clip_on_device (the clip coefficient formed on the host again),
+// kda_scan_node (KDA's chunk scan recorded op by op again, Note [KDA chunk
+// scan as one autograd node]; an ATen path, so the CPU build has it too).
+// An unknown name is an error.
 bool disabled(const std::string& name);
 // The names of a comma-separated list (empty entries skipped); Error on an
 // unknown one.

@@ -6,6 +6,7 @@
 
 #include "core/check.h"
 #include "core/rng.h"
+#include "kernels/fused.h"
 
 namespace viaduct {
 namespace {
@@ -71,6 +72,95 @@ at::Tensor decayed_products(const at::Tensor& x, const at::Tensor& y, const at::
 // The sub-chunk of Note [KDA decayed products in sub-chunks]: 16 rows where
 // they divide the chunk, else the chunk itself.
 int64_t sub_chunk(int64_t C) { return C > 16 && C % 16 == 0 ? 16 : C; }
+
+// Note [KDA chunk scan as one autograd node]: the scan over chunks is
+// serial, N = T / C steps a layer (128 at 2048 tokens, C = 16). Written as
+// ATen ops under autograd, every step recorded ~13 nodes, and every
+// `select` of a chunk from the [B, H, N, ...] inputs had a backward that
+// writes a zero tensor of the whole input with one chunk filled in, which
+// the engine then adds into the input's gradient: per input, N full-size
+// fills and N full-size adds, O(N^2 C) traffic a layer. Here the scan is one
+// node. The forward runs the same ops without recording and keeps the
+// state S_n before each chunk and each chunk's v'_n (what the recorded
+// matmuls kept anyway). The backward walks the chunks in reverse:
+//   v'_n   = U_n - W_n S_n
+//   o_n    = qe_n S_n + Aqk_n v'_n
+//   S_n+1  = d_n * S_n + Ke_n^T v'_n        (d_n: [dk, 1], per key channel)
+// gives, with dS_N = 0,
+//   dv'_n  = Aqk_n^T do_n + Ke_n dS_n+1
+//   dAqk_n = do_n v'_n^T,  dqe_n = do_n S_n^T,  dKe_n = v'_n dS_n+1^T
+//   dd_n   = rowsum(dS_n+1 * S_n),  dU_n = dv'_n,  dW_n = -dv'_n S_n^T
+//   dS_n   = d_n * dS_n+1 + qe_n^T do_n - W_n^T dv'_n
+// and each input's gradient is one stack of its N chunk gradients.
+// The same scan recorded op by op (VIADUCT_DISABLE_KERNELS=kda_scan_node):
+// the form before the node, kept for measuring against it.
+at::Tensor chunk_scan_recorded(const at::Tensor& U, const at::Tensor& W, const at::Tensor& qe,
+                               const at::Tensor& Aqk, const at::Tensor& Ke, const at::Tensor& d) {
+  auto S = at::zeros({U.size(0), U.size(1), W.size(-1), U.size(-1)}, U.options());
+  std::vector<at::Tensor> outs;
+  for (int64_t n = 0; n < U.size(2); ++n) {
+    auto v_n = U.select(2, n) - at::matmul(W.select(2, n), S);
+    outs.push_back(at::matmul(qe.select(2, n), S) + at::matmul(Aqk.select(2, n), v_n));
+    S = d.select(2, n) * S + at::matmul(Ke.select(2, n).transpose(-1, -2), v_n);
+  }
+  return at::stack(outs, 2);
+}
+
+class ChunkScanFn : public torch::autograd::Function<ChunkScanFn> {
+ public:
+  // U, W, qe, Aqk, Ke: [B, H, N, C, *]; d: [B, H, N, dk, 1]. Returns o:
+  // [B, H, N, C, dv].
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& U,
+                            const at::Tensor& W, const at::Tensor& qe, const at::Tensor& Aqk,
+                            const at::Tensor& Ke, const at::Tensor& d) {
+    const auto B = U.size(0), H = U.size(1), N = U.size(2), dk = W.size(-1), dv = U.size(-1);
+    auto S = at::zeros({B, H, dk, dv}, U.options());
+    std::vector<at::Tensor> outs, states, vnew;
+    outs.reserve(N);
+    states.reserve(N);
+    vnew.reserve(N);
+    for (int64_t n = 0; n < N; ++n) {
+      auto v_n = U.select(2, n) - at::matmul(W.select(2, n), S);  // [B, H, C, dv]
+      outs.push_back(at::matmul(qe.select(2, n), S) + at::matmul(Aqk.select(2, n), v_n));
+      states.push_back(S);
+      S = d.select(2, n) * S + at::matmul(Ke.select(2, n).transpose(-1, -2), v_n);
+      vnew.push_back(std::move(v_n));
+    }
+    ctx->save_for_backward({U, W, qe, Aqk, Ke, d});
+    ctx->saved_data["states"] = states;
+    ctx->saved_data["vnew"] = vnew;
+    return at::stack(outs, 2);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &W = saved[1], &qe = saved[2], &Aqk = saved[3], &Ke = saved[4], &d = saved[5];
+    const auto states = ctx->saved_data["states"].toTensorVector();
+    const auto vnew = ctx->saved_data["vnew"].toTensorVector();
+    const auto N = static_cast<int64_t>(states.size());
+    const auto& dO = grads[0];  // [B, H, N, C, dv]
+    std::vector<at::Tensor> dU(N), dW(N), dqe(N), dAqk(N), dKe(N), dd(N);
+    auto dS = at::zeros_like(states[0]);  // dS_N: nothing follows the last chunk
+    for (int64_t n = N - 1; n >= 0; --n) {
+      const auto& S = states[n];
+      const auto& v_n = vnew[n];
+      auto do_n = dO.select(2, n);
+      auto dv_n = at::matmul(Aqk.select(2, n).transpose(-1, -2), do_n) +
+                  at::matmul(Ke.select(2, n), dS);
+      dAqk[n] = at::matmul(do_n, v_n.transpose(-1, -2));
+      dqe[n] = at::matmul(do_n, S.transpose(-1, -2));
+      dKe[n] = at::matmul(v_n, dS.transpose(-1, -2));
+      dd[n] = (dS * S).sum(-1, /*keepdim=*/true);
+      dW[n] = at::matmul(dv_n, S.transpose(-1, -2));  // negated once, below
+      dS = d.select(2, n) * dS + at::matmul(qe.select(2, n).transpose(-1, -2), do_n) -
+           at::matmul(W.select(2, n).transpose(-1, -2), dv_n);
+      dU[n] = std::move(dv_n);
+    }
+    return {at::stack(dU, 2), at::stack(dW, 2).neg_(), at::stack(dqe, 2),
+            at::stack(dAqk, 2), at::stack(dKe, 2), at::stack(dd, 2)};
+  }
+};
 
 }  // namespace
 
@@ -140,17 +230,12 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k,
   auto k_to_end = kc * (G_last - G).exp();             // [B, H, N, C, dk]
   auto decay_chunk = G_last.exp().transpose(-1, -2);   // [B, H, N, dk, 1]
 
-  auto S = at::zeros({B, H, dk, dv}, qc.options());
-  std::vector<at::Tensor> outs;
-  outs.reserve(N);
-  for (int64_t n = 0; n < N; ++n) {
-    auto v_new = U.select(2, n) - at::matmul(W.select(2, n), S);  // [B,H,C,dv]
-    outs.push_back(at::matmul(qe.select(2, n), S) +
-                   at::matmul(Aqk.select(2, n), v_new));
-    S = decay_chunk.select(2, n) * S +
-        at::matmul(k_to_end.select(2, n).transpose(-1, -2), v_new);
-  }
-  auto o = at::stack(outs, 2).reshape({B, H, N * C, dv}).narrow(2, 0, T);
+  // The serial scan over chunks (Note [KDA chunk scan as one autograd node]).
+  auto o = (kernels::disabled("kda_scan_node")
+                ? chunk_scan_recorded(U, W, qe, Aqk, k_to_end, decay_chunk)
+                : ChunkScanFn::apply(U, W, qe, Aqk, k_to_end, decay_chunk))
+               .reshape({B, H, N * C, dv})
+               .narrow(2, 0, T);
   return o.transpose(1, 2);  // [B, T, H, dv]
 }
 
