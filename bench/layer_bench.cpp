@@ -144,17 +144,17 @@ int main(int argc, char** argv) {
     m->init_weights(1, "f.", 0.02, 0.02);
     run("swiglu ffn (4D)", *m, [&](const at::Tensor& in) { return m->forward(in); }, 0.0);
   }
-  {
+  for (int64_t experts : {16, 64}) {
     MoeOptions o;
-    o.dim = D; o.n_routed_experts = 16; o.n_activated_experts = 2; o.hidden_dim = D / 2;
+    o.dim = D; o.n_routed_experts = experts; o.n_activated_experts = 2; o.hidden_dim = D / 2;
     o.n_shared_experts = 1; o.bias_update_rate = 0;
     Moe m(o);
     m->init_weights(1, "e.", 0.02, 0.02);
     // Only the activated experts' work counts toward the floor.
     const double expert = 3.0 * D * (D / 2);
-    const double inactive = (16 - 2) * expert;
-    run("moe (16 experts, top-2)", *m, [&](const at::Tensor& in) { return m->forward(in); },
-        -6.0 * inactive * B * T);
+    const double inactive = static_cast<double>(experts - 2) * expert;
+    run("moe (" + std::to_string(experts) + " experts, top-2)", *m,
+        [&](const at::Tensor& in) { return m->forward(in); }, -6.0 * inactive * B * T);
   }
   {
     // The stack's blocks take gradients too, as in the model.

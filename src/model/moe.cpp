@@ -12,10 +12,30 @@ GroupedExpertsImpl::GroupedExpertsImpl(int64_t n, int64_t dim, int64_t hidden) {
   w3 = register_parameter("w3", torch::zeros({n, hidden, dim}));
 }
 
-at::Tensor GroupedExpertsImpl::forward_expert(int64_t e, const at::Tensor& x) {
+// Note [MoE dispatch without per-expert gradient fills]: the experts run
+// one at a time, each on its own rows. Taken as `w1[e]` and
+// `x.index_select(0, rows_e)`, every expert's slice has a backward that
+// fills a zero tensor of the whole weight ([E, H, D]) or the whole input
+// ([N, D]) around its part, which the engine then adds up: E full-size
+// fills and adds per tensor, quadratic in the expert count for the weights
+// (E = 128 in the full flavor: 128 x 1 GiB a weight a layer). Here the
+// weights are unbound once (one node whose backward stacks the E
+// gradients) and the rows are gathered once for every slot in expert order
+// and split (one node whose backward concatenates). The forward's values
+// and the weights' gradients are the same bits as the per-expert slices';
+// x's gradient sums the same terms in another order (test
+// Moe.DispatchHasThePerExpertFormsBits).
+std::vector<at::Tensor> GroupedExpertsImpl::forward_all(const std::vector<at::Tensor>& rows) {
   const at::Tensor none;  // no bias
-  return linear(at::silu(linear(x, w1[e], none)) * linear(x, w3[e], none),
-                w2[e], none);
+  const auto w1s = w1.unbind(0), w2s = w2.unbind(0), w3s = w3.unbind(0);
+  std::vector<at::Tensor> outs;
+  for (size_t e = 0; e < rows.size(); ++e) {
+    const auto& x = rows[e];
+    if (x.size(0) == 0) continue;
+    outs.push_back(linear(at::silu(linear(x, w1s[e], none)) * linear(x, w3s[e], none), w2s[e],
+                          none));
+  }
+  return outs;
 }
 
 MoeImpl::MoeImpl(const MoeOptions& o) : opts_(o) {
@@ -97,19 +117,16 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     // Only training forwards count toward the balance.
     tokens_per_expert += counts.to(tokens_per_expert.device());
   }
-  auto token_of = at::div(order, K, "floor");  // [N K] token of each slot
-  // Expert outputs in expert order, then back to (token, slot) order: no
-  // scatter-add, so the sum over a token's k experts is deterministic.
-  std::vector<at::Tensor> outs;
+  // Every slot's row (slot n K + j is token n's j-th choice) in expert
+  // order, split by expert (Note [MoE dispatch without per-expert gradient
+  // fills]). The gather is a permutation of the slots, so its backward adds
+  // into no row twice, and the sum over a token's k copies is a reduction:
+  // no scatter-add anywhere, deterministic.
+  auto slots = xf.unsqueeze(1).expand({N, K, D}).reshape({N * K, D}).index_select(0, order);
   const auto* cnt = counts.data_ptr<int64_t>();
-  int64_t start = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    if (cnt[e] == 0) continue;
-    auto tok = token_of.narrow(0, start, cnt[e]);
-    outs.push_back(experts->forward_expert(e, xf.index_select(0, tok)));
-    start += cnt[e];
-  }
-  auto sorted_out = at::cat(outs, 0);  // [N K, D]
+  auto rows = slots.split_with_sizes(std::vector<int64_t>(cnt, cnt + E), 0);
+  // Expert outputs in expert order, then back to (token, slot) order.
+  auto sorted_out = at::cat(experts->forward_all(rows), 0);  // [N K, D]
   auto inverse = at::argsort(order);
   auto y = sorted_out.index_select(0, inverse).view({N, K, D});
   y = (y * w.to(y.scalar_type()).unsqueeze(-1)).sum(1);  // [N, D]

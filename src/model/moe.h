@@ -35,8 +35,9 @@ struct MoeOptions {
 class GroupedExpertsImpl : public torch::nn::Module {
  public:
   GroupedExpertsImpl(int64_t n_experts, int64_t dim, int64_t hidden);
-  // SwiGLU of expert e on x: [n, D] -> [n, D].
-  at::Tensor forward_expert(int64_t e, const at::Tensor& x);
+  // SwiGLU of every expert e on its rows[e]: [n_e, D] -> [n_e, D]; the
+  // outputs of the experts with rows, in expert order.
+  std::vector<at::Tensor> forward_all(const std::vector<at::Tensor>& rows);
   at::Tensor w1, w2, w3;
 };
 TORCH_MODULE(GroupedExperts);

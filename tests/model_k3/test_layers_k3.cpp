@@ -221,6 +221,80 @@ TEST(Moe, Gradcheck) {
   expect_gradients_match([&] { return moe(x); }, tensors);
 }
 
+// Note [MoE dispatch without per-expert gradient fills]: the layer against
+// the per-expert form it replaced (each expert's rows and weights sliced
+// out one at a time), written out here, with an expert left without
+// tokens: the output and every weight's gradient are the same bits; x's
+// gradient sums the same terms (its k expert copies, the router's and the
+// shared expert's) in another order, so it agrees to rounding.
+TEST(Moe, DispatchHasThePerExpertFormsBits) {
+  Moe moe(small_moe());
+  moe->init_weights(19, "moe.", 0.4, 0.4);
+  {
+    torch::NoGradGuard g;  // expert 5 gets no token
+    moe->expert_bias.copy_(torch::tensor({0.0, 0.0, 0.0, 0.0, 0.0, -50.0}));
+  }
+  torch::manual_seed(20);
+  auto x = torch::randn({3, 7, 8}).requires_grad_(true);
+  auto dy = torch::randn({3, 7, 8});
+  auto y = moe(x);
+  y.backward(dy);
+  std::vector<at::Tensor> got{y.detach(), x.grad().clone()};
+  for (const auto& p : moe->parameters()) got.push_back(p.grad().clone());
+  moe->zero_grad();
+
+  // The per-expert form.
+  auto xr = x.detach().clone().requires_grad_(true);
+  const auto K = moe->opts_.n_activated_experts, E = moe->opts_.n_routed_experts;
+  auto xf = xr.reshape({-1, 8});
+  const auto N = xf.size(0);
+  auto [idx, w] = moe->route(xf);
+  auto order = std::get<1>(at::sort(idx.reshape({-1}), /*stable=*/true, 0, false));
+  auto counts = at::bincount(idx.reshape({-1}), {}, E);
+  EXPECT_EQ(counts[5].item<int64_t>(), 0);
+  auto token_of = at::div(order, K, "floor");
+  auto& ex = *moe->experts;
+  std::vector<at::Tensor> outs;
+  int64_t start = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const auto c = counts[e].item<int64_t>();
+    if (c == 0) continue;
+    auto rows = xf.index_select(0, token_of.narrow(0, start, c));
+    outs.push_back(at::linear(at::silu(at::linear(rows, ex.w1[e])) * at::linear(rows, ex.w3[e]),
+                              ex.w2[e]));
+    start += c;
+  }
+  auto yr = at::cat(outs, 0).index_select(0, at::argsort(order)).view({N, K, 8});
+  yr = (yr * w.unsqueeze(-1)).sum(1);
+  if (moe->shared_expert) yr = yr + moe->shared_expert(xf);
+  yr = yr.view(x.sizes());
+  yr.backward(dy);
+  std::vector<at::Tensor> want{yr.detach(), xr.grad()};
+  for (const auto& p : moe->parameters()) {
+    want.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
+  }
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (i == 1) {
+      EXPECT_TRUE(torch::allclose(got[i], want[i], 1e-6, 1e-7));
+      EXPECT_GT(got[i].abs().sum().item<double>(), 0);
+    } else {
+      EXPECT_TRUE(torch::equal(got[i], want[i])) << "tensor " << i;
+    }
+  }
+  // The expert without tokens has zero weight gradients, not undefined ones.
+  for (const auto* w : {&ex.w1, &ex.w2, &ex.w3}) {
+    ASSERT_TRUE(w->grad().defined());
+    EXPECT_EQ(w->grad().select(0, 5).abs().sum().item<double>(), 0.0);
+  }
+  moe->zero_grad();
+  moe(x).backward(dy);
+  for (const auto* w : {&ex.w1, &ex.w2, &ex.w3}) {
+    EXPECT_EQ(w->grad().select(0, 5).abs().sum().item<double>(), 0.0);
+    EXPECT_GT(w->grad().abs().sum().item<double>(), 0.0);
+  }
+}
+
 TEST(Moe, BiasGetsNoGradientAndChangesSelectionOnly) {
   Moe moe(small_moe());
   moe->init_weights(15, "moe.", 0.4, 0.4);
