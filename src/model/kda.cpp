@@ -95,46 +95,49 @@ int64_t sub_chunk(int64_t C) { return C > 16 && C % 16 == 0 ? 16 : C; }
 // CPU (bench/NOTES.md, change 22) the chunked rule at 2048 tokens, chunk
 // 16, takes 1.65x less time than recorded, 1.8x at 8192 tokens.
 
-// The same scan recorded op by op (VIADUCT_DISABLE_KERNELS=kda_scan_node):
-// the form before the node, kept for measuring against it.
-at::Tensor chunk_scan_recorded(const at::Tensor& U, const at::Tensor& W, const at::Tensor& qe,
-                               const at::Tensor& Aqk, const at::Tensor& Ke, const at::Tensor& d) {
-  auto S = at::zeros({U.size(0), U.size(1), W.size(-1), U.size(-1)}, U.options());
+// Chunk n of x [B, H, N, r, c] as [B H, r, c] (a view: the scan's inputs
+// are contiguous over B and H, or narrowed in the last dimension only).
+at::Tensor chunk_of(const at::Tensor& x, int64_t n) {
+  return x.select(2, n).reshape({-1, x.size(-2), x.size(-1)});
+}
+
+// The scan's forward: U, W, qe, Aqk, Ke: [B, H, N, C, *]; d: [B, H, N, dk,
+// 1]; returns o: [B, H, N, C, dv]. The chunk's products run as batched
+// GEMMs over B H with the additions folded in (baddbmm): 5 launches a chunk.
+// With `states` and `vnew` it keeps S_n and v'_n for ChunkScanFn's
+// backward. Run under autograd it is the scan recorded op by op
+// (VIADUCT_DISABLE_KERNELS=kda_scan_node), kept for measuring against the
+// node.
+at::Tensor chunk_scan(const at::Tensor& U, const at::Tensor& W, const at::Tensor& qe,
+                      const at::Tensor& Aqk, const at::Tensor& Ke, const at::Tensor& d,
+                      std::vector<at::Tensor>* states = nullptr,
+                      std::vector<at::Tensor>* vnew = nullptr) {
+  const auto B = U.size(0), H = U.size(1), N = U.size(2), dk = W.size(-1), dv = U.size(-1);
+  auto S = at::zeros({B * H, dk, dv}, U.options());
   std::vector<at::Tensor> outs;
-  for (int64_t n = 0; n < U.size(2); ++n) {
-    auto v_n = U.select(2, n) - at::matmul(W.select(2, n), S);
-    outs.push_back(at::matmul(qe.select(2, n), S) + at::matmul(Aqk.select(2, n), v_n));
-    S = d.select(2, n) * S + at::matmul(Ke.select(2, n).transpose(-1, -2), v_n);
+  outs.reserve(N);
+  for (int64_t n = 0; n < N; ++n) {
+    auto v_n = at::baddbmm(chunk_of(U, n), chunk_of(W, n), S, 1, -1);  // [BH, C, dv]
+    outs.push_back(at::baddbmm(at::bmm(chunk_of(qe, n), S), chunk_of(Aqk, n), v_n));
+    if (states) states->push_back(S);
+    S = at::baddbmm(chunk_of(d, n) * S, chunk_of(Ke, n).transpose(1, 2), v_n);
+    if (vnew) vnew->push_back(std::move(v_n));
   }
-  return at::stack(outs, 2);
+  return at::stack(outs, 1).view({B, H, N, -1, dv});
 }
 
 class ChunkScanFn : public torch::autograd::Function<ChunkScanFn> {
  public:
-  // U, W, qe, Aqk, Ke: [B, H, N, C, *]; d: [B, H, N, dk, 1]. Returns o:
-  // [B, H, N, C, dv]. The chunk's products run as batched GEMMs over B H,
-  // the additions folded into them (baddbmm): 5 launches a chunk forward
-  // and 11 backward.
+  // chunk_scan's inputs and output; the backward takes 11 launches a chunk.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& U,
                             const at::Tensor& W, const at::Tensor& qe, const at::Tensor& Aqk,
                             const at::Tensor& Ke, const at::Tensor& d) {
-    const auto B = U.size(0), H = U.size(1), N = U.size(2), dk = W.size(-1), dv = U.size(-1);
-    auto S = at::zeros({B * H, dk, dv}, U.options());
-    std::vector<at::Tensor> outs, states, vnew;
-    outs.reserve(N);
-    states.reserve(N);
-    vnew.reserve(N);
-    for (int64_t n = 0; n < N; ++n) {
-      auto v_n = at::baddbmm(chunk_of(U, n), chunk_of(W, n), S, 1, -1);  // [BH, C, dv]
-      outs.push_back(at::baddbmm(at::bmm(chunk_of(qe, n), S), chunk_of(Aqk, n), v_n));
-      states.push_back(S);
-      S = at::baddbmm(chunk_of(d, n) * S, chunk_of(Ke, n).transpose(1, 2), v_n);
-      vnew.push_back(std::move(v_n));
-    }
+    std::vector<at::Tensor> states, vnew;
+    auto o = chunk_scan(U, W, qe, Aqk, Ke, d, &states, &vnew);
     ctx->save_for_backward({U, W, qe, Aqk, Ke, d});
     ctx->saved_data["states"] = states;
     ctx->saved_data["vnew"] = vnew;
-    return at::stack(outs, 1).view({B, H, N, -1, dv});
+    return o;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -170,12 +173,6 @@ class ChunkScanFn : public torch::autograd::Function<ChunkScanFn> {
             whole(dAqk, Aqk), whole(dKe, Ke), whole(dd, d)};
   }
 
- private:
-  // Chunk n of x [B, H, N, r, c] as [B H, r, c] (a view: the inputs are
-  // contiguous over B and H, or narrowed in the last dimension only).
-  static at::Tensor chunk_of(const at::Tensor& x, int64_t n) {
-    return x.select(2, n).reshape({-1, x.size(-2), x.size(-1)});
-  }
 };
 
 }  // namespace
@@ -248,7 +245,7 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k,
 
   // The serial scan over chunks (Note [KDA chunk scan as one autograd node]).
   auto o = (kernels::disabled("kda_scan_node")
-                ? chunk_scan_recorded(U, W, qe, Aqk, k_to_end, decay_chunk)
+                ? chunk_scan(U, W, qe, Aqk, k_to_end, decay_chunk)
                 : ChunkScanFn::apply(U, W, qe, Aqk, k_to_end, decay_chunk))
                .reshape({B, H, N * C, dv})
                .narrow(2, 0, T);
