@@ -267,18 +267,27 @@ double lr_at(const Config& cfg, int64_t step) {
   return peak * factor;
 }
 
+std::vector<at::Tensor> defined_grads(const std::vector<NamedParam>& params,
+                                      std::vector<size_t>* where) {
+  std::vector<at::Tensor> grads;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& g = params[i].param.grad();
+    if (!g.defined()) continue;
+    grads.push_back(g);
+    if (where) where->push_back(i);
+  }
+  return grads;
+}
+
 std::vector<double> grad_squared_norms(const std::vector<NamedParam>& params) {
   // One fp32 sum per parameter on its device, fetched with a single copy
   // (not one device sync per parameter).
   // One multi-tensor norm kernel per device (a loop on CPU), then squares in
   // double on the host.
-  std::vector<at::Tensor> grads;
   std::vector<size_t> where;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const auto& g = params[i].param.grad();
-    if (!g.defined()) continue;
-    grads.push_back(g.scalar_type() == at::kDouble ? g : g.to(at::kFloat));
-    where.push_back(i);
+  auto grads = defined_grads(params, &where);
+  for (auto& g : grads) {
+    if (g.scalar_type() != at::kDouble) g = g.to(at::kFloat);
   }
   std::vector<double> out(params.size(), 0.0);
   if (grads.empty()) return out;

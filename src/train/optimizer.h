@@ -104,6 +104,10 @@ std::unique_ptr<Optimizer> make_optimizer(const Config& cfg,
 // cosine / linear decay to min_lr_factor x lr, or constant.
 double lr_at(const Config& cfg, int64_t step);
 
+// The gradients that are defined, in the order of `params`; with `where`,
+// the index in `params` of each.
+std::vector<at::Tensor> defined_grads(const std::vector<NamedParam>& params,
+                                      std::vector<size_t>* where = nullptr);
 // Per-parameter squared gradient norms (fp32 sums, as double), in the
 // order of `params`. A parameter without a gradient contributes 0.
 std::vector<double> grad_squared_norms(const std::vector<NamedParam>& params);

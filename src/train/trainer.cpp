@@ -399,10 +399,7 @@ StepMetrics Trainer::train_step() {
   // finite updates nothing, and the check below raises the error.
   std::optional<kernels::DeviceClip> device_clip;
   if ((!mesh_ || mesh_->pp() == 1) && optimizer_->takes_device_scale()) {
-    std::vector<at::Tensor> grads;
-    for (const auto& np : optimizer_->params()) {
-      if (np.param.grad().defined()) grads.push_back(np.param.grad());
-    }
+    const auto grads = defined_grads(optimizer_->params());
     if (kernels::clip_on_device_takes(grads)) {
       RECORD_USER_SCOPE("viaduct::optimizer");
       device_clip = kernels::clip_on_device(grads, max_norm, pending_losses);
