@@ -5,23 +5,30 @@
 # (saved as step-0 by checkpoint.save_initial), the reference trains from that
 # step-0 on the same data with viaduct's exact optimizer loop, and the per-step
 # losses and gradient norms are compared. Also checks that the reference's
-# FLOPs per token equal `viaduct describe`'s. Not part of CI (minutes on 2
-# cores); run it after changing a model or its reference.
+# FLOPs per token equal `viaduct describe`'s. ctest runs a few cases (the
+# test Reference.TorchCrossCheck, label reference, tests/bench/CMakeLists.txt);
+# run every case after changing a model or its reference.
 #
 #   bash bench/check_references.sh                  # every case
 #   CASES="gpt2 k3plain" bash bench/check_references.sh
+#
+# Exit status: 0 when every case agrees, 1 when one disagrees or fails, 77
+# when no python imports torch (ctest reports the test as skipped).
 #
 # Environment (defaults): VIADUCT (build/viaduct), PYTHON (the first of
 # python3, /usr/bin/python3 that imports torch; Debian's python3-torch is
 # enough), OUT (outputs/check_references), STEPS (5), RTOL (1e-5: the largest
 # relative loss difference still called agreement), DATA (data/fortunes.tok,
-# else random tokens written to $OUT).
+# else random tokens written to $OUT), OVERRIDES (none: config keys added to
+# every case, e.g. "--training.seq_len=32"; the reference reads them from the
+# checkpoint).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
 VIADUCT=${VIADUCT:-build/viaduct}
 OUT=${OUT:-$PWD/outputs/check_references}
 STEPS=${STEPS:-5}
+read -r -a OVERRIDES_ARR <<<"${OVERRIDES:-}"
 RTOL=${RTOL:-1e-5}
 CASES=${CASES:-llama gpt2 k3 k3deep k3plain k3deepplain k3gemm k3mla3}
 if [ -z "${PYTHON:-}" ]; then
@@ -29,7 +36,7 @@ if [ -z "${PYTHON:-}" ]; then
     if "$p" -c 'import torch' 2>/dev/null; then PYTHON=$p; break; fi
   done
 fi
-[ -n "${PYTHON:-}" ] || { echo "no python with torch (apt-get install python3-torch)"; exit 1; }
+[ -n "${PYTHON:-}" ] || { echo "no python with torch (apt-get install python3-torch)"; exit 77; }
 [ -x "$VIADUCT" ] || { echo "no $VIADUCT (build it, or set VIADUCT)"; exit 1; }
 mkdir -p "$OUT"
 
@@ -51,7 +58,7 @@ run_case() {  # name config overrides...
   local dir=$OUT/$name
   rm -rf "$dir"
   mkdir -p "$dir"
-  local common=(--config "$config" "$@" --training.dtype=float32 --training.device=cpu
+  local common=(--config "$config" "$@" "${OVERRIDES_ARR[@]}" --training.dtype=float32 --training.device=cpu
     --training.steps="$STEPS" --training.eval_interval=0 --data.path="$DATA")
   "$VIADUCT" describe "${common[@]}" --json >"$dir/describe.json" 2>"$dir/describe.log"
   local train=("$VIADUCT" train "${common[@]}" --job.dump_folder="$dir/viaduct"

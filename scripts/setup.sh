@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libtomlplusplus-dev
-          nlohmann-json3-dev libgtest-dev googletest fortunes fortunes-min python3)
+          nlohmann-json3-dev libgtest-dev googletest fortunes fortunes-min python3
+          python3-torch)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -7,6 +7,7 @@
 
 #include "apps/command.h"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/manager.h"
 #include "core/check.h"
 
 namespace viaduct::apps {

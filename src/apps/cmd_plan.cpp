@@ -13,7 +13,7 @@
 #include "apps/command.h"
 #include "config/config.h"
 #include "core/check.h"
-#include "model/kimi_k3.h"
+#include "model/family.h"
 #include "model/model.h"
 #include "pipeline/attn_res/block_layout.h"
 #include "pipeline/schedule/plan_config.h"
@@ -40,12 +40,19 @@ int plan_main(int argc, char** argv) {
   if (!cmd) return 0;
   const auto& cfg = cmd->config;
   const bool json = cmd->has("--json");
-  VIADUCT_CHECK_T(ConfigError, cfg.get_string("model.family") == "kimi_k3",
-                  "plan: model.family is '", cfg.get_string("model.family"),
-                  "'; the AttnRes byte plan needs kimi_k3");
+  const auto& family = model_family(cfg);
+  if (!family.attn_res) {
+    std::string attn_res_families;
+    for (const auto& f : model_families()) {
+      if (!f.attn_res) continue;
+      attn_res_families += (attn_res_families.empty() ? "" : " or ") + f.name;
+    }
+    throw ConfigError(str("plan: model.family is '", family.name,
+                          "'; the AttnRes byte plan needs ", attn_res_families));
+  }
   const auto plan = plan_for(cfg);
   const auto& sp = plan.split;
-  const auto o = kimi_k3_options(cfg);
+  const auto layout = family.attn_res(cfg);  // nullopt: a chain
   const int64_t M = plan.compute.microbatches;
   const int64_t B = cfg.get_int("training.local_batch_size");
   // As the trainer refuses it: a micro-batch of B / M sequences.
@@ -53,9 +60,10 @@ int plan_main(int argc, char** argv) {
                   ") must be divisible by the ", M,
                   " micro-batches (parallelism.pipeline_parallel_microbatches)");
   const int64_t T = cfg.get_int("training.seq_len");
-  VIADUCT_CHECK_T(ConfigError, o.attn_res,
+  VIADUCT_CHECK_T(ConfigError, layout.has_value(),
                   "plan: model.attn_res = false; without AttnRes no block "
                   "stack crosses a hop (use viaduct schedule)");
+  const AttnResLayout& o = *layout;
   const std::string dtype = cfg.get_string("training.dtype");
   const int64_t elem = (dtype == "bfloat16" || dtype == "bf16") ? 2 : 4;
   const double entry = static_cast<double>(B / M * T * o.dim * elem);
@@ -156,9 +164,10 @@ int plan_main(int argc, char** argv) {
     std::printf("%s\n", out.dump().c_str());
     return 0;
   }
-  std::printf("kimi_k3/%s: %lld layers in blocks of %lld; %lld stages on %lld ranks, %s, "
+  std::printf("%s/%s: %lld layers in blocks of %lld; %lld stages on %lld ranks, %s, "
               "%lld micro-batches of [%lld, %lld, %lld] (%.0f bytes per block entry)\n",
-              o.flavor.c_str(), static_cast<long long>(o.n_layers),
+              family.name.c_str(), cfg.get_string("model.flavor").c_str(),
+              static_cast<long long>(o.n_layers),
               static_cast<long long>(o.block_size), static_cast<long long>(sp.num_stages),
               static_cast<long long>(sp.pp), plan.compute.name.c_str(),
               static_cast<long long>(M), static_cast<long long>(B / M),

@@ -3,6 +3,7 @@
 
 #include "apps/command.h"
 #include "core/check.h"
+#include "model/family.h"
 #include "model/model.h"
 #include "pipeline/schedule/plan_config.h"
 
@@ -32,6 +33,11 @@ std::optional<ConfigCommand> parse_config_command(
                   args.positional.empty() ? "" : args.positional[0], "'\n", usage);
   out.options = args.options;
   out.config = Config::load(args.config_path, args.overrides);
+  // What config/ cannot check alone, at load as for every other key: the
+  // family and its flavor (the model registry), the schedule keys (the
+  // schedule table).
+  model_family(out.config);
+  pipeline::validate_plan_config(out.config);
   return out;
 }
 

@@ -24,7 +24,9 @@ struct ConfigCommand {
 };
 
 // Prints `usage` and returns nullopt for --help / -h. An unknown flag or a
-// stray argument is a ConfigError naming it, followed by `usage`.
+// stray argument is a ConfigError naming it, followed by `usage`. The config
+// is loaded and checked as a whole: its keys (config/), its model family
+// and flavor (model/family.h) and its schedule (pipeline/schedule/plan_config.h).
 std::optional<ConfigCommand> parse_config_command(
     int argc, char** argv, const std::string& name, const char* usage,
     const std::vector<std::string>& allowed_flags,

@@ -11,7 +11,9 @@
 #include <set>
 #include <system_error>
 
+#include "checkpoint/manager.h"
 #include "core/check.h"
+#include "core/file_io.h"
 #include "core/log.h"
 #include "core/torch_compat.h"
 
@@ -36,21 +38,6 @@ std::optional<int64_t> parse_step(std::string_view text) {
   return v;
 }
 
-// "step-<N>" → N; anything else (including "step-<N>.tmp-…") → nullopt.
-std::optional<int64_t> step_of_dir_name(const std::string& name) {
-  if (name.rfind(kStepPrefix, 0) != 0) return std::nullopt;
-  return parse_step(std::string_view(name).substr(std::strlen(kStepPrefix)));
-}
-
-// "step-<N>.tmp-<id>" → N.
-std::optional<int64_t> step_of_tmp_name(const std::string& name) {
-  if (name.rfind(kStepPrefix, 0) != 0) return std::nullopt;
-  size_t at = name.find(kTmpInfix);
-  if (at == std::string::npos) return std::nullopt;
-  size_t start = std::strlen(kStepPrefix);
-  return parse_step(std::string_view(name).substr(start, at - start));
-}
-
 std::string pid_text() { return std::to_string(::getpid()); }
 
 template <typename T>
@@ -72,21 +59,22 @@ void check_file_name(const std::string& name, const fs::path& dir) {
                 "bad checkpoint file name '", name, "' in ", dir.string());
 }
 
-// Why `dir` is not a complete checkpoint, or "" when it is.
-std::string incomplete_reason(const fs::path& dir, int64_t step, Verify verify) {
-  try {
-    CheckpointMetadata meta = load_checkpoint_metadata(dir);
-    if (meta.step != step) {
-      return str("metadata.json says step ", meta.step);
-    }
-    verify_checkpoint(dir, verify);
-  } catch (const FileError& e) {
-    return e.what();
-  }
-  return "";
+}  // namespace
+
+// ---- naming --------------------------------------------------------------
+
+std::optional<int64_t> step_of_folder_name(const std::string& name) {
+  if (name.rfind(kStepPrefix, 0) != 0) return std::nullopt;
+  return parse_step(std::string_view(name).substr(std::strlen(kStepPrefix)));
 }
 
-}  // namespace
+std::optional<int64_t> step_of_tmp_folder_name(const std::string& name) {
+  if (name.rfind(kStepPrefix, 0) != 0) return std::nullopt;
+  size_t at = name.find(kTmpInfix);
+  if (at == std::string::npos) return std::nullopt;
+  size_t start = std::strlen(kStepPrefix);
+  return parse_step(std::string_view(name).substr(start, at - start));
+}
 
 // ---- metadata ------------------------------------------------------------
 
@@ -196,7 +184,7 @@ fs::path commit_checkpoint(const fs::path& folder, const fs::path& tmp_dir,
                            CheckpointMetadata meta,
                            const std::vector<std::string>& expected_files) {
   const std::string tmp_name = tmp_dir.filename().string();
-  VIADUCT_CHECK(step_of_tmp_name(tmp_name) == meta.step, "tmp folder ",
+  VIADUCT_CHECK(step_of_tmp_folder_name(tmp_name) == meta.step, "tmp folder ",
                 tmp_dir.string(), " is not one for step ", meta.step);
   std::error_code ec;
   VIADUCT_CHECK_T(FileError, fs::is_directory(tmp_dir, ec), "checkpoint tmp folder ",
@@ -268,17 +256,7 @@ fs::path commit_checkpoint(const fs::path& folder, const fs::path& tmp_dir,
   // The checkpoint folder's own entry, for the first save into a new one.
   fsync_dir(fs::absolute(folder).parent_path());
 
-  // Stale tmp folders of this or earlier steps: crashed saves, replaced or
-  // pruned checkpoints. Later steps are left alone.
-  std::vector<fs::path> stale;
-  for (const auto& de : fs::directory_iterator(folder, ec)) {
-    auto s = step_of_tmp_name(de.path().filename().string());
-    if (s && *s <= meta.step && de.is_directory(ec)) stale.push_back(de.path());
-  }
-  for (const auto& path : stale) {
-    log::info("checkpoint: removing stale ", path.string());
-    remove_tree(path);
-  }
+  remove_stale_tmp_folders(folder, meta.step);
   log::info("checkpoint: saved step ", meta.step, " to ", dest.string(), " (",
             records.size(), " tensor files)");
   return dest;
@@ -296,57 +274,6 @@ fs::path save_checkpoint(const fs::path& folder, const CheckpointMetadata& meta,
   }
   make_dirs(tmp);  // a save with no parts still commits metadata
   return commit_checkpoint(folder, tmp, meta, expected);
-}
-
-// ---- discovery -----------------------------------------------------------
-
-std::vector<int64_t> list_checkpoints(const fs::path& folder, Verify verify) {
-  std::vector<int64_t> steps;
-  std::error_code ec;
-  if (!fs::is_directory(folder, ec)) return steps;
-  for (const auto& de : fs::directory_iterator(folder, ec)) {
-    auto step = step_of_dir_name(de.path().filename().string());
-    if (!step || !de.is_directory(ec)) continue;
-    std::string why = incomplete_reason(de.path(), *step, verify);
-    if (why.empty()) {
-      steps.push_back(*step);
-    } else {
-      log::warn("checkpoint: ignoring incomplete ", de.path().string(), ": ",
-                why);
-    }
-  }
-  VIADUCT_CHECK_T(FileError, !ec, "cannot list ", folder.string(), ": ",
-                  ec.message());
-  std::sort(steps.begin(), steps.end());
-  return steps;
-}
-
-std::optional<int64_t> find_latest_checkpoint(const fs::path& folder,
-                                              Verify verify) {
-  auto steps = list_checkpoints(folder, verify);
-  if (steps.empty()) return std::nullopt;
-  return steps.back();
-}
-
-std::vector<int64_t> prune_checkpoints(const fs::path& folder,
-                                       int keep_latest_k) {
-  VIADUCT_CHECK(keep_latest_k >= 0, "checkpoint.keep_latest_k must be >= 0, got ",
-                keep_latest_k);
-  std::vector<int64_t> removed;
-  if (keep_latest_k == 0) return removed;
-  auto steps = list_checkpoints(folder, Verify::kSizes);
-  if (steps.size() <= static_cast<size_t>(keep_latest_k)) return removed;
-  steps.resize(steps.size() - static_cast<size_t>(keep_latest_k));
-  for (int64_t step : steps) {
-    const fs::path aside = checkpoint_tmp_dir(folder, step, "pruned-" + pid_text());
-    remove_tree(aside);
-    rename_path(checkpoint_dir(folder, step), aside);
-    fsync_dir(folder);
-    remove_tree(aside);
-    removed.push_back(step);
-    log::info("checkpoint: pruned step ", step, " in ", folder.string());
-  }
-  return removed;
 }
 
 // ---- load ----------------------------------------------------------------

@@ -1,21 +1,22 @@
-// Checkpoints: a folder `<checkpoint.folder>/step-<N>/` holding FQN-keyed
-// safetensors files and `metadata.json`, saved atomically, found, pruned and
-// opened for loading under any pipeline layout.
+// One checkpoint: a folder `<checkpoint.folder>/step-<N>/` holding FQN-keyed
+// safetensors files and `metadata.json`, saved atomically, verified and
+// opened for loading under any pipeline layout. The folder of checkpoints
+// (discovery, resume, pruning) is the CheckpointManager's (manager.h).
 //
 // Note [Atomic checkpoint save]
 // Every file is written into `step-<N>.tmp-<save id>/` and fsynced; then
 // metadata.json (which lists every file with its size and CRC-32) is written
 // and fsynced, the folder is fsynced and renamed to `step-<N>/`, and the
 // parent folder is fsynced. rename(2) is atomic, so a crash leaves either a
-// `.tmp-` folder (never considered, removed by the next save) or a complete
-// `step-<N>/`. Discovery also requires metadata.json to parse and every listed
+// `.tmp-` folder (never considered, removed by the next save:
+// remove_stale_tmp_folders in manager.h) or a complete `step-<N>/`. Discovery also requires metadata.json to parse and every listed
 // file to exist with its recorded size; opening for load checks the CRC-32s.
 //
 // Single process:
 //   CheckpointMetadata meta;  meta.step = step;  meta.tokens_seen = ...;
 //   save_checkpoint(folder, meta, {{"model.safetensors", model_tensors},
 //                                  {"optim.safetensors", optim_tensors}});
-//   prune_checkpoints(folder, keep_latest_k);
+//   prune_checkpoints(folder, keep_latest_k);      // manager.h
 //
 // Several ranks sharing one folder (two phases around a barrier):
 //   auto tmp = checkpoint_tmp_dir(folder, step, save_id);  // same on all ranks
@@ -29,7 +30,7 @@
 // job run, e.g. rank 0's pid and start time broadcast once at start-up.
 //
 // Load (any layout; each rank asks for the FQNs it owns):
-//   if (auto step = find_latest_checkpoint(folder)) {
+//   if (auto step = find_latest_checkpoint(folder)) {  // manager.h
 //     Checkpoint ckpt = open_checkpoint(checkpoint_dir(folder, *step));
 //     ckpt.tensors.load_into(my_named_params);       // model
 //     ckpt.tensors.load_into(my_named_optim_state);  // optim.<state>.<fqn>
@@ -103,6 +104,10 @@ std::string part_file_name(const std::string& kind, int rank, int world_size);
 std::filesystem::path checkpoint_tmp_dir(const std::filesystem::path& folder,
                                          int64_t step,
                                          const std::string& save_id);
+// "step-<N>" → N; anything else (including "step-<N>.tmp-…") → nullopt.
+std::optional<int64_t> step_of_folder_name(const std::string& name);
+// "step-<N>.tmp-<id>" → N; anything else → nullopt.
+std::optional<int64_t> step_of_tmp_folder_name(const std::string& name);
 
 // Single process: writes every part and commits. `meta.files` is filled in.
 // Returns the step folder.
@@ -126,19 +131,6 @@ enum class Verify {
   kSizes,      // metadata.json parses, every listed file has its size
   kChecksums,  // and every file's CRC-32 matches (reads everything)
 };
-
-// Steps of the complete checkpoints in `folder`, ascending. `.tmp-` folders
-// and incomplete `step-<N>` folders are skipped (the latter with a warning).
-std::vector<int64_t> list_checkpoints(const std::filesystem::path& folder,
-                                      Verify verify = Verify::kSizes);
-std::optional<int64_t> find_latest_checkpoint(
-    const std::filesystem::path& folder, Verify verify = Verify::kSizes);
-// Removes all but the `keep_latest_k` newest complete checkpoints (0 keeps
-// all). Each is first renamed to a `.tmp-` name, so a crash mid-removal never
-// leaves a half-deleted folder that looks like a checkpoint. Returns the
-// removed steps.
-std::vector<int64_t> prune_checkpoints(const std::filesystem::path& folder,
-                                       int keep_latest_k);
 
 // Reads and validates step_dir/metadata.json (not the tensor files).
 CheckpointMetadata load_checkpoint_metadata(const std::filesystem::path& step_dir);

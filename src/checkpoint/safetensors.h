@@ -30,7 +30,8 @@
 #include <utility>
 #include <vector>
 
-#include "checkpoint/file_io.h"
+#include "checkpoint/crc32.h"
+#include "core/file_io.h"
 
 namespace viaduct::checkpoint {
 

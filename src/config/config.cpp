@@ -1,5 +1,5 @@
 // Config loading: TOML through toml++, overrides, strict keys with "did you
-// mean", deprecated aliases, and print-back as TOML.
+// mean", deprecated aliases and spellings, and print-back as TOML.
 #include "config/config.h"
 
 #include <toml++/toml.h>
@@ -319,6 +319,22 @@ Config Config::parse(const std::string& text, const std::string& origin,
                     "'; keep only '--", new_key, "'");
   }
   for (const auto& o : overrides) cfg.apply_override(o, "the command line");
+  // Deprecated spellings of several keys together (schema.cpp).
+  for (const auto& d : config_deprecated_spellings()) {
+    bool given = true;
+    for (const auto& [key, value] : d.given) given = given && cfg.get_string(key) == value;
+    if (!given) continue;
+    std::string was, now;
+    for (const auto& [key, value] : d.given) {
+      was += str(was.empty() ? "" : " with ", key, " = \"", value, "\"");
+    }
+    for (const auto& [key, value] : d.becomes) {
+      now += str(now.empty() ? "" : ", ", key, " = \"", value, "\"");
+      cfg.values_[key] = value;
+      cfg.explicit_[key] = true;
+    }
+    log::warn(was, " (", origin, ") is deprecated; write ", now);
+  }
   // The warmup never outlasts the run (a short smoke run of a long job's
   // config is common); an explicit longer one is clamped with a warning.
   {

@@ -1,14 +1,17 @@
 // The job config: a TOML file plus `--section.key=value` overrides, checked
 // against one schema (config/schema.cpp). Unknown keys and wrong types are
 // errors naming the key, the file and the closest valid key; deprecated keys
-// map to their new names with one warning; cross-field checks run after the
-// overrides.
+// (and deprecated spellings of several keys) map to their new names with one
+// warning; cross-field checks run after the overrides. Checks that need a
+// layer above (the model-family registry, the schedule table) run where the
+// config is used (apps/command.cpp).
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -35,6 +38,15 @@ struct ConfigKey {
 const std::vector<ConfigKey>& config_schema();
 // Deprecated dotted key -> its new dotted key.
 const std::map<std::string, std::string>& config_aliases();
+
+// A deprecated spelling that spans several keys: when every `given` key holds
+// its string value once the overrides are applied, the `becomes` values
+// replace them, with one warning that says what to write instead.
+struct DeprecatedSpelling {
+  std::vector<std::pair<std::string, std::string>> given;    // dotted key, value
+  std::vector<std::pair<std::string, std::string>> becomes;  // dotted key, value
+};
+const std::vector<DeprecatedSpelling>& config_deprecated_spellings();
 
 class Config {
  public:

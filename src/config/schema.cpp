@@ -1,5 +1,5 @@
-// The full schema (the union of every section's keys) and the deprecated
-// aliases.
+// The full schema (the union of every section's keys), the deprecated
+// aliases and the deprecated spellings of several keys together.
 #include <set>
 
 #include "config/config.h"
@@ -37,6 +37,15 @@ const std::map<std::string, std::string>& config_aliases() {
        "parallelism.pipeline_parallel_microbatches"},
   };
   return aliases;
+}
+
+const std::vector<DeprecatedSpelling>& config_deprecated_spellings() {
+  static const std::vector<DeprecatedSpelling> spellings = {
+      // exact16 was a kimi_k3 flavor before it became its own family.
+      {{{"model.family", "kimi_k3"}, {"model.flavor", "exact16"}},
+       {{"model.family", "exact16"}, {"model.flavor", "debugmodel"}}},
+  };
+  return spellings;
 }
 
 }  // namespace viaduct

@@ -1,12 +1,13 @@
 // [parallelism] keys and their cross-field checks. The checks that need the
-// model's layer count (is the split possible?) run when the plan is built
-// (pipeline/schedule/plan.h); these are the ones the config alone decides.
+// model's layer count (is the split possible?) or the schedule table (is the
+// schedule name known, does it run this many stages per rank?) run when the
+// plan is built (pipeline/schedule/plan_config.h); these are the ones the
+// config alone decides.
 #include <filesystem>
 
 #include "config/config.h"
 #include "config/schema_parts.h"
 #include "core/check.h"
-#include "pipeline/schedule/schedule.h"
 
 namespace viaduct {
 namespace {
@@ -124,21 +125,6 @@ void validate_parallelism(const Config& c) {
                     "parallelism.pipeline_parallel_schedule_csv = '", csv,
                     "' is not a readable file");
     return;
-  }
-  // An unknown name is refused with the closest valid one.
-  const auto type = pipeline::schedule_type_from_name(
-      c.get_string("parallelism.pipeline_parallel_schedule"));
-  const auto& tr = pipeline::schedule_traits(type);
-  if (spr) {
-    const bool ok = *spr >= tr.min_stages_per_rank &&
-                    (tr.max_stages_per_rank == 0 || *spr <= tr.max_stages_per_rank);
-    VIADUCT_CHECK_T(ConfigError, ok, "parallelism.pipeline_parallel_stages_per_rank = ",
-                    *spr, " but schedule ", tr.name, " runs ",
-                    tr.min_stages_per_rank == tr.max_stages_per_rank
-                        ? str("exactly ", tr.min_stages_per_rank)
-                        : str("at least ", tr.min_stages_per_rank),
-                    " stage(s) per rank",
-                    tr.single_stage ? "; for several use Interleaved1F1B" : "");
   }
   if (fqns) {
     const auto lists = c.get_string_list_list("parallelism.module_fqns_per_model_part");

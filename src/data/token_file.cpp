@@ -15,6 +15,7 @@
 #include <filesystem>
 
 #include "core/check.h"
+#include "core/file_io.h"
 #include "core/log.h"
 
 namespace viaduct::data {
@@ -30,29 +31,6 @@ constexpr size_t kTokenizerField = 64;
 constexpr int32_t kLlmcVersion = 1;
 constexpr int32_t kLlmcVersionLlama3 = 7;
 constexpr size_t kWriteChunk = 1 << 20;
-
-std::string errno_text() { return std::strerror(errno); }
-
-// Owns a file descriptor; closing is checked where it matters (close_checked).
-class UniqueFd {
- public:
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  ~UniqueFd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  int get() const { return fd_; }
-  void close_checked(const std::string& path) {
-    int fd = fd_;
-    fd_ = -1;
-    VIADUCT_CHECK_T(FileError, ::close(fd) == 0, "cannot close '", path,
-                    "': ", errno_text());
-  }
-
- private:
-  int fd_;
-};
 
 uint32_t load_u32(const uint8_t* p) {
   uint32_t v;
@@ -450,7 +428,6 @@ std::string resolve_val_path(const std::string& path,
 TokenFileWriter::TokenFileWriter(const std::string& path, int64_t vocab_size,
                                  const std::string& tokenizer)
     : path_(path),
-      tmp_path_(path + ".tmp"),
       vocab_size_(vocab_size),
       tokenizer_(tokenizer),
       bytes_per_token_(vocab_size <= 65536 ? 2 : 4) {
@@ -460,36 +437,19 @@ TokenFileWriter::TokenFileWriter(const std::string& path, int64_t vocab_size,
   VIADUCT_CHECK(tokenizer.size() < kTokenizerField, "token file '", path,
                 "': tokenizer name '", tokenizer, "' is longer than ",
                 kTokenizerField - 1, " characters");
-  fd_ =
-      ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  VIADUCT_CHECK_T(FileError, fd_ >= 0, "cannot create '", tmp_path_,
-                  "': ", errno_text());
+  out_ = std::make_unique<AtomicFile>(path);
   buffer_.reserve(kWriteChunk + 64);
 }
 
-TokenFileWriter::~TokenFileWriter() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-    ::unlink(tmp_path_.c_str());
-  }
-}
+TokenFileWriter::~TokenFileWriter() = default;
 
 void TokenFileWriter::write_all(const void* data, size_t bytes,
                                 int64_t offset) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (bytes > 0) {
-    ssize_t n = ::pwrite(fd_, p, bytes, offset);
-    if (n < 0 && errno == EINTR) continue;
-    VIADUCT_CHECK_T(FileError, n > 0, "cannot write '", tmp_path_,
-                    "': ", n < 0 ? errno_text() : std::string("no progress"));
-    p += n;
-    bytes -= static_cast<size_t>(n);
-    offset += n;
-  }
+  out_->file().write_at(data, bytes, static_cast<uint64_t>(offset));
 }
 
 void TokenFileWriter::append(const int64_t* tokens, int64_t count) {
-  VIADUCT_CHECK(fd_ >= 0, "token file '", path_, "' is already finished");
+  VIADUCT_CHECK(out_ != nullptr, "token file '", path_, "' is already finished");
   for (int64_t i = 0; i < count; ++i) {
     int64_t t = tokens[i];
     VIADUCT_CHECK(t >= 0 && t < vocab_size_, "token file '", path_, "': token ",
@@ -514,7 +474,7 @@ void TokenFileWriter::append(const int64_t* tokens, int64_t count) {
 }
 
 int64_t TokenFileWriter::finish() {
-  VIADUCT_CHECK(fd_ >= 0, "token file '", path_, "' is already finished");
+  VIADUCT_CHECK(out_ != nullptr, "token file '", path_, "' is already finished");
   if (!buffer_.empty()) {
     write_all(buffer_.data(), buffer_.size(),
               kViaductHeaderBytes + count_ * bytes_per_token_ -
@@ -533,30 +493,9 @@ int64_t TokenFileWriter::finish() {
   std::memcpy(header + 24, &vocab, 8);
   std::memcpy(header + 32, tokenizer_.data(), tokenizer_.size());
   write_all(header, sizeof(header), 0);
-  VIADUCT_CHECK_T(FileError, ::fsync(fd_) == 0, "cannot fsync '", tmp_path_,
-                  "': ", errno_text());
-  int fd = fd_;
-  fd_ = -1;
-  if (::close(fd) != 0) {
-    std::string err = errno_text();
-    ::unlink(tmp_path_.c_str());
-    throw FileError(str("cannot close '", tmp_path_, "': ", err));
-  }
-  if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
-    std::string err = errno_text();
-    ::unlink(tmp_path_.c_str());
-    throw FileError(
-        str("cannot rename '", tmp_path_, "' to '", path_, "': ", err));
-  }
-  // Make the rename itself durable.
-  std::string dir = std::filesystem::path(path_).parent_path().string();
-  if (dir.empty()) dir = ".";
-  UniqueFd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  VIADUCT_CHECK_T(FileError, dfd.get() >= 0, "cannot open folder '", dir,
-                  "' to fsync it: ", errno_text());
-  VIADUCT_CHECK_T(FileError, ::fsync(dfd.get()) == 0, "cannot fsync folder '",
-                  dir, "': ", errno_text());
-  dfd.close_checked(dir);
+  // Note [Atomic replace] (core/file_io.h); a failure leaves no .tmp behind.
+  out_->commit();
+  out_.reset();
   return kViaductHeaderBytes + count_ * bytes_per_token_;
 }
 

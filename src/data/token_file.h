@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "core/file_io.h"
+
 namespace viaduct::data {
 
 enum class TokenFormat { kViaduct, kLlmc, kUint16, kUint32 };
@@ -133,9 +135,10 @@ std::string val_path_for(const std::string& path);
 std::string resolve_val_path(const std::string& path,
                              const std::string& val_path);
 
-// Writes a viaduct token file atomically: tokens go to `<path>.tmp`, and
-// finish() writes the header, fsyncs, renames onto `path` and fsyncs the
-// folder. Dropped without finish(), it removes the temporary file.
+// Writes a viaduct token file atomically (Note [Atomic replace] in
+// core/file_io.h): tokens go to `<path>.tmp`, and finish() writes the header,
+// fsyncs, renames onto `path` and fsyncs the folder. Dropped without
+// finish(), it removes the temporary file.
 class TokenFileWriter {
  public:
   // bytes_per_token is derived from vocab_size (uint16 when it fits).
@@ -160,8 +163,7 @@ class TokenFileWriter {
   void write_all(const void* data, size_t bytes, int64_t offset);
 
   std::string path_;
-  std::string tmp_path_;
-  int fd_ = -1;
+  std::unique_ptr<AtomicFile> out_;  // null once finished
   int64_t vocab_size_;
   std::string tokenizer_;
   int bytes_per_token_;

@@ -22,6 +22,7 @@
 #include <optional>
 
 #include "core/check.h"
+#include "core/file_io.h"
 
 extern char** environ;
 
@@ -29,41 +30,6 @@ namespace viaduct::dist {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::string errno_text() { return std::strerror(errno); }
-
-// An owned file descriptor.
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  ~UniqueFd() { reset(); }
-  UniqueFd(UniqueFd&& other) noexcept : fd_(other.release()) {}
-  UniqueFd& operator=(UniqueFd&& other) noexcept {
-    if (this != &other) {
-      reset();
-      fd_ = other.release();
-    }
-    return *this;
-  }
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  int release() {
-    int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-  void reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
 
 std::pair<UniqueFd, UniqueFd> make_pipe() {
   int fds[2];
@@ -77,16 +43,10 @@ void set_nonblocking(int fd) {
                 "launch: fcntl: ", errno_text());
 }
 
-// Writes all of `data`, retrying short writes and EINTR; gives up silently on
-// a closed stream (our own stdout went away).
+// Writes all of `data`; gives up silently on a closed stream (our own
+// stdout went away).
 void write_all(int fd, const std::string& data) {
-  size_t done = 0;
-  while (done < data.size()) {
-    ssize_t n = ::write(fd, data.data() + done, data.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    done += static_cast<size_t>(n);
-  }
+  (void)write_fully(fd, data.data(), data.size());
 }
 
 std::string signal_name(int sig) {

@@ -1,5 +1,5 @@
-// The kimi_k3 flavor exact16 (Note [exact16: integer gradients] in
-// exact16.h): options and refusals, the part, and its description.
+// The exact16 model family (Note [exact16: integer gradients] in
+// exact16.h): options and refusals, the part, and its registry entry.
 #include "model/exact16.h"
 
 #include <cmath>
@@ -10,12 +10,12 @@
 #include "core/check.h"
 #include "core/rng.h"
 #include "model/families.h"
-#include "model/kimi_k3.h"
 
 namespace viaduct {
 namespace {
 
-constexpr const char* kWhat = "kimi_k3 flavor exact16";
+constexpr const char* kFamily = "exact16";
+constexpr const char* kFlavor = "debugmodel";  // the family's one shape
 constexpr double kExactLimit = 16777216.0;  // 2^24: fp32 integers are exact below
 
 std::vector<std::string> all_module_fqns(const Exact16Options& o) {
@@ -91,19 +91,26 @@ Exact16Options exact16_options(const Config& cfg) {
     throw ConfigError(str(
         key,
         sw != kSwitches.end() ? str(" = ", sw->second ? "false" : "true") : std::string(),
-        " (", cfg.origin(), ") does not apply to ", kWhat,
+        " (", cfg.origin(), ") does not apply to ", kFamily,
         ": it is the integer-gradient AttnRes model (no KDA, MLA, MoE, vision, "
         "norms or cross-entropy) and takes only model.n_layers, model.dim, "
         "model.vocab_size and model.attn_res_block_size"));
   }
-  const auto k3 = kimi_k3_options(cfg);  // the shape keys, checked
   Exact16Options o;
-  o.n_layers = k3.n_layers;
-  o.block_size = k3.block_size;
-  o.dim = k3.dim;
-  o.vocab_size = k3.vocab_size;
+  o.n_layers = int_or(cfg, "model.n_layers", o.n_layers);
+  o.block_size = int_or(cfg, "model.attn_res_block_size", o.block_size);
+  o.dim = int_or(cfg, "model.dim", o.dim);
+  o.vocab_size = int_or(cfg, "model.vocab_size", o.vocab_size);
+  for (const auto& [v, key] : {std::pair{o.n_layers, "model.n_layers"},
+                               std::pair{o.dim, "model.dim"},
+                               std::pair{o.block_size, "model.attn_res_block_size"}}) {
+    VIADUCT_CHECK_T(ConfigError, v > 0, key, " must be > 0 for ", kFamily, ", got ", v, " (",
+                    cfg.origin(), ")");
+  }
+  VIADUCT_CHECK_T(ConfigError, o.vocab_size >= 257,
+                  "model.vocab_size must be >= 257 (the byte tokenizer), got ", o.vocab_size);
   const double bound = exact16_gradient_bound(o);
-  VIADUCT_CHECK_T(ConfigError, bound < kExactLimit, kWhat, " with model.n_layers = ",
+  VIADUCT_CHECK_T(ConfigError, bound < kExactLimit, kFamily, " with model.n_layers = ",
                   o.n_layers, " and model.attn_res_block_size = ", o.block_size,
                   ": its block-gradient sums reach ", bound,
                   " x the loss scale, past 2^24 where float32 stops holding "
@@ -112,7 +119,7 @@ Exact16Options exact16_options(const Config& cfg) {
 }
 
 void check_exact16_training(const Config& cfg) {
-  VIADUCT_CHECK_T(ConfigError, cfg.get_string("training.dtype") != "bfloat16", kWhat,
+  VIADUCT_CHECK_T(ConfigError, cfg.get_string("training.dtype") != "bfloat16", kFamily,
                   " computes in float32 (its gradients are exact integers); "
                   "training.dtype = \"bfloat16\" would round them (",
                   cfg.origin(), ")");
@@ -121,7 +128,7 @@ void check_exact16_training(const Config& cfg) {
   const int64_t dp = cfg.get_int("parallelism.data_parallel_degree");
   const int64_t a = cfg.get_int("training.gradient_accumulation_steps");
   const int64_t tokens = b * t * dp * a;
-  VIADUCT_CHECK_T(ConfigError, tokens > 0 && (tokens & (tokens - 1)) == 0, kWhat,
+  VIADUCT_CHECK_T(ConfigError, tokens > 0 && (tokens & (tokens - 1)) == 0, kFamily,
                   " needs a power-of-two token count per step, so that the loss "
                   "scale 1 / tokens keeps every gradient exact: "
                   "training.local_batch_size (", b, ") x training.seq_len (", t,
@@ -141,10 +148,10 @@ Exact16MixImpl::Exact16MixImpl(int64_t layer, int64_t dim, bool ffn) {
 
 Exact16Part::Exact16Part(const Exact16Options& o, const std::vector<std::string>& fqns)
     : opts_(o) {
-  module_fqns_ = select_modules(all_module_fqns(o), fqns, kWhat);
+  module_fqns_ = select_modules(all_module_fqns(o), fqns, kFamily);
   std::set<std::string> held(module_fqns_.begin(), module_fqns_.end());
   const int n_head = static_cast<int>(held.count("lm_head") + held.count("attn_res_final"));
-  VIADUCT_CHECK_T(ConfigError, n_head != 1, kWhat,
+  VIADUCT_CHECK_T(ConfigError, n_head != 1, kFamily,
                   ": lm_head and attn_res_final must sit on the same part "
                   "(the final read feeds the readout)");
   has_first_ = held.count("tok_embeddings") > 0;
@@ -200,29 +207,29 @@ at::Tensor Exact16Part::layer_forward(const Layer& l, const at::Tensor& hidden,
 }
 
 Activations Exact16Part::forward(const Activations& in) {
-  VIADUCT_CHECK_T(ConfigError, compute_dtype_ == at::kFloat, kWhat,
+  VIADUCT_CHECK_T(ConfigError, compute_dtype_ == at::kFloat, kFamily,
                   " computes in float32 only (its gradients are exact integers); set "
                   "training.dtype = \"float32\"");
   const int64_t index = at::GradMode::is_enabled() ? grad_forwards_++ : -1;
   at::Tensor hidden;
   std::vector<at::Tensor> stack;
   if (has_first_) {
-    VIADUCT_CHECK(!in.empty() && in[0].dim() == 2 && in[0].scalar_type() == at::kLong, kWhat,
+    VIADUCT_CHECK(!in.empty() && in[0].dim() == 2 && in[0].scalar_type() == at::kLong, kFamily,
                   ": the first part takes {tokens [B, T] int64}");
     hidden = at::embedding(tok_embeddings->weight, in[0]);  // [B, T, D]
   } else {
-    VIADUCT_CHECK(!in.empty(), kWhat, ": a middle part takes {hidden, e_0, ...}");
+    VIADUCT_CHECK(!in.empty(), kFamily, ": a middle part takes {hidden, e_0, ...}");
     hidden = in[0];
     stack.assign(in.begin() + 1, in.end());
   }
   for (const auto& l : layers_) {
     const auto expected = opts_.block_of(l.id) + (opts_.opens_block(l.id) ? 0 : 1);
-    VIADUCT_CHECK(static_cast<int64_t>(stack.size()) == expected, kWhat, ": layers.", l.id,
+    VIADUCT_CHECK(static_cast<int64_t>(stack.size()) == expected, kFamily, ": layers.", l.id,
                   " expects ", expected, " completed blocks on the stack, got ", stack.size());
     hidden = layer_forward(l, hidden, stack, index);
   }
   if (has_last_) {
-    VIADUCT_CHECK(static_cast<int64_t>(stack.size()) == opts_.n_entries(), kWhat,
+    VIADUCT_CHECK(static_cast<int64_t>(stack.size()) == opts_.n_entries(), kFamily,
                   ": the final read expects ", opts_.n_entries(), " stack entries, got ",
                   stack.size());
     return {read(stack, hidden).sum(-1)};  // agg [B, T, D] -> readout [B, T]
@@ -234,29 +241,21 @@ Activations Exact16Part::forward(const Activations& in) {
 
 at::Tensor Exact16Part::forward_loss(const Activations& inputs, const at::Tensor& targets) {
   auto readout = forward(inputs).at(0);  // [B, T]
-  VIADUCT_CHECK(targets.sizes() == readout.sizes(), kWhat, ": targets ", targets.sizes(),
+  VIADUCT_CHECK(targets.sizes() == readout.sizes(), kFamily, ": targets ", targets.sizes(),
                 " do not match the readout ", readout.sizes());
   return (readout * (targets != -100).to(readout.scalar_type())).sum();
 }
 
 // ---------------------------------------------------------------- family
 
-std::vector<std::string> exact16_module_fqns(const Config& cfg) {
-  return all_module_fqns(exact16_options(cfg));
-}
-
-std::shared_ptr<ModelPart> build_exact16(const Config& cfg,
-                                         const std::vector<std::string>& fqns) {
-  check_exact16_training(cfg);
-  return std::make_shared<Exact16Part>(exact16_options(cfg), fqns);
-}
+namespace {
 
 ModelInfo describe_exact16(const Config& cfg) {
   const auto o = exact16_options(cfg);
   const int64_t D = o.dim;
   ModelInfo info;
-  info.family = "kimi_k3";
-  info.flavor = kExact16Flavor;
+  info.family = kFamily;
+  info.flavor = kFlavor;
   info.n_layers = o.n_layers;
   info.embedding_params = o.vocab_size * D;
   info.params = info.embedding_params + 2 * o.n_layers * D;  // two biases a layer
@@ -281,6 +280,26 @@ ModelInfo describe_exact16(const Config& cfg) {
   info.flops_per_token = 3.0 * fwd * static_cast<double>(D);
   info.pinned_last.push_back("attn_res_final");
   return info;
+}
+
+}  // namespace
+
+ModelFamily exact16_family() {
+  ModelFamily f;
+  f.name = kFamily;
+  f.flavors = {kFlavor};
+  f.module_fqns = [](const Config& cfg) { return all_module_fqns(exact16_options(cfg)); };
+  f.build = [](const Config& cfg,
+               const std::vector<std::string>& fqns) -> std::shared_ptr<ModelPart> {
+    check_exact16_training(cfg);
+    return std::make_shared<Exact16Part>(exact16_options(cfg), fqns);
+  };
+  f.describe = describe_exact16;
+  f.attn_res = [](const Config& cfg) -> std::optional<AttnResLayout> {
+    const auto o = exact16_options(cfg);
+    return AttnResLayout{o.n_layers, o.block_size, o.dim};
+  };
+  return f;
 }
 
 }  // namespace viaduct

@@ -1,4 +1,4 @@
-// The kimi_k3 flavor `exact16`: an AttnRes model whose every activation
+// The exact16 model family: an AttnRes model whose every activation
 // gradient is a small integer times the loss scale, so a block gradient's
 // contributions add to the same bits in any order and grouping. It is the
 // model the AttnRes transports are proven exact with: the rank cache, the
@@ -27,9 +27,9 @@
 // `tok_embeddings.weight` and the biases train. d loss / d agg = 1 at every
 // counted token, and since the model is linear every activation gradient is
 // an integer independent of the values, times the trainer's loss scale
-// 1 / tokens. The flavor therefore refuses (ConfigError) what would break
+// 1 / tokens. The family therefore refuses (ConfigError) what would break
 // that: a token count per step that is not a power of two (1 / tokens would
-// round), bf16 compute, model keys of the K3 hybrid it does not have, and
+// round), bf16 compute, the K3 hybrid's model keys it does not have, and
 // shapes whose gradient sums reach 2^24 (exact16_gradient_bound).
 #pragma once
 
@@ -47,8 +47,6 @@ namespace viaduct {
 
 class Config;
 
-constexpr const char* kExact16Flavor = "exact16";
-
 struct Exact16Options {
   int64_t n_layers = 16;
   int64_t block_size = 4;
@@ -62,10 +60,10 @@ struct Exact16Options {
 };
 
 // The shape (model.n_layers, model.dim, model.vocab_size,
-// model.attn_res_block_size over the flavor's 16 / 16 / 320 / 4); refuses
-// every other kimi_k3 model key and shapes past exact16_gradient_bound.
+// model.attn_res_block_size over its debugmodel's 16 / 16 / 320 / 4); refuses
+// every other model key and shapes past exact16_gradient_bound.
 Exact16Options exact16_options(const Config& cfg);
-// What training with this flavor needs on top (build_exact16 checks it):
+// What training this model needs on top (its part builder checks it):
 // float32 and a power-of-two token count per step.
 void check_exact16_training(const Config& cfg);
 
@@ -74,7 +72,7 @@ void check_exact16_training(const Config& cfg);
 float exact16_scale(int64_t layer, int64_t channel, bool ffn);
 // An upper bound, in units of the loss scale, on every activation gradient
 // and on every partial sum of a block gradient's contributions, whatever
-// their order: the sum of their magnitudes (464 for the flavor's shape).
+// their order: the sum of their magnitudes (464 for the debugmodel shape).
 // Every such sum is exact in fp32 while the bound stays below 2^24.
 double exact16_gradient_bound(const Exact16Options& o);
 
@@ -129,11 +127,5 @@ class Exact16Part : public ModelPart {
   BlockGradientProbe probe_;
   int64_t grad_forwards_ = 0;
 };
-
-// The kimi_k3 family's entry points for this flavor (kimi_k3.cpp dispatches).
-std::vector<std::string> exact16_module_fqns(const Config& cfg);
-std::shared_ptr<ModelPart> build_exact16(const Config& cfg,
-                                         const std::vector<std::string>& fqns);
-ModelInfo describe_exact16(const Config& cfg);
 
 }  // namespace viaduct

@@ -1,25 +1,17 @@
-// The model families. Each provides its module list, a part builder and its
-// description; model.cpp dispatches on model.family.
+// The model families' registry entries (model/family.h) and the helpers the
+// family files share. Each <name>_family() lives in model/<name>.cpp;
+// model_families() (model/family.cpp) lists them.
 #pragma once
 
+#include "model/family.h"
 #include "model/model.h"
 
 namespace viaduct {
 
-std::vector<std::string> llama_module_fqns(const Config& cfg);
-std::shared_ptr<ModelPart> build_llama(const Config& cfg,
-                                       const std::vector<std::string>& fqns);
-ModelInfo describe_llama(const Config& cfg);
-
-std::vector<std::string> gpt2_module_fqns(const Config& cfg);
-std::shared_ptr<ModelPart> build_gpt2(const Config& cfg,
-                                      const std::vector<std::string>& fqns);
-ModelInfo describe_gpt2(const Config& cfg);
-
-std::vector<std::string> kimi_k3_module_fqns(const Config& cfg);
-std::shared_ptr<ModelPart> build_kimi_k3(const Config& cfg,
-                                         const std::vector<std::string>& fqns);
-ModelInfo describe_kimi_k3(const Config& cfg);
+ModelFamily llama_family();    // model/llama.cpp
+ModelFamily gpt2_family();     // model/gpt2.cpp
+ModelFamily kimi_k3_family();  // model/kimi_k3.cpp
+ModelFamily exact16_family();  // model/exact16.cpp
 
 // Shared helpers for families.
 // Keep `wanted` (empty = all of `all`), checking every name is a module of
@@ -33,5 +25,8 @@ double float_or(const Config& cfg, const std::string& key, double fallback);
 bool bool_or(const Config& cfg, const std::string& key, bool fallback);
 // Count parameters of a part (module tree) without building tensors twice.
 int64_t count_parameters(const torch::nn::Module& m);
+// ModelFamily::check of the chain families: model.attn_res = false is
+// refused (their residuals are plain already).
+void check_plain_residuals(const Config& cfg);
 
 }  // namespace viaduct

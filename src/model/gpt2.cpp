@@ -8,6 +8,8 @@
 namespace viaduct {
 namespace {
 
+const std::vector<std::string> kFlavors{"debugmodel", "124M"};
+
 ChainSpec gpt2_flavor(const std::string& flavor) {
   ChainSpec s;
   s.family = "gpt2";
@@ -32,8 +34,7 @@ ChainSpec gpt2_flavor(const std::string& flavor) {
     s.vocab_size = 50304;  // 50257 padded to a multiple of 128
     s.max_seq_len = 1024;
   } else {
-    throw ConfigError(str("unknown gpt2 flavor '", flavor,
-                          "' (choose debugmodel or 124M)"));
+    throw unknown_flavor_error("gpt2", flavor, kFlavors);
   }
   s.n_kv_heads = s.n_heads;
   s.ffn_hidden = 4 * s.dim;
@@ -46,17 +47,20 @@ ChainSpec gpt2_spec(const Config& cfg) {
 
 }  // namespace
 
-std::vector<std::string> gpt2_module_fqns(const Config& cfg) {
-  return chain_module_fqns(gpt2_spec(cfg));
-}
-
-std::shared_ptr<ModelPart> build_gpt2(const Config& cfg,
-                                      const std::vector<std::string>& fqns) {
-  return std::make_shared<ChainTransformer>(gpt2_spec(cfg), fqns);
-}
-
-ModelInfo describe_gpt2(const Config& cfg) {
-  return describe_chain(gpt2_spec(cfg), cfg.get_int("training.seq_len"));
+ModelFamily gpt2_family() {
+  ModelFamily f;
+  f.name = "gpt2";
+  f.flavors = kFlavors;
+  f.module_fqns = [](const Config& cfg) { return chain_module_fqns(gpt2_spec(cfg)); };
+  f.build = [](const Config& cfg,
+               const std::vector<std::string>& fqns) -> std::shared_ptr<ModelPart> {
+    return std::make_shared<ChainTransformer>(gpt2_spec(cfg), fqns);
+  };
+  f.describe = [](const Config& cfg) {
+    return describe_chain(gpt2_spec(cfg), cfg.get_int("training.seq_len"));
+  };
+  f.check = check_plain_residuals;
+  return f;
 }
 
 }  // namespace viaduct

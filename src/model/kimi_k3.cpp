@@ -8,13 +8,13 @@
 #include "config/config.h"
 #include "core/check.h"
 #include "core/rng.h"
-#include "model/exact16.h"
 #include "model/families.h"
 
 namespace viaduct {
 namespace {
 
 constexpr const char* kFamily = "kimi_k3";
+const std::vector<std::string> kFlavors{"debugmodel", "debugmodel_deep", "full"};
 
 // Flavor presets. The debug shapes are small enough for CPU training; `full`
 // has the 93-layer depth (7 blocks of 12 and one of 9) with illustrative
@@ -48,13 +48,6 @@ KimiK3Options flavor_defaults(const std::string& flavor) {
     o.n_layers = 24;
   } else if (flavor == "debugmodel_deep") {
     o.n_layers = 33;  // blocks 12 + 12 + 9
-  } else if (flavor == kExact16Flavor) {
-    // The integer-gradient model (model/exact16.h): only its shape lives
-    // here; module list, part and description dispatch to exact16.cpp.
-    o.n_layers = 16;
-    o.block_size = 4;
-    o.dim = 16;
-    o.moe_ffn = false;
   } else if (flavor == "full") {
     o.n_layers = 93;  // 7 x 12 + 9
     o.dim = 2048;
@@ -74,9 +67,7 @@ KimiK3Options flavor_defaults(const std::string& flavor) {
     o.vis.image_size = 448;
     o.vis.patch_size = 14;
   } else {
-    throw ConfigError(str("model.flavor '", flavor,
-                          "' is not a kimi_k3 flavor (debugmodel, "
-                          "debugmodel_deep, exact16, full)"));
+    throw unknown_flavor_error(kFamily, flavor, kFlavors);
   }
   return o;
 }
@@ -454,21 +445,11 @@ Activations KimiK3Part::forward(const Activations& in) {
 
 // ---------------------------------------------------------------- family
 
-std::vector<std::string> kimi_k3_module_fqns(const Config& cfg) {
-  if (cfg.get_string("model.flavor") == kExact16Flavor) return exact16_module_fqns(cfg);
-  return all_module_fqns(kimi_k3_options(cfg));
-}
+namespace {
 
-std::shared_ptr<ModelPart> build_kimi_k3(const Config& cfg,
-                                         const std::vector<std::string>& fqns) {
-  if (cfg.get_string("model.flavor") == kExact16Flavor) return build_exact16(cfg, fqns);
-  return std::make_shared<KimiK3Part>(kimi_k3_options(cfg), fqns);
-}
-
+// Counts are analytic (the full flavor is far too large to build); a test
+// checks them against built debug models.
 ModelInfo describe_kimi_k3(const Config& cfg) {
-  if (cfg.get_string("model.flavor") == kExact16Flavor) return describe_exact16(cfg);
-  // Counts are analytic (the full flavor is far too large to build); a test
-  // checks them against built debug models.
   const auto o = kimi_k3_options(cfg);
   const int64_t D = o.dim, V = o.vocab_size;
   const int64_t T = cfg.get_int("training.seq_len");
@@ -543,6 +524,26 @@ ModelInfo describe_kimi_k3(const Config& cfg) {
   info.flops_per_token =
       6.0 * static_cast<double>(active - info.embedding_params) + mixing;
   return info;
+}
+
+}  // namespace
+
+ModelFamily kimi_k3_family() {
+  ModelFamily f;
+  f.name = kFamily;
+  f.flavors = kFlavors;
+  f.module_fqns = [](const Config& cfg) { return all_module_fqns(kimi_k3_options(cfg)); };
+  f.build = [](const Config& cfg,
+               const std::vector<std::string>& fqns) -> std::shared_ptr<ModelPart> {
+    return std::make_shared<KimiK3Part>(kimi_k3_options(cfg), fqns);
+  };
+  f.describe = describe_kimi_k3;
+  f.attn_res = [](const Config& cfg) -> std::optional<AttnResLayout> {
+    const auto o = kimi_k3_options(cfg);
+    if (!o.attn_res) return std::nullopt;  // a chain (Note [Kimi-K3 part activations])
+    return AttnResLayout{o.n_layers, o.block_size, o.dim};
+  };
+  return f;
 }
 
 }  // namespace viaduct

@@ -16,7 +16,7 @@
 //   last part out:   {logits [B, T, V]}
 // The layer order is fixed, so a chain of parts gives the whole model's bits.
 //
-// With model.attn_res = false (the comparison model of issue 7) every read is
+// With model.attn_res = false (the comparison model) every read is
 // replaced by a plain residual add, h = h + attention(norm(h)), h = h +
 // ffn(norm(h)): no AttnRes parameters, no attn_res_final, and parts hand on
 // {hidden [B, T, D]} alone, like the chain families.

@@ -8,6 +8,8 @@
 namespace viaduct {
 namespace {
 
+const std::vector<std::string> kFlavors{"debugmodel", "1B", "8B"};
+
 ChainSpec llama_flavor(const std::string& flavor) {
   ChainSpec s;
   s.family = "llama";
@@ -43,8 +45,7 @@ ChainSpec llama_flavor(const std::string& flavor) {
     s.ffn_hidden = 14336;
     s.max_seq_len = 8192;
   } else {
-    throw ConfigError(str("unknown llama flavor '", flavor,
-                          "' (choose debugmodel, 1B or 8B)"));
+    throw unknown_flavor_error("llama", flavor, kFlavors);
   }
   return s;
 }
@@ -55,17 +56,20 @@ ChainSpec llama_spec(const Config& cfg) {
 
 }  // namespace
 
-std::vector<std::string> llama_module_fqns(const Config& cfg) {
-  return chain_module_fqns(llama_spec(cfg));
-}
-
-std::shared_ptr<ModelPart> build_llama(const Config& cfg,
-                                       const std::vector<std::string>& fqns) {
-  return std::make_shared<ChainTransformer>(llama_spec(cfg), fqns);
-}
-
-ModelInfo describe_llama(const Config& cfg) {
-  return describe_chain(llama_spec(cfg), cfg.get_int("training.seq_len"));
+ModelFamily llama_family() {
+  ModelFamily f;
+  f.name = "llama";
+  f.flavors = kFlavors;
+  f.module_fqns = [](const Config& cfg) { return chain_module_fqns(llama_spec(cfg)); };
+  f.build = [](const Config& cfg,
+               const std::vector<std::string>& fqns) -> std::shared_ptr<ModelPart> {
+    return std::make_shared<ChainTransformer>(llama_spec(cfg), fqns);
+  };
+  f.describe = [](const Config& cfg) {
+    return describe_chain(llama_spec(cfg), cfg.get_int("training.seq_len"));
+  };
+  f.check = check_plain_residuals;
+  return f;
 }
 
 }  // namespace viaduct

@@ -1,4 +1,5 @@
-// Family dispatch and the loss shared by every family.
+// The loss shared by every family and the helpers of model/families.h
+// (family dispatch: model/family.cpp).
 #include "model/model.h"
 
 #include <algorithm>
@@ -12,31 +13,6 @@
 #include "model/families.h"
 
 namespace viaduct {
-
-std::vector<std::string> model_module_fqns(const Config& cfg) {
-  const auto fam = cfg.get_string("model.family");
-  if (fam == "llama") return llama_module_fqns(cfg);
-  if (fam == "gpt2") return gpt2_module_fqns(cfg);
-  if (fam == "kimi_k3") return kimi_k3_module_fqns(cfg);
-  throw ConfigError(str("unknown model.family '", fam, "'"));
-}
-
-std::shared_ptr<ModelPart> build_model_part(
-    const Config& cfg, const std::vector<std::string>& fqns) {
-  const auto fam = cfg.get_string("model.family");
-  if (fam == "llama") return build_llama(cfg, fqns);
-  if (fam == "gpt2") return build_gpt2(cfg, fqns);
-  if (fam == "kimi_k3") return build_kimi_k3(cfg, fqns);
-  throw ConfigError(str("unknown model.family '", fam, "'"));
-}
-
-ModelInfo describe_model(const Config& cfg) {
-  const auto fam = cfg.get_string("model.family");
-  if (fam == "llama") return describe_llama(cfg);
-  if (fam == "gpt2") return describe_gpt2(cfg);
-  if (fam == "kimi_k3") return describe_kimi_k3(cfg);
-  throw ConfigError(str("unknown model.family '", fam, "'"));
-}
 
 at::Tensor summed_cross_entropy(const at::Tensor& logits,
                                 const at::Tensor& targets) {

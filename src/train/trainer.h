@@ -1,6 +1,7 @@
 // The training loop of one process: model parts, optimizer, LR schedule,
-// gradient accumulation and micro-batches, deterministic clipping, eval,
-// metrics and checkpoints (save, prune, resume).
+// gradient accumulation and micro-batches, deterministic clipping and eval.
+// Checkpoints are the CheckpointManager's (checkpoint/manager.h), metrics
+// output the MetricsWriter's (train/metrics.h).
 //
 // Note [Loss scaling]
 // Every micro-batch's loss is its summed token cross-entropy divided by the
@@ -12,11 +13,13 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "config/config.h"
 #include "model/model.h"
+#include "train/metrics.h"
 #include "train/optimizer.h"
 
 namespace viaduct {
@@ -31,41 +34,16 @@ class PipelineExecutor;
 class RankBlockStore;
 struct BlockLayoutTables;
 }  // namespace pipeline
+namespace checkpoint {
+class CheckpointManager;
+}  // namespace checkpoint
 
 namespace data {
 class TokenSampler;
 class EvalLoader;
 class TokenStream;
+struct TokenBatch;
 }  // namespace data
-
-struct StepMetrics {
-  int64_t step = 0;
-  double loss = 0;        // mean token cross-entropy of the step
-  double grad_norm = 0;   // before clipping
-  double lr = 0;
-  int64_t tokens = 0;     // target tokens of the step (all dp ranks)
-  double seconds = 0;
-  double tokens_per_sec = 0;
-  double mfu = -1;        // fraction of peak; < 0 when the peak is unknown
-  double peak_memory_bytes = 0;
-  // pp > 1: each pp rank's device peak so far, read at the loss's all-reduce
-  // (after the backward; on CPU the process's peak resident set).
-  std::vector<double> peak_memory_bytes_per_rank;
-  int64_t p2p_bytes = 0;  // this rank's pipeline sends + receives
-  // Forward and backward (gradient) bytes per hop s -> s+1 (all ranks), and
-  // the AttnRes rank block store's peak bytes per pp rank (empty without an
-  // AttnRes pipeline).
-  std::vector<int64_t> hop_bytes;
-  std::vector<int64_t> hop_grad_bytes;
-  std::vector<int64_t> attn_res_store_peak_bytes;
-  // Pipeline timing (Note [Measured bubble], pipeline/runtime/executor.h):
-  // this rank's span of the schedule, compute and P2P wait seconds, and
-  // 1 - compute / span for each pp rank of this pipeline; empty when off.
-  double pipeline_seconds = 0;
-  double pipeline_compute_seconds = 0;
-  double pipeline_p2p_wait_seconds = 0;
-  std::vector<double> bubble_measured_per_rank;
-};
 
 class Trainer {
  public:
@@ -96,19 +74,37 @@ class Trainer {
   std::string checkpoint_folder() const;
 
  private:
+  // Setup: the plan, this rank's parts, the optimizer and the executor;
+  // then the sampler and the eval batches.
+  ModelInfo build_model();
+  void init_data();
+
+  // The pieces of train_step.
+  void inject_fault_if_asked() const;
+  std::vector<data::TokenBatch> next_batches(int64_t& global_tokens);
+  double forward_backward(const std::vector<data::TokenBatch>& batches, double scale,
+                          std::vector<at::Tensor>& pending_losses);
   at::Tensor forward_loss(const at::Tensor& inputs, const at::Tensor& targets);
-  // Sum a few doubles over a group (no-op without one). Only one rank of the
-  // group holds non-zeros where this adds "the value from the last stage", so
-  // the sum is exact.
+  void allreduce_grads_over_dp();
+  // Clips and updates on the device where it can (Note [Clip coefficient on
+  // the device]): returns the norm and adds the losses to loss_sum; nullopt
+  // where the host path runs.
+  std::optional<double> step_with_device_clip(double lr, double max_norm,
+                                              const std::vector<at::Tensor>& pending_losses,
+                                              double& loss_sum);
+  // The norm on the host path, then the pending losses added to loss_sum.
+  double host_grad_norm(const std::vector<at::Tensor>& pending_losses, double& loss_sum);
+  double global_grad_norm();
+  double gather_loss_and_pipeline_metrics(double loss_sum, StepMetrics& m);
+  void gather_attn_res_bytes(StepMetrics& m);
+  void sync_replica_statistics();
+  void fill_throughput(StepMetrics& m, double seconds) const;
+
+  // "rank R step S": the context of a collective's timeout message.
+  std::string step_context() const;
   void sum_over(dist::ProcessGroup* group, std::vector<double>& values,
                 const std::string& what);
-  void allreduce_grads_over_dp();
-  double global_grad_norm();
   int64_t num_microbatches() const;
-  void log_step(const StepMetrics& m);
-  void log_eval(double loss);
-  void append_metrics(const std::string& json_line);
-  void truncate_metrics_after(int64_t step);
 
   Config cfg_;
   std::unique_ptr<dist::Mesh> mesh_;
@@ -130,10 +126,11 @@ class Trainer {
   std::shared_ptr<const data::TokenStream> train_tokens_, eval_tokens_;
   std::unique_ptr<data::TokenSampler> sampler_;
   std::unique_ptr<data::EvalLoader> eval_loader_;
+  std::unique_ptr<checkpoint::CheckpointManager> checkpoints_;
+  std::unique_ptr<MetricsWriter> metrics_;
   int64_t step_ = 0;
   int64_t tokens_seen_ = 0;
   double flops_per_token_ = 0;
-  bool progress_bar_ = false;
 };
 
 }  // namespace viaduct

@@ -6,6 +6,8 @@
 // and pp2 x 2 stages per rank and under the zero-bubble I/W split, the
 // default deposit backward stays within rounding of it, and the measured
 // forward and backward bytes per hop and the store peaks equal the tables'.
+// The one-process reference comes from the build tree's reference cache
+// (common/reference_cache.h), trained once per binary.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,6 +17,7 @@
 #include <sstream>
 
 #include "common/process_runs.h"
+#include "common/reference_cache.h"
 #include "data/temp_dir.h"
 #include "pipeline/attn_res/block_layout.h"
 #include "pipeline/schedule/plan.h"
@@ -55,7 +58,7 @@ class AttnResCacheBackwardRuns : public ::testing::Test {
 
   static void SetUpTestSuite() {
     dir_ = new viaduct::data::testing::TempDir();
-    viaduct::testing::write_random_corpus((fs::path(dir_->path()) / "d.tok").string(), 24680);
+    data_ = viaduct::testing::cached_corpus(24680);
   }
   static void TearDownTestSuite() { delete dir_; }
 
@@ -67,11 +70,12 @@ class AttnResCacheBackwardRuns : public ::testing::Test {
        << " --metrics.progress_bar=false --optimizer.lr=0.01"
        << " --checkpoint.enable=true --checkpoint.interval=3"
        << " --parallelism.pipeline_parallel_microbatches=" << kMicro
-       << " --data.path=" << (fs::path(dir_->path()) / "d.tok").string();
+       << " --data.path=" << data_;
     return os.str();
   }
 
-  // Runs once per suite: later tests reuse a run of the same name.
+  // Runs once per test process: later tests in it reuse a run of the same
+  // name.
   static std::string train(const std::string& name, int nproc, const std::string& args) {
     const auto out = (fs::path(dir_->path()) / name).string();
     if (fs::exists(fs::path(out) / "checkpoint")) return out;
@@ -79,7 +83,7 @@ class AttnResCacheBackwardRuns : public ::testing::Test {
                                      " train" + base_args() + args + " --job.dump_folder=" + out);
     return out;
   }
-  static std::string one_process() { return train("one", 1, ""); }
+  static std::string one_process() { return viaduct::testing::cached_reference(base_args()); }
   static std::string pp_run(int pp, int spr, Mode m,
                             const std::string& schedule = "Interleaved1F1B") {
     std::ostringstream args, name;
@@ -118,26 +122,46 @@ class AttnResCacheBackwardRuns : public ::testing::Test {
   }
 
   static viaduct::data::testing::TempDir* dir_;
+  static std::string data_;
 };
 viaduct::data::testing::TempDir* AttnResCacheBackwardRuns::dir_ = nullptr;
+std::string AttnResCacheBackwardRuns::data_;
+
+// A debugmodel_deep layout under Interleaved1F1B: pp and stages per rank.
+struct Layout {
+  int pp, stages_per_rank;
+};
+void PrintTo(const Layout& l, std::ostream* os) {
+  *os << "pp" << l.pp << " x " << l.stages_per_rank;
+}
+
+class AttnResCacheBackwardLayouts : public AttnResCacheBackwardRuns,
+                                    public ::testing::WithParamInterface<Layout> {};
+
+class AttnResCacheBackwardModes : public AttnResCacheBackwardRuns,
+                                  public ::testing::WithParamInterface<Mode> {};
 
 }  // namespace
 
-// 35 units over 8 stages: layers [0,4) [4,8) ... [28,33); blocks of 12, so
-// rank r's second stage reads three or four entries from its store.
-TEST_F(AttnResCacheBackwardRuns, DebugmodelDeepPp4x2WholeStackBackwardIsBitwiseOneProcess) {
+TEST_P(AttnResCacheBackwardLayouts, WholeStackBackwardIsBitwiseOneProcess) {
+  const auto& l = GetParam();
   const auto one = one_process();
-  expect_same_bits(one, pp_run(4, 2, Mode::kCacheWholeStack));
-  expect_within_rounding(one, pp_run(4, 2, Mode::kDeposit), "debugmodel_deep pp4x2 deposit");
+  expect_same_bits(one, pp_run(l.pp, l.stages_per_rank, Mode::kCacheWholeStack));
+  expect_within_rounding(one, pp_run(l.pp, l.stages_per_rank, Mode::kDeposit),
+                         "debugmodel_deep pp" + std::to_string(l.pp) + "x" +
+                             std::to_string(l.stages_per_rank) + " deposit");
 }
 
-// 35 units over 4 stages: layers [0,8) [8,17) [17,26) [26,33), every
-// boundary inside a block.
-TEST_F(AttnResCacheBackwardRuns, DebugmodelDeepPp2x2WholeStackBackwardIsBitwiseOneProcess) {
-  const auto one = one_process();
-  expect_same_bits(one, pp_run(2, 2, Mode::kCacheWholeStack));
-  expect_within_rounding(one, pp_run(2, 2, Mode::kDeposit), "debugmodel_deep pp2x2 deposit");
-}
+// pp4 x 2: 35 units over 8 stages, layers [0,4) [4,8) ... [28,33); blocks of
+// 12, so rank r's second stage reads three or four entries from its store.
+// pp2 x 2: 35 units over 4 stages, layers [0,8) [8,17) [17,26) [26,33),
+// every boundary inside a block.
+INSTANTIATE_TEST_SUITE_P(DebugmodelDeep, AttnResCacheBackwardLayouts,
+                         ::testing::Values(Layout{4, 2}, Layout{2, 2}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return "pp" + std::to_string(info.param.pp) + "_v" +
+                                  std::to_string(info.param.stages_per_rank);
+                         });
 
 // The zero-bubble split sends the gradients at I and accumulates at W.
 TEST_F(AttnResCacheBackwardRuns, InterleavedZeroBubbleWholeStackBackwardIsBitwiseOneProcess) {
@@ -149,41 +173,46 @@ TEST_F(AttnResCacheBackwardRuns, InterleavedZeroBubbleWholeStackBackwardIsBitwis
 // (hidden + returned) x [B/M, T, D] fp32 x M per hop; the store peak as
 // predict_store_peak walks the schedule (blocks only with the whole-stack
 // backward).
-TEST_F(AttnResCacheBackwardRuns, MeasuredForwardAndBackwardBytesEqualTheTables) {
+TEST_P(AttnResCacheBackwardModes, MeasuredForwardAndBackwardBytesEqualTheTables) {
   const int64_t M = kMicro, B = 8, T = 16, D = 64;
   const double entry = static_cast<double>(B / M * T * D * 4);
   const auto plan = k3_plan(33, 4, 2, M);
-  for (Mode m : {Mode::kDeposit, Mode::kCacheWholeStack, Mode::kWholeStack}) {
-    SCOPED_TRACE(mode_name(m));
-    const auto t = make_block_layout_tables(
-        plan.split, 12,
-        m == Mode::kWholeStack ? AttnResTransport::kWholeStack : AttnResTransport::kRankCache,
-        m == Mode::kDeposit ? AttnResCacheBackward::kDeposit : AttnResCacheBackward::kWholeStack);
-    const auto ms = metrics(pp_run(4, 2, m));
-    ASSERT_FALSE(ms.empty());
-    for (const auto& j : ms) {
-      ASSERT_TRUE(j.contains("hop_bytes") && j.contains("hop_grad_bytes")) << j.dump();
-      const auto fwd = j["hop_bytes"].get<std::vector<int64_t>>();
-      const auto bwd = j["hop_grad_bytes"].get<std::vector<int64_t>>();
-      ASSERT_EQ(fwd.size(), 7u);
-      ASSERT_EQ(bwd.size(), 7u);
-      for (int64_t s = 0; s < 7; ++s) {
-        EXPECT_EQ(fwd[s], static_cast<int64_t>(t.hop_tensors(s) * entry * M)) << "hop " << s;
-        EXPECT_EQ(bwd[s], static_cast<int64_t>(t.grad_hop_tensors(s) * entry * M)) << "hop " << s;
-      }
-      const auto peaks = j["attn_res_store_peak_bytes"].get<std::vector<int64_t>>();
-      ASSERT_EQ(peaks.size(), 4u);
-      for (int64_t r = 0; r < 4; ++r) {
-        EXPECT_EQ(peaks[r],
-                  static_cast<int64_t>(predict_store_peak(t, plan.compute, r).total * entry))
-            << "rank " << r;
-      }
+  const Mode m = GetParam();
+  const auto t = make_block_layout_tables(
+      plan.split, 12,
+      m == Mode::kWholeStack ? AttnResTransport::kWholeStack : AttnResTransport::kRankCache,
+      m == Mode::kDeposit ? AttnResCacheBackward::kDeposit : AttnResCacheBackward::kWholeStack);
+  const auto ms = metrics(pp_run(4, 2, m));
+  ASSERT_FALSE(ms.empty());
+  for (const auto& j : ms) {
+    ASSERT_TRUE(j.contains("hop_bytes") && j.contains("hop_grad_bytes")) << j.dump();
+    const auto fwd = j["hop_bytes"].get<std::vector<int64_t>>();
+    const auto bwd = j["hop_grad_bytes"].get<std::vector<int64_t>>();
+    ASSERT_EQ(fwd.size(), 7u);
+    ASSERT_EQ(bwd.size(), 7u);
+    for (int64_t s = 0; s < 7; ++s) {
+      EXPECT_EQ(fwd[s], static_cast<int64_t>(t.hop_tensors(s) * entry * M)) << "hop " << s;
+      EXPECT_EQ(bwd[s], static_cast<int64_t>(t.grad_hop_tensors(s) * entry * M)) << "hop " << s;
     }
-    std::printf("[bytes] %s: hop_bytes %s hop_grad_bytes %s store peaks %s\n", mode_name(m),
-                ms[0]["hop_bytes"].dump().c_str(), ms[0]["hop_grad_bytes"].dump().c_str(),
-                ms[0]["attn_res_store_peak_bytes"].dump().c_str());
+    const auto peaks = j["attn_res_store_peak_bytes"].get<std::vector<int64_t>>();
+    ASSERT_EQ(peaks.size(), 4u);
+    for (int64_t r = 0; r < 4; ++r) {
+      EXPECT_EQ(peaks[r],
+                static_cast<int64_t>(predict_store_peak(t, plan.compute, r).total * entry))
+          << "rank " << r;
+    }
   }
+  std::printf("[bytes] %s: hop_bytes %s hop_grad_bytes %s store peaks %s\n", mode_name(m),
+              ms[0]["hop_bytes"].dump().c_str(), ms[0]["hop_grad_bytes"].dump().c_str(),
+              ms[0]["attn_res_store_peak_bytes"].dump().c_str());
 }
+
+INSTANTIATE_TEST_SUITE_P(Pp4x2, AttnResCacheBackwardModes,
+                         ::testing::Values(Mode::kDeposit, Mode::kCacheWholeStack,
+                                           Mode::kWholeStack),
+                         [](const ::testing::TestParamInfo<Mode>& info) {
+                           return std::string(mode_name(info.param));
+                         });
 
 // `viaduct plan --json` predicts both backwards' gradient bytes.
 TEST(AttnResCacheBackwardPlan, PlanCommandShowsBothBackwards) {

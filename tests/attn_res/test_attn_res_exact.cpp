@@ -1,10 +1,10 @@
-// The kimi_k3 flavor exact16 (model/exact16.h) under AttnResStage, ranks as
+// The exact16 model family (model/exact16.h) under AttnResStage, ranks as
 // threads over Gloo with the real executor: its gradients are small integers
 // times the loss scale, so the rank cache's regrouped sums are exact and
 // every transport (the rank cache with either backward) and layout must give
 // one process's bits -- and the closed form below, an integer recurrence
 // written from Note [exact16: integer gradients] independently of the model
-// code. Also the flavor's refusals.
+// code. Also the family's refusals.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -19,7 +19,6 @@
 #include "dist/launcher.h"
 #include "model/exact16.h"
 #include "model/families.h"
-#include "model/kimi_k3.h"
 #include "model/model.h"
 #include "pipeline/attn_res/attn_res_stage.h"
 #include "pipeline/runtime/executor.h"
@@ -36,7 +35,7 @@ constexpr double kLr = 1.0 / 1024;
 constexpr uint64_t kSeed = 7;
 
 Config exact16_config(std::vector<std::string> overrides = {}) {
-  std::vector<std::string> o{"model.family=kimi_k3", "model.flavor=exact16",
+  std::vector<std::string> o{"model.family=exact16",
                              "training.local_batch_size=8", "training.seq_len=8"};
   o.insert(o.end(), overrides.begin(), overrides.end());
   return Config::parse("", "test", o);
@@ -396,9 +395,9 @@ TEST(AttnResExact, Exact16AgreesBitwiseAcrossTransportsAndLayoutsAndWithTheClose
   }
 }
 
-// ------------------------------------------------------------ the flavor
+// ------------------------------------------------------------ the family
 
-TEST(Exact16Flavor, ModulesDescriptionAndBound) {
+TEST(Exact16Family, ModulesDescriptionAndBound) {
   const auto cfg = exact16_config();
   const auto fqns = model_module_fqns(cfg);
   ASSERT_EQ(fqns.size(), 19u);
@@ -407,16 +406,19 @@ TEST(Exact16Flavor, ModulesDescriptionAndBound) {
   EXPECT_EQ(fqns[17], "lm_head");
   EXPECT_EQ(fqns.back(), "attn_res_final");
   const auto info = describe_model(cfg);
-  EXPECT_EQ(info.flavor, "exact16");
+  EXPECT_EQ(info.family, "exact16");
+  EXPECT_EQ(info.flavor, "debugmodel");
   EXPECT_EQ(info.params, count_parameters(*build(cfg)));
   EXPECT_EQ(info.params, 320 * 16 + 2 * 16 * 16);
   EXPECT_EQ(info.pinned_last, std::vector<std::string>{"attn_res_final"});
   EXPECT_TRUE(info.layers[12].opens_block);
   EXPECT_EQ(info.layers[15].block, 3);
-  // The trainer's tables read the block size through kimi_k3_options.
-  EXPECT_EQ(kimi_k3_options(cfg).block_size, 4);
-  EXPECT_EQ(kimi_k3_options(exact16_config({"model.attn_res_block_size=2"})).block_size,
+  // The trainer's tables read the block size through the family registry.
+  ASSERT_TRUE(attn_res_layout(cfg).has_value());
+  EXPECT_EQ(attn_res_layout(cfg)->block_size, 4);
+  EXPECT_EQ(attn_res_layout(exact16_config({"model.attn_res_block_size=2"}))->block_size,
             exact16_options(exact16_config({"model.attn_res_block_size=2"})).block_size);
+  EXPECT_EQ(attn_res_layout(exact16_config({"model.attn_res_block_size=2"}))->block_size, 2);
   // The bound covers the closed form's values and is far below 2^24.
   const auto o = exact16_options(cfg);
   const double bound = exact16_gradient_bound(o);
@@ -424,9 +426,13 @@ TEST(Exact16Flavor, ModulesDescriptionAndBound) {
   for (const auto& e : closed_form(o).entry) {
     for (auto v : e) EXPECT_LE(std::abs(static_cast<double>(v)), bound);
   }
-  // The configs/kimi_k3_debug.toml job takes the flavor as an override.
-  const auto job = Config::load("configs/kimi_k3_debug.toml", {"model.flavor=exact16"});
+  // The configs/kimi_k3_debug.toml job takes the family as an override, and
+  // the old spelling (a kimi_k3 flavor) still builds the same model.
+  const auto job = Config::load("configs/kimi_k3_debug.toml", {"model.family=exact16"});
   EXPECT_NO_THROW(build_model_part(job));
+  const auto old = Config::load("configs/kimi_k3_debug.toml", {"model.flavor=exact16"});
+  EXPECT_EQ(model_module_fqns(old), model_module_fqns(job));
+  EXPECT_NO_THROW(build_model_part(old));
 }
 
 void expect_config_error(const std::vector<std::string>& overrides, const std::string& needle) {
@@ -439,7 +445,7 @@ void expect_config_error(const std::vector<std::string>& overrides, const std::s
   }
 }
 
-TEST(Exact16Flavor, RefusesWhatWouldBreakIntegerGradients) {
+TEST(Exact16Family, RefusesWhatWouldBreakIntegerGradients) {
   expect_config_error({"training.seq_len=12"}, "power-of-two token count");
   expect_config_error({"training.gradient_accumulation_steps=3"}, "= 192");
   expect_config_error({"training.dtype=bfloat16"}, "float32");

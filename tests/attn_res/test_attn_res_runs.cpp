@@ -4,6 +4,8 @@
 // offload changes no bit, the rank cache stays within rounding of it, the
 // measured per-hop bytes and store peaks equal the layout tables' prediction,
 // and without AttnRes (model.attn_res = false) the stages are a plain chain.
+// The one-process references come from the build tree's reference cache
+// (common/reference_cache.h), trained once per binary.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -15,6 +17,7 @@
 
 #include "core/check.h"
 #include "common/process_runs.h"
+#include "common/reference_cache.h"
 #include "data/temp_dir.h"
 #include "pipeline/attn_res/block_store.h"
 #include "data/token_file.h"
@@ -35,7 +38,7 @@ class AttnResRuns : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new viaduct::data::testing::TempDir();
-    viaduct::testing::write_random_corpus((fs::path(dir_->path()) / "d.tok").string(), 987654);
+    data_ = viaduct::testing::cached_corpus(987654);
   }
   static void TearDownTestSuite() { delete dir_; }
 
@@ -47,7 +50,7 @@ class AttnResRuns : public ::testing::Test {
        << " --metrics.progress_bar=false --optimizer.lr=0.01"
        << " --checkpoint.enable=true --checkpoint.interval=" << steps
        << " --parallelism.pipeline_parallel_microbatches=" << micro
-       << " --data.path=" << (fs::path(dir_->path()) / "d.tok").string();
+       << " --data.path=" << data_;
     return os.str();
   }
 
@@ -69,11 +72,7 @@ class AttnResRuns : public ::testing::Test {
   }
 
   static std::string reference(const std::string& flavor, int micro, int steps = 3) {
-    const auto name = "ref_" + flavor + std::to_string(micro) + "_" + std::to_string(steps);
-    if (!fs::exists(fs::path(dir_->path()) / name / "checkpoint")) {
-      train(name, 1, base_args(flavor, micro, steps));
-    }
-    return (fs::path(dir_->path()) / name).string();
+    return viaduct::testing::cached_reference(base_args(flavor, micro, steps));
   }
 
   static std::string pp_run(const std::string& flavor, int micro, int pp, int spr, bool cache,
@@ -90,22 +89,55 @@ class AttnResRuns : public ::testing::Test {
   }
 
   static viaduct::data::testing::TempDir* dir_;
+  static std::string data_;
 };
 viaduct::data::testing::TempDir* AttnResRuns::dir_ = nullptr;
+std::string AttnResRuns::data_;
+
+// The whole-stack transport at one layout, with or without offload.
+struct WholeStackLayout {
+  std::string flavor;
+  int micro, pp, stages_per_rank;
+  bool offload;
+};
+
+std::string describe(const WholeStackLayout& l) {
+  return l.flavor + "_pp" + std::to_string(l.pp) + "_v" + std::to_string(l.stages_per_rank) +
+         "_m" + std::to_string(l.micro) + (l.offload ? "_offload" : "");
+}
+std::string whole_stack_name(const ::testing::TestParamInfo<WholeStackLayout>& info) {
+  return describe(info.param);
+}
+void PrintTo(const WholeStackLayout& l, std::ostream* os) { *os << describe(l); }
+
+class AttnResWholeStack : public AttnResRuns,
+                          public ::testing::WithParamInterface<WholeStackLayout> {};
+
+// The transport under test: the rank cache (true) or the whole stack.
+class AttnResTransports : public AttnResRuns, public ::testing::WithParamInterface<bool> {};
+
+std::string transport_case_name(const ::testing::TestParamInfo<bool>& info) {
+  return info.param ? "rank_cache" : "whole_stack";
+}
 
 }  // namespace
 
-// 26 units over 4 stages: a boundary inside a block, and rank 0 receives
-// entry 0 again at stage 2 in the whole stack.
-TEST_F(AttnResRuns, DebugmodelPp2x2WholeStackIsBitwiseOneProcess) {
-  const auto ref = reference("debugmodel", 4);
-  expect_same_bits(ref, pp_run("debugmodel", 4, 2, 2, false));
-  expect_same_bits(ref, pp_run("debugmodel", 4, 2, 2, false, true));
+TEST_P(AttnResWholeStack, IsBitwiseOneProcess) {
+  const auto& l = GetParam();
+  expect_same_bits(reference(l.flavor, l.micro),
+                   pp_run(l.flavor, l.micro, l.pp, l.stages_per_rank, false, l.offload));
 }
 
-TEST_F(AttnResRuns, DebugmodelDeepPp4x2WholeStackIsBitwiseOneProcess) {
-  expect_same_bits(reference("debugmodel_deep", 8), pp_run("debugmodel_deep", 8, 4, 2, false));
-}
+// debugmodel: 26 units over 4 stages, a boundary inside a block, and rank 0
+// receives entry 0 again at stage 2 in the whole stack; offload changes no
+// bit. debugmodel_deep: 35 units over 8 stages, and over 16 stages (4 per
+// rank) with one or two layers per stage.
+INSTANTIATE_TEST_SUITE_P(Layouts, AttnResWholeStack,
+                         ::testing::Values(WholeStackLayout{"debugmodel", 4, 2, 2, false},
+                                           WholeStackLayout{"debugmodel", 4, 2, 2, true},
+                                           WholeStackLayout{"debugmodel_deep", 8, 4, 2, false},
+                                           WholeStackLayout{"debugmodel_deep", 8, 4, 4, false}),
+                         whole_stack_name);
 
 // The rank cache adds a block's gradient contributions grouped by rank, so
 // its bits may differ from the whole stack's in the last places; offload
@@ -130,34 +162,32 @@ TEST_F(AttnResRuns, RankCacheStaysWithinRoundingAndOffloadChangesNoBit) {
 // metrics.jsonl's hop_bytes and attn_res_store_peak_bytes equal the tables:
 // (hidden + received entries) x [B/M, T, D] fp32 x M per hop; the store peak
 // as predict_store_peak walks the schedule.
-TEST_F(AttnResRuns, MeasuredBytesEqualTheTables) {
+TEST_P(AttnResTransports, MeasuredBytesEqualTheTables) {
   const int64_t M = 4, B = 8, T = 16, D = 64;
   const double entry = static_cast<double>(B / M * T * D * 4);
   const auto plan = k3_plan(24, 2, 2, M);
-  for (bool cache : {true, false}) {
-    SCOPED_TRACE(cache ? "rank cache" : "whole stack");
-    const auto t = make_block_layout_tables(
-        plan.split, 12, cache ? AttnResTransport::kRankCache : AttnResTransport::kWholeStack);
-    const auto run = pp_run("debugmodel", static_cast<int>(M), 2, 2, cache);
-    const auto m = metrics(run);
-    ASSERT_FALSE(m.empty());
-    for (const auto& j : m) {
-      ASSERT_TRUE(j.contains("hop_bytes")) << j.dump();
-      const auto hops = j["hop_bytes"].get<std::vector<int64_t>>();
-      ASSERT_EQ(hops.size(), 3u);
-      for (int64_t s = 0; s < 3; ++s) {
-        EXPECT_EQ(hops[s], static_cast<int64_t>(t.hop_tensors(s) * entry * M)) << "hop " << s;
-      }
-      const auto peaks = j["attn_res_store_peak_bytes"].get<std::vector<int64_t>>();
-      ASSERT_EQ(peaks.size(), 2u);
-      for (int64_t r = 0; r < 2; ++r) {
-        EXPECT_EQ(peaks[r],
-                  static_cast<int64_t>(predict_store_peak(t, plan.compute, r).total * entry))
-            << "rank " << r;
-      }
+  const bool cache = GetParam();
+  const auto t = make_block_layout_tables(
+      plan.split, 12, cache ? AttnResTransport::kRankCache : AttnResTransport::kWholeStack);
+  const auto run = pp_run("debugmodel", static_cast<int>(M), 2, 2, cache);
+  const auto m = metrics(run);
+  ASSERT_FALSE(m.empty());
+  for (const auto& j : m) {
+    ASSERT_TRUE(j.contains("hop_bytes")) << j.dump();
+    const auto hops = j["hop_bytes"].get<std::vector<int64_t>>();
+    ASSERT_EQ(hops.size(), 3u);
+    for (int64_t s = 0; s < 3; ++s) {
+      EXPECT_EQ(hops[s], static_cast<int64_t>(t.hop_tensors(s) * entry * M)) << "hop " << s;
     }
-    std::printf("[bytes] %s: %s\n", cache ? "rank cache" : "whole stack", m[0].dump().c_str());
+    const auto peaks = j["attn_res_store_peak_bytes"].get<std::vector<int64_t>>();
+    ASSERT_EQ(peaks.size(), 2u);
+    for (int64_t r = 0; r < 2; ++r) {
+      EXPECT_EQ(peaks[r],
+                static_cast<int64_t>(predict_store_peak(t, plan.compute, r).total * entry))
+          << "rank " << r;
+    }
   }
+  std::printf("[bytes] %s: %s\n", cache ? "rank cache" : "whole stack", m[0].dump().c_str());
 }
 
 // `viaduct plan --json` predicts the same hop sizes without running.
@@ -226,24 +256,23 @@ TEST(RankBlockStore, CountsDepositsAndSweeps) {
 
 // The zero-bubble split (I then W) collects deposits at I; both transports
 // against one process.
-TEST_F(AttnResRuns, InterleavedZeroBubbleBothTransports) {
+TEST_P(AttnResTransports, InterleavedZeroBubbleMatchesOneProcess) {
   const auto ref = reference("debugmodel", 4);
-  for (bool cache : {false, true}) {
-    std::ostringstream args;
-    args << base_args("debugmodel", 4) << " --parallelism.pipeline_parallel_degree=2"
-         << " --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble"
-         << " --parallelism.pipeline_parallel_stages_per_rank=2"
-         << " --parallelism.attn_res_cache=" << (cache ? "true" : "false");
-    const auto run = train(std::string("zb_") + (cache ? "cache" : "whole"), 2, args.str());
-    if (!cache) {
-      expect_same_bits(ref, run);
-    } else {
-      const auto a = metrics(ref), b = metrics(run);
-      ASSERT_EQ(a.size(), b.size());
-      for (size_t i = 0; i < a.size(); ++i) {
-        EXPECT_NEAR(a[i]["loss"].get<double>(), b[i]["loss"].get<double>(),
-                    1e-5 * std::abs(a[i]["loss"].get<double>()));
-      }
+  const bool cache = GetParam();
+  std::ostringstream args;
+  args << base_args("debugmodel", 4) << " --parallelism.pipeline_parallel_degree=2"
+       << " --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble"
+       << " --parallelism.pipeline_parallel_stages_per_rank=2"
+       << " --parallelism.attn_res_cache=" << (cache ? "true" : "false");
+  const auto run = train(std::string("zb_") + (cache ? "cache" : "whole"), 2, args.str());
+  if (!cache) {
+    expect_same_bits(ref, run);
+  } else {
+    const auto a = metrics(ref), b = metrics(run);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_NEAR(a[i]["loss"].get<double>(), b[i]["loss"].get<double>(),
+                  1e-5 * std::abs(a[i]["loss"].get<double>()));
     }
   }
 }
@@ -253,7 +282,7 @@ TEST_F(AttnResRuns, InterleavedZeroBubbleBothTransports) {
 // bits of one process, and a loss unlike the AttnRes model's.
 TEST_F(AttnResRuns, PlainResidualsPp2x2IsBitwiseOneProcessWithoutTheTransport) {
   const auto base = base_args("debugmodel", 4) + " --model.attn_res=false";
-  const auto ref = train("plain_ref", 1, base);
+  const auto ref = viaduct::testing::cached_reference(base);
   const auto pp = train("plain_pp2x2", 2,
                         base + " --parallelism.pipeline_parallel_degree=2"
                                " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
@@ -264,7 +293,5 @@ TEST_F(AttnResRuns, PlainResidualsPp2x2IsBitwiseOneProcessWithoutTheTransport) {
             viaduct::testing::step_losses(reference("debugmodel", 4)));
 }
 
-// 35 units over 16 stages (4 per rank): one or two layers per stage.
-TEST_F(AttnResRuns, DebugmodelDeepPp4x4WholeStackIsBitwiseOneProcess) {
-  expect_same_bits(reference("debugmodel_deep", 8), pp_run("debugmodel_deep", 8, 4, 4, false));
-}
+INSTANTIATE_TEST_SUITE_P(Transports, AttnResTransports, ::testing::Values(false, true),
+                         transport_case_name);

@@ -1,6 +1,6 @@
-// The exact16 flavor through the `viaduct` command, ranks as processes over
+// The exact16 family through the `viaduct` command, ranks as processes over
 // Gloo: `viaduct train --config configs/kimi_k3_debug.toml
-// --model.flavor=exact16` at pp4 x 2 stages per rank, rank cache and whole
+// --model.family=exact16` at pp4 x 2 stages per rank, rank cache and whole
 // stack, trains to the bits of one process (losses and every parameter and
 // optimizer-state tensor after three steps) -- the rank cache included,
 // because exact16's gradients are integers (Note [exact16: integer
@@ -31,7 +31,7 @@ class Exact16Runs : public ::testing::Test {
   // 8 sequences of 16 tokens: 128 tokens a step, a power of two.
   std::string args(const std::string& extra) const {
     std::ostringstream os;
-    os << " train --config configs/kimi_k3_debug.toml --model.flavor=exact16"
+    os << " train --config configs/kimi_k3_debug.toml --model.family=exact16"
        << " --training.seq_len=16 --training.local_batch_size=8 --training.steps=3"
        << " --training.num_threads=1 --training.eval_interval=0 --training.dtype=float32"
        << " --metrics.progress_bar=false --checkpoint.interval=3"

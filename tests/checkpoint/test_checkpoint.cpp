@@ -3,6 +3,7 @@
 // missing/wrong/corrupt tensors with tensor and file named, atomicity rules
 // for discovery (.tmp- folders, incomplete folders) and pruning.
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/manager.h"
 #include "core/rng.h"
 #include "test_util.h"
 

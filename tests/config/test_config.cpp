@@ -115,20 +115,22 @@ TEST(Config, CrossFieldChecksRunAfterOverrides) {
   EXPECT_NE(msg.find("training.dtype"), std::string::npos) << msg;
 }
 
-TEST(Config, AttnResOffIsKimiK3Only) {
-  auto c = Config::parse("[model]\nfamily = \"kimi_k3\"\n", "job.toml");
-  EXPECT_TRUE(c.get_bool("model.attn_res"));  // default: AttnRes on
-  EXPECT_NO_THROW(Config::parse("[model]\nfamily = \"kimi_k3\"\nattn_res = false\n",
-                                "job.toml"));
-  for (const char* fam : {"llama", "gpt2"}) {
-    auto msg = error_of(std::string("[model]\nfamily = \"") + fam + "\"\n",
-                        {"model.attn_res=false"});
-    EXPECT_NE(msg.find("model.attn_res"), std::string::npos) << msg;
-    EXPECT_NE(msg.find(fam), std::string::npos) << msg;
-    EXPECT_NO_THROW(Config::parse(std::string("[model]\nfamily = \"") + fam +
-                                      "\"\nattn_res = true\n",
-                                  "job.toml"));
-  }
+// model.attn_res = false for kimi_k3 only: the family registry checks it
+// (ModelFamilies.AttnResOffIsKimiK3Only in tests/model).
+
+// exact16 was a kimi_k3 flavor: that spelling still loads, as the exact16
+// family, with a warning.
+TEST(Config, DeprecatedExact16SpellingMapsToItsFamily) {
+  auto c = Config::parse("[model]\nfamily = \"kimi_k3\"\n", "job.toml",
+                         {"model.flavor=exact16"});
+  EXPECT_EQ(c.get_string("model.family"), "exact16");
+  EXPECT_EQ(c.get_string("model.flavor"), "debugmodel");
+  auto d = Config::parse("[model]\nfamily = \"kimi_k3\"\nflavor = \"exact16\"\n", "job.toml");
+  EXPECT_EQ(d.get_string("model.family"), "exact16");
+  EXPECT_EQ(Config::parse(d.to_toml(), "printed").get_string("model.family"), "exact16");
+  auto k3 = Config::parse("[model]\nfamily = \"kimi_k3\"\nflavor = \"full\"\n", "job.toml");
+  EXPECT_EQ(k3.get_string("model.family"), "kimi_k3");
+  EXPECT_EQ(k3.get_string("model.flavor"), "full");
 }
 
 TEST(Config, PrintConfigRoundTrips) {

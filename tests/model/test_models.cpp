@@ -11,6 +11,7 @@
 #include "config/config.h"
 #include "core/check.h"
 #include "kernels/fused.h"
+#include "model/family.h"
 #include "model/model.h"
 
 using namespace viaduct;
@@ -258,6 +259,80 @@ TEST(Models, BadShapesAreConfigErrors) {
   expect_error({"model.n_kv_heads=3"}, "model.n_kv_heads");
   expect_error({"model.flavor=huge"}, "huge");
   expect_error({"training.seq_len=4096", "model.max_seq_len=1024"}, "model.max_seq_len");
+}
+
+// model.family and model.flavor are checked by the family registry
+// (model/family.h): an unknown name is refused with the valid ones.
+TEST(ModelFamilies, UnknownFamilyOrFlavorNamesTheValidOnes) {
+  auto error_of = [](const std::vector<std::string>& o) -> std::string {
+    try {
+      model_family(Config::parse("", "job.toml", o));
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  auto msg = error_of({"model.family=llma"});
+  EXPECT_NE(msg.find("model.family"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'llma'"), std::string::npos) << msg;
+  for (const char* fam : {"llama", "gpt2", "kimi_k3", "exact16"}) {
+    EXPECT_NE(msg.find(fam), std::string::npos) << msg;
+  }
+  msg = error_of({"model.family=gpt2", "model.flavor=1B"});
+  EXPECT_NE(msg.find("'1B'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("124M"), std::string::npos) << msg;
+  msg = error_of({"model.family=kimi_k3", "model.flavor=huge"});
+  EXPECT_NE(msg.find("debugmodel_deep"), std::string::npos) << msg;
+  for (const auto& f : model_families()) {
+    EXPECT_EQ(model_family(Config::parse("", "job.toml", {"model.family=" + f.name})).name,
+              f.name);
+    // Every family has a debugmodel (the schema's default flavor).
+    EXPECT_NE(std::find(f.flavors.begin(), f.flavors.end(), "debugmodel"), f.flavors.end())
+        << f.name;
+  }
+}
+
+TEST(ModelFamilies, AttnResOffIsKimiK3Only) {
+  auto load = [](const std::string& toml, const std::vector<std::string>& o = {}) {
+    auto cfg = Config::parse(toml, "job.toml", o);
+    model_family(cfg);
+    return cfg;
+  };
+  auto c = load("[model]\nfamily = \"kimi_k3\"\n");
+  EXPECT_TRUE(c.get_bool("model.attn_res"));  // default: AttnRes on
+  EXPECT_NO_THROW(load("[model]\nfamily = \"kimi_k3\"\nattn_res = false\n"));
+  for (const char* fam : {"llama", "gpt2"}) {
+    std::string msg;
+    try {
+      load(std::string("[model]\nfamily = \"") + fam + "\"\n", {"model.attn_res=false"});
+    } catch (const ConfigError& e) {
+      msg = e.what();
+    }
+    EXPECT_NE(msg.find("model.attn_res"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(fam), std::string::npos) << msg;
+    EXPECT_NO_THROW(load(std::string("[model]\nfamily = \"") + fam + "\"\nattn_res = true\n"));
+  }
+}
+
+// What the AttnRes pipeline asks of a family: the block stack its parts
+// hand on, none for a chain (kimi_k3 with model.attn_res = false included).
+TEST(ModelFamilies, AttnResLayoutOfEachFamily) {
+  auto layout = [](const std::vector<std::string>& o) {
+    return attn_res_layout(Config::parse("", "job.toml", o));
+  };
+  EXPECT_FALSE(layout({"model.family=llama"}).has_value());
+  EXPECT_FALSE(layout({"model.family=gpt2"}).has_value());
+  EXPECT_FALSE(layout({"model.family=kimi_k3", "model.attn_res=false"}).has_value());
+  const auto k3 = layout({"model.family=kimi_k3", "model.attn_res_block_size=5"});
+  ASSERT_TRUE(k3.has_value());
+  EXPECT_EQ(k3->n_layers, 24);
+  EXPECT_EQ(k3->block_size, 5);
+  EXPECT_EQ(k3->dim, 64);
+  const auto e16 = layout({"model.family=exact16"});
+  ASSERT_TRUE(e16.has_value());
+  EXPECT_EQ(e16->n_layers, 16);
+  EXPECT_EQ(e16->block_size, 4);
+  EXPECT_EQ(e16->dim, 16);
 }
 
 TEST(ChunkedHeadLoss, MatchesLogitsThenCrossEntropyInFp64) {

@@ -34,7 +34,7 @@ Config small_config(bool vision = false) {
 
 std::shared_ptr<KimiK3Part> build(const Config& cfg,
                                   const std::vector<std::string>& fqns = {}) {
-  auto p = std::dynamic_pointer_cast<KimiK3Part>(build_kimi_k3(cfg, fqns));
+  auto p = std::dynamic_pointer_cast<KimiK3Part>(build_model_part(cfg, fqns));
   p->init_weights(42);
   return p;
 }
@@ -89,7 +89,7 @@ TEST(KimiK3Model, FlavorsAndFullAttentionRule) {
     }
     return v;
   };
-  auto full = describe_kimi_k3(k3_config("full"));
+  auto full = describe_model(k3_config("full"));
   ASSERT_EQ(full.n_layers, 93);
   auto m = mlas(full);
   ASSERT_EQ(m.size(), 24u);  // 3, 7, ..., 91 and 92
@@ -103,18 +103,19 @@ TEST(KimiK3Model, FlavorsAndFullAttentionRule) {
   EXPECT_EQ(full.pinned_last, std::vector<std::string>{"attn_res_final"});
   EXPECT_GT(full.params, full.active_params);
 
-  auto deep = describe_kimi_k3(k3_config("debugmodel_deep"));
+  auto deep = describe_model(k3_config("debugmodel_deep"));
   EXPECT_EQ(deep.n_layers, 33);
   EXPECT_EQ(deep.layers[32].block, 2);
   EXPECT_TRUE(deep.layers[24].opens_block);
-  EXPECT_EQ(describe_kimi_k3(k3_config("debugmodel")).n_layers, 24);
-  auto ex = describe_kimi_k3(k3_config("exact16"));
+  EXPECT_EQ(describe_model(k3_config("debugmodel")).n_layers, 24);
+  // The integer-gradient model is its own family (model/exact16.h).
+  auto ex = describe_model(Config::parse("", "test", {"model.family=exact16"}));
   EXPECT_EQ(ex.n_layers, 16);
   EXPECT_TRUE(ex.layers[12].opens_block);
   EXPECT_EQ(ex.layers[15].block, 3);
-  EXPECT_THROW(describe_kimi_k3(k3_config("nope")), ConfigError);
+  EXPECT_THROW(describe_model(k3_config("nope")), ConfigError);
 
-  auto fqns = kimi_k3_module_fqns(small_config(true));
+  auto fqns = model_module_fqns(small_config(true));
   EXPECT_EQ(fqns.front(), "tok_embeddings");
   EXPECT_EQ(fqns[1], "vision_tower");
   EXPECT_EQ(fqns[2], "layers.0");
@@ -125,7 +126,7 @@ TEST(KimiK3Model, FlavorsAndFullAttentionRule) {
 TEST(KimiK3Model, MlaIntervalPicksTheFullAttentionLayers) {
   auto kinds = [](const Config& cfg) {
     std::string s;
-    for (const auto& l : describe_kimi_k3(cfg).layers) s += l.attention == "mla" ? 'M' : 'k';
+    for (const auto& l : describe_model(cfg).layers) s += l.attention == "mla" ? 'M' : 'k';
     return s;
   };
   // debugmodel_deep: 33 layers. Default every fourth (3, 7, ...) and the last.
@@ -136,21 +137,21 @@ TEST(KimiK3Model, MlaIntervalPicksTheFullAttentionLayers) {
             "kkMkkMkkMkkMkkMkkMkkMkkMkkMkkMkkM");
   // The built model follows the same rule (parameter counts differ by kind).
   auto cfg = k3_config("debugmodel", {"model.mla_interval=2"});
-  EXPECT_EQ(describe_kimi_k3(cfg).params, count_parameters(*build(cfg)));
-  EXPECT_NE(describe_kimi_k3(cfg).params, describe_kimi_k3(k3_config("debugmodel")).params);
-  EXPECT_THROW(describe_kimi_k3(k3_config("debugmodel", {"model.mla_interval=0"})), ConfigError);
+  EXPECT_EQ(describe_model(cfg).params, count_parameters(*build(cfg)));
+  EXPECT_NE(describe_model(cfg).params, describe_model(k3_config("debugmodel")).params);
+  EXPECT_THROW(describe_model(k3_config("debugmodel", {"model.mla_interval=0"})), ConfigError);
 }
 
 TEST(KimiK3Model, DescribeCountsMatchBuiltModel) {
   for (bool vision : {false, true}) {
     auto cfg = small_config(vision);
-    auto info = describe_kimi_k3(cfg);
+    auto info = describe_model(cfg);
     auto model = build(cfg);
     EXPECT_EQ(info.params, count_parameters(*model)) << "vision " << vision;
   }
   auto cfg = k3_config("debugmodel", {"model.mla_q_lora_rank=16",
                                       "model.n_shared_experts=2"});
-  EXPECT_EQ(describe_kimi_k3(cfg).params, count_parameters(*build(cfg)));
+  EXPECT_EQ(describe_model(cfg).params, count_parameters(*build(cfg)));
 }
 
 TEST(KimiK3Model, PartActivationContract) {
@@ -460,14 +461,14 @@ TEST(KimiK3Plain, LossEqualsAHandComposedPlainResidualChain) {
 
 TEST(KimiK3Plain, ModulesParamsAndInitAgreeWithTheAttnResModel) {
   auto cfg = plain_config();
-  auto fqns = kimi_k3_module_fqns(cfg);
+  auto fqns = model_module_fqns(cfg);
   EXPECT_EQ(fqns.back(), "lm_head");  // no attn_res_final
-  auto info = describe_kimi_k3(cfg);
+  auto info = describe_model(cfg);
   auto model = build(cfg);
   EXPECT_EQ(info.params, count_parameters(*model));
   EXPECT_TRUE(info.pinned_last.empty());
   EXPECT_EQ(info.layers[3].block, -1);
-  auto with_info = describe_kimi_k3(small_config());
+  auto with_info = describe_model(small_config());
   EXPECT_LT(info.flops_per_token, with_info.flops_per_token);
   // Weights depend on (seed, FQN) alone: every shared tensor is the same.
   std::map<std::string, at::Tensor> with;

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/manager.h"
 #include "config/config.h"
 #include "core/check.h"
 #include "data/temp_dir.h"

@@ -1,0 +1,80 @@
+// The model-family registry (model/family.h) and the family-independent
+// entry points of model/model.h that dispatch through it.
+#include "model/family.h"
+
+#include <algorithm>
+
+#include "config/config.h"
+#include "core/check.h"
+#include "model/families.h"
+
+namespace viaduct {
+namespace {
+
+// "a, b or c"
+std::string one_of(const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) out += i + 1 == names.size() ? " or " : ", ";
+    out += names[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+const std::vector<ModelFamily>& model_families() {
+  static const std::vector<ModelFamily> families{llama_family(), gpt2_family(),
+                                                 kimi_k3_family(), exact16_family()};
+  return families;
+}
+
+ConfigError unknown_flavor_error(const std::string& family, const std::string& flavor,
+                                 const std::vector<std::string>& flavors) {
+  return ConfigError(str("model.flavor '", flavor, "' is not a ", family,
+                         " flavor (choose ", one_of(flavors), ")"));
+}
+
+const ModelFamily& model_family(const Config& cfg) {
+  const auto name = cfg.get_string("model.family");
+  const auto& all = model_families();
+  const auto it = std::find_if(all.begin(), all.end(),
+                               [&](const ModelFamily& f) { return f.name == name; });
+  if (it == all.end()) {
+    std::vector<std::string> names;
+    for (const auto& f : all) names.push_back(f.name);
+    throw ConfigError(str("model.family must be ", one_of(names), ", got '", name, "' (",
+                          cfg.origin(), ")"));
+  }
+  const auto flavor = cfg.get_string("model.flavor");
+  if (std::find(it->flavors.begin(), it->flavors.end(), flavor) == it->flavors.end()) {
+    throw unknown_flavor_error(it->name, flavor, it->flavors);
+  }
+  if (it->check) it->check(cfg);
+  return *it;
+}
+
+std::optional<AttnResLayout> attn_res_layout(const Config& cfg) {
+  const auto& family = model_family(cfg);
+  return family.attn_res ? family.attn_res(cfg) : std::nullopt;
+}
+
+std::vector<std::string> model_module_fqns(const Config& cfg) {
+  return model_family(cfg).module_fqns(cfg);
+}
+
+std::shared_ptr<ModelPart> build_model_part(const Config& cfg,
+                                            const std::vector<std::string>& fqns) {
+  return model_family(cfg).build(cfg, fqns);
+}
+
+ModelInfo describe_model(const Config& cfg) { return model_family(cfg).describe(cfg); }
+
+void check_plain_residuals(const Config& cfg) {
+  const auto family = cfg.get_string("model.family");
+  VIADUCT_CHECK_T(ConfigError, cfg.get_bool("model.attn_res"),
+                  "model.attn_res = false applies to model.family = kimi_k3 only; ", family,
+                  " has plain residuals already (", cfg.origin(), ")");
+}
+
+}  // namespace viaduct

@@ -1,0 +1,71 @@
+// The model-family registry: what the rest of viaduct asks of a model family
+// (torchtitan's ModelSpec). model.family picks one entry; nothing outside
+// model/ compares family names.
+//
+// Adding a family: model/<name>.cpp defines `ModelFamily <name>_family()`
+// (declared in model/families.h) and model_families() (model/family.cpp)
+// lists it. Its flavors, module list, part builder, description and, for a
+// family whose parts hand on an AttnRes block stack, that stack's shape are
+// all the pipeline, the trainer and the commands need.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "model/model.h"
+
+namespace viaduct {
+
+class Config;
+
+// The block stack a family's parts pass between stages (Note [Kimi-K3 part
+// activations] in model/kimi_k3.h): what the AttnRes stage and `viaduct
+// plan` size their tables and bytes by.
+struct AttnResLayout {
+  int64_t n_layers = 0;
+  int64_t block_size = 0;  // layers per block
+  int64_t dim = 0;         // width of a block entry [B, T, dim]
+};
+
+struct ModelFamily {
+  std::string name;                  // the value of model.family
+  std::vector<std::string> flavors;  // the values of model.flavor it takes
+  // Every top-level module FQN of the whole model, in order (model.h).
+  std::function<std::vector<std::string>(const Config&)> module_fqns;
+  // The part holding the given modules (empty: the whole model), as
+  // build_model_part (model.h) promises.
+  std::function<std::shared_ptr<ModelPart>(const Config&, const std::vector<std::string>&)>
+      build;
+  std::function<ModelInfo(const Config&)> describe;
+  // Set where the family's parts hand on an AttnRes block stack: its shape
+  // for this config, or nullopt where the config builds a chain (kimi_k3
+  // with model.attn_res = false). Unset: the parts form a chain.
+  std::function<std::optional<AttnResLayout>(const Config&)> attn_res;
+  // Cross-field checks of the model keys that need no model built; run by
+  // every lookup (model_family). Unset: none.
+  std::function<void(const Config&)> check;
+};
+
+// Every registered family, in the order the error messages list them.
+const std::vector<ModelFamily>& model_families();
+
+// The family model.family names, with model.flavor checked against its
+// flavors and the family's checks run. Throws ConfigError naming the valid
+// families or flavors.
+const ModelFamily& model_family(const Config& cfg);
+
+// The AttnRes block stack the config's parts hand on, or nullopt for a
+// chain model (model_family(cfg).attn_res).
+std::optional<AttnResLayout> attn_res_layout(const Config& cfg);
+
+// The ConfigError of a flavor the family does not have, as model_family
+// throws it; for a family's own flavor table.
+ConfigError unknown_flavor_error(const std::string& family, const std::string& flavor,
+                                 const std::vector<std::string>& flavors);
+
+}  // namespace viaduct

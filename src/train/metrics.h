@@ -1,0 +1,89 @@
+// A training step's metrics and where they go: the stdout line (or a
+// progress bar on a terminal), one JSON object per step and per eval in
+// `<job.dump_folder>/metrics.jsonl`, and the truncation of that file after a
+// resume so that it reads as one uninterrupted run.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+
+namespace viaduct {
+
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = 0;        // mean token cross-entropy of the step
+  double grad_norm = 0;   // before clipping
+  double lr = 0;
+  int64_t tokens = 0;     // target tokens of the step (all dp ranks)
+  double seconds = 0;
+  double tokens_per_sec = 0;
+  double mfu = -1;        // fraction of peak; < 0 when the peak is unknown
+  double peak_memory_bytes = 0;
+  // pp > 1: each pp rank's device peak so far, read at the loss's all-reduce
+  // (after the backward; on CPU the process's peak resident set).
+  std::vector<double> peak_memory_bytes_per_rank;
+  int64_t p2p_bytes = 0;  // this rank's pipeline sends + receives
+  // Forward and backward (gradient) bytes per hop s -> s+1 (all ranks), and
+  // the AttnRes rank block store's peak bytes per pp rank (empty without an
+  // AttnRes pipeline).
+  std::vector<int64_t> hop_bytes;
+  std::vector<int64_t> hop_grad_bytes;
+  std::vector<int64_t> attn_res_store_peak_bytes;
+  // Pipeline timing (Note [Measured bubble], pipeline/runtime/executor.h):
+  // this rank's span of the schedule, compute and P2P wait seconds, and
+  // 1 - compute / span for each pp rank of this pipeline; empty when off.
+  double pipeline_seconds = 0;
+  double pipeline_compute_seconds = 0;
+  double pipeline_p2p_wait_seconds = 0;
+  std::vector<double> bubble_measured_per_rank;
+};
+
+struct MetricsOptions {
+  std::filesystem::path dump_folder;  // job.dump_folder: metrics.jsonl goes here
+  bool jsonl = true;                  // metrics.enable_jsonl
+  bool logging_rank = true;           // only this rank prints and writes
+  bool progress_bar = false;          // already false off a terminal
+  int64_t total_steps = 0;            // training.steps
+  int64_t log_freq = 1;               // metrics.log_freq
+  // Pipelines: p2p_bytes is written with more than one stage; hop bytes and
+  // store peaks with AttnRes stages; the measured bubble is set against the
+  // schedule simulator's.
+  bool pipeline = false;
+  bool attn_res = false;
+  int pp_rank = 0;
+  double bubble_simulated = 0;
+  std::optional<double> bubble_simulated_flops;
+};
+
+// The job.* and metrics.* keys; the pipeline fields stay at their defaults.
+// The progress bar needs stdout to be a terminal.
+MetricsOptions metrics_options_from_config(const Config& cfg, bool logging_rank);
+
+class MetricsWriter {
+ public:
+  explicit MetricsWriter(MetricsOptions options);
+
+  // The step's JSON line, and its stdout line at metrics.log_freq and at the
+  // last step.
+  void log_step(const StepMetrics& m);
+  void log_eval(int64_t step, double loss);
+  // Lines a crashed run wrote past its last checkpoint (`step`) are dropped.
+  void truncate_after(int64_t step);
+
+  // The record written to metrics.jsonl, and the stdout line.
+  std::string step_json(const StepMetrics& m) const;
+  std::string step_line(const StepMetrics& m) const;
+  std::filesystem::path jsonl_path() const { return options_.dump_folder / "metrics.jsonl"; }
+
+ private:
+  void append(const std::string& json_line);
+
+  MetricsOptions options_;
+};
+
+}  // namespace viaduct

@@ -1,0 +1,121 @@
+// Process setup and the job summary (see process.h).
+#include "train/process.h"
+
+#include <chrono>
+#include <cstdlib>
+
+#include "core/check.h"
+#include "core/device.h"
+#include "core/log.h"
+#include "core/torch_compat.h"
+#include "data/token_file.h"
+#include "dist/dist.h"
+#include "kernels/fused.h"
+#include "pipeline/schedule/plan.h"
+
+namespace viaduct {
+namespace {
+
+at::ScalarType resolve_dtype(const std::string& name, const at::Device& dev) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  return dev.is_cuda() ? at::kBFloat16 : at::kFloat;  // auto
+}
+
+}  // namespace
+
+ProcessSetup init_process(const Config& cfg) {
+  ProcessSetup ps;
+  const auto lvl = cfg.get_string("job.log_level");
+  log::set_level(lvl == "debug"     ? log::Level::kDebug
+                 : lvl == "warning" ? log::Level::kWarn
+                 : lvl == "error"   ? log::Level::kError
+                                    : log::Level::kInfo);
+  // The same thread count whether launched or run alone (determinism).
+  at::set_num_threads(static_cast<int>(cfg.get_int("training.num_threads")));
+  kernels::set_enabled(cfg.get_bool("model.fused_kernels"));
+  kernels::set_swiglu_recompute(cfg.get_bool("model.swiglu_recompute"));
+  kernels::set_swiglu_one_gemm(cfg.get_bool("model.swiglu_one_gemm"));
+
+  // Where this process sits: pp x dp ranks over c10d, or one process.
+  const auto rdv = dist::rendezvous_from_env();
+  const int pp = static_cast<int>(cfg.get_int("parallelism.pipeline_parallel_degree"));
+  const int dp = static_cast<int>(cfg.get_int("parallelism.data_parallel_degree"));
+  VIADUCT_CHECK_T(ConfigError, pp * dp == rdv.world_size,
+                  "parallelism.pipeline_parallel_degree (", pp,
+                  ") x parallelism.data_parallel_degree (", dp, ") = ", pp * dp,
+                  " ranks, but WORLD_SIZE is ", rdv.world_size,
+                  rdv.world_size == 1
+                      ? str("; start the ranks with `viaduct launch --nproc-per-node ",
+                            pp * dp, " -- viaduct train ...`")
+                      : std::string());
+  if (cfg.get_bool("training.deterministic")) {
+    // cuBLAS needs a fixed workspace for reproducible results; it must be set
+    // before the first cuBLAS handle exists.
+    setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  }
+  ps.device = resolve_device(cfg.get_string("training.device"), rdv.local_rank);
+  if (rdv.world_size > 1) {
+    const auto timeout =
+        std::chrono::seconds(cfg.get_int("parallelism.comm_timeout_seconds"));
+    ps.mesh = dist::init_mesh(rdv, pp, dp, ps.device,
+                              std::chrono::duration_cast<std::chrono::milliseconds>(timeout));
+    ps.pp_rank = ps.mesh->pp_rank();
+    ps.dp_rank = ps.mesh->dp_rank();
+    ps.dp_size = ps.mesh->dp();
+    if (rdv.rank != 0 && log::level() < log::Level::kWarn) {
+      log::set_level(log::Level::kWarn);  // rank 0 reports for the job
+    }
+  }
+  ps.compute_dtype = resolve_dtype(cfg.get_string("training.dtype"), ps.device);
+  return ps;
+}
+
+void log_job_summary(const Config& cfg, const JobSummary& job) {
+  const auto& info = job.model;
+  const auto& plan = job.plan;
+  const auto& split = plan.split;
+  log::info("model ", info.family, "/", info.flavor, ": ", info.n_layers,
+            " layers, ", info.params, " parameters; device ", device_name(job.device),
+            ", dtype ", c10::toString(job.compute_dtype), ", LibTorch ",
+            compat::torch_version(), ", ", at::get_num_threads(), " threads");
+  if (job.device.is_cuda()) {
+    const bool fused = kernels::usable(at::empty({1}, at::TensorOptions(job.device).dtype(job.compute_dtype)));
+    log::info("fused kernels: ", fused ? "on"
+                                 : cfg.get_bool("model.fused_kernels")
+                                     ? "off (this GPU or build has none; ATen ops)"
+                                     : "off (model.fused_kernels = false)");
+    const char* off = std::getenv("VIADUCT_DISABLE_KERNELS");
+    if (fused && off && *off) {
+      kernels::parse_kernel_list(off);  // an unknown name is an error at start
+      log::info("fused kernels disabled by VIADUCT_DISABLE_KERNELS: ", off);
+    }
+  }
+  if (split.num_stages > 1 || job.dp_size > 1) {
+    log::info("parallelism: pp ", split.pp, " x dp ", job.dp_size, ", ",
+              split.num_stages, " stages (", split.stages_per_rank, " per rank, ",
+              pipeline::placement_name(split.placement), "), schedule ",
+              cfg.get_string("parallelism.pipeline_parallel_schedule"), ", ",
+              job.num_microbatches, " micro-batches, simulated bubble ",
+              plan.simulation.bubble_fraction,
+              plan.simulation_flops
+                  ? str(" (", plan.simulation_flops->bubble_fraction,
+                        " with stage costs by FLOPs)")
+                  : std::string());
+    const auto& bw = plan.balanced_weights;
+    if (bw && plan.balanced) {
+      log::info("split balanced by FLOPs: the embedding counts ", bw->first,
+                " layer(s), the head ", bw->second, " (Note [Split balanced by FLOPs])");
+    } else if (bw && plan.simulation_flops &&
+               plan.simulation_flops->bubble_fraction - plan.balanced_bubble_flops > 0.02) {
+      log::info("hint: parallelism.pipeline_parallel_balance = \"flops\" (embedding ", bw->first,
+                ", head ", bw->second, " layers) would cut the FLOP-weighted bubble from ",
+                plan.simulation_flops->bubble_fraction, " to ", plan.balanced_bubble_flops);
+    }
+  }
+  log::info("data ", job.train_tokens.describe(), ": ", job.train_tokens.size(),
+            " tokens", job.eval_tokens ? ", eval " + job.eval_tokens->describe() : "");
+}
+
+}  // namespace viaduct

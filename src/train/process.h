@@ -1,0 +1,51 @@
+// What a training process sets up before it builds a model: the log level,
+// the thread count, the kernel switches, its place in the pp x dp mesh, the
+// determinism settings, the device and the compute dtype; and the summary of
+// the job it logs once everything is built.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+
+#include "config/config.h"
+#include "model/model.h"
+
+namespace viaduct {
+
+namespace dist {
+class Mesh;
+}  // namespace dist
+namespace pipeline {
+struct PipelinePlan;
+}  // namespace pipeline
+namespace data {
+class TokenStream;
+}  // namespace data
+
+struct ProcessSetup {
+  std::unique_ptr<dist::Mesh> mesh;  // null: one process
+  at::Device device{at::kCPU};
+  at::ScalarType compute_dtype = at::kFloat;
+  int pp_rank = 0, dp_rank = 0, dp_size = 1;
+};
+
+// Reads WORLD_SIZE & co. (dist::rendezvous_from_env); a world that does not
+// match parallelism.* is a ConfigError.
+ProcessSetup init_process(const Config& cfg);
+
+// The job at info level: model, device, dtype, threads, fused kernels,
+// parallelism and its simulated bubble, data.
+struct JobSummary {
+  const ModelInfo& model;
+  const pipeline::PipelinePlan& plan;
+  at::Device device;
+  at::ScalarType compute_dtype;
+  int dp_size = 1;
+  int64_t num_microbatches = 1;
+  const data::TokenStream& train_tokens;
+  const data::TokenStream* eval_tokens = nullptr;
+};
+void log_job_summary(const Config& cfg, const JobSummary& job);
+
+}  // namespace viaduct

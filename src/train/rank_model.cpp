@@ -1,0 +1,62 @@
+// Building this rank's model parts and stages (see rank_model.h).
+#include "train/rank_model.h"
+
+#include "model/family.h"
+#include "pipeline/attn_res/attn_res_stage.h"
+#include "pipeline/schedule/plan_config.h"
+#include "train/reduce.h"
+
+namespace viaduct {
+
+RankModel build_rank_model(const Config& cfg, int pp_rank, at::Device device,
+                           at::ScalarType compute_dtype, dist::ProcessGroup* pp_group,
+                           const std::string& context) {
+  RankModel rm;
+  // The pipeline plan (a pure function of the config: every rank agrees).
+  rm.info = describe_model(cfg);
+  auto plan_spec = pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg));
+  plan_spec.module_flops = rm.info.module_flops;  // Note [Bubble weighted by FLOPs]
+  rm.plan = std::make_unique<pipeline::PipelinePlan>(pipeline::make_pipeline_plan(plan_spec));
+  const auto& split = rm.plan->split;
+  const auto seed = static_cast<uint64_t>(cfg.get_int("training.seed"));
+  std::vector<double> counts(static_cast<size_t>(split.num_stages), 0.0);
+  const auto attn_res = attn_res_layout(cfg);  // nullopt: a chain model
+  if (split.num_stages > 1 && attn_res) {
+    // Note [AttnRes transports] (pipeline/attn_res/block_layout.h). A chain
+    // (kimi_k3 with model.attn_res = false among them) runs plain stages.
+    rm.attn_res_tables = std::make_shared<const pipeline::BlockLayoutTables>(
+        pipeline::make_block_layout_tables(
+            split, attn_res->block_size,
+            cfg.get_bool("parallelism.attn_res_cache")
+                ? pipeline::AttnResTransport::kRankCache
+                : pipeline::AttnResTransport::kWholeStack,
+            pipeline::cache_backward_from_name(
+                cfg.get_string("parallelism.attn_res_cache_backward"))));
+    rm.attn_res_store = std::make_shared<pipeline::RankBlockStore>(
+        pp_rank, *rm.attn_res_tables, cfg.get_bool("parallelism.attn_res_cache_offload"));
+  }
+  for (int64_t s : split.rank_to_stages.at(pp_rank)) {
+    auto part = build_model_part(
+        cfg, split.num_stages == 1 ? std::vector<std::string>{} : split.stage_modules.at(s));
+    part->init_weights(seed);
+    part->to(device);
+    part->set_compute_dtype(compute_dtype);
+    auto named = named_params_for_training(*part);
+    counts[static_cast<size_t>(s)] = static_cast<double>(named.size());
+    rm.params.insert(rm.params.end(), named.begin(), named.end());
+    rm.parts.push_back(part);
+    rm.stages.push_back(pipeline::make_stage(s, split.num_stages, part, rm.attn_res_tables,
+                                             rm.attn_res_store));
+  }
+  // Global FQN order = stage order, then each part's registration order.
+  sum_over(pp_group, counts, context, "parameter counts");
+  std::vector<int64_t> stage_offset(counts.size() + 1, 0);
+  for (size_t s = 0; s < counts.size(); ++s)
+    stage_offset[s + 1] = stage_offset[s] + static_cast<int64_t>(counts[s]);
+  rm.total_param_tensors = stage_offset.back();
+  for (int64_t s : split.rank_to_stages.at(pp_rank))
+    rm.param_offsets.push_back(stage_offset[static_cast<size_t>(s)]);
+  return rm;
+}
+
+}  // namespace viaduct

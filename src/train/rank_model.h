@@ -1,0 +1,52 @@
+// This rank's share of the model under the pipeline plan: the plan itself,
+// the model parts of the stages this rank holds (initialised from
+// training.seed, on the device, in the compute dtype), their pipeline stages,
+// the AttnRes layout tables and block store where stages hand on AttnRes
+// blocks, and where each part's parameters sit in the global FQN order.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+#include "model/model.h"
+#include "pipeline/runtime/stage.h"
+#include "pipeline/schedule/plan.h"
+#include "train/optimizer.h"
+
+namespace viaduct {
+
+namespace dist {
+class ProcessGroup;
+}  // namespace dist
+namespace pipeline {
+class RankBlockStore;
+struct BlockLayoutTables;
+}  // namespace pipeline
+
+struct RankModel {
+  ModelInfo info;
+  std::unique_ptr<pipeline::PipelinePlan> plan;
+  std::vector<std::shared_ptr<ModelPart>> parts;  // in stage order
+  std::vector<std::unique_ptr<pipeline::PipelineStage>> stages;
+  std::vector<NamedParam> params;  // the parts' training parameters
+  // Null unless kimi_k3 with AttnRes runs over more than one stage.
+  std::shared_ptr<const pipeline::BlockLayoutTables> attn_res_tables;
+  std::shared_ptr<pipeline::RankBlockStore> attn_res_store;
+  // Global index of each part's first parameter (global FQN order = stage
+  // order, then each part's registration order) and the model's count.
+  std::vector<int64_t> param_offsets;
+  int64_t total_param_tensors = 0;
+};
+
+// `pp_group` sums the stages' parameter counts over the pipeline ranks (null:
+// one process); `context` names this rank in a timeout.
+RankModel build_rank_model(const Config& cfg, int pp_rank, at::Device device,
+                           at::ScalarType compute_dtype, dist::ProcessGroup* pp_group,
+                           const std::string& context);
+
+}  // namespace viaduct
