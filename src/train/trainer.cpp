@@ -71,9 +71,6 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
                                     : log::Level::kInfo);
   // The same thread count whether launched or run alone (determinism).
   at::set_num_threads(static_cast<int>(cfg_.get_int("training.num_threads")));
-  kernels::set_enabled(cfg_.get_bool("model.fused_kernels"));
-  kernels::set_swiglu_recompute(cfg_.get_bool("model.swiglu_recompute"));
-  kernels::set_swiglu_one_gemm(cfg_.get_bool("model.swiglu_one_gemm"));
 
   // Where this process sits: pp x dp ranks over c10d, or one process.
   const auto rdv = dist::rendezvous_from_env();
@@ -209,16 +206,12 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
             ", dtype ", c10::toString(compute_dtype_), ", LibTorch ",
             compat::torch_version(), ", ", at::get_num_threads(), " threads");
   if (device_.is_cuda()) {
-    const bool fused = kernels::usable(at::empty({1}, at::TensorOptions(device_).dtype(compute_dtype_)));
+    const bool fused = ops::fused_runs(at::empty({1}, at::TensorOptions(device_).dtype(compute_dtype_)),
+                                       kernel_options(cfg_));
     log::info("fused kernels: ", fused ? "on"
                                  : cfg_.get_bool("model.fused_kernels")
                                      ? "off (this GPU or build has none; ATen ops)"
                                      : "off (model.fused_kernels = false)");
-    const char* off = std::getenv("VIADUCT_DISABLE_KERNELS");
-    if (fused && off && *off) {
-      kernels::parse_kernel_list(off);  // an unknown name is an error at start
-      log::info("fused kernels disabled by VIADUCT_DISABLE_KERNELS: ", off);
-    }
   }
   if (split.num_stages > 1 || dp_size_ > 1) {
     log::info("parallelism: pp ", split.pp, " x dp ", dp_size_, ", ",
@@ -391,7 +384,7 @@ StepMetrics Trainer::train_step() {
   allreduce_grads_over_dp();
   const double lr = lr_at(cfg_, step_ + 1);
   const double max_norm = cfg_.get_float("training.max_norm");
-  // Note [Clip coefficient on the device] (kernels/fused_kernels.cu): where
+  // Note [Clip coefficient on the device] (kernels/clip.cu): where
   // this process holds every parameter and AdamW's CUDA kernel runs, the
   // norm and the clip coefficient are formed on the device and the update
   // is queued before the host reads the norm and the losses, which wait for
