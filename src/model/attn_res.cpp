@@ -2,7 +2,6 @@
 #include "model/attn_res.h"
 
 #include "core/check.h"
-#include "kernels/fused.h"
 #include "ops/attn_res_read.h"
 
 namespace viaduct {
@@ -46,13 +45,13 @@ class SeedFn : public torch::autograd::Function<SeedFn> {
  public:
   static variable_list forward(AutogradContext* ctx, at::TensorList outputs,
                                const std::vector<at::Tensor>* slots) {
-    kernels::save_read_slots(ctx, slots);
+    ops::save_read_slots(ctx, slots);
     return variable_list(outputs.begin(), outputs.end());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list out;
     for (size_t i = 0; i < grads.size(); ++i) {
-      auto slot = kernels::saved_read_slot(ctx, i);
+      auto slot = ops::saved_read_slot(ctx, i);
       if (!slot.defined()) {
         out.push_back(grads[i]);
         continue;

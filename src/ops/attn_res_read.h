@@ -7,9 +7,16 @@
 
 #include <vector>
 
+#include "kernels/fused.h"
 #include "ops/options.h"
 
 namespace viaduct::ops {
+
+// The slots of Note [AttnRes block gradients in place] in an autograd
+// context (kernels/read_slots.cpp; the read's ATen and kernel forms share them).
+using kernels::attn_res_slot_add;
+using kernels::save_read_slots;
+using kernels::saved_read_slot;
 
 // sources: N tensors [B, T, D] (1 <= N) -> [B, T, D] in the sources' dtype.
 // query, norm_weight: [D]. slots (one entry per source, undefined for none):

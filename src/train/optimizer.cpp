@@ -5,9 +5,8 @@
 #include "config/config.h"
 #include "core/check.h"
 #include "core/torch_compat.h"
-#include "kernels/fused.h"
-#include "kernels/weight_cache.h"
 #include "model/model.h"
+#include "ops/adamw.h"
 
 namespace viaduct {
 
@@ -65,7 +64,7 @@ bool AdamW::fusable() const {
 }
 
 bool AdamW::own_kernel() const {
-  return fusable() && ops::fused_runs(params_.front().param, kernel_options_);
+  return fusable() && ops::adamw_kernel_runs(params_.front().param, kernel_options_);
 }
 
 // Note [Clip folded into AdamW]: clipping multiplied every gradient in place
@@ -117,33 +116,14 @@ void AdamW::step_device_scaled(double lr, const at::Tensor& scale) {
 bool AdamW::fused_step(double lr, double bc1, double bc2) {
   if (!fusable()) return false;
   const auto& first = params_.front().param;
-  if (ops::fused_runs(first, kernel_options_)) {
-    // Note [Small tensors in one AdamW launch] (kernels/adamw.cu):
-    // the small tensors go in batches after the others, the same bits.
-    std::vector<kernels::AdamWTensors> small;
+  if (ops::adamw_kernel_runs(first, kernel_options_)) {
+    std::vector<ops::AdamWParam> ps;
     for (size_t i = 0; i < params_.size(); ++i) {
-      auto& pr = params_[i].param;
-      if (!pr.grad().defined()) continue;
-      auto data = pr.detach();
-      // The weight's bf16 copy, where a forward made one, is written in the
-      // same pass (Note [Low-precision weight cache]).
-      const auto low = kernels::weight_cache::slot_for(pr);
-      const double wd = params_[i].weight_decay ? weight_decay_ : 0.0;
-      kernels::AdamWTensors t{data, pr.grad(), exp_avg_[i], exp_avg_sq_[i], low, wd};
-      if (kernels::adamw_many_takes(t)) {
-        small.push_back(std::move(t));
-      } else {
-        kernels::adamw_(data, pr.grad(), exp_avg_[i], exp_avg_sq_[i], lr, beta1_, beta2_, eps_,
-                        wd, bc1, bc2, low, grad_scale_, scale_dev_);
-      }
-      // Raw writes move no version counter: say that the weight changed.
-      if (low.defined()) {
-        kernels::weight_cache::mark_written(pr);
-      } else {
-        torch::autograd::impl::bump_version(pr);
-      }
+      if (!params_[i].param.grad().defined()) continue;
+      ps.push_back({params_[i].param, exp_avg_[i], exp_avg_sq_[i],
+                    params_[i].weight_decay ? weight_decay_ : 0.0});
     }
-    kernels::adamw_many_(small, lr, beta1_, beta2_, eps_, bc1, bc2, grad_scale_, scale_dev_);
+    ops::adamw_kernel_step_(ps, {lr, beta1_, beta2_, eps_, bc1, bc2, grad_scale_, scale_dev_});
     return true;
   }
   std::vector<at::Tensor> p[2], g[2], m[2], v[2];

@@ -23,7 +23,7 @@
 #include "data/sampler.h"
 #include "data/token_file.h"
 #include "dist/dist.h"
-#include "kernels/fused.h"
+#include "ops/clip.h"
 #include "kernels/weight_cache.h"
 #include "model/kimi_k3.h"
 #include "pipeline/attn_res/attn_res_stage.h"
@@ -390,12 +390,12 @@ StepMetrics Trainer::train_step() {
   // is queued before the host reads the norm and the losses, which wait for
   // the norm only. The update has the host path's bits; a norm that is not
   // finite updates nothing, and the check below raises the error.
-  std::optional<kernels::DeviceClip> device_clip;
+  std::optional<ops::DeviceClip> device_clip;
   if ((!mesh_ || mesh_->pp() == 1) && optimizer_->takes_device_scale()) {
     const auto grads = defined_grads(optimizer_->params());
-    if (kernels::clip_on_device_takes(grads)) {
+    if (ops::clip_on_device_takes(grads, kernel_options(cfg_))) {
       RECORD_USER_SCOPE("viaduct::optimizer");
-      device_clip = kernels::clip_on_device(grads, max_norm, pending_losses);
+      device_clip = ops::clip_on_device(grads, max_norm, pending_losses);
       optimizer_->step_device_scaled(lr, device_clip->scale);
       optimizer_->zero_grad();
     }

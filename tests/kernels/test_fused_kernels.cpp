@@ -710,7 +710,7 @@ TEST(FusedKernels, SwiGLUPackedMatchesTwoTensors) {
   SwiGLU ref(256, 512);
   {
     torch::NoGradGuard g;
-    for (auto* pair : {std::pair{&m->w1, &ref->w1}, std::pair{&m->w2, &ref->w2},
+    for (const auto& pair : {std::pair{&m->w1, &ref->w1}, std::pair{&m->w2, &ref->w2},
                        std::pair{&m->w3, &ref->w3}}) {
       (*pair.second)->weight.copy_((*pair.first)->weight.to(at::kBFloat16));
     }
