@@ -8,13 +8,13 @@
 #   PARTS="sbs" CELLS="1B gpt2" bash bench/gpu_session.sh     # a second call
 #
 # Parts (estimated seconds on an H200): build (90), tests (15: the CUDA
-# kernel suite), probe (60: short llama-1B and K3 runs that find a failing
-# kernel path and turn it off), profile (70: llama-1B step, bench/profile_step.sh), k3profile
+# kernel suite), probe (60: short llama-1B and K3 runs that report a
+# failing step), profile (70: llama-1B step, bench/profile_step.sh), k3profile
 # (110: the kimi_k3 d2048 step of bench/run_single_gpu.sh), offload (150:
 # bench/gpu_checks.sh section 3), sbs (240 per llama cell: the side-by-side
 # of bench/run_single_gpu.sh for CELLS), readnorm (200: the read with its
-# norm, model.attn_res_fused_norm: layer_bench's read+norm rows, the K3 A/B
-# as built (K3_ROUNDS pairs, default 2), one K3 process with the norm unfused), k3gemmprofile (60: the
+# norm: layer_bench's read+norm rows (two ops and fused), the K3 A/B as
+# built (K3_ROUNDS pairs, default 2)), k3gemmprofile (60: the
 # k3gemm cell's step, MLA everywhere and dense FFNs, where the AttnRes reads
 # are the difference from plain residuals), sbs1Bab (330: viaduct then
 # torch.compile twice on the 1B; VD_EXTRA applies). BUDGET_S (560): the
@@ -52,48 +52,16 @@ if want tests 15; then
     timeout 120 "$B/tests/kernels/test_fused_kernels" >/tmp/vs_tests.txt 2>&1
     grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED|^\[  SKIPPED|Failure|Expected|Which is|seed" /tmp/vs_tests.txt |
       head -40 | tee -a "$SUM"
-    # A failing kernel test turns its path off for the rest of the call
-    # (VIADUCT_DISABLE_KERNELS), so the others are still measured.
-    off=()
+    # A failing kernel test is reported; every kernel path has one form,
+    # so the call goes on with what is built.
     failed=$(grep -E "^\[  FAILED  \] FusedKernels\." /tmp/vs_tests.txt | sort -u)
-    [[ $failed == *RMSNorm* ]] && off+=(rms_norm_bwd_reg)
-    [[ $failed == *RopeRepeats* ]] && off+=(rope_repeat)
-    # The V2 tests (warp-per-row read kernels) are AttnResReadV2*; the old
-    # kernels' test alone is AttnResReadMatchesAtenRead.
-    [[ $failed == *AttnResReadV2* ]] && off+=(attn_res_read_v2)
-    [[ $failed == *AttnResReadMatchesAtenRead* ]] && off+=(attn_res_read)
-    [[ $failed == *MixedLinear* ]] && off+=(mixed_linear)
-    [[ $failed == *AdamWBatch* ]] && off+=(adamw_batch)
-    [[ $failed == *ClipOnTheDevice* ]] && off+=(clip_on_device)
-    # The read-with-norm tests run both backward forms; a failure's trace
-    # names the form (Note [Read with its norm in two passes]).
-    [[ $failed == *ReadNorm* ]] && grep -q "two passes" /tmp/vs_tests.txt &&
-      off+=(attn_res_read_norm_2pass)
-    [[ $failed == *ReadNorm* ]] && grep -q "three passes" /tmp/vs_tests.txt &&
-      off+=(attn_res_read_norm)
-    # The K3 step test cannot tell the forms apart: the new one goes first.
-    [[ $failed == *KimiK3FusedReadNorm* ]] && off+=(attn_res_read_norm_2pass)
-    [[ $failed == *WeightCache* ]] && off+=(weight_cache)
-    [[ $failed == *LlamaStep* ]] &&
-      off=(rms_norm_bwd_reg rope_repeat attn_res_read mixed_linear weight_cache adamw_batch
-        clip_on_device)
-    # The slot-adding backward is a model option, not a kernel switch.
-    if [[ $failed == *AttnResReadAddsIntoSlots* ]]; then
-      export VD_EXTRA="${VD_EXTRA:-} --model.attn_res_grad_in_place=false"
-      note "slot test failed: VD_EXTRA=$VD_EXTRA for the rest of the call"
-    fi
-    if [ ${#off[@]} -gt 0 ]; then
-      export VIADUCT_DISABLE_KERNELS=$(IFS=,; echo "${off[*]}")
-      note "kernel tests failed: VIADUCT_DISABLE_KERNELS=$VIADUCT_DISABLE_KERNELS for the rest of the call"
-    fi
+    [ -n "$failed" ] && note "kernel tests failed: $failed"
   else
     note "no $B/tests/kernels/test_fused_kernels (GoogleTest not carried in .deps?)"
   fi
 fi
 # probe: short runs of the llama-1B and the K3 (section 3's) shapes; a run
-# that fails prints its error, then runs again with each new kernel path
-# off in turn, and the first setting that works is kept for the rest of
-# the call (VIADUCT_DISABLE_KERNELS).
+# that fails prints its error.
 probe_run() {  # name args...
   local name=$1; shift
   local log=/tmp/vs_probe_$name.log
@@ -101,21 +69,9 @@ probe_run() {  # name args...
   read -r -a extra <<<"${VD_EXTRA:-}"
   timeout 150 "$B/viaduct" train "$@" "${extra[@]}" >"$log" 2>&1 && {
     note "$name: ok ($(grep -E '^step +[0-9]+ \|' "$log" | tail -1 | cut -c1-110))"; return 0; }
-  note "$name failed (VIADUCT_DISABLE_KERNELS=${VIADUCT_DISABLE_KERNELS:-}):"
+  note "$name failed:"
   grep -v '^frame #' "$log" | grep -v '^$' | tail -8 | tee -a "$SUM"
   return 1
-}
-probe_fix() {  # name args...
-  probe_run "$@" && return 0
-  local base=${VIADUCT_DISABLE_KERNELS:-} k
-  for k in attn_res_read_norm_2pass adamw_batch clip_on_device add_rms_norm adamw_clip attn_res_read_v2 weight_cache \
-      attn_res_read rope_repeat rms_norm_bwd_reg mixed_linear; do
-    export VIADUCT_DISABLE_KERNELS=${base:+$base,}$k
-    probe_run "$@" && { note "kept VIADUCT_DISABLE_KERNELS=$VIADUCT_DISABLE_KERNELS"; return 0; }
-  done
-  export VIADUCT_DISABLE_KERNELS=${base:+$base,}attn_res_read_norm_2pass,adamw_batch,clip_on_device,add_rms_norm,adamw_clip,attn_res_read_v2,weight_cache,attn_res_read,rope_repeat,rms_norm_bwd_reg,mixed_linear
-  probe_run "$@" && note "kept VIADUCT_DISABLE_KERNELS=$VIADUCT_DISABLE_KERNELS" ||
-    { note "fails with every new path off too"; export VIADUCT_DISABLE_KERNELS=$base; }
 }
 if want probe 60; then
   df -h . /tmp | tail -2 | tee -a "$SUM"
@@ -124,12 +80,12 @@ if want probe 60; then
 import array,random
 r=random.Random(1);a=array.array('I',(r.randrange(128256) for _ in range(8*4*4096+1)))
 open('outputs/bench/probe_v128256.u32','wb').write(a.tobytes())"
-  probe_fix llama1B --config configs/llama_debug.toml --model.flavor=1B --training.seq_len=4096 \
+  probe_run llama1B --config configs/llama_debug.toml --model.flavor=1B --training.seq_len=4096 \
     --training.local_batch_size=4 --training.dtype=bfloat16 --training.device=cuda \
     --training.steps=3 --training.eval_interval=0 --checkpoint.enable=false \
     --training.deterministic=false --metrics.progress_bar=false --metrics.log_freq=1 \
     --data.path=outputs/bench/probe_v128256.u32 --job.dump_folder=/tmp/vs_probe_1B
-  probe_fix k3 --config configs/kimi_k3_debug.toml --model.flavor=debugmodel_deep \
+  probe_run k3 --config configs/kimi_k3_debug.toml --model.flavor=debugmodel_deep \
     --model.dim=2048 --model.attn_res_block_size=3 --model.mla_interval=1 \
     --training.seq_len=2048 --training.local_batch_size=8 --training.dtype=bfloat16 \
     --training.device=cuda --training.steps=2 --training.eval_interval=0 \
@@ -151,11 +107,8 @@ if want readnorm 200; then
   OUT=/tmp/vs_rn STAGES=run CELLS=k3gemmab K3_ROUNDS=${K3_ROUNDS:-2} MODES=" " CELL_TIMEOUT=120 \
     bash bench/run_single_gpu.sh >/tmp/vs_rn.txt 2>&1
   grep -E "overhead" /tmp/vs_rn.txt | tee -a "$SUM"
-  OUT=/tmp/vs_rn0 STAGES=run CELLS=k3gemm MODES=" " CELL_TIMEOUT=120 \
-    VD_EXTRA="${VD_EXTRA:-} --model.attn_res_fused_norm=false" bash bench/run_single_gpu.sh \
-    >/tmp/vs_rn0.txt 2>&1
   python3 - /tmp/vs_rn/k3gemm_r1.viaduct.metrics.jsonl /tmp/vs_rn/k3gemm_r2.viaduct.metrics.jsonl \
-    /tmp/vs_rn0/k3gemm.viaduct.metrics.jsonl <<'PYEOF' | tee -a "$SUM"
+    <<'PYEOF' | tee -a "$SUM"
 import json, statistics, sys
 for f in sys.argv[1:]:
     try:

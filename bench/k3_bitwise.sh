@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # kimi_k3 debugmodel_deep (MLA in every layer, dense FFNs, AttnRes blocks of
 # 3), 3 deterministic steps: one stage against pp 1 x 4 stages
-# (Interleaved1F1B, InterleavedZeroBubble), with the in-place block
-# gradients on and off, and with the whole-stack backward. Prints each run's
+# (Interleaved1F1B, InterleavedZeroBubble), and with the whole-stack
+# backward. Prints each run's
 # (loss, grad_norm) per step; equal rows are equal bits of what metrics.jsonl
 # holds. GPU: B=build-gpu bash bench/k3_bitwise.sh; CPU rehearsal:
 # B=build DEV=cpu DT=float32 DIM=64 SEQ=64 bash bench/k3_bitwise.sh
@@ -23,6 +23,5 @@ print('$name', [ (r.get('loss'), r.get('grad_norm')) for r in rows if 'loss' in 
 run one --parallelism.pipeline_parallel_stages_per_rank=1
 run i1f1b --parallelism.pipeline_parallel_stages_per_rank=4 --parallelism.pipeline_parallel_schedule=Interleaved1F1B
 run izb --parallelism.pipeline_parallel_stages_per_rank=4 --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble
-run off --parallelism.pipeline_parallel_stages_per_rank=4 --parallelism.pipeline_parallel_schedule=Interleaved1F1B --model.attn_res_grad_in_place=false
 run ws --parallelism.pipeline_parallel_stages_per_rank=4 --parallelism.pipeline_parallel_schedule=Interleaved1F1B --parallelism.attn_res_cache_backward=whole_stack
 run wszb --parallelism.pipeline_parallel_stages_per_rank=4 --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble --parallelism.attn_res_cache_backward=whole_stack

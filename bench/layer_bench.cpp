@@ -14,8 +14,8 @@
 // K + 1 sources). "attn_res read (K blocks, slots)" is the same read with a
 // slot per block already holding a gradient (Note [AttnRes block gradients
 // in place]): the backward adds into the slots, as in the model's step.
-// Kernel switches (VIADUCT_DISABLE_KERNELS) apply,
-// so two runs make an A/B of one kernel in seconds.
+// --cpu, or model.fused_kernels' choice on a GPU without viaduct's kernels,
+// runs the ATen forms.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -186,19 +186,14 @@ int main(int argc, char** argv) {
           return m->forward(s, &slots);
         },
         0.0);
-    // The read and the RMSNorm after it, as the model runs them: two ops,
-    // and the one kernel each way of model.attn_res_fused_norm (Note
-    // [AttnRes read with its norm]; the same two ops where it cannot run).
+    // The read and the RMSNorm after it: as two ops, and as the model runs
+    // them (one kernel each way where the kernels take them, Note [AttnRes
+    // read with its norm]; the same two ops elsewhere).
     RMSNorm next(D, 1e-6);
     next->to(x.device());
-    // Fused: the backward in two passes (the default) and in three (Note
-    // [Read with its norm in two passes]).
-    for (int form : {0, 2, 3}) {
-      const bool fused = form > 0;
-      const std::string name = form == 0 ? ")" : form == 2 ? ", fused)" : ", fused, 3 passes)";
-      run("attn_res read+norm (" + blocks + ", slots" + name, *m,
-          [&, fused, form](const at::Tensor& in) {
-            kernels::set_attn_res_read_norm_two_pass(form != 3);
+    for (const bool fused : {false, true}) {
+      run("attn_res read+norm (" + blocks + ", slots" + (fused ? ", fused)" : ")"), *m,
+          [&, fused](const at::Tensor& in) {
             auto s = stack;
             s.push_back(in);
             std::vector<at::Tensor> slots;
@@ -207,11 +202,10 @@ int main(int argc, char** argv) {
               kernels::attn_res_slot_add(slots.back(), prior[static_cast<size_t>(i)]);
             }
             slots.emplace_back();
-            return m->forward_normed(s, &slots, *next, fused);
+            return fused ? m->forward_normed(s, &slots, *next) : next->forward(m->forward(s, &slots));
           },
           0.0);
     }
-    kernels::set_attn_res_read_norm_two_pass(true);
     // The same read in its keys form (Note [AttnRes read without keys]):
     // RMSNorm over the fp32 stack [N, B, T, D], then the query; autograd
     // keeps the stack and the keys.

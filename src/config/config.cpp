@@ -256,6 +256,11 @@ void Config::apply_override(const std::string& assignment,
               "' (", origin, ")");
     dotted = alias->second;
   }
+  const auto removed = config_removed_keys().find(dotted);
+  if (removed != config_removed_keys().end()) {
+    throw ConfigError(str("config key '", dotted, "' (", origin, ") was removed: ",
+                          removed->second));
+  }
   const ConfigKey* k = find_key(dotted);
   VIADUCT_CHECK_T(ConfigError, k != nullptr, "unknown config key '", dotted,
                   "' in ", origin, " (did you mean '", closest_key(dotted),
@@ -299,6 +304,11 @@ Config Config::parse(const std::string& text, const std::string& origin,
         log::warn("config key '", dotted, "' in ", origin,
                   " is deprecated; use '", alias->second, "'");
         dotted = alias->second;
+      }
+      const auto removed = config_removed_keys().find(dotted);
+      if (removed != config_removed_keys().end()) {
+        throw ConfigError(str("config key '", dotted, "' in ", origin,
+                              " was removed: ", removed->second));
       }
       const ConfigKey* k = find_key(dotted);
       if (k == nullptr) {

@@ -38,6 +38,9 @@ struct ConfigKey {
 const std::vector<ConfigKey>& config_schema();
 // Deprecated dotted key -> its new dotted key.
 const std::map<std::string, std::string>& config_aliases();
+// Removed dotted key -> what now always happens; setting one is a
+// ConfigError that says so.
+const std::map<std::string, std::string>& config_removed_keys();
 
 // A deprecated spelling that spans several keys: when every `given` key holds
 // its string value once the overrides are applied, the `becomes` values

@@ -48,4 +48,18 @@ const std::vector<DeprecatedSpelling>& config_deprecated_spellings() {
   return spellings;
 }
 
+const std::map<std::string, std::string>& config_removed_keys() {
+  // Choices a measurement settled: the winner is the only form now.
+  static const std::map<std::string, std::string> removed = {
+      {"model.swiglu_one_gemm",
+       "the fused SwiGLU always runs w1 and w3 as one GEMM where its kernels run"},
+      {"model.attn_res_fused_norm",
+       "each AttnRes read and the RMSNorm after it always run as one kernel where the "
+       "kernels take them"},
+      {"model.attn_res_grad_in_place",
+       "the AttnRes reads' backward always adds each block's gradient into one buffer"},
+  };
+  return removed;
+}
+
 }  // namespace viaduct

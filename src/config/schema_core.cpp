@@ -73,7 +73,6 @@ void add_model_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("model", "norm_eps", T::kFloat, kUnset, "norm epsilon (flavor default)"));
   k.push_back(key("model", "rope_theta", T::kFloat, kUnset, "RoPE base (flavor default)"));
   k.push_back(key("model", "fused_kernels", T::kBool, true, "use viaduct's CUDA kernels (RMSNorm, RoPE, SwiGLU, the chunked loss) where the GPU has them; false: ATen ops only"));
-  k.push_back(key("model", "swiglu_one_gemm", T::kBool, true, "fused SwiGLU (CUDA kernels, bf16 with fp32 weights): w1 and w3 as one GEMM whose halves the SwiGLU kernels read and write in place, so the backward adds no gradients of the FFN input (Note [One w1/w3 projection]; measured on an H200, llama 1B 4 x 4096: 0.3-1% faster a step, same memory; bench/NOTES.md)"));
   k.push_back(key("model", "swiglu_recompute", T::kBool, false, "fused SwiGLU (CUDA kernels): recompute silu(w1 x) * w3 x in the backward instead of keeping it; saves tokens x ffn_hidden_dim x 2 bytes per layer for one more elementwise pass"));
   k.push_back(key("model", "loss_chunk_tokens", T::kInt, int64_t{-1}, "> 0: fuse head and cross-entropy in chunks of this many tokens (no full logits); 0: plain; -1: auto (4096 where the fused CUDA kernels run, else plain)"));
   k.push_back(key("model", "tie_embeddings", T::kBool, kUnset, "share tok_embeddings and lm_head (gpt2 default true)"));
@@ -87,8 +86,6 @@ void add_model_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("model", "moe_ffn", T::kBool, kUnset, "MoE FFN after the dense layers (false: dense SwiGLU)"));
   k.push_back(key("model", "vision", T::kBool, kUnset, "include the vision tower"));
   k.push_back(key("model", "attn_res", T::kBool, true, "kimi_k3 only: Block AttnRes reads between sublayers (false: plain residuals h = h + sublayer(h), a chain model)"));
-  k.push_back(key("model", "attn_res_fused_norm", T::kBool, true, "kimi_k3 AttnRes on CUDA: each read and the RMSNorm after it in one kernel each way, so the read's output is never stored (measured on an H200 at d2048 x 8192 tokens x 67 reads: 2.07 GiB less, 0.3% faster a step; bench/NOTES.md)"));
-  k.push_back(key("model", "attn_res_grad_in_place", T::kBool, true, "kimi_k3 AttnRes: the reads' backward adds each completed block's gradient into one buffer per block (in the read kernels' own pass on CUDA) instead of autograd summing a new tensor per read; the same bits either way"));
   // Kimi-K3: KDA, MLA, MoE and the vision tower.
   k.push_back(key("model", "kda_head_dim", T::kInt, kUnset, "KDA head width (dk = dv; also the rank of its decay and gate maps)"));
   k.push_back(key("model", "kda_chunk_size", T::kInt, kUnset, "KDA chunk length of the chunked form"));

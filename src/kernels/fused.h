@@ -1,51 +1,29 @@
-// viaduct's fused CUDA kernels as autograd-aware ATen-level functions.
+// viaduct's CUDA kernels as autograd-aware ATen-level functions.
 //
-// The model calls these where kernels::usable() says so and its plain ATen
-// code otherwise (CPU, fp64 gradient checks, non-Hopper GPUs, the CPU build,
-// model.fused_kernels = false). Each function computes the same formula as
-// the ATen code it replaces (src/model/layers.cpp), in fp32 arithmetic, with
-// fewer passes over memory and fewer tensors kept for the backward; the
-// results agree to rounding, not bitwise. Every reduction has a fixed order,
-// so runs and pipeline layouts stay bitwise reproducible among themselves.
+// Model code does not call these: the ops/ layer does, where usable() and
+// its options say the kernels run, and runs its ATen form otherwise (CPU,
+// fp64 gradient checks, non-Hopper GPUs, the CPU build, model.fused_kernels
+// = false). Each function computes the same formula as the ATen form it
+// replaces, in fp32 arithmetic, with fewer passes over memory and fewer
+// tensors kept for the backward; the results agree to rounding, not
+// bitwise. Every reduction has a fixed order, so runs and pipeline layouts
+// stay bitwise reproducible among themselves.
+//
+// The CUDA build compiles kernels/<op>_fn.cpp behind these declarations;
+// the CPU build compiles kernels/fused_stub.cpp, where usable() is false and
+// every entry point throws.
 #pragma once
 
 #include <torch/torch.h>
 
 #include <functional>
-#include <set>
 #include <string>
+#include <vector>
 
 namespace viaduct::kernels {
 
-// The process-wide switch (model.fused_kernels; on by default).
-void set_enabled(bool on);
-bool enabled();
-// model.swiglu_recompute: swiglu_linear recomputes silu(a) * b in the
-// backward instead of keeping it (off by default).
-void set_swiglu_recompute(bool on);
-// model.swiglu_one_gemm: the SwiGLU FFN's w1 and w3 as one GEMM (Note [One
-// w1/w3 projection], model/layers.cpp); on by default.
-void set_swiglu_one_gemm(bool on);
-bool swiglu_one_gemm();
-// VIADUCT_DISABLE_KERNELS=name[,name...] turns single fused paths back to
-// their previous form without a rebuild (for measuring or isolating them):
-// rms_norm_bwd_reg, rope_repeat, attn_res_read, attn_res_read_v2 (its
-// warp-per-row kernels), attn_res_read_norm (a read and the norm after it
-// in one kernel, Note [AttnRes read with its norm]),
-// attn_res_read_norm_2pass (its backward in two passes), mixed_linear,
-// weight_cache (Note [Low-precision weight cache]), add_rms_norm,
-// adamw_clip, adamw_batch (small tensors' updates in shared launches),
-// clip_on_device (the clip coefficient formed on the host again),
-// kda_scan_node (KDA's chunk scan recorded op by op again, Note [KDA chunk
-// scan as one autograd node]; an ATen path, so the CPU build has it too).
-// An unknown name is an error.
-bool disabled(const std::string& name);
-// The names of a comma-separated list (empty entries skipped); Error on an
-// unknown one.
-std::set<std::string> parse_kernel_list(const std::string& csv);
-
-// True when the kernels can run on `x`: a CUDA build, the switch on, x on a
-// GPU the kernels were compiled for (sm_90a), x float32 or bfloat16.
+// True when the kernels can run on `x`: a CUDA build, x on a GPU the
+// kernels were compiled for (sm_90a), x float32 or bfloat16.
 bool usable(const at::Tensor& x);
 
 // x * rsqrt(mean(x^2, -1) + eps) * weight over the last dim, returned in x's
@@ -76,13 +54,14 @@ at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b);
 
 // linear(silu(a) * b, w) with w (fp32 master weight [D, F]) cast to a's
 // dtype. Keeps a, b and the cast weight for the backward, and the product
-// unless set_swiglu_recompute(true) (then the backward recomputes it: one
-// [tokens x F] activation less per layer).
-at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w);
+// unless `recompute` (model.swiglu_recompute: the backward recomputes it,
+// one [tokens x F] activation less per layer).
+at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w,
+                         bool recompute);
 // swiglu_linear(ab[..., :F], ab[..., F:], w) for ab the [..., 2F] output of
-// one GEMM over w1 and w3 (Note [One w1/w3 projection], model/layers.cpp):
+// one GEMM over w1 and w3 (Note [One w1/w3 projection], ops/swiglu.cpp):
 // the halves are read in place and their gradient is one [..., 2F] tensor.
-at::Tensor swiglu_linear_packed(const at::Tensor& ab, const at::Tensor& w);
+at::Tensor swiglu_linear_packed(const at::Tensor& ab, const at::Tensor& w, bool recompute);
 
 // Per-row cross-entropy of logits [n, V] (contiguous) against targets [n]
 // (-100: ignored). Returns the row losses (fp32 [n], 0 where ignored) and
@@ -93,32 +72,19 @@ at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets);
 // -weighted sum of the sources (each [B, T, D], one dtype and device, at
 // most 64 of them): one kernel forward, one backward, keeping three fp32
 // statistics per source and token. attn_res_read_usable: the kernels can
-// take these sources (usable(), not disabled, the limits above; false in the
-// CPU build).
+// take these sources (usable(), the limits above; false in the CPU build).
 bool attn_res_read_usable(const std::vector<at::Tensor>& sources);
-// Which read kernels attn_res_read launches from here on: one warp a row
-// (true, the default; Note [Fused AttnRes read, warp per row]) or one block
-// a row. VIADUCT_DISABLE_KERNELS=attn_res_read_v2 makes it the latter
-// whatever is set here. For tests comparing the two.
-void set_attn_res_read_v2(bool on);
-// Which backward the read with its norm runs for up to 5 sources: two
-// passes over the sources (true, the default; Note [Read with its norm in
-// two passes], fused_kernels.cu) or three. VIADUCT_DISABLE_KERNELS=
-// attn_res_read_norm_2pass makes it three whatever is set here. For tests
-// comparing the two.
-void set_attn_res_read_norm_two_pass(bool on);
 // slots: as AttnResReadImpl::forward's (Note [AttnRes block gradients in
-// place], model/attn_res.h); the warp-per-row backward adds into a slot in
-// the pass that computes the gradient.
+// place], model/attn_res.h); the backward adds into a slot in the pass that
+// computes the gradient.
 at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tensor& query,
                          const at::Tensor& norm_weight, double eps,
                          const std::vector<at::Tensor>* slots = nullptr);
 // RMSNorm(attn_res_read(...)) with weight out_weight (fp32 [D]) and out_eps
 // in one kernel forward and one backward (Note [AttnRes read with its
-// norm], fused_kernels.cu): h itself is neither written nor kept.
-// attn_res_read_norm_usable: attn_res_read_usable, attn_res_read_norm and
-// the warp-per-row kernels not disabled, contiguous sources of rows of at
-// most 2048 bf16 / 1024 fp32 in 16-byte words.
+// norm], kernels/attn_res_read.cu): h itself is neither written nor kept.
+// attn_res_read_norm_usable: attn_res_read_usable, contiguous sources of
+// rows of at most 2048 bf16 / 1024 fp32 in 16-byte words.
 bool attn_res_read_norm_usable(const std::vector<at::Tensor>& sources,
                                const at::Tensor& out_weight);
 at::Tensor attn_res_read_norm(const std::vector<at::Tensor>& sources, const at::Tensor& query,
@@ -143,14 +109,14 @@ at::Tensor saved_read_slot(torch::autograd::AutogradContext* ctx, size_t i);
 // itself is not written. Raw writes: the caller bumps p's version.
 // With scale_dev (a [1] fp32 tensor on p's device), grad_scale is read from
 // there instead, and NaN there updates nothing (Note [Clip coefficient on
-// the device], fused_kernels.cu).
+// the device], kernels/clip.cu).
 void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,
             double beta1, double beta2, double eps, double weight_decay, double bias_corr1,
             double bias_corr2, const at::Tensor& low = at::Tensor(), double grad_scale = 1.0,
             const at::Tensor& scale_dev = at::Tensor());
 
 // adamw_ for many small tensors in few launches (Note [Small tensors in one
-// AdamW launch], fused_kernels.cu), the same bits. adamw_many_takes says
+// AdamW launch], kernels/adamw.cu), the same bits. adamw_many_takes says
 // which: contiguous fp32 CUDA tensors of one size, at most 65536 values, a
 // multiple of 4, 16-byte aligned (low as adamw_'s). All on one device.
 struct AdamWTensors {
@@ -162,7 +128,7 @@ void adamw_many_(const std::vector<AdamWTensors>& ts, double lr, double beta1, d
                  double eps, double bias_corr1, double bias_corr2, double grad_scale = 1.0,
                  const at::Tensor& scale_dev = at::Tensor());
 
-// Note [Clip coefficient on the device] (fused_kernels.cu): the global norm
+// Note [Clip coefficient on the device] (kernels/clip.cu): the global norm
 // of these gradients (contiguous or not, fp32, on one CUDA device, in
 // parameter order) and the clip coefficient for max_norm (<= 0: 1), formed
 // on the device with the host's arithmetic (total_norm, clip_coefficient).

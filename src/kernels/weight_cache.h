@@ -23,8 +23,7 @@
 // parameter for bf16), but the cast weights were kept for the backward
 // already, so the activation peak does not grow. The copies do not require
 // grad; the autograd functions that use them return the gradient to the
-// fp32 parts. Off with VIADUCT_DISABLE_KERNELS=weight_cache (get() then
-// casts every time, as before).
+// fp32 parts.
 #pragma once
 
 #include <torch/torch.h>

@@ -17,11 +17,12 @@
 #include <vector>
 
 #include "model/layers.h"
+#include "ops/options.h"
 
 namespace viaduct {
 
 // One read: FQNs `<name>.query` [D] and `<name>.norm.weight` [D].
-class AttnResReadImpl : public torch::nn::Module {
+class AttnResReadImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   AttnResReadImpl(int64_t dim, double eps);
   // sources: N tensors [B, T, D] (N >= 1) -> [B, T, D] in the sources' dtype.
@@ -30,12 +31,11 @@ class AttnResReadImpl : public torch::nn::Module {
   // (Note [AttnRes block gradients in place]).
   at::Tensor forward(const std::vector<at::Tensor>& sources,
                      const std::vector<at::Tensor>* slots = nullptr);
-  // next(forward(sources, slots)); with `fused` (model.attn_res_fused_norm)
-  // the read and the RMSNorm in one kernel each way where those kernels run
-  // (Note [AttnRes read with its norm], kernels/fused_kernels.cu).
+  // next(forward(sources, slots)): the read and the RMSNorm in one kernel
+  // each way where those kernels run (Note [AttnRes read with its norm],
+  // kernels/attn_res_read.cu).
   at::Tensor forward_normed(const std::vector<at::Tensor>& sources,
-                            const std::vector<at::Tensor>* slots, RMSNormImpl& next,
-                            bool fused = true);
+                            const std::vector<at::Tensor>* slots, RMSNormImpl& next);
   // The softmax weights over depth, [N, B, T] fp32 (for tests and probes).
   at::Tensor weights(const std::vector<at::Tensor>& sources);
   void init_weights();  // query = 0, norm weight = 1

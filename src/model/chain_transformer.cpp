@@ -4,7 +4,7 @@
 
 #include "config/config.h"
 #include "core/check.h"
-#include "kernels/fused.h"
+#include "ops/cross_entropy.h"
 #include "core/rng.h"
 #include "model/families.h"
 
@@ -177,7 +177,7 @@ Activations ChainTransformer::forward(const Activations& in) {
   auto h = trunk(in);
   if (!has_head_) return {h};
   const auto& w = lm_head_ ? lm_head_->weight : tok_embeddings_->weight;
-  return {linear(h, w, at::Tensor())};  // [B, T, V]
+  return {ops::linear(h, w, at::Tensor(), kernel_options_)};  // [B, T, V]
 }
 
 at::Tensor ChainTransformer::forward_loss(const Activations& in, const at::Tensor& targets) {
@@ -185,9 +185,12 @@ at::Tensor ChainTransformer::forward_loss(const Activations& in, const at::Tenso
   auto h = trunk(in);
   const auto& w = lm_head_ ? lm_head_->weight : tok_embeddings_->weight;
   int64_t chunk = spec_.loss_chunk_tokens;
-  if (chunk < 0) chunk = kernels::usable(h) ? kAutoLossChunkTokens : 0;  // auto
-  if (chunk == 0) return summed_cross_entropy(linear(h, w, at::Tensor()), targets);
-  return chunked_head_cross_entropy(h.reshape({-1, h.size(-1)}), w, targets, chunk);
+  if (chunk < 0) chunk = ops::fused_runs(h, kernel_options_) ? kAutoLossChunkTokens : 0;  // auto
+  if (chunk == 0) {
+    return summed_cross_entropy(ops::linear(h, w, at::Tensor(), kernel_options_), targets);
+  }
+  return ops::chunked_head_cross_entropy(h.reshape({-1, h.size(-1)}), w, targets, chunk,
+                                         kernel_options_);
 }
 
 ChainSpec apply_model_overrides(ChainSpec s, const Config& cfg) {

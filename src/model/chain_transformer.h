@@ -54,7 +54,7 @@ class ChainBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(ChainBlock);
 
-class ChainTransformer : public ModelPart {
+class ChainTransformer : public ModelPart, public ops::KernelUser {
  public:
   ChainTransformer(const ChainSpec& spec, const std::vector<std::string>& fqns);
   Activations forward(const Activations& inputs) override;

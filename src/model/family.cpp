@@ -7,6 +7,7 @@
 #include "config/config.h"
 #include "core/check.h"
 #include "model/families.h"
+#include "ops/options.h"
 
 namespace viaduct {
 namespace {
@@ -65,7 +66,9 @@ std::vector<std::string> model_module_fqns(const Config& cfg) {
 
 std::shared_ptr<ModelPart> build_model_part(const Config& cfg,
                                             const std::vector<std::string>& fqns) {
-  return model_family(cfg).build(cfg, fqns);
+  auto part = model_family(cfg).build(cfg, fqns);
+  ops::set_kernel_options(*part, kernel_options(cfg));  // Note [Ops own the kernel choice]
+  return part;
 }
 
 ModelInfo describe_model(const Config& cfg) { return model_family(cfg).describe(cfg); }

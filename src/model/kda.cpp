@@ -6,7 +6,6 @@
 
 #include "core/check.h"
 #include "core/rng.h"
-#include "kernels/fused.h"
 
 namespace viaduct {
 namespace {
@@ -105,9 +104,7 @@ at::Tensor chunk_of(const at::Tensor& x, int64_t n) {
 // 1]; returns o: [B, H, N, C, dv]. The chunk's products run as batched
 // GEMMs over B H with the additions folded in (baddbmm): 5 launches a chunk.
 // With `states` and `vnew` it keeps S_n and v'_n for ChunkScanFn's
-// backward. Run under autograd it is the scan recorded op by op
-// (VIADUCT_DISABLE_KERNELS=kda_scan_node), kept for measuring against the
-// node.
+// backward.
 at::Tensor chunk_scan(const at::Tensor& U, const at::Tensor& W, const at::Tensor& qe,
                       const at::Tensor& Aqk, const at::Tensor& Ke, const at::Tensor& d,
                       std::vector<at::Tensor>* states = nullptr,
@@ -244,9 +241,7 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k,
   auto decay_chunk = G_last.exp().transpose(-1, -2);   // [B, H, N, dk, 1]
 
   // The serial scan over chunks (Note [KDA chunk scan as one autograd node]).
-  auto o = (kernels::disabled("kda_scan_node")
-                ? chunk_scan(U, W, qe, Aqk, k_to_end, decay_chunk)
-                : ChunkScanFn::apply(U, W, qe, Aqk, k_to_end, decay_chunk))
+  auto o = ChunkScanFn::apply(U, W, qe, Aqk, k_to_end, decay_chunk)
                .reshape({B, H, N * C, dv})
                .narrow(2, 0, T);
   return o.transpose(1, 2);  // [B, T, H, dv]
@@ -351,22 +346,22 @@ at::Tensor KdaImpl::forward(const at::Tensor& x) {
   const auto B = x.size(0), T = x.size(1);
   const auto H = opts_.n_heads, d = opts_.head_dim;
   const auto st = inner_type(x);
-  auto q = q_conv(linear(x, q_proj)).view({B, T, H, d});
-  auto k = k_conv(linear(x, k_proj)).view({B, T, H, d});
-  auto v = v_conv(linear(x, v_proj)).view({B, T, H, d});
+  auto q = q_conv(linear(x, q_proj, kernel_options_)).view({B, T, H, d});
+  auto k = k_conv(linear(x, k_proj, kernel_options_)).view({B, T, H, d});
+  auto v = v_conv(linear(x, v_proj, kernel_options_)).view({B, T, H, d});
   q = l2_normalize(q.to(st), 1e-6) * (1.0 / std::sqrt(static_cast<double>(d)));
   k = l2_normalize(k.to(st), 1e-6);
   // Per-channel log decay g = -exp(A_log) * softplus(f + dt_bias) <= 0.
-  auto f = linear(linear(x, f_a), f_b).to(st) + dt_bias.to(st);
+  auto f = linear(linear(x, f_a, kernel_options_), f_b, kernel_options_).to(st) + dt_bias.to(st);
   auto g = -(A_log.to(st).exp().view({1, 1, H, 1})) *
            at::softplus(f.view({B, T, H, d}));
-  auto beta = at::sigmoid(linear(x, b_proj).to(st));  // [B, T, H]
+  auto beta = at::sigmoid(linear(x, b_proj, kernel_options_).to(st));  // [B, T, H]
   auto o = recurrent_ ? kda_recurrent(q, k, v, g, beta)
                       : kda_chunked(q, k, v, g, beta, opts_.chunk_size);
   // Output: per-head RMSNorm, sigmoid gate, projection.
-  auto gate = at::sigmoid(linear(linear(x, g_a), g_b).to(st)).view({B, T, H, d});
+  auto gate = at::sigmoid(linear(linear(x, g_a, kernel_options_), g_b, kernel_options_).to(st)).view({B, T, H, d});
   o = o_norm(o) * gate;  // [B, T, H, dv]
-  return linear(o.reshape({B, T, H * d}).to(x.scalar_type()), o_proj);
+  return linear(o.reshape({B, T, H * d}).to(x.scalar_type()), o_proj, kernel_options_);
 }
 
 }  // namespace viaduct

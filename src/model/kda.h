@@ -53,7 +53,7 @@ struct KdaOptions {
 
 // FQNs: q_proj, k_proj, v_proj, q_conv, k_conv, v_conv, f_a, f_b (decay),
 // A_log, dt_bias, b_proj (beta), g_a, g_b (output gate), o_norm, o_proj.
-class KdaImpl : public torch::nn::Module {
+class KdaImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   explicit KdaImpl(const KdaOptions& opts);
   at::Tensor forward(const at::Tensor& x);  // x: [B, T, D] -> [B, T, D]

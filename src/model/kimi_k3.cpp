@@ -108,8 +108,6 @@ KimiK3Options kimi_k3_options(const Config& cfg) {
   o.moe_ffn = bool_or(cfg, "model.moe_ffn", o.moe_ffn);
   o.vision = bool_or(cfg, "model.vision", o.vision);
   o.attn_res = cfg.get_bool("model.attn_res");
-  o.attn_res_grad_in_place = cfg.get_bool("model.attn_res_grad_in_place");
-  o.attn_res_fused_norm = cfg.get_bool("model.attn_res_fused_norm");
   o.synthetic_images = bool_or(cfg, "model.synthetic_images", o.synthetic_images);
 
   o.kda.dim = o.dim;
@@ -183,8 +181,7 @@ KimiK3Options kimi_k3_options(const Config& cfg) {
 KimiK3LayerImpl::KimiK3LayerImpl(const KimiK3Options& o, int64_t layer_id)
     : layer_id_(layer_id),
       attn_res_(o.attn_res),
-      opens_block_(o.attn_res && o.opens_block(layer_id)),
-      fused_norm_(o.attn_res_fused_norm) {
+      opens_block_(o.attn_res && o.opens_block(layer_id)) {
   if (attn_res_) {
     attn_res_attn = register_module("attn_res_attn", AttnResRead(o.dim, o.norm_eps));
   }
@@ -255,7 +252,7 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
   }
   if (trace_) trace_->push_back(sources);
   auto n = attn_res_attn->forward_normed(sources, slots != nullptr ? &read_slots : nullptr,
-                                         *attention_norm, fused_norm_);
+                                         *attention_norm);
   auto a = mla ? mla(n) : kda(n);
   partial = partial.defined() ? partial + a : a;
   sources = blocks;
@@ -263,7 +260,7 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
   if (slots != nullptr) read_slots.resize(sources.size());
   if (trace_) trace_->push_back(sources);
   n = attn_res_ffn->forward_normed(sources, slots != nullptr ? &read_slots : nullptr,
-                                    *ffn_norm, fused_norm_);
+                                    *ffn_norm);
   auto f = moe ? moe(n) : feed_forward(n);
   return partial + f;
 }
@@ -423,15 +420,14 @@ Activations KimiK3Part::forward(const Activations& in) {
                   " completed blocks on the stack, got ", blocks.size());
     hidden = layer(hidden, blocks, in_place ? &slots : nullptr);
   }
-  if (has_last_ && !opts_.attn_res) return {linear(norm(hidden), lm_head)};
+  if (has_last_ && !opts_.attn_res) return {linear(norm(hidden), lm_head, kernel_options_)};
   if (has_last_) {
     std::vector<at::Tensor> sources = blocks;
     sources.push_back(hidden);
     auto read_slots = slots;
     read_slots.resize(sources.size());
-    auto out = attn_res_final->forward_normed(sources, in_place ? &read_slots : nullptr, *norm,
-                                              opts_.attn_res_fused_norm);
-    return {linear(out, lm_head)};  // [B, T, V]
+    auto out = attn_res_final->forward_normed(sources, in_place ? &read_slots : nullptr, *norm);
+    return {linear(out, lm_head, kernel_options_)};  // [B, T, V]
   }
   Activations out{hidden};
   out.insert(out.end(), blocks.begin(), blocks.end());

@@ -14,27 +14,23 @@
 #include <cstdint>
 #include <string>
 
+#include "ops/linear.h"
+#include "ops/options.h"
+#include "ops/rope.h"
+
 namespace viaduct {
 
-// y = x W^T (+ b), with W cast to x's dtype (on the fused-kernel path the
-// cast comes from the weight cache, Note [Low-precision weight cache]).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w,
-                  const at::Tensor& b = {});
-// The same with W the concatenation of `w` along dim 0 (one GEMM for
-// several projections of x); each part gets its own gradient.
-at::Tensor linear_parts(const at::Tensor& x, at::TensorList w, const at::Tensor& b = {});
-// The same through a torch::nn::Linear used as the parameter holder.
-at::Tensor linear(const at::Tensor& x, const torch::nn::Linear& l);
+// ops::linear through a torch::nn::Linear used as the parameter holder.
+at::Tensor linear(const at::Tensor& x, const torch::nn::Linear& l, const ops::KernelOptions& k);
 // A parameter holder registered as `name` (FQN `<name>.weight`/`.bias`).
 torch::nn::Linear make_linear(torch::nn::Module& parent, const std::string& name,
                               int64_t in, int64_t out, bool bias);
 
-class RMSNormImpl : public torch::nn::Module {
+class RMSNormImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   RMSNormImpl(int64_t dim, double eps);
   at::Tensor forward(const at::Tensor& x);  // x: [..., D]
-  // (h, forward(h)) for h = x + res: one fused kernel where the kernels
-  // run (Note [Residual add inside the norm]), the two ops elsewhere.
+  // (h, forward(h)) for h = x + res (ops::add_rms_norm).
   std::pair<at::Tensor, at::Tensor> forward_with_residual(const at::Tensor& x,
                                                           const at::Tensor& res);
   void reset_parameters();
@@ -53,16 +49,8 @@ class LayerNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LayerNorm);
 
-// Rotary tables: cos/sin [max_seq_len, head_dim / 2] in fp64, cast at use to
-// fp32 (fp64 for fp64 input): the rotation itself runs in fp32.
-struct RopeTables {
-  at::Tensor cos, sin;
-};
-RopeTables make_rope_tables(int64_t head_dim, int64_t max_seq_len,
-                            double theta);
-// x: [B, T, H, hd], rotating interleaved pairs (x[2i], x[2i+1]) as Meta's
-// llama does. Returns x's dtype.
-at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope);
+using ops::make_rope_tables;
+using ops::RopeTables;
 
 struct AttentionOptions {
   int64_t dim = 0;
@@ -75,7 +63,7 @@ struct AttentionOptions {
 };
 
 // Causal self-attention with grouped KV heads; FQNs wq, wk, wv, wo.
-class AttentionImpl : public torch::nn::Module {
+class AttentionImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   explicit AttentionImpl(const AttentionOptions& opts);
   at::Tensor forward(const at::Tensor& x);  // x: [B, T, D] -> [B, T, D]
@@ -89,7 +77,7 @@ class AttentionImpl : public torch::nn::Module {
 TORCH_MODULE(Attention);
 
 // SwiGLU: w2(silu(w1 x) * w3 x).
-class SwiGLUImpl : public torch::nn::Module {
+class SwiGLUImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   SwiGLUImpl(int64_t dim, int64_t hidden);
   at::Tensor forward(const at::Tensor& x);
@@ -100,7 +88,7 @@ class SwiGLUImpl : public torch::nn::Module {
 TORCH_MODULE(SwiGLU);
 
 // GPT-2 MLP: w2(gelu_tanh(w1 x + b1)) + b2.
-class GeluMLPImpl : public torch::nn::Module {
+class GeluMLPImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   GeluMLPImpl(int64_t dim, int64_t hidden);
   at::Tensor forward(const at::Tensor& x);

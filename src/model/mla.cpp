@@ -78,26 +78,26 @@ at::Tensor MlaImpl::forward(const at::Tensor& x) {
   const auto B = x.size(0), T = x.size(1), H = opts_.n_heads;
   const auto nope = opts_.qk_nope_head_dim, pe = opts_.qk_rope_head_dim;
   const auto vd = opts_.v_head_dim;
-  auto q = opts_.q_lora_rank > 0 ? linear(q_norm(linear(x, wq_a)), wq_b)
-                                 : linear(x, wq);
+  auto q = opts_.q_lora_rank > 0 ? linear(q_norm(linear(x, wq_a, kernel_options_)), wq_b, kernel_options_)
+                                 : linear(x, wq, kernel_options_);
   q = q.view({B, T, H, nope + pe});
-  auto kv_a = linear(x, wkv_a);  // [B, T, kv_lora + pe]
+  auto kv_a = linear(x, wkv_a, kernel_options_);  // [B, T, kv_lora + pe]
   auto c_kv = kv_norm(kv_a.narrow(-1, 0, opts_.kv_lora_rank));
   auto k_pe = kv_a.narrow(-1, opts_.kv_lora_rank, pe).view({B, T, 1, pe});
   auto q_nope = q.narrow(-1, 0, nope);
   auto q_pe = q.narrow(-1, nope, pe);
   if (rope_.cos.defined()) {
-    q_pe = apply_rope(q_pe, rope_);
-    k_pe = apply_rope(k_pe, rope_);
+    q_pe = ops::rope(q_pe, rope_, kernel_options_);
+    k_pe = ops::rope(k_pe, rope_, kernel_options_);
   }
-  auto kv = linear(c_kv, wkv_b).view({B, T, H, nope + vd});
+  auto kv = linear(c_kv, wkv_b, kernel_options_).view({B, T, H, nope + vd});
   auto k_nope = kv.narrow(-1, 0, nope);
   auto v = kv.narrow(-1, nope, vd);
   // q, k: [B, H, T, nope + pe], the rotary key broadcast over heads.
   auto qf = at::cat({q_nope, q_pe}, -1).transpose(1, 2);
   auto kf = at::cat({k_nope, k_pe.expand({B, T, H, pe})}, -1).transpose(1, 2);
   auto y = compat::causal_sdpa(qf, kf, v.transpose(1, 2));  // [B, H, T, vd]
-  return linear(y.transpose(1, 2).reshape({B, T, H * vd}), wo);
+  return linear(y.transpose(1, 2).reshape({B, T, H * vd}), wo, kernel_options_);
 }
 
 }  // namespace viaduct

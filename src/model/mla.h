@@ -30,7 +30,7 @@ struct MlaOptions {
 };
 
 // FQNs: wq | (wq_a, q_norm, wq_b), wkv_a, kv_norm, wkv_b, wo.
-class MlaImpl : public torch::nn::Module {
+class MlaImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   explicit MlaImpl(const MlaOptions& opts);
   at::Tensor forward(const at::Tensor& x);  // x: [B, T, D] -> [B, T, D]

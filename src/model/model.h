@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "ops/options.h"
+
 namespace viaduct {
 
 class Config;
@@ -35,7 +37,8 @@ class ModelPart : public torch::nn::Module {
   virtual Activations forward(const Activations& inputs) = 0;
   // The last part's summed token cross-entropy (fp32) against targets
   // [B, T]. The default runs forward() and summed_cross_entropy; a family
-  // may fuse its head with the loss (Note [Chunked head loss]).
+  // may fuse its head with the loss (Note [Chunked head loss],
+  // ops/cross_entropy.h).
   virtual at::Tensor forward_loss(const Activations& inputs, const at::Tensor& targets);
   // Initialise every parameter from (seed, FQN); buffers too where relevant.
   virtual void init_weights(uint64_t seed) = 0;
@@ -101,8 +104,12 @@ std::vector<std::string> model_module_fqns(const Config& cfg);
 
 // Build the part holding `module_fqns` (empty = the whole model) on CPU in
 // fp32 with uninitialised weights; call init_weights or load a checkpoint.
+// Builds the part and sets its modules' kernel options from the config
+// (kernel_options; Note [Ops own the kernel choice], ops/options.h).
 std::shared_ptr<ModelPart> build_model_part(
     const Config& cfg, const std::vector<std::string>& module_fqns = {});
+// model.fused_kernels and model.swiglu_recompute as the ops' options.
+ops::KernelOptions kernel_options(const Config& cfg);
 
 ModelInfo describe_model(const Config& cfg);
 
@@ -110,16 +117,5 @@ ModelInfo describe_model(const Config& cfg);
 // targets < 0 are ignored. Divide by the global token count yourself.
 at::Tensor summed_cross_entropy(const at::Tensor& logits,
                                 const at::Tensor& targets);
-
-// Note [Chunked head loss]
-// sum_t CE(h_t W^T, y_t) without ever holding the [tokens x vocab] logits:
-// rows of h go through the head in chunks of `chunk_tokens`; each chunk's
-// logits are made, reduced to its loss, and its gradient (softmax - onehot)
-// turned at once into the chunk's dh and its share of dW, which backward
-// scales by the incoming gradient. Peak extra memory is one chunk's logits
-// instead of all of them (fp32: 4 x tokens x vocab bytes). h: [N, D] in the
-// compute dtype, W: [V, D] (cast to h's dtype), targets: [N] (-100 ignored).
-at::Tensor chunked_head_cross_entropy(const at::Tensor& h, const at::Tensor& weight,
-                                      const at::Tensor& targets, int64_t chunk_tokens);
 
 }  // namespace viaduct

@@ -32,8 +32,10 @@ std::vector<at::Tensor> GroupedExpertsImpl::forward_all(const std::vector<at::Te
   for (size_t e = 0; e < rows.size(); ++e) {
     const auto& x = rows[e];
     if (x.size(0) == 0) continue;
-    outs.push_back(linear(at::silu(linear(x, w1s[e], none)) * linear(x, w3s[e], none), w2s[e],
-                          none));
+    const auto& k = kernel_options_;
+    outs.push_back(ops::linear(at::silu(ops::linear(x, w1s[e], none, k)) *
+                                   ops::linear(x, w3s[e], none, k),
+                               w2s[e], none, k));
   }
   return outs;
 }
@@ -87,7 +89,7 @@ void MoeImpl::init_weights(uint64_t seed, const std::string& p, double std_in,
 std::pair<at::Tensor, at::Tensor> MoeImpl::route(const at::Tensor& x) {
   // x: [N, D]; scores in fp32 (fp64 under gradient checks).
   const auto st = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  auto scores = at::sigmoid(linear(x.to(st), router));  // [N, E]
+  auto scores = at::sigmoid(linear(x.to(st), router, kernel_options_));  // [N, E]
   at::Tensor idx;
   {
     torch::NoGradGuard g;  // selection only: no gradient through the bias

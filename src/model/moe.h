@@ -32,7 +32,7 @@ struct MoeOptions {
 
 // FQNs: router.weight [E, D], expert_bias [E] (buffer), experts.w1 [E, H, D],
 // experts.w2 [E, D, H], experts.w3 [E, H, D], shared_expert.{w1,w2,w3}.
-class GroupedExpertsImpl : public torch::nn::Module {
+class GroupedExpertsImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   GroupedExpertsImpl(int64_t n_experts, int64_t dim, int64_t hidden);
   // SwiGLU of every expert e on its rows[e]: [n_e, D] -> [n_e, D]; the
@@ -42,7 +42,7 @@ class GroupedExpertsImpl : public torch::nn::Module {
 };
 TORCH_MODULE(GroupedExperts);
 
-class MoeImpl : public torch::nn::Module {
+class MoeImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   explicit MoeImpl(const MoeOptions& opts);
   at::Tensor forward(const at::Tensor& x);  // x: [B, T, D] -> [B, T, D]

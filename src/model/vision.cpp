@@ -69,10 +69,10 @@ at::Tensor VisionTowerImpl::forward(const at::Tensor& images) {
   auto x = images.reshape({B * n, C, g, p, g, p})
                .permute({0, 2, 4, 1, 3, 5})
                .reshape({B * n, P, C * p * p});
-  auto h = linear(x, patch_embed) + pos_embed.to(x.scalar_type());  // [Bn,P,Dv]
+  auto h = linear(x, patch_embed, kernel_options_) + pos_embed.to(x.scalar_type());  // [Bn,P,Dv]
   // Bidirectional self-attention over the patches of one image.
   const auto H = opts_.n_heads, hd = Dv / H;
-  auto qkv = linear(norm1(h), wqkv).view({B * n, P, 3, H, hd});
+  auto qkv = linear(norm1(h), wqkv, kernel_options_).view({B * n, P, 3, H, hd});
   auto q = qkv.select(2, 0).transpose(1, 2);  // [Bn, H, P, hd]
   auto k = qkv.select(2, 1).transpose(1, 2);
   auto v = qkv.select(2, 2).transpose(1, 2);
@@ -82,9 +82,9 @@ at::Tensor VisionTowerImpl::forward(const at::Tensor& images) {
                          -1)
                  .to(v.scalar_type());
   auto a = at::matmul(att, v).transpose(1, 2).reshape({B * n, P, Dv});
-  h = h + linear(a, wo);
+  h = h + linear(a, wo, kernel_options_);
   h = h + mlp(norm2(h));
-  return linear(norm(h), proj).reshape({B, n * P, opts_.out_dim});
+  return linear(norm(h), proj, kernel_options_).reshape({B, n * P, opts_.out_dim});
 }
 
 at::Tensor merge_image_embeddings(const at::Tensor& h, const at::Tensor& tokens,

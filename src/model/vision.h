@@ -31,7 +31,7 @@ struct VisionOptions {
 
 // FQNs: patch_embed, pos_embed, norm1, wqkv, wo, norm2, mlp.{w1,w2,w3},
 // norm, proj. One pre-norm encoder block with bidirectional attention.
-class VisionTowerImpl : public torch::nn::Module {
+class VisionTowerImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   explicit VisionTowerImpl(const VisionOptions& opts);
   // images: [B, n_img, C, S, S] -> [B, n_img * patches, out_dim]

@@ -5,8 +5,8 @@
 #include "config/config.h"
 #include "core/check.h"
 #include "core/torch_compat.h"
-#include "kernels/fused.h"
-#include "kernels/weight_cache.h"
+#include "model/model.h"
+#include "ops/adamw.h"
 
 namespace viaduct {
 
@@ -44,7 +44,7 @@ AdamW::AdamW(std::vector<NamedParam> params, double beta1, double beta2,
 
 bool AdamW::fusable() const {
   // Note [Fused AdamW]: on CUDA, one pass per tensor instead of the loop's
-  // ~7 kernels and 2 temporaries: viaduct's kernel where kernels::usable(),
+  // ~7 kernels and 2 temporaries: viaduct's kernel where ops::fused_runs(),
   // else ATen's multi-tensor kernel (2.x), the same formulas in fp32.
   // Elementwise, so every layout still gets the same bits. Both need every
   // parameter with a gradient to be a contiguous fp32 tensor on one GPU.
@@ -63,11 +63,13 @@ bool AdamW::fusable() const {
   return true;
 }
 
-bool AdamW::own_kernel() const { return fusable() && kernels::usable(params_.front().param); }
+bool AdamW::own_kernel() const {
+  return fusable() && ops::adamw_kernel_runs(params_.front().param, kernel_options_);
+}
 
 // Note [Clip folded into AdamW]: clipping multiplied every gradient in place
-// (one more read and write of every fp32 gradient: 3.5 ms of the K3 d2048
-// step on an H200, bench/NOTES.md) before the update read them again.
+// (one more read and write of every fp32 gradient) before the update read
+// them again.
 // viaduct's kernel multiplies each gradient value by the coefficient as it
 // loads it, rounded as a separate fp32 multiply -- the bits ATen's in-place
 // multiply writes -- so the update is bitwise the same. Where the kernel
@@ -78,7 +80,7 @@ void Optimizer::step_scaled(double lr, double grad_scale) {
 }
 
 void AdamW::step_scaled(double lr, double grad_scale) {
-  if (grad_scale == 1.0 || !own_kernel() || kernels::disabled("adamw_clip")) {
+  if (grad_scale == 1.0 || !own_kernel()) {
     Optimizer::step_scaled(lr, grad_scale);
     return;
   }
@@ -97,7 +99,7 @@ void Optimizer::step_device_scaled(double, const at::Tensor&) {
 }
 
 bool AdamW::takes_device_scale() const {
-  return own_kernel() && !kernels::disabled("adamw_clip");
+  return own_kernel();
 }
 
 void AdamW::step_device_scaled(double lr, const at::Tensor& scale) {
@@ -114,34 +116,14 @@ void AdamW::step_device_scaled(double lr, const at::Tensor& scale) {
 bool AdamW::fused_step(double lr, double bc1, double bc2) {
   if (!fusable()) return false;
   const auto& first = params_.front().param;
-  if (kernels::usable(first)) {
-    // Note [Small tensors in one AdamW launch] (kernels/fused_kernels.cu):
-    // the small tensors go in batches after the others, the same bits.
-    const bool batch = !kernels::disabled("adamw_batch");
-    std::vector<kernels::AdamWTensors> small;
+  if (ops::adamw_kernel_runs(first, kernel_options_)) {
+    std::vector<ops::AdamWParam> ps;
     for (size_t i = 0; i < params_.size(); ++i) {
-      auto& pr = params_[i].param;
-      if (!pr.grad().defined()) continue;
-      auto data = pr.detach();
-      // The weight's bf16 copy, where a forward made one, is written in the
-      // same pass (Note [Low-precision weight cache]).
-      const auto low = kernels::weight_cache::slot_for(pr);
-      const double wd = params_[i].weight_decay ? weight_decay_ : 0.0;
-      kernels::AdamWTensors t{data, pr.grad(), exp_avg_[i], exp_avg_sq_[i], low, wd};
-      if (batch && kernels::adamw_many_takes(t)) {
-        small.push_back(std::move(t));
-      } else {
-        kernels::adamw_(data, pr.grad(), exp_avg_[i], exp_avg_sq_[i], lr, beta1_, beta2_, eps_,
-                        wd, bc1, bc2, low, grad_scale_, scale_dev_);
-      }
-      // Raw writes move no version counter: say that the weight changed.
-      if (low.defined()) {
-        kernels::weight_cache::mark_written(pr);
-      } else {
-        torch::autograd::impl::bump_version(pr);
-      }
+      if (!params_[i].param.grad().defined()) continue;
+      ps.push_back({params_[i].param, exp_avg_[i], exp_avg_sq_[i],
+                    params_[i].weight_decay ? weight_decay_ : 0.0});
     }
-    kernels::adamw_many_(small, lr, beta1_, beta2_, eps_, bc1, bc2, grad_scale_, scale_dev_);
+    ops::adamw_kernel_step_(ps, {lr, beta1_, beta2_, eps_, bc1, bc2, grad_scale_, scale_dev_});
     return true;
   }
   std::vector<at::Tensor> p[2], g[2], m[2], v[2];
@@ -239,10 +221,12 @@ std::unique_ptr<Optimizer> make_optimizer(const Config& cfg,
                                           std::vector<NamedParam> params) {
   const auto name = cfg.get_string("optimizer.name");
   if (name == "SGD") return std::make_unique<SGD>(std::move(params));
-  return std::make_unique<AdamW>(
+  auto adamw = std::make_unique<AdamW>(
       std::move(params), cfg.get_float("optimizer.beta1"),
       cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
       cfg.get_float("optimizer.weight_decay"));
+  adamw->set_own_kernel_options(kernel_options(cfg));  // model.fused_kernels
+  return adamw;
 }
 
 double lr_at(const Config& cfg, int64_t step) {

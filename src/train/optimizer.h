@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "ops/options.h"
+
 namespace viaduct {
 
 class Config;
@@ -34,9 +36,9 @@ class Optimizer {
   // as they are (Note [Clip folded into AdamW]). Either way the update has
   // the same bits.
   virtual void step_scaled(double lr, double grad_scale);
-  // Note [Clip coefficient on the device] (kernels/fused_kernels.cu): the
+  // Note [Clip coefficient on the device] (kernels/clip.cu): the
   // update with the clip coefficient read on the device from `scale` ([1]
-  // fp32, kernels::clip_on_device), NaN there updating nothing; only where
+  // fp32, ops::clip_on_device), NaN there updating nothing; only where
   // takes_device_scale() (AdamW's own CUDA kernel), else an error.
   virtual bool takes_device_scale() const { return false; }
   virtual void step_device_scaled(double lr, const at::Tensor& scale);
@@ -60,7 +62,7 @@ class Optimizer {
 };
 
 // Decoupled weight decay (Loshchilov & Hutter), bias-corrected moments in fp32.
-class AdamW : public Optimizer {
+class AdamW : public Optimizer, public ops::KernelUser {
  public:
   AdamW(std::vector<NamedParam> params, double beta1, double beta2, double eps,
         double weight_decay);

@@ -10,7 +10,8 @@
 #include "core/torch_compat.h"
 #include "data/token_file.h"
 #include "dist/dist.h"
-#include "kernels/fused.h"
+#include "model/model.h"
+#include "ops/options.h"
 #include "pipeline/schedule/plan.h"
 
 namespace viaduct {
@@ -33,9 +34,6 @@ ProcessSetup init_process(const Config& cfg) {
                                     : log::Level::kInfo);
   // The same thread count whether launched or run alone (determinism).
   at::set_num_threads(static_cast<int>(cfg.get_int("training.num_threads")));
-  kernels::set_enabled(cfg.get_bool("model.fused_kernels"));
-  kernels::set_swiglu_recompute(cfg.get_bool("model.swiglu_recompute"));
-  kernels::set_swiglu_one_gemm(cfg.get_bool("model.swiglu_one_gemm"));
 
   // Where this process sits: pp x dp ranks over c10d, or one process.
   const auto rdv = dist::rendezvous_from_env();
@@ -81,16 +79,13 @@ void log_job_summary(const Config& cfg, const JobSummary& job) {
             ", dtype ", c10::toString(job.compute_dtype), ", LibTorch ",
             compat::torch_version(), ", ", at::get_num_threads(), " threads");
   if (job.device.is_cuda()) {
-    const bool fused = kernels::usable(at::empty({1}, at::TensorOptions(job.device).dtype(job.compute_dtype)));
+    const bool fused = ops::fused_runs(
+        at::empty({1}, at::TensorOptions(job.device).dtype(job.compute_dtype)),
+        kernel_options(cfg));
     log::info("fused kernels: ", fused ? "on"
                                  : cfg.get_bool("model.fused_kernels")
                                      ? "off (this GPU or build has none; ATen ops)"
                                      : "off (model.fused_kernels = false)");
-    const char* off = std::getenv("VIADUCT_DISABLE_KERNELS");
-    if (fused && off && *off) {
-      kernels::parse_kernel_list(off);  // an unknown name is an error at start
-      log::info("fused kernels disabled by VIADUCT_DISABLE_KERNELS: ", off);
-    }
   }
   if (split.num_stages > 1 || job.dp_size > 1) {
     log::info("parallelism: pp ", split.pp, " x dp ", job.dp_size, ", ",

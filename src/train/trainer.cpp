@@ -16,8 +16,8 @@
 #include "data/sampler.h"
 #include "data/token_file.h"
 #include "dist/dist.h"
-#include "kernels/fused.h"
 #include "kernels/weight_cache.h"
+#include "ops/clip.h"
 #include "pipeline/attn_res/block_store.h"
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
@@ -263,18 +263,18 @@ void Trainer::allreduce_grads_over_dp() {
 std::optional<double> Trainer::step_with_device_clip(
     double lr, double max_norm, const std::vector<at::Tensor>& pending_losses,
     double& loss_sum) {
-  // Note [Clip coefficient on the device] (kernels/fused_kernels.cu): where
+  // Note [Clip coefficient on the device] (kernels/clip.cu): where
   // this process holds every parameter and AdamW's CUDA kernel runs, the
   // norm and the clip coefficient are formed on the device and the update
   // is queued before the host reads the norm and the losses, which wait for
   // the norm only. The update has the host path's bits; a norm that is not
   // finite updates nothing, and train_step's check raises the error.
-  std::optional<kernels::DeviceClip> device_clip;
+  std::optional<ops::DeviceClip> device_clip;
   if ((!mesh_ || mesh_->pp() == 1) && optimizer_->takes_device_scale()) {
     const auto grads = defined_grads(optimizer_->params());
-    if (kernels::clip_on_device_takes(grads)) {
+    if (ops::clip_on_device_takes(grads, kernel_options(cfg_))) {
       RECORD_USER_SCOPE("viaduct::optimizer");
-      device_clip = kernels::clip_on_device(grads, max_norm, pending_losses);
+      device_clip = ops::clip_on_device(grads, max_norm, pending_losses);
       optimizer_->step_device_scaled(lr, device_clip->scale);
       optimizer_->zero_grad();
     }

@@ -17,11 +17,14 @@
 #include "config/config.h"
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
-#include "kernels/launchers.h"
+#include "kernels/attn_res_read.h"
 #include "kernels/weight_cache.h"
 #include "model/attn_res.h"
 #include "model/layers.h"
 #include "model/model.h"
+#include "ops/cross_entropy.h"
+#include "ops/linear.h"
+#include "ops/rope.h"
 #include "train/optimizer.h"
 
 namespace viaduct {
@@ -166,8 +169,8 @@ TEST(FusedKernels, RopeForwardBackward) {
     auto s = tables.sin.to(at::kCUDA, at::kFloat).contiguous();
     poison();
     auto y = kernels::rope(x, c, s);
-    // Reference: the ATen path in fp64 (apply_rope on CPU fp64 input).
-    auto yr = apply_rope(xr, tables);
+    // Reference: the ATen path in fp64 (ops::rope on CPU fp64 input).
+    auto yr = ops::rope(xr, tables, ops::KernelOptions{});
     EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
     backward_both(y, yr);
     EXPECT_LT(rel_err(x.grad(), xr.grad()), bound(t)) << "seed " << seed << " " << t;
@@ -213,7 +216,7 @@ TEST(FusedKernels, RopeRepeatsGroupedHeads) {
     ASSERT_EQ(y.sizes(), (std::vector<int64_t>{B, T, KV * rep, hd}));
     EXPECT_TRUE(at::equal(y, kernels::rope(x.detach(), c, s).repeat_interleave(rep, 2)))
         << "seed " << seed << " " << t;
-    auto yr = apply_rope(xr, tables).repeat_interleave(rep, 2);
+    auto yr = ops::rope(xr, tables, ops::KernelOptions{}).repeat_interleave(rep, 2);
     // An SDPA-like (transposed) gradient.
     backward_both(y, yr,
                   at::randn({B, KV * rep, T, hd}, at::TensorOptions(at::kCUDA)).to(t).transpose(1, 2));
@@ -244,28 +247,6 @@ TEST(FusedKernels, RepeatHeadsMatchesRepeatInterleave) {
   }
 }
 
-// Selects the AttnRes read's kernels for a scope; the default (warp per
-// row) again at its end.
-struct ReadKernels {
-  explicit ReadKernels(bool warp_per_row) { kernels::set_attn_res_read_v2(warp_per_row); }
-  ~ReadKernels() { kernels::set_attn_res_read_v2(true); }
-  ReadKernels(const ReadKernels&) = delete;
-  ReadKernels& operator=(const ReadKernels&) = delete;
-};
-
-// The read-with-norm backward's form for a scope (two passes, the default,
-// or three), put back after.
-struct ReadNormForm {
-  explicit ReadNormForm(bool two_pass) { kernels::set_attn_res_read_norm_two_pass(two_pass); }
-  ~ReadNormForm() { kernels::set_attn_res_read_norm_two_pass(true); }
-  ReadNormForm(const ReadNormForm&) = delete;
-  ReadNormForm& operator=(const ReadNormForm&) = delete;
-};
-
-#define REQUIRE_READ_V2()                   \
-  if (kernels::disabled("attn_res_read_v2")) \
-  GTEST_SKIP() << "VIADUCT_DISABLE_KERNELS names attn_res_read_v2"
-
 // n sources of `shape` (the last dim the width) and type t, source i scaled
 // by 1 + i / 2, as CUDA leaves and fp64 CPU copies; the query and the norm
 // weight. shifted: source 0 starts one element past a 16-byte boundary, so
@@ -292,7 +273,7 @@ ReadInputs draw_read(at::IntArrayRef shape, int64_t n, at::ScalarType t, bool sh
   return in;
 }
 
-// The read kernels (whichever pair is selected) against the module's ATen
+// The read kernels against the module's ATen
 // form in fp64 on the CPU: the output and the gradients of every source,
 // the query and the norm weight.
 void expect_read_matches_aten(int64_t D, int64_t n, at::ScalarType t, bool shifted = false) {
@@ -338,79 +319,34 @@ std::vector<at::Tensor> read_outputs(const ReadInputs& in, const at::Tensor& dy)
 
 TEST(FusedKernels, AttnResReadMatchesAtenRead) {
   REQUIRE_GPU();
-  // The block-per-row kernels (Note [Fused AttnRes read]). Widths:
-  // vectorised (512) and scalar (100); one source and several.
-  ReadKernels block_per_row(false);
+  // Widths vectorised (512) and scalar (100); one source and several.
   for (int64_t D : {512, 100})
   for (int64_t n : {1, 5})
   for (auto t : kTypes) expect_read_matches_aten(D, n, t);
 }
 
-TEST(FusedKernels, AttnResReadV2MatchesAtenRead) {
+TEST(FusedKernels, AttnResReadWarpPerRowMatchesAtenRead) {
   REQUIRE_GPU();
-  REQUIRE_READ_V2();
   // The warp-per-row kernels (Note [Fused AttnRes read, warp per row]):
   // register forms (2048: whole rows in bf16, the loop form in fp32; 1000:
   // lanes past the row's end) and loop forms (4096; the odd 1001 and a
-  // source off 16-byte alignment, read one value at a time).
-  ReadKernels warp_per_row(true);
+  // source off 16-byte alignment, read one value at a time). n = 40 puts
+  // sources in the lanes' second slot.
   struct Width {
     int64_t D;
     bool shifted;
   };
   for (auto c : {Width{2048, false}, Width{1000, false}, Width{4096, false}, Width{1001, false},
                  Width{2048, true}})
-  for (int64_t n : {1, 3, 9})
+  for (int64_t n : {1, 3, 9, 40})
   for (auto t : kTypes) expect_read_matches_aten(c.D, n, t, c.shifted);
 }
 
-TEST(FusedKernels, AttnResReadV2MatchesBlockPerRow) {
+TEST(FusedKernels, AttnResReadIsDeterministic) {
   REQUIRE_GPU();
-  REQUIRE_READ_V2();
-  // Both kernel pairs on the same inputs and output gradient. Same formulas,
-  // sums in other orders (and the warp-per-row forward's online softmax):
-  // fp32 results agree to fp32 rounding, relative error below 5e-5 (the
-  // query and norm-weight gradients sum rows x sources products with
-  // cancellation: at 40 sources of width 4096 the two orders differed by up
-  // to 1.4e-5 on an H200, session 5, against a first bound of 1e-5; each
-  // form's accuracy against fp64 is AttnResReadV2MatchesAtenRead's); bf16
-  // ones up to the few values an fp32 difference rounds to the neighbouring
-  // bf16 value, below 1e-3 (measured against fp64, both are within 1e-2).
-  // n = 40 puts sources in the lanes' second slot.
-  for (int64_t D : {2048, 1000, 4096, 1001})
-  for (int64_t n : {1, 3, 9, 40})
-  for (auto t : kTypes) {
-    const auto seed = fresh_seed();
-    SCOPED_TRACE(testing::Message() << "dim " << D << " sources " << n << " " << t << " seed "
-                                    << seed);
-    auto in = draw_read({3, 50, D}, n, t);
-    auto dy = at::randn({3, 50, D}, at::TensorOptions(at::kCUDA)).to(t);
-    std::vector<at::Tensor> block, warp;
-    {
-      ReadKernels k(false);
-      block = read_outputs(in, dy);
-    }
-    {
-      ReadKernels k(true);
-      warp = read_outputs(in, dy);
-    }
-    ASSERT_EQ(block.size(), warp.size());
-    const double tol = t == at::kFloat ? 5e-5 : 1e-3;
-    for (size_t i = 0; i < warp.size(); ++i) {
-      ASSERT_EQ(warp[i].scalar_type(), block[i].scalar_type()) << "output " << i;
-      EXPECT_LT(rel_err(warp[i], block[i]), tol)
-          << "output " << i << " (0: y; 1.." << n << ": sources; then query, norm weight)";
-    }
-  }
-}
-
-TEST(FusedKernels, AttnResReadV2IsDeterministic) {
-  REQUIRE_GPU();
-  REQUIRE_READ_V2();
   // Run to run, bit for bit, on 9000 rows (several rows per warp in the
   // backward): register forms (2048 bf16, 1000 fp32) and loop forms (4096
   // bf16, 1001 fp32).
-  ReadKernels warp_per_row(true);
   const std::pair<int64_t, at::ScalarType> cases[] = {
       {2048, at::kBFloat16}, {1000, at::kFloat}, {4096, at::kBFloat16}, {1001, at::kFloat}};
   for (const auto& [D, t] : cases) {
@@ -433,16 +369,12 @@ TEST(FusedKernels, AttnResReadAddsIntoSlotsWithAutogradsBits) {
   // holds a gradient receives it + this read's gradient as the source's
   // dtype adds them (autograd's sum), an empty slot becomes the gradient,
   // and the source itself gets none; bit for bit against the read without
-  // slots. Warp-per-row register (2048) and loop (4096, 1001) forms add in
-  // the kernel; the block-per-row kernels after it.
-  for (bool warp_per_row : {true, false})
+  // slots. The register (2048) and loop (4096, 1001) forms add in the
+  // kernel.
   for (int64_t D : {2048, 4096, 1001})
   for (auto t : kTypes) {
-    if (warp_per_row && kernels::disabled("attn_res_read_v2")) continue;
     const auto seed = fresh_seed();
-    SCOPED_TRACE(testing::Message() << (warp_per_row ? "warp" : "block") << " per row, dim " << D
-                                    << " " << t << " seed " << seed);
-    ReadKernels k(warp_per_row);
+    SCOPED_TRACE(testing::Message() << "dim " << D << " " << t << " seed " << seed);
     auto in = draw_read({2, 45, D}, 3, t);
     auto dy = at::randn({2, 45, D}, at::TensorOptions(at::kCUDA)).to(t);
     auto prior = at::randn({2, 45, D}, at::TensorOptions(at::kCUDA)).to(t);
@@ -472,24 +404,19 @@ TEST(FusedKernels, AttnResReadAddsIntoSlotsWithAutogradsBits) {
 // (2048 and 1000 bf16: lanes past the row's end; 1000 and 512 fp32), 1 to 6
 // sources, with slots (one holding a gradient, one empty) and without; both
 // backward forms (Note [Read with its norm in two passes]: two passes up to
-// 5 sources, three beyond).
+// 5 sources, three beyond), each chosen by the source count.
 TEST(FusedKernels, AttnResReadNormMatchesAtenReadThenNorm) {
   REQUIRE_GPU();
-  REQUIRE_READ_V2();
-  if (kernels::disabled("attn_res_read_norm")) GTEST_SKIP() << "attn_res_read_norm disabled";
   struct Case {
     int64_t D;
     at::ScalarType t;
   };
-  for (bool two_pass : {true, false})
   for (auto c : {Case{2048, at::kBFloat16}, Case{1000, at::kBFloat16}, Case{1000, at::kFloat},
                  Case{512, at::kFloat}})
   for (int64_t n : {1, 2, 3, 4, 5, 6})
   for (bool slots_on : {false, true}) {
-    if (two_pass && kernels::disabled("attn_res_read_norm_2pass")) continue;
-    ReadNormForm form(two_pass);
     const auto seed = fresh_seed();
-    SCOPED_TRACE(testing::Message() << (two_pass ? "two" : "three") << " passes, dim " << c.D
+    SCOPED_TRACE(testing::Message() << (n <= 5 ? "two" : "three") << " passes, dim " << c.D
                                     << " " << c.t << " sources " << n
                                     << (slots_on ? " with slots" : "") << " seed " << seed);
     auto in = draw_read({2, 37, c.D}, n, c.t);
@@ -537,19 +464,17 @@ TEST(FusedKernels, AttnResReadNormMatchesAtenReadThenNorm) {
 }
 
 // Run to run, bit for bit, on 9000 rows (several rows a warp), both backward
-// forms; rows the kernel does not take (4096 bf16) are refused, and the
-// module then runs the read and the norm as two ops, the same values.
+// forms (5 sources: two passes; 6: three); rows the kernel does not take
+// (4096 bf16) are refused, and the module then runs the read and the norm
+// as two ops, the same values.
 TEST(FusedKernels, AttnResReadNormIsDeterministicAndFallsBack) {
   REQUIRE_GPU();
-  REQUIRE_READ_V2();
-  if (kernels::disabled("attn_res_read_norm")) GTEST_SKIP() << "attn_res_read_norm disabled";
-  for (bool two_pass : {true, false})
+  for (int64_t n : {5, 6})
   for (auto [D, t] : {std::pair{int64_t{2048}, at::kBFloat16}, std::pair{int64_t{1000}, at::kFloat}}) {
-    ReadNormForm form(two_pass);
     const auto seed = fresh_seed();
-    SCOPED_TRACE(testing::Message() << (two_pass ? "two" : "three") << " passes, dim " << D
+    SCOPED_TRACE(testing::Message() << (n <= 5 ? "two" : "three") << " passes, dim " << D
                                     << " " << t << " seed " << seed);
-    auto in = draw_read({2, 4500, D}, 5, t);
+    auto in = draw_read({2, 4500, D}, n, t);
     auto ow = (1.0 + 0.1 * at::randn({D}, at::TensorOptions(at::kCUDA))).requires_grad_(true);
     auto dy = at::randn({2, 4500, D}, at::TensorOptions(at::kCUDA)).to(t);
     auto run = [&] {
@@ -635,7 +560,7 @@ TEST(FusedKernels, MixedLinearWeightGradientIsFp32) {
   auto wr = w.detach().to(at::kBFloat16).to(at::kCPU, at::kDouble).requires_grad_(true);
   auto br = b.detach().to(at::kBFloat16).to(at::kCPU, at::kDouble).requires_grad_(true);
   poison();
-  auto y = linear(x, w, b);
+  auto y = ops::linear(x, w, b, ops::KernelOptions{});
   auto yr = at::linear(xr, wr, br);
   ASSERT_EQ(y.scalar_type(), at::kBFloat16);
   EXPECT_LT(rel_err(y, yr), bound(at::kBFloat16)) << "seed " << seed;
@@ -651,7 +576,7 @@ TEST(FusedKernels, MixedLinearWeightGradientIsFp32) {
   w.mutable_grad() = at::Tensor();
   auto [x2, xr2] = draw({2, 19, 256}, at::kBFloat16);
   auto wr2 = w.detach().to(at::kBFloat16).to(at::kCPU, at::kDouble).requires_grad_(true);
-  auto y2 = linear(x2, w, at::Tensor());
+  auto y2 = ops::linear(x2, w, at::Tensor(), ops::KernelOptions{});
   auto yr2 = at::linear(xr2, wr2);
   EXPECT_LT(rel_err(y2, yr2), bound(at::kBFloat16)) << "seed " << seed;
   backward_both(y2, yr2);
@@ -714,36 +639,33 @@ TEST(FusedKernels, LlamaStepMatchesAtenPath) {
                                      "model.loss_chunk_tokens=50"};
   auto tokens = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
   auto targets = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
-  kernels::set_enabled(true);
   const auto fused = gpu_step(cfg, tokens, targets);
-  kernels::set_enabled(false);
-  const auto aten = gpu_step(cfg, tokens, targets);
-  kernels::set_enabled(true);
+  auto aten_cfg = cfg;
+  aten_cfg.push_back("model.fused_kernels=false");
+  const auto aten = gpu_step(aten_cfg, tokens, targets);
   expect_same_step(fused, aten, seed);
 }
 
-TEST(FusedKernels, KimiK3FusedReadNormMatchesTwoOps) {
+TEST(FusedKernels, KimiK3FusedReadNormMatchesAtenStep) {
   REQUIRE_GPU();
-  REQUIRE_READ_V2();
-  if (kernels::disabled("attn_res_read_norm")) GTEST_SKIP() << "attn_res_read_norm disabled";
-  // model.attn_res_fused_norm through a kimi_k3 step (debugmodel: every
-  // read, the final one too, with the in-place block gradients), fp32 on
-  // the GPU, against the same model running each read and norm as two ops.
+  // The read with its norm through a kimi_k3 step (debugmodel: every read,
+  // the final one too, with the in-place block gradients), fp32 on the GPU,
+  // against the same model on the ATen ops (model.fused_kernels = false).
   const auto seed = fresh_seed();
   auto tokens = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
   auto targets = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
   std::vector<std::string> cfg{"model.family=kimi_k3", "model.flavor=debugmodel",
                                "training.seq_len=64", "model.mla_interval=1",
-                               "model.moe_ffn=false", "model.attn_res_fused_norm=true"};
+                               "model.moe_ffn=false"};
   const auto fused = gpu_step(cfg, tokens, targets);
-  cfg.back() = "model.attn_res_fused_norm=false";
-  const auto two_ops = gpu_step(cfg, tokens, targets);
+  auto aten_cfg = cfg;
+  aten_cfg.push_back("model.fused_kernels=false");
+  const auto two_ops = gpu_step(aten_cfg, tokens, targets);
   // Both fp32 forms are measured against the fp64 step: the fused one may
   // round differently (the two-pass backward sums in another order), so
-  // each of its errors is bounded by the two ops' own fp32 error (three
-  // times it) or 1e-4, whichever is larger. Session 9 saw 1.6e-4 between
-  // the two fp32 forms on one parameter, which a fixed 1e-4 between them
-  // could not tell from a fault.
+  // each of its errors is bounded by the ATen ops' own fp32 error (three
+  // times it) or 1e-4, whichever is larger: a fixed 1e-4 between the two
+  // fp32 forms could not tell rounding from a fault.
   const auto ref = fp64_step(cfg, tokens, targets);
   EXPECT_LT(std::abs(fused.loss - ref.loss) / std::abs(ref.loss), 1e-5) << "seed " << seed;
   ASSERT_EQ(fused.grads.size(), ref.grads.size());
@@ -763,7 +685,6 @@ TEST(FusedKernels, KimiK3FusedReadNormMatchesTwoOps) {
 TEST(FusedKernels, SwiGLUPackedMatchesTwoTensors) {
   REQUIRE_GPU();
   for (bool recompute : {false, true}) {
-    kernels::set_swiglu_recompute(recompute);
     const auto seed = fresh_seed();
     SCOPED_TRACE(testing::Message() << "recompute " << recompute << " seed " << seed);
     auto a = at::randn({3, 37, 96}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16);
@@ -772,36 +693,42 @@ TEST(FusedKernels, SwiGLUPackedMatchesTwoTensors) {
     auto w2 = w.detach().clone().requires_grad_(true);
     auto dy = at::randn({3, 37, 64}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16);
     auto al = a.clone().requires_grad_(true), bl = b.clone().requires_grad_(true);
-    auto y = kernels::swiglu_linear(al, bl, w);
+    auto y = kernels::swiglu_linear(al, bl, w, recompute);
     y.backward(dy);
     auto ab = at::cat({a, b}, -1).requires_grad_(true);
-    auto yp = kernels::swiglu_linear_packed(ab, w2);
+    auto yp = kernels::swiglu_linear_packed(ab, w2, recompute);
     yp.backward(dy);
     EXPECT_TRUE(at::equal(y, yp));
     EXPECT_TRUE(at::equal(ab.grad(), at::cat({al.grad(), bl.grad()}, -1)));
     EXPECT_TRUE(at::equal(w.grad(), w2.grad()));
   }
-  kernels::set_swiglu_recompute(false);
-  if (kernels::disabled("mixed_linear")) return;
-  kernels::set_swiglu_one_gemm(true);
+  // The module's bf16 step (one GEMM over w1 and w3) against the same
+  // module in fp64 on the CPU (two projections, ATen), to bf16 rounding.
   const auto seed = fresh_seed();
   SwiGLU m(256, 512);
   m->init_weights(3, "f.", 0.05, 0.05);
+  SwiGLU ref(256, 512);
+  {
+    torch::NoGradGuard g;
+    for (const auto& pair : {std::pair{&m->w1, &ref->w1}, std::pair{&m->w2, &ref->w2},
+                       std::pair{&m->w3, &ref->w3}}) {
+      (*pair.second)->weight.copy_((*pair.first)->weight.to(at::kBFloat16));
+    }
+  }
+  ref->to(at::kDouble);
   m->to(at::kCUDA);
   auto x = at::randn({2, 50, 256}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16);
-  auto xl = x.clone().requires_grad_(true), xr = x.clone().requires_grad_(true);
+  auto xl = x.clone().requires_grad_(true);
+  auto xr = x.to(at::kCPU, at::kDouble).requires_grad_(true);
   auto y = m->forward(xl);
   auto dy = at::randn(y.sizes(), y.options());
   y.backward(dy);
   std::vector<at::Tensor> got{xl.grad()};
   for (auto* l : {&m->w1, &m->w2, &m->w3}) got.push_back((*l)->weight.grad().clone());
-  m->zero_grad();
-  kernels::set_swiglu_one_gemm(false);
-  auto yr = m->forward(xr);  // two projections
-  yr.backward(dy);
-  kernels::set_swiglu_one_gemm(true);  // the default again
+  auto yr = ref->forward(xr);
+  yr.backward(dy.to(at::kCPU, at::kDouble));
   std::vector<at::Tensor> want{xr.grad()};
-  for (auto* l : {&m->w1, &m->w2, &m->w3}) want.push_back((*l)->weight.grad());
+  for (auto* l : {&ref->w1, &ref->w2, &ref->w3}) want.push_back((*l)->weight.grad());
   EXPECT_LT(rel_err(y, yr), 1e-2) << "seed " << seed;
   for (size_t i = 0; i < got.size(); ++i) {
     EXPECT_LT(rel_err(got[i], want[i]), 1e-2) << "gradient " << i << " (x, w1, w2, w3) seed "
@@ -817,14 +744,13 @@ TEST(FusedKernels, SwiGLULinearMatchesUnfused) {
     // the fp64 reference, and the same bits as each other (same kernels).
     std::vector<at::Tensor> first;
     for (bool recompute : {false, true}) {
-      kernels::set_swiglu_recompute(recompute);
       torch::manual_seed(seed);
       auto [a, ar] = draw({4, 50, 512}, t, 2.0);
       auto [b, br] = draw({4, 50, 512}, t);
       auto w = (at::randn({256, 512}, at::TensorOptions(at::kCUDA)) * 0.05).requires_grad_(true);
       auto wr = w.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
       poison();
-      auto y = kernels::swiglu_linear(a, b, w);
+      auto y = kernels::swiglu_linear(a, b, w, recompute);
       auto yr = at::linear(at::silu(ar) * br, wr);
       ASSERT_EQ(y.scalar_type(), t);
       EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
@@ -842,7 +768,6 @@ TEST(FusedKernels, SwiGLULinearMatchesUnfused) {
         }
       }
     }
-    kernels::set_swiglu_recompute(false);
   }
 }
 
@@ -877,16 +802,15 @@ TEST(FusedKernels, ChunkedHeadLossMatchesAten) {
   auto h = at::randn({N, D}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16).requires_grad_(true);
   auto w = (at::randn({V, D}, at::TensorOptions(at::kCUDA)) * 0.2).requires_grad_(true);
   auto y = at::randint(0, V, {N}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
-  kernels::set_enabled(true);
-  auto l1 = chunked_head_cross_entropy(h, w, y, 128);
+  auto l1 = ops::chunked_head_cross_entropy(h, w, y, 128, ops::KernelOptions{});
   l1.backward();
   auto gh1 = h.grad().clone(), gw1 = w.grad().clone();
   h.mutable_grad().reset();
   w.mutable_grad().reset();
-  kernels::set_enabled(false);  // the ATen chunked path
-  auto l2 = chunked_head_cross_entropy(h, w, y, 128);
+  ops::KernelOptions aten;
+  aten.fused = false;  // the ATen chunked path
+  auto l2 = ops::chunked_head_cross_entropy(h, w, y, 128, aten);
   l2.backward();
-  kernels::set_enabled(true);
   EXPECT_LT(rel_err(l1, l2), 1e-5) << "seed " << seed;
   EXPECT_LT(rel_err(gh1, h.grad()), 1e-2) << "seed " << seed;
   EXPECT_LT(rel_err(gw1, w.grad()), 1e-2) << "seed " << seed;
@@ -1068,7 +992,7 @@ TEST(FusedKernels, AdamWWritesTheWeightCache) {
   AdamW opt(ps, 0.9, 0.95, 1e-8, 0.1);
   auto x = at::randn({2, 9, 64}, cuda).to(at::kBFloat16);
   for (int step = 0; step < 3; ++step) {
-    auto y = linear_parts(x, {ps[0].param, ps[1].param});
+    auto y = ops::linear_parts(x, {ps[0].param, ps[1].param}, {}, ops::KernelOptions{});
     y.to(at::kFloat).square().sum().backward();
     ASSERT_EQ(ps[1].param.grad().scalar_type(), at::kFloat);
     const auto casts = kernels::weight_cache::casts();

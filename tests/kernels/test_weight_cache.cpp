@@ -122,7 +122,7 @@ TEST(LinearParts, MatchesSeparateLinears) {
   auto a = at::randn({4, 6}, at::kDouble).requires_grad_(true);
   auto b = at::randn({2, 6}, at::kDouble).requires_grad_(true);
   auto bias = at::randn({6}, at::kDouble).requires_grad_(true);
-  auto y = linear_parts(x, {a, b}, bias);
+  auto y = ops::linear_parts(x, {a, b}, bias, ops::KernelOptions{});
   auto ref = at::cat({at::linear(x, a, bias.narrow(0, 0, 4)), at::linear(x, b, bias.narrow(0, 4, 2))}, -1);
   EXPECT_TRUE(at::allclose(y, ref, 1e-12, 1e-12));
   auto g = at::randn_like(y);

@@ -10,9 +10,9 @@
 
 #include "config/config.h"
 #include "core/check.h"
-#include "kernels/fused.h"
 #include "model/family.h"
 #include "model/model.h"
+#include "ops/cross_entropy.h"
 
 using namespace viaduct;
 
@@ -349,7 +349,7 @@ TEST(ChunkedHeadLoss, MatchesLogitsThenCrossEntropyInFp64) {
   for (int64_t chunk : {1, 8, 37, 64}) {
     h.mutable_grad() = at::Tensor();
     w.mutable_grad() = at::Tensor();
-    auto loss = chunked_head_cross_entropy(h, w, t, chunk);
+    auto loss = ops::chunked_head_cross_entropy(h, w, t, chunk, ops::KernelOptions{});
     (loss * 0.25).backward();
     EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-11) << chunk;
     EXPECT_TRUE(torch::allclose(h.grad(), gh, 1e-10, 1e-12)) << chunk;
@@ -435,16 +435,28 @@ TEST(Models, KimiK3RunsInFp64AndAgreesWithFp32) {
   EXPECT_GT(nonzero, 50);
 }
 
-TEST(FusedKernelSwitches, KernelListParsesAndRefusesUnknownNames) {
-  EXPECT_TRUE(kernels::parse_kernel_list("").empty());
-  EXPECT_EQ(kernels::parse_kernel_list("rope_repeat"), (std::set<std::string>{"rope_repeat"}));
-  EXPECT_EQ(kernels::parse_kernel_list("attn_res_read,,mixed_linear,"),
-            (std::set<std::string>{"attn_res_read", "mixed_linear"}));
-  EXPECT_EQ(kernels::parse_kernel_list("rms_norm_bwd_reg,rms_norm_bwd_reg").size(), 1u);
-  try {
-    kernels::parse_kernel_list("rope_repeat,rope");
-    FAIL() << "an unknown name was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("unknown kernel 'rope'"), std::string::npos) << e.what();
+TEST(RemovedConfigKeys, SettingOneIsAConfigErrorThatSaysWhatNowHappens) {
+  for (const std::string key :
+       {"model.swiglu_one_gemm", "model.attn_res_fused_norm", "model.attn_res_grad_in_place"}) {
+    // On the command line.
+    try {
+      Config::parse("", "test", {key + "=false"});
+      FAIL() << key << " was accepted";
+    } catch (const ConfigError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("'" + key + "'"), std::string::npos) << what;
+      EXPECT_NE(what.find("was removed: "), std::string::npos) << what;
+      EXPECT_NE(what.find("always"), std::string::npos) << what;
+    }
+    // In a file.
+    const auto dot = key.find('.');
+    try {
+      Config::parse("[" + key.substr(0, dot) + "]\n" + key.substr(dot + 1) + " = true\n",
+                    "job.toml", {});
+      FAIL() << key << " was accepted in a file";
+    } catch (const ConfigError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("'" + key + "' in job.toml was removed"), std::string::npos) << what;
+    }
   }
 }

@@ -1,0 +1,61 @@
+// The CPU build's kernels/fused.h: usable() is false, so the ops/ layer
+// never reaches the entry points below; each throws if called directly.
+#include "kernels/fused.h"
+
+#include "core/check.h"
+
+namespace viaduct::kernels {
+
+bool usable(const at::Tensor&) { return false; }
+
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  throw Error(str("fused ", what, " needs viaduct's CUDA build"));
+}
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double) { no_cuda("rms_norm"); }
+at::Tensor rope(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  no_cuda("rope");
+}
+at::Tensor repeat_heads(const at::Tensor&, int64_t) { no_cuda("repeat_heads"); }
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, double) {
+  no_cuda("add_rms_norm");
+}
+at::Tensor swiglu(const at::Tensor&, const at::Tensor&) { no_cuda("swiglu"); }
+at::Tensor swiglu_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {
+  no_cuda("swiglu_linear");
+}
+at::Tensor swiglu_linear_packed(const at::Tensor&, const at::Tensor&, bool) {
+  no_cuda("swiglu_linear_packed");
+}
+at::Tensor cross_entropy_rows_(at::Tensor&, const at::Tensor&) { no_cuda("cross_entropy"); }
+bool attn_res_read_usable(const std::vector<at::Tensor>&) { return false; }
+bool attn_res_read_norm_usable(const std::vector<at::Tensor>&, const at::Tensor&) {
+  return false;
+}
+at::Tensor attn_res_read_norm(const std::vector<at::Tensor>&, const at::Tensor&,
+                              const at::Tensor&, double, const std::vector<at::Tensor>*,
+                              const at::Tensor&, double) {
+  no_cuda("attn_res_read_norm");
+}
+at::Tensor attn_res_read(const std::vector<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+                         double, const std::vector<at::Tensor>*) {
+  no_cuda("attn_res_read");
+}
+void adamw_(at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, double, double, double,
+            double, double, double, double, const at::Tensor&, double, const at::Tensor&) {
+  no_cuda("adamw");
+}
+bool adamw_many_takes(const AdamWTensors&) { return false; }
+void adamw_many_(const std::vector<AdamWTensors>& ts, double, double, double, double, double,
+                 double, double, const at::Tensor&) {
+  if (!ts.empty()) no_cuda("adamw_many");
+}
+bool clip_on_device_takes(const std::vector<at::Tensor>&) { return false; }
+DeviceClip clip_on_device(const std::vector<at::Tensor>&, double, const std::vector<at::Tensor>&) {
+  no_cuda("clip_on_device");
+}
+
+}  // namespace viaduct::kernels

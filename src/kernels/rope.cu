@@ -1,0 +1,83 @@
+// Rotary embedding on interleaved pairs, and the repeat or sum of grouped
+// heads through the same kernel (with or without the rotation).
+#include "kernels/common.cuh"
+#include "kernels/rope.h"
+
+namespace viaduct::cuda {
+namespace {
+
+// x is read through strides (sB, sT, sH; the last dim is contiguous) so the
+// backward can rotate SDPA's transposed gradient without a copy; y is
+// contiguous [B, T, H, hd]. Each thread rotates N / 2 pairs. Output head h
+// reads the sum of input heads (h / div) * mul + r for r < cnt (in that
+// order, in fp32): (1, 1, 1) is a plain rotation; (rep, 1, 1) writes each
+// input head rep times (grouped KV heads repeated for attention); (1, rep,
+// rep) sums rep heads (the repeat's backward).
+// cos_t == nullptr: no rotation (the heads copied or summed as above; v's
+// grouped heads repeated for attention, Note [Repeated heads without a
+// gather]).
+template <typename T, int N>
+__global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ cos_t,
+                            const float* __restrict__ sin_t, T* __restrict__ y, int64_t groups,
+                            int64_t T_len, int64_t H, int64_t half, int64_t sB, int64_t sT,
+                            int64_t sH, float sign, int64_t div, int64_t mul, int64_t cnt) {
+  const int64_t per_head = 2 * half / N;  // groups in one head vector
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t d = (g % per_head) * N;  // first element in the head vector
+    int64_t rest = g / per_head;
+    const int64_t h = rest % H;
+    rest /= H;
+    const int64_t t = rest % T_len;
+    const int64_t b = rest / T_len;
+    const int64_t src = (h / div) * mul;
+    float v[N], o[N];
+    load_n<T, N>(x, b * sB + t * sT + src * sH + d, v);
+    for (int64_t r = 1; r < cnt; ++r) {
+      float u[N];
+      load_n<T, N>(x, b * sB + t * sT + (src + r) * sH + d, u);
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] += u[k];
+    }
+    if (cos_t == nullptr) {  // no rotation: the heads copied or summed
+#pragma unroll
+      for (int k = 0; k < N; ++k) o[k] = v[k];
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; k += 2) {
+        const int64_t i = t * half + (d + k) / 2;
+        const float c = cos_t[i], sn = sign * sin_t[i];
+        o[k] = v[k] * c - v[k + 1] * sn;
+        o[k + 1] = v[k] * sn + v[k + 1] * c;
+      }
+    }
+    store_n<T, N>(y, g * N, o);
+  }
+}
+
+}  // namespace
+
+cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin, void* y, int64_t B,
+                 int64_t T_len, int64_t H, int64_t hd, int64_t sB, int64_t sT, int64_t sH,
+                 bool inverse, int64_t div, int64_t mul, int64_t cnt, cudaStream_t stream) {
+  const int64_t n = B * T_len * H * hd;
+  if (n == 0) return cudaSuccess;
+  if (div < 1 || mul < 1 || cnt < 1) return cudaErrorInvalidValue;
+  const float sign = inverse ? -1.f : 1.f;
+  const int64_t G = group_of(dt);
+  const bool vec = hd % G == 0 && sB % G == 0 && sT % G == 0 && sH % G == 0 && aligned16(x) &&
+                   aligned16(y);
+  if (vec) {
+    VIADUCT_DISPATCH(dt, constexpr int N = sizeof(T) == 2 ? 8 : 4;
+                     rope_kernel<T, N><<<elementwise_blocks(n / N), kElemThreads, 0, stream>>>(
+                         static_cast<const T*>(x), cos, sin, static_cast<T*>(y), n / N, T_len, H,
+                         hd / 2, sB, sT, sH, sign, div, mul, cnt));
+  } else {
+    VIADUCT_DISPATCH(dt, rope_kernel<T, 2><<<elementwise_blocks(n / 2), kElemThreads, 0, stream>>>(
+                             static_cast<const T*>(x), cos, sin, static_cast<T*>(y), n / 2, T_len,
+                             H, hd / 2, sB, sT, sH, sign, div, mul, cnt));
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace viaduct::cuda

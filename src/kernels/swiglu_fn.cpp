@@ -1,0 +1,143 @@
+// SwiGLU and SwiGLU followed by a linear as autograd functions (CUDA build).
+#include "kernels/fused.h"
+
+#include "kernels/weight_cache.h"
+#include "core/torch_compat.h"
+#include "kernels/fn_common.h"
+#include "kernels/swiglu.h"
+
+namespace viaduct::kernels {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::Tensor swiglu_launch(const at::Tensor& a, const at::Tensor& b) {
+  auto y = at::empty_like(a);
+  check_launch(cuda::swiglu_forward(dtype_of(a), a.data_ptr(), b.data_ptr(), y.data_ptr(),
+                                    a.numel(), stream_of(a)),
+               "swiglu_forward");
+  return y;
+}
+
+std::pair<at::Tensor, at::Tensor> swiglu_grads(const at::Tensor& dy, const at::Tensor& a,
+                                               const at::Tensor& b) {
+  auto g = dy.contiguous().to(a.scalar_type());
+  auto da = at::empty_like(a), db = at::empty_like(b);
+  check_launch(cuda::swiglu_backward(dtype_of(a), g.data_ptr(), a.data_ptr(), b.data_ptr(),
+                                     da.data_ptr(), db.data_ptr(), a.numel(), stream_of(a)),
+               "swiglu_backward");
+  return {da, db};
+}
+
+class SwiGLUFn : public torch::autograd::Function<SwiGLUFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
+    auto ac = a.contiguous(), bc = b.contiguous();
+    ctx->save_for_backward({ac, bc});
+    return swiglu_launch(ac, bc);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [da, db] = swiglu_grads(grads[0], saved[0], saved[1]);
+    return {da, db};
+  }
+};
+
+// silu(ab[..., :F]) * ab[..., F:] for the [..., 2F] output of one w1/w3
+// GEMM (Note [One w1/w3 projection]), and its gradient as one [..., 2F]
+// tensor: the halves read and written in place, no split copies.
+at::Tensor swiglu_launch_packed(const at::Tensor& ab) {
+  const auto F = ab.size(-1) / 2;
+  auto sizes = ab.sizes().vec();
+  sizes.back() = F;
+  auto y = at::empty(sizes, ab.options());
+  const auto elem = static_cast<int64_t>(ab.element_size());
+  const auto* a = static_cast<const char*>(ab.data_ptr());
+  check_launch(cuda::swiglu_forward(dtype_of(ab), a, a + F * elem, y.data_ptr(), y.numel(),
+                                    stream_of(ab), F, 2 * F),
+               "swiglu_forward");
+  return y;
+}
+at::Tensor swiglu_grads_packed(const at::Tensor& dy, const at::Tensor& ab) {
+  const auto F = ab.size(-1) / 2;
+  auto g = dy.contiguous().to(ab.scalar_type());
+  auto dab = at::empty_like(ab);
+  const auto elem = static_cast<int64_t>(ab.element_size());
+  const auto* a = static_cast<const char*>(ab.data_ptr());
+  auto* da = static_cast<char*>(dab.data_ptr());
+  check_launch(cuda::swiglu_backward(dtype_of(ab), g.data_ptr(), a, a + F * elem, da,
+                                     da + F * elem, g.numel(), stream_of(ab), F, 2 * F),
+               "swiglu_backward");
+  return dab;
+}
+
+// packed: a is the [..., 2F] output of one w1/w3 GEMM and b a 0-size
+// stand-in (custom functions take no undefined inputs on LibTorch 2.x).
+class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
+                            const at::Tensor& w, bool packed, bool recompute) {
+    auto ac = a.contiguous(), bc = packed ? b : b.contiguous();
+    // Kept: the backward needs the same cast (from the weight cache, Note
+    // [Low-precision weight cache]).
+    auto wc = w.scalar_type() == a.scalar_type() ? w : weight_cache::get({w}, a.scalar_type());
+    auto h = packed ? swiglu_launch_packed(ac) : swiglu_launch(ac, bc);
+    ctx->save_for_backward({ac, bc, w, wc, recompute ? at::Tensor() : h});
+    ctx->saved_data["packed"] = packed;
+    return at::linear(h, wc);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &a = saved[0], &b = saved[1], &w = saved[2], &wc = saved[3];
+    const bool packed = ctx->saved_data["packed"].toBool();
+    const auto F = w.size(1);
+    const auto D = w.size(0);
+    // Note [SwiGLU recompute]: without model.swiglu_recompute the product
+    // was kept by the forward; with it, recomputed here (one [tokens x F]
+    // activation less per layer, one more elementwise pass).
+    auto h = (saved[4].defined() ? saved[4]
+              : packed         ? swiglu_launch_packed(a)
+                               : swiglu_launch(a, b))
+                 .view({-1, F});
+    auto dy = grads[0].contiguous().view({-1, D}).to(a.scalar_type());
+    // fp32 straight from the GEMM (Note [Linear with an fp32 weight gradient]).
+    auto dw = at::empty(w.sizes(), w.options());
+    compat::matmul_into_fp32_(dw, dy.t(), h, /*accumulate=*/false);
+    auto dh = at::mm(dy, wc);
+    h.reset();
+    if (packed) return {swiglu_grads_packed(dh, a), at::Tensor(), dw, at::Tensor(), at::Tensor()};
+    auto [da, db] = swiglu_grads(dh.view(a.sizes()), a, b);
+    return {da, db, dw, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b) {
+  RECORD_FUNCTION("viaduct::swiglu", std::vector<c10::IValue>());  // named in profiles
+  VIADUCT_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
+                "fused swiglu: a and b differ in shape or dtype");
+  return SwiGLUFn::apply(a, b);
+}
+
+at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w,
+                         bool recompute) {
+  RECORD_FUNCTION("viaduct::swiglu_linear", std::vector<c10::IValue>());  // named in profiles
+  VIADUCT_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && w.dim() == 2 &&
+                    w.size(1) == a.size(-1),
+                "fused swiglu_linear: a, b must match and w be [D, ", a.size(-1), "]");
+  return SwiGLULinearFn::apply(a, b, w, false, recompute);
+}
+
+at::Tensor swiglu_linear_packed(const at::Tensor& ab, const at::Tensor& w, bool recompute) {
+  RECORD_FUNCTION("viaduct::swiglu_linear", std::vector<c10::IValue>());  // named in profiles
+  VIADUCT_CHECK(ab.dim() >= 1 && ab.size(-1) % 2 == 0 && w.dim() == 2 &&
+                    2 * w.size(1) == ab.size(-1),
+                "fused swiglu_linear_packed: ab must be [..., 2F] and w [D, F], got ",
+                ab.sizes(), " and ", w.sizes());
+  return SwiGLULinearFn::apply(ab, at::empty({0}, ab.options()), w, true, recompute);
+}
+
+}  // namespace viaduct::kernels

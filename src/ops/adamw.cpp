@@ -1,0 +1,40 @@
+#include "ops/adamw.h"
+
+#include "kernels/fused.h"
+#include "kernels/weight_cache.h"
+
+namespace viaduct::ops {
+
+bool adamw_kernel_runs(const at::Tensor& p, const KernelOptions& k) { return fused_runs(p, k); }
+
+void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& s) {
+  // Note [Small tensors in one AdamW launch] (kernels/adamw.cu): the small
+  // tensors go in batches after the others, the same bits.
+  std::vector<kernels::AdamWTensors> small;
+  for (const auto& ap : params) {
+    const auto& pr = ap.param;
+    auto data = pr.detach();
+    auto m = ap.exp_avg, v = ap.exp_avg_sq;
+    // The weight's bf16 copy, where a forward made one, is written in the
+    // same pass (Note [Low-precision weight cache]).
+    const auto low = kernels::weight_cache::slot_for(pr);
+    const double wd = ap.weight_decay;
+    kernels::AdamWTensors t{data, pr.grad(), m, v, low, wd};
+    if (kernels::adamw_many_takes(t)) {
+      small.push_back(std::move(t));
+    } else {
+      kernels::adamw_(data, pr.grad(), m, v, s.lr, s.beta1, s.beta2, s.eps, wd, s.bias_corr1,
+                      s.bias_corr2, low, s.grad_scale, s.scale_dev);
+    }
+    // Raw writes move no version counter: say that the weight changed.
+    if (low.defined()) {
+      kernels::weight_cache::mark_written(pr);
+    } else {
+      torch::autograd::impl::bump_version(pr);
+    }
+  }
+  kernels::adamw_many_(small, s.lr, s.beta1, s.beta2, s.eps, s.bias_corr1, s.bias_corr2,
+                       s.grad_scale, s.scale_dev);
+}
+
+}  // namespace viaduct::ops

@@ -1,0 +1,98 @@
+#include "ops/cross_entropy.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+#include "core/torch_compat.h"
+#include "kernels/fused.h"
+#include "kernels/weight_cache.h"
+
+namespace viaduct::ops {
+
+namespace {
+
+// Forward computes the loss and, while each chunk's logits exist, the
+// gradients of h and W; backward only scales them.
+class ChunkedHeadCrossEntropy
+    : public torch::autograd::Function<ChunkedHeadCrossEntropy> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h,
+                            const at::Tensor& weight, const at::Tensor& targets,
+                            int64_t chunk, bool fused) {
+    at::NoGradGuard no_grad;
+    const auto N = h.size(0);
+    const auto acc = h.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    // The bf16 head weight from the weight cache where the kernels run
+    // (Note [Low-precision weight cache]): no cast per step.
+    const auto w = weight.scalar_type() == h.scalar_type() ? weight
+                   : fused && weight.dim() == 2
+                       ? kernels::weight_cache::get({weight}, h.scalar_type())
+                       : weight.to(h.scalar_type());
+    const bool need_h = h.requires_grad(), need_w = weight.requires_grad();
+    auto grad_h = need_h ? at::empty(h.sizes(), h.options()) : at::Tensor();  // contiguous
+    auto grad_w = need_w ? at::zeros(w.sizes(), w.options().dtype(acc)) : at::Tensor();
+    auto loss = at::zeros({}, h.options().dtype(acc));
+    for (int64_t start = 0; start < N; start += chunk) {
+      const auto end = std::min(N, start + chunk);
+      auto hc = h.slice(0, start, end);
+      auto tc = targets.slice(0, start, end);
+      if (fused) {
+        // One kernel: the row losses, and the logits overwritten in place
+        // by softmax - onehot (zero on ignored rows); no fp32 copy.
+        auto g = at::matmul(hc, w.t()).contiguous();  // [n, V]
+        loss += kernels::cross_entropy_rows_(g, tc).sum().to(acc);
+        if (need_h) {
+          auto rows = grad_h.slice(0, start, end);  // contiguous rows of grad_h
+          at::mm_out(rows, g, w);
+        }
+        // One GEMM accumulating in fp32, no [V, D] temporaries (compat).
+        if (need_w) compat::matmul_into_fp32_(grad_w, g.t(), hc, /*accumulate=*/true);
+        continue;
+      }
+      auto logits = at::matmul(hc, w.t()).to(acc);  // [n, V]
+      auto lse = at::logsumexp(logits, -1);          // [n]
+      auto valid = tc != -100;
+      auto safe = at::where(valid, tc, at::zeros_like(tc));
+      auto picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1);
+      loss += at::where(valid, lse - picked, at::zeros_like(lse)).sum();
+      if (need_h || need_w) {
+        // d loss / d logits = softmax - onehot(target), zero on ignored rows.
+        auto g = (logits - lse.unsqueeze(1)).exp_();
+        g.scatter_add_(1, safe.unsqueeze(1),
+                       -at::ones({end - start, 1}, g.options()));
+        g.mul_(valid.unsqueeze(1).to(g.scalar_type()));
+        auto gc = g.to(h.scalar_type());
+        if (need_h) grad_h.slice(0, start, end).copy_(at::matmul(gc, w));
+        if (need_w) grad_w.add_(at::matmul(gc.t(), hc).to(acc));
+      }
+    }
+    ctx->save_for_backward({grad_h, grad_w});
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    return loss;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& go = grads[0];
+    at::Tensor gh, gw;
+    if (saved[0].defined()) gh = saved[0] * go.to(saved[0].scalar_type());
+    if (saved[1].defined()) {
+      gw = (saved[1] * go.to(saved[1].scalar_type()))
+               .to(static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt()));
+    }
+    return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor chunked_head_cross_entropy(const at::Tensor& h, const at::Tensor& weight,
+                                      const at::Tensor& targets, int64_t chunk_tokens,
+                                      const KernelOptions& k) {
+  VIADUCT_CHECK(chunk_tokens > 0, "chunked head loss: chunk must be > 0");
+  return ChunkedHeadCrossEntropy::apply(h, weight, targets.reshape(-1), chunk_tokens,
+                                        fused_runs(h, k));
+}
+
+}  // namespace viaduct::ops

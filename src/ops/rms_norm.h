@@ -1,0 +1,23 @@
+// RMSNorm, and the residual add with it (Note [Residual add inside the
+// norm], kernels/rms_norm_fn.cpp).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <utility>
+
+#include "ops/options.h"
+
+namespace viaduct::ops {
+
+// x * rsqrt(mean(x^2, -1) + eps) * weight in fp32 (fp64 for fp64 x),
+// returned in x's dtype. x: [..., D], weight: [D].
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const KernelOptions& k);
+// (h, rms_norm(h)) for h = x + res: one kernel each way where the kernels
+// run, the two ops elsewhere; the same bits either way on the GPU.
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& res,
+                                               const at::Tensor& weight, double eps,
+                                               const KernelOptions& k);
+
+}  // namespace viaduct::ops

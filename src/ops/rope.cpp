@@ -1,0 +1,82 @@
+#include "ops/rope.h"
+
+#include "core/check.h"
+#include "core/torch_compat.h"
+#include "kernels/fused.h"
+
+namespace viaduct::ops {
+
+namespace {
+
+void check_rope_length(const RopeTables& rope, int64_t T) {
+  VIADUCT_CHECK(T <= rope.cos.size(0), "sequence length ", T,
+                " exceeds model.max_seq_len ", rope.cos.size(0));
+}
+
+// The fused kernel's fp32 tables for positions [0, T) on `device`.
+std::pair<at::Tensor, at::Tensor> rope_tables_fp32(const RopeTables& rope, int64_t T,
+                                                   const at::Device& device) {
+  return {rope.cos.slice(0, 0, T).to(device, at::kFloat).contiguous(),
+          rope.sin.slice(0, 0, T).to(device, at::kFloat).contiguous()};
+}
+
+}  // namespace
+
+RopeTables make_rope_tables(int64_t head_dim, int64_t max_seq_len, double theta) {
+  VIADUCT_CHECK(head_dim % 2 == 0, "rotary embeddings need an even head_dim, got ",
+                head_dim);
+  auto idx = torch::arange(0, head_dim, 2, torch::kDouble);
+  auto inv_freq = 1.0 / torch::pow(theta, idx / static_cast<double>(head_dim));
+  auto t = torch::arange(max_seq_len, torch::kDouble);
+  auto freqs = torch::outer(t, inv_freq);  // [T, hd/2]
+  return {freqs.cos(), freqs.sin()};  // fp64; cast at use
+}
+
+at::Tensor rope(const at::Tensor& x, const RopeTables& tables, const KernelOptions& k) {
+  // x: [B, T, H, hd]
+  const auto T = x.size(1);
+  check_rope_length(tables, T);
+  if (fused_runs(x, k) && x.dim() == 4) {
+    // fp32 tables (the ATen path below rotates in fp64 by promotion).
+    auto [c, s] = rope_tables_fp32(tables, T, x.device());
+    return kernels::rope(x, c, s);
+  }
+  // fp32 rotation (fp64 for fp64 input, the gradient checks): the tables are
+  // cast down, as the fused kernel does, so no fp64 arithmetic runs on
+  // GPUs whose fp64 rate is a fraction of their fp32 one.
+  const auto st = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  auto cos = tables.cos.slice(0, 0, T).to(x.device(), st).view({1, T, 1, -1});
+  auto sin = tables.sin.slice(0, 0, T).to(x.device(), st).view({1, T, 1, -1});
+  auto xf = x.to(st).unflatten(-1, {-1, 2});  // [B, T, H, hd/2, 2]
+  auto x0 = xf.select(-1, 0), x1 = xf.select(-1, 1);
+  auto out = at::stack({x0 * cos - x1 * sin, x0 * sin + x1 * cos}, -1);
+  return out.flatten(-2).to(x.scalar_type());
+}
+
+at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const RopeTables* tables,
+                            const KernelOptions& opts) {
+  const auto T = q.size(1), H = q.size(2), KV = k.size(2);
+  if (tables != nullptr && fused_runs(q, opts)) {
+    // Note [RoPE writes the repeated keys]: one table cast for q and k, and
+    // k's KV heads come out of the RoPE kernel already repeated to H (its
+    // backward sums the copies), instead of a repeat_interleave copy and
+    // its reduction. v's heads are repeated by the same kernel without the
+    // rotation (Note [Repeated heads without a gather]).
+    check_rope_length(*tables, T);
+    auto [c, s] = rope_tables_fp32(*tables, T, q.device());
+    q = kernels::rope(q, c, s).transpose(1, 2);            // [B, H, T, hd]
+    k = kernels::rope(k, c, s, H / KV).transpose(1, 2);    // [B, H, T, hd]
+    v = kernels::repeat_heads(v, H / KV).transpose(1, 2);  // [B, H, T, hd]
+    return compat::causal_sdpa(q, k, v);                   // [B, H, T, hd]
+  }
+  if (tables != nullptr) {
+    q = rope(q, *tables, opts);
+    k = rope(k, *tables, opts);
+  }
+  q = q.transpose(1, 2);  // [B, H, T, hd]
+  k = k.transpose(1, 2);  // [B, KV, T, hd]
+  v = v.transpose(1, 2);
+  return compat::causal_sdpa_gqa(q, k, v);  // [B, H, T, hd]
+}
+
+}  // namespace viaduct::ops

@@ -1,0 +1,30 @@
+// Rotary embeddings, and the inputs of causal attention with grouped KV
+// heads (rotated and repeated in one kernel where the kernels run).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+
+#include "ops/options.h"
+
+namespace viaduct::ops {
+
+// Rotary tables: cos/sin [max_seq_len, head_dim / 2] in fp64, cast at use to
+// fp32 (fp64 for fp64 input): the rotation itself runs in fp32.
+struct RopeTables {
+  at::Tensor cos, sin;
+};
+RopeTables make_rope_tables(int64_t head_dim, int64_t max_seq_len, double theta);
+
+// x: [B, T, H, hd], rotating interleaved pairs (x[2i], x[2i+1]) as Meta's
+// llama does. Returns x's dtype.
+at::Tensor rope(const at::Tensor& x, const RopeTables& tables, const KernelOptions& k);
+
+// Causal scaled-dot-product attention of q [B, T, H, hd] over k, v
+// [B, T, KV, hd] (H a multiple of KV), q and k rotated first when `tables`
+// is given. Returns [B, H, T, hd].
+at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const RopeTables* tables,
+                            const KernelOptions& opts);
+
+}  // namespace viaduct::ops
