@@ -77,7 +77,7 @@ inline void matmul_into_fp32_(at::Tensor& c, const at::Tensor& a, const at::Tens
 
 // causal_sdpa with k, v of fewer (grouped) heads: [B, KV, T, hd], H % KV == 0;
 // the KV heads are repeated to H. (SDPA's own enable_gqa, LibTorch >= 2.5,
-// was measured slower on an H200: bench/NOTES.md, session 3.)
+// is not used: it ran slower than repeating the heads.)
 inline at::Tensor causal_sdpa_gqa(const at::Tensor& q, const at::Tensor& k,
                                   const at::Tensor& v) {
   const auto H = q.size(1), KV = k.size(1);

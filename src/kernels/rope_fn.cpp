@@ -53,8 +53,8 @@ class RopeFn : public torch::autograd::Function<RopeFn> {
 
 // Note [Repeated heads without a gather]: v's grouped heads repeated for
 // SDPA went through repeat_interleave, a strided gather from the qkv GEMM's
-// output at ~0.6 TB/s (1.7 ms of the llama-1B forward, bench/NOTES.md), and
-// its backward through a reduction kernel. The RoPE kernel already writes
+// output far below the memory bandwidth, and its backward through a
+// reduction kernel. The RoPE kernel already writes
 // and sums repeated heads through strides; without tables it does so with
 // no rotation, vectorised.
 class RepeatHeadsFn : public torch::autograd::Function<RepeatHeadsFn> {

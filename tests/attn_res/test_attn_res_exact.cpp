@@ -7,6 +7,8 @@
 // code. Also the family's refusals.
 #include <gtest/gtest.h>
 
+#include <cctype>
+
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -344,7 +346,7 @@ void expect_closed_form(const Exact16Options& o, const Record& one) {
   }
 }
 
-TEST(AttnResExact, Exact16AgreesBitwiseAcrossTransportsAndLayoutsAndWithTheClosedForm) {
+TEST(AttnResExact, Exact16OneProcessEqualsTheClosedForm) {
   if (!dist::backend_available(at::kCPU)) GTEST_SKIP() << "no Gloo";
   at::set_num_threads(1);
   const auto cfg = exact16_config();
@@ -362,38 +364,78 @@ TEST(AttnResExact, Exact16AgreesBitwiseAcrossTransportsAndLayoutsAndWithTheClose
   run_one_process(cfg, one);
   ASSERT_TRUE(one.errors.empty()) << one.errors[0];
   expect_closed_form(o, one);
-
-  const std::vector<std::pair<std::string, PipelinePlan>> layouts{
-      {"16 stages", plan_for(cfg, 4)},
-      {"8 stages", plan_for(cfg, 2)},
-      // Stages 1-3 open a block at their last layer, not their first; the
-      // last stage holds the head alone.
-      {"uneven 8 stages",
-       plan_for(cfg, 0,
-                {{"tok_embeddings", "layers.0"},
-                 {"layers.1", "layers.2", "layers.3", "layers.4"},
-                 {"layers.5", "layers.6", "layers.7", "layers.8"},
-                 {"layers.9", "layers.10", "layers.11", "layers.12"},
-                 {"layers.13"},
-                 {"layers.14"},
-                 {"layers.15"},
-                 {"lm_head", "attn_res_final"}})}};
-  for (const auto& [name, plan] : layouts) {
-    ASSERT_EQ(plan.split.num_stages, name == "16 stages" ? 16 : 8) << name;
-    // The rank cache with both backwards (Note [AttnRes cache backward]),
-    // and the whole stack.
-    using B = AttnResCacheBackward;
-    for (auto [tr, bw] : {std::pair{AttnResTransport::kRankCache, B::kDeposit},
-                          std::pair{AttnResTransport::kRankCache, B::kWholeStack},
-                          std::pair{AttnResTransport::kWholeStack, B::kWholeStack}}) {
-      Record rec;
-      run_pipeline(cfg, plan, tr, bw, rec);
-      expect_bitwise(one, rec,
-                     name + ", " + transport_name(tr) + " (backward " +
-                         cache_backward_name(bw) + ")");
-    }
-  }
 }
+
+// One pipeline layout and AttnRes transport (with its backward for the rank
+// cache, Note [AttnRes cache backward]) of the exact16 model on 4 ranks.
+struct ExactCase {
+  std::string layout;  // "16_stages", "8_stages" or "uneven_8_stages"
+  AttnResTransport transport;
+  AttnResCacheBackward backward;
+};
+
+PipelinePlan exact_layout_plan(const Config& cfg, const std::string& layout) {
+  if (layout == "16_stages") return plan_for(cfg, 4);
+  if (layout == "8_stages") return plan_for(cfg, 2);
+  // Stages 1-3 open a block at their last layer, not their first; the last
+  // stage holds the head alone.
+  return plan_for(cfg, 0,
+                  {{"tok_embeddings", "layers.0"},
+                   {"layers.1", "layers.2", "layers.3", "layers.4"},
+                   {"layers.5", "layers.6", "layers.7", "layers.8"},
+                   {"layers.9", "layers.10", "layers.11", "layers.12"},
+                   {"layers.13"},
+                   {"layers.14"},
+                   {"layers.15"},
+                   {"lm_head", "attn_res_final"}});
+}
+
+class Exact16Layouts : public ::testing::TestWithParam<ExactCase> {};
+
+TEST_P(Exact16Layouts, AgreeBitwiseWithOneProcess) {
+  if (!dist::backend_available(at::kCPU)) GTEST_SKIP() << "no Gloo";
+  at::set_num_threads(1);
+  const auto& c = GetParam();
+  const auto cfg = exact16_config();
+  // The one-process reference, once per test process.
+  static const Record one = [&] {
+    Record r;
+    run_one_process(cfg, r);
+    return r;
+  }();
+  ASSERT_TRUE(one.errors.empty()) << one.errors[0];
+  const auto plan = exact_layout_plan(cfg, c.layout);
+  ASSERT_EQ(plan.split.num_stages, c.layout == "16_stages" ? 16 : 8) << c.layout;
+  Record rec;
+  run_pipeline(cfg, plan, c.transport, c.backward, rec);
+  expect_bitwise(one, rec,
+                 c.layout + ", " + transport_name(c.transport) + " (backward " +
+                     cache_backward_name(c.backward) + ")");
+}
+
+std::vector<ExactCase> exact_cases() {
+  using B = AttnResCacheBackward;
+  std::vector<ExactCase> out;
+  for (const char* layout : {"16_stages", "8_stages", "uneven_8_stages"}) {
+    out.push_back({layout, AttnResTransport::kRankCache, B::kDeposit});
+    out.push_back({layout, AttnResTransport::kRankCache, B::kWholeStack});
+    out.push_back({layout, AttnResTransport::kWholeStack, B::kWholeStack});
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    TransportsAndLayouts, Exact16Layouts, ::testing::ValuesIn(exact_cases()),
+    [](const ::testing::TestParamInfo<ExactCase>& i) {
+      std::string name = i.param.layout + "_" + transport_name(i.param.transport);
+      if (i.param.transport == AttnResTransport::kRankCache) {
+        name += std::string("_") + cache_backward_name(i.param.backward);
+      }
+      for (auto& ch : name) {
+        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      }
+      return name;
+    });
 
 // ------------------------------------------------------------ the family
 

@@ -49,8 +49,8 @@ PipelinePlan rule_based_plan(const PlanSpec& spec, SplitSpec split, double unit 
 
 // Note [Split balanced by FLOPs]: torchtitan's rule counts the embedding and
 // the head as `first/last_stage_weight` layers each; where a vocabulary is
-// large the head's stage is then the slowest (bench/RESULTS.md: 20% bubble
-// at the llama 8B layer shape, pp 2 x 2, where unit costs say 6%). Every
+// large the head's stage is then the slowest, and the bubble is several
+// times what unit costs predict. Every
 // pair of weights in 0..4 that makes a valid split is simulated with stage
 // costs by FLOPs; the smallest makespan wins, and on a tie the configured
 // weights, then the pair found first (smaller weights first). Every
