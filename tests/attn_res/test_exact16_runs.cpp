@@ -22,10 +22,11 @@ namespace {
 
 using viaduct::testing::shell;
 
-// 8 sequences of 16 tokens: 128 tokens a step, a power of two.
+// The arguments of `viaduct train` (without the command word): 8 sequences
+// of 16 tokens, 128 tokens a step, a power of two.
 std::string exact16_args(const std::string& corpus, const std::string& extra) {
   std::ostringstream os;
-  os << " train --config configs/kimi_k3_debug.toml --model.family=exact16"
+  os << " --config configs/kimi_k3_debug.toml --model.family=exact16"
      << " --training.seq_len=16 --training.local_batch_size=8 --training.steps=3"
      << " --training.num_threads=1 --training.eval_interval=0 --training.dtype=float32"
      << " --metrics.progress_bar=false --checkpoint.interval=3"
@@ -47,7 +48,7 @@ TEST_P(Exact16Transports, TrainCommandPp4x2IsBitwiseOneProcess) {
   ASSERT_EQ(want.size(), 3u);
   const auto pp = (fs::path(dir_.path()) / "pp4x2").string();
   viaduct::testing::run_viaduct_ok(
-      4, exact16_args(corpus, std::string(" --parallelism.pipeline_parallel_degree=4"
+      4, " train" + exact16_args(corpus, std::string(" --parallelism.pipeline_parallel_degree=4"
                                           " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
                                           " --parallelism.pipeline_parallel_stages_per_rank=2"
                                           " --parallelism.attn_res_cache=") +
@@ -68,7 +69,7 @@ INSTANTIATE_TEST_SUITE_P(Transports, Exact16Transports, ::testing::Bool(),
 TEST(Exact16Runs, TrainCommandRefusesANonPowerOfTwoTokenCount) {
   viaduct::data::testing::TempDir dir;
   const auto corpus = viaduct::testing::cached_corpus(4242);
-  const auto r = shell(std::string(VIADUCT_BINARY) + exact16_args(corpus, " --training.seq_len=12") +
+  const auto r = shell(std::string(VIADUCT_BINARY) + " train" + exact16_args(corpus, " --training.seq_len=12") +
                        " --job.dump_folder=" + (fs::path(dir.path()) / "bad").string());
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("power-of-two token count"), std::string::npos) << r.output;
