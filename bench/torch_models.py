@@ -203,9 +203,6 @@ def k3_flavor(flavor):
         s.n_layers = 24
     elif flavor == "debugmodel_deep":
         s.n_layers = 33
-    elif flavor == "exact16":
-        fail("kimi_k3 flavor exact16 is the integer-gradient test model "
-             "(src/model/exact16.cpp); it has no reference here")
     elif flavor == "full":
         s.n_layers, s.dim, s.n_heads, s.vocab_size = 93, 2048, 16, 163840
         s.ffn_hidden_dim, s.max_seq_len = 9216, 8192
@@ -216,7 +213,7 @@ def k3_flavor(flavor):
         s.moe_route_scale = 2.446
     else:
         fail(f"model.flavor '{flavor}' is not a kimi_k3 flavor (debugmodel, "
-             "debugmodel_deep, exact16, full)")
+             "debugmodel_deep, full)")
     return s
 
 

@@ -5,8 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libtomlplusplus-dev
-          nlohmann-json3-dev libgtest-dev googletest fortunes fortunes-min python3
-          python3-torch)
+          nlohmann-json3-dev libgtest-dev googletest fortunes fortunes-min python3)
+# The tests also need PyTorch for the independent cross-check of the models
+# (Reference.TorchCrossCheck); scripts/test.sh asks for it.
+if [ "${VIADUCT_TEST_PACKAGES:-0}" = 1 ]; then
+  PACKAGES+=(python3-torch)
+fi
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

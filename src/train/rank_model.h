@@ -34,7 +34,8 @@ struct RankModel {
   std::vector<std::shared_ptr<ModelPart>> parts;  // in stage order
   std::vector<std::unique_ptr<pipeline::PipelineStage>> stages;
   std::vector<NamedParam> params;  // the parts' training parameters
-  // Null unless kimi_k3 with AttnRes runs over more than one stage.
+  // Null unless a family with an AttnRes block stack (attn_res_layout,
+  // model/family.h) runs over more than one stage.
   std::shared_ptr<const pipeline::BlockLayoutTables> attn_res_tables;
   std::shared_ptr<pipeline::RankBlockStore> attn_res_store;
   // Global index of each part's first parameter (global FQN order = stage

@@ -110,8 +110,9 @@ class Trainer {
   std::unique_ptr<dist::Mesh> mesh_;
   std::unique_ptr<pipeline::PipelinePlan> plan_;
   std::unique_ptr<pipeline::PipelineExecutor> executor_;  // null: one stage
-  // AttnRes pipelines (kimi_k3 over > 1 stage): the layout tables and this
-  // rank's block store, shared by its stages; null otherwise.
+  // AttnRes pipelines (a family with a block stack over > 1 stage): the
+  // layout tables and this rank's block store, shared by its stages; null
+  // otherwise.
   std::shared_ptr<const pipeline::BlockLayoutTables> attn_res_tables_;
   std::shared_ptr<pipeline::RankBlockStore> attn_res_store_;
   int pp_rank_ = 0, dp_rank_ = 0, dp_size_ = 1;
