@@ -44,6 +44,21 @@ std::string closest_key(const std::string& dotted) {
   return best;
 }
 
+// The schema entry of a key a user gave in `origin` (a file or the command
+// line): a removed key says what now happens instead, an unknown one names
+// the closest valid key.
+const ConfigKey& user_key(const std::string& dotted, const std::string& origin) {
+  const auto removed = config_removed_keys().find(dotted);
+  if (removed != config_removed_keys().end()) {
+    throw ConfigError(str("config key '", dotted, "' in ", origin, " was removed: ",
+                          removed->second));
+  }
+  const ConfigKey* k = find_key(dotted);
+  VIADUCT_CHECK_T(ConfigError, k != nullptr, "unknown config key '", dotted, "' in ", origin,
+                  " (did you mean '", closest_key(dotted), "'?)");
+  return *k;
+}
+
 const char* type_name(ConfigType t) {
   switch (t) {
     case ConfigType::kInt: return "an integer";
@@ -256,16 +271,7 @@ void Config::apply_override(const std::string& assignment,
               "' (", origin, ")");
     dotted = alias->second;
   }
-  const auto removed = config_removed_keys().find(dotted);
-  if (removed != config_removed_keys().end()) {
-    throw ConfigError(str("config key '", dotted, "' (", origin, ") was removed: ",
-                          removed->second));
-  }
-  const ConfigKey* k = find_key(dotted);
-  VIADUCT_CHECK_T(ConfigError, k != nullptr, "unknown config key '", dotted,
-                  "' in ", origin, " (did you mean '", closest_key(dotted),
-                  "'?)");
-  values_[dotted] = from_text(text, *k, origin);
+  values_[dotted] = from_text(text, user_key(dotted, origin), origin);
   explicit_[dotted] = true;
 }
 
@@ -305,17 +311,7 @@ Config Config::parse(const std::string& text, const std::string& origin,
                   " is deprecated; use '", alias->second, "'");
         dotted = alias->second;
       }
-      const auto removed = config_removed_keys().find(dotted);
-      if (removed != config_removed_keys().end()) {
-        throw ConfigError(str("config key '", dotted, "' in ", origin,
-                              " was removed: ", removed->second));
-      }
-      const ConfigKey* k = find_key(dotted);
-      if (k == nullptr) {
-        throw ConfigError(str("unknown config key '", dotted, "' in ", origin,
-                              " (did you mean '", closest_key(dotted), "'?)"));
-      }
-      cfg.values_[dotted] = from_toml(node, *k, origin);
+      cfg.values_[dotted] = from_toml(node, user_key(dotted, origin), origin);
       cfg.explicit_[dotted] = true;
     }
   }
