@@ -4,6 +4,7 @@
 #include "apps/command.h"
 #include "config/config.h"
 #include "core/log.h"
+#include "train/preemption.h"
 #include "train/trainer.h"
 
 namespace viaduct::apps {
@@ -14,7 +15,10 @@ constexpr const char* kUsage =
     "[--print-config]\n\n"
     "Trains the model the config describes. Any config key can be "
     "overridden\non the command line; --print-config prints the "
-    "effective config and exits.\n";
+    "effective config and exits.\n\n"
+    "SIGTERM, SIGINT or SIGUSR1 finish the current step, save a checkpoint\n"
+    "(with checkpoint.enable = true) and exit with status 75; a second\n"
+    "signal aborts at once (status 128 + the signal).\n";
 
 int run_train(int argc, char** argv) {
   const auto cmd = parse_config_command(argc, argv, "train", kUsage, {"--print-config"});
@@ -24,8 +28,10 @@ int run_train(int argc, char** argv) {
     std::printf("%s", cfg.to_toml().c_str());
     return 0;
   }
+  install_stop_signal_handlers();
   Trainer trainer(cfg);
   const auto last = trainer.run();
+  if (trainer.stopped_on_signal()) return kExitSavedOnSignal;
   if (last.step == 0) {
     log::info("nothing to do: the run is already at step ", trainer.step(),
               " (training.steps); raise training.steps to continue it");

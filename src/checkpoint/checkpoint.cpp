@@ -268,12 +268,40 @@ fs::path save_checkpoint(const fs::path& folder, const CheckpointMetadata& meta,
   const fs::path tmp = checkpoint_tmp_dir(folder, meta.step, pid_text());
   remove_tree(tmp);  // left by an earlier process with our pid
   std::vector<std::string> expected;
-  for (const auto& part : parts) {
-    write_checkpoint_part(tmp, part);
-    expected.push_back(part.file_name);
+  try {
+    for (const auto& part : parts) {
+      write_checkpoint_part(tmp, part);
+      expected.push_back(part.file_name);
+    }
+    make_dirs(tmp);  // a save with no parts still commits metadata
+    return commit_checkpoint(folder, tmp, meta, expected);
+  } catch (const FileError& e) {
+    throw save_failure(folder, tmp, meta.step, parts, e.what());
   }
-  make_dirs(tmp);  // a save with no parts still commits metadata
-  return commit_checkpoint(folder, tmp, meta, expected);
+}
+
+FileError save_failure(const fs::path& folder, const fs::path& tmp_dir, int64_t step,
+                       const std::vector<CheckpointPart>& parts, const std::string& cause) {
+  // The tmp folder goes first: a full disk must not stay full because of a
+  // save that cannot finish.
+  std::error_code ec;
+  fs::remove_all(tmp_dir, ec);
+  const std::string removed =
+      ec ? str("; its temporary folder ", tmp_dir.string(), " could not be removed: ",
+               ec.message())
+         : str("; its temporary folder ", tmp_dir.string(), " was removed");
+  uint64_t needed = 0;
+  for (const auto& part : parts) {
+    for (const auto& [name, t] : part.tensors) {
+      needed += static_cast<uint64_t>(t.numel()) * t.element_size() + name.size() + 64;
+    }
+  }
+  const auto space = fs::space(folder, ec);
+  const auto mib = [](uint64_t b) { return str(b / (1024 * 1024), " MiB"); };
+  return FileError(str("checkpoint step ", step, " could not be saved: ", cause,
+                       removed, ". This rank's part of the save needs about ", mib(needed),
+                       ec ? std::string("") : str("; ", folder.string(), " has ",
+                                                  mib(space.available), " free")));
 }
 
 // ---- load ----------------------------------------------------------------

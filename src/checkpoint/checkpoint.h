@@ -50,6 +50,7 @@
 
 #include "checkpoint/safetensors.h"
 #include "checkpoint/tensor_index.h"
+#include "core/check.h"
 
 namespace viaduct::checkpoint {
 
@@ -110,7 +111,8 @@ std::optional<int64_t> step_of_folder_name(const std::string& name);
 std::optional<int64_t> step_of_tmp_folder_name(const std::string& name);
 
 // Single process: writes every part and commits. `meta.files` is filled in.
-// Returns the step folder.
+// Returns the step folder. A save that fails (a full disk) removes its tmp
+// folder and says how much space it needed (save_failure).
 std::filesystem::path save_checkpoint(const std::filesystem::path& folder,
                                       const CheckpointMetadata& meta,
                                       const std::vector<CheckpointPart>& parts);
@@ -119,6 +121,12 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& folder,
 // it and records its size and CRC-32 in a sidecar for the commit.
 CheckpointFileRecord write_checkpoint_part(const std::filesystem::path& tmp_dir,
                                            const CheckpointPart& part);
+// The FileError of a failed save: `cause`, the bytes the parts needed and
+// what the file system of `folder` has free, after `tmp_dir` is removed.
+FileError save_failure(const std::filesystem::path& folder,
+                       const std::filesystem::path& tmp_dir, int64_t step,
+                       const std::vector<CheckpointPart>& parts, const std::string& cause);
+
 // Phase 2, one rank after every rank's phase 1: checks every part finished
 // (and each of `expected_files` is there), writes metadata.json, renames the
 // tmp folder to step-<meta.step>/ (replacing an existing one) and removes

@@ -150,10 +150,20 @@ fs::path CheckpointManager::save(const CheckpointMetadata& meta,
     // The tmp folder's name is the same on every rank.
     const auto tmp = checkpoint_tmp_dir(folder_, meta.step, str("s", meta.step));
     if (group->writes_parts) {
-      for (const auto& part : parts) write_checkpoint_part(tmp, part);
+      try {
+        for (const auto& part : parts) write_checkpoint_part(tmp, part);
+      } catch (const FileError& e) {
+        throw save_failure(folder_, tmp, meta.step, parts, e.what());
+      }
     }
     group->barrier(str("checkpoint step ", meta.step, " (write)"));
-    if (rank == 0) dir = commit_checkpoint(folder_, tmp, meta, group->expected_files);
+    if (rank == 0) {
+      try {
+        dir = commit_checkpoint(folder_, tmp, meta, group->expected_files);
+      } catch (const FileError& e) {
+        throw save_failure(folder_, tmp, meta.step, parts, e.what());
+      }
+    }
     group->barrier(str("checkpoint step ", meta.step, " (commit)"));
   }
   if (rank == 0) {

@@ -5,6 +5,8 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <limits>
@@ -232,7 +234,38 @@ std::string value_to_toml(const ConfigValue& v) {
   return os.str();
 }
 
+// The value of a numeric key as a double, or nullopt when unset or not
+// numeric.
+std::optional<double> numeric_value(const ConfigValue& v) {
+  if (const auto* i = std::get_if<int64_t>(&v)) return static_cast<double>(*i);
+  if (const auto* d = std::get_if<double>(&v)) return *d;
+  return std::nullopt;
+}
+
+std::string number_text(double v) {
+  std::ostringstream os;
+  os << std::setprecision(17) << v;
+  return os.str();
+}
+
 }  // namespace
+
+bool ConfigRange::contains(double v) const {
+  if (std::isnan(v)) return false;
+  if (lo && (lo_open ? !(v > *lo) : !(v >= *lo))) return false;
+  if (hi && (hi_open ? !(v < *hi) : !(v <= *hi))) return false;
+  return !(std::isinf(v) && (lo || hi));
+}
+
+std::string ConfigRange::text() const {
+  if (lo && hi) {
+    return str(lo_open ? "(" : "[", number_text(*lo), ", ", number_text(*hi),
+               hi_open ? ")" : "]");
+  }
+  if (lo) return str(lo_open ? "> " : ">= ", number_text(*lo));
+  if (hi) return str(hi_open ? "< " : "<= ", number_text(*hi));
+  return "any value";
+}
 
 Config::Config() {
   for (const auto& k : config_schema()) values_[k.dotted()] = k.default_value;
@@ -255,6 +288,7 @@ void Config::set(const std::string& dotted, ConfigValue value) {
                   type_name(k->type));
   values_[dotted] = std::move(value);
   explicit_[dotted] = true;
+  sources_[dotted] = "a program";
 }
 
 void Config::apply_override(const std::string& assignment,
@@ -273,6 +307,12 @@ void Config::apply_override(const std::string& assignment,
   }
   values_[dotted] = from_text(text, user_key(dotted, origin), origin);
   explicit_[dotted] = true;
+  sources_[dotted] = origin;
+}
+
+std::string Config::source(const std::string& key) const {
+  auto it = sources_.find(key);
+  return it == sources_.end() ? "the default" : it->second;
 }
 
 Config Config::parse(const std::string& text, const std::string& origin,
@@ -313,11 +353,26 @@ Config Config::parse(const std::string& text, const std::string& origin,
       }
       cfg.values_[dotted] = from_toml(node, user_key(dotted, origin), origin);
       cfg.explicit_[dotted] = true;
+      cfg.sources_[dotted] = origin;
     }
   }
   // A deprecated name and its new name both on the command line is an error.
+  // One key given twice with two values keeps the last (scripts append to a
+  // base command line), said in a warning.
   std::set<std::string> given;
-  for (const auto& o : overrides) given.insert(o.substr(0, o.find('=')));
+  std::map<std::string, std::string> last_value;
+  for (const auto& o : overrides) {
+    const auto eq = o.find('=');
+    const std::string name = o.substr(0, eq);
+    const std::string value = eq == std::string::npos ? "" : o.substr(eq + 1);
+    const auto [it, fresh] = last_value.emplace(name, value);
+    if (!fresh && it->second != value) {
+      log::warn("the command line gives '--", name, "' twice ('", it->second, "', then '",
+                value, "'); using the last, '", value, "'");
+      it->second = value;
+    }
+    given.insert(name);
+  }
   for (const auto& [old_key, new_key] : config_aliases()) {
     VIADUCT_CHECK_T(ConfigError, !(given.count(old_key) && given.count(new_key)),
                     "the command line gives both '--", old_key,
@@ -338,6 +393,7 @@ Config Config::parse(const std::string& text, const std::string& origin,
       now += str(now.empty() ? "" : ", ", key, " = \"", value, "\"");
       cfg.values_[key] = value;
       cfg.explicit_[key] = true;
+      cfg.sources_[key] = origin;
     }
     log::warn(was, " (", origin, ") is deprecated; write ", now);
   }
@@ -361,14 +417,36 @@ Config Config::parse(const std::string& text, const std::string& origin,
 Config Config::load(const std::string& path,
                     const std::vector<std::string>& overrides) {
   if (path.empty()) return parse("", "<defaults>", overrides);
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    std::vector<std::string> tomls;
+    for (const auto& de : std::filesystem::directory_iterator(path, ec)) {
+      if (de.path().extension() == ".toml") tomls.push_back(de.path().string());
+    }
+    std::sort(tomls.begin(), tomls.end());
+    std::string hint;
+    for (const auto& t : tomls) hint += (hint.empty() ? " (one of: " : ", ") + t;
+    if (!hint.empty()) hint += ")";
+    throw ConfigError(str("--config '", path, "' is a folder; give a config file", hint));
+  }
   std::ifstream in(path, std::ios::binary);
   VIADUCT_CHECK_T(ConfigError, in.good(), "cannot open config file '", path, "'");
   std::stringstream ss;
   ss << in.rdbuf();
+  VIADUCT_CHECK_T(ConfigError, !in.bad(), "cannot read config file '", path, "'");
   return parse(ss.str(), path, overrides);
 }
 
 void Config::validate() const {
+  // Every numeric key's range (the schema's), before the cross-field checks.
+  for (const auto& k : config_schema()) {
+    if (k.range.empty()) continue;
+    const auto v = numeric_value(values_.at(k.dotted()));
+    if (!v || k.range.contains(*v)) continue;
+    throw ConfigError(str(k.dotted(), " = ", value_to_toml(values_.at(k.dotted())), " (from ",
+                          source(k.dotted()), ") is out of range: it must be ",
+                          k.range.lo && k.range.hi ? "in " : "", k.range.text()));
+  }
   validate_core(*this);
   validate_parallelism(*this);
 }

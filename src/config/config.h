@@ -25,13 +25,36 @@ using ConfigValue = std::variant<std::monostate, int64_t, double, bool,
 
 enum class ConfigType { kInt, kFloat, kBool, kString, kStringList, kStringListList };
 
+// The values a numeric key accepts: an interval whose ends may be open,
+// closed or absent. A float key with a range must also be finite.
+struct ConfigRange {
+  std::optional<double> lo, hi;
+  bool lo_open = false, hi_open = false;
+
+  bool empty() const { return !lo && !hi; }
+  bool contains(double v) const;
+  // ">= 0", "> 0", "[0, 1)", "[0, 1]".
+  std::string text() const;
+};
+inline ConfigRange at_least(double lo) { return {lo, std::nullopt, false, false}; }
+inline ConfigRange greater_than(double lo) { return {lo, std::nullopt, true, false}; }
+// [lo, hi) with hi_open, else [lo, hi].
+inline ConfigRange between(double lo, double hi, bool hi_open = false) {
+  return {lo, hi, false, hi_open};
+}
+
 struct ConfigKey {
   std::string section;
   std::string name;
   ConfigType type;
   ConfigValue default_value;  // monostate: no default (flavor decides)
   std::string help;
+  ConfigRange range = {};     // numeric keys: checked on load, naming the source
   std::string dotted() const { return section + "." + name; }
+  ConfigKey&& in(ConfigRange r) && {
+    range = r;
+    return std::move(*this);
+  }
 };
 
 // The whole schema, in the order print-config writes it.
@@ -88,6 +111,9 @@ class Config {
   std::string to_toml() const;
   // Where the config came from (file path or "<defaults>").
   const std::string& origin() const { return origin_; }
+  // Where `key`'s value came from: the file's path, "the command line", or
+  // "the default".
+  std::string source(const std::string& key) const;
 
   // Cross-field checks; run by load()/parse() after overrides.
   void validate() const;
@@ -95,6 +121,7 @@ class Config {
  private:
   std::map<std::string, ConfigValue> values_;
   std::map<std::string, bool> explicit_;
+  std::map<std::string, std::string> sources_;  // keys a file or override set
   std::string origin_ = "<defaults>";
 };
 

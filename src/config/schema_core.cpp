@@ -21,113 +21,93 @@ void add_core_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("job", "description", T::kString, std::string(""), "free text"));
   k.push_back(key("job", "log_level", T::kString, std::string("info"), "debug | info | warning | error"));
 
-  k.push_back(key("training", "steps", T::kInt, int64_t{200}, "optimizer steps"));
+  k.push_back(key("training", "steps", T::kInt, int64_t{200}, "optimizer steps").in(greater_than(0)));
   k.push_back(key("training", "seed", T::kInt, int64_t{42}, "seed of weights and data order"));
-  k.push_back(key("training", "local_batch_size", T::kInt, int64_t{8}, "sequences per data-parallel rank per step"));
-  k.push_back(key("training", "seq_len", T::kInt, int64_t{128}, "tokens per sequence"));
-  k.push_back(key("training", "gradient_accumulation_steps", T::kInt, int64_t{1}, "batches accumulated per optimizer step"));
+  k.push_back(key("training", "local_batch_size", T::kInt, int64_t{8}, "sequences per data-parallel rank per step").in(greater_than(0)));
+  k.push_back(key("training", "seq_len", T::kInt, int64_t{128}, "tokens per sequence").in(greater_than(0)));
+  k.push_back(key("training", "gradient_accumulation_steps", T::kInt, int64_t{1}, "batches accumulated per optimizer step").in(greater_than(0)));
   k.push_back(key("training", "max_norm", T::kFloat, 1.0, "global gradient-norm clip (<= 0: off)"));
   k.push_back(key("training", "dtype", T::kString, std::string("auto"), "auto | float32 | bfloat16 (bf16 = mixed precision with fp32 master weights)"));
   k.push_back(key("training", "device", T::kString, std::string("auto"), "auto | cpu | cuda"));
   k.push_back(key("training", "deterministic", T::kBool, true, "deterministic kernels on CUDA (bitwise-reproducible runs and layouts; off can be faster)"));
-  k.push_back(key("training", "num_threads", T::kInt, int64_t{2}, "CPU intra-op threads (same default launched or alone)"));
-  k.push_back(key("training", "eval_interval", T::kInt, int64_t{50}, "evaluate on held-out tokens every N steps (0: never); step 0 included"));
+  k.push_back(key("training", "num_threads", T::kInt, int64_t{2}, "CPU intra-op threads (same default launched or alone)").in(greater_than(0)));
+  k.push_back(key("training", "eval_interval", T::kInt, int64_t{50}, "evaluate on held-out tokens every N steps (0: never); step 0 included").in(at_least(0)));
 
   k.push_back(key("optimizer", "name", T::kString, std::string("AdamW"), "AdamW | SGD"));
-  k.push_back(key("optimizer", "lr", T::kFloat, 8e-4, "peak learning rate"));
-  k.push_back(key("optimizer", "beta1", T::kFloat, 0.9, "AdamW beta1"));
-  k.push_back(key("optimizer", "beta2", T::kFloat, 0.95, "AdamW beta2"));
-  k.push_back(key("optimizer", "eps", T::kFloat, 1e-8, "AdamW epsilon"));
-  k.push_back(key("optimizer", "weight_decay", T::kFloat, 0.1, "decoupled weight decay (not on norms, biases, embeddings)"));
+  k.push_back(key("optimizer", "lr", T::kFloat, 8e-4, "peak learning rate").in(at_least(0)));
+  k.push_back(key("optimizer", "beta1", T::kFloat, 0.9, "AdamW beta1").in(between(0, 1, /*hi_open=*/true)));
+  k.push_back(key("optimizer", "beta2", T::kFloat, 0.95, "AdamW beta2").in(between(0, 1, /*hi_open=*/true)));
+  k.push_back(key("optimizer", "eps", T::kFloat, 1e-8, "AdamW epsilon").in(greater_than(0)));
+  k.push_back(key("optimizer", "weight_decay", T::kFloat, 0.1, "decoupled weight decay (not on norms, biases, embeddings)").in(at_least(0)));
 
-  k.push_back(key("lr_scheduler", "warmup_steps", T::kInt, int64_t{20}, "linear warmup steps"));
+  k.push_back(key("lr_scheduler", "warmup_steps", T::kInt, int64_t{20}, "linear warmup steps").in(at_least(0)));
   k.push_back(key("lr_scheduler", "decay_type", T::kString, std::string("cosine"), "cosine | linear | constant"));
-  k.push_back(key("lr_scheduler", "min_lr_factor", T::kFloat, 0.1, "final lr as a fraction of the peak"));
+  k.push_back(key("lr_scheduler", "min_lr_factor", T::kFloat, 0.1, "final lr as a fraction of the peak").in(between(0, 1)));
 
   k.push_back(key("checkpoint", "enable", T::kBool, false, "save checkpoints"));
   k.push_back(key("checkpoint", "folder", T::kString, std::string("checkpoint"), "relative to job.dump_folder unless absolute"));
-  k.push_back(key("checkpoint", "interval", T::kInt, int64_t{100}, "save every N steps (and at the last step)"));
-  k.push_back(key("checkpoint", "keep_latest_k", T::kInt, int64_t{3}, "keep the newest k checkpoints (0: all)"));
+  k.push_back(key("checkpoint", "interval", T::kInt, int64_t{100}, "save every N steps (and at the last step)").in(greater_than(0)));
+  k.push_back(key("checkpoint", "keep_latest_k", T::kInt, int64_t{3}, "keep the newest k checkpoints (0: all)").in(at_least(0)));
   k.push_back(key("checkpoint", "resume", T::kBool, true, "resume from the latest checkpoint in the folder"));
   k.push_back(key("checkpoint", "save_initial", T::kBool, false, "also save the initial weights as step-0"));
   k.push_back(key("checkpoint", "save_final", T::kBool, true, "save at the last step even off the interval"));
 
-  k.push_back(key("metrics", "log_freq", T::kInt, int64_t{1}, "log every N steps"));
+  k.push_back(key("metrics", "log_freq", T::kInt, int64_t{1}, "log every N steps").in(greater_than(0)));
   k.push_back(key("metrics", "enable_jsonl", T::kBool, true, "append a JSON object per step to <dump_folder>/metrics.jsonl"));
   k.push_back(key("metrics", "progress_bar", T::kBool, true, "draw a progress bar when stdout is a terminal"));
   k.push_back(key("metrics", "pipeline_timing", T::kBool, true, "time each rank's pipeline compute actions and P2P waits: pipeline_* and bubble_measured* per step in metrics.jsonl (CUDA: timing events, no extra sync)"));
-  k.push_back(key("metrics", "profile_step", T::kInt, int64_t{0}, "profile this step (1-based; 0: off) into <dump_folder>/profile/"));
+  k.push_back(key("metrics", "profile_step", T::kInt, int64_t{0}, "profile this step (1-based; 0: off) into <dump_folder>/profile/").in(at_least(0)));
   (void)kUnset;
 }
 
 void add_model_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("model", "family", T::kString, std::string("llama"), "llama | gpt2 | kimi_k3 | exact16 (README, Models)"));
   k.push_back(key("model", "flavor", T::kString, std::string("debugmodel"), "size preset of the family (every family has debugmodel)"));
-  k.push_back(key("model", "n_layers", T::kInt, kUnset, "transformer layers (flavor default)"));
-  k.push_back(key("model", "dim", T::kInt, kUnset, "model width (flavor default)"));
-  k.push_back(key("model", "n_heads", T::kInt, kUnset, "attention heads (flavor default)"));
-  k.push_back(key("model", "n_kv_heads", T::kInt, kUnset, "key/value heads for GQA (flavor default)"));
-  k.push_back(key("model", "vocab_size", T::kInt, kUnset, "vocabulary (flavor default)"));
-  k.push_back(key("model", "ffn_hidden_dim", T::kInt, kUnset, "FFN hidden width (flavor default)"));
-  k.push_back(key("model", "max_seq_len", T::kInt, kUnset, "longest sequence (RoPE table / learned positions)"));
-  k.push_back(key("model", "norm_eps", T::kFloat, kUnset, "norm epsilon (flavor default)"));
-  k.push_back(key("model", "rope_theta", T::kFloat, kUnset, "RoPE base (flavor default)"));
+  k.push_back(key("model", "n_layers", T::kInt, kUnset, "transformer layers (flavor default)").in(greater_than(0)));
+  k.push_back(key("model", "dim", T::kInt, kUnset, "model width (flavor default)").in(greater_than(0)));
+  k.push_back(key("model", "n_heads", T::kInt, kUnset, "attention heads (flavor default)").in(greater_than(0)));
+  k.push_back(key("model", "n_kv_heads", T::kInt, kUnset, "key/value heads for GQA (flavor default)").in(greater_than(0)));
+  k.push_back(key("model", "vocab_size", T::kInt, kUnset, "vocabulary (flavor default)").in(greater_than(0)));
+  k.push_back(key("model", "ffn_hidden_dim", T::kInt, kUnset, "FFN hidden width (flavor default)").in(greater_than(0)));
+  k.push_back(key("model", "max_seq_len", T::kInt, kUnset, "longest sequence (RoPE table / learned positions)").in(greater_than(0)));
+  k.push_back(key("model", "norm_eps", T::kFloat, kUnset, "norm epsilon (flavor default)").in(greater_than(0)));
+  k.push_back(key("model", "rope_theta", T::kFloat, kUnset, "RoPE base (flavor default)").in(greater_than(0)));
   k.push_back(key("model", "fused_kernels", T::kBool, true, "use viaduct's CUDA kernels (RMSNorm, RoPE, SwiGLU, the chunked loss) where the GPU has them; false: ATen ops only"));
   k.push_back(key("model", "swiglu_recompute", T::kBool, false, "fused SwiGLU (CUDA kernels): recompute silu(w1 x) * w3 x in the backward instead of keeping it; saves tokens x ffn_hidden_dim x 2 bytes per layer for one more elementwise pass"));
-  k.push_back(key("model", "loss_chunk_tokens", T::kInt, int64_t{-1}, "> 0: fuse head and cross-entropy in chunks of this many tokens (no full logits); 0: plain; -1: auto (4096 where the fused CUDA kernels run, else plain)"));
+  k.push_back(key("model", "loss_chunk_tokens", T::kInt, int64_t{-1}, "> 0: fuse head and cross-entropy in chunks of this many tokens (no full logits); 0: plain; -1: auto (4096 where the fused CUDA kernels run, else plain)").in(at_least(-1)));
   k.push_back(key("model", "tie_embeddings", T::kBool, kUnset, "share tok_embeddings and lm_head (gpt2 default true)"));
   // Kimi-K3 hybrid keys (used by family kimi_k3 only).
-  k.push_back(key("model", "attn_res_block_size", T::kInt, kUnset, "AttnRes layers per block"));
-  k.push_back(key("model", "first_k_dense", T::kInt, kUnset, "leading layers with a dense FFN"));
-  k.push_back(key("model", "mla_interval", T::kInt, kUnset, "kimi_k3: MLA (full attention) at every N-th layer and the last, KDA elsewhere (the flavor: 4; 1: MLA everywhere)"));
-  k.push_back(key("model", "n_routed_experts", T::kInt, kUnset, "MoE routed experts"));
-  k.push_back(key("model", "n_activated_experts", T::kInt, kUnset, "MoE experts per token (top-k)"));
-  k.push_back(key("model", "moe_hidden_dim", T::kInt, kUnset, "MoE expert hidden width"));
+  k.push_back(key("model", "attn_res_block_size", T::kInt, kUnset, "AttnRes layers per block").in(greater_than(0)));
+  k.push_back(key("model", "first_k_dense", T::kInt, kUnset, "leading layers with a dense FFN").in(at_least(0)));
+  k.push_back(key("model", "mla_interval", T::kInt, kUnset, "kimi_k3: MLA (full attention) at every N-th layer and the last, KDA elsewhere (the flavor: 4; 1: MLA everywhere)").in(greater_than(0)));
+  k.push_back(key("model", "n_routed_experts", T::kInt, kUnset, "MoE routed experts").in(greater_than(0)));
+  k.push_back(key("model", "n_activated_experts", T::kInt, kUnset, "MoE experts per token (top-k)").in(greater_than(0)));
+  k.push_back(key("model", "moe_hidden_dim", T::kInt, kUnset, "MoE expert hidden width").in(greater_than(0)));
   k.push_back(key("model", "moe_ffn", T::kBool, kUnset, "MoE FFN after the dense layers (false: dense SwiGLU)"));
   k.push_back(key("model", "vision", T::kBool, kUnset, "include the vision tower"));
   k.push_back(key("model", "attn_res", T::kBool, true, "kimi_k3 only: Block AttnRes reads between sublayers (false: plain residuals h = h + sublayer(h), a chain model)"));
   // Kimi-K3: KDA, MLA, MoE and the vision tower.
-  k.push_back(key("model", "kda_head_dim", T::kInt, kUnset, "KDA head width (dk = dv; also the rank of its decay and gate maps)"));
-  k.push_back(key("model", "kda_chunk_size", T::kInt, kUnset, "KDA chunk length of the chunked form"));
-  k.push_back(key("model", "kda_conv_size", T::kInt, kUnset, "KDA short causal convolution kernel"));
-  k.push_back(key("model", "mla_q_lora_rank", T::kInt, kUnset, "MLA query compression rank (0: full-rank query)"));
-  k.push_back(key("model", "mla_kv_lora_rank", T::kInt, kUnset, "MLA joint key/value compression rank"));
-  k.push_back(key("model", "mla_qk_nope_head_dim", T::kInt, kUnset, "MLA per-head query/key width without rotary"));
-  k.push_back(key("model", "mla_qk_rope_head_dim", T::kInt, kUnset, "MLA per-head decoupled rotary width (shared key)"));
-  k.push_back(key("model", "mla_v_head_dim", T::kInt, kUnset, "MLA per-head value width"));
+  k.push_back(key("model", "kda_head_dim", T::kInt, kUnset, "KDA head width (dk = dv; also the rank of its decay and gate maps)").in(greater_than(0)));
+  k.push_back(key("model", "kda_chunk_size", T::kInt, kUnset, "KDA chunk length of the chunked form").in(greater_than(0)));
+  k.push_back(key("model", "kda_conv_size", T::kInt, kUnset, "KDA short causal convolution kernel").in(greater_than(0)));
+  k.push_back(key("model", "mla_q_lora_rank", T::kInt, kUnset, "MLA query compression rank (0: full-rank query)").in(at_least(0)));
+  k.push_back(key("model", "mla_kv_lora_rank", T::kInt, kUnset, "MLA joint key/value compression rank").in(greater_than(0)));
+  k.push_back(key("model", "mla_qk_nope_head_dim", T::kInt, kUnset, "MLA per-head query/key width without rotary").in(at_least(0)));
+  k.push_back(key("model", "mla_qk_rope_head_dim", T::kInt, kUnset, "MLA per-head decoupled rotary width (shared key)").in(at_least(0)));
+  k.push_back(key("model", "mla_v_head_dim", T::kInt, kUnset, "MLA per-head value width").in(greater_than(0)));
   k.push_back(key("model", "mla_rope", T::kBool, kUnset, "rotate MLA's rotary channels (false: NoPE, as Kimi Linear)"));
-  k.push_back(key("model", "n_shared_experts", T::kInt, kUnset, "MoE shared experts (each moe_hidden_dim wide)"));
-  k.push_back(key("model", "moe_route_scale", T::kFloat, kUnset, "MoE routed output scale (routed_scaling_factor)"));
-  k.push_back(key("model", "moe_bias_update_rate", T::kFloat, kUnset, "MoE balancing bias step per optimizer step (0: frozen)"));
-  k.push_back(key("model", "vision_image_size", T::kInt, kUnset, "vision tower image side in pixels"));
-  k.push_back(key("model", "vision_patch_size", T::kInt, kUnset, "vision tower patch side in pixels"));
-  k.push_back(key("model", "vision_dim", T::kInt, kUnset, "vision tower width"));
-  k.push_back(key("model", "image_token_id", T::kInt, kUnset, "placeholder token id of an image patch (default vocab_size - 1)"));
+  k.push_back(key("model", "n_shared_experts", T::kInt, kUnset, "MoE shared experts (each moe_hidden_dim wide)").in(at_least(0)));
+  k.push_back(key("model", "moe_route_scale", T::kFloat, kUnset, "MoE routed output scale (routed_scaling_factor)").in(greater_than(0)));
+  k.push_back(key("model", "moe_bias_update_rate", T::kFloat, kUnset, "MoE balancing bias step per optimizer step (0: frozen)").in(at_least(0)));
+  k.push_back(key("model", "vision_image_size", T::kInt, kUnset, "vision tower image side in pixels").in(greater_than(0)));
+  k.push_back(key("model", "vision_patch_size", T::kInt, kUnset, "vision tower patch side in pixels").in(greater_than(0)));
+  k.push_back(key("model", "vision_dim", T::kInt, kUnset, "vision tower width").in(greater_than(0)));
+  k.push_back(key("model", "image_token_id", T::kInt, kUnset, "placeholder token id of an image patch (default vocab_size - 1)").in(at_least(0)));
   k.push_back(key("model", "synthetic_images", T::kBool, kUnset, "demo: feed one synthetic image per sequence over its first patches"));
 }
 
 void validate_core(const Config& c) {
-  auto pos = [&](const char* key) {
-    VIADUCT_CHECK_T(ConfigError, c.get_int(key) > 0, key, " must be > 0, got ",
-                    c.get_int(key), " (", c.origin(), ")");
-  };
-  pos("training.steps");
-  pos("training.local_batch_size");
-  pos("training.seq_len");
-  pos("training.gradient_accumulation_steps");
-  pos("training.num_threads");
-  pos("metrics.log_freq");
-  pos("checkpoint.interval");
-  VIADUCT_CHECK_T(ConfigError, c.get_int("checkpoint.keep_latest_k") >= 0,
-                  "checkpoint.keep_latest_k must be >= 0");
-  VIADUCT_CHECK_T(ConfigError, c.get_int("training.eval_interval") >= 0,
-                  "training.eval_interval must be >= 0");
-  VIADUCT_CHECK_T(ConfigError, c.get_int("model.loss_chunk_tokens") >= -1,
-                  "model.loss_chunk_tokens must be > 0 (chunk), 0 (plain) or -1 (auto), got ",
-                  c.get_int("model.loss_chunk_tokens"));
-  VIADUCT_CHECK_T(ConfigError, c.get_int("metrics.profile_step") >= 0,
-                  "metrics.profile_step must be >= 0 (0: off), got ",
-                  c.get_int("metrics.profile_step"));
+  // Numeric ranges are the schema's (ConfigKey::range), checked before this.
   const auto dtype = c.get_string("training.dtype");
   VIADUCT_CHECK_T(ConfigError,
                   dtype == "auto" || dtype == "float32" || dtype == "bfloat16",
@@ -140,15 +120,11 @@ void validate_core(const Config& c) {
   const auto opt = c.get_string("optimizer.name");
   VIADUCT_CHECK_T(ConfigError, opt == "AdamW" || opt == "SGD",
                   "optimizer.name must be AdamW or SGD, got '", opt, "'");
-  VIADUCT_CHECK_T(ConfigError, c.get_float("optimizer.lr") >= 0,
-                  "optimizer.lr must be >= 0");
   const auto decay = c.get_string("lr_scheduler.decay_type");
   VIADUCT_CHECK_T(ConfigError,
                   decay == "cosine" || decay == "linear" || decay == "constant",
                   "lr_scheduler.decay_type must be cosine, linear or constant, got '",
                   decay, "'");
-  VIADUCT_CHECK_T(ConfigError, c.get_int("lr_scheduler.warmup_steps") >= 0,
-                  "lr_scheduler.warmup_steps must be >= 0");
   const auto lvl = c.get_string("job.log_level");
   VIADUCT_CHECK_T(ConfigError,
                   lvl == "debug" || lvl == "info" || lvl == "warning" || lvl == "error",

@@ -80,6 +80,25 @@ double peak_memory_bytes(const at::Device& device) {
   return 0.0;
 }
 
+std::optional<double> device_memory_bytes(const at::Device& device) {
+#ifdef VIADUCT_WITH_CUDA
+  if (device.is_cuda()) {
+    return static_cast<double>(at::cuda::getDeviceProperties(device.index())->totalGlobalMem);
+  }
+#endif
+  std::ifstream in("/proc/meminfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("MemAvailable:", 0) == 0) {
+      std::istringstream ss(line.substr(13));
+      double kb = 0;
+      ss >> kb;
+      return kb * 1024.0;
+    }
+  }
+  return std::nullopt;
+}
+
 void reset_peak_memory(const at::Device& device) {
 #ifdef VIADUCT_WITH_CUDA
   if (device.is_cuda()) {

@@ -92,6 +92,20 @@ File File::create(const fs::path& path) {
   return File(fd, path);
 }
 
+File File::open_append(const fs::path& path) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  VIADUCT_CHECK_T(FileError, fd >= 0, "cannot open ", path.string(),
+                  " for appending: ", errno_text());
+  return File(fd, path);
+}
+
+File File::open_read_write(const fs::path& path) {
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  VIADUCT_CHECK_T(FileError, fd >= 0, "cannot open ", path.string(),
+                  " for writing: ", errno_text());
+  return File(fd, path);
+}
+
 uint64_t File::size() const {
   struct stat st {};
   VIADUCT_CHECK_T(FileError, ::fstat(fd_.get(), &st) == 0, "cannot stat ",
@@ -127,6 +141,15 @@ void File::write_at(const void* src, size_t n, uint64_t offset) {
   VIADUCT_CHECK_T(FileError, pwrite_fully(fd_.get(), src, n, offset),
                   "cannot write ", path_.string(), " at offset ", offset, ": ",
                   errno != 0 ? errno_text() : std::string("wrote 0 bytes"));
+}
+
+void File::truncate(uint64_t size) {
+  int rc = 0;
+  do {
+    rc = ::ftruncate(fd_.get(), static_cast<off_t>(size));
+  } while (rc != 0 && errno == EINTR);
+  VIADUCT_CHECK_T(FileError, rc == 0, "cannot truncate ", path_.string(),
+                  " to ", size, " bytes: ", errno_text());
 }
 
 void File::sync() {

@@ -60,6 +60,10 @@ class File {
   static File open_read(const std::filesystem::path& path);
   // Creates or truncates, mode 0644.
   static File create(const std::filesystem::path& path);
+  // Creates if missing, mode 0644; every write goes to the end (O_APPEND).
+  static File open_append(const std::filesystem::path& path);
+  // Opens an existing file for reading and writing (no truncation).
+  static File open_read_write(const std::filesystem::path& path);
 
   File(File&& other) noexcept = default;
   File& operator=(File&& other) noexcept = default;
@@ -73,6 +77,9 @@ class File {
   void write_all(const void* src, size_t n);
   // pwrite of exactly n bytes at offset (the file position is unchanged).
   void write_at(const void* src, size_t n, uint64_t offset);
+  // ftruncate(2): the file ends at `size` bytes (no new space is needed to
+  // shorten a file).
+  void truncate(uint64_t size);
   void sync();
   void close();
   bool is_open() const { return fd_.valid(); }

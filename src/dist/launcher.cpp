@@ -72,7 +72,7 @@ extern "C" void on_signal(int sig) {
   errno = saved;
 }
 
-// Routes SIGINT, SIGTERM and SIGCHLD into a self-pipe for the launch's
+// Routes SIGINT, SIGTERM, SIGUSR1 and SIGCHLD into a self-pipe for the launch's
 // lifetime and restores the previous handlers after.
 class SignalRoute {
  public:
@@ -119,7 +119,7 @@ class SignalRoute {
   }
 
  private:
-  static constexpr std::array<int, 3> kSignals = {SIGINT, SIGTERM, SIGCHLD};
+  static constexpr std::array<int, 4> kSignals = {SIGINT, SIGTERM, SIGUSR1, SIGCHLD};
 
   void restore(size_t count) {
     for (size_t i = 0; i < count; ++i)
@@ -130,7 +130,7 @@ class SignalRoute {
 
   UniqueFd read_;
   UniqueFd write_;
-  std::array<struct sigaction, 3> previous_{};
+  std::array<struct sigaction, 4> previous_{};
 };
 
 // ------------------------------------------------------------ children
@@ -227,6 +227,7 @@ void spawn(RankProcess& proc, const std::vector<std::string>& command,
   sigemptyset(&routed);
   sigaddset(&routed, SIGINT);
   sigaddset(&routed, SIGTERM);
+  sigaddset(&routed, SIGUSR1);
   sigaddset(&routed, SIGCHLD);
   sigset_t previous_mask;
   int rc = ::pthread_sigmask(SIG_BLOCK, &routed, &previous_mask);
@@ -248,6 +249,7 @@ void spawn(RankProcess& proc, const std::vector<std::string>& command,
     sigemptyset(&dfl.sa_mask);
     ::sigaction(SIGINT, &dfl, nullptr);
     ::sigaction(SIGTERM, &dfl, nullptr);
+    ::sigaction(SIGUSR1, &dfl, nullptr);
     ::sigaction(SIGCHLD, &dfl, nullptr);
     sigset_t none;
     sigemptyset(&none);
@@ -375,15 +377,20 @@ std::chrono::milliseconds parse_flag_seconds(const std::string& flag,
 std::string launch_usage() {
   return "usage: viaduct launch --nproc-per-node N [--nnodes M --node-rank R\n"
          "       --master-addr ADDR --master-port PORT] [--timeout SECONDS]\n"
-         "       [--grace SECONDS] -- COMMAND ARGS...\n"
+         "       [--grace SECONDS] [--max-restarts N] -- COMMAND ARGS...\n"
          "Starts N local ranks of COMMAND with RANK, WORLD_SIZE, LOCAL_RANK,\n"
          "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT set;\n"
          "prefixes their output with [rank N]; when one fails, ends the\n"
          "others and exits non-zero. --timeout: a wall-clock limit for the\n"
          "whole job (default none); --grace: SIGTERM-to-SIGKILL delay\n"
-         "(default 5). One node: MASTER_ADDR 127.0.0.1 and a free port;\n"
-         "several nodes: --master-addr is required, the port defaults to\n"
-         "29500.\n";
+         "(default 5); --max-restarts: when a rank fails, end every rank and\n"
+         "start them all again, up to N times (default 0), with\n"
+         "VIADUCT_RESTART_COUNT set (a trainer resumes from its latest\n"
+         "checkpoint). SIGINT, SIGTERM and SIGUSR1 are forwarded to every\n"
+         "rank; a second one also ends them after the grace period. A rank\n"
+         "that exits with 75 (saved on a signal) is no failure. One node:\n"
+         "MASTER_ADDR 127.0.0.1 and a free port; several nodes:\n"
+         "--master-addr is required, the port defaults to 29500.\n";
 }
 
 LaunchOptions parse_launch_args(int argc, char** argv) {
@@ -427,6 +434,8 @@ LaunchOptions parse_launch_args(int argc, char** argv) {
       options.timeout = parse_flag_seconds(flag, value);
     } else if (flag == "--grace") {
       options.grace = parse_flag_seconds(flag, value);
+    } else if (flag == "--max-restarts") {
+      options.max_restarts = parse_flag_int(flag, value, 0, 1 << 20);
     } else {
       VIADUCT_CHECK(false, "launch: unknown flag ", flag, "\n", launch_usage());
     }
@@ -446,26 +455,19 @@ LaunchOptions parse_launch_args(int argc, char** argv) {
   return options;
 }
 
-LaunchResult launch(const LaunchOptions& options, const LineSink& sink_in) {
-  VIADUCT_CHECK(!options.command.empty(),
-                "launch: no command to run (give it after --)");
-  VIADUCT_CHECK(options.nproc_per_node >= 1,
-                "launch: --nproc-per-node must be "
-                "at least 1, got ",
-                options.nproc_per_node);
-  VIADUCT_CHECK(options.nnodes >= 1,
-                "launch: --nnodes must be at least 1, got ", options.nnodes);
-  VIADUCT_CHECK(options.node_rank >= 0 && options.node_rank < options.nnodes,
-                "launch: --node-rank ", options.node_rank, " is not in [0, ",
-                options.nnodes, ")");
-  const LineSink& sink = sink_in ? sink_in : LineSink(default_sink);
-  int master_port = options.master_port;
-  if (master_port == 0) {
-    master_port = options.nnodes == 1 ? find_free_port() : 29500;
-  }
+namespace {
+
+// The exit status of a rank that saved and stopped on a signal
+// (train/preemption.h): deliberate, so neither a failure nor restarted.
+constexpr int kExitSavedOnSignal = 75;
+
+// One attempt: starts every local rank and supervises them to the end.
+// `interrupted` is set when the launcher itself got a signal.
+LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
+                       SignalRoute& signals, int master_port, int attempt,
+                       bool& interrupted) {
   const int world_size = options.nnodes * options.nproc_per_node;
 
-  SignalRoute signals;
   std::vector<std::unique_ptr<RankProcess>> procs;
   for (int local = 0; local < options.nproc_per_node; ++local) {
     auto proc = std::make_unique<RankProcess>();
@@ -478,6 +480,7 @@ LaunchResult launch(const LaunchOptions& options, const LineSink& sink_in) {
         {"GROUP_RANK", std::to_string(options.node_rank)},
         {"MASTER_ADDR", options.master_addr},
         {"MASTER_PORT", std::to_string(master_port)},
+        {"VIADUCT_RESTART_COUNT", std::to_string(attempt)},
     };
     spawn(*proc, options.command, rank_environment(vars));
     procs.push_back(std::move(proc));
@@ -488,6 +491,7 @@ LaunchResult launch(const LaunchOptions& options, const LineSink& sink_in) {
   std::optional<Clock::time_point> kill_at;      // SIGKILL deadline
   std::optional<Clock::time_point> drain_until;  // after the last rank ended
   bool ending = false;                           // SIGTERM sent to every rank
+  int interrupt_signal = 0;                      // the launcher's first signal
   auto end_all = [&](int sig) {
     for (auto& p : procs) p->signal_group(sig);
     if (!ending) {
@@ -534,16 +538,16 @@ LaunchResult launch(const LaunchOptions& options, const LineSink& sink_in) {
     }
 
     for (int sig : signals.drain()) {
-      if (sig != SIGINT && sig != SIGTERM) continue;
-      note(str("got ", signal_name(sig), ", forwarding it to every rank"));
-      if (result.exit_code == 0) {
-        result.exit_code = 128 + sig;
-        result.message = str("interrupted by ", signal_name(sig));
-      }
+      if (sig != SIGINT && sig != SIGTERM && sig != SIGUSR1) continue;
+      // The first signal lets the ranks finish (a trainer saves first); a
+      // second one also starts the grace period.
+      note(str("got ", signal_name(sig), ", forwarding it to every rank",
+               interrupted ? "; ending them after the grace period" : ""));
       for (auto& p : procs) p->signal_group(sig);
-      if (!ending) {
-        ending = true;
-        kill_at = Clock::now() + options.grace;
+      if (interrupted && !kill_at) kill_at = Clock::now() + options.grace;
+      if (!interrupted) {
+        interrupted = true;
+        interrupt_signal = sig;
       }
     }
 
@@ -557,7 +561,15 @@ LaunchResult launch(const LaunchOptions& options, const LineSink& sink_in) {
       p->running = false;
       p->status = status;
       bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-      if (!ok && result.exit_code == 0) {
+      if (WIFEXITED(status) && WEXITSTATUS(status) == kExitSavedOnSignal) {
+        // Stopped on purpose after saving: the others stop at the same step.
+        if (result.exit_code == 0) {
+          result.exit_code = kExitSavedOnSignal;
+          result.message = str("rank ", p->rank, " saved a checkpoint and stopped on a signal");
+        }
+        continue;
+      }
+      if (!ok && (result.exit_code == 0 || result.exit_code == kExitSavedOnSignal)) {
         result.exit_code = exit_code_of(status);
         if (result.exit_code == 0) result.exit_code = 1;
         result.failed_rank = p->rank;
@@ -588,9 +600,50 @@ LaunchResult launch(const LaunchOptions& options, const LineSink& sink_in) {
     }
   }
 
+  if (result.exit_code == 0 && interrupted) {
+    // Every rank ended cleanly after the signal (a command without a save).
+    result.exit_code = 128 + interrupt_signal;
+    result.message = str("interrupted by ", signal_name(interrupt_signal));
+  }
   if (result.exit_code == 0)
     result.message = str("all ", procs.size(), " ranks succeeded");
   return result;
+}
+
+}  // namespace
+
+LaunchResult launch(const LaunchOptions& options, const LineSink& sink_in) {
+  VIADUCT_CHECK(!options.command.empty(),
+                "launch: no command to run (give it after --)");
+  VIADUCT_CHECK(options.nproc_per_node >= 1,
+                "launch: --nproc-per-node must be at least 1, got ",
+                options.nproc_per_node);
+  VIADUCT_CHECK(options.nnodes >= 1,
+                "launch: --nnodes must be at least 1, got ", options.nnodes);
+  VIADUCT_CHECK(options.node_rank >= 0 && options.node_rank < options.nnodes,
+                "launch: --node-rank ", options.node_rank, " is not in [0, ",
+                options.nnodes, ")");
+  VIADUCT_CHECK(options.max_restarts >= 0, "launch: --max-restarts must be >= 0, got ",
+                options.max_restarts);
+  const LineSink& sink = sink_in ? sink_in : LineSink(default_sink);
+  SignalRoute signals;
+  for (int attempt = 0;; ++attempt) {
+    int master_port = options.master_port;
+    if (master_port == 0) {
+      // A fresh port per attempt: the last one's store may linger.
+      master_port = options.nnodes == 1 ? find_free_port() : 29500;
+    }
+    bool interrupted = false;
+    LaunchResult result =
+        run_ranks(options, sink, signals, master_port, attempt, interrupted);
+    result.restarts = attempt;
+    const bool failed = result.exit_code != 0 && result.exit_code != kExitSavedOnSignal &&
+                        result.exit_code != 124;
+    if (!failed || interrupted || attempt >= options.max_restarts) return result;
+    note(str("restart ", attempt + 1, " of ", options.max_restarts, " after: ",
+             result.message, "; every rank starts again (a trainer resumes from its "
+             "latest checkpoint)"));
+  }
 }
 
 }  // namespace viaduct::dist

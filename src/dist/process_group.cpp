@@ -1,6 +1,13 @@
 // ProcessGroup and Work: a thin RAII wrapper over one c10d backend that gives
 // every operation the group's timeout and turns every failure into a
 // viaduct::Error carrying the caller's context (see Note [Timeouts]).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <exception>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -29,6 +36,30 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   return c10d::ReduceOp::SUM;
 }
 
+// Rank 0 serves the store on MASTER_PORT: a port another process holds is
+// one line naming the port and the cause, before c10d tries (and logs its
+// attempts on every address family).
+void check_port_free(const RendezvousInfo& info) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;  // c10d reports it
+  const int one = 1;
+  (void)::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<std::uint16_t>(info.master_port));
+  const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  const int err = errno;
+  ::close(fd);
+  VIADUCT_CHECK(bound, "rank 0 cannot serve the rendezvous store on port ", info.master_port,
+                " (MASTER_PORT, from ", info.source, ") of ", info.master_addr, ": ",
+                std::strerror(err),
+                err == EADDRINUSE
+                    ? "; another process holds the port: choose a free MASTER_PORT, or "
+                      "start the ranks with `viaduct launch`, which picks one"
+                    : "");
+}
+
 // c10::Error appends a backtrace to its message; keep what precedes it.
 std::string first_line(const std::string& message) {
   auto cut = message.find("\nException raised from");
@@ -55,6 +86,7 @@ c10::intrusive_ptr<c10d::Store> make_store(const RendezvousInfo& info,
   }
   VIADUCT_CHECK(info.master_port > 0 && info.master_port <= 65535,
                 "MASTER_PORT=", info.master_port, " is not a TCP port");
+  if (info.rank == 0) check_port_free(info);
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(info.master_port);
   options.isServer = info.rank == 0;
@@ -64,11 +96,15 @@ c10::intrusive_ptr<c10d::Store> make_store(const RendezvousInfo& info,
   try {
     return c10::make_intrusive<c10d::TCPStore>(info.master_addr, options);
   } catch (const std::exception& e) {
+    std::string cause = first_line(e.what());
+    for (char& c : cause) {
+      if (c == '\n') c = ' ';
+    }
     throw Error(str(
         "rank ", info.rank, ": cannot ", info.rank == 0 ? "serve" : "reach",
         " the rendezvous store at ", info.master_addr, ":", info.master_port,
         " (MASTER_ADDR/MASTER_PORT, from ", info.source, ") with ",
-        info.world_size, " ranks within ", timeout.count(), " ms: ", e.what()));
+        info.world_size, " ranks (timeout ", timeout.count() / 1000, " s): ", cause));
   }
 }
 

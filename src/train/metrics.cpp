@@ -11,6 +11,7 @@
 
 #include "core/check.h"
 #include "core/file_io.h"
+#include "core/log.h"
 
 namespace viaduct {
 namespace fs = std::filesystem;
@@ -52,29 +53,59 @@ MetricsOptions metrics_options_from_config(const Config& cfg, bool logging_rank)
 
 MetricsWriter::MetricsWriter(MetricsOptions options) : options_(std::move(options)) {}
 
+MetricsWriter::~MetricsWriter() = default;
+
 void MetricsWriter::append(const std::string& line) {
   if (!options_.jsonl || !options_.logging_rank) return;
-  make_dirs(options_.dump_folder);
-  std::ofstream out(jsonl_path(), std::ios::app);
-  VIADUCT_CHECK_T(FileError, out.good(), "cannot append to ", jsonl_path().string());
-  out << line << '\n';
+  if (!out_) {
+    make_dirs(options_.dump_folder);
+    out_ = std::make_unique<File>(File::open_append(jsonl_path()));
+  }
+  const std::string text = line + '\n';
+  out_->write_all(text.data(), text.size());
+}
+
+void MetricsWriter::flush() {
+  if (out_) out_->sync();
 }
 
 void MetricsWriter::truncate_after(int64_t step) {
   if (!options_.logging_rank) return;
   const fs::path file = jsonl_path();
-  if (!fs::exists(file)) return;
-  std::ifstream in(file);
-  std::ostringstream kept;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.value("step", int64_t{0}) > step) continue;
-    kept << line << '\n';
+  std::error_code ec;
+  if (!fs::exists(file, ec)) return;
+  out_.reset();
+  const std::string text = read_text_file(file);
+  // Lines are in step order (every resume cuts the file this way), so the
+  // kept history is the prefix before the first line past `step` (or before
+  // a torn last line).
+  size_t keep = 0;
+  size_t pos = 0;
+  bool cut = false;
+  while (pos < text.size()) {
+    const size_t nl = text.find('\n', pos);
+    if (nl == std::string::npos) {
+      cut = true;  // a torn last line
+      break;
+    }
+    const auto j = nlohmann::json::parse(text.begin() + static_cast<std::ptrdiff_t>(pos),
+                                         text.begin() + static_cast<std::ptrdiff_t>(nl),
+                                         nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.value("step", int64_t{0}) > step) {
+      cut = true;
+      break;
+    }
+    pos = nl + 1;
+    keep = pos;
   }
-  in.close();
-  atomic_write_file(file, kept.str());
+  if (!cut) return;
+  const auto dropped = static_cast<uint64_t>(text.size() - keep);
+  File f = File::open_read_write(file);
+  f.truncate(keep);
+  f.sync();
+  f.close();
+  log::info("metrics: dropped ", dropped, " bytes of ", file.string(),
+            " past step ", step, " (the resumed checkpoint)");
 }
 
 std::string MetricsWriter::step_json(const StepMetrics& m) const {

@@ -2,10 +2,20 @@
 // progress bar on a terminal), one JSON object per step and per eval in
 // `<job.dump_folder>/metrics.jsonl`, and the truncation of that file after a
 // resume so that it reads as one uninterrupted run.
+//
+// Note [Metrics log is never lost]
+// Each line goes to the file with one checked write(2) (no stdio buffer whose
+// failure would surface, unseen, at close): a full disk is an error naming
+// the file at the step that could not be logged. flush() fsyncs (at every
+// checkpoint and at the end of the run). A resume shortens the file in place
+// with ftruncate(2) -- which needs no free space -- and only by the lines
+// past the resumed step and a torn last line; it never rewrites the history
+// it keeps.
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -13,6 +23,8 @@
 #include "config/config.h"
 
 namespace viaduct {
+
+class File;
 
 struct StepMetrics {
   int64_t step = 0;
@@ -67,13 +79,19 @@ MetricsOptions metrics_options_from_config(const Config& cfg, bool logging_rank)
 class MetricsWriter {
  public:
   explicit MetricsWriter(MetricsOptions options);
+  ~MetricsWriter();
 
   // The step's JSON line, and its stdout line at metrics.log_freq and at the
   // last step.
   void log_step(const StepMetrics& m);
   void log_eval(int64_t step, double loss);
-  // Lines a crashed run wrote past its last checkpoint (`step`) are dropped.
+  // Lines a crashed run wrote past its last checkpoint (`step`) are dropped,
+  // with a torn last line (no newline: a crash mid-write). Note [Metrics log
+  // is never lost].
   void truncate_after(int64_t step);
+  // fsync of metrics.jsonl: a FileError naming it when the data did not
+  // reach the disk.
+  void flush();
 
   // The record written to metrics.jsonl, and the stdout line.
   std::string step_json(const StepMetrics& m) const;
@@ -84,6 +102,7 @@ class MetricsWriter {
   void append(const std::string& json_line);
 
   MetricsOptions options_;
+  std::unique_ptr<File> out_;  // opened at the first line
 };
 
 }  // namespace viaduct

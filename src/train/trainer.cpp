@@ -11,6 +11,7 @@
 #include "checkpoint/manager.h"
 #include "core/check.h"
 #include "core/device.h"
+#include "core/folder_lock.h"
 #include "core/profiler.h"
 #include "core/log.h"
 #include "data/sampler.h"
@@ -22,6 +23,7 @@
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
 #include "train/pipeline_metrics.h"
+#include "train/preemption.h"
 #include "train/process.h"
 #include "train/rank_model.h"
 #include "train/reduce.h"
@@ -40,6 +42,8 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   pp_rank_ = process.pp_rank;
   dp_rank_ = process.dp_rank;
   dp_size_ = process.dp_size;
+  lock_folders();
+  check_memory_fits();
   const auto path = cfg_.get_string("data.path");
   const auto format = cfg_.get_string("data.format");
   train_tokens_ = data::open_token_stream(path, format);
@@ -58,6 +62,56 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   metrics_ = std::make_unique<MetricsWriter>(std::move(mo));
   log_job_summary(cfg_, {info, *plan_, device_, compute_dtype_, dp_size_, num_microbatches(),
                          *train_tokens_, eval_tokens_.get()});
+}
+
+void Trainer::lock_folders() {
+  // Note [One trainer per dump folder]: rank 0 speaks for the job; a
+  // checkpoint folder outside the dump folder is locked too.
+  if (rank() != 0) return;
+  const fs::path dump = cfg_.get_string("job.dump_folder");
+  folder_locks_.push_back(std::make_unique<FolderLock>(dump, "job.dump_folder"));
+  if (!cfg_.get_bool("checkpoint.enable")) return;
+  const fs::path ckpt = fs::absolute(checkpoint_folder()).lexically_normal();
+  const fs::path dump_abs = fs::absolute(dump).lexically_normal();
+  const auto rel = ckpt.lexically_relative(dump_abs);
+  if (rel.empty() || *rel.begin() == "..") {
+    folder_locks_.push_back(std::make_unique<FolderLock>(ckpt, "checkpoint.folder"));
+  }
+}
+
+void Trainer::check_memory_fits() const {
+  // Before anything is allocated: weights, gradients and optimizer state of
+  // this rank's share of the model (an even split over the pipeline ranks)
+  // against what the device has. Activations come on top, so this is a lower
+  // bound: a run above it cannot fit.
+  const auto avail = device_memory_bytes(device_);
+  if (!avail) return;
+  const ModelInfo info = describe_model(cfg_);
+  const int64_t pp = cfg_.get_int("parallelism.pipeline_parallel_degree");
+  const double params = static_cast<double>(info.params) / static_cast<double>(pp);
+  const bool adamw = cfg_.get_string("optimizer.name") == "AdamW";
+  const double weights = params * (compute_dtype_ == at::kFloat ? 4.0 : 6.0);
+  const double grads = params * 4.0;
+  const double optim = params * (adamw ? 8.0 : 0.0);
+  const double need = weights + grads + optim;
+  const auto gib = [](double b) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.2f GiB", b / (1024.0 * 1024 * 1024));
+    return std::string(buf);
+  };
+  log::info("memory: at least ", gib(need), " per rank before activations (weights ",
+            gib(weights), ", gradients ", gib(grads), ", optimizer ", gib(optim), "); ",
+            device_name(device_), " has ", gib(*avail));
+  VIADUCT_CHECK_T(
+      ConfigError, need <= *avail, "this run cannot fit: each rank needs at least ", gib(need),
+      " before activations (", info.family, "/", info.flavor, ", ", info.params,
+      " parameters over ", pp, " pipeline rank", pp > 1 ? "s" : "", ": weights ", gib(weights),
+      ", gradients ", gib(grads), ", ", adamw ? "AdamW" : "optimizer", " state ", gib(optim),
+      ") but ", device_name(device_), " has ", gib(*avail),
+      device_.is_cpu() ? " available" : "",
+      ". To fit: a smaller model (model.flavor, model.n_layers, model.dim), more pipeline "
+      "ranks (parallelism.pipeline_parallel_degree, started with `viaduct launch`)",
+      adamw ? ", or optimizer.name = SGD (no optimizer state)" : "");
 }
 
 ModelInfo Trainer::build_model() {
@@ -193,7 +247,10 @@ StepMetrics Trainer::train_step() {
 
 void Trainer::inject_fault_if_asked() const {
   // Fault injection for the failure tests: VIADUCT_FAULT_KILL="<rank>:<step>"
-  // kills that rank with SIGKILL as the step starts.
+  // kills that rank with SIGKILL as the step starts -- in the first attempt
+  // only, so that `viaduct launch --max-restarts` can be seen to recover.
+  const char* restart = std::getenv("VIADUCT_RESTART_COUNT");
+  if (restart != nullptr && std::string(restart) != "0") return;
   if (const char* fault = std::getenv("VIADUCT_FAULT_KILL")) {
     int r = -1;
     long long st = -1;
@@ -328,11 +385,17 @@ double Trainer::gather_loss_and_pipeline_metrics(double loss_sum, StepMetrics& m
   if (layout.timed) times = executor_->take_times();
   auto gathered = layout.pack(loss_sum, times,
                               layout.per_rank_memory ? peak_memory_bytes(device_) : 0.0);
+  // Note [Save and exit on a signal]: the ranks' stop requests ride along
+  // (a separate element: the loss's sum is unchanged); pp then dp covers
+  // the mesh.
+  gathered.push_back(stop_signal() != 0 ? 1.0 : 0.0);
   sum_over(mesh_ ? &mesh_->pp_group() : nullptr, gathered,
            layout.timed ? "the loss and pipeline times" : "the loss");
-  std::vector<double> loss{gathered[0]};
+  std::vector<double> loss{gathered[0], gathered.back()};
   sum_over(mesh_ ? &mesh_->dp_group() : nullptr, loss, "the loss");
+  gathered.pop_back();
   layout.unpack(gathered, times, m);
+  stop_requested_ = loss[1] > 0;
   return loss[0];
 }
 
@@ -400,6 +463,7 @@ double Trainer::evaluate() {
 
 void Trainer::save_checkpoint() {
   namespace ck = checkpoint;
+  metrics_->flush();  // the log reaches the disk no later than the checkpoint
   const int pp = static_cast<int>(plan_->split.pp);
   const auto meta = training_state_metadata(
       {step_, tokens_seen_}, *sampler_, *optimizer_, cfg_.to_toml(),
@@ -423,6 +487,57 @@ void Trainer::save_checkpoint() {
   checkpoints_->save(meta, files, &group);
 }
 
+void Trainer::check_checkpoint_matches_model(const checkpoint::Checkpoint& ckpt) const {
+  // Every checkpoint tensor must belong to a module of this model: a model
+  // with fewer layers would otherwise drop the others without a word
+  // (shapes and missing tensors are checked as the tensors load).
+  const auto modules = model_module_fqns(cfg_);
+  std::vector<std::string> strays;
+  for (const auto& name : ckpt.tensors.names()) {
+    if (name.rfind("optim.", 0) == 0) continue;
+    bool owned = false;
+    for (const auto& m : modules) {
+      owned = owned || name == m || name.rfind(m + ".", 0) == 0;
+    }
+    if (!owned) strays.push_back(name);
+  }
+  std::string differences;
+  try {
+    const auto saved = Config::parse(ckpt.metadata.config_toml, ckpt.dir.string());
+    const auto was = describe_model(saved);
+    const auto now = describe_model(cfg_);
+    if (was.family != now.family || was.n_layers != now.n_layers || was.params != now.params) {
+      differences = str("; the checkpoint's model is ", was.family, "/", was.flavor, " with ",
+                        was.n_layers, " layers and ", was.params, " parameters, this config's ",
+                        now.family, "/", now.flavor, " with ", now.n_layers, " layers and ",
+                        now.params, " parameters");
+      for (const auto& k : config_schema()) {
+        if (k.section != "model" || k.type != ConfigType::kInt) continue;
+        const auto a = saved.get_int_opt(k.dotted());
+        const auto b = cfg_.get_int_opt(k.dotted());
+        if (a == b) continue;
+        differences += str("; ", k.dotted(), " = ", a ? str(*a) : std::string("(flavor)"),
+                           " in the checkpoint, ", b ? str(*b) : std::string("(flavor)"),
+                           " now (from ", cfg_.source(k.dotted()), ")");
+      }
+    }
+  } catch (const Error&) {
+    // A checkpoint of an older config vocabulary: the tensors decide alone.
+  }
+  if (strays.empty() && differences.empty()) return;
+  std::string stray_text;
+  for (size_t i = 0; i < strays.size() && i < 4; ++i) {
+    stray_text += str(i ? ", " : "", strays[i]);
+  }
+  if (strays.size() > 4) stray_text += str(" and ", strays.size() - 4, " more");
+  throw ConfigError(str(
+      "cannot resume from ", ckpt.dir.string(), ": it holds a different model than this config",
+      differences.empty() ? "" : differences,
+      strays.empty() ? "" : str("; tensors this model has no place for: ", stray_text),
+      ". Resume with the checkpoint's model settings, or start a new run in another "
+      "job.dump_folder (or with checkpoint.resume = false)"));
+}
+
 bool Trainer::resume() {
   const auto latest = checkpoints_->resume_step();
   if (!latest) return false;
@@ -430,6 +545,7 @@ bool Trainer::resume() {
   // per-tensor CRCs are still checked as they are read.
   const auto ckpt = checkpoints_->open(*latest, mesh_ ? checkpoint::Verify::kSizes
                                                       : checkpoint::Verify::kChecksums);
+  check_checkpoint_matches_model(ckpt);
   const auto progress = load_training_state(ckpt, parts_, *optimizer_, *sampler_);
   step_ = progress.step;
   tokens_seen_ = progress.tokens_seen;
@@ -477,9 +593,29 @@ StepMetrics Trainer::run() {
     if (can_eval && eval_every > 0 && (step_ % eval_every == 0 || step_ == total)) {
       metrics_->log_eval(step_, evaluate());
     }
-    if (checkpoints_->save_due(step_, total)) save_checkpoint();
+    const bool saved = checkpoints_->save_due(step_, total);
+    if (saved) save_checkpoint();
+    if (stop_requested_ && step_ < total) {
+      stop_on_signal(saved);
+      break;
+    }
   }
+  metrics_->flush();
   return last;
+}
+
+void Trainer::stop_on_signal(bool saved_this_step) {
+  // Note [Save and exit on a signal].
+  stopped_on_signal_ = true;
+  if (!checkpoints_->policy().enable) {
+    log::warn("stopping at step ", step_, " on a signal; checkpoint.enable = false, so "
+              "nothing is saved");
+    return;
+  }
+  if (!saved_this_step) save_checkpoint();
+  log::info("stopped at step ", step_, " on a signal after saving ",
+            checkpoint::checkpoint_dir(checkpoint_folder(), step_).string(),
+            "; the next run resumes from it");
 }
 
 }  // namespace viaduct

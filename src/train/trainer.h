@@ -36,7 +36,9 @@ struct BlockLayoutTables;
 }  // namespace pipeline
 namespace checkpoint {
 class CheckpointManager;
+struct Checkpoint;
 }  // namespace checkpoint
+class FolderLock;
 
 namespace data {
 class TokenSampler;
@@ -63,6 +65,9 @@ class Trainer {
   bool resume();
 
   int64_t step() const { return step_; }
+  // True when run() stopped early on SIGTERM / SIGINT / SIGUSR1 (Note [Save
+  // and exit on a signal], train/preemption.h).
+  bool stopped_on_signal() const { return stopped_on_signal_; }
   // This rank's model parts, one per stage it holds, in stage order.
   const std::vector<std::shared_ptr<ModelPart>>& parts() const { return parts_; }
   // Global rank (0 without a launcher) and whether this rank logs.
@@ -78,6 +83,16 @@ class Trainer {
   // then the sampler and the eval batches.
   ModelInfo build_model();
   void init_data();
+  // Note [One trainer per dump folder] (core/folder_lock.h).
+  void lock_folders();
+  // A run whose weights, gradients and optimizer state alone exceed the
+  // device's memory stops here with the figures and what would make it fit.
+  void check_memory_fits() const;
+  // A resume whose checkpoint holds another model is a ConfigError naming
+  // the difference.
+  void check_checkpoint_matches_model(const checkpoint::Checkpoint& ckpt) const;
+  // The signal's stop: a checkpoint of this step unless one was just saved.
+  void stop_on_signal(bool saved_this_step);
 
   // The pieces of train_step.
   void inject_fault_if_asked() const;
@@ -108,6 +123,7 @@ class Trainer {
 
   Config cfg_;
   std::unique_ptr<dist::Mesh> mesh_;
+  std::vector<std::unique_ptr<FolderLock>> folder_locks_;
   std::unique_ptr<pipeline::PipelinePlan> plan_;
   std::unique_ptr<pipeline::PipelineExecutor> executor_;  // null: one stage
   // AttnRes pipelines (a family with a block stack over > 1 stage): the
@@ -131,6 +147,8 @@ class Trainer {
   std::unique_ptr<MetricsWriter> metrics_;
   int64_t step_ = 0;
   int64_t tokens_seen_ = 0;
+  bool stop_requested_ = false;  // every rank agreed at this step's loss gather
+  bool stopped_on_signal_ = false;
   double flops_per_token_ = 0;
 };
 

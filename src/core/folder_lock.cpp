@@ -1,0 +1,125 @@
+// The folder lock (see folder_lock.h).
+#include "core/folder_lock.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <ctime>
+#include <map>
+#include <mutex>
+
+#include "core/check.h"
+#include "core/log.h"
+
+namespace viaduct {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string host_name() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
+  return buf;
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  ::gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+// The holder's text on one line: "host H, pid P, started T".
+std::string holder_text(int fd) {
+  std::string text;
+  char buf[512];
+  ssize_t n = 0;
+  off_t off = 0;
+  while ((n = ::pread(fd, buf, sizeof(buf), off)) > 0) {
+    text.append(buf, static_cast<size_t>(n));
+    off += n;
+    if (text.size() > 4096) break;
+  }
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  return text;
+}
+
+// The locks this process holds: canonical lock file path -> its descriptor
+// and the FolderLocks sharing it.
+struct HeldLock {
+  UniqueFd fd;
+  int users = 0;
+};
+std::mutex g_held_mutex;
+std::map<std::string, HeldLock>& held_locks() {
+  static std::map<std::string, HeldLock> held;
+  return held;
+}
+
+}  // namespace
+
+FolderLock::FolderLock(const fs::path& folder, const std::string& what_for)
+    : path_(folder / kFileName) {
+  make_dirs(folder);
+  std::error_code ec;
+  key_ = fs::weakly_canonical(path_, ec).string();
+  if (ec) key_ = fs::absolute(path_).lexically_normal().string();
+  std::lock_guard<std::mutex> guard(g_held_mutex);
+  auto it = held_locks().find(key_);
+  if (it != held_locks().end()) {
+    ++it->second.users;
+    return;
+  }
+  UniqueFd fd(::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  VIADUCT_CHECK_T(FileError, fd.valid(), "cannot open the lock file ", path_.string(),
+                  ": ", errno_text());
+  int rc = 0;
+  do {
+    rc = ::flock(fd.get(), LOCK_EX | LOCK_NB);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    VIADUCT_CHECK_T(FileError, errno == EWOULDBLOCK, "cannot lock ", path_.string(),
+                    ": ", errno_text());
+    const std::string holder = holder_text(fd.get());
+    throw FileError(str(what_for, " ", folder.string(), " is in use by another viaduct process (",
+                        holder.empty() ? std::string("holder not yet named") : holder,
+                        "; lock file ", path_.string(),
+                        "): wait for it to end, or give this run another ", what_for));
+  }
+  const std::string previous = holder_text(fd.get());
+  if (!previous.empty()) {
+    log::warn("taking over ", path_.string(), ": its holder (", previous,
+              ") is gone without releasing it");
+  }
+  const std::string me =
+      str("host ", host_name(), ", pid ", ::getpid(), ", started ", utc_now(), "\n");
+  // The lock is the flock; the text only names the holder. A full disk
+  // must not stop a run that could still resume and report, so a failed
+  // write is a warning.
+  if (::ftruncate(fd.get(), 0) != 0 || !pwrite_fully(fd.get(), me.data(), me.size(), 0) ||
+      ::fsync(fd.get()) != 0) {
+    log::warn("cannot write the holder into ", path_.string(), ": ", errno_text(),
+              " (the lock is held all the same)");
+  }
+  HeldLock& held = held_locks()[key_];
+  held.fd = std::move(fd);
+  held.users = 1;
+}
+
+FolderLock::~FolderLock() {
+  std::lock_guard<std::mutex> guard(g_held_mutex);
+  auto it = held_locks().find(key_);
+  if (it == held_locks().end() || --it->second.users > 0) return;
+  // Unchecked: a destructor cannot report, and a holder left named only
+  // costs the next run a warning.
+  const int fd = it->second.fd.get();
+  (void)!::ftruncate(fd, 0);
+  (void)!::flock(fd, LOCK_UN);
+  held_locks().erase(it);
+}
+
+}  // namespace viaduct

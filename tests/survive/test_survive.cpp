@@ -1,0 +1,341 @@
+// Runs that survive: each failure a user met -- a full disk under the
+// metrics log or a checkpoint, a second trainer on the same folder, a
+// folder given as --config, a resume with another model, signals, a dead
+// rank, a model too large for the machine, a port in use -- reproduced
+// against `viaduct` processes, with the behaviour each must get.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/process_runs.h"
+#include "data/temp_dir.h"
+
+extern char** environ;
+
+namespace viaduct::testing {
+namespace {
+namespace fs = std::filesystem;
+using data::testing::TempDir;
+
+const std::string kBin = VIADUCT_BINARY;
+
+// A small, fast job: two layers, short sequences, no eval.
+std::string job(const TempDir& dir, const std::string& dump, int steps, int layers = 2) {
+  return " train --data.path=" + dir.file("corpus.tok") + " --job.dump_folder=" + dir.file(dump) +
+         " --training.steps=" + std::to_string(steps) +
+         " --training.eval_interval=0 --training.local_batch_size=2 --training.seq_len=32"
+         " --model.n_layers=" + std::to_string(layers) + " --metrics.progress_bar=false";
+}
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<std::string> lines_of(const fs::path& p) {
+  std::vector<std::string> out;
+  std::istringstream in(read_file(p));
+  for (std::string l; std::getline(in, l);) out.push_back(l);
+  return out;
+}
+
+std::vector<std::string> tmp_folders(const fs::path& ckpt) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& de : fs::directory_iterator(ckpt, ec)) {
+    if (de.path().filename().string().find(".tmp-") != std::string::npos) {
+      out.push_back(de.path().string());
+    }
+  }
+  return out;
+}
+
+void expect_has(const std::string& text, const std::string& part) {
+  EXPECT_NE(text.find(part), std::string::npos) << "'" << part << "' not in:\n" << text;
+}
+
+// A `viaduct` process in the background, its output in a file.
+class Background {
+ public:
+  Background(const std::string& args, const fs::path& log,
+             const std::vector<std::string>& env_extra = {}) : log_(log) {
+    std::vector<std::string> argv{"/bin/sh", "-c", "exec " + kBin + args};
+    std::vector<char*> cargv;
+    for (auto& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+    for (const auto& e : env_extra) env.push_back(e);
+    std::vector<char*> cenv;
+    for (auto& e : env) cenv.push_back(e.data());
+    cenv.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    EXPECT_EQ(posix_spawn(&pid_, "/bin/sh", &fa, nullptr, cargv.data(), cenv.data()), 0);
+    posix_spawn_file_actions_destroy(&fa);
+  }
+  ~Background() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      wait();
+    }
+  }
+  pid_t pid() const { return pid_; }
+  void signal(int sig) const { ::kill(pid_, sig); }
+  // The exit code (128 + signal when killed).
+  int wait() {
+    int status = 0;
+    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+  std::string output() const { return read_file(log_); }
+
+ private:
+  fs::path log_;
+  pid_t pid_ = -1;
+};
+
+// Polls `done` every 50 ms for up to `seconds`.
+template <typename F>
+bool wait_until(F done, double seconds = 60) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < end) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+class Survive : public ::testing::Test {
+ protected:
+  void SetUp() override { write_random_corpus(dir_.file("corpus.tok"), 7, 6000); }
+  TempDir dir_;
+};
+
+// ---- full disks -------------------------------------------------------------
+
+TEST_F(Survive, MetricsLogOnAFullDiskFailsTheRunNamingTheFile) {
+  fs::create_directories(dir_.file("run"));
+  fs::create_symlink("/dev/full", dir_.file("run/metrics.jsonl"));
+  const auto r = shell(kBin + job(dir_, "run", 3));
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  expect_has(r.output, "metrics.jsonl");
+  expect_has(r.output, "No space left on device");
+}
+
+// The shell's file size limit (ulimit -f, in KiB) stands in for a full disk:
+// writes past it fail with EFBIG, and SIGXFSZ is ignored so they return.
+std::string with_file_limit(int kib, const std::string& cmd) {
+  return "(ulimit -f " + std::to_string(kib) + "; trap '' XFSZ; " + cmd + ")";
+}
+
+TEST_F(Survive, ResumeOnAFullDiskKeepsTheHistoryUpToTheCheckpoint) {
+  // A run killed at step 5 after a checkpoint at step 3 ...
+  const std::string run = job(dir_, "run", 6) + " --checkpoint.enable=true --checkpoint.interval=3";
+  auto r = shell("VIADUCT_FAULT_KILL=0:5 " + kBin + run);
+  ASSERT_EQ(r.exit_code, 128 + SIGKILL) << r.output;
+  const fs::path log = dir_.file("run/metrics.jsonl");
+  const auto before = lines_of(log);
+  ASSERT_EQ(before.size(), 4u);
+  // ... with a torn last line, as a crash mid-write leaves it ...
+  { std::ofstream(log, std::ios::app) << "{\"step\": 5, \"lo"; }
+  // ... resumed where no byte can be written: the run fails, and the log
+  // holds exactly the steps up to the checkpoint, as they were.
+  r = shell(with_file_limit(0, kBin + run));
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  const auto after = lines_of(log);
+  ASSERT_EQ(after.size(), 3u) << read_file(log);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(after[i], before[i]);
+  // With space again, the run completes into one uninterrupted log.
+  r = shell(kBin + run);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto steps = step_metrics(dir_.file("run"));
+  ASSERT_EQ(steps.size(), 6u);
+  for (size_t i = 0; i < steps.size(); ++i) EXPECT_EQ(steps[i]["step"], i + 1);
+}
+
+TEST_F(Survive, AFailedSaveRemovesItsTemporaryFolderAndSaysWhatItNeeded) {
+  // Model files of the two-layer debug model are ~1 MiB: 64 KiB holds the
+  // metrics log but not a checkpoint.
+  const std::string run = job(dir_, "run", 2) + " --checkpoint.enable=true --checkpoint.interval=1";
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const auto r = shell(with_file_limit(64, kBin + run));
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    expect_has(r.output, "checkpoint step 1 could not be saved");
+    expect_has(r.output, "was removed");
+    expect_has(r.output, "needs about");
+    EXPECT_EQ(tmp_folders(dir_.file("run/checkpoint")), std::vector<std::string>{});
+  }
+}
+
+// ---- one trainer per folder ---------------------------------------------------
+
+TEST_F(Survive, ASecondTrainerOnTheSameFolderIsRefusedNamingTheFirst) {
+  Background first(job(dir_, "run", 1000000), dir_.file("first.log"));
+  const fs::path lock = dir_.file("run/viaduct.lock");
+  ASSERT_TRUE(wait_until([&] { return !read_file(lock).empty(); })) << first.output();
+  auto r = shell(kBin + job(dir_, "run", 2));
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  expect_has(r.output, "is in use by another viaduct process");
+  expect_has(r.output, "pid " + std::to_string(first.pid()));
+  // The first one dies without releasing anything: its lock is taken over.
+  first.signal(SIGKILL);
+  EXPECT_EQ(first.wait(), 128 + SIGKILL);
+  r = shell(kBin + job(dir_, "run", 2));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  expect_has(r.output, "taking over");
+  // A clean end names no holder: the next run takes the lock silently.
+  EXPECT_EQ(read_file(lock), "");
+}
+
+// ---- config and resume -------------------------------------------------------
+
+TEST_F(Survive, AFolderAsConfigIsAnError) {
+  const auto r = shell(kBin + " train --config " + dir_.path().string());
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  expect_has(r.output, "is a folder");
+}
+
+TEST_F(Survive, AKeyTwiceOnTheCommandLineIsSaidAndTheLastOneKept) {
+  const auto r = shell(kBin + " train --training.steps=3 --training.steps=5 --print-config");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  expect_has(r.output, "'--training.steps' twice ('3', then '5'); using the last, '5'");
+  expect_has(r.output, "steps = 5\n");
+}
+
+TEST_F(Survive, ResumingWithFewerLayersIsRefusedNamingTheDifference) {
+  auto r = shell(kBin + job(dir_, "run", 2) + " --checkpoint.enable=true");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = shell(kBin + job(dir_, "run", 4, /*layers=*/1) + " --checkpoint.enable=true");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  expect_has(r.output, "model.n_layers = 2 in the checkpoint, 1 now");
+  expect_has(r.output, "layers.1.");
+}
+
+// ---- signals -----------------------------------------------------------------
+
+TEST_F(Survive, SigtermFinishesTheStepSavesAndExitsWith75) {
+  const std::string run =
+      job(dir_, "run", 1000000) + " --checkpoint.enable=true --checkpoint.interval=100000";
+  Background train(run, dir_.file("train.log"));
+  const fs::path log = dir_.file("run/metrics.jsonl");
+  ASSERT_TRUE(wait_until([&] { return lines_of(log).size() >= 3; })) << train.output();
+  train.signal(SIGTERM);
+  EXPECT_EQ(train.wait(), 75) << train.output();
+  // Nothing lost: the checkpoint is the last logged step.
+  const auto steps = step_metrics(dir_.file("run"));
+  ASSERT_FALSE(steps.empty());
+  const int64_t last = steps.back()["step"];
+  EXPECT_TRUE(fs::exists(dir_.file("run/checkpoint/step-" + std::to_string(last) +
+                                   "/metadata.json")))
+      << train.output();
+  expect_has(train.output(), "stopped at step " + std::to_string(last));
+  // And the next run resumes there.
+  const auto r = shell(kBin + job(dir_, "run", static_cast<int>(last) + 1) +
+                       " --checkpoint.enable=true --checkpoint.interval=100000");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  expect_has(r.output, "at step " + std::to_string(last));
+}
+
+TEST_F(Survive, ASecondSignalAbortsAtOnce) {
+  Background train(job(dir_, "run", 1000000) + " --checkpoint.enable=true",
+                   dir_.file("train.log"));
+  const fs::path log = dir_.file("run/metrics.jsonl");
+  ASSERT_TRUE(wait_until([&] { return lines_of(log).size() >= 1; })) << train.output();
+  // Two different signals, so the kernel cannot merge them into one.
+  train.signal(SIGTERM);
+  train.signal(SIGUSR1);
+  const int code = train.wait();
+  EXPECT_TRUE(code == 128 + SIGTERM || code == 128 + SIGUSR1) << code << "\n" << train.output();
+  expect_has(train.output(), "second signal");
+}
+
+TEST_F(Survive, LaunchForwardsSigtermAndEveryRankSavesTogether) {
+  const std::string run = " launch --nproc-per-node 2 -- " + kBin + job(dir_, "run", 1000000) +
+                          " --parallelism.pipeline_parallel_degree=2"
+                          " --checkpoint.enable=true --checkpoint.interval=100000";
+  Background launch(run, dir_.file("launch.log"));
+  const fs::path log = dir_.file("run/metrics.jsonl");
+  ASSERT_TRUE(wait_until([&] { return lines_of(log).size() >= 2; })) << launch.output();
+  launch.signal(SIGTERM);
+  EXPECT_EQ(launch.wait(), 75) << launch.output();
+  const int64_t last = step_metrics(dir_.file("run")).back()["step"];
+  EXPECT_TRUE(fs::exists(dir_.file("run/checkpoint/step-" + std::to_string(last) +
+                                   "/metadata.json")))
+      << launch.output();
+}
+
+// ---- restarts ----------------------------------------------------------------
+
+TEST_F(Survive, LaunchRestartsEveryRankFromTheLatestCheckpoint) {
+  const std::string args = " launch --nproc-per-node 2 --max-restarts 1 -- " + kBin +
+                           job(dir_, "run", 6) +
+                           " --parallelism.pipeline_parallel_degree=2"
+                           " --checkpoint.enable=true --checkpoint.interval=2";
+  const auto r = shell("VIADUCT_FAULT_KILL=1:4 " + kBin + args);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  expect_has(r.output, "restart 1 of 1");
+  expect_has(r.output, "at step 2");
+  const auto steps = step_metrics(dir_.file("run"));
+  ASSERT_EQ(steps.size(), 6u) << r.output;
+  for (size_t i = 0; i < steps.size(); ++i) EXPECT_EQ(steps[i]["step"], i + 1);
+}
+
+// ---- memory and rendezvous ----------------------------------------------------
+
+TEST_F(Survive, AModelThatCannotFitStopsAtOnceWithTheFigures) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = shell(kBin + job(dir_, "run", 2, /*layers=*/2000) +
+                       " --model.flavor=8B --training.device=cpu");
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  expect_has(r.output, "this run cannot fit");
+  expect_has(r.output, "GiB");
+  expect_has(r.output, "parallelism.pipeline_parallel_degree");
+  EXPECT_LT(secs, 30) << r.output;
+}
+
+TEST_F(Survive, APortInUseIsOneLineNamingPortAndCause) {
+  const int sock = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(sock, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  ASSERT_EQ(::bind(sock, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(sock, 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::getsockname(sock, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int port = ntohs(addr.sin_port);
+  const auto r = shell("RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1"
+                       " MASTER_PORT=" + std::to_string(port) + " " + kBin +
+                       job(dir_, "run", 2) + " --parallelism.pipeline_parallel_degree=2");
+  ::close(sock);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  expect_has(r.output, "port " + std::to_string(port));
+  expect_has(r.output, "Address already in use");
+  EXPECT_EQ(r.output.find("socket.cpp"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("300000"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace viaduct::testing
