@@ -5,11 +5,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libtomlplusplus-dev
-          nlohmann-json3-dev libgtest-dev googletest fortunes fortunes-min python3)
+          nlohmann-json3-dev libgtest-dev googletest fortunes fortunes-min python3
+          pkg-config libpcre2-dev zlib1g-dev)
 # The tests also need PyTorch for the independent cross-check of the models
-# (Reference.TorchCrossCheck); scripts/test.sh asks for it.
+# (Reference.TorchCrossCheck) and node + npm for the tokenizer tests'
+# reference encoder (scripts/fetch_tokenizers.sh); scripts/test.sh asks for
+# them. A node already on the PATH (with its npm) is used as it is.
 if [ "${VIADUCT_TEST_PACKAGES:-0}" = 1 ]; then
   PACKAGES+=(python3-torch)
+  if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    PACKAGES+=(nodejs npm)
+  fi
 fi
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -21,6 +27,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+if [ "${VIADUCT_TEST_PACKAGES:-0}" = 1 ]; then
+  bash scripts/fetch_tokenizers.sh
 fi
 
 BUILD_DIR=${VIADUCT_BUILD_DIR:-build}

@@ -1,6 +1,8 @@
-// `viaduct prepare-data`: text files -> a viaduct token file (byte tokenizer),
-// with an optional held-out split. The README's demo prepares Debian's
-// fortunes: --input /usr/share/games/fortunes --output data/fortunes.tok.
+// `viaduct prepare-data`: text files and JSON Lines corpora -> a viaduct token
+// file (the byte tokenizer or a real one), with an optional held-out split.
+// The README's demo prepares Debian's fortunes: --input
+// /usr/share/games/fortunes --output data/fortunes.tok.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -19,9 +21,19 @@ constexpr const char* kUsage =
     "FILE\n"
     "                            [--val-fraction X] [--split "
     "auto|whole|fortune]\n"
+    "                            [--tokenizer FILE] [--jsonl-field NAME] "
+    "[--threads N]\n"
     "\n"
-    "Tokenizes text with the built-in byte tokenizer (vocab 257: bytes +\n"
-    "<|endoftext|> = 256 before each document) into a viaduct token file.\n"
+    "Tokenizes text into a viaduct token file (uint32 tokens when the vocab\n"
+    "passes 65,535), on every core.\n"
+    "  --tokenizer FILE   'byte' (default: bytes + <|endoftext|> = 256 before\n"
+    "                     each document) or a Hugging Face tokenizer.json (or\n"
+    "                     a folder holding one): byte-level BPE such as GPT-2's\n"
+    "                     and llama-3's; documents get the post-processor's\n"
+    "                     BOS/EOS, or its end-of-text token before each\n"
+    "  --jsonl-field NAME the field of each .jsonl / .jsonl.gz line that holds\n"
+    "                     the document; default text\n"
+    "  --threads N        encoding threads; default every core\n"
     "  --input PATH       a text file or a folder (walked recursively, "
     "sorted,\n"
     "                     binary files skipped); repeatable\n"
@@ -67,7 +79,8 @@ int prepare_data_main(int argc, char** argv) {
       has_value = true;
     }
     if (name != "--input" && name != "--output" && name != "--val-fraction" &&
-        name != "--split") {
+        name != "--split" && name != "--tokenizer" && name != "--jsonl-field" &&
+        name != "--threads") {
       std::fprintf(stderr, "viaduct prepare-data: unknown argument '%s'\n\n%s",
                    arg.c_str(), kUsage);
       return 2;
@@ -82,6 +95,17 @@ int prepare_data_main(int argc, char** argv) {
       output = value;
     } else if (name == "--val-fraction") {
       options.val_fraction = parse_fraction(value);
+    } else if (name == "--tokenizer") {
+      options.tokenizer = value;
+    } else if (name == "--jsonl-field") {
+      options.jsonl_field = value;
+    } else if (name == "--threads") {
+      char* end = nullptr;
+      long v = std::strtol(value.c_str(), &end, 10);
+      VIADUCT_CHECK_T(ConfigError,
+                      !value.empty() && *end == '\0' && v >= 1 && v <= 4096,
+                      "--threads: '", value, "' is not a count in [1, 4096]");
+      options.threads = static_cast<int>(v);
     } else {
       options.split = parse_split(value);
     }
@@ -95,9 +119,20 @@ int prepare_data_main(int argc, char** argv) {
   }
 
   log::info("prepare-data: reading ", inputs.size(), " input(s) into ", output);
+  options.progress = true;
   data::PrepareStats s = data::prepare_text_data(inputs, output, options);
-  log::info("prepare-data: ", s.files, " files, ", s.documents, " documents, ",
-            s.bytes_read, " text bytes");
+  const int64_t tokens = s.train_tokens + s.val_tokens;
+  const double seconds = std::max(s.seconds, 1e-9);
+  log::info("prepare-data: tokenizer ", s.tokenizer, " (vocab ", s.vocab_size,
+            "): ", s.files, " files, ", s.documents, " documents, ",
+            s.bytes_read, " text bytes, ", tokens, " tokens, ",
+            static_cast<double>(tokens) /
+                static_cast<double>(std::max<int64_t>(s.bytes_read, 1)),
+            " tokens per byte");
+  log::info("prepare-data: ", seconds, " s, ",
+            static_cast<double>(s.bytes_read) / 1e6 / seconds, " MB/s, ",
+            static_cast<int64_t>(static_cast<double>(s.documents) / seconds),
+            " documents/s");
   log::info("prepare-data: train: ", s.train_documents, " documents, ",
             s.train_tokens, " tokens -> ", s.train_path);
   if (!s.val_path.empty()) {
@@ -111,7 +146,7 @@ int prepare_data_main(int argc, char** argv) {
 }  // namespace
 
 VIADUCT_COMMAND("prepare-data",
-                "text files -> token file (byte tokenizer, optional val split)",
+                "text / JSONL -> token file (byte or HF tokenizer, val split)",
                 prepare_data_main);
 
 }  // namespace viaduct::apps
