@@ -1,0 +1,298 @@
+// HF checkpoints: Note [HF rotary layout] against a hand-written rotate-half
+// RoPE (transformers' form) and viaduct's own ops::rope; viaduct -> HF folder
+// -> viaduct bitwise for llama (GQA, untied, sharded) and gpt2 (tied, padded
+// vocab); bad folders and shape mismatches refused naming the field.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "checkpoint/hf.h"
+#include "core/check.h"
+#include "core/file_io.h"
+#include "data/temp_dir.h"
+#include "ops/rope.h"
+
+namespace viaduct::checkpoint {
+namespace {
+
+namespace fs = std::filesystem;
+using data::testing::TempDir;
+
+// Meta's interleaved RoPE on x [T, H, hd] (fp64): pairs (2i, 2i+1).
+at::Tensor rope_interleaved(const at::Tensor& x, double theta) {
+  const int64_t T = x.size(0), hd = x.size(2);
+  at::Tensor out = x.clone();
+  auto xa = x.accessor<double, 3>();
+  auto oa = out.accessor<double, 3>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < x.size(1); ++h)
+      for (int64_t i = 0; i < hd / 2; ++i) {
+        double ang = t * std::pow(theta, -2.0 * i / hd);
+        double c = std::cos(ang), s = std::sin(ang);
+        double a = xa[t][h][2 * i], b = xa[t][h][2 * i + 1];
+        oa[t][h][2 * i] = a * c - b * s;
+        oa[t][h][2 * i + 1] = a * s + b * c;
+      }
+  return out;
+}
+
+// transformers' llama RoPE: x * cos + rotate_half(x) * sin, with the
+// frequencies repeated over the two halves.
+at::Tensor rope_rotate_half(const at::Tensor& x, double theta) {
+  const int64_t T = x.size(0), hd = x.size(2);
+  at::Tensor out = x.clone();
+  auto xa = x.accessor<double, 3>();
+  auto oa = out.accessor<double, 3>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < x.size(1); ++h)
+      for (int64_t j = 0; j < hd; ++j) {
+        int64_t i = j % (hd / 2);
+        double ang = t * std::pow(theta, -2.0 * i / hd);
+        double rot = j < hd / 2 ? -xa[t][h][j + hd / 2] : xa[t][h][j - hd / 2];
+        oa[t][h][j] = xa[t][h][j] * std::cos(ang) + rot * std::sin(ang);
+      }
+  return out;
+}
+
+TEST(HfRotaryLayout, PermutedRowsUnderRotateHalfEqualInterleaved) {
+  at::manual_seed(0);
+  const int64_t T = 7, H = 3, hd = 8, D = 16;
+  const double theta = 500000.0;
+  at::Tensor w = at::randn({H * hd, D}, at::kDouble);
+  at::Tensor x = at::randn({T, D}, at::kDouble);
+  at::Tensor q_v = rope_interleaved(at::matmul(x, w.t()).reshape({T, H, hd}), theta);
+  at::Tensor w_hf = interleaved_to_half_rows(w, H);
+  at::Tensor q_h = rope_rotate_half(at::matmul(x, w_hf.t()).reshape({T, H, hd}), theta);
+  // HF feature j < hd/2 is viaduct's 2j; hd/2 + j is 2j + 1.
+  at::Tensor expect = at::cat({q_v.slice(2, 0, hd, 2), q_v.slice(2, 1, hd, 2)}, 2);
+  EXPECT_LT((q_h - expect).abs().max().item<double>(), 1e-12);
+  // Scores between two positions are the same on both sides.
+  EXPECT_NEAR((q_h[2] * q_h[5]).sum().item<double>(),
+              (q_v[2] * q_v[5]).sum().item<double>(), 1e-10);
+  EXPECT_TRUE(at::equal(half_to_interleaved_rows(w_hf, H), w));
+  at::Tensor b = at::randn({H * hd}, at::kDouble);
+  EXPECT_TRUE(at::equal(half_to_interleaved_rows(interleaved_to_half_rows(b, H), H), b));
+}
+
+TEST(HfRotaryLayout, ViaductRopeIsTheInterleavedForm) {
+  at::manual_seed(1);
+  const int64_t T = 6, H = 2, hd = 8;
+  at::Tensor x = at::randn({1, T, H, hd}, at::kDouble);
+  auto tables = ops::make_rope_tables(hd, 16, 10000.0);
+  at::Tensor got = ops::rope(x, tables, ops::KernelOptions{});
+  EXPECT_LT((got[0] - rope_interleaved(x[0], 10000.0)).abs().max().item<double>(), 1e-6);
+}
+
+HfModelShape llama_shape() {
+  HfModelShape s;
+  s.family = "llama";
+  s.n_layers = 2;
+  s.dim = 32;
+  s.n_heads = 4;
+  s.n_kv_heads = 2;
+  s.vocab_size = 300;
+  s.ffn_hidden = 48;
+  s.max_seq_len = 64;
+  s.norm_eps = 1e-5;
+  s.rope_theta = 10000.0;
+  s.tie_embeddings = false;
+  return s;
+}
+
+HfModelShape gpt2_shape() {
+  HfModelShape s;
+  s.family = "gpt2";
+  s.n_layers = 2;
+  s.dim = 32;
+  s.n_heads = 4;
+  s.n_kv_heads = 4;
+  s.vocab_size = 320;
+  s.ffn_hidden = 128;
+  s.max_seq_len = 64;
+  s.tie_embeddings = true;
+  return s;
+}
+
+TensorMap random_llama(const HfModelShape& s) {
+  const int64_t D = s.dim, kv = s.n_kv_heads * (D / s.n_heads), F = s.ffn_hidden;
+  TensorMap m;
+  m["tok_embeddings.weight"] = at::randn({s.vocab_size, D});
+  for (int64_t i = 0; i < s.n_layers; ++i) {
+    std::string a = "layers." + std::to_string(i) + ".";
+    m[a + "attention.wq.weight"] = at::randn({D, D});
+    m[a + "attention.wk.weight"] = at::randn({kv, D});
+    m[a + "attention.wv.weight"] = at::randn({kv, D});
+    m[a + "attention.wo.weight"] = at::randn({D, D});
+    m[a + "feed_forward.w1.weight"] = at::randn({F, D});
+    m[a + "feed_forward.w2.weight"] = at::randn({D, F});
+    m[a + "feed_forward.w3.weight"] = at::randn({F, D});
+    m[a + "attention_norm.weight"] = at::randn({D});
+    m[a + "ffn_norm.weight"] = at::randn({D});
+  }
+  m["norm.weight"] = at::randn({D});
+  m["lm_head.weight"] = at::randn({s.vocab_size, D});
+  return m;
+}
+
+TensorMap random_gpt2(const HfModelShape& s) {
+  const int64_t D = s.dim, F = s.ffn_hidden;
+  TensorMap m;
+  m["tok_embeddings.weight"] = at::randn({s.vocab_size, D});
+  m["pos_embeddings.weight"] = at::randn({s.max_seq_len, D});
+  for (int64_t i = 0; i < s.n_layers; ++i) {
+    std::string a = "layers." + std::to_string(i) + ".";
+    for (const char* n : {"wq", "wk", "wv", "wo"}) {
+      m[a + "attention." + n + ".weight"] = at::randn({D, D});
+      m[a + "attention." + n + ".bias"] = at::randn({D});
+    }
+    m[a + "feed_forward.w1.weight"] = at::randn({F, D});
+    m[a + "feed_forward.w1.bias"] = at::randn({F});
+    m[a + "feed_forward.w2.weight"] = at::randn({D, F});
+    m[a + "feed_forward.w2.bias"] = at::randn({D});
+    for (const char* n : {"attention_norm", "ffn_norm"}) {
+      m[a + n + ".weight"] = at::randn({D});
+      m[a + n + ".bias"] = at::randn({D});
+    }
+  }
+  m["norm.weight"] = at::randn({D});
+  m["norm.bias"] = at::randn({D});
+  return m;
+}
+
+void expect_bitwise(const TensorMap& a, const TensorMap& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, t] : a) {
+    ASSERT_TRUE(b.count(name)) << name;
+    EXPECT_EQ(t.scalar_type(), b.at(name).scalar_type()) << name;
+    EXPECT_TRUE(at::equal(t, b.at(name))) << name << " differs";
+  }
+}
+
+TEST(HfCheckpoint, LlamaRoundTripIsBitwiseThroughShards) {
+  at::manual_seed(2);
+  TempDir dir;
+  const HfModelShape s = llama_shape();
+  TensorMap v = random_llama(s);
+  HfWriteOptions o;
+  o.max_shard_bytes = 40000;  // several shards
+  fs::path out = dir.path() / "hf";
+  write_hf_folder(out, v, s, o);
+  EXPECT_TRUE(fs::exists(out / "model.safetensors.index.json"));
+  EXPECT_TRUE(fs::exists(out / "model-00001-of-00003.safetensors") ||
+              fs::exists(out / "model-00001-of-00004.safetensors") ||
+              fs::exists(out / "model-00001-of-00002.safetensors"));
+  HfFolder hf = read_hf_folder(out);
+  EXPECT_EQ(hf.config["architectures"][0], "LlamaForCausalLM");
+  EXPECT_NO_THROW(check_hf_shape(hf.shape, s, "test"));
+  EXPECT_EQ(hf.tensors.size(), v.size());
+  // q and k are permuted in the file, v is not.
+  EXPECT_TRUE(at::equal(hf.tensors.at("model.layers.1.self_attn.k_proj.weight"),
+                        interleaved_to_half_rows(v.at("layers.1.attention.wk.weight"), 2)));
+  EXPECT_FALSE(at::equal(hf.tensors.at("model.layers.1.self_attn.q_proj.weight"),
+                         v.at("layers.1.attention.wq.weight")));
+  expect_bitwise(v, from_hf_tensors(hf.tensors, s, hf.shape.vocab_size, "test"));
+}
+
+TEST(HfCheckpoint, Gpt2RoundTripIsBitwiseWithTiedHead) {
+  at::manual_seed(3);
+  TempDir dir;
+  const HfModelShape s = gpt2_shape();
+  TensorMap v = random_gpt2(s);
+  fs::path out = dir.path() / "hf";
+  write_hf_folder(out, v, s, {});
+  EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+  HfFolder hf = read_hf_folder(out);
+  EXPECT_EQ(hf.config["architectures"][0], "GPT2LMHeadModel");
+  EXPECT_FALSE(hf.tensors.count("lm_head.weight"));
+  // Conv1D: c_attn is [D, 3D] with q first.
+  EXPECT_TRUE(at::equal(hf.tensors.at("transformer.h.0.attn.c_attn.weight").slice(1, 0, 32),
+                        v.at("layers.0.attention.wq.weight").t()));
+  expect_bitwise(v, from_hf_tensors(hf.tensors, s, hf.shape.vocab_size, "test"));
+}
+
+TEST(HfCheckpoint, Gpt2SmallerHfVocabIsPaddedWithZeros) {
+  at::manual_seed(4);
+  HfModelShape s = gpt2_shape();
+  TensorMap v = random_gpt2(s);
+  TensorMap hf = to_hf_tensors(v, s);
+  // Without the "transformer." prefix, as GPT2Model saves, and 257 rows.
+  TensorMap bare;
+  for (auto& [n, t] : hf) bare[n.substr(12)] = t;
+  bare["wte.weight"] = hf.at("transformer.wte.weight").slice(0, 0, 257).clone();
+  bare["h.0.attn.bias"] = at::ones({1, 1, 64, 64});  // an old mask buffer
+  TensorMap back = from_hf_tensors(bare, s, 257, "test");
+  EXPECT_TRUE(at::equal(back.at("tok_embeddings.weight").slice(0, 0, 257),
+                        v.at("tok_embeddings.weight").slice(0, 0, 257)));
+  EXPECT_EQ(back.at("tok_embeddings.weight").slice(0, 257).abs().sum().item<float>(), 0.0f);
+}
+
+TEST(HfCheckpoint, Bf16ExportRoundsOnce) {
+  at::manual_seed(5);
+  TempDir dir;
+  const HfModelShape s = llama_shape();
+  TensorMap v = random_llama(s);
+  HfWriteOptions o;
+  o.dtype = at::kBFloat16;
+  write_hf_folder(dir.path() / "hf", v, s, o);
+  HfFolder hf = read_hf_folder(dir.path() / "hf");
+  EXPECT_EQ(hf.config["torch_dtype"], "bfloat16");
+  EXPECT_EQ(hf.tensors.at("model.norm.weight").scalar_type(), at::kBFloat16);
+  TensorMap back = from_hf_tensors(hf.tensors, s, s.vocab_size, "test");
+  for (const auto& [n, t] : v) {
+    EXPECT_TRUE(at::equal(back.at(n), t.to(at::kBFloat16).to(at::kFloat))) << n;
+  }
+}
+
+template <typename E, typename F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(HfCheckpoint, MismatchesAndBadFoldersNameTheProblem) {
+  TempDir dir;
+  HfModelShape hf = llama_shape();
+  HfModelShape v = llama_shape();
+  v.n_kv_heads = 4;
+  std::string msg = error_of<ConfigError>([&] { check_hf_shape(hf, v, "src"); });
+  EXPECT_NE(msg.find("num_key_value_heads = 2"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("model.n_kv_heads = 4"), std::string::npos) << msg;
+
+  nlohmann::json c = hf_config_json(hf, "float32");
+  c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 32.0}};
+  EXPECT_NE(error_of<ConfigError>([&] { shape_from_hf_config(c, "src"); }).find("rope_scaling"),
+            std::string::npos);
+  c = hf_config_json(hf, "float32");
+  c["model_type"] = "mistral";
+  EXPECT_NE(error_of<ConfigError>([&] { shape_from_hf_config(c, "src"); }).find("'mistral'"),
+            std::string::npos);
+
+  at::manual_seed(6);
+  HfWriteOptions o;
+  o.max_shard_bytes = 40000;
+  fs::path out = dir.path() / "hf";
+  write_hf_folder(out, random_llama(hf), hf, o);
+  EXPECT_NE(error_of<FileError>([&] { write_hf_folder(out, random_llama(hf), hf, o); })
+                .find("exists"),
+            std::string::npos);
+  fs::remove(out / "model-00002-of-00003.safetensors");
+  fs::remove(out / "model-00002-of-00004.safetensors");
+  EXPECT_NE(error_of<FileError>([&] { read_hf_folder(out); }).find("which is missing"),
+            std::string::npos);
+  EXPECT_NE(error_of<FileError>([&] { read_hf_folder(dir.path()); }).find("no config.json"),
+            std::string::npos);
+  TensorMap t = to_hf_tensors(random_llama(hf), hf);
+  t.erase("model.layers.1.mlp.up_proj.weight");
+  EXPECT_NE(error_of<FileError>([&] { from_hf_tensors(t, hf, hf.vocab_size, "src"); })
+                .find("model.layers.1.mlp.up_proj.weight"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace viaduct::checkpoint
