@@ -1,0 +1,178 @@
+// `viaduct convert`: a viaduct checkpoint (any pipeline layout wrote it) to a
+// Hugging Face model folder that transformers loads, and an HF llama / gpt2
+// folder to a viaduct checkpoint (checkpoint/hf.h has the layouts).
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "apps/command.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/hf.h"
+#include "checkpoint/manager.h"
+#include "config/config.h"
+#include "core/check.h"
+#include "core/log.h"
+#include "model/chain_transformer.h"
+#include "model/family.h"
+
+namespace viaduct::apps {
+namespace {
+
+namespace fs = std::filesystem;
+namespace ck = checkpoint;
+
+constexpr const char* kUsage =
+    "usage: viaduct convert --to hf --input CHECKPOINT --output DIR\n"
+    "                       [--dtype fp32|bf16|fp16] [--tokenizer FILE ...]\n"
+    "                       [--max-shard-mb N]\n"
+    "       viaduct convert --to viaduct --input HF_DIR --output FOLDER\n"
+    "                       --config JOB.toml [--section.key=value ...]\n"
+    "\n"
+    "--to hf: CHECKPOINT is a step folder or a checkpoint folder (its latest\n"
+    "step); the model is described by the config saved in it. DIR gets\n"
+    "config.json, model.safetensors (or shards and an index) and the\n"
+    "--tokenizer files; it must not exist and is written atomically.\n"
+    "--to viaduct: HF_DIR holds config.json and model.safetensors (or an\n"
+    "index and shards), llama or gpt2; its shape is checked against the job\n"
+    "config, and FOLDER/step-0 gets the model weights.\n";
+
+// The HF shape of the model a config builds (llama and gpt2).
+ck::HfModelShape shape_of(const Config& cfg) {
+  const ModelFamily& family = model_family(cfg);
+  // One block is enough to read the whole model's spec.
+  auto part = family.build(cfg, {"layers.0"});
+  auto* chain = dynamic_cast<ChainTransformer*>(part.get());
+  VIADUCT_CHECK_T(ConfigError, chain != nullptr, "convert: model.family '",
+                  family.name, "' has no Hugging Face layout (llama, gpt2)");
+  const ChainSpec& s = chain->spec();
+  VIADUCT_CHECK_T(ConfigError, s.family == "llama" || s.family == "gpt2",
+                  "convert: model.family '", s.family,
+                  "' has no Hugging Face layout (llama, gpt2)");
+  ck::HfModelShape h;
+  h.family = s.family;
+  h.n_layers = s.n_layers;
+  h.dim = s.dim;
+  h.n_heads = s.n_heads;
+  h.n_kv_heads = s.n_kv_heads;
+  h.vocab_size = s.vocab_size;
+  h.ffn_hidden = s.ffn_hidden;
+  h.max_seq_len = s.max_seq_len;
+  h.norm_eps = s.norm_eps;
+  h.rope_theta = s.rope_theta;
+  h.tie_embeddings = s.tie_embeddings;
+  return h;
+}
+
+int to_hf(const std::string& input, const std::string& output,
+          const ck::HfWriteOptions& options) {
+  fs::path dir(input);
+  if (!fs::exists(dir / ck::kMetadataFileName)) {
+    auto latest = ck::find_latest_checkpoint(dir);
+    VIADUCT_CHECK_T(FileError, latest.has_value(), "convert: no complete checkpoint in '",
+                    input, "'");
+    dir = ck::checkpoint_dir(dir, *latest);
+  }
+  ck::Checkpoint c = ck::open_checkpoint(dir);
+  Config cfg = Config::parse(c.metadata.config_toml, dir.string() + "/metadata.json");
+  ck::HfModelShape shape = shape_of(cfg);
+  std::vector<fs::path> model_files;
+  for (const auto& f : c.metadata.files) {
+    if (f.name.rfind("model", 0) == 0) model_files.push_back(dir / f.name);
+  }
+  ck::TensorFileIndex index(model_files, dir);
+  ck::TensorMap tensors;
+  for (const auto& name : index.names()) tensors[name] = index.load(name);
+  ck::write_hf_folder(output, tensors, shape, options);
+  log::info("convert: ", dir.string(), " (step ", c.metadata.step, ", ", shape.family,
+            ") -> ", output, " (", ck::torch_dtype_name(options.dtype), ")");
+  return 0;
+}
+
+int to_viaduct(const std::string& input, const std::string& output, const Config& cfg) {
+  ck::HfFolder hf = ck::read_hf_folder(input);
+  ck::HfModelShape shape = shape_of(cfg);
+  ck::check_hf_shape(hf.shape, shape, input);
+  ck::TensorMap tensors = ck::from_hf_tensors(hf.tensors, shape, hf.shape.vocab_size, input);
+  ck::CheckpointMetadata meta;
+  meta.step = 0;
+  meta.config_toml = cfg.to_toml();
+  meta.layout = {{"pp", 1}, {"dp", 1}, {"stages", 1}};
+  meta.extra = {{"converted_from", input}};
+  ck::CheckpointPart part{"model.safetensors", {}, {}};
+  for (auto& [name, t] : tensors) part.tensors.emplace_back(name, t);
+  fs::path step = ck::save_checkpoint(output, meta, {part});
+  log::info("convert: ", input, " (", shape.family, ") -> ", step.string());
+  return 0;
+}
+
+int convert_main(int argc, char** argv) {
+  std::string to, input, output, config;
+  std::vector<std::string> overrides;
+  ck::HfWriteOptions options;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    std::string name = arg, value;
+    bool has_value = false;
+    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      name = arg.substr(0, eq);
+      value = arg.substr(eq + 1);
+      has_value = true;
+    }
+    const bool ours = name == "--to" || name == "--input" || name == "--output" ||
+                      name == "--dtype" || name == "--tokenizer" || name == "--config" ||
+                      name == "--max-shard-mb";
+    if (!ours) {
+      if (has_value && name.find('.') != std::string::npos) {
+        overrides.push_back(arg.substr(2));
+        continue;
+      }
+      std::fprintf(stderr, "viaduct convert: unknown argument '%s'\n\n%s", arg.c_str(),
+                   kUsage);
+      return 2;
+    }
+    if (!has_value) {
+      VIADUCT_CHECK_T(ConfigError, i + 1 < argc, name, " needs a value");
+      value = argv[++i];
+    }
+    if (name == "--to") to = value;
+    else if (name == "--input") input = value;
+    else if (name == "--output") output = value;
+    else if (name == "--config") config = value;
+    else if (name == "--dtype") options.dtype = ck::parse_hf_dtype(value);
+    else if (name == "--tokenizer") options.extra_files.emplace_back(value);
+    else {
+      char* end = nullptr;
+      long long mb = std::strtoll(value.c_str(), &end, 10);
+      VIADUCT_CHECK_T(ConfigError, !value.empty() && *end == '\0' && mb >= 1,
+                      "--max-shard-mb: '", value, "' is not a positive count");
+      options.max_shard_bytes = mb * 1000 * 1000;
+    }
+  }
+  if ((to != "hf" && to != "viaduct") || input.empty() || output.empty() ||
+      (to == "viaduct" && config.empty())) {
+    std::fprintf(stderr,
+                 "viaduct convert: --to hf|viaduct, --input and --output are required "
+                 "(--to viaduct also needs --config)\n\n%s",
+                 kUsage);
+    return 2;
+  }
+  for (const auto& f : options.extra_files) {
+    VIADUCT_CHECK_T(FileError, fs::is_regular_file(f), "convert: --tokenizer '",
+                    f.string(), "' is not a file");
+  }
+  if (to == "hf") return to_hf(input, output, options);
+  return to_viaduct(input, output, Config::load(config, overrides));
+}
+
+}  // namespace
+
+VIADUCT_COMMAND("convert", "viaduct checkpoint <-> Hugging Face model folder (llama, gpt2)",
+                convert_main);
+
+}  // namespace viaduct::apps
