@@ -51,6 +51,7 @@ void add_core_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("checkpoint", "resume", T::kBool, true, "resume from the latest checkpoint in the folder"));
   k.push_back(key("checkpoint", "save_initial", T::kBool, false, "also save the initial weights as step-0"));
   k.push_back(key("checkpoint", "save_final", T::kBool, true, "save at the last step even off the interval"));
+  k.push_back(key("checkpoint", "async_mode", T::kString, std::string("disabled"), "disabled | async: copy the state to host memory at the step and write it from a background thread while training goes on"));
 
   k.push_back(key("metrics", "log_freq", T::kInt, int64_t{1}, "log every N steps").in(greater_than(0)));
   k.push_back(key("metrics", "enable_jsonl", T::kBool, true, "append a JSON object per step to <dump_folder>/metrics.jsonl"));
@@ -125,6 +126,10 @@ void validate_core(const Config& c) {
                   decay == "cosine" || decay == "linear" || decay == "constant",
                   "lr_scheduler.decay_type must be cosine, linear or constant, got '",
                   decay, "'");
+  const auto async_mode = c.get_string("checkpoint.async_mode");
+  VIADUCT_CHECK_T(ConfigError, async_mode == "disabled" || async_mode == "async",
+                  "checkpoint.async_mode must be disabled or async, got '", async_mode,
+                  "' (from ", c.source("checkpoint.async_mode"), ")");
   const auto lvl = c.get_string("job.log_level");
   VIADUCT_CHECK_T(ConfigError,
                   lvl == "debug" || lvl == "info" || lvl == "warning" || lvl == "error",

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <optional>
+#include <thread>
 
 #include "checkpoint/manager.h"
 #include "core/check.h"
@@ -170,6 +171,13 @@ void Trainer::init_data() {
 }
 
 Trainer::~Trainer() {
+  // A save still being written finishes first; its error (if any) was not
+  // seen by run() only when run() itself failed, so it is logged here.
+  try {
+    wait_for_pending_save();
+  } catch (const std::exception& e) {
+    log::error("the last asynchronous checkpoint failed: ", e.what());
+  }
   // The weight cache's copies live in a process-wide registry; drop them
   // with the model rather than at static destruction, after the CUDA
   // runtime may be gone (Note [Low-precision weight cache]).
@@ -464,27 +472,90 @@ double Trainer::evaluate() {
 void Trainer::save_checkpoint() {
   namespace ck = checkpoint;
   metrics_->flush();  // the log reaches the disk no later than the checkpoint
+  wait_for_pending_save();
   const int pp = static_cast<int>(plan_->split.pp);
   const auto meta = training_state_metadata(
       {step_, tokens_seen_}, *sampler_, *optimizer_, cfg_.to_toml(),
       {{"pp", plan_->split.pp}, {"dp", dp_size_}, {"stages", plan_->split.num_stages}});
-  const auto files = training_state_parts(parts_, *optimizer_, pp_rank_, pp);
-  if (!mesh_) {
-    checkpoints_->save(meta, files);
+  auto files = training_state_parts(parts_, *optimizer_, pp_rank_, pp);
+  const bool async = cfg_.get_string("checkpoint.async_mode") == "async";
+  if (async) snapshot_to_host(files);
+  std::shared_ptr<ck::SaveGroup> group;
+  if (mesh_) {
+    // The dp-rank-0 replica of every pipeline rank writes its parts.
+    group = std::make_shared<ck::SaveGroup>();
+    group->rank = rank();
+    group->writes_parts = dp_rank_ == 0;
+    for (int r = 0; r < pp; ++r) {
+      group->expected_files.push_back(ck::part_file_name("model", r, pp));
+      group->expected_files.push_back(ck::part_file_name("optim", r, pp));
+    }
+    if (async) {
+      // Note [Asynchronous checkpoint]: the writer thread must not use the
+      // process groups the training steps use; it meets the other ranks'
+      // writers through the store.
+      const int64_t save_id = ++async_saves_;
+      const int world = mesh_->world_size();
+      const auto timeout = std::chrono::seconds(cfg_.get_int("parallelism.comm_timeout_seconds"));
+      group->barrier = [this, save_id, world, timeout](const std::string& what) {
+        const std::string key = str("viaduct/async_checkpoint/", save_id, "/", what);
+        mesh_->store().add(key, 1);
+        const auto deadline = std::chrono::steady_clock::now() + timeout;
+        while (mesh_->store().add(key, 0) < world) {
+          VIADUCT_CHECK(std::chrono::steady_clock::now() < deadline, "rank ", rank(),
+                        ": the other ranks did not reach ", what, " within ",
+                        timeout.count(), " s");
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+      };
+    } else {
+      group->barrier = [this](const std::string& what) {
+        mesh_->world().barrier().wait(str("rank ", rank(), " ", what));
+      };
+    }
+  }
+  if (!async) {
+    checkpoints_->save(meta, files, group.get());
     return;
   }
-  // The dp-rank-0 replica of every pipeline rank writes its parts.
-  ck::SaveGroup group;
-  group.rank = rank();
-  group.writes_parts = dp_rank_ == 0;
-  for (int r = 0; r < pp; ++r) {
-    group.expected_files.push_back(ck::part_file_name("model", r, pp));
-    group.expected_files.push_back(ck::part_file_name("optim", r, pp));
+  log::info("checkpoint step ", step_, ": state copied to host memory, writing it in the "
+            "background");
+  save_thread_ = std::thread([this, meta, files = std::move(files), group] {
+    try {
+      checkpoints_->save(meta, files, group.get());
+    } catch (...) {
+      save_error_ = std::current_exception();
+    }
+  });
+}
+
+void Trainer::snapshot_to_host(std::vector<checkpoint::CheckpointPart>& files) const {
+  // Note [Asynchronous checkpoint]: the copies are taken at the step
+  // boundary, so the next steps' updates cannot reach the writer; device
+  // tensors go to pinned host memory, copied on the stream and awaited once.
+  bool on_device = false;
+  for (auto& part : files) {
+    for (auto& [name, t] : part.tensors) {
+      if (t.is_cuda()) {
+        auto host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+        host.copy_(t, /*non_blocking=*/true);
+        t = host;
+        on_device = true;
+      } else {
+        t = t.clone();
+      }
+    }
   }
-  group.barrier = [this](const std::string& what) {
-    mesh_->world().barrier().wait(str("rank ", rank(), " ", what));
-  };
-  checkpoints_->save(meta, files, &group);
+  if (on_device) synchronize(device_);
+}
+
+void Trainer::wait_for_pending_save() {
+  if (save_thread_.joinable()) save_thread_.join();
+  if (save_error_) {
+    auto error = save_error_;
+    save_error_ = nullptr;
+    std::rethrow_exception(error);
+  }
 }
 
 void Trainer::check_checkpoint_matches_model(const checkpoint::Checkpoint& ckpt) const {
@@ -601,6 +672,7 @@ StepMetrics Trainer::run() {
     }
   }
   metrics_->flush();
+  wait_for_pending_save();
   return last;
 }
 
@@ -613,6 +685,7 @@ void Trainer::stop_on_signal(bool saved_this_step) {
     return;
   }
   if (!saved_this_step) save_checkpoint();
+  wait_for_pending_save();
   log::info("stopped at step ", step_, " on a signal after saving ",
             checkpoint::checkpoint_dir(checkpoint_folder(), step_).string(),
             "; the next run resumes from it");

@@ -3,6 +3,15 @@
 // Checkpoints are the CheckpointManager's (checkpoint/manager.h), metrics
 // output the MetricsWriter's (train/metrics.h).
 //
+// Note [Asynchronous checkpoint]
+// With checkpoint.async_mode = "async", save_checkpoint copies the state to
+// host memory at the step boundary (pinned memory from a GPU) and a writer
+// thread saves it under the same atomic protocol (Note [Atomic checkpoint
+// save]) while training goes on. The next save, a signal's stop, the end of
+// run() and the destructor wait for it; its error surfaces there. Under a
+// launcher the writers of all ranks meet through the rendezvous store, never
+// through the process groups the steps use from the main thread.
+//
 // Note [Loss scaling]
 // Every micro-batch's loss is its summed token cross-entropy divided by the
 // number of target tokens of the whole optimizer step (all accumulation
@@ -12,7 +21,9 @@
 
 #include <torch/torch.h>
 
+#include <exception>
 #include <memory>
+#include <thread>
 #include <optional>
 #include <string>
 #include <vector>
@@ -37,6 +48,7 @@ struct BlockLayoutTables;
 namespace checkpoint {
 class CheckpointManager;
 struct Checkpoint;
+struct CheckpointPart;
 }  // namespace checkpoint
 class FolderLock;
 
@@ -93,6 +105,10 @@ class Trainer {
   void check_checkpoint_matches_model(const checkpoint::Checkpoint& ckpt) const;
   // The signal's stop: a checkpoint of this step unless one was just saved.
   void stop_on_signal(bool saved_this_step);
+  // checkpoint.async_mode = "async": the parts' tensors replaced by host
+  // copies; and the wait for the save being written, rethrowing its error.
+  void snapshot_to_host(std::vector<checkpoint::CheckpointPart>& files) const;
+  void wait_for_pending_save();
 
   // The pieces of train_step.
   void inject_fault_if_asked() const;
@@ -149,6 +165,11 @@ class Trainer {
   int64_t tokens_seen_ = 0;
   bool stop_requested_ = false;  // every rank agreed at this step's loss gather
   bool stopped_on_signal_ = false;
+  // Note [Asynchronous checkpoint]: the writer of the last save, its error,
+  // and the count of asynchronous saves (the store keys of their barriers).
+  std::thread save_thread_;
+  std::exception_ptr save_error_;
+  int64_t async_saves_ = 0;
   double flops_per_token_ = 0;
 };
 

@@ -177,8 +177,10 @@ TEST_F(Survive, AFailedSaveRemovesItsTemporaryFolderAndSaysWhatItNeeded) {
   // Model files of the two-layer debug model are ~1 MiB: 64 KiB holds the
   // metrics log but not a checkpoint.
   const std::string run = job(dir_, "run", 2) + " --checkpoint.enable=true --checkpoint.interval=1";
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    const auto r = shell(with_file_limit(64, kBin + run));
+  // Twice (a retry must not add a folder), then with the background writer,
+  // whose failure surfaces when the run waits for it.
+  for (const std::string extra : {"", "", " --checkpoint.async_mode=async"}) {
+    const auto r = shell(with_file_limit(64, kBin + run + extra));
     EXPECT_NE(r.exit_code, 0) << r.output;
     expect_has(r.output, "checkpoint step 1 could not be saved");
     expect_has(r.output, "was removed");
@@ -298,6 +300,32 @@ TEST_F(Survive, LaunchRestartsEveryRankFromTheLatestCheckpoint) {
   const auto steps = step_metrics(dir_.file("run"));
   ASSERT_EQ(steps.size(), 6u) << r.output;
   for (size_t i = 0; i < steps.size(); ++i) EXPECT_EQ(steps[i]["step"], i + 1);
+}
+
+// ---- asynchronous checkpoints ------------------------------------------------
+
+TEST_F(Survive, AsyncCheckpointsHoldTheSameBitsAsSyncOnes) {
+  // Two micro-batches everywhere: one process then has the pipeline's bits.
+  const std::string ck = " --checkpoint.enable=true --checkpoint.interval=2"
+                         " --parallelism.pipeline_parallel_microbatches=2";
+  auto r = shell(kBin + job(dir_, "sync", 4) + ck);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = shell(kBin + job(dir_, "async", 4) + ck + " --checkpoint.async_mode=async");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_has(r.output, "checkpoint step 2: state copied to host memory, writing it in the background");
+  // Two pipeline ranks whose writers meet through the store.
+  r = shell(kBin + " launch --nproc-per-node 2 -- " + kBin + job(dir_, "async_pp2", 4) + ck +
+            " --checkpoint.async_mode=async --parallelism.pipeline_parallel_degree=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const auto* run : {"async", "async_pp2"}) {
+    EXPECT_EQ(step_losses(dir_.file("sync")), step_losses(dir_.file(run))) << run;
+    for (int step : {2, 4}) {
+      const auto a = dir_.file(std::string("sync/checkpoint/step-") + std::to_string(step));
+      const auto b = dir_.file(std::string(run) + "/checkpoint/step-" + std::to_string(step));
+      const auto c = shell(kBin + " checkpoint compare " + a + " " + b);
+      EXPECT_EQ(c.exit_code, 0) << run << " step " << step << "\n" << c.output;
+    }
+  }
 }
 
 // ---- memory and rendezvous ----------------------------------------------------
