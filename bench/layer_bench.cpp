@@ -124,18 +124,17 @@ int main(int argc, char** argv) {
     run("kda (chunk " + std::to_string(chunk) + ")", *m,
         [&](const at::Tensor& in) { return m->forward(in); }, 0.0);
   }
-  // The chunked gated delta rule alone, on inputs formed from x (H heads of
-  // hd): at a small --dim its time is mostly the scan's per-op cost, the
-  // proxy on CPU for the launch-bound GPU step (Note [KDA chunk scan as one
-  // autograd node]).
+  // The chunked gated delta rule alone (ops::kda, as the layer calls it:
+  // viaduct's kernels at chunk 64 on a GPU they were built for, the ATen
+  // form otherwise), on inputs formed from x (H heads of hd).
   for (int64_t chunk : {16, 64}) {
     torch::nn::Module none;
     run("kda core (chunk " + std::to_string(chunk) + ")", none,
         [&, chunk](const at::Tensor& in) {
           auto h = in.view({B, T, H, hd}).to(at::kFloat);
           auto k = h / h.norm(2, -1, /*keepdim=*/true);
-          return kda_chunked(k / std::sqrt(double(hd)), k, h, -at::sigmoid(h),
-                             at::sigmoid(h.mean(-1)), chunk);
+          return ops::kda(k / std::sqrt(double(hd)), k, h, -at::sigmoid(h),
+                          at::sigmoid(h.mean(-1)), chunk, ops::KernelOptions{});
         },
         0.0);
   }

@@ -101,6 +101,19 @@ void save_read_slots(torch::autograd::AutogradContext* ctx,
                      const std::vector<at::Tensor>* slots);
 at::Tensor saved_read_slot(torch::autograd::AutogradContext* ctx, size_t i);
 
+// The chunked gated delta rule of ops/kda.h on viaduct's kernels
+// (kernels/kda.h): chunk kKdaKernelChunk, fp32 q, k, v, g: [B, T, H, D],
+// beta [B, T, H], D of 64 or 128 (dk = dv); initial_state [B, H, D, D] or
+// undefined. Returns o [B, T, H, D] and the final state [B, H, D, D], both
+// differentiable (the initial state too). kda_usable: the kernels take q and
+// v (false in the CPU build).
+constexpr int64_t kKdaKernelChunk = 64;
+bool kda_usable(const at::Tensor& q, const at::Tensor& v);
+std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const at::Tensor& g,
+                                            const at::Tensor& beta,
+                                            const at::Tensor& initial_state);
+
 // One AdamW step in place on contiguous fp32 CUDA tensors (the formulas of
 // AdamW::step's loop; bias_corr_i = 1 - beta_i^step). `low`, when defined (a
 // contiguous bf16 tensor of p's size), receives the new p cast to bf16 in

@@ -58,4 +58,11 @@ DeviceClip clip_on_device(const std::vector<at::Tensor>&, double, const std::vec
   no_cuda("clip_on_device");
 }
 
+bool kda_usable(const at::Tensor&, const at::Tensor&) { return false; }
+std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor&, const at::Tensor&,
+                                            const at::Tensor&, const at::Tensor&,
+                                            const at::Tensor&, const at::Tensor&) {
+  no_cuda("kda_chunk");
+}
+
 }  // namespace viaduct::kernels

@@ -1,13 +1,7 @@
-// Kimi Delta Attention (KDA): the gated delta rule with a per-channel decay,
-// the linear-attention layer of the Kimi-K3 hybrid (every layer that the
-// full-attention rule does not give to MLA).
-//
-// Per head, with state S [dk, dv]:
-//   S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T
-//   o_t = S_t^T q_t
-// Two evaluations of the same recurrence live here: the chunked form used in
-// training (the WY form per chunk, a sequential scan over chunks) and the
-// step-by-step recurrent form it is checked against.
+// Kimi Delta Attention (KDA): the linear-attention layer of the Kimi-K3
+// hybrid (every layer that the full-attention rule does not give to MLA):
+// projections, short convolutions, the gated delta rule (ops/kda.h) with
+// its per-channel decay and beta, and the gated, normalised output.
 #pragma once
 
 #include <torch/torch.h>
@@ -15,22 +9,9 @@
 #include <cstdint>
 
 #include "model/layers.h"
+#include "ops/kda.h"
 
 namespace viaduct {
-
-// q, k: [B, T, H, dk] (q already scaled), v: [B, T, H, dv], g: [B, T, H, dk]
-// log-decays (<= 0), beta: [B, T, H]. Returns o: [B, T, H, dv] computed in
-// fp32, or fp64 when q is fp64; the result keeps that type.
-at::Tensor kda_recurrent(const at::Tensor& q, const at::Tensor& k,
-                         const at::Tensor& v, const at::Tensor& g,
-                         const at::Tensor& beta);
-// The chunked form. T need not divide by `chunk_size` (the tail is padded
-// with steps that change nothing before them). The exponent differences
-// G_c - G_j are masked to -inf above the diagonal *before* exp, so no entry
-// can overflow (nor poison the gradient).
-at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k,
-                       const at::Tensor& v, const at::Tensor& g,
-                       const at::Tensor& beta, int64_t chunk_size);
 
 // Depthwise causal convolution followed by SiLU; FQN `<name>.weight`
 // [channels, kernel].
@@ -65,7 +46,7 @@ class KdaImpl : public torch::nn::Module, public ops::KernelUser {
   static double mixing_flops(const KdaOptions& o);
 
   KdaOptions opts_;
-  bool recurrent_ = false;  // evaluate with kda_recurrent (tests)
+  bool recurrent_ = false;  // evaluate with ops::kda_recurrent (tests)
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
   ShortConv q_conv{nullptr}, k_conv{nullptr}, v_conv{nullptr};
   torch::nn::Linear f_a{nullptr}, f_b{nullptr}, b_proj{nullptr};

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One GPU-machine call for the KDA and MoE kernels: builds viaduct with CUDA
+# (build-gpu/, tests on when GoogleTest's sources travel in .deps), runs the
+# KDA kernel tests, then times the layers with bench/layer_bench and, when
+# ../shared/anchors/kda is present, flash-linear-attention's chunk_kda and
+# the grouped-GEMM MoE at the same shapes in the same call.
+#
+#   bash bench/kda_session.sh                       # every section
+#   SECTIONS="build test layers" bash bench/kda_session.sh
+#
+# Environment (defaults): OUT (outputs/kda), SECTIONS ("build test layers
+# anchor"), ANCHOR (../shared/anchors/kda, or shared/anchors/kda inside the
+# tree), SHAPE (1x4096x16x128: B x T x H x d for fla), LAYER_ARGS (layer
+# bench flags: "--only kda"), JOBS (nproc).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-$PWD/outputs/kda}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+SECTIONS=${SECTIONS:-build test layers anchor}
+JOBS=${JOBS:-$(nproc)}
+T0=$(date +%s)
+say() { printf '[%4ds] %s\n' $(($(date +%s) - T0)) "$*"; }
+has() { [[ " $SECTIONS " == *" $1 "* ]]; }
+
+if has build; then
+  if [ ! -f .deps/usr/include/toml++/toml.h ] && ls .deps/*.deb >/dev/null 2>&1; then
+    for f in .deps/*.deb; do dpkg -x "$f" .deps; done
+  fi
+  prefix=$("$PY" -c 'import torch;print(torch.utils.cmake_prefix_path)') || { say "no torch"; exit 1; }
+  if [ ! -f build-gpu/CMakeCache.txt ]; then
+    gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+    cmake -S . -B build-gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DVIADUCT_BUILD_TESTS=ON \
+      -DVIADUCT_GTEST_SOURCE_DIR="$PWD/.deps/usr/src/googletest" -DCMAKE_PREFIX_PATH="$prefix" \
+      -DVIADUCT_EXTRA_INCLUDE="$PWD/.deps/usr/include" >"$OUT/cmake.log" 2>&1 ||
+      { say "cmake failed"; tail -20 "$OUT/cmake.log"; exit 1; }
+  fi
+  cmake --build build-gpu --target ${TARGETS:-test_kda_kernels layer_bench} -j "$JOBS" \
+    >"$OUT/build.log" 2>&1 || { say "build failed"; grep -m 20 -E "error" "$OUT/build.log"; exit 1; }
+  say "build done"
+fi
+if has test; then
+  say "test_kda_kernels"
+  timeout 300 build-gpu/tests/kernels/test_kda_kernels 2>&1 | tee "$OUT/test_kda.log" | grep -vE "^\[ RUN|^\[       OK" | tail -60
+fi
+if has layers; then
+  say "layer_bench ${LAYER_ARGS:---only kda}"
+  timeout 300 build-gpu/bench/layer_bench ${LAYER_ARGS:---only kda} 2>&1 | tee "$OUT/layers.log" | tail -20
+fi
+ANCHOR=${ANCHOR:-../shared/anchors/kda}
+[ -d "$ANCHOR" ] || ANCHOR=shared/anchors/kda
+if has anchor && [ -d "$ANCHOR" ]; then
+  say "fla chunk_kda (${SHAPE:-1x4096x16x128})"
+  (cd "$ANCHOR" && PYTHONUNBUFFERED=1 timeout 400 "$PY" bench_kda.py --shapes "${SHAPE:-1x4096x16x128}" \
+     --variants core,layer --skip-check) 2>&1 | tee "$OUT/fla.log" | tail -15
+fi
+say "done"

@@ -1,0 +1,89 @@
+// KDA chunked gated delta rule launches (kernels/kda.cu).
+//
+// The chunked form of model/kda.h's recurrence at chunk C = 64, head width
+// D (dk = dv = D) of 64 or 128, every tensor fp32 and contiguous. Inputs
+// keep the model's [B, T, H, *] layout (q, k, v, g: [B, T, H, D]; beta:
+// [B, T, H]); rows past T in the last chunk read as zero (beta = 0, g = 0:
+// they change nothing before them). Per-chunk intermediates are indexed by
+// z = (b H + h) N + n with N = ceil(T / C):
+//   G       in-chunk inclusive cumulative sum of g (recomputed, never stored)
+//   Aqk     [Z, C, C]  sum_d q_cd k_jd e^{G_cd - G_jd}, j <= c (0 above)
+//   Kp      [Z, C, C]  sum_d k_cd k_jd e^{G_cd - G_jd}, j < c (0 elsewhere)
+//   Tm      [Z, C, C]  (I + diag(beta) Kp)^-1 (unit lower triangular)
+//   R       [Z, C, 2D] [beta e^G k | beta v]; Tm R = [W | U] (the caller's GEMM)
+//   qe, ke  [Z, C, D]  q e^G and k e^{G_last - G}
+//   dec     [Z, D]     e^{G_last}
+// The scan over chunks, per head, with S_0 the initial state [D, D]:
+//   v'_n = U_n - W_n S_n;  o_n = qe_n S_n + Aqk_n v'_n;
+//   S_n+1 = dec_n * S_n + ke_n^T v'_n   (dec scales the key rows of S)
+// The kernels here run the state pass; o and the backward's other products
+// are batched GEMMs over the chunks on the saved states.
+// Every exponent is <= 0 (G falls along the chunk), so nothing overflows.
+// Every sum has a fixed order and no atomics: the same inputs give the same
+// bits on every run.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace viaduct::cuda {
+
+constexpr int64_t kKdaChunk = 64;
+
+// True for the head widths the kernels are built for.
+bool kda_supported(int64_t head_dim);
+
+// Callable in kernels too (the shape is passed by value).
+#ifdef __CUDACC__
+#define VIADUCT_KDA_HD __host__ __device__
+#else
+#define VIADUCT_KDA_HD
+#endif
+struct KdaShape {
+  int64_t B = 0, T = 0, H = 0, D = 0;
+  VIADUCT_KDA_HD int64_t chunks() const { return (T + kKdaChunk - 1) / kKdaChunk; }
+  VIADUCT_KDA_HD int64_t Z() const { return B * H * chunks(); }
+};
+
+// The intra-chunk products, the inverse and the scaled rows, all chunks at
+// once.
+cudaError_t kda_intra_forward(const KdaShape& s, const float* q, const float* k, const float* v,
+                              const float* g, const float* beta, float* Aqk, float* Kp,
+                              float* Tm, float* R, float* qe, float* ke, float* dec,
+                              cudaStream_t stream);
+
+// The serial state pass, forward: WU = Tm R [Z, C, 2D]; S0 [B H, D, D] may
+// be null (zero state). Writes v' [Z, C, D], the state as every chunk
+// starts [Z, D, D] and the final state [B H, D, D]:
+//   v'_n = U_n - W_n S_n;  S_n+1 = dec_n * S_n + ke_n^T v'_n
+// (o_n = qe_n S_n + Aqk_n v'_n is then a batched GEMM for the caller.)
+cudaError_t kda_scan_forward(const KdaShape& s, const float* WU, const float* ke,
+                             const float* dec, const float* S0, float* vnew, float* states,
+                             float* final_state, cudaStream_t stream);
+
+// The state pass backward, chunks in reverse, from X = Aqk^T do [Z, C, D],
+// Y = qe^T do [Z, D, D] and dS_N [B H, D, D] (null: zero). Writes dv'
+// [Z, C, D], dS_n+1 for every chunk n [Z, D, D] (the gradient of the state
+// after chunk n) and dS_0 [B H, D, D]:
+//   dv'_n = X_n + ke_n dS_n+1;  dS_n = dec_n * dS_n+1 + Y_n - W_n^T dv'_n
+cudaError_t kda_scan_backward(const KdaShape& s, const float* WU, const float* ke,
+                              const float* dec, const float* X, const float* Y, const float* dSN,
+                              float* dvnew, float* dstates, float* dS0, cudaStream_t stream);
+
+// The intra-chunk backward. Inputs: the forward's q, k, v, g, beta and Kp;
+// dAqk [Z, C, C] (read on and below the diagonal), dM [Z, C, C] = dR [W|U]^T
+// (the gradient of I + diag(beta) Kp is -dM, read below the diagonal), dR
+// [Z, C, 2D] = Tm^T d[W | U], dqe, dke [Z, C, D], ddec [Z, D]. Writes dq,
+// dk, dv, dg [B, T, H, D] (rows < T) and dbeta in parts
+// [kda_beta_slices(D), Z, C], one per slice of channels; dbeta of chunk
+// row c is the parts' sum (in slice order).
+int64_t kda_beta_slices(int64_t head_dim);
+cudaError_t kda_intra_backward(const KdaShape& s, const float* q, const float* k, const float* v,
+                               const float* g, const float* beta, const float* Kp,
+                               const float* dAqk, const float* dM, const float* dR,
+                               const float* dqe, const float* dke, const float* ddec, float* dq,
+                               float* dk, float* dv, float* dg, float* dbeta_part,
+                               cudaStream_t stream);
+
+}  // namespace viaduct::cuda

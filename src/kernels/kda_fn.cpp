@@ -1,0 +1,156 @@
+// The chunked gated delta rule on viaduct's kernels, as one autograd node
+// (CUDA build). The kernels (kernels/kda.cu) do the per-chunk work no GEMM
+// does and the serial state passes; the products that are batched GEMMs
+// over the chunks run here through cuBLAS (at::bmm, fp32):
+//   forward:  [W | U] = Tm R, o = qe S + Aqk v'
+//   backward: X = Aqk^T do, Y = qe^T do (into the state pass), dqe = do S^T,
+//             dke = v' dS^T, dAqk = do v'^T, d[W | U] = [-dv' S^T | dv'],
+//             dR = Tm^T d[W | U], dM = dR [W | U]^T
+// (S, dS: the state and its gradient at each chunk's start and end).
+#include "kernels/fused.h"
+
+#include "kernels/fn_common.h"
+#include "kernels/kda.h"
+
+namespace viaduct::kernels {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+const float* ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+float* mut(at::Tensor& t) { return t.data_ptr<float>(); }
+
+cuda::KdaShape shape_of(const at::Tensor& q) {
+  return {q.size(0), q.size(1), q.size(2), q.size(3)};
+}
+
+// [B, T, H, D] -> the chunk layout [Z, C, D] (rows past T zero).
+at::Tensor to_chunks(const at::Tensor& x, const cuda::KdaShape& s) {
+  const auto C = cuda::kKdaChunk, N = s.chunks();
+  auto p = x;
+  if (N * C > s.T) p = at::constant_pad_nd(x, {0, 0, 0, 0, 0, N * C - s.T});
+  return p.view({s.B, N, C, s.H, s.D}).permute({0, 3, 1, 2, 4}).reshape({s.Z(), C, s.D});
+}
+
+// The chunk layout [Z, C, D] back to [B, T, H, D].
+at::Tensor from_chunks(const at::Tensor& x, const cuda::KdaShape& s) {
+  const auto C = cuda::kKdaChunk, N = s.chunks();
+  return x.view({s.B, s.H, N * C, s.D}).narrow(2, 0, s.T).transpose(1, 2).contiguous();
+}
+
+class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
+ public:
+  // S0: [B, H, D, D], or a 0-size stand-in for a zero state (custom
+  // functions take no undefined inputs on LibTorch 2.x).
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q_in,
+                               const at::Tensor& k_in, const at::Tensor& v_in,
+                               const at::Tensor& g_in, const at::Tensor& beta_in,
+                               const at::Tensor& S0_in) {
+    auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    auto g = g_in.contiguous(), beta = beta_in.contiguous();
+    auto S0 = S0_in.numel() ? S0_in.contiguous() : at::Tensor();
+    const auto s = shape_of(q);
+    const auto C = cuda::kKdaChunk, Z = s.Z(), D = s.D;
+    const auto opt = q.options();
+    auto Aqk = at::empty({Z, C, C}, opt), Kp = at::empty({Z, C, C}, opt);
+    auto Tm = at::empty({Z, C, C}, opt), R = at::empty({Z, C, 2 * D}, opt);
+    auto qe = at::empty({Z, C, D}, opt), ke = at::empty({Z, C, D}, opt);
+    auto dec = at::empty({Z, D}, opt);
+    const auto stream = stream_of(q);
+    check_launch(cuda::kda_intra_forward(s, ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), mut(Aqk),
+                                         mut(Kp), mut(Tm), mut(R), mut(qe), mut(ke), mut(dec),
+                                         stream),
+                 "kda_intra_forward");
+    auto WU = at::bmm(Tm, R);
+    R.reset();
+    auto vnew = at::empty({Z, C, D}, opt);
+    auto states = at::empty({Z, D, D}, opt);
+    auto final_state = at::empty({s.B, s.H, D, D}, opt);
+    check_launch(cuda::kda_scan_forward(s, ptr(WU), ptr(ke), ptr(dec), ptr(S0), mut(vnew),
+                                        mut(states), mut(final_state), stream),
+                 "kda_scan_forward");
+    auto o = from_chunks(at::baddbmm(at::bmm(qe, states), Aqk, vnew), s);
+    ctx->save_for_backward({q, k, v, g, beta, Kp, Tm, WU, qe, ke, dec, Aqk, vnew, states});
+    ctx->saved_data["has_S0"] = S0.defined();
+    return {o, final_state};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &g = saved[3], &beta = saved[4];
+    const auto &Kp = saved[5], &Tm = saved[6], &WU = saved[7], &qe = saved[8], &ke = saved[9];
+    const auto &dec = saved[10], &Aqk = saved[11], &vnew = saved[12], &states = saved[13];
+    const auto s = shape_of(q);
+    const auto C = cuda::kKdaChunk, Z = s.Z(), D = s.D;
+    const auto opt = q.options();
+    auto dO = grads[0].defined() ? grads[0].contiguous().to(at::kFloat)
+                                 : at::zeros({s.B, s.T, s.H, D}, opt);
+    auto dSN = grads[1].defined() ? grads[1].contiguous().to(at::kFloat) : at::Tensor();
+    auto dvnew = at::empty({Z, C, D}, opt), dstates = at::empty({Z, D, D}, opt);
+    auto dS0 = at::empty({s.B, s.H, D, D}, opt);
+    const auto stream = stream_of(q);
+    auto do_z = to_chunks(dO, s);
+    auto X = at::bmm(Aqk.transpose(1, 2), do_z);
+    auto Y = at::bmm(qe.transpose(1, 2), do_z);
+    check_launch(cuda::kda_scan_backward(s, ptr(WU), ptr(ke), ptr(dec), ptr(X), ptr(Y), ptr(dSN),
+                                         mut(dvnew), mut(dstates), mut(dS0), stream),
+                 "kda_scan_backward");
+    X.reset();
+    Y.reset();
+    auto St = states.transpose(1, 2);
+    auto dqe = at::bmm(do_z, St);
+    auto dke = at::bmm(vnew, dstates.transpose(1, 2));
+    auto dAqk = at::bmm(do_z, vnew.transpose(1, 2));
+    auto ddec = (dstates * states).sum(-1);
+    auto dWU = at::cat({at::bmm(dvnew, St).neg_(), dvnew}, -1);
+    auto dR = at::bmm(Tm.transpose(1, 2), dWU);
+    auto dM = at::bmm(dR, WU.transpose(1, 2));
+    auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    auto dg = at::empty_like(g);
+    auto dbeta_part = at::empty({cuda::kda_beta_slices(D), Z, C}, opt);
+    check_launch(cuda::kda_intra_backward(s, ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ptr(Kp),
+                                          ptr(dAqk), ptr(dM), ptr(dR), ptr(dqe), ptr(dke),
+                                          ptr(ddec), mut(dq), mut(dk), mut(dv), mut(dg),
+                                          mut(dbeta_part), stream),
+                 "kda_intra_backward");
+    // [slices, B H N, C] -> [B, T, H]
+    const auto N = s.chunks();
+    auto dbeta = dbeta_part.sum(0)
+                     .view({s.B, s.H, N * C})
+                     .narrow(2, 0, s.T)
+                     .transpose(1, 2)
+                     .contiguous();
+    const bool has_S0 = ctx->saved_data["has_S0"].toBool();
+    return {dq, dk, dv, dg, dbeta, has_S0 ? dS0 : at::Tensor()};
+  }
+};
+
+}  // namespace
+
+bool kda_usable(const at::Tensor& q, const at::Tensor& v) {
+  return usable(q) && q.dim() == 4 && v.dim() == 4 && q.size(3) == v.size(3) &&
+         cuda::kda_supported(q.size(3));
+}
+
+std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const at::Tensor& g,
+                                            const at::Tensor& beta,
+                                            const at::Tensor& initial_state) {
+  RECORD_FUNCTION("viaduct::kda_chunk", std::vector<c10::IValue>());  // named in profiles
+  VIADUCT_CHECK(kda_usable(q, v) && q.sizes() == k.sizes() && q.sizes() == v.sizes() &&
+                    q.sizes() == g.sizes() && beta.dim() == 3 &&
+                    beta.size(0) == q.size(0) && beta.size(1) == q.size(1) &&
+                    beta.size(2) == q.size(2),
+                "kda_chunk: q, k, v, g must be [B, T, H, D] with D of 64 or 128 and beta "
+                "[B, T, H], got q ",
+                q.sizes(), ", v ", v.sizes(), ", beta ", beta.sizes());
+  auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
+  at::Tensor S0 = initial_state.defined() ? f(initial_state)
+                                          : at::empty({0}, q.options().dtype(at::kFloat));
+  auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0);
+  return {out[0], out[1]};
+}
+
+}  // namespace viaduct::kernels
