@@ -6,6 +6,7 @@
 #include <pcre2.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -320,13 +321,6 @@ HfBpeTokenizer::HfBpeTokenizer(const std::string& spec) {
                                 .push_back(static_cast<int32_t>(added_.size() - 1));
       }
     }
-    for (auto& pass : added_by_first_byte_) {
-      for (auto& list : pass) {
-        std::stable_sort(list.begin(), list.end(), [&](int32_t x, int32_t y) {
-          return added_[x].content.size() > added_[y].content.size();
-        });
-      }
-    }
     vocab_size_ = max_id + 1;
 
     // Pre-tokenizer.
@@ -381,20 +375,7 @@ HfBpeTokenizer::HfBpeTokenizer(const std::string& spec) {
     if (!byte_level) {
       throw fail("the pre-tokenizer has no ByteLevel step: not a byte-level BPE");
     }
-    for (auto& s : steps_) {
-      if (s->kind != Step::Kind::kSplit) continue;
-      int err = 0;
-      PCRE2_SIZE offset = 0;
-      s->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(s->pattern.data()),
-                              s->pattern.size(), PCRE2_UTF | PCRE2_UCP, &err,
-                              &offset, nullptr);
-      if (s->code == nullptr) {
-        throw fail(str("pre-tokenizer regex '", s->pattern,
-                       "' does not compile at offset ", offset, ": ",
-                       pcre2_message(err)));
-      }
-      s->jit = pcre2_jit_compile(s->code, PCRE2_JIT_COMPLETE) == 0;
-    }
+    compile_steps();
 
     // Decoder: byte-level ids decode through the byte table.
     if (j.contains("decoder") && !j["decoder"].is_null()) {
@@ -439,23 +420,191 @@ HfBpeTokenizer::HfBpeTokenizer(const std::string& spec) {
     throw fail(str("unexpected layout: ", e.what()));
   }
 
+  fs::path p(path_);
+  std::string stem = p.filename() == "tokenizer.json" && p.has_parent_path()
+                         ? fs::absolute(p).parent_path().filename().string()
+                         : p.stem().string();
+  finish("hf:" + stem);
+}
+
+HfBpeTokenizer::~HfBpeTokenizer() = default;
+
+void HfBpeTokenizer::compile_steps() {
+  for (auto& s : steps_) {
+    if (s->kind != Step::Kind::kSplit) continue;
+    int err = 0;
+    PCRE2_SIZE offset = 0;
+    s->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(s->pattern.data()),
+                            s->pattern.size(), PCRE2_UTF | PCRE2_UCP, &err,
+                            &offset, nullptr);
+    VIADUCT_CHECK_T(FileError, s->code != nullptr, "tokenizer: '", path_,
+                    "': pre-tokenizer regex '", s->pattern,
+                    "' does not compile at offset ", offset, ": ",
+                    pcre2_message(err));
+    s->jit = pcre2_jit_compile(s->code, PCRE2_JIT_COMPLETE) == 0;
+  }
+}
+
+void HfBpeTokenizer::finish(const std::string& name) {
+  for (auto& pass : added_by_first_byte_) {
+    for (auto& list : pass) {
+      std::stable_sort(list.begin(), list.end(), [&](int32_t x, int32_t y) {
+        return added_[x].content.size() > added_[y].content.size();
+      });
+    }
+  }
   if (prefix_ids_.empty() && suffix_ids_.empty()) {
-    for (const char* name : {"<|endoftext|>", "<|end_of_text|>", "</s>"}) {
-      int64_t id = token_id(name);
+    for (const char* token : {"<|endoftext|>", "<|end_of_text|>", "</s>"}) {
+      int64_t id = token_id(token);
       if (id >= 0) {
         separator_id_ = id;
         break;
       }
     }
   }
-  fs::path p(path_);
-  std::string stem = p.filename() == "tokenizer.json" && p.has_parent_path()
-                         ? fs::absolute(p).parent_path().filename().string()
-                         : p.stem().string();
-  name_ = ("hf:" + stem).substr(0, 63);
+  name_ = name.substr(0, 63);
 }
 
-HfBpeTokenizer::~HfBpeTokenizer() = default;
+namespace {
+
+// tiktoken's encodings: the pre-tokenizer regex and the special tokens its
+// openai_public.py gives each (a .tiktoken file holds only the ranks).
+struct TiktokenEncoding {
+  const char* name;
+  const char* pattern;
+  std::vector<std::pair<const char*, int32_t>> specials;
+};
+
+const std::vector<TiktokenEncoding>& tiktoken_encodings() {
+  static const char* kR50k = kGpt2Pattern;
+  static const char* kCl100k =
+      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
+      "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+  static const char* kO200k =
+      "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}"
+      "\\p{Lo}\\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}"
+      "\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|"
+      "'ll|'d)?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|"
+      "\\s+";
+  static const std::vector<TiktokenEncoding> kAll = {
+      {"r50k_base", kR50k, {{"<|endoftext|>", 50256}}},
+      {"gpt2", kR50k, {{"<|endoftext|>", 50256}}},
+      {"p50k_base", kR50k, {{"<|endoftext|>", 50256}}},
+      {"cl100k_base", kCl100k,
+       {{"<|endoftext|>", 100257}, {"<|fim_prefix|>", 100258},
+        {"<|fim_middle|>", 100259}, {"<|fim_suffix|>", 100260},
+        {"<|endofprompt|>", 100276}}},
+      {"o200k_base", kO200k, {{"<|endoftext|>", 199999}, {"<|endofprompt|>", 200018}}},
+  };
+  return kAll;
+}
+
+int base64_value(char c) {
+  if (c >= 'A' && c <= 'Z') return c - 'A';
+  if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+  if (c >= '0' && c <= '9') return c - '0' + 52;
+  if (c == '+') return 62;
+  if (c == '/') return 63;
+  return -1;
+}
+
+bool base64_decode(std::string_view in, std::string& out) {
+  out.clear();
+  uint32_t acc = 0;
+  int bits = 0;
+  for (char c : in) {
+    if (c == '=') break;
+    int v = base64_value(c);
+    if (v < 0) return false;
+    acc = (acc << 6) | static_cast<uint32_t>(v);
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out.push_back(static_cast<char>((acc >> bits) & 0xff));
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+std::unique_ptr<HfBpeTokenizer> HfBpeTokenizer::from_tiktoken(const std::string& path) {
+  std::unique_ptr<HfBpeTokenizer> t(new HfBpeTokenizer());
+  t->path_ = path;
+  const std::string stem = fs::path(path).stem().string();
+  const TiktokenEncoding* enc = nullptr;
+  std::string names;
+  for (const auto& e : tiktoken_encodings()) {
+    if (stem == e.name) enc = &e;
+    names += (names.empty() ? "" : ", ") + std::string(e.name);
+  }
+  VIADUCT_CHECK_T(FileError, enc != nullptr, "tokenizer: '", path,
+                  "': the file name does not say which tiktoken encoding it is (",
+                  names, ".tiktoken): its regex and special tokens go by name");
+  const std::string text = read_text_file(path);
+  int64_t max_id = -1;
+  std::string bytes;
+  int64_t line_no = 0;
+  for (size_t pos = 0; pos < text.size();) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string::npos) end = text.size();
+    std::string_view line(text.data() + pos, end - pos);
+    pos = end + 1;
+    ++line_no;
+    if (line.empty()) continue;
+    size_t sp = line.find(' ');
+    char* stop = nullptr;
+    std::string rank_text(sp == std::string_view::npos ? "" : line.substr(sp + 1));
+    long long rank = std::strtoll(rank_text.c_str(), &stop, 10);
+    VIADUCT_CHECK_T(FileError,
+                    sp != std::string_view::npos && !rank_text.empty() && *stop == '\0' &&
+                        rank >= 0 && rank < INT32_MAX &&
+                        base64_decode(line.substr(0, sp), bytes) && !bytes.empty(),
+                    "tokenizer: '", path, "' line ", line_no,
+                    " is not '<base64 token> <rank>'");
+    VIADUCT_CHECK_T(FileError, t->bytes_to_id_.emplace(bytes, static_cast<int32_t>(rank)).second,
+                    "tokenizer: '", path, "' line ", line_no, " repeats a token");
+    if (rank >= static_cast<long long>(t->id_to_bytes_.size())) {
+      t->id_to_bytes_.resize(static_cast<size_t>(rank) + 1);
+    }
+    t->id_to_bytes_[rank] = bytes;
+    max_id = std::max<int64_t>(max_id, rank);
+  }
+  for (int b = 0; b < 256; ++b) {
+    auto f = t->bytes_to_id_.find(std::string(1, static_cast<char>(b)));
+    VIADUCT_CHECK_T(FileError, f != t->bytes_to_id_.end(), "tokenizer: '", path,
+                    "' has no token for byte ", b, ": not a byte-level BPE");
+    t->byte_ids_[b] = f->second;
+  }
+  // tiktoken merges any two adjacent parts whose bytes together are a token,
+  // lowest rank first: the merge table holds every split of every token.
+  for (const auto& [tok, id] : t->bytes_to_id_) {
+    for (size_t k = 1; k < tok.size(); ++k) {
+      auto l = t->bytes_to_id_.find(tok.substr(0, k));
+      if (l == t->bytes_to_id_.end()) continue;
+      auto r = t->bytes_to_id_.find(tok.substr(k));
+      if (r == t->bytes_to_id_.end()) continue;
+      uint64_t key = (static_cast<uint64_t>(l->second) << 32) | static_cast<uint32_t>(r->second);
+      t->merges_.emplace(key, Merge{id, id});
+    }
+  }
+  t->ignore_merges_ = true;
+  for (const auto& [content, id] : enc->specials) {
+    t->added_.push_back({content, id});
+    t->added_by_first_byte_[0][static_cast<unsigned char>(content[0])].push_back(
+        static_cast<int32_t>(t->added_.size() - 1));
+    if (id >= static_cast<int32_t>(t->id_to_bytes_.size())) t->id_to_bytes_.resize(id + 1);
+    t->id_to_bytes_[id] = content;
+    max_id = std::max<int64_t>(max_id, id);
+  }
+  t->vocab_size_ = max_id + 1;
+  auto step = std::make_unique<Step>();
+  step->pattern = enc->pattern;
+  t->steps_.push_back(std::move(step));
+  t->compile_steps();
+  t->finish(std::string("tiktoken:") + enc->name);
+  return t;
+}
 
 int64_t HfBpeTokenizer::token_id(const std::string& token) const {
   for (const auto& a : added_) {

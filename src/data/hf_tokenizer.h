@@ -38,6 +38,12 @@ class HfBpeTokenizer final : public TextTokenizer {
   // `path`: a tokenizer.json, or a folder holding one.
   explicit HfBpeTokenizer(const std::string& path);
   ~HfBpeTokenizer() override;
+  // A tiktoken rank file (`<base64 bytes> <rank>` lines, rank = id), named
+  // after its encoding (r50k_base, p50k_base, cl100k_base, o200k_base
+  // `.tiktoken`), which gives its regex and special tokens. Its BPE merges
+  // the lowest-ranked adjacent pair whose bytes form a token, which is this
+  // class's BPE with every split of every token as a merge.
+  static std::unique_ptr<HfBpeTokenizer> from_tiktoken(const std::string& path);
 
   std::string name() const override { return name_; }
   int64_t vocab_size() const override { return vocab_size_; }
@@ -71,6 +77,10 @@ class HfBpeTokenizer final : public TextTokenizer {
   };
   class State;
 
+  HfBpeTokenizer() = default;
+  void compile_steps();
+  // Sorts the added tokens, picks the document separator, sets the name.
+  void finish(const std::string& name);
   const Merge* find_merge(int32_t left, int32_t right) const;
   void encode_segment(std::string_view text, std::vector<int64_t>& out,
                       State& state) const;

@@ -102,8 +102,10 @@ std::unique_ptr<TextTokenizer> load_tokenizer(const std::string& spec) {
   std::error_code ec;
   VIADUCT_CHECK_T(FileError, std::filesystem::exists(spec, ec),
                   "tokenizer: '", spec,
-                  "' does not exist (expected 'byte', a tokenizer.json or a "
-                  "folder holding one)");
+                  "' does not exist (expected 'byte', a tokenizer.json, a "
+                  "folder holding one, or a tiktoken .tiktoken file)");
+  const std::string ext = std::filesystem::path(spec).extension().string();
+  if (ext == ".tiktoken") return HfBpeTokenizer::from_tiktoken(spec);
   return std::make_unique<HfBpeTokenizer>(spec);
 }
 

@@ -1,7 +1,7 @@
 // The tokenizer behind `viaduct prepare-data --tokenizer` and `viaduct
 // tokenize`: one interface over the built-in byte tokenizer and the real
 // tokenizers of published models (hf_tokenizer.h: a Hugging Face
-// tokenizer.json with a byte-level BPE model).
+// tokenizer.json with a byte-level BPE model, or a tiktoken rank file).
 //
 // Encoding is const and thread-safe: each thread owns an EncodeState (its
 // regex match buffers and word cache), so prepare-data encodes documents on
@@ -56,9 +56,11 @@ class TextTokenizer {
                               bool add_special_tokens = true) const;
 };
 
-// `spec`: "byte" (the built-in byte tokenizer) or a path to a Hugging Face
-// tokenizer.json (or a model folder holding one). A missing, unreadable or
-// unsupported file is a FileError naming the file and the problem.
+// `spec`: "byte" (the built-in byte tokenizer), a path to a Hugging Face
+// tokenizer.json (or a model folder holding one), or a tiktoken rank file
+// named after its encoding (`cl100k_base.tiktoken`, ...). A missing,
+// unreadable or unsupported file is a FileError naming the file and the
+// problem.
 std::unique_ptr<TextTokenizer> load_tokenizer(const std::string& spec);
 
 // `text` with every invalid UTF-8 sequence replaced by U+FFFD, one per

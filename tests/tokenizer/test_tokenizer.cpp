@@ -1,5 +1,6 @@
 // Real tokenizers against a reference encoder: GPT-2's and llama-3's
-// tokenizer.json encoded by viaduct and by Hugging Face's tokenizers.js
+// tokenizer.json encoded by viaduct and by Hugging Face's tokenizers.js, and
+// tiktoken's encodings by viaduct and by tiktoken's npm build
 // (tests/tokenizer/reference_encode.mjs, fetched with the tokenizer files by
 // scripts/fetch_tokenizers.sh), id for id, on the whole fortunes corpus and
 // on hard cases; UTF-8 repair against its closed form; bad files.
@@ -67,14 +68,17 @@ struct Reference {
   double bytes = 0;
 };
 
-// The reference encoder's ids for `texts`.
+// The reference encoder's ids for `texts`: tokenizers.js with the
+// tokenizer.json `tokenizer`, or tiktoken's encoding `tiktoken` when given.
 Reference reference_encode(const std::string& tokenizer,
                            const std::vector<std::string>& texts,
-                           bool add_special_tokens) {
+                           bool add_special_tokens,
+                           const std::string& tiktoken = "") {
   TempDir dir;
   json request = {{"tokenizer", tokenizer},
                   {"add_special_tokens", add_special_tokens},
                   {"texts_b64", json::array()}};
+  if (!tiktoken.empty()) request["tiktoken"] = tiktoken;
   for (const auto& t : texts) request["texts_b64"].push_back(base64(t));
   write_text(dir.file("request.json"), request.dump());
   std::string cmd = "node '" + kReferenceScript + "' '" + kCache + "' '" +
@@ -104,10 +108,10 @@ std::string printable(std::string_view s) {
 
 // Encodes every text with viaduct and the reference; reports the first
 // texts that differ.
-void expect_same_ids(const std::string& tokenizer_file,
+void expect_same_ids(const TextTokenizer& tok, const std::string& tokenizer_file,
+                     const std::string& tiktoken,
                      const std::vector<std::string>& texts,
                      bool add_special_tokens, const std::string& what) {
-  HfBpeTokenizer tok(tokenizer_file);
   auto state = tok.new_state();
   auto t0 = std::chrono::steady_clock::now();
   std::vector<std::vector<int64_t>> ours(texts.size());
@@ -115,7 +119,7 @@ void expect_same_ids(const std::string& tokenizer_file,
     tok.encode_into(texts[i], add_special_tokens, ours[i], *state);
   }
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  Reference ref = reference_encode(tokenizer_file, texts, add_special_tokens);
+  Reference ref = reference_encode(tokenizer_file, texts, add_special_tokens, tiktoken);
   ASSERT_EQ(ref.ids.size(), texts.size());
   int mismatches = 0;
   int64_t tokens = 0;
@@ -137,6 +141,36 @@ void expect_same_ids(const std::string& tokenizer_file,
               what.c_str(), texts.size(), static_cast<long long>(tokens),
               ref.bytes / 1e6, ref.bytes / 1e6 / seconds,
               ref.bytes / 1e6 / ref.seconds);
+}
+
+void expect_same_ids(const std::string& tokenizer_file,
+                     const std::vector<std::string>& texts,
+                     bool add_special_tokens, const std::string& what) {
+  HfBpeTokenizer tok(tokenizer_file);
+  expect_same_ids(tok, tokenizer_file, "", texts, add_special_tokens, what);
+}
+
+// tiktoken's npm build ships its encodings as JSON ("! <first rank> <base64
+// token> ..."); written here as the rank file tiktoken reads
+// (`<base64 token> <rank>` lines), named after the encoding.
+std::string tiktoken_file(const TempDir& dir, const std::string& encoding) {
+  std::string src = kCache + "/node_modules/tiktoken/encoders/" + encoding + ".json";
+  std::ifstream in(src);
+  if (!in) {
+    ADD_FAILURE() << src << " is missing: run scripts/fetch_tokenizers.sh";
+    return "";
+  }
+  json j = json::parse(in);
+  std::istringstream ranks(j.at("bpe_ranks").get<std::string>());
+  std::string marker, token;
+  int64_t rank = 0;
+  ranks >> marker >> rank;
+  EXPECT_EQ(marker, "!") << src << ": unexpected bpe_ranks layout";
+  std::string out;
+  while (ranks >> token) out += token + " " + std::to_string(rank++) + "\n";
+  std::string path = dir.file(encoding + ".tiktoken");
+  write_text(path, out);
+  return path;
 }
 
 std::vector<std::string> hard_cases() {
@@ -278,6 +312,32 @@ TEST(HfTokenizer, VocabSizesAndSeparators) {
   EXPECT_EQ(llama3.token_id("<|begin_of_text|>"), 128000);
 }
 
+TEST(Tiktoken, MatchesReferenceOnHardCases) {
+  TempDir dir;
+  for (const char* encoding : {"r50k_base", "cl100k_base", "o200k_base"}) {
+    auto tok = load_tokenizer(tiktoken_file(dir, encoding));
+    expect_same_ids(*tok, "", encoding, hard_cases(), true,
+                    std::string(encoding) + " hard cases");
+  }
+}
+
+TEST(Tiktoken, Cl100kMatchesReferenceOnFortunes) {
+  TempDir dir;
+  auto tok = load_tokenizer(tiktoken_file(dir, "cl100k_base"));
+  EXPECT_EQ(tok->vocab_size(), 100277);
+  EXPECT_EQ(tok->name(), "tiktoken:cl100k_base");
+  expect_same_ids(*tok, "", "cl100k_base", fortune_documents(), false,
+                  "cl100k_base fortunes");
+}
+
+TEST(Tiktoken, O200kMatchesReferenceOnFortunes) {
+  TempDir dir;
+  auto tok = load_tokenizer(tiktoken_file(dir, "o200k_base"));
+  EXPECT_EQ(tok->vocab_size(), 200019);
+  expect_same_ids(*tok, "", "o200k_base", fortune_documents(), false,
+                  "o200k_base fortunes");
+}
+
 // The error's text, or "" when `f` does not throw a FileError.
 template <typename F>
 std::string file_error_of(F f) {
@@ -321,6 +381,22 @@ TEST(HfTokenizer, BadFilesAreRefusedNamingTheProblem) {
   write_text(dir.file("nfc.json"), normalizer.dump());
   EXPECT_NE(file_error_of([&] { load_tokenizer(dir.file("nfc.json")); })
                 .find("normalizer 'NFC'"),
+            std::string::npos);
+}
+
+TEST(Tiktoken, BadFilesAreRefusedNamingTheProblem) {
+  TempDir dir;
+  write_text(dir.file("mine.tiktoken"), "IQ== 0\n");
+  EXPECT_NE(file_error_of([&] { load_tokenizer(dir.file("mine.tiktoken")); })
+                .find("which tiktoken encoding"),
+            std::string::npos);
+  write_text(dir.file("cl100k_base.tiktoken"), "IQ== 0\nnot-base64! 1\n");
+  EXPECT_NE(file_error_of([&] { load_tokenizer(dir.file("cl100k_base.tiktoken")); })
+                .find("line 2"),
+            std::string::npos);
+  write_text(dir.file("cl100k_base.tiktoken"), "IQ== 0\n");
+  EXPECT_NE(file_error_of([&] { load_tokenizer(dir.file("cl100k_base.tiktoken")); })
+                .find("no token for byte 0"),
             std::string::npos);
 }
 
