@@ -20,8 +20,9 @@ constexpr const char* kUsage =
     "\n"
     "Prints the token ids of TEXT (or of standard input with '-' or no TEXT),\n"
     "space-separated on one line.\n"
-    "  --tokenizer FILE  'byte', a Hugging Face tokenizer.json, or a folder\n"
-    "                    holding one\n"
+    "  --tokenizer FILE  'byte', a Hugging Face tokenizer.json (or a folder\n"
+    "                    holding one), or a tiktoken file such as\n"
+    "                    cl100k_base.tiktoken\n"
     "  --no-special      without the post-processor's BOS / EOS tokens\n"
     "  --decode          TEXT is ids (space-separated); print their text\n";
 
@@ -101,7 +102,7 @@ int tokenize_main(int argc, char** argv) {
 }  // namespace
 
 VIADUCT_COMMAND("tokenize",
-                "prints the token ids of a text (byte or tokenizer.json)",
+                "prints the token ids of a text (byte, tokenizer.json, tiktoken)",
                 tokenize_main);
 
 }  // namespace viaduct::apps
