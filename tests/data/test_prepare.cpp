@@ -2,6 +2,8 @@
 // like Debian's fortunes folder (fortune files, `.dat` indexes, `.u8` links).
 #include <gtest/gtest.h>
 
+#include <zlib.h>
+
 #include <filesystem>
 
 #include "core/check.h"
@@ -171,6 +173,74 @@ TEST_F(PrepareTest, RefusesBadInputs) {
                Error);
   EXPECT_FALSE(std::filesystem::exists(dir_.file("x.tok")));
   EXPECT_FALSE(std::filesystem::exists(dir_.file("x.tok.tmp")));
+}
+
+TEST_F(PrepareTest, ReadsJsonLinesAndGzip) {
+  const std::string lines =
+      "{\"text\": \"Doc one\\n\", \"id\": 1}\n"
+      "\n"
+      "{\"text\": \"  \"}\n"
+      "{\"text\": \"Two \\u00fc \\ud83e\\udd17\", \"body\": \"b\"}\n";
+  const std::vector<std::string> docs = {"Doc one\n", "Two \xc3\xbc \xf0\x9f\xa4\x97"};
+  write_text(dir_.file("c.jsonl"), lines);
+  prepare_text_data({dir_.file("c.jsonl")}, dir_.file("j.tok"));
+  EXPECT_EQ(read_all(dir_.file("j.tok")), stream_of(docs));
+
+  gzFile gz = gzopen(dir_.file("c.jsonl.gz").c_str(), "wb");
+  ASSERT_NE(gz, nullptr);
+  ASSERT_EQ(gzwrite(gz, lines.data(), static_cast<unsigned>(lines.size())),
+            static_cast<int>(lines.size()));
+  ASSERT_EQ(gzclose(gz), Z_OK);
+  // Found in a folder walk although gzip data is binary.
+  std::filesystem::create_directories(dir_.file("gz"));
+  std::filesystem::rename(dir_.file("c.jsonl.gz"), dir_.file("gz/c.jsonl.gz"));
+  prepare_text_data({dir_.file("gz")}, dir_.file("g.tok"));
+  EXPECT_EQ(read_all(dir_.file("g.tok")), stream_of(docs));
+
+  write_text(dir_.file("b.jsonl"), "{\"body\": \"B\"}\n");
+  prepare_text_data({dir_.file("b.jsonl")}, dir_.file("b.tok"),
+                    {.jsonl_field = "body"});
+  EXPECT_EQ(read_all(dir_.file("b.tok")), stream_of({"B"}));
+}
+
+TEST_F(PrepareTest, RefusesBadJsonLinesNamingTheLine) {
+  auto message = [&](const std::string& text, const std::string& field) {
+    write_text(dir_.file("bad.jsonl"), text);
+    try {
+      PrepareOptions o;
+      o.jsonl_field = field;
+      prepare_text_data({dir_.file("bad.jsonl")}, dir_.file("x.tok"), o);
+    } catch (const FileError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(message("{\"text\": \"a\"}\nnot json\n", "text").find("line 2 is not valid JSON"),
+            std::string::npos);
+  EXPECT_NE(message("{\"txt\": \"a\"}\n", "text").find("string field 'text'"),
+            std::string::npos);
+  EXPECT_NE(message("{\"text\": 3}\n", "text").find("line 1"), std::string::npos);
+  write_text(dir_.file("broken.jsonl.gz"), "not gzip at all");
+  EXPECT_THROW(prepare_text_data({dir_.file("broken.jsonl.gz")}, dir_.file("x.tok")),
+               FileError);
+  EXPECT_FALSE(std::filesystem::exists(dir_.file("x.tok")));
+}
+
+TEST_F(PrepareTest, ThreadCountDoesNotChangeTheOutput) {
+  std::string many;
+  for (int i = 0; i < 3000; ++i) many += "document " + std::to_string(i * 7919) + "\n%\n";
+  write_text(corpus_ + "/many", many);
+  prepare_text_data({corpus_}, dir_.file("t1.tok"), {.val_fraction = 0.1, .threads = 1});
+  prepare_text_data({corpus_}, dir_.file("t3.tok"), {.val_fraction = 0.1, .threads = 3});
+  EXPECT_EQ(read_bytes(dir_.file("t1.tok")), read_bytes(dir_.file("t3.tok")));
+  EXPECT_EQ(read_bytes(dir_.file("t1.val.tok")), read_bytes(dir_.file("t3.val.tok")));
+  EXPECT_EQ(read_all(dir_.file("t1.tok")).size() + read_all(dir_.file("t1.val.tok")).size(),
+            stream_of(docs_).size() + [&] {
+              size_t n = 0;
+              for (int i = 0; i < 3000; ++i)
+                n += 1 + ("document " + std::to_string(i * 7919) + "\n").size();
+              return n;
+            }());
 }
 
 }  // namespace
