@@ -9,10 +9,12 @@ PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libtomlplusplus-dev
           pkg-config libpcre2-dev zlib1g-dev)
 # The tests also need PyTorch for the independent cross-check of the models
 # (Reference.TorchCrossCheck) and node + npm for the tokenizer tests'
-# reference encoder (scripts/fetch_tokenizers.sh); scripts/test.sh asks for
-# them. A node already on the PATH (with its npm) is used as it is.
+# reference encoder (scripts/fetch_tokenizers.sh), and chromium to render the
+# run report headless (Report.ChromiumLoadsThePageAndDrawsTheCurves);
+# scripts/test.sh asks for them. A node already on the PATH (with its npm)
+# is used as it is.
 if [ "${VIADUCT_TEST_PACKAGES:-0}" = 1 ]; then
-  PACKAGES+=(python3-torch)
+  PACKAGES+=(python3-torch chromium)
   if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
     PACKAGES+=(nodejs npm)
   fi

@@ -12,6 +12,7 @@
 #include "checkpoint/manager.h"
 #include "core/check.h"
 #include "core/device.h"
+#include "core/file_io.h"
 #include "core/folder_lock.h"
 #include "core/profiler.h"
 #include "core/log.h"
@@ -23,11 +24,13 @@
 #include "pipeline/attn_res/block_store.h"
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
+#include "pipeline/schedule/timeline_svg.h"
 #include "train/pipeline_metrics.h"
 #include "train/preemption.h"
 #include "train/process.h"
 #include "train/rank_model.h"
 #include "train/reduce.h"
+#include "train/report.h"
 #include "train/train_state.h"
 
 namespace viaduct {
@@ -673,7 +676,28 @@ StepMetrics Trainer::run() {
   }
   metrics_->flush();
   wait_for_pending_save();
+  write_report();
   return last;
+}
+
+void Trainer::write_report() const {
+  // The run report beside metrics.jsonl (train/report.h); a run that trained
+  // is not failed by its picture, but a report that cannot be written says so.
+  if (!is_logging_rank() || !cfg_.get_bool("metrics.enable_jsonl")) return;
+  const fs::path dump = cfg_.get_string("job.dump_folder");
+  const std::string description = cfg_.get_string("job.description");
+  const std::string title = description.empty() ? dump.string() : description;
+  try {
+    const std::string svg = pipeline::timeline_svg(
+        plan_->lowered, plan_->simulation,
+        str(plan_->compute.name, ": pp ", plan_->split.pp, ", ", plan_->split.stages_per_rank,
+            " stage(s) per rank, ", plan_->compute.microbatches, " micro-batches"));
+    atomic_write_file(dump / "schedule.svg", svg);
+    const auto path = write_run_report(dump, title, svg);
+    log::info("run report: ", path.string());
+  } catch (const std::exception& e) {
+    log::warn("cannot write the run report: ", e.what());
+  }
 }
 
 void Trainer::stop_on_signal(bool saved_this_step) {

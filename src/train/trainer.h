@@ -109,6 +109,8 @@ class Trainer {
   // copies; and the wait for the save being written, rethrowing its error.
   void snapshot_to_host(std::vector<checkpoint::CheckpointPart>& files) const;
   void wait_for_pending_save();
+  // report.html and schedule.svg in the dump folder (rank 0, train/report.h).
+  void write_report() const;
 
   // The pieces of train_step.
   void inject_fault_if_asked() const;

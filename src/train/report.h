@@ -1,0 +1,29 @@
+// The run report: `<job.dump_folder>/report.html`, one self-contained page
+// (inline SVG and CSS; no script, no network) a person reads at a glance:
+// loss and eval loss, LR, gradient norm, tokens/s and MFU over the steps,
+// peak memory per rank, the measured against the simulated bubble per rank,
+// and the schedule's timeline (`viaduct schedule --svg`). The trainer writes
+// it at the end of every run, beside metrics.jsonl; `viaduct report DUMP`
+// writes it again from the folder.
+#pragma once
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace viaduct {
+
+// The page for the records of metrics.jsonl (steps and evals, in order).
+// `schedule_svg`: the timeline picture, or "" for none.
+std::string run_report_html(const std::vector<nlohmann::json>& records, const std::string& title,
+                            const std::string& schedule_svg);
+
+// Reads `<dump>/metrics.jsonl` (and `<dump>/schedule.svg` when
+// `schedule_svg` is empty and the file exists), writes `<dump>/report.html`
+// atomically and returns its path. FileError without a metrics.jsonl.
+std::filesystem::path write_run_report(const std::filesystem::path& dump,
+                                       const std::string& title,
+                                       const std::string& schedule_svg = "");
+
+}  // namespace viaduct
