@@ -52,7 +52,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "viaduct %s: config error: %s\n", argv[1], e.what());
     return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "viaduct %s: error: %s\n", argv[1], e.what());
+    // LibTorch's errors carry their C++ backtrace after the message; the
+    // message is what a user needs.
+    std::string message = e.what();
+    message = message.substr(0, message.find("\nException raised from"));
+    if (message.find("out of memory") != std::string::npos) {
+      message += "\n(the run does not fit: lower training.local_batch_size or "
+                 "training.seq_len, raise parallelism.pipeline_parallel_microbatches, or "
+                 "spread the model over more pipeline ranks)";
+    }
+    std::fprintf(stderr, "viaduct %s: error: %s\n", argv[1], message.c_str());
     return 1;
   }
 }
