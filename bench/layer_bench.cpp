@@ -143,16 +143,17 @@ int main(int argc, char** argv) {
     m->init_weights(1, "f.", 0.02, 0.02);
     run("swiglu ffn (4D)", *m, [&](const at::Tensor& in) { return m->forward(in); }, 0.0);
   }
-  for (int64_t experts : {16, 64}) {
+  const std::pair<int64_t, int64_t> moe_shapes[] = {{16, 2}, {64, 2}, {128, 8}};
+  for (const auto& [experts, topk] : moe_shapes) {
     MoeOptions o;
-    o.dim = D; o.n_routed_experts = experts; o.n_activated_experts = 2; o.hidden_dim = D / 2;
+    o.dim = D; o.n_routed_experts = experts; o.n_activated_experts = topk; o.hidden_dim = D / 2;
     o.n_shared_experts = 1; o.bias_update_rate = 0;
     Moe m(o);
     m->init_weights(1, "e.", 0.02, 0.02);
     // Only the activated experts' work counts toward the floor.
     const double expert = 3.0 * D * (D / 2);
-    const double inactive = static_cast<double>(experts - 2) * expert;
-    run("moe (" + std::to_string(experts) + " experts, top-2)", *m,
+    const double inactive = static_cast<double>(experts - topk) * expert;
+    run("moe (" + std::to_string(experts) + " experts, top-" + std::to_string(topk) + ")", *m,
         [&](const at::Tensor& in) { return m->forward(in); }, -6.0 * inactive * B * T);
   }
   {

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <optional>
+#include <stdexcept>
 #include <string>
 
 namespace viaduct::compat {
@@ -73,6 +74,47 @@ inline void matmul_into_fp32_(at::Tensor& c, const at::Tensor& a, const at::Tens
   } else {
     c.copy_(at::matmul(a, b));
   }
+}
+
+// Grouped GEMMs (at::_grouped_mm, LibTorch >= 2.8, CUDA, bf16): the MoE's
+// experts over tokens sorted by expert, one launch for every expert.
+// LibTorch 1.13 has none: callers keep their per-expert loop there.
+constexpr bool kGroupedMm =
+    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8);
+
+// out[rows of group e] = a[rows of group e] @ b[e]: a [M, K], b [E, K, N],
+// offs int32 [E] the groups' end rows (rows past offs[E - 1] are left
+// unwritten).
+inline at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  return at::_grouped_mm(a, b, offs);
+#else
+  (void)a, (void)b, (void)offs;
+  throw std::runtime_error("grouped GEMM needs LibTorch >= 2.8");
+#endif
+}
+
+// out[e] = a[:, cols of group e] @ b[rows of group e] in fp32: a [N, M],
+// b [M, K], offs int32 [E] the groups' end columns of a (rows of b);
+// returns [E, N, K] (the experts' weight gradients). A build that refuses
+// an fp32 output (its checks run before any write) has its bf16 product
+// cast from then on.
+inline at::Tensor grouped_mm_fp32(const at::Tensor& a, const at::Tensor& b,
+                                  const at::Tensor& offs) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  static std::atomic<bool> works{true};
+  if (works) {
+    try {
+      return at::_grouped_mm(a, b, offs, std::nullopt, at::kFloat);
+    } catch (const c10::Error&) {
+      works = false;
+    }
+  }
+  return at::_grouped_mm(a, b, offs).to(at::kFloat);
+#else
+  (void)a, (void)b, (void)offs;
+  throw std::runtime_error("grouped GEMM needs LibTorch >= 2.8");
+#endif
 }
 
 // causal_sdpa with k, v of fewer (grouped) heads: [B, KV, T, hd], H % KV == 0;

@@ -71,12 +71,13 @@ void sweep(Registry& r) {
 
 at::Tensor get(at::TensorList parts, at::ScalarType dtype) {
   VIADUCT_CHECK(!parts.empty(), "weight cache: no weights");
-  const auto cols = parts[0].dim() == 2 ? parts[0].size(1) : -1;
+  const auto inner = parts[0].sizes().slice(std::min<size_t>(1, parts[0].dim()));
   for (const auto& p : parts) {
-    VIADUCT_CHECK(p.dim() == 2 && p.size(1) == cols && p.device() == parts[0].device() &&
+    VIADUCT_CHECK(p.dim() >= 2 && p.sizes().slice(1) == inner &&
+                      p.device() == parts[0].device() &&
                       p.scalar_type() == parts[0].scalar_type() && p.scalar_type() != dtype,
-                  "weight cache: the parts must be 2-D weights of one width, device and "
-                  "dtype, other than ", dtype);
+                  "weight cache: the parts must be weights of 2 or more dims, equal past the "
+                  "first, of one device and dtype, other than ", dtype);
   }
   at::NoGradGuard no_grad;
   auto& r = registry();
@@ -105,7 +106,9 @@ at::Tensor get(at::TensorList parts, at::ScalarType dtype) {
       e->versions.push_back(-1);
       rows += p.size(0);
     }
-    e->copy = at::empty({rows, cols}, parts[0].options().dtype(dtype));
+    auto sizes = parts[0].sizes().vec();
+    sizes[0] = rows;
+    e->copy = at::empty(sizes, parts[0].options().dtype(dtype));
     // A weight belongs to one copy: a new grouping replaces every copy that
     // held one of its parts, for all of that copy's parts.
     for (const auto& p : parts) {

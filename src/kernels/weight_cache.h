@@ -31,7 +31,8 @@
 namespace viaduct::kernels::weight_cache {
 
 // `parts` cast to `dtype` and concatenated along dim 0 (see above). Every
-// part a 2-D tensor with the same number of columns on one device. The
+// part a tensor of 2 or more dims (the MoE's stacked expert weights are 3-D)
+// with the same sizes past the first, on one device. The
 // result must not be written. Parts that are not leaves (views, results of
 // ops) are cast every time and not kept.
 at::Tensor get(at::TensorList parts, at::ScalarType dtype);

@@ -3,6 +3,7 @@
 
 #include "core/check.h"
 #include "core/rng.h"
+#include "ops/moe.h"
 
 namespace viaduct {
 
@@ -108,29 +109,44 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   auto xf = x.reshape({-1, D});  // [N, D]
   const auto N = xf.size(0);
   auto [idx, w] = route(xf);
-  auto flat = idx.reshape({-1});  // [N K]
-  at::Tensor order, counts;
-  {
-    torch::NoGradGuard g;
-    order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
-    counts = at::bincount(flat, {}, E).to(at::kCPU);
+  // Every slot's row (slot n K + j is token n's j-th choice), as copies of
+  // the tokens; their gradients are summed back over the K copies.
+  auto slots = xf.unsqueeze(1).expand({N, K, D}).reshape({N * K, D});
+  at::Tensor y;
+  if (ops::grouped_experts_run(xf, opts_.hidden_dim, kernel_options_)) {
+    // Grouped GEMMs over padded expert groups (Note [MoE dispatch into
+    // padded groups], ops/moe.h): no host sync.
+    auto d = ops::dispatch_experts(idx, E);
+    if (torch::GradMode::is_enabled()) {
+      tokens_per_expert += d.counts.to(tokens_per_expert.device());
+    }
+    auto xs = at::zeros({d.rows, D}, xf.options()).index_copy(0, d.pos, slots);
+    auto ys = ops::grouped_swiglu_experts(xs, d.offs, experts->w1, experts->w2, experts->w3);
+    y = ys.index_select(0, d.pos).view({N, K, D});
+  } else {
+    auto flat = idx.reshape({-1});  // [N K]
+    at::Tensor order, counts;
+    {
+      torch::NoGradGuard g;
+      order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
+      counts = at::bincount(flat, {}, E).to(at::kCPU);
+    }
+    if (torch::GradMode::is_enabled()) {
+      // Only training forwards count toward the balance.
+      tokens_per_expert += counts.to(tokens_per_expert.device());
+    }
+    // The slots in expert order, split by expert (Note [MoE dispatch
+    // without per-expert gradient fills]). The gather is a permutation of
+    // the slots, so its backward adds into no row twice, and the sum over a
+    // token's k copies is a reduction: no scatter-add anywhere,
+    // deterministic.
+    const auto* cnt = counts.data_ptr<int64_t>();
+    auto rows = slots.index_select(0, order).split_with_sizes(
+        std::vector<int64_t>(cnt, cnt + E), 0);
+    // Expert outputs in expert order, then back to (token, slot) order.
+    auto sorted_out = at::cat(experts->forward_all(rows), 0);  // [N K, D]
+    y = sorted_out.index_select(0, at::argsort(order)).view({N, K, D});
   }
-  if (torch::GradMode::is_enabled()) {
-    // Only training forwards count toward the balance.
-    tokens_per_expert += counts.to(tokens_per_expert.device());
-  }
-  // Every slot's row (slot n K + j is token n's j-th choice) in expert
-  // order, split by expert (Note [MoE dispatch without per-expert gradient
-  // fills]). The gather is a permutation of the slots, so its backward adds
-  // into no row twice, and the sum over a token's k copies is a reduction:
-  // no scatter-add anywhere, deterministic.
-  auto slots = xf.unsqueeze(1).expand({N, K, D}).reshape({N * K, D}).index_select(0, order);
-  const auto* cnt = counts.data_ptr<int64_t>();
-  auto rows = slots.split_with_sizes(std::vector<int64_t>(cnt, cnt + E), 0);
-  // Expert outputs in expert order, then back to (token, slot) order.
-  auto sorted_out = at::cat(experts->forward_all(rows), 0);  // [N K, D]
-  auto inverse = at::argsort(order);
-  auto y = sorted_out.index_select(0, inverse).view({N, K, D});
   y = (y * w.to(y.scalar_type()).unsqueeze(-1)).sum(1);  // [N, D]
   if (shared_expert) y = y + shared_expert(xf);
   return y.view(x.sizes());

@@ -12,6 +12,7 @@
 #include "model/mla.h"
 #include "model/moe.h"
 #include "model/vision.h"
+#include "ops/moe.h"
 #include "model_k3/grad_check.h"
 
 namespace viaduct {
@@ -105,6 +106,30 @@ TEST(KdaChunked, InitialStateMatchesRecurrentFp64) {
                                                                  << chunk;
     }
   }
+}
+
+// The grouped experts' dispatch (Note [MoE dispatch into padded groups]):
+// every slot in its expert's group in slot order, each group padded to the
+// alignment and at least one alignment long, the buffer sized without a
+// look at the counts.
+TEST(MoeDispatch, GroupsArePaddedAndInSlotOrder) {
+  const int64_t A = ops::kExpertAlign;
+  // Tokens' choices: [3, 0], [3, 1], [0, 3]; expert 2 gets none.
+  auto idx = at::tensor(std::vector<int64_t>{3, 0, 3, 1, 0, 3}).view({3, 2});
+  auto d = ops::dispatch_experts(idx, 4);
+  auto vec = [](const at::Tensor& t) {
+    auto c = t.to(at::kLong).contiguous();
+    return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  };
+  EXPECT_EQ(vec(d.counts), (std::vector<int64_t>{2, 1, 0, 3}));
+  EXPECT_EQ(vec(d.offs), (std::vector<int64_t>{A, 2 * A, 3 * A, 4 * A}));
+  EXPECT_EQ(vec(d.pos), (std::vector<int64_t>{3 * A, 0, 3 * A + 1, A, 1, 3 * A + 2}));
+  EXPECT_EQ(d.rows, 6 + 4 * A);
+  // A group longer than the alignment is rounded up to its next multiple.
+  auto many = at::zeros({A + 1, 1}, at::kLong);
+  auto m = ops::dispatch_experts(many, 2);
+  EXPECT_EQ(vec(m.offs), (std::vector<int64_t>{2 * A, 3 * A}));
+  EXPECT_EQ(vec(m.pos).back(), A);
 }
 
 TEST(KdaChunked, StrongDecayStaysFinite) {

@@ -1,0 +1,73 @@
+#include "ops/moe.h"
+
+#include "core/check.h"
+#include "core/torch_compat.h"
+#include "kernels/fused.h"
+#include "kernels/weight_cache.h"
+
+namespace viaduct::ops {
+
+namespace {
+
+// y = x_g @ w_e^T for each group g of rows of x and its expert e: x [M, K]
+// in the compute dtype, w [E, N, K] an fp32 master (Note [Low-precision
+// weight cache]). The weight gradient dw_e = dy_g^T x_g comes out of one
+// grouped GEMM in fp32.
+class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, const at::Tensor& offs) {
+    auto wc = kernels::weight_cache::get({w}, x.scalar_type());
+    ctx->save_for_backward({x, wc, offs});
+    return compat::grouped_mm(x, wc.transpose(1, 2), offs);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &wc = saved[1], &offs = saved[2];
+    auto dy = grads[0].to(x.scalar_type()).contiguous();
+    at::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) dx = compat::grouped_mm(dy, wc, offs);
+    if (ctx->needs_input_grad(1)) dw = compat::grouped_mm_fp32(dy.t(), x, offs);
+    return {dx, dw, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+bool grouped_experts_run(const at::Tensor& x, int64_t hidden, const KernelOptions& k) {
+  return compat::kGroupedMm && fused_runs(x, k) && x.scalar_type() == at::kBFloat16 &&
+         x.size(-1) % 8 == 0 && hidden % 8 == 0;
+}
+
+ExpertDispatch dispatch_experts(const at::Tensor& idx, int64_t n_experts) {
+  torch::NoGradGuard no_grad;
+  const int64_t A = kExpertAlign;
+  auto flat = idx.reshape({-1});
+  const int64_t S = flat.size(0);
+  auto order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
+  auto expert = flat.index_select(0, order);  // the slots' experts, sorted
+  ExpertDispatch d;
+  d.counts = at::bincount(flat, {}, n_experts);
+  auto padded = (at::floor_divide(d.counts + (A - 1), A) * A).clamp_min(A);
+  auto end = padded.cumsum(0);
+  auto start = end - padded;
+  auto first = d.counts.cumsum(0) - d.counts;  // each expert's first sorted slot
+  auto pos_sorted = start.index_select(0, expert) + at::arange(S, flat.options()) -
+                    first.index_select(0, expert);
+  d.pos = at::empty_like(pos_sorted).index_copy_(0, order, pos_sorted);
+  d.offs = end.to(at::kInt);
+  d.rows = S + A * n_experts;
+  return d;
+}
+
+at::Tensor grouped_swiglu_experts(const at::Tensor& xs, const at::Tensor& offs,
+                                  const at::Tensor& w1, const at::Tensor& w2,
+                                  const at::Tensor& w3) {
+  RECORD_FUNCTION("viaduct::grouped_experts", std::vector<c10::IValue>());  // named in profiles
+  auto h1 = GroupedLinearFn::apply(xs, w1, offs);
+  auto h3 = GroupedLinearFn::apply(xs, w3, offs);
+  return GroupedLinearFn::apply(kernels::swiglu(h1, h3), w2, offs);
+}
+
+}  // namespace viaduct::ops
