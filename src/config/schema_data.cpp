@@ -21,9 +21,10 @@ void add_data_keys(std::vector<ConfigKey>& keys) {
   keys.push_back({"data", "shuffle", ConfigType::kBool, false,
                   "visit the windows of each epoch in a permutation drawn "
                   "from (training.seed, epoch); false = in file order"});
-  keys.push_back({"data", "eval_batches", ConfigType::kInt, int64_t{4},
-                  "batches per eval, always the first ones of the val "
-                  "tokens"});
+  keys.push_back(ConfigKey{"data", "eval_batches", ConfigType::kInt, int64_t{4},
+                          "batches per eval, always the first ones of the val "
+                          "tokens"}
+                    .in(at_least(0)));
 }
 
 }  // namespace viaduct

@@ -20,7 +20,7 @@ const ConfigValue kUnset{};
 
 void add_parallelism_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("pipeline_parallel_degree", T::kInt, int64_t{1},
-                  "pipeline ranks (pp)"));
+                  "pipeline ranks (pp)").in(greater_than(0)));
   k.push_back(key("pipeline_parallel_schedule", T::kString, std::string("1F1B"),
                   "GPipe | 1F1B | Interleaved1F1B | LoopedBFS | "
                   "InterleavedZeroBubble | ZBVZeroBubble | DualPipeV (case-insensitive)"));
@@ -28,13 +28,13 @@ void add_parallelism_keys(std::vector<ConfigKey>& k) {
                   "a schedule in torch's CSV format (one row per rank); overrides "
                   "pipeline_parallel_schedule"));
   k.push_back(key("pipeline_parallel_layers_per_stage", T::kInt, kUnset,
-                  "units per stage; stages = ceil((layers + first + last weights) / k)"));
+                  "units per stage; stages = ceil((layers + first + last weights) / k)").in(greater_than(0)));
   k.push_back(key("pipeline_parallel_stages_per_rank", T::kInt, kUnset,
-                  "virtual stages per rank (default: 1 for GPipe/1F1B, 2 otherwise)"));
+                  "virtual stages per rank (default: 1 for GPipe/1F1B, 2 otherwise)").in(greater_than(0)));
   k.push_back(key("pipeline_parallel_first_stage_less_layers", T::kInt, int64_t{1},
-                  "split units the embedding counts for"));
+                  "split units the embedding counts for").in(at_least(0)));
   k.push_back(key("pipeline_parallel_last_stage_less_layers", T::kInt, int64_t{1},
-                  "split units the head counts for"));
+                  "split units the head counts for").in(at_least(0)));
   k.push_back(key("pipeline_parallel_balance", T::kString, std::string("layers"),
                   "layers: the split counts the embedding and the head as the two keys "
                   "above say (torchtitan's rule); flops: it chooses those two weights so "
@@ -43,14 +43,14 @@ void add_parallelism_keys(std::vector<ConfigKey>& k) {
                   "explicit top-level modules per stage, e.g. "
                   "[[\"tok_embeddings\", \"layers.0\"], [\"layers.1\", \"norm\", \"lm_head\"]]"));
   k.push_back(key("pipeline_parallel_microbatches", T::kInt, kUnset,
-                  "micro-batches per step (default: pp x stages per rank)"));
+                  "micro-batches per step (default: pp x stages per rank)").in(greater_than(0)));
   k.push_back(key("data_parallel_degree", T::kInt, int64_t{1},
-                  "data-parallel replicas (dp); world = pp x dp"));
+                  "data-parallel replicas (dp); world = pp x dp").in(greater_than(0)));
   k.push_back(key("comm_timeout_seconds", T::kInt, int64_t{300},
                   "timeout of every collective and P2P; a stuck or dead peer "
-                  "turns into an error naming rank, stage, micro-batch and action"));
+                  "turns into an error naming rank, stage, micro-batch and action").in(greater_than(0)));
   k.push_back(key("dp_bucket_mb", T::kInt, int64_t{25},
-                  "data-parallel gradient all-reduce bucket size (MiB)"));
+                  "data-parallel gradient all-reduce bucket size (MiB)").in(greater_than(0)));
   k.push_back(key("attn_res_cache", T::kBool, true,
                   "AttnRes: rank block cache (hops carry only missing blocks); "
                   "false = every hop carries the whole stack"));
@@ -68,15 +68,6 @@ void add_parallelism_keys(std::vector<ConfigKey>& k) {
 void validate_parallelism(const Config& c) {
   constexpr const char* kPP = "parallelism.pipeline_parallel_degree";
   const int64_t pp = c.get_int(kPP);
-  VIADUCT_CHECK_T(ConfigError, pp >= 1, kPP, " must be >= 1, got ", pp);
-  const int64_t dp = c.get_int("parallelism.data_parallel_degree");
-  VIADUCT_CHECK_T(ConfigError, dp >= 1,
-                  "parallelism.data_parallel_degree must be >= 1, got ", dp);
-  for (const char* w : {"parallelism.pipeline_parallel_first_stage_less_layers",
-                        "parallelism.pipeline_parallel_last_stage_less_layers"}) {
-    VIADUCT_CHECK_T(ConfigError, c.get_int(w) >= 0, w, " must be >= 0, got ",
-                    c.get_int(w));
-  }
   const auto balance = c.get_string("parallelism.pipeline_parallel_balance");
   VIADUCT_CHECK_T(ConfigError, balance == "layers" || balance == "flops",
                   "parallelism.pipeline_parallel_balance must be \"layers\" or \"flops\", "
@@ -97,13 +88,6 @@ void validate_parallelism(const Config& c) {
                           "parallelism.module_fqns_per_model_part; the config sets ",
                           list));
   }
-  VIADUCT_CHECK_T(ConfigError, !lps || *lps >= 1,
-                  "parallelism.pipeline_parallel_layers_per_stage must be >= 1, got ", *lps);
-  VIADUCT_CHECK_T(ConfigError, !spr || *spr >= 1,
-                  "parallelism.pipeline_parallel_stages_per_rank must be >= 1, got ", *spr);
-  const auto mb = c.get_int_opt("parallelism.pipeline_parallel_microbatches");
-  VIADUCT_CHECK_T(ConfigError, !mb || *mb >= 1,
-                  "parallelism.pipeline_parallel_microbatches must be >= 1, got ", *mb);
 
   // Note [AttnRes cache backward] (pipeline/attn_res/block_layout.h).
   constexpr const char* kCacheBackward = "parallelism.attn_res_cache_backward";

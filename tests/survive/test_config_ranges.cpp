@@ -40,6 +40,11 @@ TEST(ConfigRanges, OutOfRangeValuesAreRefusedNamingKeyValueRangeAndSource) {
       {"[optimizer]\nlr = -0.001\n", "optimizer.lr", "-0.001", ">= 0"},
       {"[training]\nsteps = 0\n", "training.steps", "0", "> 0"},
       {"[model]\nn_layers = 0\n", "model.n_layers", "0", "> 0"},
+      {"[parallelism]\npipeline_parallel_degree = 0\n", "parallelism.pipeline_parallel_degree",
+       "0", "> 0"},
+      {"[parallelism]\npipeline_parallel_microbatches = -2\n",
+       "parallelism.pipeline_parallel_microbatches", "-2", "> 0"},
+      {"[data]\neval_batches = -1\n", "data.eval_batches", "-1", ">= 0"},
   };
   for (const auto& c : cases) {
     const auto msg = error_of(c.toml);
