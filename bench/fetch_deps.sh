@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Downloads the header-only Debian packages that viaduct's GPU build needs
-# (toml++ and nlohmann-json) and GoogleTest's sources (for the CUDA tests,
+# Downloads the Debian packages that viaduct's GPU build needs and the GPU
+# machine lacks (toml++ and nlohmann-json headers; PCRE2 and zlib headers
+# and libraries for the tokenizers, found through CMAKE_PREFIX_PATH
+# $PWD/.deps/usr) and GoogleTest's sources (for the CUDA tests,
 # -DVIADUCT_GTEST_SOURCE_DIR=$PWD/.deps/usr/src/googletest) into .deps/ at the repository root, on a machine
 # with Debian's mirror, so they can be carried to the GPU machine, which has
 # no network. bench/run_single_gpu.sh unpacks them there with
@@ -9,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(libtomlplusplus-dev nlohmann-json3-dev googletest)
+packages=(libtomlplusplus-dev nlohmann-json3-dev googletest libpcre2-dev libpcre2-8-0 zlib1g-dev zlib1g)
 mkdir -p .deps
 cd .deps
 if ! apt-get download "${packages[@]}"; then
