@@ -17,8 +17,9 @@ constexpr const char* kUsage =
     "overridden\non the command line; --print-config prints the "
     "effective config and exits.\n\n"
     "SIGTERM, SIGINT or SIGUSR1 finish the current step, save a checkpoint\n"
-    "(with checkpoint.enable = true) and exit with status 75; a second\n"
-    "signal aborts at once (status 128 + the signal).\n";
+    "(with checkpoint.enable = true) and exit with status 75 (128 + the\n"
+    "signal without checkpoints); a second signal aborts at once (status\n"
+    "128 + the signal).\n";
 
 int run_train(int argc, char** argv) {
   const auto cmd = parse_config_command(argc, argv, "train", kUsage, {"--print-config"});
@@ -31,7 +32,11 @@ int run_train(int argc, char** argv) {
   install_stop_signal_handlers();
   Trainer trainer(cfg);
   const auto last = trainer.run();
-  if (trainer.stopped_on_signal()) return kExitSavedOnSignal;
+  if (trainer.stopped_on_signal()) {
+    // 75 promises a checkpoint to resume from; without one it is an
+    // interruption like any other.
+    return cfg.get_bool("checkpoint.enable") ? kExitSavedOnSignal : 128 + stop_signal();
+  }
   if (last.step == 0) {
     log::info("nothing to do: the run is already at step ", trainer.step(),
               " (training.steps); raise training.steps to continue it");

@@ -258,6 +258,16 @@ TEST_F(Survive, SigtermFinishesTheStepSavesAndExitsWith75) {
   expect_has(r.output, "at step " + std::to_string(last));
 }
 
+TEST_F(Survive, WithoutCheckpointsASignalStopsAfterTheStepWith128PlusIt) {
+  Background train(job(dir_, "run", 1000000), dir_.file("train.log"));
+  const fs::path log = dir_.file("run/metrics.jsonl");
+  ASSERT_TRUE(wait_until([&] { return lines_of(log).size() >= 1; })) << train.output();
+  train.signal(SIGUSR1);
+  EXPECT_EQ(train.wait(), 128 + SIGUSR1) << train.output();
+  expect_has(train.output(), "nothing is saved");
+  EXPECT_FALSE(fs::exists(dir_.file("run/checkpoint")));
+}
+
 TEST_F(Survive, ASecondSignalAbortsAtOnce) {
   Background train(job(dir_, "run", 1000000) + " --checkpoint.enable=true",
                    dir_.file("train.log"));
