@@ -21,7 +21,9 @@
 # max-autotune-no-cudagraphs), WARMUP_STEPS (3) untimed + TIMED_STEPS (10)
 # timed steps, STAGES ("build run"), PYTHON (python3), JOBS (nproc),
 # CELL_TIMEOUT (300 s per process), VD_EXTRA (more viaduct overrides, last
-# wins). Logs of every process are in $OUT.
+# wins), PEER_ANCHOR (a copy of ../shared/anchors/kda: the K3 reference then
+# runs KDA through fla's chunk_kda and the MoE experts through
+# torch._grouped_mm, the strongest PyTorch peer; see bench/torch_models.py). Logs of every process are in $OUT.
 set -uo pipefail  # no -e: a failed cell must not cost the other rows
 cd "$(dirname "$0")/.." || exit 1
 
@@ -42,6 +44,10 @@ STAGES=${STAGES:-build run}
 JOBS=${JOBS:-$(nproc)}
 CELL_TIMEOUT=${CELL_TIMEOUT:-300}
 RESULTS=$OUT/results.md
+if [ -n "${PEER_ANCHOR:-}" ]; then
+  export VIADUCT_PEER_ANCHOR
+  VIADUCT_PEER_ANCHOR=$(realpath "$PEER_ANCHOR")
+fi
 T0=$(date +%s)
 say() { printf '[%4ds] %s\n' $(($(date +%s) - T0)) "$*"; }
 
@@ -232,7 +238,7 @@ for cell in $CELLS; do
         --model.n_heads=16 --model.kda_head_dim=64 --model.mla_kv_lora_rank=512
         --model.mla_qk_nope_head_dim=128 --model.mla_qk_rope_head_dim=64
         --model.mla_v_head_dim=128 --model.ffn_hidden_dim=5632
-        --model.moe_hidden_dim=512 --training.seq_len="$K3_SEQ"
+        --model.moe_hidden_dim=512 --model.kda_chunk_size=64 --training.seq_len="$K3_SEQ"
         --training.local_batch_size="$K3_BATCH" --optimizer.lr=3e-4)
       case $cell in
         k3) run_cell k3 "kimi_k3 deep d2048, ${K3_BATCH}x${K3_SEQ}" "$data" "${k3[@]}" ;;

@@ -18,6 +18,14 @@ the embedding output cast to the compute dtype, every linear casting its fp32
 weight to the activation's dtype, norms / softmaxes / recurrences in fp32
 returning the input dtype.
 
+Peer kernels: with VIADUCT_PEER_ANCHOR set to a copy of
+flash-linear-attention (../shared/anchors/kda), the K3 reference is the
+strongest a PyTorch user could pick rather than op for op: KDA's gated delta
+rule through fla's chunk_kda (the gate, beta and q/k normalisation in the
+kernel, bf16 inputs), and the MoE's routed experts through torch._grouped_mm
+over tokens dispatched into padded expert groups. Same parameters, same
+formulas; the losses agree to bf16 noise, not bit for bit.
+
 The spec part needs only the standard library (dry runs work without torch).
 Torch 1.13 (Debian, CPU) and 2.x (the GPU wheel) both run the models: the
 2.x-only APIs (scaled_dot_product_attention, torch.compile helpers) have
@@ -318,6 +326,27 @@ def flops_per_token(spec, seq_len):
 
 if torch is not None:
     TORCH2 = int(torch.__version__.split(".")[0]) >= 2
+
+    def _peer_kernels():
+        """fla's chunk_kda and torch._grouped_mm when VIADUCT_PEER_ANCHOR asks
+        for them (see the module's doc); (None, False) otherwise."""
+        import os
+        anchor = os.environ.get("VIADUCT_PEER_ANCHOR", "")
+        if not anchor:
+            return None, False
+        sys.path.insert(0, anchor)
+        try:
+            from fla.ops.kda import chunk_kda
+        except Exception as e:  # noqa: BLE001 -- say why, run op for op
+            print(f"{PROG}: VIADUCT_PEER_ANCHOR={anchor}: fla not importable ({e}); "
+                  "KDA runs op for op", file=sys.stderr)
+            chunk_kda = None
+        grouped = hasattr(torch, "_grouped_mm")
+        print(f"{PROG}: peer kernels: KDA {'fla chunk_kda' if chunk_kda else 'op for op'}, "
+              f"MoE {'torch._grouped_mm' if grouped else 'per-expert loop'}", file=sys.stderr)
+        return chunk_kda, grouped
+
+    FLA_CHUNK_KDA, GROUPED_MM = _peer_kernels()
 
     def linear(x, w, b=None):
         # Note [Mixed precision]: the fp32 weight (and bias) cast to x's dtype.
@@ -620,6 +649,8 @@ if torch is not None:
 
         def forward(self, x):
             # x: [B, T, D]
+            if FLA_CHUNK_KDA is not None and x.is_cuda:
+                return self.forward_fla(x)
             B, T, _ = x.shape
             H, d = self.H, self.d
             st = upcast(x.dtype)
@@ -633,6 +664,26 @@ if torch is not None:
             g = -(self.A_log.to(st).exp().view(1, 1, H, 1)) * F.softplus(f.view(B, T, H, d))
             beta = torch.sigmoid(linear(x, self.b_proj.weight).to(st))  # [B, T, H]
             o = kda_chunked(q, k, v, g, beta, self.C)
+            return self.output(x, o)
+
+        def forward_fla(self, x):
+            # The same layer with fla's chunk_kda as the mixer (peer kernels).
+            B, T, _ = x.shape
+            H, d = self.H, self.d
+            q = self.q_conv(linear(x, self.q_proj.weight)).view(B, T, H, d)
+            k = self.k_conv(linear(x, self.k_proj.weight)).view(B, T, H, d)
+            v = self.v_conv(linear(x, self.v_proj.weight)).view(B, T, H, d)
+            f = linear(linear(x, self.f_a.weight), self.f_b.weight).view(B, T, H, d)
+            b = linear(x, self.b_proj.weight)  # [B, T, H]
+            o, _ = FLA_CHUNK_KDA(q, k, v, f, b, A_log=self.A_log, dt_bias=self.dt_bias,
+                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                 use_beta_sigmoid_in_kernel=True)  # scale d^-1/2
+            return self.output(x, o.to(upcast(x.dtype)))
+
+        def output(self, x, o):
+            B, T, _ = x.shape
+            H, d = self.H, self.d
+            st = upcast(x.dtype)
             gate = torch.sigmoid(
                 linear(linear(x, self.g_a.weight), self.g_b.weight, self.g_b.bias).to(st)
             ).view(B, T, H, d)
@@ -695,6 +746,39 @@ if torch is not None:
             kf = torch.cat((k_nope, k_pe.expand(B, T, H, pe)), -1).transpose(1, 2)
             y = causal_sdpa(qf, kf, v.transpose(1, 2))  # [B, H, T, vd]
             return linear(y.transpose(1, 2).reshape(B, T, H * vd), self.wo.weight)
+
+    def routed_grouped(moe, xf, idx):
+        """The routed experts through torch._grouped_mm (peer kernels): slots
+        dispatched into expert groups padded to 16 rows, on the device."""
+        N, D = xf.shape
+        K, E, A = moe.K, moe.E, 16
+        flat = idx.reshape(-1)
+        with torch.no_grad():
+            order = torch.sort(flat, dim=0, stable=True)[1]
+            expert = flat[order]
+            counts = torch.bincount(flat, minlength=E)
+            padded = ((counts + A - 1) // A * A).clamp_min(A)
+            end = torch.cumsum(padded, 0)
+            first = torch.cumsum(counts, 0) - counts
+            pos_sorted = (end - padded)[expert] + torch.arange(N * K, device=xf.device) - \
+                first[expert]
+            pos = torch.empty_like(pos_sorted)
+            pos[order] = pos_sorted
+            offs = end.to(torch.int32)
+        if torch.is_grad_enabled():
+            if moe.tokens_per_expert is None:
+                moe.tokens_per_expert = torch.zeros(E, dtype=torch.int64,
+                                                    device=moe.expert_bias.device)
+            moe.tokens_per_expert += counts.to(moe.tokens_per_expert.device)
+        slots = xf.unsqueeze(1).expand(N, K, D).reshape(N * K, D)
+        xs = torch.zeros(N * K + A * E, D, dtype=xf.dtype, device=xf.device).index_copy(
+            0, pos, slots)
+        w = [p.to(xf.dtype).transpose(-2, -1) for p in
+             (moe.experts.w1, moe.experts.w2, moe.experts.w3)]
+        h = F.silu(torch._grouped_mm(xs, w[0], offs=offs)) * \
+            torch._grouped_mm(xs, w[2], offs=offs)
+        ys = torch._grouped_mm(h, w[1], offs=offs)
+        return ys.index_select(0, pos).view(N, K, D)
 
     class GroupedExperts(nn.Module):
         def __init__(self, n, dim, hidden):
@@ -759,7 +843,10 @@ if torch is not None:
             D = x.size(-1)
             xf = x.reshape(-1, D)
             idx, w = self.route(xf)
-            y = self.routed(xf, idx)
+            if GROUPED_MM and xf.is_cuda and xf.dtype == torch.bfloat16:
+                y = routed_grouped(self, xf, idx)
+            else:
+                y = self.routed(xf, idx)
             y = (y * w.to(y.dtype).unsqueeze(-1)).sum(1)
             if self.shared_expert is not None:
                 y = y + self.shared_expert(xf)
