@@ -61,6 +61,12 @@ ck::HfModelShape shape_of(const Config& cfg) {
   h.max_seq_len = s.max_seq_len;
   h.norm_eps = s.norm_eps;
   h.rope_theta = s.rope_theta;
+  if (s.family == "llama" && s.rope_scaling.enabled()) {
+    h.rope_scaling_factor = s.rope_scaling.factor;
+    h.rope_scaling_low_freq_factor = s.rope_scaling.low_freq_factor;
+    h.rope_scaling_high_freq_factor = s.rope_scaling.high_freq_factor;
+    h.rope_scaling_original_max_seq_len = s.rope_scaling.original_max_seq_len;
+  }
   h.tie_embeddings = s.tie_embeddings;
   return h;
 }

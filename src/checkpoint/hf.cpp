@@ -105,7 +105,14 @@ json hf_config_json(const HfModelShape& s, const std::string& torch_dtype) {
          {"max_position_embeddings", s.max_seq_len},
          {"rms_norm_eps", s.norm_eps},
          {"rope_theta", s.rope_theta},
-         {"rope_scaling", nullptr},
+         {"rope_scaling",
+          s.rope_scaling_factor > 0
+              ? json{{"rope_type", "llama3"},
+                     {"factor", s.rope_scaling_factor},
+                     {"low_freq_factor", s.rope_scaling_low_freq_factor},
+                     {"high_freq_factor", s.rope_scaling_high_freq_factor},
+                     {"original_max_position_embeddings", s.rope_scaling_original_max_seq_len}}
+              : json(nullptr)},
          {"hidden_act", "silu"},
          {"attention_bias", false},
          {"attention_dropout", 0.0},
@@ -161,8 +168,19 @@ HfModelShape shape_from_hf_config(const json& c, const std::string& source) {
     s.rope_theta = get_number(c, "rope_theta", 10000.0);
     s.tie_embeddings = c.value("tie_word_embeddings", false);
     if (c.contains("rope_scaling") && !c["rope_scaling"].is_null()) {
-      throw ConfigError(str(source, ": rope_scaling ", c["rope_scaling"].dump(),
-                            " is not supported: viaduct's RoPE has no scaling"));
+      const json& r = c["rope_scaling"];
+      const std::string rt = r.value("rope_type", r.value("type", std::string()));
+      if (rt != "llama3") {
+        throw ConfigError(str(source, ": rope_scaling ", r.dump(),
+                              " is not supported (viaduct's RoPE scales as llama3 only)"));
+      }
+      s.rope_scaling_factor = get_number(r, "factor", 0.0);
+      s.rope_scaling_low_freq_factor = get_number(r, "low_freq_factor", 1.0);
+      s.rope_scaling_high_freq_factor = get_number(r, "high_freq_factor", 4.0);
+      s.rope_scaling_original_max_seq_len =
+          get_int(r, "original_max_position_embeddings", source + " rope_scaling");
+      VIADUCT_CHECK_T(ConfigError, s.rope_scaling_factor > 0, source,
+                      ": rope_scaling.factor must be > 0, got ", s.rope_scaling_factor);
     }
     if (c.contains("head_dim") && !c["head_dim"].is_null()) {
       const int64_t hd = get_int(c, "head_dim", source);
@@ -228,6 +246,21 @@ void check_hf_shape(const HfModelShape& hf, const HfModelShape& v,
            v.norm_eps);
   if (llama && hf.rope_theta != v.rope_theta)
     differ("rope_theta", hf.rope_theta, "model.rope_theta", v.rope_theta);
+  if (llama && hf.rope_scaling_factor != v.rope_scaling_factor)
+    differ("rope_scaling.factor", hf.rope_scaling_factor, "model.rope_scaling_factor",
+           v.rope_scaling_factor);
+  if (llama && hf.rope_scaling_factor > 0) {
+    if (hf.rope_scaling_low_freq_factor != v.rope_scaling_low_freq_factor)
+      differ("rope_scaling.low_freq_factor", hf.rope_scaling_low_freq_factor,
+             "model.rope_scaling_low_freq_factor", v.rope_scaling_low_freq_factor);
+    if (hf.rope_scaling_high_freq_factor != v.rope_scaling_high_freq_factor)
+      differ("rope_scaling.high_freq_factor", hf.rope_scaling_high_freq_factor,
+             "model.rope_scaling_high_freq_factor", v.rope_scaling_high_freq_factor);
+    if (hf.rope_scaling_original_max_seq_len != v.rope_scaling_original_max_seq_len)
+      differ("rope_scaling.original_max_position_embeddings",
+             hf.rope_scaling_original_max_seq_len, "model.rope_scaling_original_max_seq_len",
+             v.rope_scaling_original_max_seq_len);
+  }
   if (hf.tie_embeddings != v.tie_embeddings)
     differ("tie_word_embeddings", hf.tie_embeddings, "model.tie_embeddings", v.tie_embeddings);
 }

@@ -42,6 +42,11 @@ struct HfModelShape {
   int64_t max_seq_len = 0;
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;  // llama
+  // llama: HF rope_scaling of type "llama3" (factor 0: none).
+  double rope_scaling_factor = 0.0;
+  double rope_scaling_low_freq_factor = 1.0;
+  double rope_scaling_high_freq_factor = 4.0;
+  int64_t rope_scaling_original_max_seq_len = 8192;
   bool tie_embeddings = false;
 };
 
@@ -53,7 +58,8 @@ nlohmann::json hf_config_json(const HfModelShape& shape,
                               const std::string& torch_dtype);
 // The shape config.json describes. A ConfigError names `source` and the
 // field for an architecture or setting viaduct does not model (another
-// model_type, a rope_scaling, biases in llama, another activation).
+// model_type, a rope_scaling other than "llama3", biases in llama, another
+// activation).
 HfModelShape shape_from_hf_config(const nlohmann::json& config,
                                   const std::string& source);
 // A ConfigError naming the first field that differs, with both values, when

@@ -73,6 +73,10 @@ void add_model_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("model", "max_seq_len", T::kInt, kUnset, "longest sequence (RoPE table / learned positions)").in(greater_than(0)));
   k.push_back(key("model", "norm_eps", T::kFloat, kUnset, "norm epsilon (flavor default)").in(greater_than(0)));
   k.push_back(key("model", "rope_theta", T::kFloat, kUnset, "RoPE base (flavor default)").in(greater_than(0)));
+  k.push_back(key("model", "rope_scaling_factor", T::kFloat, 0.0, "llama: llama-3.1/3.2 RoPE frequency scaling factor (HF rope_scaling of type llama3; 8 for 3.1, 32 for 3.2); 0: none").in(at_least(0)));
+  k.push_back(key("model", "rope_scaling_low_freq_factor", T::kFloat, 1.0, "llama: the scaling's low_freq_factor").in(greater_than(0)));
+  k.push_back(key("model", "rope_scaling_high_freq_factor", T::kFloat, 4.0, "llama: the scaling's high_freq_factor (above low_freq_factor)").in(greater_than(0)));
+  k.push_back(key("model", "rope_scaling_original_max_seq_len", T::kInt, int64_t{8192}, "llama: the scaling's original_max_position_embeddings").in(greater_than(0)));
   k.push_back(key("model", "fused_kernels", T::kBool, true, "use viaduct's CUDA kernels (RMSNorm, RoPE, SwiGLU, the chunked loss) where the GPU has them; false: ATen ops only"));
   k.push_back(key("model", "swiglu_recompute", T::kBool, false, "fused SwiGLU (CUDA kernels): recompute silu(w1 x) * w3 x in the backward instead of keeping it; saves tokens x ffn_hidden_dim x 2 bytes per layer for one more elementwise pass"));
   k.push_back(key("model", "loss_chunk_tokens", T::kInt, int64_t{-1}, "> 0: fuse head and cross-entropy in chunks of this many tokens (no full logits); 0: plain; -1: auto (4096 where the fused CUDA kernels run, else plain)").in(at_least(-1)));

@@ -20,6 +20,7 @@ ChainBlockImpl::ChainBlockImpl(const ChainSpec& s, int64_t layer_id)
   ao.rope = !s.learned_positions;
   ao.max_seq_len = s.max_seq_len;
   ao.rope_theta = s.rope_theta;
+  ao.rope_scaling = s.rope_scaling;
   // Registration order fixes the parameter order (and so optimizer order).
   if (s.layer_norm) {
     attention_ln_ = register_module("attention_norm", LayerNorm(s.dim, s.norm_eps));
@@ -213,6 +214,19 @@ ChainSpec apply_model_overrides(ChainSpec s, const Config& cfg) {
   s.max_seq_len = int_or(cfg, "model.max_seq_len", s.max_seq_len);
   s.norm_eps = float_or(cfg, "model.norm_eps", s.norm_eps);
   s.rope_theta = float_or(cfg, "model.rope_theta", s.rope_theta);
+  s.rope_scaling.factor = float_or(cfg, "model.rope_scaling_factor", s.rope_scaling.factor);
+  s.rope_scaling.low_freq_factor =
+      float_or(cfg, "model.rope_scaling_low_freq_factor", s.rope_scaling.low_freq_factor);
+  s.rope_scaling.high_freq_factor =
+      float_or(cfg, "model.rope_scaling_high_freq_factor", s.rope_scaling.high_freq_factor);
+  s.rope_scaling.original_max_seq_len = int_or(cfg, "model.rope_scaling_original_max_seq_len",
+                                               s.rope_scaling.original_max_seq_len);
+  VIADUCT_CHECK_T(ConfigError,
+                  !s.rope_scaling.enabled() ||
+                      s.rope_scaling.high_freq_factor > s.rope_scaling.low_freq_factor,
+                  "model.rope_scaling_high_freq_factor (", s.rope_scaling.high_freq_factor,
+                  ") must exceed model.rope_scaling_low_freq_factor (",
+                  s.rope_scaling.low_freq_factor, ")");
   s.tie_embeddings = bool_or(cfg, "model.tie_embeddings", s.tie_embeddings);
   s.loss_chunk_tokens = cfg.get_int("model.loss_chunk_tokens");
   auto pos = [&](int64_t v, const char* key) {

@@ -27,6 +27,7 @@ struct ChainSpec {
   int64_t max_seq_len = 0;
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
+  RopeScaling rope_scaling;      // llama: model.rope_scaling_* (off by default)
   bool layer_norm = false;       // gpt2: LayerNorm with bias; llama: RMSNorm
   bool gelu_mlp = false;         // gpt2: GELU MLP with biases; llama: SwiGLU
   bool bias = false;             // attention biases

@@ -68,7 +68,8 @@ AttentionImpl::AttentionImpl(const AttentionOptions& o) : opts_(o) {
   if (o.rope) {
     // Buffers, so Module::to(device) moves them once; not persistent state
     // (checkpoints hold parameters only).
-    auto tables = make_rope_tables(head_dim_, o.max_seq_len, o.rope_theta);
+    auto tables = make_scaled_rope_tables(head_dim_, o.max_seq_len, o.rope_theta,
+                                          o.rope_scaling);
     rope_.cos = register_buffer("rope_cos", tables.cos);
     rope_.sin = register_buffer("rope_sin", tables.sin);
   }

@@ -17,6 +17,7 @@
 #include "ops/linear.h"
 #include "ops/options.h"
 #include "ops/rope.h"
+#include "model/rope_scaling.h"
 
 namespace viaduct {
 
@@ -60,6 +61,7 @@ struct AttentionOptions {
   bool rope = true;
   int64_t max_seq_len = 0;
   double rope_theta = 10000.0;
+  RopeScaling rope_scaling;  // llama-3.1/3.2 frequency scaling; off by default
 };
 
 // Causal self-attention with grouped KV heads; FQNs wq, wk, wv, wo.

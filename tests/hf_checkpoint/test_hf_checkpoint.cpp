@@ -1,5 +1,6 @@
 // HF checkpoints: Note [HF rotary layout] against a hand-written rotate-half
-// RoPE (transformers' form) and viaduct's own ops::rope; viaduct -> HF folder
+// RoPE (transformers' form) and viaduct's own ops::rope; llama3 RoPE scaling
+// against its closed form; viaduct -> HF folder
 // -> viaduct bitwise for llama (GQA, untied, sharded) and gpt2 (tied, padded
 // vocab); bad folders and shape mismatches refused naming the field.
 #include <gtest/gtest.h>
@@ -12,6 +13,8 @@
 #include "core/check.h"
 #include "core/file_io.h"
 #include "data/temp_dir.h"
+#include "model/layers.h"
+#include "model/rope_scaling.h"
 #include "ops/rope.h"
 
 namespace viaduct::checkpoint {
@@ -19,6 +22,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using data::testing::TempDir;
+using viaduct::Attention;
+using viaduct::AttentionOptions;
+using viaduct::RopeScaling;
 
 // Meta's interleaved RoPE on x [T, H, hd] (fp64): pairs (2i, 2i+1).
 at::Tensor rope_interleaved(const at::Tensor& x, double theta) {
@@ -83,6 +89,105 @@ TEST(HfRotaryLayout, ViaductRopeIsTheInterleavedForm) {
   auto tables = ops::make_rope_tables(hd, 16, 10000.0);
   at::Tensor got = ops::rope(x, tables, ops::KernelOptions{});
   EXPECT_LT((got[0] - rope_interleaved(x[0], 10000.0)).abs().max().item<double>(), 1e-6);
+}
+
+// transformers' _compute_llama3_parameters, frequency by frequency.
+double llama3_frequency(int64_t i, int64_t hd, double theta, const RopeScaling& s, int* regime) {
+  const double f = std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(hd));
+  const double wavelen = 2 * M_PI / f;
+  const double L = static_cast<double>(s.original_max_seq_len);
+  if (wavelen < L / s.high_freq_factor) {
+    *regime = 0;
+    return f;
+  }
+  if (wavelen > L / s.low_freq_factor) {
+    *regime = 2;
+    return f / s.factor;
+  }
+  *regime = 1;
+  const double smooth = (L / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+  return (1 - smooth) * f / s.factor + smooth * f;
+}
+
+TEST(RopeScaling, Llama3FrequenciesMatchTheClosedForm) {
+  const RopeScaling s{32.0, 1.0, 4.0, 8192};  // llama-3.2
+  const int64_t hd = 64;
+  const double theta = 500000.0;
+  at::Tensor got = rope_frequencies(hd, theta, s);
+  ASSERT_EQ(got.numel(), hd / 2);
+  int seen[3] = {0, 0, 0};
+  for (int64_t i = 0; i < hd / 2; ++i) {
+    int regime = 0;
+    const double want = llama3_frequency(i, hd, theta, s, &regime);
+    ++seen[regime];
+    EXPECT_NEAR(got[i].item<double>(), want, 1e-13 * want) << "frequency " << i;
+  }
+  EXPECT_GT(seen[0], 0);
+  EXPECT_GT(seen[1], 0);
+  EXPECT_GT(seen[2], 0);
+  auto tables = make_scaled_rope_tables(hd, 100, theta, s);
+  EXPECT_NEAR(tables.cos[77][5].item<double>(), std::cos(77 * got[5].item<double>()), 1e-12);
+  EXPECT_NEAR(tables.sin[77][30].item<double>(), std::sin(77 * got[30].item<double>()), 1e-12);
+}
+
+TEST(RopeScaling, OffGivesTheUnscaledTablesAndAttentionUsesTheScaledOnes) {
+  auto plain = ops::make_rope_tables(16, 32, 10000.0);
+  auto off = make_scaled_rope_tables(16, 32, 10000.0, RopeScaling{});
+  EXPECT_TRUE(at::equal(plain.cos, off.cos));
+  EXPECT_TRUE(at::equal(plain.sin, off.sin));
+  AttentionOptions o;
+  o.dim = 32;
+  o.n_heads = 2;
+  o.n_kv_heads = 2;
+  o.max_seq_len = 32;
+  o.rope_theta = 10000.0;
+  o.rope_scaling = RopeScaling{8.0, 1.0, 4.0, 16};
+  Attention a(o);
+  auto scaled = make_scaled_rope_tables(16, 32, 10000.0, o.rope_scaling);
+  bool found = false;
+  for (const auto& b : a->named_buffers()) {
+    if (b.key() == "rope_cos") {
+      found = true;
+      EXPECT_TRUE(at::equal(b.value(), scaled.cos));
+      EXPECT_FALSE(at::equal(b.value(), plain.cos));
+    }
+  }
+  EXPECT_TRUE(found);
+}
+
+TEST(HfCheckpoint, Llama3RopeScalingGoesThroughConfigJson) {
+  HfModelShape s;
+  s.family = "llama";
+  s.n_layers = 2;
+  s.dim = 32;
+  s.n_heads = 4;
+  s.n_kv_heads = 2;
+  s.vocab_size = 300;
+  s.ffn_hidden = 48;
+  s.max_seq_len = 131072;
+  s.rope_theta = 500000.0;
+  s.rope_scaling_factor = 32.0;
+  s.rope_scaling_original_max_seq_len = 8192;
+  nlohmann::json c = hf_config_json(s, "bfloat16");
+  EXPECT_EQ(c["rope_scaling"]["rope_type"], "llama3");
+  HfModelShape back = shape_from_hf_config(c, "src");
+  EXPECT_EQ(back.rope_scaling_factor, 32.0);
+  EXPECT_EQ(back.rope_scaling_low_freq_factor, 1.0);
+  EXPECT_EQ(back.rope_scaling_high_freq_factor, 4.0);
+  EXPECT_EQ(back.rope_scaling_original_max_seq_len, 8192);
+  EXPECT_NO_THROW(check_hf_shape(back, s, "src"));
+  HfModelShape unscaled = s;
+  unscaled.rope_scaling_factor = 0;
+  std::string msg;
+  try {
+    check_hf_shape(back, unscaled, "src");
+  } catch (const ConfigError& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("rope_scaling.factor = 32 but the viaduct config has "
+                     "model.rope_scaling_factor = 0"),
+            std::string::npos)
+      << msg;
 }
 
 HfModelShape llama_shape() {
@@ -265,7 +370,7 @@ TEST(HfCheckpoint, MismatchesAndBadFoldersNameTheProblem) {
   EXPECT_NE(msg.find("model.n_kv_heads = 4"), std::string::npos) << msg;
 
   nlohmann::json c = hf_config_json(hf, "float32");
-  c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 32.0}};
+  c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
   EXPECT_NE(error_of<ConfigError>([&] { shape_from_hf_config(c, "src"); }).find("rope_scaling"),
             std::string::npos);
   c = hf_config_json(hf, "float32");
