@@ -10,7 +10,6 @@
 // so an output element a kernel never writes shows up as NaN.
 #include <gtest/gtest.h>
 
-#include <random>
 
 #include <c10/cuda/CUDAStream.h>
 
@@ -26,35 +25,19 @@
 #include "ops/linear.h"
 #include "ops/rope.h"
 #include "train/optimizer.h"
+#include "common/cuda_test.h"
 
 namespace viaduct {
 namespace {
 
-bool have_gpu() {
-  return torch::cuda::is_available() &&
-         kernels::usable(at::empty({1}, at::TensorOptions(at::kCUDA).dtype(at::kFloat)));
-}
-
-#define REQUIRE_GPU() \
-  if (!have_gpu()) GTEST_SKIP() << "no GPU the fused kernels were built for"
-
-uint64_t fresh_seed() {
-  static std::random_device rd;
-  const uint64_t s = (static_cast<uint64_t>(rd()) << 32) | rd();
-  torch::manual_seed(s);
-  return s;
-}
+using testing_cuda::fresh_seed;
+using testing_cuda::have_gpu;
+using testing_cuda::rel_err;
 
 // Fills the caching allocator's free blocks with NaN.
 void poison() {
   auto p = at::full({256LL << 20}, NAN, at::TensorOptions(at::kCUDA).dtype(at::kFloat));
   p.reset();
-}
-
-double rel_err(const at::Tensor& out, const at::Tensor& ref) {
-  auto o = out.to(at::kCPU, at::kDouble), r = ref.to(at::kCPU, at::kDouble);
-  if (!at::isfinite(o).all().item<bool>()) return INFINITY;
-  return (o - r).norm().item<double>() / std::max(r.norm().item<double>(), 1e-30);
 }
 
 // The kernel's and the fp64 reference's backward with the same output

@@ -12,35 +12,18 @@
 // of up to 64 decays meet in one sum.
 #include <gtest/gtest.h>
 
-#include <random>
 
 #include "kernels/fused.h"
 #include "model/kda.h"
 #include "ops/kda.h"
+#include "common/cuda_test.h"
 
 namespace viaduct {
 namespace {
 
-bool have_gpu() {
-  return torch::cuda::is_available() &&
-         kernels::usable(at::empty({1}, at::TensorOptions(at::kCUDA).dtype(at::kFloat)));
-}
-
-#define REQUIRE_GPU() \
-  if (!have_gpu()) GTEST_SKIP() << "no GPU the fused kernels were built for"
-
-uint64_t fresh_seed() {
-  static std::random_device rd;
-  const uint64_t s = (static_cast<uint64_t>(rd()) << 32) | rd();
-  torch::manual_seed(s);
-  return s;
-}
-
-double rel_err(const at::Tensor& out, const at::Tensor& ref) {
-  auto o = out.to(at::kCPU, at::kDouble), r = ref.to(at::kCPU, at::kDouble);
-  if (!at::isfinite(o).all().item<bool>()) return INFINITY;
-  return (o - r).norm().item<double>() / std::max(r.norm().item<double>(), 1e-30);
-}
+using testing_cuda::fresh_seed;
+using testing_cuda::have_gpu;
+using testing_cuda::rel_err;
 
 struct Inputs {
   std::vector<at::Tensor> x;  // q, k, v, g, beta, S0 (fp64, CPU)

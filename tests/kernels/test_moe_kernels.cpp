@@ -9,26 +9,18 @@
 // writes the weight gradients in fp32).
 #include <gtest/gtest.h>
 
-#include <random>
 
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
 #include "model/moe.h"
 #include "ops/moe.h"
+#include "common/cuda_test.h"
 
 namespace viaduct {
 namespace {
 
-bool have_gpu() {
-  return torch::cuda::is_available() &&
-         kernels::usable(at::empty({1}, at::TensorOptions(at::kCUDA).dtype(at::kFloat)));
-}
-
-double rel_err(const at::Tensor& out, const at::Tensor& ref) {
-  auto o = out.to(at::kCPU, at::kDouble), r = ref.to(at::kCPU, at::kDouble);
-  if (!at::isfinite(o).all().item<bool>()) return INFINITY;
-  return (o - r).norm().item<double>() / std::max(r.norm().item<double>(), 1e-30);
-}
+using testing_cuda::fresh_seed;
+using testing_cuda::rel_err;
 
 struct Run {
   at::Tensor y, dx, loads;
@@ -55,11 +47,9 @@ Run run(const MoeOptions& o, bool grouped, const at::Tensor& x, const at::Tensor
 class MoeGrouped : public testing::TestWithParam<std::pair<int64_t, int64_t>> {};
 
 TEST_P(MoeGrouped, MatchesThePerExpertLoop) {
-  if (!have_gpu()) GTEST_SKIP() << "no GPU the fused kernels were built for";
+  REQUIRE_GPU();
   if (!compat::kGroupedMm) GTEST_SKIP() << "no grouped GEMM in this LibTorch";
-  static std::random_device rd;
-  const uint64_t seed = (static_cast<uint64_t>(rd()) << 32) | rd();
-  torch::manual_seed(seed);
+  const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   MoeOptions o;
   o.dim = 256;
