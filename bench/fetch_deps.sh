@@ -20,6 +20,12 @@ if ! apt-get download "${packages[@]}"; then
 fi
 # Unpack here too, to check the headers are where the build looks.
 for f in ./*.deb; do dpkg -x "$f" .; done
+# Library links that point at the system's copy (libz.so -> /lib/...) point
+# at the unpacked copy instead: the GPU machine's system has another version.
+find . -type l -lname '/*' | while read -r l; do
+  t=$(readlink "$l")
+  [ -e ".$t" ] && ln -sfn "$(realpath --relative-to="$(dirname "$l")" ".$t")" "$l"
+done
 for h in usr/include/toml++/toml.h usr/include/nlohmann/json.hpp; do
   [ -f "$h" ] || { echo "fetch_deps.sh: $h missing after unpacking" >&2; exit 1; }
 done
