@@ -49,7 +49,7 @@ build_tree() {  # tree -> prints the tree's folder
   local log=$OUT/build.$(basename "$dir").log
   if [ ! -f "$dir/build-gpu/CMakeCache.txt" ]; then
     cmake -S "$dir" -B "$dir/build-gpu" -G Ninja -DCMAKE_BUILD_TYPE=Release "${tests[@]}" \
-      -DCMAKE_PREFIX_PATH="$PREFIX;$ROOT/.deps/usr" -DVIADUCT_EXTRA_INCLUDE="$ROOT/.deps/usr/include" \
+      -DCMAKE_PREFIX_PATH="$PREFIX" -DVIADUCT_EXTRA_INCLUDE="$ROOT/.deps/usr/include" -DCMAKE_INCLUDE_PATH="$ROOT/.deps/usr/include" -DCMAKE_LIBRARY_PATH="$ROOT/.deps/usr/lib/x86_64-linux-gnu" \
       >"$log" 2>&1 || { tail -20 "$log" >&2; return 1; }
   fi
   cmake --build "$dir/build-gpu" --target "${targets[@]}" -j "$JOBS" -- -k 0 >>"$log" 2>&1 ||

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Downloads the Debian packages that viaduct's GPU build needs and the GPU
 # machine lacks (toml++ and nlohmann-json headers; PCRE2 and zlib headers
-# and libraries for the tokenizers, found through CMAKE_PREFIX_PATH
-# $PWD/.deps/usr) and GoogleTest's sources (for the CUDA tests,
+# and libraries for the tokenizers, found through CMAKE_INCLUDE_PATH and
+# CMAKE_LIBRARY_PATH under $PWD/.deps/usr, not CMAKE_PREFIX_PATH, which would
+# also find toml++'s CMake config there and want its compiled library) and GoogleTest's sources (for the CUDA tests,
 # -DVIADUCT_GTEST_SOURCE_DIR=$PWD/.deps/usr/src/googletest) into .deps/ at the repository root, on a machine
 # with Debian's mirror, so they can be carried to the GPU machine, which has
 # no network. bench/run_single_gpu.sh unpacks them there with

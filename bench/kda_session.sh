@@ -31,7 +31,7 @@ if has build; then
   if [ ! -f build-gpu/CMakeCache.txt ]; then
     gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
     cmake -S . -B build-gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DVIADUCT_BUILD_TESTS=ON \
-      -DVIADUCT_GTEST_SOURCE_DIR="$PWD/.deps/usr/src/googletest" -DCMAKE_PREFIX_PATH="$prefix;$PWD/.deps/usr" \
+      -DVIADUCT_GTEST_SOURCE_DIR="$PWD/.deps/usr/src/googletest" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_INCLUDE_PATH="$PWD/.deps/usr/include" -DCMAKE_LIBRARY_PATH="$PWD/.deps/usr/lib/x86_64-linux-gnu" \
       -DVIADUCT_EXTRA_INCLUDE="$PWD/.deps/usr/include" >"$OUT/cmake.log" 2>&1 ||
       { say "cmake failed"; tail -20 "$OUT/cmake.log"; exit 1; }
   fi

@@ -68,7 +68,7 @@ build_viaduct() {
   if [ ! -f build-gpu/CMakeCache.txt ]; then
     command -v ninja >/dev/null && gen=(-G Ninja)
     cmake -S . -B build-gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
-      "${tests[@]}" -DCMAKE_PREFIX_PATH="$prefix;$PWD/.deps/usr" \
+      "${tests[@]}" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_INCLUDE_PATH="$PWD/.deps/usr/include" -DCMAKE_LIBRARY_PATH="$PWD/.deps/usr/lib/x86_64-linux-gnu" \
       -DVIADUCT_EXTRA_INCLUDE="$PWD/.deps/usr/include" >"$OUT/cmake.log" 2>&1 ||
       { say "build: cmake failed"; tail -20 "$OUT/cmake.log"; return 1; }
     grep -q "viaduct: CUDA build" "$OUT/cmake.log" ||

@@ -15,7 +15,6 @@ namespace viaduct::cuda {
 namespace {
 
 constexpr int C = static_cast<int>(kKdaChunk);
-constexpr int kThreads = 256;
 constexpr int kFwdThreads = 512;  // the intra-chunk forward's block
 
 // Row r of chunk n of head (b, h) in a [B, T, H, width] tensor, or -1 past T.
@@ -156,10 +155,11 @@ __global__ void __launch_bounds__(kFwdThreads)
 // and slice of V value columns: S's slice stays in shared memory, as S^T
 // [V][D + 4]; M1 is staged as [C][D + 4] and M2 transposed as [D][C + 4],
 // so every inner product reads float4 runs along its summed index. Thread
-// t owns column i = t % V, rows c = t / V + 32 m of x and rows
-// k = t / V + 32 m of S.
+// t owns column i = t % V, rows c = t / V + 64 m of x and rows
+// k = t / V + 64 m of S.
 constexpr int V = 8;
-constexpr int kGroups = kThreads / V;  // 32
+constexpr int kScanThreads = 512;
+constexpr int kGroups = kScanThreads / V;  // 64
 
 template <int D>
 constexpr size_t scan_smem() {
@@ -188,8 +188,8 @@ __device__ __forceinline__ float dot4(const float4 a, const float4 b, float acc)
 }
 
 template <int D>
-__global__ void __launch_bounds__(kThreads) scan_kernel(KdaShape s, ScanArgs p) {
-  constexpr int PD = D + 4, PC = C + 4, KM = D / kGroups;
+__global__ void __launch_bounds__(kScanThreads, 2) scan_kernel(KdaShape s, ScanArgs p) {
+  constexpr int PD = D + 4, PC = C + 4, KM = D / kGroups, XM = C / kGroups;
   extern __shared__ float smem[];
   float* St = smem;             // [V][PD]  S^T
   float* M1s = St + V * PD;     // [C][PD]
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(KdaShape s, ScanArgs p) 
   const int i0 = blockIdx.x * V;
   const int tid = threadIdx.x, i = tid % V, r = tid / V;
 
-  float Sreg[KM];  // this thread's S[k][i], k = r + 32 m
+  float Sreg[KM];  // this thread's S[k][i], k = r + kGroups m
 #pragma unroll
   for (int m = 0; m < KM; ++m) {
     const int k = r + kGroups * m;
@@ -214,12 +214,12 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(KdaShape s, ScanArgs p) 
     __syncthreads();  // St written; the previous chunk's reads of M1s, M2t, xt done
     {
       constexpr int D4 = D / 4;
-      for (int e = tid; e < C * D4; e += kThreads) {
+      for (int e = tid; e < C * D4; e += kScanThreads) {
         const int c = e / D4, k = (e % D4) * 4;
         *reinterpret_cast<float4*>(M1s + c * PD + k) =
             *reinterpret_cast<const float4*>(p.M1 + (zc + c) * p.m1_stride + k);
       }
-      for (int e = tid; e < C * D4; e += kThreads) {
+      for (int e = tid; e < C * D4; e += kScanThreads) {
         const int c = e % C, k = (e / C) * 4;
         const float4 v = *reinterpret_cast<const float4*>(p.M2 + (zc + c) * p.m2_stride + k);
         M2t[(k + 0) * PC + c] = v.x;
@@ -234,9 +234,9 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(KdaShape s, ScanArgs p) 
       p.states[(z * D + r + kGroups * m) * D + i0 + i] = Sreg[m];
     }
     __syncthreads();
-    // x = A + s1 M1 S, rows r and r + 32
+    // x = A + s1 M1 S, rows r + kGroups h
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < XM; ++h) {
       const int c = r + kGroups * h;
       float acc = 0.f;
 #pragma unroll 8
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(KdaShape s, ScanArgs p) 
       p.x[(zc + c) * D + i0 + i] = xv;
     }
     __syncthreads();
-    // S = dec * S + s2 M2^T x + Y, rows k = r + 32 m
+    // S = dec * S + s2 M2^T x + Y, rows k = r + kGroups m
 #pragma unroll
     for (int m = 0; m < KM; ++m) {
       const int k = r + kGroups * m;
@@ -275,20 +275,23 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(KdaShape s, ScanArgs p) 
 // One block per chunk and slice of 32 channels (lane = channel). The pair
 // terms of Aqk and Kp, with P = e^{G_cd - G_jd}, a = dAqk[c, j] (j <= c), m
 // = dKp[c, j] = -beta_c dM[c, j] (j < c):
-//   row c  (warps 0-3, rows c = w mod 4): dq_c += a k_j P, dk_c += m k_j P,
+//   row c  (the first half of the warps, rows c = w mod 8): dq_c += a k_j P,
+//          dk_c += m k_j P,
 //          dG_c += (a q_c + m k_c) k_j P            summed over j <= c
-//   row j  (warps 4-7): dk_j += (a q_c + m k_c) P, dG_j -= (a q_c + m k_c) k_j P
+//   row j  (the second half): dk_j += (a q_c + m k_c) P,
+//          dG_j -= (a q_c + m k_c) k_j P
 //          summed over c >= j
 // then the terms of qe, ke, dec and R, and dg as the reverse cumulative
 // sum of dG. dbeta's sums over d are written per slice ([slices, Z, C]);
 // the caller adds the slices.
 constexpr int kSlice = 32;
+constexpr int kBwdThreads = 512;
 
 constexpr size_t intra_backward_smem() {
   return sizeof(float) * (3 * C * kSlice + 2 * C * C + 5 * C * kSlice + C);
 }
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBwdThreads, 2)
     intra_backward_kernel(KdaShape s, const float* __restrict__ q, const float* __restrict__ k,
                           const float* __restrict__ v, const float* __restrict__ g,
                           const float* __restrict__ beta, const float* __restrict__ Kp,
@@ -316,7 +319,7 @@ __global__ void __launch_bounds__(kThreads)
   const int d0 = blockIdx.y * L;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 
-  for (int x = tid; x < C * L; x += kThreads) {
+  for (int x = tid; x < C * L; x += kBwdThreads) {
     const int c = x / L, d = x % L;
     const int64_t r = row_of(s, bh, n, c, D);
     Gs[x] = r < 0 ? 0.f : g[r + d0 + d];
@@ -328,7 +331,7 @@ __global__ void __launch_bounds__(kThreads)
     bs[tid] = r < 0 ? 0.f : beta[r];
   }
   __syncthreads();
-  for (int x = tid; x < C * C; x += kThreads) {
+  for (int x = tid; x < C * C; x += kBwdThreads) {
     const int c = x / C, j = x % C;
     dA[x] = j <= c ? dAqk[zc * C + x] : 0.f;
     dK[x] = j < c ? -bs[c] * dM[zc * C + x] : 0.f;
@@ -342,8 +345,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const int d = lane;
-  if (warp < 4) {
-    for (int c = warp; c < C; c += 4) {
+  constexpr int kHalf = kBwdThreads / 64;  // warps per role
+  if (warp < kHalf) {
+    for (int c = warp; c < C; c += kHalf) {
       const float Gc = Gs[c * L + d], qc = qs[c * L + d], kc = ks[c * L + d];
       float aq = 0.f, ak = 0.f, aG = 0.f;
 #pragma unroll 4
@@ -359,7 +363,7 @@ __global__ void __launch_bounds__(kThreads)
       XG[c * L + d] = aG;
     }
   } else {
-    for (int j = warp - 4; j < C; j += 4) {
+    for (int j = warp - kHalf; j < C; j += kHalf) {
       const float Gj = Gs[j * L + d], kj = ks[j * L + d];
       float bk = 0.f, bG = 0.f;
 #pragma unroll 4
@@ -377,7 +381,7 @@ __global__ void __launch_bounds__(kThreads)
   // The row-local terms. XG becomes the row's whole dG but for the last
   // row's sum over the chunk; YG then holds dke k e^{G_L - G}, which the
   // reverse cumulative sum below adds into the last row.
-  for (int x = tid; x < C * L; x += kThreads) {
+  for (int x = tid; x < C * L; x += kBwdThreads) {
     const int c = x / L, dd = x % L;
     const float G = Gs[x], GL = Gs[(C - 1) * L + dd];
     const float eG = expf(G), eL = expf(GL - G);
@@ -407,7 +411,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   // dbeta over this slice's channels, one warp a row: the R terms, and
   // (slice 0 only) -sum_j dM[c, j] Kp[c, j].
-  for (int c = warp; c < C; c += kThreads / 32) {
+  for (int c = warp; c < C; c += kBwdThreads / 32) {
     const float G = Gs[c * L + lane];
     float acc = dR[(zc + c) * 2 * D + d0 + lane] * expf(G) * ks[c * L + lane];
     const int64_t r = row_of(s, bh, n, c, D);
@@ -458,7 +462,7 @@ cudaError_t launch_scan(const KdaShape& s, const ScanArgs& p, cudaStream_t strea
     constexpr size_t smem = scan_smem<D>();
     if (auto e = allow_smem(scan_kernel<D>, smem); e != cudaSuccess) return e;
     const dim3 grid(D / V, static_cast<unsigned>(s.B * s.H));
-    scan_kernel<D><<<grid, kThreads, smem, stream>>>(s, p);
+    scan_kernel<D><<<grid, kScanThreads, smem, stream>>>(s, p);
   });
   return cudaGetLastError();
 }
@@ -496,7 +500,7 @@ cudaError_t kda_intra_backward(const KdaShape& s, const float* q, const float* k
   constexpr size_t smem = intra_backward_smem();
   if (auto e = allow_smem(intra_backward_kernel, smem); e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(s.Z()), static_cast<unsigned>(s.D / kSlice));
-  intra_backward_kernel<<<grid, kThreads, smem, stream>>>(s, q, k, v, g, beta, Kp, dAqk, dM, dR,
+  intra_backward_kernel<<<grid, kBwdThreads, smem, stream>>>(s, q, k, v, g, beta, Kp, dAqk, dM, dR,
                                                           dqe, dke, ddec, dq, dk, dv, dg,
                                                           dbeta_part);
   return cudaGetLastError();
