@@ -141,8 +141,10 @@ TEST(Report, ChromiumLoadsThePageAndDrawsTheCurves) {
   TempDir dir;
   const fs::path page = dir.path() / "report.html";
   std::ofstream(page) << run_report_html(pipeline_records(), "a run", "");
-  const std::string flags = " --headless --no-sandbox --disable-gpu --hide-scrollbars"
-                            " --window-size=1200,1400 --user-data-dir=" + dir.file("profile");
+  // --disable-dev-shm-usage: containers often have a tiny /dev/shm.
+  const std::string flags =
+      " --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --hide-scrollbars"
+      " --window-size=1200,1400 --user-data-dir=" + dir.file("profile");
   // Loaded: the DOM after the load holds the whole page.
   const auto dom = shell("timeout 120 " + chromium + flags + " --dump-dom file://" +
                          page.string() + " 2>/dev/null");
