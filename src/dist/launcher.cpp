@@ -488,7 +488,9 @@ LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
 
   LaunchResult result;
   const auto started = Clock::now();
-  std::optional<Clock::time_point> kill_at;      // SIGKILL deadline
+  // The SIGKILL deadline, once armed.
+  bool kill_armed = false;
+  Clock::time_point kill_at{};
   std::optional<Clock::time_point> drain_until;  // after the last rank ended
   bool ending = false;                           // SIGTERM sent to every rank
   int interrupt_signal = 0;                      // the launcher's first signal
@@ -497,6 +499,7 @@ LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
     if (!ending) {
       ending = true;
       kill_at = Clock::now() + options.grace;
+      kill_armed = true;
     }
   };
 
@@ -544,7 +547,10 @@ LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
       note(str("got ", signal_name(sig), ", forwarding it to every rank",
                interrupted ? "; ending them after the grace period" : ""));
       for (auto& p : procs) p->signal_group(sig);
-      if (interrupted && !kill_at) kill_at = Clock::now() + options.grace;
+      if (interrupted && !kill_armed) {
+        kill_at = Clock::now() + options.grace;
+        kill_armed = true;
+      }
       if (!interrupted) {
         interrupted = true;
         interrupt_signal = sig;
@@ -588,7 +594,7 @@ LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
       note(result.message + "; ending every rank");
       end_all(SIGTERM);
     }
-    if (kill_at && now >= *kill_at) {
+    if (kill_armed && now >= kill_at) {
       for (auto& p : procs) {
         if (p->running) {
           note(str("rank ", p->rank, " still running after the ",
@@ -596,7 +602,7 @@ LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
         }
         p->signal_group(SIGKILL);
       }
-      kill_at.reset();
+      kill_armed = false;
     }
   }
 
