@@ -809,7 +809,9 @@ if torch is not None:
             st = upcast(x.dtype)
             scores = torch.sigmoid(linear(x.to(st), self.router.weight))  # [N, E]
             with torch.no_grad():
-                idx = torch.topk(scores.detach() + self.expert_bias.to(st), self.K, -1)[1]
+                # MoeImpl::route: a stable sort, ties to the lower expert id.
+                idx = torch.sort(scores.detach() + self.expert_bias.to(st), dim=-1,
+                                 descending=True, stable=True)[1][..., :self.K]
             w = scores.gather(-1, idx)
             return idx, w / w.sum(-1, keepdim=True) * self.route_scale
 

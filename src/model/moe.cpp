@@ -94,8 +94,13 @@ std::pair<at::Tensor, at::Tensor> MoeImpl::route(const at::Tensor& x) {
   at::Tensor idx;
   {
     torch::NoGradGuard g;  // selection only: no gradient through the bias
-    idx = std::get<1>(at::topk(scores.detach() + expert_bias.to(st),
-                               opts_.n_activated_experts, -1));  // [N, k]
+    // The k highest biased scores by a stable sort: among equal scores the
+    // lower expert id wins, on every device (topk leaves ties to the
+    // implementation).
+    idx = std::get<1>(at::sort(scores.detach() + expert_bias.to(st), /*stable=*/true, -1,
+                               /*descending=*/true))
+              .narrow(-1, 0, opts_.n_activated_experts)
+              .contiguous();  // [N, k]
   }
   auto w = scores.gather(-1, idx);  // unbiased scores of the chosen experts
   w = w / w.sum(-1, /*keepdim=*/true) * opts_.route_scale;

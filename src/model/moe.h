@@ -3,7 +3,8 @@
 //
 // Note [Selection-only bias]
 // `expert_bias` is a buffer, never a parameter: it is added to the router's
-// scores to pick the top-k experts and nowhere else. The gating weights of
+// scores to pick the top-k experts (equal scores: the lower expert id first)
+// and nowhere else. The gating weights of
 // the chosen experts come from the unbiased sigmoid scores (renormalised over
 // the chosen k, times route_scale). After every optimizer step the bias moves
 // by `bias_update_rate * sign(mean load - load)` (centred), from the tokens

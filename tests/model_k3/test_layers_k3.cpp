@@ -132,6 +132,33 @@ TEST(MoeDispatch, GroupsArePaddedAndInSlotOrder) {
   EXPECT_EQ(vec(m.pos).back(), A);
 }
 
+// Equal biased scores pick the lower expert ids, in order: a router of
+// zeros scores every expert 0.5, so every token takes experts 0 .. k-1;
+// with a bias on expert 5 it comes first.
+TEST(MoeRoute, TiesGoToTheLowerExpertId) {
+  MoeOptions o;
+  o.dim = 8;
+  o.n_routed_experts = 8;
+  o.n_activated_experts = 3;
+  o.hidden_dim = 4;
+  Moe m(o);
+  m->init_weights(1, "moe.", 0.1, 0.1);
+  torch::NoGradGuard g;
+  m->router->weight.zero_();
+  auto x = torch::randn({5, 8});
+  auto idx = m->route(x).first;
+  for (int64_t n = 0; n < 5; ++n) {
+    for (int64_t j = 0; j < 3; ++j) EXPECT_EQ(idx[n][j].item<int64_t>(), j);
+  }
+  m->expert_bias[5] = 0.1;
+  idx = m->route(x).first;
+  for (int64_t n = 0; n < 5; ++n) {
+    EXPECT_EQ(idx[n][0].item<int64_t>(), 5);
+    EXPECT_EQ(idx[n][1].item<int64_t>(), 0);
+    EXPECT_EQ(idx[n][2].item<int64_t>(), 1);
+  }
+}
+
 TEST(KdaChunked, StrongDecayStaysFinite) {
   // Cumulative log-decays reach -1900 inside a chunk: exp of the unmasked
   // upper triangle would overflow; masking before exp keeps all finite.
