@@ -167,8 +167,17 @@ HfModelShape shape_from_hf_config(const json& c, const std::string& source) {
     s.norm_eps = get_number(c, "rms_norm_eps", 1e-6);
     s.rope_theta = get_number(c, "rope_theta", 10000.0);
     s.tie_embeddings = c.value("tie_word_embeddings", false);
-    if (c.contains("rope_scaling") && !c["rope_scaling"].is_null()) {
-      const json& r = c["rope_scaling"];
+    // Newer transformers write "rope_parameters" (theta and scaling in one
+    // object) instead of rope_theta and rope_scaling.
+    json scaling = c.contains("rope_scaling") ? c["rope_scaling"] : json(nullptr);
+    if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) {
+      const json& r = c["rope_parameters"];
+      s.rope_theta = get_number(r, "rope_theta", s.rope_theta);
+      const std::string rt = r.value("rope_type", r.value("type", std::string("default")));
+      if (rt != "default") scaling = r;
+    }
+    if (!scaling.is_null()) {
+      const json& r = scaling;
       const std::string rt = r.value("rope_type", r.value("type", std::string()));
       if (rt != "llama3") {
         throw ConfigError(str(source, ": rope_scaling ", r.dump(),

@@ -176,6 +176,18 @@ TEST(HfCheckpoint, Llama3RopeScalingGoesThroughConfigJson) {
   EXPECT_EQ(back.rope_scaling_high_freq_factor, 4.0);
   EXPECT_EQ(back.rope_scaling_original_max_seq_len, 8192);
   EXPECT_NO_THROW(check_hf_shape(back, s, "src"));
+  // Newer transformers: theta and scaling in rope_parameters.
+  nlohmann::json c5 = c;
+  c5.erase("rope_theta");
+  c5.erase("rope_scaling");
+  c5["rope_parameters"] = c["rope_scaling"];
+  c5["rope_parameters"]["rope_theta"] = 500000.0;
+  HfModelShape back5 = shape_from_hf_config(c5, "src");
+  EXPECT_EQ(back5.rope_theta, 500000.0);
+  EXPECT_EQ(back5.rope_scaling_factor, 32.0);
+  c5["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}};
+  EXPECT_EQ(shape_from_hf_config(c5, "src").rope_scaling_factor, 0.0);
+  EXPECT_EQ(shape_from_hf_config(c5, "src").rope_theta, 10000.0);
   HfModelShape unscaled = s;
   unscaled.rope_scaling_factor = 0;
   std::string msg;
