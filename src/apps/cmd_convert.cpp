@@ -14,8 +14,7 @@
 #include "config/config.h"
 #include "core/check.h"
 #include "core/log.h"
-#include "model/chain_transformer.h"
-#include "model/family.h"
+#include "train/warm_start.h"
 
 namespace viaduct::apps {
 namespace {
@@ -38,39 +37,6 @@ constexpr const char* kUsage =
     "index and shards), llama or gpt2; its shape is checked against the job\n"
     "config, and FOLDER/step-0 gets the model weights.\n";
 
-// The HF shape of the model a config builds (llama and gpt2).
-ck::HfModelShape shape_of(const Config& cfg) {
-  const ModelFamily& family = model_family(cfg);
-  // One block is enough to read the whole model's spec.
-  auto part = family.build(cfg, {"layers.0"});
-  auto* chain = dynamic_cast<ChainTransformer*>(part.get());
-  VIADUCT_CHECK_T(ConfigError, chain != nullptr, "convert: model.family '",
-                  family.name, "' has no Hugging Face layout (llama, gpt2)");
-  const ChainSpec& s = chain->spec();
-  VIADUCT_CHECK_T(ConfigError, s.family == "llama" || s.family == "gpt2",
-                  "convert: model.family '", s.family,
-                  "' has no Hugging Face layout (llama, gpt2)");
-  ck::HfModelShape h;
-  h.family = s.family;
-  h.n_layers = s.n_layers;
-  h.dim = s.dim;
-  h.n_heads = s.n_heads;
-  h.n_kv_heads = s.n_kv_heads;
-  h.vocab_size = s.vocab_size;
-  h.ffn_hidden = s.ffn_hidden;
-  h.max_seq_len = s.max_seq_len;
-  h.norm_eps = s.norm_eps;
-  h.rope_theta = s.rope_theta;
-  if (s.family == "llama" && s.rope_scaling.enabled()) {
-    h.rope_scaling_factor = s.rope_scaling.factor;
-    h.rope_scaling_low_freq_factor = s.rope_scaling.low_freq_factor;
-    h.rope_scaling_high_freq_factor = s.rope_scaling.high_freq_factor;
-    h.rope_scaling_original_max_seq_len = s.rope_scaling.original_max_seq_len;
-  }
-  h.tie_embeddings = s.tie_embeddings;
-  return h;
-}
-
 int to_hf(const std::string& input, const std::string& output,
           const ck::HfWriteOptions& options) {
   fs::path dir(input);
@@ -82,7 +48,7 @@ int to_hf(const std::string& input, const std::string& output,
   }
   ck::Checkpoint c = ck::open_checkpoint(dir);
   Config cfg = Config::parse(c.metadata.config_toml, dir.string() + "/metadata.json");
-  ck::HfModelShape shape = shape_of(cfg);
+  ck::HfModelShape shape = hf_model_shape(cfg);
   std::vector<fs::path> model_files;
   for (const auto& f : c.metadata.files) {
     if (f.name.rfind("model", 0) == 0) model_files.push_back(dir / f.name);
@@ -98,7 +64,7 @@ int to_hf(const std::string& input, const std::string& output,
 
 int to_viaduct(const std::string& input, const std::string& output, const Config& cfg) {
   ck::HfFolder hf = ck::read_hf_folder(input);
-  ck::HfModelShape shape = shape_of(cfg);
+  ck::HfModelShape shape = hf_model_shape(cfg);
   ck::check_hf_shape(hf.shape, shape, input);
   ck::TensorMap tensors = ck::from_hf_tensors(hf.tensors, shape, hf.shape.vocab_size, input);
   ck::CheckpointMetadata meta;

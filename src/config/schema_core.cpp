@@ -52,6 +52,11 @@ void add_core_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("checkpoint", "save_initial", T::kBool, false, "also save the initial weights as step-0"));
   k.push_back(key("checkpoint", "save_final", T::kBool, true, "save at the last step even off the interval"));
   k.push_back(key("checkpoint", "async_mode", T::kString, std::string("disabled"), "disabled | async: copy the state to host memory at the step and write it from a background thread while training goes on"));
+  k.push_back(key("checkpoint", "initial_load_path", T::kString, std::string(""), "warm start: a viaduct checkpoint (a step-N folder or a checkpoint folder: its latest) or a Hugging Face model folder, loaded when the checkpoint folder has none of its own"));
+  k.push_back(key("checkpoint", "initial_load_in_hf", T::kBool, false, "read initial_load_path as a Hugging Face model folder (found by its config.json without this)"));
+  k.push_back(key("checkpoint", "initial_load_model_only", T::kBool, true, "warm start with the weights only: step 0, a fresh optimizer and data cursor; false: the whole training state but exclude_from_loading"));
+  k.push_back(key("checkpoint", "exclude_from_loading", T::kStringList, StringList{}, "what a full-state warm start leaves fresh: any of optimizer, data, step"));
+  k.push_back(key("checkpoint", "last_save_in_hf", T::kBool, false, "at the end of training also write the final weights as a Hugging Face model folder, <checkpoint.folder>/hf-step-<N>"));
 
   k.push_back(key("metrics", "log_freq", T::kInt, int64_t{1}, "log every N steps").in(greater_than(0)));
   k.push_back(key("metrics", "enable_jsonl", T::kBool, true, "append a JSON object per step to <dump_folder>/metrics.jsonl"));
@@ -134,6 +139,12 @@ void validate_core(const Config& c) {
   VIADUCT_CHECK_T(ConfigError, async_mode == "disabled" || async_mode == "async",
                   "checkpoint.async_mode must be disabled or async, got '", async_mode,
                   "' (from ", c.source("checkpoint.async_mode"), ")");
+  for (const auto& item : c.get_string_list("checkpoint.exclude_from_loading")) {
+    VIADUCT_CHECK_T(ConfigError, item == "optimizer" || item == "data" || item == "step",
+                    "checkpoint.exclude_from_loading: '", item,
+                    "' is none of optimizer, data, step (from ",
+                    c.source("checkpoint.exclude_from_loading"), ")");
+  }
   const auto lvl = c.get_string("job.log_level");
   VIADUCT_CHECK_T(ConfigError,
                   lvl == "debug" || lvl == "info" || lvl == "warning" || lvl == "error",

@@ -32,6 +32,7 @@
 #include "train/reduce.h"
 #include "train/report.h"
 #include "train/train_state.h"
+#include "train/warm_start.h"
 
 namespace viaduct {
 namespace fs = std::filesystem;
@@ -53,6 +54,15 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   train_tokens_ = data::open_token_stream(path, format);
   const auto val = data::resolve_val_path(path, cfg_.get_string("data.val_path"));
   if (!val.empty()) eval_tokens_ = data::open_token_stream(val, format);
+  if (cfg_.get_bool("checkpoint.last_save_in_hf")) {
+    hf_model_shape(cfg_);  // a family without an HF layout fails before training
+    VIADUCT_CHECK_T(ConfigError,
+                    !mesh_ || (cfg_.get_bool("checkpoint.enable") &&
+                               cfg_.get_bool("checkpoint.save_final")),
+                    "checkpoint.last_save_in_hf under a launcher needs checkpoint.enable = "
+                    "true and checkpoint.save_final = true: the export reads the final "
+                    "checkpoint");
+  }
   const auto info = build_model();
   init_data();
   checkpoints_ = std::make_unique<checkpoint::CheckpointManager>(
@@ -612,6 +622,16 @@ void Trainer::check_checkpoint_matches_model(const checkpoint::Checkpoint& ckpt)
       "job.dump_folder (or with checkpoint.resume = false)"));
 }
 
+bool Trainer::warm_start() {
+  if (cfg_.get_string("checkpoint.initial_load_path").empty()) return false;
+  const auto progress =
+      viaduct::warm_start(cfg_, parts_, *optimizer_, *sampler_,
+                          mesh_ ? checkpoint::Verify::kSizes : checkpoint::Verify::kChecksums);
+  step_ = progress.step;
+  tokens_seen_ = progress.tokens_seen;
+  return true;
+}
+
 bool Trainer::resume() {
   const auto latest = checkpoints_->resume_step();
   if (!latest) return false;
@@ -630,6 +650,8 @@ bool Trainer::resume() {
 StepMetrics Trainer::run() {
   const auto& policy = checkpoints_->policy();
   const bool resumed = policy.enable && policy.resume && resume();
+  // A restart resumes from the run's own checkpoint, never the warm start's.
+  if (!resumed) warm_start();
   if (!resumed && step_ == 0 && checkpoints_->initial_save_due()) {
     save_checkpoint();  // step-0: the initial weights (for reference runs)
   }
@@ -676,8 +698,37 @@ StepMetrics Trainer::run() {
   }
   metrics_->flush();
   wait_for_pending_save();
+  if (cfg_.get_bool("checkpoint.last_save_in_hf") && step_ == total && !stopped_on_signal_) {
+    write_final_hf();
+  }
   write_report();
   return last;
+}
+
+void Trainer::write_final_hf() const {
+  if (rank() != 0) return;
+  const fs::path folder = hf_export_folder(cfg_, step_);
+  if (fs::exists(folder)) {
+    log::info("the final weights' Hugging Face folder ", folder.string(), " is already there");
+    return;
+  }
+  checkpoint::TensorMap tensors;
+  if (!mesh_) {
+    for (const auto& part : parts_) {
+      for (const auto& p : part->named_parameters()) {
+        tensors[p.key()] = p.value().detach().to(at::kCPU).contiguous();
+      }
+    }
+  } else {
+    // Every rank's weights are in the final checkpoint, which every rank
+    // has finished with (the save's last barrier).
+    const auto ckpt = checkpoints_->open(step_, checkpoint::Verify::kSizes);
+    for (const auto& name : ckpt.tensors.names()) {
+      if (name.rfind("optim.", 0) != 0) tensors[name] = ckpt.tensors.load(name);
+    }
+  }
+  write_hf_export(cfg_, folder, tensors);
+  log::info("final weights as a Hugging Face model: ", folder.string());
 }
 
 void Trainer::write_report() const {

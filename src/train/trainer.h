@@ -75,6 +75,9 @@ class Trainer {
   void save_checkpoint();
   // Loads the latest checkpoint of the folder; false when there is none.
   bool resume();
+  // Loads checkpoint.initial_load_path (train/warm_start.h); false when the
+  // key is unset. run() calls it when resume() found nothing.
+  bool warm_start();
 
   int64_t step() const { return step_; }
   // True when run() stopped early on SIGTERM / SIGINT / SIGUSR1 (Note [Save
@@ -111,6 +114,9 @@ class Trainer {
   void wait_for_pending_save();
   // report.html and schedule.svg in the dump folder (rank 0, train/report.h).
   void write_report() const;
+  // checkpoint.last_save_in_hf: the final weights as an HF model folder
+  // (rank 0; under a launcher read back from the final checkpoint).
+  void write_final_hf() const;
 
   // The pieces of train_step.
   void inject_fault_if_asked() const;

@@ -1,0 +1,169 @@
+// Warm start and the Hugging Face export of the final weights (see
+// warm_start.h).
+#include "train/warm_start.h"
+
+#include <algorithm>
+
+#include "checkpoint/manager.h"
+#include "core/check.h"
+#include "core/log.h"
+#include "data/sampler.h"
+#include "model/chain_transformer.h"
+#include "model/family.h"
+
+namespace viaduct {
+namespace ck = checkpoint;
+namespace fs = std::filesystem;
+
+ck::HfModelShape hf_model_shape(const Config& cfg) {
+  const ModelFamily& family = model_family(cfg);
+  // One block is enough to read the whole model's spec.
+  auto part = family.build(cfg, {"layers.0"});
+  auto* chain = dynamic_cast<ChainTransformer*>(part.get());
+  const bool has_layout =
+      chain != nullptr && (chain->spec().family == "llama" || chain->spec().family == "gpt2");
+  VIADUCT_CHECK_T(ConfigError, has_layout, "model.family '", family.name,
+                  "' has no Hugging Face layout (llama, gpt2)");
+  const ChainSpec& s = chain->spec();
+  ck::HfModelShape h;
+  h.family = s.family;
+  h.n_layers = s.n_layers;
+  h.dim = s.dim;
+  h.n_heads = s.n_heads;
+  h.n_kv_heads = s.n_kv_heads;
+  h.vocab_size = s.vocab_size;
+  h.ffn_hidden = s.ffn_hidden;
+  h.max_seq_len = s.max_seq_len;
+  h.norm_eps = s.norm_eps;
+  h.rope_theta = s.rope_theta;
+  if (s.family == "llama" && s.rope_scaling.enabled()) {
+    h.rope_scaling_factor = s.rope_scaling.factor;
+    h.rope_scaling_low_freq_factor = s.rope_scaling.low_freq_factor;
+    h.rope_scaling_high_freq_factor = s.rope_scaling.high_freq_factor;
+    h.rope_scaling_original_max_seq_len = s.rope_scaling.original_max_seq_len;
+  }
+  h.tie_embeddings = s.tie_embeddings;
+  return h;
+}
+
+namespace {
+
+constexpr const char* kPathKey = "checkpoint.initial_load_path";
+
+// The HF folder's weights into this rank's parameters (the FQNs it owns).
+void load_hf_weights(const Config& cfg, const fs::path& folder,
+                     const std::vector<std::shared_ptr<ModelPart>>& parts) {
+  ck::HfFolder hf = ck::read_hf_folder(folder);
+  const ck::HfModelShape shape = hf_model_shape(cfg);
+  ck::check_hf_shape(hf.shape, shape, folder.string());
+  const ck::TensorMap weights =
+      ck::from_hf_tensors(hf.tensors, shape, hf.shape.vocab_size, folder.string());
+  torch::NoGradGuard no_grad;
+  for (const auto& part : parts) {
+    for (const auto& p : part->named_parameters()) {
+      const auto it = weights.find(p.key());
+      VIADUCT_CHECK_T(FileError, it != weights.end(), kPathKey, " '", folder.string(),
+                      "': the Hugging Face model has no tensor for '", p.key(), "'");
+      at::Tensor dst = p.value();
+      VIADUCT_CHECK_T(FileError, dst.sizes() == it->second.sizes(), kPathKey, " '",
+                      folder.string(), "': tensor '", p.key(), "' has shape ",
+                      it->second.sizes(), " in the Hugging Face model, but the model has ",
+                      dst.sizes());
+      dst.copy_(it->second);
+    }
+  }
+}
+
+// A step folder, or a checkpoint folder's latest step.
+fs::path viaduct_step_folder(const fs::path& path) {
+  if (fs::exists(path / ck::kMetadataFileName)) return path;
+  const auto latest = ck::find_latest_checkpoint(path);
+  VIADUCT_CHECK_T(FileError, latest.has_value(), kPathKey, " '", path.string(),
+                  "' holds no viaduct checkpoint (no metadata.json, no complete step-N "
+                  "folder) and no Hugging Face model (no config.json)");
+  return ck::checkpoint_dir(path, *latest);
+}
+
+// Every model tensor of the checkpoint must have a place in this model: a
+// checkpoint of a deeper model would otherwise lose its other layers unseen.
+void check_every_tensor_has_a_place(const Config& cfg, const ck::Checkpoint& ckpt) {
+  const auto modules = model_module_fqns(cfg);
+  for (const auto& name : ckpt.tensors.names()) {
+    if (name.rfind("optim.", 0) == 0) continue;
+    bool owned = false;
+    for (const auto& m : modules) owned = owned || name == m || name.rfind(m + ".", 0) == 0;
+    VIADUCT_CHECK_T(ConfigError, owned, kPathKey, " '", ckpt.dir.string(), "': tensor '",
+                    name, "' has no place in this model (model.n_layers and the family "
+                    "must match the checkpoint's)");
+  }
+}
+
+}  // namespace
+
+TrainProgress warm_start(const Config& cfg,
+                         const std::vector<std::shared_ptr<ModelPart>>& parts,
+                         Optimizer& optimizer, data::TokenSampler& sampler,
+                         ck::Verify verify) {
+  const fs::path path = cfg.get_string(kPathKey);
+  const bool model_only = cfg.get_bool("checkpoint.initial_load_model_only");
+  std::error_code ec;
+  VIADUCT_CHECK_T(FileError, fs::is_directory(path, ec), kPathKey, " '", path.string(),
+                  "' is not a folder (from ", cfg.source(kPathKey), ")");
+  if (cfg.get_bool("checkpoint.initial_load_in_hf") || ck::is_hf_folder(path)) {
+    VIADUCT_CHECK_T(ConfigError, model_only, kPathKey, " '", path.string(),
+                    "' is a Hugging Face model folder, which holds weights only: "
+                    "set checkpoint.initial_load_model_only = true");
+    load_hf_weights(cfg, path, parts);
+    log::info("warm start: the weights of the Hugging Face model ", path.string(),
+              ", at step 0");
+    return {};
+  }
+  const fs::path dir = viaduct_step_folder(path);
+  const ck::Checkpoint ckpt = ck::open_checkpoint(dir, verify);
+  check_every_tensor_has_a_place(cfg, ckpt);
+  for (const auto& part : parts) {
+    ckpt.tensors.load_into(*part);
+    ckpt.tensors.load_into(part->extra_state());
+  }
+  if (model_only) {
+    log::info("warm start: the weights of ", dir.string(), " (step ", ckpt.metadata.step,
+              "), at step 0 with a fresh optimizer and data cursor");
+    return {};
+  }
+  const auto excluded = cfg.get_string_list("checkpoint.exclude_from_loading");
+  const auto excludes = [&](const char* what) {
+    return std::find(excluded.begin(), excluded.end(), what) != excluded.end();
+  };
+  if (!excludes("optimizer")) {
+    optimizer.load_state(ckpt.tensors.load_many(optimizer.state_keys()));
+    optimizer.set_steps_taken(
+        ckpt.metadata.extra.value("optimizer_steps", ckpt.metadata.step));
+  }
+  if (!excludes("data")) {
+    sampler.restore(data::DataCursor::from_json(ckpt.metadata.data_cursor.dump()));
+  }
+  TrainProgress progress;
+  if (!excludes("step")) progress = {ckpt.metadata.step, ckpt.metadata.tokens_seen};
+  log::info("warm start: the training state of ", dir.string(), " (step ",
+            ckpt.metadata.step, excluded.empty() ? "" : ", without ",
+            [&] {
+              std::string s;
+              for (const auto& e : excluded) s += (s.empty() ? "" : ", ") + e;
+              return s;
+            }(),
+            "), at step ", progress.step);
+  return progress;
+}
+
+fs::path hf_export_folder(const Config& cfg, int64_t step) {
+  return fs::path(checkpoint_folder_from_config(cfg)) / str("hf-step-", step);
+}
+
+void write_hf_export(const Config& cfg, const fs::path& folder,
+                     const ck::TensorMap& tensors) {
+  ck::HfWriteOptions options;
+  options.dtype = at::kFloat;
+  ck::write_hf_folder(folder, tensors, hf_model_shape(cfg), options);
+}
+
+}  // namespace viaduct

@@ -1,0 +1,48 @@
+// A run's state from elsewhere, and its weights out to Hugging Face: the
+// warm start from checkpoint.initial_load_path (a viaduct checkpoint of any
+// layout, or an HF llama / gpt2 model folder) when the run's own checkpoint
+// folder has nothing to resume from, and checkpoint.last_save_in_hf's model
+// folder of the final weights. The HF layouts are checkpoint/hf.h's.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "checkpoint/hf.h"
+#include "config/config.h"
+#include "model/model.h"
+#include "train/optimizer.h"
+#include "train/train_state.h"
+
+namespace viaduct {
+
+namespace data {
+class TokenSampler;
+}  // namespace data
+
+// The HF shape of the model `cfg` builds; a ConfigError for a family with
+// no HF layout (only llama and gpt2 have one).
+checkpoint::HfModelShape hf_model_shape(const Config& cfg);
+
+// Loads checkpoint.initial_load_path into this rank's `parts` (the FQNs it
+// owns, whatever layout saved them) and, for a full-state warm start
+// (initial_load_model_only = false), the optimizer state, the data cursor
+// and the step unless checkpoint.exclude_from_loading names them. Returns
+// the progress to start from ({0, 0} for weights only). A missing or
+// unreadable folder, a tensor of another shape (named, with both shapes) or
+// an HF model of another shape is an error naming the file or field.
+TrainProgress warm_start(const Config& cfg,
+                         const std::vector<std::shared_ptr<ModelPart>>& parts,
+                         Optimizer& optimizer, data::TokenSampler& sampler,
+                         checkpoint::Verify verify);
+
+// <checkpoint folder>/hf-step-<step>: where last_save_in_hf writes.
+std::filesystem::path hf_export_folder(const Config& cfg, int64_t step);
+// Writes the FQN-keyed weights `tensors` (all of the model's) as an HF model
+// folder in fp32 at `folder`, atomically.
+void write_hf_export(const Config& cfg, const std::filesystem::path& folder,
+                     const checkpoint::TensorMap& tensors);
+
+}  // namespace viaduct
