@@ -267,3 +267,45 @@ TEST(LastSaveInHf, TheFolderHoldsTheFinalWeights) {
     expect_same_bits(weights(t), weights(w));
   }
 }
+
+namespace {
+
+checkpoint::TensorMap model_tensors(const fs::path& step_dir) {
+  const auto c = checkpoint::open_checkpoint(step_dir);
+  checkpoint::TensorMap out;
+  for (const auto& name : c.tensors.names()) {
+    if (name.rfind("optim.", 0) != 0) out[name] = c.tensors.load(name);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(WarmStart, TwoPipelineRanksLoadAndExportUnderALauncher) {
+  Job job;
+  const std::string common =
+      " train --model.n_layers=2 --model.dim=64 --model.n_heads=4 --model.n_kv_heads=2"
+      " --training.seq_len=32 --training.local_batch_size=4 --training.steps=2"
+      " --training.num_threads=1 --training.eval_interval=0 --metrics.progress_bar=false"
+      " --checkpoint.enable=true --data.path=" + job.data_path;
+  viaduct::testing::run_viaduct_ok(1, common + " --job.dump_folder=" + job.path("src"));
+  // pp2: each rank loads its own FQNs; step-0 holds what they loaded, and
+  // hf-step-2 is read back from the final checkpoint.
+  viaduct::testing::run_viaduct_ok(
+      2, common + " --parallelism.pipeline_parallel_degree=2"
+                  " --parallelism.pipeline_parallel_microbatches=2"
+                  " --checkpoint.save_initial=true --checkpoint.last_save_in_hf=true"
+                  " --checkpoint.initial_load_path=" + job.path("src") + "/checkpoint"
+                  " --job.dump_folder=" + job.path("dst"));
+  const auto loaded = model_tensors(job.path("dst") + "/checkpoint/step-0");
+  const auto want = model_tensors(job.path("src") + "/checkpoint/step-2");
+  expect_same_bits(std::map<std::string, at::Tensor>(want.begin(), want.end()),
+                   std::map<std::string, at::Tensor>(loaded.begin(), loaded.end()));
+  const auto final_weights = model_tensors(job.path("dst") + "/checkpoint/step-2");
+  const fs::path hf_dir = job.path("dst") + "/checkpoint/hf-step-2";
+  const auto hf = checkpoint::read_hf_folder(hf_dir);
+  const auto back = checkpoint::from_hf_tensors(hf.tensors, hf.shape, hf.shape.vocab_size,
+                                                hf_dir.string());
+  expect_same_bits(std::map<std::string, at::Tensor>(final_weights.begin(), final_weights.end()),
+                   std::map<std::string, at::Tensor>(back.begin(), back.end()));
+}
