@@ -86,7 +86,7 @@ start=$(date +%s)
 "$V" train $J --job.dump_folder=r9 --training.steps=2 --model.flavor=8B --model.n_layers=2000 \
    --training.device=cpu > o9 2>&1; rc=$?
 secs=$(( $(date +%s) - start ))
-if [ $rc -eq 2 ] && has o9 "cannot fit"; then ok "9 too large: exit 2 after ${secs}s: $(grep -o 'needs at least [0-9.]* GiB' o9)"
+if [ $rc -eq 2 ] && has o9 "cannot fit"; then ok "9 too large: exit 2 after ${secs}s: $(grep -o 'needs about [0-9.]* GiB' o9)"
 else bad "9 too large" "exit $rc: $(tail -1 o9)"; fi
 
 # 10 the same key twice on the command line

@@ -10,6 +10,9 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
 #endif
 
 namespace viaduct {
@@ -83,7 +86,12 @@ double peak_memory_bytes(const at::Device& device) {
 std::optional<double> device_memory_bytes(const at::Device& device) {
 #ifdef VIADUCT_WITH_CUDA
   if (device.is_cuda()) {
-    return static_cast<double>(at::cuda::getDeviceProperties(device.index())->totalGlobalMem);
+    // Free, not total: another process on the GPU, or this one's CUDA
+    // context, holds the rest.
+    c10::cuda::CUDAGuard guard(device);
+    size_t free_bytes = 0, total_bytes = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    return static_cast<double>(free_bytes);
   }
 #endif
   std::ifstream in("/proc/meminfo");

@@ -18,8 +18,9 @@ std::string device_name(const at::Device& device);
 std::optional<double> peak_flops(const at::Device& device, at::ScalarType dtype);
 // Peak memory so far: CUDA allocator peak, or the process's peak RSS on CPU.
 double peak_memory_bytes(const at::Device& device);
-// The memory a run on `device` can have: the GPU's total memory, or on CPU
-// the host's MemAvailable (/proc/meminfo); nullopt when unknown.
+// The memory a run on `device` can have now: the GPU's free memory
+// (cudaMemGetInfo), or on CPU the host's MemAvailable (/proc/meminfo);
+// nullopt when unknown.
 std::optional<double> device_memory_bytes(const at::Device& device);
 void reset_peak_memory(const at::Device& device);
 void synchronize(const at::Device& device);

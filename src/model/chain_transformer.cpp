@@ -283,9 +283,18 @@ ModelInfo describe_chain(const ChainSpec& s, int64_t seq_len) {
   const double layer_flops = 6.0 * static_cast<double>(attn + ffn) +
                              12.0 * s.dim * static_cast<double>(seq_len);
   info.module_flops["lm_head"] = 6.0 * static_cast<double>(s.vocab_size * s.dim);
+  info.dim = s.dim;
+  info.vocab_size = s.vocab_size;
+  info.loss_chunk_tokens = s.loss_chunk_tokens;
+  // Note [Activation memory estimate]: two norms' inputs and outputs (4 D),
+  // q and the attention output (2 D), k and v (2 kv); SwiGLU keeps w1 x,
+  // w3 x and their product (3 H), the GELU MLP its pre- and post-GELU
+  // hidden (2 H).
+  const double saved = 6.0 * s.dim + 2.0 * kv + (s.gelu_mlp ? 2.0 : 3.0) * s.ffn_hidden;
   for (int64_t i = 0; i < s.n_layers; ++i) {
     info.module_flops["layers." + std::to_string(i)] = layer_flops;
     LayerInfo l;
+    l.saved_values_per_token = saved;
     l.layer = i;
     l.attention = s.n_kv_heads == s.n_heads ? "mha" : "gqa";
     l.ffn = s.gelu_mlp ? "gelu" : "swiglu";

@@ -258,6 +258,8 @@ ModelInfo describe_exact16(const Config& cfg) {
   info.flavor = kFlavor;
   info.n_layers = o.n_layers;
   info.embedding_params = o.vocab_size * D;
+  info.dim = D;
+  info.vocab_size = o.vocab_size;
   info.params = info.embedding_params + 2 * o.n_layers * D;  // two biases a layer
   info.active_params = info.params;
   // Elementwise work per token, forward: each read of n sources n - 1 adds
@@ -267,6 +269,7 @@ ModelInfo describe_exact16(const Config& cfg) {
   for (int64_t i = 0; i < o.n_layers; ++i) {
     LayerInfo li;
     li.layer = i;
+    li.saved_values_per_token = 2.0 * D;  // each sublayer's input
     li.attention = "scale";
     li.ffn = "scale";
     li.block = o.block_of(i);

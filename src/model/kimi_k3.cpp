@@ -443,6 +443,39 @@ Activations KimiK3Part::forward(const Activations& in) {
 
 namespace {
 
+// Note [Activation memory estimate] for one layer: the two norms' inputs
+// and outputs (4 D); MLA keeps its low-rank latents, q, k, v and the
+// attention output; KDA its projections before and after the short
+// convolutions (q, k, v), the decay, the output gate and the output (8 H
+// dk), beta, and the chunk states (H dk dk per chunk of tokens); a MoE layer
+// each routed token's copy of x and its expert's w1 x, w3 x and product,
+// the router's scores and the shared experts' SwiGLU; a dense layer its
+// SwiGLU. AttnRes reads are left out (their sources are the block stack).
+double saved_values_per_token(const KimiK3Options& o, int64_t layer) {
+  const double D = static_cast<double>(o.dim);
+  double v = 4.0 * D;
+  if (o.is_mla(layer)) {
+    const auto& m = o.mla;
+    const double qk = static_cast<double>(m.qk_nope_head_dim + m.qk_rope_head_dim);
+    v += static_cast<double>(m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim);
+    v += static_cast<double>(m.n_heads) * (2.0 * qk + 2.0 * static_cast<double>(m.v_head_dim));
+  } else {
+    const auto& k = o.kda;
+    const double hd = static_cast<double>(k.n_heads * k.head_dim);
+    v += 8.0 * hd + static_cast<double>(k.n_heads) +
+         hd * static_cast<double>(k.head_dim) / static_cast<double>(k.chunk_size);
+  }
+  if (o.is_moe(layer)) {
+    const auto& e = o.moe;
+    const double h = static_cast<double>(e.hidden_dim);
+    v += static_cast<double>(e.n_activated_experts) * (D + 3.0 * h) +
+         static_cast<double>(e.n_routed_experts) + 3.0 * h * static_cast<double>(e.n_shared_experts);
+  } else {
+    v += 3.0 * static_cast<double>(o.ffn_hidden_dim);
+  }
+  return v;
+}
+
 // Counts are analytic (the full flavor is far too large to build); a test
 // checks them against built debug models.
 ModelInfo describe_kimi_k3(const Config& cfg) {
@@ -454,6 +487,8 @@ ModelInfo describe_kimi_k3(const Config& cfg) {
   info.flavor = o.flavor;
   info.n_layers = o.n_layers;
   info.embedding_params = V * D;
+  info.dim = D;
+  info.vocab_size = V;
   int64_t params = V * D, active = V * D;
   if (o.vision) {
     params += VisionTowerImpl::count_params(o.vis);  // image tokens only
@@ -475,6 +510,7 @@ ModelInfo describe_kimi_k3(const Config& cfg) {
     li.ffn = o.is_moe(i) ? "moe" : "dense";
     li.block = o.attn_res ? o.block_of(i) : -1;
     li.opens_block = o.attn_res && o.opens_block(i);
+    li.saved_values_per_token = saved_values_per_token(o, i);
     info.layers.push_back(li);
     int64_t common = 2 * D;  // norms
     if (o.attn_res) common += 2 * AttnResReadImpl::count_params(D);

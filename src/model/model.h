@@ -75,6 +75,13 @@ struct LayerInfo {
   std::string ffn;        // "swiglu", "gelu", "moe", "dense"
   int64_t block = -1;     // AttnRes block, -1 when not an AttnRes model
   bool opens_block = false;
+  // Note [Activation memory estimate]: the values (in the compute dtype)
+  // this layer keeps for its backward per token of a micro-batch, from its
+  // shapes: norm inputs and outputs, q/k/v and the attention output, the
+  // FFN's hidden activations. Attention is counted as the fused (flash)
+  // form keeps it, without [T, T] scores; small per-head statistics and
+  // temporaries are left out. 0: the family does not say.
+  double saved_values_per_token = 0;
 };
 
 struct ModelInfo {
@@ -84,6 +91,12 @@ struct ModelInfo {
   int64_t params = 0;            // total parameters
   int64_t active_params = 0;     // per token (MoE: activated experts only)
   int64_t embedding_params = 0;  // excluded from the 6N FLOP count
+  int64_t dim = 0;               // width of the hidden state
+  int64_t vocab_size = 0;        // rows of the head's logits
+  // The head's loss in chunks of this many tokens (Note [Chunked head
+  // loss]); 0: plain (all logits at once); -1: chunks of 4096 where the
+  // fused kernels run, else plain.
+  int64_t loss_chunk_tokens = 0;
   double flops_per_token = 0;    // training FLOPs per token (fwd + bwd)
   // flops_per_token by top-level module FQN (layers.i, lm_head, ...; a
   // module missing costs nothing); they add up to flops_per_token. Empty

@@ -25,6 +25,7 @@
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
 #include "pipeline/schedule/timeline_svg.h"
+#include "train/memory_estimate.h"
 #include "train/pipeline_metrics.h"
 #include "train/preemption.h"
 #include "train/process.h"
@@ -94,38 +95,11 @@ void Trainer::lock_folders() {
 }
 
 void Trainer::check_memory_fits() const {
-  // Before anything is allocated: weights, gradients and optimizer state of
-  // this rank's share of the model (an even split over the pipeline ranks)
-  // against what the device has. Activations come on top, so this is a lower
-  // bound: a run above it cannot fit.
+  // Note [Activation memory estimate] (train/memory_estimate.h).
   const auto avail = device_memory_bytes(device_);
   if (!avail) return;
-  const ModelInfo info = describe_model(cfg_);
-  const int64_t pp = cfg_.get_int("parallelism.pipeline_parallel_degree");
-  const double params = static_cast<double>(info.params) / static_cast<double>(pp);
-  const bool adamw = cfg_.get_string("optimizer.name") == "AdamW";
-  const double weights = params * (compute_dtype_ == at::kFloat ? 4.0 : 6.0);
-  const double grads = params * 4.0;
-  const double optim = params * (adamw ? 8.0 : 0.0);
-  const double need = weights + grads + optim;
-  const auto gib = [](double b) {
-    char buf[32];
-    std::snprintf(buf, sizeof(buf), "%.2f GiB", b / (1024.0 * 1024 * 1024));
-    return std::string(buf);
-  };
-  log::info("memory: at least ", gib(need), " per rank before activations (weights ",
-            gib(weights), ", gradients ", gib(grads), ", optimizer ", gib(optim), "); ",
-            device_name(device_), " has ", gib(*avail));
-  VIADUCT_CHECK_T(
-      ConfigError, need <= *avail, "this run cannot fit: each rank needs at least ", gib(need),
-      " before activations (", info.family, "/", info.flavor, ", ", info.params,
-      " parameters over ", pp, " pipeline rank", pp > 1 ? "s" : "", ": weights ", gib(weights),
-      ", gradients ", gib(grads), ", ", adamw ? "AdamW" : "optimizer", " state ", gib(optim),
-      ") but ", device_name(device_), " has ", gib(*avail),
-      device_.is_cpu() ? " available" : "",
-      ". To fit: a smaller model (model.flavor, model.n_layers, model.dim), more pipeline "
-      "ranks (parallelism.pipeline_parallel_degree, started with `viaduct launch`)",
-      adamw ? ", or optimizer.name = SGD (no optimizer state)" : "");
+  check_rank_memory_fits(cfg_, pp_rank_, compute_dtype_, device_.is_cuda(), *avail,
+                         device_name(device_));
 }
 
 ModelInfo Trainer::build_model() {

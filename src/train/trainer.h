@@ -100,8 +100,10 @@ class Trainer {
   void init_data();
   // Note [One trainer per dump folder] (core/folder_lock.h).
   void lock_folders();
-  // A run whose weights, gradients and optimizer state alone exceed the
-  // device's memory stops here with the figures and what would make it fit.
+  // A run whose estimated memory (weights, gradients, optimizer state,
+  // activations: Note [Activation memory estimate], train/memory_estimate.h)
+  // exceeds what the device has stops here with the figures and what would
+  // make it fit.
   void check_memory_fits() const;
   // A resume whose checkpoint holds another model is a ConfigError naming
   // the difference.

@@ -1,0 +1,111 @@
+#include "train/memory_estimate.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "config/config.h"
+#include "core/check.h"
+#include "core/log.h"
+#include "model/chain_transformer.h"
+#include "pipeline/schedule/plan_config.h"
+
+namespace viaduct {
+
+MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
+                                    const pipeline::PipelinePlan& plan, int64_t pp_rank,
+                                    at::ScalarType compute_dtype, bool on_cuda) {
+  const auto& split = plan.split;
+  VIADUCT_CHECK(pp_rank >= 0 && pp_rank < split.pp, "memory estimate: pp rank ", pp_rank,
+                " outside [0, ", split.pp, ")");
+  MemoryEstimate e;
+  const double params = static_cast<double>(info.params) / static_cast<double>(split.pp);
+  const bool adamw = cfg.get_string("optimizer.name") == "AdamW";
+  const double elem = static_cast<double>(c10::elementSize(compute_dtype));
+  // bf16: the bf16 copy the layers run on and the fp32 master.
+  e.weights = params * (compute_dtype == at::kFloat ? 4.0 : 4.0 + elem);
+  e.gradients = params * 4.0;
+  e.optimizer = params * (adamw ? 8.0 : 0.0);
+
+  // One process runs its micro-batches one after another; a pipeline holds
+  // what the schedule's simulation says.
+  const int64_t microbatches =
+      split.pp > 1 ? plan.compute.microbatches
+                   : cfg.get_int_opt("parallelism.pipeline_parallel_microbatches").value_or(1);
+  const int64_t batch = cfg.get_int("training.local_batch_size");
+  e.tokens_per_microbatch =
+      std::max<int64_t>(1, batch / std::max<int64_t>(1, microbatches)) *
+      cfg.get_int("training.seq_len");
+  e.microbatches_in_flight =
+      split.pp > 1 ? plan.simulation.peak_activations.at(static_cast<size_t>(pp_rank)) : 1;
+  bool holds_head = false;
+  for (int64_t s : split.rank_to_stages.at(static_cast<size_t>(pp_rank))) {
+    double stage = 0;
+    const auto [first, end] = split.stage_layers.at(static_cast<size_t>(s));
+    for (int64_t l = first; l < end && l < static_cast<int64_t>(info.layers.size()); ++l) {
+      stage += info.layers[static_cast<size_t>(l)].saved_values_per_token;
+    }
+    e.saved_values_per_token = std::max(e.saved_values_per_token, stage);
+    if (s == split.num_stages - 1) holds_head = true;
+  }
+  const double tokens = static_cast<double>(e.tokens_per_microbatch);
+  e.activations = static_cast<double>(e.microbatches_in_flight) * e.saved_values_per_token *
+                  tokens * elem;
+  if (holds_head) {
+    int64_t chunk = info.loss_chunk_tokens;
+    if (chunk < 0) {
+      chunk = on_cuda && cfg.get_bool("model.fused_kernels") ? kAutoLossChunkTokens : 0;
+    }
+    const int64_t rows =
+        chunk > 0 ? std::min(chunk, e.tokens_per_microbatch) : e.tokens_per_microbatch;
+    e.loss = static_cast<double>(rows) * static_cast<double>(info.vocab_size) * 8.0;
+  }
+  return e;
+}
+
+std::string format_gib(double bytes) {
+  constexpr double kMiB = 1024.0 * 1024.0;
+  char buf[32];
+  if (bytes < 1024.0 * kMiB) {
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", bytes / kMiB);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.2f GiB", bytes / (1024.0 * kMiB));
+  }
+  return buf;
+}
+
+std::string describe_memory_estimate(const MemoryEstimate& e) {
+  return str(format_gib(e.total()), " (weights ", format_gib(e.weights), ", gradients ",
+             format_gib(e.gradients), ", optimizer ", format_gib(e.optimizer), ", activations ",
+             format_gib(e.activations), " for ", e.microbatches_in_flight,
+             " micro-batch", e.microbatches_in_flight == 1 ? "" : "es", " of ",
+             e.tokens_per_microbatch, " tokens in flight, loss ", format_gib(e.loss), ")");
+}
+
+MemoryEstimate check_rank_memory_fits(const Config& cfg, int64_t pp_rank,
+                                      at::ScalarType compute_dtype, bool on_cuda,
+                                      double available, const std::string& device_name) {
+  const ModelInfo info = describe_model(cfg);
+  auto spec = pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg));
+  spec.module_flops = info.module_flops;
+  const auto plan = pipeline::make_pipeline_plan(spec);
+  const auto e = estimate_rank_memory(cfg, info, plan, pp_rank, compute_dtype, on_cuda);
+  const int64_t pp = plan.split.pp;
+  const std::string has = str(device_name, " has ", format_gib(available),
+                              on_cuda ? " free" : " available");
+  log::info("memory estimate for pp rank ", pp_rank, ": ", describe_memory_estimate(e), "; ",
+            has);
+  const bool adamw = cfg.get_string("optimizer.name") == "AdamW";
+  VIADUCT_CHECK_T(
+      ConfigError, e.total() <= available, "this run cannot fit: pp rank ", pp_rank,
+      " needs about ", describe_memory_estimate(e), " for ", info.family, "/", info.flavor,
+      " (", info.params, " parameters over ", pp, " pipeline rank", pp > 1 ? "s" : "",
+      ") but ", has,
+      ". To fit: smaller micro-batches (training.local_batch_size, training.seq_len, or more "
+      "parallelism.pipeline_parallel_microbatches), more pipeline ranks (parallelism.pipeline_parallel_degree, started with `viaduct "
+      "launch`), a smaller model (model.flavor, model.n_layers, model.dim)",
+      adamw ? ", or optimizer.name = SGD (no optimizer state)" : "",
+      "; there is no activation checkpointing yet");
+  return e;
+}
+
+}  // namespace viaduct

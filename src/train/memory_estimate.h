@@ -1,0 +1,65 @@
+// The memory one rank of a run needs, estimated from the config before
+// anything is allocated, and the refusal of a run that cannot fit.
+//
+// Note [Activation memory estimate]
+// Per rank: weights (the compute copy, plus the fp32 master under bf16),
+// fp32 gradients and AdamW's two fp32 moments for an even share of the
+// parameters over the pipeline ranks; activations kept for the backward at
+// the schedule's peak -- the most micro-batches the plan's simulation holds
+// in flight on the rank (1 in one process, up to pp for 1F1B on the first
+// rank, more for interleaved schedules) times the largest of the rank's
+// stages' kept values per token (LayerInfo::saved_values_per_token, from
+// each family's shapes) times the micro-batch's tokens, in the compute
+// dtype; and, on the head's rank, the loss buffer (fp32 log-probabilities
+// and their gradient, [rows, V] x 8 bytes, rows = the micro-batch's tokens
+// or one chunk of them under Note [Chunked head loss]). It is an estimate:
+// the allocator's slack, temporaries, attention scores where a backend
+// materialises them and the CUDA context are not in it, so a run may need
+// more; it is meant to refuse runs that cannot fit, not to promise a fit.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "model/model.h"
+#include "pipeline/schedule/plan.h"
+
+namespace viaduct {
+
+class Config;
+
+struct MemoryEstimate {
+  // Bytes on one rank.
+  double weights = 0;
+  double gradients = 0;
+  double optimizer = 0;
+  double activations = 0;  // kept for the backward at the schedule's peak
+  double loss = 0;         // the head's logits / loss buffer (head's rank only)
+  int64_t microbatches_in_flight = 0;
+  int64_t tokens_per_microbatch = 0;
+  double saved_values_per_token = 0;  // of the rank's widest stage
+  double total() const { return weights + gradients + optimizer + activations + loss; }
+};
+
+// `plan` is the run's pipeline plan and `pp_rank` the rank estimated.
+// `on_cuda` resolves model.loss_chunk_tokens = -1 (auto).
+MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
+                                    const pipeline::PipelinePlan& plan, int64_t pp_rank,
+                                    at::ScalarType compute_dtype, bool on_cuda);
+
+// Before anything is allocated: this rank's estimate from the config alone
+// (the model described, the plan made as the rank model makes it), logged
+// in one line against `available` bytes; throws ConfigError with the
+// figures and the knobs that would make it fit when it does not.
+MemoryEstimate check_rank_memory_fits(const Config& cfg, int64_t pp_rank,
+                                      at::ScalarType compute_dtype, bool on_cuda,
+                                      double available, const std::string& device_name);
+
+// "12.5 MiB" below a GiB, else "1.50 GiB"
+std::string format_gib(double bytes);
+// One line: the total and its parts.
+std::string describe_memory_estimate(const MemoryEstimate& e);
+
+}  // namespace viaduct

@@ -1,0 +1,126 @@
+// The per-rank memory estimate (Note [Activation memory estimate]) against
+// a closed-form count of a small llama's shapes, taken from the built model.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+#include "core/check.h"
+#include "model/model.h"
+#include "pipeline/schedule/plan_config.h"
+#include "train/memory_estimate.h"
+
+namespace viaduct {
+namespace {
+
+Config llama_config(std::vector<std::string> extra = {}) {
+  std::vector<std::string> o = {"model.family=llama", "model.flavor=debugmodel",
+                                "model.n_layers=2", "model.dim=64", "model.n_heads=4",
+                                "model.n_kv_heads=2", "training.seq_len=32",
+                                "training.local_batch_size=8"};
+  o.insert(o.end(), extra.begin(), extra.end());
+  return Config::parse("", "test", o);
+}
+
+pipeline::PipelinePlan plan_of(const Config& cfg) {
+  return pipeline::make_pipeline_plan(
+      pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg)));
+}
+
+// The shapes the closed form needs, read off the built model.
+struct Shapes {
+  double params = 0, dim = 0, kv = 0, hidden = 0, vocab = 0;
+};
+
+Shapes shapes_of(const Config& cfg) {
+  Shapes s;
+  auto part = build_model_part(cfg);
+  for (const auto& p : part->named_parameters()) {
+    s.params += static_cast<double>(p.value().numel());
+    if (p.key() == "tok_embeddings.weight") {
+      s.vocab = static_cast<double>(p.value().size(0));
+      s.dim = static_cast<double>(p.value().size(1));
+    }
+    if (p.key() == "layers.0.attention.wk.weight") s.kv = static_cast<double>(p.value().size(0));
+    if (p.key() == "layers.0.feed_forward.w1.weight") {
+      s.hidden = static_cast<double>(p.value().size(0));
+    }
+  }
+  return s;
+}
+
+// Per layer and token: both norms' inputs and outputs, q, attention out, k,
+// v, and SwiGLU's w1 x, w3 x and their product.
+double llama_layer_values(const Shapes& s) { return 6 * s.dim + 2 * s.kv + 3 * s.hidden; }
+
+TEST(MemoryEstimate, OneProcessLlamaMatchesClosedForm) {
+  const auto cfg = llama_config({"parallelism.pipeline_parallel_microbatches=2"});
+  const auto s = shapes_of(cfg);
+  ASSERT_GT(s.kv, 0);
+  ASSERT_GT(s.hidden, 0);
+  const auto e =
+      estimate_rank_memory(cfg, describe_model(cfg), plan_of(cfg), 0, at::kFloat, false);
+  const double tokens = 8.0 / 2.0 * 32.0;  // one micro-batch at a time
+  EXPECT_EQ(e.microbatches_in_flight, 1);
+  EXPECT_DOUBLE_EQ(e.weights, 4 * s.params);
+  EXPECT_DOUBLE_EQ(e.gradients, 4 * s.params);
+  EXPECT_DOUBLE_EQ(e.optimizer, 8 * s.params);
+  EXPECT_DOUBLE_EQ(e.activations, 2 * llama_layer_values(s) * tokens * 4);
+  EXPECT_DOUBLE_EQ(e.loss, tokens * s.vocab * 8);  // plain loss on CPU
+  // bf16 halves the kept activations and adds the bf16 weight copy.
+  const auto b =
+      estimate_rank_memory(cfg, describe_model(cfg), plan_of(cfg), 0, at::kBFloat16, false);
+  EXPECT_DOUBLE_EQ(b.activations, e.activations / 2);
+  EXPECT_DOUBLE_EQ(b.weights, 6 * s.params);
+}
+
+TEST(MemoryEstimate, OneF1BHoldsPpMinusRankMicrobatches) {
+  // 2 layers on 2 ranks: stage 0 = embedding + layers.0, stage 1 = layers.1
+  // + head. 1F1B with 4 micro-batches holds 2 on rank 0, 1 on rank 1.
+  const auto cfg = llama_config({"parallelism.pipeline_parallel_degree=2",
+                                 "parallelism.pipeline_parallel_schedule=1F1B",
+                                 "parallelism.pipeline_parallel_microbatches=4"});
+  const auto s = shapes_of(cfg);
+  const auto info = describe_model(cfg);
+  const auto plan = plan_of(cfg);
+  const double tokens = 8.0 / 4.0 * 32.0;
+  const auto r0 = estimate_rank_memory(cfg, info, plan, 0, at::kFloat, false);
+  const auto r1 = estimate_rank_memory(cfg, info, plan, 1, at::kFloat, false);
+  EXPECT_EQ(r0.microbatches_in_flight, 2);
+  EXPECT_EQ(r1.microbatches_in_flight, 1);
+  EXPECT_DOUBLE_EQ(r0.activations, 2 * llama_layer_values(s) * tokens * 4);
+  EXPECT_DOUBLE_EQ(r1.activations, 1 * llama_layer_values(s) * tokens * 4);
+  EXPECT_DOUBLE_EQ(r0.loss, 0);
+  EXPECT_DOUBLE_EQ(r1.loss, tokens * s.vocab * 8);
+  EXPECT_DOUBLE_EQ(r0.weights, 4 * s.params / 2);
+}
+
+TEST(MemoryEstimate, ChunkedLossHoldsOneChunk) {
+  const auto cfg = llama_config({"model.loss_chunk_tokens=64"});
+  const auto s = shapes_of(cfg);
+  const auto e =
+      estimate_rank_memory(cfg, describe_model(cfg), plan_of(cfg), 0, at::kFloat, false);
+  EXPECT_DOUBLE_EQ(e.loss, 64 * s.vocab * 8);
+}
+
+TEST(MemoryEstimate, RefusesWithFiguresAndKnobs) {
+  const auto cfg = llama_config();
+  const auto e = check_rank_memory_fits(cfg, 0, at::kFloat, false, 1e15, "cpu");
+  // Exactly enough fits; a byte less does not.
+  EXPECT_NO_THROW(check_rank_memory_fits(cfg, 0, at::kFloat, false, e.total(), "cpu"));
+  try {
+    check_rank_memory_fits(cfg, 0, at::kFloat, false, e.total() - 1, "cpu");
+    FAIL() << "a run one byte over was accepted";
+  } catch (const ConfigError& err) {
+    const std::string m = err.what();
+    for (const char* want : {"cannot fit", "weights", "gradients", "optimizer", "activations",
+                             "loss", "training.local_batch_size",
+                             "parallelism.pipeline_parallel_degree", "model.flavor"}) {
+      EXPECT_NE(m.find(want), std::string::npos) << want << " missing from: " << m;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace viaduct
