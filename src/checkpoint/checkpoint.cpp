@@ -284,12 +284,12 @@ FileError save_failure(const fs::path& folder, const fs::path& tmp_dir, int64_t 
                        const std::vector<CheckpointPart>& parts, const std::string& cause) {
   // The tmp folder goes first: a full disk must not stay full because of a
   // save that cannot finish.
-  std::error_code ec;
-  fs::remove_all(tmp_dir, ec);
+  const std::string why = remove_tree_noexcept(tmp_dir);
   const std::string removed =
-      ec ? str("; its temporary folder ", tmp_dir.string(), " could not be removed: ",
-               ec.message())
-         : str("; its temporary folder ", tmp_dir.string(), " was removed");
+      !why.empty() ? str("; its temporary folder ", tmp_dir.string(), " could not be removed: ",
+                         why)
+                   : str("; its temporary folder ", tmp_dir.string(), " was removed");
+  std::error_code ec;
   uint64_t needed = 0;
   for (const auto& part : parts) {
     for (const auto& [name, t] : part.tensors) {

@@ -527,8 +527,7 @@ void write_hf_folder(const fs::path& folder, const TensorMap& viaduct,
     rename_path(tmp, folder);
     fsync_dir(folder.has_parent_path() ? folder.parent_path() : fs::path("."));
   } catch (...) {
-    std::error_code ignore;
-    fs::remove_all(tmp, ignore);
+    remove_tree_noexcept(tmp);
     throw;
   }
 }

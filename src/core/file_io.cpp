@@ -2,6 +2,7 @@
 #include "core/file_io.h"
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -181,11 +182,33 @@ void make_dirs(const fs::path& dir) {
                   ": ", ec.message());
 }
 
+namespace {
+// nftw's callback: folders after their contents (FTW_DEPTH). A non-zero
+// return (the errno) stops the walk and is nftw's result.
+int remove_entry(const char* path, const struct stat*, int type, struct FTW*) {
+  const int rc = type == FTW_DP ? ::rmdir(path) : ::unlink(path);
+  return rc == 0 ? 0 : errno;
+}
+}  // namespace
+
+// The walk is nftw(3), not std::filesystem::remove_all: built with g++ 13
+// against the PyTorch wheel's LibTorch, remove_all of a non-empty folder
+// dies of SIGSEGV inside libstdc++'s filesystem code (listing folders works);
+// nftw does not go through that code.
+std::string remove_tree_noexcept(const fs::path& path) noexcept {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    return errno == ENOENT ? std::string() : errno_text();
+  }
+  if (!S_ISDIR(st.st_mode)) return ::unlink(path.c_str()) == 0 ? std::string() : errno_text();
+  const int rc = ::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+  if (rc == 0) return "";
+  return rc > 0 ? std::string(std::strerror(rc)) : errno_text();
+}
+
 void remove_tree(const fs::path& path) {
-  std::error_code ec;
-  fs::remove_all(path, ec);
-  VIADUCT_CHECK_T(FileError, !ec, "cannot remove ", path.string(), ": ",
-                  ec.message());
+  const std::string why = remove_tree_noexcept(path);
+  VIADUCT_CHECK_T(FileError, why.empty(), "cannot remove ", path.string(), ": ", why);
 }
 
 // ---- whole files -----------------------------------------------------------

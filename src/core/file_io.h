@@ -100,6 +100,9 @@ void rename_path(const std::filesystem::path& from,
 void make_dirs(const std::filesystem::path& dir);
 // Removes a file or tree, checked; a missing path is not an error.
 void remove_tree(const std::filesystem::path& path);
+// The same, for cleanup paths that must not throw: "" when the path is gone,
+// else why it is not.
+std::string remove_tree_noexcept(const std::filesystem::path& path) noexcept;
 
 std::string read_text_file(const std::filesystem::path& path);
 // Writes, fsyncs and closes (no rename: for files inside a folder that is

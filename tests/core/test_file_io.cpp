@@ -109,6 +109,39 @@ TEST(FileIo, MissingFolderNamesThePath) {
   EXPECT_NE(omsg.find("cannot open " + file.string()), std::string::npos) << omsg;
 }
 
+TEST(FileIo, RemoveTreeRemovesNestedFoldersAndDoesNotFollowLinks) {
+  TempDir dir;
+  const fs::path keep = dir.path() / "keep.txt";
+  write_text_file(keep, "outside");
+  const fs::path tree = dir.path() / "tree";
+  make_dirs(tree / "a" / "b" / "c");
+  make_dirs(tree / "empty");
+  write_text_file(tree / "top.bin", "1");
+  write_text_file(tree / "a" / "b" / "c" / "deep.bin", "2");
+  fs::create_symlink(keep, tree / "a" / "link_to_file");
+  fs::create_directory_symlink(dir.path(), tree / "a" / "b" / "link_to_parent");
+  remove_tree(tree);
+  EXPECT_FALSE(fs::exists(tree));
+  // The links went, not what they point at.
+  EXPECT_EQ(read_text_file(keep), "outside");
+  EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"keep.txt"});
+  // A plain file and a missing path.
+  remove_tree(keep);
+  EXPECT_FALSE(fs::exists(keep));
+  EXPECT_NO_THROW(remove_tree(dir.path() / "never-there"));
+  EXPECT_EQ(remove_tree_noexcept(dir.path() / "never-there"), "");
+}
+
+TEST(FileIo, RemoveTreeFailureNamesThePath) {
+  // A path under a regular file cannot be examined (ENOTDIR).
+  TempDir dir;
+  write_text_file(dir.path() / "f", "x");
+  const std::string message = file_error_of([&] { remove_tree(dir.path() / "f" / "sub"); });
+  EXPECT_NE(message.find("cannot remove"), std::string::npos) << message;
+  EXPECT_NE(message.find((dir.path() / "f" / "sub").string()), std::string::npos) << message;
+  EXPECT_NE(message.find(std::strerror(ENOTDIR)), std::string::npos) << message;
+}
+
 TEST(FileIo, UniqueFdOwnsAndReleases) {
   TempDir dir;
   const fs::path file = dir.path() / "c";
