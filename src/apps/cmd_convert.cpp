@@ -24,7 +24,7 @@ namespace ck = checkpoint;
 
 constexpr const char* kUsage =
     "usage: viaduct convert --to hf --input CHECKPOINT --output DIR\n"
-    "                       [--dtype fp32|bf16|fp16] [--tokenizer FILE ...]\n"
+    "                       [--dtype fp32|bf16|fp16] [--tokenizer FILE]\n"
     "                       [--max-shard-mb N]\n"
     "       viaduct convert --to viaduct --input HF_DIR --output FOLDER\n"
     "                       --config JOB.toml [--section.key=value ...]\n"
@@ -32,7 +32,11 @@ constexpr const char* kUsage =
     "--to hf: CHECKPOINT is a step folder or a checkpoint folder (its latest\n"
     "step); the model is described by the config saved in it. DIR gets\n"
     "config.json, model.safetensors (or shards and an index) and the\n"
-    "--tokenizer files; it must not exist and is written atomically.\n"
+    "tokenizer: --tokenizer's tokenizer.json (a .json file is copied as\n"
+    "tokenizer.json; a folder gives its tokenizer.json; a .tiktoken file\n"
+    "keeps its name) with the tokenizer_config.json and\n"
+    "special_tokens_map.json beside it. DIR must not exist and is written\n"
+    "atomically.\n"
     "--to viaduct: HF_DIR holds config.json and model.safetensors (or an\n"
     "index and shards), llama or gpt2; its shape is checked against the job\n"
     "config, and FOLDER/step-0 gets the model weights.\n";
@@ -117,8 +121,11 @@ int convert_main(int argc, char** argv) {
     else if (name == "--output") output = value;
     else if (name == "--config") config = value;
     else if (name == "--dtype") options.dtype = ck::parse_hf_dtype(value);
-    else if (name == "--tokenizer") options.extra_files.emplace_back(value);
-    else {
+    else if (name == "--tokenizer") {
+      for (auto& f : ck::hf_tokenizer_files(value, "convert --tokenizer")) {
+        options.extra_files.push_back(std::move(f));
+      }
+    } else {
       char* end = nullptr;
       long long mb = std::strtoll(value.c_str(), &end, 10);
       VIADUCT_CHECK_T(ConfigError, !value.empty() && *end == '\0' && mb >= 1,
@@ -133,10 +140,6 @@ int convert_main(int argc, char** argv) {
                  "(--to viaduct also needs --config)\n\n%s",
                  kUsage);
     return 2;
-  }
-  for (const auto& f : options.extra_files) {
-    VIADUCT_CHECK_T(FileError, fs::is_regular_file(f), "convert: --tokenizer '",
-                    f.string(), "' is not a file");
   }
   if (to == "hf") return to_hf(input, output, options);
   return to_viaduct(input, output, Config::load(config, overrides));

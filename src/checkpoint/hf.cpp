@@ -477,11 +477,41 @@ HfFolder read_hf_folder(const fs::path& folder) {
   return out;
 }
 
+std::vector<HfExtraFile> hf_tokenizer_files(const fs::path& tokenizer,
+                                            const std::string& key) {
+  std::error_code ec;
+  VIADUCT_CHECK_T(FileError, fs::exists(tokenizer, ec), key, ": the tokenizer '",
+                  tokenizer.string(), "' does not exist");
+  fs::path file = tokenizer;
+  if (fs::is_directory(tokenizer, ec)) {
+    file = tokenizer / "tokenizer.json";
+    VIADUCT_CHECK_T(FileError, fs::is_regular_file(file, ec), key, ": the folder '",
+                    tokenizer.string(), "' holds no tokenizer.json");
+  }
+  VIADUCT_CHECK_T(FileError, fs::is_regular_file(file, ec), key, ": the tokenizer '",
+                  file.string(), "' is not a file");
+  const bool json_file = file.extension() == ".json";
+  std::vector<HfExtraFile> out{
+      {file, json_file ? std::string("tokenizer.json") : file.filename().string()}};
+  for (const char* companion : {"tokenizer_config.json", "special_tokens_map.json"}) {
+    const fs::path beside = file.parent_path() / companion;
+    if (beside != file && fs::is_regular_file(beside, ec)) out.push_back({beside, companion});
+  }
+  return out;
+}
+
 void write_hf_folder(const fs::path& folder, const TensorMap& viaduct,
                      const HfModelShape& shape, const HfWriteOptions& options) {
   std::error_code ec;
   VIADUCT_CHECK_T(FileError, !fs::exists(folder, ec), "HF export: '", folder.string(),
                   "' exists; give a new folder");
+  std::set<std::string> names = {kConfigFile, kSingleFile, kIndexFile};
+  for (const auto& f : options.extra_files) {
+    VIADUCT_CHECK_T(FileError, fs::is_regular_file(f.source, ec), "HF export: '",
+                    f.source.string(), "' (to copy as ", f.name, ") is not a file");
+    VIADUCT_CHECK_T(FileError, names.insert(f.name).second, "HF export: two files named '",
+                    f.name, "' (the last from '", f.source.string(), "')");
+  }
   const std::string dtype_name = torch_dtype_name(options.dtype);
   TensorMap hf = to_hf_tensors(viaduct, shape);
   fs::path tmp = folder;
@@ -521,7 +551,7 @@ void write_hf_folder(const fs::path& folder, const TensorMap& viaduct,
     }
     write_text_file(tmp / kConfigFile, hf_config_json(shape, dtype_name).dump(2) + "\n");
     for (const auto& f : options.extra_files) {
-      write_text_file(tmp / f.filename(), read_text_file(f));
+      write_text_file(tmp / f.name, read_text_file(f.source));
     }
     fsync_dir(tmp);
     rename_path(tmp, folder);

@@ -93,15 +93,32 @@ HfFolder read_hf_folder(const std::filesystem::path& folder);
 // True when `folder` holds a config.json (an HF model folder).
 bool is_hf_folder(const std::filesystem::path& folder);
 
+// A file copied byte for byte into an HF model folder as `name`.
+struct HfExtraFile {
+  std::filesystem::path source;
+  std::string name;
+};
+
+// The files of the tokenizer `tokenizer` names (a tokenizer.json, a folder
+// holding one, or a tiktoken .tiktoken file: what `prepare-data --tokenizer`
+// takes) for an HF model folder: the file itself, a .json one as
+// tokenizer.json, and the tokenizer_config.json and special_tokens_map.json
+// that sit beside it. A missing file is a FileError naming `key` (the
+// option or config key) and the path.
+std::vector<HfExtraFile> hf_tokenizer_files(const std::filesystem::path& tokenizer,
+                                            const std::string& key);
+
 struct HfWriteOptions {
   at::ScalarType dtype = at::kFloat;  // kFloat, kBFloat16 or kHalf
   int64_t max_shard_bytes = 5'000'000'000;
-  // Copied beside the weights (tokenizer.json, tokenizer_config.json, ...).
-  std::vector<std::filesystem::path> extra_files;
+  // Copied beside the weights (the tokenizer's files: hf_tokenizer_files).
+  std::vector<HfExtraFile> extra_files;
 };
 // Writes `viaduct` (FQN-keyed) as an HF model folder at `folder`, which must
 // not exist: everything goes to a temporary sibling that is fsynced and
-// renamed into place (Note [Atomic replace] in core/file_io.h).
+// renamed into place (Note [Atomic replace] in core/file_io.h). An extra
+// file that is missing, or two files of one name, are refused before
+// anything is written.
 void write_hf_folder(const std::filesystem::path& folder,
                      const TensorMap& viaduct, const HfModelShape& shape,
                      const HfWriteOptions& options);

@@ -69,6 +69,7 @@ const char* type_name(ConfigType t) {
     case ConfigType::kString: return "a string";
     case ConfigType::kStringList: return "a list of strings";
     case ConfigType::kStringListList: return "a list of lists of strings";
+    case ConfigType::kFloatList: return "a list of numbers";
   }
   return "?";
 }
@@ -86,6 +87,21 @@ StringList strings_of(const toml::array& arr, const ConfigKey& k,
     auto s = el.value<std::string>();
     if (!s) type_error(k, origin, "a list with a non-string element");
     out.push_back(*s);
+  }
+  return out;
+}
+
+FloatList numbers_of(const toml::array& arr, const ConfigKey& k,
+                     const std::string& origin) {
+  FloatList out;
+  for (const auto& el : arr) {
+    if (el.is_floating_point()) {
+      out.push_back(el.value<double>().value());
+    } else if (el.is_integer()) {
+      out.push_back(static_cast<double>(el.value<int64_t>().value()));
+    } else {
+      type_error(k, origin, "a list with a non-number element");
+    }
   }
   return out;
 }
@@ -119,6 +135,9 @@ ConfigValue from_toml(const toml::node& node, const ConfigKey& k,
         }
         return ConfigValue{out};
       }
+      break;
+    case ConfigType::kFloatList:
+      if (node.is_array()) return ConfigValue{numbers_of(*node.as_array(), k, origin)};
       break;
   }
   std::ostringstream got;
@@ -162,7 +181,8 @@ ConfigValue from_text(const std::string& text, const ConfigKey& k,
         return ConfigValue{text.substr(1, text.size() - 2)};
       return ConfigValue{text};
     case ConfigType::kStringList:
-    case ConfigType::kStringListList: {
+    case ConfigType::kStringListList:
+    case ConfigType::kFloatList: {
       if (!text.empty() && text.front() == '[') {
         toml::table t;
         try {
@@ -182,7 +202,20 @@ ConfigValue from_text(const std::string& text, const ConfigKey& k,
       while (std::getline(ss, item, ',')) {
         if (!item.empty()) out.push_back(item);
       }
-      return ConfigValue{out};
+      if (k.type == ConfigType::kStringList) return ConfigValue{out};
+      FloatList numbers;
+      for (const auto& s : out) {
+        size_t pos = 0;
+        double v = 0;
+        try {
+          v = std::stod(s, &pos);
+        } catch (...) {
+          BAD();
+        }
+        if (pos != s.size()) BAD();
+        numbers.push_back(v);
+      }
+      return ConfigValue{numbers};
     }
   }
   BAD();
@@ -204,15 +237,24 @@ std::string toml_quote(const std::string& s) {
   return os.str();
 }
 
+std::string double_to_toml(double d) {
+  std::ostringstream os;
+  os << std::setprecision(17) << d;
+  std::string s = os.str();
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
 std::string value_to_toml(const ConfigValue& v) {
   std::ostringstream os;
   if (auto* i = std::get_if<int64_t>(&v)) {
     os << *i;
   } else if (auto* d = std::get_if<double>(&v)) {
-    os << std::setprecision(17) << *d;
-    std::string s = os.str();
-    if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
-    return s;
+    return double_to_toml(*d);
+  } else if (auto* fl = std::get_if<FloatList>(&v)) {
+    os << '[';
+    for (size_t i = 0; i < fl->size(); ++i) os << (i ? ", " : "") << double_to_toml((*fl)[i]);
+    os << ']';
   } else if (auto* b = std::get_if<bool>(&v)) {
     os << (*b ? "true" : "false");
   } else if (auto* s = std::get_if<std::string>(&v)) {
@@ -232,6 +274,16 @@ std::string value_to_toml(const ConfigValue& v) {
     os << ']';
   }
   return os.str();
+}
+
+// True when `v` holds something: not unset, not "" and not an empty list.
+bool has_content(const ConfigValue& v) {
+  if (std::holds_alternative<std::monostate>(v)) return false;
+  if (const auto* s = std::get_if<std::string>(&v)) return !s->empty();
+  if (const auto* l = std::get_if<StringList>(&v)) return !l->empty();
+  if (const auto* ll = std::get_if<StringListList>(&v)) return !ll->empty();
+  if (const auto* fl = std::get_if<FloatList>(&v)) return !fl->empty();
+  return true;
 }
 
 // The value of a numeric key as a double, or nullopt when unset or not
@@ -283,7 +335,8 @@ void Config::set(const std::string& dotted, ConfigValue value) {
       (k->type == ConfigType::kString && std::holds_alternative<std::string>(value)) ||
       (k->type == ConfigType::kStringList && std::holds_alternative<StringList>(value)) ||
       (k->type == ConfigType::kStringListList &&
-       std::holds_alternative<StringListList>(value));
+       std::holds_alternative<StringListList>(value)) ||
+      (k->type == ConfigType::kFloatList && std::holds_alternative<FloatList>(value));
   VIADUCT_CHECK_T(ConfigError, ok, "key '", dotted, "' must be ",
                   type_name(k->type));
   values_[dotted] = std::move(value);
@@ -380,6 +433,22 @@ Config Config::parse(const std::string& text, const std::string& origin,
                     "'; keep only '--", new_key, "'");
   }
   for (const auto& o : overrides) cfg.apply_override(o, "the command line");
+  // A key given on the command line replaces the file's value of the key it
+  // supersedes (ConfigKey::replaced_by): `--data.paths` over a config file's
+  // data.path. Both in the file, or both on the command line, is an error
+  // (validate).
+  for (const auto& k : config_schema()) {
+    const std::string key = k.dotted();
+    if (k.replaced_by.empty() || !given.count(k.replaced_by) || given.count(key) ||
+        !cfg.is_set(key) || !has_content(cfg.values_.at(k.replaced_by))) {
+      continue;
+    }
+    log::info(key, " of ", cfg.source(key), " gives way to ", k.replaced_by,
+              " from the command line");
+    cfg.values_[key] = k.default_value;
+    cfg.explicit_.erase(key);
+    cfg.sources_.erase(key);
+  }
   // Deprecated spellings of several keys together (schema.cpp).
   for (const auto& d : config_deprecated_spellings()) {
     bool given = true;
@@ -447,7 +516,18 @@ void Config::validate() const {
                           source(k.dotted()), ") is out of range: it must be ",
                           k.range.lo && k.range.hi ? "in " : "", k.range.text()));
   }
+  // Keys replaced by another (ConfigKey::replaced_by): never both.
+  for (const auto& k : config_schema()) {
+    if (k.replaced_by.empty() || !is_set(k.dotted())) continue;
+    const auto& other = values_.at(k.replaced_by);
+    if (!has_content(other)) continue;
+    throw ConfigError(str(k.dotted(), " = ", value_to_toml(values_.at(k.dotted())), " (from ",
+                          source(k.dotted()), ") and ", k.replaced_by, " = ",
+                          value_to_toml(other), " (from ", source(k.replaced_by),
+                          ") are mutually exclusive: give only one of them"));
+  }
   validate_core(*this);
+  validate_data(*this);
   validate_parallelism(*this);
 }
 
@@ -485,6 +565,9 @@ StringList Config::get_string_list(const std::string& k) const { return get_requ
 StringListList Config::get_string_list_list(const std::string& k) const {
   return get_required<StringListList>(values_, k);
 }
+FloatList Config::get_float_list(const std::string& k) const {
+  return get_required<FloatList>(values_, k);
+}
 std::optional<int64_t> Config::get_int_opt(const std::string& k) const {
   const auto* v = get_typed<int64_t>(values_, k);
   return v ? std::optional<int64_t>(*v) : std::nullopt;
@@ -510,6 +593,10 @@ std::string Config::to_toml() const {
     const auto& v = values_.at(k.dotted());
     if (std::holds_alternative<std::monostate>(v)) {
       os << "# " << k.name << " = (unset: " << k.help << ")\n";
+    } else if (!k.replaced_by.empty() && has_content(values_.at(k.replaced_by))) {
+      // Not in effect: a comment, so the text parses back without a conflict.
+      os << "# " << k.name << " = " << value_to_toml(v) << "  (not in effect: "
+         << k.replaced_by << " is set)\n";
     } else {
       os << k.name << " = " << value_to_toml(v) << '\n';
     }

@@ -19,11 +19,21 @@ namespace viaduct {
 
 using StringList = std::vector<std::string>;
 using StringListList = std::vector<std::vector<std::string>>;
+using FloatList = std::vector<double>;
 // monostate = "unset": the flavor / component decides.
 using ConfigValue = std::variant<std::monostate, int64_t, double, bool,
-                                 std::string, StringList, StringListList>;
+                                 std::string, StringList, StringListList,
+                                 FloatList>;
 
-enum class ConfigType { kInt, kFloat, kBool, kString, kStringList, kStringListList };
+enum class ConfigType {
+  kInt,
+  kFloat,
+  kBool,
+  kString,
+  kStringList,
+  kStringListList,
+  kFloatList
+};
 
 // The values a numeric key accepts: an interval whose ends may be open,
 // closed or absent. A float key with a range must also be finite.
@@ -50,9 +60,19 @@ struct ConfigKey {
   ConfigValue default_value;  // monostate: no default (flavor decides)
   std::string help;
   ConfigRange range = {};     // numeric keys: checked on load, naming the source
+  // Another dotted key that replaces this one: while that key holds a
+  // non-empty value this one is not in effect (to_toml writes it as a
+  // comment). Giving both in the file, or both on the command line, is a
+  // ConfigError naming the two; that key on the command line replaces this
+  // one from the file.
+  std::string replaced_by = {};
   std::string dotted() const { return section + "." + name; }
   ConfigKey&& in(ConfigRange r) && {
     range = r;
+    return std::move(*this);
+  }
+  ConfigKey&& replaced_when_set(std::string dotted_key) && {
+    replaced_by = std::move(dotted_key);
     return std::move(*this);
   }
 };
@@ -96,6 +116,7 @@ class Config {
   std::string get_string(const std::string& key) const;
   StringList get_string_list(const std::string& key) const;
   StringListList get_string_list_list(const std::string& key) const;
+  FloatList get_float_list(const std::string& key) const;
   std::optional<int64_t> get_int_opt(const std::string& key) const;
   std::optional<double> get_float_opt(const std::string& key) const;
   std::optional<bool> get_bool_opt(const std::string& key) const;

@@ -15,6 +15,7 @@ void add_parallelism_keys(std::vector<ConfigKey>& keys);  // parallelism
 
 // Cross-field checks per area, run after the overrides.
 void validate_core(const Config& cfg);
+void validate_data(const Config& cfg);
 void validate_parallelism(const Config& cfg);
 
 }  // namespace viaduct

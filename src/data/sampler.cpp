@@ -3,7 +3,10 @@
 #include "data/sampler.h"
 
 #include <nlohmann/json.hpp>
+#include <cmath>
+#include <iomanip>
 #include <numeric>
+#include <sstream>
 
 #include "core/check.h"
 #include "core/log.h"
@@ -51,18 +54,60 @@ int64_t windows_in(const TokenStream& tokens, int64_t seq_len) {
   return tokens.size() > 0 ? (tokens.size() - 1) / seq_len : 0;
 }
 
+// Reads rows into a batch: row b holds window ids[b] of *streams[b].
+TokenBatch read_rows(const std::vector<const TokenStream*>& streams,
+                     const std::vector<int64_t>& ids, int64_t seq_len) {
+  const auto B = static_cast<int64_t>(ids.size());
+  const int64_t T = seq_len;
+  // buf: [B, T + 1]; row b = tokens [w T, w T + T] of window w = ids[b].
+  at::Tensor buf = at::empty({B, T + 1}, at::TensorOptions().dtype(at::kLong));
+  int64_t* p = buf.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const auto i = static_cast<size_t>(b);
+    streams[i]->read(ids[i] * T, T + 1, p + b * (T + 1));
+  }
+  TokenBatch batch;
+  batch.inputs = buf.narrow(1, 0, T).contiguous();   // [B, T]
+  batch.targets = buf.narrow(1, 1, T).contiguous();  // [B, T]
+  return batch;
+}
+
+// A share for messages: 0.7, 0.3333.
+std::string share_text(double share) {
+  std::ostringstream os;
+  os << std::setprecision(4) << share;
+  return os.str();
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- DataCursor
 
 std::string DataCursor::to_json() const {
+  VIADUCT_ASSERT(!sources.empty(), "data cursor without a source");
   nlohmann::json j;
-  j["epoch"] = epoch;
-  j["position"] = position;
   j["seq_len"] = seq_len;
-  j["num_windows"] = num_windows;
   j["shuffle"] = shuffle;
   j["seed"] = seed;
+  if (sources.size() == 1) {
+    // The single-stream form (earlier versions wrote it without "taken").
+    const SourceCursor& s = sources.front();
+    j["epoch"] = s.epoch;
+    j["position"] = s.position;
+    j["num_windows"] = s.num_windows;
+    j["taken"] = s.taken;
+    return j.dump();
+  }
+  nlohmann::json list = nlohmann::json::array();
+  for (const SourceCursor& s : sources) {
+    list.push_back({{"path", s.path},
+                    {"num_windows", s.num_windows},
+                    {"share", s.share},
+                    {"epoch", s.epoch},
+                    {"position", s.position},
+                    {"taken", s.taken}});
+  }
+  j["sources"] = std::move(list);
   return j.dump();
 }
 
@@ -70,93 +115,228 @@ DataCursor DataCursor::from_json(const std::string& text) {
   DataCursor c;
   try {
     nlohmann::json j = nlohmann::json::parse(text);
-    c.epoch = j.at("epoch").get<int64_t>();
-    c.position = j.at("position").get<int64_t>();
     c.seq_len = j.at("seq_len").get<int64_t>();
-    c.num_windows = j.at("num_windows").get<int64_t>();
     c.shuffle = j.at("shuffle").get<bool>();
     c.seed = j.at("seed").get<uint64_t>();
+    if (j.contains("sources")) {
+      for (const auto& e : j.at("sources")) {
+        SourceCursor s;
+        s.path = e.at("path").get<std::string>();
+        s.num_windows = e.at("num_windows").get<int64_t>();
+        s.share = e.at("share").get<double>();
+        s.epoch = e.at("epoch").get<int64_t>();
+        s.position = e.at("position").get<int64_t>();
+        s.taken = e.at("taken").get<int64_t>();
+        c.sources.push_back(std::move(s));
+      }
+    } else {
+      SourceCursor s;
+      s.epoch = j.at("epoch").get<int64_t>();
+      s.position = j.at("position").get<int64_t>();
+      s.num_windows = j.at("num_windows").get<int64_t>();
+      s.taken = j.value("taken", int64_t{0});
+      c.sources.push_back(std::move(s));
+    }
   } catch (const nlohmann::json::exception& e) {
     throw FileError(str("data cursor '", text, "' is malformed: ", e.what()));
   }
-  VIADUCT_CHECK_T(
-      FileError,
-      c.epoch >= 0 && c.position >= 0 && c.seq_len >= 1 && c.num_windows >= 0,
-      "data cursor '", text, "' has out-of-range fields");
+  bool in_range = c.seq_len >= 1 && !c.sources.empty();
+  for (const SourceCursor& s : c.sources) {
+    in_range = in_range && s.epoch >= 0 && s.position >= 0 && s.taken >= 0 &&
+               s.num_windows >= 0 && s.share > 0 && s.share <= 1;
+  }
+  VIADUCT_CHECK_T(FileError, in_range, "data cursor '", text,
+                  "' has out-of-range fields");
   return c;
+}
+
+// ------------------------------------------------------------------ sources
+
+std::vector<DataSource> open_data_sources(const std::string& key,
+                                          const std::vector<std::string>& specs,
+                                          const std::vector<double>& weights,
+                                          const std::string& format) {
+  VIADUCT_CHECK_T(ConfigError, !specs.empty(), key, " names no token source");
+  VIADUCT_CHECK_T(ConfigError, weights.empty() || weights.size() == specs.size(),
+                  key, " has ", specs.size(), " sources but data.weights has ",
+                  weights.size(), " weights");
+  std::vector<DataSource> out;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const std::string label =
+        specs.size() == 1 ? key : str(key, "[", i, "]");
+    DataSource s;
+    s.path = specs[i];
+    s.weight = weights.empty() ? 1.0 : weights[i];
+    try {
+      s.tokens = open_token_stream(specs[i], format);
+    } catch (const FileError& e) {
+      throw FileError(str(label, ": ", e.what()));
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
 }
 
 // -------------------------------------------------------------- TokenSampler
 
 TokenSampler::TokenSampler(std::shared_ptr<const TokenStream> tokens,
                            const SamplerOptions& options)
-    : tokens_(std::move(tokens)), options_(options) {
-  VIADUCT_CHECK(tokens_ != nullptr, "sampler: no token stream");
+    : TokenSampler(
+          [&] {
+            VIADUCT_CHECK(tokens != nullptr, "sampler: no token stream");
+            return std::vector<DataSource>{
+                DataSource{tokens->describe(), std::move(tokens), 1.0}};
+          }(),
+          options) {}
+
+TokenSampler::TokenSampler(std::vector<DataSource> sources,
+                           const SamplerOptions& options)
+    : options_(options) {
+  VIADUCT_CHECK(!sources.empty(), "sampler: no token source");
   check_options(options_, "sampler");
-  num_windows_ = windows_in(*tokens_, options_.seq_len);
+  double total = 0;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    VIADUCT_CHECK(sources[i].tokens != nullptr, "sampler: source ", i,
+                  " has no token stream");
+    VIADUCT_CHECK_T(ConfigError,
+                    std::isfinite(sources[i].weight) && sources[i].weight > 0,
+                    "data.weights[", i, "] = ", sources[i].weight, " (for '",
+                    sources[i].path, "') must be a number > 0");
+    total += sources[i].weight;
+  }
   const int64_t global = options_.batch_size * options_.dp_size;
-  VIADUCT_CHECK_T(ConfigError, num_windows_ >= global, "training data ",
-                  tokens_->describe(), " has ", tokens_->size(),
-                  " tokens: ", num_windows_, " windows of seq_len ",
-                  options_.seq_len, ", fewer than one global batch (",
-                  options_.batch_size, " x dp ", options_.dp_size, " = ",
-                  global,
-                  " windows); lower training.local_batch_size or "
-                  "training.seq_len, or prepare more data");
-}
-
-int64_t TokenSampler::steps_per_epoch() const {
-  return num_windows_ / (options_.batch_size * options_.dp_size);
-}
-
-void TokenSampler::load_epoch(int64_t epoch) {
-  if (order_epoch_ == epoch) return;
-  order_epoch_ = epoch;
-  order_.clear();
-  if (!options_.shuffle) return;
-  order_.resize(static_cast<size_t>(num_windows_));
-  std::iota(order_.begin(), order_.end(), int64_t{0});
-  // The epoch's stream: seed and epoch mixed through one splitmix64 step.
-  SplitMix64 seeder{options_.seed ^
-                    (0xD1B54A32D192ED03ULL * static_cast<uint64_t>(epoch + 1))};
-  SplitMix64 rng{seeder.next()};
-  for (int64_t i = num_windows_ - 1; i > 0; --i) {
-    auto j = static_cast<int64_t>(rng.below(static_cast<uint64_t>(i + 1)));
-    std::swap(order_[i], order_[j]);
+  for (size_t i = 0; i < sources.size(); ++i) {
+    Source s;
+    s.share = sources[i].weight / total;
+    s.num_windows = windows_in(*sources[i].tokens, options_.seq_len);
+    s.data = std::move(sources[i]);
+    // A source holds at least its share of one global step (one source:
+    // the whole step).
+    const auto need = static_cast<int64_t>(
+        std::ceil(s.share * static_cast<double>(global) - 1e-9));
+    const auto& tokens = *s.data.tokens;
+    VIADUCT_CHECK_T(
+        ConfigError, s.num_windows >= std::max<int64_t>(need, 1),
+        sources.size() == 1 ? std::string("training data ")
+                            : str("data.paths[", i, "] "),
+        tokens.describe(), " has ", tokens.size(), " tokens: ", s.num_windows,
+        " windows of seq_len ", options_.seq_len,
+        sources.size() == 1 ? str(", fewer than one global batch (")
+                            : str(", fewer than its share ", share_text(s.share),
+                                  " of one global batch (", need, " of "),
+        options_.batch_size, " x dp ", options_.dp_size, " = ", global,
+        " windows); lower training.local_batch_size or training.seq_len",
+        sources.size() == 1 ? "" : ", lower its weight", ", or prepare more data");
+    sources_.push_back(std::move(s));
   }
 }
 
-int64_t TokenSampler::window_at(int64_t epoch, int64_t index) {
-  VIADUCT_ASSERT(index >= 0 && index < num_windows_, "window index ", index);
-  load_epoch(epoch);
-  return order_.empty() ? index : order_[static_cast<size_t>(index)];
+int64_t TokenSampler::steps_per_epoch(size_t s) const {
+  const Source& src = sources_.at(s);
+  const double per_step = src.share * static_cast<double>(
+                                          options_.batch_size * options_.dp_size);
+  return static_cast<int64_t>(static_cast<double>(src.num_windows) / per_step);
+}
+
+void TokenSampler::load_epoch(Source& src, size_t index, int64_t epoch) {
+  if (src.order_epoch == epoch) return;
+  src.order_epoch = epoch;
+  src.order.clear();
+  if (!options_.shuffle) return;
+  src.order.resize(static_cast<size_t>(src.num_windows));
+  std::iota(src.order.begin(), src.order.end(), int64_t{0});
+  // The epoch's stream: seed, epoch and source mixed through one splitmix64
+  // step (source 0 adds nothing: a single stream's order).
+  SplitMix64 seeder{options_.seed ^
+                    (0xD1B54A32D192ED03ULL * static_cast<uint64_t>(epoch + 1)) ^
+                    (0xA0761D6478BD642FULL * static_cast<uint64_t>(index))};
+  SplitMix64 rng{seeder.next()};
+  for (int64_t i = src.num_windows - 1; i > 0; --i) {
+    auto j = static_cast<int64_t>(rng.below(static_cast<uint64_t>(i + 1)));
+    std::swap(src.order[static_cast<size_t>(i)], src.order[static_cast<size_t>(j)]);
+  }
+}
+
+int64_t TokenSampler::window_at(int64_t epoch, int64_t index, size_t s) {
+  Source& src = sources_.at(s);
+  VIADUCT_ASSERT(index >= 0 && index < src.num_windows, "window index ", index,
+                 " of source ", s);
+  load_epoch(src, s, epoch);
+  return src.order.empty() ? index : src.order[static_cast<size_t>(index)];
 }
 
 TokenBatch TokenSampler::next() {
   const int64_t B = options_.batch_size;
   const int64_t global = B * options_.dp_size;
-  if (position_ + global > num_windows_) {
-    epoch_ += 1;
-    position_ = 0;
-    log::debug("sampler: epoch ", epoch_, " begins");
+  const size_t k = sources_.size();
+  // The step's slots and the source each goes to: the blend rule of Note
+  // [Windows and the data cursor] from the first slot of the step on.
+  int64_t first_slot = 0;
+  for (const Source& src : sources_) first_slot += src.taken;
+  std::vector<size_t> owner(static_cast<size_t>(global));
+  std::vector<int64_t> count(k, 0);
+  for (int64_t j = 0; j < global; ++j) {
+    const auto slots = static_cast<double>(first_slot + j + 1);
+    size_t best = 0;
+    double best_gap = 0;
+    for (size_t s = 0; s < k; ++s) {
+      const double gap =
+          sources_[s].share * slots - static_cast<double>(sources_[s].taken + count[s]);
+      if (s == 0 || gap > best_gap) {
+        best = s;
+        best_gap = gap;
+      }
+    }
+    owner[static_cast<size_t>(j)] = best;
+    ++count[best];
   }
-  std::vector<int64_t> ids(static_cast<size_t>(B));
-  const int64_t first = position_ + options_.dp_rank * B;
-  for (int64_t b = 0; b < B; ++b) {
-    ids[static_cast<size_t>(b)] = window_at(epoch_, first + b);
+  // A source whose epoch cannot serve its slots of the step begins the next.
+  for (size_t s = 0; s < k; ++s) {
+    Source& src = sources_[s];
+    if (src.position > 0 && src.position + count[s] > src.num_windows) {
+      src.epoch += 1;
+      src.position = 0;
+      log::debug("sampler: epoch ", src.epoch, " of ", src.data.path, " begins");
+    }
   }
-  position_ += global;
-  return read_windows(*tokens_, ids, options_.seq_len);
+  // Serve every slot in order; this rank's rows are slots [r B, r B + B).
+  std::vector<const TokenStream*> streams;
+  std::vector<int64_t> ids;
+  streams.reserve(static_cast<size_t>(B));
+  ids.reserve(static_cast<size_t>(B));
+  const int64_t mine = options_.dp_rank * B;
+  for (int64_t j = 0; j < global; ++j) {
+    const size_t s = owner[static_cast<size_t>(j)];
+    Source& src = sources_[s];
+    if (src.position == src.num_windows) {  // smaller than its slots of a step
+      src.epoch += 1;
+      src.position = 0;
+    }
+    if (j >= mine && j < mine + B) {
+      streams.push_back(src.data.tokens.get());
+      ids.push_back(window_at(src.epoch, src.position, s));
+    }
+    src.position += 1;
+    src.taken += 1;
+  }
+  return read_rows(streams, ids, options_.seq_len);
 }
 
 DataCursor TokenSampler::cursor() const {
   DataCursor c;
-  c.epoch = epoch_;
-  c.position = position_;
   c.seq_len = options_.seq_len;
-  c.num_windows = num_windows_;
   c.shuffle = options_.shuffle;
   c.seed = options_.seed;
+  for (const Source& src : sources_) {
+    SourceCursor s;
+    s.epoch = src.epoch;
+    s.position = src.position;
+    s.taken = src.taken;
+    s.num_windows = src.num_windows;
+    s.share = src.share;
+    s.path = src.data.path;
+    c.sources.push_back(std::move(s));
+  }
   return c;
 }
 
@@ -165,9 +345,6 @@ void TokenSampler::restore(const DataCursor& c) {
                 "data cursor was saved with "
                 "seq_len ",
                 c.seq_len, " but training.seq_len is ", options_.seq_len);
-  VIADUCT_CHECK(c.num_windows == num_windows_, "data cursor was saved for ",
-                c.num_windows, " windows but ", tokens_->describe(), " has ",
-                num_windows_, " (the training data changed)");
   VIADUCT_CHECK(c.shuffle == options_.shuffle,
                 "data cursor was saved with "
                 "data.shuffle = ",
@@ -178,11 +355,62 @@ void TokenSampler::restore(const DataCursor& c) {
                 "saved with seed ",
                 c.seed, " but the seed is now ", options_.seed,
                 " (the shuffled order would differ)");
-  VIADUCT_CHECK(c.epoch >= 0 && c.position >= 0 && c.position <= num_windows_,
-                "data cursor (epoch ", c.epoch, ", position ", c.position,
-                ") is out of range for ", num_windows_, " windows");
-  epoch_ = c.epoch;
-  position_ = c.position;
+  const auto layout = [](size_t n) {
+    return n == 1 ? std::string("one token stream (data.path or one data.paths entry)")
+                  : str("a blend of ", n, " sources (data.paths)");
+  };
+  VIADUCT_CHECK(c.sources.size() == sources_.size(),
+                "data cursor was saved for ", layout(c.sources.size()),
+                " but this run reads ", layout(sources_.size()),
+                " (the training data changed)");
+  const size_t k = sources_.size();
+  for (size_t s = 0; s < k; ++s) {
+    const SourceCursor& saved = c.sources[s];
+    const Source& src = sources_[s];
+    const std::string name = k == 1 ? src.data.tokens->describe()
+                                    : str("data.paths[", s, "] '", src.data.path, "'");
+    VIADUCT_CHECK(saved.num_windows == src.num_windows,
+                  "data cursor was saved for ", saved.num_windows,
+                  " windows but ", name, " has ", src.num_windows,
+                  " (the training data changed)");
+    VIADUCT_CHECK(k == 1 || saved.share == src.share, "data cursor was saved with a share of ",
+                  share_text(saved.share), " for ", name, " but data.weights give it ",
+                  share_text(src.share), " now (the blend would differ)");
+    VIADUCT_CHECK(saved.position <= src.num_windows,
+                  "data cursor (epoch ", saved.epoch, ", position ", saved.position,
+                  ") is out of range for ", src.num_windows, " windows of ", name);
+    if (k > 1 && saved.path != src.data.path) {
+      log::warn("data cursor: data.paths[", s, "] was '", saved.path, "' when saved and is '",
+                src.data.path, "' now; same windows and share, so the run continues");
+    }
+  }
+  for (size_t s = 0; s < k; ++s) {
+    Source& src = sources_[s];
+    src.epoch = c.sources[s].epoch;
+    src.position = c.sources[s].position;
+    src.taken = c.sources[s].taken;
+  }
+}
+
+std::string TokenSampler::describe() const {
+  const int64_t T = options_.seq_len;
+  if (sources_.size() == 1) {
+    const auto& tokens = *sources_.front().data.tokens;
+    return str(tokens.describe(), ": ", tokens.size(), " tokens, ",
+               sources_.front().num_windows, " windows of ", T);
+  }
+  const double global = static_cast<double>(options_.batch_size * options_.dp_size);
+  std::string out = str("blend of ", sources_.size(), " sources, windows of ", T, ":");
+  for (size_t s = 0; s < sources_.size(); ++s) {
+    const Source& src = sources_[s];
+    std::ostringstream epoch;
+    epoch << std::setprecision(3)
+          << static_cast<double>(src.num_windows) / (src.share * global);
+    out += str(s ? "; " : " ", "[", s, "] ", src.data.tokens->describe(), " ",
+               src.data.tokens->size(), " tokens, ", src.num_windows, " windows, share ",
+               share_text(src.share), " (an epoch every ", epoch.str(), " steps)");
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------- EvalLoader
@@ -232,18 +460,8 @@ std::vector<TokenBatch> EvalLoader::batches() const {
 TokenBatch read_windows(const TokenStream& tokens,
                         const std::vector<int64_t>& window_ids,
                         int64_t seq_len) {
-  const auto B = static_cast<int64_t>(window_ids.size());
-  const int64_t T = seq_len;
-  // buf: [B, T + 1]; row b = tokens [w T, w T + T] of window w = ids[b].
-  at::Tensor buf = at::empty({B, T + 1}, at::TensorOptions().dtype(at::kLong));
-  int64_t* p = buf.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    tokens.read(window_ids[static_cast<size_t>(b)] * T, T + 1, p + b * (T + 1));
-  }
-  TokenBatch batch;
-  batch.inputs = buf.narrow(1, 0, T).contiguous();   // [B, T]
-  batch.targets = buf.narrow(1, 1, T).contiguous();  // [B, T]
-  return batch;
+  return read_rows(std::vector<const TokenStream*>(window_ids.size(), &tokens),
+                   window_ids, seq_len);
 }
 
 std::vector<at::Tensor> split_microbatches(const at::Tensor& batch, int64_t n) {

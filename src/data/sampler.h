@@ -1,19 +1,39 @@
 // The training sampler, the eval loader and micro-batching.
 //
 // Note [Windows and the data cursor]
-// The token stream is cut into W = (N - 1) / T contiguous windows of T + 1
+// A token stream is cut into W = (N - 1) / T contiguous windows of T + 1
 // tokens; window w covers tokens [w T, w T + T] (neighbours share one token),
 // its first T tokens are the inputs and its last T the targets. An epoch
 // visits the windows in order (or, with shuffle, in a permutation drawn from
-// (seed, epoch) by our own splitmix64 Fisher-Yates, identical on every
-// platform). A global step takes the next B x dp_size windows of that order;
-// dp rank r takes the r-th run of B of them, so the ranks' batches are
-// disjoint and, stacked in rank order, are exactly the batch of one rank with
-// B x dp_size rows. The windows left over at the end of an epoch (fewer than
-// one global step) are skipped. The cursor is (epoch, position): position
-// counts the windows of the epoch's order already handed out by all ranks,
-// so it does not depend on the dp layout, and a restored sampler continues
-// the stream exactly.
+// (seed, source, epoch) by our own splitmix64 Fisher-Yates, identical on
+// every platform).
+//
+// The sampler reads one or several sources (data.path, or the blend of
+// data.paths with data.weights), each a stream with its own windows, its own
+// epochs and a normalised weight w_s. The windows it hands out form one
+// global sequence of slots; slot i goes to the source with the largest
+// w_s (i + 1) - c_s, c_s the slots source s took before i, ties to the lower
+// index (Megatron's blend rule). Every prefix of n slots so takes at most
+// ceil(w_s n) windows of each source, and with two sources exactly floor or
+// ceil. A global step takes the next G = B x dp_size slots; source s serves
+// the n_s of them that are its with the next n_s windows of its epoch's
+// order, and when its epoch has fewer left it begins its next epoch (the
+// leftover is skipped). A source must hold ceil(w_s G) windows; in the rare
+// step that asks one more of a source that holds no more, it wraps within
+// the step. dp
+// rank r takes the r-th run of B slots, so the ranks' batches are disjoint
+// and, stacked in rank order, are exactly the batch of one rank with
+// B x dp_size rows: the sequence depends on the sources, weights, T, seed,
+// shuffle and G, never on the dp layout. One source (weight 1) is the plain
+// case: every slot is its, and the windows left at the end of an epoch, fewer
+// than one global step, are skipped.
+//
+// The cursor holds, per source, (epoch, position, taken): position counts
+// the windows of the epoch's order already handed out by all ranks, taken
+// the source's slots since the start (the blend rule's c_s). With the
+// sources' window counts and shares, which a restore checks, it continues
+// the sequence exactly. One source writes the single-stream JSON of earlier
+// versions plus "taken", and their cursors still load.
 #pragma once
 
 #include <torch/torch.h>
@@ -32,22 +52,52 @@ struct TokenBatch {
   at::Tensor targets;  // [B, T] int64, CPU: inputs shifted left by one token
 };
 
-// Where the sampler stands, plus what it needs to check a restore against.
-struct DataCursor {
+// Where one source of the sampler stands, plus what a restore checks.
+struct SourceCursor {
   int64_t epoch = 0;
   int64_t position = 0;  // windows of this epoch already taken (all ranks)
+  int64_t taken = 0;     // slots this source has served since the start
+  int64_t num_windows = 0;
+  double share = 1.0;    // the normalised weight
+  std::string path;      // the source's spec, for messages (not checked)
+  bool operator==(const SourceCursor&) const = default;
+};
+
+// Where the sampler stands, plus what it needs to check a restore against.
+struct DataCursor {
+  std::vector<SourceCursor> sources;  // one per source, in order
   // The sampler that wrote it; a restore into a different one is refused.
   int64_t seq_len = 0;
-  int64_t num_windows = 0;
   bool shuffle = false;
   uint64_t seed = 0;
 
-  // One-line JSON object, e.g. {"epoch":0,"position":96,...}.
+  // One-line JSON object. One source: {"epoch":0,"position":96,
+  // "num_windows":..,"seq_len":..,"shuffle":..,"seed":..,"taken":..} (the
+  // single-stream form; "taken" may be missing). A blend: {"seq_len":..,
+  // "shuffle":..,"seed":..,"sources":[{"path":..,"num_windows":..,
+  // "share":..,"epoch":..,"position":..,"taken":..},...]}.
   std::string to_json() const;
   // Throws FileError on malformed text or missing fields.
   static DataCursor from_json(const std::string& text);
   bool operator==(const DataCursor&) const = default;
 };
+
+// One token source of the sampler and its weight (> 0; the sampler
+// normalises the weights of all its sources).
+struct DataSource {
+  std::string path;  // the spec it was opened from (a file or a glob)
+  std::shared_ptr<const TokenStream> tokens;
+  double weight = 1.0;
+};
+
+// Opens each spec (a file or a glob: open_token_stream) as one source with
+// its weight; `weights` empty means 1 each. `key` names the config key
+// ("data.paths") in errors: a spec that matches no file or cannot be read
+// is a FileError naming key[i] and the spec.
+std::vector<DataSource> open_data_sources(const std::string& key,
+                                          const std::vector<std::string>& specs,
+                                          const std::vector<double>& weights,
+                                          const std::string& format);
 
 struct SamplerOptions {
   int64_t batch_size = 1;  // local B, rows per dp rank
@@ -60,36 +110,53 @@ struct SamplerOptions {
 
 class TokenSampler {
  public:
+  // One stream (weight 1).
   TokenSampler(std::shared_ptr<const TokenStream> tokens,
                const SamplerOptions& options);
+  // A blend of one or more sources.
+  TokenSampler(std::vector<DataSource> sources, const SamplerOptions& options);
 
-  // This rank's next batch; advances the cursor by one global step (and into
-  // the next epoch when the current one has no full step left).
+  // This rank's next batch; advances the cursor by one global step (each
+  // source into its next epoch when the current one cannot serve its slots).
   TokenBatch next();
 
   // The state before the next call of next(): store it in the checkpoint.
   DataCursor cursor() const;
   // Continue from a stored cursor. Refused (Error) when it was written with a
-  // different seq_len, data size, shuffle or seed.
+  // different seq_len, shuffle or seed, other sources (their number or
+  // window counts) or other weights.
   void restore(const DataCursor& cursor);
 
-  int64_t num_windows() const { return num_windows_; }
-  // Global steps in one epoch: num_windows / (B x dp_size).
-  int64_t steps_per_epoch() const;
-  // The window the epoch's order puts at `index` (0 <= index < num_windows).
-  int64_t window_at(int64_t epoch, int64_t index);
+  size_t num_sources() const { return sources_.size(); }
+  const DataSource& source(size_t s) const { return sources_.at(s).data; }
+  // The normalised weight of source s: its share of the slots.
+  double share(size_t s) const { return sources_.at(s).share; }
+  int64_t num_windows(size_t s = 0) const { return sources_.at(s).num_windows; }
+  // Full global steps in one epoch of source s at its share:
+  // floor(num_windows / (share x B x dp_size)); for a blend the mean.
+  int64_t steps_per_epoch(size_t s = 0) const;
+  // The window the epoch's order of source s puts at `index`
+  // (0 <= index < num_windows(s)).
+  int64_t window_at(int64_t epoch, int64_t index, size_t s = 0);
+  // One line: each source with its tokens, windows and share.
+  std::string describe() const;
   const SamplerOptions& options() const { return options_; }
 
  private:
-  void load_epoch(int64_t epoch);
+  struct Source {
+    DataSource data;
+    double share = 1.0;
+    int64_t num_windows = 0;
+    int64_t epoch = 0;
+    int64_t position = 0;
+    int64_t taken = 0;
+    int64_t order_epoch = -1;    // the epoch order holds
+    std::vector<int64_t> order;  // the epoch's permutation; empty = in order
+  };
+  void load_epoch(Source& source, size_t index, int64_t epoch);
 
-  std::shared_ptr<const TokenStream> tokens_;
+  std::vector<Source> sources_;
   SamplerOptions options_;
-  int64_t num_windows_ = 0;
-  int64_t epoch_ = 0;
-  int64_t position_ = 0;
-  int64_t order_epoch_ = -1;    // the epoch order_ holds
-  std::vector<int64_t> order_;  // the epoch's permutation; empty = in order
 };
 
 // Held-out batches: always the first num_batches global steps of the eval

@@ -423,6 +423,17 @@ std::string resolve_val_path(const std::string& path,
   return std::filesystem::exists(derived, ec) ? derived : "";
 }
 
+std::vector<std::string> resolve_val_paths(const std::vector<std::string>& paths,
+                                           const std::string& val_path) {
+  if (!val_path.empty()) return expand_token_paths(val_path);
+  std::vector<std::string> out;
+  for (const auto& p : paths) {
+    std::string v = resolve_val_path(p, "");
+    if (!v.empty()) out.push_back(std::move(v));
+  }
+  return out;
+}
+
 // ----------------------------------------------------------- TokenFileWriter
 
 TokenFileWriter::TokenFileWriter(const std::string& path, int64_t vocab_size,

@@ -134,6 +134,11 @@ std::string val_path_for(const std::string& path);
 // that file exists (and `path` is no glob), else "".
 std::string resolve_val_path(const std::string& path,
                              const std::string& val_path);
+// The eval files of one or several training specs (data.path, or the
+// entries of data.paths): `val_path` expanded when given, else
+// resolve_val_path of each spec that has one, in order; empty = no eval.
+std::vector<std::string> resolve_val_paths(const std::vector<std::string>& paths,
+                                           const std::string& val_path);
 
 // Writes a viaduct token file atomically (Note [Atomic replace] in
 // core/file_io.h): tokens go to `<path>.tmp`, and finish() writes the header,

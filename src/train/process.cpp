@@ -8,6 +8,7 @@
 #include "core/device.h"
 #include "core/log.h"
 #include "core/torch_compat.h"
+#include "data/sampler.h"
 #include "data/token_file.h"
 #include "dist/dist.h"
 #include "model/model.h"
@@ -109,8 +110,8 @@ void log_job_summary(const Config& cfg, const JobSummary& job) {
                 plan.simulation_flops->bubble_fraction, " to ", plan.balanced_bubble_flops);
     }
   }
-  log::info("data ", job.train_tokens.describe(), ": ", job.train_tokens.size(),
-            " tokens", job.eval_tokens ? ", eval " + job.eval_tokens->describe() : "");
+  log::info("data ", job.sampler.describe(),
+            job.eval_tokens ? ", eval " + job.eval_tokens->describe() : "");
 }
 
 }  // namespace viaduct

@@ -20,6 +20,7 @@ namespace pipeline {
 struct PipelinePlan;
 }  // namespace pipeline
 namespace data {
+class TokenSampler;
 class TokenStream;
 }  // namespace data
 
@@ -43,7 +44,7 @@ struct JobSummary {
   at::ScalarType compute_dtype;
   int dp_size = 1;
   int64_t num_microbatches = 1;
-  const data::TokenStream& train_tokens;
+  const data::TokenSampler& sampler;
   const data::TokenStream* eval_tokens = nullptr;
 };
 void log_job_summary(const Config& cfg, const JobSummary& job);

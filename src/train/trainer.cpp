@@ -48,15 +48,17 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   pp_rank_ = process.pp_rank;
   dp_rank_ = process.dp_rank;
   dp_size_ = process.dp_size;
+  // checkpoint.last_save_in_hf: a missing data.tokenizer fails before
+  // anything is written.
+  if (cfg_.get_bool("checkpoint.last_save_in_hf") && rank() == 0) {
+    hf_export_tokenizer_files(cfg_);
+  }
   lock_folders();
   check_memory_fits();
-  const auto path = cfg_.get_string("data.path");
-  const auto format = cfg_.get_string("data.format");
-  train_tokens_ = data::open_token_stream(path, format);
-  const auto val = data::resolve_val_path(path, cfg_.get_string("data.val_path"));
-  if (!val.empty()) eval_tokens_ = data::open_token_stream(val, format);
+  open_data();
   if (cfg_.get_bool("checkpoint.last_save_in_hf")) {
     hf_model_shape(cfg_);  // a family without an HF layout fails before training
+    if (rank() == 0) hint_export_tokenizer();
     VIADUCT_CHECK_T(ConfigError,
                     !mesh_ || (cfg_.get_bool("checkpoint.enable") &&
                                cfg_.get_bool("checkpoint.save_final")),
@@ -76,7 +78,23 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   if (plan_->simulation_flops) mo.bubble_simulated_flops = plan_->simulation_flops->bubble_fraction;
   metrics_ = std::make_unique<MetricsWriter>(std::move(mo));
   log_job_summary(cfg_, {info, *plan_, device_, compute_dtype_, dp_size_, num_microbatches(),
-                         *train_tokens_, eval_tokens_.get()});
+                         *sampler_, eval_tokens_.get()});
+}
+
+void Trainer::hint_export_tokenizer() const {
+  if (!cfg_.get_string("data.tokenizer").empty()) return;
+  // The token files' headers name the tokenizer that made them; a real one
+  // belongs beside the exported weights.
+  for (size_t s = 0; s < sampler_->num_sources(); ++s) {
+    for (const auto& file : sampler_->source(s).tokens->files()) {
+      const auto& name = file.tokenizer();
+      if (name.empty() || name == "byte") continue;
+      log::info("the data ", file.path(), " was made with the tokenizer ", name,
+                "; set data.tokenizer to its tokenizer.json to copy it into the Hugging "
+                "Face folder of checkpoint.last_save_in_hf");
+      return;
+    }
+  }
 }
 
 void Trainer::lock_folders() {
@@ -115,11 +133,12 @@ ModelInfo Trainer::build_model() {
   const auto& params = rm.params;
   // Token ids must fit the embedding.
   for (const auto& np : params) {
-    if (np.fqn == "tok_embeddings.weight") {
-      VIADUCT_CHECK_T(ConfigError, train_tokens_->max_token() < np.param.size(0),
-                      "the data ", train_tokens_->describe(), " holds token id ",
-                      train_tokens_->max_token(), ", but model.vocab_size is ",
-                      np.param.size(0));
+    if (np.fqn != "tok_embeddings.weight") continue;
+    for (size_t s = 0; s < sampler_->num_sources(); ++s) {
+      const auto& tokens = *sampler_->source(s).tokens;
+      VIADUCT_CHECK_T(ConfigError, tokens.max_token() < np.param.size(0), "the data ",
+                      tokens.describe(), " holds token id ", tokens.max_token(),
+                      ", but model.vocab_size is ", np.param.size(0));
     }
   }
   optimizer_ = make_optimizer(cfg_, std::move(rm.params));
@@ -133,7 +152,7 @@ ModelInfo Trainer::build_model() {
   return rm.info;
 }
 
-void Trainer::init_data() {
+data::SamplerOptions Trainer::sampler_options() const {
   data::SamplerOptions so;
   so.batch_size = cfg_.get_int("training.local_batch_size");
   so.seq_len = cfg_.get_int("training.seq_len");
@@ -141,11 +160,30 @@ void Trainer::init_data() {
   so.shuffle = cfg_.get_bool("data.shuffle");
   so.dp_rank = dp_rank_;
   so.dp_size = dp_size_;
+  return so;
+}
+
+void Trainer::open_data() {
+  // data.path is a blend of one source (Note [Windows and the data cursor]).
+  const auto format = cfg_.get_string("data.format");
+  const auto paths = cfg_.get_string_list("data.paths");
+  const bool blend = !paths.empty();
+  const std::vector<std::string> specs =
+      blend ? paths : std::vector<std::string>{cfg_.get_string("data.path")};
+  auto sources = data::open_data_sources(
+      blend ? "data.paths" : "data.path", specs,
+      blend ? cfg_.get_float_list("data.weights") : std::vector<double>{}, format);
+  const auto val = data::resolve_val_paths(specs, cfg_.get_string("data.val_path"));
+  if (!val.empty()) eval_tokens_ = data::open_token_stream(val, format);
+  sampler_ = std::make_unique<data::TokenSampler>(std::move(sources), sampler_options());
+}
+
+void Trainer::init_data() {
+  const auto so = sampler_options();
   VIADUCT_CHECK_T(ConfigError, so.batch_size % num_microbatches() == 0,
                   "training.local_batch_size (", so.batch_size,
                   ") must be divisible by the ", num_microbatches(),
                   " micro-batches (parallelism.pipeline_parallel_microbatches)");
-  sampler_ = std::make_unique<data::TokenSampler>(train_tokens_, so);
   if (eval_tokens_) {
     eval_loader_ = std::make_unique<data::EvalLoader>(
         eval_tokens_, so, cfg_.get_int("data.eval_batches"));
@@ -634,8 +672,13 @@ StepMetrics Trainer::run() {
   const int64_t eval_every = cfg_.get_int("training.eval_interval");
   const bool can_eval = eval_loader_ && eval_loader_->num_batches() > 0;
   if (!can_eval && eval_every > 0) {
-    log::warn("no held-out data (", data::val_path_for(cfg_.get_string("data.path")),
-              " missing, data.val_path unset): eval is off");
+    if (cfg_.get_string_list("data.paths").empty()) {
+      log::warn("no held-out data (", data::val_path_for(cfg_.get_string("data.path")),
+                " missing, data.val_path unset): eval is off");
+    } else {
+      log::warn("no held-out data (no data.paths entry is a file with a <stem>.val<.ext> "
+                "beside it, data.val_path unset): eval is off");
+    }
   }
   if (can_eval && eval_every > 0 && step_ == 0) metrics_->log_eval(step_, evaluate());
   StepMetrics last;

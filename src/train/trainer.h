@@ -57,6 +57,7 @@ class TokenSampler;
 class EvalLoader;
 class TokenStream;
 struct TokenBatch;
+struct SamplerOptions;
 }  // namespace data
 
 class Trainer {
@@ -94,12 +95,18 @@ class Trainer {
   std::string checkpoint_folder() const;
 
  private:
-  // Setup: the plan, this rank's parts, the optimizer and the executor;
-  // then the sampler and the eval batches.
+  // Setup: the token sources (data.path or the blend of data.paths) in the
+  // sampler and the eval stream; the plan, this rank's parts, the optimizer
+  // and the executor; then the eval batches.
+  void open_data();
   ModelInfo build_model();
   void init_data();
+  data::SamplerOptions sampler_options() const;
   // Note [One trainer per dump folder] (core/folder_lock.h).
   void lock_folders();
+  // checkpoint.last_save_in_hf without data.tokenizer: a hint when the token
+  // files name the tokenizer that made them.
+  void hint_export_tokenizer() const;
   // A run whose estimated memory (weights, gradients, optimizer state,
   // activations: Note [Activation memory estimate], train/memory_estimate.h)
   // exceeds what the device has stops here with the figures and what would
@@ -166,7 +173,7 @@ class Trainer {
   at::ScalarType compute_dtype_;
   std::vector<std::shared_ptr<ModelPart>> parts_;
   std::unique_ptr<Optimizer> optimizer_;
-  std::shared_ptr<const data::TokenStream> train_tokens_, eval_tokens_;
+  std::shared_ptr<const data::TokenStream> eval_tokens_;
   std::unique_ptr<data::TokenSampler> sampler_;
   std::unique_ptr<data::EvalLoader> eval_loader_;
   std::unique_ptr<checkpoint::CheckpointManager> checkpoints_;

@@ -159,10 +159,18 @@ fs::path hf_export_folder(const Config& cfg, int64_t step) {
   return fs::path(checkpoint_folder_from_config(cfg)) / str("hf-step-", step);
 }
 
+std::vector<ck::HfExtraFile> hf_export_tokenizer_files(const Config& cfg) {
+  const std::string tokenizer = cfg.get_string("data.tokenizer");
+  if (tokenizer.empty()) return {};
+  return ck::hf_tokenizer_files(tokenizer,
+                                str("data.tokenizer (from ", cfg.source("data.tokenizer"), ")"));
+}
+
 void write_hf_export(const Config& cfg, const fs::path& folder,
                      const ck::TensorMap& tensors) {
   ck::HfWriteOptions options;
   options.dtype = at::kFloat;
+  options.extra_files = hf_export_tokenizer_files(cfg);
   ck::write_hf_folder(folder, tensors, hf_model_shape(cfg), options);
 }
 

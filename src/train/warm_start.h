@@ -2,7 +2,8 @@
 // warm start from checkpoint.initial_load_path (a viaduct checkpoint of any
 // layout, or an HF llama / gpt2 model folder) when the run's own checkpoint
 // folder has nothing to resume from, and checkpoint.last_save_in_hf's model
-// folder of the final weights. The HF layouts are checkpoint/hf.h's.
+// folder of the final weights (with data.tokenizer's files). The HF layouts
+// are checkpoint/hf.h's.
 #pragma once
 
 #include <filesystem>
@@ -40,8 +41,12 @@ TrainProgress warm_start(const Config& cfg,
 
 // <checkpoint folder>/hf-step-<step>: where last_save_in_hf writes.
 std::filesystem::path hf_export_folder(const Config& cfg, int64_t step);
+// The tokenizer files the export carries: data.tokenizer's
+// (checkpoint::hf_tokenizer_files), none when it is empty. A missing file is
+// a FileError naming data.tokenizer, so the trainer asks before it trains.
+std::vector<checkpoint::HfExtraFile> hf_export_tokenizer_files(const Config& cfg);
 // Writes the FQN-keyed weights `tensors` (all of the model's) as an HF model
-// folder in fp32 at `folder`, atomically.
+// folder in fp32 at `folder`, with the tokenizer files, atomically.
 void write_hf_export(const Config& cfg, const std::filesystem::path& folder,
                      const checkpoint::TensorMap& tensors);
 

@@ -212,3 +212,73 @@ TEST(Config, PipelineBalanceValues) {
   EXPECT_NE(msg.find("parallelism.pipeline_parallel_balance"), std::string::npos) << msg;
   EXPECT_NE(msg.find("\"time\""), std::string::npos) << msg;
 }
+
+TEST(Config, DataBlendKeys) {
+  // A TOML list of numbers, or the command line's TOML array or a,b list.
+  auto c = Config::parse("[data]\npaths = [\"a.tok\", \"b/*.tok\"]\nweights = [0.7, 3]\n",
+                         "job.toml");
+  EXPECT_EQ(c.get_string_list("data.paths"), (viaduct::StringList{"a.tok", "b/*.tok"}));
+  EXPECT_EQ(c.get_float_list("data.weights"), (viaduct::FloatList{0.7, 3.0}));
+  c = Config::parse("", "job.toml", {"data.paths=a.tok,b.tok", "data.weights=0.25,0.75"});
+  EXPECT_EQ(c.get_float_list("data.weights"), (viaduct::FloatList{0.25, 0.75}));
+  c = Config::parse("", "job.toml", {"data.paths=[\"a.tok\"]", "data.weights=[2]"});
+  EXPECT_EQ(c.get_float_list("data.weights"), (viaduct::FloatList{2.0}));
+  // One entry needs no weight.
+  EXPECT_NO_THROW(Config::parse("", "job.toml", {"data.paths=a.tok"}));
+
+  // The printed config parses back: data.path, not in effect, is a comment.
+  const auto text = c.to_toml();
+  EXPECT_NE(text.find("# path = \"data/fortunes.tok\"  (not in effect: data.paths is set)"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("weights = [2.0]"), std::string::npos) << text;
+  const auto back = Config::parse(text, "printed");
+  EXPECT_EQ(back.get_float_list("data.weights"), (viaduct::FloatList{2.0}));
+  EXPECT_FALSE(back.is_set("data.path"));
+}
+
+TEST(Config, DataBlendErrorsNameTheKeys) {
+  // data.path and data.paths together: in one file, on the command line, or
+  // the file's data.paths against --data.path.
+  auto msg = error_of("[data]\npath = \"x.tok\"\npaths = [\"a.tok\"]\n");
+  EXPECT_NE(msg.find("data.path = \"x.tok\" (from job.toml) and data.paths = [\"a.tok\"] "
+                     "(from job.toml) are mutually exclusive"),
+            std::string::npos)
+      << msg;
+  msg = error_of("", {"data.path=x.tok", "data.paths=a.tok,b.tok", "data.weights=1,1"});
+  EXPECT_NE(msg.find("data.path = \"x.tok\" (from the command line)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("data.paths = [\"a.tok\", \"b.tok\"] (from the command line)"),
+            std::string::npos)
+      << msg;
+  msg = error_of("[data]\npaths = [\"a.tok\"]\n", {"data.path=x.tok"});
+  EXPECT_NE(msg.find("mutually exclusive"), std::string::npos) << msg;
+  // --data.paths replaces a config file's data.path (every example config
+  // sets one).
+  const auto c = Config::parse("[data]\npath = \"x.tok\"\n", "job.toml",
+                               {"data.paths=a.tok,b.tok", "data.weights=1,1"});
+  EXPECT_FALSE(c.is_set("data.path"));
+  EXPECT_EQ(c.get_string_list("data.paths"), (viaduct::StringList{"a.tok", "b.tok"}));
+  // Weights that do not match the paths in length.
+  msg = error_of("[data]\npaths = [\"a.tok\", \"b.tok\"]\nweights = [0.7]\n");
+  EXPECT_NE(msg.find("data.weights = [0.7] (from job.toml) has 1 entries but data.paths = "
+                     "[\"a.tok\", \"b.tok\"] has 2"),
+            std::string::npos)
+      << msg;
+  msg = error_of("[data]\npaths = [\"a.tok\", \"b.tok\"]\n");
+  EXPECT_NE(msg.find("[1, 1] for equal shares"), std::string::npos) << msg;
+  // A weight <= 0, named with its path.
+  msg = error_of("[data]\npaths = [\"a.tok\", \"b.tok\"]\nweights = [0.7, -0.3]\n");
+  EXPECT_NE(msg.find("data.weights[1] = -0.3"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'b.tok'"), std::string::npos) << msg;
+  EXPECT_NE(error_of("[data]\npaths = [\"a.tok\", \"b.tok\"]\nweights = [0, 1]\n"), "");
+  EXPECT_NE(error_of("[data]\npaths = [\"a.tok\", \"b.tok\"]\nweights = [nan, 1]\n"), "");
+  // Weights without paths, an empty path, a non-number weight.
+  msg = error_of("[data]\nweights = [1.0]\n");
+  EXPECT_NE(msg.find("data.weights (from job.toml) needs data.paths"), std::string::npos) << msg;
+  msg = error_of("[data]\npaths = [\"a.tok\", \"\"]\nweights = [1, 1]\n");
+  EXPECT_NE(msg.find("data.paths[1] (from job.toml) is empty"), std::string::npos) << msg;
+  msg = error_of("", {"data.weights=0.5,x"});
+  EXPECT_NE(msg.find("data.weights"), std::string::npos) << msg;
+  msg = error_of("[data]\nweights = [\"0.5\"]\n");
+  EXPECT_NE(msg.find("a list of numbers"), std::string::npos) << msg;
+}

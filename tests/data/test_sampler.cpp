@@ -149,13 +149,13 @@ TEST(TokenSampler, EpochsWrapAndShuffleVisitsEveryWindowOnce) {
   for (int i = 0; i < 10; ++i) {
     for (int64_t w : windows_of(plain.next(), 10)) first_epoch.push_back(w);
   }
-  EXPECT_EQ(plain.cursor().epoch, 0);
-  EXPECT_EQ(plain.cursor().position, 100);
+  EXPECT_EQ(plain.cursor().sources[0].epoch, 0);
+  EXPECT_EQ(plain.cursor().sources[0].position, 100);
   EXPECT_EQ(
       windows_of(plain.next(), 10),
       std::vector<int64_t>(first_epoch.begin(), first_epoch.begin() + 10));
-  EXPECT_EQ(plain.cursor().epoch, 1);
-  EXPECT_EQ(plain.cursor().position, 10);
+  EXPECT_EQ(plain.cursor().sources[0].epoch, 1);
+  EXPECT_EQ(plain.cursor().sources[0].position, 10);
 
   TokenSampler shuffled(stream, opts(10, 10, 0, 1, true, 5));
   std::vector<std::vector<int64_t>> epochs(2);

@@ -42,12 +42,13 @@ class ConvertApp : public ::testing::Test {
     data_ = dir_.file("corpus.tok");
     testing::write_random_corpus(data_, 7);
   }
-  void round_trip(const std::string& config, int nproc, const std::string& extra) {
+  void round_trip(const std::string& config, int nproc, const std::string& extra,
+                  const std::string& convert_extra = "") {
     const std::string run = dir_.file("run"), hf = dir_.file("hf"), back = dir_.file("back");
     run_viaduct_ok(nproc, " train" + args(config, data_) + extra + " --job.dump_folder=" + run);
     const fs::path step = fs::path(run) / "checkpoint" / "step-1";
     run_viaduct_ok(1, " convert --to hf --input " + run + "/checkpoint --output " + hf +
-                          " --max-shard-mb 1");
+                          " --max-shard-mb 1" + convert_extra);
     EXPECT_TRUE(fs::exists(fs::path(hf) / "config.json"));
     run_viaduct_ok(1, " convert --to viaduct --input " + hf + " --output " + back +
                           " --config " + VIADUCT_SOURCE_DIR + "/configs/" + config +
@@ -69,7 +70,13 @@ TEST_F(ConvertApp, LlamaFromATwoStagePipelineRunRoundTripsBitwise) {
              " --parallelism.pipeline_parallel_microbatches=2");
 }
 
-TEST_F(ConvertApp, Gpt2RoundTripsBitwise) { round_trip("gpt2_debug.toml", 1, ""); }
+TEST_F(ConvertApp, Gpt2RoundTripsBitwiseAndCarriesTheTokenizer) {
+  const std::string tok = dir_.file("tokenizer.json");
+  data::testing::write_text(tok, "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"\\u0120\": 1}}}\n");
+  round_trip("gpt2_debug.toml", 1, "", " --tokenizer " + tok);
+  EXPECT_EQ(data::testing::read_bytes(dir_.file("hf/tokenizer.json")),
+            data::testing::read_bytes(tok));
+}
 
 TEST_F(ConvertApp, BadInputExitsNonZeroNamingTheProblem) {
   const std::string bin = VIADUCT_BINARY;
@@ -109,6 +116,16 @@ TEST_F(ConvertApp, BadInputExitsNonZeroNamingTheProblem) {
             dir_.file("o") + " --config " + VIADUCT_SOURCE_DIR + "/configs/llama_debug.toml");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("num_hidden_layers = 1 but the viaduct config has model.n_layers = 8"),
+            std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(dir_.file("o")));
+
+  // A missing --tokenizer: named, and nothing written.
+  r = shell(bin + " convert --to hf --input " + dir_.file("nothing") + " --output " +
+            dir_.file("o") + " --tokenizer " + dir_.file("missing.json"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("convert --tokenizer: the tokenizer '" + dir_.file("missing.json") +
+                          "' does not exist"),
             std::string::npos)
       << r.output;
   EXPECT_FALSE(fs::exists(dir_.file("o")));

@@ -411,5 +411,67 @@ TEST(HfCheckpoint, MismatchesAndBadFoldersNameTheProblem) {
             std::string::npos);
 }
 
+TEST(HfCheckpoint, TokenizerFilesAreCopiedByteForByte) {
+  TempDir dir;
+  const HfModelShape s = llama_shape();
+  // A tokenizer folder as transformers saves it (any bytes: the copy is raw).
+  const fs::path tok = dir.path() / "tok";
+  fs::create_directories(tok);
+  std::string json = "{\"model\": {\"type\": \"BPE\"}, \"bytes\": \"";
+  for (int i = 1; i < 256; ++i) json += static_cast<char>(i == '"' || i == '\\' ? 'x' : i);
+  json += "\"}\n";
+  data::testing::write_text((tok / "tokenizer.json").string(), json);
+  data::testing::write_text((tok / "tokenizer_config.json").string(), "{\"a\": 1}\n");
+  data::testing::write_text((tok / "special_tokens_map.json").string(), "{\"b\": 2}\n");
+  const auto by_file = hf_tokenizer_files(tok / "tokenizer.json", "--tokenizer");
+  ASSERT_EQ(by_file.size(), 3u);
+  const auto by_folder = hf_tokenizer_files(tok, "--tokenizer");
+  ASSERT_EQ(by_folder.size(), 3u);
+  EXPECT_EQ(by_folder[0].source, tok / "tokenizer.json");
+  at::manual_seed(3);
+  HfWriteOptions o;
+  o.extra_files = by_folder;
+  const fs::path out = dir.path() / "hf";
+  write_hf_folder(out, random_llama(s), s, o);
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}) {
+    EXPECT_EQ(data::testing::read_bytes((out / name).string()),
+              data::testing::read_bytes((tok / name).string()))
+        << name;
+  }
+  // A tokenizer.json of another name is copied as tokenizer.json; a
+  // .tiktoken file keeps its name; companions only where they are.
+  data::testing::write_text((dir.path() / "gpt2-tokenizer.json").string(), json);
+  data::testing::write_text((dir.path() / "cl100k_base.tiktoken").string(), "IQ== 0\n");
+  auto files = hf_tokenizer_files(dir.path() / "gpt2-tokenizer.json", "--tokenizer");
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_EQ(files[0].name, "tokenizer.json");
+  files = hf_tokenizer_files(dir.path() / "cl100k_base.tiktoken", "--tokenizer");
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_EQ(files[0].name, "cl100k_base.tiktoken");
+
+  // Missing: named with the key, before anything is written.
+  std::string msg = error_of<FileError>(
+      [&] { hf_tokenizer_files(dir.path() / "missing.json", "data.tokenizer"); });
+  EXPECT_NE(msg.find("data.tokenizer: the tokenizer '" + (dir.path() / "missing.json").string() +
+                     "' does not exist"),
+            std::string::npos)
+      << msg;
+  msg = error_of<FileError>([&] { hf_tokenizer_files(dir.path() / "hf" / "..", "x"); });
+  EXPECT_NE(msg.find("holds no tokenizer.json"), std::string::npos) << msg;
+  o.extra_files = {{dir.path() / "gone.json", "tokenizer.json"}};
+  const fs::path out2 = dir.path() / "hf2";
+  msg = error_of<FileError>([&] { write_hf_folder(out2, random_llama(s), s, o); });
+  EXPECT_NE(msg.find("gone.json"), std::string::npos) << msg;
+  // Two files of one name: refused too.
+  o.extra_files = by_folder;
+  o.extra_files.push_back({dir.path() / "gpt2-tokenizer.json", "tokenizer.json"});
+  msg = error_of<FileError>([&] { write_hf_folder(out2, random_llama(s), s, o); });
+  EXPECT_NE(msg.find("two files named 'tokenizer.json'"), std::string::npos) << msg;
+  // Nothing of either attempt is left.
+  for (const auto& e : fs::directory_iterator(dir.path())) {
+    EXPECT_EQ(e.path().filename().string().rfind("hf2", 0), std::string::npos) << e.path();
+  }
+}
+
 }  // namespace
 }  // namespace viaduct::checkpoint

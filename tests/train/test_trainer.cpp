@@ -2,6 +2,8 @@
 // corrupt checkpoints refused, micro-batches add up.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -38,6 +40,15 @@ struct Job {
     write_corpus((fs::path(dir.path()) / "train.val.tok").string(), 4000);
   }
   Config config(std::vector<std::string> extra = {}) const {
+    return Config::parse("", "test", overrides(std::move(extra)));
+  }
+  // data.paths and data.weights in `extra` instead of data.path.
+  Config blend_config(std::vector<std::string> extra) const {
+    auto o = overrides(std::move(extra));
+    o.erase(std::find(o.begin(), o.end(), "data.path=" + data_path));
+    return Config::parse("", "test", o);
+  }
+  std::vector<std::string> overrides(std::vector<std::string> extra) const {
     std::vector<std::string> o = {
         "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
         "training.seq_len=32", "training.local_batch_size=4", "training.steps=6",
@@ -47,7 +58,7 @@ struct Job {
         "data.path=" + data_path, "data.eval_batches=2",
         "job.dump_folder=" + (fs::path(dir.path()) / "out").string()};
     o.insert(o.end(), extra.begin(), extra.end());
-    return Config::parse("", "test", o);
+    return o;
   }
 };
 
@@ -109,6 +120,84 @@ TEST(Trainer, ResumeContinuesBitwise) {
   for (int i = 3; i < 6; ++i) EXPECT_EQ(tc.train_step().loss, ref[i]) << "step " << i + 1;
   const auto pa = params(ta), pc = params(tc);
   for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::equal(pa[i], pc[i]));
+}
+
+TEST(Trainer, BlendResumesBitwiseAndEvalsOnTheValFilesOfItsSources) {
+  // Two sources: train.tok (with train.val.tok beside it) and a small other
+  // corpus of 7 windows that starts a new epoch every few steps.
+  Job a, b;
+  const auto blend = [](const Job& job) {
+    const auto other = (fs::path(job.dir.path()) / "other.tok").string();
+    if (!fs::exists(other)) {
+      data::TokenFileWriter w(other, 257, "byte");
+      std::vector<int64_t> toks;
+      for (int64_t i = 0; i < 250; ++i) toks.push_back(97 + (i * 7) % 26);
+      w.append(toks);
+      w.finish();
+    }
+    return std::vector<std::string>{"data.paths=[\"" + job.data_path + "\", \"" + other + "\"]",
+                                    "data.weights=[0.6, 0.4]", "data.shuffle=true",
+                                    "training.steps=8", "checkpoint.enable=true",
+                                    "checkpoint.interval=5"};
+  };
+  // A: eight uninterrupted steps, eval at 3 and 6 from train.val.tok alone.
+  Trainer ta(a.blend_config(blend(a)));
+  std::vector<double> ref, ref_eval;
+  for (int i = 0; i < 8; ++i) {
+    ref.push_back(ta.train_step().loss);
+    if (i == 2 || i == 5) ref_eval.push_back(ta.evaluate());
+  }
+  EXPECT_FALSE(std::isnan(ref_eval[0]));
+  // B: five steps, a checkpoint mid-epoch of both sources, a new process.
+  std::string folder;
+  {
+    Trainer tb(b.blend_config(blend(b)));
+    for (int i = 0; i < 5; ++i) {
+      EXPECT_EQ(tb.train_step().loss, ref[i]) << "step " << i + 1;
+      if (i == 2) EXPECT_EQ(tb.evaluate(), ref_eval[0]);
+    }
+    tb.save_checkpoint();
+    folder = tb.checkpoint_folder();
+  }
+  const auto cursor =
+      checkpoint::open_checkpoint(checkpoint::checkpoint_dir(folder, 5)).metadata.data_cursor;
+  ASSERT_EQ(cursor["sources"].size(), 2u) << cursor.dump();
+  EXPECT_EQ(cursor["sources"][1]["epoch"].get<int64_t>(), 1) << cursor.dump();
+  {
+    Trainer tc(b.blend_config(blend(b)));
+    ASSERT_TRUE(tc.resume());
+    EXPECT_EQ(tc.step(), 5);
+    for (int i = 5; i < 8; ++i) {
+      EXPECT_EQ(tc.train_step().loss, ref[i]) << "step " << i + 1;
+      if (i == 5) EXPECT_EQ(tc.evaluate(), ref_eval[1]);
+    }
+    const auto pa = params(ta), pc = params(tc);
+    for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::equal(pa[i], pc[i]));
+  }
+  // The checkpoint refuses a blend with other weights.
+  try {
+    Trainer td(b.blend_config([&] {
+      auto o = blend(b);
+      o[1] = "data.weights=[0.5, 0.5]";
+      return o;
+    }()));
+    td.resume();
+    FAIL() << "a blend with other weights resumed";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("data.weights give it 0.5"), std::string::npos)
+        << e.what();
+  }
+  // A source that matches no file is named with its key.
+  try {
+    Trainer t(b.blend_config({"data.paths=[\"" + b.data_path + "\", \"/nonexistent/*.tok\"]",
+                              "data.weights=[1, 1]"}));
+    FAIL();
+  } catch (const FileError& e) {
+    EXPECT_NE(std::string(e.what()).find("data.paths[1]: no token file matches "
+                                         "'/nonexistent/*.tok'"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(Trainer, RunResumesFromTheDumpFolderAndKeepsLatestK) {

@@ -268,6 +268,33 @@ TEST(LastSaveInHf, TheFolderHoldsTheFinalWeights) {
   }
 }
 
+TEST(LastSaveInHf, TheFolderCarriesTheTokenizerOfDataTokenizer) {
+  Job job;
+  const fs::path tok = job.path("tokenizer");
+  fs::create_directories(tok);
+  const std::string json = "{\"version\": \"1.0\", \"model\": {\"type\": \"BPE\"}}\n";
+  data::testing::write_text((tok / "tokenizer.json").string(), json);
+  data::testing::write_text((tok / "tokenizer_config.json").string(), "{}\n");
+  const auto cfg = job.config("run", {"checkpoint.last_save_in_hf=true",
+                                      "data.tokenizer=" + (tok / "tokenizer.json").string()});
+  Trainer(cfg).run();
+  const auto folder = hf_export_folder(cfg, 3);
+  EXPECT_EQ(data::testing::read_bytes((folder / "tokenizer.json").string()),
+            data::testing::read_bytes((tok / "tokenizer.json").string()));
+  EXPECT_TRUE(fs::exists(folder / "tokenizer_config.json"));
+  EXPECT_FALSE(fs::exists(folder / "special_tokens_map.json"));
+  EXPECT_TRUE(fs::exists(folder / "config.json"));
+  // A missing tokenizer stops the run before it writes anything.
+  const auto bad = job.config("bad", {"checkpoint.last_save_in_hf=true",
+                                      "data.tokenizer=" + job.path("missing.json")});
+  const auto e = error_of([&] { Trainer t(bad); });
+  EXPECT_NE(e.find("data.tokenizer (from the command line): the tokenizer '" + job.path("missing.json") +
+                   "' does not exist"),
+            std::string::npos)
+      << e;
+  EXPECT_FALSE(fs::exists(job.path("bad")));
+}
+
 namespace {
 
 checkpoint::TensorMap model_tensors(const fs::path& step_dir) {
