@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <system_error>
 
 #include "core/check.h"
@@ -143,6 +145,7 @@ fs::path CheckpointManager::save(const CheckpointMetadata& meta,
                                  const std::vector<CheckpointPart>& parts,
                                  const SaveGroup* group) const {
   const int rank = group ? group->rank : 0;
+  const auto t0 = std::chrono::steady_clock::now();
   fs::path dir;
   if (!group) {
     dir = save_checkpoint(folder_, meta, parts);
@@ -168,7 +171,9 @@ fs::path CheckpointManager::save(const CheckpointMetadata& meta,
   }
   if (rank == 0) {
     const auto removed = prune_checkpoints(folder_, policy_.keep_latest_k);
-    log::info("saved checkpoint ", dir.string(),
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    log::info("saved checkpoint ", dir.string(), " in ", std::round(seconds * 10) / 10, " s",
               removed.empty() ? "" : str(" (pruned ", removed.size(), " older)"));
   }
   if (group) group->barrier("checkpoint prune");

@@ -497,6 +497,20 @@ double Trainer::evaluate() {
 void Trainer::save_checkpoint() {
   namespace ck = checkpoint;
   metrics_->flush();  // the log reaches the disk no later than the checkpoint
+  if (save_thread_.joinable()) {
+    // The previous asynchronous save still writing: training stalls here
+    // until it is done. Say so when it costs time, since a longer
+    // checkpoint.interval would avoid it.
+    const auto t_wait = std::chrono::steady_clock::now();
+    wait_for_pending_save();
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t_wait).count();
+    if (waited >= 1.0) {
+      log::warn("checkpoint step ", step_, ": waited ", std::round(waited * 10) / 10,
+                " s for the previous checkpoint's write to finish (it takes longer than ",
+                "checkpoint.interval steps of training)");
+    }
+  }
   wait_for_pending_save();
   const int pp = static_cast<int>(plan_->split.pp);
   const auto meta = training_state_metadata(
@@ -504,7 +518,10 @@ void Trainer::save_checkpoint() {
       {{"pp", plan_->split.pp}, {"dp", dp_size_}, {"stages", plan_->split.num_stages}});
   auto files = training_state_parts(parts_, *optimizer_, pp_rank_, pp);
   const bool async = cfg_.get_string("checkpoint.async_mode") == "async";
+  const auto t_copy = std::chrono::steady_clock::now();
   if (async) snapshot_to_host(files);
+  const double copy_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_copy).count();
   std::shared_ptr<ck::SaveGroup> group;
   if (mesh_) {
     // The dp-rank-0 replica of every pipeline rank writes its parts.
@@ -543,9 +560,14 @@ void Trainer::save_checkpoint() {
     checkpoints_->save(meta, files, group.get());
     return;
   }
-  log::info("checkpoint step ", step_, ": state copied to host memory, writing it in the "
-            "background");
-  save_thread_ = std::thread([this, meta, files = std::move(files), group] {
+  log::info("checkpoint step ", step_, ": state copied to host memory in ",
+            std::round(copy_seconds * 100) / 100, " s, writing it in the background");
+  // Fault injection for the tests: VIADUCT_FAULT_SLOW_SAVE_MS holds every
+  // background write back that long, as a slow disk would.
+  const char* slow = std::getenv("VIADUCT_FAULT_SLOW_SAVE_MS");
+  const int64_t hold_ms = slow != nullptr ? std::atoll(slow) : 0;
+  save_thread_ = std::thread([this, meta, files = std::move(files), group, hold_ms] {
+    if (hold_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));
     try {
       checkpoints_->save(meta, files, group.get());
     } catch (...) {

@@ -322,7 +322,8 @@ TEST_F(Survive, AsyncCheckpointsHoldTheSameBitsAsSyncOnes) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   r = shell(kBin + job(dir_, "async", 4) + ck + " --checkpoint.async_mode=async");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  expect_has(r.output, "checkpoint step 2: state copied to host memory, writing it in the background");
+  expect_has(r.output, "checkpoint step 2: state copied to host memory in ");
+  expect_has(r.output, " s, writing it in the background");
   // Two pipeline ranks whose writers meet through the store.
   r = shell(kBin + " launch --nproc-per-node 2 -- " + kBin + job(dir_, "async_pp2", 4) + ck +
             " --checkpoint.async_mode=async --parallelism.pipeline_parallel_degree=2");
@@ -336,6 +337,39 @@ TEST_F(Survive, AsyncCheckpointsHoldTheSameBitsAsSyncOnes) {
       EXPECT_EQ(c.exit_code, 0) << run << " step " << step << "\n" << c.output;
     }
   }
+}
+
+TEST_F(Survive, ASaveThatWaitsForThePreviousWriteSaysHowLong) {
+  // Every write held back 3 s, longer than a step of this model: the save
+  // one step later must wait for it.
+  const auto r = shell("VIADUCT_FAULT_SLOW_SAVE_MS=3000 " + kBin + job(dir_, "run", 3) +
+                       " --checkpoint.enable=true --checkpoint.interval=1"
+                       " --checkpoint.async_mode=async");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_has(r.output, "checkpoint step 2: waited ");
+  expect_has(r.output, "checkpoint step 3: waited ");
+  expect_has(r.output, " s for the previous checkpoint's write to finish");
+  expect_has(r.output, "saved checkpoint " + dir_.file("run/checkpoint/step-3") + " in ");
+  // Without the hold-up nothing waits that long.
+  const auto quick = shell(kBin + job(dir_, "quick", 3) +
+                           " --checkpoint.enable=true --checkpoint.interval=1"
+                           " --checkpoint.async_mode=async");
+  ASSERT_EQ(quick.exit_code, 0) << quick.output;
+  EXPECT_EQ(quick.output.find("for the previous checkpoint's write"), std::string::npos)
+      << quick.output;
+}
+
+// ---- crashes -------------------------------------------------------------------
+
+TEST_F(Survive, AFatalSignalLeavesItsNameAndTheNativeStackInTheLog) {
+  Background train(job(dir_, "run", 1000000), dir_.file("train.log"));
+  const fs::path log = dir_.file("run/metrics.jsonl");
+  ASSERT_TRUE(wait_until([&] { return lines_of(log).size() >= 1; })) << train.output();
+  train.signal(SIGSEGV);
+  EXPECT_EQ(train.wait(), 128 + SIGSEGV) << train.output();
+  expect_has(train.output(), "viaduct: fatal signal SIGSEGV; native stack:");
+  // The frames name viaduct's own functions (the executable exports them).
+  expect_has(train.output(), "main+0x");
 }
 
 // ---- memory and rendezvous ----------------------------------------------------
