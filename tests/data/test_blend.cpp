@@ -13,12 +13,14 @@
 #include "core/check.h"
 #include "data/sampler.h"
 #include "data/token_file.h"
+#include "fixtures.h"
 #include "temp_dir.h"
 
 namespace viaduct::data {
 namespace {
 
 using testing::TempDir;
+using testing::opts;
 using testing::write_bytes;
 
 constexpr int64_t kStride = 1'000'000;
@@ -40,18 +42,6 @@ std::vector<DataSource> blend(const TempDir& dir, const std::vector<int64_t>& si
     paths.push_back(write_source(dir, static_cast<int>(s), sizes[s]));
   }
   return open_data_sources("data.paths", paths, weights, "auto");
-}
-
-SamplerOptions opts(int64_t B, int64_t T, int64_t rank = 0, int64_t dp = 1,
-                    bool shuffle = false, uint64_t seed = 0) {
-  SamplerOptions o;
-  o.batch_size = B;
-  o.seq_len = T;
-  o.dp_rank = rank;
-  o.dp_size = dp;
-  o.shuffle = shuffle;
-  o.seed = seed;
-  return o;
 }
 
 struct Row {

@@ -8,12 +8,14 @@
 #include "core/check.h"
 #include "data/sampler.h"
 #include "data/token_file.h"
+#include "fixtures.h"
 #include "temp_dir.h"
 
 namespace viaduct::data {
 namespace {
 
 using testing::TempDir;
+using testing::opts;
 using testing::write_bytes;
 
 // Tokens 0..n-1 as one uint32 file (or split over several files).
@@ -30,18 +32,6 @@ std::shared_ptr<const TokenStream> iota_stream(const TempDir& dir, int64_t n,
     begin = end;
   }
   return open_token_stream(paths, "auto");
-}
-
-SamplerOptions opts(int64_t B, int64_t T, int64_t rank = 0, int64_t dp = 1,
-                    bool shuffle = false, uint64_t seed = 0) {
-  SamplerOptions o;
-  o.batch_size = B;
-  o.seq_len = T;
-  o.dp_rank = rank;
-  o.dp_size = dp;
-  o.shuffle = shuffle;
-  o.seed = seed;
-  return o;
 }
 
 // The window of each row (token i == i, so row starts at window * T).

@@ -13,6 +13,7 @@
 #include "checkpoint/manager.h"
 #include "config/config.h"
 #include "core/check.h"
+#include "data/fixtures.h"
 #include "data/temp_dir.h"
 #include "data/token_file.h"
 #include "train/trainer.h"
@@ -22,22 +23,14 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A small corpus with structure to learn: repeated phrases.
-void write_corpus(const std::string& path, int64_t n) {
-  data::TokenFileWriter w(path, 257, "byte");
-  const std::string text = "the quick brown fox jumps over the lazy dog. ";
-  std::vector<int64_t> toks;
-  for (int64_t i = 0; i < n; ++i) toks.push_back(static_cast<unsigned char>(text[i % text.size()]));
-  w.append(toks);
-  w.finish();
-}
+using data::testing::write_phrase_corpus;
 
 struct Job {
   data::testing::TempDir dir;
   std::string data_path;
   Job() : data_path((fs::path(dir.path()) / "train.tok").string()) {
-    write_corpus(data_path, 20000);
-    write_corpus((fs::path(dir.path()) / "train.val.tok").string(), 4000);
+    write_phrase_corpus(data_path, 20000);
+    write_phrase_corpus((fs::path(dir.path()) / "train.val.tok").string(), 4000);
   }
   Config config(std::vector<std::string> extra = {}) const {
     return Config::parse("", "test", overrides(std::move(extra)));

@@ -12,6 +12,7 @@
 #include "common/process_runs.h"
 #include "config/config.h"
 #include "core/check.h"
+#include "data/fixtures.h"
 #include "data/temp_dir.h"
 #include "data/token_file.h"
 #include "train/trainer.h"
@@ -22,14 +23,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-void write_corpus(const std::string& path, int64_t n) {
-  data::TokenFileWriter w(path, 257, "byte");
-  const std::string text = "the quick brown fox jumps over the lazy dog. ";
-  std::vector<int64_t> toks;
-  for (int64_t i = 0; i < n; ++i) toks.push_back(static_cast<unsigned char>(text[i % text.size()]));
-  w.append(toks);
-  w.finish();
-}
+using data::testing::write_phrase_corpus;
 
 const std::vector<std::string> kTwoStages = {
     "parallelism.pipeline_parallel_stages_per_rank=2",
@@ -40,7 +34,7 @@ struct Job {
   data::testing::TempDir dir;
   std::string data_path;
   Job() : data_path((fs::path(dir.path()) / "train.tok").string()) {
-    write_corpus(data_path, 20000);
+    write_phrase_corpus(data_path, 20000);
   }
   std::string path(const std::string& name) const { return (fs::path(dir.path()) / name).string(); }
   Config config(const std::string& dump, std::vector<std::string> extra = {}) const {
