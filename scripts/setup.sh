@@ -6,15 +6,16 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libtomlplusplus-dev
           nlohmann-json3-dev libgtest-dev googletest fortunes fortunes-min python3
-          pkg-config libpcre2-dev zlib1g-dev)
+          pkg-config libpcre2-dev zlib1g-dev libsentencepiece-dev)
 # The tests also need PyTorch for the independent cross-check of the models
 # (Reference.TorchCrossCheck) and node + npm for the tokenizer tests'
-# reference encoder (scripts/fetch_tokenizers.sh), and chromium to render the
-# run report headless (Report.ChromiumLoadsThePageAndDrawsTheCurves);
+# reference encoder (scripts/fetch_tokenizers.sh), chromium to render the
+# run report headless (Report.ChromiumLoadsThePageAndDrawsTheCurves), and
+# sentencepiece's spm_train / spm_encode for the SentencePiece tests;
 # scripts/test.sh asks for them. A node already on the PATH (with its npm)
 # is used as it is.
 if [ "${VIADUCT_TEST_PACKAGES:-0}" = 1 ]; then
-  PACKAGES+=(python3-torch chromium)
+  PACKAGES+=(python3-torch chromium sentencepiece)
   if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
     PACKAGES+=(nodejs npm)
   fi

@@ -490,9 +490,13 @@ std::vector<HfExtraFile> hf_tokenizer_files(const fs::path& tokenizer,
   }
   VIADUCT_CHECK_T(FileError, fs::is_regular_file(file, ec), key, ": the tokenizer '",
                   file.string(), "' is not a file");
-  const bool json_file = file.extension() == ".json";
-  std::vector<HfExtraFile> out{
-      {file, json_file ? std::string("tokenizer.json") : file.filename().string()}};
+  // The names transformers looks for: tokenizer.json, and tokenizer.model
+  // for a SentencePiece model; a tiktoken file keeps its own name.
+  const std::string ext = file.extension().string();
+  const std::string name = ext == ".json"    ? std::string("tokenizer.json")
+                           : ext == ".model" ? std::string("tokenizer.model")
+                                             : file.filename().string();
+  std::vector<HfExtraFile> out{{file, name}};
   for (const char* companion : {"tokenizer_config.json", "special_tokens_map.json"}) {
     const fs::path beside = file.parent_path() / companion;
     if (beside != file && fs::is_regular_file(beside, ec)) out.push_back({beside, companion});

@@ -6,6 +6,7 @@
 
 #include "core/check.h"
 #include "data/hf_tokenizer.h"
+#include "data/spm_tokenizer.h"
 #include "data/tokenizer.h"
 
 namespace viaduct::data {
@@ -103,9 +104,11 @@ std::unique_ptr<TextTokenizer> load_tokenizer(const std::string& spec) {
   VIADUCT_CHECK_T(FileError, std::filesystem::exists(spec, ec),
                   "tokenizer: '", spec,
                   "' does not exist (expected 'byte', a tokenizer.json, a "
-                  "folder holding one, or a tiktoken .tiktoken file)");
+                  "folder holding one, a tiktoken .tiktoken file or a SentencePiece "
+                  ".model file)");
   const std::string ext = std::filesystem::path(spec).extension().string();
   if (ext == ".tiktoken") return HfBpeTokenizer::from_tiktoken(spec);
+  if (ext == ".model") return std::make_unique<SpmTokenizer>(spec);
   return std::make_unique<HfBpeTokenizer>(spec);
 }
 

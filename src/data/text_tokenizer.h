@@ -57,8 +57,9 @@ class TextTokenizer {
 };
 
 // `spec`: "byte" (the built-in byte tokenizer), a path to a Hugging Face
-// tokenizer.json (or a model folder holding one), or a tiktoken rank file
-// named after its encoding (`cl100k_base.tiktoken`, ...). A missing,
+// tokenizer.json (or a model folder holding one), a tiktoken rank file
+// named after its encoding (`cl100k_base.tiktoken`, ...), or a SentencePiece
+// `.model` file (spm_tokenizer.h). A missing,
 // unreadable or unsupported file is a FileError naming the file and the
 // problem.
 std::unique_ptr<TextTokenizer> load_tokenizer(const std::string& spec);

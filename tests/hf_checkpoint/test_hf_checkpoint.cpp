@@ -448,6 +448,11 @@ TEST(HfCheckpoint, TokenizerFilesAreCopiedByteForByte) {
   files = hf_tokenizer_files(dir.path() / "cl100k_base.tiktoken", "--tokenizer");
   ASSERT_EQ(files.size(), 1u);
   EXPECT_EQ(files[0].name, "cl100k_base.tiktoken");
+  // A SentencePiece model goes in as tokenizer.model, transformers' name.
+  data::testing::write_text((dir.path() / "llama2.model").string(), "spm");
+  files = hf_tokenizer_files(dir.path() / "llama2.model", "--tokenizer");
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_EQ(files[0].name, "tokenizer.model");
 
   // Missing: named with the key, before anything is written.
   std::string msg = error_of<FileError>(
