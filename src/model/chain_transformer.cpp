@@ -65,6 +65,14 @@ void ChainBlockImpl::init_weights(uint64_t seed, const std::string& p) {
 }
 
 at::Tensor ChainBlockImpl::forward(const at::Tensor& x) {
+  if (!spec_.activation_checkpoint.checkpoints(layer_id_)) return forward_layer(x);
+  auto body = [this](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{forward_layer(in[0])};
+  };
+  return ops::checkpoint(body, {x}, parameters()).at(0);
+}
+
+at::Tensor ChainBlockImpl::forward_layer(const at::Tensor& x) {
   auto a = spec_.layer_norm ? attention_ln_->forward(x) : attention_rms_->forward(x);
   at::Tensor h, f;
   if (spec_.layer_norm) {
@@ -229,6 +237,7 @@ ChainSpec apply_model_overrides(ChainSpec s, const Config& cfg) {
                   s.rope_scaling.low_freq_factor, ")");
   s.tie_embeddings = bool_or(cfg, "model.tie_embeddings", s.tie_embeddings);
   s.loss_chunk_tokens = cfg.get_int("model.loss_chunk_tokens");
+  s.activation_checkpoint = activation_checkpoint(cfg);
   auto pos = [&](int64_t v, const char* key) {
     VIADUCT_CHECK_T(ConfigError, v > 0, key, " must be > 0 (", s.family, " ",
                     s.flavor, ")");

@@ -7,6 +7,7 @@
 
 #include "model/layers.h"
 #include "model/model.h"
+#include "ops/checkpoint.h"
 
 namespace viaduct {
 
@@ -37,6 +38,8 @@ struct ChainSpec {
   // where the fused kernels run, plain elsewhere).
   int64_t loss_chunk_tokens = -1;
   bool depth_init = true;        // llama: wo/w2/w3 std 0.02/sqrt(2(l+1))
+  // Note [Activation checkpointing] (ops/checkpoint.h): which layers.
+  ops::ActivationCheckpoint activation_checkpoint;
 };
 
 class ChainBlockImpl : public torch::nn::Module {
@@ -46,6 +49,7 @@ class ChainBlockImpl : public torch::nn::Module {
   void init_weights(uint64_t seed, const std::string& prefix);
 
  private:
+  at::Tensor forward_layer(const at::Tensor& x);  // forward() without checkpointing
   const ChainSpec spec_;
   int64_t layer_id_;
   Attention attention_{nullptr};

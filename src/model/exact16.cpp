@@ -97,6 +97,7 @@ Exact16Options exact16_options(const Config& cfg) {
         "model.vocab_size and model.attn_res_block_size"));
   }
   Exact16Options o;
+  o.activation_checkpoint = activation_checkpoint(cfg);
   o.n_layers = int_or(cfg, "model.n_layers", o.n_layers);
   o.block_size = int_or(cfg, "model.attn_res_block_size", o.block_size);
   o.dim = int_or(cfg, "model.dim", o.dim);
@@ -201,9 +202,25 @@ at::Tensor Exact16Part::layer_forward(const Layer& l, const at::Tensor& hidden,
   } else {
     partial = hidden;
   }
-  auto a = l.attention->forward(read(stack, partial));
-  partial = partial.defined() ? partial + a : a;
-  return partial + l.feed_forward->forward(read(stack, partial));
+  const Layer* layer = &l;
+  auto sublayers = [layer](const std::vector<at::Tensor>& st, at::Tensor p) {
+    auto a = layer->attention->forward(read(st, p));
+    p = p.defined() ? p + a : a;
+    return p + layer->feed_forward->forward(read(st, p));
+  };
+  if (!opts_.activation_checkpoint.checkpoints(l.id)) return sublayers(stack, partial);
+  // Note [Activation checkpointing]: the region's inputs are the stack and
+  // the partial sum; the push (and the probe's hook) stay outside.
+  std::vector<at::Tensor> inputs = stack;
+  if (partial.defined()) inputs.push_back(partial);
+  auto body = [sublayers, n = stack.size(), has_partial = partial.defined()](
+                  const std::vector<at::Tensor>& in) {
+    const std::vector<at::Tensor> st(in.begin(), in.begin() + static_cast<std::ptrdiff_t>(n));
+    return std::vector<at::Tensor>{sublayers(st, has_partial ? in.back() : at::Tensor())};
+  };
+  auto params = l.attention->parameters();
+  for (const auto& p : l.feed_forward->parameters()) params.push_back(p);
+  return ops::checkpoint(body, inputs, params).at(0);
 }
 
 Activations Exact16Part::forward(const Activations& in) {

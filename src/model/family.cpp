@@ -71,7 +71,19 @@ std::shared_ptr<ModelPart> build_model_part(const Config& cfg,
   return part;
 }
 
-ModelInfo describe_model(const Config& cfg) { return model_family(cfg).describe(cfg); }
+ModelInfo describe_model(const Config& cfg) {
+  auto info = model_family(cfg).describe(cfg);
+  // Note [Activation memory estimate] under activation checkpointing: a
+  // checkpointed layer keeps its input, the hidden stream (an AttnRes
+  // layer's block stack is left out as before: it is the stack).
+  const auto ac = activation_checkpoint(cfg);
+  for (auto& l : info.layers) {
+    if (!ac.checkpoints(l.layer) || l.saved_values_per_token <= 0) continue;
+    l.recompute_values_per_token = l.saved_values_per_token;
+    l.saved_values_per_token = static_cast<double>(info.dim);
+  }
+  return info;
+}
 
 void check_plain_residuals(const Config& cfg) {
   const auto family = cfg.get_string("model.family");

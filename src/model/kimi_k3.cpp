@@ -109,6 +109,7 @@ KimiK3Options kimi_k3_options(const Config& cfg) {
   o.vision = bool_or(cfg, "model.vision", o.vision);
   o.attn_res = cfg.get_bool("model.attn_res");
   o.synthetic_images = bool_or(cfg, "model.synthetic_images", o.synthetic_images);
+  o.activation_checkpoint = activation_checkpoint(cfg);
 
   o.kda.dim = o.dim;
   o.kda.n_heads = o.n_heads;
@@ -181,7 +182,8 @@ KimiK3Options kimi_k3_options(const Config& cfg) {
 KimiK3LayerImpl::KimiK3LayerImpl(const KimiK3Options& o, int64_t layer_id)
     : layer_id_(layer_id),
       attn_res_(o.attn_res),
-      opens_block_(o.attn_res && o.opens_block(layer_id)) {
+      opens_block_(o.attn_res && o.opens_block(layer_id)),
+      checkpointed_(o.activation_checkpoint.checkpoints(layer_id)) {
   if (attn_res_) {
     attn_res_attn = register_module("attn_res_attn", AttnResRead(o.dim, o.norm_eps));
   }
@@ -223,14 +225,13 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
                                     std::vector<at::Tensor>* slots) {
   // hidden, blocks[i]: [B, T, D]
   if (!attn_res_) {
-    // Plain residuals: h = h + attention(norm(h)); h = h + ffn(norm(h)).
-    auto n = attention_norm(hidden);
-    auto h = hidden + (mla ? mla(n) : kda(n));
-    n = ffn_norm(h);
-    return h + (moe ? moe(n) : feed_forward(n));
+    if (!checkpointed_) return forward_plain(hidden);
+    auto body = [this](const std::vector<at::Tensor>& in) {
+      return std::vector<at::Tensor>{forward_plain(in[0])};
+    };
+    return ops::checkpoint(body, {hidden}, parameters()).at(0);
   }
   at::Tensor partial;
-  std::vector<at::Tensor> sources;
   if (opens_block_) {  // the incoming block is complete
     if (slots != nullptr) {
       slots->push_back(attn_res_new_slot(hidden));
@@ -238,19 +239,48 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
     } else {
       blocks.push_back(hidden);
     }
-    sources = blocks;
   } else {
     partial = hidden;
-    sources = blocks;
-    sources.push_back(partial);
   }
+  if (!checkpointed_) return forward_sublayers(blocks, partial, slots);
+  // Note [Activation checkpointing]: the block push (the sink and its slot)
+  // stays outside; the region's inputs are the stack and the partial sum,
+  // and the recompute's reads add into the same slots.
+  std::vector<at::Tensor> inputs = blocks;
+  if (partial.defined()) inputs.push_back(partial);
+  const bool with_slots = slots != nullptr;
+  auto body = [this, n_blocks = blocks.size(), has_partial = partial.defined(), with_slots,
+               body_slots = with_slots ? *slots : std::vector<at::Tensor>()](
+                  const std::vector<at::Tensor>& in) {
+    const std::vector<at::Tensor> stack(in.begin(),
+                                        in.begin() + static_cast<std::ptrdiff_t>(n_blocks));
+    return std::vector<at::Tensor>{forward_sublayers(
+        stack, has_partial ? in.back() : at::Tensor(), with_slots ? &body_slots : nullptr)};
+  };
+  return ops::checkpoint(body, inputs, parameters()).at(0);
+}
+
+at::Tensor KimiK3LayerImpl::forward_plain(const at::Tensor& hidden) {
+  // Plain residuals: h = h + attention(norm(h)); h = h + ffn(norm(h)).
+  auto n = attention_norm(hidden);
+  auto h = hidden + (mla ? mla(n) : kda(n));
+  n = ffn_norm(h);
+  return h + (moe ? moe(n) : feed_forward(n));
+}
+
+at::Tensor KimiK3LayerImpl::forward_sublayers(const std::vector<at::Tensor>& blocks,
+                                              at::Tensor partial,
+                                              const std::vector<at::Tensor>* slots) {
+  std::vector<at::Tensor> sources = blocks;
+  if (partial.defined()) sources.push_back(partial);
   // The read's slots: the blocks', none for the partial sum.
   std::vector<at::Tensor> read_slots;
   if (slots != nullptr) {
     read_slots = *slots;
     read_slots.resize(sources.size());
   }
-  if (trace_) trace_->push_back(sources);
+  const bool trace = trace_ != nullptr && !ops::checkpoint_recomputing();
+  if (trace) trace_->push_back(sources);
   auto n = attn_res_attn->forward_normed(sources, slots != nullptr ? &read_slots : nullptr,
                                          *attention_norm);
   auto a = mla ? mla(n) : kda(n);
@@ -258,7 +288,7 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
   sources = blocks;
   sources.push_back(partial);
   if (slots != nullptr) read_slots.resize(sources.size());
-  if (trace_) trace_->push_back(sources);
+  if (trace) trace_->push_back(sources);
   n = attn_res_ffn->forward_normed(sources, slots != nullptr ? &read_slots : nullptr,
                                     *ffn_norm);
   auto f = moe ? moe(n) : feed_forward(n);

@@ -67,6 +67,8 @@ struct KimiK3Options {
   VisionOptions vis;
 
   int64_t mla_interval = 4;  // model.mla_interval
+  // Note [Activation checkpointing] (ops/checkpoint.h): which layers.
+  ops::ActivationCheckpoint activation_checkpoint;
 
   // Full-attention rule: MLA at every mla_interval-th layer (every fourth by
   // default: 3, 7, ...) and at the last; KDA elsewhere.
@@ -99,6 +101,7 @@ class KimiK3LayerImpl : public torch::nn::Module {
   int64_t layer_id_;
   bool attn_res_;
   bool opens_block_;  // false without AttnRes
+  bool checkpointed_;  // Note [Activation checkpointing]
   AttnResRead attn_res_attn{nullptr}, attn_res_ffn{nullptr};
   RMSNorm attention_norm{nullptr}, ffn_norm{nullptr};
   Kda kda{nullptr};
@@ -107,6 +110,14 @@ class KimiK3LayerImpl : public torch::nn::Module {
   Moe moe{nullptr};
   // Tests: when set, each read appends its sources here.
   std::vector<std::vector<at::Tensor>>* trace_ = nullptr;
+
+ private:
+  // The layer after the block push: the two reads and sublayers from the
+  // completed blocks and the open block's partial sum (undefined in an
+  // opening layer). The region activation checkpointing recomputes.
+  at::Tensor forward_sublayers(const std::vector<at::Tensor>& blocks, at::Tensor partial,
+                               const std::vector<at::Tensor>* slots);
+  at::Tensor forward_plain(const at::Tensor& hidden);  // without AttnRes
 };
 TORCH_MODULE(KimiK3Layer);
 

@@ -19,6 +19,18 @@ ops::KernelOptions kernel_options(const Config& cfg) {
   return k;
 }
 
+ops::ActivationCheckpoint activation_checkpoint(const Config& cfg) {
+  ops::ActivationCheckpoint ac;
+  const auto mode = cfg.get_string("activation_checkpoint.mode");
+  if (mode == "full") {
+    ac.mode = ops::ActivationCheckpoint::Mode::kFull;
+  } else if (mode == "selective") {
+    ac.mode = ops::ActivationCheckpoint::Mode::kSelective;
+    ac.every = std::stoll(cfg.get_string("activation_checkpoint.selective_ac_option"));
+  }
+  return ac;
+}
+
 at::Tensor summed_cross_entropy(const at::Tensor& logits,
                                 const at::Tensor& targets) {
   // logits: [B, T, V], targets: [B, T]

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "ops/checkpoint.h"
 #include "ops/options.h"
 
 namespace viaduct {
@@ -82,6 +83,12 @@ struct LayerInfo {
   // form keeps it, without [T, T] scores; small per-head statistics and
   // temporaries are left out. 0: the family does not say.
   double saved_values_per_token = 0;
+  // A layer under activation checkpointing (Note [Activation
+  // checkpointing], ops/checkpoint.h) keeps its input alone (the hidden
+  // stream, D values; saved_values_per_token says that), and this many
+  // while its backward recomputes it (what it keeps without). 0: not
+  // checkpointed.
+  double recompute_values_per_token = 0;
 };
 
 struct ModelInfo {
@@ -123,6 +130,8 @@ std::shared_ptr<ModelPart> build_model_part(
     const Config& cfg, const std::vector<std::string>& module_fqns = {});
 // model.fused_kernels and model.swiglu_recompute as the ops' options.
 ops::KernelOptions kernel_options(const Config& cfg);
+// activation_checkpoint.mode and .selective_ac_option (checked on load).
+ops::ActivationCheckpoint activation_checkpoint(const Config& cfg);
 
 ModelInfo describe_model(const Config& cfg);
 

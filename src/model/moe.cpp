@@ -3,6 +3,7 @@
 
 #include "core/check.h"
 #include "core/rng.h"
+#include "ops/checkpoint.h"
 #include "ops/moe.h"
 
 namespace viaduct {
@@ -122,7 +123,7 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     // Grouped GEMMs over padded expert groups (Note [MoE dispatch into
     // padded groups], ops/moe.h): no host sync.
     auto d = ops::dispatch_experts(idx, E);
-    if (torch::GradMode::is_enabled()) {
+    if (ops::counts_training_statistics()) {  // once under activation checkpointing
       tokens_per_expert += d.counts.to(tokens_per_expert.device());
     }
     auto xs = at::zeros({d.rows, D}, xf.options()).index_copy(0, d.pos, slots);
@@ -136,8 +137,9 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
       order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
       counts = at::bincount(flat, {}, E).to(at::kCPU);
     }
-    if (torch::GradMode::is_enabled()) {
-      // Only training forwards count toward the balance.
+    if (ops::counts_training_statistics()) {
+      // Only training forwards count toward the balance, once under
+      // activation checkpointing (Note [Activation checkpointing]).
       tokens_per_expert += counts.to(tokens_per_expert.device());
     }
     // The slots in expert order, split by expert (Note [MoE dispatch

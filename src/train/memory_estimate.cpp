@@ -37,18 +37,36 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
       cfg.get_int("training.seq_len");
   e.microbatches_in_flight =
       split.pp > 1 ? plan.simulation.peak_activations.at(static_cast<size_t>(pp_rank)) : 1;
+  // Activation checkpointing: a checkpointed layer keeps its input per
+  // micro-batch in flight, and one layer at a time is recomputed in full.
+  // A schedule that splits the backward (zero bubble) keeps the recomputed
+  // layers of a micro-batch from its I to its W, so there they count in full.
+  bool splits_backward = false;
+  if (static_cast<size_t>(pp_rank) < plan.compute.ranks.size()) {
+    for (const auto& a : plan.compute.ranks[static_cast<size_t>(pp_rank)]) {
+      splits_backward = splits_backward || a.kind == pipeline::ActionKind::kBackwardWeight;
+    }
+  }
   bool holds_head = false;
   for (int64_t s : split.rank_to_stages.at(static_cast<size_t>(pp_rank))) {
     double stage = 0;
     const auto [first, end] = split.stage_layers.at(static_cast<size_t>(s));
     for (int64_t l = first; l < end && l < static_cast<int64_t>(info.layers.size()); ++l) {
-      stage += info.layers[static_cast<size_t>(l)].saved_values_per_token;
+      const auto& layer = info.layers[static_cast<size_t>(l)];
+      const bool recomputed = layer.recompute_values_per_token > 0;
+      stage += recomputed && splits_backward ? layer.recompute_values_per_token
+                                             : layer.saved_values_per_token;
+      if (recomputed && !splits_backward) {
+        e.recompute_values_per_token =
+            std::max(e.recompute_values_per_token, layer.recompute_values_per_token);
+      }
     }
     e.saved_values_per_token = std::max(e.saved_values_per_token, stage);
     if (s == split.num_stages - 1) holds_head = true;
   }
   const double tokens = static_cast<double>(e.tokens_per_microbatch);
-  e.activations = static_cast<double>(e.microbatches_in_flight) * e.saved_values_per_token *
+  e.activations = (static_cast<double>(e.microbatches_in_flight) * e.saved_values_per_token +
+                   e.recompute_values_per_token) *
                   tokens * elem;
   if (holds_head) {
     int64_t chunk = info.loss_chunk_tokens;
@@ -104,7 +122,9 @@ MemoryEstimate check_rank_memory_fits(const Config& cfg, int64_t pp_rank,
       "parallelism.pipeline_parallel_microbatches), more pipeline ranks (parallelism.pipeline_parallel_degree, started with `viaduct "
       "launch`), a smaller model (model.flavor, model.n_layers, model.dim)",
       adamw ? ", or optimizer.name = SGD (no optimizer state)" : "",
-      "; there is no activation checkpointing yet");
+      activation_checkpoint(cfg).mode == ops::ActivationCheckpoint::Mode::kFull
+          ? ""
+          : ", or activation_checkpoint.mode = \"full\" (keep only each layer's input)");
   return e;
 }
 

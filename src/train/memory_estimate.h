@@ -12,7 +12,13 @@
 // each family's shapes) times the micro-batch's tokens, in the compute
 // dtype; and, on the head's rank, the loss buffer (fp32 log-probabilities
 // and their gradient, [rows, V] x 8 bytes, rows = the micro-batch's tokens
-// or one chunk of them under Note [Chunked head loss]). It is an estimate:
+// or one chunk of them under Note [Chunked head loss]). Under activation
+// checkpointing a checkpointed layer keeps its input alone (D values per
+// token) and the rank adds one recomputed layer in full
+// (LayerInfo::recompute_values_per_token, the rank's largest), once: layers
+// are recomputed one at a time; a schedule that splits the backward (zero
+// bubble) keeps a micro-batch's recomputed layers from its I to its W, so
+// there checkpointed layers count in full. It is an estimate:
 // the allocator's slack, temporaries, attention scores where a backend
 // materialises them and the CUDA context are not in it, so a run may need
 // more; it is meant to refuse runs that cannot fit, not to promise a fit.
@@ -40,6 +46,8 @@ struct MemoryEstimate {
   int64_t microbatches_in_flight = 0;
   int64_t tokens_per_microbatch = 0;
   double saved_values_per_token = 0;  // of the rank's widest stage
+  // Activation checkpointing: the largest layer recomputed at a time.
+  double recompute_values_per_token = 0;
   double total() const { return weights + gradients + optimizer + activations + loss; }
 };
 

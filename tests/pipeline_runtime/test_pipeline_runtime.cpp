@@ -337,3 +337,22 @@ TEST_F(PipelineRuns, MeasuredBubbleIsBoundedAndSimulatedBubbleFallsWithMoreMicro
   EXPECT_FALSE(off[0].contains("bubble_measured"));
   EXPECT_FALSE(off[0].contains("pipeline_compute_seconds"));
 }
+
+// Activation checkpointing (Note [Activation checkpointing], ops/checkpoint.h)
+// with two stages per rank, under zero-bubble's I/W split and plain 1F1B
+// backward: the bits of the one process without it.
+TEST_F(PipelineRuns, ActivationCheckpointingTrainsToTheBitsOfOneProcess) {
+  const auto ref = reference("llama", 6, 4);
+  const auto layout = base_args("llama", 6, 4) +
+                      " --parallelism.pipeline_parallel_degree=2"
+                      " --parallelism.pipeline_parallel_stages_per_rank=2";
+  expect_same_bits(ref, train("ac_full_zb", 2,
+                              layout +
+                                  " --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble"
+                                  " --activation_checkpoint.mode=full"));
+  expect_same_bits(ref, train("ac_every2_1f1b", 2,
+                              layout +
+                                  " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
+                                  " --activation_checkpoint.mode=selective"
+                                  " --activation_checkpoint.selective_ac_option=2"));
+}
