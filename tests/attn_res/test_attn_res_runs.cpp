@@ -277,6 +277,27 @@ TEST_P(AttnResTransports, InterleavedZeroBubbleMatchesOneProcess) {
   }
 }
 
+// Activation checkpointing (Note [Activation checkpointing],
+// ops/checkpoint.h) through the whole-stack transport: zero-bubble's I/W
+// split with every layer recomputed, and 1F1B with every 3rd, have the bits
+// of the one process without it.
+TEST_F(AttnResRuns, ActivationCheckpointingIsBitwiseOneProcess) {
+  const auto ref = reference("debugmodel", 4);
+  const auto layout = base_args("debugmodel", 4) +
+                      " --parallelism.pipeline_parallel_degree=2"
+                      " --parallelism.pipeline_parallel_stages_per_rank=2"
+                      " --parallelism.attn_res_cache=false";
+  expect_same_bits(ref, train("ac_full_zb", 2,
+                              layout +
+                                  " --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble"
+                                  " --activation_checkpoint.mode=full"));
+  expect_same_bits(ref, train("ac_every3_1f1b", 2,
+                              layout +
+                                  " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
+                                  " --activation_checkpoint.mode=selective"
+                                  " --activation_checkpoint.selective_ac_option=3"));
+}
+
 // model.attn_res = false makes kimi_k3 a chain: plain stages hand on
 // {hidden} (no AttnRes transport, so no hop_bytes in the metrics), with the
 // bits of one process, and a loss unlike the AttnRes model's.
