@@ -262,7 +262,11 @@ INSTANTIATE_TEST_SUITE_P(Families, ActivationCheckpointFamilies,
 
 // Bytes malloc holds (the CPU allocator's tensors among them).
 double heap_bytes() {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
   const auto m = mallinfo2();
+#else
+  const auto m = mallinfo();  // int fields: enough for these few MiB
+#endif
   return static_cast<double>(m.uordblks) + static_cast<double>(m.hblkhd);
 }
 
