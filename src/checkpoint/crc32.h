@@ -1,5 +1,5 @@
-// CRC-32 (the zlib / IEEE 802.3 polynomial), which detects corrupt
-// checkpoint files and tensors. The checked file calls themselves are
+// CRC-32 (the zlib / IEEE 802.3 polynomial, computed by zlib), which
+// detects corrupt checkpoint files and tensors. The checked file calls themselves are
 // core/file_io.h's.
 #pragma once
 
