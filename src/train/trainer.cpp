@@ -497,21 +497,18 @@ double Trainer::evaluate() {
 void Trainer::save_checkpoint() {
   namespace ck = checkpoint;
   metrics_->flush();  // the log reaches the disk no later than the checkpoint
-  if (save_thread_.joinable()) {
-    // The previous asynchronous save still writing: training stalls here
-    // until it is done. Say so when it costs time, since a longer
-    // checkpoint.interval would avoid it.
-    const auto t_wait = std::chrono::steady_clock::now();
-    wait_for_pending_save();
-    const double waited =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t_wait).count();
-    if (waited >= 1.0) {
-      log::warn("checkpoint step ", step_, ": waited ", std::round(waited * 10) / 10,
-                " s for the previous checkpoint's write to finish (it takes longer than ",
-                "checkpoint.interval steps of training)");
-    }
-  }
+  // A previous asynchronous save still writing stalls training here until
+  // it is done. Say so when it costs time, since a longer
+  // checkpoint.interval would avoid it.
+  const auto t_wait = std::chrono::steady_clock::now();
   wait_for_pending_save();
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_wait).count();
+  if (waited >= 1.0) {
+    log::warn("checkpoint step ", step_, ": waited ", std::round(waited * 10) / 10,
+              " s for the previous checkpoint's write to finish (it takes longer than ",
+              "checkpoint.interval steps of training)");
+  }
   const int pp = static_cast<int>(plan_->split.pp);
   const auto meta = training_state_metadata(
       {step_, tokens_seen_}, *sampler_, *optimizer_, cfg_.to_toml(),
