@@ -51,6 +51,10 @@ void add_parallelism_keys(std::vector<ConfigKey>& k) {
                   "turns into an error naming rank, stage, micro-batch and action").in(greater_than(0)));
   k.push_back(key("dp_bucket_mb", T::kInt, int64_t{25},
                   "data-parallel gradient all-reduce bucket size (MiB)").in(greater_than(0)));
+  k.push_back(key("dp_shard_optimizer", T::kBool, false,
+                  "ZeRO-1: each data-parallel rank keeps AdamW's moments for a contiguous "
+                  "slice of every gradient bucket, updates its slice of the weights and "
+                  "all-gathers the rest (optimizer state / dp per rank; same bits as false)"));
   k.push_back(key("attn_res_cache", T::kBool, true,
                   "AttnRes: rank block cache (hops carry only missing blocks); "
                   "false = every hop carries the whole stack"));
