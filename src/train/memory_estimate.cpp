@@ -24,7 +24,11 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
   // bf16: the bf16 copy the layers run on and the fp32 master.
   e.weights = params * (compute_dtype == at::kFloat ? 4.0 : 4.0 + elem);
   e.gradients = params * 4.0;
-  e.optimizer = params * (adamw ? 8.0 : 0.0);
+  // ZeRO-1: each dp rank keeps the moments of ~1/dp of the parameters.
+  if (adamw && cfg.get_bool("parallelism.dp_shard_optimizer")) {
+    e.optimizer_shards = cfg.get_int("parallelism.data_parallel_degree");
+  }
+  e.optimizer = params * (adamw ? 8.0 : 0.0) / static_cast<double>(e.optimizer_shards);
 
   // One process runs its micro-batches one after another; a pipeline holds
   // what the schedule's simulation says.
@@ -80,6 +84,17 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
   return e;
 }
 
+std::vector<MemoryEstimate> estimate_memory_per_rank(const Config& cfg, const ModelInfo& info,
+                                                     const pipeline::PipelinePlan& plan,
+                                                     at::ScalarType compute_dtype,
+                                                     bool on_cuda) {
+  std::vector<MemoryEstimate> out;
+  for (int64_t r = 0; r < plan.split.pp; ++r) {
+    out.push_back(estimate_rank_memory(cfg, info, plan, r, compute_dtype, on_cuda));
+  }
+  return out;
+}
+
 std::string format_gib(double bytes) {
   constexpr double kMiB = 1024.0 * 1024.0;
   char buf[32];
@@ -93,7 +108,10 @@ std::string format_gib(double bytes) {
 
 std::string describe_memory_estimate(const MemoryEstimate& e) {
   return str(format_gib(e.total()), " (weights ", format_gib(e.weights), ", gradients ",
-             format_gib(e.gradients), ", optimizer ", format_gib(e.optimizer), ", activations ",
+             format_gib(e.gradients), ", optimizer ", format_gib(e.optimizer),
+             e.optimizer_shards > 1 ? str(" sharded over ", e.optimizer_shards, " dp ranks")
+                                    : std::string(),
+             ", activations ",
              format_gib(e.activations), " for ", e.microbatches_in_flight,
              " micro-batch", e.microbatches_in_flight == 1 ? "" : "es", " of ",
              e.tokens_per_microbatch, " tokens in flight, loss ", format_gib(e.loss), ")");
@@ -106,13 +124,22 @@ MemoryEstimate check_rank_memory_fits(const Config& cfg, int64_t pp_rank,
   auto spec = pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg));
   spec.module_flops = info.module_flops;
   const auto plan = pipeline::make_pipeline_plan(spec);
-  const auto e = estimate_rank_memory(cfg, info, plan, pp_rank, compute_dtype, on_cuda);
+  const auto all = estimate_memory_per_rank(cfg, info, plan, compute_dtype, on_cuda);
+  const auto& e = all.at(static_cast<size_t>(pp_rank));
   const int64_t pp = plan.split.pp;
   const std::string has = str(device_name, " has ", format_gib(available),
                               on_cuda ? " free" : " available");
-  log::info("memory estimate for pp rank ", pp_rank, ": ", describe_memory_estimate(e), "; ",
-            has);
+  // The totals metrics.jsonl carries as plan_memory_bytes beside the
+  // measured peak_memory_bytes.
+  std::string totals;
+  for (size_t r = 0; pp > 1 && r < all.size(); ++r) {
+    totals += str(r == 0 ? str("; pp ranks 0-", pp - 1, ": ") : ", ", format_gib(all[r].total()));
+  }
+  log::info("memory estimate for pp rank ", pp_rank, ": ", describe_memory_estimate(e), totals,
+            "; ", has);
   const bool adamw = cfg.get_string("optimizer.name") == "AdamW";
+  const bool can_shard = adamw && e.optimizer_shards == 1 &&
+                         cfg.get_int("parallelism.data_parallel_degree") > 1;
   VIADUCT_CHECK_T(
       ConfigError, e.total() <= available, "this run cannot fit: pp rank ", pp_rank,
       " needs about ", describe_memory_estimate(e), " for ", info.family, "/", info.flavor,
@@ -121,6 +148,7 @@ MemoryEstimate check_rank_memory_fits(const Config& cfg, int64_t pp_rank,
       ". To fit: smaller micro-batches (training.local_batch_size, training.seq_len, or more "
       "parallelism.pipeline_parallel_microbatches), more pipeline ranks (parallelism.pipeline_parallel_degree, started with `viaduct "
       "launch`), a smaller model (model.flavor, model.n_layers, model.dim)",
+      can_shard ? ", parallelism.dp_shard_optimizer = true (optimizer state / dp)" : "",
       adamw ? ", or optimizer.name = SGD (no optimizer state)" : "",
       activation_checkpoint(cfg).mode == ops::ActivationCheckpoint::Mode::kFull
           ? ""

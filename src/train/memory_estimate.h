@@ -4,7 +4,10 @@
 // Note [Activation memory estimate]
 // Per rank: weights (the compute copy, plus the fp32 master under bf16),
 // fp32 gradients and AdamW's two fp32 moments for an even share of the
-// parameters over the pipeline ranks; activations kept for the backward at
+// parameters over the pipeline ranks -- the moments divided by
+// parallelism.data_parallel_degree under parallelism.dp_shard_optimizer
+// (ZeRO-1: each dp rank keeps the moments of its slice of every gradient
+// bucket; master weights and gradients stay whole); activations kept for the backward at
 // the schedule's peak -- the most micro-batches the plan's simulation holds
 // in flight on the rank (1 in one process, up to pp for 1F1B on the first
 // rank, more for interleaved schedules) times the largest of the rank's
@@ -26,6 +29,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -43,6 +47,8 @@ struct MemoryEstimate {
   double optimizer = 0;
   double activations = 0;  // kept for the backward at the schedule's peak
   double loss = 0;         // the head's logits / loss buffer (head's rank only)
+  // Data-parallel ranks the optimizer state is divided over (1: unsharded).
+  int64_t optimizer_shards = 1;
   int64_t microbatches_in_flight = 0;
   int64_t tokens_per_microbatch = 0;
   double saved_values_per_token = 0;  // of the rank's widest stage
@@ -56,6 +62,12 @@ struct MemoryEstimate {
 MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
                                     const pipeline::PipelinePlan& plan, int64_t pp_rank,
                                     at::ScalarType compute_dtype, bool on_cuda);
+
+// Every pp rank's estimate, indexed by pp rank.
+std::vector<MemoryEstimate> estimate_memory_per_rank(const Config& cfg, const ModelInfo& info,
+                                                     const pipeline::PipelinePlan& plan,
+                                                     at::ScalarType compute_dtype,
+                                                     bool on_cuda);
 
 // Before anything is allocated: this rank's estimate from the config alone
 // (the model described, the plan made as the rank model makes it), logged

@@ -104,6 +104,34 @@ TEST(MemoryEstimate, ChunkedLossHoldsOneChunk) {
   EXPECT_DOUBLE_EQ(e.loss, 64 * s.vocab * 8);
 }
 
+// ZeRO-1 divides AdamW's moments over the dp ranks and nothing else.
+TEST(MemoryEstimate, ShardedOptimizerIsTheUnshardedOneOverDp) {
+  const auto whole = llama_config({"parallelism.data_parallel_degree=4"});
+  const auto sharded = llama_config(
+      {"parallelism.data_parallel_degree=4", "parallelism.dp_shard_optimizer=true"});
+  const auto s = shapes_of(whole);
+  const auto u = estimate_rank_memory(whole, describe_model(whole), plan_of(whole), 0,
+                                      at::kFloat, false);
+  const auto z = estimate_rank_memory(sharded, describe_model(sharded), plan_of(sharded), 0,
+                                      at::kFloat, false);
+  EXPECT_EQ(u.optimizer_shards, 1);
+  EXPECT_EQ(z.optimizer_shards, 4);
+  EXPECT_DOUBLE_EQ(u.optimizer, 8 * s.params);
+  EXPECT_DOUBLE_EQ(z.optimizer, u.optimizer / 4);
+  EXPECT_DOUBLE_EQ(z.weights, u.weights);
+  EXPECT_DOUBLE_EQ(z.gradients, u.gradients);
+  EXPECT_DOUBLE_EQ(z.activations, u.activations);
+  EXPECT_DOUBLE_EQ(z.total(), u.total() - u.optimizer * 3 / 4);
+  EXPECT_NE(describe_memory_estimate(z).find("sharded over 4 dp ranks"), std::string::npos);
+  // SGD keeps no state to shard.
+  const auto sgd = llama_config({"parallelism.data_parallel_degree=4",
+                                 "parallelism.dp_shard_optimizer=true", "optimizer.name=SGD"});
+  const auto g =
+      estimate_rank_memory(sgd, describe_model(sgd), plan_of(sgd), 0, at::kFloat, false);
+  EXPECT_DOUBLE_EQ(g.optimizer, 0);
+  EXPECT_EQ(g.optimizer_shards, 1);
+}
+
 TEST(MemoryEstimate, RefusesWithFiguresAndKnobs) {
   const auto cfg = llama_config();
   const auto e = check_rank_memory_fits(cfg, 0, at::kFloat, false, 1e15, "cpu");
@@ -119,6 +147,16 @@ TEST(MemoryEstimate, RefusesWithFiguresAndKnobs) {
                              "parallelism.pipeline_parallel_degree", "model.flavor"}) {
       EXPECT_NE(m.find(want), std::string::npos) << want << " missing from: " << m;
     }
+    EXPECT_EQ(m.find("dp_shard_optimizer"), std::string::npos) << "dp = 1: " << m;
+  }
+  // With dp > 1 and the moments whole, sharding them is one of the knobs.
+  const auto dp2 = llama_config({"parallelism.data_parallel_degree=2"});
+  try {
+    check_rank_memory_fits(dp2, 0, at::kFloat, false, 1, "cpu");
+    FAIL() << "a run over was accepted";
+  } catch (const ConfigError& err) {
+    const std::string m = err.what();
+    EXPECT_NE(m.find("parallelism.dp_shard_optimizer = true"), std::string::npos) << m;
   }
 }
 
