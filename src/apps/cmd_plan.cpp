@@ -1,12 +1,19 @@
-// `viaduct plan`: what a pipeline job will move and hold before it runs --
-// per-hop bytes for both AttnRes transports and both rank-cache backwards,
-// the rank block store's peak per rank, boundary activation memory and the
-// schedule's bubble -- from the config alone (no model is built, so the
-// 93-layer flavor plans instantly).
+// `viaduct plan`: what a job will hold and move before it runs, from the
+// config alone (no model is built, so the 93-layer flavor plans instantly).
+// For every family: each pp rank's memory -- weights, gradients, optimizer
+// state (divided over dp under parallelism.dp_shard_optimizer), activations
+// at the schedule's peak with the config's activation checkpointing and with
+// none and full, the loss buffer (Note [Activation memory estimate],
+// train/memory_estimate.h: the figure the trainer checks and logs as
+// plan_memory_bytes) -- the boundary activations each rank holds and the
+// schedule's bubble. For AttnRes families also the per-hop bytes for both
+// transports and both rank-cache backwards and the rank block store's peak
+// per rank.
 #include <algorithm>
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -17,6 +24,8 @@
 #include "model/model.h"
 #include "pipeline/attn_res/block_layout.h"
 #include "pipeline/schedule/plan_config.h"
+#include "train/memory_estimate.h"
+#include "train/process.h"
 
 namespace viaduct::apps {
 namespace {
@@ -24,16 +33,66 @@ namespace {
 constexpr const char* kUsage =
     "usage: viaduct plan --config FILE [--section.key=value ...] [--json]\n"
     "\n"
-    "Sizes a pipeline run without running it: per hop s -> s+1 the bytes one\n"
+    "Sizes a run without running it. For every model family and layout, per pp\n"
+    "rank: the bytes of weights, gradients, optimizer state (AdamW's moments\n"
+    "divided over the dp ranks under parallelism.dp_shard_optimizer = true),\n"
+    "activations kept for the backward at the schedule's peak -- with the\n"
+    "config's activation_checkpoint.mode and with none and full -- and the\n"
+    "head's loss buffer (the estimate a run is checked against before it\n"
+    "starts, and which metrics.jsonl carries as plan_memory_bytes); the\n"
+    "boundary activations each rank holds at its peak, and the schedule's\n"
+    "bubble (unit costs F = 1, B = 2). The device and dtype are the trainer's:\n"
+    "training.device = auto is this machine's (set --training.device=cuda to\n"
+    "plan a GPU run elsewhere), training.dtype = auto is bf16 on CUDA.\n"
+    "\n"
+    "AttnRes families (kimi_k3, exact16) add, per hop s -> s+1, the bytes one\n"
     "step sends forward with the AttnRes rank cache and with the whole stack\n"
     "(gradients travel back as many, except with the rank cache and\n"
-    "parallelism.attn_res_cache_backward = whole_stack: the whole stack's), the\n"
-    "rank block store's peak per rank for both cache backwards, the boundary\n"
-    "activations each rank holds at its peak, and the schedule's bubble (unit\n"
-    "costs F = 1, B = 2). A block entry is [B/M, T, D] in the compute dtype\n"
-    "(bf16: 2 bytes, else 4).\n";
+    "parallelism.attn_res_cache_backward = whole_stack: the whole stack's), and\n"
+    "the rank block store's peak per rank for both cache backwards. A block\n"
+    "entry is [B/M, T, D] in the compute dtype.\n";
 
 double gib(double b) { return b / (1024.0 * 1024.0 * 1024.0); }
+
+void print_bubble(const pipeline::PipelinePlan& plan) {
+  std::printf("bubble %.1f%% (F = 1, B = 2)", 100.0 * plan.simulation.bubble_fraction);
+  if (plan.simulation_flops) {
+    std::printf(", %.1f%% with stage costs by FLOPs",
+                100.0 * plan.simulation_flops->bubble_fraction);
+  }
+  if (plan.balanced_weights && !plan.balanced && plan.simulation_flops &&
+      plan.balanced_bubble_flops < plan.simulation_flops->bubble_fraction) {
+    // Note [Split balanced by FLOPs]
+    std::printf("; %.1f%% with parallelism.pipeline_parallel_balance = \"flops\"",
+                100.0 * plan.balanced_bubble_flops);
+  }
+  std::printf("\n");
+}
+
+// As `viaduct train` resolves training.device: auto is CUDA where this
+// machine has it.
+bool plans_for_cuda(const Config& cfg) {
+  const auto device = cfg.get_string("training.device");
+  return device == "cuda" || (device == "auto" && torch::cuda::is_available());
+}
+
+// activation_checkpoint.mode as the user wrote it, with selective's option.
+std::string checkpointing_name(const Config& cfg) {
+  const auto mode = cfg.get_string("activation_checkpoint.mode");
+  if (mode != "selective") return mode;
+  return str(mode, " (selective_ac_option = ",
+             cfg.get_string("activation_checkpoint.selective_ac_option"), ")");
+}
+
+// Every pp rank's estimate for `cfg` with activation_checkpoint.mode =
+// `mode`, the model described and the plan made as the trainer makes them.
+std::vector<MemoryEstimate> estimate_with_checkpointing(const Config& cfg,
+                                                        const std::string& mode,
+                                                        at::ScalarType dtype, bool on_cuda) {
+  Config c = cfg;
+  c.set("activation_checkpoint.mode", mode);
+  return estimate_memory_per_rank(c, describe_model(c), plan_for(c), dtype, on_cuda);
+}
 
 int plan_main(int argc, char** argv) {
   const auto cmd = parse_config_command(argc, argv, "plan", kUsage, {"--json"});
@@ -41,18 +100,12 @@ int plan_main(int argc, char** argv) {
   const auto& cfg = cmd->config;
   const bool json = cmd->has("--json");
   const auto& family = model_family(cfg);
-  if (!family.attn_res) {
-    std::string attn_res_families;
-    for (const auto& f : model_families()) {
-      if (!f.attn_res) continue;
-      attn_res_families += (attn_res_families.empty() ? "" : " or ") + f.name;
-    }
-    throw ConfigError(str("plan: model.family is '", family.name,
-                          "'; the AttnRes byte plan needs ", attn_res_families));
-  }
   const auto plan = plan_for(cfg);
   const auto& sp = plan.split;
-  const auto layout = family.attn_res(cfg);  // nullopt: a chain
+  const ModelInfo info = describe_model(cfg);
+  // nullopt: a chain (llama, gpt2, kimi_k3 with model.attn_res = false).
+  const auto layout =
+      family.attn_res ? family.attn_res(cfg) : std::optional<AttnResLayout>();
   const int64_t M = plan.compute.microbatches;
   const int64_t B = cfg.get_int("training.local_batch_size");
   // As the trainer refuses it: a micro-batch of B / M sequences.
@@ -60,39 +113,39 @@ int plan_main(int argc, char** argv) {
                   ") must be divisible by the ", M,
                   " micro-batches (parallelism.pipeline_parallel_microbatches)");
   const int64_t T = cfg.get_int("training.seq_len");
-  VIADUCT_CHECK_T(ConfigError, layout.has_value(),
-                  "plan: model.attn_res = false; without AttnRes no block "
-                  "stack crosses a hop (use viaduct schedule)");
-  const AttnResLayout& o = *layout;
-  const std::string dtype = cfg.get_string("training.dtype");
-  const int64_t elem = (dtype == "bfloat16" || dtype == "bf16") ? 2 : 4;
-  const double entry = static_cast<double>(B / M * T * o.dim * elem);
+  const bool on_cuda = plans_for_cuda(cfg);
+  const at::ScalarType dtype = resolve_compute_dtype(cfg.get_string("training.dtype"), on_cuda);
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t dim = layout ? layout->dim : info.dim;
+  const double entry = static_cast<double>(B / M * T * dim * elem);
 
-  using pipeline::AttnResCacheBackward;
-  using pipeline::AttnResTransport;
-  const auto whole = pipeline::make_block_layout_tables(sp, o.block_size,
-                                                        AttnResTransport::kWholeStack);
-  // `cache`: deposit backward; `cache_wsb`: whole-stack backward (Note
-  // [AttnRes cache backward]).
-  std::optional<pipeline::BlockLayoutTables> cache, cache_wsb;
-  std::string cache_refused;
-  try {
-    cache = pipeline::make_block_layout_tables(sp, o.block_size, AttnResTransport::kRankCache,
-                                               AttnResCacheBackward::kDeposit);
-    cache_wsb = pipeline::make_block_layout_tables(
-        sp, o.block_size, AttnResTransport::kRankCache, AttnResCacheBackward::kWholeStack);
-  } catch (const ConfigError& e) {
-    cache_refused = e.what();
-  }
+  // Note [Activation memory estimate]: the config's checkpointing, and none
+  // and full to show what it buys.
+  const auto memory = estimate_memory_per_rank(cfg, info, plan, dtype, on_cuda);
+  const auto memory_none = estimate_with_checkpointing(cfg, "none", dtype, on_cuda);
+  const auto memory_full = estimate_with_checkpointing(cfg, "full", dtype, on_cuda);
+  const bool adamw = cfg.get_string("optimizer.name") == "AdamW";
+  const int64_t dp = cfg.get_int("parallelism.data_parallel_degree");
+  const int64_t shards = memory.at(0).optimizer_shards;
 
   nlohmann::json out;
-  out["n_layers"] = o.n_layers;
-  out["block_size"] = o.block_size;
+  out["family"] = family.name;
+  out["flavor"] = info.flavor;
+  out["n_layers"] = layout ? layout->n_layers : info.n_layers;
+  out["attn_res"] = layout.has_value();
+  if (layout) out["block_size"] = layout->block_size;
   out["pp"] = sp.pp;
+  out["data_parallel_degree"] = dp;
   out["num_stages"] = sp.num_stages;
   out["schedule"] = plan.compute.name;
   out["microbatches"] = M;
+  out["device"] = on_cuda ? "cuda" : "cpu";
+  out["dtype"] = dtype == at::kBFloat16 ? "bfloat16" : "float32";
   out["entry_bytes"] = entry;
+  out["activation_checkpoint"] = checkpointing_name(cfg);
+  out["optimizer"] = cfg.get_string("optimizer.name");
+  out["optimizer_sharded"] = shards > 1;
+  out["optimizer_shards"] = shards;
   out["bubble_fraction"] = plan.simulation.bubble_fraction;
   if (plan.simulation_flops) {
     out["bubble_fraction_flops"] = plan.simulation_flops->bubble_fraction;
@@ -101,18 +154,41 @@ int plan_main(int argc, char** argv) {
     out["balanced_weights"] = {plan.balanced_weights->first, plan.balanced_weights->second};
     out["balanced_bubble_fraction_flops"] = plan.balanced_bubble_flops;
   }
+
+  // AttnRes: the layout tables of both transports. `cache`: deposit
+  // backward; `cache_wsb`: whole-stack backward (Note [AttnRes cache
+  // backward]).
+  using pipeline::AttnResCacheBackward;
+  using pipeline::AttnResTransport;
+  std::optional<pipeline::BlockLayoutTables> whole, cache, cache_wsb;
+  std::string cache_refused;
+  if (layout) {
+    whole = pipeline::make_block_layout_tables(sp, layout->block_size,
+                                               AttnResTransport::kWholeStack);
+    try {
+      cache = pipeline::make_block_layout_tables(sp, layout->block_size,
+                                                 AttnResTransport::kRankCache,
+                                                 AttnResCacheBackward::kDeposit);
+      cache_wsb = pipeline::make_block_layout_tables(sp, layout->block_size,
+                                                     AttnResTransport::kRankCache,
+                                                     AttnResCacheBackward::kWholeStack);
+    } catch (const ConfigError& e) {
+      cache_refused = e.what();
+    }
+  }
+
   nlohmann::json hops = nlohmann::json::array();
   double total_whole = 0, total_cache = 0;
   // Backward (gradient) bytes: whole stack, cache + deposit, cache + whole-stack backward.
   double grad_whole = 0, grad_cache = 0, grad_cache_wsb = 0;
   const auto bytes = [&](int64_t tensors) { return tensors * entry * static_cast<double>(M); };
-  for (int64_t s = 0; s + 1 < sp.num_stages; ++s) {
+  for (int64_t s = 0; whole && s + 1 < sp.num_stages; ++s) {
     nlohmann::json h;
     h["from"] = s;
     h["to"] = s + 1;
-    h["whole_stack_tensors"] = whole.hop_tensors(s);
-    h["whole_stack_bytes"] = bytes(whole.hop_tensors(s));
-    h["whole_stack_grad_bytes"] = bytes(whole.grad_hop_tensors(s));
+    h["whole_stack_tensors"] = whole->hop_tensors(s);
+    h["whole_stack_bytes"] = bytes(whole->hop_tensors(s));
+    h["whole_stack_grad_bytes"] = bytes(whole->grad_hop_tensors(s));
     total_whole += h["whole_stack_bytes"].get<double>();
     grad_whole += h["whole_stack_grad_bytes"].get<double>();
     if (cache) {
@@ -128,26 +204,33 @@ int plan_main(int argc, char** argv) {
     }
     hops.push_back(h);
   }
-  out["hops"] = hops;
-  out["whole_stack_bytes_per_step"] = total_whole;
-  out["whole_stack_grad_bytes_per_step"] = grad_whole;
+  if (whole) {
+    out["hops"] = hops;
+    out["whole_stack_bytes_per_step"] = total_whole;
+    out["whole_stack_grad_bytes_per_step"] = grad_whole;
+  }
   if (cache) {
     out["rank_cache_bytes_per_step"] = total_cache;
     out["rank_cache_deposit_grad_bytes_per_step"] = grad_cache;
     out["rank_cache_whole_stack_grad_bytes_per_step"] = grad_cache_wsb;
   }
   if (!cache_refused.empty()) out["rank_cache_refused"] = cache_refused;
+
   nlohmann::json ranks = nlohmann::json::array();
   for (int64_t r = 0; r < sp.pp; ++r) {
+    const auto ri = static_cast<size_t>(r);
     nlohmann::json j;
     j["rank"] = r;
-    int64_t widest = 0;  // the largest stack a stage of the rank holds per micro-batch
-    for (int64_t s : sp.rank_to_stages[static_cast<size_t>(r)]) {
-      widest = std::max(widest, 1 + whole.stage(s).entries_in);
+    // The widest input a stage of the rank keeps per micro-batch: the
+    // hidden state, plus the block stack under AttnRes.
+    int64_t widest = 0;
+    for (int64_t s : sp.rank_to_stages[ri]) {
+      widest = std::max<int64_t>(widest, 1 + (whole ? whole->stage(s).entries_in : 0));
     }
-    const auto in_flight = plan.simulation.peak_activations.at(static_cast<size_t>(r));
+    const auto in_flight = plan.simulation.peak_activations.at(ri);
     j["peak_microbatches_in_flight"] = in_flight;
-    j["boundary_activation_bytes"] = static_cast<double>(in_flight * widest) * entry;
+    j["boundary_activation_bytes"] =
+        sp.num_stages > 1 ? static_cast<double>(in_flight * widest) * entry : 0.0;
     if (cache) {
       const auto peak = pipeline::predict_store_peak(*cache, plan.compute, r);
       j["store_peak_entries"] = peak.total;
@@ -157,6 +240,19 @@ int plan_main(int argc, char** argv) {
       const auto peak_wsb = pipeline::predict_store_peak(*cache_wsb, plan.compute, r);
       j["store_peak_bytes_whole_stack_backward"] = static_cast<double>(peak_wsb.total) * entry;
     }
+    const auto& e = memory[ri];
+    j["memory"] = {{"weights", e.weights},
+                   {"gradients", e.gradients},
+                   {"optimizer", e.optimizer},
+                   {"activations", e.activations},
+                   {"loss", e.loss},
+                   {"total", e.total()},
+                   {"microbatches_in_flight", e.microbatches_in_flight},
+                   {"tokens_per_microbatch", e.tokens_per_microbatch},
+                   {"activations_ac_none", memory_none[ri].activations},
+                   {"activations_ac_full", memory_full[ri].activations},
+                   {"total_ac_none", memory_none[ri].total()},
+                   {"total_ac_full", memory_full[ri].total()}};
     ranks.push_back(j);
   }
   out["ranks"] = ranks;
@@ -164,63 +260,88 @@ int plan_main(int argc, char** argv) {
     std::printf("%s\n", out.dump().c_str());
     return 0;
   }
-  std::printf("%s/%s: %lld layers in blocks of %lld; %lld stages on %lld ranks, %s, "
-              "%lld micro-batches of [%lld, %lld, %lld] (%.0f bytes per block entry)\n",
-              family.name.c_str(), cfg.get_string("model.flavor").c_str(),
-              static_cast<long long>(o.n_layers),
-              static_cast<long long>(o.block_size), static_cast<long long>(sp.num_stages),
-              static_cast<long long>(sp.pp), plan.compute.name.c_str(),
-              static_cast<long long>(M), static_cast<long long>(B / M),
-              static_cast<long long>(T), static_cast<long long>(o.dim), entry);
-  std::printf("bubble %.1f%% (F = 1, B = 2)", 100.0 * plan.simulation.bubble_fraction);
-  if (plan.simulation_flops) {
-    std::printf(", %.1f%% with stage costs by FLOPs",
-                100.0 * plan.simulation_flops->bubble_fraction);
-  }
-  if (plan.balanced_weights &&
-      !plan.balanced &&
-      plan.balanced_bubble_flops < plan.simulation_flops->bubble_fraction) {
-    // Note [Split balanced by FLOPs]
-    std::printf("; %.1f%% with parallelism.pipeline_parallel_balance = \"flops\"",
-                100.0 * plan.balanced_bubble_flops);
-  }
-  std::printf("\n");
-  std::printf("  hop      whole stack            rank cache\n");
-  for (const auto& h : hops) {
-    std::printf("  %3lld->%-3lld %3lld tensors %8.3f GiB", h["from"].get<long long>(),
-                h["to"].get<long long>(), h["whole_stack_tensors"].get<long long>(),
-                gib(h["whole_stack_bytes"].get<double>()));
+
+  std::printf("%s/%s: %lld layers", family.name.c_str(), info.flavor.c_str(),
+              out["n_layers"].get<long long>());
+  if (layout) std::printf(" in blocks of %lld", static_cast<long long>(layout->block_size));
+  std::printf("; %lld stage%s on %lld rank%s x dp %lld%s, %lld micro-batch%s of "
+              "[%lld, %lld, %lld]; %s on %s\n",
+              static_cast<long long>(sp.num_stages), sp.num_stages == 1 ? "" : "s",
+              static_cast<long long>(sp.pp), sp.pp == 1 ? "" : "s",
+              static_cast<long long>(dp),
+              sp.num_stages > 1 ? (", " + plan.compute.name).c_str() : "",
+              static_cast<long long>(M), M == 1 ? "" : "es", static_cast<long long>(B / M),
+              static_cast<long long>(T), static_cast<long long>(dim),
+              out["dtype"].get<std::string>().c_str(), on_cuda ? "cuda" : "cpu");
+  if (sp.num_stages > 1) print_bubble(plan);
+
+
+  if (whole) {
+    std::printf("AttnRes (%.0f bytes per block entry):\n", entry);
+    std::printf("  hop      whole stack            rank cache\n");
+    for (const auto& h : hops) {
+      std::printf("  %3lld->%-3lld %3lld tensors %8.3f GiB", h["from"].get<long long>(),
+                  h["to"].get<long long>(), h["whole_stack_tensors"].get<long long>(),
+                  gib(h["whole_stack_bytes"].get<double>()));
+      if (cache) {
+        std::printf("   %3lld tensors %8.3f GiB", h["rank_cache_tensors"].get<long long>(),
+                    gib(h["rank_cache_bytes"].get<double>()));
+      }
+      std::printf("\n");
+    }
+    std::printf("  per step: whole stack %.3f GiB", gib(total_whole));
+    if (cache) std::printf(", rank cache %.3f GiB", gib(total_cache));
+    std::printf(" forward\n");
+    std::printf("  per step backward: whole stack %.3f GiB", gib(grad_whole));
     if (cache) {
-      std::printf("   %3lld tensors %8.3f GiB", h["rank_cache_tensors"].get<long long>(),
-                  gib(h["rank_cache_bytes"].get<double>()));
+      std::printf(", rank cache %.3f GiB (attn_res_cache_backward = deposit) or %.3f GiB "
+                  "(= whole_stack)",
+                  gib(grad_cache), gib(grad_cache_wsb));
     }
     std::printf("\n");
+    if (!cache_refused.empty()) std::printf("rank cache: %s\n", cache_refused.c_str());
   }
-  std::printf("  per step: whole stack %.3f GiB", gib(total_whole));
-  if (cache) std::printf(", rank cache %.3f GiB", gib(total_cache));
-  std::printf(" forward\n");
-  std::printf("  per step backward: whole stack %.3f GiB", gib(grad_whole));
-  if (cache) {
-    std::printf(", rank cache %.3f GiB (attn_res_cache_backward = deposit) or %.3f GiB "
-                "(= whole_stack)",
-                gib(grad_cache), gib(grad_cache_wsb));
-  }
-  std::printf("\n");
-  if (!cache_refused.empty()) std::printf("rank cache: %s\n", cache_refused.c_str());
-  std::printf("  rank  in flight  boundary activations  store peak: deposit (blocks + grad "
-              "slots), whole_stack backward\n");
-  for (const auto& j : ranks) {
-    std::printf("  %4lld  %9lld  %16.3f GiB", j["rank"].get<long long>(),
-                j["peak_microbatches_in_flight"].get<long long>(),
-                gib(j["boundary_activation_bytes"].get<double>()));
-    if (cache) {
-      std::printf("  %8.3f GiB (%lld + %lld entries), %8.3f GiB",
-                  gib(j["store_peak_bytes"].get<double>()),
-                  j["store_peak_blocks"].get<long long>(),
-                  j["store_peak_grad_slots"].get<long long>(),
-                  gib(j["store_peak_bytes_whole_stack_backward"].get<double>()));
+  if (sp.num_stages > 1) {
+    std::printf("  rank  in flight  boundary activations%s\n",
+                cache ? "  store peak: deposit (blocks + grad slots), whole_stack backward"
+                      : "");
+    for (const auto& j : ranks) {
+      std::printf("  %4lld  %9lld  %20s", j["rank"].get<long long>(),
+                  j["peak_microbatches_in_flight"].get<long long>(),
+                  format_gib(j["boundary_activation_bytes"].get<double>()).c_str());
+      if (cache) {
+        std::printf("  %12s (%lld + %lld entries), %s",
+                    format_gib(j["store_peak_bytes"].get<double>()).c_str(),
+                    j["store_peak_blocks"].get<long long>(),
+                    j["store_peak_grad_slots"].get<long long>(),
+                    format_gib(j["store_peak_bytes_whole_stack_backward"].get<double>()).c_str());
+      }
+      std::printf("\n");
     }
-    std::printf("\n");
+  }
+
+  // Note [Activation memory estimate]
+  const std::string optimizer =
+      !adamw ? str(cfg.get_string("optimizer.name"), ": no optimizer state")
+      : shards > 1
+          ? str("AdamW moments sharded over ", shards,
+                " dp ranks (parallelism.dp_shard_optimizer = true)")
+          : str("AdamW moments not sharded (parallelism.dp_shard_optimizer = false",
+                dp > 1 ? str("; true divides them by ", dp) : std::string(), ")");
+  std::printf("memory per pp rank (estimate, before allocator slack and temporaries): %s; "
+              "activation_checkpoint.mode = %s\n",
+              optimizer.c_str(), checkpointing_name(cfg).c_str());
+  std::printf("  %4s %11s %11s %11s %11s %11s %11s   %s\n", "rank", "weights", "gradients",
+              "optimizer", "activations", "loss", "total",
+              "activations with mode none / full");
+  for (size_t r = 0; r < memory.size(); ++r) {
+    const auto& e = memory[r];
+    std::printf("  %4zu %11s %11s %11s %11s %11s %11s   %s / %s\n", r,
+                format_gib(e.weights).c_str(), format_gib(e.gradients).c_str(),
+                format_gib(e.optimizer).c_str(), format_gib(e.activations).c_str(),
+                format_gib(e.loss).c_str(), format_gib(e.total()).c_str(),
+                format_gib(memory_none[r].activations).c_str(),
+                format_gib(memory_full[r].activations).c_str());
   }
   return 0;
 }
@@ -228,8 +349,9 @@ int plan_main(int argc, char** argv) {
 }  // namespace
 
 VIADUCT_COMMAND("plan",
-                "size a pipeline run: per-hop bytes (AttnRes cache vs whole stack, "
-                "both cache backwards), store peak, activations, bubble",
+                "size a run before it runs: per-rank memory (weights, gradients, optimizer, "
+                "activations with and without checkpointing), bubble; for AttnRes the "
+                "per-hop bytes and the block store's peak",
                 plan_main);
 
 }  // namespace viaduct::apps

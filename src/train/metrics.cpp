@@ -122,6 +122,11 @@ std::string MetricsWriter::step_json(const StepMetrics& m) const {
   if (!m.peak_memory_bytes_per_rank.empty()) {
     j["peak_memory_bytes_per_rank"] = m.peak_memory_bytes_per_rank;
   }
+  const auto& plan_memory = options_.plan_memory_bytes_per_rank;
+  if (static_cast<size_t>(options_.pp_rank) < plan_memory.size()) {
+    j["plan_memory_bytes"] = plan_memory[static_cast<size_t>(options_.pp_rank)];
+    if (plan_memory.size() > 1) j["plan_memory_bytes_per_rank"] = plan_memory;
+  }
   if (options_.pipeline) j["p2p_bytes"] = m.p2p_bytes;
   if (!m.bubble_measured_per_rank.empty()) {
     // Note [Measured bubble]: this rank's times; the mean over the pp ranks

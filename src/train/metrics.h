@@ -70,6 +70,10 @@ struct MetricsOptions {
   int pp_rank = 0;
   double bubble_simulated = 0;
   std::optional<double> bubble_simulated_flops;
+  // Each pp rank's estimated total bytes (Note [Activation memory estimate],
+  // train/memory_estimate.h), the figure `viaduct plan` prints, written
+  // beside the measured peaks; empty: not written.
+  std::vector<double> plan_memory_bytes_per_rank;
 };
 
 // The job.* and metrics.* keys; the pipeline fields stay at their defaults.

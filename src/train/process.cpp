@@ -16,15 +16,12 @@
 #include "pipeline/schedule/plan.h"
 
 namespace viaduct {
-namespace {
 
-at::ScalarType resolve_dtype(const std::string& name, const at::Device& dev) {
+at::ScalarType resolve_compute_dtype(const std::string& name, bool on_cuda) {
   if (name == "float32") return at::kFloat;
   if (name == "bfloat16") return at::kBFloat16;
-  return dev.is_cuda() ? at::kBFloat16 : at::kFloat;  // auto
+  return on_cuda ? at::kBFloat16 : at::kFloat;  // auto
 }
-
-}  // namespace
 
 ProcessSetup init_process(const Config& cfg) {
   ProcessSetup ps;
@@ -67,7 +64,7 @@ ProcessSetup init_process(const Config& cfg) {
       log::set_level(log::Level::kWarn);  // rank 0 reports for the job
     }
   }
-  ps.compute_dtype = resolve_dtype(cfg.get_string("training.dtype"), ps.device);
+  ps.compute_dtype = resolve_compute_dtype(cfg.get_string("training.dtype"), ps.device.is_cuda());
   return ps;
 }
 

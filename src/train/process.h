@@ -31,6 +31,10 @@ struct ProcessSetup {
   int pp_rank = 0, dp_rank = 0, dp_size = 1;
 };
 
+// training.dtype on a CUDA device or not: auto is bfloat16 on CUDA, float32
+// elsewhere.
+at::ScalarType resolve_compute_dtype(const std::string& name, bool on_cuda);
+
 // Reads WORLD_SIZE & co. (dist::rendezvous_from_env); a world that does not
 // match parallelism.* is a ConfigError.
 ProcessSetup init_process(const Config& cfg);

@@ -76,6 +76,9 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   mo.pp_rank = pp_rank_;
   mo.bubble_simulated = plan_->simulation.bubble_fraction;
   if (plan_->simulation_flops) mo.bubble_simulated_flops = plan_->simulation_flops->bubble_fraction;
+  for (const auto& e : estimate_memory_per_rank(cfg_, info, *plan_, compute_dtype_, device_.is_cuda())) {
+    mo.plan_memory_bytes_per_rank.push_back(e.total());
+  }
   metrics_ = std::make_unique<MetricsWriter>(std::move(mo));
   log_job_summary(cfg_, {info, *plan_, device_, compute_dtype_, dp_size_, num_microbatches(),
                          *sampler_, eval_tokens_.get()});

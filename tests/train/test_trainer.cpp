@@ -16,6 +16,8 @@
 #include "data/fixtures.h"
 #include "data/temp_dir.h"
 #include "data/token_file.h"
+#include "model/model.h"
+#include "train/memory_estimate.h"
 #include "train/trainer.h"
 
 using namespace viaduct;
@@ -92,6 +94,30 @@ TEST(Trainer, LossFallsAndMetricsAreWritten) {
   EXPECT_LT(evals.back(), evals.front());
   // The loss is written with enough digits to round-trip a float32.
   EXPECT_EQ(static_cast<float>(losses.back()), static_cast<float>(last.loss));
+}
+
+// Every step line carries the plan's estimated total (Note [Activation
+// memory estimate]) beside the measured peak; one process has no per-rank
+// list.
+TEST(Trainer, MetricsCarryThePlanMemoryEstimate) {
+  Job job;
+  auto cfg = job.config({"training.steps=2", "training.eval_interval=0", "training.device=cpu",
+                         "parallelism.pipeline_parallel_microbatches=2"});
+  Trainer t(cfg);
+  t.run();
+  const double want =
+      estimate_rank_memory(cfg, describe_model(cfg), t.plan(), 0, at::kFloat, false).total();
+  auto lines = read_metrics(fs::path(cfg.get_string("job.dump_folder")) / "metrics.jsonl");
+  int steps = 0;
+  for (const auto& j : lines) {
+    if (!j.contains("loss")) continue;
+    ++steps;
+    ASSERT_TRUE(j.contains("plan_memory_bytes")) << j.dump();
+    EXPECT_DOUBLE_EQ(j["plan_memory_bytes"].get<double>(), want);
+    EXPECT_GT(j["peak_memory_bytes"].get<double>(), 0.0);
+    EXPECT_FALSE(j.contains("plan_memory_bytes_per_rank"));
+  }
+  EXPECT_EQ(steps, 2);
 }
 
 TEST(Trainer, ResumeContinuesBitwise) {
