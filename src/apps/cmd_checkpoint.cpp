@@ -34,11 +34,13 @@ int inspect(const std::string& arg) {
                 static_cast<unsigned long long>(f.bytes));
   }
   for (const auto& name : c.tensors.names()) {
-    const auto& e = c.tensors.entry(name);
+    const auto e = c.tensors.info(name);
     std::string shape;
     for (auto d : e.shape) shape += (shape.empty() ? "" : "x") + std::to_string(d);
-    std::printf("  %-60s %-5s [%s]\n", name.c_str(), ck::dtype_name(e.dtype).c_str(),
-                shape.c_str());
+    const std::string pieces =
+        e.pieces > 0 ? " in " + std::to_string(e.pieces) + (e.pieces == 1 ? " piece" : " pieces") : "";
+    std::printf("  %-60s %-5s [%s]%s\n", name.c_str(), ck::dtype_name(e.dtype).c_str(),
+                shape.c_str(), pieces.c_str());
   }
   return 0;
 }

@@ -151,6 +151,14 @@ std::string part_file_name(const std::string& kind, int rank, int world_size) {
   return kind + "-rank" + std::to_string(rank) + ".safetensors";
 }
 
+std::string part_file_name(const std::string& kind, int rank, int world_size, int dp_rank,
+                           int dp_size) {
+  if (dp_size <= 1) return part_file_name(kind, rank, world_size);
+  std::string base = kind;
+  if (world_size > 1) base += "-rank" + std::to_string(rank);
+  return base + "-dp" + std::to_string(dp_rank) + ".safetensors";
+}
+
 fs::path checkpoint_tmp_dir(const fs::path& folder, int64_t step,
                             const std::string& save_id) {
   VIADUCT_CHECK(!save_id.empty() && save_id.find('/') == std::string::npos,

@@ -101,6 +101,10 @@ std::filesystem::path checkpoint_dir(const std::filesystem::path& folder,
                                      int64_t step);
 // "<kind>.safetensors" when world_size == 1, else "<kind>-rank<r>.safetensors".
 std::string part_file_name(const std::string& kind, int rank, int world_size);
+// The same name with "-dp<dp_rank>" before the extension when dp_size > 1:
+// a file every data-parallel replica writes (ZeRO-1's optimizer slices).
+std::string part_file_name(const std::string& kind, int rank, int world_size, int dp_rank,
+                           int dp_size);
 // <folder>/step-<step>.tmp-<save_id>
 std::filesystem::path checkpoint_tmp_dir(const std::filesystem::path& folder,
                                          int64_t step,

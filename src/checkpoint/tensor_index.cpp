@@ -3,6 +3,8 @@
 #include "checkpoint/tensor_index.h"
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <system_error>
 
 #include "core/check.h"
@@ -23,6 +25,20 @@ std::string sizes_text(at::IntArrayRef sizes) {
 std::string optim_state_fqn(const std::string& state,
                             const std::string& param_fqn) {
   return "optim." + state + "." + param_fqn;
+}
+
+std::pair<NamedTensors, StringMap> piece_entries(const std::vector<TensorPiece>& pieces) {
+  NamedTensors tensors;
+  nlohmann::json table = nlohmann::json::object();
+  for (const auto& p : pieces) {
+    VIADUCT_CHECK(p.values.dim() == 1, "piece of '", p.fqn, "' must be 1-D");
+    const std::string name = p.fqn + "@" + std::to_string(p.offset);
+    tensors.emplace_back(name, p.values);
+    table[name] = {{"fqn", p.fqn}, {"shape", p.shape}, {"offset", p.offset}};
+  }
+  StringMap meta;
+  if (!pieces.empty()) meta[kTensorPiecesKey] = table.dump();
+  return {std::move(tensors), std::move(meta)};
 }
 
 TensorFileIndex::TensorFileIndex(const std::filesystem::path& folder)
@@ -55,11 +71,63 @@ TensorFileIndex::TensorFileIndex(const std::vector<std::filesystem::path>& files
 void TensorFileIndex::add_file(const std::filesystem::path& path) {
   files_.push_back(std::make_unique<SafetensorsFile>(path));
   const size_t slot = files_.size() - 1;
-  for (const auto& [name, e] : files_.back()->entries()) {
+  const SafetensorsFile& file = *files_.back();
+  // Note [Tensors stored in pieces]: entries the pieces table names are
+  // indexed under their tensor's FQN.
+  std::set<std::string> piece_names;
+  auto meta = file.metadata().find(kTensorPiecesKey);
+  if (meta != file.metadata().end()) {
+    nlohmann::json table;
+    try {
+      table = nlohmann::json::parse(meta->second);
+    } catch (const nlohmann::json::exception& e) {
+      throw FileError(str(path.string(), ": metadata ", kTensorPiecesKey,
+                          " is not valid JSON (", e.what(), ")"));
+    }
+    VIADUCT_CHECK_T(FileError, table.is_object(), path.string(), ": metadata ",
+                    kTensorPiecesKey, " is not a JSON object");
+    for (const auto& [name, d] : table.items()) {
+      const std::string where = str("piece '", name, "' in ", path.string());
+      VIADUCT_CHECK_T(FileError, file.contains(name), where, " is listed but not stored");
+      PieceRef ref{slot, name, {}, 0};
+      std::string fqn;
+      try {
+        fqn = d.at("fqn").get<std::string>();
+        ref.shape = d.at("shape").get<std::vector<int64_t>>();
+        ref.offset = d.at("offset").get<int64_t>();
+      } catch (const nlohmann::json::exception& e) {
+        throw FileError(str(where, ": bad description (", e.what(), ")"));
+      }
+      const auto& e = file.entry(name);
+      int64_t numel = 1;
+      for (auto n : ref.shape) numel *= n;
+      VIADUCT_CHECK_T(FileError,
+                      e.shape.size() == 1 && ref.offset >= 0 &&
+                          ref.offset + e.shape[0] <= numel,
+                      where, ": elements [", ref.offset, ", ", ref.offset + (e.shape.empty() ? 0 : e.shape[0]),
+                      ") do not fit tensor '", fqn, "' of shape ", sizes_text(ref.shape));
+      auto& list = pieces_[fqn];
+      for (const auto& other : list) {
+        VIADUCT_CHECK_T(FileError, other.offset != ref.offset, "tensor '", fqn,
+                        "' has two pieces at element ", ref.offset, ": in ",
+                        files_[other.slot]->path().string(), " and in ", path.string());
+      }
+      list.push_back(std::move(ref));
+      std::sort(list.begin(), list.end(),
+                [](const PieceRef& a, const PieceRef& b) { return a.offset < b.offset; });
+      piece_names.insert(name);
+    }
+  }
+  for (const auto& [name, e] : file.entries()) {
+    if (piece_names.count(name) != 0) continue;
     auto [it, fresh] = index_.emplace(name, slot);
     VIADUCT_CHECK_T(FileError, fresh, "tensor '", name, "' is stored twice: in ",
                     files_[it->second]->path().string(), " and in ",
                     path.string());
+  }
+  for (const auto& [fqn, list] : pieces_) {
+    VIADUCT_CHECK_T(FileError, index_.count(fqn) == 0, "tensor '", fqn,
+                    "' is stored both whole and in pieces in ", searched());
   }
 }
 
@@ -75,15 +143,19 @@ std::string TensorFileIndex::searched() const {
 
 std::vector<std::string> TensorFileIndex::names() const {
   std::vector<std::string> out;
-  out.reserve(index_.size());
+  out.reserve(index_.size() + pieces_.size());
   for (const auto& [name, slot] : index_) out.push_back(name);
+  for (const auto& [name, list] : pieces_) out.push_back(name);
+  std::sort(out.begin(), out.end());
   return out;
 }
 
 const SafetensorsFile& TensorFileIndex::file_of(const std::string& fqn) const {
   auto it = index_.find(fqn);
   VIADUCT_CHECK_T(FileError, it != index_.end(), "tensor '", fqn,
-                  "' not found in checkpoint ", searched());
+                  pieces_.count(fqn) ? "' is stored in pieces, not whole, in checkpoint "
+                                     : "' not found in checkpoint ",
+                  searched());
   return *files_[it->second];
 }
 
@@ -91,8 +163,47 @@ const TensorEntry& TensorFileIndex::entry(const std::string& fqn) const {
   return file_of(fqn).entry(fqn);
 }
 
+TensorInfo TensorFileIndex::info(const std::string& fqn) const {
+  auto p = pieces_.find(fqn);
+  if (p == pieces_.end()) {
+    const auto& e = entry(fqn);
+    return {e.dtype, e.shape, 0};
+  }
+  const auto& first = p->second.front();
+  return {files_[first.slot]->entry(first.entry).dtype, first.shape, p->second.size()};
+}
+
+at::Tensor TensorFileIndex::assemble(const std::string& fqn, bool verify_checksum) const {
+  const auto& list = pieces_.at(fqn);
+  const auto& shape = list.front().shape;
+  const auto dtype = files_[list.front().slot]->entry(list.front().entry).dtype;
+  int64_t numel = 1;
+  for (auto n : shape) numel *= n;
+  auto out = at::empty(shape, at::TensorOptions().dtype(dtype));
+  auto flat = out.view(-1);
+  int64_t covered = 0;
+  for (const auto& ref : list) {
+    const SafetensorsFile& file = *files_[ref.slot];
+    const auto& e = file.entry(ref.entry);
+    const std::string where = str("tensor '", fqn, "' (piece '", ref.entry, "' in ",
+                                  file.path().string(), ")");
+    VIADUCT_CHECK_T(FileError, ref.shape == shape && e.dtype == dtype, where,
+                    ": its pieces disagree on the shape or dtype");
+    VIADUCT_CHECK_T(FileError, ref.offset == covered, where, ": elements [", covered, ", ",
+                    ref.offset, ") are in no piece", ref.offset < covered ? " (pieces overlap)" : "",
+                    " of ", searched());
+    file.read_into(e, flat.slice(0, ref.offset, ref.offset + e.shape[0]).data_ptr(),
+                   verify_checksum);
+    covered = ref.offset + e.shape[0];
+  }
+  VIADUCT_CHECK_T(FileError, covered == numel, "tensor '", fqn, "': elements [", covered, ", ",
+                  numel, ") are in no piece of ", searched());
+  return out;
+}
+
 at::Tensor TensorFileIndex::load(const std::string& fqn,
                                  bool verify_checksum) const {
+  if (pieces_.count(fqn) != 0) return assemble(fqn, verify_checksum);
   return file_of(fqn).read(fqn, verify_checksum);
 }
 
@@ -112,6 +223,22 @@ LoadReport TensorFileIndex::load_into(const NamedTensors& destinations,
       VIADUCT_CHECK_T(FileError, !options.strict, "tensor '", fqn,
                       "' not found in checkpoint ", searched());
       report.missing.push_back(fqn);
+      continue;
+    }
+    if (pieces_.count(fqn) != 0) {
+      const auto inf = info(fqn);
+      const std::string where = "tensor '" + fqn + "' (in pieces)";
+      VIADUCT_CHECK(dst.defined(), "the destination of ", where, " is an undefined tensor");
+      VIADUCT_CHECK_T(FileError, dst.sizes() == at::IntArrayRef(inf.shape), where, ": shape ",
+                      sizes_text(inf.shape), " in the checkpoint, but the destination has shape ",
+                      sizes_text(dst.sizes()));
+      VIADUCT_CHECK_T(FileError, dst.scalar_type() == inf.dtype || options.allow_dtype_cast,
+                      where, ": dtype ", dtype_name(inf.dtype), " in the checkpoint, but the ",
+                      "destination is ", c10::toString(dst.scalar_type()),
+                      " (set LoadOptions::allow_dtype_cast to convert)");
+      at::Tensor target = dst;
+      target.copy_(assemble(fqn, options.verify_checksums));
+      report.loaded.push_back(fqn);
       continue;
     }
     const SafetensorsFile& file = file_of(fqn);

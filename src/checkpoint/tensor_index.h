@@ -12,6 +12,17 @@
 //   optim.<state>.<param fqn>   e.g. optim.exp_avg.layers.3.attention.wq.weight
 //                                    optim.exp_avg_sq.layers.3.attention.wq.weight
 //                                    optim.step.layers.3.attention.wq.weight
+//
+// Note [Tensors stored in pieces]
+// A tensor may also be stored as pieces: 1-D entries each holding a
+// contiguous range of its row-major elements, possibly in different files
+// (each ZeRO-1 rank writes its own slice of every optimizer moment, no
+// gather to one rank). The file's metadata key `viaduct.tensor_pieces` (a
+// JSON object, stored as a string) maps each piece's entry name
+// ("<fqn>@<offset>") to {"fqn", "shape", "offset"}. The index lists such a
+// tensor under its FQN like any other; load() and load_into() assemble it
+// from pieces that must tile it exactly, so a sharded save loads under any
+// layout, sharded or not.
 #pragma once
 
 #include <torch/torch.h>
@@ -29,6 +40,29 @@ namespace viaduct::checkpoint {
 // "optim.<state>.<param_fqn>".
 std::string optim_state_fqn(const std::string& state,
                             const std::string& param_fqn);
+
+// The metadata key of Note [Tensors stored in pieces].
+inline constexpr const char* kTensorPiecesKey = "viaduct.tensor_pieces";
+
+// One piece: the elements [offset, offset + values.numel()) of the
+// row-major flattening of tensor `fqn`, whose whole shape is `shape`.
+struct TensorPiece {
+  std::string fqn;
+  std::vector<int64_t> shape;
+  int64_t offset = 0;
+  at::Tensor values;  // 1-D
+};
+
+// The entries and the metadata (kTensorPiecesKey) that store `pieces` in
+// one file.
+std::pair<NamedTensors, StringMap> piece_entries(const std::vector<TensorPiece>& pieces);
+
+// What the index knows of a tensor without reading it.
+struct TensorInfo {
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  size_t pieces = 0;  // 0: stored whole
+};
 
 struct LoadOptions {
   // A destination with no tensor in the checkpoint is a FileError; otherwise
@@ -57,16 +91,21 @@ class TensorFileIndex {
   TensorFileIndex(const std::vector<std::filesystem::path>& files,
                   std::filesystem::path location);
 
-  bool contains(const std::string& fqn) const { return index_.count(fqn) != 0; }
-  std::vector<std::string> names() const;  // sorted
-  // FileError naming the tensor and the files searched when missing.
+  bool contains(const std::string& fqn) const {
+    return index_.count(fqn) != 0 || pieces_.count(fqn) != 0;
+  }
+  std::vector<std::string> names() const;  // sorted; pieced tensors once
+  // Dtype and shape of a whole or pieced tensor; FileError when missing.
+  TensorInfo info(const std::string& fqn) const;
+  // The entry of a tensor stored whole. FileError naming the tensor and the
+  // files searched when missing (or stored in pieces).
   const TensorEntry& entry(const std::string& fqn) const;
   const SafetensorsFile& file_of(const std::string& fqn) const;
   const std::vector<std::unique_ptr<SafetensorsFile>>& files() const {
     return files_;
   }
 
-  // CPU tensors with the stored dtype.
+  // CPU tensors with the stored dtype (pieces assembled).
   at::Tensor load(const std::string& fqn, bool verify_checksum = true) const;
   // (Not an overload of load: {"a", "b"} would also build a std::string.)
   std::map<std::string, at::Tensor> load_many(
@@ -88,6 +127,14 @@ class TensorFileIndex {
   std::filesystem::path location_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, size_t> index_;  // fqn → files_ slot
+  struct PieceRef {
+    size_t slot;
+    std::string entry;
+    std::vector<int64_t> shape;
+    int64_t offset;
+  };
+  std::map<std::string, std::vector<PieceRef>> pieces_;  // fqn → by offset
+  at::Tensor assemble(const std::string& fqn, bool verify_checksum) const;
 };
 
 // One-shot: index `folder` and load `fqns` as CPU tensors of the stored dtype.

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "checkpoint/tensor_index.h"
 #include "config/config.h"
 #include "core/check.h"
 #include "core/torch_compat.h"
@@ -27,6 +28,18 @@ void Optimizer::zero_grad() {
     auto& g = np.param.mutable_grad();
     if (g.defined()) g = at::Tensor();
   }
+}
+
+void Optimizer::load_from(const checkpoint::TensorFileIndex& index) {
+  load_state(index.load_many(state_keys()));
+}
+
+int64_t Optimizer::state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& [name, t] : state()) {
+    bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  return bytes;
 }
 
 AdamW::AdamW(std::vector<NamedParam> params, double beta1, double beta2,

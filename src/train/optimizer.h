@@ -15,6 +15,10 @@ namespace viaduct {
 
 class Config;
 
+namespace checkpoint {
+class TensorFileIndex;
+}  // namespace checkpoint
+
 struct NamedParam {
   std::string fqn;
   at::Tensor param;     // fp32 master weight
@@ -50,6 +54,14 @@ class Optimizer {
   virtual void load_state(const std::map<std::string, at::Tensor>& tensors) = 0;
   // Keys state() would produce (for loading).
   virtual std::vector<std::string> state_keys() const = 0;
+  // The metadata of the file state() is saved into (a sharded optimizer's
+  // pieces table, Note [Tensors stored in pieces]); empty by default.
+  virtual std::map<std::string, std::string> state_file_metadata() const { return {}; }
+  // Restores the state from a checkpoint's tensors, stored whole or in
+  // pieces; by default load_state() of every state_keys() tensor.
+  virtual void load_from(const checkpoint::TensorFileIndex& index);
+  // Bytes of the state this process holds.
+  int64_t state_bytes() const;
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t s) { steps_ = s; }
   const std::vector<NamedParam>& params() const { return params_; }

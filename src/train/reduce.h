@@ -23,9 +23,16 @@ class ProcessGroup;
 void sum_over(dist::ProcessGroup* group, std::vector<double>& values,
               const std::string& context, const std::string& what);
 
-// Sums the gradients of `params` over `group`: flattened into buckets of
-// about `bucket_bytes` (one dtype per bucket), one all-reduce each, copied
-// back. A parameter without a gradient gets zeros first.
+// The buckets of the data-parallel gradient sum: runs of consecutive
+// parameters (indices into `params`) of about `bucket_bytes`, one dtype per
+// bucket; a bucket closes once it holds bucket_bytes or the dtype changes.
+// Also the units ZeRO-1 shards (sharded_optimizer.h).
+std::vector<std::vector<size_t>> grad_buckets(const std::vector<NamedParam>& params,
+                                              int64_t bucket_bytes);
+
+// Sums the gradients of `params` over `group`: flattened into the
+// grad_buckets, one all-reduce each, copied back. A parameter without a
+// gradient gets zeros first.
 void allreduce_grads(dist::ProcessGroup& group, const std::vector<NamedParam>& params,
                      int64_t bucket_bytes, const std::string& context);
 

@@ -29,7 +29,7 @@ ck::CheckpointPolicy checkpoint_policy_from_config(const Config& cfg) {
 
 std::vector<ck::CheckpointPart> training_state_parts(
     const std::vector<std::shared_ptr<ModelPart>>& parts, const Optimizer& optimizer,
-    int pp_rank, int pp) {
+    int pp_rank, int pp, int dp_rank, int optim_dp) {
   ck::CheckpointPart model_part{ck::part_file_name("model", pp_rank, pp), {}, {}};
   for (const auto& part : parts) {
     for (const auto& p : part->named_parameters()) {
@@ -37,8 +37,8 @@ std::vector<ck::CheckpointPart> training_state_parts(
     }
     for (const auto& [k, t] : part->extra_state()) model_part.tensors.emplace_back(k, t);
   }
-  ck::CheckpointPart optim_part{ck::part_file_name("optim", pp_rank, pp),
-                                optimizer.state(), {}};
+  ck::CheckpointPart optim_part{ck::part_file_name("optim", pp_rank, pp, dp_rank, optim_dp),
+                                optimizer.state(), optimizer.state_file_metadata()};
   return {model_part, optim_part};
 }
 
@@ -65,8 +65,7 @@ TrainProgress load_training_state(const ck::Checkpoint& ckpt,
     ckpt.tensors.load_into(*part);
     ckpt.tensors.load_into(part->extra_state());
   }
-  const auto keys = optimizer.state_keys();
-  optimizer.load_state(ckpt.tensors.load_many(keys));
+  optimizer.load_from(ckpt.tensors);
   optimizer.set_steps_taken(ckpt.metadata.extra.value("optimizer_steps", ckpt.metadata.step));
   sampler.restore(data::DataCursor::from_json(ckpt.metadata.data_cursor.dump()));
   return {ckpt.metadata.step, ckpt.metadata.tokens_seen};

@@ -31,9 +31,11 @@ struct TrainProgress {
 };
 
 // The files of pp rank `pp_rank` (of `pp`): its model part and optim part.
+// `optim_dp` > 1: the optimizer is sharded over that many data-parallel
+// replicas (ZeRO-1) and the optim file is dp replica `dp_rank`'s own.
 std::vector<checkpoint::CheckpointPart> training_state_parts(
     const std::vector<std::shared_ptr<ModelPart>>& parts, const Optimizer& optimizer,
-    int pp_rank, int pp);
+    int pp_rank, int pp, int dp_rank = 0, int optim_dp = 1);
 
 checkpoint::CheckpointMetadata training_state_metadata(
     TrainProgress progress, const data::TokenSampler& sampler, const Optimizer& optimizer,

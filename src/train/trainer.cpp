@@ -32,6 +32,7 @@
 #include "train/rank_model.h"
 #include "train/reduce.h"
 #include "train/report.h"
+#include "train/sharded_optimizer.h"
 #include "train/train_state.h"
 #include "train/warm_start.h"
 
@@ -144,7 +145,22 @@ ModelInfo Trainer::build_model() {
                       ", but model.vocab_size is ", np.param.size(0));
     }
   }
-  optimizer_ = make_optimizer(cfg_, std::move(rm.params));
+  int64_t elements = 0;
+  for (const auto& np : rm.params) elements += np.param.numel();
+  if (shards_optimizer()) {
+    // Note [ZeRO-1] (train/sharded_optimizer.h).
+    auto sharded = std::make_unique<ShardedOptimizer>(
+        std::move(rm.params), mesh_->dp_group(), cfg_.get_int("parallelism.dp_bucket_mb") << 20,
+        [this](std::vector<NamedParam> slices) { return make_optimizer(cfg_, std::move(slices)); });
+    log::info("rank ", rank(), ": optimizer state ", sharded->state_bytes(), " bytes for ",
+              sharded->owned_elements(), " of ", elements,
+              " parameter elements (ZeRO-1 over dp ", dp_size_, ")");
+    optimizer_ = std::move(sharded);
+  } else {
+    optimizer_ = make_optimizer(cfg_, std::move(rm.params));
+    log::info("rank ", rank(), ": optimizer state ", optimizer_->state_bytes(), " bytes for ",
+              elements, " of ", elements, " parameter elements");
+  }
 
   if (plan_->split.num_stages > 1) {
     executor_ = std::make_unique<pipeline::PipelineExecutor>(
@@ -213,6 +229,10 @@ Trainer::~Trainer() {
 }
 
 int Trainer::rank() const { return mesh_ ? mesh_->rank() : 0; }
+
+bool Trainer::shards_optimizer() const {
+  return mesh_ && dp_size_ > 1 && cfg_.get_bool("parallelism.dp_shard_optimizer");
+}
 
 int64_t Trainer::num_microbatches() const {
   // One stage: the key alone decides (default 1); else the schedule's count.
@@ -515,8 +535,15 @@ void Trainer::save_checkpoint() {
   const int pp = static_cast<int>(plan_->split.pp);
   const auto meta = training_state_metadata(
       {step_, tokens_seen_}, *sampler_, *optimizer_, cfg_.to_toml(),
-      {{"pp", plan_->split.pp}, {"dp", dp_size_}, {"stages", plan_->split.num_stages}});
-  auto files = training_state_parts(parts_, *optimizer_, pp_rank_, pp);
+      {{"pp", plan_->split.pp},
+       {"dp", dp_size_},
+       {"stages", plan_->split.num_stages},
+       {"dp_shard_optimizer", shards_optimizer()}});
+  const int optim_dp = shards_optimizer() ? dp_size_ : 1;
+  auto files = training_state_parts(parts_, *optimizer_, pp_rank_, pp, dp_rank_, optim_dp);
+  // Every replica of a sharded optimizer writes its own optim file; the
+  // model's weights are written by the first replica alone.
+  if (optim_dp > 1 && dp_rank_ != 0) files.erase(files.begin());
   const bool async = cfg_.get_string("checkpoint.async_mode") == "async";
   const auto t_copy = std::chrono::steady_clock::now();
   if (async) snapshot_to_host(files);
@@ -527,10 +554,12 @@ void Trainer::save_checkpoint() {
     // The dp-rank-0 replica of every pipeline rank writes its parts.
     group = std::make_shared<ck::SaveGroup>();
     group->rank = rank();
-    group->writes_parts = dp_rank_ == 0;
+    group->writes_parts = dp_rank_ == 0 || optim_dp > 1;
     for (int r = 0; r < pp; ++r) {
       group->expected_files.push_back(ck::part_file_name("model", r, pp));
-      group->expected_files.push_back(ck::part_file_name("optim", r, pp));
+      for (int d = 0; d < optim_dp; ++d) {
+        group->expected_files.push_back(ck::part_file_name("optim", r, pp, d, optim_dp));
+      }
     }
     if (async) {
       // Note [Asynchronous checkpoint]: the writer thread must not use the

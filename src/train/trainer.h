@@ -134,6 +134,8 @@ class Trainer {
                           std::vector<at::Tensor>& pending_losses);
   at::Tensor forward_loss(const at::Tensor& inputs, const at::Tensor& targets);
   void allreduce_grads_over_dp();
+  // parallelism.dp_shard_optimizer with more than one replica (ZeRO-1).
+  bool shards_optimizer() const;
   // Clips and updates on the device where it can (Note [Clip coefficient on
   // the device]): returns the norm and adds the losses to loss_sum; nullopt
   // where the host path runs.

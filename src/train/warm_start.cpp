@@ -135,7 +135,7 @@ TrainProgress warm_start(const Config& cfg,
     return std::find(excluded.begin(), excluded.end(), what) != excluded.end();
   };
   if (!excludes("optimizer")) {
-    optimizer.load_state(ckpt.tensors.load_many(optimizer.state_keys()));
+    optimizer.load_from(ckpt.tensors);
     optimizer.set_steps_taken(
         ckpt.metadata.extra.value("optimizer_steps", ckpt.metadata.step));
   }

@@ -194,6 +194,78 @@ TEST_F(Checkpoints, UnionOfTwoFilesLoadsByFqn) {
   EXPECT_EQ(index.file_of(model.back().first).path().filename(), "b.safetensors");
 }
 
+// Note [Tensors stored in pieces]: the elements of a tensor split at
+// `cuts` into pieces, written into one file per piece.
+void write_pieces(const fs::path& dir, const std::string& fqn, const at::Tensor& whole,
+                  const std::vector<int64_t>& cuts) {
+  make_dirs(dir);
+  const auto flat = whole.reshape(-1);
+  for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+    auto [tensors, meta] = piece_entries(
+        {{fqn, whole.sizes().vec(), cuts[i], flat.slice(0, cuts[i], cuts[i + 1])}});
+    write_safetensors(dir / ("p" + std::to_string(i) + ".safetensors"), tensors, meta);
+  }
+}
+
+TEST_F(Checkpoints, PiecesInSeveralFilesLoadAsTheWholeTensor) {
+  torch::manual_seed(3);
+  const auto whole = torch::randn({6, 10});
+  write_pieces(dir_ / "p", "optim.exp_avg.w", whole, {0, 17, 18, 60});
+  TensorFileIndex index(dir_ / "p");
+  EXPECT_EQ(index.names(), std::vector<std::string>{"optim.exp_avg.w"});
+  EXPECT_TRUE(index.contains("optim.exp_avg.w"));
+  const auto info = index.info("optim.exp_avg.w");
+  EXPECT_EQ(info.shape, (std::vector<int64_t>{6, 10}));
+  EXPECT_EQ(info.pieces, 3u);
+  EXPECT_TRUE(bitwise_equal(index.load("optim.exp_avg.w"), whole));
+  NamedTensors dst = {{"optim.exp_avg.w", torch::zeros({6, 10})}};
+  index.load_into(dst);
+  EXPECT_TRUE(bitwise_equal(dst[0].second, whole));
+  NamedTensors wrong = {{"optim.exp_avg.w", torch::zeros({10, 6})}};
+  expect_file_error([&] { index.load_into(wrong); }, {"optim.exp_avg.w", "[6, 10]", "[10, 6]"});
+  expect_file_error([&] { index.entry("optim.exp_avg.w"); }, {"optim.exp_avg.w", "pieces"});
+}
+
+TEST_F(Checkpoints, PiecesWithAGapOrTwiceAreRefused) {
+  const auto whole = torch::arange(40, at::kFloat).reshape({4, 10});
+  // Elements [10, 20) are in no file: a missing rank's slice.
+  write_pieces(dir_ / "gap", "m", whole, {0, 10});
+  {
+    auto [t, meta] = piece_entries({{"m", {4, 10}, 20, whole.reshape(-1).slice(0, 20, 40)}});
+    write_safetensors(dir_ / "gap" / "q.safetensors", t, meta);
+  }
+  TensorFileIndex gap(dir_ / "gap");
+  expect_file_error([&] { gap.load("m"); }, {"'m'", "[10, 20)", "no piece"});
+  // The tail missing.
+  write_pieces(dir_ / "tail", "m", whole, {0, 30});
+  expect_file_error([&] { TensorFileIndex(dir_ / "tail").load("m"); }, {"'m'", "[30, 40)"});
+  // Two pieces at one offset, in two files.
+  write_pieces(dir_ / "twice", "m", whole, {0, 40});
+  fs::copy_file(dir_ / "twice" / "p0.safetensors", dir_ / "twice" / "p1.safetensors");
+  expect_file_error([&] { TensorFileIndex index(dir_ / "twice"); },
+                    {"'m'", "two pieces", "p0.safetensors", "p1.safetensors"});
+  // A piece that does not fit the shape it claims.
+  make_dirs(dir_ / "big");
+  {
+    auto [t, meta] = piece_entries({{"m", {2, 10}, 15, whole.reshape(-1).slice(0, 0, 10)}});
+    write_safetensors(dir_ / "big" / "a.safetensors", t, meta);
+  }
+  expect_file_error([&] { TensorFileIndex index(dir_ / "big"); }, {"m@15", "[15, 25)", "[2, 10]"});
+  // Whole and in pieces at once.
+  write_pieces(dir_ / "both", "m", whole, {0, 40});
+  write_safetensors(dir_ / "both" / "w.safetensors", {{"m", whole}});
+  expect_file_error([&] { TensorFileIndex index(dir_ / "both"); }, {"'m'", "whole and in pieces"});
+}
+
+TEST_F(Checkpoints, DamagedPieceIsNamed) {
+  const auto whole = torch::arange(64, at::kFloat);
+  write_pieces(dir_ / "d", "m", whole, {0, 32, 64});
+  const auto file = dir_ / "d" / "p1.safetensors";
+  flip_byte(file, fs::file_size(file) - 4);
+  TensorFileIndex index(dir_ / "d");
+  expect_file_error([&] { index.load("m"); }, {"m@32", "p1.safetensors"});
+}
+
 TEST_F(Checkpoints, SameFqnInTwoFilesIsRefused) {
   make_dirs(dir_ / "dup");
   write_safetensors(dir_ / "dup" / "a.safetensors", {{"w", torch::ones({2})}});
@@ -424,6 +496,9 @@ TEST_F(Checkpoints, CudaTensorsSaveAndLoadToTheDevice) {
 TEST(CheckpointNames, FilesAndFolders) {
   EXPECT_EQ(part_file_name("model", 0, 1), "model.safetensors");
   EXPECT_EQ(part_file_name("optim", 3, 4), "optim-rank3.safetensors");
+  EXPECT_EQ(part_file_name("optim", 3, 4, 1, 1), "optim-rank3.safetensors");
+  EXPECT_EQ(part_file_name("optim", 3, 4, 1, 2), "optim-rank3-dp1.safetensors");
+  EXPECT_EQ(part_file_name("optim", 0, 1, 2, 4), "optim-dp2.safetensors");
   EXPECT_EQ(checkpoint_dir("/x", 12), fs::path("/x/step-12"));
   EXPECT_EQ(checkpoint_tmp_dir("/x", 12, "77"), fs::path("/x/step-12.tmp-77"));
   EXPECT_EQ(optim_state_fqn("exp_avg", "layers.3.attention.wq.weight"),

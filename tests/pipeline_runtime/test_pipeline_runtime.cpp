@@ -213,6 +213,87 @@ TEST_F(PipelineRuns, CheckpointMovesBetweenLayoutsBitwise) {
   }
 }
 
+// Note [ZeRO-1]: the optimizer sharded over dp 2 x pp 2 trains to the bits
+// of the same run unsharded (losses, weights, every optimizer moment), each
+// replica keeps and writes about half of its pp rank's optimizer state, and
+// the sharded checkpoint resumes under other layouts, sharded or not,
+// continuing with the bits of a resume from the unsharded run's checkpoint.
+TEST_F(PipelineRuns, ShardedOptimizerKeepsTheBitsOfDataParallel) {
+  // A 16384-token vocabulary makes each embedding a 2 MiB bucket of its own,
+  // so the first and last stages shard two buckets each.
+  auto args = [&](const std::string& extra) {
+    return base_args("llama", 6, 4) +
+           " --model.vocab_size=16384 --parallelism.dp_bucket_mb=1 --training.steps=4"
+           " --checkpoint.interval=2 --checkpoint.keep_latest_k=0" + extra;
+  };
+  const std::string dp2pp2 =
+      " --parallelism.data_parallel_degree=2 --parallelism.pipeline_parallel_degree=2";
+  const auto plain = train("zero_plain", 4, args(dp2pp2));
+  const auto plain_log = last_.output;
+  const auto sharded = train("zero_sharded", 4, args(dp2pp2 + " --parallelism.dp_shard_optimizer=true"));
+  viaduct::testing::expect_same_bits(plain, sharded, 4);
+
+  // Rank 0's optimizer bytes (logged) and the files each replica wrote.
+  auto logged_bytes = [](const std::string& log) -> int64_t {
+    const std::string key = "rank 0: optimizer state ";
+    const auto at = log.find(key);
+    if (at == std::string::npos) return -1;
+    return std::stoll(log.substr(at + key.size()));
+  };
+  const int64_t whole = logged_bytes(plain_log), half = logged_bytes(last_.output);
+  ASSERT_GT(whole, 0) << plain_log;
+  ASSERT_GT(half, 0) << last_.output;
+  EXPECT_NE(last_.output.find("ZeRO-1 over dp 2"), std::string::npos) << last_.output;
+  // Two buckets on the first stage; each boundary moves down by fewer than
+  // kShardAlign elements of each of the two moments.
+  EXPECT_LE(half, whole / 2);
+  EXPECT_GE(half, whole / 2 - 2 * 64 * 2 * 4);
+  const auto step4 = fs::path(sharded) / "checkpoint" / "step-4";
+  for (int r = 0; r < 2; ++r) {
+    const auto one = fs::file_size(fs::path(plain) / "checkpoint" / "step-4" /
+                                   ("optim-rank" + std::to_string(r) + ".safetensors"));
+    uintmax_t pieces = 0;
+    for (int d = 0; d < 2; ++d) {
+      const auto f = step4 / ("optim-rank" + std::to_string(r) + "-dp" + std::to_string(d) +
+                              ".safetensors");
+      ASSERT_TRUE(fs::exists(f)) << f;
+      EXPECT_LT(fs::file_size(f), one * 6 / 10) << f;
+      pieces += fs::file_size(f);
+    }
+    EXPECT_GT(pieces, one) << "both halves hold every element (plus their headers)";
+  }
+  EXPECT_FALSE(fs::exists(step4 / "optim-rank0.safetensors"));
+
+  // Resume from step 2 under other layouts: from the sharded checkpoint and
+  // from the plain one, each continuing to step 4 with the same bits.
+  auto resume = [&](const std::string& name, const std::string& from, int nproc,
+                    const std::string& layout) {
+    const auto dst = (fs::path(dir_->path()) / name).string();
+    fs::remove_all(dst);
+    fs::create_directories(dst);
+    fs::copy(from + "/checkpoint", dst + "/checkpoint", fs::copy_options::recursive);
+    fs::remove_all(dst + "/checkpoint/step-4");
+    last_ = viaduct::testing::run_viaduct_ok(nproc, " train" + args(layout) +
+                                                        " --job.dump_folder=" + dst);
+    EXPECT_NE(last_.output.find("resumed from"), std::string::npos) << last_.output;
+    return dst;
+  };
+  for (const auto& [name, nproc, from_sharded, from_plain] :
+       std::vector<std::tuple<std::string, int, std::string, std::string>>{
+           {"pp2", 2, " --parallelism.pipeline_parallel_degree=2",
+            " --parallelism.pipeline_parallel_degree=2"},
+           {"pp4", 4, " --parallelism.pipeline_parallel_degree=4 --parallelism.pipeline_parallel_schedule=1F1B",
+            " --parallelism.pipeline_parallel_degree=4 --parallelism.pipeline_parallel_schedule=1F1B"},
+           // Sharded dp 4 against plain dp 4: the same bits again.
+           {"zero_dp4", 4, " --parallelism.data_parallel_degree=4 --parallelism.dp_shard_optimizer=true",
+            " --parallelism.data_parallel_degree=4"}}) {
+    const auto a = resume("resume_" + name + "_from_sharded", sharded, nproc, from_sharded);
+    const auto b = resume("resume_" + name + "_from_plain", plain, nproc, from_plain);
+    SCOPED_TRACE(name);
+    viaduct::testing::expect_same_bits(a, b, 2);
+  }
+}
+
 TEST_F(PipelineRuns, KilledRankEndsTheJobNamingTheRank) {
   const auto start = std::chrono::steady_clock::now();
   const auto out = (fs::path(dir_->path()) / "killed").string();
@@ -340,7 +421,8 @@ TEST_F(PipelineRuns, MeasuredBubbleIsBoundedAndSimulatedBubbleFallsWithMoreMicro
 
 // Activation checkpointing (Note [Activation checkpointing], ops/checkpoint.h)
 // with two stages per rank, under zero-bubble's I/W split and plain 1F1B
-// backward: the bits of the one process without it.
+// backward, every layer, every 2nd and per op: the bits of the one process
+// without it.
 TEST_F(PipelineRuns, ActivationCheckpointingTrainsToTheBitsOfOneProcess) {
   const auto ref = reference("llama", 6, 4);
   const auto layout = base_args("llama", 6, 4) +
@@ -355,4 +437,11 @@ TEST_F(PipelineRuns, ActivationCheckpointingTrainsToTheBitsOfOneProcess) {
                                   " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
                                   " --activation_checkpoint.mode=selective"
                                   " --activation_checkpoint.selective_ac_option=2"));
+  // Per op (Note [Per-op activation checkpointing]): the recompute takes
+  // the projections' outputs back from the forward.
+  expect_same_bits(ref, train("ac_op_zb", 2,
+                              layout +
+                                  " --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble"
+                                  " --activation_checkpoint.mode=selective"
+                                  " --activation_checkpoint.selective_ac_option=op"));
 }

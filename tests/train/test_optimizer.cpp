@@ -1,10 +1,13 @@
-// AdamW against its closed form, the LR schedule's shape, clipping.
+// AdamW against its closed form, the LR schedule's shape, clipping, and
+// ZeRO-1's shard layout.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
 
 #include "config/config.h"
 #include "train/optimizer.h"
+#include "train/sharded_optimizer.h"
 
 using namespace viaduct;
 
@@ -106,4 +109,76 @@ TEST(Clipping, ScalesToMaxNormAndSumsInGivenOrder) {
   EXPECT_NEAR(b.grad().item<float>(), 0.8f, 1e-6);
   scale_grads(ps, 1.0, 2.0);  // under the limit: unchanged
   EXPECT_NEAR(a.grad().item<float>(), 0.6f, 1e-6);
+}
+
+// Note [ZeRO-1]: the ranges of a bucket over dp replicas.
+TEST(ShardLayout, SplitsEachBucketAtAlignedPointsInsideParameters) {
+  using viaduct::kShardAlign;
+  using viaduct::ShardSegment;
+  auto seg = [](const ShardSegment& s) {
+    return std::vector<int64_t>{static_cast<int64_t>(s.param), s.begin, s.end};
+  };
+  // One bucket of 100 + 28 elements over 2: the middle (64) is inside the
+  // first parameter, on an aligned point already.
+  auto two = viaduct::shard_layout({100, 28}, {{0, 1}}, 2);
+  ASSERT_EQ(two.segments.size(), 1u);
+  ASSERT_EQ(two.segments[0][0].size(), 1u);
+  EXPECT_EQ(seg(two.segments[0][0][0]), (std::vector<int64_t>{0, 0, 64}));
+  ASSERT_EQ(two.segments[0][1].size(), 2u);
+  EXPECT_EQ(seg(two.segments[0][1][0]), (std::vector<int64_t>{0, 64, 100}));
+  EXPECT_EQ(seg(two.segments[0][1][1]), (std::vector<int64_t>{1, 0, 28}));
+  // Over 3: floor(128/3) = 42 moves down to 0 (the first replica gets
+  // nothing), floor(256/3) = 85 down to 64.
+  auto three = viaduct::shard_layout({100, 28}, {{0, 1}}, 3);
+  EXPECT_TRUE(three.segments[0][0].empty());
+  EXPECT_EQ(seg(three.segments[0][1][0]), (std::vector<int64_t>{0, 0, 64}));
+  EXPECT_EQ(seg(three.segments[0][2][0]), (std::vector<int64_t>{0, 64, 100}));
+
+  // Random parameters and buckets: every bucket is tiled exactly, in order,
+  // every cut inside a parameter is a multiple of kShardAlign from its start
+  // and no replica is short of its share by kShardAlign or more.
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int dp = 1 + static_cast<int>(rng() % 6);
+    std::vector<int64_t> numels;
+    std::vector<std::vector<size_t>> buckets;
+    for (int b = 0, i = 0; b < 1 + static_cast<int>(rng() % 4); ++b) {
+      buckets.emplace_back();
+      for (int k = 0; k < 1 + static_cast<int>(rng() % 5); ++k, ++i) {
+        numels.push_back(1 + static_cast<int64_t>(rng() % 5000));
+        buckets.back().push_back(static_cast<size_t>(i));
+      }
+    }
+    const auto layout = viaduct::shard_layout(numels, buckets, dp);
+    ASSERT_EQ(layout.segments.size(), buckets.size());
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      ASSERT_EQ(layout.segments[b].size(), static_cast<size_t>(dp));
+      int64_t n = 0;
+      for (size_t i : buckets[b]) n += numels[i];
+      size_t k = 0;       // position in the bucket: parameter k ...
+      int64_t at = 0;     // ... element `at`
+      for (int r = 0; r < dp; ++r) {
+        int64_t mine = 0;
+        for (const auto& s : layout.segments[b][static_cast<size_t>(r)]) {
+          if (at == numels[buckets[b][k]]) {
+            ++k;
+            at = 0;
+          }
+          ASSERT_LT(k, buckets[b].size());
+          EXPECT_EQ(s.param, buckets[b][k]);
+          EXPECT_EQ(s.begin, at);
+          EXPECT_GT(s.end, s.begin);
+          if (s.begin != 0) {
+            EXPECT_EQ(s.begin % kShardAlign, 0);
+          }
+          at = s.end;
+          mine += s.end - s.begin;
+        }
+        // x_{r+1} - x_r >= floor(n(r+1)/dp) - kShardAlign + 1 - floor(nr/dp)
+        EXPECT_GT(mine, n * (r + 1) / dp - n * r / dp - kShardAlign) << "replica " << r;
+      }
+      EXPECT_EQ(k + 1, buckets[b].size());
+      EXPECT_EQ(at, numels[buckets[b].back()]);
+    }
+  }
 }

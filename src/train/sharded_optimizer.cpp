@@ -1,0 +1,223 @@
+// ZeRO-1 (Note [ZeRO-1] in sharded_optimizer.h).
+#include "train/sharded_optimizer.h"
+
+#include <algorithm>
+
+#include "checkpoint/tensor_index.h"
+#include "core/check.h"
+#include "dist/dist.h"
+#include "train/reduce.h"
+
+namespace viaduct {
+
+ShardLayout shard_layout(const std::vector<int64_t>& numels,
+                         const std::vector<std::vector<size_t>>& buckets, int dp) {
+  VIADUCT_CHECK(dp >= 1, "shard_layout: dp must be positive, got ", dp);
+  ShardLayout layout;
+  for (const auto& bucket : buckets) {
+    std::vector<int64_t> starts;  // of each parameter in the bucket's flattening
+    int64_t n = 0;
+    for (size_t i : bucket) {
+      starts.push_back(n);
+      n += numels.at(i);
+    }
+    // Boundaries x_0 = 0 <= x_1 <= ... <= x_dp = n; moving each down inside
+    // its parameter keeps them ordered.
+    std::vector<int64_t> x(static_cast<size_t>(dp) + 1, n);
+    x[0] = 0;
+    for (int r = 1; r < dp; ++r) {
+      const int64_t nominal = n * r / dp;
+      size_t k = 0;
+      while (k + 1 < bucket.size() && starts[k + 1] <= nominal) ++k;
+      x[static_cast<size_t>(r)] =
+          bucket.empty() ? 0 : starts[k] + (nominal - starts[k]) / kShardAlign * kShardAlign;
+    }
+    std::vector<std::vector<ShardSegment>> per_rank(static_cast<size_t>(dp));
+    for (int r = 0; r < dp; ++r) {
+      const int64_t lo = x[static_cast<size_t>(r)], hi = x[static_cast<size_t>(r) + 1];
+      for (size_t k = 0; k < bucket.size(); ++k) {
+        const int64_t ps = starts[k], pe = ps + numels[bucket[k]];
+        const int64_t b = std::max(lo, ps), e = std::min(hi, pe);
+        if (b < e) per_rank[static_cast<size_t>(r)].push_back({bucket[k], b - ps, e - ps});
+      }
+    }
+    layout.segments.push_back(std::move(per_rank));
+  }
+  return layout;
+}
+
+namespace {
+
+int64_t segment_elements(const std::vector<ShardSegment>& segs) {
+  int64_t n = 0;
+  for (const auto& s : segs) n += s.end - s.begin;
+  return n;
+}
+
+// The elements of a segment, as a view of `t` (a parameter, its gradient
+// or a whole state tensor).
+at::Tensor segment_of(const at::Tensor& t, const ShardSegment& s) {
+  return t.reshape(-1).slice(0, s.begin, s.end);
+}
+
+}  // namespace
+
+ShardedOptimizer::ShardedOptimizer(std::vector<NamedParam> params,
+                                   dist::ProcessGroup& dp_group, int64_t bucket_bytes,
+                                   const MakeInner& make_inner)
+    : Optimizer(std::move(params)), group_(dp_group) {
+  std::vector<int64_t> numels;
+  for (const auto& np : params_) {
+    VIADUCT_CHECK(np.param.is_contiguous(), "ZeRO-1: parameter '", np.fqn,
+                  "' is not contiguous");
+    numels.push_back(np.param.numel());
+  }
+  buckets_ = grad_buckets(params_, bucket_bytes);
+  layout_ = shard_layout(numels, buckets_, group_.size());
+  std::vector<NamedParam> slices;
+  torch::NoGradGuard no_grad;
+  for (const auto& per_rank : layout_.segments) {
+    for (const auto& s : per_rank[static_cast<size_t>(group_.rank())]) {
+      const auto& np = params_[s.param];
+      // A detached view shares the parameter's storage and version counter:
+      // the inner optimizer's in-place update writes the weights and moves
+      // the counter the weight cache watches.
+      slices.push_back({np.fqn, segment_of(np.param.detach(), s), np.weight_decay});
+      mine_.push_back(s);
+    }
+  }
+  inner_ = make_inner(std::move(slices));
+}
+
+int64_t ShardedOptimizer::owned_elements() const { return segment_elements(mine_); }
+
+void ShardedOptimizer::update(const std::function<void()>& run) {
+  torch::NoGradGuard no_grad;
+  const auto& slices = inner_->params();
+  for (size_t k = 0; k < mine_.size(); ++k) {
+    const auto& g = params_[mine_[k].param].param.grad();
+    auto slice = slices[k].param;
+    slice.mutable_grad() = g.defined() ? segment_of(g, mine_[k]) : at::Tensor();
+  }
+  inner_->set_steps_taken(steps_);
+  struct Detach {  // the slices never keep the gradients alive
+    Optimizer& inner;
+    ~Detach() { inner.zero_grad(); }
+  } detach{*inner_};
+  run();
+  steps_ = inner_->steps_taken();
+  all_gather_weights();
+}
+
+void ShardedOptimizer::step(double lr) {
+  update([&] { inner_->step(lr); });
+}
+
+void ShardedOptimizer::step_scaled(double lr, double grad_scale) {
+  update([&] { inner_->step_scaled(lr, grad_scale); });
+}
+
+void ShardedOptimizer::step_device_scaled(double lr, const at::Tensor& scale) {
+  update([&] { inner_->step_device_scaled(lr, scale); });
+}
+
+void ShardedOptimizer::all_gather_weights() {
+  torch::NoGradGuard no_grad;
+  const auto me = static_cast<size_t>(group_.rank());
+  for (size_t b = 0; b < layout_.segments.size(); ++b) {
+    const auto& per_rank = layout_.segments[b];
+    int64_t chunk = 0;
+    for (const auto& segs : per_rank) chunk = std::max(chunk, segment_elements(segs));
+    if (chunk == 0) continue;
+    const auto& first = params_[buckets_[b].front()].param;
+    auto send = at::zeros({chunk}, first.options());
+    int64_t off = 0;
+    for (const auto& s : per_rank[me]) {
+      send.slice(0, off, off + s.end - s.begin).copy_(segment_of(params_[s.param].param, s));
+      off += s.end - s.begin;
+    }
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    for (size_t r = 0; r < per_rank.size(); ++r) outputs[0].push_back(at::empty_like(send));
+    std::vector<at::Tensor> inputs{send};
+    group_.allgather(outputs, inputs).wait(str("ZeRO-1 all-gather of the updated weights over ",
+                                               group_.name()));
+    for (size_t r = 0; r < per_rank.size(); ++r) {
+      if (r == me) continue;
+      int64_t o = 0;
+      for (const auto& s : per_rank[r]) {
+        auto dst = segment_of(params_[s.param].param.detach(), s);
+        dst.copy_(outputs[0][r].slice(0, o, o + s.end - s.begin));
+        o += s.end - s.begin;
+      }
+    }
+  }
+}
+
+size_t ShardedOptimizer::slice_of_state_key(const std::string& key) const {
+  // "optim.<slot>.<fqn>" (checkpoint::optim_state_fqn; slot names have no
+  // dots): the inner optimizer's parameter of that FQN.
+  const std::string prefix = "optim.";
+  const auto dot = key.find('.', prefix.size());
+  VIADUCT_CHECK(key.rfind(prefix, 0) == 0 && dot != std::string::npos,
+                "ZeRO-1: optimizer state '", key, "' is not named optim.<slot>.<parameter>");
+  const auto fqn = key.substr(dot + 1);
+  const auto& slices = inner_->params();
+  for (size_t k = 0; k < slices.size(); ++k) {
+    if (slices[k].fqn == fqn) return k;
+  }
+  throw Error(str("ZeRO-1: optimizer state '", key, "' names no parameter of this replica"));
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ShardedOptimizer::state_pieces(
+    std::map<std::string, std::string>* metadata) const {
+  std::vector<checkpoint::TensorPiece> pieces;
+  for (const auto& [name, t] : inner_->state()) {
+    const auto& seg = mine_[slice_of_state_key(name)];
+    pieces.push_back({name, params_[seg.param].param.sizes().vec(), seg.begin, t.reshape(-1)});
+  }
+  auto [tensors, meta] = checkpoint::piece_entries(pieces);
+  if (metadata) *metadata = std::move(meta);
+  return tensors;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ShardedOptimizer::state() const {
+  return state_pieces(nullptr);
+}
+
+std::map<std::string, std::string> ShardedOptimizer::state_file_metadata() const {
+  std::map<std::string, std::string> meta;
+  state_pieces(&meta);
+  return meta;
+}
+
+at::Tensor ShardedOptimizer::cut(const std::string& key, const at::Tensor& whole) const {
+  const auto& seg = mine_[slice_of_state_key(key)];
+  const auto& param = params_[seg.param].param;
+  VIADUCT_CHECK_T(FileError, whole.numel() == param.numel(), "optimizer state '", key, "' has ",
+                  whole.numel(), " elements, expected ", param.numel());
+  return segment_of(whole, seg).clone();
+}
+
+void ShardedOptimizer::load_state(const std::map<std::string, at::Tensor>& tensors) {
+  std::map<std::string, at::Tensor> slices;
+  for (const auto& key : inner_->state_keys()) {
+    auto it = tensors.find(key);
+    VIADUCT_CHECK_T(FileError, it != tensors.end(), "optimizer state '", key,
+                    "' is missing from the checkpoint");
+    slices[key] = cut(key, it->second);
+  }
+  inner_->load_state(slices);
+}
+
+void ShardedOptimizer::load_from(const checkpoint::TensorFileIndex& index) {
+  // One whole tensor read at a time; only this replica's slices are kept.
+  std::map<std::string, at::Tensor> slices;
+  for (const auto& key : inner_->state_keys()) {
+    VIADUCT_CHECK_T(FileError, index.contains(key), "optimizer state '", key,
+                    "' is missing from the checkpoint");
+    slices[key] = cut(key, index.load(key));
+  }
+  inner_->load_state(slices);
+}
+
+}  // namespace viaduct
