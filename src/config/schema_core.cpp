@@ -64,8 +64,8 @@ void add_core_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("metrics", "pipeline_timing", T::kBool, true, "time each rank's pipeline compute actions and P2P waits: pipeline_* and bubble_measured* per step in metrics.jsonl (CUDA: timing events, no extra sync)"));
   k.push_back(key("metrics", "profile_step", T::kInt, int64_t{0}, "profile this step (1-based; 0: off) into <dump_folder>/profile/").in(at_least(0)));
   // Note [Activation checkpointing] (ops/checkpoint.h); torchtitan's keys.
-  k.push_back(key("activation_checkpoint", "mode", T::kString, std::string("none"), "none | full | selective: recompute a layer's forward in its backward instead of keeping its activations (full: every transformer layer; selective: every selective_ac_option-th); same bits as none"));
-  k.push_back(key("activation_checkpoint", "selective_ac_option", T::kString, std::string("2"), "selective mode: N (a positive integer) checkpoints every N-th layer, counted by global layer id (layers N-1, 2N-1, ...); \"op\" (torchtitan's per-op policy) is not supported yet"));
+  k.push_back(key("activation_checkpoint", "mode", T::kString, std::string("none"), "none | full | selective: recompute a layer's forward in its backward instead of keeping its activations (full: every transformer layer; selective: every selective_ac_option-th, or with \"op\" every layer keeping its matmul outputs); same bits as none"));
+  k.push_back(key("activation_checkpoint", "selective_ac_option", T::kString, std::string("2"), "selective mode: N (a positive integer) checkpoints every N-th layer, counted by global layer id (layers N-1, 2N-1, ...); \"op\" (torchtitan's per-op policy) checkpoints every layer but keeps the outputs of its linear projections, MoE expert GEMMs and KDA's chunk scan, so the backward recomputes only the cheap ops (norms, activations, rope, residual adds) and attention; same bits as none"));
   (void)kUnset;
 }
 
@@ -154,16 +154,12 @@ void validate_core(const Config& c) {
                   "' (from ", c.source("activation_checkpoint.mode"), ")");
   if (ac_mode == "selective") {
     const auto opt = c.get_string("activation_checkpoint.selective_ac_option");
-    VIADUCT_CHECK_T(ConfigError, opt != "op",
-                    "activation_checkpoint.selective_ac_option = \"op\" (torchtitan's per-op "
-                    "policy) is not supported yet; use a positive integer N to checkpoint "
-                    "every N-th layer, or activation_checkpoint.mode = \"full\" (from ",
-                    c.source("activation_checkpoint.selective_ac_option"), ")");
     bool digits = !opt.empty() && opt.size() <= 9;
     for (char ch : opt) digits = digits && ch >= '0' && ch <= '9';
-    VIADUCT_CHECK_T(ConfigError, digits && std::stoll(opt) > 0,
+    VIADUCT_CHECK_T(ConfigError, opt == "op" || (digits && std::stoll(opt) > 0),
                     "activation_checkpoint.selective_ac_option must be a positive integer N "
-                    "(checkpoint every N-th layer), got '", opt, "' (from ",
+                    "(checkpoint every N-th layer) or \"op\" (every layer, keeping the "
+                    "outputs of its matmuls), got '", opt, "' (from ",
                     c.source("activation_checkpoint.selective_ac_option"), ")");
   }
   const auto lvl = c.get_string("job.log_level");

@@ -75,12 +75,15 @@ ModelInfo describe_model(const Config& cfg) {
   auto info = model_family(cfg).describe(cfg);
   // Note [Activation memory estimate] under activation checkpointing: a
   // checkpointed layer keeps its input, the hidden stream (an AttnRes
-  // layer's block stack is left out as before: it is the stack).
+  // layer's block stack is left out as before: it is the stack), and under
+  // "op" its expensive ops' outputs too.
   const auto ac = activation_checkpoint(cfg);
+  const bool op = ac.mode == ops::ActivationCheckpoint::Mode::kOp;
   for (auto& l : info.layers) {
     if (!ac.checkpoints(l.layer) || l.saved_values_per_token <= 0) continue;
     l.recompute_values_per_token = l.saved_values_per_token;
-    l.saved_values_per_token = static_cast<double>(info.dim);
+    l.saved_values_per_token =
+        static_cast<double>(info.dim) + (op ? l.op_output_values_per_token : 0.0);
   }
   return info;
 }

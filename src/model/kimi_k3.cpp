@@ -183,7 +183,8 @@ KimiK3LayerImpl::KimiK3LayerImpl(const KimiK3Options& o, int64_t layer_id)
     : layer_id_(layer_id),
       attn_res_(o.attn_res),
       opens_block_(o.attn_res && o.opens_block(layer_id)),
-      checkpointed_(o.activation_checkpoint.checkpoints(layer_id)) {
+      checkpointed_(o.activation_checkpoint.checkpoints(layer_id)),
+      keep_op_outputs_(o.activation_checkpoint.mode == ops::ActivationCheckpoint::Mode::kOp) {
   if (attn_res_) {
     attn_res_attn = register_module("attn_res_attn", AttnResRead(o.dim, o.norm_eps));
   }
@@ -229,7 +230,7 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
     auto body = [this](const std::vector<at::Tensor>& in) {
       return std::vector<at::Tensor>{forward_plain(in[0])};
     };
-    return ops::checkpoint(body, {hidden}, parameters()).at(0);
+    return ops::checkpoint(body, {hidden}, parameters(), keep_op_outputs_).at(0);
   }
   at::Tensor partial;
   if (opens_block_) {  // the incoming block is complete
@@ -257,7 +258,7 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
     return std::vector<at::Tensor>{forward_sublayers(
         stack, has_partial ? in.back() : at::Tensor(), with_slots ? &body_slots : nullptr)};
   };
-  return ops::checkpoint(body, inputs, parameters()).at(0);
+  return ops::checkpoint(body, inputs, parameters(), keep_op_outputs_).at(0);
 }
 
 at::Tensor KimiK3LayerImpl::forward_plain(const at::Tensor& hidden) {
@@ -506,6 +507,41 @@ double saved_values_per_token(const KimiK3Options& o, int64_t layer) {
   return v;
 }
 
+// Note [Activation memory estimate] for one layer under "op" (Note [Per-op
+// activation checkpointing]): the outputs of its linear projections -- MLA's
+// q (through the q latent where there is one), kv latent, k/v and wo; KDA's
+// q, k, v, the decay and gate low-rank pairs, beta and o_proj -- KDA's chunk
+// scan output, v' and states (2 H dk + H dk dk per chunk of tokens), a MoE
+// layer's router scores, each routed token's w1 x, w3 x and w2 output, and
+// the shared experts' three; a dense layer its SwiGLU's three.
+double op_output_values_per_token(const KimiK3Options& o, int64_t layer) {
+  const double D = static_cast<double>(o.dim);
+  double v = 0;
+  if (o.is_mla(layer)) {
+    const auto& m = o.mla;
+    const double qk = static_cast<double>(m.qk_nope_head_dim + m.qk_rope_head_dim);
+    const double H = static_cast<double>(m.n_heads);
+    v += static_cast<double>(m.q_lora_rank) + H * qk;
+    v += static_cast<double>(m.kv_lora_rank + m.qk_rope_head_dim);
+    v += H * static_cast<double>(m.qk_nope_head_dim + m.v_head_dim) + D;
+  } else {
+    const auto& k = o.kda;
+    const double hd = static_cast<double>(k.n_heads * k.head_dim);
+    v += 5.0 * hd + 2.0 * static_cast<double>(k.head_dim) + static_cast<double>(k.n_heads) + D;
+    v += 2.0 * hd + hd * static_cast<double>(k.head_dim) / static_cast<double>(k.chunk_size);
+  }
+  if (o.is_moe(layer)) {
+    const auto& e = o.moe;
+    const double h = static_cast<double>(e.hidden_dim);
+    v += static_cast<double>(e.n_routed_experts) +
+         static_cast<double>(e.n_activated_experts) * (2.0 * h + D);
+    if (e.n_shared_experts > 0) v += 2.0 * h * static_cast<double>(e.n_shared_experts) + D;
+  } else {
+    v += 2.0 * static_cast<double>(o.ffn_hidden_dim) + D;
+  }
+  return v;
+}
+
 // Counts are analytic (the full flavor is far too large to build); a test
 // checks them against built debug models.
 ModelInfo describe_kimi_k3(const Config& cfg) {
@@ -541,6 +577,7 @@ ModelInfo describe_kimi_k3(const Config& cfg) {
     li.block = o.attn_res ? o.block_of(i) : -1;
     li.opens_block = o.attn_res && o.opens_block(i);
     li.saved_values_per_token = saved_values_per_token(o, i);
+    li.op_output_values_per_token = op_output_values_per_token(o, i);
     info.layers.push_back(li);
     int64_t common = 2 * D;  // norms
     if (o.attn_res) common += 2 * AttnResReadImpl::count_params(D);

@@ -102,6 +102,7 @@ class KimiK3LayerImpl : public torch::nn::Module {
   bool attn_res_;
   bool opens_block_;  // false without AttnRes
   bool checkpointed_;  // Note [Activation checkpointing]
+  bool keep_op_outputs_;  // Note [Per-op activation checkpointing]
   AttnResRead attn_res_attn{nullptr}, attn_res_ffn{nullptr};
   RMSNorm attention_norm{nullptr}, ffn_norm{nullptr};
   Kda kda{nullptr};

@@ -25,8 +25,13 @@ ops::ActivationCheckpoint activation_checkpoint(const Config& cfg) {
   if (mode == "full") {
     ac.mode = ops::ActivationCheckpoint::Mode::kFull;
   } else if (mode == "selective") {
-    ac.mode = ops::ActivationCheckpoint::Mode::kSelective;
-    ac.every = std::stoll(cfg.get_string("activation_checkpoint.selective_ac_option"));
+    const auto option = cfg.get_string("activation_checkpoint.selective_ac_option");
+    if (option == "op") {
+      ac.mode = ops::ActivationCheckpoint::Mode::kOp;
+    } else {
+      ac.mode = ops::ActivationCheckpoint::Mode::kSelective;
+      ac.every = std::stoll(option);
+    }
   }
   return ac;
 }

@@ -31,6 +31,41 @@
 // and the recompute does not (counts_training_statistics(), MoE loads).
 // AttnRes slots (Note [AttnRes block gradients in place]) stay outside the
 // body: the reads inside add into the same slots in the same layer order.
+//
+// Note [Per-op activation checkpointing]
+// selective_ac_option = "op" (torchtitan's per-op policy) checkpoints every
+// layer, but its recompute skips the expensive ops: the first forward keeps
+// their outputs, the recompute takes them back instead of running them and
+// reruns only the cheap ops around them (norms, activations, rope, residual
+// adds). The mechanism is a per-body list of saved outputs (SavedOps) that
+// the expensive ops consult through run_saved_op():
+//  - record (the first, no-grad forward of a checkpointed body): each op
+//    runs and its outputs are appended, in call order;
+//  - replay (the recompute): each op takes the next outputs instead of
+//    running, in the same order (the body runs the same ops on the same
+//    values, so the sequence is the same; the count of ops, and that no
+//    saved output was written in place after its op, are checked);
+//  - elsewhere the op runs as usual.
+// The forward so keeps the body's inputs plus the saved outputs; the
+// norms' and activations' values are recomputed.
+// The expensive ops are autograd functions whose forward calls
+// run_saved_op() and whose backward is the op's one backward, with or
+// without checkpointing: in replay the function still records its node,
+// saving its inputs (recomputed, same bits) and the weights, so the
+// gradients come out of the same ATen calls as without checkpointing, bit
+// for bit. Cached: the linear projections (ops::linear / linear_parts:
+// the ATen form is an autograd function of its own for this, the
+// mixed-precision form was one already; ops/linear.cpp), the grouped MoE
+// expert GEMMs (ops/moe.cpp; the per-expert loop of the ATen form goes
+// through ops::linear) and KDA's chunk scan with the states its backward
+// reads (ops/kda.cpp). Recomputed although expensive:
+//  - scaled-dot-product attention (causal_attention, MLA's core): its
+//    backward is ATen's own autograd formula (1.13's composite math, 2.x's
+//    flash / efficient / cuDNN kernels, each with its own saved
+//    statistics), so a cached output could only feed a second formula of
+//    ours, which would not give ATen's bits;
+//  - the fused functions of kernels/ (SwiGLU with w2, the KDA kernel):
+//    kernels/ sits below ops/ and does not consult the list.
 #pragma once
 
 #include <torch/torch.h>
@@ -44,7 +79,8 @@ namespace viaduct::ops {
 
 // activation_checkpoint.mode and .selective_ac_option (torchtitan's keys).
 struct ActivationCheckpoint {
-  enum class Mode { kNone, kFull, kSelective };
+  // kOp: selective_ac_option = "op" (Note [Per-op activation checkpointing]).
+  enum class Mode { kNone, kFull, kSelective, kOp };
   Mode mode = Mode::kNone;
   int64_t every = 1;  // kSelective: every N-th layer
 
@@ -52,7 +88,7 @@ struct ActivationCheckpoint {
   // ids N-1, 2N-1, ... (torchtitan's count: the N-th, 2N-th, ... layer), by
   // global id so that no pipeline layout changes the choice.
   bool checkpoints(int64_t layer_id) const {
-    if (mode == Mode::kFull) return true;
+    if (mode == Mode::kFull || mode == Mode::kOp) return true;
     if (mode == Mode::kSelective) return (layer_id + 1) % every == 0;
     return false;
   }
@@ -66,14 +102,39 @@ using CheckpointBody =
 
 // body(inputs) with Note [Activation checkpointing]'s backward when grad
 // mode is on and an input or a parameter requires grad; plain body(inputs)
-// otherwise. `params`: every parameter the body reads.
+// otherwise. `params`: every parameter the body reads. `keep_op_outputs`:
+// Note [Per-op activation checkpointing].
 std::vector<at::Tensor> checkpoint(const CheckpointBody& body,
                                    const std::vector<at::Tensor>& inputs,
-                                   const std::vector<at::Tensor>& params);
+                                   const std::vector<at::Tensor>& params,
+                                   bool keep_op_outputs = false);
+// The checkpoint of a layer under `ac` (whether it checkpoints this layer is
+// the caller's question): keep_op_outputs for Mode::kOp.
+inline std::vector<at::Tensor> checkpoint(const ActivationCheckpoint& ac,
+                                          const CheckpointBody& body,
+                                          const std::vector<at::Tensor>& inputs,
+                                          const std::vector<at::Tensor>& params) {
+  return checkpoint(body, inputs, params, ac.mode == ActivationCheckpoint::Mode::kOp);
+}
+
+// An expensive op's outputs under Note [Per-op activation checkpointing]:
+// compute() when no checkpointed body records or replays on this thread;
+// compute() appended to the body's list while it records; the next saved
+// outputs (and no compute) while it replays. Called from an autograd
+// function's forward, so the function's node is recorded either way.
+at::Tensor run_saved_op(const std::function<at::Tensor()>& compute);
+// The same for an op with several outputs.
+std::vector<at::Tensor> run_saved_op_outputs(
+    const std::function<std::vector<at::Tensor>()>& compute);
 
 // Recomputes of checkpointed bodies so far in this process (tests: one
 // per layer and micro-batch, also under the I/W split).
 int64_t checkpoint_recomputes();
+// Expensive ops (run_saved_op) that computed, in this process, and those a
+// replay answered from saved outputs instead (tests: "op" computes each
+// once, "full" twice).
+int64_t saved_op_computes();
+int64_t saved_op_replays();
 // True while a checkpointed body is recomputed in a backward (this thread).
 bool checkpoint_recomputing();
 // True for a forward whose statistics count toward training (MoE tokens

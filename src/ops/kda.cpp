@@ -7,6 +7,7 @@
 
 #include "core/check.h"
 #include "kernels/fused.h"
+#include "ops/checkpoint.h"
 
 namespace viaduct::ops {
 namespace {
@@ -126,8 +127,21 @@ class ChunkScanFn : public torch::autograd::Function<ChunkScanFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& U,
                             const at::Tensor& W, const at::Tensor& qe, const at::Tensor& Aqk,
                             const at::Tensor& Ke, const at::Tensor& d, const at::Tensor& S0) {
-    std::vector<at::Tensor> states, vnew;
-    auto o = chunk_scan(U, W, qe, Aqk, Ke, d, S0, &states, &vnew);
+    // Note [Per-op activation checkpointing]: the scan's output and the
+    // states and v' its backward reads are what a replay takes back.
+    const auto N = static_cast<size_t>(U.size(2));
+    auto kept = run_saved_op_outputs([&] {
+      std::vector<at::Tensor> states, vnew;
+      std::vector<at::Tensor> all{chunk_scan(U, W, qe, Aqk, Ke, d, S0, &states, &vnew)};
+      all.insert(all.end(), states.begin(), states.end());
+      all.insert(all.end(), vnew.begin(), vnew.end());
+      return all;
+    });
+    VIADUCT_CHECK(kept.size() == 1 + 2 * N, "KDA chunk scan: ", kept.size(),
+                  " saved tensors for ", N, " chunks");
+    auto o = kept[0];
+    std::vector<at::Tensor> states(kept.begin() + 1, kept.begin() + 1 + N);
+    std::vector<at::Tensor> vnew(kept.begin() + 1 + N, kept.end());
     ctx->save_for_backward({U, W, qe, Aqk, Ke, d});
     ctx->saved_data["states"] = states;
     ctx->saved_data["vnew"] = vnew;

@@ -2,6 +2,7 @@
 
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
+#include "ops/checkpoint.h"
 #include "kernels/weight_cache.h"
 
 namespace viaduct::ops {
@@ -25,9 +26,11 @@ struct MixedLinear {
     std::vector<int64_t> rows;
     for (const auto& p : w) rows.push_back(p.size(0));
     ctx->saved_data["rows"] = rows;
-    if (!b.defined()) return at::linear(x, wc);
+    // Note [Per-op activation checkpointing]: the GEMM alone is skipped in
+    // a replay; the node and what it saves are the same.
+    if (!b.defined()) return run_saved_op([&] { return at::linear(x, wc); });
     ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
-    return at::linear(x, wc, b.to(x.scalar_type()));
+    return run_saved_op([&] { return at::linear(x, wc, b.to(x.scalar_type())); });
   }
   // {dx, dw per part..., db}; db only when `bias_slot`.
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -88,6 +91,58 @@ class MixedLinearNoBiasFn : public torch::autograd::Function<MixedLinearNoBiasFn
   }
 };
 
+// The ATen form: y = x W^T (+ b) with W and b already in x's dtype, as an
+// autograd function of its own so that Note [Per-op activation
+// checkpointing] can answer the forward from a saved output while the node
+// and its backward stay the same. The backward is the one autograd derives
+// for the matmul over x's rows: dx = dy W, dW = dy^T x, db = the sum of
+// dy's rows.
+struct AtenLinear {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, const at::Tensor& b) {
+    ctx->save_for_backward({x, w});
+    return run_saved_op([&] { return b.defined() ? at::linear(x, w, b) : at::linear(x, w); });
+  }
+  // {dx, dw, db}; db only when `bias_slot`.
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 const torch::autograd::variable_list& grads,
+                                                 bool bias_slot) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &w = saved[1];
+    const auto out_f = w.size(0), in_f = w.size(1);
+    auto dy = grads[0].reshape({-1, out_f});  // [rows, out]
+    torch::autograd::variable_list out(bias_slot ? 3 : 2);
+    if (ctx->needs_input_grad(0)) out[0] = dy.mm(w).view(x.sizes());
+    if (ctx->needs_input_grad(1)) out[1] = dy.t().mm(x.reshape({-1, in_f}));
+    if (bias_slot && ctx->needs_input_grad(2)) out[2] = dy.sum(0);
+    return out;
+  }
+};
+
+class AtenLinearFn : public torch::autograd::Function<AtenLinearFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, const at::Tensor& b) {
+    return AtenLinear::forward(ctx, x, w, b);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return AtenLinear::backward(ctx, grads, /*bias_slot=*/true);
+  }
+};
+
+class AtenLinearNoBiasFn : public torch::autograd::Function<AtenLinearNoBiasFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w) {
+    return AtenLinear::forward(ctx, x, w, at::Tensor());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return AtenLinear::backward(ctx, grads, /*bias_slot=*/false);
+  }
+};
+
 }  // namespace
 
 bool mixed_linear_applies(const at::Tensor& x, at::TensorList w, const KernelOptions& k) {
@@ -112,9 +167,9 @@ at::Tensor linear_parts(const at::Tensor& x, at::TensorList w, const at::Tensor&
   const auto wc = whole.scalar_type() == x.scalar_type() ? whole : whole.to(x.scalar_type());
   if (b.defined()) {
     const auto bc = b.scalar_type() == x.scalar_type() ? b : b.to(x.scalar_type());
-    return at::linear(x, wc, bc);
+    return AtenLinearFn::apply(x, wc, bc);
   }
-  return at::linear(x, wc);
+  return AtenLinearNoBiasFn::apply(x, wc);
 }
 
 }  // namespace viaduct::ops

@@ -4,6 +4,7 @@
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
 #include "kernels/weight_cache.h"
+#include "ops/checkpoint.h"
 
 namespace viaduct::ops {
 
@@ -19,7 +20,8 @@ class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
                             const at::Tensor& w, const at::Tensor& offs) {
     auto wc = kernels::weight_cache::get({w}, x.scalar_type());
     ctx->save_for_backward({x, wc, offs});
-    return compat::grouped_mm(x, wc.transpose(1, 2), offs);
+    // Note [Per-op activation checkpointing]: a replay skips the GEMM.
+    return run_saved_op([&] { return compat::grouped_mm(x, wc.transpose(1, 2), offs); });
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {

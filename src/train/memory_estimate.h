@@ -17,7 +17,9 @@
 // and their gradient, [rows, V] x 8 bytes, rows = the micro-batch's tokens
 // or one chunk of them under Note [Chunked head loss]). Under activation
 // checkpointing a checkpointed layer keeps its input alone (D values per
-// token) and the rank adds one recomputed layer in full
+// token; under selective_ac_option = "op" plus its expensive ops' outputs,
+// LayerInfo::op_output_values_per_token, Note [Per-op activation
+// checkpointing]) and the rank adds one recomputed layer in full
 // (LayerInfo::recompute_values_per_token, the rank's largest), once: layers
 // are recomputed one at a time; a schedule that splits the backward (zero
 // bubble) keeps a micro-batch's recomputed layers from its I to its W, so

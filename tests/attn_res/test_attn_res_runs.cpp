@@ -279,8 +279,8 @@ TEST_P(AttnResTransports, InterleavedZeroBubbleMatchesOneProcess) {
 
 // Activation checkpointing (Note [Activation checkpointing],
 // ops/checkpoint.h) through the whole-stack transport: zero-bubble's I/W
-// split with every layer recomputed, and 1F1B with every 3rd, have the bits
-// of the one process without it.
+// split with every layer recomputed (in full and per op), and 1F1B with
+// every 3rd, have the bits of the one process without it.
 TEST_F(AttnResRuns, ActivationCheckpointingIsBitwiseOneProcess) {
   const auto ref = reference("debugmodel", 4);
   const auto layout = base_args("debugmodel", 4) +
@@ -296,6 +296,11 @@ TEST_F(AttnResRuns, ActivationCheckpointingIsBitwiseOneProcess) {
                                   " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
                                   " --activation_checkpoint.mode=selective"
                                   " --activation_checkpoint.selective_ac_option=3"));
+  expect_same_bits(ref, train("ac_op_zb", 2,
+                              layout +
+                                  " --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble"
+                                  " --activation_checkpoint.mode=selective"
+                                  " --activation_checkpoint.selective_ac_option=op"));
 }
 
 // model.attn_res = false makes kimi_k3 a chain: plain stages hand on

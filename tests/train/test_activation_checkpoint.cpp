@@ -1,14 +1,17 @@
 // Activation checkpointing (Note [Activation checkpointing], ops/checkpoint.h)
 // against the run without it: llama, gpt2 and kimi_k3 debug models train a
 // few steps in one process and as a chain of pipeline stages under plain
-// backward and zero-bubble's I/W split, with mode none, full and selective;
-// losses, every gradient, the MoE load counters and every parameter must be
-// the same bits. Also: checkpointing keeps fewer bytes after the forward,
-// the memory estimate follows the mode, and the config refuses what it
-// does not support.
+// backward and zero-bubble's I/W split, with mode none, full, selective
+// every N-th layer and selective per op ("op": Note [Per-op activation
+// checkpointing]); losses, every gradient, the MoE load counters and every
+// parameter must be the same bits. Also: checkpointing keeps fewer bytes
+// after the forward ("op" between none and full), "op" recomputes none of
+// the expensive ops, the memory estimate follows the mode, and the config
+// refuses what it does not support.
 #include <gtest/gtest.h>
 #include <malloc.h>
 
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -129,23 +132,29 @@ void record_params(const std::vector<std::shared_ptr<ModelPart>>& parts, Run& ru
   }
 }
 
-// The whole model in one process, micro-batches one after another.
-Run train_one_process(const Config& cfg) {
+// The whole model in one process, micro-batches one after another; on
+// `device` with activations in `dtype` when given (the weights stay fp32).
+Run train_one_process(const Config& cfg, const at::Device& device = at::kCPU,
+                      at::ScalarType dtype = at::kFloat) {
   auto part = build_model_part(cfg);
   part->init_weights(7);
+  part->to(device);
+  part->set_compute_dtype(dtype);
   Run run;
   const double scale = 1.0 / static_cast<double>(kBatch * kSeq);
   for (int64_t step = 0; step < kSteps; ++step) {
     auto [tokens, targets] = batch(step);
+    tokens = tokens.to(device);
+    targets = targets.to(device);
     at::Tensor loss = at::zeros({}, at::kDouble);
     for (int64_t mb = 0; mb < kMicro; ++mb) {
       const auto rows = kBatch / kMicro;
       auto l = part->forward_loss({tokens.narrow(0, mb * rows, rows)},
                                   targets.narrow(0, mb * rows, rows));
-      loss += l.detach().to(at::kDouble);
+      loss += l.detach().to(at::kCPU, at::kDouble);
       (l * scale).backward();
     }
-    run.losses.push_back(loss);
+    run.losses.push_back(loss.cpu());
     record_step({part}, run);
     sgd_step({part});
   }
@@ -221,9 +230,12 @@ Run train_stages(const Config& cfg, int64_t n_stages, Backward how) {
 const std::vector<std::vector<std::string>> kModes = {
     {"activation_checkpoint.mode=full"},
     {"activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option=2"},
-    {"activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option=3"}};
+    {"activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option=3"},
+    {"activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option=op"}};
+const std::vector<std::string>& kOp = kModes[3];
 
 std::string mode_name(const std::vector<std::string>& m) {
+  if (m.empty()) return "none";
   return m.size() == 1 ? m[0] : m[0] + " " + m[1];
 }
 
@@ -257,6 +269,56 @@ TEST_P(ActivationCheckpointFamilies, StagesUnderPlainAndZeroBubbleBackwardMatchB
             describe_model(cfg).n_layers * kMicro * kSteps);
 }
 
+// "op" under zero-bubble's I/W split against one process without
+// checkpointing, counting the expensive ops: "op" computes each once (the
+// recompute takes every one back from the forward), "full" twice.
+TEST_P(ActivationCheckpointFamilies, OpRecomputesNoExpensiveOp) {
+  const auto one = train_one_process(make_config(GetParam(), {}));
+  auto count = [&](const std::vector<std::string>& mode) {
+    const auto cfg = make_config(GetParam(), mode);
+    const auto computes = ops::saved_op_computes(), replays = ops::saved_op_replays();
+    const auto recomputes = ops::checkpoint_recomputes();
+    expect_same_bits(one, train_stages(cfg, 3, Backward::kZeroBubble),
+                     mode_name(mode) + " I/W vs one process");
+    EXPECT_EQ(ops::checkpoint_recomputes() - recomputes,
+              mode.empty() ? 0 : describe_model(cfg).n_layers * kMicro * kSteps);
+    return std::make_pair(ops::saved_op_computes() - computes,
+                          ops::saved_op_replays() - replays);
+  };
+  const auto [none_computes, none_replays] = count({});
+  const auto [full_computes, full_replays] = count(kModes[0]);
+  const auto [op_computes, op_replays] = count(kOp);
+  EXPECT_GT(none_computes, 0);
+  EXPECT_GT(op_replays, 0);
+  EXPECT_EQ(none_replays, 0);
+  EXPECT_EQ(full_replays, 0);
+  EXPECT_EQ(op_computes, none_computes) << GetParam();
+  EXPECT_EQ(op_replays, full_computes - none_computes) << GetParam();
+  EXPECT_LT(op_computes, full_computes) << GetParam();
+}
+
+// On a GPU in bf16, where the projections are the mixed-precision linear
+// (Note [Linear with an fp32 weight gradient]) and the MoE experts grouped
+// GEMMs: "op" against none, after checking that none repeats its own bits
+// there.
+TEST_P(ActivationCheckpointFamilies, OpOnCudaInBf16HasTheBitsOfNone) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU";
+  const at::Device cuda(at::kCUDA);
+  const auto ref = train_one_process(make_config(GetParam(), {}), cuda, at::kBFloat16);
+  const auto again = train_one_process(make_config(GetParam(), {}), cuda, at::kBFloat16);
+  bool repeats = true;
+  for (size_t s = 0; s < ref.losses.size(); ++s) {
+    repeats = repeats && at::equal(ref.losses[s], again.losses[s]);
+  }
+  if (!repeats) GTEST_SKIP() << "a run without checkpointing does not repeat its bits here";
+  const auto replays = ops::saved_op_replays();
+  expect_same_bits(ref, train_one_process(make_config(GetParam(), kOp), cuda, at::kBFloat16),
+                   "op on CUDA");
+  EXPECT_GT(ops::saved_op_replays(), replays);
+  expect_same_bits(ref, train_one_process(make_config(GetParam(), kModes[0]), cuda, at::kBFloat16),
+                   "full on CUDA");
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, ActivationCheckpointFamilies,
                          ::testing::Values("llama", "gpt2", "kimi_k3"));
 
@@ -275,6 +337,9 @@ double kept_after_forward(const Config& cfg) {
   auto part = build_model_part(cfg);
   part->init_weights(7);
   auto [tokens, targets] = batch(0, 8, 64);
+  // A first step, so that what the first one allocates or frees for good
+  // (the engine's threads, lazily built tables) stays out of the count.
+  part->forward_loss({tokens}, targets).backward();
   const double before = heap_bytes();
   auto loss = part->forward_loss({tokens}, targets);
   const double kept = heap_bytes() - before;
@@ -283,7 +348,7 @@ double kept_after_forward(const Config& cfg) {
 }
 
 TEST(ActivationCheckpoint, KeepsFewerBytesAfterTheForward) {
-  for (const std::string family : {"llama", "kimi_k3"}) {
+  for (const std::string family : {"llama", "gpt2", "kimi_k3"}) {
     const std::vector<std::string> big = {"training.seq_len=64", "training.local_batch_size=8"};
     auto with = [&](std::vector<std::string> mode) {
       mode.insert(mode.end(), big.begin(), big.end());
@@ -292,9 +357,16 @@ TEST(ActivationCheckpoint, KeepsFewerBytesAfterTheForward) {
     const double none = with({});
     const double full = with(kModes[0]);
     const double every2 = with(kModes[1]);
+    const double op = with(kOp);
+    std::cout << family << " bytes kept after the forward: none " << none << ", op " << op
+              << ", every 2nd " << every2 << ", full " << full << "\n";
     EXPECT_LT(full, 0.5 * none) << family << ": none " << none << " full " << full;
     EXPECT_LT(every2, none) << family << ": none " << none << " every 2nd " << every2;
     EXPECT_LT(full, every2) << family;
+    // "op": the layer inputs and the expensive ops' outputs, not the norms'
+    // and activations' values nor attention's.
+    EXPECT_LT(op, none) << family << ": none " << none << " op " << op;
+    EXPECT_GT(op, full) << family << ": full " << full << " op " << op;
   }
 }
 
@@ -327,20 +399,33 @@ TEST(ActivationCheckpoint, MemoryEstimateKeepsInputsAndOneRecompute) {
   EXPECT_DOUBLE_EQ(every2.activations, (2 * layer + 2 * D + layer) * tokens * 4);
   EXPECT_LT(full.activations, every2.activations);
   EXPECT_LT(every2.activations, none.activations);
+  // op: every layer keeps its input and its projections' outputs -- q and
+  // wo's (D each), k and v (kv each), w1 and w3 (H each), w2's (D) -- plus
+  // one layer recomputed.
+  const auto op_cfg = cfg_of(kOp);
+  const auto shapes = build_model_part(none_cfg)->named_parameters();
+  const double kv = static_cast<double>(shapes["layers.0.attention.wk.weight"].size(0));
+  const double H = static_cast<double>(shapes["layers.0.feed_forward.w1.weight"].size(0));
+  EXPECT_EQ(kv, D / 2);  // 2 of 4 heads
+  const double op_layer = D + 3 * D + 2 * kv + 2 * H;
+  for (const auto& l : describe_model(op_cfg).layers) {
+    EXPECT_EQ(l.saved_values_per_token, op_layer);
+    EXPECT_EQ(l.recompute_values_per_token, layer);
+  }
+  const auto op = estimate(op_cfg);
+  EXPECT_DOUBLE_EQ(op.activations, (L * op_layer + layer) * tokens * 4);
+  EXPECT_LT(full.activations, op.activations);
+  EXPECT_LT(op.activations, none.activations);
 }
 
-TEST(ActivationCheckpoint, ConfigRefusesOpAndBadValues) {
+TEST(ActivationCheckpoint, ConfigTakesOpAndRefusesBadValues) {
   auto parse = [](std::vector<std::string> o) { return Config::parse("", "test", o); };
   EXPECT_NO_THROW(parse({"activation_checkpoint.mode=full"}));
   EXPECT_NO_THROW(parse({"activation_checkpoint.mode=selective",
                          "activation_checkpoint.selective_ac_option=4"}));
-  try {
-    parse({"activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option=op"});
-    FAIL() << "\"op\" accepted";
-  } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("not supported yet"), std::string::npos) << e.what();
-  }
-  for (const char* bad : {"0", "-1", "two"}) {
+  EXPECT_NO_THROW(
+      parse({"activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option=op"}));
+  for (const char* bad : {"0", "-1", "two", "ops"}) {
     EXPECT_THROW(parse({"activation_checkpoint.mode=selective",
                         std::string("activation_checkpoint.selective_ac_option=") + bad}),
                  ConfigError)
