@@ -128,6 +128,11 @@ std::string MetricsWriter::step_json(const StepMetrics& m) const {
     if (plan_memory.size() > 1) j["plan_memory_bytes_per_rank"] = plan_memory;
   }
   if (options_.pipeline) j["p2p_bytes"] = m.p2p_bytes;
+  if (m.dp_buckets > 0) {
+    j["dp_buckets"] = m.dp_buckets;
+    j["dp_buckets_overlapped"] = m.dp_buckets_overlapped;
+    j["dp_reduce_wait_seconds"] = m.dp_reduce_wait_seconds;
+  }
   if (!m.bubble_measured_per_rank.empty()) {
     // Note [Measured bubble]: this rank's times; the mean over the pp ranks
     // is what compares with the simulator's bubble.

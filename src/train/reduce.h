@@ -8,13 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "dist/dist.h"
 #include "train/optimizer.h"
 
 namespace viaduct {
-
-namespace dist {
-class ProcessGroup;
-}  // namespace dist
 
 // Sums `values` over `group` in float64; a no-op without a group or with one
 // rank. Where only one rank holds non-zeros ("the value from the last
@@ -24,16 +21,52 @@ void sum_over(dist::ProcessGroup* group, std::vector<double>& values,
               const std::string& context, const std::string& what);
 
 // The buckets of the data-parallel gradient sum: runs of consecutive
-// parameters (indices into `params`) of about `bucket_bytes`, one dtype per
-// bucket; a bucket closes once it holds bucket_bytes or the dtype changes.
-// Also the units ZeRO-1 shards (sharded_optimizer.h).
+// parameters (indices into `params`) of about `bucket_bytes`, one dtype and
+// one pipeline stage per bucket (`stage_of[i]`: parameter i's stage; empty:
+// all one stage); a bucket closes once it holds bucket_bytes, or the dtype
+// or the stage changes. Also the units ZeRO-1 shards (sharded_optimizer.h).
 std::vector<std::vector<size_t>> grad_buckets(const std::vector<NamedParam>& params,
-                                              int64_t bucket_bytes);
+                                              int64_t bucket_bytes,
+                                              const std::vector<int64_t>& stage_of = {});
 
-// Sums the gradients of `params` over `group`: flattened into the
-// grad_buckets, one all-reduce each, copied back. A parameter without a
-// gradient gets zeros first.
-void allreduce_grads(dist::ProcessGroup& group, const std::vector<NamedParam>& params,
-                     int64_t bucket_bytes, const std::string& context);
+// Note [Overlapped data-parallel reduction]
+// The data-parallel gradient sum of one step, bucket by bucket (grad_buckets),
+// each all-reduce started as soon as the stage holding the bucket has run
+// its last backward of the step (PipelineExecutor::set_grads_ready), while
+// the schedule goes on: Gloo sums on its own threads, NCCL on its own
+// stream. finish() starts what is left, waits for every sum in the order
+// they were started and copies them back; the optimizer runs after it.
+// Every replica runs the same schedule, so every replica starts the same
+// buckets in the same order, and each bucket is summed by the same call on
+// the same flattened buffer as a sum after the step would be: the same bits.
+class GradReduction {
+ public:
+  GradReduction(dist::ProcessGroup& group, const std::vector<NamedParam>& params,
+                std::vector<int64_t> stage_of, int64_t bucket_bytes);
+  // Starts every bucket of `stage`.
+  void stage_ready(int64_t stage);
+  // Starts the buckets not started yet, waits for all, copies the sums into
+  // the gradients and resets for the next step. Returns how many buckets
+  // started before the step's last stage_ready call: those summed while
+  // this rank still ran another stage's backward.
+  int64_t finish(const std::string& context);
+  size_t num_buckets() const { return buckets_.size(); }
+
+ private:
+  void start(size_t bucket);
+
+  dist::ProcessGroup& group_;
+  const std::vector<NamedParam>& params_;
+  std::vector<int64_t> stage_of_;
+  std::vector<std::vector<size_t>> buckets_;
+  struct InFlight {
+    size_t bucket;
+    at::Tensor flat;
+    dist::Work work;
+  };
+  std::vector<InFlight> in_flight_;  // in the order started
+  std::vector<bool> started_;
+  int64_t overlapped_ = 0;
+};
 
 }  // namespace viaduct

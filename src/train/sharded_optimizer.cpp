@@ -6,7 +6,6 @@
 #include "checkpoint/tensor_index.h"
 #include "core/check.h"
 #include "dist/dist.h"
-#include "train/reduce.h"
 
 namespace viaduct {
 
@@ -63,16 +62,16 @@ at::Tensor segment_of(const at::Tensor& t, const ShardSegment& s) {
 }  // namespace
 
 ShardedOptimizer::ShardedOptimizer(std::vector<NamedParam> params,
-                                   dist::ProcessGroup& dp_group, int64_t bucket_bytes,
+                                   dist::ProcessGroup& dp_group,
+                                   std::vector<std::vector<size_t>> buckets,
                                    const MakeInner& make_inner)
-    : Optimizer(std::move(params)), group_(dp_group) {
+    : Optimizer(std::move(params)), group_(dp_group), buckets_(std::move(buckets)) {
   std::vector<int64_t> numels;
   for (const auto& np : params_) {
     VIADUCT_CHECK(np.param.is_contiguous(), "ZeRO-1: parameter '", np.fqn,
                   "' is not contiguous");
     numels.push_back(np.param.numel());
   }
-  buckets_ = grad_buckets(params_, bucket_bytes);
   layout_ = shard_layout(numels, buckets_, group_.size());
   std::vector<NamedParam> slices;
   torch::NoGradGuard no_grad;

@@ -66,10 +66,10 @@ class ShardedOptimizer : public Optimizer {
  public:
   using MakeInner = std::function<std::unique_ptr<Optimizer>(std::vector<NamedParam>)>;
   // `params`: this rank's parameters (identical on every replica of
-  // `dp_group`); `make_inner` builds the optimizer over this replica's
-  // slices.
+  // `dp_group`); `buckets`: their grad_buckets; `make_inner` builds the
+  // optimizer over this replica's slices.
   ShardedOptimizer(std::vector<NamedParam> params, dist::ProcessGroup& dp_group,
-                   int64_t bucket_bytes, const MakeInner& make_inner);
+                   std::vector<std::vector<size_t>> buckets, const MakeInner& make_inner);
 
   void step(double lr) override;
   void step_scaled(double lr, double grad_scale) override;

@@ -147,10 +147,21 @@ ModelInfo Trainer::build_model() {
   }
   int64_t elements = 0;
   for (const auto& np : rm.params) elements += np.param.numel();
+  // Each parameter's stage: the gradient buckets never span two stages
+  // (Note [Overlapped data-parallel reduction]).
+  std::vector<int64_t> stage_of;
+  const auto& my_stages = plan_->split.rank_to_stages.at(pp_rank_);
+  for (size_t p = 0; p < parts_.size(); ++p) {
+    stage_of.insert(stage_of.end(), parts_[p]->parameters().size(), my_stages.at(p));
+  }
+  VIADUCT_ASSERT(stage_of.size() == rm.params.size(), "rank ", rank(), ": ", stage_of.size(),
+                 " parameters in the parts, ", rm.params.size(), " to train");
+  const int64_t bucket_bytes = cfg_.get_int("parallelism.dp_bucket_mb") << 20;
   if (shards_optimizer()) {
     // Note [ZeRO-1] (train/sharded_optimizer.h).
+    auto buckets = grad_buckets(rm.params, bucket_bytes, stage_of);
     auto sharded = std::make_unique<ShardedOptimizer>(
-        std::move(rm.params), mesh_->dp_group(), cfg_.get_int("parallelism.dp_bucket_mb") << 20,
+        std::move(rm.params), mesh_->dp_group(), std::move(buckets),
         [this](std::vector<NamedParam> slices) { return make_optimizer(cfg_, std::move(slices)); });
     log::info("rank ", rank(), ": optimizer state ", sharded->state_bytes(), " bytes for ",
               sharded->owned_elements(), " of ", elements,
@@ -162,11 +173,18 @@ ModelInfo Trainer::build_model() {
               elements, " of ", elements, " parameter elements");
   }
 
+  if (mesh_ && dp_size_ > 1) {
+    grad_reduction_ = std::make_unique<GradReduction>(mesh_->dp_group(), optimizer_->params(),
+                                                      std::move(stage_of), bucket_bytes);
+  }
   if (plan_->split.num_stages > 1) {
     executor_ = std::make_unique<pipeline::PipelineExecutor>(
         *plan_, pp_rank_, std::move(rm.stages), mesh_ ? &mesh_->pp_group() : nullptr,
         device_);
     executor_->set_timing(cfg_.get_bool("metrics.pipeline_timing"));
+    if (grad_reduction_) {
+      executor_->set_grads_ready([this](int64_t stage) { grad_reduction_->stage_ready(stage); });
+    }
   }
   return rm.info;
 }
@@ -261,14 +279,14 @@ StepMetrics Trainer::train_step() {
   // Note [Loss scaling]: the denominator is the global token count.
   std::vector<at::Tensor> pending_losses;
   double loss_sum = forward_backward(batches, 1.0 / static_cast<double>(tokens), pending_losses);
-  allreduce_grads_over_dp();
+  StepMetrics m;
+  allreduce_grads_over_dp(m);
   const double lr = lr_at(cfg_, step_ + 1);
   const double max_norm = cfg_.get_float("training.max_norm");
   // Where it can, the update is queued on the device before the norm is read;
   // else it waits for the norm's check below.
   const auto device_norm = step_with_device_clip(lr, max_norm, pending_losses, loss_sum);
   const double norm = device_norm ? *device_norm : host_grad_norm(pending_losses, loss_sum);
-  StepMetrics m;
   const double loss = gather_loss_and_pipeline_metrics(loss_sum, m);
   VIADUCT_CHECK(std::isfinite(norm), "step ", step_ + 1,
                 ": the gradient norm is not finite (", norm,
@@ -366,11 +384,15 @@ at::Tensor Trainer::forward_loss(const at::Tensor& inputs,
   return parts_.back()->forward_loss(acts, to_device_async(targets, device_));
 }
 
-void Trainer::allreduce_grads_over_dp() {
-  if (!mesh_ || dp_size_ == 1) return;
-  // Every replica adds the same terms in the same order.
-  allreduce_grads(mesh_->dp_group(), optimizer_->params(),
-                  cfg_.get_int("parallelism.dp_bucket_mb") << 20, step_context());
+void Trainer::allreduce_grads_over_dp(StepMetrics& m) {
+  if (!grad_reduction_) return;
+  // Note [Overlapped data-parallel reduction]: the buckets whose stages
+  // finished early are summing already.
+  const auto t0 = std::chrono::steady_clock::now();
+  m.dp_buckets_overlapped = grad_reduction_->finish(step_context());
+  m.dp_reduce_wait_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  m.dp_buckets = static_cast<int64_t>(grad_reduction_->num_buckets());
 }
 
 std::optional<double> Trainer::step_with_device_clip(

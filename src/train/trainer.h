@@ -51,6 +51,7 @@ struct Checkpoint;
 struct CheckpointPart;
 }  // namespace checkpoint
 class FolderLock;
+class GradReduction;
 
 namespace data {
 class TokenSampler;
@@ -133,7 +134,7 @@ class Trainer {
   double forward_backward(const std::vector<data::TokenBatch>& batches, double scale,
                           std::vector<at::Tensor>& pending_losses);
   at::Tensor forward_loss(const at::Tensor& inputs, const at::Tensor& targets);
-  void allreduce_grads_over_dp();
+  void allreduce_grads_over_dp(StepMetrics& m);
   // parallelism.dp_shard_optimizer with more than one replica (ZeRO-1).
   bool shards_optimizer() const;
   // Clips and updates on the device where it can (Note [Clip coefficient on
@@ -175,6 +176,8 @@ class Trainer {
   at::ScalarType compute_dtype_;
   std::vector<std::shared_ptr<ModelPart>> parts_;
   std::unique_ptr<Optimizer> optimizer_;
+  // dp > 1: the data-parallel gradient sum over optimizer_'s parameters.
+  std::unique_ptr<GradReduction> grad_reduction_;
   std::shared_ptr<const data::TokenStream> eval_tokens_;
   std::unique_ptr<data::TokenSampler> sampler_;
   std::unique_ptr<data::EvalLoader> eval_loader_;

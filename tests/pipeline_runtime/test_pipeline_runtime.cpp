@@ -170,6 +170,38 @@ TEST_F(PipelineRuns, PipelineTimesDataParallelMatchesDataParallel) {
   }
 }
 
+// Note [Overlapped data-parallel reduction]: with two stages per rank, the
+// later stage's buckets start summing while the rank still runs the earlier
+// stage's backward (B, W under zero bubble, deferred under LoopedBFS), and
+// the run keeps the bits of the data-parallel run without a pipeline, whose
+// buckets are summed after the step.
+TEST_F(PipelineRuns, OverlappedGradientSumKeepsTheBitsOfTheSumAfterTheStep) {
+  const std::string common = base_args("llama", 6, 4) +
+                             " --model.vocab_size=16384 --parallelism.dp_bucket_mb=1"
+                             " --parallelism.data_parallel_degree=2";
+  auto overlapped = [](const std::string& dump) {
+    std::vector<int64_t> out;
+    for (const auto& j : viaduct::testing::step_metrics(dump)) {
+      EXPECT_GT(j.value("dp_buckets", 0), 0) << j.dump();
+      out.push_back(j.value("dp_buckets_overlapped", -1));
+    }
+    return out;
+  };
+  const auto after = train("dp2_after_step", 2, common);
+  EXPECT_EQ(overlapped(after), (std::vector<int64_t>{0, 0, 0}));
+  for (const std::string schedule : {"Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS"}) {
+    SCOPED_TRACE(schedule);
+    const auto run = train("dp2_pp2_" + schedule, 4,
+                           common + " --parallelism.pipeline_parallel_degree=2"
+                                    " --parallelism.pipeline_parallel_stages_per_rank=2"
+                                    " --parallelism.pipeline_parallel_schedule=" + schedule);
+    viaduct::testing::expect_same_bits(after, run, 3);
+    // Rank 0 holds stages 0 and 2; stage 2's one bucket is summing while
+    // stage 0 runs its last backwards.
+    EXPECT_EQ(overlapped(run), (std::vector<int64_t>{1, 1, 1}));
+  }
+}
+
 TEST_F(PipelineRuns, CheckpointMovesBetweenLayoutsBitwise) {
   // Reference: 4 steps on one process, checkpoints every 2.
   auto args = [&](const std::string& extra) {

@@ -74,6 +74,18 @@ PipelineExecutor::PipelineExecutor(const PipelinePlan& plan, int pp_rank,
       last_mb[leaf.stage] = leaf.microbatch;
     }
   }
+  // Note [Overlapped data-parallel reduction]: the action after which each
+  // stage of this rank has run all of its step's backwards (B, or W under
+  // the split backward) -- its gradients are final there.
+  const auto& lowered = plan_.lowered.ranks.at(pp_rank_);
+  ready_after_.assign(lowered.size(), {});
+  std::map<int64_t, int64_t> backwards;
+  for (size_t i = 0; i < lowered.size(); ++i) {
+    for (const auto& leaf : leaf_actions(lowered[i])) {
+      if (leaf.kind != ActionKind::kBackward && leaf.kind != ActionKind::kBackwardWeight) continue;
+      if (++backwards[leaf.stage] == num_microbatches_) ready_after_[i].push_back(leaf.stage);
+    }
+  }
 }
 
 PipelineStage& PipelineExecutor::stage(int64_t id) {
@@ -303,13 +315,22 @@ double PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
   timing_now_ = timer_ != nullptr;
   try {
     time_begin(kSpanSlot);
-    for (const auto& a : plan_.lowered.ranks.at(pp_rank_)) run_action(a);
+    const auto& actions = plan_.lowered.ranks.at(pp_rank_);
+    for (size_t i = 0; i < actions.size(); ++i) {
+      run_action(actions[i]);
+      for (int64_t s : ready_after_[i]) {
+        auto& st = stage(s);
+        // The rank's own work, not waiting: timed as compute so that the
+        // bubble still measures the time spent waiting for peers.
+        time_begin(kComputeSlot);
+        if (st.deferred_grads()) st.flush_deferred_grads();
+        if (grads_ready_) grads_ready_(s);
+        time_end(kComputeSlot);
+      }
+    }
     finish_step("step end");
     time_end(kSpanSlot);
     timing_now_ = false;
-    for (auto& st : stages_) {
-      if (st->deferred_grads()) st->flush_deferred_grads();
-    }
   } catch (...) {
     inputs_ = targets_ = nullptr;
     timing_now_ = false;

@@ -28,6 +28,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -90,6 +91,11 @@ class PipelineExecutor {
   }
   // Note [Measured bubble]. Off by default; the trainer turns it on.
   void set_timing(bool on);
+  // Note [Overlapped data-parallel reduction] (train/reduce.h): `fn(stage)`
+  // runs inside run_step as soon as every backward of that stage has run
+  // (after the action holding its last B or W): its parameters' gradients
+  // are final from there on, while the schedule goes on.
+  void set_grads_ready(std::function<void(int64_t stage)> fn) { grads_ready_ = std::move(fn); }
   bool timing() const { return timer_ != nullptr; }
   // The times of the run_steps since the previous take (sums over gradient
   // accumulation), then starts new sums; take once per optimizer step (on
@@ -151,6 +157,9 @@ class PipelineExecutor {
   std::map<int64_t, int64_t> hop_bytes_, hop_grad_bytes_;
   std::unique_ptr<DeviceTimer> timer_;  // null: timing off
   bool timing_now_ = false;             // inside a timed run_step
+  // Per lowered action of this rank: the stages whose last backward it ran.
+  std::vector<std::vector<int64_t>> ready_after_;
+  std::function<void(int64_t)> grads_ready_;
 };
 
 }  // namespace viaduct::pipeline
