@@ -65,7 +65,7 @@ void add_core_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("metrics", "profile_step", T::kInt, int64_t{0}, "profile this step (1-based; 0: off) into <dump_folder>/profile/").in(at_least(0)));
   // Note [Activation checkpointing] (ops/checkpoint.h); torchtitan's keys.
   k.push_back(key("activation_checkpoint", "mode", T::kString, std::string("none"), "none | full | selective: recompute a layer's forward in its backward instead of keeping its activations (full: every transformer layer; selective: every selective_ac_option-th, or with \"op\" every layer keeping its matmul outputs); same bits as none"));
-  k.push_back(key("activation_checkpoint", "selective_ac_option", T::kString, std::string("2"), "selective mode: N (a positive integer) checkpoints every N-th layer, counted by global layer id (layers N-1, 2N-1, ...); \"op\" (torchtitan's per-op policy) checkpoints every layer but keeps the outputs of its linear projections, MoE expert GEMMs and KDA's chunk scan, so the backward recomputes only the cheap ops (norms, activations, rope, residual adds) and attention; same bits as none"));
+  k.push_back(key("activation_checkpoint", "selective_ac_option", T::kString, std::string("2"), "selective mode: N (a positive integer) checkpoints every N-th layer, counted by global layer id (layers N-1, 2N-1, ...); \"op\" (torchtitan's per-op policy) checkpoints every layer but keeps the outputs of its linear projections, MoE expert GEMMs, KDA's chunk scan and (where flash runs) attention's core, so the backward recomputes only the cheap ops (norms, activations, rope, residual adds); same bits as none"));
   (void)kUnset;
 }
 

@@ -10,6 +10,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace viaduct::compat {
 
@@ -25,6 +26,57 @@ inline at::Tensor causal_sdpa(const at::Tensor& q, const at::Tensor& k,
 #else
   return std::get<0>(at::_scaled_dot_product_attention(
       q, k, v, {}, 0.0, /*need_attn_weights=*/false, /*is_causal=*/true));
+#endif
+}
+
+// Causal flash attention as its two ATen ops (LibTorch 2.x, CUDA): what
+// causal_sdpa runs for the half-precision inputs flash takes, exposed so
+// that an autograd function of ours can keep its outputs and call its
+// backward (Note [Per-op activation checkpointing], ops/checkpoint.h).
+// flash_attention_applies: q, k, v [B, H, T, hd] on CUDA in bf16 or fp16,
+// one head dim (a multiple of 8, at most 256), H and T alike, last dim
+// dense. 1.13: never.
+inline bool flash_attention_applies(const at::Tensor& q, const at::Tensor& k,
+                                    const at::Tensor& v) {
+#if TORCH_VERSION_MAJOR >= 2
+  const auto hd = q.size(-1);
+  return q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) &&
+         k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+         q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes() && hd % 8 == 0 &&
+         hd <= 256 && q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1 &&
+         at::globalContext().userEnabledFlashSDP();
+#else
+  (void)q, (void)k, (void)v;
+  return false;
+#endif
+}
+
+// {out [B, H, T, hd], logsumexp, cum_seq_q, cum_seq_k, philox_seed,
+// philox_offset}: the forward's outputs its backward reads.
+inline std::vector<at::Tensor> causal_flash_forward(const at::Tensor& q, const at::Tensor& k,
+                                                    const at::Tensor& v) {
+#if TORCH_VERSION_MAJOR >= 2
+  auto r = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, /*is_causal=*/true);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r),
+          std::get<3>(r), std::get<6>(r), std::get<7>(r)};
+#else
+  (void)q, (void)k, (void)v;
+  throw std::runtime_error("flash attention ops need LibTorch 2.x");
+#endif
+}
+
+// {dq, dk, dv} from causal_flash_forward's outputs `fwd`.
+inline std::vector<at::Tensor> causal_flash_backward(const at::Tensor& grad, const at::Tensor& q,
+                                                     const at::Tensor& k, const at::Tensor& v,
+                                                     const std::vector<at::Tensor>& fwd) {
+#if TORCH_VERSION_MAJOR >= 2
+  auto r = at::_scaled_dot_product_flash_attention_backward(
+      grad, q, k, v, fwd[0], fwd[1], fwd[2], fwd[3], /*max_q=*/q.size(2), /*max_k=*/k.size(2),
+      0.0, /*is_causal=*/true, fwd[4], fwd[5]);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+#else
+  (void)grad, (void)q, (void)k, (void)v, (void)fwd;
+  throw std::runtime_error("flash attention ops need LibTorch 2.x");
 #endif
 }
 

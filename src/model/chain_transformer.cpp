@@ -300,9 +300,10 @@ ModelInfo describe_chain(const ChainSpec& s, int64_t seq_len) {
   // w3 x and their product (3 H), the GELU MLP its pre- and post-GELU
   // hidden (2 H).
   const double saved = 6.0 * s.dim + 2.0 * kv + (s.gelu_mlp ? 2.0 : 3.0) * s.ffn_hidden;
-  // Under "op": the outputs of wq, wk, wv, wo (2 D + 2 kv), of w1 and w3
-  // (SwiGLU) or w1 (GELU) and of w2 (D).
-  const double op_outputs = 3.0 * s.dim + 2.0 * kv + (s.gelu_mlp ? 1.0 : 2.0) * s.ffn_hidden;
+  // Under "op": the outputs of wq, wk, wv, wo (2 D + 2 kv), of attention's
+  // core (D, as flash keeps it), of w1 and w3 (SwiGLU) or w1 (GELU) and of
+  // w2 (D).
+  const double op_outputs = 4.0 * s.dim + 2.0 * kv + (s.gelu_mlp ? 1.0 : 2.0) * s.ffn_hidden;
   for (int64_t i = 0; i < s.n_layers; ++i) {
     info.module_flops["layers." + std::to_string(i)] = layer_flops;
     LayerInfo l;

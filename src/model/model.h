@@ -90,10 +90,10 @@ struct LayerInfo {
   // checkpointed.
   double recompute_values_per_token = 0;
   // The outputs of the layer's expensive ops per token (its linear
-  // projections, MoE expert GEMMs, KDA's chunk scan and its states: Note
-  // [Per-op activation checkpointing], ops/checkpoint.h), which a layer
-  // under selective_ac_option = "op" keeps beside its input. 0: the family
-  // does not say.
+  // projections, attention's core, MoE expert GEMMs, KDA's chunk scan and
+  // its states: Note [Per-op activation checkpointing], ops/checkpoint.h),
+  // which a layer under selective_ac_option = "op" keeps beside its input.
+  // 0: the family does not say.
   double op_output_values_per_token = 0;
 };
 

@@ -57,13 +57,15 @@
 // the ATen form is an autograd function of its own for this, the
 // mixed-precision form was one already; ops/linear.cpp), the grouped MoE
 // expert GEMMs (ops/moe.cpp; the per-expert loop of the ATen form goes
-// through ops::linear) and KDA's chunk scan with the states its backward
-// reads (ops/kda.cpp). Recomputed although expensive:
-//  - scaled-dot-product attention (causal_attention, MLA's core): its
-//    backward is ATen's own autograd formula (1.13's composite math, 2.x's
-//    flash / efficient / cuDNN kernels, each with its own saved
-//    statistics), so a cached output could only feed a second formula of
-//    ours, which would not give ATen's bits;
+// through ops::linear), KDA's chunk scan with the states its backward
+// reads (ops/kda.cpp), and causal attention's core where flash attention
+// runs (LibTorch 2.x, CUDA, bf16 / fp16, one head dim: CausalFlashFn in
+// ops/rope.cpp calls flash's forward and backward ops, so it keeps the
+// output and log-sum-exp). Recomputed although expensive:
+//  - attention elsewhere (1.13's composite math on the CPU, fp32, MLA's
+//    core with its wider q/k heads): its backward is ATen's own autograd
+//    formula over statistics the forward does not return, so a cached
+//    output could only feed a second formula of ours, without ATen's bits;
 //  - the fused functions of kernels/ (SwiGLU with w2, the KDA kernel):
 //    kernels/ sits below ops/ and does not consult the list.
 #pragma once

@@ -3,6 +3,7 @@
 #include "core/check.h"
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
+#include "ops/checkpoint.h"
 
 namespace viaduct::ops {
 
@@ -18,6 +19,37 @@ std::pair<at::Tensor, at::Tensor> rope_tables_fp32(const RopeTables& rope, int64
                                                    const at::Device& device) {
   return {rope.cos.slice(0, 0, T).to(device, at::kFloat).contiguous(),
           rope.sin.slice(0, 0, T).to(device, at::kFloat).contiguous()};
+}
+
+// Causal flash attention as an autograd function of ours, where
+// compat::flash_attention_applies: the forward and backward ATen ops that
+// scaled_dot_product_attention's flash path runs, so that Note [Per-op
+// activation checkpointing] can keep the attention core's outputs (out,
+// logsumexp and the rest its backward reads) and skip the forward in a
+// replay while the backward stays the same call.
+class CausalFlashFn : public torch::autograd::Function<CausalFlashFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v) {
+    auto fwd = run_saved_op_outputs([&] { return compat::causal_flash_forward(q, k, v); });
+    std::vector<at::Tensor> saved{q, k, v};
+    saved.insert(saved.end(), fwd.begin(), fwd.end());
+    ctx->save_for_backward(saved);
+    return fwd[0];
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const std::vector<at::Tensor> fwd(saved.begin() + 3, saved.end());
+    auto g = compat::causal_flash_backward(grads[0], saved[0], saved[1], saved[2], fwd);
+    return {g[0], g[1], g[2]};
+  }
+};
+
+// Causal attention of q, k, v [B, H, T, hd] (k, v repeated to H heads).
+at::Tensor causal_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  if (compat::flash_attention_applies(q, k, v)) return CausalFlashFn::apply(q, k, v);
+  return compat::causal_sdpa(q, k, v);
 }
 
 }  // namespace
@@ -67,7 +99,7 @@ at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const Rope
     q = kernels::rope(q, c, s).transpose(1, 2);            // [B, H, T, hd]
     k = kernels::rope(k, c, s, H / KV).transpose(1, 2);    // [B, H, T, hd]
     v = kernels::repeat_heads(v, H / KV).transpose(1, 2);  // [B, H, T, hd]
-    return compat::causal_sdpa(q, k, v);                   // [B, H, T, hd]
+    return causal_core(q, k, v);                           // [B, H, T, hd]
   }
   if (tables != nullptr) {
     q = rope(q, *tables, opts);
@@ -76,7 +108,11 @@ at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const Rope
   q = q.transpose(1, 2);  // [B, H, T, hd]
   k = k.transpose(1, 2);  // [B, KV, T, hd]
   v = v.transpose(1, 2);
-  return compat::causal_sdpa_gqa(q, k, v);  // [B, H, T, hd]
+  if (KV != H) {
+    k = k.repeat_interleave(H / KV, 1);  // as compat::causal_sdpa_gqa
+    v = v.repeat_interleave(H / KV, 1);
+  }
+  return causal_core(q, k, v);  // [B, H, T, hd]
 }
 
 }  // namespace viaduct::ops
