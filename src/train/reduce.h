@@ -34,8 +34,10 @@ std::vector<std::vector<size_t>> grad_buckets(const std::vector<NamedParam>& par
 // each all-reduce started as soon as the stage holding the bucket has run
 // its last backward of the step (PipelineExecutor::set_grads_ready), while
 // the schedule goes on: Gloo sums on its own threads, NCCL on its own
-// stream. finish() starts what is left, waits for every sum in the order
-// they were started and copies them back; the optimizer runs after it.
+// stream. With gradient accumulation only the last accumulated batch's
+// schedule starts buckets. finish() starts what is left, waits for every
+// sum in the order they were started and copies them back; the optimizer
+// runs after it.
 // Every replica runs the same schedule, so every replica starts the same
 // buckets in the same order, and each bucket is summed by the same call on
 // the same flattened buffer as a sum after the step would be: the same bits.

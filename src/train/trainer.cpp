@@ -182,9 +182,6 @@ ModelInfo Trainer::build_model() {
         *plan_, pp_rank_, std::move(rm.stages), mesh_ ? &mesh_->pp_group() : nullptr,
         device_);
     executor_->set_timing(cfg_.get_bool("metrics.pipeline_timing"));
-    if (grad_reduction_) {
-      executor_->set_grads_ready([this](int64_t stage) { grad_reduction_->stage_ready(stage); });
-    }
   }
   return rm.info;
 }
@@ -353,10 +350,18 @@ double Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, d
                                  std::vector<at::Tensor>& pending_losses) {
   for (auto& p : parts_) p->train();
   double loss_sum = 0.0;
-  for (const auto& batch : batches) {
+  for (size_t a = 0; a < batches.size(); ++a) {
+    const auto& batch = batches[a];
     RECORD_USER_SCOPE("viaduct::forward_backward");
     auto mbs = data::split_microbatches(batch, num_microbatches());
     if (executor_) {
+      // Note [Overlapped data-parallel reduction]: a stage's gradients are
+      // final after its last backward of the last accumulated batch only.
+      if (grad_reduction_ && a + 1 == batches.size()) {
+        executor_->set_grads_ready([this](int64_t stage) { grad_reduction_->stage_ready(stage); });
+      } else {
+        executor_->set_grads_ready(nullptr);
+      }
       std::vector<at::Tensor> in, tgt;
       for (const auto& mb : mbs) {
         in.push_back(mb.inputs);

@@ -172,9 +172,10 @@ TEST_F(PipelineRuns, PipelineTimesDataParallelMatchesDataParallel) {
 
 // Note [Overlapped data-parallel reduction]: with two stages per rank, the
 // later stage's buckets start summing while the rank still runs the earlier
-// stage's backward (B, W under zero bubble, deferred under LoopedBFS), and
-// the run keeps the bits of the data-parallel run without a pipeline, whose
-// buckets are summed after the step.
+// stage's backward (B, W under zero bubble, deferred under LoopedBFS; with
+// gradient accumulation, in the last batch only), and the run keeps the
+// bits of the data-parallel run without a pipeline, whose buckets are
+// summed after the step.
 TEST_F(PipelineRuns, OverlappedGradientSumKeepsTheBitsOfTheSumAfterTheStep) {
   const std::string common = base_args("llama", 6, 4) +
                              " --model.vocab_size=16384 --parallelism.dp_bucket_mb=1"
@@ -200,6 +201,17 @@ TEST_F(PipelineRuns, OverlappedGradientSumKeepsTheBitsOfTheSumAfterTheStep) {
     // stage 0 runs its last backwards.
     EXPECT_EQ(overlapped(run), (std::vector<int64_t>{1, 1, 1}));
   }
+  // With two accumulated batches per step, only the second batch's
+  // schedule may start the sums.
+  const std::string accumulate = " --training.gradient_accumulation_steps=2";
+  const auto after2 = train("dp2_after_step_accum2", 2, common + accumulate);
+  const auto run2 = train("dp2_pp2_accum2", 4,
+                          common + accumulate +
+                              " --parallelism.pipeline_parallel_degree=2"
+                              " --parallelism.pipeline_parallel_stages_per_rank=2"
+                              " --parallelism.pipeline_parallel_schedule=Interleaved1F1B");
+  viaduct::testing::expect_same_bits(after2, run2, 3);
+  EXPECT_EQ(overlapped(run2), (std::vector<int64_t>{1, 1, 1}));
 }
 
 TEST_F(PipelineRuns, CheckpointMovesBetweenLayoutsBitwise) {
