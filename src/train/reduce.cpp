@@ -39,11 +39,12 @@ std::vector<std::vector<size_t>> grad_buckets(const std::vector<NamedParam>& par
 }
 
 GradReduction::GradReduction(dist::ProcessGroup& group, const std::vector<NamedParam>& params,
-                             std::vector<int64_t> stage_of, int64_t bucket_bytes)
+                             std::vector<std::vector<size_t>> buckets,
+                             std::vector<int64_t> stage_of)
     : group_(group),
       params_(params),
       stage_of_(std::move(stage_of)),
-      buckets_(grad_buckets(params, bucket_bytes, stage_of_)),
+      buckets_(std::move(buckets)),
       started_(buckets_.size(), false) {}
 
 void GradReduction::start(size_t b) {

@@ -43,8 +43,9 @@ std::vector<std::vector<size_t>> grad_buckets(const std::vector<NamedParam>& par
 // the same flattened buffer as a sum after the step would be: the same bits.
 class GradReduction {
  public:
+  // `buckets`: grad_buckets(params, ..., stage_of).
   GradReduction(dist::ProcessGroup& group, const std::vector<NamedParam>& params,
-                std::vector<int64_t> stage_of, int64_t bucket_bytes);
+                std::vector<std::vector<size_t>> buckets, std::vector<int64_t> stage_of);
   // Starts every bucket of `stage`.
   void stage_ready(int64_t stage);
   // Starts the buckets not started yet, waits for all, copies the sums into

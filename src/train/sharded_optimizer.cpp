@@ -197,26 +197,28 @@ at::Tensor ShardedOptimizer::cut(const std::string& key, const at::Tensor& whole
   return segment_of(whole, seg).clone();
 }
 
-void ShardedOptimizer::load_state(const std::map<std::string, at::Tensor>& tensors) {
+void ShardedOptimizer::load_slices(const std::function<at::Tensor(const std::string&)>& whole) {
+  // One whole tensor at a time; only this replica's slices are kept.
   std::map<std::string, at::Tensor> slices;
-  for (const auto& key : inner_->state_keys()) {
-    auto it = tensors.find(key);
-    VIADUCT_CHECK_T(FileError, it != tensors.end(), "optimizer state '", key,
-                    "' is missing from the checkpoint");
-    slices[key] = cut(key, it->second);
-  }
+  for (const auto& key : inner_->state_keys()) slices[key] = cut(key, whole(key));
   inner_->load_state(slices);
 }
 
+void ShardedOptimizer::load_state(const std::map<std::string, at::Tensor>& tensors) {
+  load_slices([&](const std::string& key) {
+    auto it = tensors.find(key);
+    VIADUCT_CHECK_T(FileError, it != tensors.end(), "optimizer state '", key,
+                    "' is missing from the checkpoint");
+    return it->second;
+  });
+}
+
 void ShardedOptimizer::load_from(const checkpoint::TensorFileIndex& index) {
-  // One whole tensor read at a time; only this replica's slices are kept.
-  std::map<std::string, at::Tensor> slices;
-  for (const auto& key : inner_->state_keys()) {
+  load_slices([&](const std::string& key) {
     VIADUCT_CHECK_T(FileError, index.contains(key), "optimizer state '", key,
                     "' is missing from the checkpoint");
-    slices[key] = cut(key, index.load(key));
-  }
-  inner_->load_state(slices);
+    return index.load(key);
+  });
 }
 
 }  // namespace viaduct

@@ -99,6 +99,9 @@ class ShardedOptimizer : public Optimizer {
   size_t slice_of_state_key(const std::string& key) const;
   // This replica's elements of the whole state tensor `whole` of `key`.
   at::Tensor cut(const std::string& key, const at::Tensor& whole) const;
+  // The inner optimizer's state from this replica's elements of each whole
+  // tensor `whole(key)` returns.
+  void load_slices(const std::function<at::Tensor(const std::string&)>& whole);
 
   dist::ProcessGroup& group_;
   std::vector<std::vector<size_t>> buckets_;

@@ -156,12 +156,13 @@ ModelInfo Trainer::build_model() {
   }
   VIADUCT_ASSERT(stage_of.size() == rm.params.size(), "rank ", rank(), ": ", stage_of.size(),
                  " parameters in the parts, ", rm.params.size(), " to train");
-  const int64_t bucket_bytes = cfg_.get_int("parallelism.dp_bucket_mb") << 20;
+  // The buckets of the data-parallel sum, which ZeRO-1 also shards.
+  auto buckets =
+      grad_buckets(rm.params, cfg_.get_int("parallelism.dp_bucket_mb") << 20, stage_of);
   if (shards_optimizer()) {
     // Note [ZeRO-1] (train/sharded_optimizer.h).
-    auto buckets = grad_buckets(rm.params, bucket_bytes, stage_of);
     auto sharded = std::make_unique<ShardedOptimizer>(
-        std::move(rm.params), mesh_->dp_group(), std::move(buckets),
+        std::move(rm.params), mesh_->dp_group(), buckets,
         [this](std::vector<NamedParam> slices) { return make_optimizer(cfg_, std::move(slices)); });
     log::info("rank ", rank(), ": optimizer state ", sharded->state_bytes(), " bytes for ",
               sharded->owned_elements(), " of ", elements,
@@ -175,7 +176,7 @@ ModelInfo Trainer::build_model() {
 
   if (mesh_ && dp_size_ > 1) {
     grad_reduction_ = std::make_unique<GradReduction>(mesh_->dp_group(), optimizer_->params(),
-                                                      std::move(stage_of), bucket_bytes);
+                                                      std::move(buckets), std::move(stage_of));
   }
   if (plan_->split.num_stages > 1) {
     executor_ = std::make_unique<pipeline::PipelineExecutor>(
