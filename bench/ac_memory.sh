@@ -12,7 +12,12 @@
 # (8192), BATCH (1), STEPS (6: the median of steps 2.. is reported), MODES
 # ("none selective:op selective:2 full"), MAXBATCH (1: also search the
 # largest batch per mode), DATA (data/fortunes.tok), OUT (outputs/ac_memory),
-# EXTRA (more overrides), RUN_TIMEOUT (150 s per run).
+# EXTRA (more overrides), RUN_TIMEOUT (150 s per run), MODEL (the model's
+# overrides; default the llama-8B layer shape above), TRIES (3: runs below
+# the admitted batch, each 7/8 of the last, when the admitted one fails).
+# The allocator's settings come from the environment
+# (PYTORCH_CUDA_ALLOC_CONF; viaduct sets expandable_segments:True when it
+# is unset).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 V=${VIADUCT:-build-gpu/viaduct}
@@ -21,7 +26,8 @@ mkdir -p "$OUT"
 LAYERS=${LAYERS:-4}; SEQ=${SEQ:-8192}; BATCH=${BATCH:-1}; STEPS=${STEPS:-6}
 MODES=${MODES:-none selective:op selective:2 full}
 DATA=${DATA:-data/fortunes.tok}
-common=(--config configs/llama_debug.toml --model.family=llama --model.flavor=8B --model.n_layers="$LAYERS"
+read -r -a model <<<"${MODEL:---model.family=llama --model.flavor=8B --model.n_layers=$LAYERS}"
+common=(--config configs/llama_debug.toml "${model[@]}"
   --training.seq_len="$SEQ" --training.steps="$STEPS" --training.eval_interval=0
   --checkpoint.enable=false --metrics.progress_bar=false --data.path="$DATA" ${EXTRA:-})
 ac_args() {  # none | full | selective:<option>
@@ -61,8 +67,8 @@ done
 FREE=$(python3 -c 'import torch; print(torch.cuda.mem_get_info()[0])')
 echo
 echo "free device memory: $(python3 -c "print(f'{$FREE/2**30:.1f}')") GiB"
-echo "| activation_checkpoint | largest batch the estimate admits | that batch ran | peak GiB | plan GiB |"
-echo "|---|---|---|---|---|"
+echo "| activation_checkpoint | largest batch the estimate admits | its failure, if it failed | largest batch that ran |"
+echo "|---|---|---|---|"
 for m in $MODES; do
   # The plan's rank-0 total (the figure the trainer refuses a run by)
   # against the device's free memory; double, then bisect.
@@ -76,13 +82,20 @@ for m in $MODES; do
   while admits $hi && [ $hi -le 256 ]; do lo=$hi; hi=$((hi * 2)); done
   while [ $((hi - lo)) -gt 1 ]; do mid=$(((lo + hi) / 2)); if admits $mid; then lo=$mid; else hi=$mid; fi; done
   if [ $lo -eq 0 ]; then echo "| $m | none |  |  |  |"; continue; fi
-  d="$OUT/${m/:/_}_max"
-  rm -rf "$d"
-  if timeout "${RUN_TIMEOUT:-150}" "$V" train "${common[@]}" --training.local_batch_size=$lo --training.steps=2 $(ac_args "$m") \
-      --job.dump_folder="$d" >"$d.log" 2>&1; then
-    read -r t peak plan loss < <(summarise "$d")
-    echo "| $m | $lo | yes | $peak | $plan |"
-  else
-    echo "| $m | $lo | no: $(grep -m1 -iE "out of memory|error" "$d.log" | cut -c1-100) |  |  |"
-  fi
+  # Run the admitted batch; when it fails, up to TRIES smaller ones (7/8
+  # of the last each) until one runs: the largest batch that ran.
+  b=$lo; ran=""; first=""
+  for _ in $(seq 0 "${TRIES:-3}"); do
+    d="$OUT/${m/:/_}_max_b$b"
+    rm -rf "$d"
+    if timeout "${RUN_TIMEOUT:-150}" "$V" train "${common[@]}" --training.local_batch_size=$b --training.steps=2 $(ac_args "$m") \
+        --job.dump_folder="$d" >"$d.log" 2>&1; then
+      read -r t peak plan loss < <(summarise "$d")
+      ran="$b ($peak GiB peak, plan $plan GiB)"
+      break
+    fi
+    [ -n "$first" ] || first="$(grep -m1 -iE "out of memory|error" "$d.log" | cut -c1-100)"
+    b=$((b * 7 / 8)); [ $b -ge 1 ] || break
+  done
+  echo "| $m | $lo | ${first:-yes} | ${ran:-none of the tries} |"
 done

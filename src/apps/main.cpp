@@ -11,6 +11,7 @@
 
 #include "apps/command.h"
 #include "core/check.h"
+#include "core/torch_compat.h"
 
 namespace viaduct::apps {
 namespace {
@@ -73,6 +74,7 @@ CommandRegistrar::CommandRegistrar(const std::string& name,
 int main(int argc, char** argv) {
   using namespace viaduct::apps;
   install_fatal_signal_handlers();
+  viaduct::compat::default_cuda_allocator_settings();
   if (argc < 2 || std::string(argv[1]) == "--help" ||
       std::string(argv[1]) == "-h" || std::string(argv[1]) == "help") {
     usage();

@@ -16,6 +16,25 @@ namespace viaduct::compat {
 
 constexpr bool kTorch2 = TORCH_VERSION_MAJOR >= 2;
 
+// The CUDA caching allocator's settings when the user gave none: expandable
+// segments, so that memory freed by one phase of a step (the forward's
+// activations) can serve another phase's differently sized blocks instead
+// of staying reserved in segments that fit neither; without them a batch
+// whose live tensors fit can still fail with gigabytes "reserved but
+// unallocated". Set in the environment before the allocator reads it (the
+// first CUDA allocation), only where the option exists (LibTorch >= 2.1),
+// under the variable name the version reads without a warning. A user's own
+// PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF wins.
+inline void default_cuda_allocator_settings() {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  if (std::getenv("PYTORCH_ALLOC_CONF") != nullptr ||
+      std::getenv("PYTORCH_CUDA_ALLOC_CONF") != nullptr) {
+    return;
+  }
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", /*overwrite=*/0);
+#endif
+}
+
 // Causal scaled-dot-product attention. q: [B, H, T, hd]; k, v: [B, H, T, hd]
 // (KV heads already repeated for GQA). 2.x picks flash / mem-efficient /
 // cuDNN / math itself; 1.13 has only the private composite form.
