@@ -8,14 +8,14 @@
 #
 #   bash bench/memory_session.sh
 #
-# Environment (defaults): OUT (outputs/memory), SECTIONS ("alloc ac fit
-# plan"), AC_BATCH (12), AC_MODES ("none selective:op"), FIT_MODES ("none
+# Environment (defaults): OUT (outputs/memory), SECTIONS ("alloc ac plan
+# fit"), AC_BATCH (12), AC_MODES ("none selective:op"), FIT_MODES ("none
 # selective:op selective:2 full").
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/outputs/memory}
 mkdir -p "$OUT"
-SECTIONS=${SECTIONS:-alloc ac fit plan}
+SECTIONS=${SECTIONS:-alloc ac plan fit}
 T0=$(date +%s)
 say() { printf '[%4ds] %s\n' $(($(date +%s) - T0)) "$*"; }
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -37,11 +37,6 @@ if has ac; then
   BATCH=${AC_BATCH:-12} STEPS=3 MAXBATCH=0 MODES="${AC_MODES:-none selective:op}" \
     EXTRA=--lr_scheduler.warmup_steps=1 OUT="$OUT/ac" bash bench/ac_memory.sh | tee "$OUT/ac.md"
 fi
-if has fit; then
-  say "largest batch per mode, by runs"
-  BATCH=1 STEPS=2 MODES="${FIT_MODES:-none selective:op selective:2 full}" OUT="$OUT/fit" \
-    RUN_TIMEOUT=120 bash bench/ac_memory.sh | tee "$OUT/fit.md"
-fi
 if has plan; then
   python3 - <<'PY'
 import array, os, random
@@ -59,5 +54,10 @@ PY
   MODEL="--model.family=kimi_k3 --model.flavor=debugmodel_deep --model.dim=2048 --model.n_heads=16 --model.kda_head_dim=64 --model.mla_kv_lora_rank=512 --model.mla_qk_nope_head_dim=128 --model.mla_qk_rope_head_dim=64 --model.mla_v_head_dim=128 --model.ffn_hidden_dim=5632 --model.moe_hidden_dim=512 --model.kda_chunk_size=64" \
     SEQ=2048 BATCH=4 STEPS=3 MAXBATCH=0 MODES="none full" DATA=outputs/memory/v320.u32 \
     OUT="$OUT/planK3" bash bench/ac_memory.sh | tee "$OUT/planK3.md"
+fi
+if has fit; then
+  say "largest batch per mode, by runs"
+  BATCH=1 STEPS=2 MODES="${FIT_MODES:-none selective:op selective:2 full}" OUT="$OUT/fit" \
+    RUN_TIMEOUT=120 bash bench/ac_memory.sh | tee "$OUT/fit.md"
 fi
 say "done"
