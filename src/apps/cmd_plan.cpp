@@ -38,8 +38,11 @@ constexpr const char* kUsage =
     "divided over the dp ranks under parallelism.dp_shard_optimizer = true),\n"
     "activations kept for the backward at the schedule's peak -- with the\n"
     "config's activation_checkpoint.mode and with none and full -- and the\n"
-    "head's loss buffer (the estimate a run is checked against before it\n"
-    "starts, and which metrics.jsonl carries as plan_memory_bytes); the\n"
+    "head's loss buffer, the backward's working set when it starts, and the\n"
+    "peak: the parts live together (gradients are freed after each step, so\n"
+    "in one process with one micro-batch they peak after the activations are\n"
+    "freed); the peak is the figure a run is checked against before it\n"
+    "starts, and which metrics.jsonl carries as plan_memory_bytes; the\n"
     "boundary activations each rank holds at its peak, and the schedule's\n"
     "bubble (unit costs F = 1, B = 2). The device and dtype are the trainer's:\n"
     "training.device = auto is this machine's (set --training.device=cuda to\n"
@@ -246,6 +249,8 @@ int plan_main(int argc, char** argv) {
                    {"optimizer", e.optimizer},
                    {"activations", e.activations},
                    {"loss", e.loss},
+                   {"backward_working_set", e.backward_transient},
+                   {"gradients_live_in_forward", e.gradients_in_forward},
                    {"total", e.total()},
                    {"microbatches_in_flight", e.microbatches_in_flight},
                    {"tokens_per_microbatch", e.tokens_per_microbatch},
@@ -331,15 +336,16 @@ int plan_main(int argc, char** argv) {
   std::printf("memory per pp rank (estimate, before allocator slack and temporaries): %s; "
               "activation_checkpoint.mode = %s\n",
               optimizer.c_str(), checkpointing_name(cfg).c_str());
-  std::printf("  %4s %11s %11s %11s %11s %11s %11s   %s\n", "rank", "weights", "gradients",
-              "optimizer", "activations", "loss", "total",
+  std::printf("  %4s %11s %11s %11s %11s %11s %11s %11s   %s\n", "rank", "weights", "gradients",
+              "optimizer", "activations", "loss", "bwd work", "peak",
               "activations with mode none / full");
   for (size_t r = 0; r < memory.size(); ++r) {
     const auto& e = memory[r];
-    std::printf("  %4zu %11s %11s %11s %11s %11s %11s   %s / %s\n", r,
+    std::printf("  %4zu %11s %11s %11s %11s %11s %11s %11s   %s / %s\n", r,
                 format_gib(e.weights).c_str(), format_gib(e.gradients).c_str(),
                 format_gib(e.optimizer).c_str(), format_gib(e.activations).c_str(),
-                format_gib(e.loss).c_str(), format_gib(e.total()).c_str(),
+                format_gib(e.loss).c_str(), format_gib(e.backward_transient).c_str(),
+                format_gib(e.total()).c_str(),
                 format_gib(memory_none[r].activations).c_str(),
                 format_gib(memory_full[r].activations).c_str());
   }

@@ -474,14 +474,36 @@ Activations KimiK3Part::forward(const Activations& in) {
 
 namespace {
 
-// Note [Activation memory estimate] for one layer: the two norms' inputs
+// Note [Activation memory estimate] for one layer, in values of the
+// compute dtype (bf16: an fp32 tensor counts twice): the two norms' inputs
 // and outputs (4 D); MLA keeps its low-rank latents, q, k, v and the
-// attention output; KDA its projections before and after the short
-// convolutions (q, k, v), the decay, the output gate and the output (8 H
-// dk), beta, and the chunk states (H dk dk per chunk of tokens); a MoE layer
-// each routed token's copy of x and its expert's w1 x, w3 x and product,
-// the router's scores and the shared experts' SwiGLU; a dense layer its
-// SwiGLU. AttnRes reads are left out (their sources are the block stack).
+// attention output; a MoE layer each routed token's copy of x, its expert's
+// w1 x, w3 x and product and its weighted output, the router's scores and
+// the shared experts' SwiGLU; a dense layer its SwiGLU. KDA (hk = H dk,
+// chunk C) as its kernels run it: the short convolutions' inputs and
+// pre-activations (6 hk), q and k before their L2 norm in fp32 (4 hk), the
+// decay's softplus input and output in fp32 (4 hk), the output gate in fp32
+// (2 hk), the output norm's input and output in fp32 (4 hk) and the output
+// projection's input (hk), the two low-rank maps' outputs (2 dk) and beta in
+// fp32 (2 H); and the chunk scan's saved set, all fp32: q, k, v, g (8 hk),
+// the two WY terms (4 hk), q and k with their decay applied (4 hk), v' (2
+// hk), three C x C matrices per chunk and head (6 C H) and the chunk states
+// (2 hk dk / C). AttnRes reads are left out (their sources are the block
+// stack).
+// The chunk scan's saved set (see above), which "op" keeps as well.
+double kda_scan_saved_values_per_token(const KdaOptions& k) {
+  const double hk = static_cast<double>(k.n_heads * k.head_dim);
+  const double H = static_cast<double>(k.n_heads), dk = static_cast<double>(k.head_dim);
+  const double C = static_cast<double>(k.chunk_size);
+  return 18.0 * hk + 6.0 * C * H + 2.0 * hk * dk / C + 2.0 * H;
+}
+
+double kda_saved_values_per_token(const KdaOptions& k) {
+  const double hk = static_cast<double>(k.n_heads * k.head_dim);
+  const double H = static_cast<double>(k.n_heads), dk = static_cast<double>(k.head_dim);
+  return 21.0 * hk + 2.0 * dk + 2.0 * H + kda_scan_saved_values_per_token(k);
+}
+
 double saved_values_per_token(const KimiK3Options& o, int64_t layer) {
   const double D = static_cast<double>(o.dim);
   double v = 4.0 * D;
@@ -491,15 +513,12 @@ double saved_values_per_token(const KimiK3Options& o, int64_t layer) {
     v += static_cast<double>(m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim);
     v += static_cast<double>(m.n_heads) * (2.0 * qk + 2.0 * static_cast<double>(m.v_head_dim));
   } else {
-    const auto& k = o.kda;
-    const double hd = static_cast<double>(k.n_heads * k.head_dim);
-    v += 8.0 * hd + static_cast<double>(k.n_heads) +
-         hd * static_cast<double>(k.head_dim) / static_cast<double>(k.chunk_size);
+    v += kda_saved_values_per_token(o.kda);
   }
   if (o.is_moe(layer)) {
     const auto& e = o.moe;
     const double h = static_cast<double>(e.hidden_dim);
-    v += static_cast<double>(e.n_activated_experts) * (D + 3.0 * h) +
+    v += static_cast<double>(e.n_activated_experts) * (2.0 * D + 3.0 * h) +
          static_cast<double>(e.n_routed_experts) + 3.0 * h * static_cast<double>(e.n_shared_experts);
   } else {
     v += 3.0 * static_cast<double>(o.ffn_hidden_dim);
@@ -511,7 +530,7 @@ double saved_values_per_token(const KimiK3Options& o, int64_t layer) {
 // activation checkpointing]): the outputs of its linear projections -- MLA's
 // q (through the q latent where there is one), kv latent, k/v and wo; KDA's
 // q, k, v, the decay and gate low-rank pairs, beta and o_proj -- KDA's chunk
-// scan output, v' and states (2 H dk + H dk dk per chunk of tokens), a MoE
+// scan with its whole saved set (the op keeps its node), a MoE
 // layer's router scores, each routed token's w1 x, w3 x and w2 output, and
 // the shared experts' three; a dense layer its SwiGLU's three.
 double op_output_values_per_token(const KimiK3Options& o, int64_t layer) {
@@ -528,7 +547,7 @@ double op_output_values_per_token(const KimiK3Options& o, int64_t layer) {
     const auto& k = o.kda;
     const double hd = static_cast<double>(k.n_heads * k.head_dim);
     v += 5.0 * hd + 2.0 * static_cast<double>(k.head_dim) + static_cast<double>(k.n_heads) + D;
-    v += 2.0 * hd + hd * static_cast<double>(k.head_dim) / static_cast<double>(k.chunk_size);
+    v += kda_scan_saved_values_per_token(k);
   }
   if (o.is_moe(layer)) {
     const auto& e = o.moe;

@@ -21,8 +21,11 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
   const double params = static_cast<double>(info.params) / static_cast<double>(split.pp);
   const bool adamw = cfg.get_string("optimizer.name") == "AdamW";
   const double elem = static_cast<double>(c10::elementSize(compute_dtype));
-  // bf16: the bf16 copy the layers run on and the fp32 master.
-  e.weights = params * (compute_dtype == at::kFloat ? 4.0 : 4.0 + elem);
+  // The fp32 master, and under bf16 the weight cache's copy of every weight
+  // but the embeddings (read by row, never cast whole).
+  const double cached =
+      static_cast<double>(info.params - info.embedding_params) / static_cast<double>(split.pp);
+  e.weights = params * 4.0 + (compute_dtype == at::kFloat ? 0.0 : cached * elem);
   e.gradients = params * 4.0;
   // ZeRO-1: each dp rank keeps the moments of ~1/dp of the parameters.
   if (adamw && cfg.get_bool("parallelism.dp_shard_optimizer")) {
@@ -52,17 +55,22 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
     }
   }
   bool holds_head = false;
+  double largest_layer = 0;  // the rank's largest layer's values in full
+  const double dim = static_cast<double>(info.dim);
   for (int64_t s : split.rank_to_stages.at(static_cast<size_t>(pp_rank))) {
     double stage = 0;
     const auto [first, end] = split.stage_layers.at(static_cast<size_t>(s));
     for (int64_t l = first; l < end && l < static_cast<int64_t>(info.layers.size()); ++l) {
       const auto& layer = info.layers[static_cast<size_t>(l)];
       const bool recomputed = layer.recompute_values_per_token > 0;
-      stage += recomputed && splits_backward ? layer.recompute_values_per_token
-                                             : layer.saved_values_per_token;
+      const double full = recomputed ? layer.recompute_values_per_token : layer.saved_values_per_token;
+      largest_layer = std::max(largest_layer, full);
+      stage += recomputed && splits_backward ? full : layer.saved_values_per_token;
       if (recomputed && !splits_backward) {
-        e.recompute_values_per_token =
-            std::max(e.recompute_values_per_token, layer.recompute_values_per_token);
+        // The recompute materialises what the layer did not keep beside
+        // its input: all of it under "full", the cheap ops under "op".
+        e.recompute_values_per_token = std::max(
+            e.recompute_values_per_token, full - layer.saved_values_per_token + dim);
       }
     }
     e.saved_values_per_token = std::max(e.saved_values_per_token, stage);
@@ -81,6 +89,12 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
         chunk > 0 ? std::min(chunk, e.tokens_per_microbatch) : e.tokens_per_microbatch;
     e.loss = static_cast<double>(rows) * static_cast<double>(info.vocab_size) * 8.0;
   }
+  e.backward_transient = largest_layer * tokens * elem +
+                         (holds_head ? static_cast<double>(info.vocab_size) * dim * 4.0 : 0.0);
+  // Gradients are freed after each step; they are live beside kept
+  // activations when the rank runs several micro-batches or accumulates.
+  e.gradients_in_forward = microbatches > 1 || e.microbatches_in_flight > 1 || split.pp > 1 ||
+                           cfg.get_int("training.gradient_accumulation_steps") > 1;
   return e;
 }
 

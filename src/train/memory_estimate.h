@@ -2,33 +2,50 @@
 // anything is allocated, and the refusal of a run that cannot fit.
 //
 // Note [Activation memory estimate]
-// Per rank: weights (the compute copy, plus the fp32 master under bf16),
-// fp32 gradients and AdamW's two fp32 moments for an even share of the
-// parameters over the pipeline ranks -- the moments divided by
+// Per rank: weights (the fp32 master, plus under bf16 the low-precision copy
+// the weight cache keeps of every weight but the embeddings, which are read
+// by row), fp32 gradients and AdamW's two fp32 moments for an even share of
+// the parameters over the pipeline ranks -- the moments divided by
 // parallelism.data_parallel_degree under parallelism.dp_shard_optimizer
 // (ZeRO-1: each dp rank keeps the moments of its slice of every gradient
-// bucket; master weights and gradients stay whole); activations kept for the backward at
-// the schedule's peak -- the most micro-batches the plan's simulation holds
-// in flight on the rank (1 in one process, up to pp for 1F1B on the first
-// rank, more for interleaved schedules) times the largest of the rank's
-// stages' kept values per token (LayerInfo::saved_values_per_token, from
-// each family's shapes) times the micro-batch's tokens, in the compute
-// dtype; and, on the head's rank, the loss buffer (fp32 log-probabilities
-// and their gradient, [rows, V] x 8 bytes, rows = the micro-batch's tokens
-// or one chunk of them under Note [Chunked head loss]). Under activation
-// checkpointing a checkpointed layer keeps its input alone (D values per
-// token; under selective_ac_option = "op" plus its expensive ops' outputs,
-// LayerInfo::op_output_values_per_token, Note [Per-op activation
-// checkpointing]) and the rank adds one recomputed layer in full
-// (LayerInfo::recompute_values_per_token, the rank's largest), once: layers
-// are recomputed one at a time; a schedule that splits the backward (zero
-// bubble) keeps a micro-batch's recomputed layers from its I to its W, so
-// there checkpointed layers count in full. It is an estimate:
-// the allocator's slack, temporaries, attention scores where a backend
-// materialises them and the CUDA context are not in it, so a run may need
-// more; it is meant to refuse runs that cannot fit, not to promise a fit.
+// bucket; master weights and gradients stay whole); activations kept for the
+// backward at the schedule's peak -- the most micro-batches the plan's
+// simulation holds in flight on the rank (1 in one process, up to pp for
+// 1F1B on the first rank, more for interleaved schedules) times the largest
+// of the rank's stages' kept values per token (LayerInfo::saved_values_per_token,
+// from each family's shapes) times the micro-batch's tokens, in the compute
+// dtype; on the head's rank the loss buffer (fp32 log-probabilities and their
+// gradient, [rows, V] x 8 bytes, rows = the micro-batch's tokens or one chunk
+// of them under Note [Chunked head loss]); and the backward's working set
+// when it starts (backward_transient): the head's weight gradient (fp32, on
+// the head's rank) and the gradients of one layer's activations, counted as
+// the rank's largest layer in full.
+//
+// The parts are not all live at once. The loss buffer is gone when the
+// layers' backward starts, so the two count as their larger. Gradients are
+// freed after each optimizer step (Optimizer::zero_grad): in one process
+// with one micro-batch and no accumulation they grow during the backward as
+// the activations are freed, so the peak is the larger of the end of the
+// forward (activations and the larger of loss and transient) and the end of
+// the backward (gradients); with several micro-batches a rank (pipeline or
+// accumulation) holds a whole set of gradients while later micro-batches'
+// activations are kept, so the two add.
+//
+// Under activation checkpointing a checkpointed layer keeps its input alone
+// (D values per token; under selective_ac_option = "op" plus its expensive
+// ops' outputs, LayerInfo::op_output_values_per_token, Note [Per-op
+// activation checkpointing]) and the rank adds one recomputed layer, once:
+// layers are recomputed one at a time, and a recompute materialises what the
+// layer did not keep (under "op" the kept outputs are reused); a schedule
+// that splits the backward (zero bubble) keeps a micro-batch's recomputed
+// layers from its I to its W, so there checkpointed layers count in full.
+// It is an estimate: temporaries inside an op, attention scores where a
+// backend materialises them, the allocator's slack and the CUDA context are
+// not in it; it is meant to refuse runs that cannot fit, not to promise a
+// fit.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -54,9 +71,21 @@ struct MemoryEstimate {
   int64_t microbatches_in_flight = 0;
   int64_t tokens_per_microbatch = 0;
   double saved_values_per_token = 0;  // of the rank's widest stage
-  // Activation checkpointing: the largest layer recomputed at a time.
+  // Activation checkpointing: what the largest layer recomputed at a time
+  // adds while it is recomputed.
   double recompute_values_per_token = 0;
-  double total() const { return weights + gradients + optimizer + activations + loss; }
+  // The backward's working set when it starts: the head's weight gradient
+  // and the gradients of the largest layer's activations.
+  double backward_transient = 0;
+  // Whether a whole set of gradients is live while activations are kept
+  // (several micro-batches on the rank, or accumulated batches).
+  bool gradients_in_forward = true;
+  // The peak (see the Note): the parts that are live together.
+  double total() const {
+    const double forward = activations + std::max(loss, backward_transient);
+    return weights + optimizer +
+           (gradients_in_forward ? gradients + forward : std::max(forward, gradients));
+  }
 };
 
 // `plan` is the run's pipeline plan and `pp_rank` the rank estimated.

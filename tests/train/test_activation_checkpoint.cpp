@@ -406,7 +406,8 @@ TEST(ActivationCheckpoint, MemoryEstimateKeepsInputsAndOneRecompute) {
   EXPECT_LT(every2.activations, none.activations);
   // op: every layer keeps its input and its expensive ops' outputs -- q,
   // attention's and wo's (D each), k and v (kv each), w1 and w3 (H each),
-  // w2's (D) -- plus one layer recomputed.
+  // w2's (D) -- plus what one layer's recompute adds beside them: the
+  // layer in full less what it kept beyond its input.
   const auto op_cfg = cfg_of(kOp);
   const auto shapes = build_model_part(none_cfg)->named_parameters();
   const double kv = static_cast<double>(shapes["layers.0.attention.wk.weight"].size(0));
@@ -418,7 +419,7 @@ TEST(ActivationCheckpoint, MemoryEstimateKeepsInputsAndOneRecompute) {
     EXPECT_EQ(l.recompute_values_per_token, layer);
   }
   const auto op = estimate(op_cfg);
-  EXPECT_DOUBLE_EQ(op.activations, (L * op_layer + layer) * tokens * 4);
+  EXPECT_DOUBLE_EQ(op.activations, (L * op_layer + layer - op_layer + D) * tokens * 4);
   EXPECT_LT(full.activations, op.activations);
   EXPECT_LT(op.activations, none.activations);
 }

@@ -2,6 +2,7 @@
 // a closed-form count of a small llama's shapes, taken from the built model.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -68,11 +69,43 @@ TEST(MemoryEstimate, OneProcessLlamaMatchesClosedForm) {
   EXPECT_DOUBLE_EQ(e.optimizer, 8 * s.params);
   EXPECT_DOUBLE_EQ(e.activations, 2 * llama_layer_values(s) * tokens * 4);
   EXPECT_DOUBLE_EQ(e.loss, tokens * s.vocab * 8);  // plain loss on CPU
-  // bf16 halves the kept activations and adds the bf16 weight copy.
+  // The backward's working set: one layer's values in full and the head's
+  // fp32 weight gradient.
+  EXPECT_DOUBLE_EQ(e.backward_transient,
+                   llama_layer_values(s) * tokens * 4 + s.vocab * s.dim * 4);
+  // bf16 halves the kept activations and adds the weight cache's bf16 copy
+  // of every weight but the embedding.
   const auto b =
       estimate_rank_memory(cfg, describe_model(cfg), plan_of(cfg), 0, at::kBFloat16, false);
   EXPECT_DOUBLE_EQ(b.activations, e.activations / 2);
-  EXPECT_DOUBLE_EQ(b.weights, 6 * s.params);
+  EXPECT_DOUBLE_EQ(b.weights, 4 * s.params + 2 * (s.params - s.vocab * s.dim));
+}
+
+// Which parts are live together: gradients are freed after each step, so
+// in one process with one micro-batch they peak after the activations are
+// gone; with two micro-batches (or accumulated batches) the first one's
+// gradients are live while the second one's activations are kept.
+TEST(MemoryEstimate, PeakCountsThePartsLiveTogether) {
+  auto estimate = [](const Config& cfg) {
+    return estimate_rank_memory(cfg, describe_model(cfg), plan_of(cfg), 0, at::kFloat, false);
+  };
+  const auto one = estimate(llama_config());
+  EXPECT_FALSE(one.gradients_in_forward);
+  const double forward = one.activations + std::max(one.loss, one.backward_transient);
+  EXPECT_DOUBLE_EQ(one.total(), one.weights + one.optimizer + std::max(forward, one.gradients));
+  EXPECT_LT(one.total(), one.weights + one.optimizer + one.gradients + forward);
+  // Tiny activations: the gradients set the peak.
+  const auto tiny = estimate(llama_config({"training.local_batch_size=1", "training.seq_len=2"}));
+  EXPECT_DOUBLE_EQ(tiny.total(), tiny.weights + tiny.optimizer + tiny.gradients);
+  for (const auto& extra : std::vector<std::vector<std::string>>{
+           {"parallelism.pipeline_parallel_microbatches=2"},
+           {"training.gradient_accumulation_steps=2"}}) {
+    SCOPED_TRACE(extra[0]);
+    const auto e = estimate(llama_config(extra));
+    EXPECT_TRUE(e.gradients_in_forward);
+    EXPECT_DOUBLE_EQ(e.total(), e.weights + e.optimizer + e.gradients + e.activations +
+                                    std::max(e.loss, e.backward_transient));
+  }
 }
 
 TEST(MemoryEstimate, OneF1BHoldsPpMinusRankMicrobatches) {

@@ -132,6 +132,8 @@ TEST_P(PlanMemory, PerRankFiguresAreTheEstimate) {
     EXPECT_DOUBLE_EQ(m["optimizer"].get<double>(), e.optimizer);
     EXPECT_DOUBLE_EQ(m["activations"].get<double>(), e.activations);
     EXPECT_DOUBLE_EQ(m["loss"].get<double>(), e.loss);
+    EXPECT_DOUBLE_EQ(m["backward_working_set"].get<double>(), e.backward_transient);
+    EXPECT_EQ(m["gradients_live_in_forward"].get<bool>(), e.gradients_in_forward);
     EXPECT_DOUBLE_EQ(m["total"].get<double>(), e.total());
     EXPECT_EQ(m["microbatches_in_flight"].get<int64_t>(), e.microbatches_in_flight);
     EXPECT_EQ(m["tokens_per_microbatch"].get<int64_t>(), e.tokens_per_microbatch);
@@ -147,7 +149,7 @@ TEST_P(PlanMemory, PerRankFiguresAreTheEstimate) {
   const auto text = shell(command_line(c));
   ASSERT_EQ(text.exit_code, 0) << text.output;
   for (const char* want_text : {"memory per pp rank", "weights", "gradients", "optimizer",
-                                "activations", "loss", "total", "none / full"}) {
+                                "activations", "loss", "bwd work", "peak", "none / full"}) {
     EXPECT_NE(text.output.find(want_text), std::string::npos) << want_text << "\n"
                                                               << text.output;
   }
