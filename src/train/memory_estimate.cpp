@@ -128,7 +128,10 @@ std::string describe_memory_estimate(const MemoryEstimate& e) {
              ", activations ",
              format_gib(e.activations), " for ", e.microbatches_in_flight,
              " micro-batch", e.microbatches_in_flight == 1 ? "" : "es", " of ",
-             e.tokens_per_microbatch, " tokens in flight, loss ", format_gib(e.loss), ")");
+             e.tokens_per_microbatch, " tokens in flight, loss ", format_gib(e.loss), ", backward working set ",
+             format_gib(e.backward_transient),
+             e.gradients_in_forward ? "; all live together" : "; gradients after the activations",
+             ")");
 }
 
 MemoryEstimate check_rank_memory_fits(const Config& cfg, int64_t pp_rank,
