@@ -170,6 +170,15 @@ MemoryEstimate check_rank_memory_fits(const Config& cfg, int64_t pp_rank,
       activation_checkpoint(cfg).mode == ops::ActivationCheckpoint::Mode::kFull
           ? ""
           : ", or activation_checkpoint.mode = \"full\" (keep only each layer's input)");
+  // Within a tenth of the limit a run may still fail: the estimate leaves
+  // out temporaries inside ops and the allocator's slack.
+  if (e.total() > kNearLimitFraction * available) {
+    log::warn("pp rank ", pp_rank, "'s memory estimate ", format_gib(e.total()), " is ",
+              static_cast<int>(100.0 * e.total() / available + 0.5), "% of what ", has,
+              "; the estimate leaves out temporaries and the allocator's slack, so this run "
+              "may still run out of memory (a smaller training.local_batch_size or "
+              "activation checkpointing leaves room)");
+  }
   return e;
 }
 

@@ -100,10 +100,15 @@ std::vector<MemoryEstimate> estimate_memory_per_rank(const Config& cfg, const Mo
                                                      at::ScalarType compute_dtype,
                                                      bool on_cuda);
 
+// The share of the available memory above which a run that fits the
+// estimate is warned about (the estimate's omissions need the rest).
+constexpr double kNearLimitFraction = 0.9;
+
 // Before anything is allocated: this rank's estimate from the config alone
 // (the model described, the plan made as the rank model makes it), logged
 // in one line against `available` bytes; throws ConfigError with the
-// figures and the knobs that would make it fit when it does not.
+// figures and the knobs that would make it fit when it does not; warns
+// when it fits with less than a tenth of `available` to spare.
 MemoryEstimate check_rank_memory_fits(const Config& cfg, int64_t pp_rank,
                                       at::ScalarType compute_dtype, bool on_cuda,
                                       double available, const std::string& device_name);

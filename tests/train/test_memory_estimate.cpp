@@ -165,6 +165,23 @@ TEST(MemoryEstimate, ShardedOptimizerIsTheUnshardedOneOverDp) {
   EXPECT_EQ(g.optimizer_shards, 1);
 }
 
+// A run that fits with less than a tenth to spare starts with a warning
+// naming the share; one with room starts without it.
+TEST(MemoryEstimate, WarnsNearTheLimit) {
+  const auto cfg = llama_config();
+  const auto e =
+      estimate_rank_memory(cfg, describe_model(cfg), plan_of(cfg), 0, at::kFloat, false);
+  testing::internal::CaptureStderr();
+  EXPECT_NO_THROW(check_rank_memory_fits(cfg, 0, at::kFloat, false, e.total() / 0.95, "cpu"));
+  const auto near = testing::internal::GetCapturedStderr();
+  EXPECT_NE(near.find("is 95% of what cpu has"), std::string::npos) << near;
+  EXPECT_NE(near.find("may still run out of memory"), std::string::npos) << near;
+  testing::internal::CaptureStderr();
+  EXPECT_NO_THROW(check_rank_memory_fits(cfg, 0, at::kFloat, false, e.total() / 0.8, "cpu"));
+  const auto room = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(room.find("may still run out of memory"), std::string::npos) << room;
+}
+
 TEST(MemoryEstimate, RefusesWithFiguresAndKnobs) {
   const auto cfg = llama_config();
   const auto e = check_rank_memory_fits(cfg, 0, at::kFloat, false, 1e15, "cpu");
