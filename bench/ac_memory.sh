@@ -4,7 +4,7 @@
 # vocabulary) cut to a few layers, with activation_checkpoint none and each
 # checkpointing mode, beside the plan's estimate of the same run; then, per
 # mode, the largest local batch the estimate lets start on this device and
-# whether that batch runs.
+# the largest batch at or below it that runs.
 #
 #   VIADUCT=build-gpu/viaduct bash bench/ac_memory.sh
 #
@@ -14,7 +14,8 @@
 # largest batch per mode), DATA (data/fortunes.tok), OUT (outputs/ac_memory),
 # EXTRA (more overrides), RUN_TIMEOUT (150 s per run), MODEL (the model's
 # overrides; default the llama-8B layer shape above), TRIES (3: runs below
-# the admitted batch, each 7/8 of the last, when the admitted one fails).
+# the admitted batch, each 7/8 of the last, when the admitted one fails),
+# TABLE (1: the step-time table at BATCH; 0 skips it, for a search alone).
 # The allocator's settings come from the environment
 # (PYTORCH_CUDA_ALLOC_CONF; viaduct sets expandable_segments:True when it
 # is unset).
@@ -46,23 +47,25 @@ t = statistics.median([r["step_seconds"] for r in rows[1:]] or [rows[0]["step_se
 print(f'{t:.4f} {rows[-1]["peak_memory_bytes"]/2**30:.2f} {rows[-1].get("plan_memory_bytes", 0)/2**30:.2f} {rows[-1]["loss"]}')
 PY
 }
-echo "| activation_checkpoint | batch x seq | step s | x none | peak GiB | plan GiB | peak / plan | step-$STEPS loss |"
-echo "|---|---|---|---|---|---|---|---|"
-base=""
-for m in $MODES; do
-  d="$OUT/${m/:/_}_b$BATCH"
-  rm -rf "$d"
-  if ! timeout "${RUN_TIMEOUT:-150}" "$V" train "${common[@]}" --training.local_batch_size="$BATCH" $(ac_args "$m") \
-      --job.dump_folder="$d" >"$d.log" 2>&1; then
-    echo "| $m | $BATCH x $SEQ | failed: $(grep -m1 -iE "error|memory" "$d.log" | cut -c1-120) |"
-    continue
-  fi
-  read -r t peak plan loss < <(summarise "$d")
-  [ -z "$base" ] && base=$t
-  ratio=$(python3 -c "print(f'{$t/$base:.3f}')")
-  pr=$(python3 -c "print(f'{$peak/$plan:.3f}' if $plan > 0 else 'n/a')")
-  echo "| $m | $BATCH x $SEQ | $t | $ratio | $peak | $plan | $pr | $loss |"
-done
+if [ "${TABLE:-1}" = 1 ]; then
+  echo "| activation_checkpoint | batch x seq | step s | x none | peak GiB | plan GiB | peak / plan | step-$STEPS loss |"
+  echo "|---|---|---|---|---|---|---|---|"
+  base=""
+  for m in $MODES; do
+    d="$OUT/${m/:/_}_b$BATCH"
+    rm -rf "$d"
+    if ! timeout "${RUN_TIMEOUT:-150}" "$V" train "${common[@]}" --training.local_batch_size="$BATCH" $(ac_args "$m") \
+        --job.dump_folder="$d" >"$d.log" 2>&1; then
+      echo "| $m | $BATCH x $SEQ | failed: $(grep -m1 -iE "error|memory" "$d.log" | cut -c1-120) |"
+      continue
+    fi
+    read -r t peak plan loss < <(summarise "$d")
+    [ -z "$base" ] && base=$t
+    ratio=$(python3 -c "print(f'{$t/$base:.3f}')")
+    pr=$(python3 -c "print(f'{$peak/$plan:.3f}' if $plan > 0 else 'n/a')")
+    echo "| $m | $BATCH x $SEQ | $t | $ratio | $peak | $plan | $pr | $loss |"
+  done
+fi
 [ "${MAXBATCH:-1}" = 1 ] || exit 0
 FREE=$(python3 -c 'import torch; print(torch.cuda.mem_get_info()[0])')
 echo
@@ -81,7 +84,7 @@ for m in $MODES; do
   lo=0; hi=1
   while admits $hi && [ $hi -le 256 ]; do lo=$hi; hi=$((hi * 2)); done
   while [ $((hi - lo)) -gt 1 ]; do mid=$(((lo + hi) / 2)); if admits $mid; then lo=$mid; else hi=$mid; fi; done
-  if [ $lo -eq 0 ]; then echo "| $m | none |  |  |  |"; continue; fi
+  if [ $lo -eq 0 ]; then echo "| $m | none |  |  |"; continue; fi
   # Run the admitted batch; when it fails, up to TRIES smaller ones (7/8
   # of the last each) until one runs: the largest batch that ran.
   b=$lo; ran=""; first=""

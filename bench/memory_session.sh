@@ -57,7 +57,7 @@ PY
 fi
 if has fit; then
   say "largest batch per mode, by runs"
-  BATCH=1 STEPS=2 MODES="${FIT_MODES:-none selective:op selective:2 full}" OUT="$OUT/fit" \
+  TABLE=0 STEPS=2 MODES="${FIT_MODES:-none selective:op selective:2 full}" OUT="$OUT/fit" \
     RUN_TIMEOUT=120 bash bench/ac_memory.sh | tee "$OUT/fit.md"
 fi
 say "done"

@@ -23,8 +23,9 @@ constexpr bool kTorch2 = TORCH_VERSION_MAJOR >= 2;
 // whose live tensors fit can still fail with gigabytes "reserved but
 // unallocated". Set in the environment before the allocator reads it (the
 // first CUDA allocation), only where the option exists (LibTorch >= 2.1),
-// under the variable name the version reads without a warning. A user's own
-// PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF wins.
+// as PYTORCH_CUDA_ALLOC_CONF: every 2.x reads that name for CUDA, while the
+// newer PYTORCH_ALLOC_CONF is not read for CUDA by every release. A user's
+// own PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF wins.
 inline void default_cuda_allocator_settings() {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
   if (std::getenv("PYTORCH_ALLOC_CONF") != nullptr ||

@@ -489,7 +489,8 @@ namespace {
 // the two WY terms (4 hk), q and k with their decay applied (4 hk), v' (2
 // hk), three C x C matrices per chunk and head (6 C H) and the chunk states
 // (2 hk dk / C). AttnRes reads are left out (their sources are the block
-// stack).
+// stack). saved_values_per_token below sums these per layer.
+
 // The chunk scan's saved set (see above), which "op" keeps as well.
 double kda_scan_saved_values_per_token(const KdaOptions& k) {
   const double hk = static_cast<double>(k.n_heads * k.head_dim);

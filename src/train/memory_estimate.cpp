@@ -93,7 +93,7 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
                          (holds_head ? static_cast<double>(info.vocab_size) * dim * 4.0 : 0.0);
   // Gradients are freed after each step; they are live beside kept
   // activations when the rank runs several micro-batches or accumulates.
-  e.gradients_in_forward = microbatches > 1 || e.microbatches_in_flight > 1 || split.pp > 1 ||
+  e.gradients_in_forward = microbatches > 1 || split.pp > 1 ||
                            cfg.get_int("training.gradient_accumulation_steps") > 1;
   return e;
 }
@@ -128,8 +128,8 @@ std::string describe_memory_estimate(const MemoryEstimate& e) {
              ", activations ",
              format_gib(e.activations), " for ", e.microbatches_in_flight,
              " micro-batch", e.microbatches_in_flight == 1 ? "" : "es", " of ",
-             e.tokens_per_microbatch, " tokens in flight, loss ", format_gib(e.loss), ", backward working set ",
-             format_gib(e.backward_transient),
+             e.tokens_per_microbatch, " tokens in flight, loss ", format_gib(e.loss),
+             ", backward working set ", format_gib(e.backward_transient),
              e.gradients_in_forward ? "; all live together" : "; gradients after the activations",
              ")");
 }
