@@ -6,11 +6,23 @@
 # (loss, grad_norm) per step; equal rows are equal bits of what metrics.jsonl
 # holds. GPU: B=build-gpu bash bench/k3_bitwise.sh; CPU rehearsal:
 # B=build DEV=cpu DT=float32 DIM=64 SEQ=64 bash bench/k3_bitwise.sh
+# MIX=real: the flavor's own mix instead (KDA at chunk 64 with heads of 64,
+# MLA at 3, 7, ..., MoE of 8 experts top 2 from layer 1), which runs
+# viaduct's KDA and grouped-GEMM MoE kernels on the GPU. RUNS: which runs
+# (default all five: one i1f1b izb ws wszb).
 cd "$(dirname "$0")/.." || exit 1
 B=${B:-build-gpu}; DEV=${DEV:-cuda}; DT=${DT:-bfloat16}; DIM=${DIM:-512}; SEQ=${SEQ:-512}
+case ${MIX:-gemm} in
+  gemm) MIXARGS=(--model.mla_interval=1 --model.moe_ffn=false) ;;
+  real) MIXARGS=(--model.n_heads=$((DIM / 64)) --model.kda_head_dim=64 --model.kda_chunk_size=64
+          --model.moe_hidden_dim=$((DIM / 2))) ;;
+  *) echo "k3_bitwise.sh: MIX must be gemm or real" >&2; exit 2 ;;
+esac
+RUNS=" ${RUNS:-one i1f1b izb ws wszb} "
 run() { name=$1; shift
+  [[ $RUNS == *" $name "* ]] || return 0
   timeout 200 $B/viaduct train --config configs/kimi_k3_debug.toml --model.flavor=debugmodel_deep \
-    --model.dim=$DIM --model.mla_interval=1 --model.moe_ffn=false --model.attn_res_block_size=3 \
+    --model.dim=$DIM "${MIXARGS[@]}" --model.attn_res_block_size=3 \
     --training.seq_len=$SEQ --training.local_batch_size=8 --training.dtype=$DT --training.device=$DEV \
     --training.steps=3 --training.eval_interval=0 --checkpoint.enable=false --training.deterministic=true \
     --metrics.progress_bar=false --metrics.log_freq=1 --parallelism.pipeline_parallel_microbatches=4 \

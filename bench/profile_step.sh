@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Profiles one training step of the llama-1B shape (4 x 4096 tokens, bf16) on
-# the GPU machine with metrics.profile_step and prints the per-op breakdown
-# (bench/profile_summary.py). Each extra argument is one variant: a quoted
-# list of viaduct overrides ("" is the plain config).
+# Profiles one training step (default: the llama-1B shape, 4 x 4096 tokens,
+# bf16) on the GPU machine with metrics.profile_step and prints the per-op
+# breakdown (bench/profile_summary.py). Each extra argument is one variant: a
+# quoted list of viaduct overrides ("" is the plain config).
 #
 #   bash bench/profile_step.sh BUILD_DIR "" "--model.loss_chunk_tokens=4096"
+#   MODEL=k3 bash bench/profile_step.sh BUILD_DIR ""   # run_single_gpu.sh's k3 cell
 #
 # Writes $OUT/<i>.log, <i>.summary.md and <i>.summary.json per variant.
 set -uo pipefail
@@ -14,7 +15,19 @@ shift
 OUT=${OUT:-outputs/bench/profile}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-VOCAB=${VOCAB:-128256}  # the random data's vocabulary (a variant may change the model)
+MODEL=${MODEL:-1B}
+case "$MODEL" in
+  1B) model_args=(--model.flavor=1B --training.seq_len=4096 --training.local_batch_size=4)
+      VOCAB=${VOCAB:-128256} ;;
+  # kimi_k3 deep at d2048 with KDA at chunk 64, 4 x 2048 tokens
+  k3) model_args=(--model.family=kimi_k3 --model.flavor=debugmodel_deep --model.dim=2048
+        --model.n_heads=16 --model.kda_head_dim=64 --model.mla_kv_lora_rank=512
+        --model.mla_qk_nope_head_dim=128 --model.mla_qk_rope_head_dim=64
+        --model.mla_v_head_dim=128 --model.ffn_hidden_dim=5632 --model.moe_hidden_dim=512
+        --model.kda_chunk_size=64 --training.seq_len=2048 --training.local_batch_size=4)
+      VOCAB=${VOCAB:-320} ;;
+  *) echo "profile_step.sh: MODEL must be 1B or k3, not '$MODEL'" >&2; exit 2 ;;
+esac  # the random data's vocabulary (a variant may change the model)
 DATA=${DATA:-outputs/bench/random_v$VOCAB.u32}
 STEPS=${STEPS:-4}
 if [ ! -f "$DATA" ]; then
@@ -37,8 +50,7 @@ for variant in "$@"; do
   rm -rf "$dir"
   read -r -a extra <<<"$variant"
   echo "== variant $i: ${variant:-(plain)}"
-  timeout 300 "$B/viaduct" train --config configs/llama_debug.toml --model.flavor=1B \
-    --training.seq_len=4096 --training.local_batch_size=4 --optimizer.lr=3e-4 \
+  timeout 300 "$B/viaduct" train --config configs/llama_debug.toml "${model_args[@]}" --optimizer.lr=3e-4 \
     --training.dtype=bfloat16 --training.device=cuda --training.steps="$STEPS" \
     --training.eval_interval=0 --training.deterministic=false --checkpoint.enable=false \
     --metrics.progress_bar=false --metrics.profile_step="$STEPS" --data.path="$DATA" \

@@ -17,7 +17,7 @@
 # pair K3_ROUNDS (3) times in alternating processes, viaduct only, the
 # overhead pooled over the rounds; 1Bab: the 1B cell ROUNDS_1B (2) times,
 # viaduct then torch.compile, their step-time ratio pooled and per round), K3_BATCH x K3_SEQ (4 x 2048: the K3 cells' shape),
-# MODES ("eager compile"), COMPILE_MODE (default; or
+# MODES ("eager compile"; empty: viaduct only, no step-0 checkpoint), COMPILE_MODE (default; or
 # max-autotune-no-cudagraphs), WARMUP_STEPS (3) untimed + TIMED_STEPS (10)
 # timed steps, STAGES ("build run"), PYTHON (python3), JOBS (nproc),
 # CELL_TIMEOUT (300 s per process), VD_EXTRA (more viaduct overrides, last
@@ -38,7 +38,7 @@ CELLS=${CELLS:-1B gpt2 k3 k3plain}
 K3_BATCH=${K3_BATCH:-4}
 K3_SEQ=${K3_SEQ:-2048}
 K3_ROUNDS=${K3_ROUNDS:-3}
-MODES=${MODES:-eager compile}
+MODES=${MODES-eager compile}  # set and empty: viaduct only
 COMPILE_MODE=${COMPILE_MODE:-default}
 STAGES=${STAGES:-build run}
 JOBS=${JOBS:-$(nproc)}
@@ -239,6 +239,7 @@ for cell in $CELLS; do
         --model.mla_qk_nope_head_dim=128 --model.mla_qk_rope_head_dim=64
         --model.mla_v_head_dim=128 --model.ffn_hidden_dim=5632
         --model.moe_hidden_dim=512 --model.kda_chunk_size=64 --training.seq_len="$K3_SEQ"
+        --model.max_seq_len="$((K3_SEQ > 2048 ? K3_SEQ : 2048))"
         --training.local_batch_size="$K3_BATCH" --optimizer.lr=3e-4)
       case $cell in
         k3) run_cell k3 "kimi_k3 deep d2048, ${K3_BATCH}x${K3_SEQ}" "$data" "${k3[@]}" ;;

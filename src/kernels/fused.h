@@ -63,6 +63,20 @@ at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Ten
 // the halves are read in place and their gradient is one [..., 2F] tensor.
 at::Tensor swiglu_linear_packed(const at::Tensor& ab, const at::Tensor& w, bool recompute);
 
+// KDA's short convolution: silu(causal depthwise conv of x [B, T, C] with
+// weight [C, K] (fp32; tap K - 1 on the current token)), in x's dtype with
+// fp32 arithmetic; the backward gives x's gradient and the weight's (fp32,
+// summed in a fixed order). short_conv_silu_usable: the kernels take these
+// (usable(x), K <= 8; false in the CPU build).
+bool short_conv_silu_usable(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight);
+
+// The gradient of an embedding table [vocab, D] whose rows `tokens` (any
+// shape, int64) were read, from the fp32 gradient of those rows ([..., D]):
+// each token's rows summed in increasing row order (fp32 [vocab, D], zero
+// rows for tokens that do not occur), with no host sync. No autograd.
+at::Tensor embedding_weight_grad(const at::Tensor& grad, const at::Tensor& tokens, int64_t vocab);
+
 // Per-row cross-entropy of logits [n, V] (contiguous) against targets [n]
 // (-100: ignored). Returns the row losses (fp32 [n], 0 where ignored) and
 // overwrites logits with d(row loss)/d(logits) = softmax - onehot. No autograd.

@@ -5,6 +5,7 @@
 #include "config/config.h"
 #include "core/check.h"
 #include "ops/cross_entropy.h"
+#include "ops/embedding.h"
 #include "core/rng.h"
 #include "model/families.h"
 
@@ -166,7 +167,7 @@ at::Tensor ChainTransformer::trunk(const Activations& in) {
   if (has_first_) {
     const auto& tokens = in[0];  // [B, T] int64
     VIADUCT_CHECK(tokens.dim() == 2, "tokens must be [B, T], got ", tokens.sizes());
-    h = tok_embeddings_->forward(tokens);  // [B, T, D]
+    h = ops::embedding(tok_embeddings_->weight, tokens, kernel_options_);  // [B, T, D]
     if (pos_embeddings_) {
       const auto T = tokens.size(1);
       VIADUCT_CHECK(T <= spec_.max_seq_len, "sequence length ", T,

@@ -5,6 +5,7 @@
 
 #include "core/check.h"
 #include "core/rng.h"
+#include "ops/short_conv.h"
 
 namespace viaduct {
 namespace {
@@ -27,12 +28,7 @@ ShortConvImpl::ShortConvImpl(int64_t channels, int64_t kernel) {
 
 at::Tensor ShortConvImpl::forward(const at::Tensor& x) {
   // x: [B, T, C]; y_t = silu(sum_j w[:, j] x_{t - K + 1 + j})
-  const auto T = x.size(1), K = weight.size(1);
-  auto w = weight.to(x.scalar_type()).unsqueeze(1);  // [C, 1, K]
-  auto y = at::conv1d(x.transpose(1, 2), w, {}, /*stride=*/1,
-                      /*padding=*/K - 1, /*dilation=*/1,
-                      /*groups=*/weight.size(0));     // [B, C, T + K - 1]
-  return at::silu(y.narrow(2, 0, T).transpose(1, 2));
+  return ops::short_conv_silu(x, weight, kernel_options_);
 }
 
 KdaImpl::KdaImpl(const KdaOptions& o) : opts_(o) {

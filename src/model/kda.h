@@ -15,7 +15,7 @@ namespace viaduct {
 
 // Depthwise causal convolution followed by SiLU; FQN `<name>.weight`
 // [channels, kernel].
-class ShortConvImpl : public torch::nn::Module {
+class ShortConvImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   ShortConvImpl(int64_t channels, int64_t kernel);
   at::Tensor forward(const at::Tensor& x);  // x: [B, T, C] -> [B, T, C]

@@ -9,6 +9,7 @@
 #include "core/check.h"
 #include "core/rng.h"
 #include "model/families.h"
+#include "ops/embedding.h"
 
 namespace viaduct {
 namespace {
@@ -406,7 +407,7 @@ Activations KimiK3Part::forward(const Activations& in) {
                   "kimi_k3: the first part takes {tokens [B, T] int64"
                   "[, images]}");
     const auto& tokens = in[0];
-    auto h = at::embedding(tok_embeddings->weight, tokens);  // [B, T, D]
+    auto h = ops::embedding(tok_embeddings->weight, tokens, kernel_options_);  // [B, T, D]
     if (vision_tower) {
       if (in.size() > 1) {
         auto patches = vision_tower(in[1].to(h.device()));

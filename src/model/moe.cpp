@@ -124,11 +124,16 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     // padded groups], ops/moe.h): no host sync.
     auto d = ops::dispatch_experts(idx, E);
     if (ops::counts_training_statistics()) {  // once under activation checkpointing
-      tokens_per_expert += d.counts.to(tokens_per_expert.device());
+      // The counts stay on the device: a copy to the host here would wait
+      // for every kernel queued so far, once per MoE layer.
+      if (tokens_per_expert.device() != d.counts.device()) {
+        tokens_per_expert = tokens_per_expert.to(d.counts.device());
+      }
+      tokens_per_expert += d.counts;
     }
     auto xs = at::zeros({d.rows, D}, xf.options()).index_copy(0, d.pos, slots);
     auto ys = ops::grouped_swiglu_experts(xs, d.offs, experts->w1, experts->w2, experts->w3);
-    y = ys.index_select(0, d.pos).view({N, K, D});
+    y = ops::gather_distinct_rows(ys, d.pos).view({N, K, D});
   } else {
     auto flat = idx.reshape({-1});  // [N K]
     at::Tensor order, counts;
@@ -163,10 +168,10 @@ void MoeImpl::update_bias() {
   torch::NoGradGuard g;
   auto load = tokens_per_expert.to(expert_bias.scalar_type())
                   .to(expert_bias.device());
-  if (load.sum().item<double>() > 0) {
-    auto delta = opts_.bias_update_rate * at::sign(load.mean() - load);
-    expert_bias.add_(delta - delta.mean());
-  }
+  // No test of the load on the host (a device sync after every optimizer
+  // step): with no tokens counted, every sign is 0 and the bias adds zeros.
+  auto delta = opts_.bias_update_rate * at::sign(load.mean() - load);
+  expert_bias.add_(delta - delta.mean());
   tokens_per_expert.zero_();
 }
 

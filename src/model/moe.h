@@ -62,7 +62,7 @@ class MoeImpl : public torch::nn::Module, public ops::KernelUser {
   GroupedExperts experts{nullptr};
   SwiGLU shared_expert{nullptr};
   at::Tensor expert_bias;        // [E] buffer, selection only
-  at::Tensor tokens_per_expert;  // [E] int64, not part of the state dict
+  at::Tensor tokens_per_expert;  // [E] int64 on the routing's device, not in the state dict
 };
 TORCH_MODULE(Moe);
 

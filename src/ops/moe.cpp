@@ -35,7 +35,33 @@ class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
   }
 };
 
+// Rows of src at pos, where pos names no row twice (a permutation into a
+// buffer): the backward writes each gradient row into its place with
+// index_copy. index_select's own backward adds into zeros (atomics, or a
+// sort under deterministic algorithms) to allow repeated rows.
+class GatherDistinctRowsFn : public torch::autograd::Function<GatherDistinctRowsFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& src,
+                            const at::Tensor& pos) {
+    ctx->save_for_backward({pos});
+    ctx->saved_data["rows"] = src.size(0);
+    return src.index_select(0, pos);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto pos = ctx->get_saved_variables()[0];
+    auto g = grads[0].contiguous();
+    auto sizes = g.sizes().vec();
+    sizes[0] = ctx->saved_data["rows"].toInt();
+    return {at::zeros(sizes, g.options()).index_copy_(0, pos, g), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor gather_distinct_rows(const at::Tensor& src, const at::Tensor& pos) {
+  return GatherDistinctRowsFn::apply(src, pos);
+}
 
 bool grouped_experts_run(const at::Tensor& x, int64_t hidden, const KernelOptions& k) {
   return compat::kGroupedMm && fused_runs(x, k) && x.scalar_type() == at::kBFloat16 &&

@@ -39,6 +39,10 @@ struct ExpertDispatch {
 // idx: [N, K] expert ids (int64) of N tokens.
 ExpertDispatch dispatch_experts(const at::Tensor& idx, int64_t n_experts);
 
+// src.index_select(0, pos) for a pos that names no row twice; the gradient
+// goes back with index_copy into zeros (no additions).
+at::Tensor gather_distinct_rows(const at::Tensor& src, const at::Tensor& pos);
+
 // SwiGLU experts w2(silu(w1 x) * w3 x) over a buffer xs [rows, D] (bf16)
 // whose groups `offs` end; w1, w3: [E, H, D], w2: [E, D, H] fp32 masters,
 // cast through the weight cache; their gradients come back in fp32.

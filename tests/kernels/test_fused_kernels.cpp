@@ -22,6 +22,8 @@
 #include "model/layers.h"
 #include "model/model.h"
 #include "ops/cross_entropy.h"
+#include "ops/embedding.h"
+#include "ops/short_conv.h"
 #include "ops/linear.h"
 #include "ops/rope.h"
 #include "train/optimizer.h"
@@ -780,6 +782,74 @@ TEST(FusedKernels, CrossEntropyRowsAndGradient) {
     auto ignored = (tc == -100).nonzero().squeeze(1);
     EXPECT_EQ(rows.cpu().index_select(0, ignored).abs().sum().item<double>(), 0.0);
     EXPECT_EQ(g.cpu().index_select(0, ignored).abs().sum().item<double>(), 0.0);
+  }
+}
+
+// KDA's short convolution + SiLU against the ATen form in fp64 (conv1d,
+// then silu), every input's gradient; T = 133 leaves a short last span of
+// the weight gradient's partial sums, C = 72 a partial block, and the
+// backward twice gives the same bits.
+TEST(FusedKernels, ShortConvSiluMatchesAtenConv) {
+  REQUIRE_GPU();
+  const int64_t B = 2, T = 133, C = 72;
+  for (auto t : kTypes) {
+    for (int64_t K : {4, 2}) {
+      const auto seed = fresh_seed();
+      auto [x, xr] = draw({B, T, C}, t);
+      auto w = (at::randn({C, K}, at::TensorOptions(at::kCUDA)) * 0.5).requires_grad_(true);
+      auto wr = w.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
+      ASSERT_TRUE(kernels::short_conv_silu_usable(x, w));
+      auto y = ops::short_conv_silu(x, w, ops::KernelOptions{});
+      auto yr = ops::short_conv_silu(xr, wr, ops::KernelOptions{});  // CPU: the ATen form
+      EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t << " K " << K;
+      auto dy = at::randn(y.sizes(), y.options());
+      backward_both(y, yr, dy);
+      EXPECT_LT(rel_err(x.grad(), xr.grad()), bound(t)) << "seed " << seed << " " << t;
+      EXPECT_LT(rel_err(w.grad(), wr.grad()), bound(t)) << "seed " << seed << " " << t;
+      auto x2 = x.detach().requires_grad_(true);
+      auto w2 = w.detach().requires_grad_(true);
+      ops::short_conv_silu(x2, w2, ops::KernelOptions{}).backward(dy);
+      EXPECT_TRUE(at::equal(x2.grad(), x.grad()));
+      EXPECT_TRUE(at::equal(w2.grad(), w.grad()));
+    }
+  }
+}
+
+// The table's gradient against a host loop that adds each token's rows in
+// increasing row order (the kernel's order: equal bits), and against
+// ATen's embedding backward (another order: close). Token 7 takes a third of
+// the rows (one long run), some tokens never occur (zero rows), and D = 6
+// takes the scalar path.
+TEST(FusedKernels, EmbeddingGradientSumsRowsInOrder) {
+  REQUIRE_GPU();
+  const int64_t V = 64, B = 3, T = 337;
+  for (int64_t D : {64, 6}) {
+    const auto seed = fresh_seed();
+    auto cuda = at::TensorOptions(at::kCUDA);
+    auto tokens = at::randint(0, 48, {B, T}, cuda.dtype(at::kLong));
+    tokens.masked_fill_(at::rand({B, T}, cuda) < 0.33, 7);
+    auto grad = at::randn({B, T, D}, cuda);
+    poison();
+    auto dw = kernels::embedding_weight_grad(grad, tokens, V);
+    auto tc = tokens.cpu().reshape({-1});
+    auto gc = grad.cpu().reshape({-1, D});
+    auto ref = at::zeros({V, D});
+    auto r = ref.accessor<float, 2>();
+    auto g = gc.accessor<float, 2>();
+    auto t = tc.accessor<int64_t, 1>();
+    for (int64_t row = 0; row < tc.size(0); ++row) {
+      for (int64_t c = 0; c < D; ++c) r[t[row]][c] += g[row][c];
+    }
+    EXPECT_TRUE(at::equal(dw.cpu(), ref)) << "seed " << seed << " D " << D;
+    auto aten = at::embedding_dense_backward(grad, tokens, V, -1, false);
+    EXPECT_LT(rel_err(dw, aten.to(at::kDouble).cpu()), 1e-6) << "seed " << seed << " D " << D;
+    EXPECT_TRUE(at::equal(kernels::embedding_weight_grad(grad, tokens, V), dw));
+    // Through the op's autograd: the weight's gradient is the kernel's.
+    auto w = at::randn({V, D}, cuda).requires_grad_(true);
+    auto y = ops::embedding(w, tokens, ops::KernelOptions{});
+    EXPECT_TRUE(at::equal(y, at::embedding(w.detach(), tokens)));
+    y.backward(grad);
+    EXPECT_TRUE(at::equal(w.grad(), dw)) << "seed " << seed << " D " << D;
   }
 }
 

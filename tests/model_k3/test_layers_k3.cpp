@@ -433,6 +433,38 @@ TEST(Moe, BiasUpdateFollowsLoadImbalance) {
   EXPECT_EQ(moe->tokens_per_expert.sum().item<int64_t>(), 0);
 }
 
+// An update with no tokens counted leaves the bias bit for bit (the update
+// runs without reading the load on the host).
+TEST(Moe, BiasUpdateWithoutTokensChangesNothing) {
+  Moe moe(small_moe());
+  moe->init_weights(17, "moe.", 0.4, 0.4);
+  {
+    torch::NoGradGuard g;
+    moe->expert_bias.copy_(torch::randn({moe->opts_.n_routed_experts}));
+  }
+  auto before = moe->expert_bias.clone();
+  ASSERT_EQ(moe->tokens_per_expert.sum().item<int64_t>(), 0);
+  moe->update_bias();
+  EXPECT_TRUE(torch::equal(moe->expert_bias, before));
+}
+
+// The MoE's combine gather: index_select's values, and a gradient written
+// into place equal to index_select's added into zeros.
+TEST(MoeDispatch, GatherDistinctRowsHasIndexSelectsBits) {
+  torch::manual_seed(5);
+  auto src = torch::randn({11, 6}, torch::requires_grad());
+  auto pos = torch::randperm(11, torch::kLong).narrow(0, 0, 7);
+  auto y = ops::gather_distinct_rows(src, pos);
+  auto src2 = src.detach().clone().requires_grad_(true);
+  auto y2 = src2.index_select(0, pos);
+  EXPECT_TRUE(torch::equal(y, y2));
+  auto g = torch::randn({7, 6});
+  y.backward(g);
+  y2.backward(g);
+  EXPECT_TRUE(torch::equal(src.grad(), src2.grad()));
+  EXPECT_EQ(src.grad().abs().sum(1).nonzero().size(0), 7);  // the 4 unread rows are zero
+}
+
 TEST(Vision, GradcheckAndMerge) {
   VisionOptions o;
   o.out_dim = 6;

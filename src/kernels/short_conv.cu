@@ -1,0 +1,148 @@
+// KDA's short convolution: a causal depthwise filter of K taps over time,
+// then SiLU, in one pass forward and four small passes backward (the
+// pre-activation is recomputed from x, so the forward keeps only x).
+// Threads run along channels, so every load and store is coalesced.
+#include "kernels/common.cuh"
+#include "kernels/short_conv.h"
+
+namespace viaduct::cuda {
+namespace {
+
+// The pre-activation at token t of channel c: x points at (b, 0, c), wc at
+// w[c, 0]; taps in ascending j.
+template <typename T>
+__device__ __forceinline__ float conv_at(const T* __restrict__ x, const float* __restrict__ wc,
+                                         int64_t t, int64_t C, int K) {
+  float z = 0.f;
+  for (int j = 0; j < K; ++j) {
+    const int64_t src = t - K + 1 + j;
+    if (src >= 0) z += wc[j] * load(x, src * C);
+  }
+  return z;
+}
+
+// silu(z) = z / (1 + e^-z), as ATen's CUDA silu forms it in fp32.
+__device__ __forceinline__ float silu(float z) { return z / (1.f + expf(-z)); }
+
+template <typename T>
+__global__ void __launch_bounds__(kElemThreads)
+    forward_kernel(const T* __restrict__ x, const float* __restrict__ w, T* __restrict__ y,
+                   int64_t n, int64_t Tn, int64_t C, int K) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int64_t c = i % C, bt = i / C, t = bt % Tn, b = bt / Tn;
+  store(y, i, silu(conv_at(x + b * Tn * C + c, w + c * K, t, C, K)));
+}
+
+// dz = dy silu'(z), silu'(z) = s (1 + z (1 - s)), s = sigmoid(z).
+template <typename T>
+__global__ void __launch_bounds__(kElemThreads)
+    dz_kernel(const T* __restrict__ x, const float* __restrict__ w, const T* __restrict__ dy,
+              float* __restrict__ dz, int64_t n, int64_t Tn, int64_t C, int K) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int64_t c = i % C, bt = i / C, t = bt % Tn, b = bt / Tn;
+  const float z = conv_at(x + b * Tn * C + c, w + c * K, t, C, K);
+  const float s = 1.f / (1.f + expf(-z));
+  dz[i] = load(dy, i) * (s * (1.f + z * (1.f - s)));
+}
+
+// dx[b, t, c] = sum_j w[c, j] dz[b, t + K - 1 - j, c] over the taps that
+// stay inside the sequence, j ascending.
+template <typename T>
+__global__ void __launch_bounds__(kElemThreads)
+    dx_kernel(const float* __restrict__ w, const float* __restrict__ dz, T* __restrict__ dx,
+              int64_t n, int64_t Tn, int64_t C, int K) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int64_t c = i % C, bt = i / C, t = bt % Tn, b = bt / Tn;
+  const float* dzc = dz + b * Tn * C + c;
+  const float* wc = w + c * K;
+  float acc = 0.f;
+  for (int j = 0; j < K; ++j) {
+    const int64_t dst = t + K - 1 - j;
+    if (dst < Tn) acc += wc[j] * dzc[dst * C];
+  }
+  store(dx, i, acc);
+}
+
+// One partial of dw per (sequence, span of tokens): a thread per channel
+// sums its span's dz x products in token order.
+template <typename T>
+__global__ void __launch_bounds__(kElemThreads)
+    dw_partial_kernel(const T* __restrict__ x, const float* __restrict__ dz,
+                      float* __restrict__ partial, int64_t Tn, int64_t C, int K,
+                      int64_t spans) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= C) return;
+  const int64_t p = blockIdx.y;  // b * spans + span
+  const int64_t b = p / spans, t0 = (p % spans) * kShortConvTokensPerPartial;
+  const int64_t t1 = t0 + kShortConvTokensPerPartial < Tn ? t0 + kShortConvTokensPerPartial : Tn;
+  const T* xc = x + b * Tn * C + c;
+  const float* dzc = dz + b * Tn * C + c;
+  float acc[kShortConvMaxTaps];
+#pragma unroll
+  for (int j = 0; j < kShortConvMaxTaps; ++j) acc[j] = 0.f;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float g = dzc[t * C];
+#pragma unroll
+    for (int j = 0; j < kShortConvMaxTaps; ++j) {
+      const int64_t src = t - K + 1 + j;
+      if (j < K && src >= 0) acc[j] += g * load(xc, src * C);
+    }
+  }
+  float* out = partial + (p * C + c) * K;
+#pragma unroll
+  for (int j = 0; j < kShortConvMaxTaps; ++j) {
+    if (j < K) out[j] = acc[j];
+  }
+}
+
+// dw[c, j] = the partials summed in order.
+__global__ void __launch_bounds__(kElemThreads)
+    dw_sum_kernel(const float* __restrict__ partial, float* __restrict__ dw, int64_t CK,
+                  int64_t parts) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= CK) return;
+  float acc = 0.f;
+  for (int64_t p = 0; p < parts; ++p) acc += partial[p * CK + i];
+  dw[i] = acc;
+}
+
+unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kElemThreads - 1) / kElemThreads); }
+
+}  // namespace
+
+cudaError_t short_conv_silu_forward(DType dt, const void* x, const float* w, void* y, int64_t B,
+                                    int64_t Tn, int64_t C, int K, cudaStream_t stream) {
+  const int64_t n = B * Tn * C;
+  if (n == 0) return cudaSuccess;
+  if (K < 1 || K > kShortConvMaxTaps) return cudaErrorInvalidValue;
+  VIADUCT_DISPATCH(dt, forward_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(
+                           static_cast<const T*>(x), w, static_cast<T*>(y), n, Tn, C, K));
+  return cudaGetLastError();
+}
+
+cudaError_t short_conv_silu_backward(DType dt, const void* x, const float* w, const void* dy,
+                                     float* dz, void* dx, float* partial, float* dw, int64_t B,
+                                     int64_t Tn, int64_t C, int K, cudaStream_t stream) {
+  const int64_t n = B * Tn * C;
+  if (K < 1 || K > kShortConvMaxTaps) return cudaErrorInvalidValue;
+  if (n == 0) return cudaMemsetAsync(dw, 0, sizeof(float) * C * K, stream);
+  const int64_t spans = (Tn + kShortConvTokensPerPartial - 1) / kShortConvTokensPerPartial;
+  const int64_t parts = B * spans;
+  if (parts > 65535) return cudaErrorInvalidValue;  // grid.y; the op checks first
+  VIADUCT_DISPATCH(dt, {
+    const auto* xt = static_cast<const T*>(x);
+    dz_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(xt, w, static_cast<const T*>(dy),
+                                                              dz, n, Tn, C, K);
+    dx_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(w, dz, static_cast<T*>(dx), n, Tn,
+                                                              C, K);
+    const dim3 grid(blocks_for(C), static_cast<unsigned>(parts));
+    dw_partial_kernel<T><<<grid, kElemThreads, 0, stream>>>(xt, dz, partial, Tn, C, K, spans);
+  });
+  dw_sum_kernel<<<blocks_for(C * K), kElemThreads, 0, stream>>>(partial, dw, C * K, parts);
+  return cudaGetLastError();
+}
+
+}  // namespace viaduct::cuda

@@ -1,0 +1,65 @@
+// KDA's short convolution + SiLU as an autograd function (CUDA build).
+#include "kernels/fused.h"
+
+#include "kernels/fn_common.h"
+#include "kernels/short_conv.h"
+
+namespace viaduct::kernels {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+class ShortConvSiluFn : public torch::autograd::Function<ShortConvSiluFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
+    auto xc = x.contiguous();
+    auto w = weight.contiguous();
+    ctx->save_for_backward({xc, w});
+    auto y = at::empty_like(xc);
+    check_launch(cuda::short_conv_silu_forward(dtype_of(xc), xc.data_ptr(), w.data_ptr<float>(),
+                                               y.data_ptr(), xc.size(0), xc.size(1), xc.size(2),
+                                               static_cast<int>(w.size(1)), stream_of(xc)),
+                 "short_conv_silu_forward");
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &w = saved[1];
+    const auto B = x.size(0), T = x.size(1), C = x.size(2);
+    const auto K = w.size(1);
+    auto dy = grads[0].to(x.scalar_type()).contiguous();
+    auto f32 = x.options().dtype(at::kFloat);
+    auto dz = at::empty({B, T, C}, f32);
+    auto partial = at::empty({cuda::short_conv_partials(B, T), C, K}, f32);
+    auto dx = at::empty_like(x);
+    auto dw = at::empty({C, K}, f32);
+    check_launch(cuda::short_conv_silu_backward(
+                     dtype_of(x), x.data_ptr(), w.data_ptr<float>(), dy.data_ptr(),
+                     dz.data_ptr<float>(), dx.data_ptr(), partial.data_ptr<float>(),
+                     dw.data_ptr<float>(), B, T, C, static_cast<int>(K), stream_of(x)),
+                 "short_conv_silu_backward");
+    return {dx, dw};
+  }
+};
+
+}  // namespace
+
+bool short_conv_silu_usable(const at::Tensor& x, const at::Tensor& weight) {
+  return usable(x) && x.dim() == 3 && weight.dim() == 2 && weight.scalar_type() == at::kFloat &&
+         weight.device() == x.device() && weight.size(0) == x.size(2) && weight.size(1) >= 1 &&
+         weight.size(1) <= cuda::kShortConvMaxTaps &&
+         cuda::short_conv_partials(x.size(0), x.size(1)) <= 65535;
+}
+
+at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight) {
+  RECORD_FUNCTION("viaduct::short_conv_silu", std::vector<c10::IValue>());  // named in profiles
+  VIADUCT_CHECK(short_conv_silu_usable(x, weight),
+                "fused short_conv_silu: x must be [B, T, C] on a CUDA device the kernels were "
+                "built for and the weight fp32 [C, K] with K <= ",
+                cuda::kShortConvMaxTaps, "; got x ", x.sizes(), ", weight ", weight.sizes());
+  return ShortConvSiluFn::apply(x, weight);
+}
+
+}  // namespace viaduct::kernels
