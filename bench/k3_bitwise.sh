@@ -4,7 +4,10 @@
 # (Interleaved1F1B, InterleavedZeroBubble), and with the whole-stack
 # backward. Prints each run's
 # (loss, grad_norm) per step; equal rows are equal bits of what metrics.jsonl
-# holds. GPU: B=build-gpu bash bench/k3_bitwise.sh; CPU rehearsal:
+# holds. The bitwise contract is the whole-stack backward's (ws, wszb against
+# one); i1f1b and izb use the rank cache, which groups a block's gradient
+# contributions by rank and agrees with one to rounding. GPU: B=build-gpu
+# bash bench/k3_bitwise.sh; CPU rehearsal:
 # B=build DEV=cpu DT=float32 DIM=64 SEQ=64 bash bench/k3_bitwise.sh
 # MIX=real: the flavor's own mix instead (KDA at chunk 64 with heads of 64,
 # MLA at 3, 7, ..., MoE of 8 experts top 2 from layer 1), which runs
@@ -19,6 +22,18 @@ case ${MIX:-gemm} in
   *) echo "k3_bitwise.sh: MIX must be gemm or real" >&2; exit 2 ;;
 esac
 RUNS=" ${RUNS:-one i1f1b izb ws wszb} "
+# The config's fortunes data where it was prepared (README), else (a GPU
+# machine without the fortunes package) uniform random tokens of the byte
+# vocabulary, the same file for every run.
+DATA=${DATA:-data/fortunes.tok}
+if [ ! -f "$DATA" ]; then
+  DATA=outputs/bench/random_v320_bitwise.u32
+  mkdir -p outputs/bench
+  [ -f "$DATA" ] || python3 -c "
+import array, random, sys
+r = random.Random(1234)
+array.array('I', (r.randrange(320) for _ in range(8 * $SEQ * 8 + 1))).tofile(open(sys.argv[1], 'wb'))" "$DATA"
+fi
 run() { name=$1; shift
   [[ $RUNS == *" $name "* ]] || return 0
   timeout 200 $B/viaduct train --config configs/kimi_k3_debug.toml --model.flavor=debugmodel_deep \
@@ -26,7 +41,7 @@ run() { name=$1; shift
     --training.seq_len=$SEQ --training.local_batch_size=8 --training.dtype=$DT --training.device=$DEV \
     --training.steps=3 --training.eval_interval=0 --checkpoint.enable=false --training.deterministic=true \
     --metrics.progress_bar=false --metrics.log_freq=1 --parallelism.pipeline_parallel_microbatches=4 \
-    --job.dump_folder=/tmp/k3bw_$name "$@" > /tmp/k3bw_$name.log 2>&1 || { echo "$name failed"; tail -5 /tmp/k3bw_$name.log; }
+    --data.path="$DATA" --job.dump_folder=/tmp/k3bw_$name "$@" > /tmp/k3bw_$name.log 2>&1 || { echo "$name failed"; tail -5 /tmp/k3bw_$name.log; }
   python3 -c "
 import json,sys
 rows=[json.loads(l) for l in open('/tmp/k3bw_$name/metrics.jsonl')]

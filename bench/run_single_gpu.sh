@@ -180,7 +180,22 @@ run_cell() {  # name label data viaduct-overrides...
     say "$name: no $ck/step-0 (checkpoint.save_initial?): no reference runs"
   fi
   if [ ${#peers[@]} -eq 0 ] && [ ! -f "$ck/step-0/metadata.json" ]; then
-    say "$name: viaduct only, no checkpoint: no table row (its metrics: $OUT/$name.viaduct.metrics.jsonl)"
+    # Viaduct alone: its row from its own metrics (no reference to compare).
+    "$PY" - "$OUT/$name.viaduct.metrics.jsonl" "$label" "$WARM" >>"$OUT/table.md" <<'PYEOF' ||
+import json, statistics, sys
+path, label, warm = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rows = [json.loads(l) for l in open(path)]
+rows = [r for r in rows if "loss" in r and "tokens_per_sec" in r]
+timed = rows[warm:]
+secs = statistics.median(r["step_seconds"] for r in timed)
+tps = statistics.median(r["tokens_per_sec"] for r in timed)
+mfu = statistics.median(r.get("mfu") or 0.0 for r in timed)
+peak = max(r.get("peak_memory_bytes") or 0 for r in rows) / 2**30
+losses = " ".join(f"{r['loss']:.4f}" for r in rows[:5])
+print(f"| {label} | viaduct (median step {secs * 1e3:.1f} ms) | {tps:.0f} | {100 * mfu:.1f}% "
+      f"| {peak:.1f} | {losses} | | |")
+PYEOF
+      echo "| $label | viaduct (no metrics, see $name.viaduct.log) | | | | | | |" >>"$OUT/table.md"
     return 0
   fi
   "$PY" bench/torch_llama.py report --cell "$label" --timing-warmup "$WARM" \

@@ -63,6 +63,11 @@ at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Ten
 // the halves are read in place and their gradient is one [..., 2F] tensor.
 at::Tensor swiglu_linear_packed(const at::Tensor& ab, const at::Tensor& w, bool recompute);
 
+// scale * x * rsqrt(sum(x^2) + eps) over the last dimension of x (fp32 or
+// bf16), in fp32 (a warp per row); the backward gives x's gradient in x's
+// dtype.
+at::Tensor l2_normalize(const at::Tensor& x, double eps, double scale);
+
 // KDA's short convolution: silu(causal depthwise conv of x [B, T, C] with
 // weight [C, K] (fp32; tap K - 1 on the current token)), in x's dtype with
 // fp32 arithmetic; the backward gives x's gradient and the weight's (fp32,

@@ -5,6 +5,7 @@
 
 #include "core/check.h"
 #include "core/rng.h"
+#include "ops/l2_norm.h"
 #include "ops/short_conv.h"
 
 namespace viaduct {
@@ -14,10 +15,6 @@ namespace {
 // else is fp32.
 at::ScalarType inner_type(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-at::Tensor l2_normalize(const at::Tensor& x, double eps) {
-  return x * at::rsqrt(x.pow(2).sum(-1, /*keepdim=*/true) + eps);
 }
 
 }  // namespace
@@ -119,8 +116,8 @@ at::Tensor KdaImpl::forward(const at::Tensor& x) {
   auto q = q_conv(linear(x, q_proj, kernel_options_)).view({B, T, H, d});
   auto k = k_conv(linear(x, k_proj, kernel_options_)).view({B, T, H, d});
   auto v = v_conv(linear(x, v_proj, kernel_options_)).view({B, T, H, d});
-  q = l2_normalize(q.to(st), 1e-6) * (1.0 / std::sqrt(static_cast<double>(d)));
-  k = l2_normalize(k.to(st), 1e-6);
+  q = ops::l2_normalize(q, 1e-6, 1.0 / std::sqrt(static_cast<double>(d)), kernel_options_);
+  k = ops::l2_normalize(k, 1e-6, 1.0, kernel_options_);
   // Per-channel log decay g = -exp(A_log) * softplus(f + dt_bias) <= 0.
   auto f = linear(linear(x, f_a, kernel_options_), f_b, kernel_options_).to(st) + dt_bias.to(st);
   auto g = -(A_log.to(st).exp().view({1, 1, H, 1})) *

@@ -126,8 +126,8 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     if (ops::counts_training_statistics()) {  // once under activation checkpointing
       // The counts stay on the device: a copy to the host here would wait
       // for every kernel queued so far, once per MoE layer.
-      if (tokens_per_expert.device() != d.counts.device()) {
-        tokens_per_expert = tokens_per_expert.to(d.counts.device());
+      if (tokens_per_expert.device() != idx.device()) {
+        tokens_per_expert = tokens_per_expert.to(idx.device());
       }
       tokens_per_expert += d.counts;
     }
@@ -144,8 +144,12 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     }
     if (ops::counts_training_statistics()) {
       // Only training forwards count toward the balance, once under
-      // activation checkpointing (Note [Activation checkpointing]).
-      tokens_per_expert += counts.to(tokens_per_expert.device());
+      // activation checkpointing (Note [Activation checkpointing]). The
+      // counts live on the routing's device, as in the grouped form.
+      if (tokens_per_expert.device() != idx.device()) {
+        tokens_per_expert = tokens_per_expert.to(idx.device());
+      }
+      tokens_per_expert += counts.to(idx.device());
     }
     // The slots in expert order, split by expert (Note [MoE dispatch
     // without per-expert gradient fills]). The gather is a permutation of

@@ -23,6 +23,7 @@
 #include "model/model.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
+#include "ops/l2_norm.h"
 #include "ops/short_conv.h"
 #include "ops/linear.h"
 #include "ops/rope.h"
@@ -782,6 +783,25 @@ TEST(FusedKernels, CrossEntropyRowsAndGradient) {
     auto ignored = (tc == -100).nonzero().squeeze(1);
     EXPECT_EQ(rows.cpu().index_select(0, ignored).abs().sum().item<double>(), 0.0);
     EXPECT_EQ(g.cpu().index_select(0, ignored).abs().sum().item<double>(), 0.0);
+  }
+}
+
+// KDA's q/k normalisation against the ATen form in fp64, with its gradient;
+// d = 40 leaves lanes idle in the warp per row. The output is fp32 whatever
+// the input's dtype (the recurrence's precision).
+TEST(FusedKernels, L2NormalizeMatchesAten) {
+  REQUIRE_GPU();
+  for (auto t : kTypes) {
+    for (int64_t d : {64, 128, 40}) {
+      const auto seed = fresh_seed();
+      auto [x, xr] = draw({2, 37, 3, d}, t, 3.0);
+      auto y = ops::l2_normalize(x, 1e-6, 0.125, ops::KernelOptions{});
+      auto yr = ops::l2_normalize(xr, 1e-6, 0.125, ops::KernelOptions{});  // CPU: ATen
+      EXPECT_EQ(y.scalar_type(), at::kFloat);
+      EXPECT_LT(rel_err(y, yr), t == at::kFloat ? 1e-6 : 1e-5) << "seed " << seed << " d " << d;
+      backward_both(y, yr);
+      EXPECT_LT(rel_err(x.grad(), xr.grad()), bound(t)) << "seed " << seed << " d " << d;
+    }
   }
 }
 
