@@ -79,13 +79,6 @@ constexpr int kReadBackwardAccBlocksPerSM = 2;
 // memory and dy is loaded where used, so the register form does not spill.
 static_assert(kMaxReadSources <= 64, "LaneSlots hold two sources a lane");
 
-// Sum over the warp by a butterfly: every lane ends with the same bits
-// (each step adds the same two values, in either order).
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // One float per source of a row, spread over a warp: source i's in lane
 // i % 32, slot i / 32. get() is a shuffle, so every lane must call it.
 struct LaneSlots {

@@ -74,10 +74,17 @@ __device__ __forceinline__ void add_rounded(const T* p, int64_t i, float (&v)[N]
   for (int k = 0; k < N; ++k) v[k] = a[k] + round_as<T>(v[k]);
 }
 
+// Sum over the warp by a butterfly: every lane ends with the same bits
+// (each step adds the same two values, in either order).
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // Sum over the block, in a fixed order; every thread gets the result.
 // `scratch` holds one float per warp. blockDim.x is a multiple of 32.
 __device__ float block_sum(float v, float* scratch) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  v = warp_sum(v);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps = blockDim.x >> 5;
   __syncthreads();  // scratch may still be read by a previous call

@@ -7,14 +7,11 @@
 // run's rows, a thread per column (four with float4 loads), adding them in
 // increasing row order. Every sum has a fixed order, so the bits do not
 // depend on the run, the launch or the layout.
-#include <cstdint>
-
+#include "kernels/common.cuh"
 #include "kernels/embedding.h"
 
 namespace viaduct::cuda {
 namespace {
-
-constexpr int kThreads = 256;
 
 // The first position in [lo, n) of `sorted` (ascending) holding a token
 // greater than tok.
@@ -32,7 +29,7 @@ __device__ int64_t run_end(const int64_t* __restrict__ sorted, int64_t lo, int64
 }
 
 template <bool kVec>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kRowThreads)
     embedding_backward_kernel(const int64_t* __restrict__ sorted, const int64_t* __restrict__ order,
                               const float* __restrict__ grad, float* __restrict__ dw, int64_t n,
                               int64_t d, int64_t vocab) {
@@ -72,14 +69,13 @@ cudaError_t embedding_backward(const int64_t* sorted, const int64_t* order, cons
                                float* dw, int64_t n, int64_t d, int64_t vocab,
                                cudaStream_t stream) {
   if (n == 0 || d == 0) return cudaSuccess;
-  const bool vec = d % 4 == 0 && reinterpret_cast<uintptr_t>(grad) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(dw) % 16 == 0;
+  const bool vec = d % 4 == 0 && aligned16(grad) && aligned16(dw);
   const auto blocks = static_cast<unsigned>(n);
   if (vec) {
-    embedding_backward_kernel<true><<<blocks, kThreads, 0, stream>>>(sorted, order, grad, dw, n, d,
+    embedding_backward_kernel<true><<<blocks, kRowThreads, 0, stream>>>(sorted, order, grad, dw, n, d,
                                                                      vocab);
   } else {
-    embedding_backward_kernel<false><<<blocks, kThreads, 0, stream>>>(sorted, order, grad, dw, n,
+    embedding_backward_kernel<false><<<blocks, kRowThreads, 0, stream>>>(sorted, order, grad, dw, n,
                                                                       d, vocab);
   }
   return cudaGetLastError();

@@ -8,11 +8,6 @@ namespace {
 
 constexpr int kRowsPerBlock = kRowThreads / 32;
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
     forward_kernel(const T* __restrict__ x, float* __restrict__ y, int64_t rows, int64_t d,

@@ -118,19 +118,22 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   // Every slot's row (slot n K + j is token n's j-th choice), as copies of
   // the tokens; their gradients are summed back over the K copies.
   auto slots = xf.unsqueeze(1).expand({N, K, D}).reshape({N * K, D});
+  // Only training forwards count toward the balance, once under activation
+  // checkpointing (Note [Activation checkpointing]). The counts live on the
+  // routing's device: a copy to the host would wait for every kernel queued
+  // so far, once per MoE layer.
+  const auto dev = idx.device();
+  auto count_tokens = [&](const at::Tensor& counts) {
+    if (!ops::counts_training_statistics()) return;
+    if (tokens_per_expert.device() != dev) tokens_per_expert = tokens_per_expert.to(dev);
+    tokens_per_expert += counts.to(dev);
+  };
   at::Tensor y;
   if (ops::grouped_experts_run(xf, opts_.hidden_dim, kernel_options_)) {
     // Grouped GEMMs over padded expert groups (Note [MoE dispatch into
     // padded groups], ops/moe.h): no host sync.
     auto d = ops::dispatch_experts(idx, E);
-    if (ops::counts_training_statistics()) {  // once under activation checkpointing
-      // The counts stay on the device: a copy to the host here would wait
-      // for every kernel queued so far, once per MoE layer.
-      if (tokens_per_expert.device() != idx.device()) {
-        tokens_per_expert = tokens_per_expert.to(idx.device());
-      }
-      tokens_per_expert += d.counts;
-    }
+    count_tokens(d.counts);
     auto xs = at::zeros({d.rows, D}, xf.options()).index_copy(0, d.pos, slots);
     auto ys = ops::grouped_swiglu_experts(xs, d.offs, experts->w1, experts->w2, experts->w3);
     y = ops::gather_distinct_rows(ys, d.pos).view({N, K, D});
@@ -142,15 +145,7 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
       order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
       counts = at::bincount(flat, {}, E).to(at::kCPU);
     }
-    if (ops::counts_training_statistics()) {
-      // Only training forwards count toward the balance, once under
-      // activation checkpointing (Note [Activation checkpointing]). The
-      // counts live on the routing's device, as in the grouped form.
-      if (tokens_per_expert.device() != idx.device()) {
-        tokens_per_expert = tokens_per_expert.to(idx.device());
-      }
-      tokens_per_expert += counts.to(idx.device());
-    }
+    count_tokens(counts);
     // The slots in expert order, split by expert (Note [MoE dispatch
     // without per-expert gradient fills]). The gather is a permutation of
     // the slots, so its backward adds into no row twice, and the sum over a
