@@ -151,6 +151,12 @@ class ProcessGroup {
   // outputs[i] has size() tensors shaped like inputs[i].
   Work allgather(std::vector<std::vector<at::Tensor>>& outputs,
                  std::vector<at::Tensor>& inputs);
+  // All-to-all of 1-D tensors: input's first input_splits[0] elements go to
+  // group rank 0, the next input_splits[1] to rank 1, ...; output receives
+  // output_splits[r] elements from rank r, in rank order. A pure data move,
+  // so any dtype travels (on Gloo, bfloat16 moves as half).
+  Work alltoall(at::Tensor& output, at::Tensor& input, std::vector<int64_t> output_splits,
+                std::vector<int64_t> input_splits);
   Work barrier();
 
   // The raw backend, for what this wrapper does not cover.

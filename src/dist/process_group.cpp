@@ -313,6 +313,45 @@ Work ProcessGroup::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                [&] { return backend_->allgather(outputs, inputs, options); });
 }
 
+Work ProcessGroup::alltoall(at::Tensor& output, at::Tensor& input,
+                            std::vector<int64_t> output_splits,
+                            std::vector<int64_t> input_splits) {
+  std::vector<at::Tensor> both{output, input};
+  check_tensors(*this, both, "alltoall");
+  VIADUCT_CHECK(output.dim() == 1 && input.dim() == 1 &&
+                    output.scalar_type() == input.scalar_type(),
+                "alltoall on group ", name_, ": needs two 1-D tensors of one dtype, got ",
+                output.sizes(), " ", output.scalar_type(), " and ", input.sizes(), " ",
+                input.scalar_type());
+  auto check_splits = [&](const std::vector<int64_t>& splits, const at::Tensor& t,
+                          const char* which) {
+    VIADUCT_CHECK(static_cast<int>(splits.size()) == size_, "alltoall on group ", name_, ": ",
+                  splits.size(), " ", which, " splits for ", size_, " ranks");
+    int64_t n = 0;
+    for (int64_t v : splits) {
+      VIADUCT_CHECK(v >= 0, "alltoall on group ", name_, ": a negative ", which, " split");
+      n += v;
+    }
+    VIADUCT_CHECK(n == t.numel(), "alltoall on group ", name_, ": ", which, " splits add up to ",
+                  n, ", the tensor has ", t.numel(), " elements");
+  };
+  check_splits(output_splits, output, "output");
+  check_splits(input_splits, input, "input");
+  // Gloo has no bfloat16 all-to-all; the bits move the same as half's.
+  at::Tensor out = output, in = input;
+  if (kind_ == BackendKind::kGloo && out.scalar_type() == at::kBFloat16) {
+    out = out.view(at::kHalf);
+    in = in.view(at::kHalf);
+  }
+  c10d::AllToAllOptions options;
+  options.timeout = timeout_;
+  // The backend may move from the split vectors: they are this call's copies.
+  return start(str("alltoall over ", name_, " (", size_, " ranks) [", kind_name(kind_), "]"),
+               timeout_, kind_ == BackendKind::kGloo, [&] {
+                 return backend_->alltoall_base(out, in, output_splits, input_splits, options);
+               });
+}
+
 Work ProcessGroup::barrier() {
   c10d::BarrierOptions options;
   options.timeout = timeout_;

@@ -132,6 +132,7 @@ std::string MetricsWriter::step_json(const StepMetrics& m) const {
     j["dp_buckets"] = m.dp_buckets;
     j["dp_buckets_overlapped"] = m.dp_buckets_overlapped;
     j["dp_reduce_wait_seconds"] = m.dp_reduce_wait_seconds;
+    j["dp_bytes"] = m.dp_bytes;
   }
   if (!m.bubble_measured_per_rank.empty()) {
     // Note [Measured bubble]: this rank's times; the mean over the pp ranks

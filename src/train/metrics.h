@@ -55,11 +55,13 @@ struct StepMetrics {
   std::vector<double> bubble_measured_per_rank;
   // dp > 1 (Note [Overlapped data-parallel reduction], train/reduce.h): the
   // gradient buckets of the logging rank, how many of them started their
-  // all-reduce while the rank still ran another stage's backward, and the
-  // seconds the step then waited for the sums after the schedule.
+  // reduce-scatter while the rank still ran another stage's backward, the
+  // seconds the step then waited for the sums after the schedule, and the
+  // bytes the rank sent over dp (gradients, and ZeRO-1's weights).
   int64_t dp_buckets = 0;
   int64_t dp_buckets_overlapped = 0;
   double dp_reduce_wait_seconds = 0;
+  int64_t dp_bytes = 0;
 };
 
 struct MetricsOptions {

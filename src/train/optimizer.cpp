@@ -276,21 +276,26 @@ std::vector<at::Tensor> defined_grads(const std::vector<NamedParam>& params,
   return grads;
 }
 
-std::vector<double> grad_squared_norms(const std::vector<NamedParam>& params) {
-  // One fp32 sum per parameter on its device, fetched with a single copy
-  // (not one device sync per parameter).
-  // One multi-tensor norm kernel per device (a loop on CPU), then squares in
-  // double on the host.
-  std::vector<size_t> where;
-  auto grads = defined_grads(params, &where);
-  for (auto& g : grads) {
-    if (g.scalar_type() != at::kDouble) g = g.to(at::kFloat);
+std::vector<double> squared_norms(std::vector<at::Tensor> tensors) {
+  // One fp32 norm per tensor on its device (one multi-tensor kernel per
+  // device, a loop on CPU), fetched with a single copy (not one device sync
+  // per tensor), then squared in double on the host.
+  for (auto& t : tensors) {
+    if (t.scalar_type() != at::kDouble) t = t.to(at::kFloat);
   }
-  std::vector<double> out(params.size(), 0.0);
-  if (grads.empty()) return out;
-  auto host = at::stack(at::_foreach_norm(grads, 2)).to(at::kCPU, at::kDouble);
+  std::vector<double> out(tensors.size(), 0.0);
+  if (tensors.empty()) return out;
+  auto host = at::stack(at::_foreach_norm(tensors, 2)).to(at::kCPU, at::kDouble);
   const double* v = host.data_ptr<double>();
-  for (size_t k = 0; k < where.size(); ++k) out[where[k]] = v[k] * v[k];
+  for (size_t k = 0; k < out.size(); ++k) out[k] = v[k] * v[k];
+  return out;
+}
+
+std::vector<double> grad_squared_norms(const std::vector<NamedParam>& params) {
+  std::vector<size_t> where;
+  const auto sq = squared_norms(defined_grads(params, &where));
+  std::vector<double> out(params.size(), 0.0);
+  for (size_t k = 0; k < where.size(); ++k) out[where[k]] = sq[k];
   return out;
 }
 

@@ -122,6 +122,8 @@ double lr_at(const Config& cfg, int64_t step);
 // the index in `params` of each.
 std::vector<at::Tensor> defined_grads(const std::vector<NamedParam>& params,
                                       std::vector<size_t>* where = nullptr);
+// The squares, in double, of each tensor's fp32 norm, in order.
+std::vector<double> squared_norms(std::vector<at::Tensor> tensors);
 // Per-parameter squared gradient norms (fp32 sums, as double), in the
 // order of `params`. A parameter without a gradient contributes 0.
 std::vector<double> grad_squared_norms(const std::vector<NamedParam>& params);

@@ -1,6 +1,8 @@
 // Sums over process groups for the trainer (see reduce.h).
 #include "train/reduce.h"
 
+#include <algorithm>
+
 #include "core/check.h"
 #include "dist/dist.h"
 
@@ -38,14 +40,65 @@ std::vector<std::vector<size_t>> grad_buckets(const std::vector<NamedParam>& par
   return buckets;
 }
 
+ShardLayout shard_layout(const std::vector<int64_t>& numels,
+                         const std::vector<std::vector<size_t>>& buckets, int dp) {
+  VIADUCT_CHECK(dp >= 1, "shard_layout: dp must be positive, got ", dp);
+  ShardLayout layout;
+  for (const auto& bucket : buckets) {
+    std::vector<int64_t> starts;  // of each parameter in the bucket's flattening
+    int64_t n = 0;
+    for (size_t i : bucket) {
+      starts.push_back(n);
+      n += numels.at(i);
+    }
+    // Boundaries x_0 = 0 <= x_1 <= ... <= x_dp = n; moving each down inside
+    // its parameter keeps them ordered.
+    std::vector<int64_t> x(static_cast<size_t>(dp) + 1, n);
+    x[0] = 0;
+    for (int r = 1; r < dp; ++r) {
+      const int64_t nominal = n * r / dp;
+      size_t k = 0;
+      while (k + 1 < bucket.size() && starts[k + 1] <= nominal) ++k;
+      x[static_cast<size_t>(r)] =
+          bucket.empty() ? 0 : starts[k] + (nominal - starts[k]) / kShardAlign * kShardAlign;
+    }
+    std::vector<std::vector<ShardSegment>> per_rank(static_cast<size_t>(dp));
+    for (int r = 0; r < dp; ++r) {
+      const int64_t lo = x[static_cast<size_t>(r)], hi = x[static_cast<size_t>(r) + 1];
+      for (size_t k = 0; k < bucket.size(); ++k) {
+        const int64_t ps = starts[k], pe = ps + numels[bucket[k]];
+        const int64_t b = std::max(lo, ps), e = std::min(hi, pe);
+        if (b < e) per_rank[static_cast<size_t>(r)].push_back({bucket[k], b - ps, e - ps});
+      }
+    }
+    layout.segments.push_back(std::move(per_rank));
+  }
+  return layout;
+}
+
+int64_t segment_elements(const std::vector<ShardSegment>& segs) {
+  int64_t n = 0;
+  for (const auto& s : segs) n += s.end - s.begin;
+  return n;
+}
+
+at::Tensor segment_of(const at::Tensor& t, const ShardSegment& s) {
+  return t.reshape(-1).slice(0, s.begin, s.end);
+}
+
 GradReduction::GradReduction(dist::ProcessGroup& group, const std::vector<NamedParam>& params,
                              std::vector<std::vector<size_t>> buckets,
-                             std::vector<int64_t> stage_of)
+                             std::vector<int64_t> stage_of, bool whole)
     : group_(group),
       params_(params),
       stage_of_(std::move(stage_of)),
       buckets_(std::move(buckets)),
-      started_(buckets_.size(), false) {}
+      whole_(whole),
+      started_(buckets_.size(), false) {
+  std::vector<int64_t> numels;
+  for (const auto& np : params_) numels.push_back(np.param.numel());
+  layout_ = shard_layout(numels, buckets_, group_.size());
+}
 
 void GradReduction::start(size_t b) {
   torch::NoGradGuard no_grad;
@@ -55,9 +108,19 @@ void GradReduction::start(size_t b) {
     if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
     flat_parts.push_back(p.grad().reshape(-1));
   }
-  std::vector<at::Tensor> flat{at::cat(flat_parts)};
-  auto work = group_.allreduce(flat);
-  in_flight_.push_back({b, flat[0], std::move(work)});
+  // The ranges lie in replica order in the flattening: range r goes to
+  // replica r, and this replica receives its range from every replica.
+  auto send = at::cat(flat_parts);
+  const auto& per_rank = layout_.segments[b];
+  const auto me = static_cast<size_t>(group_.rank());
+  std::vector<int64_t> send_splits;
+  for (const auto& segs : per_rank) send_splits.push_back(segment_elements(segs));
+  const int64_t mine = send_splits[me];
+  auto recv = at::empty({mine * group_.size()}, send.options());
+  auto work = group_.alltoall(recv, send, std::vector<int64_t>(per_rank.size(), mine),
+                              send_splits);
+  bytes_sent_ += (send.numel() - mine) * static_cast<int64_t>(send.element_size());
+  in_flight_.push_back({b, std::move(send), std::move(recv), std::move(work)});
   started_[b] = true;
 }
 
@@ -77,18 +140,83 @@ int64_t GradReduction::finish(const std::string& context) {
     if (!started_[b]) start(b);
   }
   torch::NoGradGuard no_grad;
+  const auto me = static_cast<size_t>(group_.rank());
+  const int dp = group_.size();
+  // The whole sums' all-gathers, started bucket by bucket as their ranges
+  // are summed; each replica's range padded to the bucket's largest.
+  struct Gather {
+    size_t bucket;
+    std::vector<std::vector<at::Tensor>> outputs;
+    dist::Work work;
+  };
+  std::vector<Gather> gathers;
   for (auto& f : in_flight_) {
-    f.work.wait(str(context, " data-parallel gradient all-reduce"));
-    int64_t off = 0;
-    for (size_t i : buckets_[f.bucket]) {
-      auto& g = params_[i].param.mutable_grad();
-      g.copy_(f.flat.slice(0, off, off + g.numel()).view_as(g));
-      off += g.numel();
+    f.work.wait(str(context, " data-parallel gradient reduce-scatter"));
+    const auto& per_rank = layout_.segments[f.bucket];
+    const int64_t mine = segment_elements(per_rank[me]);
+    // Replica order, one addition at a time: the order is fixed whatever dp.
+    at::Tensor sum = f.recv.narrow(0, 0, mine);
+    if (dp > 1) {
+      sum = sum.add(f.recv.narrow(0, mine, mine));
+      for (int r = 2; r < dp; ++r) sum.add_(f.recv.narrow(0, r * mine, mine));
+    }
+    if (!whole_) {
+      int64_t off = 0;
+      for (const auto& s : per_rank[me]) {
+        segment_of(params_[s.param].param.mutable_grad(), s)
+            .copy_(sum.narrow(0, off, s.end - s.begin));
+        off += s.end - s.begin;
+      }
+      continue;
+    }
+    int64_t chunk = 0;
+    for (const auto& segs : per_rank) chunk = std::max(chunk, segment_elements(segs));
+    auto padded = at::zeros({chunk}, sum.options());
+    padded.narrow(0, 0, mine).copy_(sum);
+    Gather g{f.bucket, std::vector<std::vector<at::Tensor>>(1), {}};
+    for (int r = 0; r < dp; ++r) g.outputs[0].push_back(at::empty_like(padded));
+    std::vector<at::Tensor> inputs{padded};
+    g.work = group_.allgather(g.outputs, inputs);
+    bytes_sent_ += chunk * (dp - 1) * static_cast<int64_t>(padded.element_size());
+    gathers.push_back(std::move(g));
+  }
+  for (auto& g : gathers) {
+    g.work.wait(str(context, " data-parallel gradient all-gather"));
+    const auto& per_rank = layout_.segments[g.bucket];
+    for (int r = 0; r < dp; ++r) {
+      int64_t off = 0;
+      for (const auto& s : per_rank[static_cast<size_t>(r)]) {
+        segment_of(params_[s.param].param.mutable_grad(), s)
+            .copy_(g.outputs[0][static_cast<size_t>(r)].narrow(0, off, s.end - s.begin));
+        off += s.end - s.begin;
+      }
     }
   }
   in_flight_.clear();
   started_.assign(buckets_.size(), false);
+  last_step_bytes_ = bytes_sent_;
+  bytes_sent_ = 0;
   return early;
+}
+
+std::vector<GradReduction::NormPiece> GradReduction::norm_pieces() const {
+  const auto dp = static_cast<size_t>(group_.size());
+  const auto me = static_cast<size_t>(group_.rank());
+  std::vector<NormPiece> pieces;
+  for (const auto& per_rank : layout_.segments) {
+    for (size_t r = 0; r < dp; ++r) {
+      if (!whole_ && r != me) continue;
+      for (const auto& s : per_rank[r]) {
+        const auto& g = params_[s.param].param.grad();
+        const bool all = s.begin == 0 && s.end == g.numel();
+        pieces.push_back({s.param * dp + r, all ? g : segment_of(g, s)});
+      }
+    }
+  }
+  // Slot order: parameter, then replica (norm_pieces' contract).
+  std::stable_sort(pieces.begin(), pieces.end(),
+                   [](const NormPiece& a, const NormPiece& b) { return a.slot < b.slot; });
+  return pieces;
 }
 
 }  // namespace viaduct

@@ -9,58 +9,6 @@
 
 namespace viaduct {
 
-ShardLayout shard_layout(const std::vector<int64_t>& numels,
-                         const std::vector<std::vector<size_t>>& buckets, int dp) {
-  VIADUCT_CHECK(dp >= 1, "shard_layout: dp must be positive, got ", dp);
-  ShardLayout layout;
-  for (const auto& bucket : buckets) {
-    std::vector<int64_t> starts;  // of each parameter in the bucket's flattening
-    int64_t n = 0;
-    for (size_t i : bucket) {
-      starts.push_back(n);
-      n += numels.at(i);
-    }
-    // Boundaries x_0 = 0 <= x_1 <= ... <= x_dp = n; moving each down inside
-    // its parameter keeps them ordered.
-    std::vector<int64_t> x(static_cast<size_t>(dp) + 1, n);
-    x[0] = 0;
-    for (int r = 1; r < dp; ++r) {
-      const int64_t nominal = n * r / dp;
-      size_t k = 0;
-      while (k + 1 < bucket.size() && starts[k + 1] <= nominal) ++k;
-      x[static_cast<size_t>(r)] =
-          bucket.empty() ? 0 : starts[k] + (nominal - starts[k]) / kShardAlign * kShardAlign;
-    }
-    std::vector<std::vector<ShardSegment>> per_rank(static_cast<size_t>(dp));
-    for (int r = 0; r < dp; ++r) {
-      const int64_t lo = x[static_cast<size_t>(r)], hi = x[static_cast<size_t>(r) + 1];
-      for (size_t k = 0; k < bucket.size(); ++k) {
-        const int64_t ps = starts[k], pe = ps + numels[bucket[k]];
-        const int64_t b = std::max(lo, ps), e = std::min(hi, pe);
-        if (b < e) per_rank[static_cast<size_t>(r)].push_back({bucket[k], b - ps, e - ps});
-      }
-    }
-    layout.segments.push_back(std::move(per_rank));
-  }
-  return layout;
-}
-
-namespace {
-
-int64_t segment_elements(const std::vector<ShardSegment>& segs) {
-  int64_t n = 0;
-  for (const auto& s : segs) n += s.end - s.begin;
-  return n;
-}
-
-// The elements of a segment, as a view of `t` (a parameter, its gradient
-// or a whole state tensor).
-at::Tensor segment_of(const at::Tensor& t, const ShardSegment& s) {
-  return t.reshape(-1).slice(0, s.begin, s.end);
-}
-
-}  // namespace
-
 ShardedOptimizer::ShardedOptimizer(std::vector<NamedParam> params,
                                    dist::ProcessGroup& dp_group,
                                    std::vector<std::vector<size_t>> buckets,
@@ -123,6 +71,7 @@ void ShardedOptimizer::step_device_scaled(double lr, const at::Tensor& scale) {
 void ShardedOptimizer::all_gather_weights() {
   torch::NoGradGuard no_grad;
   const auto me = static_cast<size_t>(group_.rank());
+  last_step_bytes_ = 0;
   for (size_t b = 0; b < layout_.segments.size(); ++b) {
     const auto& per_rank = layout_.segments[b];
     int64_t chunk = 0;
@@ -138,6 +87,8 @@ void ShardedOptimizer::all_gather_weights() {
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (size_t r = 0; r < per_rank.size(); ++r) outputs[0].push_back(at::empty_like(send));
     std::vector<at::Tensor> inputs{send};
+    last_step_bytes_ += chunk * static_cast<int64_t>(per_rank.size() - 1) *
+                        static_cast<int64_t>(send.element_size());
     group_.allgather(outputs, inputs).wait(str("ZeRO-1 all-gather of the updated weights over ",
                                                group_.name()));
     for (size_t r = 0; r < per_rank.size(); ++r) {

@@ -6,19 +6,17 @@
 // data-parallel sum (grad_buckets, reduce.h) is cut into dp contiguous
 // ranges of about equal size (shard_layout); replica r keeps the optimizer
 // state (AdamW's two fp32 moments) for range r only. A step:
-//  1. the gradients are summed over the replicas by the same all-reduce as
-//     without sharding, and the clip norm is read from the whole summed
-//     gradients as before;
+//  1. the gradients are reduce-scattered: replica r gets the sum of range r
+//     only, added in the order of the unsharded run (Note [Data-parallel
+//     sum in a fixed order], reduce.h), and the clip norm is formed from
+//     the ranges' pieces (Note [Gradient norm in shard pieces]);
 //  2. each replica runs the inner optimizer on its ranges: the parameters
 //     and gradients there are views into the whole tensors, so the update
 //     writes the weights in place;
 //  3. the replicas all-gather the updated ranges, bucket by bucket.
 // AdamW is elementwise, so every element sees the arithmetic of the
-// unsharded run: the same bits. The gradients are all-reduced rather than
-// reduce-scattered: a reduce-scatter sums in an order of its own once
-// dp > 2 (Gloo 1.13 has none at all), and equal bits are the contract.
-// Range boundaries inside a parameter fall on multiples of kShardAlign
-// elements from its start, so every slice starts aligned for vector loads.
+// unsharded run: the same bits. The traffic is the unsharded run's: a
+// reduce-scatter and an all-gather (of weights rather than gradients).
 //
 // Checkpoints stay FQN-keyed: each replica saves its slices of the moments
 // as pieces (Note [Tensors stored in pieces]) into its own file, with no
@@ -33,34 +31,13 @@
 #include <vector>
 
 #include "train/optimizer.h"
+#include "train/reduce.h"
 
 namespace viaduct {
 
 namespace dist {
 class ProcessGroup;
 }  // namespace dist
-
-inline constexpr int64_t kShardAlign = 64;
-
-// Elements [begin, end) of parameter `param`'s row-major flattening.
-struct ShardSegment {
-  size_t param = 0;
-  int64_t begin = 0;
-  int64_t end = 0;
-};
-
-// segments[b][r]: replica r's segments of bucket b, in parameter order
-// (together one contiguous range of the bucket's flattening).
-struct ShardLayout {
-  std::vector<std::vector<std::vector<ShardSegment>>> segments;
-};
-
-// Splits each bucket (indices into `numels`) over `dp` replicas: replica r
-// gets elements [x_r, x_{r+1}) of the bucket's flattening, x_r = floor(n r /
-// dp) moved down to the nearest multiple of kShardAlign from the start of
-// the parameter it falls in.
-ShardLayout shard_layout(const std::vector<int64_t>& numels,
-                         const std::vector<std::vector<size_t>>& buckets, int dp);
 
 class ShardedOptimizer : public Optimizer {
  public:
@@ -87,6 +64,8 @@ class ShardedOptimizer : public Optimizer {
   const ShardLayout& layout() const { return layout_; }
   // Elements of the parameters whose state this replica keeps.
   int64_t owned_elements() const;
+  // Bytes this replica sent in the last step's all-gather of the weights.
+  int64_t last_step_bytes() const { return last_step_bytes_; }
 
  private:
   // The update through `run` with the slices' gradients attached, then the
@@ -108,6 +87,7 @@ class ShardedOptimizer : public Optimizer {
   ShardLayout layout_;
   std::vector<ShardSegment> mine_;  // the inner optimizer's params, in order
   std::unique_ptr<Optimizer> inner_;
+  int64_t last_step_bytes_ = 0;
 };
 
 }  // namespace viaduct

@@ -176,7 +176,8 @@ ModelInfo Trainer::build_model() {
 
   if (mesh_ && dp_size_ > 1) {
     grad_reduction_ = std::make_unique<GradReduction>(mesh_->dp_group(), optimizer_->params(),
-                                                      std::move(buckets), std::move(stage_of));
+                                                      std::move(buckets), std::move(stage_of),
+                                                      /*whole=*/!shards_optimizer());
   }
   if (plan_->split.num_stages > 1) {
     executor_ = std::make_unique<pipeline::PipelineExecutor>(
@@ -278,7 +279,7 @@ StepMetrics Trainer::train_step() {
   std::vector<at::Tensor> pending_losses;
   double loss_sum = forward_backward(batches, 1.0 / static_cast<double>(tokens), pending_losses);
   StepMetrics m;
-  allreduce_grads_over_dp(m);
+  reduce_grads_over_dp(m);
   const double lr = lr_at(cfg_, step_ + 1);
   const double max_norm = cfg_.get_float("training.max_norm");
   // Where it can, the update is queued on the device before the norm is read;
@@ -295,6 +296,9 @@ StepMetrics Trainer::train_step() {
     // AdamW]).
     optimizer_->step_scaled(lr, clip_coefficient(norm, max_norm));
     optimizer_->zero_grad();
+  }
+  if (const auto* zero = dynamic_cast<const ShardedOptimizer*>(optimizer_.get())) {
+    m.dp_bytes += zero->last_step_bytes();
   }
   sync_replica_statistics();
   for (auto& p : parts_) p->after_optimizer_step();
@@ -390,7 +394,7 @@ at::Tensor Trainer::forward_loss(const at::Tensor& inputs,
   return parts_.back()->forward_loss(acts, to_device_async(targets, device_));
 }
 
-void Trainer::allreduce_grads_over_dp(StepMetrics& m) {
+void Trainer::reduce_grads_over_dp(StepMetrics& m) {
   if (!grad_reduction_) return;
   // Note [Overlapped data-parallel reduction]: the buckets whose stages
   // finished early are summing already.
@@ -399,6 +403,7 @@ void Trainer::allreduce_grads_over_dp(StepMetrics& m) {
   m.dp_reduce_wait_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   m.dp_buckets = static_cast<int64_t>(grad_reduction_->num_buckets());
+  m.dp_bytes = grad_reduction_->last_step_bytes();
 }
 
 std::optional<double> Trainer::step_with_device_clip(
@@ -411,8 +416,15 @@ std::optional<double> Trainer::step_with_device_clip(
   // the norm only. The update has the host path's bits; a norm that is not
   // finite updates nothing, and train_step's check raises the error.
   std::optional<ops::DeviceClip> device_clip;
-  if ((!mesh_ || mesh_->pp() == 1) && optimizer_->takes_device_scale()) {
-    const auto grads = defined_grads(optimizer_->params());
+  // A ZeRO-1 replica holds only its ranges' sums, and its norm needs a sum
+  // over dp first (Note [Gradient norm in shard pieces]): the host path.
+  if ((!mesh_ || mesh_->pp() == 1) && !shards_optimizer() && optimizer_->takes_device_scale()) {
+    std::vector<at::Tensor> grads;
+    if (grad_reduction_) {
+      for (auto& piece : grad_reduction_->norm_pieces()) grads.push_back(std::move(piece.grad));
+    } else {
+      grads = defined_grads(optimizer_->params());
+    }
     if (ops::clip_on_device_takes(grads, kernel_options(cfg_))) {
       RECORD_USER_SCOPE("viaduct::optimizer");
       device_clip = ops::clip_on_device(grads, max_norm, pending_losses);
@@ -443,16 +455,41 @@ double Trainer::host_grad_norm(const std::vector<at::Tensor>& pending_losses,
 double Trainer::global_grad_norm() {
   // Per-parameter squared norms placed at their global FQN index, summed over
   // the pp group (each slot has one non-zero contributor: exact), then added
-  // in global order: every layout gets the same bits.
-  const auto local = grad_squared_norms(optimizer_->params());
-  if (!mesh_ || mesh_->pp() == 1) return total_norm(local);
-  std::vector<double> all(static_cast<size_t>(total_param_tensors_), 0.0);
-  size_t k = 0;
-  for (size_t p = 0; p < parts_.size(); ++p) {
-    const auto n = parts_[p]->parameters().size();
-    for (size_t j = 0; j < n; ++j, ++k) all[static_cast<size_t>(param_offsets_[p]) + j] = local[k];
+  // in global order: every layout gets the same bits. With dp > 1 each
+  // parameter has a slot per replica (Note [Gradient norm in shard pieces]).
+  const bool pp1 = !mesh_ || mesh_->pp() == 1;
+  const auto& params = optimizer_->params();
+  // The global index of each of this rank's parameters.
+  std::vector<size_t> global(params.size());
+  if (pp1) {
+    for (size_t k = 0; k < global.size(); ++k) global[k] = k;
+  } else {
+    size_t k = 0;
+    for (size_t p = 0; p < parts_.size(); ++p) {
+      const auto n = parts_[p]->parameters().size();
+      for (size_t j = 0; j < n; ++j, ++k) global[k] = static_cast<size_t>(param_offsets_[p]) + j;
+    }
   }
-  sum_over(&mesh_->pp_group(), all, "gradient norms");
+  const size_t slots = pp1 ? params.size() : static_cast<size_t>(total_param_tensors_);
+  std::vector<double> all;
+  if (!grad_reduction_) {
+    const auto local = grad_squared_norms(params);
+    if (pp1) return total_norm(local);
+    all.assign(slots, 0.0);
+    for (size_t k = 0; k < local.size(); ++k) all[global[k]] = local[k];
+  } else {
+    const auto dp = static_cast<size_t>(dp_size_);
+    const auto pieces = grad_reduction_->norm_pieces();
+    std::vector<at::Tensor> grads;
+    for (const auto& piece : pieces) grads.push_back(piece.grad);
+    const auto sq = squared_norms(grads);
+    all.assign(slots * dp, 0.0);
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      all[global[pieces[k].slot / dp] * dp + pieces[k].slot % dp] = sq[k];
+    }
+    if (shards_optimizer()) sum_over(&mesh_->dp_group(), all, "gradient norms");
+  }
+  if (!pp1) sum_over(&mesh_->pp_group(), all, "gradient norms");
   return total_norm(all);
 }
 

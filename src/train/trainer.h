@@ -134,7 +134,7 @@ class Trainer {
   double forward_backward(const std::vector<data::TokenBatch>& batches, double scale,
                           std::vector<at::Tensor>& pending_losses);
   at::Tensor forward_loss(const at::Tensor& inputs, const at::Tensor& targets);
-  void allreduce_grads_over_dp(StepMetrics& m);
+  void reduce_grads_over_dp(StepMetrics& m);
   // parallelism.dp_shard_optimizer with more than one replica (ZeRO-1).
   bool shards_optimizer() const;
   // Clips and updates on the device where it can (Note [Clip coefficient on

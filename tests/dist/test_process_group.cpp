@@ -11,64 +11,13 @@
 #include "core/check.h"
 #include "dist/dist.h"
 #include "dist/launcher.h"
+#include "common/thread_ranks.h"
 
 namespace viaduct::dist {
 namespace {
 
+using namespace viaduct::dist::testing;
 using std::chrono::milliseconds;
-
-// CPU groups need Gloo, which the PyTorch wheel's LibTorch lacks.
-#define SKIP_WITHOUT_GLOO()                                \
-  if (!backend_available(at::kCPU)) {                      \
-    GTEST_SKIP() << "this build has no Gloo (CPU groups)"; \
-  }
-constexpr milliseconds kTimeout{10'000};
-
-RendezvousInfo loopback(int rank, int world, int port) {
-  RendezvousInfo info;
-  info.rank = rank;
-  info.world_size = world;
-  info.local_rank = rank;
-  info.local_world_size = world;
-  info.master_addr = "127.0.0.1";
-  info.master_port = port;
-  info.source = "env";
-  return info;
-}
-
-// Runs fn(info) on `world` threads; fails the test with every rank's error.
-template <typename Fn>
-void run_ranks(int world, Fn fn) {
-  const int port = find_free_port();
-  std::vector<std::string> errors(static_cast<size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(loopback(r, world, port));
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r) {
-    EXPECT_EQ(errors[r], "") << "rank " << r;
-  }
-}
-
-// A one-group world over its own store. The store always gets kTimeout: a
-// TCPStore client refused by a server that is not listening yet retries
-// only after a delay, which a short test timeout would not cover.
-struct World {
-  c10::intrusive_ptr<c10d::Store> store;
-  std::unique_ptr<ProcessGroup> pg;
-  World(const RendezvousInfo& info, milliseconds timeout = kTimeout)
-      : store(make_store(info, kTimeout)),
-        pg(std::make_unique<ProcessGroup>(
-            make_group_store(store, "test"), info.rank, info.world_size,
-            at::kCPU, timeout, "test", std::vector<int>{}, "127.0.0.1")) {}
-};
 
 TEST(ProcessGroup, SendRecvPairs) {
   SKIP_WITHOUT_GLOO();
@@ -135,6 +84,44 @@ TEST(ProcessGroup, BroadcastAllgatherBarrier) {
           "allgather slot ", r, ": ", out[0][r]);
     }
     w.pg->barrier().wait("barrier test");
+  });
+}
+
+// Uneven splits, an empty one among them: rank r sends (r + 1) * 10 + d for
+// each element bound to rank d; bfloat16 travels too (as half on Gloo).
+TEST(ProcessGroup, AlltoallMovesUnevenSplits) {
+  SKIP_WITHOUT_GLOO();
+  const int world = 3;
+  const std::vector<int64_t> share{2, 0, 3};  // elements each rank receives from each
+  run_ranks(world, [&](const RendezvousInfo& info) {
+    World w(info);
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      std::vector<at::Tensor> parts;
+      for (int d = 0; d < world; ++d) {
+        parts.push_back(at::full({share[static_cast<size_t>(d)]}, (info.rank + 1) * 10 + d, dtype));
+      }
+      auto in = at::cat(parts);
+      const int64_t mine = share[static_cast<size_t>(info.rank)];
+      auto out = at::full({mine * world}, -1, dtype);
+      w.pg->alltoall(out, in, std::vector<int64_t>(world, mine), share)
+          .wait("alltoall test");
+      std::vector<at::Tensor> want;
+      for (int src = 0; src < world; ++src) {
+        want.push_back(at::full({mine}, (src + 1) * 10 + info.rank, dtype));
+      }
+      VIADUCT_CHECK(at::equal(out, at::cat(want)), "rank ", info.rank, " ", dtype, " got ", out);
+    }
+    // Splits that do not tile the tensor are refused before anything is sent.
+    auto in = at::zeros({5});
+    auto out = at::zeros({4});
+    std::string what;
+    try {
+      w.pg->alltoall(out, in, {2, 2, 1}, {2, 0, 3});
+    } catch (const Error& e) {
+      what = e.what();
+    }
+    VIADUCT_CHECK(what.find("output splits add up to 5, the tensor has 4") != std::string::npos,
+                  "a bad split was not named: '", what, "'");
   });
 }
 

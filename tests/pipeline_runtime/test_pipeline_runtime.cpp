@@ -258,7 +258,8 @@ TEST_F(PipelineRuns, CheckpointMovesBetweenLayoutsBitwise) {
 }
 
 // Note [ZeRO-1]: the optimizer sharded over dp 2 x pp 2 trains to the bits
-// of the same run unsharded (losses, weights, every optimizer moment), each
+// of the same run unsharded (losses, weights, every optimizer moment) at
+// the same data-parallel traffic, each
 // replica keeps and writes about half of its pp rank's optimizer state, and
 // the sharded checkpoint resumes under other layouts, sharded or not,
 // continuing with the bits of a resume from the unsharded run's checkpoint.
@@ -276,6 +277,16 @@ TEST_F(PipelineRuns, ShardedOptimizerKeepsTheBitsOfDataParallel) {
   const auto plain_log = last_.output;
   const auto sharded = train("zero_sharded", 4, args(dp2pp2 + " --parallelism.dp_shard_optimizer=true"));
   viaduct::testing::expect_same_bits(plain, sharded, 4);
+  // The same traffic: a reduce-scatter, then an all-gather of the summed
+  // gradients or of the updated weights.
+  auto dp_bytes = [](const std::string& dump) {
+    std::vector<int64_t> out;
+    for (const auto& j : viaduct::testing::step_metrics(dump)) out.push_back(j.value("dp_bytes", -1));
+    return out;
+  };
+  ASSERT_EQ(dp_bytes(plain).size(), 4u);
+  EXPECT_GT(dp_bytes(plain)[0], 0);
+  EXPECT_EQ(dp_bytes(plain), dp_bytes(sharded));
 
   // Rank 0's optimizer bytes (logged) and the files each replica wrote.
   auto logged_bytes = [](const std::string& log) -> int64_t {
