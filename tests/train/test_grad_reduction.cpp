@@ -42,7 +42,7 @@ std::vector<NamedParam> make_params(int r) {
   for (size_t i = 0; i < kShapes.size(); ++i) {
     auto p = at::zeros(kShapes[i]).requires_grad_(true);
     p.mutable_grad() = replica_grad(r, i);
-    params.push_back({"p" + std::to_string(i), p, true});
+    params.push_back({str("p", i), p, true});
   }
   return params;
 }
