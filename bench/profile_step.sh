@@ -6,6 +6,10 @@
 #
 #   bash bench/profile_step.sh BUILD_DIR "" "--model.loss_chunk_tokens=4096"
 #   MODEL=k3 bash bench/profile_step.sh BUILD_DIR ""   # run_single_gpu.sh's k3 cell
+#   MODEL=k3 bash bench/profile_step.sh BUILD_DIR "" "--metrics.profile_host_ops=false"
+#     # the second variant: device kernels only, the step near its unprofiled
+#     # speed, so its idle gaps are the unprofiled step's (named by the
+#     # kernels around them)
 #
 # Writes $OUT/<i>.log, <i>.summary.md and <i>.summary.json per variant.
 set -uo pipefail

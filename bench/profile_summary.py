@@ -13,7 +13,9 @@ Reads the Chrome trace viaduct writes (<dump_folder>/profile/step-N-rank-R
     device busy time against the step's wall time;
   * the device's idle time: before the first kernel, after the last, and the
     largest gaps between kernels, each with the host op the CPU was in when
-    the gap began and the source of the kernel that ended it;
+    the gap began and the source of the kernel that ended it (in a
+    device-only trace, metrics.profile_host_ops = false: the kernels before
+    and after it);
   * without (Debian's CPU LibTorch records host ops only): host time of the
     outermost ops, the same way.
 
@@ -126,6 +128,8 @@ def idle_gaps(kernels, ops, parent, t0, t1, by_ext, top, min_us=20.0):
     def label(k):
         if k is None:
             return "-"
+        if not ops:  # a device-only trace: the kernel itself
+            return k["name"][:60]
         op = by_ext.get((k.get("args") or {}).get("External id"))
         phase, name = source_of(op, parent) if op is not None else ("?", "(no host op)")
         return f"{phase}: {name}"
@@ -137,9 +141,12 @@ def idle_gaps(kernels, ops, parent, t0, t1, by_ext, top, min_us=20.0):
              "| idle ms | at ms | host op when it began | kernel that ended it |",
              "|---|---|---|---|"]
     rows = []
-    for dur, start, _, nxt in sorted(gaps, key=lambda g: -g[0])[:top]:
+    for dur, start, before, nxt in sorted(gaps, key=lambda g: -g[0])[:top]:
         h = host_at(start + 1e-3)
-        hname = h.get("name", "?")[:60] if h else "(no host op)"
+        if ops:
+            hname = h.get("name", "?")[:60] if h else "(no host op)"
+        else:  # a device-only trace (metrics.profile_host_ops = false)
+            hname = "after " + (before["name"][:54] if before else "the start")
         lines.append(f"| {dur / 1000:.3f} | {(start - t0) / 1000:.1f} | {hname} | {label(nxt)} |")
         rows.append({"idle_us": dur, "at_us": start - t0, "host": hname, "next": label(nxt)})
     return "\n".join(lines), total, rows

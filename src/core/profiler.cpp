@@ -55,8 +55,12 @@ void write_host_trace(const torch::autograd::profiler::ProfilerResult& r,
 
 }  // namespace
 
-StepProfiler::StepProfiler(const at::Device& device) {
-  std::set<prof::ActivityType> activities{prof::ActivityType::CPU};
+StepProfiler::StepProfiler(const at::Device& device, bool host_ops) {
+  VIADUCT_CHECK(host_ops || device.is_cuda(),
+                "metrics.profile_host_ops = false records device kernels only, and the device is ",
+                device);
+  std::set<prof::ActivityType> activities;
+  if (host_ops) activities.insert(prof::ActivityType::CPU);
   if (device.is_cuda()) activities.insert(prof::ActivityType::CUDA);
   const prof::ProfilerConfig config(prof::ProfilerState::KINETO,
                                     /*report_input_shapes=*/true);

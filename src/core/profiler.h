@@ -14,9 +14,10 @@ namespace viaduct {
 
 class StepProfiler {
  public:
-  // Starts recording (host ops; device kernels when `device` is CUDA).
-  // Throws Error when this LibTorch cannot profile.
-  explicit StepProfiler(const at::Device& device);
+  // Starts recording: host ops unless `host_ops` is false, device kernels
+  // when `device` is CUDA. Throws Error when this LibTorch cannot profile
+  // or nothing would be recorded (no host ops on a CPU device).
+  StepProfiler(const at::Device& device, bool host_ops);
   // Stops recording if save() was not called (the trace is dropped).
   ~StepProfiler();
   StepProfiler(const StepProfiler&) = delete;

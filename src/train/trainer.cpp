@@ -800,13 +800,17 @@ StepMetrics Trainer::run() {
   StepMetrics last;
   reset_peak_memory(device_);
   const int64_t profile_step = cfg_.get_int("metrics.profile_step");
+  const bool profile_host_ops = cfg_.get_bool("metrics.profile_host_ops");
+  VIADUCT_CHECK_T(ConfigError, profile_step == 0 || profile_host_ops || device_.is_cuda(),
+                  "metrics.profile_host_ops = false records device kernels only, but "
+                  "training.device is ", device_, ": nothing would be profiled");
   while (step_ < total) {
     if (step_ + 1 == profile_step) {
       // Note [Profiling one step]: the step's host ops and device kernels,
       // between two device synchronisations so nothing earlier or later
       // leaks in; each rank writes its own trace.
       synchronize(device_);
-      StepProfiler profiler(device_);
+      StepProfiler profiler(device_, profile_host_ops);
       last = train_step();
       synchronize(device_);
       const auto path = (fs::path(cfg_.get_string("job.dump_folder")) / "profile" /

@@ -73,6 +73,20 @@ class ProfileSummary(unittest.TestCase):
         self.assertEqual(gaps[100]["next"], "-")
         self.assertIn("device idle 0.34 ms", text)
 
+    def test_device_only_trace(self):
+        # metrics.profile_host_ops = false: kernels only; the gaps are named
+        # by the kernels around them.
+        events = [kernel("gemm_a", 0, 100, 1), kernel("norm_b", 130, 20, 2),
+                  kernel("adamw_c", 400, 50, 3)]
+        text, s = summarise(events)
+        self.assertAlmostEqual(s["busy_us"], 170.0)
+        self.assertAlmostEqual(s["idle_us"], 30 + 250)
+        gaps = {round(g["idle_us"]): g for g in s["gaps"]}
+        self.assertEqual(gaps[250]["host"], "after norm_b")
+        self.assertEqual(gaps[250]["next"], "adamw_c")
+        self.assertEqual(gaps[30]["host"], "after gemm_a")
+        self.assertEqual(s["sources"]["?: (no host op)"][0], 170.0)
+
     def test_host_only_trace(self):
         # Debian's Kineto-less LibTorch: host ops only, no idle table.
         events = [op("viaduct::forward_backward", 0, 100), op("aten::mm", 10, 50),

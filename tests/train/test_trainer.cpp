@@ -356,6 +356,19 @@ TEST(Trainer, ProfileStepWritesATraceOfThatStepOnly) {
   Job plain_job;
   const auto plain = Trainer(plain_job.config({"training.steps=3", "training.eval_interval=0"})).run();
   EXPECT_EQ(profiled.loss, plain.loss);
+
+  // Device kernels only on a CPU device would record nothing: refused
+  // before the first step, naming the key.
+  Job cpu_job;
+  std::string what;
+  try {
+    Trainer(cpu_job.config({"training.steps=1", "training.eval_interval=0",
+                            "metrics.profile_step=1", "metrics.profile_host_ops=false"}))
+        .run();
+  } catch (const ConfigError& e) {
+    what = e.what();
+  }
+  EXPECT_NE(what.find("metrics.profile_host_ops = false"), std::string::npos) << what;
 }
 
 TEST(Trainer, AutoLossChunkIsThePlainLossWithoutKernels) {
