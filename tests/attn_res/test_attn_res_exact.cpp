@@ -26,6 +26,7 @@
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
 #include "pipeline/schedule/plan_config.h"
+#include "common/thread_ranks.h"
 
 namespace viaduct::pipeline {
 namespace {
@@ -188,14 +189,7 @@ void run_pipeline(const Config& cfg, const PipelinePlan& plan, AttnResTransport 
   for (int r = 0; r < pp; ++r) {
     threads.emplace_back([&, r] {
       try {
-        dist::RendezvousInfo info;
-        info.rank = r;
-        info.world_size = pp;
-        info.local_rank = r;
-        info.local_world_size = pp;
-        info.master_addr = "127.0.0.1";
-        info.master_port = port;
-        info.source = "env";
+        const auto info = dist::testing::loopback(r, pp, port);
         auto store = dist::make_store(info, std::chrono::milliseconds(20000));
         dist::ProcessGroup pg(dist::make_group_store(store, "pp"), r, pp, at::kCPU,
                               std::chrono::milliseconds(20000), "pp", {}, "127.0.0.1");
