@@ -181,6 +181,9 @@ TEST(ProcessGroup, PeerThatLeavesFailsAllreduceWithinTimeout) {
   std::atomic<bool> left{false};
   run_ranks(2, [&](const RendezvousInfo& info) {
     auto w = std::make_unique<World>(info, milliseconds(2000));
+    // Both groups fully connected first: a peer that left while rank 0 was
+    // still connecting would fail the group's creation instead.
+    w->pg->barrier().wait("test barrier");
     if (info.rank == 1) {
       w.reset();  // the peer dies: its connections close
       left.store(true);
