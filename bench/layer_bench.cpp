@@ -31,6 +31,8 @@
 #include "model/layers.h"
 #include "model/mla.h"
 #include "model/moe.h"
+#include "ops/kda.h"
+#include "ops/l2_norm.h"
 
 using namespace viaduct;
 
@@ -124,17 +126,28 @@ int main(int argc, char** argv) {
     run("kda (chunk " + std::to_string(chunk) + ")", *m,
         [&](const at::Tensor& in) { return m->forward(in); }, 0.0);
   }
-  // The chunked gated delta rule alone (ops::kda, as the layer calls it:
-  // viaduct's kernels at chunk 64 on a GPU they were built for, the ATen
-  // form otherwise), on inputs formed from x (H heads of hd).
+  // The chunked gated delta rule alone, on the inputs flash-linear-
+  // attention's chunk_kda takes in its "core" timing (../shared/anchors/
+  // kda/bench_kda.py): q, k, v and beta in the compute dtype, g an fp32
+  // per-channel log-decay, all leaves; q and k L2-normalised by the op (as
+  // fla's kernel does in its first pass, and as the layer calls it: ops::
+  // l2_normalize, then ops::kda on fp32 values). viaduct's kernels run at
+  // chunk 64 on a GPU they were built for, the ATen form otherwise.
   for (int64_t chunk : {16, 64}) {
     torch::nn::Module none;
+    const auto o = at::TensorOptions().device(dev);
+    auto q = at::randn({B, T, H, hd}, o).to(dtype).requires_grad_(true);
+    auto k = at::randn({B, T, H, hd}, o).to(dtype).requires_grad_(true);
+    auto v = at::randn({B, T, H, hd}, o).to(dtype).requires_grad_(true);
+    auto g = (-at::softplus(at::randn({B, T, H, hd}, o))).requires_grad_(true);
+    auto beta = at::sigmoid(at::randn({B, T, H}, o)).to(dtype).requires_grad_(true);
     run("kda core (chunk " + std::to_string(chunk) + ")", none,
-        [&, chunk](const at::Tensor& in) {
-          auto h = in.view({B, T, H, hd}).to(at::kFloat);
-          auto k = h / h.norm(2, -1, /*keepdim=*/true);
-          return ops::kda(k / std::sqrt(double(hd)), k, h, -at::sigmoid(h),
-                          at::sigmoid(h.mean(-1)), chunk, ops::KernelOptions{});
+        [&, chunk](const at::Tensor&) {
+          for (auto* l : {&q, &k, &v, &g, &beta}) l->mutable_grad().reset();
+          ops::KernelOptions ko;
+          auto qn = ops::l2_normalize(q, 1e-6, 1.0 / std::sqrt(double(hd)), ko);
+          auto kn = ops::l2_normalize(k, 1e-6, 1.0, ko);
+          return ops::kda(qn, kn, v.to(at::kFloat), g, beta.to(at::kFloat), chunk, ko);
         },
         0.0);
   }

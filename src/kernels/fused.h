@@ -133,6 +133,21 @@ std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tenso
                                             const at::Tensor& beta,
                                             const at::Tensor& initial_state);
 
+// MoE routing on viaduct's kernels (kernels/moe_route.h). moe_topk: the k
+// experts of the largest scores + bias per row of scores [N, E] (fp32, on
+// a GPU; bias [E] fp32), largest first, ties to the lower expert id, as
+// int64 [N, k]; what a stable descending sort of the sums selects.
+// moe_topk_usable: the kernel takes these (E up to 256; false in the CPU
+// build). moe_dispatch: for expert ids [S] (int64) in [0, n_experts), each
+// slot's row in groups padded to `align` (Note [MoE dispatch into padded
+// groups], ops/moe.h): {pos [S] int64, offs [E] int32, counts [E] int64};
+// moe_dispatch_usable: the kernels take these ids (up to 1024 experts).
+bool moe_topk_usable(const at::Tensor& scores, int64_t k);
+bool moe_dispatch_usable(const at::Tensor& expert, int64_t n_experts);
+at::Tensor moe_topk(const at::Tensor& scores, const at::Tensor& bias, int64_t k);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& expert,
+                                                            int64_t n_experts, int64_t align);
+
 // One AdamW step in place on contiguous fp32 CUDA tensors (the formulas of
 // AdamW::step's loop; bias_corr_i = 1 - beta_i^step). `low`, when defined (a
 // contiguous bf16 tensor of p's size), receives the new p cast to bf16 in

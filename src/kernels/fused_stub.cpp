@@ -64,6 +64,13 @@ DeviceClip clip_on_device(const std::vector<at::Tensor>&, double, const std::vec
   no_cuda("clip_on_device");
 }
 
+bool moe_topk_usable(const at::Tensor&, int64_t) { return false; }
+bool moe_dispatch_usable(const at::Tensor&, int64_t) { return false; }
+at::Tensor moe_topk(const at::Tensor&, const at::Tensor&, int64_t) { no_cuda("moe_topk"); }
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor&, int64_t, int64_t) {
+  no_cuda("moe_dispatch");
+}
+
 bool kda_usable(const at::Tensor&, const at::Tensor&) { return false; }
 std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor&, const at::Tensor&,
                                             const at::Tensor&, const at::Tensor&,

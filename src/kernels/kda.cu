@@ -151,19 +151,44 @@ __global__ void __launch_bounds__(kFwdThreads)
 // backward: A = Aqk^T do, M1 = ke, s1 = +1, M2 = W, s2 = -1, Y = qe^T do
 //           (S = dS, x = dv')
 // Everything else (o, and the backward's products) is a batched GEMM over
-// the chunks on the saved states, left to the caller. One block per head
-// and slice of V value columns: S's slice stays in shared memory, as S^T
-// [V][D + 4]; M1 is staged as [C][D + 4] and M2 transposed as [D][C + 4],
-// so every inner product reads float4 runs along its summed index. Thread
-// t owns column i = t % V, rows c = t / V + 64 m of x and rows
-// k = t / V + 64 m of S.
-constexpr int V = 8;
-constexpr int kScanThreads = 512;
-constexpr int kGroups = kScanThreads / V;  // 64
+// the chunks on the saved states, left to the caller.
+//
+// One block per head and slice of V = 16 value columns, eight warps. The
+// two products of a chunk run on the tensor cores (mma m16n8k8 with tf32
+// operands and fp32 accumulators) as three products each, split-tf32: an
+// fp32 operand a is hi + lo with hi = tf32(a) and lo = tf32(a - hi), and
+// a b is formed as lo_a hi_b + hi_a lo_b + hi_a hi_b (the small terms in an
+// accumulator of their own, added last), which keeps about fp32's accuracy
+// (the dropped lo lo term is ~2^-22 of the product) where one tf32 product
+// would lose 2^-11. The state slice stays in fp32 registers in the mma's
+// accumulator layout and is mirrored to shared memory as the next chunk's
+// operand. M1 and M2 of the next chunk are copied into shared memory
+// (cp.async, two buffers) while the current chunk computes; A, Y and dec of
+// the next chunk are loaded into registers a chunk ahead. The mma's sums
+// run in a fixed order, so the pass is bitwise run to run.
+//
+// mma m16n8k8 fragments (g = lane / 4, t = lane % 4): A (16 x 8, row
+// major) a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4);
+// B (8 x 8) b0 (t, g), b1 (t + 4, g); C (16 x 8) c0 (g, 2t), c1 (g, 2t + 1),
+// c2 (g + 8, 2t), c3 (g + 8, 2t + 1). Shared rows are padded so that each
+// fragment load hits 32 banks: M1 [C][D + 4] (rows g, columns t), M2
+// [C][D + 8] and the operands S [D][V + 8], x [C][V + 8] (rows t,
+// columns g).
+constexpr int V = 16;
+constexpr int kScanWarps = 8;
+constexpr int kScanThreads = 32 * kScanWarps;
+constexpr int PV = V + 8;
+
+template <int D>
+struct ScanLayout {
+  static constexpr int P1 = D + 4, P2 = D + 8;
+  static constexpr int m1 = C * P1, m2 = C * P2;  // one buffer each
+  static constexpr int floats = 2 * (m1 + m2) + D * PV + C * PV;
+};
 
 template <int D>
 constexpr size_t scan_smem() {
-  return sizeof(float) * (V * (D + 4) + C * (D + 4) + D * (C + 4) + V * (C + 4) + D);
+  return sizeof(float) * ScanLayout<D>::floats;
 }
 
 struct ScanArgs {
@@ -175,99 +200,227 @@ struct ScanArgs {
   const float* S0;                     // [B H][D][D] or null
   float s1, s2;
   bool reverse;
-  float* x;                            // [Z][C][D]
+  float* x;        int64_t x_stride;   // [Z][C][x_stride]
   float* states;                       // [Z][D][D]: S as the chunk starts
   float* final_state;                  // [B H][D][D]
+  // Backward only (else null): the forward's states Sf [Z][D][D], and
+  // ddec's parts [Z][D][kda_ddec_parts(D)]: part 2 blockIdx.x + (column
+  // tile) of sum_i S[k][i] Sf[k][i] over that tile's 8 columns, with S the
+  // state as the chunk starts (dS after the chunk).
+  const float* Sf;
+  float* ddec_part;
 };
 
-__device__ __forceinline__ float dot4(const float4 a, const float4 b, float acc) {
-  acc = fmaf(a.x, b.x, acc);
-  acc = fmaf(a.y, b.y, acc);
-  acc = fmaf(a.z, b.z, acc);
-  return fmaf(a.w, b.w, acc);
+// a = hi + lo in tf32 (each the 19-bit pattern in a 32-bit register).
+__device__ __forceinline__ void split_tf32(float a, uint32_t& hi, uint32_t& lo) {
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(a));
+  const float r = a - __uint_as_float(hi);
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(r));
 }
 
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// One split-tf32 step: main += hi_a hi_b, small += lo_a hi_b + hi_a lo_b.
+__device__ __forceinline__ void mma_split(float (&main)[4], float (&small)[4], const float (&a)[4],
+                                          const float (&b)[2]) {
+  uint32_t ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) split_tf32(a[e], ah[e], al[e]);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) split_tf32(b[e], bh[e], bl[e]);
+  mma_tf32(small, al, bh);
+  mma_tf32(small, ah, bl);
+  mma_tf32(main, ah, bh);
+}
+
+__device__ __forceinline__ void cp_async16(float* dst, const float* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
 template <int D>
-__global__ void __launch_bounds__(kScanThreads, 2) scan_kernel(KdaShape s, ScanArgs p) {
-  constexpr int PD = D + 4, PC = C + 4, KM = D / kGroups, XM = C / kGroups;
+__global__ void __launch_bounds__(kScanThreads) scan_kernel(KdaShape s, ScanArgs p) {
+  using L = ScanLayout<D>;
+  constexpr int P1 = L::P1, P2 = L::P2;
+  constexpr int ST = D / 64;  // state tiles (16 rows x 8 columns) per warp
   extern __shared__ float smem[];
-  float* St = smem;             // [V][PD]  S^T
-  float* M1s = St + V * PD;     // [C][PD]
-  float* M2t = M1s + C * PD;    // [D][PC]
-  float* xt = M2t + D * PC;     // [V][PC]  x^T
-  float* ds = xt + V * PC;      // [D]
+  float* M1s = smem;              // [2][C][P1]
+  float* M2s = M1s + 2 * L::m1;   // [2][C][P2]
+  float* Ss = M2s + 2 * L::m2;    // [D][PV]
+  float* xs = Ss + D * PV;        // [C][PV]
   const int64_t N = s.chunks();
   const int64_t bh = blockIdx.y;
   const int i0 = blockIdx.x * V;
-  const int tid = threadIdx.x, i = tid % V, r = tid / V;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int nt = warp & 1;              // this warp's column tile (8 columns)
+  const int col = nt * 8 + 2 * t;       // its accumulator columns col, col + 1
+  const int xrow = (warp >> 1) * 16;    // its x tile's first row
+  auto srow = [&](int j) { return ((warp >> 1) + 4 * j) * 16; };  // state tile j's first row
 
-  float Sreg[KM];  // this thread's S[k][i], k = r + kGroups m
+  auto chunk_of = [&](int64_t step) { return p.reverse ? N - 1 - step : step; };
+  // M1 and M2 of chunk n into buffer b.
+  auto stage = [&](int64_t n, int b) {
+    const int64_t zc = (bh * N + n) * C;
+    constexpr int D4 = D / 4;
+    for (int e = tid; e < C * D4; e += kScanThreads) {
+      const int c = e / D4, k = (e % D4) * 4;
+      cp_async16(M1s + b * L::m1 + c * P1 + k, p.M1 + (zc + c) * p.m1_stride + k);
+      cp_async16(M2s + b * L::m2 + c * P2 + k, p.M2 + (zc + c) * p.m2_stride + k);
+    }
+    cp_async_commit();
+  };
+  // A, Y and dec of chunk n at this thread's accumulator positions.
+  struct Ahead {
+    float2 a[2];
+    float2 y[ST][2];
+    float dec[ST][2];
+    float2 sf[ST][2];
+  };
+  auto fetch = [&](int64_t n, Ahead& f) {
+    const int64_t z = bh * N + n, zc = z * C;
 #pragma unroll
-  for (int m = 0; m < KM; ++m) {
-    const int k = r + kGroups * m;
-    Sreg[m] = p.S0 ? p.S0[(bh * D + k) * D + i0 + i] : 0.f;
-    St[i * PD + k] = Sreg[m];
+    for (int h = 0; h < 2; ++h) {
+      f.a[h] = *reinterpret_cast<const float2*>(p.A + (zc + xrow + g + 8 * h) * p.a_stride + i0 +
+                                                col);
+    }
+#pragma unroll
+    for (int j = 0; j < ST; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int k = srow(j) + g + 8 * h;
+        f.y[j][h] = p.Y ? *reinterpret_cast<const float2*>(p.Y + (z * D + k) * D + i0 + col)
+                        : make_float2(0.f, 0.f);
+        f.dec[j][h] = p.dec[z * D + k];
+        f.sf[j][h] = p.Sf ? *reinterpret_cast<const float2*>(p.Sf + (z * D + k) * D + i0 + col)
+                          : make_float2(0.f, 0.f);
+      }
+    }
+  };
+
+  float S[ST][4];  // the state slice: tile j, rows srow(j) + g (+ 8), columns col (+ 1)
+#pragma unroll
+  for (int j = 0; j < ST; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = srow(j) + g + 8 * h;
+      float2 v = make_float2(0.f, 0.f);
+      if (p.S0) v = *reinterpret_cast<const float2*>(p.S0 + (bh * D + k) * D + i0 + col);
+      S[j][2 * h] = v.x;
+      S[j][2 * h + 1] = v.y;
+      *reinterpret_cast<float2*>(Ss + k * PV + col) = v;
+    }
+  }
+  Ahead cur, next;
+  if (N > 0) {
+    stage(chunk_of(0), 0);
+    fetch(chunk_of(0), cur);
   }
   for (int64_t step = 0; step < N; ++step) {
-    const int64_t n = p.reverse ? N - 1 - step : step;
-    const int64_t z = bh * N + n, zc = z * C;
-    __syncthreads();  // St written; the previous chunk's reads of M1s, M2t, xt done
+    const int64_t n = chunk_of(step), z = bh * N + n, zc = z * C;
+    const int b = static_cast<int>(step & 1);
+    cp_async_wait_all();
+    __syncthreads();  // this chunk's M1, M2 and the state's mirror Ss visible to all
+    if (step + 1 < N) {
+      stage(chunk_of(step + 1), b ^ 1);  // the other buffer's readers finished last chunk
+      fetch(chunk_of(step + 1), next);
+    }
+    // The state as this chunk starts.
+#pragma unroll
+    for (int j = 0; j < ST; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int k = srow(j) + g + 8 * h;
+        *reinterpret_cast<float2*>(p.states + (z * D + k) * D + i0 + col) =
+            make_float2(S[j][2 * h], S[j][2 * h + 1]);
+        if (p.ddec_part) {
+          // The four lanes of a row add their pairs; the butterfly gives
+          // every lane the same bits (each add pairs the same operands).
+          float v = fmaf(S[j][2 * h], cur.sf[j][h].x, S[j][2 * h + 1] * cur.sf[j][h].y);
+          v += __shfl_xor_sync(0xffffffffu, v, 1);
+          v += __shfl_xor_sync(0xffffffffu, v, 2);
+          if (t == 0) p.ddec_part[(z * D + k) * (2 * D / V) + 2 * blockIdx.x + nt] = v;
+        }
+      }
+    }
+    // x = A + s1 M1 S: this warp's 16 x 8 tile, summed over D in steps of 8.
     {
-      constexpr int D4 = D / 4;
-      for (int e = tid; e < C * D4; e += kScanThreads) {
-        const int c = e / D4, k = (e % D4) * 4;
-        *reinterpret_cast<float4*>(M1s + c * PD + k) =
-            *reinterpret_cast<const float4*>(p.M1 + (zc + c) * p.m1_stride + k);
-      }
-      for (int e = tid; e < C * D4; e += kScanThreads) {
-        const int c = e % C, k = (e / C) * 4;
-        const float4 v = *reinterpret_cast<const float4*>(p.M2 + (zc + c) * p.m2_stride + k);
-        M2t[(k + 0) * PC + c] = v.x;
-        M2t[(k + 1) * PC + c] = v.y;
-        M2t[(k + 2) * PC + c] = v.z;
-        M2t[(k + 3) * PC + c] = v.w;
-      }
-      if (tid < D) ds[tid] = p.dec[z * D + tid];
-    }
-#pragma unroll
-    for (int m = 0; m < KM; ++m) {
-      p.states[(z * D + r + kGroups * m) * D + i0 + i] = Sreg[m];
-    }
-    __syncthreads();
-    // x = A + s1 M1 S, rows r + kGroups h
-#pragma unroll
-    for (int h = 0; h < XM; ++h) {
-      const int c = r + kGroups * h;
-      float acc = 0.f;
-#pragma unroll 8
-      for (int k = 0; k < D; k += 4) {
-        acc = dot4(*reinterpret_cast<const float4*>(M1s + c * PD + k),
-                   *reinterpret_cast<const float4*>(St + i * PD + k), acc);
-      }
-      const float xv = p.A[(zc + c) * p.a_stride + i0 + i] + p.s1 * acc;
-      xt[i * PC + c] = xv;
-      p.x[(zc + c) * D + i0 + i] = xv;
-    }
-    __syncthreads();
-    // S = dec * S + s2 M2^T x + Y, rows k = r + kGroups m
-#pragma unroll
-    for (int m = 0; m < KM; ++m) {
-      const int k = r + kGroups * m;
-      float acc = 0.f;
+      const float* M1b = M1s + b * L::m1 + xrow * P1;
+      float main[4] = {0.f, 0.f, 0.f, 0.f}, small[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
-      for (int c = 0; c < C; c += 4) {
-        acc = dot4(*reinterpret_cast<const float4*>(M2t + k * PC + c),
-                   *reinterpret_cast<const float4*>(xt + i * PC + c), acc);
+      for (int k0 = 0; k0 < D; k0 += 8) {
+        const float a[4] = {M1b[g * P1 + k0 + t], M1b[(g + 8) * P1 + k0 + t],
+                            M1b[g * P1 + k0 + t + 4], M1b[(g + 8) * P1 + k0 + t + 4]};
+        const float bb[2] = {Ss[(k0 + t) * PV + nt * 8 + g], Ss[(k0 + t + 4) * PV + nt * 8 + g]};
+        mma_split(main, small, a, bb);
       }
-      float v = fmaf(ds[k], Sreg[m], p.s2 * acc);
-      if (p.Y) v += p.Y[(z * D + k) * D + i0 + i];
-      Sreg[m] = v;
-      St[i * PD + k] = v;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int c = xrow + g + 8 * h;
+        const float2 v = make_float2(cur.a[h].x + p.s1 * (main[2 * h] + small[2 * h]),
+                                     cur.a[h].y + p.s1 * (main[2 * h + 1] + small[2 * h + 1]));
+        *reinterpret_cast<float2*>(xs + c * PV + col) = v;
+        *reinterpret_cast<float2*>(p.x + (zc + c) * p.x_stride + i0 + col) = v;
+      }
     }
+    __syncthreads();  // x complete in xs; every read of Ss done
+    // S = dec * S + s2 M2^T x + Y: this warp's state tiles, summed over C.
+    {
+      const float* M2b = M2s + b * L::m2;
+      float main[ST][4], small[ST][4];
+#pragma unroll
+      for (int j = 0; j < ST; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) main[j][e] = small[j][e] = 0.f;
+      }
+#pragma unroll 2
+      for (int c0 = 0; c0 < C; c0 += 8) {
+        const float bb[2] = {xs[(c0 + t) * PV + nt * 8 + g], xs[(c0 + t + 4) * PV + nt * 8 + g]};
+#pragma unroll
+        for (int j = 0; j < ST; ++j) {
+          const int r0 = srow(j);
+          const float a[4] = {M2b[(c0 + t) * P2 + r0 + g], M2b[(c0 + t) * P2 + r0 + g + 8],
+                              M2b[(c0 + t + 4) * P2 + r0 + g],
+                              M2b[(c0 + t + 4) * P2 + r0 + g + 8]};
+          mma_split(main[j], small[j], a, bb);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < ST; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int k = srow(j) + g + 8 * h;
+          const float d = cur.dec[j][h];
+          const float v0 = fmaf(d, S[j][2 * h], p.s2 * (main[j][2 * h] + small[j][2 * h])) +
+                           cur.y[j][h].x;
+          const float v1 =
+              fmaf(d, S[j][2 * h + 1], p.s2 * (main[j][2 * h + 1] + small[j][2 * h + 1])) +
+              cur.y[j][h].y;
+          S[j][2 * h] = v0;
+          S[j][2 * h + 1] = v1;
+          *reinterpret_cast<float2*>(Ss + k * PV + col) = make_float2(v0, v1);
+        }
+      }
+    }
+    cur = next;
   }
 #pragma unroll
-  for (int m = 0; m < KM; ++m) {
-    p.final_state[(bh * D + r + kGroups * m) * D + i0 + i] = Sreg[m];
+  for (int j = 0; j < ST; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = srow(j) + g + 8 * h;
+      *reinterpret_cast<float2*>(p.final_state + (bh * D + k) * D + i0 + col) =
+          make_float2(S[j][2 * h], S[j][2 * h + 1]);
+    }
   }
 }
 
@@ -473,21 +626,25 @@ cudaError_t kda_scan_forward(const KdaShape& s, const float* WU, const float* ke
                              float* final_state, cudaStream_t stream) {
   const int64_t D = s.D;
   return launch_scan(s,
-                     {WU + D, 2 * D, WU, 2 * D, ke, D, dec, nullptr, S0, -1.f, 1.f, false, vnew,
-                      states, final_state},
+                     {WU + D, 2 * D, WU, 2 * D, ke, D, dec, nullptr, S0, -1.f, 1.f, false, vnew, D,
+                      states, final_state, nullptr, nullptr},
                      stream);
 }
 
 cudaError_t kda_scan_backward(const KdaShape& s, const float* WU, const float* ke,
                               const float* dec, const float* X, const float* Y, const float* dSN,
-                              float* dvnew, float* dstates, float* dS0, cudaStream_t stream) {
+                              const float* states, float* dvnew, int64_t dvnew_stride,
+                              float* dstates, float* dS0, float* ddec_part, cudaStream_t stream) {
   const int64_t D = s.D;
   return launch_scan(s,
-                     {X, D, ke, D, WU, 2 * D, dec, Y, dSN, 1.f, -1.f, true, dvnew, dstates, dS0},
+                     {X, D, ke, D, WU, 2 * D, dec, Y, dSN, 1.f, -1.f, true, dvnew, dvnew_stride,
+                      dstates, dS0, states, ddec_part},
                      stream);
 }
 
 int64_t kda_beta_slices(int64_t head_dim) { return head_dim / kSlice; }
+
+int64_t kda_ddec_parts(int64_t head_dim) { return 2 * head_dim / V; }
 
 cudaError_t kda_intra_backward(const KdaShape& s, const float* q, const float* k, const float* v,
                                const float* g, const float* beta, const float* Kp,

@@ -64,12 +64,18 @@ cudaError_t kda_scan_forward(const KdaShape& s, const float* WU, const float* ke
 
 // The state pass backward, chunks in reverse, from X = Aqk^T do [Z, C, D],
 // Y = qe^T do [Z, D, D] and dS_N [B H, D, D] (null: zero). Writes dv'
-// [Z, C, D], dS_n+1 for every chunk n [Z, D, D] (the gradient of the state
-// after chunk n) and dS_0 [B H, D, D]:
+// [Z, C, dvnew_stride] (the first D columns of each row), dS_n+1 for every
+// chunk n [Z, D, D] (the gradient of the state after chunk n) and dS_0
+// [B H, D, D]:
 //   dv'_n = X_n + ke_n dS_n+1;  dS_n = dec_n * dS_n+1 + Y_n - W_n^T dv'_n
+// and, from the forward's states [Z, D, D], the parts of the gradient of
+// dec, ddec_n[k] = sum_i dS_n+1[k, i] S_n[k, i], as ddec_part [Z, D,
+// kda_ddec_parts(D)] (ddec is the sum over the last dim).
+int64_t kda_ddec_parts(int64_t head_dim);
 cudaError_t kda_scan_backward(const KdaShape& s, const float* WU, const float* ke,
                               const float* dec, const float* X, const float* Y, const float* dSN,
-                              float* dvnew, float* dstates, float* dS0, cudaStream_t stream);
+                              const float* states, float* dvnew, int64_t dvnew_stride,
+                              float* dstates, float* dS0, float* ddec_part, cudaStream_t stream);
 
 // The intra-chunk backward. Inputs: the forward's q, k, v, g, beta and Kp;
 // dAqk [Z, C, C] (read on and below the diagonal), dM [Z, C, C] = dR [W|U]^T

@@ -6,6 +6,7 @@
 //   backward: X = Aqk^T do, Y = qe^T do (into the state pass), dqe = do S^T,
 //             dke = v' dS^T, dAqk = do v'^T, d[W | U] = [-dv' S^T | dv'],
 //             dR = Tm^T d[W | U], dM = dR [W | U]^T
+// (the state pass itself writes dv' into d[W | U] and the parts of ddec).
 // (S, dS: the state and its gradient at each chunk's start and end).
 #include "kernels/fused.h"
 
@@ -71,7 +72,9 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     check_launch(cuda::kda_scan_forward(s, ptr(WU), ptr(ke), ptr(dec), ptr(S0), mut(vnew),
                                         mut(states), mut(final_state), stream),
                  "kda_scan_forward");
-    auto o = from_chunks(at::baddbmm(at::bmm(qe, states), Aqk, vnew), s);
+    auto o_z = at::bmm(qe, states);
+    o_z.baddbmm_(Aqk, vnew);
+    auto o = from_chunks(o_z, s);
     ctx->save_for_backward({q, k, v, g, beta, Kp, Tm, WU, qe, ke, dec, Aqk, vnew, states});
     ctx->saved_data["has_S0"] = S0.defined();
     return {o, final_state};
@@ -88,23 +91,29 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     auto dO = grads[0].defined() ? grads[0].contiguous().to(at::kFloat)
                                  : at::zeros({s.B, s.T, s.H, D}, opt);
     auto dSN = grads[1].defined() ? grads[1].contiguous().to(at::kFloat) : at::Tensor();
-    auto dvnew = at::empty({Z, C, D}, opt), dstates = at::empty({Z, D, D}, opt);
+    auto dstates = at::empty({Z, D, D}, opt);
     auto dS0 = at::empty({s.B, s.H, D, D}, opt);
+    // d[W | U] = [-dv' S^T | dv']: the state pass writes dv' into the U half.
+    auto dWU = at::empty({Z, C, 2 * D}, opt);
+    auto ddec_part = at::empty({Z, D, cuda::kda_ddec_parts(D)}, opt);
     const auto stream = stream_of(q);
     auto do_z = to_chunks(dO, s);
     auto X = at::bmm(Aqk.transpose(1, 2), do_z);
     auto Y = at::bmm(qe.transpose(1, 2), do_z);
     check_launch(cuda::kda_scan_backward(s, ptr(WU), ptr(ke), ptr(dec), ptr(X), ptr(Y), ptr(dSN),
-                                         mut(dvnew), mut(dstates), mut(dS0), stream),
+                                         ptr(states), mut(dWU) + D, 2 * D, mut(dstates), mut(dS0),
+                                         mut(ddec_part), stream),
                  "kda_scan_backward");
     X.reset();
     Y.reset();
     auto St = states.transpose(1, 2);
+    auto dvnew = dWU.narrow(-1, D, D);
     auto dqe = at::bmm(do_z, St);
     auto dke = at::bmm(vnew, dstates.transpose(1, 2));
     auto dAqk = at::bmm(do_z, vnew.transpose(1, 2));
-    auto ddec = (dstates * states).sum(-1);
-    auto dWU = at::cat({at::bmm(dvnew, St).neg_(), dvnew}, -1);
+    auto ddec = ddec_part.sum(-1);
+    auto dW = dWU.narrow(-1, 0, D);
+    at::baddbmm_out(dW, dW, dvnew, St, /*beta=*/0, /*alpha=*/-1);  // beta 0: dW's old values unread
     auto dR = at::bmm(Tm.transpose(1, 2), dWU);
     auto dM = at::bmm(dR, WU.transpose(1, 2));
     auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);

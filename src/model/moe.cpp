@@ -92,17 +92,8 @@ std::pair<at::Tensor, at::Tensor> MoeImpl::route(const at::Tensor& x) {
   // x: [N, D]; scores in fp32 (fp64 under gradient checks).
   const auto st = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   auto scores = at::sigmoid(linear(x.to(st), router, kernel_options_));  // [N, E]
-  at::Tensor idx;
-  {
-    torch::NoGradGuard g;  // selection only: no gradient through the bias
-    // The k highest biased scores by a stable sort: among equal scores the
-    // lower expert id wins, on every device (topk leaves ties to the
-    // implementation).
-    idx = std::get<1>(at::sort(scores.detach() + expert_bias.to(st), /*stable=*/true, -1,
-                               /*descending=*/true))
-              .narrow(-1, 0, opts_.n_activated_experts)
-              .contiguous();  // [N, k]
-  }
+  // Selection only: no gradient through the bias.
+  auto idx = ops::top_experts(scores, expert_bias, opts_.n_activated_experts, kernel_options_);
   auto w = scores.gather(-1, idx);  // unbiased scores of the chosen experts
   w = w / w.sum(-1, /*keepdim=*/true) * opts_.route_scale;
   return {idx, w};

@@ -73,9 +73,16 @@ ExpertDispatch dispatch_experts(const at::Tensor& idx, int64_t n_experts) {
   const int64_t A = kExpertAlign;
   auto flat = idx.reshape({-1});
   const int64_t S = flat.size(0);
+  ExpertDispatch d;
+  d.rows = S + A * n_experts;
+  if (kernels::moe_dispatch_usable(flat, n_experts)) {
+    // Two kernels (a count pass, a placement pass) instead of the chain
+    // below: the same rows.
+    std::tie(d.pos, d.offs, d.counts) = kernels::moe_dispatch(flat, n_experts, A);
+    return d;
+  }
   auto order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
   auto expert = flat.index_select(0, order);  // the slots' experts, sorted
-  ExpertDispatch d;
   d.counts = at::bincount(flat, {}, n_experts);
   auto padded = (at::floor_divide(d.counts + (A - 1), A) * A).clamp_min(A);
   auto end = padded.cumsum(0);
@@ -85,8 +92,19 @@ ExpertDispatch dispatch_experts(const at::Tensor& idx, int64_t n_experts) {
                     first.index_select(0, expert);
   d.pos = at::empty_like(pos_sorted).index_copy_(0, order, pos_sorted);
   d.offs = end.to(at::kInt);
-  d.rows = S + A * n_experts;
   return d;
+}
+
+at::Tensor top_experts(const at::Tensor& scores, const at::Tensor& bias, int64_t k,
+                       const KernelOptions& opts) {
+  torch::NoGradGuard no_grad;
+  if (fused_runs(scores, opts) && kernels::moe_topk_usable(scores, k)) {
+    return kernels::moe_topk(scores, bias, k);
+  }
+  auto sums = scores.detach() + bias.to(scores.scalar_type());
+  return std::get<1>(at::sort(sums, /*stable=*/true, -1, /*descending=*/true))
+      .narrow(-1, 0, k)
+      .contiguous();
 }
 
 at::Tensor grouped_swiglu_experts(const at::Tensor& xs, const at::Tensor& offs,

@@ -36,8 +36,18 @@ struct ExpertDispatch {
   at::Tensor counts;  // [E] int64: slots per expert
   int64_t rows = 0;   // the buffer's rows
 };
-// idx: [N, K] expert ids (int64) of N tokens.
+// idx: [N, K] expert ids (int64) of N tokens. On a GPU two kernels
+// (kernels/moe_route.h) place the slots; elsewhere a stable sort by expert
+// and its counts do; the same rows.
 ExpertDispatch dispatch_experts(const at::Tensor& idx, int64_t n_experts);
+
+// The k experts of the largest scores + bias in each row of scores [N, E],
+// largest first, equal sums to the lower expert id (what a stable
+// descending sort selects; topk leaves ties to the implementation): int64
+// [N, k], no gradient. Under the kernel options on a GPU one kernel
+// (kernels/moe_route.h), elsewhere the sort.
+at::Tensor top_experts(const at::Tensor& scores, const at::Tensor& bias, int64_t k,
+                       const KernelOptions& opts);
 
 // src.index_select(0, pos) for a pos that names no row twice; the gradient
 // goes back with index_copy into zeros (no additions).

@@ -1,3 +1,8 @@
+// The MoE's routing kernels (kernels/moe_route.h) against their ATen forms
+// on the CPU, exactly: the top-k choice against a stable descending sort of
+// the same sums, with many ties; the dispatch into padded groups against
+// the sort-and-count form, over one and many of the kernels' blocks.
+//
 // The MoE's routed experts through grouped GEMMs (ops/moe.h) against the
 // per-expert loop (the same layer with model.fused_kernels off) on a GPU in
 // bf16: outputs, every gradient and the expert loads; and two grouped runs
@@ -42,6 +47,57 @@ Run run(const MoeOptions& o, bool grouped, const at::Tensor& x, const at::Tensor
   r.loads = m->tokens_per_expert.clone();
   for (const auto& p : m->named_parameters()) r.grads.emplace_back(p.key(), p.value().grad());
   return r;
+}
+
+std::vector<int64_t> longs(const at::Tensor& t) {
+  auto c = t.to(at::kCPU, at::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+// Scores on a coarse grid, so that many sums tie (ties go to the lower
+// expert id) and some experts' bias lifts them over the rest.
+TEST(MoeRouting, TopkKernelChoosesAsAStableSort) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (const auto& [E, K] : std::vector<std::pair<int64_t, int64_t>>{
+           {8, 2}, {16, 2}, {64, 8}, {128, 8}, {200, 5}, {256, 1}, {33, 33}}) {
+    SCOPED_TRACE("E " + std::to_string(E) + " k " + std::to_string(K));
+    auto scores = (at::randint(1, 9, {1000, E}, at::kFloat) / 8).to(at::kCUDA);
+    auto bias = (at::randint(-2, 3, {E}, at::kFloat) / 64).to(at::kCUDA);
+    ASSERT_TRUE(kernels::moe_topk_usable(scores, K));
+    auto got = kernels::moe_topk(scores, bias, K);
+    auto sums = scores.cpu() + bias.cpu();
+    auto want = std::get<1>(at::sort(sums, /*stable=*/true, -1, /*descending=*/true))
+                    .narrow(-1, 0, K);
+    ASSERT_EQ(got.sizes(), want.sizes());
+    EXPECT_EQ(longs(got), longs(want));
+    // The model's entry point takes the kernel under the kernel options.
+    EXPECT_EQ(longs(ops::top_experts(scores, bias, K, ops::KernelOptions{})), longs(want));
+  }
+}
+
+TEST(MoeRouting, DispatchKernelsPlaceAsTheSortForm) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  // Slot counts below, at and over one block of the count pass (1024), and
+  // many blocks; expert 1 never chosen where E > 2.
+  for (const int64_t S : {1, 37, 1024, 1025, 5000, 70001}) {
+    for (const int64_t E : {2, 8, 128, 1000}) {
+      SCOPED_TRACE("S " + std::to_string(S) + " E " + std::to_string(E));
+      auto ids = at::randint(0, E, {S}, at::kLong);
+      if (E > 2) ids.masked_fill_(ids == 1, 0);
+      auto ref = ops::dispatch_experts(ids, E);  // on the CPU: the sort form
+      auto got = ops::dispatch_experts(ids.to(at::kCUDA), E);
+      ASSERT_TRUE(got.pos.is_cuda());
+      EXPECT_EQ(got.rows, ref.rows);
+      EXPECT_EQ(longs(got.counts), longs(ref.counts));
+      EXPECT_EQ(longs(got.offs), longs(ref.offs));
+      EXPECT_EQ(got.offs.scalar_type(), at::kInt);
+      EXPECT_EQ(longs(got.pos), longs(ref.pos));
+    }
+  }
 }
 
 class MoeGrouped : public testing::TestWithParam<std::pair<int64_t, int64_t>> {};
