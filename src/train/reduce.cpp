@@ -86,6 +86,39 @@ at::Tensor segment_of(const at::Tensor& t, const ShardSegment& s) {
   return t.reshape(-1).slice(0, s.begin, s.end);
 }
 
+RangeGather start_range_gather(dist::ProcessGroup& group,
+                               const std::vector<std::vector<ShardSegment>>& per_rank,
+                               const at::Tensor& mine) {
+  int64_t chunk = 0;
+  for (const auto& segs : per_rank) chunk = std::max(chunk, segment_elements(segs));
+  RangeGather g;
+  if (chunk == 0) return g;
+  auto padded = at::zeros({chunk}, mine.options());
+  padded.narrow(0, 0, mine.numel()).copy_(mine);
+  g.outputs.resize(1);
+  for (size_t r = 0; r < per_rank.size(); ++r) g.outputs[0].push_back(at::empty_like(padded));
+  std::vector<at::Tensor> inputs{padded};
+  g.work = group.allgather(g.outputs, inputs);
+  g.bytes_sent = chunk * static_cast<int64_t>(per_rank.size() - 1) *
+                 static_cast<int64_t>(padded.element_size());
+  return g;
+}
+
+void copy_gathered_ranges(const RangeGather& gather,
+                          const std::vector<std::vector<ShardSegment>>& per_rank,
+                          const std::function<at::Tensor(const ShardSegment&)>& dest,
+                          size_t skip) {
+  if (gather.outputs.empty()) return;
+  for (size_t r = 0; r < per_rank.size(); ++r) {
+    if (r == skip) continue;
+    int64_t off = 0;
+    for (const auto& s : per_rank[r]) {
+      dest(s).copy_(gather.outputs[0][r].narrow(0, off, s.end - s.begin));
+      off += s.end - s.begin;
+    }
+  }
+}
+
 GradReduction::GradReduction(dist::ProcessGroup& group, const std::vector<NamedParam>& params,
                              std::vector<std::vector<size_t>> buckets,
                              std::vector<int64_t> stage_of, bool whole)
@@ -143,13 +176,8 @@ int64_t GradReduction::finish(const std::string& context) {
   const auto me = static_cast<size_t>(group_.rank());
   const int dp = group_.size();
   // The whole sums' all-gathers, started bucket by bucket as their ranges
-  // are summed; each replica's range padded to the bucket's largest.
-  struct Gather {
-    size_t bucket;
-    std::vector<std::vector<at::Tensor>> outputs;
-    dist::Work work;
-  };
-  std::vector<Gather> gathers;
+  // are summed.
+  std::vector<std::pair<size_t, RangeGather>> gathers;
   for (auto& f : in_flight_) {
     f.work.wait(str(context, " data-parallel gradient reduce-scatter"));
     const auto& per_rank = layout_.segments[f.bucket];
@@ -169,28 +197,17 @@ int64_t GradReduction::finish(const std::string& context) {
       }
       continue;
     }
-    int64_t chunk = 0;
-    for (const auto& segs : per_rank) chunk = std::max(chunk, segment_elements(segs));
-    auto padded = at::zeros({chunk}, sum.options());
-    padded.narrow(0, 0, mine).copy_(sum);
-    Gather g{f.bucket, std::vector<std::vector<at::Tensor>>(1), {}};
-    for (int r = 0; r < dp; ++r) g.outputs[0].push_back(at::empty_like(padded));
-    std::vector<at::Tensor> inputs{padded};
-    g.work = group_.allgather(g.outputs, inputs);
-    bytes_sent_ += chunk * (dp - 1) * static_cast<int64_t>(padded.element_size());
-    gathers.push_back(std::move(g));
+    auto g = start_range_gather(group_, per_rank, sum);
+    bytes_sent_ += g.bytes_sent;
+    gathers.emplace_back(f.bucket, std::move(g));
   }
-  for (auto& g : gathers) {
+  for (auto& [bucket, g] : gathers) {
+    if (g.outputs.empty()) continue;
     g.work.wait(str(context, " data-parallel gradient all-gather"));
-    const auto& per_rank = layout_.segments[g.bucket];
-    for (int r = 0; r < dp; ++r) {
-      int64_t off = 0;
-      for (const auto& s : per_rank[static_cast<size_t>(r)]) {
-        segment_of(params_[s.param].param.mutable_grad(), s)
-            .copy_(g.outputs[0][static_cast<size_t>(r)].narrow(0, off, s.end - s.begin));
-        off += s.end - s.begin;
-      }
-    }
+    copy_gathered_ranges(
+        g, layout_.segments[bucket],
+        [&](const ShardSegment& s) { return segment_of(params_[s.param].param.mutable_grad(), s); },
+        static_cast<size_t>(dp));  // every replica's range, this one's included
   }
   in_flight_.clear();
   started_.assign(buckets_.size(), false);

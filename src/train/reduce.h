@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,26 @@ int64_t segment_elements(const std::vector<ShardSegment>& segs);
 // The elements of a segment, as a 1-D view of `t` (a parameter, its
 // gradient or a whole state tensor shaped like the parameter).
 at::Tensor segment_of(const at::Tensor& t, const ShardSegment& s);
+
+// One bucket's all-gather of every replica's range (per_rank, a bucket of
+// ShardLayout::segments), each padded with zeros to the bucket's largest
+// range: an all-gather takes equal sizes.
+struct RangeGather {
+  std::vector<std::vector<at::Tensor>> outputs;  // outputs[0][r]: replica r's range
+  dist::Work work;
+  int64_t bytes_sent = 0;  // by this replica, padding included
+};
+// Starts the all-gather of `mine`, this replica's range flattened (its
+// segments back to back), over `group`. An empty bucket starts nothing.
+RangeGather start_range_gather(dist::ProcessGroup& group,
+                               const std::vector<std::vector<ShardSegment>>& per_rank,
+                               const at::Tensor& mine);
+// After the gather's work finished: copies replica r's range, for every r
+// but `skip` (none when out of range), into dest(segment) segment by segment.
+void copy_gathered_ranges(const RangeGather& gather,
+                          const std::vector<std::vector<ShardSegment>>& per_rank,
+                          const std::function<at::Tensor(const ShardSegment&)>& dest,
+                          size_t skip);
 
 // Note [Data-parallel sum in a fixed order]
 // The data-parallel gradient sum is a reduce-scatter, with or without

@@ -74,32 +74,16 @@ void ShardedOptimizer::all_gather_weights() {
   last_step_bytes_ = 0;
   for (size_t b = 0; b < layout_.segments.size(); ++b) {
     const auto& per_rank = layout_.segments[b];
-    int64_t chunk = 0;
-    for (const auto& segs : per_rank) chunk = std::max(chunk, segment_elements(segs));
-    if (chunk == 0) continue;
-    const auto& first = params_[buckets_[b].front()].param;
-    auto send = at::zeros({chunk}, first.options());
-    int64_t off = 0;
-    for (const auto& s : per_rank[me]) {
-      send.slice(0, off, off + s.end - s.begin).copy_(segment_of(params_[s.param].param, s));
-      off += s.end - s.begin;
-    }
-    std::vector<std::vector<at::Tensor>> outputs(1);
-    for (size_t r = 0; r < per_rank.size(); ++r) outputs[0].push_back(at::empty_like(send));
-    std::vector<at::Tensor> inputs{send};
-    last_step_bytes_ += chunk * static_cast<int64_t>(per_rank.size() - 1) *
-                        static_cast<int64_t>(send.element_size());
-    group_.allgather(outputs, inputs).wait(str("ZeRO-1 all-gather of the updated weights over ",
-                                               group_.name()));
-    for (size_t r = 0; r < per_rank.size(); ++r) {
-      if (r == me) continue;
-      int64_t o = 0;
-      for (const auto& s : per_rank[r]) {
-        auto dst = segment_of(params_[s.param].param.detach(), s);
-        dst.copy_(outputs[0][r].slice(0, o, o + s.end - s.begin));
-        o += s.end - s.begin;
-      }
-    }
+    // This replica's range flattened; empty, it still joins the gather.
+    std::vector<at::Tensor> pieces{at::empty({0}, params_[buckets_[b].front()].param.options())};
+    for (const auto& s : per_rank[me]) pieces.push_back(segment_of(params_[s.param].param, s));
+    auto g = start_range_gather(group_, per_rank, at::cat(pieces));
+    if (g.outputs.empty()) continue;
+    last_step_bytes_ += g.bytes_sent;
+    g.work.wait(str("ZeRO-1 all-gather of the updated weights over ", group_.name()));
+    copy_gathered_ranges(
+        g, per_rank,
+        [&](const ShardSegment& s) { return segment_of(params_[s.param].param.detach(), s); }, me);
   }
 }
 
