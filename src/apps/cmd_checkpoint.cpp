@@ -36,7 +36,10 @@ int inspect(const std::string& arg) {
   for (const auto& name : c.tensors.names()) {
     const auto e = c.tensors.info(name);
     std::string shape;
-    for (auto d : e.shape) shape += (shape.empty() ? "" : "x") + std::to_string(d);
+    for (auto d : e.shape) {
+      if (!shape.empty()) shape += 'x';
+      shape += std::to_string(d);
+    }
     const std::string pieces =
         e.pieces > 0 ? " in " + std::to_string(e.pieces) + (e.pieces == 1 ? " piece" : " pieces") : "";
     std::printf("  %-60s %-5s [%s]%s\n", name.c_str(), ck::dtype_name(e.dtype).c_str(),
