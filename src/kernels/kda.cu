@@ -17,22 +17,92 @@ namespace {
 constexpr int C = static_cast<int>(kKdaChunk);
 constexpr int kFwdThreads = 512;  // the intra-chunk forward's block
 
-// Row r of chunk n of head (b, h) in a [B, T, H, width] tensor, or -1 past T.
-__device__ __forceinline__ int64_t row_of(const KdaShape& s, int64_t bh, int64_t n, int c,
-                                          int64_t width) {
-  const int64_t t = n * C + c;
-  if (t >= s.T) return -1;
-  const int64_t b = bh / s.H, h = bh % s.H;
-  return ((b * s.T + t) * s.H + h) * width;
+// The row of each of chunk n's C rows of head bh in a [B, T, H] tensor (-1
+// past T), into rows[C] by the first C threads; the caller syncs before use.
+// A [B, T, H, D] tensor's row starts at D times it.
+__device__ __forceinline__ void chunk_rows(const KdaShape& s, int64_t bh, int64_t n,
+                                           int64_t* rows) {
+  const int c = threadIdx.x;
+  if (c < C) {
+    const int64_t t = n * C + c;
+    rows[c] = t < s.T ? ((bh / s.H * s.T + t) * s.H + bh % s.H) : -1;
+  }
+}
+
+// ---- tensor-core products in fp32 accuracy ---------------------------------
+// mma m16n8k8 with tf32 operands and fp32 accumulators, each product taken
+// as three (split-tf32): an fp32 operand a is hi + lo with hi = tf32(a) and
+// lo = tf32(a - hi), and a b is formed as lo_a hi_b + hi_a lo_b + hi_a hi_b
+// (the small terms in an accumulator of their own, added last). That keeps
+// about fp32's accuracy (the dropped lo lo term is ~2^-22 of the product)
+// where one tf32 product would lose 2^-11. Fragments (g = lane / 4, t =
+// lane % 4): A (16 x 8, row major) a0 (g, t), a1 (g + 8, t), a2 (g, t + 4),
+// a3 (g + 8, t + 4); B (8 x 8) b0 (t, g), b1 (t + 4, g); C (16 x 8) c0 (g,
+// 2t), c1 (g, 2t + 1), c2 (g + 8, 2t), c3 (g + 8, 2t + 1).
+// a = hi + lo in tf32 (each the 19-bit pattern in a 32-bit register).
+__device__ __forceinline__ void split_tf32(float a, uint32_t& hi, uint32_t& lo) {
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(a));
+  const float r = a - __uint_as_float(hi);
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(r));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// One split-tf32 step: main += hi_a hi_b, small += lo_a hi_b + hi_a lo_b.
+__device__ __forceinline__ void mma_split(float (&main)[4], float (&small)[4], const float (&a)[4],
+                                          const float (&b)[2]) {
+  uint32_t ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) split_tf32(a[e], ah[e], al[e]);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) split_tf32(b[e], bh[e], bl[e]);
+  mma_tf32(small, al, bh);
+  mma_tf32(small, ah, bl);
+  mma_tf32(main, ah, bh);
 }
 
 // ---- intra-chunk forward ---------------------------------------------------
-// One block per chunk. Shared: G, q, k as [C][D + 1] (rows padded so that a
-// warp reading 32 different rows of one column hits 32 banks), Aqk, Kp, Tm
-// as [C][C + 1], beta [C].
+// One block per chunk. Shared: G, q, k as [C][D + 4] (the mma fragments'
+// rows g and columns t land on 4 g + t: 32 banks), Aqk, Kp, Tm as
+// [C][C + 1], beta [C], and the triangular inverse's block products.
+//
+// The pair terms P_cjd = e^{G_cd - G_jd} factor through any row r between
+// j and c: P_cjd = e^{G_cd - G_rd} e^{G_rd - G_jd}, and both factors are
+// <= 1 (G falls along the chunk), so nothing overflows. With the chunk cut
+// into four sub-chunks of 16 rows and r the first row of c's sub-chunk,
+// the block of pairs (sub-chunk I of rows, an earlier sub-chunk J of
+// columns) is a plain product over d of rescaled rows, (q_c e^{G_c - G_r})
+// (k_j e^{G_r - G_j}), run on the tensor cores; the diagonal blocks, where
+// r would lie between j and c only for some pairs, keep the direct form
+// with an exponential per term.
+constexpr int kSub = 16;                 // sub-chunk rows
+constexpr int kDiagPairs = kSub * (kSub + 1) / 2;  // pairs j <= c of one diagonal block
+
 template <int D>
 constexpr size_t intra_forward_smem() {
-  return sizeof(float) * (3 * C * (D + 1) + 3 * C * (C + 1) + C);
+  return sizeof(float) * (3 * C * (D + 4) + 3 * C * (C + 1) + C + (C / kSub - 1) * kSub * kSub);
+}
+
+// Sub-chunk pair (I, J), I > J, of index p in 0..5: (1,0) (2,0) (2,1) (3,0)
+// (3,1) (3,2).
+__device__ __forceinline__ void block_pair(int p, int& I, int& J) {
+  I = p < 1 ? 1 : p < 3 ? 2 : 3;
+  J = p - I * (I - 1) / 2;
+}
+
+// Pair e in 0..kDiagPairs-1 of a diagonal block, row-major over j <= c:
+// (c, j) within the block.
+__device__ __forceinline__ void diag_pair(int e, int& c, int& j) {
+  c = 0;
+  while (e > c) e -= ++c;
+  j = e;
 }
 
 template <int D>
@@ -43,7 +113,7 @@ __global__ void __launch_bounds__(kFwdThreads)
                          float* __restrict__ Kp, float* __restrict__ Tm, float* __restrict__ R,
                          float* __restrict__ qe, float* __restrict__ ke,
                          float* __restrict__ dec) {
-  constexpr int P = D + 1, Q = C + 1;
+  constexpr int P = D + 4, Q = C + 1;
   extern __shared__ float smem[];
   float* Gs = smem;
   float* qs = Gs + C * P;
@@ -52,22 +122,23 @@ __global__ void __launch_bounds__(kFwdThreads)
   float* Ks = As + C * Q;
   float* Ts = Ks + C * Q;
   float* bs = Ts + C * Q;
+  float* Ms = bs + C;  // [C / kSub - 1][kSub][kSub]: the inverse's partial products
+  __shared__ int64_t rows[C];
   const int64_t N = s.chunks();
   const int64_t z = blockIdx.x, bh = z / N, n = z % N;
   const int tid = threadIdx.x;
+  chunk_rows(s, bh, n, rows);
+  __syncthreads();
 
   for (int i = tid; i < C * D; i += kFwdThreads) {
     const int c = i / D, d = i % D;
-    const int64_t r = row_of(s, bh, n, c, D);
+    const int64_t r = rows[c] * D;
     Gs[c * P + d] = r < 0 ? 0.f : g[r + d];
     qs[c * P + d] = r < 0 ? 0.f : q[r + d];
     ks[c * P + d] = r < 0 ? 0.f : k[r + d];
   }
-  for (int i = tid; i < C * Q; i += kFwdThreads) As[i] = Ks[i] = 0.f;
-  if (tid < C) {
-    const int64_t r = row_of(s, bh, n, tid, 1);
-    bs[tid] = r < 0 ? 0.f : beta[r];
-  }
+  for (int i = tid; i < C * Q; i += kFwdThreads) As[i] = Ks[i] = Ts[i] = 0.f;
+  if (tid < C) bs[tid] = rows[tid] < 0 ? 0.f : beta[rows[tid]];
   __syncthreads();
   // Inclusive cumulative log-decay along the chunk, one thread a channel.
   if (tid < D) {
@@ -78,14 +149,50 @@ __global__ void __launch_bounds__(kFwdThreads)
     }
   }
   __syncthreads();
-  // Pairwise products: warp item w is row c with columns 32 jt .. 32 jt + 31
-  // (lane = column); the items with any column <= c are rows 0..63 with jt
-  // = 0 and rows 32..63 with jt = 1. Each entry sums over d in order.
   const int warp = tid / 32, lane = tid % 32;
-  for (int w = warp; w < C + C / 2; w += kFwdThreads / 32) {
-    const int c = w < C ? w : w - C / 2;
-    const int j = (w < C ? 0 : 32) + lane;
-    if (j > c) continue;
+  // Below the diagonal blocks: warp 2 p + h computes columns 8 h .. 8 h + 7
+  // of block pair p for Aqk and Kp (one B operand, two A operands), summed
+  // over d in steps of 8 (split-tf32).
+  if (warp < 12) {
+    int I, J;
+    block_pair(warp / 2, I, J);
+    const int r = kSub * I, j0 = kSub * J + 8 * (warp % 2);
+    const int fg = lane / 4, ft = lane % 4;
+    const float* Gr = Gs + r * P;
+    float qm[4] = {0.f, 0.f, 0.f, 0.f}, qsm[4] = {0.f, 0.f, 0.f, 0.f};
+    float km[4] = {0.f, 0.f, 0.f, 0.f}, ksm[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+    for (int d0 = 0; d0 < D; d0 += 8) {
+      float aq[4], ak[4], b[2];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int o = (r + fg + 8 * (e & 1)) * P + d0 + ft + 4 * (e >> 1);
+        const float x = expf(Gs[o] - Gr[d0 + ft + 4 * (e >> 1)]);
+        aq[e] = qs[o] * x;
+        ak[e] = ks[o] * x;
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int d = d0 + ft + 4 * e, o = (j0 + fg) * P + d;
+        b[e] = ks[o] * expf(Gr[d] - Gs[o]);
+      }
+      mma_split(qm, qsm, aq, b);
+      mma_split(km, ksm, ak, b);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int o = (r + fg + 8 * (e >> 1)) * Q + j0 + 2 * ft + (e & 1);
+      As[o] = qm[e] + qsm[e];
+      Ks[o] = km[e] + ksm[e];
+    }
+  }
+  // The diagonal blocks, a thread a pair j <= c, each entry summed over d in
+  // order (disjoint from the entries above).
+  for (int e = tid; e < 4 * kDiagPairs; e += kFwdThreads) {
+    int c, j;
+    diag_pair(e % kDiagPairs, c, j);
+    c += kSub * (e / kDiagPairs);
+    j += kSub * (e / kDiagPairs);
     float aq = 0.f, ak = 0.f;
     const float* Gc = Gs + c * P;
     const float* Gj = Gs + j * P;
@@ -102,25 +209,45 @@ __global__ void __launch_bounds__(kFwdThreads)
     if (j < c) Ks[c * Q + j] = ak;
   }
   __syncthreads();
-  // Tm = (I + diag(beta) Kp)^-1 by forward substitution, four lanes a
-  // column: x_c = [c == i] - beta_c sum_{j < c} Kp[c, j] x_j, lane part p
-  // of column i summing j = i + p, i + p + 4, ..., the four parts then
-  // added in order (threads 0 .. 4 C - 1: whole warps).
-  if (tid < 4 * C) {
-    const int i = tid / 4, part = tid % 4, base = lane & ~3;
-    for (int c = 0; c < C; ++c) {
+  // Tm = L^-1 for L = I + diag(beta) Kp (unit lower triangular), by
+  // sub-chunk blocks. The diagonal blocks by forward substitution, a thread
+  // a column: x_c = [c == i] - beta_c sum_{i <= j < c} Kp[c, j] x_j.
+  if (tid < C) {
+    const int i = tid, hi = (i & ~(kSub - 1)) + kSub;
+    Ts[i * Q + i] = 1.f;
+    for (int c = i + 1; c < hi; ++c) {
       float acc = 0.f;
-      for (int j = i + part; j < c; j += 4) acc = fmaf(Ks[c * Q + j], Ts[j * Q + i], acc);
-      const float p0 = __shfl_sync(0xffffffffu, acc, base);
-      const float p1 = __shfl_sync(0xffffffffu, acc, base + 1);
-      const float p2 = __shfl_sync(0xffffffffu, acc, base + 2);
-      const float p3 = __shfl_sync(0xffffffffu, acc, base + 3);
-      const float x = c == i ? 1.f : c > i ? -bs[c] * (((p0 + p1) + p2) + p3) : 0.f;
-      if (part == 0) Ts[c * Q + i] = x;
-      __syncwarp();
+      for (int j = i; j < c; ++j) acc = fmaf(Ks[c * Q + j], Ts[j * Q + i], acc);
+      Ts[c * Q + i] = -bs[c] * acc;
     }
   }
   __syncthreads();
+  // Then the blocks below, one band I - J = l at a time: from (L Tm)_IJ = 0,
+  // Tm_IJ = -Tm_II M with M = sum_{J <= K < I} L_IK Tm_KJ, every Tm_KJ of
+  // the bands before.
+  for (int l = 1; l < C / kSub; ++l) {
+    const int blocks = (C / kSub - l) * kSub * kSub;
+    for (int e = tid; e < blocks; e += kFwdThreads) {
+      const int J = e / (kSub * kSub), row = kSub * (J + l) + (e / kSub) % kSub;
+      const int col = kSub * J + e % kSub;
+      float acc = 0.f;
+      for (int j = kSub * J; j < kSub * (J + l); ++j) {
+        acc = fmaf(Ks[row * Q + j], Ts[j * Q + col], acc);
+      }
+      Ms[e] = bs[row] * acc;
+    }
+    __syncthreads();
+    for (int e = tid; e < blocks; e += kFwdThreads) {
+      const int J = e / (kSub * kSub), I = J + l, row = kSub * I + (e / kSub) % kSub;
+      const int cc = e % kSub;
+      float acc = 0.f;
+      for (int k = 0; k < kSub; ++k) {
+        acc = fmaf(Ts[row * Q + kSub * I + k], Ms[J * kSub * kSub + k * kSub + cc], acc);
+      }
+      Ts[row * Q + kSub * J + cc] = -acc;
+    }
+    __syncthreads();
+  }
   const int64_t zc = z * C;
   for (int i = tid; i < C * C; i += kFwdThreads) {
     const int c = i / C, j = i % C;
@@ -132,7 +259,7 @@ __global__ void __launch_bounds__(kFwdThreads)
     const int c = i / D, d = i % D;
     const float G = Gs[c * P + d], GL = Gs[(C - 1) * P + d];
     const float eG = expf(G);
-    const int64_t r = row_of(s, bh, n, c, D);
+    const int64_t r = rows[c] * D;
     const float vv = r < 0 ? 0.f : v[r + d];
     qe[zc * D + i] = qs[c * P + d] * eG;
     ke[zc * D + i] = ks[c * P + d] * expf(GL - G);
@@ -154,23 +281,13 @@ __global__ void __launch_bounds__(kFwdThreads)
 // the chunks on the saved states, left to the caller.
 //
 // One block per head and slice of V = 16 value columns, eight warps. The
-// two products of a chunk run on the tensor cores (mma m16n8k8 with tf32
-// operands and fp32 accumulators) as three products each, split-tf32: an
-// fp32 operand a is hi + lo with hi = tf32(a) and lo = tf32(a - hi), and
-// a b is formed as lo_a hi_b + hi_a lo_b + hi_a hi_b (the small terms in an
-// accumulator of their own, added last), which keeps about fp32's accuracy
-// (the dropped lo lo term is ~2^-22 of the product) where one tf32 product
-// would lose 2^-11. The state slice stays in fp32 registers in the mma's
-// accumulator layout and is mirrored to shared memory as the next chunk's
-// operand. M1 and M2 of the next chunk are copied into shared memory
-// (cp.async, two buffers) while the current chunk computes; A, Y and dec of
-// the next chunk are loaded into registers a chunk ahead. The mma's sums
-// run in a fixed order, so the pass is bitwise run to run.
-//
-// mma m16n8k8 fragments (g = lane / 4, t = lane % 4): A (16 x 8, row
-// major) a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4);
-// B (8 x 8) b0 (t, g), b1 (t + 4, g); C (16 x 8) c0 (g, 2t), c1 (g, 2t + 1),
-// c2 (g + 8, 2t), c3 (g + 8, 2t + 1). Shared rows are padded so that each
+// two products of a chunk run on the tensor cores in split-tf32 (above).
+// The state slice stays in fp32 registers in the mma's accumulator layout
+// and is mirrored to shared memory as the next chunk's operand. M1 and M2
+// of the next chunk are copied into shared memory (cp.async, two buffers)
+// while the current chunk computes; A, Y and dec of the next chunk are
+// loaded into registers a chunk ahead. The mma's sums run in a fixed order,
+// so the pass is bitwise run to run. Shared rows are padded so that each
 // fragment load hits 32 banks: M1 [C][D + 4] (rows g, columns t), M2
 // [C][D + 8] and the operands S [D][V + 8], x [C][V + 8] (rows t,
 // columns g).
@@ -210,35 +327,6 @@ struct ScanArgs {
   const float* Sf;
   float* ddec_part;
 };
-
-// a = hi + lo in tf32 (each the 19-bit pattern in a 32-bit register).
-__device__ __forceinline__ void split_tf32(float a, uint32_t& hi, uint32_t& lo) {
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(a));
-  const float r = a - __uint_as_float(hi);
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(r));
-}
-
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4],
-                                         const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// One split-tf32 step: main += hi_a hi_b, small += lo_a hi_b + hi_a lo_b.
-__device__ __forceinline__ void mma_split(float (&main)[4], float (&small)[4], const float (&a)[4],
-                                          const float (&b)[2]) {
-  uint32_t ah[4], al[4], bh[2], bl[2];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) split_tf32(a[e], ah[e], al[e]);
-#pragma unroll
-  for (int e = 0; e < 2; ++e) split_tf32(b[e], bh[e], bl[e]);
-  mma_tf32(small, al, bh);
-  mma_tf32(small, ah, bl);
-  mma_tf32(main, ah, bh);
-}
 
 __device__ __forceinline__ void cp_async16(float* dst, const float* src) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
@@ -320,6 +408,18 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(KdaShape s, ScanArgs
       *reinterpret_cast<float2*>(Ss + k * PV + col) = v;
     }
   }
+  // This thread's part of the state slice into the [D][D] matrix at Sm.
+  auto store_state = [&](float* Sm) {
+#pragma unroll
+    for (int j = 0; j < ST; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int k = srow(j) + g + 8 * h;
+        *reinterpret_cast<float2*>(Sm + k * D + i0 + col) =
+            make_float2(S[j][2 * h], S[j][2 * h + 1]);
+      }
+    }
+  };
   Ahead cur, next;
   if (N > 0) {
     stage(chunk_of(0), 0);
@@ -335,16 +435,15 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(KdaShape s, ScanArgs
       fetch(chunk_of(step + 1), next);
     }
     // The state as this chunk starts.
+    store_state(p.states + z * D * D);
+    if (p.ddec_part) {
 #pragma unroll
-    for (int j = 0; j < ST; ++j) {
+      for (int j = 0; j < ST; ++j) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int k = srow(j) + g + 8 * h;
-        *reinterpret_cast<float2*>(p.states + (z * D + k) * D + i0 + col) =
-            make_float2(S[j][2 * h], S[j][2 * h + 1]);
-        if (p.ddec_part) {
+        for (int h = 0; h < 2; ++h) {
           // The four lanes of a row add their pairs; the butterfly gives
           // every lane the same bits (each add pairs the same operands).
+          const int k = srow(j) + g + 8 * h;
           float v = fmaf(S[j][2 * h], cur.sf[j][h].x, S[j][2 * h + 1] * cur.sf[j][h].y);
           v += __shfl_xor_sync(0xffffffffu, v, 1);
           v += __shfl_xor_sync(0xffffffffu, v, 2);
@@ -413,35 +512,33 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(KdaShape s, ScanArgs
     }
     cur = next;
   }
-#pragma unroll
-  for (int j = 0; j < ST; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int k = srow(j) + g + 8 * h;
-      *reinterpret_cast<float2*>(p.final_state + (bh * D + k) * D + i0 + col) =
-          make_float2(S[j][2 * h], S[j][2 * h + 1]);
-    }
-  }
+  store_state(p.final_state + bh * D * D);
 }
 
 // ---- intra-chunk backward --------------------------------------------------
-// One block per chunk and slice of 32 channels (lane = channel). The pair
-// terms of Aqk and Kp, with P = e^{G_cd - G_jd}, a = dAqk[c, j] (j <= c), m
-// = dKp[c, j] = -beta_c dM[c, j] (j < c):
-//   row c  (the first half of the warps, rows c = w mod 8): dq_c += a k_j P,
-//          dk_c += m k_j P,
-//          dG_c += (a q_c + m k_c) k_j P            summed over j <= c
-//   row j  (the second half): dk_j += (a q_c + m k_c) P,
-//          dG_j -= (a q_c + m k_c) k_j P
-//          summed over c >= j
-// then the terms of qe, ke, dec and R, and dg as the reverse cumulative
-// sum of dG. dbeta's sums over d are written per slice ([slices, Z, C]);
-// the caller adds the slices.
+// One block per chunk and slice of 32 channels. The pair terms of Aqk and
+// Kp, with P = e^{G_cd - G_jd}, a = dAqk[c, j] (j <= c), m = dKp[c, j] =
+// -beta_c dM[c, j] (j < c), give three sums:
+//   Xq_c = sum_{j <= c} a k_j P,  Xk_c = sum_{j < c} m k_j P   (row sums)
+//   Yk_j = sum_{c >= j} (a q_c + m k_c) P                      (column sums)
+// and dq_c += Xq_c, dk_c += Xk_c, dk_j += Yk_j, while the log-decay's
+// gradient takes q_c Xq_c + k_c Xk_c at row c and -k_j Yk_j at row j. As
+// in the forward, the sub-chunk blocks below the diagonal factor P through
+// r, the first row of c's sub-chunk I: Xq, Xk of I's rows are e^{G_c - G_r}
+// times (dAqk or dKp) (k_j e^{G_r - G_j}), and Yk of sub-chunk J's rows
+// collects, for each I > J, e^{G_r - G_j} times (dAqk^T (q_c e^{G_c -
+// G_r}) + dKp^T (k_c e^{G_c - G_r})): products over 16 rows on the tensor
+// cores. The diagonal blocks add their terms in the direct form after. Then
+// the terms of qe, ke, dec and R, and dg as the reverse cumulative sum of
+// the log-decay's gradient. dbeta's sums over d are written per slice
+// ([slices, Z, C]); the caller adds the slices.
 constexpr int kSlice = 32;
 constexpr int kBwdThreads = 512;
+constexpr int kSliceP = kSlice + 8;  // [C][kSlice] rows: B fragments (rows t, columns g) on 8 t + g
+constexpr int kPairP = C + 4;        // dAqk, dKp rows: A fragments (rows g, columns t) on 4 g + t
 
 constexpr size_t intra_backward_smem() {
-  return sizeof(float) * (3 * C * kSlice + 2 * C * C + 5 * C * kSlice + C);
+  return sizeof(float) * (6 * C * kSliceP + 2 * C * kPairP + C);
 }
 
 __global__ void __launch_bounds__(kBwdThreads, 2)
@@ -454,120 +551,204 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
                           float* __restrict__ dq, float* __restrict__ dk,
                           float* __restrict__ dv, float* __restrict__ dg,
                           float* __restrict__ dbeta_part) {
-  constexpr int L = kSlice;
+  constexpr int L = kSlice, PL = kSliceP, PA = kPairP;
   extern __shared__ float smem[];
-  float* Gs = smem;           // [C][L]
-  float* qs = Gs + C * L;
-  float* ks = qs + C * L;
-  float* dA = ks + C * L;     // [C][C]
-  float* dK = dA + C * C;     // [C][C]
-  float* Xq = dK + C * C;     // row-c sums: dq, dk, dG
-  float* Xk = Xq + C * L;
-  float* XG = Xk + C * L;
-  float* Yk = XG + C * L;     // row-j sums: dk, dG
-  float* YG = Yk + C * L;
-  float* bs = YG + C * L;     // [C]
+  float* Gs = smem;           // [C][PL]
+  float* qs = Gs + C * PL;
+  float* ks = qs + C * PL;
+  float* Xq = ks + C * PL;    // row sums
+  float* Xk = Xq + C * PL;    // row sums; then the row's whole log-decay gradient
+  float* Yk = Xk + C * PL;    // column sums; then the ke term of the last row's sum
+  float* dA = Yk + C * PL;    // [C][PA]
+  float* dK = dA + C * PA;    // [C][PA]
+  float* bs = dK + C * PA;    // [C]
+  __shared__ int64_t rows[C];
   const int64_t N = s.chunks(), D = s.D;
   const int64_t z = blockIdx.x, bh = z / N, n = z % N, zc = z * C;
   const int d0 = blockIdx.y * L;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  chunk_rows(s, bh, n, rows);
+  __syncthreads();
 
   for (int x = tid; x < C * L; x += kBwdThreads) {
     const int c = x / L, d = x % L;
-    const int64_t r = row_of(s, bh, n, c, D);
-    Gs[x] = r < 0 ? 0.f : g[r + d0 + d];
-    qs[x] = r < 0 ? 0.f : q[r + d0 + d];
-    ks[x] = r < 0 ? 0.f : k[r + d0 + d];
+    const int64_t r = rows[c] * D;
+    Gs[c * PL + d] = r < 0 ? 0.f : g[r + d0 + d];
+    qs[c * PL + d] = r < 0 ? 0.f : q[r + d0 + d];
+    ks[c * PL + d] = r < 0 ? 0.f : k[r + d0 + d];
   }
-  if (tid < C) {
-    const int64_t r = row_of(s, bh, n, tid, 1);
-    bs[tid] = r < 0 ? 0.f : beta[r];
-  }
+  if (tid < C) bs[tid] = rows[tid] < 0 ? 0.f : beta[rows[tid]];
   __syncthreads();
   for (int x = tid; x < C * C; x += kBwdThreads) {
     const int c = x / C, j = x % C;
-    dA[x] = j <= c ? dAqk[zc * C + x] : 0.f;
-    dK[x] = j < c ? -bs[c] * dM[zc * C + x] : 0.f;
+    dA[c * PA + j] = j <= c ? dAqk[zc * C + x] : 0.f;
+    dK[c * PA + j] = j < c ? -bs[c] * dM[zc * C + x] : 0.f;
   }
   if (tid < L) {
     float acc = 0.f;
     for (int c = 0; c < C; ++c) {
-      acc += Gs[c * L + tid];
-      Gs[c * L + tid] = acc;
+      acc += Gs[c * PL + tid];
+      Gs[c * PL + tid] = acc;
     }
   }
   __syncthreads();
+  // Below the diagonal blocks, a 16 x 8 tile a task: tasks 0..11 the row
+  // sums of sub-chunk I = 1 + task / 4, tasks 12..23 the column sums of
+  // sub-chunk J = (task - 12) / 4, columns 8 (task % 4) .. + 7 of the slice.
+  {
+    const int fg = lane / 4, ft = lane % 4;
+    for (int task = warp; task < 24; task += kBwdThreads / 32) {
+      const int ch0 = 8 * (task % 4);
+      if (task < 12) {
+        const int I = 1 + task / 4, r = kSub * I;
+        float qm[4] = {0.f, 0.f, 0.f, 0.f}, qsm[4] = {0.f, 0.f, 0.f, 0.f};
+        float km[4] = {0.f, 0.f, 0.f, 0.f}, ksm[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int j0 = 0; j0 < r; j0 += 8) {
+          float a[4], m[4], b[2];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int o = (r + fg + 8 * (e & 1)) * PA + j0 + ft + 4 * (e >> 1);
+            a[e] = dA[o];
+            m[e] = dK[o];
+          }
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int o = (j0 + ft + 4 * e) * PL + ch0 + fg;
+            b[e] = ks[o] * expf(Gs[r * PL + ch0 + fg] - Gs[o]);
+          }
+          mma_split(qm, qsm, a, b);
+          mma_split(km, ksm, m, b);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int o = (r + fg + 8 * (e >> 1)) * PL + ch0 + 2 * ft + (e & 1);
+          const float x = expf(Gs[o] - Gs[r * PL + ch0 + 2 * ft + (e & 1)]);
+          Xq[o] = (qm[e] + qsm[e]) * x;
+          Xk[o] = (km[e] + ksm[e]) * x;
+        }
+      } else {
+        const int J = (task - 12) / 4, jr = kSub * J;
+        float tot[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int I = J + 1; I < C / kSub; ++I) {
+          const int r = kSub * I;
+          float pm[4] = {0.f, 0.f, 0.f, 0.f}, psm[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int c0 = r; c0 < r + kSub; c0 += 8) {
+            float a[4], m[4], bq[2], bk[2];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {  // the transposed blocks: row j, column c
+              const int o = (c0 + ft + 4 * (e >> 1)) * PA + jr + fg + 8 * (e & 1);
+              a[e] = dA[o];
+              m[e] = dK[o];
+            }
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int o = (c0 + ft + 4 * e) * PL + ch0 + fg;
+              const float x = expf(Gs[o] - Gs[r * PL + ch0 + fg]);
+              bq[e] = qs[o] * x;
+              bk[e] = ks[o] * x;
+            }
+            mma_split(pm, psm, a, bq);
+            mma_split(pm, psm, m, bk);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int ch = ch0 + 2 * ft + (e & 1), o = (jr + fg + 8 * (e >> 1)) * PL + ch;
+            tot[e] = fmaf(pm[e] + psm[e], expf(Gs[r * PL + ch] - Gs[o]), tot[e]);
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          Yk[(jr + fg + 8 * (e >> 1)) * PL + ch0 + 2 * ft + (e & 1)] = tot[e];
+        }
+      }
+    }
+  }
+  __syncthreads();
+  // The diagonal blocks, lane = channel: warp w adds row w's terms (j <= c
+  // in c's sub-chunk) to Xq, Xk and column w's terms (c >= j in j's
+  // sub-chunk) to Yk. The first sub-chunk's rows and the last one's columns
+  // have nothing from below the diagonal yet.
   const int d = lane;
-  constexpr int kHalf = kBwdThreads / 64;  // warps per role
-  if (warp < kHalf) {
-    for (int c = warp; c < C; c += kHalf) {
-      const float Gc = Gs[c * L + d], qc = qs[c * L + d], kc = ks[c * L + d];
-      float aq = 0.f, ak = 0.f, aG = 0.f;
-#pragma unroll 4
-      for (int j = 0; j <= c; ++j) {
-        const float kj = ks[j * L + d] * expf(Gc - Gs[j * L + d]);
-        const float a = dA[c * C + j], m = dK[c * C + j];
-        aq = fmaf(a, kj, aq);
-        ak = fmaf(m, kj, ak);
-        aG = fmaf(fmaf(a, qc, m * kc), kj, aG);
+  for (int c = warp; c < C; c += kBwdThreads / 32) {
+    const int lo = c & ~(kSub - 1), hi = lo + kSub;
+    {
+      const float Gc = Gs[c * PL + d];
+      float aq = 0.f, ak = 0.f;
+      for (int j = lo; j <= c; ++j) {
+        const float kj = ks[j * PL + d] * expf(Gc - Gs[j * PL + d]);
+        aq = fmaf(dA[c * PA + j], kj, aq);
+        ak = fmaf(dK[c * PA + j], kj, ak);
       }
-      Xq[c * L + d] = aq;
-      Xk[c * L + d] = ak;
-      XG[c * L + d] = aG;
+      const bool below = c >= kSub;
+      Xq[c * PL + d] = (below ? Xq[c * PL + d] : 0.f) + aq;
+      Xk[c * PL + d] = (below ? Xk[c * PL + d] : 0.f) + ak;
     }
-  } else {
-    for (int j = warp - kHalf; j < C; j += kHalf) {
-      const float Gj = Gs[j * L + d], kj = ks[j * L + d];
-      float bk = 0.f, bG = 0.f;
-#pragma unroll 4
-      for (int c = j; c < C; ++c) {
-        const float P = expf(Gs[c * L + d] - Gj);
-        const float t = fmaf(dA[c * C + j], qs[c * L + d], dK[c * C + j] * ks[c * L + d]) * P;
-        bk += t;
-        bG = fmaf(t, kj, bG);
+    {
+      const int j = c;
+      const float Gj = Gs[j * PL + d];
+      float bk = 0.f;
+      for (int cc = j; cc < hi; ++cc) {
+        const float P = expf(Gs[cc * PL + d] - Gj);
+        bk = fmaf(fmaf(dA[cc * PA + j], qs[cc * PL + d], dK[cc * PA + j] * ks[cc * PL + d]), P,
+                  bk);
       }
-      Yk[j * L + d] = bk;
-      YG[j * L + d] = bG;
+      const bool above = j < C - kSub;
+      Yk[j * PL + d] = (above ? Yk[j * PL + d] : 0.f) + bk;
     }
   }
   __syncthreads();
-  // The row-local terms. XG becomes the row's whole dG but for the last
-  // row's sum over the chunk; YG then holds dke k e^{G_L - G}, which the
-  // reverse cumulative sum below adds into the last row.
+  // The row-local terms. Xk becomes the row's whole log-decay gradient but
+  // for the last row's sum over the chunk; Yk then holds dke k e^{G_L - G},
+  // which the reverse cumulative sum below adds into the last row.
   for (int x = tid; x < C * L; x += kBwdThreads) {
-    const int c = x / L, dd = x % L;
-    const float G = Gs[x], GL = Gs[(C - 1) * L + dd];
+    const int c = x / L, dd = x % L, o = c * PL + dd;
+    const float G = Gs[o], GL = Gs[(C - 1) * PL + dd];
     const float eG = expf(G), eL = expf(GL - G);
-    const int64_t o = (zc + c) * D + d0 + dd;
-    const float gqe = dqe[o], gke = dke[o];
+    const int64_t oz = (zc + c) * D + d0 + dd;
+    const float gqe = dqe[oz], gke = dke[oz];
     const float gRk = dR[(zc + c) * 2 * D + d0 + dd];
-    const float kk = ks[x], b = bs[c];
+    const float qq = qs[o], kk = ks[o], b = bs[c];
+    const float xq = Xq[o], xk = Xk[o], yk = Yk[o];
     const float kdec = gke * kk * eL;
-    XG[x] = XG[x] - YG[x] + gqe * qs[x] * eG - kdec + b * eG * kk * gRk;
-    YG[x] = kdec;
-    const int64_t r = row_of(s, bh, n, c, D);
+    Xk[o] = fmaf(qq, xq, kk * xk) - kk * yk + gqe * qq * eG - kdec + b * eG * kk * gRk;
+    Yk[o] = kdec;
+    const int64_t r = rows[c] * D;
     if (r >= 0) {
-      dq[r + d0 + dd] = Xq[x] + gqe * eG;
-      dk[r + d0 + dd] = Xk[x] + Yk[x] + gke * eL + b * eG * gRk;
+      dq[r + d0 + dd] = xq + gqe * eG;
+      dk[r + d0 + dd] = xk + yk + gke * eL + b * eG * gRk;
       dv[r + d0 + dd] = b * dR[(zc + c) * 2 * D + D + d0 + dd];
     }
   }
   __syncthreads();
-  if (warp == 0) {
-    float acc = ddec[z * D + d0 + d] * expf(Gs[(C - 1) * L + d]);
-    for (int c = 0; c < C; ++c) acc += YG[c * L + d];
-    for (int c = C - 1; c >= 0; --c) {
-      acc += XG[c * L + d];
-      const int64_t r = row_of(s, bh, n, c, D);
-      if (r >= 0) dg[r + d0 + d] = acc;
+  // dg_c = ddec e^{G_L} + sum_c' kdec_c' + sum_{c' >= c} (Xk)_c', in
+  // segments of four rows: warp w sums its rows 4 w .. 4 w + 3 (into the
+  // free dA, dK), then runs its rows from the later segments' sum.
+  static_assert(C == 4 * (kBwdThreads / 32), "a segment of four rows a warp");
+  {
+    const int c0 = 4 * warp;
+    float sx = 0.f, sy = 0.f;
+    for (int c = c0; c < c0 + 4; ++c) {
+      sx += Xk[c * PL + d];
+      sy += Yk[c * PL + d];
+    }
+    dA[warp * PA + d] = sx;
+    dK[warp * PA + d] = sy;
+    __syncthreads();
+    float acc = ddec[z * D + d0 + d] * expf(Gs[(C - 1) * PL + d]);
+    for (int w = 0; w < C / 4; ++w) acc += dK[w * PA + d];
+    for (int w = C / 4 - 1; w > warp; --w) acc += dA[w * PA + d];
+    for (int c = c0 + 3; c >= c0; --c) {
+      acc += Xk[c * PL + d];
+      if (rows[c] >= 0) dg[rows[c] * D + d0 + d] = acc;
     }
   }
   // dbeta over this slice's channels, one warp a row: the R terms, and
   // (slice 0 only) -sum_j dM[c, j] Kp[c, j].
   for (int c = warp; c < C; c += kBwdThreads / 32) {
-    const float G = Gs[c * L + lane];
-    float acc = dR[(zc + c) * 2 * D + d0 + lane] * expf(G) * ks[c * L + lane];
-    const int64_t r = row_of(s, bh, n, c, D);
+    const float G = Gs[c * PL + lane];
+    float acc = dR[(zc + c) * 2 * D + d0 + lane] * expf(G) * ks[c * PL + lane];
+    const int64_t r = rows[c] * D;
     acc = fmaf(dR[(zc + c) * 2 * D + D + d0 + lane], r < 0 ? 0.f : v[r + d0 + lane], acc);
     if (blockIdx.y == 0) {
       for (int j = lane; j < c; j += 32) acc -= dM[(zc + c) * C + j] * Kp[(zc + c) * C + j];

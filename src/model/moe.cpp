@@ -123,7 +123,7 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   if (ops::grouped_experts_run(xf, opts_.hidden_dim, kernel_options_)) {
     // Grouped GEMMs over padded expert groups (Note [MoE dispatch into
     // padded groups], ops/moe.h): no host sync.
-    auto d = ops::dispatch_experts(idx, E);
+    auto d = ops::dispatch_experts(idx, E, kernel_options_);
     count_tokens(d.counts);
     auto xs = at::zeros({d.rows, D}, xf.options()).index_copy(0, d.pos, slots);
     auto ys = ops::grouped_swiglu_experts(xs, d.offs, experts->w1, experts->w2, experts->w3);

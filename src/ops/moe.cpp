@@ -68,14 +68,15 @@ bool grouped_experts_run(const at::Tensor& x, int64_t hidden, const KernelOption
          x.size(-1) % 8 == 0 && hidden % 8 == 0;
 }
 
-ExpertDispatch dispatch_experts(const at::Tensor& idx, int64_t n_experts) {
+ExpertDispatch dispatch_experts(const at::Tensor& idx, int64_t n_experts,
+                                const KernelOptions& opts) {
   torch::NoGradGuard no_grad;
   const int64_t A = kExpertAlign;
   auto flat = idx.reshape({-1});
   const int64_t S = flat.size(0);
   ExpertDispatch d;
   d.rows = S + A * n_experts;
-  if (kernels::moe_dispatch_usable(flat, n_experts)) {
+  if (opts.fused && kernels::moe_dispatch_usable(flat, n_experts)) {
     // Two kernels (a count pass, a placement pass) instead of the chain
     // below: the same rows.
     std::tie(d.pos, d.offs, d.counts) = kernels::moe_dispatch(flat, n_experts, A);

@@ -36,10 +36,11 @@ struct ExpertDispatch {
   at::Tensor counts;  // [E] int64: slots per expert
   int64_t rows = 0;   // the buffer's rows
 };
-// idx: [N, K] expert ids (int64) of N tokens. On a GPU two kernels
-// (kernels/moe_route.h) place the slots; elsewhere a stable sort by expert
-// and its counts do; the same rows.
-ExpertDispatch dispatch_experts(const at::Tensor& idx, int64_t n_experts);
+// idx: [N, K] expert ids (int64) of N tokens. Under the kernel options on a
+// GPU two kernels (kernels/moe_route.h) place the slots; elsewhere a stable
+// sort by expert and its counts do; the same rows.
+ExpertDispatch dispatch_experts(const at::Tensor& idx, int64_t n_experts,
+                                const KernelOptions& opts);
 
 // The k experts of the largest scores + bias in each row of scores [N, E],
 // largest first, equal sums to the lower expert id (what a stable

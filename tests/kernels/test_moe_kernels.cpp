@@ -88,8 +88,11 @@ TEST(MoeRouting, DispatchKernelsPlaceAsTheSortForm) {
       SCOPED_TRACE("S " + std::to_string(S) + " E " + std::to_string(E));
       auto ids = at::randint(0, E, {S}, at::kLong);
       if (E > 2) ids.masked_fill_(ids == 1, 0);
-      auto ref = ops::dispatch_experts(ids, E);  // on the CPU: the sort form
-      auto got = ops::dispatch_experts(ids.to(at::kCUDA), E);
+      auto ref = ops::dispatch_experts(ids, E, {});  // on the CPU: the sort form
+      auto got = ops::dispatch_experts(ids.to(at::kCUDA), E, {});
+      // The sort form on the GPU too, where the options turn the kernels off.
+      auto sorted = ops::dispatch_experts(ids.to(at::kCUDA), E, {.fused = false});
+      EXPECT_EQ(longs(sorted.pos), longs(ref.pos));
       ASSERT_TRUE(got.pos.is_cuda());
       EXPECT_EQ(got.rows, ref.rows);
       EXPECT_EQ(longs(got.counts), longs(ref.counts));

@@ -116,7 +116,7 @@ TEST(MoeDispatch, GroupsArePaddedAndInSlotOrder) {
   const int64_t A = ops::kExpertAlign;
   // Tokens' choices: [3, 0], [3, 1], [0, 3]; expert 2 gets none.
   auto idx = at::tensor(std::vector<int64_t>{3, 0, 3, 1, 0, 3}).view({3, 2});
-  auto d = ops::dispatch_experts(idx, 4);
+  auto d = ops::dispatch_experts(idx, 4, {});
   auto vec = [](const at::Tensor& t) {
     auto c = t.to(at::kLong).contiguous();
     return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
@@ -127,7 +127,7 @@ TEST(MoeDispatch, GroupsArePaddedAndInSlotOrder) {
   EXPECT_EQ(d.rows, 6 + 4 * A);
   // A group longer than the alignment is rounded up to its next multiple.
   auto many = at::zeros({A + 1, 1}, at::kLong);
-  auto m = ops::dispatch_experts(many, 2);
+  auto m = ops::dispatch_experts(many, 2, {});
   EXPECT_EQ(vec(m.offs), (std::vector<int64_t>{2 * A, 3 * A}));
   EXPECT_EQ(vec(m.pos).back(), A);
 }
