@@ -68,6 +68,101 @@ __device__ __forceinline__ void mma_split(float (&main)[4], float (&small)[4], c
   mma_tf32(main, ah, bh);
 }
 
+// ---- the products over the chunks -------------------------------------------
+// A block computes a 64 x 64 tile of one C_z, four warps of 32 x 32 (two
+// m16 by four n8 fragments), over K in steps of 32 staged in shared memory:
+// A as [m][k] rows of 36 (a fragments (g, t) on 4 g + t), B as [k][n] rows
+// of 72 (b fragments (t, g) on 8 t + g). The global reads follow whichever
+// index is contiguous. Each fragment is split once and serves all of the
+// warp's products.
+constexpr int kGemmM = 64, kGemmN = 64, kGemmK = 32, kGemmThreads = 128;
+
+template <bool AT, bool BT>  // AT: A contiguous along m; BT: B contiguous along k
+__global__ void __launch_bounds__(kGemmThreads) gemm_kernel(KdaGemm p) {
+  __shared__ float As[kGemmM][kGemmK + 4];
+  __shared__ float Bs[kGemmK][kGemmN + 8];
+  const int64_t z = blockIdx.z;
+  const int64_t m0 = blockIdx.y * kGemmM, n0 = blockIdx.x * kGemmN;
+  const float* A = p.A + z * p.a_batch;
+  const float* B = p.B + z * p.b_batch;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
+  float acc[2][4][4] = {}, small[2][4][4] = {};
+  for (int64_t k0 = 0; k0 < p.K; k0 += kGemmK) {
+#pragma unroll
+    for (int i = 0; i < kGemmM * kGemmK / kGemmThreads; ++i) {
+      if (AT) {
+        const int m = tid % kGemmM, k = tid / kGemmM + 2 * i;
+        As[m][k] = A[(m0 + m) + (k0 + k) * p.a_col];
+      } else {
+        const int k = tid % kGemmK, m = tid / kGemmK + 4 * i;
+        As[m][k] = A[(m0 + m) * p.a_row + k0 + k];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kGemmK * kGemmN / kGemmThreads; ++i) {
+      if (BT) {
+        const int k = tid % kGemmK, n = tid / kGemmK + 4 * i;
+        Bs[k][n] = B[(k0 + k) + (n0 + n) * p.b_col];
+      } else {
+        const int n = tid % kGemmN, k = tid / kGemmN + 2 * i;
+        Bs[k][n] = B[(k0 + k) * p.b_row + n0 + n];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kGemmK; kk += 8) {
+      uint32_t ah[2][4], al[2][4], bh[4][2], bl[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          split_tf32(As[wm + 16 * mi + g + 8 * (e & 1)][kk + t + 4 * (e >> 1)], ah[mi][e],
+                     al[mi][e]);
+        }
+      }
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          split_tf32(Bs[kk + t + 4 * e][wn + 8 * ni + g], bh[ni][e], bl[ni][e]);
+        }
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+          mma_tf32(small[mi][ni], al[mi], bh[ni]);
+          mma_tf32(small[mi][ni], ah[mi], bl[ni]);
+          mma_tf32(acc[mi][ni], ah[mi], bh[ni]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  float* Cz = p.C + z * p.c_batch;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t m = m0 + wm + 16 * mi + g + 8 * h, n = n0 + wn + 8 * ni + 2 * t;
+        float2* out = reinterpret_cast<float2*>(Cz + m * p.c_row + n);
+        float2 v = make_float2(p.alpha * (acc[mi][ni][2 * h] + small[mi][ni][2 * h]),
+                               p.alpha * (acc[mi][ni][2 * h + 1] + small[mi][ni][2 * h + 1]));
+        if (p.beta != 0.f) {
+          const float2 old = *out;
+          v.x = fmaf(p.beta, old.x, v.x);
+          v.y = fmaf(p.beta, old.y, v.y);
+        }
+        *out = v;
+      }
+    }
+  }
+}
+
 // ---- intra-chunk forward ---------------------------------------------------
 // One block per chunk. Shared: G, q, k as [C][D + 4] (the mma fragments'
 // rows g and columns t land on 4 g + t: 32 banks), Aqk, Kp, Tm as
@@ -451,22 +546,30 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(KdaShape s, ScanArgs
         }
       }
     }
-    // x = A + s1 M1 S: this warp's 16 x 8 tile, summed over D in steps of 8.
+    // x = A + s1 M1 S: this warp's 16 x 8 tile, summed over D in steps of 8,
+    // the two halves of D in accumulators of their own (two independent mma
+    // chains half as long), added last.
     {
       const float* M1b = M1s + b * L::m1 + xrow * P1;
-      float main[4] = {0.f, 0.f, 0.f, 0.f}, small[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-      for (int k0 = 0; k0 < D; k0 += 8) {
-        const float a[4] = {M1b[g * P1 + k0 + t], M1b[(g + 8) * P1 + k0 + t],
-                            M1b[g * P1 + k0 + t + 4], M1b[(g + 8) * P1 + k0 + t + 4]};
-        const float bb[2] = {Ss[(k0 + t) * PV + nt * 8 + g], Ss[(k0 + t + 4) * PV + nt * 8 + g]};
-        mma_split(main, small, a, bb);
+      float main[2][4] = {}, small[2][4] = {};
+#pragma unroll 2
+      for (int k = 0; k < D / 2; k += 8) {
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int k0 = k + u * D / 2;
+          const float a[4] = {M1b[g * P1 + k0 + t], M1b[(g + 8) * P1 + k0 + t],
+                              M1b[g * P1 + k0 + t + 4], M1b[(g + 8) * P1 + k0 + t + 4]};
+          const float bb[2] = {Ss[(k0 + t) * PV + nt * 8 + g],
+                               Ss[(k0 + t + 4) * PV + nt * 8 + g]};
+          mma_split(main[u], small[u], a, bb);
+        }
       }
+      auto sum = [&](int e) { return (main[0][e] + main[1][e]) + (small[0][e] + small[1][e]); };
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int c = xrow + g + 8 * h;
-        const float2 v = make_float2(cur.a[h].x + p.s1 * (main[2 * h] + small[2 * h]),
-                                     cur.a[h].y + p.s1 * (main[2 * h + 1] + small[2 * h + 1]));
+        const float2 v = make_float2(cur.a[h].x + p.s1 * sum(2 * h),
+                                     cur.a[h].y + p.s1 * sum(2 * h + 1));
         *reinterpret_cast<float2*>(xs + c * PV + col) = v;
         *reinterpret_cast<float2*>(p.x + (zc + c) * p.x_stride + i0 + col) = v;
       }
@@ -821,6 +924,22 @@ cudaError_t kda_scan_backward(const KdaShape& s, const float* WU, const float* k
                      {X, D, ke, D, WU, 2 * D, dec, Y, dSN, 1.f, -1.f, true, dvnew, dvnew_stride,
                       dstates, dS0, states, ddec_part},
                      stream);
+}
+
+cudaError_t kda_gemm(const KdaGemm& g, cudaStream_t stream) {
+  if (g.batch == 0) return cudaSuccess;
+  const bool at = g.a_row == 1, bt = g.b_row == 1;
+  if (g.M % kGemmM || g.N % kGemmN || g.K % kGemmK || g.c_row % 2 || (!at && g.a_col != 1) ||
+      (!bt && g.b_col != 1) || (g.beta != 0.f && g.beta != 1.f)) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(static_cast<unsigned>(g.N / kGemmN), static_cast<unsigned>(g.M / kGemmM),
+                  static_cast<unsigned>(g.batch));
+  if (at && bt) gemm_kernel<true, true><<<grid, kGemmThreads, 0, stream>>>(g);
+  if (at && !bt) gemm_kernel<true, false><<<grid, kGemmThreads, 0, stream>>>(g);
+  if (!at && bt) gemm_kernel<false, true><<<grid, kGemmThreads, 0, stream>>>(g);
+  if (!at && !bt) gemm_kernel<false, false><<<grid, kGemmThreads, 0, stream>>>(g);
+  return cudaGetLastError();
 }
 
 int64_t kda_beta_slices(int64_t head_dim) { return head_dim / kSlice; }

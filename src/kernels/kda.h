@@ -77,6 +77,25 @@ cudaError_t kda_scan_backward(const KdaShape& s, const float* WU, const float* k
                               const float* states, float* dvnew, int64_t dvnew_stride,
                               float* dstates, float* dS0, float* ddec_part, cudaStream_t stream);
 
+// The products over the chunks, C_z = alpha A_z B_z + beta C_z for every z
+// of a batch, in fp32 on the tensor cores (split-tf32: three tf32 products
+// a term, about fp32's accuracy; a fixed summation order, so bitwise run to
+// run). Element (m, k) of A_z is at A + z a_batch + m a_row + k a_col, and
+// one of a_row, a_col is 1 (A or its transpose contiguous); the same for B
+// (k, n); C_z is row-major with row stride c_row. M and N multiples of 64,
+// K of 32; beta 0 or 1 (0: C is not read).
+struct KdaGemm {
+  int64_t batch = 0, M = 0, N = 0, K = 0;
+  const float* A = nullptr;
+  int64_t a_batch = 0, a_row = 0, a_col = 0;
+  const float* B = nullptr;
+  int64_t b_batch = 0, b_row = 0, b_col = 0;
+  float* C = nullptr;
+  int64_t c_batch = 0, c_row = 0;
+  float alpha = 1.f, beta = 0.f;
+};
+cudaError_t kda_gemm(const KdaGemm& g, cudaStream_t stream);
+
 // The intra-chunk backward. Inputs: the forward's q, k, v, g, beta and Kp;
 // dAqk [Z, C, C] (read on and below the diagonal), dM [Z, C, C] = dR [W|U]^T
 // (the gradient of I + diag(beta) Kp is -dM, read below the diagonal), dR

@@ -1,7 +1,8 @@
 // The chunked gated delta rule on viaduct's kernels, as one autograd node
 // (CUDA build). The kernels (kernels/kda.cu) do the per-chunk work no GEMM
 // does and the serial state passes; the products that are batched GEMMs
-// over the chunks run here through cuBLAS (at::bmm, fp32):
+// over the chunks run here through cuda::kda_gemm (fp32 accuracy on the
+// tensor cores):
 //   forward:  [W | U] = Tm R, o = qe S + Aqk v'
 //   backward: X = Aqk^T do, Y = qe^T do (into the state pass), dqe = do S^T,
 //             dke = v' dS^T, dAqk = do v'^T, d[W | U] = [-dv' S^T | dv'],
@@ -41,6 +42,38 @@ at::Tensor from_chunks(const at::Tensor& x, const cuda::KdaShape& s) {
   return x.view({s.B, s.H, N * C, s.D}).narrow(2, 0, s.T).transpose(1, 2).contiguous();
 }
 
+// out = alpha a b + beta out for each chunk z: a [Z, M, K] and b [Z, K, N]
+// fp32 views with a unit stride in one of their last two dims (a tensor or
+// its transpose), out [Z, M, N] with contiguous rows.
+void chunk_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, float alpha,
+                float beta, cudaStream_t stream) {
+  cuda::KdaGemm g;
+  g.batch = a.size(0);
+  g.M = a.size(1);
+  g.K = a.size(2);
+  g.N = b.size(2);
+  g.A = ptr(a);
+  g.a_batch = a.stride(0);
+  g.a_row = a.stride(1);
+  g.a_col = a.stride(2);
+  g.B = ptr(b);
+  g.b_batch = b.stride(0);
+  g.b_row = b.stride(1);
+  g.b_col = b.stride(2);
+  g.C = mut(out);
+  g.c_batch = out.stride(0);
+  g.c_row = out.stride(1);
+  g.alpha = alpha;
+  g.beta = beta;
+  check_launch(cuda::kda_gemm(g, stream), "kda_gemm");
+}
+
+at::Tensor chunk_mm(const at::Tensor& a, const at::Tensor& b, cudaStream_t stream) {
+  auto out = at::empty({a.size(0), a.size(1), b.size(2)}, a.options());
+  chunk_gemm(out, a, b, 1.f, 0.f, stream);
+  return out;
+}
+
 class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
  public:
   // S0: [B, H, D, D], or a 0-size stand-in for a zero state (custom
@@ -64,7 +97,7 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
                                          mut(Kp), mut(Tm), mut(R), mut(qe), mut(ke), mut(dec),
                                          stream),
                  "kda_intra_forward");
-    auto WU = at::bmm(Tm, R);
+    auto WU = chunk_mm(Tm, R, stream);
     R.reset();
     auto vnew = at::empty({Z, C, D}, opt);
     auto states = at::empty({Z, D, D}, opt);
@@ -72,8 +105,8 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     check_launch(cuda::kda_scan_forward(s, ptr(WU), ptr(ke), ptr(dec), ptr(S0), mut(vnew),
                                         mut(states), mut(final_state), stream),
                  "kda_scan_forward");
-    auto o_z = at::bmm(qe, states);
-    o_z.baddbmm_(Aqk, vnew);
+    auto o_z = chunk_mm(qe, states, stream);
+    chunk_gemm(o_z, Aqk, vnew, 1.f, 1.f, stream);
     auto o = from_chunks(o_z, s);
     ctx->save_for_backward({q, k, v, g, beta, Kp, Tm, WU, qe, ke, dec, Aqk, vnew, states});
     ctx->saved_data["has_S0"] = S0.defined();
@@ -98,8 +131,8 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     auto ddec_part = at::empty({Z, D, cuda::kda_ddec_parts(D)}, opt);
     const auto stream = stream_of(q);
     auto do_z = to_chunks(dO, s);
-    auto X = at::bmm(Aqk.transpose(1, 2), do_z);
-    auto Y = at::bmm(qe.transpose(1, 2), do_z);
+    auto X = chunk_mm(Aqk.transpose(1, 2), do_z, stream);
+    auto Y = chunk_mm(qe.transpose(1, 2), do_z, stream);
     check_launch(cuda::kda_scan_backward(s, ptr(WU), ptr(ke), ptr(dec), ptr(X), ptr(Y), ptr(dSN),
                                          ptr(states), mut(dWU) + D, 2 * D, mut(dstates), mut(dS0),
                                          mut(ddec_part), stream),
@@ -108,14 +141,14 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     Y.reset();
     auto St = states.transpose(1, 2);
     auto dvnew = dWU.narrow(-1, D, D);
-    auto dqe = at::bmm(do_z, St);
-    auto dke = at::bmm(vnew, dstates.transpose(1, 2));
-    auto dAqk = at::bmm(do_z, vnew.transpose(1, 2));
+    auto dqe = chunk_mm(do_z, St, stream);
+    auto dke = chunk_mm(vnew, dstates.transpose(1, 2), stream);
+    auto dAqk = chunk_mm(do_z, vnew.transpose(1, 2), stream);
     auto ddec = ddec_part.sum(-1);
     auto dW = dWU.narrow(-1, 0, D);
-    at::baddbmm_out(dW, dW, dvnew, St, /*beta=*/0, /*alpha=*/-1);  // beta 0: dW's old values unread
-    auto dR = at::bmm(Tm.transpose(1, 2), dWU);
-    auto dM = at::bmm(dR, WU.transpose(1, 2));
+    chunk_gemm(dW, dvnew, St, -1.f, 0.f, stream);
+    auto dR = chunk_mm(Tm.transpose(1, 2), dWU, stream);
+    auto dM = chunk_mm(dR, WU.transpose(1, 2), stream);
     auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
     auto dg = at::empty_like(g);
     auto dbeta_part = at::empty({cuda::kda_beta_slices(D), Z, C}, opt);
