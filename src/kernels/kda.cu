@@ -1,10 +1,8 @@
 // KDA chunked gated delta rule: the intra-chunk transform, the serial scan
-// over chunks and the backward of each (see kernels/kda.h for the terms).
-// The products that are plain batched GEMMs over the chunks (Tm R, and the
-// backward's S, dS and v' products) are left to the caller's cuBLAS calls;
-// what is here is the work no GEMM does: the pairwise products with a
-// per-channel decay inside each exponent, the triangular inverse, and the
-// sequential state passes.
+// over chunks and the backward of each (see kernels/kda.h for the terms),
+// and the batched products over the chunks the caller runs between them
+// (Tm R, and the backward's S, dS and v' products: kda_gemm). Every product
+// runs on the tensor cores in split-tf32 (fp32 accuracy).
 #include "kernels/kda.h"
 
 #include <cuda_runtime.h>

@@ -14,6 +14,7 @@
 
 
 #include "kernels/fused.h"
+#include "kernels/kda.h"
 #include "model/kda.h"
 #include "ops/kda.h"
 #include "common/cuda_test.h"
@@ -179,6 +180,57 @@ TEST(KdaKernelsState, RunToRunBitwise) {
   auto b = run(in, gpu, at::kFloat, dO, kernel_o);
   EXPECT_TRUE(at::equal(a.o, b.o));
   for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_TRUE(at::equal(a.grads[i], b.grads[i])) << kNames[i];
+}
+
+// The batched products over the chunks (cuda::kda_gemm) against fp64 for
+// each layout of A and B (a tensor or its transpose), with alpha -1, beta 1
+// and an output whose rows are wider than the product (a column range of a
+// larger tensor, as the backward writes dW). Bound 1e-6 relative: split-tf32
+// keeps about fp32's accuracy where one tf32 product would miss by ~1e-3.
+TEST(KdaGemm, MatchesFp64ForEveryLayout) {
+  REQUIRE_GPU();
+  fresh_seed();
+  const int64_t Z = 3, M = 128, N = 64, K = 96;
+  const auto f32 = at::TensorOptions(at::kCUDA).dtype(at::kFloat);
+  for (const bool at_ : {false, true}) {
+    for (const bool bt : {false, true}) {
+      SCOPED_TRACE(std::string("A ") + (at_ ? "transposed" : "plain") + ", B " +
+                   (bt ? "transposed" : "plain"));
+      auto a = at_ ? at::randn({Z, K, M}, f32).transpose(1, 2) : at::randn({Z, M, K}, f32);
+      auto b = bt ? at::randn({Z, N, K}, f32).transpose(1, 2) : at::randn({Z, K, N}, f32);
+      auto wide = at::randn({Z, M, N + 64}, f32);
+      auto c = wide.narrow(2, 32, N);
+      auto want = c.to(at::kDouble) - at::bmm(a.to(at::kDouble), b.to(at::kDouble));
+      const auto before = wide.clone();
+      cuda::KdaGemm g;
+      g.batch = Z;
+      g.M = M;
+      g.N = N;
+      g.K = K;
+      g.A = a.data_ptr<float>();
+      g.a_batch = a.stride(0);
+      g.a_row = a.stride(1);
+      g.a_col = a.stride(2);
+      g.B = b.data_ptr<float>();
+      g.b_batch = b.stride(0);
+      g.b_row = b.stride(1);
+      g.b_col = b.stride(2);
+      g.C = c.data_ptr<float>();
+      g.c_batch = c.stride(0);
+      g.c_row = c.stride(1);
+      g.alpha = -1.f;
+      g.beta = 1.f;
+      ASSERT_EQ(cuda::kda_gemm(g, nullptr), cudaSuccess);
+      EXPECT_LT(rel_err(c.to(at::kDouble).cpu(), want.cpu()), 1e-6);
+      // The columns either side of the product are untouched.
+      EXPECT_TRUE(at::equal(wide.narrow(2, 0, 32), before.narrow(2, 0, 32)));
+      EXPECT_TRUE(at::equal(wide.narrow(2, 32 + N, 32), before.narrow(2, 32 + N, 32)));
+    }
+  }
+  cuda::KdaGemm bad;
+  bad.batch = 1;
+  bad.M = 48;  // not a multiple of the tile
+  EXPECT_EQ(cuda::kda_gemm(bad, nullptr), cudaErrorInvalidValue);
 }
 
 // Decays far stronger than the layer's law stay finite and match fp64.
