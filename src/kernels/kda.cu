@@ -81,8 +81,8 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_kernel(KdaGemm p) {
   __shared__ float Bs[kGemmK][kGemmN + 8];
   const int64_t z = blockIdx.z;
   const int64_t m0 = blockIdx.y * kGemmM, n0 = blockIdx.x * kGemmN;
-  const float* A = p.A + z * p.a_batch;
-  const float* B = p.B + z * p.b_batch;
+  const float* A = p.A.data + z * p.A.batch;
+  const float* B = p.B.data + z * p.B.batch;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
@@ -92,20 +92,20 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_kernel(KdaGemm p) {
     for (int i = 0; i < kGemmM * kGemmK / kGemmThreads; ++i) {
       if (AT) {
         const int m = tid % kGemmM, k = tid / kGemmM + 2 * i;
-        As[m][k] = A[(m0 + m) + (k0 + k) * p.a_col];
+        As[m][k] = A[(m0 + m) + (k0 + k) * p.A.col];
       } else {
         const int k = tid % kGemmK, m = tid / kGemmK + 4 * i;
-        As[m][k] = A[(m0 + m) * p.a_row + k0 + k];
+        As[m][k] = A[(m0 + m) * p.A.row + k0 + k];
       }
     }
 #pragma unroll
     for (int i = 0; i < kGemmK * kGemmN / kGemmThreads; ++i) {
       if (BT) {
         const int k = tid % kGemmK, n = tid / kGemmK + 4 * i;
-        Bs[k][n] = B[(k0 + k) + (n0 + n) * p.b_col];
+        Bs[k][n] = B[(k0 + k) + (n0 + n) * p.B.col];
       } else {
         const int n = tid % kGemmN, k = tid / kGemmN + 2 * i;
-        Bs[k][n] = B[(k0 + k) * p.b_row + n0 + n];
+        Bs[k][n] = B[(k0 + k) * p.B.row + n0 + n];
       }
     }
     __syncthreads();
@@ -926,9 +926,9 @@ cudaError_t kda_scan_backward(const KdaShape& s, const float* WU, const float* k
 
 cudaError_t kda_gemm(const KdaGemm& g, cudaStream_t stream) {
   if (g.batch == 0) return cudaSuccess;
-  const bool at = g.a_row == 1, bt = g.b_row == 1;
-  if (g.M % kGemmM || g.N % kGemmN || g.K % kGemmK || g.c_row % 2 || (!at && g.a_col != 1) ||
-      (!bt && g.b_col != 1) || (g.beta != 0.f && g.beta != 1.f)) {
+  const bool at = g.A.row == 1, bt = g.B.row == 1;
+  if (g.M % kGemmM || g.N % kGemmN || g.K % kGemmK || g.c_row % 2 || (!at && g.A.col != 1) ||
+      (!bt && g.B.col != 1) || (g.beta != 0.f && g.beta != 1.f)) {
     return cudaErrorInvalidValue;
   }
   const dim3 grid(static_cast<unsigned>(g.N / kGemmN), static_cast<unsigned>(g.M / kGemmM),

@@ -80,16 +80,17 @@ cudaError_t kda_scan_backward(const KdaShape& s, const float* WU, const float* k
 // The products over the chunks, C_z = alpha A_z B_z + beta C_z for every z
 // of a batch, in fp32 on the tensor cores (split-tf32: three tf32 products
 // a term, about fp32's accuracy; a fixed summation order, so bitwise run to
-// run). Element (m, k) of A_z is at A + z a_batch + m a_row + k a_col, and
-// one of a_row, a_col is 1 (A or its transpose contiguous); the same for B
-// (k, n); C_z is row-major with row stride c_row. M and N multiples of 64,
-// K of 32; beta 0 or 1 (0: C is not read).
+// run). Element (i, j) of an operand's matrix z is at data + z batch + i row
+// + j col, and one of row, col is 1 (the matrix or its transpose
+// contiguous); A is (m, k), B is (k, n). C_z is row-major with row stride
+// c_row. M and N multiples of 64, K of 32; beta 0 or 1 (0: C is not read).
+struct KdaOperand {
+  const float* data = nullptr;
+  int64_t batch = 0, row = 0, col = 0;
+};
 struct KdaGemm {
   int64_t batch = 0, M = 0, N = 0, K = 0;
-  const float* A = nullptr;
-  int64_t a_batch = 0, a_row = 0, a_col = 0;
-  const float* B = nullptr;
-  int64_t b_batch = 0, b_row = 0, b_col = 0;
+  KdaOperand A, B;
   float* C = nullptr;
   int64_t c_batch = 0, c_row = 0;
   float alpha = 1.f, beta = 0.f;

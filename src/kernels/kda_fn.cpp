@@ -42,6 +42,11 @@ at::Tensor from_chunks(const at::Tensor& x, const cuda::KdaShape& s) {
   return x.view({s.B, s.H, N * C, s.D}).narrow(2, 0, s.T).transpose(1, 2).contiguous();
 }
 
+// An fp32 [Z, rows, cols] view as a kda_gemm operand.
+cuda::KdaOperand operand(const at::Tensor& x) {
+  return {ptr(x), x.stride(0), x.stride(1), x.stride(2)};
+}
+
 // out = alpha a b + beta out for each chunk z: a [Z, M, K] and b [Z, K, N]
 // fp32 views with a unit stride in one of their last two dims (a tensor or
 // its transpose), out [Z, M, N] with contiguous rows.
@@ -52,14 +57,8 @@ void chunk_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, float
   g.M = a.size(1);
   g.K = a.size(2);
   g.N = b.size(2);
-  g.A = ptr(a);
-  g.a_batch = a.stride(0);
-  g.a_row = a.stride(1);
-  g.a_col = a.stride(2);
-  g.B = ptr(b);
-  g.b_batch = b.stride(0);
-  g.b_row = b.stride(1);
-  g.b_col = b.stride(2);
+  g.A = operand(a);
+  g.B = operand(b);
   g.C = mut(out);
   g.c_batch = out.stride(0);
   g.c_row = out.stride(1);

@@ -207,14 +207,8 @@ TEST(KdaGemm, MatchesFp64ForEveryLayout) {
       g.M = M;
       g.N = N;
       g.K = K;
-      g.A = a.data_ptr<float>();
-      g.a_batch = a.stride(0);
-      g.a_row = a.stride(1);
-      g.a_col = a.stride(2);
-      g.B = b.data_ptr<float>();
-      g.b_batch = b.stride(0);
-      g.b_row = b.stride(1);
-      g.b_col = b.stride(2);
+      g.A = {a.data_ptr<float>(), a.stride(0), a.stride(1), a.stride(2)};
+      g.B = {b.data_ptr<float>(), b.stride(0), b.stride(1), b.stride(2)};
       g.C = c.data_ptr<float>();
       g.c_batch = c.stride(0);
       g.c_row = c.stride(1);
