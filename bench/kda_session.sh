@@ -7,11 +7,18 @@
 #
 #   bash bench/kda_session.sh                       # every section
 #   SECTIONS="build test layers" bash bench/kda_session.sh
+#   SECTIONS="build pairs" ANCHOR=.anchors/kda bash bench/kda_session.sh
+#
+# Sections: build, test (test_kda_kernels), layers (layer_bench), anchor
+# (fla's core and layer once), pairs (the KDA core against fla's core in
+# PAIRS (3) alternating processes of ITERS (50) timed iterations, after
+# one untimed fla run that autotunes; with build, that run goes in the
+# background of the build).
 #
 # Environment (defaults): OUT (outputs/kda), SECTIONS ("build test layers
 # anchor"), ANCHOR (../shared/anchors/kda, or shared/anchors/kda inside the
 # tree), SHAPE (1x4096x16x128: B x T x H x d for fla), LAYER_ARGS (layer
-# bench flags: "--only kda"), JOBS (nproc).
+# bench flags: "--only kda"), JOBS (nproc), PAIRS (3), ITERS (50).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/outputs/kda}
@@ -22,6 +29,19 @@ JOBS=${JOBS:-$(nproc)}
 T0=$(date +%s)
 say() { printf '[%4ds] %s\n' $(($(date +%s) - T0)) "$*"; }
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
+
+ANCHOR=${ANCHOR:-../shared/anchors/kda}
+[ -d "$ANCHOR" ] || ANCHOR=shared/anchors/kda
+fla_core() {  # iters: fla's core at SHAPE, one line per run
+  (cd "$ANCHOR" && PYTHONUNBUFFERED=1 timeout 420 "$PY" bench_kda.py --shapes "${SHAPE:-1x4096x16x128}" \
+     --variants core --skip-check --iters "$1") 2>&1 | grep "^core"
+}
+WARM_PID=
+if has pairs && [ -d "$ANCHOR" ]; then
+  say "fla autotune (untimed) in the background"
+  fla_core 5 >"$OUT/fla_warm.log" 2>&1 &
+  WARM_PID=$!
+fi
 
 if has build; then
   if [ ! -f .deps/usr/include/toml++/toml.h ] && ls .deps/*.deb >/dev/null 2>&1; then
@@ -47,8 +67,16 @@ if has layers; then
   say "layer_bench ${LAYER_ARGS:---only kda}"
   timeout 300 build-gpu/bench/layer_bench ${LAYER_ARGS:---only kda} 2>&1 | tee "$OUT/layers.log" | tail -20
 fi
-ANCHOR=${ANCHOR:-../shared/anchors/kda}
-[ -d "$ANCHOR" ] || ANCHOR=shared/anchors/kda
+if has pairs && [ -n "$WARM_PID" ]; then
+  wait "$WARM_PID"
+  say "fla warm: $(cat "$OUT/fla_warm.log")"
+  : >"$OUT/pairs.log"
+  for i in $(seq "${PAIRS:-3}"); do
+    vd=$(timeout 120 build-gpu/bench/layer_bench --only "kda core (chunk 64)" --iters "${ITERS:-50}" 2>&1 | grep "^| kda core")
+    fla=$(fla_core "${ITERS:-50}")
+    printf 'pair %d\n  viaduct %s\n  fla     %s\n' "$i" "$vd" "$fla" | tee -a "$OUT/pairs.log"
+  done
+fi
 if has anchor && [ -d "$ANCHOR" ]; then
   say "fla chunk_kda (${SHAPE:-1x4096x16x128})"
   (cd "$ANCHOR" && PYTHONUNBUFFERED=1 timeout 400 "$PY" bench_kda.py --shapes "${SHAPE:-1x4096x16x128}" \
