@@ -32,10 +32,13 @@ has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 
 ANCHOR=${ANCHOR:-../shared/anchors/kda}
 [ -d "$ANCHOR" ] || ANCHOR=shared/anchors/kda
-fla_core() {  # iters: fla's core at SHAPE, one line per run
+fla_bench() {  # variants [bench_kda.py flags]: fla's chunk_kda at SHAPE
+  local variants=$1
+  shift
   (cd "$ANCHOR" && PYTHONUNBUFFERED=1 timeout 420 "$PY" bench_kda.py --shapes "${SHAPE:-1x4096x16x128}" \
-     --variants core --skip-check --iters "$1") 2>&1 | grep "^core"
+     --variants "$variants" --skip-check "$@") 2>&1
 }
+fla_core() { fla_bench core --iters "$1" | grep "^core"; }  # iters: one line
 WARM_PID=
 if has pairs && [ -d "$ANCHOR" ]; then
   say "fla autotune (untimed) in the background"
@@ -79,7 +82,6 @@ if has pairs && [ -n "$WARM_PID" ]; then
 fi
 if has anchor && [ -d "$ANCHOR" ]; then
   say "fla chunk_kda (${SHAPE:-1x4096x16x128})"
-  (cd "$ANCHOR" && PYTHONUNBUFFERED=1 timeout 400 "$PY" bench_kda.py --shapes "${SHAPE:-1x4096x16x128}" \
-     --variants core,layer --skip-check) 2>&1 | tee "$OUT/fla.log" | tail -15
+  fla_bench core,layer | tee "$OUT/fla.log" | tail -15
 fi
 say "done"
