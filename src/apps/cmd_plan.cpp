@@ -8,9 +8,13 @@
 // plan_memory_bytes) -- the boundary activations each rank holds and the
 // schedule's bubble. For AttnRes families also the per-hop bytes for both
 // transports and both rank-cache backwards and the rank block store's peak
-// per rank.
+// per rank. For MoE families the routed experts' bytes per rank under
+// parallelism.expert_parallel_degree, the all-to-all and gradient-sum bytes
+// (train/traffic_estimate.h), and the peak at every expert-parallel degree
+// the layout allows, against --device-gib.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
@@ -24,14 +28,17 @@
 #include "model/model.h"
 #include "pipeline/attn_res/block_layout.h"
 #include "pipeline/schedule/plan_config.h"
+#include "core/device.h"
 #include "train/memory_estimate.h"
 #include "train/process.h"
+#include "train/traffic_estimate.h"
 
 namespace viaduct::apps {
 namespace {
 
 constexpr const char* kUsage =
     "usage: viaduct plan --config FILE [--section.key=value ...] [--json]\n"
+    "                    [--device-gib G]\n"
     "\n"
     "Sizes a run without running it. For every model family and layout, per pp\n"
     "rank: the bytes of weights, gradients, optimizer state (AdamW's moments\n"
@@ -53,7 +60,15 @@ constexpr const char* kUsage =
     "(gradients travel back as many, except with the rank cache and\n"
     "parallelism.attn_res_cache_backward = whole_stack: the whole stack's), and\n"
     "the rank block store's peak per rank for both cache backwards. A block\n"
-    "entry is [B/M, T, D] in the compute dtype.\n";
+    "entry is [B/M, T, D] in the compute dtype.\n"
+    "\n"
+    "MoE families (kimi_k3) add the routed experts' share of each rank's\n"
+    "parameters after parallelism.expert_parallel_degree (ep) splits them, the\n"
+    "bytes each rank's MoE layers send by all-to-all per micro-batch and per\n"
+    "step, the bytes of the step's gradient sums over dp (dense) and over each\n"
+    "expert's dp / ep replicas (experts), and the largest rank's peak at every\n"
+    "ep that divides dp and the expert count, with whether it fits --device-gib\n"
+    "G (default: this machine's GPU, when planning for CUDA).\n";
 
 double gib(double b) { return b / (1024.0 * 1024.0 * 1024.0); }
 
@@ -98,7 +113,8 @@ std::vector<MemoryEstimate> estimate_with_checkpointing(const Config& cfg,
 }
 
 int plan_main(int argc, char** argv) {
-  const auto cmd = parse_config_command(argc, argv, "plan", kUsage, {"--json"});
+  const auto cmd =
+      parse_config_command(argc, argv, "plan", kUsage, {"--json"}, {"--device-gib"});
   if (!cmd) return 0;
   const auto& cfg = cmd->config;
   const bool json = cmd->has("--json");
@@ -219,7 +235,7 @@ int plan_main(int argc, char** argv) {
   }
   if (!cache_refused.empty()) out["rank_cache_refused"] = cache_refused;
 
-  nlohmann::json ranks = nlohmann::json::array();
+  auto& ranks = out["ranks"] = nlohmann::json::array();
   for (int64_t r = 0; r < sp.pp; ++r) {
     const auto ri = static_cast<size_t>(r);
     nlohmann::json j;
@@ -260,7 +276,54 @@ int plan_main(int argc, char** argv) {
                    {"total_ac_full", memory_full[ri].total()}};
     ranks.push_back(j);
   }
-  out["ranks"] = ranks;
+  // Note [Expert parallelism] (model/moe.h): the experts' share, their
+  // traffic, and the peak at every ep the layout allows.
+  std::optional<double> device_bytes;
+  if (auto it = cmd->options.find("--device-gib"); it != cmd->options.end()) {
+    char* end = nullptr;
+    const double g = std::strtod(it->second.c_str(), &end);
+    VIADUCT_CHECK_T(ConfigError, !it->second.empty() && *end == '\0' && g > 0,
+                    "--device-gib must be a number of GiB > 0, got '", it->second, "'");
+    device_bytes = g * 1024.0 * 1024.0 * 1024.0;
+  } else if (on_cuda && torch::cuda::is_available()) {
+    device_bytes = device_memory_bytes(at::Device(at::kCUDA, 0));
+  }
+  const bool moe = info.routed_expert_params > 0;
+  const int64_t ep = cfg.get_int("parallelism.expert_parallel_degree");
+  std::vector<TrafficEstimate> traffic;
+  std::vector<std::pair<int64_t, double>> peak_by_ep;  // ep, the largest rank's peak
+  if (moe) {
+    out["expert_parallel_degree"] = ep;
+    out["routed_experts"] = info.routed_experts;
+    out["experts_per_token"] = info.experts_per_token;
+    for (int64_t r = 0; r < sp.pp; ++r) {
+      traffic.push_back(estimate_rank_traffic(cfg, info, plan, r, dtype));
+      const auto& t = traffic.back();
+      auto& j = out["ranks"][static_cast<size_t>(r)];
+      j["memory"]["expert_params"] = memory[static_cast<size_t>(r)].expert_params;
+      j["traffic"] = {{"moe_layers", t.moe_layers},
+                      {"alltoall_bytes_per_microbatch", t.alltoall_bytes_per_microbatch},
+                      {"alltoall_bytes_per_step", t.alltoall_bytes_per_step},
+                      {"dense_reduce_bytes_per_step", t.dense_reduce_bytes_per_step},
+                      {"expert_reduce_bytes_per_step", t.expert_reduce_bytes_per_step}};
+    }
+    nlohmann::json by_ep = nlohmann::json::array();
+    for (int64_t e = 1; e <= dp; ++e) {
+      if (dp % e != 0 || info.routed_experts % e != 0) continue;
+      Config c = cfg;
+      c.set("parallelism.expert_parallel_degree", e);
+      double worst = 0;
+      for (const auto& m : estimate_memory_per_rank(c, info, plan, dtype, on_cuda)) {
+        worst = std::max(worst, m.total());
+      }
+      peak_by_ep.emplace_back(e, worst);
+      nlohmann::json j{{"ep", e}, {"peak", worst}};
+      if (device_bytes) j["fits"] = worst <= *device_bytes;
+      by_ep.push_back(j);
+    }
+    out["peak_by_expert_parallel_degree"] = by_ep;
+    if (device_bytes) out["device_bytes"] = *device_bytes;
+  }
   if (json) {
     std::printf("%s\n", out.dump().c_str());
     return 0;
@@ -348,6 +411,32 @@ int plan_main(int argc, char** argv) {
                 format_gib(e.total()).c_str(),
                 format_gib(memory_none[r].activations).c_str(),
                 format_gib(memory_full[r].activations).c_str());
+  }
+  if (moe) {
+    std::printf("experts: %lld routed per MoE layer, %lld per token; ep %lld (each rank holds "
+                "%lld of every MoE layer's experts)\n",
+                static_cast<long long>(info.routed_experts),
+                static_cast<long long>(info.experts_per_token), static_cast<long long>(ep),
+                static_cast<long long>(info.routed_experts / ep));
+    std::printf("  %4s %9s %16s %16s %16s %12s %12s\n", "rank", "moe layers", "expert weights",
+                "a2a/micro-batch", "a2a/step", "dp sum/step", "expert sum");
+    for (size_t r = 0; r < traffic.size(); ++r) {
+      const auto& t = traffic[r];
+      std::printf("  %4zu %9lld %16s %16s %16s %12s %12s\n", r,
+                  static_cast<long long>(t.moe_layers),
+                  format_gib(memory[r].expert_params * 4.0).c_str(),
+                  format_gib(t.alltoall_bytes_per_microbatch).c_str(),
+                  format_gib(t.alltoall_bytes_per_step).c_str(),
+                  format_gib(t.dense_reduce_bytes_per_step).c_str(),
+                  format_gib(t.expert_reduce_bytes_per_step).c_str());
+    }
+    std::printf("  the largest rank's peak by ep%s:",
+                device_bytes ? str(" (device ", format_gib(*device_bytes), ")").c_str() : "");
+    for (const auto& [e, peak] : peak_by_ep) {
+      std::printf(" ep %lld %s%s;", static_cast<long long>(e), format_gib(peak).c_str(),
+                  device_bytes ? (peak <= *device_bytes ? " fits" : " does not fit") : "");
+    }
+    std::printf("\n");
   }
   return 0;
 }

@@ -46,6 +46,11 @@ void add_parallelism_keys(std::vector<ConfigKey>& k) {
                   "micro-batches per step (default: pp x stages per rank)").in(greater_than(0)));
   k.push_back(key("data_parallel_degree", T::kInt, int64_t{1},
                   "data-parallel replicas (dp); world = pp x dp").in(greater_than(0)));
+  k.push_back(key("expert_parallel_degree", T::kInt, int64_t{1},
+                  "expert-parallel ranks (ep): each MoE layer's routed experts are split "
+                  "over ep of the data-parallel replicas of a stage, tokens reach them by "
+                  "all-to-all; must divide data_parallel_degree and model.n_routed_experts "
+                  "(1: every rank holds every expert)").in(greater_than(0)));
   k.push_back(key("comm_timeout_seconds", T::kInt, int64_t{300},
                   "timeout of every collective and P2P; a stuck or dead peer "
                   "turns into an error naming rank, stage, micro-batch and action").in(greater_than(0)));
@@ -92,6 +97,19 @@ void validate_parallelism(const Config& c) {
                           "parallelism.module_fqns_per_model_part; the config sets ",
                           list));
   }
+
+  // Note [Expert parallelism] (model/moe.h): ep ranks are data-parallel
+  // replicas of one stage.
+  const int64_t dp = c.get_int("parallelism.data_parallel_degree");
+  const int64_t ep = c.get_int("parallelism.expert_parallel_degree");
+  VIADUCT_CHECK_T(ConfigError, dp % ep == 0, "parallelism.expert_parallel_degree (", ep,
+                  ") must divide parallelism.data_parallel_degree (", dp,
+                  "): the expert-parallel ranks are data-parallel replicas of one stage");
+  VIADUCT_CHECK_T(ConfigError, ep == 1 || !c.get_bool("parallelism.dp_shard_optimizer"),
+                  "parallelism.dp_shard_optimizer = true does not run with "
+                  "parallelism.expert_parallel_degree = ", ep,
+                  " yet (the sharded experts' optimizer state is not sliced over their "
+                  "replicas): set one of them back");
 
   // Note [AttnRes cache backward] (pipeline/attn_res/block_layout.h).
   constexpr const char* kCacheBackward = "parallelism.attn_res_cache_backward";

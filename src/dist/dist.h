@@ -182,6 +182,7 @@ class ProcessGroup {
 struct MeshShape {
   int pp = 1;
   int dp = 1;
+  int ep = 1;  // divides dp
   int world_size() const { return pp * dp; }
   int global_rank(int pp_rank, int dp_rank) const {
     return dp_rank * pp + pp_rank;
@@ -190,6 +191,11 @@ struct MeshShape {
   int dp_rank(int global_rank) const { return global_rank / pp; }
   std::vector<int> pp_group_ranks(int dp_rank) const;  // one pipeline
   std::vector<int> dp_group_ranks(int pp_rank) const;  // one stage's replicas
+  int ep_rank(int global_rank) const { return dp_rank(global_rank) % ep; }
+  int ep_block(int global_rank) const { return dp_rank(global_rank) / ep; }
+  // The ep group of a global rank and the ranks holding its experts.
+  std::vector<int> ep_group_ranks(int global_rank) const;
+  std::vector<int> expert_replica_ranks(int global_rank) const;
 };
 
 class Mesh {
@@ -204,12 +210,18 @@ class Mesh {
   int dp() const { return shape_.dp; }
   int pp_rank() const { return shape_.pp_rank(rank_); }
   int dp_rank() const { return shape_.dp_rank(rank_); }
+  int ep() const { return shape_.ep; }
+  int ep_rank() const { return shape_.ep_rank(rank_); }
   at::Device device() const { return device_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
   ProcessGroup& world() { return *world_; }
   ProcessGroup& pp_group() { return *pp_group_; }  // rank in it == pp_rank()
   ProcessGroup& dp_group() { return *dp_group_; }  // rank in it == dp_rank()
+  // Null when ep == 1. Rank in the ep group == ep_rank(); in the expert
+  // replica group, the block.
+  ProcessGroup* ep_group() { return ep_group_.get(); }
+  ProcessGroup* expert_replica_group() { return expert_replica_group_.get(); }
   c10d::Store& store() { return *store_; }
 
  private:
@@ -221,14 +233,17 @@ class Mesh {
   std::unique_ptr<ProcessGroup> world_;
   std::unique_ptr<ProcessGroup> pp_group_;
   std::unique_ptr<ProcessGroup> dp_group_;
+  std::unique_ptr<ProcessGroup> ep_group_;
+  std::unique_ptr<ProcessGroup> expert_replica_group_;
 };
 
-// Connects to the store and builds the world, pp and dp groups (the same
-// order on every rank). pp * dp must equal info.world_size (ConfigError naming
+// Connects to the store and builds the world, pp and dp groups and, with
+// ep > 1, the ep and expert-replica groups (the same order on every rank).
+// pp * dp must equal info.world_size (ConfigError naming
 // parallelism.pipeline_parallel_degree, parallelism.data_parallel_degree and
-// WORLD_SIZE otherwise).
+// WORLD_SIZE otherwise) and ep must divide dp.
 std::unique_ptr<Mesh> init_mesh(
     const RendezvousInfo& info, int pp, int dp, at::Device device,
-    std::chrono::milliseconds timeout = kDefaultCommTimeout);
+    std::chrono::milliseconds timeout = kDefaultCommTimeout, int ep = 1);
 
 }  // namespace viaduct::dist

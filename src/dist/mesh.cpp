@@ -18,6 +18,20 @@ std::vector<int> MeshShape::dp_group_ranks(int pp_rank) const {
   return ranks;
 }
 
+std::vector<int> MeshShape::ep_group_ranks(int global_rank) const {
+  const int first = ep_block(global_rank) * ep, p = pp_rank(global_rank);
+  std::vector<int> ranks;
+  for (int e = 0; e < ep; ++e) ranks.push_back(this->global_rank(p, first + e));
+  return ranks;
+}
+
+std::vector<int> MeshShape::expert_replica_ranks(int global_rank) const {
+  const int e = ep_rank(global_rank), p = pp_rank(global_rank);
+  std::vector<int> ranks;
+  for (int b = 0; b < dp / ep; ++b) ranks.push_back(this->global_rank(p, b * ep + e));
+  return ranks;
+}
+
 namespace {
 
 // Gloo binds to loopback when the whole job is on this host and the user did
@@ -43,6 +57,9 @@ Mesh::Mesh(const RendezvousInfo& info, MeshShape shape, at::Device device,
                   ") × parallelism.data_parallel_degree (", shape_.dp,
                   ") = ", shape_.world_size(), " but WORLD_SIZE is ",
                   info.world_size, " (", info.to_string(), ")");
+  VIADUCT_CHECK_T(ConfigError, shape_.ep >= 1 && shape_.dp % shape_.ep == 0,
+                  "parallelism.expert_parallel_degree (", shape_.ep,
+                  ") must divide parallelism.data_parallel_degree (", shape_.dp, ")");
   std::string hostname = gloo_hostname_for(info);
   store_ = make_store(info, timeout_);
 
@@ -61,12 +78,22 @@ Mesh::Mesh(const RendezvousInfo& info, MeshShape shape, at::Device device,
   dp_group_ = std::make_unique<ProcessGroup>(
       make_group_store(store_, dp_name), dp_rank(), shape_.dp, device_,
       timeout_, dp_name, shape_.dp_group_ranks(pp_rank()), hostname);
+  if (shape_.ep == 1) return;
+  // Both kinds partition the ranks too.
+  const std::string ep_name = str("ep", pp_rank(), ".", shape_.ep_block(rank_));
+  ep_group_ = std::make_unique<ProcessGroup>(make_group_store(store_, ep_name), ep_rank(),
+                                             shape_.ep, device_, timeout_, ep_name,
+                                             shape_.ep_group_ranks(rank_), hostname);
+  const std::string er_name = str("expert_replicas", pp_rank(), ".", ep_rank());
+  expert_replica_group_ = std::make_unique<ProcessGroup>(
+      make_group_store(store_, er_name), shape_.ep_block(rank_), shape_.dp / shape_.ep, device_,
+      timeout_, er_name, shape_.expert_replica_ranks(rank_), hostname);
 }
 
 std::unique_ptr<Mesh> init_mesh(const RendezvousInfo& info, int pp, int dp,
                                 at::Device device,
-                                std::chrono::milliseconds timeout) {
-  return std::make_unique<Mesh>(info, MeshShape{pp, dp}, device, timeout);
+                                std::chrono::milliseconds timeout, int ep) {
+  return std::make_unique<Mesh>(info, MeshShape{pp, dp, ep}, device, timeout);
 }
 
 }  // namespace viaduct::dist

@@ -22,6 +22,23 @@ std::string one_of(const std::vector<std::string>& names) {
   return out;
 }
 
+// Note [Expert parallelism] (model/moe.h): ep > 1 splits every MoE layer's
+// routed experts evenly, so the config must build MoE layers and ep must
+// divide their expert count.
+void check_expert_parallel(const ModelFamily& family, const Config& cfg) {
+  constexpr const char* kEp = "parallelism.expert_parallel_degree";
+  const int64_t ep = cfg.get_int(kEp);
+  if (ep == 1) return;
+  const int64_t experts = family.routed_experts ? family.routed_experts(cfg) : 0;
+  VIADUCT_CHECK_T(ConfigError, experts > 0, kEp, " = ", ep, " needs a model with MoE layers, but ",
+                  family.name, family.routed_experts ? " with this config" : "",
+                  " has none (model.family = ", family.name,
+                  family.routed_experts ? ", model.moe_ffn = false" : "", ")");
+  VIADUCT_CHECK_T(ConfigError, experts % ep == 0, kEp, " (", ep,
+                  ") must divide model.n_routed_experts (", experts,
+                  "): every expert-parallel rank holds the same number of experts");
+}
+
 }  // namespace
 
 const std::vector<ModelFamily>& model_families() {
@@ -52,6 +69,7 @@ const ModelFamily& model_family(const Config& cfg) {
     throw unknown_flavor_error(it->name, flavor, it->flavors);
   }
   if (it->check) it->check(cfg);
+  check_expert_parallel(*it, cfg);
   return *it;
 }
 

@@ -49,6 +49,10 @@ struct ModelFamily {
   // Cross-field checks of the model keys that need no model built; run by
   // every lookup (model_family). Unset: none.
   std::function<void(const Config&)> check;
+  // The routed experts of each MoE layer under this config (0: the config
+  // builds no MoE layer). Unset: a family without experts. What
+  // parallelism.expert_parallel_degree is checked against.
+  std::function<int64_t(const Config&)> routed_experts;
 };
 
 // Every registered family, in the order the error messages list them.

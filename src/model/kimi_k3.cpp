@@ -609,6 +609,9 @@ ModelInfo describe_kimi_k3(const Config& cfg) {
     int64_t layer_active = common;
     if (o.is_moe(i)) {
       params += MoeImpl::count_params(o.moe);
+      info.routed_expert_params += 3 * o.moe.n_routed_experts * o.moe.dim * o.moe.hidden_dim;
+      info.routed_experts = o.moe.n_routed_experts;
+      info.experts_per_token = o.moe.n_activated_experts;
       active += MoeImpl::active_params(o.moe);
       layer_active += MoeImpl::active_params(o.moe);
     } else {
@@ -658,6 +661,10 @@ ModelFamily kimi_k3_family() {
     return std::make_shared<KimiK3Part>(kimi_k3_options(cfg), fqns);
   };
   f.describe = describe_kimi_k3;
+  f.routed_experts = [](const Config& cfg) -> int64_t {
+    const auto o = kimi_k3_options(cfg);
+    return o.moe_ffn && o.n_layers > o.first_k_dense ? o.moe.n_routed_experts : 0;
+  };
   f.attn_res = [](const Config& cfg) -> std::optional<AttnResLayout> {
     const auto o = kimi_k3_options(cfg);
     if (!o.attn_res) return std::nullopt;  // a chain (Note [Kimi-K3 part activations])

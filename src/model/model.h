@@ -111,6 +111,12 @@ struct ModelInfo {
   // fused kernels run, else plain.
   int64_t loss_chunk_tokens = 0;
   double flops_per_token = 0;    // training FLOPs per token (fwd + bwd)
+  // MoE families: every layer's routed experts' parameters together (what
+  // expert parallelism shards), the routed experts of a layer and the
+  // experts each token picks. 0 without MoE layers.
+  int64_t routed_expert_params = 0;
+  int64_t routed_experts = 0;
+  int64_t experts_per_token = 0;
   // flops_per_token by top-level module FQN (layers.i, lm_head, ...; a
   // module missing costs nothing); they add up to flops_per_token. Empty
   // where a family does not say (exact16). The pipeline plan weighs its

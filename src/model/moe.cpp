@@ -1,6 +1,10 @@
 // Mixture of experts with the selection-only balancing bias (see moe.h).
 #include "model/moe.h"
 
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include <numeric>
+
 #include "core/check.h"
 #include "core/rng.h"
 #include "ops/checkpoint.h"
@@ -9,10 +13,116 @@
 namespace viaduct {
 
 GroupedExpertsImpl::GroupedExpertsImpl(int64_t n, int64_t dim, int64_t hidden) {
-  w1 = register_parameter("w1", torch::zeros({n, hidden, dim}));
-  w2 = register_parameter("w2", torch::zeros({n, dim, hidden}));
-  w3 = register_parameter("w3", torch::zeros({n, hidden, dim}));
+  // Left unwritten until init_weights: under expert parallelism the whole
+  // tensors are replaced by this rank's rows first, and untouched pages of
+  // a large allocation cost no memory.
+  w1 = register_parameter("w1", torch::empty({n, hidden, dim}));
+  w2 = register_parameter("w2", torch::empty({n, dim, hidden}));
+  w3 = register_parameter("w3", torch::empty({n, hidden, dim}));
 }
+
+namespace {
+
+using torch::autograd::variable_list;
+
+// Note [Expert parallelism]: the backward of an all-to-all is the
+// all-to-all with the counts swapped. Every rank reaches this node in the
+// same order (the same graph, the same schedule), so the collectives pair.
+class ExchangeBackward : public torch::autograd::Node {
+ public:
+  ExchangeBackward(std::shared_ptr<ExpertExchange> ex, std::vector<int64_t> send,
+                   std::vector<int64_t> recv, std::vector<int64_t> row_shape,
+                   at::TensorOptions options)
+      : ex_(std::move(ex)),
+        send_(std::move(send)),
+        recv_(std::move(recv)),
+        row_shape_(std::move(row_shape)),
+        options_(options) {}
+  variable_list apply(variable_list&& grads) override {
+    at::Tensor g = grads.at(0);
+    if (!g.defined()) {
+      // The peers wait for these rows whether or not they matter here.
+      auto shape = row_shape_;
+      shape.insert(shape.begin(), std::accumulate(send_.begin(), send_.end(), int64_t{0}));
+      g = at::zeros(shape, options_);
+    }
+    at::NoGradGuard no_grad;
+    return {ex_->exchange(g.contiguous(), send_, recv_)};
+  }
+  std::string name() const override { return "viaduct::ExpertExchangeBackward"; }
+
+ private:
+  std::shared_ptr<ExpertExchange> ex_;
+  std::vector<int64_t> send_, recv_;  // of the backward's exchange
+  std::vector<int64_t> row_shape_;
+  at::TensorOptions options_;
+};
+
+// rows through ex.exchange(rows, send, recv), differentiable.
+at::Tensor exchange_rows(const std::shared_ptr<ExpertExchange>& ex, const at::Tensor& rows,
+                         const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
+  at::Tensor out;
+  {
+    at::NoGradGuard no_grad;
+    out = ex->exchange(rows.contiguous(), send, recv);
+  }
+  // Under grad mode every rank records the node, whether or not its rows
+  // need a gradient, so that every rank's backward reaches the same
+  // collectives.
+  if (at::GradMode::is_enabled()) {
+    std::shared_ptr<ExchangeBackward> node(
+        new ExchangeBackward(ex, recv, send, rows.sizes().slice(1).vec(), out.options()),
+        torch::autograd::deleteNode);
+    node->set_next_edges(torch::autograd::collect_next_edges(rows));
+    torch::autograd::set_history(out, node);
+  }
+  return out;
+}
+
+// Note [Expert parallelism]: one source rank's use of a local expert weight.
+// The backward adds the gradient into that source's slot (as AccumulateGrad
+// adds into .grad: the first one stored, the next added in place) and
+// passes nothing on; the edge to the weight stays so that a backward asked
+// for the parameters only (the zero-bubble W pass) still runs this node.
+class SourceGradSink : public torch::autograd::Node {
+ public:
+  SourceGradSink(std::shared_ptr<std::vector<std::vector<at::Tensor>>> grads, size_t source,
+                 size_t weight)
+      : grads_(std::move(grads)), source_(source), weight_(weight) {}
+  variable_list apply(variable_list&& grads) override {
+    const auto& g = grads.at(0);
+    if (g.defined()) {
+      at::NoGradGuard no_grad;
+      auto& acc = (*grads_)[source_][weight_];
+      if (acc.defined()) {
+        acc.add_(g);
+      } else {
+        acc = g.clone(at::MemoryFormat::Contiguous);
+      }
+    }
+    return {at::Tensor()};
+  }
+  std::string name() const override { return "viaduct::ExpertSourceGradSink"; }
+
+ private:
+  std::shared_ptr<std::vector<std::vector<at::Tensor>>> grads_;
+  size_t source_, weight_;
+};
+
+at::Tensor source_use(const at::Tensor& w,
+                      const std::shared_ptr<std::vector<std::vector<at::Tensor>>>& grads,
+                      size_t source, size_t weight) {
+  auto out = w.detach();
+  if (at::GradMode::is_enabled() && w.requires_grad()) {
+    std::shared_ptr<SourceGradSink> node(new SourceGradSink(grads, source, weight),
+                                         torch::autograd::deleteNode);
+    node->set_next_edges(torch::autograd::collect_next_edges(w));
+    torch::autograd::set_history(out, node);
+  }
+  return out;
+}
+
+}  // namespace
 
 // Note [MoE dispatch without per-expert gradient fills]: the experts run
 // one at a time, each on its own rows. Taken as `w1[e]` and
@@ -77,9 +187,23 @@ void MoeImpl::init_weights(uint64_t seed, const std::string& p, double std_in,
                            double std_out) {
   init_trunc_normal_(router->weight, std_in, -2.0, 2.0, seed,
                      p + "router.weight");
-  init_trunc_normal_(experts->w1, std_in, -2.0, 2.0, seed, p + "experts.w1");
-  init_trunc_normal_(experts->w2, std_out, -2.0, 2.0, seed, p + "experts.w2");
-  init_trunc_normal_(experts->w3, std_out, -2.0, 2.0, seed, p + "experts.w3");
+  // From (seed, FQN) over the whole tensor; a sharded rank keeps its rows
+  // (one whole tensor at a time).
+  auto init_experts = [&](at::Tensor& w, double std, const std::string& fqn) {
+    if (!exchange_) {
+      init_trunc_normal_(w, std, -2.0, 2.0, seed, fqn);
+      return;
+    }
+    auto shape = w.sizes().vec();
+    shape[0] = opts_.n_routed_experts;
+    auto whole = at::empty(shape, w.options());
+    init_trunc_normal_(whole, std, -2.0, 2.0, seed, fqn);
+    torch::NoGradGuard g;
+    w.copy_(whole.narrow(0, first_local_expert(), local_experts()));
+  };
+  init_experts(experts->w1, std_in, p + "experts.w1");
+  init_experts(experts->w2, std_out, p + "experts.w2");
+  init_experts(experts->w3, std_out, p + "experts.w3");
   if (shared_expert) {
     shared_expert->init_weights(seed, p + "shared_expert.", std_in, std_out);
   }
@@ -120,7 +244,16 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     tokens_per_expert += counts.to(dev);
   };
   at::Tensor y;
-  if (ops::grouped_experts_run(xf, opts_.hidden_dim, kernel_options_)) {
+  if (exchange_) {
+    auto flat = idx.reshape({-1});
+    at::Tensor counts;
+    {
+      torch::NoGradGuard g;
+      counts = at::bincount(flat, {}, E).to(at::kCPU);
+    }
+    count_tokens(counts);
+    y = experts_over_ranks(slots, idx).view({N, K, D});
+  } else if (ops::grouped_experts_run(xf, opts_.hidden_dim, kernel_options_)) {
     // Grouped GEMMs over padded expert groups (Note [MoE dispatch into
     // padded groups], ops/moe.h): no host sync.
     auto d = ops::dispatch_experts(idx, E, kernel_options_);
@@ -152,6 +285,104 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   y = (y * w.to(y.scalar_type()).unsqueeze(-1)).sum(1);  // [N, D]
   if (shared_expert) y = y + shared_expert(xf);
   return y.view(x.sizes());
+}
+
+void MoeImpl::shard_experts(std::shared_ptr<ExpertExchange> exchange) {
+  VIADUCT_CHECK(exchange && exchange->size() >= 1 &&
+                    opts_.n_routed_experts % exchange->size() == 0,
+                "parallelism.expert_parallel_degree (", exchange ? exchange->size() : 0,
+                ") must divide model.n_routed_experts (", opts_.n_routed_experts, ")");
+  exchange_ = std::move(exchange);
+  const auto n = local_experts();
+  for (auto* w : {&experts->w1, &experts->w2, &experts->w3}) {
+    auto shape = w->sizes().vec();
+    shape[0] = n;
+    w->set_data(at::empty(shape, w->options()));
+  }
+  source_grads_ = std::make_shared<std::vector<std::vector<at::Tensor>>>(
+      static_cast<size_t>(exchange_->size()), std::vector<at::Tensor>(3));
+}
+
+int64_t MoeImpl::local_experts() const {
+  return exchange_ ? opts_.n_routed_experts / exchange_->size() : opts_.n_routed_experts;
+}
+
+int64_t MoeImpl::first_local_expert() const {
+  return exchange_ ? exchange_->rank() * local_experts() : 0;
+}
+
+std::vector<std::vector<at::Tensor>> MoeImpl::take_source_grads() {
+  if (!source_grads_) return {};
+  auto out = *source_grads_;
+  for (auto& per_source : *source_grads_) {
+    for (auto& g : per_source) g = at::Tensor();
+  }
+  return out;
+}
+
+at::Tensor MoeImpl::experts_over_ranks(const at::Tensor& slots, const at::Tensor& idx) {
+  const int64_t E = opts_.n_routed_experts, P = exchange_->size(), El = local_experts();
+  const auto flat = idx.reshape({-1});  // [N K]
+  at::Tensor order, counts, recv_counts;
+  {
+    torch::NoGradGuard g;
+    order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
+    counts = at::bincount(flat, {}, E).to(at::kCPU).contiguous();
+    // Every rank sends each owner its experts' counts: [P El], source-major.
+    recv_counts = exchange_->exchange(counts.view({E, 1}), std::vector<int64_t>(P, El),
+                                      std::vector<int64_t>(P, El))
+                      .reshape({-1})
+                      .to(at::kCPU)
+                      .contiguous();
+  }
+  VIADUCT_CHECK(recv_counts.numel() == P * El, "expert parallelism: received ",
+                recv_counts.numel(), " expert counts from the ", P,
+                " ranks of the expert-parallel group, expected ", P * El);
+  const auto* cnt = counts.data_ptr<int64_t>();
+  const auto* rcnt = recv_counts.data_ptr<int64_t>();
+  std::vector<int64_t> send(P, 0), recv(P, 0), pieces(rcnt, rcnt + P * El);
+  for (int64_t q = 0; q < P; ++q) {
+    for (int64_t e = 0; e < El; ++e) {
+      send[q] += cnt[q * El + e];
+      VIADUCT_CHECK(rcnt[q * El + e] >= 0, "expert parallelism: rank ", q,
+                    " of the expert-parallel group sent a negative count for expert ",
+                    exchange_->rank() * El + e);
+      recv[q] += rcnt[q * El + e];
+    }
+  }
+  if (ops::counts_training_statistics()) {
+    tokens_received += std::accumulate(recv.begin(), recv.end(), int64_t{0});
+  }
+  // The copies in expert order go to their owners; the rows received are
+  // grouped by source rank, then expert, each group in its source's slot
+  // order.
+  auto rows = exchange_rows(exchange_, slots.index_select(0, order), send, recv);
+  auto groups = rows.split_with_sizes(pieces, 0);
+  std::vector<at::Tensor> outs;
+  const at::Tensor none;
+  const auto& k = kernel_options_;
+  for (int64_t s = 0; s < P; ++s) {
+    bool any = false;
+    for (int64_t e = 0; e < El; ++e) any = any || pieces[s * El + e] > 0;
+    if (!any) continue;
+    const auto src = static_cast<size_t>(s);
+    const auto w1s = source_use(experts->w1, source_grads_, src, 0).unbind(0);
+    const auto w2s = source_use(experts->w2, source_grads_, src, 1).unbind(0);
+    const auto w3s = source_use(experts->w3, source_grads_, src, 2).unbind(0);
+    for (int64_t e = 0; e < El; ++e) {
+      const auto& x = groups[static_cast<size_t>(s * El + e)];
+      if (x.size(0) == 0) continue;
+      outs.push_back(ops::linear(at::silu(ops::linear(x, w1s[e], none, k)) *
+                                     ops::linear(x, w3s[e], none, k),
+                                 w2s[e], none, k));
+    }
+  }
+  // No rows here: an empty slice of the received rows keeps the return
+  // exchange's backward linked to the first one's, as on the other ranks.
+  auto out = outs.empty() ? rows.narrow(0, 0, 0) : at::cat(outs, 0);
+  // The outputs back to their sources, in each source's expert order.
+  auto back = exchange_rows(exchange_, out, recv, send);  // [N K, D]
+  return back.index_select(0, at::argsort(order));
 }
 
 void MoeImpl::update_bias() {

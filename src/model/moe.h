@@ -10,12 +10,32 @@
 // by `bias_update_rate * sign(mean load - load)` (centred), from the tokens
 // each expert received since the previous update. Counts are local: with data
 // parallelism they must be all-reduced before update_bias().
+//
+// Note [Expert parallelism]
+// Under parallelism.expert_parallel_degree = ep > 1 the routed experts of a
+// layer are split over the ep ranks of an ExpertExchange group (data-parallel
+// replicas of one stage, dist/dist.h): rank q holds experts [q E/ep,
+// (q+1) E/ep) as local tensors [E/ep, ...] under the whole tensors' FQNs.
+// Every rank routes its own tokens over all E experts (router, bias and
+// counts as at ep = 1), sorts its token copies by expert (a stable sort:
+// slot order within an expert), sends the copies of rank q's experts to q
+// with one all-to-all (the counts first, then the rows), and gets the
+// outputs back with a second; the backward swaps the two. The owner runs
+// each expert on each source rank's rows separately, so every GEMM has the
+// shape and the rows it has at ep = 1 on that source, and it keeps the
+// weights' gradient per source rank (SourceGradSink: not in .grad) summed
+// over the step's micro-batches. The trainer adds the sources in replica
+// order, as the data-parallel sum adds replicas (train/expert_parallel.h):
+// the sums, outputs and token gradients have the bits of ep = 1. The experts
+// run as one loop of GEMMs per (source, expert) on every device.
 #pragma once
 
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "model/layers.h"
 
@@ -29,6 +49,21 @@ struct MoeOptions {
   int64_t n_shared_experts = 1;     // one SwiGLU of n_shared * hidden_dim
   double route_scale = 1.0;
   double bias_update_rate = 1e-3;
+};
+
+// The exchange of token rows between the ranks of an expert-parallel group,
+// over c10d in train/ (model/ sees no process group). Every rank of the group
+// calls exchange() in the same order.
+class ExpertExchange {
+ public:
+  virtual ~ExpertExchange() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // rows: [sum(send), ...] on any device, its first send[0] rows for rank 0,
+  // the next send[1] for rank 1, ...; returns [sum(recv), ...] on the same
+  // device: recv[r] rows from rank r, in rank order.
+  virtual at::Tensor exchange(const at::Tensor& rows, const std::vector<int64_t>& send,
+                              const std::vector<int64_t>& recv) = 0;
 };
 
 // FQNs: router.weight [E, D], expert_bias [E] (buffer), experts.w1 [E, H, D],
@@ -54,6 +89,17 @@ class MoeImpl : public torch::nn::Module, public ops::KernelUser {
                     double std_out);
   // Move expert_bias from the counts gathered since the last call; resets them.
   void update_bias();
+  // Note [Expert parallelism]: keeps this rank's E / size experts (before
+  // init_weights; their values are the whole tensors' rows) and reaches the
+  // others through `exchange`.
+  void shard_experts(std::shared_ptr<ExpertExchange> exchange);
+  bool experts_sharded() const { return exchange_ != nullptr; }
+  int64_t first_local_expert() const;
+  int64_t local_experts() const;
+  // The local experts' weight gradients from source rank s: [s][w] for w1,
+  // w2, w3, summed over the micro-batches since the last take; undefined
+  // where no token of s reached them. Taking resets them.
+  std::vector<std::vector<at::Tensor>> take_source_grads();
   static int64_t count_params(const MoeOptions& o);
   static int64_t active_params(const MoeOptions& o);
 
@@ -63,6 +109,18 @@ class MoeImpl : public torch::nn::Module, public ops::KernelUser {
   SwiGLU shared_expert{nullptr};
   at::Tensor expert_bias;        // [E] buffer, selection only
   at::Tensor tokens_per_expert;  // [E] int64 on the routing's device, not in the state dict
+  // Note [Expert parallelism]: the token copies this rank's experts
+  // received from the ep group in training forwards (counted once under
+  // activation checkpointing), for the metrics; the trainer resets it.
+  int64_t tokens_received = 0;
+
+ private:
+  // Note [Expert parallelism]: x's token copies `slots` [N K, D] of experts
+  // idx [N, K] through the owners; the outputs [N, K, D].
+  at::Tensor experts_over_ranks(const at::Tensor& slots, const at::Tensor& idx);
+  std::shared_ptr<ExpertExchange> exchange_;
+  // [source][w]; shared with the backward nodes, which add into it.
+  std::shared_ptr<std::vector<std::vector<at::Tensor>>> source_grads_;
 };
 TORCH_MODULE(Moe);
 

@@ -18,13 +18,21 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
   VIADUCT_CHECK(pp_rank >= 0 && pp_rank < split.pp, "memory estimate: pp rank ", pp_rank,
                 " outside [0, ", split.pp, ")");
   MemoryEstimate e;
-  const double params = static_cast<double>(info.params) / static_cast<double>(split.pp);
+  // An even share of the parameters, of which the routed experts' part is
+  // split again over the expert-parallel ranks.
+  e.expert_shards = info.routed_expert_params > 0
+                        ? cfg.get_int("parallelism.expert_parallel_degree")
+                        : 1;
+  const double pp = static_cast<double>(split.pp);
+  const double experts = static_cast<double>(info.routed_expert_params) / pp;
+  e.expert_params = experts / static_cast<double>(e.expert_shards);
+  const double params = static_cast<double>(info.params) / pp - experts + e.expert_params;
   const bool adamw = cfg.get_string("optimizer.name") == "AdamW";
   const double elem = static_cast<double>(c10::elementSize(compute_dtype));
   // The fp32 master, and under bf16 the weight cache's copy of every weight
   // but the embeddings (read by row, never cast whole).
   const double cached =
-      static_cast<double>(info.params - info.embedding_params) / static_cast<double>(split.pp);
+      static_cast<double>(info.params - info.embedding_params) / pp - experts + e.expert_params;
   e.weights = params * 4.0 + (compute_dtype == at::kFloat ? 0.0 : cached * elem);
   e.gradients = params * 4.0;
   // ZeRO-1: each dp rank keeps the moments of ~1/dp of the parameters.
@@ -125,6 +133,12 @@ std::string describe_memory_estimate(const MemoryEstimate& e) {
              format_gib(e.gradients), ", optimizer ", format_gib(e.optimizer),
              e.optimizer_shards > 1 ? str(" sharded over ", e.optimizer_shards, " dp ranks")
                                     : std::string(),
+             e.expert_params > 0
+                 ? str("; routed experts ", format_gib(e.expert_params * 4.0),
+                       " of the fp32 weights",
+                       e.expert_shards > 1 ? str(", split over ", e.expert_shards, " ep ranks")
+                                           : std::string())
+                 : std::string(),
              ", activations ",
              format_gib(e.activations), " for ", e.microbatches_in_flight,
              " micro-batch", e.microbatches_in_flight == 1 ? "" : "es", " of ",

@@ -8,7 +8,9 @@
 // the parameters over the pipeline ranks -- the moments divided by
 // parallelism.data_parallel_degree under parallelism.dp_shard_optimizer
 // (ZeRO-1: each dp rank keeps the moments of its slice of every gradient
-// bucket; master weights and gradients stay whole); activations kept for the
+// bucket; master weights and gradients stay whole), the routed experts'
+// share of all three divided by parallelism.expert_parallel_degree (Note
+// [Expert parallelism], model/moe.h); activations kept for the
 // backward at the schedule's peak -- the most micro-batches the plan's
 // simulation holds in flight on the rank (1 in one process, up to pp for
 // 1F1B on the first rank, more for interleaved schedules) times the largest
@@ -68,6 +70,11 @@ struct MemoryEstimate {
   double loss = 0;         // the head's logits / loss buffer (head's rank only)
   // Data-parallel ranks the optimizer state is divided over (1: unsharded).
   int64_t optimizer_shards = 1;
+  // The routed experts' parameters on this rank (after expert parallelism)
+  // and the ranks each layer's experts are split over; their bytes are
+  // part of weights, gradients and optimizer.
+  double expert_params = 0;
+  int64_t expert_shards = 1;
   int64_t microbatches_in_flight = 0;
   int64_t tokens_per_microbatch = 0;
   double saved_values_per_token = 0;  // of the rank's widest stage

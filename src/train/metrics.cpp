@@ -134,6 +134,14 @@ std::string MetricsWriter::step_json(const StepMetrics& m) const {
     j["dp_reduce_wait_seconds"] = m.dp_reduce_wait_seconds;
     j["dp_bytes"] = m.dp_bytes;
   }
+  if (!m.moe_load_max_over_mean.empty()) {
+    j["moe_load_max_over_mean"] = m.moe_load_max_over_mean;
+  }
+  if (!m.ep_tokens_received_per_rank.empty()) {
+    j["ep_tokens_received_per_rank"] = m.ep_tokens_received_per_rank;
+    j["ep_alltoall_bytes"] = m.ep_alltoall_bytes;
+    j["ep_alltoall_seconds"] = m.ep_alltoall_seconds;
+  }
   if (!m.bubble_measured_per_rank.empty()) {
     // Note [Measured bubble]: this rank's times; the mean over the pp ranks
     // is what compares with the simulator's bubble.

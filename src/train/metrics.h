@@ -62,6 +62,19 @@ struct StepMetrics {
   int64_t dp_buckets_overlapped = 0;
   double dp_reduce_wait_seconds = 0;
   int64_t dp_bytes = 0;
+  // MoE families: each layer's largest expert load over the mean of the
+  // step's global counts (all dp replicas; 0 for a dense layer), indexed by
+  // layer; empty without MoE layers.
+  std::vector<double> moe_load_max_over_mean;
+  // Expert parallelism (Note [Expert parallelism], model/moe.h): the token
+  // copies each rank of the logging rank's ep group received for its
+  // experts in the step (all its MoE layers, forward only), the bytes the
+  // logging rank sent by all-to-all and the host seconds its exchanges
+  // took (on NCCL the wait is on the stream: the counts' copy to the host
+  // is what the host waits for); empty and 0 at ep = 1.
+  std::vector<double> ep_tokens_received_per_rank;
+  int64_t ep_alltoall_bytes = 0;
+  double ep_alltoall_seconds = 0;
 };
 
 struct MetricsOptions {

@@ -31,7 +31,22 @@ void Optimizer::zero_grad() {
 }
 
 void Optimizer::load_from(const checkpoint::TensorFileIndex& index) {
-  load_state(index.load_many(state_keys()));
+  auto tensors = index.load_many(state_keys());
+  // A sharded expert tensor's state is stored whole ("optim.<state>.<fqn>",
+  // shaped like the whole weight): this rank's rows of it.
+  for (const auto& np : params_) {
+    if (np.whole_rows == 0) continue;
+    const std::string suffix = "." + np.fqn;
+    for (auto& [key, t] : tensors) {
+      if (key.size() <= suffix.size() ||
+          key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0 ||
+          t.dim() == 0 || t.size(0) != np.whole_rows) {
+        continue;
+      }
+      t = t.narrow(0, np.first_row, np.param.size(0));
+    }
+  }
+  load_state(tensors);
 }
 
 int64_t Optimizer::state_bytes() const {

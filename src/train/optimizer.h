@@ -23,6 +23,11 @@ struct NamedParam {
   std::string fqn;
   at::Tensor param;     // fp32 master weight
   bool weight_decay;    // false for norms, biases and embeddings
+  // Set for an expert tensor sharded by expert parallelism (Note [Expert
+  // parallelism], model/moe.h): param holds rows [first_row, first_row +
+  // param.size(0)) of the whole tensor `fqn` of whole_rows rows; 0: whole.
+  int64_t first_row = 0;
+  int64_t whole_rows = 0;
 };
 
 // Parameters of a module tree in registration (= model) order, with the
@@ -58,7 +63,8 @@ class Optimizer {
   // pieces table, Note [Tensors stored in pieces]); empty by default.
   virtual std::map<std::string, std::string> state_file_metadata() const { return {}; }
   // Restores the state from a checkpoint's tensors, stored whole or in
-  // pieces; by default load_state() of every state_keys() tensor.
+  // pieces; by default load_state() of every state_keys() tensor, the state
+  // of a sharded expert tensor cut to its rows.
   virtual void load_from(const checkpoint::TensorFileIndex& index);
   // Bytes of the state this process holds.
   int64_t state_bytes() const;

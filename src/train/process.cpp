@@ -56,7 +56,8 @@ ProcessSetup init_process(const Config& cfg) {
     const auto timeout =
         std::chrono::seconds(cfg.get_int("parallelism.comm_timeout_seconds"));
     ps.mesh = dist::init_mesh(rdv, pp, dp, ps.device,
-                              std::chrono::duration_cast<std::chrono::milliseconds>(timeout));
+                              std::chrono::duration_cast<std::chrono::milliseconds>(timeout),
+                              static_cast<int>(cfg.get_int("parallelism.expert_parallel_degree")));
     ps.pp_rank = ps.mesh->pp_rank();
     ps.dp_rank = ps.mesh->dp_rank();
     ps.dp_size = ps.mesh->dp();

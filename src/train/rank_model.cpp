@@ -1,16 +1,19 @@
 // Building this rank's model parts and stages (see rank_model.h).
 #include "train/rank_model.h"
 
+#include "dist/dist.h"
+
 #include "model/family.h"
 #include "pipeline/attn_res/attn_res_stage.h"
 #include "pipeline/schedule/plan_config.h"
+#include "train/expert_parallel.h"
 #include "train/reduce.h"
 
 namespace viaduct {
 
 RankModel build_rank_model(const Config& cfg, int pp_rank, at::Device device,
                            at::ScalarType compute_dtype, dist::ProcessGroup* pp_group,
-                           const std::string& context) {
+                           const std::string& context, dist::ProcessGroup* ep_group) {
   RankModel rm;
   // The pipeline plan (a pure function of the config: every rank agrees).
   rm.info = describe_model(cfg);
@@ -38,10 +41,22 @@ RankModel build_rank_model(const Config& cfg, int pp_rank, at::Device device,
   for (int64_t s : split.rank_to_stages.at(pp_rank)) {
     auto part = build_model_part(
         cfg, split.num_stages == 1 ? std::vector<std::string>{} : split.stage_modules.at(s));
+    if (ep_group != nullptr) {
+      if (!rm.expert_stats) rm.expert_stats = std::make_shared<ExpertExchangeStats>();
+      shard_moe_experts(*part, *ep_group, str("rank ", ep_group->global_rank(ep_group->rank())),
+                        rm.expert_stats);
+    }
     part->init_weights(seed);
     part->to(device);
     part->set_compute_dtype(compute_dtype);
     auto named = named_params_for_training(*part);
+    for (const auto& shard : expert_shards(*part)) {
+      for (auto& np : named) {
+        if (np.fqn != shard.fqn) continue;
+        np.first_row = shard.first_row;
+        np.whole_rows = shard.whole_rows;
+      }
+    }
     counts[static_cast<size_t>(s)] = static_cast<double>(named.size());
     rm.params.insert(rm.params.end(), named.begin(), named.end());
     rm.parts.push_back(part);

@@ -20,6 +20,7 @@
 
 namespace viaduct {
 
+struct ExpertExchangeStats;
 namespace dist {
 class ProcessGroup;
 }  // namespace dist
@@ -42,12 +43,16 @@ struct RankModel {
   // order, then each part's registration order) and the model's count.
   std::vector<int64_t> param_offsets;
   int64_t total_param_tensors = 0;
+  // Under expert parallelism: what the MoE layers' exchanges moved.
+  std::shared_ptr<ExpertExchangeStats> expert_stats;
 };
 
 // `pp_group` sums the stages' parameter counts over the pipeline ranks (null:
-// one process); `context` names this rank in a timeout.
+// one process); `ep_group`, when set, shards every MoE layer's experts over
+// it before the weights are initialised (Note [Expert parallelism],
+// model/moe.h); `context` names this rank in a timeout.
 RankModel build_rank_model(const Config& cfg, int pp_rank, at::Device device,
                            at::ScalarType compute_dtype, dist::ProcessGroup* pp_group,
-                           const std::string& context);
+                           const std::string& context, dist::ProcessGroup* ep_group = nullptr);
 
 }  // namespace viaduct

@@ -20,17 +20,22 @@ void sum_over(dist::ProcessGroup* group, std::vector<double>& values,
 
 std::vector<std::vector<size_t>> grad_buckets(const std::vector<NamedParam>& params,
                                               int64_t bucket_bytes,
-                                              const std::vector<int64_t>& stage_of) {
+                                              const std::vector<int64_t>& stage_of,
+                                              const std::vector<bool>& own_bucket,
+                                              const std::vector<bool>& skip) {
   VIADUCT_CHECK(stage_of.empty() || stage_of.size() == params.size(),
                 "grad_buckets: ", stage_of.size(), " stages for ", params.size(), " parameters");
+  auto flag = [](const std::vector<bool>& v, size_t i) { return !v.empty() && v.at(i); };
   std::vector<std::vector<size_t>> buckets;
   int64_t bytes = 0;
   for (size_t i = 0; i < params.size(); ++i) {
+    if (flag(skip, i)) continue;
     const auto& p = params[i].param;
     const size_t prev = buckets.empty() ? 0 : buckets.back().back();
     if (buckets.empty() || bytes >= bucket_bytes ||
         p.scalar_type() != params[prev].param.scalar_type() ||
-        (!stage_of.empty() && stage_of[i] != stage_of[prev])) {
+        (!stage_of.empty() && stage_of[i] != stage_of[prev]) || flag(own_bucket, i) ||
+        flag(own_bucket, prev)) {
       buckets.emplace_back();
       bytes = 0;
     }
@@ -41,7 +46,8 @@ std::vector<std::vector<size_t>> grad_buckets(const std::vector<NamedParam>& par
 }
 
 ShardLayout shard_layout(const std::vector<int64_t>& numels,
-                         const std::vector<std::vector<size_t>>& buckets, int dp) {
+                         const std::vector<std::vector<size_t>>& buckets, int dp,
+                         const std::vector<int64_t>& units) {
   VIADUCT_CHECK(dp >= 1, "shard_layout: dp must be positive, got ", dp);
   ShardLayout layout;
   for (const auto& bucket : buckets) {
@@ -59,8 +65,11 @@ ShardLayout shard_layout(const std::vector<int64_t>& numels,
       const int64_t nominal = n * r / dp;
       size_t k = 0;
       while (k + 1 < bucket.size() && starts[k + 1] <= nominal) ++k;
+      const int64_t unit =
+          bucket.empty() || units.empty() || units.at(bucket[k]) == 0 ? kShardAlign
+                                                                      : units.at(bucket[k]);
       x[static_cast<size_t>(r)] =
-          bucket.empty() ? 0 : starts[k] + (nominal - starts[k]) / kShardAlign * kShardAlign;
+          bucket.empty() ? 0 : starts[k] + (nominal - starts[k]) / unit * unit;
     }
     std::vector<std::vector<ShardSegment>> per_rank(static_cast<size_t>(dp));
     for (int r = 0; r < dp; ++r) {
@@ -121,7 +130,8 @@ void copy_gathered_ranges(const RangeGather& gather,
 
 GradReduction::GradReduction(dist::ProcessGroup& group, const std::vector<NamedParam>& params,
                              std::vector<std::vector<size_t>> buckets,
-                             std::vector<int64_t> stage_of, bool whole)
+                             std::vector<int64_t> stage_of, bool whole,
+                             const std::vector<int64_t>& units)
     : group_(group),
       params_(params),
       stage_of_(std::move(stage_of)),
@@ -130,7 +140,7 @@ GradReduction::GradReduction(dist::ProcessGroup& group, const std::vector<NamedP
       started_(buckets_.size(), false) {
   std::vector<int64_t> numels;
   for (const auto& np : params_) numels.push_back(np.param.numel());
-  layout_ = shard_layout(numels, buckets_, group_.size());
+  layout_ = shard_layout(numels, buckets_, group_.size(), units);
 }
 
 void GradReduction::start(size_t b) {

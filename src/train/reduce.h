@@ -25,10 +25,15 @@ void sum_over(dist::ProcessGroup* group, std::vector<double>& values,
 // parameters (indices into `params`) of about `bucket_bytes`, one dtype and
 // one pipeline stage per bucket (`stage_of[i]`: parameter i's stage; empty:
 // all one stage); a bucket closes once it holds bucket_bytes, or the dtype
-// or the stage changes. Also the units ZeRO-1 shards (sharded_optimizer.h).
+// or the stage changes. A parameter with `own_bucket[i]` set (empty: none)
+// gets a bucket of its own (Note [Expert ranges and the clip norm],
+// train/expert_parallel.h); one with `skip[i]` (empty: none) none at all.
+// Also the units ZeRO-1 shards (sharded_optimizer.h).
 std::vector<std::vector<size_t>> grad_buckets(const std::vector<NamedParam>& params,
                                               int64_t bucket_bytes,
-                                              const std::vector<int64_t>& stage_of = {});
+                                              const std::vector<int64_t>& stage_of = {},
+                                              const std::vector<bool>& own_bucket = {},
+                                              const std::vector<bool>& skip = {});
 
 inline constexpr int64_t kShardAlign = 64;
 
@@ -49,8 +54,11 @@ struct ShardLayout {
 // gets elements [x_r, x_{r+1}) of the bucket's flattening, x_r = floor(n r /
 // dp) moved down to the nearest multiple of kShardAlign from the start of
 // the parameter it falls in, so every range starts aligned for vector loads.
+// `units[i]` (empty or 0: kShardAlign) replaces kShardAlign for parameter
+// i: an expert tensor's rows, so its ranges hold whole experts.
 ShardLayout shard_layout(const std::vector<int64_t>& numels,
-                         const std::vector<std::vector<size_t>>& buckets, int dp);
+                         const std::vector<std::vector<size_t>>& buckets, int dp,
+                         const std::vector<int64_t>& units = {});
 // The elements in `segs`.
 int64_t segment_elements(const std::vector<ShardSegment>& segs);
 // The elements of a segment, as a 1-D view of `t` (a parameter, its
@@ -121,7 +129,7 @@ class GradReduction {
   // rest of its gradients holding its own unsummed values.
   GradReduction(dist::ProcessGroup& group, const std::vector<NamedParam>& params,
                 std::vector<std::vector<size_t>> buckets, std::vector<int64_t> stage_of,
-                bool whole);
+                bool whole, const std::vector<int64_t>& units = {});
   // Starts every bucket of `stage`.
   void stage_ready(int64_t stage);
   // Starts the buckets not started yet, waits for all, copies the sums into

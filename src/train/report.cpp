@@ -217,6 +217,22 @@ Points per_rank_median(const std::vector<nlohmann::json>& records, const char* k
   return out;
 }
 
+// Per step: the largest value of `key` (an array), e.g. the most
+// imbalanced MoE layer's max / mean load.
+Points max_of_array(const std::vector<nlohmann::json>& records, const char* key) {
+  Points out;
+  for (const auto& r : records) {
+    if (!r.is_object() || !r.contains(key) || !r[key].is_array() || r[key].empty() ||
+        !r.contains("step")) {
+      continue;
+    }
+    double v = 0;
+    for (const auto& x : r[key]) v = std::max(v, x.get<double>());
+    out.emplace_back(r["step"].get<double>(), v);
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string run_report_html(const std::vector<nlohmann::json>& records, const std::string& title,
@@ -252,6 +268,13 @@ std::string run_report_html(const std::vector<nlohmann::json>& records, const st
      << line_chart("throughput", {{"tokens/s", "#ff7f0e", column(records, "tokens_per_sec")}})
      << '\n'
      << line_chart("MFU (%)", {{"MFU", "#8c564b", column(records, "mfu", 100.0)}}) << '\n';
+  // MoE runs: the balance the selection bias keeps (1 = every expert
+  // equally loaded).
+  if (const auto imbalance = max_of_array(records, "moe_load_max_over_mean"); !imbalance.empty()) {
+    os << line_chart("MoE load: busiest expert / mean (worst layer)",
+                     {{"max / mean", "#bcbd22", imbalance}})
+       << '\n';
+  }
   os << "</div>\n<h2>Ranks</h2>\n<div class=\"grid-charts\">\n";
   auto memory = per_rank_last(records, "peak_memory_bytes_per_rank", gib);
   if (memory.empty()) {

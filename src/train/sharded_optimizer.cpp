@@ -12,7 +12,8 @@ namespace viaduct {
 ShardedOptimizer::ShardedOptimizer(std::vector<NamedParam> params,
                                    dist::ProcessGroup& dp_group,
                                    std::vector<std::vector<size_t>> buckets,
-                                   const MakeInner& make_inner)
+                                   const MakeInner& make_inner,
+                                   const std::vector<int64_t>& units)
     : Optimizer(std::move(params)), group_(dp_group), buckets_(std::move(buckets)) {
   std::vector<int64_t> numels;
   for (const auto& np : params_) {
@@ -20,7 +21,7 @@ ShardedOptimizer::ShardedOptimizer(std::vector<NamedParam> params,
                   "' is not contiguous");
     numels.push_back(np.param.numel());
   }
-  layout_ = shard_layout(numels, buckets_, group_.size());
+  layout_ = shard_layout(numels, buckets_, group_.size(), units);
   std::vector<NamedParam> slices;
   torch::NoGradGuard no_grad;
   for (const auto& per_rank : layout_.segments) {

@@ -45,8 +45,10 @@ class ShardedOptimizer : public Optimizer {
   // `params`: this rank's parameters (identical on every replica of
   // `dp_group`); `buckets`: their grad_buckets; `make_inner` builds the
   // optimizer over this replica's slices.
+  // `units`: shard_layout's, as the gradient reduction's.
   ShardedOptimizer(std::vector<NamedParam> params, dist::ProcessGroup& dp_group,
-                   std::vector<std::vector<size_t>> buckets, const MakeInner& make_inner);
+                   std::vector<std::vector<size_t>> buckets, const MakeInner& make_inner,
+                   const std::vector<int64_t>& units = {});
 
   void step(double lr) override;
   void step_scaled(double lr, double grad_scale) override;

@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "core/torch_compat.h"
+#include "train/expert_parallel.h"
 #include "data/sampler.h"
 
 namespace viaduct {
@@ -62,7 +63,7 @@ TrainProgress load_training_state(const ck::Checkpoint& ckpt,
                                   const std::vector<std::shared_ptr<ModelPart>>& parts,
                                   Optimizer& optimizer, data::TokenSampler& sampler) {
   for (const auto& part : parts) {
-    ckpt.tensors.load_into(*part);
+    load_part_tensors(ckpt.tensors, *part);
     ckpt.tensors.load_into(part->extra_state());
   }
   optimizer.load_from(ckpt.tensors);

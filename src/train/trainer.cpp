@@ -6,8 +6,12 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <numeric>
 #include <optional>
 #include <thread>
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "checkpoint/manager.h"
 #include "core/check.h"
@@ -20,11 +24,13 @@
 #include "data/token_file.h"
 #include "dist/dist.h"
 #include "kernels/weight_cache.h"
+#include "model/moe.h"
 #include "ops/clip.h"
 #include "pipeline/attn_res/block_store.h"
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
 #include "pipeline/schedule/timeline_svg.h"
+#include "train/expert_parallel.h"
 #include "train/memory_estimate.h"
 #include "train/pipeline_metrics.h"
 #include "train/preemption.h"
@@ -125,13 +131,17 @@ void Trainer::check_memory_fits() const {
 }
 
 ModelInfo Trainer::build_model() {
+  ep_size_ = mesh_ ? mesh_->ep() : 1;
   auto rm = build_rank_model(cfg_, pp_rank_, device_, compute_dtype_,
-                             mesh_ ? &mesh_->pp_group() : nullptr, step_context());
+                             mesh_ ? &mesh_->pp_group() : nullptr, step_context(),
+                             mesh_ ? mesh_->ep_group() : nullptr);
   plan_ = std::move(rm.plan);
   parts_ = std::move(rm.parts);
   attn_res_tables_ = std::move(rm.attn_res_tables);
   attn_res_store_ = std::move(rm.attn_res_store);
   param_offsets_ = std::move(rm.param_offsets);
+  expert_stats_ = std::move(rm.expert_stats);
+  n_layers_ = rm.info.n_layers;
   total_param_tensors_ = rm.total_param_tensors;
   flops_per_token_ = rm.info.flops_per_token;
   const auto& params = rm.params;
@@ -156,14 +166,32 @@ ModelInfo Trainer::build_model() {
   }
   VIADUCT_ASSERT(stage_of.size() == rm.params.size(), "rank ", rank(), ": ", stage_of.size(),
                  " parameters in the parts, ", rm.params.size(), " to train");
-  // The buckets of the data-parallel sum, which ZeRO-1 also shards.
-  auto buckets =
-      grad_buckets(rm.params, cfg_.get_int("parallelism.dp_bucket_mb") << 20, stage_of);
+  // The buckets of the data-parallel sum, which ZeRO-1 also shards. Each
+  // routed-expert tensor has its own, cut at expert boundaries; sharded
+  // ones are summed apart (Notes [Expert ranges and the clip norm],
+  // [Expert gradient sum], train/expert_parallel.h).
+  std::vector<bool> own_bucket(rm.params.size(), false), sharded(rm.params.size(), false);
+  std::vector<int64_t> units(rm.params.size(), 0);
+  std::vector<ExpertShard> shards;
+  for (const auto& part : parts_) {
+    for (const auto& [fqn, rows] : routed_expert_tensors(*part)) {
+      for (size_t i = 0; i < rm.params.size(); ++i) {
+        if (rm.params[i].fqn != fqn) continue;
+        own_bucket[i] = true;
+        units[i] = rm.params[i].param.numel() / rows;
+        sharded[i] = rm.params[i].whole_rows > 0;
+      }
+    }
+    for (auto& s : expert_shards(*part)) shards.push_back(std::move(s));
+  }
+  auto buckets = grad_buckets(rm.params, cfg_.get_int("parallelism.dp_bucket_mb") << 20,
+                              stage_of, own_bucket, sharded);
   if (shards_optimizer()) {
     // Note [ZeRO-1] (train/sharded_optimizer.h).
     auto sharded = std::make_unique<ShardedOptimizer>(
         std::move(rm.params), mesh_->dp_group(), buckets,
-        [this](std::vector<NamedParam> slices) { return make_optimizer(cfg_, std::move(slices)); });
+        [this](std::vector<NamedParam> slices) { return make_optimizer(cfg_, std::move(slices)); },
+        units);
     log::info("rank ", rank(), ": optimizer state ", sharded->state_bytes(), " bytes for ",
               sharded->owned_elements(), " of ", elements,
               " parameter elements (ZeRO-1 over dp ", dp_size_, ")");
@@ -177,7 +205,12 @@ ModelInfo Trainer::build_model() {
   if (mesh_ && dp_size_ > 1) {
     grad_reduction_ = std::make_unique<GradReduction>(mesh_->dp_group(), optimizer_->params(),
                                                       std::move(buckets), std::move(stage_of),
-                                                      /*whole=*/!shards_optimizer());
+                                                      /*whole=*/!shards_optimizer(), units);
+  }
+  if (!shards.empty()) {
+    expert_reduction_ = std::make_unique<ExpertGradReduction>(
+        mesh_->expert_replica_group(), dp_size_, ep_size_, mesh_->ep_rank(),
+        optimizer_->params(), std::move(shards), /*whole=*/!shards_optimizer());
   }
   if (plan_->split.num_stages > 1) {
     executor_ = std::make_unique<pipeline::PipelineExecutor>(
@@ -280,6 +313,7 @@ StepMetrics Trainer::train_step() {
   double loss_sum = forward_backward(batches, 1.0 / static_cast<double>(tokens), pending_losses);
   StepMetrics m;
   reduce_grads_over_dp(m);
+  const auto moe_counts = snapshot_moe_counts();
   const double lr = lr_at(cfg_, step_ + 1);
   const double max_norm = cfg_.get_float("training.max_norm");
   // Where it can, the update is queued on the device before the norm is read;
@@ -287,6 +321,7 @@ StepMetrics Trainer::train_step() {
   const auto device_norm = step_with_device_clip(lr, max_norm, pending_losses, loss_sum);
   const double norm = device_norm ? *device_norm : host_grad_norm(pending_losses, loss_sum);
   const double loss = gather_loss_and_pipeline_metrics(loss_sum, m);
+  if (moe_counts.defined()) gather_moe_metrics(moe_counts, m);
   VIADUCT_CHECK(std::isfinite(norm), "step ", step_ + 1,
                 ": the gradient norm is not finite (", norm,
                 "); lower optimizer.lr or check the data");
@@ -400,10 +435,12 @@ void Trainer::reduce_grads_over_dp(StepMetrics& m) {
   // finished early are summing already.
   const auto t0 = std::chrono::steady_clock::now();
   m.dp_buckets_overlapped = grad_reduction_->finish(step_context());
+  if (expert_reduction_) expert_reduction_->finish(step_context());
   m.dp_reduce_wait_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   m.dp_buckets = static_cast<int64_t>(grad_reduction_->num_buckets());
-  m.dp_bytes = grad_reduction_->last_step_bytes();
+  m.dp_bytes = grad_reduction_->last_step_bytes() +
+               (expert_reduction_ ? expert_reduction_->last_step_bytes() : 0);
 }
 
 std::optional<double> Trainer::step_with_device_clip(
@@ -417,8 +454,10 @@ std::optional<double> Trainer::step_with_device_clip(
   // finite updates nothing, and train_step's check raises the error.
   std::optional<ops::DeviceClip> device_clip;
   // A ZeRO-1 replica holds only its ranges' sums, and its norm needs a sum
-  // over dp first (Note [Gradient norm in shard pieces]): the host path.
-  if ((!mesh_ || mesh_->pp() == 1) && !shards_optimizer() && optimizer_->takes_device_scale()) {
+  // over dp first (Note [Gradient norm in shard pieces]): the host path; so
+  // does a rank holding a share of the experts.
+  if ((!mesh_ || mesh_->pp() == 1) && !shards_optimizer() && !expert_reduction_ &&
+      optimizer_->takes_device_scale()) {
     std::vector<at::Tensor> grads;
     if (grad_reduction_) {
       for (auto& piece : grad_reduction_->norm_pieces()) grads.push_back(std::move(piece.grad));
@@ -479,15 +518,27 @@ double Trainer::global_grad_norm() {
     for (size_t k = 0; k < local.size(); ++k) all[global[k]] = local[k];
   } else {
     const auto dp = static_cast<size_t>(dp_size_);
-    const auto pieces = grad_reduction_->norm_pieces();
+    auto pieces = grad_reduction_->norm_pieces();
+    // Under expert parallelism each sharded expert range has one
+    // contributor in the dp group (Note [Expert ranges and the clip norm]).
+    const size_t dense = pieces.size();
+    if (expert_reduction_) {
+      for (auto& piece : expert_reduction_->norm_pieces()) pieces.push_back(std::move(piece));
+    }
     std::vector<at::Tensor> grads;
     for (const auto& piece : pieces) grads.push_back(piece.grad);
     const auto sq = squared_norms(grads);
     all.assign(slots * dp, 0.0);
+    std::vector<double> owned(shards_optimizer() || !expert_reduction_ ? 0 : slots * dp, 0.0);
     for (size_t k = 0; k < pieces.size(); ++k) {
-      all[global[pieces[k].slot / dp] * dp + pieces[k].slot % dp] = sq[k];
+      auto& dest = k < dense || owned.empty() ? all : owned;
+      dest[global[pieces[k].slot / dp] * dp + pieces[k].slot % dp] = sq[k];
     }
     if (shards_optimizer()) sum_over(&mesh_->dp_group(), all, "gradient norms");
+    if (!owned.empty()) {
+      sum_over(&mesh_->dp_group(), owned, "expert gradient norms");
+      for (size_t k = 0; k < all.size(); ++k) all[k] += owned[k];
+    }
   }
   if (!pp1) sum_over(&mesh_->pp_group(), all, "gradient norms");
   return total_norm(all);
@@ -526,6 +577,69 @@ void Trainer::gather_attn_res_bytes(StepMetrics& m) {
   auto v = pack_attn_res_bytes(*executor_, *attn_res_store_, stages, plan_->split.pp, pp_rank_);
   sum_over(mesh_ ? &mesh_->pp_group() : nullptr, v, "pipeline byte counts");
   unpack_attn_res_bytes(v, stages, m);
+}
+
+at::Tensor Trainer::snapshot_moe_counts() {
+  std::vector<at::Tensor> counts;
+  for (auto& p : parts_) {
+    for (const auto& ref : moe_layer_refs(*p)) counts.push_back(ref.moe->tokens_per_expert);
+  }
+  if (counts.empty()) return {};
+  auto all = at::stack(counts);
+  if (!all.is_cuda()) return all.clone();
+  auto host = at::empty(all.sizes(), all.options().device(at::kCPU).pinned_memory(true));
+  host.copy_(all, /*non_blocking=*/true);
+  // Waited for alone: the optimizer queued after it runs on.
+  moe_counts_ready_ = std::make_unique<c10::Event>(device_.type());
+  moe_counts_ready_->record(c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_));
+  return host;
+}
+
+void Trainer::gather_moe_metrics(const at::Tensor& counts, StepMetrics& m) {
+  if (moe_counts_ready_) {
+    // (LibTorch 1.13's c10::Event has no synchronize; the copy is short.)
+    while (!moe_counts_ready_->query()) std::this_thread::yield();
+    moe_counts_ready_.reset();
+  }
+  std::vector<MoeLayerRef> refs;
+  for (auto& p : parts_) {
+    for (const auto& ref : moe_layer_refs(*p)) refs.push_back(ref);
+  }
+  const int64_t E = counts.size(1);
+  // Every layer's counts summed over the replicas, then each layer's
+  // largest load over the mean, gathered over the pipeline ranks (one
+  // contributor per layer).
+  std::vector<double> loads(static_cast<size_t>(n_layers_ * E), 0.0);
+  const auto c = counts.to(at::kDouble).contiguous();
+  const auto* v = c.data_ptr<double>();
+  for (size_t k = 0; k < refs.size(); ++k) {
+    std::copy(v + static_cast<int64_t>(k) * E, v + static_cast<int64_t>(k + 1) * E,
+              loads.begin() + refs[k].layer * E);
+  }
+  sum_over(mesh_ ? &mesh_->dp_group() : nullptr, loads, "MoE expert loads");
+  std::vector<double> ratio(static_cast<size_t>(n_layers_), 0.0);
+  for (const auto& ref : refs) {
+    const auto first = loads.begin() + ref.layer * E;
+    const double total = std::accumulate(first, first + E, 0.0);
+    if (total > 0) {
+      ratio[static_cast<size_t>(ref.layer)] =
+          *std::max_element(first, first + E) / (total / static_cast<double>(E));
+    }
+  }
+  sum_over(mesh_ ? &mesh_->pp_group() : nullptr, ratio, "MoE load imbalance");
+  m.moe_load_max_over_mean = std::move(ratio);
+  if (!expert_stats_) return;
+  // The copies each rank of the logging rank's ep group received.
+  std::vector<double> received(static_cast<size_t>(ep_size_), 0.0);
+  for (const auto& ref : refs) {
+    received[static_cast<size_t>(mesh_->ep_rank())] += static_cast<double>(ref.moe->tokens_received);
+    ref.moe->tokens_received = 0;
+  }
+  sum_over(mesh_->ep_group(), received, "expert tokens received");
+  m.ep_tokens_received_per_rank = std::move(received);
+  m.ep_alltoall_bytes = expert_stats_->bytes_sent;
+  m.ep_alltoall_seconds = expert_stats_->seconds;
+  *expert_stats_ = ExpertExchangeStats{};
 }
 
 void Trainer::sync_replica_statistics() {
@@ -603,12 +717,28 @@ void Trainer::save_checkpoint() {
       {{"pp", plan_->split.pp},
        {"dp", dp_size_},
        {"stages", plan_->split.num_stages},
-       {"dp_shard_optimizer", shards_optimizer()}});
+       {"dp_shard_optimizer", shards_optimizer()},
+       {"ep", ep_size_}});
   const int optim_dp = shards_optimizer() ? dp_size_ : 1;
   auto files = training_state_parts(parts_, *optimizer_, pp_rank_, pp, dp_rank_, optim_dp);
   // Every replica of a sharded optimizer writes its own optim file; the
-  // model's weights are written by the first replica alone.
+  // model's weights are written by the first replica alone. Under expert
+  // parallelism the first ep replicas each write their experts, as pieces
+  // of the whole tensors, into files of their own; the first writes the
+  // rest too.
   if (optim_dp > 1 && dp_rank_ != 0) files.erase(files.begin());
+  const int model_dp = expert_reduction_ ? ep_size_ : 1;
+  if (expert_reduction_) {
+    std::vector<ExpertShard> shards;
+    for (const auto& part : parts_) {
+      for (auto& s : expert_shards(*part)) shards.push_back(std::move(s));
+    }
+    for (auto& f : files) {
+      const std::string kind = f.file_name.rfind("model", 0) == 0 ? "model" : "optim";
+      f.file_name = checkpoint::part_file_name(kind, pp_rank_, pp, dp_rank_, model_dp);
+      store_experts_as_pieces(f, shards, /*keep_rest=*/dp_rank_ == 0);
+    }
+  }
   const bool async = cfg_.get_string("checkpoint.async_mode") == "async";
   const auto t_copy = std::chrono::steady_clock::now();
   if (async) snapshot_to_host(files);
@@ -619,11 +749,14 @@ void Trainer::save_checkpoint() {
     // The dp-rank-0 replica of every pipeline rank writes its parts.
     group = std::make_shared<ck::SaveGroup>();
     group->rank = rank();
-    group->writes_parts = dp_rank_ == 0 || optim_dp > 1;
+    group->writes_parts = dp_rank_ < model_dp || optim_dp > 1;
     for (int r = 0; r < pp; ++r) {
-      group->expected_files.push_back(ck::part_file_name("model", r, pp));
-      for (int d = 0; d < optim_dp; ++d) {
-        group->expected_files.push_back(ck::part_file_name("optim", r, pp, d, optim_dp));
+      for (int d = 0; d < model_dp; ++d) {
+        group->expected_files.push_back(ck::part_file_name("model", r, pp, d, model_dp));
+      }
+      for (int d = 0; d < std::max(optim_dp, model_dp); ++d) {
+        group->expected_files.push_back(
+            ck::part_file_name("optim", r, pp, d, std::max(optim_dp, model_dp)));
       }
     }
     if (async) {

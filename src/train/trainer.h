@@ -19,6 +19,7 @@
 // split of the step into micro-batches adds up the same per-token terms.
 #pragma once
 
+#include <c10/core/Event.h>
 #include <torch/torch.h>
 
 #include <exception>
@@ -52,6 +53,8 @@ struct CheckpointPart;
 }  // namespace checkpoint
 class FolderLock;
 class GradReduction;
+class ExpertGradReduction;
+struct ExpertExchangeStats;
 
 namespace data {
 class TokenSampler;
@@ -148,6 +151,13 @@ class Trainer {
   double global_grad_norm();
   double gather_loss_and_pipeline_metrics(double loss_sum, StepMetrics& m);
   void gather_attn_res_bytes(StepMetrics& m);
+  // MoE families: this rank's layers' expert counts of the step, [layers,
+  // E] int64, copied to the host without a wait (queued before the
+  // optimizer, so read after the norm without stalling on it); undefined
+  // without MoE layers. Then the load imbalance per layer over dp and pp,
+  // and under expert parallelism the exchanges' figures.
+  at::Tensor snapshot_moe_counts();
+  void gather_moe_metrics(const at::Tensor& counts, StepMetrics& m);
   void sync_replica_statistics();
   void fill_throughput(StepMetrics& m, double seconds) const;
 
@@ -178,6 +188,13 @@ class Trainer {
   std::unique_ptr<Optimizer> optimizer_;
   // dp > 1: the data-parallel gradient sum over optimizer_'s parameters.
   std::unique_ptr<GradReduction> grad_reduction_;
+  // ep > 1: the sum of the sharded experts' gradients (Note [Expert gradient
+  // sum], train/expert_parallel.h); grad_reduction_ leaves them out.
+  std::unique_ptr<ExpertGradReduction> expert_reduction_;
+  int ep_size_ = 1;
+  std::shared_ptr<ExpertExchangeStats> expert_stats_;
+  std::unique_ptr<c10::Event> moe_counts_ready_;  // snapshot_moe_counts' copy (CUDA)
+  int64_t n_layers_ = 0;
   std::shared_ptr<const data::TokenStream> eval_tokens_;
   std::unique_ptr<data::TokenSampler> sampler_;
   std::unique_ptr<data::EvalLoader> eval_loader_;

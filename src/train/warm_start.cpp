@@ -10,6 +10,7 @@
 #include "data/sampler.h"
 #include "model/chain_transformer.h"
 #include "model/family.h"
+#include "train/expert_parallel.h"
 
 namespace viaduct {
 namespace ck = checkpoint;
@@ -122,7 +123,7 @@ TrainProgress warm_start(const Config& cfg,
   const ck::Checkpoint ckpt = ck::open_checkpoint(dir, verify);
   check_every_tensor_has_a_place(cfg, ckpt);
   for (const auto& part : parts) {
-    ckpt.tensors.load_into(*part);
+    load_part_tensors(ckpt.tensors, *part);
     ckpt.tensors.load_into(part->extra_state());
   }
   if (model_only) {

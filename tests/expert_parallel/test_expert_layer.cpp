@@ -1,0 +1,241 @@
+// The MoE layer under expert parallelism, ranks as threads exchanging rows
+// in memory (Note [Expert parallelism], model/moe.h): the dispatch against
+// its closed form (every token copy reaches its expert's rank once, grouped
+// by source then expert, in the source's slot order), and each rank's
+// outputs, token gradients and per-source expert gradients against the
+// unsharded layer run on that rank's tokens alone, bitwise.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <barrier>
+#include <mutex>
+#include <thread>
+
+#include "model/moe.h"
+
+namespace viaduct {
+namespace {
+
+// Ranks as threads: exchange() deposits this rank's rows, waits for every
+// rank, and cuts its rows out of every deposit.
+class ThreadHub {
+ public:
+  explicit ThreadHub(int size)
+      : size_(size), sync_(size), rows_(static_cast<size_t>(size)), sends_(rows_.size()) {}
+  at::Tensor exchange(int rank, const at::Tensor& rows, const std::vector<int64_t>& send,
+                      const std::vector<int64_t>& recv) {
+    rows_[static_cast<size_t>(rank)] = rows.contiguous();
+    sends_[static_cast<size_t>(rank)] = send;
+    sync_.arrive_and_wait();
+    std::vector<at::Tensor> parts;
+    for (int s = 0; s < size_; ++s) {
+      const auto& from = sends_[static_cast<size_t>(s)];
+      int64_t off = 0;
+      for (int q = 0; q < rank; ++q) off += from[static_cast<size_t>(q)];
+      const int64_t n = from[static_cast<size_t>(rank)];
+      EXPECT_EQ(n, recv[static_cast<size_t>(s)]) << "rank " << rank << " from " << s;
+      parts.push_back(rows_[static_cast<size_t>(s)].narrow(0, off, n));
+    }
+    auto out = at::cat(parts, 0).clone();
+    sync_.arrive_and_wait();  // every rank has read every deposit
+    return out;
+  }
+  int size() const { return size_; }
+
+ private:
+  int size_;
+  std::barrier<> sync_;
+  std::vector<at::Tensor> rows_;
+  std::vector<std::vector<int64_t>> sends_;
+};
+
+class ThreadExchange : public ExpertExchange {
+ public:
+  ThreadExchange(ThreadHub& hub, int rank) : hub_(hub), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return hub_.size(); }
+  at::Tensor exchange(const at::Tensor& rows, const std::vector<int64_t>& send,
+                      const std::vector<int64_t>& recv) override {
+    auto out = hub_.exchange(rank_, rows, send, recv);
+    received.push_back(out);
+    return out;
+  }
+  std::vector<at::Tensor> received;  // every call's rows, in call order
+
+ private:
+  ThreadHub& hub_;
+  int rank_;
+};
+
+MoeOptions options() { return MoeOptions{16, 8, 2, 24, 1, 1.5, 0.01}; }
+
+struct RankResult {
+  at::Tensor y, dx, drouter;
+  std::vector<std::vector<at::Tensor>> source_grads;  // [source][w]
+  std::vector<at::Tensor> received;                   // the exchanges' rows
+  at::Tensor w1;                                      // the local rows
+};
+
+// Rank r's tokens: x_r [B, T, D], and the weights of its loss.
+at::Tensor tokens(int rank, int64_t n) {
+  torch::manual_seed(100 + static_cast<uint64_t>(rank));
+  return torch::randn({1, n, options().dim});
+}
+at::Tensor loss_weights(int rank, int64_t n) {
+  torch::manual_seed(200 + static_cast<uint64_t>(rank));
+  return torch::randn({1, n, options().dim});
+}
+
+// `bias`: added to expert_bias on every rank (steers the routing).
+std::vector<RankResult> run_sharded(int ep, int64_t n, const at::Tensor& bias) {
+  // Drawn here: the global generator is not for threads.
+  std::vector<at::Tensor> xs, cs;
+  for (int r = 0; r < ep; ++r) {
+    xs.push_back(tokens(r, n));
+    cs.push_back(loss_weights(r, n));
+  }
+  ThreadHub hub(ep);
+  std::vector<RankResult> out(static_cast<size_t>(ep));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ep; ++r) {
+    threads.emplace_back([&, r] {
+      at::set_num_threads(1);
+      Moe moe(options());
+      auto ex = std::make_shared<ThreadExchange>(hub, r);
+      moe->shard_experts(ex);
+      moe->init_weights(7, "moe.", 0.3, 0.3);
+      {
+        torch::NoGradGuard g;
+        moe->expert_bias.add_(bias);
+      }
+      auto x = xs[static_cast<size_t>(r)].clone().requires_grad_(true);
+      auto y = moe->forward(x);
+      (y * cs[static_cast<size_t>(r)]).sum().backward();
+      auto& res = out[static_cast<size_t>(r)];
+      res.y = y.detach();
+      res.dx = x.grad();
+      res.drouter = moe->router->weight.grad();
+      res.source_grads = moe->take_source_grads();
+      res.received = ex->received;
+      res.w1 = moe->experts->w1.detach().clone();
+      EXPECT_FALSE(moe->experts->w1.grad().defined()) << "rank " << r;
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+struct Reference {
+  at::Tensor y, dx, drouter, idx;
+  std::vector<at::Tensor> dw;  // w1, w2, w3, whole
+  at::Tensor w1, slots;        // slots: x's rows repeated k times, [N K, D]
+};
+
+Reference run_one(int rank, int64_t n, const at::Tensor& bias) {
+  at::set_num_threads(1);
+  Moe moe(options());
+  moe->init_weights(7, "moe.", 0.3, 0.3);
+  {
+    torch::NoGradGuard g;
+    moe->expert_bias.add_(bias);
+  }
+  auto x = tokens(rank, n).requires_grad_(true);
+  auto y = moe->forward(x);
+  (y * loss_weights(rank, n)).sum().backward();
+  Reference ref;
+  ref.y = y.detach();
+  ref.dx = x.grad();
+  ref.drouter = moe->router->weight.grad();
+  for (auto* w : {&moe->experts->w1, &moe->experts->w2, &moe->experts->w3}) {
+    ref.dw.push_back(w->grad());
+  }
+  ref.w1 = moe->experts->w1.detach().clone();
+  torch::NoGradGuard g;
+  auto xf = x.detach().reshape({-1, options().dim});
+  ref.idx = moe->route(xf).first;
+  const int64_t K = options().n_activated_experts;
+  ref.slots = xf.unsqueeze(1).expand({n, K, options().dim}).reshape({n * K, options().dim});
+  return ref;
+}
+
+void expect_matches_one_rank(int ep, int64_t n, const at::Tensor& bias) {
+  const auto sharded = run_sharded(ep, n, bias);
+  const int64_t E = options().n_routed_experts, El = E / ep;
+  std::vector<Reference> refs;
+  for (int r = 0; r < ep; ++r) refs.push_back(run_one(r, n, bias));
+  for (int r = 0; r < ep; ++r) {
+    const auto& got = sharded[static_cast<size_t>(r)];
+    const auto& ref = refs[static_cast<size_t>(r)];
+    SCOPED_TRACE("ep " + std::to_string(ep) + " rank " + std::to_string(r));
+    EXPECT_TRUE(torch::equal(got.w1, ref.w1.narrow(0, r * El, El)));
+    EXPECT_TRUE(torch::equal(got.y, ref.y));
+    EXPECT_TRUE(torch::equal(got.dx, ref.dx));
+    EXPECT_TRUE(torch::equal(got.drouter, ref.drouter));
+    // Each source's gradient of this rank's experts: the rows of the
+    // unsharded layer's gradient on that source's tokens.
+    ASSERT_EQ(got.source_grads.size(), static_cast<size_t>(ep));
+    for (int s = 0; s < ep; ++s) {
+      for (size_t w = 0; w < 3; ++w) {
+        const auto want = refs[static_cast<size_t>(s)].dw[w].narrow(0, r * El, El);
+        const auto& g = got.source_grads[static_cast<size_t>(s)][w];
+        if (!g.defined()) {
+          EXPECT_TRUE(torch::equal(want, torch::zeros_like(want))) << "source " << s;
+          continue;
+        }
+        EXPECT_TRUE(torch::equal(g, want)) << "source " << s << " weight " << w;
+      }
+    }
+    // The dispatch's closed form: the counts, then for every source in rank
+    // order the copies of this rank's experts, expert by expert, each in
+    // the source's slot order.
+    ASSERT_GE(got.received.size(), 3u);
+    std::vector<at::Tensor> want_rows;
+    std::vector<int64_t> want_counts;
+    for (int s = 0; s < ep; ++s) {
+      const auto& src = refs[static_cast<size_t>(s)];
+      const auto flat = src.idx.reshape({-1});
+      for (int64_t e = r * El; e < (r + 1) * El; ++e) {
+        const auto slots = (flat == e).nonzero().reshape({-1});  // ascending
+        want_counts.push_back(slots.numel());
+        want_rows.push_back(src.slots.index_select(0, slots));
+      }
+    }
+    EXPECT_TRUE(torch::equal(got.received[0].reshape({-1}), torch::tensor(want_counts)));
+    EXPECT_TRUE(torch::equal(got.received[1], at::cat(want_rows, 0)));
+  }
+}
+
+TEST(ExpertLayer, TwoRanksHaveTheBitsOfOneRankPerSource) {
+  expect_matches_one_rank(2, 13, torch::zeros({options().n_routed_experts}));
+}
+
+TEST(ExpertLayer, FourRanksWithFewTokensHaveTheBitsOfOneRank) {
+  // Three tokens, six copies over eight experts: most (source, expert)
+  // groups are empty.
+  expect_matches_one_rank(4, 3, torch::zeros({options().n_routed_experts}));
+}
+
+TEST(ExpertLayer, RanksThatReceiveNothingStillAnswerTheExchanges) {
+  // Every token picks experts 0 and 1 (rank 0's at ep 4): ranks 1-3 get no
+  // rows but join every all-to-all of the forward and the backward.
+  auto bias = torch::zeros({options().n_routed_experts});
+  bias[0] = 10.0;
+  bias[1] = 9.0;
+  expect_matches_one_rank(4, 5, bias);
+}
+
+TEST(ExpertLayer, ShardingRefusesAnExpertCountItDoesNotDivide) {
+  ThreadHub hub(3);
+  Moe moe(options());
+  try {
+    moe->shard_experts(std::make_shared<ThreadExchange>(hub, 0));
+    FAIL() << "sharding 8 experts over 3 ranks was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("must divide model.n_routed_experts (8)"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace viaduct
