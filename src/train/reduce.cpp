@@ -28,14 +28,20 @@ std::vector<std::vector<size_t>> grad_buckets(const std::vector<NamedParam>& par
   auto flag = [](const std::vector<bool>& v, size_t i) { return !v.empty() && v.at(i); };
   std::vector<std::vector<size_t>> buckets;
   int64_t bytes = 0;
+  // A parameter with a bucket of its own, or none, ends the bucket before
+  // it: the other buckets are the same whichever of the two it has.
+  bool closed = true;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (flag(skip, i)) continue;
+    if (flag(skip, i)) {
+      closed = true;
+      continue;
+    }
     const auto& p = params[i].param;
     const size_t prev = buckets.empty() ? 0 : buckets.back().back();
-    if (buckets.empty() || bytes >= bucket_bytes ||
+    if (closed || bytes >= bucket_bytes ||
         p.scalar_type() != params[prev].param.scalar_type() ||
-        (!stage_of.empty() && stage_of[i] != stage_of[prev]) || flag(own_bucket, i) ||
-        flag(own_bucket, prev)) {
+        (!stage_of.empty() && stage_of[i] != stage_of[prev]) || flag(own_bucket, i)) {
+      closed = flag(own_bucket, i);
       buckets.emplace_back();
       bytes = 0;
     }

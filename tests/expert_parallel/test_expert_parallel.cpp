@@ -99,11 +99,15 @@ TEST_F(ExpertParallelRuns, PipelineSchedulesWithExpertParallelHaveTheBitsOfDataP
                                        " --parallelism.pipeline_parallel_stages_per_rank=2"
                                        " --parallelism.pipeline_parallel_microbatches=2"}}) {
     SCOPED_TRACE(name);
-    // One process and pipelines share bits with the same micro-batches.
+    // One process and pipelines share bits with the same micro-batches
+    // (the AttnRes rank cache with the whole-stack backward: Note [AttnRes
+    // cache backward]).
     const auto with_micro = train("dp2_ep1_m2", 2,
                                   base_args() + layout(1, 2, 1) +
                                       " --parallelism.pipeline_parallel_microbatches=2");
-    const auto run = train(name, 4, base_args() + layout(2, 2, 2, schedule));
+    const auto run = train(name, 4,
+                           base_args() + layout(2, 2, 2, schedule) +
+                               " --parallelism.attn_res_cache_backward=whole_stack");
     expect_same_bits(with_micro, run, 3);
   }
   (void)plain;
