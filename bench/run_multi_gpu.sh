@@ -19,9 +19,16 @@
 #            every layer, AttnRes blocks of 3), pp = NGPU x 2 stages
 #            (Interleaved1F1B, 8 micro-batches): rank cache, rank cache +
 #            host offload, whole stack: tok/s, peak memory and block-store
-#            peak per rank, P2P bytes and wait per step.
+#            peak per rank, P2P bytes and wait per step;
+#   ep       expert parallelism: kimi_k3 with the full flavor's MoE shape
+#            (128 experts top-8, expert width 1024, dim 2048; EP_LAYERS
+#            layers, default 4) at dp = NGPU for ep 1, 2, 4, ... up to NGPU
+#            (each dividing it): tok/s, MFU, peak memory, the all-to-all's
+#            bytes and host seconds per step and their share of the step, the
+#            busiest expert over the mean, and whether the losses of the
+#            first steps equal ep 1's.
 #
-#   SECTIONS="smoke bitwise layers peer k3" bash bench/run_multi_gpu.sh build-gpu
+#   SECTIONS="smoke bitwise layers peer k3 ep" bash bench/run_multi_gpu.sh build-gpu
 # Results: $OUT/multi.md (one table) and stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -30,7 +37,7 @@ V=$B/viaduct
 OUT=${OUT:-/tmp/multi_gpu}
 mkdir -p "$OUT"
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c GPU)}
-SECTIONS=${SECTIONS:-smoke bitwise layers peer k3}
+SECTIONS=${SECTIONS:-smoke bitwise layers peer k3 ep}
 # A schedule name with "+flops" runs with parallelism.pipeline_parallel_balance
 # = flops (Note [Split balanced by FLOPs]).
 SCHEDULES=${SCHEDULES:-1F1B Interleaved1F1B Interleaved1F1B+flops GPipe ZBVZeroBubble}
@@ -162,7 +169,7 @@ if has peer; then
     "$V" split "${L8[@]}" --parallelism.pipeline_parallel_schedule="$sched" \
       --parallelism.pipeline_parallel_stages_per_rank="$v" --json >"$OUT/split.json" 2>"$OUT/split.err"
     timeout "$RUN_TIMEOUT" torchrun --nproc-per-node "$NGPU" bench/torch_pipeline.py \
-      --checkpoint "$ck" --split-json "$OUT/split.json" --timing-warmup 3 \
+      --checkpoint "$ck" --split-json "$OUT/split.json" --timing-warmup 3 --steps "$STEPS" \
       --json-out "$OUT/peer.json" >"$OUT/peer.log" 2>&1 ||
       { say "peer failed:"; grep -v "^ " "$OUT/peer.log" | grep -iE "error|exception" | head -6 | tee -a "$MD"; }
     if [ -f "$OUT/peer.json" ]; then
@@ -204,6 +211,33 @@ open('$K3DATA', 'wb').write(a.tobytes())"
         { say "| $sname | $name | failed: $(errors "$dir.log" | head -1 | cut -c1-150) | | | | | |"; continue; }
       "$PY" bench/multi_gpu_row.py k3 "$dir/metrics.jsonl" "$sname" "$name" | tee -a "$MD"
     done
+  done
+fi
+if has ep; then
+  mkdir -p outputs/bench
+  EPDATA=outputs/bench/random_v163840_ep.u32
+  [ -f "$EPDATA" ] || "$PY" -c "
+import array, random
+r = random.Random(1234)
+a = array.array('I', (r.randrange(163840) for _ in range(($STEPS + 4) * $NGPU * 4 * 4096 + 1)))
+open('$EPDATA', 'wb').write(a.tobytes())"
+  EP_LAYERS=${EP_LAYERS:-4}
+  ep_run=(--config configs/kimi_k3_debug.toml --model.flavor=full --model.n_layers="$EP_LAYERS"
+    --model.vision=false --training.seq_len=4096 --training.local_batch_size=4
+    --training.dtype="$DTYPE" --training.device="$DEVICE" --training.steps="$STEPS"
+    --training.eval_interval=0 --checkpoint.enable=false --metrics.log_freq=1
+    --metrics.progress_bar=false --parallelism.data_parallel_degree="$NGPU"
+    --data.path="$EPDATA" ${EP_EXTRA:-})
+  say "## ep: kimi_k3 full-flavor MoE shape, $EP_LAYERS layers, 4 x 4096 tokens a rank, dp $NGPU"
+  say "| ep | tok/s | MFU | peak GiB per rank | all-to-all MB/step | all-to-all s/step (share) | busiest expert / mean | losses = ep 1 |"
+  say "|---|---|---|---|---|---|---|---|"
+  for ep in 1 2 4 8 16; do
+    [ "$ep" -le "$NGPU" ] && [ $((NGPU % ep)) -eq 0 ] || continue
+    dir=$OUT/ep$ep
+    launch "${ep_run[@]}" --parallelism.expert_parallel_degree="$ep" --job.dump_folder="$dir" \
+      >"$dir.log" 2>&1 ||
+      { say "| $ep | failed: $(errors "$dir.log" | head -1 | cut -c1-150) | | | | | | |"; continue; }
+    "$PY" bench/multi_gpu_row.py ep "$dir/metrics.jsonl" "$ep" "$OUT/ep1/metrics.jsonl" | tee -a "$MD"
   done
 fi
 say "done"

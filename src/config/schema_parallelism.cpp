@@ -105,11 +105,6 @@ void validate_parallelism(const Config& c) {
   VIADUCT_CHECK_T(ConfigError, dp % ep == 0, "parallelism.expert_parallel_degree (", ep,
                   ") must divide parallelism.data_parallel_degree (", dp,
                   "): the expert-parallel ranks are data-parallel replicas of one stage");
-  VIADUCT_CHECK_T(ConfigError, ep == 1 || !c.get_bool("parallelism.dp_shard_optimizer"),
-                  "parallelism.dp_shard_optimizer = true does not run with "
-                  "parallelism.expert_parallel_degree = ", ep,
-                  " yet (the sharded experts' optimizer state is not sliced over their "
-                  "replicas): set one of them back");
 
   // Note [AttnRes cache backward] (pipeline/attn_res/block_layout.h).
   constexpr const char* kCacheBackward = "parallelism.attn_res_cache_backward";

@@ -39,7 +39,13 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
   if (adamw && cfg.get_bool("parallelism.dp_shard_optimizer")) {
     e.optimizer_shards = cfg.get_int("parallelism.data_parallel_degree");
   }
-  e.optimizer = params * (adamw ? 8.0 : 0.0) / static_cast<double>(e.optimizer_shards);
+  // The experts' moments are split over their dp / ep replicas.
+  const double shards = static_cast<double>(e.optimizer_shards);
+  const double optimized =
+      shards == 1 ? params
+                  : (params - e.expert_params) / shards +
+                        e.expert_params * static_cast<double>(e.expert_shards) / shards;
+  e.optimizer = optimized * (adamw ? 8.0 : 0.0);
 
   // One process runs its micro-batches one after another; a pipeline holds
   // what the schedule's simulation says.

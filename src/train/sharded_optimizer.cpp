@@ -13,19 +13,33 @@ ShardedOptimizer::ShardedOptimizer(std::vector<NamedParam> params,
                                    dist::ProcessGroup& dp_group,
                                    std::vector<std::vector<size_t>> buckets,
                                    const MakeInner& make_inner,
-                                   const std::vector<int64_t>& units)
-    : Optimizer(std::move(params)), group_(dp_group), buckets_(std::move(buckets)) {
+                                   const std::vector<int64_t>& units,
+                                   dist::ProcessGroup* expert_group,
+                                   std::vector<std::vector<size_t>> expert_buckets)
+    : Optimizer(std::move(params)), buckets_(std::move(buckets)) {
+  VIADUCT_ASSERT(expert_buckets.empty() || expert_group != nullptr,
+                 "expert buckets without their group");
   std::vector<int64_t> numels;
   for (const auto& np : params_) {
     VIADUCT_CHECK(np.param.is_contiguous(), "ZeRO-1: parameter '", np.fqn,
                   "' is not contiguous");
     numels.push_back(np.param.numel());
   }
-  layout_ = shard_layout(numels, buckets_, group_.size(), units);
+  layout_ = shard_layout(numels, buckets_, dp_group.size(), units);
+  groups_.assign(buckets_.size(), &dp_group);
+  if (!expert_buckets.empty()) {
+    auto experts = shard_layout(numels, expert_buckets, expert_group->size(), units);
+    for (auto& per_rank : experts.segments) layout_.segments.push_back(std::move(per_rank));
+    for (auto& b : expert_buckets) {
+      buckets_.push_back(std::move(b));
+      groups_.push_back(expert_group);
+    }
+  }
   std::vector<NamedParam> slices;
   torch::NoGradGuard no_grad;
-  for (const auto& per_rank : layout_.segments) {
-    for (const auto& s : per_rank[static_cast<size_t>(group_.rank())]) {
+  for (size_t b = 0; b < layout_.segments.size(); ++b) {
+    const auto& per_rank = layout_.segments[b];
+    for (const auto& s : per_rank[static_cast<size_t>(groups_[b]->rank())]) {
       const auto& np = params_[s.param];
       // A detached view shares the parameter's storage and version counter:
       // the inner optimizer's in-place update writes the weights and moves
@@ -71,17 +85,18 @@ void ShardedOptimizer::step_device_scaled(double lr, const at::Tensor& scale) {
 
 void ShardedOptimizer::all_gather_weights() {
   torch::NoGradGuard no_grad;
-  const auto me = static_cast<size_t>(group_.rank());
   last_step_bytes_ = 0;
   for (size_t b = 0; b < layout_.segments.size(); ++b) {
+    auto& group = *groups_[b];
+    const auto me = static_cast<size_t>(group.rank());
     const auto& per_rank = layout_.segments[b];
     // This replica's range flattened; empty, it still joins the gather.
     std::vector<at::Tensor> pieces{at::empty({0}, params_[buckets_[b].front()].param.options())};
     for (const auto& s : per_rank[me]) pieces.push_back(segment_of(params_[s.param].param, s));
-    auto g = start_range_gather(group_, per_rank, at::cat(pieces));
+    auto g = start_range_gather(group, per_rank, at::cat(pieces));
     if (g.outputs.empty()) continue;
     last_step_bytes_ += g.bytes_sent;
-    g.work.wait(str("ZeRO-1 all-gather of the updated weights over ", group_.name()));
+    g.work.wait(str("ZeRO-1 all-gather of the updated weights over ", group.name()));
     copy_gathered_ranges(
         g, per_rank,
         [&](const ShardSegment& s) { return segment_of(params_[s.param].param.detach(), s); }, me);
@@ -108,7 +123,15 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedOptimizer::state_pieces(
   std::vector<checkpoint::TensorPiece> pieces;
   for (const auto& [name, t] : inner_->state()) {
     const auto& seg = mine_[slice_of_state_key(name)];
-    pieces.push_back({name, params_[seg.param].param.sizes().vec(), seg.begin, t.reshape(-1)});
+    const auto& np = params_[seg.param];
+    // A sharded expert tensor's rows sit at their place in the whole one.
+    auto shape = np.param.sizes().vec();
+    int64_t offset = seg.begin;
+    if (np.whole_rows > 0) {
+      offset += np.first_row * (np.param.numel() / np.param.size(0));
+      shape[0] = np.whole_rows;
+    }
+    pieces.push_back({name, shape, offset, t.reshape(-1)});
   }
   auto [tensors, meta] = checkpoint::piece_entries(pieces);
   if (metadata) *metadata = std::move(meta);
@@ -127,10 +150,15 @@ std::map<std::string, std::string> ShardedOptimizer::state_file_metadata() const
 
 at::Tensor ShardedOptimizer::cut(const std::string& key, const at::Tensor& whole) const {
   const auto& seg = mine_[slice_of_state_key(key)];
-  const auto& param = params_[seg.param].param;
-  VIADUCT_CHECK_T(FileError, whole.numel() == param.numel(), "optimizer state '", key, "' has ",
+  const auto& np = params_[seg.param];
+  const auto& param = np.param;
+  // A sharded expert tensor's state is stored whole: its rows first.
+  const auto rows = np.whole_rows > 0 && whole.dim() > 0 && whole.size(0) == np.whole_rows
+                        ? whole.narrow(0, np.first_row, param.size(0))
+                        : whole;
+  VIADUCT_CHECK_T(FileError, rows.numel() == param.numel(), "optimizer state '", key, "' has ",
                   whole.numel(), " elements, expected ", param.numel());
-  return segment_of(whole, seg).clone();
+  return segment_of(rows.contiguous(), seg).clone();
 }
 
 void ShardedOptimizer::load_slices(const std::function<at::Tensor(const std::string&)>& whole) {

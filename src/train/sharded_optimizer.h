@@ -23,6 +23,12 @@
 // gather; loading reads the pieces covering this replica's ranges from
 // whichever files hold them, so a sharded checkpoint resumes unsharded, on
 // another dp or pp, and an unsharded one resumes sharded.
+//
+// Under expert parallelism the sharded expert tensors (Note [Expert
+// parallelism], model/moe.h) are buckets of their own over the
+// expert-replica group instead, cut at expert boundaries as their gradient
+// sum keeps them (Note [Expert gradient sum], expert_parallel.h); their
+// pieces are written at their place in the whole tensors.
 #pragma once
 
 #include <cstdint>
@@ -46,9 +52,13 @@ class ShardedOptimizer : public Optimizer {
   // `dp_group`); `buckets`: their grad_buckets; `make_inner` builds the
   // optimizer over this replica's slices.
   // `units`: shard_layout's, as the gradient reduction's.
+  // `expert_buckets`: one per sharded expert tensor, cut over
+  // `expert_group` (set when there are any).
   ShardedOptimizer(std::vector<NamedParam> params, dist::ProcessGroup& dp_group,
                    std::vector<std::vector<size_t>> buckets, const MakeInner& make_inner,
-                   const std::vector<int64_t>& units = {});
+                   const std::vector<int64_t>& units = {},
+                   dist::ProcessGroup* expert_group = nullptr,
+                   std::vector<std::vector<size_t>> expert_buckets = {});
 
   void step(double lr) override;
   void step_scaled(double lr, double grad_scale) override;
@@ -84,7 +94,7 @@ class ShardedOptimizer : public Optimizer {
   // tensor `whole(key)` returns.
   void load_slices(const std::function<at::Tensor(const std::string&)>& whole);
 
-  dist::ProcessGroup& group_;
+  std::vector<dist::ProcessGroup*> groups_;  // per bucket
   std::vector<std::vector<size_t>> buckets_;
   ShardLayout layout_;
   std::vector<ShardSegment> mine_;  // the inner optimizer's params, in order

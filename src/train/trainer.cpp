@@ -187,15 +187,20 @@ ModelInfo Trainer::build_model() {
   auto buckets = grad_buckets(rm.params, cfg_.get_int("parallelism.dp_bucket_mb") << 20,
                               stage_of, own_bucket, sharded);
   if (shards_optimizer()) {
-    // Note [ZeRO-1] (train/sharded_optimizer.h).
-    auto sharded = std::make_unique<ShardedOptimizer>(
+    // Note [ZeRO-1] (train/sharded_optimizer.h); sharded experts over their
+    // replicas.
+    std::vector<std::vector<size_t>> expert_buckets;
+    for (size_t i = 0; i < sharded.size(); ++i) {
+      if (sharded[i]) expert_buckets.push_back({i});
+    }
+    auto zero = std::make_unique<ShardedOptimizer>(
         std::move(rm.params), mesh_->dp_group(), buckets,
         [this](std::vector<NamedParam> slices) { return make_optimizer(cfg_, std::move(slices)); },
-        units);
-    log::info("rank ", rank(), ": optimizer state ", sharded->state_bytes(), " bytes for ",
-              sharded->owned_elements(), " of ", elements,
+        units, mesh_->expert_replica_group(), std::move(expert_buckets));
+    log::info("rank ", rank(), ": optimizer state ", zero->state_bytes(), " bytes for ",
+              zero->owned_elements(), " of ", elements,
               " parameter elements (ZeRO-1 over dp ", dp_size_, ")");
-    optimizer_ = std::move(sharded);
+    optimizer_ = std::move(zero);
   } else {
     optimizer_ = make_optimizer(cfg_, std::move(rm.params));
     log::info("rank ", rank(), ": optimizer state ", optimizer_->state_bytes(), " bytes for ",
@@ -726,19 +731,22 @@ void Trainer::save_checkpoint() {
   // parallelism the first ep replicas each write their experts, as pieces
   // of the whole tensors, into files of their own; the first writes the
   // rest too.
-  if (optim_dp > 1 && dp_rank_ != 0) files.erase(files.begin());
   const int model_dp = expert_reduction_ ? ep_size_ : 1;
   if (expert_reduction_) {
     std::vector<ExpertShard> shards;
     for (const auto& part : parts_) {
       for (auto& s : expert_shards(*part)) shards.push_back(std::move(s));
     }
-    for (auto& f : files) {
-      const std::string kind = f.file_name.rfind("model", 0) == 0 ? "model" : "optim";
-      f.file_name = checkpoint::part_file_name(kind, pp_rank_, pp, dp_rank_, model_dp);
-      store_experts_as_pieces(f, shards, /*keep_rest=*/dp_rank_ == 0);
+    // files: the model part, then the optimizer's (ZeRO-1's already in
+    // pieces, in a file per replica).
+    for (size_t k = 0; k < files.size(); ++k) {
+      if (k == 1 && optim_dp > 1) continue;
+      files[k].file_name =
+          checkpoint::part_file_name(k == 0 ? "model" : "optim", pp_rank_, pp, dp_rank_, model_dp);
+      store_experts_as_pieces(files[k], shards, /*keep_rest=*/dp_rank_ == 0);
     }
   }
+  if (dp_rank_ >= model_dp) files.erase(files.begin());
   const bool async = cfg_.get_string("checkpoint.async_mode") == "async";
   const auto t_copy = std::chrono::steady_clock::now();
   if (async) snapshot_to_host(files);

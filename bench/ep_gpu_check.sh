@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Expert parallelism on one GPU, one device call: the CUDA build with the
+# expert-parallel code (build-gpu, as bench/run_single_gpu.sh makes it), the
+# MoE layer sharded over ranks as threads on the GPU against the unsharded
+# layer (test_expert_layer), the MoE kernel tests, the NCCL cases of
+# test_dist, and a short kimi_k3 run at ep 1 on the GPU whose metrics must
+# carry the MoE load per layer. ep > 1 over NCCL needs several GPUs
+# (bench/run_multi_gpu.sh's ep section). Needs .deps carried
+# (bench/fetch_deps.sh).
+#
+#   bash bench/ep_gpu_check.sh      # results in $OUT/ep_gpu.md and stdout
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-/tmp/ep_gpu}
+mkdir -p "$OUT"
+MD=$OUT/ep_gpu.md
+: >"$MD"
+say() { echo "$*" | tee -a "$MD"; }
+B=build-gpu
+PY=${PYTHON:-python3}
+
+if [ ! -f .deps/usr/include/toml++/toml.h ]; then
+  for f in .deps/*.deb; do dpkg -x "$f" .deps; done
+fi
+prefix=$("$PY" -c 'import torch;print(torch.utils.cmake_prefix_path)')
+gen=()
+command -v ninja >/dev/null && gen=(-G Ninja)
+if [ ! -f $B/CMakeCache.txt ]; then
+  cmake -S . -B $B "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DVIADUCT_BUILD_TESTS=ON \
+    -DVIADUCT_GTEST_SOURCE_DIR="$PWD/.deps/usr/src/googletest" -DCMAKE_PREFIX_PATH="$prefix" \
+    -DCMAKE_INCLUDE_PATH="$PWD/.deps/usr/include" \
+    -DCMAKE_LIBRARY_PATH="$PWD/.deps/usr/lib/x86_64-linux-gnu" \
+    -DVIADUCT_EXTRA_INCLUDE="$PWD/.deps/usr/include" >"$OUT/cmake.log" 2>&1 ||
+    { say "cmake failed"; tail -20 "$OUT/cmake.log"; exit 1; }
+fi
+t0=$(date +%s)
+cmake --build $B --target viaduct_app test_expert_layer test_moe_kernels test_dist \
+  -j "$(nproc)" >"$OUT/build.log" 2>&1 ||
+  { say "build failed"; grep -m 20 -E "error" "$OUT/build.log" | tee -a "$MD"; exit 1; }
+say "build: $(($(date +%s) - t0)) s"
+
+for t in expert_parallel/test_expert_layer kernels/test_moe_kernels dist/test_dist; do
+  [ -x "$B/tests/$t" ] || { say "no $B/tests/$t"; continue; }
+  args=()
+  [ "$t" = dist/test_dist ] && args=(--gtest_filter='*Nccl*:*NCCL*')
+  timeout 300 "$B/tests/$t" "${args[@]}" >"$OUT/$(basename $t).log" 2>&1
+  say "$t: exit $? $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$(basename $t).log" | tr '\n' ' ')"
+  grep -E "expert layer on|Failure|Which is" "$OUT/$(basename $t).log" | head -12 | tee -a "$MD"
+done
+
+data=outputs/bench/random_v257_ep.u32
+mkdir -p outputs/bench
+[ -f $data ] || "$PY" -c "
+import array, random
+r = random.Random(1234)
+open('$data', 'wb').write(array.array('I', (r.randrange(257) for _ in range(200000))).tobytes())"
+timeout 300 $B/viaduct train --config configs/kimi_k3_debug.toml --training.device=cuda \
+  --training.steps=20 --training.eval_interval=0 --checkpoint.enable=false \
+  --metrics.progress_bar=false --metrics.log_freq=10 --data.path=$data --data.format=uint32 \
+  --job.dump_folder="$OUT/k3_ep1" >"$OUT/k3_ep1.log" 2>&1
+say "kimi_k3 debugmodel on cuda, 20 steps: exit $?"
+grep -E "^step|error" "$OUT/k3_ep1.log" | tail -3 | tee -a "$MD"
+"$PY" - "$OUT/k3_ep1/metrics.jsonl" <<'EOF' | tee -a "$MD"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
+loads = [max(r["moe_load_max_over_mean"]) for r in rows if r.get("moe_load_max_over_mean")]
+print(f"moe_load_max_over_mean in {len(loads)} of {len(rows)} steps; worst layer first/last: "
+      f"{loads[0]:.2f} / {loads[-1]:.2f}" if loads else "no moe_load_max_over_mean")
+EOF
