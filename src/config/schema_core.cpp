@@ -113,6 +113,7 @@ void add_model_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("model", "n_shared_experts", T::kInt, kUnset, "MoE shared experts (each moe_hidden_dim wide)").in(at_least(0)));
   k.push_back(key("model", "moe_route_scale", T::kFloat, kUnset, "MoE routed output scale (routed_scaling_factor)").in(greater_than(0)));
   k.push_back(key("model", "moe_bias_update_rate", T::kFloat, kUnset, "MoE balancing bias step per optimizer step (0: frozen)").in(at_least(0)));
+  k.push_back(key("model", "moe_capacity_factor", T::kFloat, 0.0, "MoE: each expert takes at most ceil(factor x tokens x top-k / experts) copies of a micro-batch's tokens, the rest dropped in token order and counted (moe_dropped_tokens); 0: dropless").in(at_least(0)));
   k.push_back(key("model", "vision_image_size", T::kInt, kUnset, "vision tower image side in pixels").in(greater_than(0)));
   k.push_back(key("model", "vision_patch_size", T::kInt, kUnset, "vision tower patch side in pixels").in(greater_than(0)));
   k.push_back(key("model", "vision_dim", T::kInt, kUnset, "vision tower width").in(greater_than(0)));

@@ -24,12 +24,16 @@ std::string one_of(const std::vector<std::string>& names) {
 
 // Note [Expert parallelism] (model/moe.h): ep > 1 splits every MoE layer's
 // routed experts evenly, so the config must build MoE layers and ep must
-// divide their expert count.
+// divide their expert count; a capacity factor needs MoE layers too.
 void check_expert_parallel(const ModelFamily& family, const Config& cfg) {
   constexpr const char* kEp = "parallelism.expert_parallel_degree";
   const int64_t ep = cfg.get_int(kEp);
-  if (ep == 1) return;
   const int64_t experts = family.routed_experts ? family.routed_experts(cfg) : 0;
+  VIADUCT_CHECK_T(ConfigError, cfg.get_float("model.moe_capacity_factor") == 0 || experts > 0,
+                  "model.moe_capacity_factor = ", cfg.get_float("model.moe_capacity_factor"),
+                  " needs a model with MoE layers, but ", family.name,
+                  family.routed_experts ? " with this config" : "", " has none");
+  if (ep == 1) return;
   VIADUCT_CHECK_T(ConfigError, experts > 0, kEp, " = ", ep, " needs a model with MoE layers, but ",
                   family.name, family.routed_experts ? " with this config" : "",
                   " has none (model.family = ", family.name,

@@ -142,6 +142,7 @@ KimiK3Options kimi_k3_options(const Config& cfg) {
   o.moe.route_scale = float_or(cfg, "model.moe_route_scale", o.moe.route_scale);
   o.moe.bias_update_rate =
       float_or(cfg, "model.moe_bias_update_rate", o.moe.bias_update_rate);
+  o.moe.capacity_factor = cfg.get_float("model.moe_capacity_factor");
 
   o.vis.out_dim = o.dim;
   o.vis.dim = int_or(cfg, "model.vision_dim", o.vis.dim);

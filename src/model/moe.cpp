@@ -3,6 +3,7 @@
 
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include <cmath>
 #include <numeric>
 
 #include "core/check.h"
@@ -122,6 +123,17 @@ at::Tensor source_use(const at::Tensor& w,
   return out;
 }
 
+// Rows in expert order (`order`: their slots) back in slot order, [slots,
+// ...]: a permutation's inverse, or under capacity (`dropped`) into zeros,
+// each kept slot written once (a deterministic index_copy).
+at::Tensor to_slot_order(const at::Tensor& rows, const at::Tensor& order, int64_t slots,
+                         bool dropped) {
+  if (!dropped) return rows.index_select(0, at::argsort(order));
+  auto shape = rows.sizes().vec();
+  shape[0] = slots;
+  return at::zeros(shape, rows.options()).index_copy(0, order, rows);
+}
+
 }  // namespace
 
 // Note [MoE dispatch without per-expert gradient fills]: the experts run
@@ -229,7 +241,9 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   const auto E = opts_.n_routed_experts;
   auto xf = x.reshape({-1, D});  // [N, D]
   const auto N = xf.size(0);
-  auto [idx, w] = route(xf);
+  auto routed = route(xf);
+  const auto idx = routed.first;
+  auto w = routed.second;
   // Every slot's row (slot n K + j is token n's j-th choice), as copies of
   // the tokens; their gradients are summed back over the K copies.
   auto slots = xf.unsqueeze(1).expand({N, K, D}).reshape({N * K, D});
@@ -243,6 +257,14 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     if (tokens_per_expert.device() != dev) tokens_per_expert = tokens_per_expert.to(dev);
     tokens_per_expert += counts.to(dev);
   };
+  // Note [Expert capacity]: the copies an expert takes (all when dropless).
+  const auto keep = capacity_keep(idx);
+  if (keep.defined() && ops::counts_training_statistics()) {
+    if (!tokens_dropped.defined() || tokens_dropped.device() != dev) {
+      tokens_dropped = at::zeros({1}, idx.options().dtype(at::kLong));
+    }
+    tokens_dropped += at::logical_not(keep).sum().view({1});
+  }
   at::Tensor y;
   if (exchange_) {
     auto flat = idx.reshape({-1});
@@ -252,21 +274,22 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
       counts = at::bincount(flat, {}, E).to(at::kCPU);
     }
     count_tokens(counts);
-    y = experts_over_ranks(slots, idx).view({N, K, D});
+    y = experts_over_ranks(slots, idx, keep).view({N, K, D});
   } else if (ops::grouped_experts_run(xf, opts_.hidden_dim, kernel_options_)) {
     // Grouped GEMMs over padded expert groups (Note [MoE dispatch into
-    // padded groups], ops/moe.h): no host sync.
+    // padded groups], ops/moe.h): no host sync. Dropped copies run and
+    // their gating weights are zero.
     auto d = ops::dispatch_experts(idx, E, kernel_options_);
     count_tokens(d.counts);
     auto xs = at::zeros({d.rows, D}, xf.options()).index_copy(0, d.pos, slots);
     auto ys = ops::grouped_swiglu_experts(xs, d.offs, experts->w1, experts->w2, experts->w3);
     y = ops::gather_distinct_rows(ys, d.pos).view({N, K, D});
+    if (keep.defined()) w = w * keep.view({N, K}).to(w.scalar_type());
   } else {
     auto flat = idx.reshape({-1});  // [N K]
-    at::Tensor order, counts;
+    at::Tensor counts;
     {
       torch::NoGradGuard g;
-      order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
       counts = at::bincount(flat, {}, E).to(at::kCPU);
     }
     count_tokens(counts);
@@ -275,12 +298,13 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     // the slots, so its backward adds into no row twice, and the sum over a
     // token's k copies is a reduction: no scatter-add anywhere,
     // deterministic.
-    const auto* cnt = counts.data_ptr<int64_t>();
-    auto rows = slots.index_select(0, order).split_with_sizes(
+    const auto eo = expert_order(flat, keep);
+    const auto* cnt = eo.counts.data_ptr<int64_t>();
+    auto rows = slots.index_select(0, eo.order).split_with_sizes(
         std::vector<int64_t>(cnt, cnt + E), 0);
     // Expert outputs in expert order, then back to (token, slot) order.
-    auto sorted_out = at::cat(experts->forward_all(rows), 0);  // [N K, D]
-    y = sorted_out.index_select(0, at::argsort(order)).view({N, K, D});
+    auto sorted_out = at::cat(experts->forward_all(rows), 0);  // [kept, D]
+    y = to_slot_order(sorted_out, eo.order, N * K, keep.defined()).view({N, K, D});
   }
   y = (y * w.to(y.scalar_type()).unsqueeze(-1)).sum(1);  // [N, D]
   if (shared_expert) y = y + shared_expert(xf);
@@ -320,14 +344,17 @@ std::vector<std::vector<at::Tensor>> MoeImpl::take_source_grads() {
   return out;
 }
 
-at::Tensor MoeImpl::experts_over_ranks(const at::Tensor& slots, const at::Tensor& idx) {
+at::Tensor MoeImpl::experts_over_ranks(const at::Tensor& slots, const at::Tensor& idx,
+                                       const at::Tensor& keep) {
   const int64_t E = opts_.n_routed_experts, P = exchange_->size(), El = local_experts();
   const auto flat = idx.reshape({-1});  // [N K]
-  at::Tensor order, counts, recv_counts;
+  // The copies that run (Note [Expert capacity]), by expert.
+  const auto eo = expert_order(flat, keep);
+  const auto& order = eo.order;
+  const auto& counts = eo.counts;
+  at::Tensor recv_counts;
   {
     torch::NoGradGuard g;
-    order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
-    counts = at::bincount(flat, {}, E).to(at::kCPU).contiguous();
     // Every rank sends each owner its experts' counts: [P El], source-major.
     recv_counts = exchange_->exchange(counts.view({E, 1}), std::vector<int64_t>(P, El),
                                       std::vector<int64_t>(P, El))
@@ -381,8 +408,40 @@ at::Tensor MoeImpl::experts_over_ranks(const at::Tensor& slots, const at::Tensor
   // exchange's backward linked to the first one's, as on the other ranks.
   auto out = outs.empty() ? rows.narrow(0, 0, 0) : at::cat(outs, 0);
   // The outputs back to their sources, in each source's expert order.
-  auto back = exchange_rows(exchange_, out, recv, send);  // [N K, D]
-  return back.index_select(0, at::argsort(order));
+  auto back = exchange_rows(exchange_, out, recv, send);  // [kept, D]
+  return to_slot_order(back, order, flat.size(0), keep.defined());
+}
+
+at::Tensor MoeImpl::capacity_keep(const at::Tensor& idx) {
+  if (opts_.capacity_factor <= 0) return {};
+  torch::NoGradGuard g;
+  const int64_t E = opts_.n_routed_experts;
+  const auto flat = idx.reshape({-1});
+  const int64_t S = flat.size(0);
+  const auto C = std::max<int64_t>(
+      1, static_cast<int64_t>(std::ceil(opts_.capacity_factor * static_cast<double>(S) /
+                                        static_cast<double>(E))));
+  // Each slot's place among its expert's slots, in slot order.
+  const auto order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
+  const auto counts = at::bincount(flat, {}, E);
+  const auto first = counts.cumsum(0) - counts;
+  const auto place_sorted =
+      at::arange(S, flat.options()) - first.index_select(0, flat.index_select(0, order));
+  const auto place = at::empty_like(place_sorted).index_copy_(0, order, place_sorted);
+  return place < C;
+}
+
+MoeImpl::ExpertOrder MoeImpl::expert_order(const at::Tensor& flat, const at::Tensor& keep) {
+  torch::NoGradGuard g;
+  ExpertOrder eo;
+  eo.order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
+  at::Tensor kept = flat;
+  if (keep.defined()) {
+    eo.order = eo.order.masked_select(keep.index_select(0, eo.order));
+    kept = flat.masked_select(keep);
+  }
+  eo.counts = at::bincount(kept, {}, opts_.n_routed_experts).to(at::kCPU).contiguous();
+  return eo;
 }
 
 void MoeImpl::update_bias() {

@@ -28,6 +28,17 @@
 // order, as the data-parallel sum adds replicas (train/expert_parallel.h):
 // the sums, outputs and token gradients have the bits of ep = 1. The experts
 // run as one loop of GEMMs per (source, expert) on every device.
+//
+// Note [Expert capacity]
+// With model.moe_capacity_factor = f > 0 each expert takes at most C =
+// max(1, ceil(f N K / E)) of the N K token copies of one forward (a
+// micro-batch on one rank): the first C routed to it in slot order (token,
+// then choice). The others are dropped before dispatch -- no expert runs
+// on them, they add nothing to the combine -- and counted. The rule reads
+// one rank's routing alone, so every layout (ep, pp, checkpointing) drops
+// the same copies. The counts for the balancing bias are of the routing,
+// before the drop. On the grouped-GEMM path the dropped copies' gating
+// weights are zeroed instead (they run and add zeros).
 #pragma once
 
 #include <torch/torch.h>
@@ -49,6 +60,8 @@ struct MoeOptions {
   int64_t n_shared_experts = 1;     // one SwiGLU of n_shared * hidden_dim
   double route_scale = 1.0;
   double bias_update_rate = 1e-3;
+  // Note [Expert capacity]; 0: dropless.
+  double capacity_factor = 0.0;
 };
 
 // The exchange of token rows between the ranks of an expert-parallel group,
@@ -113,11 +126,25 @@ class MoeImpl : public torch::nn::Module, public ops::KernelUser {
   // received from the ep group in training forwards (counted once under
   // activation checkpointing), for the metrics; the trainer resets it.
   int64_t tokens_received = 0;
+  // Note [Expert capacity]: copies dropped in training forwards since the
+  // trainer's last read, [1] int64 on the routing's device.
+  at::Tensor tokens_dropped;
 
  private:
   // Note [Expert parallelism]: x's token copies `slots` [N K, D] of experts
   // idx [N, K] through the owners; the outputs [N, K, D].
-  at::Tensor experts_over_ranks(const at::Tensor& slots, const at::Tensor& idx);
+  at::Tensor experts_over_ranks(const at::Tensor& slots, const at::Tensor& idx,
+                                const at::Tensor& keep);
+  // Note [Expert capacity]: which of the slots idx [N, K] an expert takes
+  // (bool [N K]); undefined when dropless.
+  at::Tensor capacity_keep(const at::Tensor& idx);
+  // The slots' order by expert (a stable sort) and, per expert, the copies
+  // that run: under capacity the first C of each expert's.
+  struct ExpertOrder {
+    at::Tensor order;   // [kept] slot indices, by expert then slot
+    at::Tensor counts;  // [E] int64 on the CPU: the kept copies per expert
+  };
+  ExpertOrder expert_order(const at::Tensor& flat, const at::Tensor& keep);
   std::shared_ptr<ExpertExchange> exchange_;
   // [source][w]; shared with the backward nodes, which add into it.
   std::shared_ptr<std::vector<std::vector<at::Tensor>>> source_grads_;

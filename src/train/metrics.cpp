@@ -137,6 +137,7 @@ std::string MetricsWriter::step_json(const StepMetrics& m) const {
   if (!m.moe_load_max_over_mean.empty()) {
     j["moe_load_max_over_mean"] = m.moe_load_max_over_mean;
   }
+  if (m.moe_dropped_tokens >= 0) j["moe_dropped_tokens"] = m.moe_dropped_tokens;
   if (!m.ep_tokens_received_per_rank.empty()) {
     j["ep_tokens_received_per_rank"] = m.ep_tokens_received_per_rank;
     j["ep_alltoall_bytes"] = m.ep_alltoall_bytes;

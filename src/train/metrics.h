@@ -66,6 +66,10 @@ struct StepMetrics {
   // step's global counts (all dp replicas; 0 for a dense layer), indexed by
   // layer; empty without MoE layers.
   std::vector<double> moe_load_max_over_mean;
+  // Under model.moe_capacity_factor: the token copies dropped in the step,
+  // all layers and replicas (Note [Expert capacity], model/moe.h); -1: none
+  // can be (dropless).
+  double moe_dropped_tokens = -1;
   // Expert parallelism (Note [Expert parallelism], model/moe.h): the token
   // copies each rank of the logging rank's ep group received for its
   // experts in the step (all its MoE layers, forward only), the bytes the

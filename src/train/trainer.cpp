@@ -585,9 +585,17 @@ void Trainer::gather_attn_res_bytes(StepMetrics& m) {
 }
 
 at::Tensor Trainer::snapshot_moe_counts() {
+  // Per layer: the experts' counts, then the dropped copies (Note [Expert
+  // capacity], model/moe.h); reset for the next step.
   std::vector<at::Tensor> counts;
   for (auto& p : parts_) {
-    for (const auto& ref : moe_layer_refs(*p)) counts.push_back(ref.moe->tokens_per_expert);
+    for (const auto& ref : moe_layer_refs(*p)) {
+      auto& dropped = ref.moe->tokens_dropped;
+      const auto& c = ref.moe->tokens_per_expert;
+      counts.push_back(at::cat({c, dropped.defined() ? dropped.to(c.device()).clone()
+                                                     : at::zeros({1}, c.options())}));
+      if (dropped.defined()) dropped.zero_();
+    }
   }
   if (counts.empty()) return {};
   auto all = at::stack(counts);
@@ -610,16 +618,17 @@ void Trainer::gather_moe_metrics(const at::Tensor& counts, StepMetrics& m) {
   for (auto& p : parts_) {
     for (const auto& ref : moe_layer_refs(*p)) refs.push_back(ref);
   }
-  const int64_t E = counts.size(1);
+  const int64_t E = counts.size(1) - 1;
   // Every layer's counts summed over the replicas, then each layer's
   // largest load over the mean, gathered over the pipeline ranks (one
-  // contributor per layer).
-  std::vector<double> loads(static_cast<size_t>(n_layers_ * E), 0.0);
+  // contributor per layer); the dropped copies ride in the last slot.
+  std::vector<double> loads(static_cast<size_t>(n_layers_ * E + 1), 0.0);
   const auto c = counts.to(at::kDouble).contiguous();
   const auto* v = c.data_ptr<double>();
   for (size_t k = 0; k < refs.size(); ++k) {
-    std::copy(v + static_cast<int64_t>(k) * E, v + static_cast<int64_t>(k + 1) * E,
-              loads.begin() + refs[k].layer * E);
+    const auto* row = v + static_cast<int64_t>(k) * (E + 1);
+    std::copy(row, row + E, loads.begin() + refs[k].layer * E);
+    loads.back() += row[E];
   }
   sum_over(mesh_ ? &mesh_->dp_group() : nullptr, loads, "MoE expert loads");
   std::vector<double> ratio(static_cast<size_t>(n_layers_), 0.0);
@@ -631,7 +640,10 @@ void Trainer::gather_moe_metrics(const at::Tensor& counts, StepMetrics& m) {
           *std::max_element(first, first + E) / (total / static_cast<double>(E));
     }
   }
+  ratio.push_back(loads.back());
   sum_over(mesh_ ? &mesh_->pp_group() : nullptr, ratio, "MoE load imbalance");
+  if (refs.front().moe->opts_.capacity_factor > 0) m.moe_dropped_tokens = ratio.back();
+  ratio.pop_back();
   m.moe_load_max_over_mean = std::move(ratio);
   if (!expert_stats_) return;
   // The copies each rank of the logging rank's ep group received.

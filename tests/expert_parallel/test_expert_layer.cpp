@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <barrier>
+#include <cmath>
 #include <cstdio>
 #include <mutex>
 #include <thread>
@@ -95,7 +96,7 @@ at::Tensor loss_weights(int rank, int64_t n) {
 
 // `bias`: added to expert_bias on every rank (steers the routing).
 std::vector<RankResult> run_sharded(int ep, int64_t n, const at::Tensor& bias,
-                                    const at::Device& device) {
+                                    const at::Device& device, const MoeOptions& opts) {
   // Drawn here: the global generator is not for threads.
   std::vector<at::Tensor> xs, cs;
   for (int r = 0; r < ep; ++r) {
@@ -108,7 +109,7 @@ std::vector<RankResult> run_sharded(int ep, int64_t n, const at::Tensor& bias,
   for (int r = 0; r < ep; ++r) {
     threads.emplace_back([&, r] {
       at::set_num_threads(1);
-      Moe moe(options());
+      Moe moe(opts);
       auto ex = std::make_shared<ThreadExchange>(hub, r);
       moe->shard_experts(ex);
       moe->init_weights(7, "moe.", 0.3, 0.3);
@@ -140,15 +141,36 @@ std::vector<RankResult> run_sharded(int ep, int64_t n, const at::Tensor& bias,
   return out;
 }
 
+// Note [Expert capacity] by a plain loop: slot s = n K + j is kept when
+// fewer than C earlier slots chose its expert.
+at::Tensor capacity_keep_by_loop(const at::Tensor& idx, const MoeOptions& o) {
+  const auto flat = idx.reshape({-1}).cpu();
+  const int64_t S = flat.numel(), E = o.n_routed_experts;
+  const int64_t C = o.capacity_factor > 0
+                        ? std::max<int64_t>(1, static_cast<int64_t>(std::ceil(
+                                                   o.capacity_factor * static_cast<double>(S) /
+                                                   static_cast<double>(E))))
+                        : S;
+  std::vector<int64_t> taken(static_cast<size_t>(E), 0);
+  auto keep = torch::zeros({S}, torch::kBool);
+  for (int64_t s = 0; s < S; ++s) {
+    const auto e = flat[s].item<int64_t>();
+    keep[s] = taken[static_cast<size_t>(e)]++ < C;
+  }
+  return keep;
+}
+
 struct Reference {
   at::Tensor y, dx, drouter, idx;
   std::vector<at::Tensor> dw;  // w1, w2, w3, whole
   at::Tensor w1, slots;        // slots: x's rows repeated k times, [N K, D]
+  at::Tensor keep;             // [N K]: the copies an expert takes
 };
 
-Reference run_one(int rank, int64_t n, const at::Tensor& bias, const at::Device& device) {
+Reference run_one(int rank, int64_t n, const at::Tensor& bias, const at::Device& device,
+                  const MoeOptions& opts) {
   at::set_num_threads(1);
-  Moe moe(options());
+  Moe moe(opts);
   moe->init_weights(7, "moe.", 0.3, 0.3);
   moe->to(device);
   {
@@ -171,6 +193,7 @@ Reference run_one(int rank, int64_t n, const at::Tensor& bias, const at::Device&
   ref.idx = moe->route(xf).first;
   const int64_t K = options().n_activated_experts;
   ref.slots = xf.unsqueeze(1).expand({n, K, options().dim}).reshape({n * K, options().dim});
+  ref.keep = capacity_keep_by_loop(ref.idx, opts);
   return ref;
 }
 
@@ -188,11 +211,12 @@ struct Compare {
 };
 
 void expect_matches_one_rank(int ep, int64_t n, const at::Tensor& bias,
-                             const at::Device& device = at::kCPU) {
-  const auto sharded = run_sharded(ep, n, bias, device);
-  const int64_t E = options().n_routed_experts, El = E / ep;
+                             const at::Device& device = at::kCPU,
+                             const MoeOptions& opts = options()) {
+  const auto sharded = run_sharded(ep, n, bias, device, opts);
+  const int64_t E = opts.n_routed_experts, El = E / ep;
   std::vector<Reference> refs;
-  for (int r = 0; r < ep; ++r) refs.push_back(run_one(r, n, bias, device));
+  for (int r = 0; r < ep; ++r) refs.push_back(run_one(r, n, bias, device, opts));
   Compare same{device.is_cpu()};
   for (int r = 0; r < ep; ++r) {
     const auto& got = sharded[static_cast<size_t>(r)];
@@ -209,7 +233,7 @@ void expect_matches_one_rank(int ep, int64_t n, const at::Tensor& bias,
       const auto& src = refs[static_cast<size_t>(s)];
       const auto flat = src.idx.reshape({-1});
       for (int64_t e = r * El; e < (r + 1) * El; ++e) {
-        const auto slots = (flat == e).nonzero().reshape({-1});  // ascending
+        const auto slots = ((flat == e) & src.keep.to(flat.device())).nonzero().reshape({-1});
         want_counts.push_back(slots.numel());
         want_rows.push_back(src.slots.index_select(0, slots));
       }
@@ -262,6 +286,54 @@ TEST(ExpertLayer, RanksThatReceiveNothingStillAnswerTheExchanges) {
   bias[0] = 10.0;
   bias[1] = 9.0;
   expect_matches_one_rank(4, 5, bias);
+}
+
+// Note [Expert capacity]: the output is the shared expert plus each kept
+// copy's gated expert output, from the layer's own weights slot by slot;
+// the dropped count is the loop's.
+TEST(ExpertCapacity, DropsTheCopiesPastEachExpertsCapacityInSlotOrder) {
+  auto o = options();
+  o.capacity_factor = 0.5;  // 13 tokens x 2 copies over 8 experts: C = 2
+  at::set_num_threads(1);
+  Moe moe(o);
+  moe->init_weights(7, "moe.", 0.3, 0.3);
+  const int64_t n = 13, K = o.n_activated_experts;
+  const auto x = tokens(0, n);
+  const auto y = moe->forward(x).reshape({n, o.dim});
+  torch::NoGradGuard g;
+  const auto xf = x.reshape({n, o.dim});
+  const auto [idx, w] = moe->route(xf);
+  const auto keep = capacity_keep_by_loop(idx, o);
+  const int64_t dropped = (keep.logical_not()).sum().item<int64_t>();
+  ASSERT_GT(dropped, 0) << "the capacity should drop some copies of this routing";
+  ASSERT_LT(dropped, n * K);
+  EXPECT_EQ(moe->tokens_dropped.item<int64_t>(), dropped);
+  auto want = moe->shared_expert(xf);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t j = 0; j < K; ++j) {
+      if (!keep[t * K + j].item<bool>()) continue;
+      const auto e = idx[t][j].item<int64_t>();
+      const auto xt = xf[t];
+      const auto h = at::silu(at::matmul(moe->experts->w1[e], xt)) *
+                     at::matmul(moe->experts->w3[e], xt);
+      want[t] += w[t][j] * at::matmul(moe->experts->w2[e], h);
+    }
+  }
+  EXPECT_LT((y - want).abs().max().item<double>(), 1e-5);
+  // A capacity nothing reaches keeps the dropless layer's bits.
+  auto wide = options();
+  wide.capacity_factor = 100.0;
+  Moe a(options()), b(wide);
+  a->init_weights(7, "moe.", 0.3, 0.3);
+  b->init_weights(7, "moe.", 0.3, 0.3);
+  EXPECT_TRUE(torch::equal(a->forward(x), b->forward(x)));
+}
+
+TEST(ExpertCapacity, ShardedExpertsDropTheSameCopiesWithTheBitsOfOneRank) {
+  auto o = options();
+  o.capacity_factor = 0.75;
+  expect_matches_one_rank(2, 13, torch::zeros({o.n_routed_experts}), at::kCPU, o);
+  expect_matches_one_rank(4, 7, torch::zeros({o.n_routed_experts}), at::kCPU, o);
 }
 
 TEST(ExpertLayer, OnTheGpuMatchesOneRank) {

@@ -89,6 +89,26 @@ TEST_F(ExpertParallelRuns, DataParallelTimesExpertParallelHasTheBitsOfDataParall
   }
   // Each ep rank wrote its experts as pieces of the whole tensors.
   EXPECT_TRUE(fs::exists(fs::path(ep) / "checkpoint/step-3/model-dp1.safetensors"));
+  // Every step line carries each layer's load imbalance (layer 0 is dense).
+  for (const auto& j : viaduct::testing::step_metrics(ep)) {
+    ASSERT_TRUE(j.contains("moe_load_max_over_mean")) << j.dump();
+    EXPECT_EQ(j["moe_load_max_over_mean"].size(), 6u);
+    EXPECT_EQ(j["moe_load_max_over_mean"][0].get<double>(), 0.0);
+    EXPECT_GE(j["moe_load_max_over_mean"][1].get<double>(), 1.0);
+    EXPECT_EQ(j["ep_tokens_received_per_rank"].size(), 2u);
+    EXPECT_GT(j["ep_alltoall_bytes"].get<double>(), 0.0);
+  }
+  // Note [Expert capacity]: the same copies dropped under either layout.
+  const std::string capacity = " --model.moe_capacity_factor=0.5";
+  const auto plain_c = train("dp2_ep1_capacity", 2, base_args() + layout(1, 2, 1) + capacity);
+  const auto ep_c = train("dp2_ep2_capacity", 2, base_args() + layout(1, 2, 2) + capacity);
+  expect_same_bits(plain_c, ep_c, 3);
+  const auto a = viaduct::testing::step_metrics(plain_c), b = viaduct::testing::step_metrics(ep_c);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t k = 0; k < a.size(); ++k) {
+    EXPECT_GT(a[k]["moe_dropped_tokens"].get<double>(), 0.0);
+    EXPECT_EQ(a[k]["moe_dropped_tokens"], b[k]["moe_dropped_tokens"]);
+  }
 }
 
 TEST_F(ExpertParallelRuns, PipelineSchedulesWithExpertParallelHaveTheBitsOfDataParallel) {
@@ -203,6 +223,8 @@ TEST(ExpertParallelConfig, BadDegreesAreRefusedNamingTheCause) {
                  " --parallelism.expert_parallel_degree=2",
             "needs a model with MoE layers, but kimi_k3 with this config has none"},
            {k3 + " --parallelism.expert_parallel_degree=0", "expert_parallel_degree"},
+           {" --model.family=llama --model.moe_capacity_factor=1.25",
+            "model.moe_capacity_factor = 1.25 needs a model with MoE layers, but llama has none"},
 
        }) {
     SCOPED_TRACE(c.args);
