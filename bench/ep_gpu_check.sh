@@ -3,8 +3,9 @@
 # expert-parallel code (build-gpu, as bench/run_single_gpu.sh makes it), the
 # MoE layer sharded over ranks as threads on the GPU against the unsharded
 # layer (test_expert_layer), the MoE kernel tests, the NCCL cases of
-# test_dist, and a short kimi_k3 run at ep 1 on the GPU whose metrics must
-# carry the MoE load per layer. ep > 1 over NCCL needs several GPUs
+# test_dist, and short kimi_k3 runs at ep 1 on the GPU (bf16, the grouped
+# experts) whose metrics must carry the MoE load per layer, one of them with
+# a capacity factor (its dropped copies counted). ep > 1 over NCCL needs several GPUs
 # (bench/run_multi_gpu.sh's ep section). Needs .deps carried
 # (bench/fetch_deps.sh).
 #
@@ -54,16 +55,23 @@ mkdir -p outputs/bench
 import array, random
 r = random.Random(1234)
 open('$data', 'wb').write(array.array('I', (r.randrange(257) for _ in range(200000))).tobytes())"
-timeout 300 $B/viaduct train --config configs/kimi_k3_debug.toml --training.device=cuda \
-  --training.steps=20 --training.eval_interval=0 --checkpoint.enable=false \
-  --metrics.progress_bar=false --metrics.log_freq=10 --data.path=$data --data.format=uint32 \
-  --job.dump_folder="$OUT/k3_ep1" >"$OUT/k3_ep1.log" 2>&1
-say "kimi_k3 debugmodel on cuda, 20 steps: exit $?"
-grep -E "^step|error" "$OUT/k3_ep1.log" | tail -3 | tee -a "$MD"
-"$PY" - "$OUT/k3_ep1/metrics.jsonl" <<'EOF' | tee -a "$MD"
+for run in "k3_ep1:" "k3_capacity:--model.moe_capacity_factor=1.0"; do
+  name=${run%%:*} extra=${run#*:}
+  # shellcheck disable=SC2086
+  timeout 300 $B/viaduct train --config configs/kimi_k3_debug.toml --training.device=cuda \
+    --training.steps=20 --training.eval_interval=0 --checkpoint.enable=false \
+    --metrics.progress_bar=false --metrics.log_freq=10 --data.path=$data --data.format=uint32 \
+    $extra --job.dump_folder="$OUT/$name" >"$OUT/$name.log" 2>&1
+  say "$name: kimi_k3 debugmodel on cuda, 20 steps $extra: exit $?"
+  grep -E "^step|error" "$OUT/$name.log" | tail -2 | tee -a "$MD"
+  "$PY" - "$OUT/$name/metrics.jsonl" <<'EOF' | tee -a "$MD"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
 loads = [max(r["moe_load_max_over_mean"]) for r in rows if r.get("moe_load_max_over_mean")]
 print(f"moe_load_max_over_mean in {len(loads)} of {len(rows)} steps; worst layer first/last: "
       f"{loads[0]:.2f} / {loads[-1]:.2f}" if loads else "no moe_load_max_over_mean")
+drops = [r["moe_dropped_tokens"] for r in rows if "moe_dropped_tokens" in r]
+if drops:
+    print(f"moe_dropped_tokens in {len(drops)} steps: first {drops[0]:.0f}, last {drops[-1]:.0f}")
 EOF
+done

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -27,7 +28,7 @@ class ExpertParallelRuns : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new viaduct::data::testing::TempDir();
-    data_ = viaduct::testing::cached_corpus(13579, 20000);
+    data_ = viaduct::testing::cached_corpus(13579, 20000, 2468, 4000);
   }
   static void TearDownTestSuite() { delete dir_; }
 
@@ -83,6 +84,21 @@ TEST_F(ExpertParallelRuns, DataParallelTimesExpertParallelHasTheBitsOfDataParall
   const auto plain = train("dp2_ep1", 2, base_args() + layout(1, 2, 1));
   const auto ep = train("dp2_ep2", 2, base_args() + layout(1, 2, 2));
   expect_same_bits(plain, ep, 3);
+  // Eval runs the exchanges without a graph, on every replica alike.
+  auto evals = [](const std::string& dump) {
+    std::vector<std::string> out;
+    std::ifstream in(fs::path(dump) / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("eval_loss")) out.push_back(j["eval_loss"].dump());
+    }
+    return out;
+  };
+  const std::string eval = " --training.eval_interval=2 --data.eval_batches=2";
+  const auto plain_e = evals(train("dp2_ep1_eval", 2, base_args() + layout(1, 2, 1) + eval));
+  const auto ep_e = evals(train("dp2_ep2_eval", 2, base_args() + layout(1, 2, 2) + eval));
+  EXPECT_GE(plain_e.size(), 2u);
+  EXPECT_EQ(plain_e, ep_e);
   // The clip coefficient was below 1: the norms reached the weights.
   for (const auto& j : viaduct::testing::step_metrics(ep)) {
     EXPECT_GT(j["grad_norm"].get<double>(), 0.05);
@@ -118,7 +134,16 @@ TEST_F(ExpertParallelRuns, PipelineSchedulesWithExpertParallelHaveTheBitsOfDataP
                                 " --parallelism.pipeline_parallel_microbatches=2"},
            {"pp2_dp2_ep2_interleaved", " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
                                        " --parallelism.pipeline_parallel_stages_per_rank=2"
-                                       " --parallelism.pipeline_parallel_microbatches=2"}}) {
+                                       " --parallelism.pipeline_parallel_microbatches=2"},
+           // The I and W passes each run the exchanges' backward.
+           {"pp2_dp2_ep2_zero_bubble",
+            " --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble"
+            " --parallelism.pipeline_parallel_stages_per_rank=2"
+            " --parallelism.pipeline_parallel_microbatches=2"},
+           // A recomputed layer runs its exchanges again in the backward.
+           {"pp2_dp2_ep2_1f1b_recompute", " --parallelism.pipeline_parallel_schedule=1F1B"
+                                          " --parallelism.pipeline_parallel_microbatches=2"
+                                          " --activation_checkpoint.mode=full"}}) {
     SCOPED_TRACE(name);
     // One process and pipelines share bits with the same micro-batches
     // (the AttnRes rank cache with the whole-stack backward: Note [AttnRes
