@@ -68,7 +68,7 @@ def ep_row(path, ep, ep1_path):
     return (f"| {ep} | {median_of(t, 'tokens_per_sec'):.0f} | "
             f"{100 * median_of(t, 'mfu'):.1f}% | "
             f"{max_per_rank(t, 'peak_memory_bytes_per_rank', 2**30, '.1f')} | "
-            f"{a2a_mb:.0f} | {a2a_s:.3f} ({100 * a2a_s / step_s:.1f}%) | {worst:.2f} | {same} |")
+            f"{a2a_mb:.1f} | {a2a_s:.3f} ({100 * a2a_s / step_s:.1f}%) | {worst:.2f} | {same} |")
 
 
 def main(argv):
