@@ -51,6 +51,14 @@ void add_parallelism_keys(std::vector<ConfigKey>& k) {
                   "over ep of the data-parallel replicas of a stage, tokens reach them by "
                   "all-to-all; must divide data_parallel_degree and model.n_routed_experts "
                   "(1: every rank holds every expert)").in(greater_than(0)));
+  k.push_back(key("expert_gradient_sum", T::kString, std::string("replica_order"),
+                  "under expert parallelism: replica_order (each expert's gradient kept per "
+                  "source rank over the step and summed in replica order: the bits of "
+                  "expert_parallel_degree = 1, holding ep x the local experts' gradients, "
+                  "the whole layer's, during the backward) | local (one gradient of the "
+                  "local experts, the sources added as the backward meets them: the "
+                  "experts' gradient memory / ep, the same bits run to run but not those "
+                  "of ep = 1)"));
   k.push_back(key("comm_timeout_seconds", T::kInt, int64_t{300},
                   "timeout of every collective and P2P; a stuck or dead peer "
                   "turns into an error naming rank, stage, micro-batch and action").in(greater_than(0)));
@@ -105,6 +113,11 @@ void validate_parallelism(const Config& c) {
   VIADUCT_CHECK_T(ConfigError, dp % ep == 0, "parallelism.expert_parallel_degree (", ep,
                   ") must divide parallelism.data_parallel_degree (", dp,
                   "): the expert-parallel ranks are data-parallel replicas of one stage");
+
+  const auto sum = c.get_string("parallelism.expert_gradient_sum");
+  VIADUCT_CHECK_T(ConfigError, sum == "replica_order" || sum == "local",
+                  "parallelism.expert_gradient_sum must be \"replica_order\" or \"local\", "
+                  "got \"", sum, "\"");
 
   // Note [AttnRes cache backward] (pipeline/attn_res/block_layout.h).
   constexpr const char* kCacheBackward = "parallelism.attn_res_cache_backward";

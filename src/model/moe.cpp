@@ -311,7 +311,7 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   return y.view(x.sizes());
 }
 
-void MoeImpl::shard_experts(std::shared_ptr<ExpertExchange> exchange) {
+void MoeImpl::shard_experts(std::shared_ptr<ExpertExchange> exchange, bool per_source) {
   VIADUCT_CHECK(exchange && exchange->size() >= 1 &&
                     opts_.n_routed_experts % exchange->size() == 0,
                 "parallelism.expert_parallel_degree (", exchange ? exchange->size() : 0,
@@ -324,7 +324,7 @@ void MoeImpl::shard_experts(std::shared_ptr<ExpertExchange> exchange) {
     w->set_data(at::empty(shape, w->options()));
   }
   source_grads_ = std::make_shared<std::vector<std::vector<at::Tensor>>>(
-      static_cast<size_t>(exchange_->size()), std::vector<at::Tensor>(3));
+      per_source ? static_cast<size_t>(exchange_->size()) : 1, std::vector<at::Tensor>(3));
 }
 
 int64_t MoeImpl::local_experts() const {
@@ -392,7 +392,7 @@ at::Tensor MoeImpl::experts_over_ranks(const at::Tensor& slots, const at::Tensor
     bool any = false;
     for (int64_t e = 0; e < El; ++e) any = any || pieces[s * El + e] > 0;
     if (!any) continue;
-    const auto src = static_cast<size_t>(s);
+    const auto src = source_grads_->size() == 1 ? size_t{0} : static_cast<size_t>(s);
     const auto w1s = source_use(experts->w1, source_grads_, src, 0).unbind(0);
     const auto w2s = source_use(experts->w2, source_grads_, src, 1).unbind(0);
     const auto w3s = source_use(experts->w3, source_grads_, src, 2).unbind(0);

@@ -27,7 +27,11 @@
 // over the step's micro-batches. The trainer adds the sources in replica
 // order, as the data-parallel sum adds replicas (train/expert_parallel.h):
 // the sums, outputs and token gradients have the bits of ep = 1. The experts
-// run as one loop of GEMMs per (source, expert) on every device.
+// run as one loop of GEMMs per (source, expert) on every device. Keeping a
+// gradient per source holds ep x the local experts' gradients -- the whole
+// layer's -- until the step's sum; parallelism.expert_gradient_sum = local
+// keeps one, the sources added as the backward meets them (the same bits
+// run to run, not those of ep = 1).
 //
 // Note [Expert capacity]
 // With model.moe_capacity_factor = f > 0 each expert takes at most C =
@@ -104,14 +108,16 @@ class MoeImpl : public torch::nn::Module, public ops::KernelUser {
   void update_bias();
   // Note [Expert parallelism]: keeps this rank's E / size experts (before
   // init_weights; their values are the whole tensors' rows) and reaches the
-  // others through `exchange`.
-  void shard_experts(std::shared_ptr<ExpertExchange> exchange);
+  // others through `exchange`. `per_source`: their gradients kept per source
+  // rank (else one sum of the sources in the backward's order).
+  void shard_experts(std::shared_ptr<ExpertExchange> exchange, bool per_source = true);
   bool experts_sharded() const { return exchange_ != nullptr; }
   int64_t first_local_expert() const;
   int64_t local_experts() const;
   // The local experts' weight gradients from source rank s: [s][w] for w1,
   // w2, w3, summed over the micro-batches since the last take; undefined
-  // where no token of s reached them. Taking resets them.
+  // where no token of s reached them (one [0][w] of every source without
+  // per_source). Taking resets them.
   std::vector<std::vector<at::Tensor>> take_source_grads();
   static int64_t count_params(const MoeOptions& o);
   static int64_t active_params(const MoeOptions& o);

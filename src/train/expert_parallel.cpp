@@ -78,10 +78,12 @@ std::string join(const std::string& prefix, const std::string& name) {
 
 void shard_moe_experts(torch::nn::Module& part, dist::ProcessGroup& ep_group,
                        const std::string& context,
-                       std::shared_ptr<ExpertExchangeStats> stats) {
+                       std::shared_ptr<ExpertExchangeStats> stats, bool per_source) {
   for (auto& [name, moe] : moe_layers(part)) {
-    moe->shard_experts(std::make_shared<GroupExchange>(
-        ep_group, str(context, " ", name, " expert all-to-all over ", ep_group.name()), stats));
+    moe->shard_experts(
+        std::make_shared<GroupExchange>(
+            ep_group, str(context, " ", name, " expert all-to-all over ", ep_group.name()), stats),
+        per_source);
   }
 }
 
@@ -165,8 +167,8 @@ void ExpertGradReduction::finish(const std::string& context) {
       it = layers.end() - 1;
     }
     const auto& per_source = taken[static_cast<size_t>(it - layers.begin())];
-    VIADUCT_ASSERT(static_cast<int>(per_source.size()) == ep_, shards_[k].fqn, ": ",
-                   per_source.size(), " sources, ep ", ep_);
+    VIADUCT_ASSERT(static_cast<int>(per_source.size()) == ep_ || per_source.size() == 1,
+                   shards_[k].fqn, ": ", per_source.size(), " sources, ep ", ep_);
     const auto& p = params_[param_index_[k]].param;
     for (const auto& g : per_source) {
       // No token of that source reached these experts: a zero gradient, as
@@ -194,24 +196,27 @@ void ExpertGradReduction::finish(const std::string& context) {
     }
     // Range m of every source to member m; the pieces arrive by block,
     // each block's by source: replica order.
+    const auto n_sources = static_cast<int64_t>(sources[k].size());
     std::vector<at::Tensor> send_parts;
     std::vector<int64_t> send_splits, recv_splits;
     for (int m = 0; m < members_; ++m) {
       const auto [b, e] = range(k, m);
       for (const auto& g : sources[k]) send_parts.push_back(g.slice(0, b, e));
-      send_splits.push_back(ep_ * (e - b));
+      send_splits.push_back(n_sources * (e - b));
     }
     const auto [mb, me] = range(k, member_);
     const int64_t mine = me - mb;
-    recv_splits.assign(static_cast<size_t>(members_), ep_ * mine);
+    recv_splits.assign(static_cast<size_t>(members_), n_sources * mine);
     auto send = at::cat(send_parts);
-    auto recv = at::empty({mine * dp_}, send.options());
+    auto recv = at::empty({mine * n_sources * members_}, send.options());
     replicas_->alltoall(recv, send, recv_splits, send_splits)
         .wait(str(context, " expert gradient reduce-scatter of ", shards_[k].fqn));
     bytes += (send.numel() - send_splits[static_cast<size_t>(member_)]) *
              static_cast<int64_t>(send.element_size());
     std::vector<at::Tensor> pieces;
-    for (int r = 0; r < dp_; ++r) pieces.push_back(recv.narrow(0, r * mine, mine));
+    for (int64_t r = 0; r < n_sources * members_; ++r) {
+      pieces.push_back(recv.narrow(0, r * mine, mine));
+    }
     const auto sum = fold(pieces);
     if (!param.grad().defined()) param.mutable_grad() = at::zeros_like(param);
     auto flat = param.mutable_grad().view({-1});

@@ -16,7 +16,10 @@
 // all-to-all sends range m of every source's G to member m, and member m
 // adds the dp pieces in replica order (block, then source): every element
 // gets the ep = 1 sum's bits. Plain data parallelism then all-gathers the
-// summed ranges over the expert-replica group.
+// summed ranges over the expert-replica group. Under
+// parallelism.expert_gradient_sum = local each owner holds one piece, its
+// sources already added, and member m adds the dp / ep pieces in block
+// order.
 //
 // Note [Expert ranges and the clip norm]
 // The norm of each expert tensor is formed from dp pieces in every layout:
@@ -68,7 +71,7 @@ struct ExpertExchangeStats {
 // `context` names this rank in a timeout; the exchanges add into `stats`.
 void shard_moe_experts(torch::nn::Module& part, dist::ProcessGroup& ep_group,
                        const std::string& context,
-                       std::shared_ptr<ExpertExchangeStats> stats);
+                       std::shared_ptr<ExpertExchangeStats> stats, bool per_source);
 
 // The MoE layers of `part` with their global layer index ("layers.N.moe").
 struct MoeLayerRef {

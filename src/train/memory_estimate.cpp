@@ -34,7 +34,14 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
   const double cached =
       static_cast<double>(info.params - info.embedding_params) / pp - experts + e.expert_params;
   e.weights = params * 4.0 + (compute_dtype == at::kFloat ? 0.0 : cached * elem);
-  e.gradients = params * 4.0;
+  // Under expert parallelism with parallelism.expert_gradient_sum =
+  // replica_order the local experts' gradients are held once per source
+  // rank until the step's sum (Note [Expert gradient sum]).
+  const bool per_source =
+      e.expert_shards > 1 && cfg.get_string("parallelism.expert_gradient_sum") == "replica_order";
+  e.gradients = params * 4.0 +
+                (per_source ? static_cast<double>(e.expert_shards - 1) * e.expert_params * 4.0
+                            : 0.0);
   // ZeRO-1: each dp rank keeps the moments of ~1/dp of the parameters.
   if (adamw && cfg.get_bool("parallelism.dp_shard_optimizer")) {
     e.optimizer_shards = cfg.get_int("parallelism.data_parallel_degree");

@@ -10,7 +10,9 @@
 // (ZeRO-1: each dp rank keeps the moments of its slice of every gradient
 // bucket; master weights and gradients stay whole), the routed experts'
 // share of all three divided by parallelism.expert_parallel_degree (Note
-// [Expert parallelism], model/moe.h); activations kept for the
+// [Expert parallelism], model/moe.h) -- the gradients' but for the copy per
+// source rank that parallelism.expert_gradient_sum = replica_order holds;
+// activations kept for the
 // backward at the schedule's peak -- the most micro-batches the plan's
 // simulation holds in flight on the rank (1 in one process, up to pp for
 // 1F1B on the first rank, more for interleaved schedules) times the largest

@@ -44,7 +44,8 @@ RankModel build_rank_model(const Config& cfg, int pp_rank, at::Device device,
     if (ep_group != nullptr) {
       if (!rm.expert_stats) rm.expert_stats = std::make_shared<ExpertExchangeStats>();
       shard_moe_experts(*part, *ep_group, str("rank ", ep_group->global_rank(ep_group->rank())),
-                        rm.expert_stats);
+                        rm.expert_stats,
+                        cfg.get_string("parallelism.expert_gradient_sum") == "replica_order");
     }
     part->init_weights(seed);
     part->to(device);

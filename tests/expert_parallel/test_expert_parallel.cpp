@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -211,6 +212,48 @@ TEST_F(ExpertParallelRuns, ZeroOneWithExpertParallelHasTheBitsOfDataParallel) {
   auto c = shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + ref + "/checkpoint " +
                  dst + "/checkpoint");
   EXPECT_EQ(c.exit_code, 0) << c.output;
+}
+
+// parallelism.expert_gradient_sum = local: one gradient of the local
+// experts, the sources added as the backward meets them -- the same bits run
+// to run, and close to ep 1's (with two micro-batches the two add in other
+// orders, so their bits need not agree).
+TEST_F(ExpertParallelRuns, LocalGradientSumRepeatsItsBitsAndStaysCloseToDataParallel) {
+  const std::string m2 = " --parallelism.pipeline_parallel_microbatches=2";
+  const std::string local = " --parallelism.expert_gradient_sum=local";
+  const auto ref = train("dp2_ep1_m2", 2, base_args() + layout(1, 2, 1) + m2);
+  const auto a = train("dp2_ep2_local_a", 2, base_args() + layout(1, 2, 2) + m2 + local);
+  const auto b = train("dp2_ep2_local_b", 2, base_args() + layout(1, 2, 2) + m2 + local);
+  expect_same_bits(a, b, 3);
+  const auto lr = viaduct::testing::step_metrics(ref), la = viaduct::testing::step_metrics(a);
+  ASSERT_EQ(lr.size(), la.size());
+  for (size_t k = 0; k < lr.size(); ++k) {
+    const double x = lr[k]["loss"].get<double>(), y = la[k]["loss"].get<double>();
+    EXPECT_LT(std::abs(x - y), 1e-5 * std::abs(x)) << "step " << k + 1;
+  }
+}
+
+// The plan counts the copy of the experts' gradients per source rank that
+// replica_order holds: (ep - 1) x the rank's expert parameters x 4 bytes
+// more than local.
+TEST(ExpertParallelPlan, GradientsPerSourceAreCounted) {
+  auto plan = [](const std::string& sum) {
+    const auto r = shell(std::string(VIADUCT_BINARY) +
+                         " plan --json --model.family=kimi_k3 --model.flavor=debugmodel"
+                         " --parallelism.data_parallel_degree=4"
+                         " --parallelism.expert_parallel_degree=4"
+                         " --parallelism.expert_gradient_sum=" + sum);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return nlohmann::json::parse(r.output.substr(r.output.find('{')));
+  };
+  const auto ordered = plan("replica_order"), local = plan("local");
+  const auto& mo = ordered["ranks"][0]["memory"];
+  const auto& ml = local["ranks"][0]["memory"];
+  const double experts = ml["expert_params"].get<double>();
+  ASSERT_GT(experts, 0.0);
+  EXPECT_DOUBLE_EQ(mo["gradients"].get<double>() - ml["gradients"].get<double>(),
+                   3.0 * experts * 4.0);
+  EXPECT_DOUBLE_EQ(mo["weights"].get<double>(), ml["weights"].get<double>());
 }
 
 // A rank killed as a step starts leaves its peer in the step's first expert
