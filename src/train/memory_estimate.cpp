@@ -193,6 +193,14 @@ MemoryEstimate check_rank_memory_fits(const Config& cfg, int64_t pp_rank,
       "parallelism.pipeline_parallel_microbatches), more pipeline ranks (parallelism.pipeline_parallel_degree, started with `viaduct "
       "launch`), a smaller model (model.flavor, model.n_layers, model.dim)",
       can_shard ? ", parallelism.dp_shard_optimizer = true (optimizer state / dp)" : "",
+      e.expert_params > 0 && e.expert_shards == 1 &&
+              cfg.get_int("parallelism.data_parallel_degree") > 1
+          ? ", parallelism.expert_parallel_degree > 1 (the routed experts / ep)"
+          : "",
+      e.expert_shards > 1 && cfg.get_string("parallelism.expert_gradient_sum") == "replica_order"
+          ? ", parallelism.expert_gradient_sum = \"local\" (the experts' gradients / ep, "
+            "without ep = 1's bits)"
+          : "",
       adamw ? ", or optimizer.name = SGD (no optimizer state)" : "",
       activation_checkpoint(cfg).mode == ops::ActivationCheckpoint::Mode::kFull
           ? ""

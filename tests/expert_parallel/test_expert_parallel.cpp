@@ -35,7 +35,7 @@ class ExpertParallelRuns : public ::testing::Test {
 
   // Six layers (five of them MoE, 8 experts top-2) in AttnRes blocks of 3;
   // a small max_norm keeps the clip coefficient below 1 in every step.
-  static std::string base_args(int steps = 3) {
+  static std::string base_args(int steps = 5) {
     std::ostringstream os;
     os << " --model.family=kimi_k3 --model.flavor=debugmodel --model.n_layers=6"
        << " --model.attn_res_block_size=3 --model.dim=32 --model.n_heads=2"
@@ -84,7 +84,7 @@ ShellRun ExpertParallelRuns::last_;
 TEST_F(ExpertParallelRuns, DataParallelTimesExpertParallelHasTheBitsOfDataParallel) {
   const auto plain = train("dp2_ep1", 2, base_args() + layout(1, 2, 1));
   const auto ep = train("dp2_ep2", 2, base_args() + layout(1, 2, 2));
-  expect_same_bits(plain, ep, 3);
+  expect_same_bits(plain, ep, 5);
   // Eval runs the exchanges without a graph, on every replica alike.
   auto evals = [](const std::string& dump) {
     std::vector<std::string> out;
@@ -105,7 +105,10 @@ TEST_F(ExpertParallelRuns, DataParallelTimesExpertParallelHasTheBitsOfDataParall
     EXPECT_GT(j["grad_norm"].get<double>(), 0.05);
   }
   // Each ep rank wrote its experts as pieces of the whole tensors.
-  EXPECT_TRUE(fs::exists(fs::path(ep) / "checkpoint/step-3/model-dp1.safetensors"));
+  EXPECT_TRUE(fs::exists(fs::path(ep) / "checkpoint/step-5/model-dp1.safetensors"));
+  // The run report draws the load imbalance over the steps.
+  EXPECT_NE(viaduct::testing::shell("cat " + ep + "/report.html").output.find("MoE load"),
+            std::string::npos);
   // Every step line carries each layer's load imbalance (layer 0 is dense).
   for (const auto& j : viaduct::testing::step_metrics(ep)) {
     ASSERT_TRUE(j.contains("moe_load_max_over_mean")) << j.dump();
@@ -119,7 +122,7 @@ TEST_F(ExpertParallelRuns, DataParallelTimesExpertParallelHasTheBitsOfDataParall
   const std::string capacity = " --model.moe_capacity_factor=0.5";
   const auto plain_c = train("dp2_ep1_capacity", 2, base_args() + layout(1, 2, 1) + capacity);
   const auto ep_c = train("dp2_ep2_capacity", 2, base_args() + layout(1, 2, 2) + capacity);
-  expect_same_bits(plain_c, ep_c, 3);
+  expect_same_bits(plain_c, ep_c, 5);
   const auto a = viaduct::testing::step_metrics(plain_c), b = viaduct::testing::step_metrics(ep_c);
   ASSERT_EQ(a.size(), b.size());
   for (size_t k = 0; k < a.size(); ++k) {
@@ -155,17 +158,18 @@ TEST_F(ExpertParallelRuns, PipelineSchedulesWithExpertParallelHaveTheBitsOfDataP
     const auto run = train(name, 4,
                            base_args() + layout(2, 2, 2, schedule) +
                                " --parallelism.attn_res_cache_backward=whole_stack");
-    expect_same_bits(with_micro, run, 3);
+    expect_same_bits(with_micro, run, 5);
   }
   (void)plain;
 }
 
 TEST_F(ExpertParallelRuns, CheckpointsResumeUnderAnotherExpertParallelDegree) {
-  // dp 4: the reference without ep, 4 steps; written at ep 2 and at ep 4,
-  // cut back to step 2 and resumed at ep 4, ep 1 and ep 2.
+  // dp 4: the reference without ep, 4 steps; written at ep 1, 2 and 4, cut
+  // back to step 2 and resumed at ep 2, 4, 1 and 2.
   const auto args = base_args(4);
   const auto ref = train("dp4_ep1", 4, args + layout(1, 4, 1));
-  for (const auto& [from, to] : std::vector<std::pair<int, int>>{{2, 4}, {2, 1}, {4, 2}}) {
+  for (const auto& [from, to] :
+       std::vector<std::pair<int, int>>{{1, 2}, {2, 4}, {2, 1}, {4, 2}}) {
     const auto src = train("dp4_ep" + std::to_string(from), 4, args + layout(1, 4, from));
     const auto dst =
         (fs::path(dir_->path()) / ("resume_ep" + std::to_string(from) + "_to_ep" +
@@ -197,7 +201,7 @@ TEST_F(ExpertParallelRuns, CheckpointsResumeUnderAnotherExpertParallelDegree) {
 TEST_F(ExpertParallelRuns, ZeroOneWithExpertParallelHasTheBitsOfDataParallel) {
   const std::string zero = " --parallelism.dp_shard_optimizer=true";
   expect_same_bits(train("dp2_ep1", 2, base_args() + layout(1, 2, 1)),
-                   train("dp2_ep2_zero", 2, base_args() + layout(1, 2, 2, zero)), 3);
+                   train("dp2_ep2_zero", 2, base_args() + layout(1, 2, 2, zero)), 5);
   const auto args = base_args(4);
   const auto ref = train("dp4_ep1", 4, args + layout(1, 4, 1));
   const auto src = train("dp4_ep2_zero", 4, args + layout(1, 4, 2, zero));
@@ -224,7 +228,7 @@ TEST_F(ExpertParallelRuns, LocalGradientSumRepeatsItsBitsAndStaysCloseToDataPara
   const auto ref = train("dp2_ep1_m2", 2, base_args() + layout(1, 2, 1) + m2);
   const auto a = train("dp2_ep2_local_a", 2, base_args() + layout(1, 2, 2) + m2 + local);
   const auto b = train("dp2_ep2_local_b", 2, base_args() + layout(1, 2, 2) + m2 + local);
-  expect_same_bits(a, b, 3);
+  expect_same_bits(a, b, 5);
   const auto lr = viaduct::testing::step_metrics(ref), la = viaduct::testing::step_metrics(a);
   ASSERT_EQ(lr.size(), la.size());
   for (size_t k = 0; k < lr.size(); ++k) {
