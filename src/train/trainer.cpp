@@ -142,6 +142,7 @@ ModelInfo Trainer::build_model() {
   param_offsets_ = std::move(rm.param_offsets);
   expert_stats_ = std::move(rm.expert_stats);
   n_layers_ = rm.info.n_layers;
+  moe_experts_ = rm.info.routed_experts;
   total_param_tensors_ = rm.total_param_tensors;
   flops_per_token_ = rm.info.flops_per_token;
   const auto& params = rm.params;
@@ -326,7 +327,9 @@ StepMetrics Trainer::train_step() {
   const auto device_norm = step_with_device_clip(lr, max_norm, pending_losses, loss_sum);
   const double norm = device_norm ? *device_norm : host_grad_norm(pending_losses, loss_sum);
   const double loss = gather_loss_and_pipeline_metrics(loss_sum, m);
-  if (moe_counts.defined()) gather_moe_metrics(moe_counts, m);
+  // Every rank of an MoE model joins (a pp rank without MoE layers adds
+  // zeros): the sums are collectives.
+  if (moe_experts_ > 0) gather_moe_metrics(moe_counts, m);
   VIADUCT_CHECK(std::isfinite(norm), "step ", step_ + 1,
                 ": the gradient norm is not finite (", norm,
                 "); lower optimizer.lr or check the data");
@@ -618,12 +621,12 @@ void Trainer::gather_moe_metrics(const at::Tensor& counts, StepMetrics& m) {
   for (auto& p : parts_) {
     for (const auto& ref : moe_layer_refs(*p)) refs.push_back(ref);
   }
-  const int64_t E = counts.size(1) - 1;
+  const int64_t E = moe_experts_;
   // Every layer's counts summed over the replicas, then each layer's
   // largest load over the mean, gathered over the pipeline ranks (one
   // contributor per layer); the dropped copies ride in the last slot.
   std::vector<double> loads(static_cast<size_t>(n_layers_ * E + 1), 0.0);
-  const auto c = counts.to(at::kDouble).contiguous();
+  const auto c = counts.defined() ? counts.to(at::kDouble).contiguous() : at::zeros({0}, at::kDouble);
   const auto* v = c.data_ptr<double>();
   for (size_t k = 0; k < refs.size(); ++k) {
     const auto* row = v + static_cast<int64_t>(k) * (E + 1);
@@ -642,7 +645,7 @@ void Trainer::gather_moe_metrics(const at::Tensor& counts, StepMetrics& m) {
   }
   ratio.push_back(loads.back());
   sum_over(mesh_ ? &mesh_->pp_group() : nullptr, ratio, "MoE load imbalance");
-  if (refs.front().moe->opts_.capacity_factor > 0) m.moe_dropped_tokens = ratio.back();
+  if (cfg_.get_float("model.moe_capacity_factor") > 0) m.moe_dropped_tokens = ratio.back();
   ratio.pop_back();
   m.moe_load_max_over_mean = std::move(ratio);
   if (!expert_stats_) return;
@@ -743,8 +746,10 @@ void Trainer::save_checkpoint() {
   // parallelism the first ep replicas each write their experts, as pieces
   // of the whole tensors, into files of their own; the first writes the
   // rest too.
-  const int model_dp = expert_reduction_ ? ep_size_ : 1;
-  if (expert_reduction_) {
+  // A job-wide choice: every pp rank names its files alike, those without
+  // MoE layers too (their other ep replicas write empty files).
+  const int model_dp = ep_size_ > 1 && moe_experts_ > 0 ? ep_size_ : 1;
+  if (model_dp > 1) {
     std::vector<ExpertShard> shards;
     for (const auto& part : parts_) {
       for (auto& s : expert_shards(*part)) shards.push_back(std::move(s));

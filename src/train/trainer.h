@@ -195,6 +195,7 @@ class Trainer {
   std::shared_ptr<ExpertExchangeStats> expert_stats_;
   std::unique_ptr<c10::Event> moe_counts_ready_;  // snapshot_moe_counts' copy (CUDA)
   int64_t n_layers_ = 0;
+  int64_t moe_experts_ = 0;  // routed experts of an MoE layer; 0: no MoE model
   std::shared_ptr<const data::TokenStream> eval_tokens_;
   std::unique_ptr<data::TokenSampler> sampler_;
   std::unique_ptr<data::EvalLoader> eval_loader_;

@@ -161,6 +161,18 @@ TEST_F(ExpertParallelRuns, PipelineSchedulesWithExpertParallelHaveTheBitsOfDataP
     expect_same_bits(with_micro, run, 5);
   }
   (void)plain;
+  // A pipeline rank without MoE layers (layers 0-2 dense: the first stage)
+  // still joins the step's MoE metric sums.
+  const std::string dense = " --model.first_k_dense=3 --parallelism.pipeline_parallel_microbatches=2";
+  const auto one = train("dp2_ep1_m2_dense3", 2, base_args() + layout(1, 2, 1) + dense);
+  const auto pp = train("pp2_dp2_ep2_dense3", 4,
+                        base_args() + layout(2, 2, 2, dense) +
+                            " --parallelism.attn_res_cache_backward=whole_stack");
+  expect_same_bits(one, pp, 5);
+  const auto m = viaduct::testing::step_metrics(pp);
+  ASSERT_FALSE(m.empty());
+  EXPECT_EQ(m.back()["moe_load_max_over_mean"][0].get<double>(), 0.0);
+  EXPECT_GE(m.back()["moe_load_max_over_mean"][5].get<double>(), 1.0);
 }
 
 TEST_F(ExpertParallelRuns, CheckpointsResumeUnderAnotherExpertParallelDegree) {
