@@ -384,13 +384,43 @@ at::Tensor MoeImpl::experts_over_ranks(const at::Tensor& slots, const at::Tensor
   // grouped by source rank, then expert, each group in its source's slot
   // order.
   auto rows = exchange_rows(exchange_, slots.index_select(0, order), send, recv);
+  auto out = run_local_experts(rows, pieces);
+  // The outputs back to their sources, in each source's expert order.
+  auto back = exchange_rows(exchange_, out, recv, send);  // [kept, D]
+  return to_slot_order(back, order, flat.size(0), keep.defined());
+}
+
+at::Tensor MoeImpl::run_local_experts(const at::Tensor& rows, const std::vector<int64_t>& pieces) {
+  const int64_t P = exchange_->size(), El = local_experts();
+  const auto& k = kernel_options_;
+  if (source_grads_->size() == 1 && ops::grouped_experts_run(rows, opts_.hidden_dim, k)) {
+    // One gradient for every source: the local experts as grouped GEMMs
+    // over the received rows, each row's group its local expert.
+    std::vector<int64_t> expert_of;
+    expert_of.reserve(static_cast<size_t>(rows.size(0)));
+    for (int64_t s = 0; s < P; ++s) {
+      for (int64_t e = 0; e < El; ++e) {
+        expert_of.insert(expert_of.end(), static_cast<size_t>(pieces[static_cast<size_t>(s * El + e)]), e);
+      }
+    }
+    const auto ids = at::tensor(expert_of, at::TensorOptions(at::kLong))
+                         .to(rows.device())
+                         .view({-1, 1});
+    auto d = ops::dispatch_experts(ids, El, k);
+    auto xs = at::zeros({d.rows, rows.size(1)}, rows.options()).index_copy(0, d.pos, rows);
+    auto ys = ops::grouped_swiglu_experts(xs, d.offs, source_use(experts->w1, source_grads_, 0, 0),
+                                          source_use(experts->w2, source_grads_, 0, 1),
+                                          source_use(experts->w3, source_grads_, 0, 2));
+    return ops::gather_distinct_rows(ys, d.pos);
+  }
+  // A GEMM chain per (source, expert): each source's gradient its own when
+  // kept per source (Note [Expert parallelism]).
   auto groups = rows.split_with_sizes(pieces, 0);
   std::vector<at::Tensor> outs;
   const at::Tensor none;
-  const auto& k = kernel_options_;
   for (int64_t s = 0; s < P; ++s) {
     bool any = false;
-    for (int64_t e = 0; e < El; ++e) any = any || pieces[s * El + e] > 0;
+    for (int64_t e = 0; e < El; ++e) any = any || pieces[static_cast<size_t>(s * El + e)] > 0;
     if (!any) continue;
     const auto src = source_grads_->size() == 1 ? size_t{0} : static_cast<size_t>(s);
     const auto w1s = source_use(experts->w1, source_grads_, src, 0).unbind(0);
@@ -406,10 +436,7 @@ at::Tensor MoeImpl::experts_over_ranks(const at::Tensor& slots, const at::Tensor
   }
   // No rows here: an empty slice of the received rows keeps the return
   // exchange's backward linked to the first one's, as on the other ranks.
-  auto out = outs.empty() ? rows.narrow(0, 0, 0) : at::cat(outs, 0);
-  // The outputs back to their sources, in each source's expert order.
-  auto back = exchange_rows(exchange_, out, recv, send);  // [kept, D]
-  return to_slot_order(back, order, flat.size(0), keep.defined());
+  return outs.empty() ? rows.narrow(0, 0, 0) : at::cat(outs, 0);
 }
 
 at::Tensor MoeImpl::capacity_keep(const at::Tensor& idx) {

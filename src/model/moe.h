@@ -26,12 +26,13 @@
 // weights' gradient per source rank (SourceGradSink: not in .grad) summed
 // over the step's micro-batches. The trainer adds the sources in replica
 // order, as the data-parallel sum adds replicas (train/expert_parallel.h):
-// the sums, outputs and token gradients have the bits of ep = 1. The experts
-// run as one loop of GEMMs per (source, expert) on every device. Keeping a
-// gradient per source holds ep x the local experts' gradients -- the whole
-// layer's -- until the step's sum; parallelism.expert_gradient_sum = local
-// keeps one, the sources added as the backward meets them (the same bits
-// run to run, not those of ep = 1).
+// the sums, outputs and token gradients have the bits of ep = 1: the experts
+// run as one chain of GEMMs per (source, expert). Keeping a gradient per
+// source holds ep x the local experts' gradients -- the whole layer's --
+// until the step's sum; parallelism.expert_gradient_sum = local keeps one,
+// the sources added as the backward meets them (the same bits run to run,
+// not those of ep = 1), and where the grouped GEMMs run (ops/moe.h) the
+// local experts take every source's rows in one grouped GEMM each.
 //
 // Note [Expert capacity]
 // With model.moe_capacity_factor = f > 0 each expert takes at most C =
@@ -141,6 +142,9 @@ class MoeImpl : public torch::nn::Module, public ops::KernelUser {
   // idx [N, K] through the owners; the outputs [N, K, D].
   at::Tensor experts_over_ranks(const at::Tensor& slots, const at::Tensor& idx,
                                 const at::Tensor& keep);
+  // The local experts on the received rows [R, D] (`pieces`: rows per
+  // source and local expert, source-major): outputs [R, D].
+  at::Tensor run_local_experts(const at::Tensor& rows, const std::vector<int64_t>& pieces);
   // Note [Expert capacity]: which of the slots idx [N, K] an expert takes
   // (bool [N K]); undefined when dropless.
   at::Tensor capacity_keep(const at::Tensor& idx);
