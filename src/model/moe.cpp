@@ -266,16 +266,7 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     tokens_dropped += at::logical_not(keep).sum().view({1});
   }
   at::Tensor y;
-  if (exchange_) {
-    auto flat = idx.reshape({-1});
-    at::Tensor counts;
-    {
-      torch::NoGradGuard g;
-      counts = at::bincount(flat, {}, E).to(at::kCPU);
-    }
-    count_tokens(counts);
-    y = experts_over_ranks(slots, idx, keep).view({N, K, D});
-  } else if (ops::grouped_experts_run(xf, opts_.hidden_dim, kernel_options_)) {
+  if (!exchange_ && ops::grouped_experts_run(xf, opts_.hidden_dim, kernel_options_)) {
     // Grouped GEMMs over padded expert groups (Note [MoE dispatch into
     // padded groups], ops/moe.h): no host sync. Dropped copies run and
     // their gating weights are zero.
@@ -286,25 +277,23 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     y = ops::gather_distinct_rows(ys, d.pos).view({N, K, D});
     if (keep.defined()) w = w * keep.view({N, K}).to(w.scalar_type());
   } else {
-    auto flat = idx.reshape({-1});  // [N K]
-    at::Tensor counts;
-    {
-      torch::NoGradGuard g;
-      counts = at::bincount(flat, {}, E).to(at::kCPU);
-    }
-    count_tokens(counts);
     // The slots in expert order, split by expert (Note [MoE dispatch
     // without per-expert gradient fills]). The gather is a permutation of
     // the slots, so its backward adds into no row twice, and the sum over a
     // token's k copies is a reduction: no scatter-add anywhere,
     // deterministic.
-    const auto eo = expert_order(flat, keep);
-    const auto* cnt = eo.counts.data_ptr<int64_t>();
-    auto rows = slots.index_select(0, eo.order).split_with_sizes(
-        std::vector<int64_t>(cnt, cnt + E), 0);
-    // Expert outputs in expert order, then back to (token, slot) order.
-    auto sorted_out = at::cat(experts->forward_all(rows), 0);  // [kept, D]
-    y = to_slot_order(sorted_out, eo.order, N * K, keep.defined()).view({N, K, D});
+    const auto eo = expert_order(idx.reshape({-1}), keep);
+    count_tokens(eo.routed);
+    if (exchange_) {
+      y = experts_over_ranks(slots, eo, keep.defined()).view({N, K, D});
+    } else {
+      const auto* cnt = eo.counts.data_ptr<int64_t>();
+      auto rows = slots.index_select(0, eo.order).split_with_sizes(
+          std::vector<int64_t>(cnt, cnt + E), 0);
+      // Expert outputs in expert order, then back to (token, slot) order.
+      auto sorted_out = at::cat(experts->forward_all(rows), 0);  // [kept, D]
+      y = to_slot_order(sorted_out, eo.order, N * K, keep.defined()).view({N, K, D});
+    }
   }
   y = (y * w.to(y.scalar_type()).unsqueeze(-1)).sum(1);  // [N, D]
   if (shared_expert) y = y + shared_expert(xf);
@@ -344,12 +333,9 @@ std::vector<std::vector<at::Tensor>> MoeImpl::take_source_grads() {
   return out;
 }
 
-at::Tensor MoeImpl::experts_over_ranks(const at::Tensor& slots, const at::Tensor& idx,
-                                       const at::Tensor& keep) {
+at::Tensor MoeImpl::experts_over_ranks(const at::Tensor& slots, const ExpertOrder& eo,
+                                       bool dropped) {
   const int64_t E = opts_.n_routed_experts, P = exchange_->size(), El = local_experts();
-  const auto flat = idx.reshape({-1});  // [N K]
-  // The copies that run (Note [Expert capacity]), by expert.
-  const auto eo = expert_order(flat, keep);
   const auto& order = eo.order;
   const auto& counts = eo.counts;
   at::Tensor recv_counts;
@@ -387,7 +373,7 @@ at::Tensor MoeImpl::experts_over_ranks(const at::Tensor& slots, const at::Tensor
   auto out = run_local_experts(rows, pieces);
   // The outputs back to their sources, in each source's expert order.
   auto back = exchange_rows(exchange_, out, recv, send);  // [kept, D]
-  return to_slot_order(back, order, flat.size(0), keep.defined());
+  return to_slot_order(back, order, slots.size(0), dropped);
 }
 
 at::Tensor MoeImpl::run_local_experts(const at::Tensor& rows, const std::vector<int64_t>& pieces) {
@@ -462,12 +448,13 @@ MoeImpl::ExpertOrder MoeImpl::expert_order(const at::Tensor& flat, const at::Ten
   torch::NoGradGuard g;
   ExpertOrder eo;
   eo.order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
-  at::Tensor kept = flat;
+  const int64_t E = opts_.n_routed_experts;
+  eo.routed = at::bincount(flat, {}, E).to(at::kCPU).contiguous();
+  eo.counts = eo.routed;
   if (keep.defined()) {
     eo.order = eo.order.masked_select(keep.index_select(0, eo.order));
-    kept = flat.masked_select(keep);
+    eo.counts = at::bincount(flat.masked_select(keep), {}, E).to(at::kCPU).contiguous();
   }
-  eo.counts = at::bincount(kept, {}, opts_.n_routed_experts).to(at::kCPU).contiguous();
   return eo;
 }
 

@@ -138,10 +138,11 @@ class MoeImpl : public torch::nn::Module, public ops::KernelUser {
   at::Tensor tokens_dropped;
 
  private:
-  // Note [Expert parallelism]: x's token copies `slots` [N K, D] of experts
-  // idx [N, K] through the owners; the outputs [N, K, D].
-  at::Tensor experts_over_ranks(const at::Tensor& slots, const at::Tensor& idx,
-                                const at::Tensor& keep);
+  struct ExpertOrder;
+  // Note [Expert parallelism]: the token copies `slots` [N K, D] that run
+  // (`eo`) through their experts' owners; the outputs [N K, D] in slot
+  // order, zero for a dropped copy.
+  at::Tensor experts_over_ranks(const at::Tensor& slots, const ExpertOrder& eo, bool dropped);
   // The local experts on the received rows [R, D] (`pieces`: rows per
   // source and local expert, source-major): outputs [R, D].
   at::Tensor run_local_experts(const at::Tensor& rows, const std::vector<int64_t>& pieces);
@@ -153,6 +154,7 @@ class MoeImpl : public torch::nn::Module, public ops::KernelUser {
   struct ExpertOrder {
     at::Tensor order;   // [kept] slot indices, by expert then slot
     at::Tensor counts;  // [E] int64 on the CPU: the kept copies per expert
+    at::Tensor routed;  // [E] int64 on the CPU: every routed copy per expert
   };
   ExpertOrder expert_order(const at::Tensor& flat, const at::Tensor& keep);
   std::shared_ptr<ExpertExchange> exchange_;

@@ -184,7 +184,9 @@ ModelInfo Trainer::build_model() {
       }
     }
     for (auto& s : expert_shards(*part)) shards.push_back(std::move(s));
+    for (const auto& ref : moe_layer_refs(*part)) moe_layers_.push_back(ref);
   }
+  expert_shards_ = shards;
   auto buckets = grad_buckets(rm.params, cfg_.get_int("parallelism.dp_bucket_mb") << 20,
                               stage_of, own_bucket, sharded);
   if (shards_optimizer()) {
@@ -591,14 +593,12 @@ at::Tensor Trainer::snapshot_moe_counts() {
   // Per layer: the experts' counts, then the dropped copies (Note [Expert
   // capacity], model/moe.h); reset for the next step.
   std::vector<at::Tensor> counts;
-  for (auto& p : parts_) {
-    for (const auto& ref : moe_layer_refs(*p)) {
-      auto& dropped = ref.moe->tokens_dropped;
-      const auto& c = ref.moe->tokens_per_expert;
-      counts.push_back(at::cat({c, dropped.defined() ? dropped.to(c.device()).clone()
-                                                     : at::zeros({1}, c.options())}));
-      if (dropped.defined()) dropped.zero_();
-    }
+  for (const auto& ref : moe_layers_) {
+    auto& dropped = ref.moe->tokens_dropped;
+    const auto& c = ref.moe->tokens_per_expert;
+    counts.push_back(at::cat({c, dropped.defined() ? dropped.to(c.device()).clone()
+                                                   : at::zeros({1}, c.options())}));
+    if (dropped.defined()) dropped.zero_();
   }
   if (counts.empty()) return {};
   auto all = at::stack(counts);
@@ -617,10 +617,7 @@ void Trainer::gather_moe_metrics(const at::Tensor& counts, StepMetrics& m) {
     while (!moe_counts_ready_->query()) std::this_thread::yield();
     moe_counts_ready_.reset();
   }
-  std::vector<MoeLayerRef> refs;
-  for (auto& p : parts_) {
-    for (const auto& ref : moe_layer_refs(*p)) refs.push_back(ref);
-  }
+  const auto& refs = moe_layers_;
   const int64_t E = moe_experts_;
   // Every layer's counts summed over the replicas, then each layer's
   // largest load over the mean, gathered over the pipeline ranks (one
@@ -750,17 +747,13 @@ void Trainer::save_checkpoint() {
   // MoE layers too (their other ep replicas write empty files).
   const int model_dp = ep_size_ > 1 && moe_experts_ > 0 ? ep_size_ : 1;
   if (model_dp > 1) {
-    std::vector<ExpertShard> shards;
-    for (const auto& part : parts_) {
-      for (auto& s : expert_shards(*part)) shards.push_back(std::move(s));
-    }
     // files: the model part, then the optimizer's (ZeRO-1's already in
     // pieces, in a file per replica).
     for (size_t k = 0; k < files.size(); ++k) {
       if (k == 1 && optim_dp > 1) continue;
       files[k].file_name =
           checkpoint::part_file_name(k == 0 ? "model" : "optim", pp_rank_, pp, dp_rank_, model_dp);
-      store_experts_as_pieces(files[k], shards, /*keep_rest=*/dp_rank_ == 0);
+      store_experts_as_pieces(files[k], expert_shards_, /*keep_rest=*/dp_rank_ == 0);
     }
   }
   if (dp_rank_ >= model_dp) files.erase(files.begin());

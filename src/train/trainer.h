@@ -32,6 +32,7 @@
 #include "config/config.h"
 #include "model/model.h"
 #include "train/metrics.h"
+#include "train/expert_parallel.h"
 #include "train/optimizer.h"
 
 namespace viaduct {
@@ -53,8 +54,6 @@ struct CheckpointPart;
 }  // namespace checkpoint
 class FolderLock;
 class GradReduction;
-class ExpertGradReduction;
-struct ExpertExchangeStats;
 
 namespace data {
 class TokenSampler;
@@ -196,6 +195,9 @@ class Trainer {
   std::unique_ptr<c10::Event> moe_counts_ready_;  // snapshot_moe_counts' copy (CUDA)
   int64_t n_layers_ = 0;
   int64_t moe_experts_ = 0;  // routed experts of an MoE layer; 0: no MoE model
+  // This rank's MoE layers and its sharded expert tensors (none at ep = 1).
+  std::vector<MoeLayerRef> moe_layers_;
+  std::vector<ExpertShard> expert_shards_;
   std::shared_ptr<const data::TokenStream> eval_tokens_;
   std::unique_ptr<data::TokenSampler> sampler_;
   std::unique_ptr<data::EvalLoader> eval_loader_;
