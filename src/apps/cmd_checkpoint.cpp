@@ -76,10 +76,27 @@ int run_checkpoint(int argc, char** argv) {
   const std::string usage =
       "usage: viaduct checkpoint inspect DIR\n"
       "       viaduct checkpoint compare DIR_A DIR_B   (exit 0 when bitwise equal)\n";
-  if (argc >= 3 && std::string(argv[1]) == "inspect") return inspect(argv[2]);
-  if (argc >= 4 && std::string(argv[1]) == "compare") return compare(argv[2], argv[3]);
-  std::fprintf(stderr, "%s", usage.c_str());
-  return 2;
+  const std::string sub = argc >= 2 ? argv[1] : "";
+  if (sub == "--help" || sub == "-h") {
+    std::fputs(usage.c_str(), stdout);
+    return 0;
+  }
+  const int wanted = sub == "inspect" ? 1 : sub == "compare" ? 2 : -1;
+  // What is wrong, by name, before the usage.
+  std::string problem;
+  if (sub.empty()) {
+    problem = "a subcommand is required (inspect or compare)";
+  } else if (wanted < 0) {
+    problem = "unknown subcommand '" + sub + "' (inspect or compare)";
+  } else if (argc - 2 != wanted) {
+    problem = str(sub, " takes ", wanted == 1 ? "one folder" : "two folders", ", got ", argc - 2,
+                  " argument", argc - 2 == 1 ? "" : "s");
+  }
+  if (!problem.empty()) {
+    std::fprintf(stderr, "viaduct checkpoint: %s\n\n%s", problem.c_str(), usage.c_str());
+    return 2;
+  }
+  return wanted == 1 ? inspect(argv[2]) : compare(argv[2], argv[3]);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // `viaduct convert`: a viaduct checkpoint (any pipeline layout wrote it) to a
 // Hugging Face model folder that transformers loads, and an HF llama / gpt2
 // folder to a viaduct checkpoint (checkpoint/hf.h has the layouts).
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -40,7 +41,8 @@ constexpr const char* kUsage =
     "atomically.\n"
     "--to viaduct: HF_DIR holds config.json and model.safetensors (or an\n"
     "index and shards), llama or gpt2; its shape is checked against the job\n"
-    "config, and FOLDER/step-0 gets the model weights.\n";
+    "config, and FOLDER/step-0 gets the model weights; FOLDER must hold no\n"
+    "checkpoint yet.\n";
 
 int to_hf(const std::string& input, const std::string& output,
           const ck::HfWriteOptions& options) {
@@ -68,6 +70,19 @@ int to_hf(const std::string& input, const std::string& output,
 }
 
 int to_viaduct(const std::string& input, const std::string& output, const Config& cfg) {
+  // As --to hf refuses an existing folder: a checkpoint already in FOLDER
+  // would be replaced, or, newer than step 0, be what a run resumes from.
+  std::error_code ec;
+  std::vector<std::string> held;
+  for (const auto& de : fs::directory_iterator(output, ec)) {
+    const auto name = de.path().filename().string();
+    if (name.rfind("step-", 0) == 0 && de.is_directory(ec)) held.push_back(name);
+  }
+  std::sort(held.begin(), held.end());
+  VIADUCT_CHECK_T(FileError, held.empty(), "convert: --output '", output,
+                  "' already holds checkpoints (", held.empty() ? "" : held.front(),
+                  held.size() > 1 ? str(" and ", held.size() - 1, " more") : std::string(),
+                  "); give a folder without checkpoints, nothing was written");
   ck::HfFolder hf = ck::read_hf_folder(input);
   ck::HfModelShape shape = hf_model_shape(cfg);
   ck::check_hf_shape(hf.shape, shape, input);
@@ -134,12 +149,15 @@ int convert_main(int argc, char** argv) {
       options.max_shard_bytes = mb * 1000 * 1000;
     }
   }
-  if ((to != "hf" && to != "viaduct") || input.empty() || output.empty() ||
-      (to == "viaduct" && config.empty())) {
-    std::fprintf(stderr,
-                 "viaduct convert: --to hf|viaduct, --input and --output are required "
-                 "(--to viaduct also needs --config)\n\n%s",
-                 kUsage);
+  // Each missing or bad argument by name.
+  std::string problem;
+  if (to.empty()) problem = "--to is required (hf or viaduct)";
+  else if (to != "hf" && to != "viaduct") problem = "--to must be hf or viaduct, got '" + to + "'";
+  else if (input.empty()) problem = "--input is required";
+  else if (output.empty()) problem = "--output is required";
+  else if (to == "viaduct" && config.empty()) problem = "--to viaduct needs --config (the job config the checkpoint is for)";
+  if (!problem.empty()) {
+    std::fprintf(stderr, "viaduct convert: %s\n\n%s", problem.c_str(), kUsage);
     return 2;
   }
   if (to == "hf") return to_hf(input, output, options);

@@ -24,6 +24,7 @@
 #include "apps/command.h"
 #include "config/config.h"
 #include "core/check.h"
+#include "core/strings.h"
 #include "model/family.h"
 #include "model/model.h"
 #include "pipeline/attn_res/block_layout.h"
@@ -280,11 +281,10 @@ int plan_main(int argc, char** argv) {
   // traffic, and the peak at every ep the layout allows.
   std::optional<double> device_bytes;
   if (auto it = cmd->options.find("--device-gib"); it != cmd->options.end()) {
-    char* end = nullptr;
-    const double g = std::strtod(it->second.c_str(), &end);
-    VIADUCT_CHECK_T(ConfigError, !it->second.empty() && *end == '\0' && g > 0,
-                    "--device-gib must be a number of GiB > 0, got '", it->second, "'");
-    device_bytes = g * 1024.0 * 1024.0 * 1024.0;
+    const auto g = parse_finite_number(it->second);
+    VIADUCT_CHECK_T(ConfigError, g && *g > 0,
+                    "--device-gib must be a finite number of GiB > 0, got '", it->second, "'");
+    device_bytes = *g * 1024.0 * 1024.0 * 1024.0;
   } else if (on_cuda && torch::cuda::is_available()) {
     device_bytes = device_memory_bytes(at::Device(at::kCUDA, 0));
   }

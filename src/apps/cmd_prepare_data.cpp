@@ -10,6 +10,7 @@
 
 #include "apps/command.h"
 #include "core/check.h"
+#include "core/strings.h"
 #include "core/log.h"
 #include "data/prepare.h"
 
@@ -30,7 +31,9 @@ constexpr const char* kUsage =
     "                     each document) or a Hugging Face tokenizer.json (or\n"
     "                     a folder holding one): byte-level BPE such as GPT-2's\n"
     "                     and llama-3's, or a tiktoken file named after its\n"
-    "                     encoding (cl100k_base.tiktoken, o200k_base, ...);\n"
+    "                     encoding (cl100k_base.tiktoken, o200k_base, ...),\n"
+    "                     or a SentencePiece model file (.model, BPE or\n"
+    "                     unigram, as llama-2 and Mistral ship it);\n"
     "                     documents get the post-processor's BOS/EOS, or the\n"
     "                     end-of-text token before each\n"
     "  --jsonl-field NAME the field of each .jsonl / .jsonl.gz line that holds\n"
@@ -46,11 +49,9 @@ constexpr const char* kUsage =
     "                     other files are one document), whole, fortune\n";
 
 double parse_fraction(const std::string& s) {
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  VIADUCT_CHECK_T(ConfigError, !s.empty() && end != nullptr && *end == '\0',
-                  "--val-fraction: '", s, "' is not a number");
-  return v;
+  const auto v = parse_finite_number(s);
+  VIADUCT_CHECK_T(ConfigError, v.has_value(), "--val-fraction: '", s, "' is not a finite number");
+  return *v;
 }
 
 data::DocumentSplit parse_split(const std::string& s) {

@@ -21,8 +21,9 @@ constexpr const char* kUsage =
     "Prints the token ids of TEXT (or of standard input with '-' or no TEXT),\n"
     "space-separated on one line.\n"
     "  --tokenizer FILE  'byte', a Hugging Face tokenizer.json (or a folder\n"
-    "                    holding one), or a tiktoken file such as\n"
-    "                    cl100k_base.tiktoken\n"
+    "                    holding one), a tiktoken file such as\n"
+    "                    cl100k_base.tiktoken, or a SentencePiece model file\n"
+    "                    (.model, BPE or unigram)\n"
     "  --no-special      without the post-processor's BOS / EOS tokens\n"
     "  --decode          TEXT is ids (space-separated); print their text\n";
 

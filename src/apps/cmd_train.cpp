@@ -29,7 +29,7 @@ int run_train(int argc, char** argv) {
     std::printf("%s", cfg.to_toml().c_str());
     return 0;
   }
-  install_stop_signal_handlers();
+  install_stop_signal_handlers(cfg.get_bool("checkpoint.enable"));
   Trainer trainer(cfg);
   const auto last = trainer.run();
   if (trainer.stopped_on_signal()) {

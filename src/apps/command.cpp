@@ -36,8 +36,14 @@ std::optional<ConfigCommand> parse_config_command(
   // What config/ cannot check alone, at load as for every other key: the
   // family and its flavor (the model registry), the schedule keys (the
   // schedule table).
-  model_family(out.config);
+  const auto& family = model_family(out.config);
   pipeline::validate_plan_config(out.config);
+  // What the split's parts need of the model (tied embeddings in one part),
+  // so that every command refuses what `train` would.
+  if (family.check_part) {
+    const auto plan = plan_for(out.config);
+    for (const auto& modules : plan.split.stage_modules) family.check_part(out.config, modules);
+  }
   return out;
 }
 

@@ -23,12 +23,14 @@ std::map<std::string, Entry>& registry() {
   static std::map<std::string, Entry> r;
   return r;
 }
-void usage() {
-  std::fprintf(stderr, "usage: viaduct <command> [options]\n\ncommands:\n");
+// The command list: on stdout when asked for (--help), on stderr after a
+// mistake.
+void usage(std::FILE* out) {
+  std::fprintf(out, "usage: viaduct <command> [options]\n\ncommands:\n");
   for (const auto& [name, e] : registry()) {
-    std::fprintf(stderr, "  %-14s %s\n", name.c_str(), e.summary.c_str());
+    std::fprintf(out, "  %-14s %s\n", name.c_str(), e.summary.c_str());
   }
-  std::fprintf(stderr, "\n`viaduct <command> --help` describes a command.\n");
+  std::fprintf(out, "\n`viaduct <command> --help` describes a command.\n");
 }
 
 // A crash (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) prints the signal and
@@ -77,13 +79,13 @@ int main(int argc, char** argv) {
   viaduct::compat::default_cuda_allocator_settings();
   if (argc < 2 || std::string(argv[1]) == "--help" ||
       std::string(argv[1]) == "-h" || std::string(argv[1]) == "help") {
-    usage();
+    usage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
   auto it = registry().find(argv[1]);
   if (it == registry().end()) {
     std::fprintf(stderr, "viaduct: unknown command '%s'\n\n", argv[1]);
-    usage();
+    usage(stderr);
     return 2;
   }
   try {

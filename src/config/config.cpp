@@ -106,6 +106,23 @@ FloatList numbers_of(const toml::array& arr, const ConfigKey& k,
   return out;
 }
 
+// NaN and the infinities are no setting: a key that could mean "off" by
+// them (training.max_norm) would silently mean it, and a sum or ratio of
+// them reaches the run as nonsense. Refused wherever a number is read.
+ConfigValue finite_numbers(ConfigValue v, const ConfigKey& k, const std::string& origin) {
+  auto refuse = [&](double x) {
+    throw ConfigError(str("key '", k.dotted(), "' in ", origin, " must be a finite number, got ",
+                          std::isnan(x) ? "nan" : (x > 0 ? "inf" : "-inf")));
+  };
+  if (const auto* d = std::get_if<double>(&v); d && !std::isfinite(*d)) refuse(*d);
+  if (const auto* list = std::get_if<FloatList>(&v)) {
+    for (double x : *list) {
+      if (!std::isfinite(x)) refuse(x);
+    }
+  }
+  return v;
+}
+
 ConfigValue from_toml(const toml::node& node, const ConfigKey& k,
                       const std::string& origin) {
   switch (k.type) {
@@ -358,7 +375,8 @@ void Config::apply_override(const std::string& assignment,
               "' (", origin, ")");
     dotted = alias->second;
   }
-  values_[dotted] = from_text(text, user_key(dotted, origin), origin);
+  const ConfigKey& key = user_key(dotted, origin);
+  values_[dotted] = finite_numbers(from_text(text, key, origin), key, origin);
   explicit_[dotted] = true;
   sources_[dotted] = origin;
 }
@@ -404,7 +422,8 @@ Config Config::parse(const std::string& text, const std::string& origin,
                   " is deprecated; use '", alias->second, "'");
         dotted = alias->second;
       }
-      cfg.values_[dotted] = from_toml(node, user_key(dotted, origin), origin);
+      const ConfigKey& key = user_key(dotted, origin);
+      cfg.values_[dotted] = finite_numbers(from_toml(node, key, origin), key, origin);
       cfg.explicit_[dotted] = true;
       cfg.sources_[dotted] = origin;
     }
@@ -536,6 +555,13 @@ bool Config::is_set(const std::string& key) const {
   return it != explicit_.end() && it->second;
 }
 
+bool Config::differs_from_default(const std::string& key) const {
+  if (!is_set(key)) return false;
+  const ConfigKey* k = find_key(key);
+  const auto it = values_.find(key);
+  return k == nullptr || it == values_.end() || !(it->second == k->default_value);
+}
+
 namespace {
 template <typename T>
 const T* get_typed(const std::map<std::string, ConfigValue>& values,
@@ -629,6 +655,11 @@ ParsedArgs parse_command_line(int argc, char** argv, int first,
         VIADUCT_CHECK_T(ConfigError, i + 1 < argc, "--config needs a file");
         value = argv[++i];
       }
+      // One file: a second one would silently replace the first.
+      VIADUCT_CHECK_T(ConfigError, out.config_path.empty(), "--config given twice ('",
+                      out.config_path, "' and '", value,
+                      "'); give one file and put other settings on the command line as "
+                      "--section.key=value");
       out.config_path = value;
     } else if (name.find('.') != std::string::npos) {
       if (!has_value) {

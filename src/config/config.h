@@ -123,6 +123,10 @@ class Config {
 
   // True when the file or an override gave the key (not a default).
   bool is_set(const std::string& key) const;
+  // True when the key was given a value other than its default (a config
+  // written back by to_toml gives every key with a default, so is_set alone
+  // cannot tell a choice from a copy).
+  bool differs_from_default(const std::string& key) const;
   // Programmatic set with the schema's type check (tests, derived values).
   void set(const std::string& key, ConfigValue value);
   // Apply one "section.key=value" override string.

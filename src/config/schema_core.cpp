@@ -48,7 +48,9 @@ void add_core_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("checkpoint", "folder", T::kString, std::string("checkpoint"), "relative to job.dump_folder unless absolute"));
   k.push_back(key("checkpoint", "interval", T::kInt, int64_t{100}, "save every N steps (and at the last step)").in(greater_than(0)));
   k.push_back(key("checkpoint", "keep_latest_k", T::kInt, int64_t{3}, "keep the newest k checkpoints (0: all)").in(at_least(0)));
-  k.push_back(key("checkpoint", "resume", T::kBool, true, "resume from the latest checkpoint in the folder"));
+  k.push_back(key("checkpoint", "resume", T::kBool, true, "resume from the latest checkpoint in the folder; false starts a fresh run, refused where job.dump_folder already holds a run (see move_old_run_aside)"));
+  k.push_back(key("checkpoint", "move_old_run_aside", T::kBool, false, "with resume = false on a job.dump_folder that holds a run (metrics, checkpoints): move that run's files into <dump_folder>/old-run-<UTC time>/ (and an outside checkpoint.folder's into <folder>/old-run-<UTC time>/) before starting; false refuses"));
+  k.push_back(key("checkpoint", "resume_with_new_optimizer", T::kBool, false, "resume a checkpoint saved under another optimizer.name: the weights, step and data cursor load and the new optimizer starts fresh, its saved state dropped with a warning; false refuses"));
   k.push_back(key("checkpoint", "save_initial", T::kBool, false, "also save the initial weights as step-0"));
   k.push_back(key("checkpoint", "save_final", T::kBool, true, "save at the last step even off the interval"));
   k.push_back(key("checkpoint", "async_mode", T::kString, std::string("disabled"), "disabled | async: copy the state to host memory at the step and write it from a background thread while training goes on"));

@@ -2,6 +2,7 @@
 // sampler reads and blends them (see data/token_file.h, data/sampler.h), and
 // the tokenizer they were made with.
 #include <cmath>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -52,6 +53,22 @@ void add_data_keys(std::vector<ConfigKey>& keys) {
 }
 
 void validate_data(const Config& c) {
+  // The tokenizer file is read at the end of a run (checkpoint.last_save_in_hf)
+  // or by the tools; a missing one stops every command at load, not hours in.
+  if (const std::string tok = c.get_string("data.tokenizer"); !tok.empty()) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const std::string key = "data.tokenizer (from " + c.source("data.tokenizer") + ")";
+    VIADUCT_CHECK_T(ConfigError, fs::exists(tok, ec), key, ": the tokenizer '", tok,
+                    "' does not exist");
+    if (fs::is_directory(tok, ec)) {
+      VIADUCT_CHECK_T(ConfigError, fs::is_regular_file(fs::path(tok) / "tokenizer.json", ec),
+                      key, ": the folder '", tok, "' holds no tokenizer.json");
+    } else {
+      VIADUCT_CHECK_T(ConfigError, fs::is_regular_file(tok, ec), key, ": the tokenizer '", tok,
+                      "' is not a file");
+    }
+  }
   // data.path against data.paths: Config::validate (ConfigKey::replaced_by).
   const auto paths = c.get_string_list("data.paths");
   const auto weights = c.get_float_list("data.weights");
@@ -87,6 +104,14 @@ void validate_data(const Config& c) {
                     c.source("data.weights"), ", for data.paths[", i, "] '",
                     paths[i], "') must be a number > 0");
   }
+  // The shares are the weights over their sum: a sum past double's range
+  // would make every share 0.
+  double sum = 0;
+  for (double w : weights) sum += w;
+  VIADUCT_CHECK_T(ConfigError, std::isfinite(sum), "data.weights = ", list(weights, false),
+                  " (from ", c.source("data.weights"),
+                  ") sum past the largest number: scale them down (only their ratios "
+                  "matter)");
 }
 
 }  // namespace viaduct

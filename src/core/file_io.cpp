@@ -160,6 +160,11 @@ void File::sync() {
 
 void File::close() { fd_.close_checked(path_.string()); }
 
+bool File::removed() const {
+  struct stat st {};
+  return fd_.valid() && ::fstat(fd_.get(), &st) == 0 && st.st_nlink == 0;
+}
+
 // ---- folders ---------------------------------------------------------------
 
 void fsync_dir(const fs::path& dir) {

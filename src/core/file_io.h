@@ -83,6 +83,9 @@ class File {
   void sync();
   void close();
   bool is_open() const { return fd_.valid(); }
+  // True when the file has no name left (unlinked under its open
+  // descriptor): what is written to it can no longer be read by anyone.
+  bool removed() const;
   const std::filesystem::path& path() const { return path_; }
 
  private:

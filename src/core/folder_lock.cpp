@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -48,10 +49,12 @@ std::string holder_text(int fd) {
   return text;
 }
 
-// The locks this process holds: canonical lock file path -> its descriptor
-// and the FolderLocks sharing it.
+// The locks this process holds: canonical folder path -> the folder's
+// descriptor (which holds the flock), the lock file's, and the FolderLocks
+// sharing them.
 struct HeldLock {
-  UniqueFd fd;
+  UniqueFd dir;
+  UniqueFd file;
   int users = 0;
 };
 std::mutex g_held_mutex;
@@ -60,36 +63,47 @@ std::map<std::string, HeldLock>& held_locks() {
   return held;
 }
 
+// The holder named by the lock file, read without creating it.
+std::string holder_of(const fs::path& lock_file) {
+  UniqueFd fd(::open(lock_file.c_str(), O_RDONLY | O_CLOEXEC));
+  return fd.valid() ? holder_text(fd.get()) : std::string();
+}
+
 }  // namespace
 
 FolderLock::FolderLock(const fs::path& folder, const std::string& what_for)
-    : path_(folder / kFileName) {
+    : folder_(folder), path_(folder / kFileName), what_for_(what_for) {
   make_dirs(folder);
   std::error_code ec;
-  key_ = fs::weakly_canonical(path_, ec).string();
-  if (ec) key_ = fs::absolute(path_).lexically_normal().string();
+  key_ = fs::weakly_canonical(folder, ec).string();
+  if (ec) key_ = fs::absolute(folder).lexically_normal().string();
   std::lock_guard<std::mutex> guard(g_held_mutex);
   auto it = held_locks().find(key_);
   if (it != held_locks().end()) {
     ++it->second.users;
     return;
   }
-  UniqueFd fd(::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
-  VIADUCT_CHECK_T(FileError, fd.valid(), "cannot open the lock file ", path_.string(),
-                  ": ", errno_text());
+  UniqueFd dir(::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  VIADUCT_CHECK_T(FileError, dir.valid(), "cannot open the folder ", folder.string(),
+                  " to lock it: ", errno_text());
   int rc = 0;
   do {
-    rc = ::flock(fd.get(), LOCK_EX | LOCK_NB);
+    rc = ::flock(dir.get(), LOCK_EX | LOCK_NB);
   } while (rc != 0 && errno == EINTR);
   if (rc != 0) {
-    VIADUCT_CHECK_T(FileError, errno == EWOULDBLOCK, "cannot lock ", path_.string(),
-                    ": ", errno_text());
-    const std::string holder = holder_text(fd.get());
+    VIADUCT_CHECK_T(FileError, errno == EWOULDBLOCK, "cannot lock ", folder.string(), ": ",
+                    errno_text());
+    const std::string holder = holder_of(path_);
     throw FileError(str(what_for, " ", folder.string(), " is in use by another viaduct process (",
-                        holder.empty() ? std::string("holder not yet named") : holder,
+                        holder.empty() ? std::string("holder not named: its ") + kFileName +
+                                             " is gone or not yet written"
+                                       : holder,
                         "; lock file ", path_.string(),
                         "): wait for it to end, or give this run another ", what_for));
   }
+  UniqueFd fd(::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  VIADUCT_CHECK_T(FileError, fd.valid(), "cannot open the lock file ", path_.string(), ": ",
+                  errno_text());
   const std::string previous = holder_text(fd.get());
   if (!previous.empty()) {
     log::warn("taking over ", path_.string(), ": its holder (", previous,
@@ -106,8 +120,29 @@ FolderLock::FolderLock(const fs::path& folder, const std::string& what_for)
               " (the lock is held all the same)");
   }
   HeldLock& held = held_locks()[key_];
-  held.fd = std::move(fd);
+  held.dir = std::move(dir);
+  held.file = std::move(fd);
   held.users = 1;
+}
+
+void FolderLock::check_still_there() const {
+  int dir_fd = -1;
+  {
+    std::lock_guard<std::mutex> guard(g_held_mutex);
+    auto it = held_locks().find(key_);
+    if (it == held_locks().end()) return;
+    dir_fd = it->second.dir.get();
+  }
+  struct stat held {}, now {};
+  const bool held_ok = ::fstat(dir_fd, &held) == 0;
+  const bool gone = held_ok && held.st_nlink == 0;
+  const bool replaced = held_ok && !gone &&
+                        (::stat(folder_.c_str(), &now) != 0 || now.st_ino != held.st_ino ||
+                         now.st_dev != held.st_dev);
+  VIADUCT_CHECK_T(FileError, !gone && !replaced, what_for_, " ", folder_.string(), " was ",
+                  gone ? "removed" : "moved or replaced",
+                  " while this run held it (by another process): its metrics and checkpoints "
+                  "are not where this run writes them; stopping");
 }
 
 FolderLock::~FolderLock() {
@@ -116,9 +151,8 @@ FolderLock::~FolderLock() {
   if (it == held_locks().end() || --it->second.users > 0) return;
   // Unchecked: a destructor cannot report, and a holder left named only
   // costs the next run a warning.
-  const int fd = it->second.fd.get();
-  (void)!::ftruncate(fd, 0);
-  (void)!::flock(fd, LOCK_UN);
+  (void)!::ftruncate(it->second.file.get(), 0);
+  (void)!::flock(it->second.dir.get(), LOCK_UN);
   held_locks().erase(it);
 }
 

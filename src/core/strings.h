@@ -1,9 +1,13 @@
-// Small string helpers shared by the "did you mean" messages. Torch-free,
+// Small string helpers shared by the "did you mean" messages and the
+// command lines' numbers. Torch-free,
 // header-only, so the pure libraries (split, schedule) use it too.
 #pragma once
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,6 +32,16 @@ inline size_t edit_distance(const std::string& a, const std::string& b,
     std::swap(prev, cur);
   }
   return prev[b.size()];
+}
+
+// The whole of `text` as a finite number; nullopt for anything else (empty,
+// trailing characters, nan, inf, out of double's range).
+inline std::optional<double> parse_finite_number(const std::string& text) {
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text.front()))) return std::nullopt;
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (end == nullptr || *end != '\0' || !std::isfinite(v)) return std::nullopt;
+  return v;
 }
 
 }  // namespace viaduct

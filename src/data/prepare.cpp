@@ -172,6 +172,10 @@ bool is_jsonl(const std::string& path) {
   return ends_with(path, ".jsonl") || ends_with(path, ".jsonl.gz");
 }
 
+// The whole decompressed stream. zlib checks each member's CRC and length
+// as it reads (a mismatch fails gzread); a stream cut short, even at a
+// line boundary, shows only in gzclose's Z_BUF_ERROR; a file that is not
+// gzip at all would be read as it is (gzdirect).
 std::string read_gzip(const std::string& path) {
   gzFile f = gzopen(path.c_str(), "rb");
   VIADUCT_CHECK_T(FileError, f != nullptr, "cannot open '", path, "'");
@@ -183,12 +187,22 @@ std::string read_gzip(const std::string& path) {
       int err = 0;
       std::string msg = gzerror(f, &err);
       gzclose(f);
-      throw FileError(str("'", path, "' is not a readable gzip file: ", msg));
+      throw FileError(str("'", path, "' is not a readable gzip file: ", msg,
+                          " (gzip -t '", path, "' says the same); nothing was written"));
     }
     if (n == 0) break;
     out.append(buf.data(), static_cast<size_t>(n));
   }
-  gzclose(f);
+  const bool plain = gzdirect(f) != 0;
+  const int closed = gzclose(f);
+  VIADUCT_CHECK_T(FileError, !plain, "'", path,
+                  "' is not gzip data although its name ends in .gz; decompress it or "
+                  "rename it; nothing was written");
+  VIADUCT_CHECK_T(FileError, closed == Z_OK, "'", path, "' is a truncated or corrupt gzip file (",
+                  closed == Z_BUF_ERROR ? "unexpected end of file: the stream stops before its "
+                                          "trailer"
+                                        : str("zlib error ", closed),
+                  ", after ", out.size(), " decompressed bytes); nothing was written");
   return out;
 }
 
@@ -243,6 +257,21 @@ PrepareStats prepare_text_data(const std::vector<std::string>& inputs,
   VIADUCT_CHECK(options.threads >= 0, "prepare-data: --threads must be >= 0, got ",
                 options.threads);
   std::vector<std::string> files = list_text_files(inputs);
+  // The token files replace what is at their paths: never an input (the
+  // same path, or another name of it through a link).
+  std::vector<std::string> outputs{output_path};
+  if (f > 0.0) outputs.push_back(val_path_for(output_path));
+  for (const std::string& out : outputs) {
+    std::error_code ec;
+    const fs::path out_canon = fs::weakly_canonical(out, ec);
+    for (const auto& in : files) {
+      std::error_code ec_in;
+      const bool same = (!ec && fs::weakly_canonical(in, ec_in) == out_canon) ||
+                        fs::equivalent(in, out, ec_in);
+      VIADUCT_CHECK_T(FileError, !same, "prepare-data: the output '", out, "' is the input '", in,
+                      "'; writing it would destroy the text: give --output another path");
+    }
+  }
   std::unique_ptr<TextTokenizer> tokenizer = load_tokenizer(options.tokenizer);
   {
     // A tokenizer with no document separator fails here, before any work.

@@ -22,6 +22,7 @@
 #include <optional>
 
 #include "core/check.h"
+#include "core/strings.h"
 #include "core/file_io.h"
 
 extern char** environ;
@@ -154,6 +155,11 @@ struct RankProcess {
   int status = 0;
   OutputStream out;
   OutputStream err;
+  // The last error line the rank printed on stderr and when it arrived
+  // (the launcher's count of error lines so far): Note [The first rank to
+  // fail].
+  std::string error_line;
+  int64_t error_seq = -1;
 
   RankProcess() = default;
   RankProcess(const RankProcess&) = delete;
@@ -350,26 +356,20 @@ int parse_flag_int(const std::string& flag, const std::string& value, int lo,
   } catch (const std::exception&) {
     used = 0;
   }
-  VIADUCT_CHECK(used == value.size() && !value.empty(), "launch: ", flag,
+  VIADUCT_CHECK_T(ConfigError, used == value.size() && !value.empty(), "launch: ", flag,
                 " expects an integer, got '", value, "'");
-  VIADUCT_CHECK(v >= lo && v <= hi, "launch: ", flag, " must be in [", lo, ", ",
+  VIADUCT_CHECK_T(ConfigError, v >= lo && v <= hi, "launch: ", flag, " must be in [", lo, ", ",
                 hi, "], got ", v);
   return static_cast<int>(v);
 }
 
 std::chrono::milliseconds parse_flag_seconds(const std::string& flag,
                                              const std::string& value) {
-  size_t used = 0;
-  double v = -1;
-  try {
-    v = std::stod(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  VIADUCT_CHECK(used == value.size() && !value.empty() && v >= 0,
-                "launch: ", flag, " expects seconds (a number >= 0), got '",
-                value, "'");
-  return std::chrono::milliseconds(static_cast<long long>(v * 1000.0));
+  // Up to a year: a bigger figure overflows the milliseconds.
+  const auto v = parse_finite_number(value);
+  VIADUCT_CHECK_T(ConfigError, v && *v >= 0 && *v <= 365.0 * 24 * 3600, "launch: ", flag,
+                " expects seconds (a finite number >= 0), got '", value, "'");
+  return std::chrono::milliseconds(static_cast<long long>(*v * 1000.0));
 }
 
 }  // namespace
@@ -411,7 +411,7 @@ LaunchOptions parse_launch_args(int argc, char** argv) {
       flag = arg.substr(0, eq);
       value = arg.substr(eq + 1);
     } else {
-      VIADUCT_CHECK(i + 1 < argc, "launch: ", flag, " needs a value");
+      VIADUCT_CHECK_T(ConfigError, i + 1 < argc, "launch: ", flag, " needs a value");
       value = argv[++i];
     }
     for (char& c : flag) {
@@ -425,7 +425,7 @@ LaunchOptions parse_launch_args(int argc, char** argv) {
     } else if (flag == "--node-rank") {
       options.node_rank = parse_flag_int(flag, value, 0, 1 << 20);
     } else if (flag == "--master-addr") {
-      VIADUCT_CHECK(!value.empty(), "launch: --master-addr is empty");
+      VIADUCT_CHECK_T(ConfigError, !value.empty(), "launch: --master-addr is empty");
       options.master_addr = value;
       have_addr = true;
     } else if (flag == "--master-port") {
@@ -437,19 +437,19 @@ LaunchOptions parse_launch_args(int argc, char** argv) {
     } else if (flag == "--max-restarts") {
       options.max_restarts = parse_flag_int(flag, value, 0, 1 << 20);
     } else {
-      VIADUCT_CHECK(false, "launch: unknown flag ", flag, "\n", launch_usage());
+      VIADUCT_CHECK_T(ConfigError, false, "launch: unknown flag ", flag, "\n", launch_usage());
     }
   }
   for (; i < argc; ++i) options.command.emplace_back(argv[i]);
-  VIADUCT_CHECK(have_nproc, "launch: --nproc-per-node is required\n",
+  VIADUCT_CHECK_T(ConfigError, have_nproc, "launch: --nproc-per-node is required\n",
                 launch_usage());
-  VIADUCT_CHECK(!options.command.empty(),
+  VIADUCT_CHECK_T(ConfigError, !options.command.empty(),
                 "launch: no command to run (give it after --)\n",
                 launch_usage());
-  VIADUCT_CHECK(options.node_rank < options.nnodes, "launch: --node-rank ",
+  VIADUCT_CHECK_T(ConfigError, options.node_rank < options.nnodes, "launch: --node-rank ",
                 options.node_rank, " is not in [0, --nnodes=", options.nnodes,
                 ")");
-  VIADUCT_CHECK(options.nnodes == 1 || have_addr,
+  VIADUCT_CHECK_T(ConfigError, options.nnodes == 1 || have_addr,
                 "launch: --master-addr is required with --nnodes ",
                 options.nnodes, " (the address of node 0)");
   return options;
@@ -485,6 +485,33 @@ LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
     spawn(*proc, options.command, rank_environment(vars));
     procs.push_back(std::move(proc));
   }
+
+  // Note [The first rank to fail]
+  // When one rank fails, the others fail after it: a peer's closed socket,
+  // a collective that times out. Which exit the launcher reaps first is
+  // chance, so the rank that failed first is the one whose error line came
+  // first. After the first failed exit the launcher waits a moment for the
+  // others' lines, names that rank with its own last error line, takes its
+  // exit status, and only then ends the rest.
+  int64_t error_lines = 0;
+  auto is_error_line = [](const std::string& line) {
+    return line.rfind("viaduct", 0) == 0 &&
+           (line.find(" error: ") != std::string::npos ||
+            line.find("fatal signal") != std::string::npos);
+  };
+  const LineSink observe = [&](int rank, bool is_stderr, const std::string& line) {
+    sink(rank, is_stderr, line);
+    if (!is_stderr || !is_error_line(line)) return;
+    for (auto& p : procs) {
+      if (p->rank == rank) {
+        p->error_line = line;
+        p->error_seq = error_lines++;
+      }
+    }
+  };
+  constexpr auto kSettle = std::chrono::milliseconds(1000);
+  std::optional<Clock::time_point> failure_at;  // the first failed exit
+  std::vector<const RankProcess*> failed;       // in the order reaped
 
   LaunchResult result;
   const auto started = Clock::now();
@@ -536,7 +563,7 @@ LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
     if (ready > 0) {
       for (size_t i = 1; i < fds.size(); ++i) {
         if (fds[i].revents != 0)
-          pump(stream_rank[i - 1], *streams[i - 1], sink);
+          pump(stream_rank[i - 1], *streams[i - 1], observe);
       }
     }
 
@@ -575,14 +602,35 @@ LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
         }
         continue;
       }
-      if (!ok && (result.exit_code == 0 || result.exit_code == kExitSavedOnSignal)) {
-        result.exit_code = exit_code_of(status);
-        if (result.exit_code == 0) result.exit_code = 1;
-        result.failed_rank = p->rank;
-        result.message = describe_status(p->rank, status);
-        note(result.message + "; ending the other ranks");
-        end_all(SIGTERM);
+      if (!ok && !ending) {
+        failed.push_back(p.get());
+        if (!failure_at) failure_at = Clock::now();
       }
+    }
+    bool still_running = false;
+    for (auto& p : procs) still_running |= p->running;
+    if (failure_at && !ending && (!still_running || Clock::now() - *failure_at >= kSettle)) {
+      // Note [The first rank to fail]: its error line came first; without
+      // one, the first exit reaped.
+      const RankProcess* first = failed.front();
+      for (const RankProcess* p : failed) {
+        if (p->error_seq >= 0 && (first->error_seq < 0 || p->error_seq < first->error_seq)) {
+          first = p;
+        }
+      }
+      if (result.exit_code == 0 || result.exit_code == kExitSavedOnSignal) {
+        result.exit_code = exit_code_of(first->status);
+        if (result.exit_code == 0) result.exit_code = 1;
+        result.failed_rank = first->rank;
+        result.message = describe_status(first->rank, first->status);
+        if (!first->error_line.empty()) result.message += ": " + first->error_line;
+        if (failed.size() > 1) {
+          result.message += str(" (then ", failed.size() - 1, " other rank",
+                                failed.size() > 2 ? "s" : "", " failed after it)");
+        }
+        note(result.message + (still_running ? "; ending the other ranks" : ""));
+      }
+      end_all(SIGTERM);
     }
 
     now = Clock::now();

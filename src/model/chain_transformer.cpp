@@ -1,5 +1,7 @@
 #include "model/chain_transformer.h"
 
+#include <algorithm>
+
 #include <cmath>
 
 #include "config/config.h"
@@ -94,10 +96,19 @@ std::vector<std::string> chain_module_fqns(const ChainSpec& s) {
   return out;
 }
 
+void check_chain_part(const ChainSpec& s, const std::vector<std::string>& fqns) {
+  if (!s.tie_embeddings || fqns.empty()) return;
+  const auto has = [&](const char* m) { return std::find(fqns.begin(), fqns.end(), m) != fqns.end(); };
+  VIADUCT_CHECK_T(ConfigError, has("tok_embeddings") || !has("lm_head"),
+                  "model.tie_embeddings = true needs tok_embeddings and lm_head in the same "
+                  "part; with pipeline parallelism set model.tie_embeddings = false");
+}
+
 ChainTransformer::ChainTransformer(const ChainSpec& s,
                                    const std::vector<std::string>& fqns)
     : spec_(s) {
   module_fqns_ = select_modules(chain_module_fqns(s), fqns, s.family);
+  check_chain_part(s, module_fqns_);
   for (const auto& m : module_fqns_) {
     if (m == "tok_embeddings") {
       has_first_ = true;
@@ -122,12 +133,7 @@ ChainTransformer::ChainTransformer(const ChainSpec& s,
     } else if (m == "lm_head") {
       has_head_ = true;
       has_last_ = true;
-      if (s.tie_embeddings) {
-        VIADUCT_CHECK_T(ConfigError, tok_embeddings_,
-                        "model.tie_embeddings = true needs tok_embeddings and "
-                        "lm_head in the same part; with pipeline parallelism "
-                        "set model.tie_embeddings = false");
-      } else {
+      if (!s.tie_embeddings) {
         lm_head_ = register_module(
             "lm_head", torch::nn::Linear(
                            torch::nn::LinearOptions(s.dim, s.vocab_size).bias(false)));

@@ -83,6 +83,9 @@ class ChainTransformer : public ModelPart, public ops::KernelUser {
 };
 
 std::vector<std::string> chain_module_fqns(const ChainSpec& spec);
+// What a part of these modules needs of the spec (tied embeddings: the
+// embedding and the head together); ModelFamily::check_part of the chains.
+void check_chain_part(const ChainSpec& spec, const std::vector<std::string>& fqns);
 ModelInfo describe_chain(const ChainSpec& spec, int64_t seq_len);
 
 // Apply the [model] overrides on top of a flavor's spec and check it.

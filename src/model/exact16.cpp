@@ -315,6 +315,10 @@ ModelFamily exact16_family() {
     return std::make_shared<Exact16Part>(exact16_options(cfg), fqns);
   };
   f.describe = describe_exact16;
+  // Its model keys (exact16_options refuses the others, switches at the
+  // value exact16 has anyway excepted) at every lookup, as model_keys does
+  // for the other families.
+  f.check = [](const Config& cfg) { (void)exact16_options(cfg); };
   f.attn_res = [](const Config& cfg) -> std::optional<AttnResLayout> {
     const auto o = exact16_options(cfg);
     return AttnResLayout{o.n_layers, o.block_size, o.dim};

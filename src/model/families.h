@@ -25,8 +25,9 @@ double float_or(const Config& cfg, const std::string& key, double fallback);
 bool bool_or(const Config& cfg, const std::string& key, bool fallback);
 // Count parameters of a part (module tree) without building tensors twice.
 int64_t count_parameters(const torch::nn::Module& m);
-// ModelFamily::check of the chain families: model.attn_res = false is
-// refused (their residuals are plain already).
-void check_plain_residuals(const Config& cfg);
+// ModelFamily::model_keys of the chain families (model/chain_transformer.cpp
+// reads them); gpt2 has learned positions and a GELU MLP, so neither the
+// RoPE keys nor the SwiGLU one.
+std::vector<std::string> chain_model_keys(bool rope, bool swiglu);
 
 }  // namespace viaduct

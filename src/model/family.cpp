@@ -57,6 +57,50 @@ ConfigError unknown_flavor_error(const std::string& family, const std::string& f
                          " flavor (choose ", one_of(flavors), ")"));
 }
 
+std::vector<std::string> chain_model_keys(bool rope, bool swiglu) {
+  std::vector<std::string> keys{"model.n_layers",     "model.dim",         "model.n_heads",
+                                "model.n_kv_heads",   "model.vocab_size",  "model.ffn_hidden_dim",
+                                "model.max_seq_len",  "model.norm_eps",    "model.tie_embeddings",
+                                "model.loss_chunk_tokens", "model.fused_kernels"};
+  if (rope) {
+    for (const char* k : {"model.rope_theta", "model.rope_scaling_factor",
+                          "model.rope_scaling_low_freq_factor",
+                          "model.rope_scaling_high_freq_factor",
+                          "model.rope_scaling_original_max_seq_len"}) {
+      keys.emplace_back(k);
+    }
+  }
+  if (swiglu) keys.emplace_back("model.swiglu_recompute");
+  return keys;
+}
+
+namespace {
+
+// The keys of another family: see ModelFamily::model_keys.
+void check_model_keys(const ModelFamily& family, const Config& cfg) {
+  if (family.model_keys.empty()) return;
+  for (const auto& k : config_schema()) {
+    const auto key = k.dotted();
+    if (k.section != "model" || key == "model.family" || key == "model.flavor" ||
+        !cfg.differs_from_default(key)) {
+      continue;
+    }
+    if (std::find(family.model_keys.begin(), family.model_keys.end(), key) !=
+        family.model_keys.end()) {
+      continue;
+    }
+    std::string takes;
+    for (size_t i = 0; i < family.model_keys.size(); ++i) {
+      takes += str(i ? ", " : "", family.model_keys[i]);
+    }
+    throw ConfigError(str(key, " (from ", cfg.source(key), ") does not apply to model.family = ",
+                          family.name, ", which takes ", takes,
+                          " besides model.family and model.flavor; remove it"));
+  }
+}
+
+}  // namespace
+
 const ModelFamily& model_family(const Config& cfg) {
   const auto name = cfg.get_string("model.family");
   const auto& all = model_families();
@@ -72,6 +116,7 @@ const ModelFamily& model_family(const Config& cfg) {
   if (std::find(it->flavors.begin(), it->flavors.end(), flavor) == it->flavors.end()) {
     throw unknown_flavor_error(it->name, flavor, it->flavors);
   }
+  check_model_keys(*it, cfg);
   if (it->check) it->check(cfg);
   check_expert_parallel(*it, cfg);
   return *it;
@@ -110,11 +155,5 @@ ModelInfo describe_model(const Config& cfg) {
   return info;
 }
 
-void check_plain_residuals(const Config& cfg) {
-  const auto family = cfg.get_string("model.family");
-  VIADUCT_CHECK_T(ConfigError, cfg.get_bool("model.attn_res"),
-                  "model.attn_res = false applies to model.family = kimi_k3 only; ", family,
-                  " has plain residuals already (", cfg.origin(), ")");
-}
 
 }  // namespace viaduct

@@ -53,6 +53,18 @@ struct ModelFamily {
   // builds no MoE layer). Unset: a family without experts. What
   // parallelism.expert_parallel_degree is checked against.
   std::function<int64_t(const Config&)> routed_experts;
+  // The model.* keys the family reads besides model.family and model.flavor.
+  // Any other model key the config sets to something but its default is
+  // refused naming the family, so a setting meant for another family is
+  // never silently ignored (a default, as a saved config writes every key,
+  // changes nothing). Empty: the
+  // family's own check does it (exact16 also takes some switches at the
+  // value it has anyway).
+  std::vector<std::string> model_keys;
+  // What a part of the given modules needs of the config, checked without
+  // building it: every command runs it on each stage of the config's split,
+  // so `plan` and `split` refuse what `train` would. Unset: nothing.
+  std::function<void(const Config&, const std::vector<std::string>&)> check_part;
 };
 
 // Every registered family, in the order the error messages list them.

@@ -59,7 +59,10 @@ ModelFamily gpt2_family() {
   f.describe = [](const Config& cfg) {
     return describe_chain(gpt2_spec(cfg), cfg.get_int("training.seq_len"));
   };
-  f.check = check_plain_residuals;
+  f.check_part = [](const Config& cfg, const std::vector<std::string>& fqns) {
+    check_chain_part(gpt2_spec(cfg), fqns);
+  };
+  f.model_keys = chain_model_keys(false, false);
   return f;
 }
 

@@ -662,6 +662,19 @@ ModelFamily kimi_k3_family() {
     return std::make_shared<KimiK3Part>(kimi_k3_options(cfg), fqns);
   };
   f.describe = describe_kimi_k3;
+  f.model_keys = {"model.n_layers", "model.dim", "model.n_heads", "model.vocab_size",
+                  "model.ffn_hidden_dim", "model.max_seq_len", "model.norm_eps",
+                  "model.attn_res", "model.attn_res_block_size", "model.first_k_dense",
+                  "model.mla_interval", "model.moe_ffn", "model.vision",
+                  "model.synthetic_images", "model.kda_head_dim", "model.kda_chunk_size",
+                  "model.kda_conv_size", "model.mla_q_lora_rank", "model.mla_kv_lora_rank",
+                  "model.mla_qk_nope_head_dim", "model.mla_qk_rope_head_dim",
+                  "model.mla_v_head_dim", "model.mla_rope", "model.rope_theta",
+                  "model.n_routed_experts", "model.n_activated_experts", "model.moe_hidden_dim",
+                  "model.n_shared_experts", "model.moe_route_scale",
+                  "model.moe_bias_update_rate", "model.moe_capacity_factor", "model.vision_dim",
+                  "model.vision_image_size", "model.vision_patch_size", "model.image_token_id",
+                  "model.fused_kernels", "model.swiglu_recompute"};
   f.routed_experts = [](const Config& cfg) -> int64_t {
     const auto o = kimi_k3_options(cfg);
     return o.moe_ffn && o.n_layers > o.first_k_dense ? o.moe.n_routed_experts : 0;

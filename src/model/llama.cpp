@@ -68,7 +68,10 @@ ModelFamily llama_family() {
   f.describe = [](const Config& cfg) {
     return describe_chain(llama_spec(cfg), cfg.get_int("training.seq_len"));
   };
-  f.check = check_plain_residuals;
+  f.check_part = [](const Config& cfg, const std::vector<std::string>& fqns) {
+    check_chain_part(llama_spec(cfg), fqns);
+  };
+  f.model_keys = chain_model_keys(true, true);
   return f;
 }
 

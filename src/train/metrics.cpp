@@ -61,6 +61,11 @@ void MetricsWriter::append(const std::string& line) {
     make_dirs(options_.dump_folder);
     out_ = std::make_unique<File>(File::open_append(jsonl_path()));
   }
+  // A metrics file removed under the run would take every later line with
+  // it while the run "succeeds".
+  VIADUCT_CHECK_T(FileError, !out_->removed(), jsonl_path().string(),
+                  " was removed while this run wrote it (by another process); stopping rather "
+                  "than lose its metrics");
   const std::string text = line + '\n';
   out_->write_all(text.data(), text.size());
 }
@@ -91,7 +96,7 @@ void MetricsWriter::truncate_after(int64_t step) {
     const auto j = nlohmann::json::parse(text.begin() + static_cast<std::ptrdiff_t>(pos),
                                          text.begin() + static_cast<std::ptrdiff_t>(nl),
                                          nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.value("step", int64_t{0}) > step) {
+    if (j.is_object() && (step == 0 || j.value("step", int64_t{0}) > step)) {
       cut = true;
       break;
     }
@@ -104,8 +109,13 @@ void MetricsWriter::truncate_after(int64_t step) {
   f.truncate(keep);
   f.sync();
   f.close();
-  log::info("metrics: dropped ", dropped, " bytes of ", file.string(),
-            " past step ", step, " (the resumed checkpoint)");
+  if (step == 0) {
+    log::info("metrics: dropped ", dropped, " bytes of ", file.string(),
+              ": the run starts again from step 0");
+  } else {
+    log::info("metrics: dropped ", dropped, " bytes of ", file.string(), " past step ", step,
+              " (the resumed checkpoint)");
+  }
 }
 
 std::string MetricsWriter::step_json(const StepMetrics& m) const {

@@ -117,7 +117,8 @@ class MetricsWriter {
   void log_eval(int64_t step, double loss);
   // Lines a crashed run wrote past its last checkpoint (`step`) are dropped,
   // with a torn last line (no newline: a crash mid-write). Note [Metrics log
-  // is never lost].
+  // is never lost]. A run that starts from step 0 again drops every line:
+  // it writes its step-0 eval again, and a file holds one line per step.
   void truncate_after(int64_t step);
   // fsync of metrics.jsonl: a FileError naming it when the data did not
   // reach the disk.

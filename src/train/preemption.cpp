@@ -14,6 +14,7 @@ namespace viaduct {
 namespace {
 
 std::atomic<int> g_stop_signal{0};
+std::atomic<bool> g_saves{true};
 
 void write_stderr(const char* s) { (void)!::write(STDERR_FILENO, s, std::strlen(s)); }
 
@@ -22,8 +23,11 @@ extern "C" void on_stop_signal(int sig) {
   if (g_stop_signal.compare_exchange_strong(expected, sig)) {
     write_stderr("viaduct: got ");
     write_stderr(stop_signal_name(sig));
-    write_stderr(": finishing this step, saving a checkpoint and exiting (a second signal "
-                 "aborts at once)\n");
+    write_stderr(g_saves.load() ? ": finishing this step, saving a checkpoint and exiting (a "
+                                  "second signal aborts at once)\n"
+                                : ": finishing this step and exiting without saving "
+                                  "(checkpoint.enable = false; a second signal aborts at "
+                                  "once)\n");
     return;
   }
   write_stderr("viaduct: second signal: aborting without saving\n");
@@ -41,7 +45,8 @@ const char* stop_signal_name(int sig) {
   }
 }
 
-void install_stop_signal_handlers() {
+void install_stop_signal_handlers(bool saves) {
+  g_saves.store(saves);
   struct sigaction action {};
   action.sa_handler = on_stop_signal;
   sigemptyset(&action.sa_mask);

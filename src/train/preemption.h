@@ -19,8 +19,10 @@ namespace viaduct {
 inline constexpr int kExitSavedOnSignal = 75;
 
 // Installs the handlers for SIGTERM, SIGINT and SIGUSR1 (once per process;
-// `viaduct train` does it before it builds the trainer).
-void install_stop_signal_handlers();
+// `viaduct train` does it before it builds the trainer). `saves`: whether
+// the run saves a checkpoint on the way out (checkpoint.enable), which the
+// handler's first line says.
+void install_stop_signal_handlers(bool saves);
 // The first signal received, or 0.
 int stop_signal();
 // "SIGTERM" etc.

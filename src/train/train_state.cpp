@@ -61,13 +61,16 @@ ck::CheckpointMetadata training_state_metadata(TrainProgress progress,
 
 TrainProgress load_training_state(const ck::Checkpoint& ckpt,
                                   const std::vector<std::shared_ptr<ModelPart>>& parts,
-                                  Optimizer& optimizer, data::TokenSampler& sampler) {
+                                  Optimizer& optimizer, data::TokenSampler& sampler,
+                                  bool load_optimizer) {
   for (const auto& part : parts) {
     load_part_tensors(ckpt.tensors, *part);
     ckpt.tensors.load_into(part->extra_state());
   }
-  optimizer.load_from(ckpt.tensors);
-  optimizer.set_steps_taken(ckpt.metadata.extra.value("optimizer_steps", ckpt.metadata.step));
+  if (load_optimizer) {
+    optimizer.load_from(ckpt.tensors);
+    optimizer.set_steps_taken(ckpt.metadata.extra.value("optimizer_steps", ckpt.metadata.step));
+  }
   sampler.restore(data::DataCursor::from_json(ckpt.metadata.data_cursor.dump()));
   return {ckpt.metadata.step, ckpt.metadata.tokens_seen};
 }

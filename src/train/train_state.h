@@ -43,8 +43,11 @@ checkpoint::CheckpointMetadata training_state_metadata(
 
 // Loads this rank's tensors of `parts` and `optimizer` (by FQN, whatever
 // layout saved them) and restores the sampler; returns the saved progress.
+// Without `load_optimizer` the optimizer keeps its fresh state (a resume
+// under another optimizer.name).
 TrainProgress load_training_state(const checkpoint::Checkpoint& ckpt,
                                   const std::vector<std::shared_ptr<ModelPart>>& parts,
-                                  Optimizer& optimizer, data::TokenSampler& sampler);
+                                  Optimizer& optimizer, data::TokenSampler& sampler,
+                                  bool load_optimizer = true);
 
 }  // namespace viaduct

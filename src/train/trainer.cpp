@@ -31,6 +31,7 @@
 #include "pipeline/schedule/plan.h"
 #include "pipeline/schedule/timeline_svg.h"
 #include "train/expert_parallel.h"
+#include "train/fresh_run.h"
 #include "train/memory_estimate.h"
 #include "train/pipeline_metrics.h"
 #include "train/preemption.h"
@@ -120,6 +121,7 @@ void Trainer::lock_folders() {
   if (rel.empty() || *rel.begin() == "..") {
     folder_locks_.push_back(std::make_unique<FolderLock>(ckpt, "checkpoint.folder"));
   }
+  make_room_for_fresh_run(cfg_);  // Note [A fresh run never mixes with an old one]
 }
 
 void Trainer::check_memory_fits() const {
@@ -154,6 +156,14 @@ ModelInfo Trainer::build_model() {
       VIADUCT_CHECK_T(ConfigError, tokens.max_token() < np.param.size(0), "the data ",
                       tokens.describe(), " holds token id ", tokens.max_token(),
                       ", but model.vocab_size is ", np.param.size(0));
+    }
+    // The held-out tokens too: eval would index past the embedding.
+    if (eval_tokens_) {
+      VIADUCT_CHECK_T(ConfigError, eval_tokens_->max_token() < np.param.size(0),
+                      "the held-out data ", eval_tokens_->describe(), " (data.val_path, or "
+                      "<stem>.val<.ext> beside the training data) holds token id ",
+                      eval_tokens_->max_token(), ", but model.vocab_size is ",
+                      np.param.size(0));
     }
   }
   int64_t elements = 0;
@@ -911,6 +921,36 @@ bool Trainer::warm_start() {
   return true;
 }
 
+bool Trainer::resume_loads_optimizer(const checkpoint::Checkpoint& ckpt) const {
+  // A checkpoint of another optimizer holds state this one cannot take (or
+  // none that it needs): dropping it is the user's call, never silent.
+  std::string saved;
+  try {
+    saved = Config::parse(ckpt.metadata.config_toml, ckpt.dir.string()).get_string("optimizer.name");
+  } catch (const Error&) {
+    return true;  // an older config vocabulary: the tensors decide as they load
+  }
+  const std::string now = cfg_.get_string("optimizer.name");
+  if (saved == now) return true;
+  size_t state_tensors = 0;
+  for (const auto& name : ckpt.tensors.names()) state_tensors += name.rfind("optim.", 0) == 0;
+  const std::string dropped =
+      state_tensors > 0 ? str("its ", saved, " state (", state_tensors, " optim.* tensors)")
+                        : str("its ", saved, " step count");
+  VIADUCT_CHECK_T(ConfigError, cfg_.get_bool("checkpoint.resume_with_new_optimizer"),
+                  "cannot resume from ", ckpt.dir.string(), ": it was saved with optimizer.name = ",
+                  saved, ", this config has ", now, " (from ", cfg_.source("optimizer.name"),
+                  "), and ", dropped, " would be dropped. Resume with optimizer.name = ", saved,
+                  ", or set checkpoint.resume_with_new_optimizer = true to start ", now,
+                  " fresh from the checkpoint's weights");
+  if (rank() == 0) {
+    log::warn("resuming ", ckpt.dir.string(), " (saved with optimizer.name = ", saved, ") with ",
+              now, ": ", dropped, " is dropped and ", now, " starts fresh "
+              "(checkpoint.resume_with_new_optimizer = true)");
+  }
+  return false;
+}
+
 bool Trainer::resume() {
   const auto latest = checkpoints_->resume_step();
   if (!latest) return false;
@@ -919,7 +959,8 @@ bool Trainer::resume() {
   const auto ckpt = checkpoints_->open(*latest, mesh_ ? checkpoint::Verify::kSizes
                                                       : checkpoint::Verify::kChecksums);
   check_checkpoint_matches_model(ckpt);
-  const auto progress = load_training_state(ckpt, parts_, *optimizer_, *sampler_);
+  const auto progress =
+      load_training_state(ckpt, parts_, *optimizer_, *sampler_, resume_loads_optimizer(ckpt));
   step_ = progress.step;
   tokens_seen_ = progress.tokens_seen;
   log::info("resumed from ", ckpt.dir.string(), " at step ", step_);
@@ -973,6 +1014,9 @@ StepMetrics Trainer::run() {
     } else {
       last = train_step();
     }
+    // Note [One trainer per dump folder]: a folder removed under the run
+    // stops it.
+    for (const auto& lock : folder_locks_) lock->check_still_there();
     metrics_->log_step(last);
     if (can_eval && eval_every > 0 && (step_ % eval_every == 0 || step_ == total)) {
       metrics_->log_eval(step_, evaluate());

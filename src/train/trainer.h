@@ -118,6 +118,10 @@ class Trainer {
   // A resume whose checkpoint holds another model is a ConfigError naming
   // the difference.
   void check_checkpoint_matches_model(const checkpoint::Checkpoint& ckpt) const;
+  // False when the checkpoint was saved under another optimizer.name and
+  // checkpoint.resume_with_new_optimizer allows starting it fresh; a
+  // ConfigError naming both optimizers without that key.
+  bool resume_loads_optimizer(const checkpoint::Checkpoint& ckpt) const;
   // The signal's stop: a checkpoint of this step unless one was just saved.
   void stop_on_signal(bool saved_this_step);
   // checkpoint.async_mode = "async": the parts' tensors replaced by host

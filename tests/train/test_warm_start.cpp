@@ -279,9 +279,10 @@ TEST(LastSaveInHf, TheFolderCarriesTheTokenizerOfDataTokenizer) {
   EXPECT_FALSE(fs::exists(folder / "special_tokens_map.json"));
   EXPECT_TRUE(fs::exists(folder / "config.json"));
   // A missing tokenizer stops the run before it writes anything.
-  const auto bad = job.config("bad", {"checkpoint.last_save_in_hf=true",
-                                      "data.tokenizer=" + job.path("missing.json")});
-  const auto e = error_of([&] { Trainer t(bad); });
+  const auto e = error_of([&] {
+    job.config("bad", {"checkpoint.last_save_in_hf=true",
+                       "data.tokenizer=" + job.path("missing.json")});
+  });
   EXPECT_NE(e.find("data.tokenizer (from the command line): the tokenizer '" + job.path("missing.json") +
                    "' does not exist"),
             std::string::npos)
