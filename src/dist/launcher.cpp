@@ -18,11 +18,13 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 
 #include "core/check.h"
 #include "core/file_io.h"
+#include "dist/job_store.h"
 
 extern char** environ;
 
@@ -461,6 +463,19 @@ namespace {
 // (train/preemption.h): deliberate, so neither a failure nor restarted.
 constexpr int kExitSavedOnSignal = 75;
 
+// The token every rank proves to the rendezvous store (Note [Job store],
+// dist/job_store.h): the user's VIADUCT_JOB_TOKEN, else on one node one made
+// for this launch and kept across restarts. Several nodes without one get
+// none: launchers started apart cannot agree on one, and the ranks refuse to
+// start, saying how to export one.
+std::string launch_job_token(const LaunchOptions& options) {
+  const char* user = std::getenv("VIADUCT_JOB_TOKEN");
+  if (user != nullptr && *user != '\0') return user;
+  if (options.nnodes > 1) return "";
+  static const std::string made = new_job_token();
+  return made;
+}
+
 // One attempt: starts every local rank and supervises them to the end.
 // `interrupted` is set when the launcher itself got a signal.
 LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
@@ -482,6 +497,9 @@ LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
         {"MASTER_PORT", std::to_string(master_port)},
         {"VIADUCT_RESTART_COUNT", std::to_string(attempt)},
     };
+    if (const std::string token = launch_job_token(options); !token.empty()) {
+      vars.emplace_back("VIADUCT_JOB_TOKEN", token);
+    }
     spawn(*proc, options.command, rank_environment(vars));
     procs.push_back(std::move(proc));
   }
