@@ -353,7 +353,12 @@ void JobStoreServer::State::accept_loop() {
     socklen_t from_len = sizeof(from);
     const int fd = ::accept4(listen_fd.get(), reinterpret_cast<sockaddr*>(&from), &from_len,
                              SOCK_CLOEXEC);
-    if (fd < 0) continue;  // the peer gave up before we took it, or no descriptors left
+    if (fd < 0) {
+      // The peer gave up before we took it; or no descriptors are left, which
+      // waiting may cure (a closed connection frees one).
+      if (errno == EMFILE || errno == ENFILE) std::this_thread::sleep_for(milliseconds(100));
+      continue;
+    }
     set_no_delay(fd);
     reap_finished();
     auto peer = std::make_unique<Peer>();
@@ -492,7 +497,7 @@ bool JobStoreServer::State::answer(int fd, Op op, Reader& in) {
         const auto current = parse_counter(it->second);
         if (!current) {
           out.u8(static_cast<uint8_t>(Status::kError))
-              .text(str("add to key '", key, "': its value is not a decimal integer in int64's range"));
+              .text("its value is not a decimal integer in int64's range");
           break;
         }
         value += *current;
@@ -565,7 +570,7 @@ bool JobStoreServer::State::answer(int fd, Op op, Reader& in) {
 }
 
 JobStoreServer::JobStoreServer(const std::string& address, int port, std::string token)
-    : state_(std::make_shared<State>()) {
+    : state_(std::make_unique<State>()) {
   State& s = *state_;
   s.token = std::move(token);
   VIADUCT_CHECK(port >= 0 && port <= 65535, "the rendezvous store port ", port,

@@ -59,7 +59,7 @@ class JobStoreServer {
   struct State;
 
  private:
-  std::shared_ptr<State> state_;
+  std::unique_ptr<State> state_;
 };
 
 // A client of a JobStoreServer. Every call is one request and its answer

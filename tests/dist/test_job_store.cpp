@@ -140,6 +140,15 @@ TEST(JobStore, EveryOperationMatchesHashStore) {
   for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got[i], want[i]) << "operation " << i;
   EXPECT_EQ(want[13], "7");  // the reference does what the cases say
   EXPECT_EQ(want[14], "error");
+  try {
+    store->add("cs", 1);  // "second"
+    FAIL() << "add to a key holding text returned";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("add to key 'cs': its value is not a decimal integer"),
+              std::string::npos)
+        << what;
+  }
 }
 
 TEST(JobStore, ClientsOfOneServerShareItsKeys) {
