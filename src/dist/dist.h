@@ -77,9 +77,10 @@ std::string first_slurm_host(const std::string& nodelist);
 
 // ------------------------------------------------------------------- stores
 
-// A TCPStore client (rank 0 also runs the server) at master_addr:master_port,
-// waiting at most `timeout` for the other ranks. world_size == 1 gets an
-// in-process store.
+// A JobStore client (rank 0 also runs the server, dist/job_store.h) at
+// master_addr:master_port -- on loopback when the job is on one host -- that
+// sends VIADUCT_JOB_TOKEN and waits at most `timeout` for rank 0's server.
+// world_size == 1 gets an in-process store.
 c10::intrusive_ptr<c10d::Store> make_store(const RendezvousInfo& info,
                                            std::chrono::milliseconds timeout);
 

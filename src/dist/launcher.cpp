@@ -18,12 +18,14 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 
 #include "core/check.h"
 #include "core/strings.h"
 #include "core/file_io.h"
+#include "dist/job_store.h"
 
 extern char** environ;
 
@@ -389,8 +391,13 @@ std::string launch_usage() {
          "checkpoint). SIGINT, SIGTERM and SIGUSR1 are forwarded to every\n"
          "rank; a second one also ends them after the grace period. A rank\n"
          "that exits with 75 (saved on a signal) is no failure. One node:\n"
-         "MASTER_ADDR 127.0.0.1 and a free port; several nodes:\n"
-         "--master-addr is required, the port defaults to 29500.\n";
+         "MASTER_ADDR 127.0.0.1 and a free port, the rendezvous store on\n"
+         "loopback and a fresh VIADUCT_JOB_TOKEN; several nodes:\n"
+         "--master-addr is required, the port defaults to 29500, and every\n"
+         "node exports the same VIADUCT_JOB_TOKEN (e.g. from\n"
+         "`head -c16 /dev/urandom | xxd -p`), which ranks prove to the store.\n"
+         "When a rank fails, the one whose error line came first is named\n"
+         "with that line, and its exit status is the launcher's.\n";
 }
 
 LaunchOptions parse_launch_args(int argc, char** argv) {
@@ -461,6 +468,19 @@ namespace {
 // (train/preemption.h): deliberate, so neither a failure nor restarted.
 constexpr int kExitSavedOnSignal = 75;
 
+// The token every rank proves to the rendezvous store (Note [Job store],
+// dist/job_store.h): the user's VIADUCT_JOB_TOKEN, else on one node one made
+// for this launch and kept across restarts. Several nodes without one get
+// none: launchers started apart cannot agree on one, and the ranks refuse to
+// start, saying how to export one.
+std::string launch_job_token(const LaunchOptions& options) {
+  const char* user = std::getenv("VIADUCT_JOB_TOKEN");
+  if (user != nullptr && *user != '\0') return user;
+  if (options.nnodes > 1) return "";
+  static const std::string made = new_job_token();
+  return made;
+}
+
 // One attempt: starts every local rank and supervises them to the end.
 // `interrupted` is set when the launcher itself got a signal.
 LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
@@ -482,6 +502,9 @@ LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
         {"MASTER_PORT", std::to_string(master_port)},
         {"VIADUCT_RESTART_COUNT", std::to_string(attempt)},
     };
+    if (const std::string token = launch_job_token(options); !token.empty()) {
+      vars.emplace_back("VIADUCT_JOB_TOKEN", token);
+    }
     spawn(*proc, options.command, rank_environment(vars));
     procs.push_back(std::move(proc));
   }

@@ -1,8 +1,11 @@
 // The pp × dp device mesh (Note [Mesh layout] in dist.h): one store, the world
 // group, and this rank's pipeline group and data-parallel group, each a
 // c10d group over the same store with its own key prefix.
+#include <cstdlib>
+
 #include "core/check.h"
 #include "dist/dist.h"
+#include "dist/job_store.h"
 
 namespace viaduct::dist {
 
@@ -37,7 +40,7 @@ namespace {
 // Gloo binds to loopback when the whole job is on this host and the user did
 // not pick an interface; otherwise to this host's name.
 std::string gloo_hostname_for(const RendezvousInfo& info) {
-  bool one_host = info.local_world_size == info.world_size;
+  bool one_host = job_on_one_host(info);
   bool loopback_master =
       info.master_addr == "localhost" || info.master_addr.rfind("127.", 0) == 0;
   return one_host || loopback_master ? "127.0.0.1" : "";
@@ -61,6 +64,12 @@ Mesh::Mesh(const RendezvousInfo& info, MeshShape shape, at::Device device,
                   "parallelism.expert_parallel_degree (", shape_.ep,
                   ") must divide parallelism.data_parallel_degree (", shape_.dp, ")");
   std::string hostname = gloo_hostname_for(info);
+  // NCCL's bootstrap sockets listen on loopback too when the whole job is on
+  // this host, unless the user chose an interface; NCCL reads the variable
+  // when the first communicator is made, after this.
+  if (device_.is_cuda() && job_on_one_host(info)) {
+    ::setenv("NCCL_SOCKET_IFNAME", "lo", /*overwrite=*/0);
+  }
   store_ = make_store(info, timeout_);
 
   std::vector<int> all(static_cast<size_t>(info.world_size));

@@ -1,22 +1,18 @@
 // ProcessGroup and Work: a thin RAII wrapper over one c10d backend that gives
 // every operation the group's timeout and turns every failure into a
 // viaduct::Error carrying the caller's context (see Note [Timeouts]).
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "core/check.h"
 #include "dist/backend.h"
 #include "dist/dist.h"
+#include "dist/job_store.h"
 
 namespace viaduct::dist {
 namespace {
@@ -34,30 +30,6 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   }
   VIADUCT_ASSERT(false, "unknown ReduceOp");
   return c10d::ReduceOp::SUM;
-}
-
-// Rank 0 serves the store on MASTER_PORT: a port another process holds is
-// one line naming the port and the cause, before c10d tries (and logs its
-// attempts on every address family).
-void check_port_free(const RendezvousInfo& info) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return;  // c10d reports it
-  const int one = 1;
-  (void)::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = htons(static_cast<std::uint16_t>(info.master_port));
-  const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  const int err = errno;
-  ::close(fd);
-  VIADUCT_CHECK(bound, "rank 0 cannot serve the rendezvous store on port ", info.master_port,
-                " (MASTER_PORT, from ", info.source, ") of ", info.master_addr, ": ",
-                std::strerror(err),
-                err == EADDRINUSE
-                    ? "; another process holds the port: choose a free MASTER_PORT, or "
-                      "start the ranks with `viaduct launch`, which picks one"
-                    : "");
 }
 
 // c10::Error appends a backtrace to its message; keep what precedes it.
@@ -86,25 +58,35 @@ c10::intrusive_ptr<c10d::Store> make_store(const RendezvousInfo& info,
   }
   VIADUCT_CHECK(info.master_port > 0 && info.master_port <= 65535,
                 "MASTER_PORT=", info.master_port, " is not a TCP port");
-  if (info.rank == 0) check_port_free(info);
-  c10d::TCPStoreOptions options;
-  options.port = static_cast<std::uint16_t>(info.master_port);
-  options.isServer = info.rank == 0;
-  options.numWorkers = static_cast<std::size_t>(info.world_size);
-  options.waitWorkers = true;
-  options.timeout = timeout;
-  try {
-    return c10::make_intrusive<c10d::TCPStore>(info.master_addr, options);
-  } catch (const std::exception& e) {
-    std::string cause = first_line(e.what());
-    for (char& c : cause) {
-      if (c == '\n') c = ' ';
+  // Where the store listens and what a rank must prove: Note [Job store].
+  const std::string address = store_address(info);
+  const std::string token = job_token(info, [](const std::string& name) {
+    const char* value = std::getenv(name.c_str());
+    return value == nullptr ? std::nullopt : std::optional<std::string>(value);
+  });
+  std::shared_ptr<JobStoreServer> server;
+  if (info.rank == 0) {
+    try {
+      server = std::make_shared<JobStoreServer>(address, info.master_port, token);
+    } catch (const Error& e) {
+      const std::string cause = e.what();
+      throw Error(str(
+          "rank 0 ", cause, " (MASTER_PORT, from ", info.source, "; MASTER_ADDR ",
+          info.master_addr, ")",
+          cause.find(std::strerror(EADDRINUSE)) != std::string::npos
+              ? "; another process holds the port: choose a free MASTER_PORT, or start "
+                "the ranks with `viaduct launch`, which picks one"
+              : ""));
     }
-    throw Error(str(
-        "rank ", info.rank, ": cannot ", info.rank == 0 ? "serve" : "reach",
-        " the rendezvous store at ", info.master_addr, ":", info.master_port,
-        " (MASTER_ADDR/MASTER_PORT, from ", info.source, ") with ",
-        info.world_size, " ranks (timeout ", timeout.count() / 1000, " s): ", cause));
+  }
+  try {
+    return c10::make_intrusive<JobStore>(address, info.master_port, token, timeout,
+                                         std::move(server));
+  } catch (const std::exception& e) {
+    throw Error(str("rank ", info.rank, ": cannot reach the rendezvous store at ", address,
+                    ":", info.master_port, " (MASTER_ADDR ", info.master_addr,
+                    "/MASTER_PORT, from ", info.source, ") with ", info.world_size,
+                    " ranks (timeout ", timeout.count() / 1000, " s): ", e.what()));
   }
 }
 

@@ -1,5 +1,5 @@
 // Ranks as threads for tests of collectives: each thread is one rank with
-// its own TCPStore client (rank 0 serves) and its own Gloo group on a fresh
+// its own job store client (rank 0 serves) and its own Gloo group on a fresh
 // loopback port, so tests are independent and need no processes.
 #pragma once
 
@@ -57,8 +57,8 @@ void run_ranks(int world, Fn fn) {
 }
 
 // A one-group world over its own store. The store always gets kTimeout: a
-// TCPStore client refused by a server that is not listening yet retries
-// only after a delay, which a short test timeout would not cover.
+// store client refused by a server that is not listening yet retries after
+// a delay, which a short test timeout might not cover.
 struct World {
   c10::intrusive_ptr<c10d::Store> store;
   std::unique_ptr<ProcessGroup> pg;

@@ -176,7 +176,7 @@ TEST(Launcher, ParsesFlags) {
 // ------------------------------------------------ ranks as real processes
 // The launcher runs this binary again, filtered to RankProcess.Main, with
 // VIADUCT_DIST_TEST_MODE set: each child is one rank that reads its place from
-// the environment the launcher set and builds a pp2 × dp1 mesh over TCPStore.
+// the environment the launcher set and builds a pp2 × dp1 mesh over the job store.
 
 #include <unistd.h>
 

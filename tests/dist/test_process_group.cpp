@@ -1,5 +1,5 @@
 // Process groups and the mesh with ranks as threads: each thread is one rank
-// with its own TCPStore client (rank 0 serves) and its own Gloo group on a
+// with its own job store client (rank 0 serves) and its own Gloo group on a
 // fresh loopback port, so the tests are independent and need no processes.
 #include <gtest/gtest.h>
 

@@ -91,25 +91,32 @@ class Background {
   }
   ~Background() {
     if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
+      if (!ended_) ::kill(pid_, SIGKILL);
       wait();
     }
   }
   pid_t pid() const { return pid_; }
   void signal(int sig) const { ::kill(pid_, sig); }
+  // Whether it still runs; once it has ended, wait() returns at once.
+  bool running() {
+    if (pid_ <= 0 || ended_) return false;
+    ended_ = ::waitpid(pid_, &status_, WNOHANG) == pid_;
+    return !ended_;
+  }
   // The exit code (128 + signal when killed).
   int wait() {
-    int status = 0;
-    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    while (!ended_ && ::waitpid(pid_, &status_, 0) < 0 && errno == EINTR) {
     }
     pid_ = -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return WIFEXITED(status_) ? WEXITSTATUS(status_) : 128 + WTERMSIG(status_);
   }
   std::string output() const { return read_file(log_); }
 
  private:
   fs::path log_;
   pid_t pid_ = -1;
+  bool ended_ = false;
+  int status_ = 0;
 };
 
 // Polls `done` every 50 ms for up to `seconds`.

@@ -1,7 +1,8 @@
 // Runs that survive: each failure a user met -- a full disk under the
 // metrics log or a checkpoint, a second trainer on the same folder, a
 // folder given as --config, a resume with another model, signals, a dead
-// rank, a model too large for the machine, a port in use -- reproduced
+// rank, a model too large for the machine, a port in use, a stray client of
+// the rendezvous store -- reproduced
 // against `viaduct` processes, with the behaviour each must get.
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -15,13 +16,17 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "common/process_runs.h"
+#include "core/check.h"
 #include "data/temp_dir.h"
+#include "dist/job_store.h"
+#include "dist/launcher.h"
 #include "survive/survive_util.h"
 
 namespace viaduct::testing {
@@ -311,6 +316,144 @@ TEST_F(Survive, APortInUseIsOneLineNamingPortAndCause) {
   expect_has(r.output, "Address already in use");
   EXPECT_EQ(r.output.find("socket.cpp"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("300000"), std::string::npos) << r.output;
+}
+
+// ---- the rendezvous store ---------------------------------------------------
+
+// `root` and every process below it (by parent pid, from /proc/<pid>/stat).
+std::vector<pid_t> process_tree(pid_t root) {
+  std::vector<std::pair<pid_t, pid_t>> parent_of;  // (pid, ppid)
+  std::error_code ec;
+  for (const auto& de : fs::directory_iterator("/proc", ec)) {
+    const std::string name = de.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string stat = read_file(de.path() / "stat");
+    const auto close = stat.rfind(')');  // the command may hold spaces and parentheses
+    if (close == std::string::npos) continue;
+    std::istringstream rest(stat.substr(close + 2));
+    char state = 0;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    parent_of.emplace_back(std::stoi(name), ppid);
+  }
+  std::vector<pid_t> tree{root};
+  for (size_t i = 0; i < tree.size(); ++i) {
+    for (const auto& [pid, ppid] : parent_of) {
+      if (ppid == tree[i]) tree.push_back(pid);
+    }
+  }
+  return tree;
+}
+
+// The socket inodes ("12345") a process holds open.
+std::set<std::string> socket_inodes(pid_t pid) {
+  std::set<std::string> out;
+  std::error_code ec;
+  for (const auto& de : fs::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+    const std::string target = fs::read_symlink(de.path(), ec).string();
+    if (!ec && target.rfind("socket:[", 0) == 0) out.insert(target.substr(8, target.size() - 9));
+  }
+  return out;
+}
+
+// One LISTEN socket: its local address as /proc/net/tcp{,6} prints it (the
+// address's 32-bit words in host order, in hex) and its port.
+struct ListenSocket {
+  std::string address;
+  bool v6 = false;
+  int port = 0;
+};
+
+std::vector<ListenSocket> listen_sockets(const std::set<std::string>& inodes) {
+  std::vector<ListenSocket> out;
+  for (const bool v6 : {false, true}) {
+    std::istringstream table(read_file(v6 ? "/proc/net/tcp6" : "/proc/net/tcp"));
+    std::string line;
+    std::getline(table, line);  // the header
+    while (std::getline(table, line)) {
+      std::istringstream f(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      f >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >>
+          inode;
+      if (state != "0A" || inodes.count(inode) == 0) continue;
+      const auto colon = local.find(':');
+      out.push_back({local.substr(0, colon), v6, std::stoi(local.substr(colon + 1), nullptr, 16)});
+    }
+  }
+  return out;
+}
+
+// 127.0.0.0/8, ::1 or ::ffff:127.x. In host (little-endian) order 127.a.b.c
+// prints as "cba7F" with 7F last; ::1's last word prints as 01000000.
+bool is_loopback(const ListenSocket& s) {
+  if (!s.v6) return s.address.size() == 8 && s.address.substr(6, 2) == "7F";
+  if (s.address.size() != 32 || s.address.substr(0, 16) != std::string(16, '0')) return false;
+  const std::string w2 = s.address.substr(16, 8), w3 = s.address.substr(24, 8);
+  return (w2 == "00000000" && w3 == "01000000") ||
+         (w2 == "FFFF0000" && w3.substr(6, 2) == "7F");
+}
+
+TEST_F(Survive, AOneNodeJobListensOnLoopbackOnlyAndRefusesAStrayStoreClient) {
+  const int port = dist::find_free_port();
+  const std::string train = job(dir_, "stray", 4) + " --parallelism.pipeline_parallel_degree=2";
+  Background launch(" launch --nproc-per-node 2 --master-port " + std::to_string(port) + " -- " +
+                        kBin + train,
+                    dir_.file("launch.log"));
+  // A client that knows the port but not the token, started the moment the
+  // store is seen listening.
+  std::string stray_error;
+  const std::string wrong_token = "00112233445566778899aabbccddeeff";
+  std::thread stray;
+  // Every LISTEN socket the job's processes hold, sampled until it ends.
+  std::vector<std::string> outside;
+  std::set<int> ports;
+  std::set<std::string> tokens;
+  while (launch.running()) {
+    for (const pid_t pid : process_tree(launch.pid())) {
+      for (const auto& s : listen_sockets(socket_inodes(pid))) {
+        ports.insert(s.port);
+        if (!is_loopback(s)) {
+          outside.push_back(str(s.address, ":", s.port, " (pid ", pid, ")"));
+        }
+      }
+      std::istringstream env(read_file("/proc/" + std::to_string(pid) + "/environ"));
+      for (std::string var; std::getline(env, var, '\0');) {
+        if (var.rfind("VIADUCT_JOB_TOKEN=", 0) == 0) tokens.insert(var.substr(18));
+      }
+    }
+    if (ports.count(port) == 1 && !stray.joinable()) {
+      stray = std::thread([&] {
+        try {
+          c10::make_intrusive<dist::JobStore>("127.0.0.1", port, wrong_token,
+                                              std::chrono::milliseconds(10'000));
+          stray_error = "served";
+        } catch (const std::exception& e) {
+          stray_error = e.what();
+        }
+      });
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(stray.joinable()) << "the store's port was never seen listening\n"
+                                << launch.output();
+  stray.join();
+  const int code = launch.wait();
+  const std::string output = launch.output();
+  ASSERT_EQ(code, 0) << output;
+  EXPECT_EQ(outside, std::vector<std::string>{}) << output;
+  // The stray client was refused, by name in the server's log, and no token
+  // was printed.
+  expect_has(stray_error, "refused");
+  expect_has(output, "refused a connection from 127.0.0.1:");
+  expect_has(output, "wrong job token");
+  EXPECT_EQ(output.find(wrong_token), std::string::npos) << output;
+  ASSERT_EQ(tokens.size(), 1u) << "every rank carries the launch's one token";
+  EXPECT_EQ(tokens.begin()->size(), 32u);
+  EXPECT_EQ(output.find(*tokens.begin()), std::string::npos) << output;
+  // The job went on as if no one had called.
+  run_viaduct_ok(2, job(dir_, "plain", 4) + " --parallelism.pipeline_parallel_degree=2");
+  EXPECT_EQ(step_losses(dir_.file("stray")), step_losses(dir_.file("plain")));
+  EXPECT_EQ(step_losses(dir_.file("stray")).size(), 4u);
 }
 
 }  // namespace
