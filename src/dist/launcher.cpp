@@ -20,6 +20,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <optional>
 
 #include "core/check.h"
@@ -511,16 +512,26 @@ LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
 
   // Note [The first rank to fail]
   // When one rank fails, the others fail after it: a peer's closed socket,
-  // a collective that times out. Which exit the launcher reaps first is
-  // chance, so the rank that failed first is the one whose error line came
-  // first. After the first failed exit the launcher waits a moment for the
-  // others' lines, names that rank with its own last error line, takes its
-  // exit status, and only then ends the rest.
+  // a collective that times out. Neither the order the launcher reaps the
+  // exits in nor the order of the error lines tells which came first (a
+  // failing rank tears its connections down while its error unwinds, before
+  // it prints it), but the followers say what they died of: a peer or the
+  // store gone. So after the first failed exit the launcher waits a moment
+  // for every rank's lines, and names the first rank whose error is its own
+  // (else the first error line at all) with that line and its exit status,
+  // and only then ends the rest.
   int64_t error_lines = 0;
   auto is_error_line = [](const std::string& line) {
     return line.rfind("viaduct", 0) == 0 &&
            (line.find(" error: ") != std::string::npos ||
             line.find("fatal signal") != std::string::npos);
+  };
+  auto follows_a_peer = [](const std::string& line) {
+    for (const char* mark : {"Connection closed by peer", "Connection reset by peer",
+                             "Broken pipe", "lost the connection to the rendezvous store"}) {
+      if (line.find(mark) != std::string::npos) return true;
+    }
+    return false;
   };
   const LineSink observe = [&](int rank, bool is_stderr, const std::string& line) {
     sink(rank, is_stderr, line);
@@ -635,11 +646,14 @@ LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
     if (failure_at && !ending && (!still_running || Clock::now() - *failure_at >= kSettle)) {
       // Note [The first rank to fail]: its error line came first; without
       // one, the first exit reaped.
+      auto rank_key = [&](const RankProcess* p) {
+        // Its own error before a follower's, then the earlier line.
+        const int64_t seq = p->error_seq < 0 ? std::numeric_limits<int64_t>::max() : p->error_seq;
+        return std::pair<bool, int64_t>(p->error_seq < 0 || follows_a_peer(p->error_line), seq);
+      };
       const RankProcess* first = failed.front();
       for (const RankProcess* p : failed) {
-        if (p->error_seq >= 0 && (first->error_seq < 0 || p->error_seq < first->error_seq)) {
-          first = p;
-        }
+        if (rank_key(p) < rank_key(first)) first = p;
       }
       if (result.exit_code == 0 || result.exit_code == kExitSavedOnSignal) {
         result.exit_code = exit_code_of(first->status);

@@ -308,7 +308,11 @@ TEST(ExpertParallelConfig, BadDegreesAreRefusedNamingTheCause) {
             "needs a model with MoE layers, but kimi_k3 with this config has none"},
            {k3 + " --parallelism.expert_parallel_degree=0", "expert_parallel_degree"},
            {" --model.family=llama --model.moe_capacity_factor=1.25",
-            "model.moe_capacity_factor = 1.25 needs a model with MoE layers, but llama has none"},
+            "model.moe_capacity_factor (from the command line) does not apply to model.family = "
+            "llama"},
+           {k3 + " --model.moe_ffn=false --model.moe_capacity_factor=1.25",
+            "model.moe_capacity_factor = 1.25 needs a model with MoE layers, but kimi_k3 with this "
+            "config has none"},
 
        }) {
     SCOPED_TRACE(c.args);

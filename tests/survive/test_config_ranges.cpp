@@ -52,9 +52,13 @@ TEST(ConfigRanges, OutOfRangeValuesAreRefusedNamingKeyValueRangeAndSource) {
     expect_has(msg, c.range);
     expect_has(msg, "job.toml");
   }
-  // nan and inf are out of every range.
-  expect_has(error_of("", {"optimizer.lr=nan"}), "optimizer.lr = nan");
-  expect_has(error_of("", {"optimizer.lr=inf"}), "optimizer.lr = inf");
+  // nan and inf are no number at all, whatever the key's range.
+  expect_has(error_of("", {"optimizer.lr=nan"}),
+             "key 'optimizer.lr' in the command line must be a finite number, got nan");
+  expect_has(error_of("", {"optimizer.lr=inf"}),
+             "key 'optimizer.lr' in the command line must be a finite number, got inf");
+  expect_has(error_of("", {"training.max_norm=nan"}),
+             "key 'training.max_norm' in the command line must be a finite number, got nan");
 }
 
 TEST(ConfigRanges, BoundsThemselvesAreAccepted) {
