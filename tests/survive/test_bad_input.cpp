@@ -199,7 +199,7 @@ TEST_F(BadInput, NanAndInfinityAreRefusedWhereverANumberIsRead) {
   EXPECT_EQ(r.exit_code, 2) << r.output;
   expect_has(r.output, "--device-gib must be a finite number");
   r = shell(kBin + " launch --nproc-per-node 1 --timeout inf -- true");
-  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.exit_code, 2) << r.output;
   expect_has(r.output, "--timeout expects seconds (a finite number >= 0), got 'inf'");
   r = shell(kBin + " prepare-data --input " + dir_.file("corpus.tok") + " --output " +
             dir_.file("o.tok") + " --val-fraction nan");
@@ -338,6 +338,10 @@ TEST_F(BadInput, CommandLineMistakesAreNamed) {
   r = shell(kBin + " convert --to onnx --input a --output b");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   expect_has(r.output, "--to must be hf or viaduct, got 'onnx'");
+  // The launcher's own shape is config too: exit 2, as the README says.
+  r = shell(kBin + " launch --nproc-per-node 0 -- true");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  expect_has(r.output, "--nproc-per-node must be in [1, 4096], got 0");
   // Help goes to stdout (a pipe), and names the SentencePiece files.
   r = shell(kBin + " --help 2>/dev/null");
   EXPECT_EQ(r.exit_code, 0);
