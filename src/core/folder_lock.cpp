@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 #include <ctime>
 #include <map>
 #include <mutex>
@@ -86,13 +87,30 @@ FolderLock::FolderLock(const fs::path& folder, const std::string& what_for)
   UniqueFd dir(::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   VIADUCT_CHECK_T(FileError, dir.valid(), "cannot open the folder ", folder.string(),
                   " to lock it: ", errno_text());
-  int rc = 0;
-  do {
-    rc = ::flock(dir.get(), LOCK_EX | LOCK_NB);
-  } while (rc != 0 && errno == EINTR);
-  if (rc != 0) {
-    VIADUCT_CHECK_T(FileError, errno == EWOULDBLOCK, "cannot lock ", folder.string(), ": ",
+  auto try_lock = [](int fd) {
+    int rc = 0;
+    do {
+      rc = ::flock(fd, LOCK_EX | LOCK_NB);
+    } while (rc != 0 && errno == EINTR);
+    return rc == 0 ? 0 : errno;
+  };
+  int err = try_lock(dir.get());
+  UniqueFd fd;
+  if (err != 0 && err != EWOULDBLOCK) {
+    // A file system that locks files but not folders (NFS emulates flock
+    // with write locks, which a folder opened for reading cannot take):
+    // the lock file's own flock, as good while the file stays.
+    log::warn("cannot lock the folder ", folder.string(), " itself (", std::strerror(err),
+              "); locking ", path_.string(), " instead: deleting that file under a run would "
+              "let a second run in");
+    fd = UniqueFd(::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+    VIADUCT_CHECK_T(FileError, fd.valid(), "cannot open the lock file ", path_.string(), ": ",
                     errno_text());
+    err = try_lock(fd.get());
+  }
+  if (err != 0) {
+    VIADUCT_CHECK_T(FileError, err == EWOULDBLOCK, "cannot lock ", folder.string(), ": ",
+                    std::strerror(err));
     const std::string holder = holder_of(path_);
     throw FileError(str(what_for, " ", folder.string(), " is in use by another viaduct process (",
                         holder.empty() ? std::string("holder not named: its ") + kFileName +
@@ -101,7 +119,7 @@ FolderLock::FolderLock(const fs::path& folder, const std::string& what_for)
                         "; lock file ", path_.string(),
                         "): wait for it to end, or give this run another ", what_for));
   }
-  UniqueFd fd(::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  if (!fd.valid()) fd = UniqueFd(::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
   VIADUCT_CHECK_T(FileError, fd.valid(), "cannot open the lock file ", path_.string(), ": ",
                   errno_text());
   const std::string previous = holder_text(fd.get());
@@ -153,6 +171,7 @@ FolderLock::~FolderLock() {
   // costs the next run a warning.
   (void)!::ftruncate(it->second.file.get(), 0);
   (void)!::flock(it->second.dir.get(), LOCK_UN);
+  (void)!::flock(it->second.file.get(), LOCK_UN);
   held_locks().erase(it);
 }
 
