@@ -224,6 +224,13 @@ class Mesh {
   ProcessGroup* ep_group() { return ep_group_.get(); }
   ProcessGroup* expert_replica_group() { return expert_replica_group_.get(); }
   c10d::Store& store() { return *store_; }
+  // Returns once every rank of the job has reached `key` (each counts
+  // itself in the store): a barrier for a thread that must not use the
+  // process groups the main thread uses (the asynchronous checkpoint's
+  // writer). An Error naming `what` when the others do not come within
+  // `timeout`.
+  void store_barrier(const std::string& key, const std::string& what,
+                     std::chrono::milliseconds timeout);
 
  private:
   int rank_;

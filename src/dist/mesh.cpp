@@ -2,6 +2,7 @@
 // group, and this rank's pipeline group and data-parallel group, each a
 // c10d group over the same store with its own key prefix.
 #include <cstdlib>
+#include <thread>
 
 #include "core/check.h"
 #include "dist/dist.h"
@@ -103,6 +104,18 @@ std::unique_ptr<Mesh> init_mesh(const RendezvousInfo& info, int pp, int dp,
                                 at::Device device,
                                 std::chrono::milliseconds timeout, int ep) {
   return std::make_unique<Mesh>(info, MeshShape{pp, dp, ep}, device, timeout);
+}
+
+void Mesh::store_barrier(const std::string& key, const std::string& what,
+                         std::chrono::milliseconds timeout) {
+  store_->add(key, 1);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (store_->add(key, 0) < world_size()) {
+    VIADUCT_CHECK(std::chrono::steady_clock::now() < deadline, "rank ", rank_,
+                  ": the other ranks did not reach ", what, " within ",
+                  std::chrono::duration_cast<std::chrono::seconds>(timeout).count(), " s");
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
 }
 
 }  // namespace viaduct::dist

@@ -30,7 +30,9 @@
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
 #include "pipeline/schedule/timeline_svg.h"
+#include "train/checkpointer.h"
 #include "train/expert_parallel.h"
+#include "train/fault_injection.h"
 #include "train/fresh_run.h"
 #include "train/memory_estimate.h"
 #include "train/pipeline_metrics.h"
@@ -76,8 +78,23 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   }
   const auto info = build_model();
   init_data();
-  checkpoints_ = std::make_unique<checkpoint::CheckpointManager>(
-      checkpoint_folder(), checkpoint_policy_from_config(cfg_));
+  faults_ = FaultInjection::from_environment();
+  CheckpointLayout layout;
+  layout.pp = static_cast<int>(plan_->split.pp);
+  layout.pp_rank = pp_rank_;
+  layout.dp = dp_size_;
+  layout.dp_rank = dp_rank_;
+  layout.num_stages = plan_->split.num_stages;
+  layout.shards_optimizer = shards_optimizer();
+  layout.ep = ep_size_;
+  layout.moe = moe_experts_ > 0;
+  CheckpointerOptions checkpoint_options;
+  checkpoint_options.async = cfg_.get_string("checkpoint.async_mode") == "async";
+  checkpoint_options.timeout = std::chrono::seconds(cfg_.get_int("parallelism.comm_timeout_seconds"));
+  checkpoint_options.hold_writes = faults_.slow_save;
+  checkpointer_ = std::make_unique<Checkpointer>(checkpoint_folder(),
+                                                 checkpoint_policy_from_config(cfg_), layout,
+                                                 checkpoint_options, mesh_.get(), device_);
   auto mo = metrics_options_from_config(cfg_, is_logging_rank());
   mo.pipeline = executor_ != nullptr;
   mo.attn_res = attn_res_tables_ != nullptr;
@@ -283,13 +300,9 @@ void Trainer::init_data() {
 }
 
 Trainer::~Trainer() {
-  // A save still being written finishes first; its error (if any) was not
-  // seen by run() only when run() itself failed, so it is logged here.
-  try {
-    wait_for_pending_save();
-  } catch (const std::exception& e) {
-    log::error("the last asynchronous checkpoint failed: ", e.what());
-  }
+  // A save still being written finishes first (the Checkpointer's
+  // destructor logs its error, which run() saw only when it did not fail).
+  checkpointer_.reset();
   // The weight cache's copies live in a process-wide registry; drop them
   // with the model rather than at static destruction, after the CUDA
   // runtime may be gone (Note [Low-precision weight cache]).
@@ -322,7 +335,7 @@ void Trainer::sum_over(dist::ProcessGroup* group, std::vector<double>& values,
 // ---- the step --------------------------------------------------------------
 
 StepMetrics Trainer::train_step() {
-  inject_fault_if_asked();
+  faults_.kill_if_due(rank(), step_ + 1);
   const auto t0 = std::chrono::steady_clock::now();
   int64_t tokens = 0;
   const auto batches = next_batches(tokens);
@@ -376,21 +389,6 @@ StepMetrics Trainer::train_step() {
   return m;
 }
 
-void Trainer::inject_fault_if_asked() const {
-  // Fault injection for the failure tests: VIADUCT_FAULT_KILL="<rank>:<step>"
-  // kills that rank with SIGKILL as the step starts -- in the first attempt
-  // only, so that `viaduct launch --max-restarts` can be seen to recover.
-  const char* restart = std::getenv("VIADUCT_RESTART_COUNT");
-  if (restart != nullptr && std::string(restart) != "0") return;
-  if (const char* fault = std::getenv("VIADUCT_FAULT_KILL")) {
-    int r = -1;
-    long long st = -1;
-    if (std::sscanf(fault, "%d:%lld", &r, &st) == 2 && r == rank() && st == step_ + 1) {
-      log::error("VIADUCT_FAULT_KILL: killing rank ", r, " at step ", st);
-      std::raise(SIGKILL);
-    }
-  }
-}
 
 std::vector<data::TokenBatch> Trainer::next_batches(int64_t& global_tokens) {
   const int64_t accum = cfg_.get_int("training.gradient_accumulation_steps");
@@ -724,21 +722,7 @@ double Trainer::evaluate() {
 }
 
 void Trainer::save_checkpoint() {
-  namespace ck = checkpoint;
   metrics_->flush();  // the log reaches the disk no later than the checkpoint
-  // A previous asynchronous save still writing stalls training here until
-  // it is done. Say so when it costs time, since a longer
-  // checkpoint.interval would avoid it.
-  const auto t_wait = std::chrono::steady_clock::now();
-  wait_for_pending_save();
-  const double waited =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_wait).count();
-  if (waited >= 1.0) {
-    log::warn("checkpoint step ", step_, ": waited ", std::round(waited * 10) / 10,
-              " s for the previous checkpoint's write to finish (it takes longer than ",
-              "checkpoint.interval steps of training)");
-  }
-  const int pp = static_cast<int>(plan_->split.pp);
   const auto meta = training_state_metadata(
       {step_, tokens_seen_}, *sampler_, *optimizer_, cfg_.to_toml(),
       {{"pp", plan_->split.pp},
@@ -747,117 +731,10 @@ void Trainer::save_checkpoint() {
        {"dp_shard_optimizer", shards_optimizer()},
        {"ep", ep_size_}});
   const int optim_dp = shards_optimizer() ? dp_size_ : 1;
-  auto files = training_state_parts(parts_, *optimizer_, pp_rank_, pp, dp_rank_, optim_dp);
-  // Every replica of a sharded optimizer writes its own optim file; the
-  // model's weights are written by the first replica alone. Under expert
-  // parallelism the first ep replicas each write their experts, as pieces
-  // of the whole tensors, into files of their own; the first writes the
-  // rest too.
-  // A job-wide choice: every pp rank names its files alike, those without
-  // MoE layers too (their other ep replicas write empty files).
-  const int model_dp = ep_size_ > 1 && moe_experts_ > 0 ? ep_size_ : 1;
-  if (model_dp > 1) {
-    // files: the model part, then the optimizer's (ZeRO-1's already in
-    // pieces, in a file per replica).
-    for (size_t k = 0; k < files.size(); ++k) {
-      if (k == 1 && optim_dp > 1) continue;
-      files[k].file_name =
-          checkpoint::part_file_name(k == 0 ? "model" : "optim", pp_rank_, pp, dp_rank_, model_dp);
-      store_experts_as_pieces(files[k], expert_shards_, /*keep_rest=*/dp_rank_ == 0);
-    }
-  }
-  if (dp_rank_ >= model_dp) files.erase(files.begin());
-  const bool async = cfg_.get_string("checkpoint.async_mode") == "async";
-  const auto t_copy = std::chrono::steady_clock::now();
-  if (async) snapshot_to_host(files);
-  const double copy_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_copy).count();
-  std::shared_ptr<ck::SaveGroup> group;
-  if (mesh_) {
-    // The dp-rank-0 replica of every pipeline rank writes its parts.
-    group = std::make_shared<ck::SaveGroup>();
-    group->rank = rank();
-    group->writes_parts = dp_rank_ < model_dp || optim_dp > 1;
-    for (int r = 0; r < pp; ++r) {
-      for (int d = 0; d < model_dp; ++d) {
-        group->expected_files.push_back(ck::part_file_name("model", r, pp, d, model_dp));
-      }
-      for (int d = 0; d < std::max(optim_dp, model_dp); ++d) {
-        group->expected_files.push_back(
-            ck::part_file_name("optim", r, pp, d, std::max(optim_dp, model_dp)));
-      }
-    }
-    if (async) {
-      // Note [Asynchronous checkpoint]: the writer thread must not use the
-      // process groups the training steps use; it meets the other ranks'
-      // writers through the store.
-      const int64_t save_id = ++async_saves_;
-      const int world = mesh_->world_size();
-      const auto timeout = std::chrono::seconds(cfg_.get_int("parallelism.comm_timeout_seconds"));
-      group->barrier = [this, save_id, world, timeout](const std::string& what) {
-        const std::string key = str("viaduct/async_checkpoint/", save_id, "/", what);
-        mesh_->store().add(key, 1);
-        const auto deadline = std::chrono::steady_clock::now() + timeout;
-        while (mesh_->store().add(key, 0) < world) {
-          VIADUCT_CHECK(std::chrono::steady_clock::now() < deadline, "rank ", rank(),
-                        ": the other ranks did not reach ", what, " within ",
-                        timeout.count(), " s");
-          std::this_thread::sleep_for(std::chrono::milliseconds(5));
-        }
-      };
-    } else {
-      group->barrier = [this](const std::string& what) {
-        mesh_->world().barrier().wait(str("rank ", rank(), " ", what));
-      };
-    }
-  }
-  if (!async) {
-    checkpoints_->save(meta, files, group.get());
-    return;
-  }
-  log::info("checkpoint step ", step_, ": state copied to host memory in ",
-            std::round(copy_seconds * 100) / 100, " s, writing it in the background");
-  // Fault injection for the tests: VIADUCT_FAULT_SLOW_SAVE_MS holds every
-  // background write back that long, as a slow disk would.
-  const char* slow = std::getenv("VIADUCT_FAULT_SLOW_SAVE_MS");
-  const int64_t hold_ms = slow != nullptr ? std::atoll(slow) : 0;
-  save_thread_ = std::thread([this, meta, files = std::move(files), group, hold_ms] {
-    if (hold_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));
-    try {
-      checkpoints_->save(meta, files, group.get());
-    } catch (...) {
-      save_error_ = std::current_exception();
-    }
-  });
-}
-
-void Trainer::snapshot_to_host(std::vector<checkpoint::CheckpointPart>& files) const {
-  // Note [Asynchronous checkpoint]: the copies are taken at the step
-  // boundary, so the next steps' updates cannot reach the writer; device
-  // tensors go to pinned host memory, copied on the stream and awaited once.
-  bool on_device = false;
-  for (auto& part : files) {
-    for (auto& [name, t] : part.tensors) {
-      if (t.is_cuda()) {
-        auto host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
-        host.copy_(t, /*non_blocking=*/true);
-        t = host;
-        on_device = true;
-      } else {
-        t = t.clone();
-      }
-    }
-  }
-  if (on_device) synchronize(device_);
-}
-
-void Trainer::wait_for_pending_save() {
-  if (save_thread_.joinable()) save_thread_.join();
-  if (save_error_) {
-    auto error = save_error_;
-    save_error_ = nullptr;
-    std::rethrow_exception(error);
-  }
+  checkpointer_->save(meta,
+                      training_state_parts(parts_, *optimizer_, pp_rank_,
+                                           static_cast<int>(plan_->split.pp), dp_rank_, optim_dp),
+                      expert_shards_);
 }
 
 void Trainer::check_checkpoint_matches_model(const checkpoint::Checkpoint& ckpt) const {
@@ -952,11 +829,11 @@ bool Trainer::resume_loads_optimizer(const checkpoint::Checkpoint& ckpt) const {
 }
 
 bool Trainer::resume() {
-  const auto latest = checkpoints_->resume_step();
+  const auto latest = checkpointer_->manager().resume_step();
   if (!latest) return false;
   // Under pipeline parallelism each rank reads only its own tensors; their
   // per-tensor CRCs are still checked as they are read.
-  const auto ckpt = checkpoints_->open(*latest, mesh_ ? checkpoint::Verify::kSizes
+  const auto ckpt = checkpointer_->manager().open(*latest, mesh_ ? checkpoint::Verify::kSizes
                                                       : checkpoint::Verify::kChecksums);
   check_checkpoint_matches_model(ckpt);
   const auto progress =
@@ -968,11 +845,11 @@ bool Trainer::resume() {
 }
 
 StepMetrics Trainer::run() {
-  const auto& policy = checkpoints_->policy();
+  const auto& policy = checkpointer_->manager().policy();
   const bool resumed = policy.enable && policy.resume && resume();
   // A restart resumes from the run's own checkpoint, never the warm start's.
   if (!resumed) warm_start();
-  if (!resumed && step_ == 0 && checkpoints_->initial_save_due()) {
+  if (!resumed && step_ == 0 && checkpointer_->manager().initial_save_due()) {
     save_checkpoint();  // step-0: the initial weights (for reference runs)
   }
   metrics_->truncate_after(step_);
@@ -1021,7 +898,7 @@ StepMetrics Trainer::run() {
     if (can_eval && eval_every > 0 && (step_ % eval_every == 0 || step_ == total)) {
       metrics_->log_eval(step_, evaluate());
     }
-    const bool saved = checkpoints_->save_due(step_, total);
+    const bool saved = checkpointer_->manager().save_due(step_, total);
     if (saved) save_checkpoint();
     if (stop_requested_ && step_ < total) {
       stop_on_signal(saved);
@@ -1029,7 +906,7 @@ StepMetrics Trainer::run() {
     }
   }
   metrics_->flush();
-  wait_for_pending_save();
+  checkpointer_->wait();
   if (cfg_.get_bool("checkpoint.last_save_in_hf") && step_ == total && !stopped_on_signal_) {
     write_final_hf();
   }
@@ -1054,7 +931,7 @@ void Trainer::write_final_hf() const {
   } else {
     // Every rank's weights are in the final checkpoint, which every rank
     // has finished with (the save's last barrier).
-    const auto ckpt = checkpoints_->open(step_, checkpoint::Verify::kSizes);
+    const auto ckpt = checkpointer_->manager().open(step_, checkpoint::Verify::kSizes);
     for (const auto& name : ckpt.tensors.names()) {
       if (name.rfind("optim.", 0) != 0) tensors[name] = ckpt.tensors.load(name);
     }
@@ -1086,13 +963,13 @@ void Trainer::write_report() const {
 void Trainer::stop_on_signal(bool saved_this_step) {
   // Note [Save and exit on a signal].
   stopped_on_signal_ = true;
-  if (!checkpoints_->policy().enable) {
+  if (!checkpointer_->manager().policy().enable) {
     log::warn("stopping at step ", step_, " on a signal; checkpoint.enable = false, so "
               "nothing is saved");
     return;
   }
   if (!saved_this_step) save_checkpoint();
-  wait_for_pending_save();
+  checkpointer_->wait();
   log::info("stopped at step ", step_, " on a signal after saving ",
             checkpoint::checkpoint_dir(checkpoint_folder(), step_).string(),
             "; the next run resumes from it");

@@ -1,16 +1,7 @@
 // The training loop of one process: model parts, optimizer, LR schedule,
 // gradient accumulation and micro-batches, deterministic clipping and eval.
-// Checkpoints are the CheckpointManager's (checkpoint/manager.h), metrics
-// output the MetricsWriter's (train/metrics.h).
-//
-// Note [Asynchronous checkpoint]
-// With checkpoint.async_mode = "async", save_checkpoint copies the state to
-// host memory at the step boundary (pinned memory from a GPU) and a writer
-// thread saves it under the same atomic protocol (Note [Atomic checkpoint
-// save]) while training goes on. The next save, a signal's stop, the end of
-// run() and the destructor wait for it; its error surfaces there. Under a
-// launcher the writers of all ranks meet through the rendezvous store, never
-// through the process groups the steps use from the main thread.
+// Checkpoints are the Checkpointer's (train/checkpointer.h), metrics output
+// the MetricsWriter's (train/metrics.h).
 //
 // Note [Loss scaling]
 // Every micro-batch's loss is its summed token cross-entropy divided by the
@@ -33,6 +24,7 @@
 #include "model/model.h"
 #include "train/metrics.h"
 #include "train/expert_parallel.h"
+#include "train/fault_injection.h"
 #include "train/optimizer.h"
 
 namespace viaduct {
@@ -52,6 +44,7 @@ class CheckpointManager;
 struct Checkpoint;
 struct CheckpointPart;
 }  // namespace checkpoint
+class Checkpointer;
 class FolderLock;
 class GradReduction;
 
@@ -124,10 +117,6 @@ class Trainer {
   bool resume_loads_optimizer(const checkpoint::Checkpoint& ckpt) const;
   // The signal's stop: a checkpoint of this step unless one was just saved.
   void stop_on_signal(bool saved_this_step);
-  // checkpoint.async_mode = "async": the parts' tensors replaced by host
-  // copies; and the wait for the save being written, rethrowing its error.
-  void snapshot_to_host(std::vector<checkpoint::CheckpointPart>& files) const;
-  void wait_for_pending_save();
   // report.html and schedule.svg in the dump folder (rank 0, train/report.h).
   void write_report() const;
   // checkpoint.last_save_in_hf: the final weights as an HF model folder
@@ -135,7 +124,6 @@ class Trainer {
   void write_final_hf() const;
 
   // The pieces of train_step.
-  void inject_fault_if_asked() const;
   std::vector<data::TokenBatch> next_batches(int64_t& global_tokens);
   double forward_backward(const std::vector<data::TokenBatch>& batches, double scale,
                           std::vector<at::Tensor>& pending_losses);
@@ -205,17 +193,13 @@ class Trainer {
   std::shared_ptr<const data::TokenStream> eval_tokens_;
   std::unique_ptr<data::TokenSampler> sampler_;
   std::unique_ptr<data::EvalLoader> eval_loader_;
-  std::unique_ptr<checkpoint::CheckpointManager> checkpoints_;
+  std::unique_ptr<Checkpointer> checkpointer_;
+  FaultInjection faults_;
   std::unique_ptr<MetricsWriter> metrics_;
   int64_t step_ = 0;
   int64_t tokens_seen_ = 0;
   bool stop_requested_ = false;  // every rank agreed at this step's loss gather
   bool stopped_on_signal_ = false;
-  // Note [Asynchronous checkpoint]: the writer of the last save, its error,
-  // and the count of asynchronous saves (the store keys of their barriers).
-  std::thread save_thread_;
-  std::exception_ptr save_error_;
-  int64_t async_saves_ = 0;
   double flops_per_token_ = 0;
 };
 
