@@ -14,7 +14,7 @@
 // K + 1 sources). "attn_res read (K blocks, slots)" is the same read with a
 // slot per block already holding a gradient (Note [AttnRes block gradients
 // in place]): the backward adds into the slots, as in the model's step.
-// --cpu, or model.fused_kernels' choice on a GPU without viaduct's kernels,
+// --cpu, or model.cuda_kernels' choice on a GPU without viaduct's kernels,
 // runs the ATen forms.
 #include <algorithm>
 #include <chrono>

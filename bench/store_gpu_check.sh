@@ -38,7 +38,7 @@ cmake --build $B --target viaduct_app test_dist -j "$(nproc)" >"$OUT/build.log" 
   { say "build failed"; grep -m 20 -E "error" "$OUT/build.log" | tee -a "$MD"; exit 1; }
 say "build: $(($(date +%s) - t0)) s"
 
-timeout 300 $B/tests/dist/test_dist --gtest_filter='JobStore*:*Nccl*:*NCCL*' >"$OUT/test_dist.log" 2>&1
+timeout 300 $B/tests/distributed/test_dist --gtest_filter='JobStore*:*Nccl*:*NCCL*' >"$OUT/test_dist.log" 2>&1
 say "test_dist (job store, NCCL): exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/test_dist.log" | tr '\n' ' ')"
 grep -E "Failure|Which is|FAILED  \]" "$OUT/test_dist.log" | head -12 | tee -a "$MD"
 

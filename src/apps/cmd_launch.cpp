@@ -4,7 +4,7 @@
 #include <string>
 
 #include "apps/command.h"
-#include "dist/launcher.h"
+#include "distributed/launcher.h"
 
 namespace viaduct::apps {
 namespace {
@@ -14,12 +14,12 @@ int launch_main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--") break;
     if (a == "--help" || a == "-h") {
-      std::fputs(dist::launch_usage().c_str(), stdout);
+      std::fputs(distributed::launch_usage().c_str(), stdout);
       return 0;
     }
   }
-  dist::LaunchOptions options = dist::parse_launch_args(argc, argv);
-  dist::LaunchResult result = dist::launch(options);
+  distributed::LaunchOptions options = distributed::parse_launch_args(argc, argv);
+  distributed::LaunchResult result = distributed::launch(options);
   if (result.exit_code != 0) {
     std::fprintf(stderr, "viaduct launch: failed: %s (exit %d)\n",
                  result.message.c_str(), result.exit_code);

@@ -2,7 +2,7 @@
 //
 // Model code does not call these: the ops/ layer does, where usable() and
 // its options say the kernels run, and runs its ATen form otherwise (CPU,
-// fp64 gradient checks, non-Hopper GPUs, the CPU build, model.fused_kernels
+// fp64 gradient checks, non-Hopper GPUs, the CPU build, model.cuda_kernels
 // = false). Each function computes the same formula as the ATen form it
 // replaces, in fp32 arithmetic, with fewer passes over memory and fewer
 // tensors kept for the backward; the results agree to rounding, not

@@ -72,7 +72,7 @@ at::Tensor ChainBlockImpl::forward(const at::Tensor& x) {
   auto body = [this](const std::vector<at::Tensor>& in) {
     return std::vector<at::Tensor>{forward_layer(in[0])};
   };
-  return ops::checkpoint(spec_.activation_checkpoint, body, {x}, parameters()).at(0);
+  return ops::recompute(spec_.activation_checkpoint, body, {x}, parameters()).at(0);
 }
 
 at::Tensor ChainBlockImpl::forward_layer(const at::Tensor& x) {

@@ -7,7 +7,7 @@
 
 #include "model/layers.h"
 #include "model/model.h"
-#include "ops/checkpoint.h"
+#include "ops/recompute.h"
 
 namespace viaduct {
 
@@ -38,7 +38,7 @@ struct ChainSpec {
   // where the fused kernels run, plain elsewhere).
   int64_t loss_chunk_tokens = -1;
   bool depth_init = true;        // llama: wo/w2/w3 std 0.02/sqrt(2(l+1))
-  // Note [Activation checkpointing] (ops/checkpoint.h): which layers.
+  // Note [Activation checkpointing] (ops/recompute.h): which layers.
   ops::ActivationCheckpoint activation_checkpoint;
 };
 

@@ -220,7 +220,7 @@ at::Tensor Exact16Part::layer_forward(const Layer& l, const at::Tensor& hidden,
   };
   auto params = l.attention->parameters();
   for (const auto& p : l.feed_forward->parameters()) params.push_back(p);
-  return ops::checkpoint(opts_.activation_checkpoint, body, inputs, params).at(0);
+  return ops::recompute(opts_.activation_checkpoint, body, inputs, params).at(0);
 }
 
 Activations Exact16Part::forward(const Activations& in) {

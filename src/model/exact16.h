@@ -52,7 +52,7 @@ struct Exact16Options {
   int64_t block_size = 4;
   int64_t dim = 16;
   int64_t vocab_size = 320;
-  // Note [Activation checkpointing] (ops/checkpoint.h): which layers.
+  // Note [Activation checkpointing] (ops/recompute.h): which layers.
   ops::ActivationCheckpoint activation_checkpoint;
 
   bool opens_block(int64_t layer) const { return layer % block_size == 0; }

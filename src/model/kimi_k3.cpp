@@ -232,7 +232,7 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
     auto body = [this](const std::vector<at::Tensor>& in) {
       return std::vector<at::Tensor>{forward_plain(in[0])};
     };
-    return ops::checkpoint(body, {hidden}, parameters(), keep_op_outputs_).at(0);
+    return ops::recompute(body, {hidden}, parameters(), keep_op_outputs_).at(0);
   }
   at::Tensor partial;
   if (opens_block_) {  // the incoming block is complete
@@ -260,7 +260,7 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
     return std::vector<at::Tensor>{forward_sublayers(
         stack, has_partial ? in.back() : at::Tensor(), with_slots ? &body_slots : nullptr)};
   };
-  return ops::checkpoint(body, inputs, parameters(), keep_op_outputs_).at(0);
+  return ops::recompute(body, inputs, parameters(), keep_op_outputs_).at(0);
 }
 
 at::Tensor KimiK3LayerImpl::forward_plain(const at::Tensor& hidden) {
@@ -282,7 +282,7 @@ at::Tensor KimiK3LayerImpl::forward_sublayers(const std::vector<at::Tensor>& blo
     read_slots = *slots;
     read_slots.resize(sources.size());
   }
-  const bool trace = trace_ != nullptr && !ops::checkpoint_recomputing();
+  const bool trace = trace_ != nullptr && !ops::recomputing();
   if (trace) trace_->push_back(sources);
   auto n = attn_res_attn->forward_normed(sources, slots != nullptr ? &read_slots : nullptr,
                                          *attention_norm);
@@ -674,7 +674,7 @@ ModelFamily kimi_k3_family() {
                   "model.n_shared_experts", "model.moe_route_scale",
                   "model.moe_bias_update_rate", "model.moe_capacity_factor", "model.vision_dim",
                   "model.vision_image_size", "model.vision_patch_size", "model.image_token_id",
-                  "model.fused_kernels", "model.swiglu_recompute"};
+                  "model.cuda_kernels", "model.swiglu_recompute"};
   f.routed_experts = [](const Config& cfg) -> int64_t {
     const auto o = kimi_k3_options(cfg);
     return o.moe_ffn && o.n_layers > o.first_k_dense ? o.moe.n_routed_experts : 0;

@@ -67,7 +67,7 @@ struct KimiK3Options {
   VisionOptions vis;
 
   int64_t mla_interval = 4;  // model.mla_interval
-  // Note [Activation checkpointing] (ops/checkpoint.h): which layers.
+  // Note [Activation checkpointing] (ops/recompute.h): which layers.
   ops::ActivationCheckpoint activation_checkpoint;
 
   // Full-attention rule: MLA at every mla_interval-th layer (every fourth by

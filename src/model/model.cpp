@@ -14,7 +14,7 @@ namespace viaduct {
 
 ops::KernelOptions kernel_options(const Config& cfg) {
   ops::KernelOptions k;
-  k.fused = cfg.get_bool("model.fused_kernels");
+  k.fused = cfg.get_bool("model.cuda_kernels");
   k.swiglu_recompute = cfg.get_bool("model.swiglu_recompute");
   return k;
 }

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "ops/checkpoint.h"
+#include "ops/recompute.h"
 #include "ops/options.h"
 
 namespace viaduct {
@@ -84,14 +84,14 @@ struct LayerInfo {
   // temporaries are left out. 0: the family does not say.
   double saved_values_per_token = 0;
   // A layer under activation checkpointing (Note [Activation
-  // checkpointing], ops/checkpoint.h) keeps its input alone (the hidden
+  // checkpointing], ops/recompute.h) keeps its input alone (the hidden
   // stream, D values; saved_values_per_token says that), and this many
   // while its backward recomputes it (what it keeps without). 0: not
   // checkpointed.
   double recompute_values_per_token = 0;
   // The outputs of the layer's expensive ops per token (its linear
   // projections, attention's core, MoE expert GEMMs, KDA's chunk scan and
-  // its states: Note [Per-op activation checkpointing], ops/checkpoint.h),
+  // its states: Note [Per-op activation checkpointing], ops/recompute.h),
   // which a layer under selective_ac_option = "op" keeps beside its input.
   // 0: the family does not say.
   double op_output_values_per_token = 0;
@@ -140,7 +140,7 @@ std::vector<std::string> model_module_fqns(const Config& cfg);
 // (kernel_options; Note [Ops own the kernel choice], ops/options.h).
 std::shared_ptr<ModelPart> build_model_part(
     const Config& cfg, const std::vector<std::string>& module_fqns = {});
-// model.fused_kernels and model.swiglu_recompute as the ops' options.
+// model.cuda_kernels and model.swiglu_recompute as the ops' options.
 ops::KernelOptions kernel_options(const Config& cfg);
 // activation_checkpoint.mode and .selective_ac_option (checked on load).
 ops::ActivationCheckpoint activation_checkpoint(const Config& cfg);

@@ -8,7 +8,7 @@
 
 #include "core/check.h"
 #include "core/rng.h"
-#include "ops/checkpoint.h"
+#include "ops/recompute.h"
 #include "ops/moe.h"
 
 namespace viaduct {

@@ -7,7 +7,7 @@
 
 #include "core/check.h"
 #include "kernels/fused.h"
-#include "ops/checkpoint.h"
+#include "ops/recompute.h"
 
 namespace viaduct::ops {
 namespace {

@@ -2,7 +2,7 @@
 
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
-#include "ops/checkpoint.h"
+#include "ops/recompute.h"
 #include "kernels/weight_cache.h"
 
 namespace viaduct::ops {

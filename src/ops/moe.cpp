@@ -4,7 +4,7 @@
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
 #include "kernels/weight_cache.h"
-#include "ops/checkpoint.h"
+#include "ops/recompute.h"
 
 namespace viaduct::ops {
 

@@ -5,7 +5,7 @@
 // Model code calls ops:: and never asks about kernels. Each op picks its
 // CUDA kernel (kernels/fused.h) where kernels::usable() says the GPU and
 // dtype have one and the options allow it, and its ATen form otherwise
-// (CPU, fp64 gradient checks, the CPU build, model.fused_kernels = false),
+// (CPU, fp64 gradient checks, the CPU build, model.cuda_kernels = false),
 // as a ggml backend answers supports_op. Where a kernel takes only some
 // shapes (the read with its norm: rows of at most 2048 bf16), the op checks
 // the shape too; nothing else switches between forms.
@@ -19,7 +19,7 @@ namespace viaduct::ops {
 // modules that call ops (KernelUser); a module built without a config gets
 // these defaults.
 struct KernelOptions {
-  bool fused = true;              // model.fused_kernels
+  bool fused = true;              // model.cuda_kernels
   bool swiglu_recompute = false;  // model.swiglu_recompute
 };
 

@@ -3,7 +3,7 @@
 #include "core/check.h"
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
-#include "ops/checkpoint.h"
+#include "ops/recompute.h"
 
 namespace viaduct::ops {
 

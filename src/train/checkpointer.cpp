@@ -6,7 +6,7 @@
 #include "core/check.h"
 #include "core/device.h"
 #include "core/log.h"
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 
 namespace viaduct {
 namespace fs = std::filesystem;
@@ -21,7 +21,7 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 }  // namespace
 
 Checkpointer::Checkpointer(fs::path folder, ck::CheckpointPolicy policy, CheckpointLayout layout,
-                           CheckpointerOptions options, dist::Mesh* mesh, at::Device device)
+                           CheckpointerOptions options, distributed::Mesh* mesh, at::Device device)
     : manager_(std::make_unique<ck::CheckpointManager>(std::move(folder), std::move(policy))),
       layout_(layout),
       options_(options),
@@ -96,7 +96,7 @@ void Checkpointer::save(const ck::CheckpointMetadata& meta, std::vector<ck::Chec
             ck::part_file_name("optim", r, l.pp, d, std::max(optim_dp, model_dp)));
       }
     }
-    dist::Mesh* mesh = mesh_;
+    distributed::Mesh* mesh = mesh_;
     if (options_.async) {
       // Note [Asynchronous checkpoint]: the writer thread must not use the
       // process groups the training steps use; it meets the other ranks'

@@ -11,7 +11,7 @@
 // save]) while training goes on. The next save, a signal's stop, the end of
 // the run and the destructor wait for it; its error surfaces there. Under a
 // launcher the writers of all ranks meet through the rendezvous store
-// (dist::Mesh::store_barrier), never through the process groups the steps
+// (distributed::Mesh::store_barrier), never through the process groups the steps
 // use from the main thread.
 #pragma once
 
@@ -30,9 +30,9 @@
 
 namespace viaduct {
 
-namespace dist {
+namespace distributed {
 class Mesh;
-}  // namespace dist
+}  // namespace distributed
 
 // What decides the files a rank writes (Note [Expert parallelism] for the
 // pieces of sharded experts, Note [ZeRO-1] for the optimizer's).
@@ -58,7 +58,7 @@ class Checkpointer {
  public:
   // `mesh`: null for one process.
   Checkpointer(std::filesystem::path folder, checkpoint::CheckpointPolicy policy,
-               CheckpointLayout layout, CheckpointerOptions options, dist::Mesh* mesh,
+               CheckpointLayout layout, CheckpointerOptions options, distributed::Mesh* mesh,
                at::Device device);
   // Waits for a writer still running; its error is logged (run() saw none
   // of it only when it failed itself).
@@ -86,7 +86,7 @@ class Checkpointer {
   std::unique_ptr<checkpoint::CheckpointManager> manager_;
   CheckpointLayout layout_;
   CheckpointerOptions options_;
-  dist::Mesh* mesh_;
+  distributed::Mesh* mesh_;
   at::Device device_;
   std::thread writer_;
   std::exception_ptr writer_error_;

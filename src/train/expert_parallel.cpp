@@ -10,7 +10,7 @@
 
 #include "checkpoint/tensor_index.h"
 #include "core/check.h"
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 #include "model/moe.h"
 
 namespace viaduct {
@@ -24,7 +24,7 @@ constexpr const char* kExpertWeights[] = {"experts.w1", "experts.w2", "experts.w
 // all-to-all on the group's device.
 class GroupExchange : public ExpertExchange {
  public:
-  GroupExchange(dist::ProcessGroup& group, std::string context,
+  GroupExchange(distributed::ProcessGroup& group, std::string context,
                 std::shared_ptr<ExpertExchangeStats> stats)
       : group_(group), context_(std::move(context)), stats_(std::move(stats)) {}
   int rank() const override { return group_.rank(); }
@@ -54,7 +54,7 @@ class GroupExchange : public ExpertExchange {
   }
 
  private:
-  dist::ProcessGroup& group_;
+  distributed::ProcessGroup& group_;
   std::string context_;
   std::shared_ptr<ExpertExchangeStats> stats_;
 };
@@ -76,7 +76,7 @@ std::string join(const std::string& prefix, const std::string& name) {
 
 }  // namespace
 
-void shard_moe_experts(torch::nn::Module& part, dist::ProcessGroup& ep_group,
+void shard_moe_experts(torch::nn::Module& part, distributed::ProcessGroup& ep_group,
                        const std::string& context,
                        std::shared_ptr<ExpertExchangeStats> stats, bool per_source) {
   for (auto& [name, moe] : moe_layers(part)) {
@@ -122,7 +122,7 @@ std::vector<std::pair<std::string, int64_t>> routed_expert_tensors(torch::nn::Mo
 
 // ---- the gradient sum --------------------------------------------------------
 
-ExpertGradReduction::ExpertGradReduction(dist::ProcessGroup* replicas, int dp, int ep,
+ExpertGradReduction::ExpertGradReduction(distributed::ProcessGroup* replicas, int dp, int ep,
                                          int ep_rank, const std::vector<NamedParam>& params,
                                          std::vector<ExpertShard> shards, bool whole)
     : replicas_(replicas),

@@ -46,9 +46,9 @@
 namespace viaduct {
 
 class MoeImpl;
-namespace dist {
+namespace distributed {
 class ProcessGroup;
-}  // namespace dist
+}  // namespace distributed
 
 // One sharded expert tensor of a part: `fqn` (the whole tensor's name)
 // holds rows [first_row, first_row + rows) of whole_rows.
@@ -69,7 +69,7 @@ struct ExpertExchangeStats {
 
 // Shards every MoE layer of `part` over `ep_group` (before init_weights);
 // `context` names this rank in a timeout; the exchanges add into `stats`.
-void shard_moe_experts(torch::nn::Module& part, dist::ProcessGroup& ep_group,
+void shard_moe_experts(torch::nn::Module& part, distributed::ProcessGroup& ep_group,
                        const std::string& context,
                        std::shared_ptr<ExpertExchangeStats> stats, bool per_source);
 
@@ -92,7 +92,7 @@ class ExpertGradReduction {
   // `replicas`: the expert-replica group (null when dp == ep); `params`:
   // the optimizer's, `shards`: every part's expert_shards. `whole`: every
   // member keeps the whole sum (else only its range, ZeRO-1).
-  ExpertGradReduction(dist::ProcessGroup* replicas, int dp, int ep, int ep_rank,
+  ExpertGradReduction(distributed::ProcessGroup* replicas, int dp, int ep, int ep_rank,
                       const std::vector<NamedParam>& params, std::vector<ExpertShard> shards,
                       bool whole);
   // Takes every source's gradients, sums them and writes the expert
@@ -110,7 +110,7 @@ class ExpertGradReduction {
   // Member m's range of a local expert tensor, as elements of its flattening.
   std::pair<int64_t, int64_t> range(size_t shard, int member) const;
 
-  dist::ProcessGroup* replicas_;
+  distributed::ProcessGroup* replicas_;
   int dp_, ep_, ep_rank_, members_, member_;
   const std::vector<NamedParam>& params_;
   std::vector<ExpertShard> shards_;

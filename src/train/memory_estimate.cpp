@@ -104,7 +104,7 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
   if (holds_head) {
     int64_t chunk = info.loss_chunk_tokens;
     if (chunk < 0) {
-      chunk = on_cuda && cfg.get_bool("model.fused_kernels") ? kAutoLossChunkTokens : 0;
+      chunk = on_cuda && cfg.get_bool("model.cuda_kernels") ? kAutoLossChunkTokens : 0;
     }
     const int64_t rows =
         chunk > 0 ? std::min(chunk, e.tokens_per_microbatch) : e.tokens_per_microbatch;

@@ -253,7 +253,7 @@ std::unique_ptr<Optimizer> make_optimizer(const Config& cfg,
       std::move(params), cfg.get_float("optimizer.beta1"),
       cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
       cfg.get_float("optimizer.weight_decay"));
-  adamw->set_own_kernel_options(kernel_options(cfg));  // model.fused_kernels
+  adamw->set_own_kernel_options(kernel_options(cfg));  // model.cuda_kernels
   return adamw;
 }
 

@@ -10,7 +10,7 @@
 #include "core/torch_compat.h"
 #include "data/sampler.h"
 #include "data/token_file.h"
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 #include "model/model.h"
 #include "ops/options.h"
 #include "pipeline/schedule/plan.h"
@@ -34,7 +34,7 @@ ProcessSetup init_process(const Config& cfg) {
   at::set_num_threads(static_cast<int>(cfg.get_int("training.num_threads")));
 
   // Where this process sits: pp x dp ranks over c10d, or one process.
-  const auto rdv = dist::rendezvous_from_env();
+  const auto rdv = distributed::rendezvous_from_env();
   const int pp = static_cast<int>(cfg.get_int("parallelism.pipeline_parallel_degree"));
   const int dp = static_cast<int>(cfg.get_int("parallelism.data_parallel_degree"));
   VIADUCT_CHECK_T(ConfigError, pp * dp == rdv.world_size,
@@ -55,7 +55,7 @@ ProcessSetup init_process(const Config& cfg) {
   if (rdv.world_size > 1) {
     const auto timeout =
         std::chrono::seconds(cfg.get_int("parallelism.comm_timeout_seconds"));
-    ps.mesh = dist::init_mesh(rdv, pp, dp, ps.device,
+    ps.mesh = distributed::init_mesh(rdv, pp, dp, ps.device,
                               std::chrono::duration_cast<std::chrono::milliseconds>(timeout),
                               static_cast<int>(cfg.get_int("parallelism.expert_parallel_degree")));
     ps.pp_rank = ps.mesh->pp_rank();
@@ -82,9 +82,9 @@ void log_job_summary(const Config& cfg, const JobSummary& job) {
         at::empty({1}, at::TensorOptions(job.device).dtype(job.compute_dtype)),
         kernel_options(cfg));
     log::info("fused kernels: ", fused ? "on"
-                                 : cfg.get_bool("model.fused_kernels")
+                                 : cfg.get_bool("model.cuda_kernels")
                                      ? "off (this GPU or build has none; ATen ops)"
-                                     : "off (model.fused_kernels = false)");
+                                     : "off (model.cuda_kernels = false)");
   }
   if (split.num_stages > 1 || job.dp_size > 1) {
     log::info("parallelism: pp ", split.pp, " x dp ", job.dp_size, ", ",

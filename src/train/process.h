@@ -13,9 +13,9 @@
 
 namespace viaduct {
 
-namespace dist {
+namespace distributed {
 class Mesh;
-}  // namespace dist
+}  // namespace distributed
 namespace pipeline {
 struct PipelinePlan;
 }  // namespace pipeline
@@ -25,7 +25,7 @@ class TokenStream;
 }  // namespace data
 
 struct ProcessSetup {
-  std::unique_ptr<dist::Mesh> mesh;  // null: one process
+  std::unique_ptr<distributed::Mesh> mesh;  // null: one process
   at::Device device{at::kCPU};
   at::ScalarType compute_dtype = at::kFloat;
   int pp_rank = 0, dp_rank = 0, dp_size = 1;
@@ -35,7 +35,7 @@ struct ProcessSetup {
 // elsewhere.
 at::ScalarType resolve_compute_dtype(const std::string& name, bool on_cuda);
 
-// Reads WORLD_SIZE & co. (dist::rendezvous_from_env); a world that does not
+// Reads WORLD_SIZE & co. (distributed::rendezvous_from_env); a world that does not
 // match parallelism.* is a ConfigError.
 ProcessSetup init_process(const Config& cfg);
 

@@ -1,7 +1,7 @@
 // Building this rank's model parts and stages (see rank_model.h).
 #include "train/rank_model.h"
 
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 
 #include "model/family.h"
 #include "pipeline/attn_res/attn_res_stage.h"
@@ -12,8 +12,8 @@
 namespace viaduct {
 
 RankModel build_rank_model(const Config& cfg, int pp_rank, at::Device device,
-                           at::ScalarType compute_dtype, dist::ProcessGroup* pp_group,
-                           const std::string& context, dist::ProcessGroup* ep_group) {
+                           at::ScalarType compute_dtype, distributed::ProcessGroup* pp_group,
+                           const std::string& context, distributed::ProcessGroup* ep_group) {
   RankModel rm;
   // The pipeline plan (a pure function of the config: every rank agrees).
   rm.info = describe_model(cfg);

@@ -21,9 +21,9 @@
 namespace viaduct {
 
 struct ExpertExchangeStats;
-namespace dist {
+namespace distributed {
 class ProcessGroup;
-}  // namespace dist
+}  // namespace distributed
 namespace pipeline {
 class RankBlockStore;
 struct BlockLayoutTables;
@@ -52,7 +52,7 @@ struct RankModel {
 // it before the weights are initialised (Note [Expert parallelism],
 // model/moe.h); `context` names this rank in a timeout.
 RankModel build_rank_model(const Config& cfg, int pp_rank, at::Device device,
-                           at::ScalarType compute_dtype, dist::ProcessGroup* pp_group,
-                           const std::string& context, dist::ProcessGroup* ep_group = nullptr);
+                           at::ScalarType compute_dtype, distributed::ProcessGroup* pp_group,
+                           const std::string& context, distributed::ProcessGroup* ep_group = nullptr);
 
 }  // namespace viaduct

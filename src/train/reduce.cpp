@@ -4,11 +4,11 @@
 #include <algorithm>
 
 #include "core/check.h"
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 
 namespace viaduct {
 
-void sum_over(dist::ProcessGroup* group, std::vector<double>& values,
+void sum_over(distributed::ProcessGroup* group, std::vector<double>& values,
               const std::string& context, const std::string& what) {
   if (group == nullptr || group->size() == 1 || values.empty()) return;
   auto t = at::tensor(values, at::TensorOptions().dtype(at::kDouble)).to(group->device());
@@ -101,7 +101,7 @@ at::Tensor segment_of(const at::Tensor& t, const ShardSegment& s) {
   return t.reshape(-1).slice(0, s.begin, s.end);
 }
 
-RangeGather start_range_gather(dist::ProcessGroup& group,
+RangeGather start_range_gather(distributed::ProcessGroup& group,
                                const std::vector<std::vector<ShardSegment>>& per_rank,
                                const at::Tensor& mine) {
   int64_t chunk = 0;
@@ -134,7 +134,7 @@ void copy_gathered_ranges(const RangeGather& gather,
   }
 }
 
-GradReduction::GradReduction(dist::ProcessGroup& group, const std::vector<NamedParam>& params,
+GradReduction::GradReduction(distributed::ProcessGroup& group, const std::vector<NamedParam>& params,
                              std::vector<std::vector<size_t>> buckets,
                              std::vector<int64_t> stage_of, bool whole,
                              const std::vector<int64_t>& units)

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 #include "train/optimizer.h"
 
 namespace viaduct {
@@ -18,7 +18,7 @@ namespace viaduct {
 // rank. Where only one rank holds non-zeros ("the value from the last
 // stage"), the sum is exact. A timeout names "<context> all-reduce of <what>
 // over <group>".
-void sum_over(dist::ProcessGroup* group, std::vector<double>& values,
+void sum_over(distributed::ProcessGroup* group, std::vector<double>& values,
               const std::string& context, const std::string& what);
 
 // The buckets of the data-parallel gradient sum: runs of consecutive
@@ -70,12 +70,12 @@ at::Tensor segment_of(const at::Tensor& t, const ShardSegment& s);
 // range: an all-gather takes equal sizes.
 struct RangeGather {
   std::vector<std::vector<at::Tensor>> outputs;  // outputs[0][r]: replica r's range
-  dist::Work work;
+  distributed::Work work;
   int64_t bytes_sent = 0;  // by this replica, padding included
 };
 // Starts the all-gather of `mine`, this replica's range flattened (its
 // segments back to back), over `group`. An empty bucket starts nothing.
-RangeGather start_range_gather(dist::ProcessGroup& group,
+RangeGather start_range_gather(distributed::ProcessGroup& group,
                                const std::vector<std::vector<ShardSegment>>& per_rank,
                                const at::Tensor& mine);
 // After the gather's work finished: copies replica r's range, for every r
@@ -127,7 +127,7 @@ class GradReduction {
   // gets the whole sum (plain data parallelism); else each keeps its own
   // ranges of shard_layout(buckets, group.size()) summed (ZeRO-1), the
   // rest of its gradients holding its own unsummed values.
-  GradReduction(dist::ProcessGroup& group, const std::vector<NamedParam>& params,
+  GradReduction(distributed::ProcessGroup& group, const std::vector<NamedParam>& params,
                 std::vector<std::vector<size_t>> buckets, std::vector<int64_t> stage_of,
                 bool whole, const std::vector<int64_t>& units = {});
   // Starts every bucket of `stage`.
@@ -156,7 +156,7 @@ class GradReduction {
  private:
   void start(size_t bucket);
 
-  dist::ProcessGroup& group_;
+  distributed::ProcessGroup& group_;
   const std::vector<NamedParam>& params_;
   std::vector<int64_t> stage_of_;
   std::vector<std::vector<size_t>> buckets_;
@@ -166,7 +166,7 @@ class GradReduction {
     size_t bucket;
     at::Tensor send;  // the bucket's flattening, kept alive for the backend
     at::Tensor recv;  // dp pieces of this replica's range, in replica order
-    dist::Work work;
+    distributed::Work work;
   };
   std::vector<InFlight> in_flight_;  // in the order started
   std::vector<bool> started_;

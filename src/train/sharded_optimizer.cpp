@@ -5,16 +5,16 @@
 
 #include "checkpoint/tensor_index.h"
 #include "core/check.h"
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 
 namespace viaduct {
 
 ShardedOptimizer::ShardedOptimizer(std::vector<NamedParam> params,
-                                   dist::ProcessGroup& dp_group,
+                                   distributed::ProcessGroup& dp_group,
                                    std::vector<std::vector<size_t>> buckets,
                                    const MakeInner& make_inner,
                                    const std::vector<int64_t>& units,
-                                   dist::ProcessGroup* expert_group,
+                                   distributed::ProcessGroup* expert_group,
                                    std::vector<std::vector<size_t>> expert_buckets)
     : Optimizer(std::move(params)), buckets_(std::move(buckets)) {
   VIADUCT_ASSERT(expert_buckets.empty() || expert_group != nullptr,

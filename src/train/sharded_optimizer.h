@@ -41,9 +41,9 @@
 
 namespace viaduct {
 
-namespace dist {
+namespace distributed {
 class ProcessGroup;
-}  // namespace dist
+}  // namespace distributed
 
 class ShardedOptimizer : public Optimizer {
  public:
@@ -54,10 +54,10 @@ class ShardedOptimizer : public Optimizer {
   // `units`: shard_layout's, as the gradient reduction's.
   // `expert_buckets`: one per sharded expert tensor, cut over
   // `expert_group` (set when there are any).
-  ShardedOptimizer(std::vector<NamedParam> params, dist::ProcessGroup& dp_group,
+  ShardedOptimizer(std::vector<NamedParam> params, distributed::ProcessGroup& dp_group,
                    std::vector<std::vector<size_t>> buckets, const MakeInner& make_inner,
                    const std::vector<int64_t>& units = {},
-                   dist::ProcessGroup* expert_group = nullptr,
+                   distributed::ProcessGroup* expert_group = nullptr,
                    std::vector<std::vector<size_t>> expert_buckets = {});
 
   void step(double lr) override;
@@ -94,7 +94,7 @@ class ShardedOptimizer : public Optimizer {
   // tensor `whole(key)` returns.
   void load_slices(const std::function<at::Tensor(const std::string&)>& whole);
 
-  std::vector<dist::ProcessGroup*> groups_;  // per bucket
+  std::vector<distributed::ProcessGroup*> groups_;  // per bucket
   std::vector<std::vector<size_t>> buckets_;
   ShardLayout layout_;
   std::vector<ShardSegment> mine_;  // the inner optimizer's params, in order

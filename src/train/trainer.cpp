@@ -22,7 +22,7 @@
 #include "core/log.h"
 #include "data/sampler.h"
 #include "data/token_file.h"
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 #include "kernels/weight_cache.h"
 #include "model/moe.h"
 #include "ops/clip.h"
@@ -327,7 +327,7 @@ std::string Trainer::checkpoint_folder() const { return checkpoint_folder_from_c
 
 std::string Trainer::step_context() const { return str("rank ", rank(), " step ", step_ + 1); }
 
-void Trainer::sum_over(dist::ProcessGroup* group, std::vector<double>& values,
+void Trainer::sum_over(distributed::ProcessGroup* group, std::vector<double>& values,
                        const std::string& what) {
   viaduct::sum_over(group, values, step_context(), what);
 }

@@ -29,10 +29,10 @@
 
 namespace viaduct {
 
-namespace dist {
+namespace distributed {
 class Mesh;
 class ProcessGroup;
-}  // namespace dist
+}  // namespace distributed
 namespace pipeline {
 struct PipelinePlan;
 class PipelineExecutor;
@@ -154,12 +154,12 @@ class Trainer {
 
   // "rank R step S": the context of a collective's timeout message.
   std::string step_context() const;
-  void sum_over(dist::ProcessGroup* group, std::vector<double>& values,
+  void sum_over(distributed::ProcessGroup* group, std::vector<double>& values,
                 const std::string& what);
   int64_t num_microbatches() const;
 
   Config cfg_;
-  std::unique_ptr<dist::Mesh> mesh_;
+  std::unique_ptr<distributed::Mesh> mesh_;
   std::vector<std::unique_ptr<FolderLock>> folder_locks_;
   std::unique_ptr<pipeline::PipelinePlan> plan_;
   std::unique_ptr<pipeline::PipelineExecutor> executor_;  // null: one stage

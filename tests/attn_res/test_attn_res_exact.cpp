@@ -17,8 +17,8 @@
 
 #include "config/config.h"
 #include "core/check.h"
-#include "dist/dist.h"
-#include "dist/launcher.h"
+#include "distributed/distributed.h"
+#include "distributed/launcher.h"
 #include "model/exact16.h"
 #include "model/families.h"
 #include "model/model.h"
@@ -183,15 +183,15 @@ void run_pipeline(const Config& cfg, const PipelinePlan& plan, AttnResTransport 
                   AttnResCacheBackward backward, Record& rec) {
   const auto tables = std::make_shared<const BlockLayoutTables>(make_block_layout_tables(
       plan.split, exact16_options(cfg).block_size, transport, backward));
-  const int port = dist::find_free_port();
+  const int port = distributed::find_free_port();
   const int pp = static_cast<int>(plan.split.pp);
   std::vector<std::thread> threads;
   for (int r = 0; r < pp; ++r) {
     threads.emplace_back([&, r] {
       try {
-        const auto info = dist::testing::loopback(r, pp, port);
-        auto store = dist::make_store(info, std::chrono::milliseconds(20000));
-        dist::ProcessGroup pg(dist::make_group_store(store, "pp"), r, pp, at::kCPU,
+        const auto info = distributed::testing::loopback(r, pp, port);
+        auto store = distributed::make_store(info, std::chrono::milliseconds(20000));
+        distributed::ProcessGroup pg(distributed::make_group_store(store, "pp"), r, pp, at::kCPU,
                               std::chrono::milliseconds(20000), "pp", {}, "127.0.0.1");
         auto block_store = std::make_shared<RankBlockStore>(r, *tables, false);
         std::vector<std::unique_ptr<PipelineStage>> stages;
@@ -341,7 +341,7 @@ void expect_closed_form(const Exact16Options& o, const Record& one) {
 }
 
 TEST(AttnResExact, Exact16OneProcessEqualsTheClosedForm) {
-  if (!dist::backend_available(at::kCPU)) GTEST_SKIP() << "no Gloo";
+  if (!distributed::backend_available(at::kCPU)) GTEST_SKIP() << "no Gloo";
   at::set_num_threads(1);
   const auto cfg = exact16_config();
   const auto o = exact16_options(cfg);
@@ -387,7 +387,7 @@ PipelinePlan exact_layout_plan(const Config& cfg, const std::string& layout) {
 class Exact16Layouts : public ::testing::TestWithParam<ExactCase> {};
 
 TEST_P(Exact16Layouts, AgreeBitwiseWithOneProcess) {
-  if (!dist::backend_available(at::kCPU)) GTEST_SKIP() << "no Gloo";
+  if (!distributed::backend_available(at::kCPU)) GTEST_SKIP() << "no Gloo";
   at::set_num_threads(1);
   const auto& c = GetParam();
   const auto cfg = exact16_config();

@@ -11,8 +11,8 @@
 #include <thread>
 #include <vector>
 
-#include "dist/dist.h"
-#include "dist/launcher.h"
+#include "distributed/distributed.h"
+#include "distributed/launcher.h"
 
 namespace viaduct::dist::testing {
 

@@ -190,7 +190,7 @@ TEST(Config, AttnResCacheBackwardValuesAndTransport) {
 
 TEST(Config, SpeedKeysDefaultsAndRefusals) {
   auto c = Config::parse("", "job.toml", {});
-  EXPECT_TRUE(c.get_bool("model.fused_kernels"));
+  EXPECT_TRUE(c.get_bool("model.cuda_kernels"));
   EXPECT_EQ(c.get_int("model.loss_chunk_tokens"), -1);  // auto
   EXPECT_EQ(c.get_int("metrics.profile_step"), 0);      // off
   auto msg = error_of("", {"model.loss_chunk_tokens=-2"});
@@ -198,7 +198,7 @@ TEST(Config, SpeedKeysDefaultsAndRefusals) {
   msg = error_of("[metrics]\nprofile_step = -1\n");
   EXPECT_NE(msg.find("metrics.profile_step"), std::string::npos) << msg;
   EXPECT_NO_THROW(Config::parse("", "job.toml", {"model.loss_chunk_tokens=4096",
-                                                 "model.fused_kernels=false",
+                                                 "model.cuda_kernels=false",
                                                  "metrics.profile_step=3"}));
 }
 

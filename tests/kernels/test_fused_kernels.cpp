@@ -632,7 +632,7 @@ TEST(FusedKernels, LlamaStepMatchesAtenPath) {
   auto targets = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
   const auto fused = gpu_step(cfg, tokens, targets);
   auto aten_cfg = cfg;
-  aten_cfg.push_back("model.fused_kernels=false");
+  aten_cfg.push_back("model.cuda_kernels=false");
   const auto aten = gpu_step(aten_cfg, tokens, targets);
   expect_same_step(fused, aten, seed);
 }
@@ -641,7 +641,7 @@ TEST(FusedKernels, KimiK3FusedReadNormMatchesAtenStep) {
   REQUIRE_GPU();
   // The read with its norm through a kimi_k3 step (debugmodel: every read,
   // the final one too, with the in-place block gradients), fp32 on the GPU,
-  // against the same model on the ATen ops (model.fused_kernels = false).
+  // against the same model on the ATen ops (model.cuda_kernels = false).
   const auto seed = fresh_seed();
   auto tokens = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
   auto targets = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
@@ -650,7 +650,7 @@ TEST(FusedKernels, KimiK3FusedReadNormMatchesAtenStep) {
                                "model.moe_ffn=false"};
   const auto fused = gpu_step(cfg, tokens, targets);
   auto aten_cfg = cfg;
-  aten_cfg.push_back("model.fused_kernels=false");
+  aten_cfg.push_back("model.cuda_kernels=false");
   const auto two_ops = gpu_step(aten_cfg, tokens, targets);
   // Both fp32 forms are measured against the fp64 step: the fused one may
   // round differently (the two-pass backward sums in another order), so

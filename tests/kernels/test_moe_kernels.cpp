@@ -4,7 +4,7 @@
 // the sort-and-count form, over one and many of the kernels' blocks.
 //
 // The MoE's routed experts through grouped GEMMs (ops/moe.h) against the
-// per-expert loop (the same layer with model.fused_kernels off) on a GPU in
+// per-expert loop (the same layer with model.cuda_kernels off) on a GPU in
 // bf16: outputs, every gradient and the expert loads; and two grouped runs
 // give the same bits. Built only in the CUDA build; skipped without a GPU
 // the kernels were compiled for or a LibTorch without grouped GEMMs.

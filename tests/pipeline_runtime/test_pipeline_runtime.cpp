@@ -474,7 +474,7 @@ TEST_F(PipelineRuns, MeasuredBubbleIsBoundedAndSimulatedBubbleFallsWithMoreMicro
   EXPECT_FALSE(off[0].contains("pipeline_compute_seconds"));
 }
 
-// Activation checkpointing (Note [Activation checkpointing], ops/checkpoint.h)
+// Activation checkpointing (Note [Activation checkpointing], ops/recompute.h)
 // with two stages per rank, under zero-bubble's I/W split and plain 1F1B
 // backward, every layer, every 2nd and per op: the bits of the one process
 // without it.

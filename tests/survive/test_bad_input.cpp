@@ -225,7 +225,7 @@ TEST_F(BadInput, EveryFamilyRefusesTheKeysOfAnother) {
       {"--model.n_routed_experts=8", "does not apply to model.family = llama"},
       {"--model.attn_res=false", "model.attn_res (from the command line) does not apply to "
                                  "model.family = llama"},
-      {"--model.fused_kernels=false --model.family=exact16", "model.fused_kernels"},
+      {"--model.cuda_kernels=false --model.family=exact16", "model.cuda_kernels"},
       {"--model.family=gpt2 --model.rope_theta=10000", "model.rope_theta (from the command line) "
                                                        "does not apply to model.family = gpt2"},
       {"--model.family=kimi_k3 --model.n_kv_heads=2", "model.n_kv_heads (from the command line) "

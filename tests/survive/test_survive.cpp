@@ -25,8 +25,8 @@
 #include "common/process_runs.h"
 #include "core/check.h"
 #include "data/temp_dir.h"
-#include "dist/job_store.h"
-#include "dist/launcher.h"
+#include "distributed/job_store.h"
+#include "distributed/launcher.h"
 #include "survive/survive_util.h"
 
 namespace viaduct::testing {
@@ -394,7 +394,7 @@ bool is_loopback(const ListenSocket& s) {
 }
 
 TEST_F(Survive, AOneNodeJobListensOnLoopbackOnlyAndRefusesAStrayStoreClient) {
-  const int port = dist::find_free_port();
+  const int port = distributed::find_free_port();
   const std::string train = job(dir_, "stray", 4) + " --parallelism.pipeline_parallel_degree=2";
   Background launch(" launch --nproc-per-node 2 --master-port " + std::to_string(port) + " -- " +
                         kBin + train,
@@ -424,7 +424,7 @@ TEST_F(Survive, AOneNodeJobListensOnLoopbackOnlyAndRefusesAStrayStoreClient) {
     if (ports.count(port) == 1 && !stray.joinable()) {
       stray = std::thread([&] {
         try {
-          c10::make_intrusive<dist::JobStore>("127.0.0.1", port, wrong_token,
+          c10::make_intrusive<distributed::JobStore>("127.0.0.1", port, wrong_token,
                                               std::chrono::milliseconds(10'000));
           stray_error = "served";
         } catch (const std::exception& e) {

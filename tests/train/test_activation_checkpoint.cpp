@@ -1,4 +1,4 @@
-// Activation checkpointing (Note [Activation checkpointing], ops/checkpoint.h)
+// Activation checkpointing (Note [Activation checkpointing], ops/recompute.h)
 // against the run without it: llama, gpt2 and kimi_k3 debug models train a
 // few steps in one process and as a chain of pipeline stages under plain
 // backward and zero-bubble's I/W split, with mode none, full, selective
@@ -18,7 +18,7 @@
 #include "config/config.h"
 #include "core/check.h"
 #include "model/model.h"
-#include "ops/checkpoint.h"
+#include "ops/recompute.h"
 #include "pipeline/runtime/stage.h"
 #include "pipeline/schedule/plan_config.h"
 #include "train/memory_estimate.h"
@@ -263,9 +263,9 @@ TEST_P(ActivationCheckpointFamilies, StagesUnderPlainAndZeroBubbleBackwardMatchB
   // graph for W.
   const auto one = train_one_process(make_config(GetParam(), {}));
   const auto cfg = make_config(GetParam(), kModes[0]);
-  const auto before = ops::checkpoint_recomputes();
+  const auto before = ops::recomputes();
   expect_same_bits(one, train_stages(cfg, 3, Backward::kZeroBubble), "full I/W vs one process");
-  EXPECT_EQ(ops::checkpoint_recomputes() - before,
+  EXPECT_EQ(ops::recomputes() - before,
             describe_model(cfg).n_layers * kMicro * kSteps);
 }
 
@@ -277,10 +277,10 @@ TEST_P(ActivationCheckpointFamilies, OpRecomputesNoExpensiveOp) {
   auto count = [&](const std::vector<std::string>& mode) {
     const auto cfg = make_config(GetParam(), mode);
     const auto computes = ops::saved_op_computes(), replays = ops::saved_op_replays();
-    const auto recomputes = ops::checkpoint_recomputes();
+    const auto recomputes = ops::recomputes();
     expect_same_bits(one, train_stages(cfg, 3, Backward::kZeroBubble),
                      mode_name(mode) + " I/W vs one process");
-    EXPECT_EQ(ops::checkpoint_recomputes() - recomputes,
+    EXPECT_EQ(ops::recomputes() - recomputes,
               mode.empty() ? 0 : describe_model(cfg).n_layers * kMicro * kSteps);
     return std::make_pair(ops::saved_op_computes() - computes,
                           ops::saved_op_replays() - replays);

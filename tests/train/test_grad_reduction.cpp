@@ -15,9 +15,9 @@
 namespace viaduct {
 namespace {
 
-using dist::RendezvousInfo;
-using dist::testing::run_ranks;
-using dist::testing::World;
+using distributed::RendezvousInfo;
+using distributed::testing::run_ranks;
+using distributed::testing::World;
 
 const std::vector<std::vector<int64_t>> kShapes = {{40, 25}, {300}, {37}, {50, 100}, {20}};
 // Three buckets: the last one (20 elements) is shorter than kShardAlign per

@@ -38,7 +38,7 @@ int64_t bytes_of(const Activations& ts) {
 
 PipelineExecutor::PipelineExecutor(const PipelinePlan& plan, int pp_rank,
                                    std::vector<std::unique_ptr<PipelineStage>> stages,
-                                   dist::ProcessGroup* pp_group, at::Device device)
+                                   distributed::ProcessGroup* pp_group, at::Device device)
     : plan_(plan),
       pp_rank_(pp_rank),
       stages_(std::move(stages)),

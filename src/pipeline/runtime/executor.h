@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "core/device_timer.h"
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 #include "pipeline/runtime/stage.h"
 #include "pipeline/schedule/plan.h"
 
@@ -57,7 +57,7 @@ class PipelineExecutor {
   // `pp_group` may be null when pp == 1 (everything is local).
   PipelineExecutor(const PipelinePlan& plan, int pp_rank,
                    std::vector<std::unique_ptr<PipelineStage>> stages,
-                   dist::ProcessGroup* pp_group, at::Device device);
+                   distributed::ProcessGroup* pp_group, at::Device device);
 
   // Learn the boundary shapes from one forward-only micro-batch of `tokens`
   // ([B/M, T]). Every rank calls it once, before the first step.
@@ -107,7 +107,7 @@ class PipelineExecutor {
   using Key = std::pair<int64_t, int64_t>;  // (stage, micro-batch)
   struct Pending {
     Activations tensors;
-    std::vector<dist::Work> works;
+    std::vector<distributed::Work> works;
   };
 
   PipelineStage& stage(int64_t id);
@@ -137,7 +137,7 @@ class PipelineExecutor {
   int pp_rank_;
   std::vector<std::unique_ptr<PipelineStage>> stages_;
   std::map<int64_t, PipelineStage*> by_id_;
-  dist::ProcessGroup* pp_group_;
+  distributed::ProcessGroup* pp_group_;
   at::Device device_;
   int64_t num_microbatches_;
   // meta_[s]: the tensors stage s sends forward (s -> s+1); grad_meta_[s]:

@@ -9,7 +9,7 @@
 //   request    u8 op, then per op: strings and byte strings as u32 n + n bytes,
 //              counts as u32, numbers and timeouts (ms, 0 = none) as i64
 //   reply      u8 status (0 ok, 1 timed out, 2 error + string), then per op
-#include "dist/job_store.h"
+#include "distributed/job_store.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

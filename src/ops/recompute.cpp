@@ -1,5 +1,5 @@
-// Note [Activation checkpointing] (checkpoint.h): the autograd node.
-#include "ops/checkpoint.h"
+// Note [Activation checkpointing] (recompute.h): the autograd node.
+#include "ops/recompute.h"
 
 #include <torch/csrc/autograd/function.h>
 
@@ -170,7 +170,7 @@ class CheckpointBackward : public torch::autograd::Node {
 
 }  // namespace
 
-int64_t checkpoint_recomputes() { return g_recomputes.load(); }
+int64_t recomputes() { return g_recomputes.load(); }
 
 int64_t saved_op_computes() { return g_op_computes.load(); }
 
@@ -210,13 +210,13 @@ at::Tensor run_saved_op(const std::function<at::Tensor()>& compute) {
   return run_saved_op_outputs([&] { return std::vector<at::Tensor>{compute()}; }).at(0);
 }
 
-bool checkpoint_recomputing() { return tl_recomputing > 0; }
+bool recomputing() { return tl_recomputing > 0; }
 
 bool counts_training_statistics() {
   return tl_first_forward > 0 || (at::GradMode::is_enabled() && tl_recomputing == 0);
 }
 
-std::vector<at::Tensor> checkpoint(const CheckpointBody& body,
+std::vector<at::Tensor> recompute(const CheckpointBody& body,
                                    const std::vector<at::Tensor>& inputs,
                                    const std::vector<at::Tensor>& params,
                                    bool keep_op_outputs) {

@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "core/check.h"
-#include "dist/dist.h"
-#include "dist/job_store.h"
-#include "dist/launcher.h"
+#include "distributed/distributed.h"
+#include "distributed/job_store.h"
+#include "distributed/launcher.h"
 
 namespace viaduct::dist {
 namespace {

@@ -1,9 +1,9 @@
-// Activation checkpointing of a region (a transformer layer): the forward
+// ops::recompute: activation checkpointing of a region (a transformer layer): the forward
 // keeps only the region's inputs, the backward recomputes it with autograd
 // on and differentiates the recomputed graph.
 //
 // Note [Activation checkpointing]
-// ops::checkpoint(body, inputs, params) runs body(inputs) under no-grad and
+// ops::recompute(body, inputs, params) runs body(inputs) under no-grad and
 // gives its outputs one autograd node (CheckpointBackward) whose next edges
 // are the inputs' and the parameters' (the parameters the body reads from
 // its module). The node saves the inputs alone. Its backward
@@ -106,17 +106,17 @@ using CheckpointBody =
 // mode is on and an input or a parameter requires grad; plain body(inputs)
 // otherwise. `params`: every parameter the body reads. `keep_op_outputs`:
 // Note [Per-op activation checkpointing].
-std::vector<at::Tensor> checkpoint(const CheckpointBody& body,
+std::vector<at::Tensor> recompute(const CheckpointBody& body,
                                    const std::vector<at::Tensor>& inputs,
                                    const std::vector<at::Tensor>& params,
                                    bool keep_op_outputs = false);
 // The checkpoint of a layer under `ac` (whether it checkpoints this layer is
 // the caller's question): keep_op_outputs for Mode::kOp.
-inline std::vector<at::Tensor> checkpoint(const ActivationCheckpoint& ac,
+inline std::vector<at::Tensor> recompute(const ActivationCheckpoint& ac,
                                           const CheckpointBody& body,
                                           const std::vector<at::Tensor>& inputs,
                                           const std::vector<at::Tensor>& params) {
-  return checkpoint(body, inputs, params, ac.mode == ActivationCheckpoint::Mode::kOp);
+  return recompute(body, inputs, params, ac.mode == ActivationCheckpoint::Mode::kOp);
 }
 
 // An expensive op's outputs under Note [Per-op activation checkpointing]:
@@ -131,14 +131,14 @@ std::vector<at::Tensor> run_saved_op_outputs(
 
 // Recomputes of checkpointed bodies so far in this process (tests: one
 // per layer and micro-batch, also under the I/W split).
-int64_t checkpoint_recomputes();
+int64_t recomputes();
 // Expensive ops (run_saved_op) that computed, in this process, and those a
 // replay answered from saved outputs instead (tests: "op" computes each
 // once, "full" twice).
 int64_t saved_op_computes();
 int64_t saved_op_replays();
 // True while a checkpointed body is recomputed in a backward (this thread).
-bool checkpoint_recomputing();
+bool recomputing();
 // True for a forward whose statistics count toward training (MoE tokens
 // per expert): grad mode on outside a recompute, or the no-grad first
 // forward of a checkpointed body.

@@ -3,7 +3,7 @@
 #include <cstdlib>
 
 #include "core/check.h"
-#include "dist/backend.h"
+#include "distributed/backend.h"
 
 #if __has_include(<gloo/algorithm.h>) && defined(USE_C10D_GLOO)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>

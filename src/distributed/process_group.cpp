@@ -10,9 +10,9 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "core/check.h"
-#include "dist/backend.h"
-#include "dist/dist.h"
-#include "dist/job_store.h"
+#include "distributed/backend.h"
+#include "distributed/distributed.h"
+#include "distributed/job_store.h"
 
 namespace viaduct::dist {
 namespace {

@@ -1,7 +1,7 @@
 // The NCCL backend (CUDA tensors), built only when LibTorch has torch_cuda
 // (VIADUCT_WITH_CUDA). NCCL's own watchdog enforces the group timeout.
 #include "core/check.h"
-#include "dist/backend.h"
+#include "distributed/backend.h"
 
 #if defined(VIADUCT_WITH_CUDA) && defined(USE_C10D_NCCL)
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>

@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "core/torch_compat.h"
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 
 namespace viaduct::dist {
 

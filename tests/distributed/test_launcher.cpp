@@ -8,7 +8,7 @@
 #include <mutex>
 
 #include "core/check.h"
-#include "dist/launcher.h"
+#include "distributed/launcher.h"
 
 namespace viaduct::dist {
 namespace {
@@ -183,7 +183,7 @@ TEST(Launcher, ParsesFlags) {
 #include <csignal>
 #include <cstdlib>
 
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 
 namespace viaduct::dist {
 namespace {

@@ -5,8 +5,8 @@
 #include <thread>
 
 #include "core/check.h"
-#include "dist/dist.h"
-#include "dist/job_store.h"
+#include "distributed/distributed.h"
+#include "distributed/job_store.h"
 
 namespace viaduct::dist {
 

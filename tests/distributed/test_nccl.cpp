@@ -5,8 +5,8 @@
 #include <thread>
 
 #include "core/check.h"
-#include "dist/dist.h"
-#include "dist/launcher.h"
+#include "distributed/distributed.h"
+#include "distributed/launcher.h"
 
 namespace viaduct::dist {
 namespace {

@@ -9,8 +9,8 @@
 #include <thread>
 
 #include "core/check.h"
-#include "dist/dist.h"
-#include "dist/launcher.h"
+#include "distributed/distributed.h"
+#include "distributed/launcher.h"
 #include "common/thread_ranks.h"
 
 namespace viaduct::dist {

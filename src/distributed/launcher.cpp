@@ -2,7 +2,7 @@
 // stdout/stderr pipes and a self-pipe fed by the signal handlers, and the
 // termination policy (first failure wins; SIGTERM to every other rank's
 // process group, SIGKILL after the grace period).
-#include "dist/launcher.h"
+#include "distributed/launcher.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -26,7 +26,7 @@
 #include "core/check.h"
 #include "core/strings.h"
 #include "core/file_io.h"
-#include "dist/job_store.h"
+#include "distributed/job_store.h"
 
 extern char** environ;
 

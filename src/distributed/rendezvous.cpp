@@ -6,7 +6,7 @@
 #include <limits>
 
 #include "core/check.h"
-#include "dist/dist.h"
+#include "distributed/distributed.h"
 
 namespace viaduct::dist {
 namespace {
