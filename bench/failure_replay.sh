@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Replays the failure table of "runs that survive" (README, When things go
+# Replays the failure table of "runs that survive" (docs/troubleshooting.md, When things go
 # wrong) against a viaduct binary on the llama debug model, on CPU: one line
 # per case, OK when the run gives the clear error or the right behaviour and
 # loses nothing, FAIL otherwise. Exit status: the number of FAIL lines.

@@ -73,7 +73,7 @@ void add_core_keys(std::vector<ConfigKey>& k) {
 }
 
 void add_model_keys(std::vector<ConfigKey>& k) {
-  k.push_back(key("model", "family", T::kString, std::string("llama"), "llama | gpt2 | kimi_k3 | exact16 (README, Models)"));
+  k.push_back(key("model", "family", T::kString, std::string("llama"), "llama | gpt2 | kimi_k3 | exact16 (docs/models.md)"));
   k.push_back(key("model", "flavor", T::kString, std::string("debugmodel"), "size preset of the family (every family has debugmodel)"));
   k.push_back(key("model", "n_layers", T::kInt, kUnset, "transformer layers (flavor default)").in(greater_than(0)));
   k.push_back(key("model", "dim", T::kInt, kUnset, "model width (flavor default)").in(greater_than(0)));

@@ -338,7 +338,7 @@ TEST_F(BadInput, CommandLineMistakesAreNamed) {
   r = shell(kBin + " convert --to onnx --input a --output b");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   expect_has(r.output, "--to must be hf or viaduct, got 'onnx'");
-  // The launcher's own shape is config too: exit 2, as the README says.
+  // The launcher's own shape is config too: exit 2, as docs/troubleshooting.md says.
   r = shell(kBin + " launch --nproc-per-node 0 -- true");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   expect_has(r.output, "--nproc-per-node must be in [1, 4096], got 0");
