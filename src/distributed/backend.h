@@ -8,7 +8,7 @@
 
 #include "core/torch_compat.h"
 
-namespace viaduct::dist::detail {
+namespace viaduct::distributed::detail {
 
 bool gloo_available();
 bool nccl_available();
@@ -30,4 +30,4 @@ c10::intrusive_ptr<compat::PgBase> make_nccl(
 // can then wait forever instead of letting the process exit.
 void shutdown_nccl(compat::PgBase& backend, bool failing) noexcept;
 
-}  // namespace viaduct::dist::detail
+}  // namespace viaduct::distributed::detail

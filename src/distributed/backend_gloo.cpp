@@ -10,7 +10,7 @@
 #define VIADUCT_HAVE_GLOO 1
 #endif
 
-namespace viaduct::dist::detail {
+namespace viaduct::distributed::detail {
 
 #ifdef VIADUCT_HAVE_GLOO
 
@@ -60,4 +60,4 @@ c10::intrusive_ptr<compat::PgBase> make_gloo(
 
 #endif
 
-}  // namespace viaduct::dist::detail
+}  // namespace viaduct::distributed::detail

@@ -8,7 +8,7 @@
 #define VIADUCT_HAVE_NCCL 1
 #endif
 
-namespace viaduct::dist::detail {
+namespace viaduct::distributed::detail {
 
 #ifdef VIADUCT_HAVE_NCCL
 
@@ -75,4 +75,4 @@ c10::intrusive_ptr<compat::PgBase> make_nccl(
 
 #endif
 
-}  // namespace viaduct::dist::detail
+}  // namespace viaduct::distributed::detail

@@ -29,7 +29,7 @@
 
 #include "core/torch_compat.h"
 
-namespace viaduct::dist {
+namespace viaduct::distributed {
 
 constexpr std::chrono::milliseconds kDefaultCommTimeout{300'000};
 constexpr int kDefaultMasterPort = 29500;
@@ -254,4 +254,4 @@ std::unique_ptr<Mesh> init_mesh(
     const RendezvousInfo& info, int pp, int dp, at::Device device,
     std::chrono::milliseconds timeout = kDefaultCommTimeout, int ep = 1);
 
-}  // namespace viaduct::dist
+}  // namespace viaduct::distributed

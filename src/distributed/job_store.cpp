@@ -36,7 +36,7 @@
 #include "core/file_io.h"
 #include "core/log.h"
 
-namespace viaduct::dist {
+namespace viaduct::distributed {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -917,4 +917,4 @@ std::string new_job_token() {
   return token;
 }
 
-}  // namespace viaduct::dist
+}  // namespace viaduct::distributed

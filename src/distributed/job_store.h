@@ -32,7 +32,7 @@
 #include "core/torch_compat.h"
 #include "distributed/distributed.h"
 
-namespace viaduct::dist {
+namespace viaduct::distributed {
 
 // Bumped whenever the wire format changes: a client of another version is
 // refused by name instead of misreading requests.
@@ -126,4 +126,4 @@ std::string job_token(const RendezvousInfo& info, const EnvLookup& env);
 // A fresh token: 16 bytes of /dev/urandom as 32 hex characters.
 std::string new_job_token();
 
-}  // namespace viaduct::dist
+}  // namespace viaduct::distributed

@@ -30,7 +30,7 @@
 
 extern char** environ;
 
-namespace viaduct::dist {
+namespace viaduct::distributed {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -737,4 +737,4 @@ LaunchResult launch(const LaunchOptions& options, const LineSink& sink_in) {
   }
 }
 
-}  // namespace viaduct::dist
+}  // namespace viaduct::distributed

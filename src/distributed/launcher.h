@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-namespace viaduct::dist {
+namespace viaduct::distributed {
 
 struct LaunchOptions {
   int nproc_per_node = 1;
@@ -62,4 +62,4 @@ LaunchResult launch(const LaunchOptions& options, const LineSink& sink = {});
 // A TCP port that was free on 127.0.0.1 a moment ago.
 int find_free_port();
 
-}  // namespace viaduct::dist
+}  // namespace viaduct::distributed

@@ -8,7 +8,7 @@
 #include "distributed/distributed.h"
 #include "distributed/job_store.h"
 
-namespace viaduct::dist {
+namespace viaduct::distributed {
 
 std::vector<int> MeshShape::pp_group_ranks(int dp_rank) const {
   std::vector<int> ranks;
@@ -118,4 +118,4 @@ void Mesh::store_barrier(const std::string& key, const std::string& what,
   }
 }
 
-}  // namespace viaduct::dist
+}  // namespace viaduct::distributed

@@ -14,7 +14,7 @@
 #include "distributed/distributed.h"
 #include "distributed/job_store.h"
 
-namespace viaduct::dist {
+namespace viaduct::distributed {
 namespace {
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
@@ -346,4 +346,4 @@ Work ProcessGroup::barrier() {
                [&] { return backend_->barrier(options); });
 }
 
-}  // namespace viaduct::dist
+}  // namespace viaduct::distributed

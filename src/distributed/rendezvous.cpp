@@ -8,7 +8,7 @@
 #include "core/check.h"
 #include "distributed/distributed.h"
 
-namespace viaduct::dist {
+namespace viaduct::distributed {
 namespace {
 
 std::optional<std::string> getenv_lookup(const std::string& name) {
@@ -258,4 +258,4 @@ RendezvousInfo rendezvous_from_env() {
   return rendezvous_from_env(getenv_lookup);
 }
 
-}  // namespace viaduct::dist
+}  // namespace viaduct::distributed
