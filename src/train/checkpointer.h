@@ -30,6 +30,8 @@
 
 namespace viaduct {
 
+class Config;
+class ModelPart;
 namespace distributed {
 class Mesh;
 }  // namespace distributed
@@ -78,6 +80,11 @@ class Checkpointer {
             const std::vector<ExpertShard>& expert_shards);
   // Waits for the background writer; rethrows its error.
   void wait();
+  // checkpoint.last_save_in_hf: the final weights of step `step` as a
+  // Hugging Face model folder, written by rank 0; under a launcher read back
+  // from the final checkpoint, which every rank has finished with.
+  void write_final_hf(const Config& cfg, int64_t step,
+                      const std::vector<std::shared_ptr<ModelPart>>& parts) const;
 
  private:
   // The parts' tensors replaced by host copies taken now.

@@ -120,4 +120,20 @@ fs::path make_room_for_fresh_run(const Config& cfg) {
   return dump / aside;
 }
 
+std::vector<std::unique_ptr<FolderLock>> lock_run_folders(const Config& cfg) {
+  // Note [One trainer per dump folder]: a checkpoint folder outside the
+  // dump folder is locked too.
+  std::vector<std::unique_ptr<FolderLock>> locks;
+  const fs::path dump = cfg.get_string("job.dump_folder");
+  locks.push_back(std::make_unique<FolderLock>(dump, "job.dump_folder"));
+  if (!cfg.get_bool("checkpoint.enable")) return locks;
+  const fs::path ckpt = fs::absolute(checkpoint_folder_from_config(cfg)).lexically_normal();
+  const auto rel = ckpt.lexically_relative(fs::absolute(dump).lexically_normal());
+  if (rel.empty() || *rel.begin() == "..") {
+    locks.push_back(std::make_unique<FolderLock>(ckpt, "checkpoint.folder"));
+  }
+  make_room_for_fresh_run(cfg);  // Note [A fresh run never mixes with an old one]
+  return locks;
+}
+
 }  // namespace viaduct

@@ -68,6 +68,9 @@ class Optimizer {
   virtual void load_from(const checkpoint::TensorFileIndex& index);
   // Bytes of the state this process holds.
   int64_t state_bytes() const;
+  // Bytes this process sent to other ranks in its last step (a sharded
+  // optimizer's gathers); 0 for one that updates its own parameters only.
+  virtual int64_t last_step_bytes() const { return 0; }
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t s) { steps_ = s; }
   const std::vector<NamedParam>& params() const { return params_; }

@@ -77,7 +77,7 @@ class ShardedOptimizer : public Optimizer {
   // Elements of the parameters whose state this replica keeps.
   int64_t owned_elements() const;
   // Bytes this replica sent in the last step's all-gather of the weights.
-  int64_t last_step_bytes() const { return last_step_bytes_; }
+  int64_t last_step_bytes() const override { return last_step_bytes_; }
 
  private:
   // The update through `run` with the slices' gradients attached, then the
