@@ -390,7 +390,7 @@ StepMetrics Trainer::run() {
                             .string();
       profiler.save(path);
       log::info("profile of step ", step_, " written to ", path,
-                " (summary: python3 bench/profile_summary.py ", path, ")");
+                " (summary: python3 reference/profile_summary.py ", path, ")");
     } else {
       last = train_step();
     }
