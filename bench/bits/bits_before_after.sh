@@ -14,7 +14,8 @@
 #
 # Cells: 1B (llama 1B, 4 x 4096), k3 (kimi_k3 debugmodel_deep at d2048 with
 # KDA, MLA and MoE, 4 x 2048), k3gemm (the same with MLA everywhere and dense
-# FFNs), gpt2 (124M, 8 x 1024). Output: $OUT/bits.md (key lines also on
+# FFNs), gpt2 (124M, 8 x 1024), and on the CPU in fp32: cpu_llama (llama
+# debugmodel, 8 x 128), cpu_k3 (kimi_k3 debugmodel, 4 x 64). Output: $OUT/bits.md (key lines also on
 # stdout), each run's log and its steps ($OUT/<cell>.<tree>.steps).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -39,7 +40,10 @@ build_tree() {  # tree -> prints the tree's folder
     rm -rf "$dir" && mkdir -p "$dir" && tar -xf "$t" -C "$dir" || return 1
   fi
   local targets=(viaduct_app)
-  gpu_build_has_gtest && targets+=(test_fused_kernels)
+  # The CUDA kernel suite, where the tree has it under this name.
+  if gpu_build_has_gtest && grep -rqs "test_fused_kernels" "$dir/tests" --include=CMakeLists.txt; then
+    targets+=(test_fused_kernels)
+  fi
   gpu_build "$dir" "$dir/build-gpu" "$OUT/build.$(basename "$dir").log" "${targets[@]}" || return 1
   echo "$dir"
 }
@@ -68,6 +72,12 @@ cell_args() {  # cell -> data file, then overrides, one per line
         printf '%s\n' "$WORK/v320.u32" "${K3[@]}" ;;
     k3gemm) make_tokens "$WORK/v320.u32" 320 $(((STEPS + 2) * 4 * 2048 + 1))
         printf '%s\n' "$WORK/v320.u32" "${K3[@]}" --model.mla_interval=1 --model.moe_ffn=false ;;
+    cpu_llama) make_tokens "$WORK/v256.u32" 256 $(((STEPS + 2) * 8 * 128 + 1))
+        printf '%s\n' "$WORK/v256.u32" --model.flavor=debugmodel --training.seq_len=128 \
+          --training.local_batch_size=8 ;;
+    cpu_k3) make_tokens "$WORK/v256.u32" 256 $(((STEPS + 2) * 8 * 128 + 1))
+        printf '%s\n' "$WORK/v256.u32" --model.family=kimi_k3 --model.flavor=debugmodel \
+          --training.seq_len=64 --training.local_batch_size=4 ;;
     gpt2) make_tokens "$WORK/v50257.u32" 50257 $(((STEPS + 2) * 8 * 1024 + 1))
         printf '%s\n' "$WORK/v50257.u32" --model.family=gpt2 --model.flavor=124M \
           --training.seq_len=1024 --training.local_batch_size=8 --optimizer.lr=6e-4 ;;
@@ -113,8 +123,10 @@ for cell in $CELLS; do
     name=$(basename "$d")
     dump=$WORK/run.$cell.$name
     rm -rf "$dump"
+    device=(--training.dtype=bfloat16 --training.device=cuda)
+    [[ $cell == cpu_* ]] && device=(--training.dtype=float32 --training.device=cpu)
     timeout 400 "$d/build-gpu/viaduct" train --config "$d/configs/llama_debug.toml" "${a[@]:1}" \
-      --training.dtype=bfloat16 --training.device=cuda --training.steps="$STEPS" \
+      "${device[@]}" --training.steps="$STEPS" \
       --training.eval_interval=0 --training.num_threads="$JOBS" --checkpoint.enable=false \
       --job.dump_folder="$dump" --data.path="$data" --metrics.log_freq=1 \
       --metrics.progress_bar=false >"$OUT/$cell.$name.log" 2>&1 ||
