@@ -37,7 +37,11 @@ build_tree() {  # tree -> prints the tree's folder
   dir=$(realpath "$1")
   if [[ $t == *.tar ]]; then
     dir=$WORK/$(basename "$t" .tar)
-    rm -rf "$dir" && mkdir -p "$dir" && tar -xf "$t" -C "$dir" || return 1
+    # Unpacked once per tar: a second call reuses the tree and its build.
+    if [ ! -f "$dir/.unpacked" ] || [ "$t" -nt "$dir/.unpacked" ]; then
+      rm -rf "$dir" && mkdir -p "$dir" && tar -xf "$t" -C "$dir" && touch "$dir/.unpacked" ||
+        return 1
+    fi
   fi
   local targets=(viaduct_app)
   # The CUDA kernel suite, where the tree has it under this name.
