@@ -127,6 +127,17 @@ std::optional<AttnResLayout> attn_res_layout(const Config& cfg) {
   return family.attn_res ? family.attn_res(cfg) : std::nullopt;
 }
 
+std::unique_ptr<checkpoint::StateDictAdapter> state_dict_adapter(const Config& cfg) {
+  const auto& family = model_family(cfg);
+  if (family.state_dict_adapter) return family.state_dict_adapter(cfg);
+  std::string with;
+  for (const auto& f : model_families()) {
+    if (f.state_dict_adapter) with += str(with.empty() ? "" : ", ", f.name);
+  }
+  throw ConfigError(str("model.family '", family.name, "' has no Hugging Face layout (", with,
+                        ")"));
+}
+
 std::vector<std::string> model_module_fqns(const Config& cfg) {
   return model_family(cfg).module_fqns(cfg);
 }

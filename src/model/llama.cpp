@@ -4,6 +4,7 @@
 #include "core/check.h"
 #include "model/chain_transformer.h"
 #include "model/families.h"
+#include "model/hf_adapter.h"
 
 namespace viaduct {
 namespace {
@@ -71,6 +72,8 @@ ModelFamily llama_family() {
   f.check_part = [](const Config& cfg, const std::vector<std::string>& fqns) {
     check_chain_part(llama_spec(cfg), fqns);
   };
+  f.hf_model_type = kLlamaModelType;
+  f.state_dict_adapter = [](const Config& cfg) { return llama_hf_adapter(llama_spec(cfg)); };
   f.model_keys = chain_model_keys(true, true);
   return f;
 }

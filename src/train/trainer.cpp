@@ -11,6 +11,7 @@
 #include "core/log.h"
 #include "distributed/distributed.h"
 #include "kernels/weight_cache.h"
+#include "model/family.h"
 #include "pipeline/attn_res/block_store.h"
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
@@ -53,7 +54,7 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   check_memory_fits();
   data_ = std::make_unique<TrainingData>(cfg_, dp_rank_, dp_size_);
   if (cfg_.get_bool("checkpoint.last_save_in_hf")) {
-    hf_model_shape(cfg_);  // a family without an HF layout fails before training
+    state_dict_adapter(cfg_);  // a family without an HF layout fails before training
     if (rank() == 0) data_->hint_export_tokenizer();
     VIADUCT_CHECK_T(ConfigError,
                     !mesh_ || (cfg_.get_bool("checkpoint.enable") &&
