@@ -177,7 +177,7 @@ def check_notes():
                 defs.setdefault(d.group(1), f"{rel}:{n}")
                 continue
             for m in re.finditer(r"(\S+\s+)?Notes? \[", line):
-                before = (m.group(1) or "").strip().lower()
+                before = (m.group(1) or "").strip().strip("(").lower()
                 if before != "see":
                     problems.append(f"{rel}:{n}: a mention of a Note that does not read "
                                     f"'See Note [...]': {line.strip()}")

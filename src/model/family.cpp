@@ -22,7 +22,7 @@ std::string one_of(const std::vector<std::string>& names) {
   return out;
 }
 
-// Note [Expert parallelism] (model/moe.h): ep > 1 splits every MoE layer's
+// See Note [Expert parallelism] (model/moe.h): ep > 1 splits every MoE layer's
 // routed experts evenly, so the config must build MoE layers and ep must
 // divide their expert count; a capacity factor needs MoE layers too.
 void check_expert_parallel(const ModelFamily& family, const Config& cfg) {
@@ -145,13 +145,13 @@ std::vector<std::string> model_module_fqns(const Config& cfg) {
 std::shared_ptr<ModelPart> build_model_part(const Config& cfg,
                                             const std::vector<std::string>& fqns) {
   auto part = model_family(cfg).build(cfg, fqns);
-  ops::set_kernel_options(*part, kernel_options(cfg));  // Note [Ops own the kernel choice]
+  ops::set_kernel_options(*part, kernel_options(cfg));  // See Note [Ops own the kernel choice]
   return part;
 }
 
 ModelInfo describe_model(const Config& cfg) {
   auto info = model_family(cfg).describe(cfg);
-  // Note [Activation memory estimate] under activation checkpointing: a
+  // See Note [Activation memory estimate] under activation checkpointing: a
   // checkpointed layer keeps its input, the hidden stream (an AttnRes
   // layer's block stack is left out as before: it is the stack), and under
   // "op" its expensive ops' outputs too.

@@ -25,7 +25,7 @@ namespace viaduct {
 
 class Config;
 
-// The block stack a family's parts pass between stages (Note [Kimi-K3 part
+// The block stack a family's parts pass between stages (see Note [Kimi-K3 part
 // activations] in model/kimi_k3.h): what the AttnRes stage and `viaduct
 // plan` size their tables and bytes by.
 struct AttnResLayout {

@@ -100,7 +100,7 @@ void Checkpointer::save(const ck::CheckpointMetadata& meta, std::vector<ck::Chec
     }
     distributed::Mesh* mesh = mesh_;
     if (options_.async) {
-      // Note [Asynchronous checkpoint]: the writer thread must not use the
+      // See Note [Asynchronous checkpoint]: the writer thread must not use the
       // process groups the training steps use; it meets the other ranks'
       // writers through the store.
       const int64_t save_id = ++async_saves_;
@@ -131,7 +131,7 @@ void Checkpointer::save(const ck::CheckpointMetadata& meta, std::vector<ck::Chec
 }
 
 void Checkpointer::snapshot_to_host(std::vector<ck::CheckpointPart>& files) const {
-  // Note [Asynchronous checkpoint]: the copies are taken at the step
+  // See Note [Asynchronous checkpoint]: the copies are taken at the step
   // boundary, so the next steps' updates cannot reach the writer; device
   // tensors go to pinned host memory, copied on the stream and awaited once.
   bool on_device = false;

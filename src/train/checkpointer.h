@@ -7,7 +7,7 @@
 // Note [Asynchronous checkpoint]
 // With checkpoint.async_mode = "async", save() copies the state to host
 // memory at the step boundary (pinned memory from a GPU) and a writer
-// thread saves it under the same atomic protocol (Note [Atomic checkpoint
+// thread saves it under the same atomic protocol (see Note [Atomic checkpoint
 // save]) while training goes on. The next save, a signal's stop, the end of
 // the run and the destructor wait for it; its error surfaces there. Under a
 // launcher the writers of all ranks meet through the rendezvous store
@@ -36,8 +36,8 @@ namespace distributed {
 class Mesh;
 }  // namespace distributed
 
-// What decides the files a rank writes (Note [Expert parallelism] for the
-// pieces of sharded experts, Note [ZeRO-1] for the optimizer's).
+// What decides the files a rank writes (see Note [Expert parallelism] for the
+// pieces of sharded experts, see Note [ZeRO-1] for the optimizer's).
 struct CheckpointLayout {
   int pp = 1, pp_rank = 0;
   int dp = 1, dp_rank = 0;

@@ -121,7 +121,7 @@ fs::path make_room_for_fresh_run(const Config& cfg) {
 }
 
 std::vector<std::unique_ptr<FolderLock>> lock_run_folders(const Config& cfg) {
-  // Note [One trainer per dump folder]: a checkpoint folder outside the
+  // See Note [One trainer per dump folder]: a checkpoint folder outside the
   // dump folder is locked too.
   std::vector<std::unique_ptr<FolderLock>> locks;
   const fs::path dump = cfg.get_string("job.dump_folder");
@@ -132,7 +132,7 @@ std::vector<std::unique_ptr<FolderLock>> lock_run_folders(const Config& cfg) {
   if (rel.empty() || *rel.begin() == "..") {
     locks.push_back(std::make_unique<FolderLock>(ckpt, "checkpoint.folder"));
   }
-  make_room_for_fresh_run(cfg);  // Note [A fresh run never mixes with an old one]
+  make_room_for_fresh_run(cfg);  // See Note [A fresh run never mixes with an old one]
   return locks;
 }
 

@@ -32,7 +32,7 @@ std::string old_run_in_folders(const Config& cfg);
 std::filesystem::path make_room_for_fresh_run(const Config& cfg);
 
 // The locks of a starting job, taken by rank 0, which speaks for the job
-// (Note [One trainer per dump folder], core/folder_lock.h): job.dump_folder
+// (see Note [One trainer per dump folder], core/folder_lock.h): job.dump_folder
 // and, when checkpoints are on and kept outside it, the checkpoint folder;
 // then a fresh run makes room (make_room_for_fresh_run). Held while the
 // locks live.

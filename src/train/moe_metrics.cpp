@@ -29,7 +29,7 @@ MoeStepMetrics::MoeStepMetrics(const std::vector<std::shared_ptr<ModelPart>>& pa
 }
 
 at::Tensor MoeStepMetrics::snapshot() {
-  // Per layer: the experts' counts, then the dropped copies (Note [Expert
+  // Per layer: the experts' counts, then the dropped copies (see Note [Expert
   // capacity], model/moe.h); reset for the next step.
   std::vector<at::Tensor> counts;
   for (const auto& ref : layers_) {

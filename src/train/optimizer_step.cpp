@@ -26,7 +26,7 @@ OptimizerStep::OptimizerStep(const Config& cfg, std::vector<NamedParam> params,
   int64_t elements = 0;
   for (const auto& np : params) elements += np.param.numel();
   // Each parameter's stage: the gradient buckets never span two stages
-  // (Note [Overlapped data-parallel reduction]).
+  // (see Note [Overlapped data-parallel reduction]).
   std::vector<int64_t> stage_of;
   for (size_t p = 0; p < parts.size(); ++p) {
     stage_of.insert(stage_of.end(), parts[p]->parameters().size(), setup_.stages.at(p));
@@ -35,7 +35,7 @@ OptimizerStep::OptimizerStep(const Config& cfg, std::vector<NamedParam> params,
                  " parameters in the parts, ", params.size(), " to train");
   // The buckets of the data-parallel sum, which ZeRO-1 also shards. Each
   // routed-expert tensor has its own, cut at expert boundaries; sharded
-  // ones are summed apart (Notes [Expert ranges and the clip norm],
+  // ones are summed apart (see Notes [Expert ranges and the clip norm],
   // [Expert gradient sum], train/expert_parallel.h).
   std::vector<bool> own_bucket(params.size(), false), sharded(params.size(), false);
   std::vector<int64_t> units(params.size(), 0);
@@ -53,7 +53,7 @@ OptimizerStep::OptimizerStep(const Config& cfg, std::vector<NamedParam> params,
   auto buckets = grad_buckets(params, cfg.get_int("parallelism.dp_bucket_mb") << 20, stage_of,
                               own_bucket, sharded);
   if (shards_) {
-    // Note [ZeRO-1] (train/sharded_optimizer.h); sharded experts over their
+    // See Note [ZeRO-1] (train/sharded_optimizer.h); sharded experts over their
     // replicas.
     std::vector<std::vector<size_t>> expert_buckets;
     for (size_t i = 0; i < sharded.size(); ++i) {
@@ -90,7 +90,7 @@ void OptimizerStep::stage_ready(int64_t stage) { grad_reduction_->stage_ready(st
 
 void OptimizerStep::finish_reduction(StepMetrics& m, const std::string& context) {
   if (!grad_reduction_) return;
-  // Note [Overlapped data-parallel reduction]: the buckets whose stages
+  // See Note [Overlapped data-parallel reduction]: the buckets whose stages
   // finished early are summing already.
   const auto t0 = std::chrono::steady_clock::now();
   m.dp_buckets_overlapped = grad_reduction_->finish(context);
@@ -112,7 +112,7 @@ double OptimizerStep::clip_and_step(double lr, double max_norm,
       RECORD_USER_SCOPE("viaduct::grad_norm");
       norm = global_grad_norm(context);
     }
-    // Read after the norm's launches (Note [No sync between forward and
+    // Read after the norm's launches (see Note [No sync between forward and
     // backward]); the norm's host copy has waited for the device already.
     for (const auto& l : pending_losses) loss_sum += l.item<double>();
   }
@@ -122,7 +122,7 @@ double OptimizerStep::clip_and_step(double lr, double max_norm,
                 "); lower optimizer.lr or check the data");
   if (!on_device) {
     RECORD_USER_SCOPE("viaduct::optimizer");
-    // The clip coefficient rides into the update (Note [Clip folded into
+    // The clip coefficient rides into the update (see Note [Clip folded into
     // AdamW]).
     optimizer_->step_scaled(lr, clip_coefficient(norm, max_norm));
     optimizer_->zero_grad();
@@ -133,7 +133,7 @@ double OptimizerStep::clip_and_step(double lr, double max_norm,
 bool OptimizerStep::step_on_device(double lr, double max_norm,
                                    const std::vector<at::Tensor>& pending_losses,
                                    double& loss_sum, double& norm) {
-  // Note [Clip coefficient on the device] (kernels/clip.cu): the norm and
+  // See Note [Clip coefficient on the device] (kernels/clip.cu): the norm and
   // the coefficient are formed on the device and the update is queued
   // before the host reads the norm and the losses, which wait for the norm
   // only. A norm that is not finite updates nothing. A ZeRO-1 replica holds
@@ -170,7 +170,7 @@ double OptimizerStep::global_grad_norm(const std::string& context) {
   // Per-parameter squared norms placed at their global FQN index, summed over
   // the pp group (each slot has one non-zero contributor: exact), then added
   // in global order: every layout gets the same bits. With dp > 1 each
-  // parameter has a slot per replica (Note [Gradient norm in shard pieces]).
+  // parameter has a slot per replica (see Note [Gradient norm in shard pieces]).
   auto* mesh = setup_.mesh;
   const auto& parts = *setup_.parts;
   const bool pp1 = !mesh || mesh->pp() == 1;
@@ -199,7 +199,7 @@ double OptimizerStep::global_grad_norm(const std::string& context) {
     const auto dp = static_cast<size_t>(dp_size_);
     auto pieces = grad_reduction_->norm_pieces();
     // Under expert parallelism each sharded expert range has one
-    // contributor in the dp group (Note [Expert ranges and the clip norm]).
+    // contributor in the dp group (see Note [Expert ranges and the clip norm]).
     const size_t dense = pieces.size();
     if (expert_reduction_) {
       for (auto& piece : expert_reduction_->norm_pieces()) pieces.push_back(std::move(piece));

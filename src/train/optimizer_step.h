@@ -7,12 +7,12 @@
 // routed-expert tensors.
 //
 // The norm is the whole model's, in global FQN order, so every layout clips
-// with the same bits (Note [Gradient norm in shard pieces], train/reduce.h).
+// with the same bits (see Note [Gradient norm in shard pieces], train/reduce.h).
 // Where one process holds every parameter and AdamW's CUDA kernel runs, the
 // norm and the clip coefficient stay on the device and the update is queued
-// before the host reads them (Note [Clip coefficient on the device],
+// before the host reads them (see Note [Clip coefficient on the device],
 // kernels/clip.cu); elsewhere the host reads the norm and the update carries
-// the coefficient (Note [Clip folded into AdamW]). Both give the same bits.
+// the coefficient (see Note [Clip folded into AdamW]). Both give the same bits.
 #pragma once
 
 #include <torch/torch.h>
@@ -56,7 +56,7 @@ class OptimizerStep {
   // parallelism.dp_shard_optimizer with more than one replica (ZeRO-1).
   bool shards_optimizer() const { return shards_; }
   // Whether the data-parallel sum runs (dp > 1); its buckets start as their
-  // stage finishes its last backward (Note [Overlapped data-parallel
+  // stage finishes its last backward (see Note [Overlapped data-parallel
   // reduction]) through stage_ready().
   bool reduces_over_dp() const { return grad_reduction_ != nullptr; }
   void stage_ready(int64_t stage);
@@ -89,7 +89,7 @@ class OptimizerStep {
   std::unique_ptr<Optimizer> optimizer_;
   // dp > 1: the data-parallel gradient sum over optimizer_'s parameters.
   std::unique_ptr<GradReduction> grad_reduction_;
-  // ep > 1: the sum of the sharded experts' gradients (Note [Expert gradient
+  // ep > 1: the sum of the sharded experts' gradients (see Note [Expert gradient
   // sum], train/expert_parallel.h); grad_reduction_ leaves them out.
   std::unique_ptr<ExpertGradReduction> expert_reduction_;
   std::vector<ExpertShard> expert_shards_;

@@ -82,7 +82,7 @@ double StepGather::gather_loss(double loss_sum, bool stop_signal, StepMetrics& m
   if (layout.timed) times = executor_->take_times();
   auto gathered = layout.pack(loss_sum, times,
                               layout.per_rank_memory ? peak_memory_bytes(device_) : 0.0);
-  // Note [Save and exit on a signal]: the ranks' stop requests ride along
+  // See Note [Save and exit on a signal]: the ranks' stop requests ride along
   // (a separate element: the loss's sum is unchanged); pp then dp covers
   // the mesh.
   gathered.push_back(stop_signal ? 1.0 : 0.0);

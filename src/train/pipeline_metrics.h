@@ -64,7 +64,7 @@ class StepGather {
 
   // The step's loss sum over the mesh (every rank gets it), with each pp
   // rank's pipeline times and memory peak into `m`; `stop_signal`: this
-  // rank was asked to stop (Note [Save and exit on a signal]), after which
+  // rank was asked to stop (see Note [Save and exit on a signal]), after which
   // stop_requested() says whether any rank was.
   double gather_loss(double loss_sum, bool stop_signal, StepMetrics& m,
                      const std::string& context);

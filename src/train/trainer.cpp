@@ -66,7 +66,7 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   const auto info = build_model();
   data_->cut_eval_batches(num_microbatches());
   if (executor_) {
-    // Boundary shapes from one forward-only micro-batch (Note [Boundary metadata]).
+    // Boundary shapes from one forward-only micro-batch (see Note [Boundary metadata]).
     const auto& so = data_->options();
     executor_->infer_metadata(at::zeros({so.batch_size / num_microbatches(), so.seq_len}, at::kLong));
   }
@@ -105,7 +105,7 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
 }
 
 void Trainer::check_memory_fits() const {
-  // Note [Activation memory estimate] (train/memory_estimate.h).
+  // See Note [Activation memory estimate] (train/memory_estimate.h).
   const auto avail = device_memory_bytes(device_);
   if (!avail) return;
   check_rank_memory_fits(cfg_, pp_rank_, compute_dtype_, device_.is_cuda(), *avail,
@@ -152,7 +152,7 @@ Trainer::~Trainer() {
   checkpointer_.reset();
   // The weight cache's copies live in a process-wide registry; drop them
   // with the model rather than at static destruction, after the CUDA
-  // runtime may be gone (Note [Low-precision weight cache]).
+  // runtime may be gone (see Note [Low-precision weight cache]).
   kernels::weight_cache::clear();
 }
 
@@ -184,7 +184,7 @@ StepMetrics Trainer::train_step() {
   const auto t0 = std::chrono::steady_clock::now();
   int64_t tokens = 0;
   const auto batches = next_batches(tokens);
-  // Note [Loss scaling]: the denominator is the global token count.
+  // See Note [Loss scaling]: the denominator is the global token count.
   std::vector<at::Tensor> pending_losses;
   double loss_sum = forward_backward(batches, 1.0 / static_cast<double>(tokens), pending_losses);
   StepMetrics m;
@@ -202,7 +202,8 @@ StepMetrics Trainer::train_step() {
   for (auto& p : parts_) p->after_optimizer_step();
   ++step_;
   tokens_seen_ += tokens;
-  // Note [Step time without a final sync]: the step ends with the optimizer
+  // Note [Step time without a final sync]
+  // The step ends with the optimizer
   // queued, not finished; the next step's host work (data, the first
   // launches) overlaps its device tail, and the reads of the loss and the
   // gradient norm wait for it. A step's time is host time from its start to
@@ -238,7 +239,7 @@ double Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, d
     RECORD_USER_SCOPE("viaduct::forward_backward");
     auto mbs = data::split_microbatches(batch, num_microbatches());
     if (executor_) {
-      // Note [Overlapped data-parallel reduction]: a stage's gradients are
+      // See Note [Overlapped data-parallel reduction]: a stage's gradients are
       // final after its last backward of the last accumulated batch only.
       if (update_->reduces_over_dp() && a + 1 == batches.size()) {
         executor_->set_grads_ready([this](int64_t stage) { update_->stage_ready(stage); });
@@ -252,7 +253,8 @@ double Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, d
       }
       loss_sum += executor_->run_step(in, tgt, scale);
     } else {
-      // Note [No sync between forward and backward]: the loss is read once
+      // Note [No sync between forward and backward]
+      // The loss is read once
       // every backward and the gradient norm are queued; reading it in
       // between stalls the device while the host starts the backward.
       for (const auto& mb : mbs) {
@@ -379,7 +381,8 @@ StepMetrics Trainer::run() {
                   "training.device is ", device_, ": nothing would be profiled");
   while (step_ < total) {
     if (step_ + 1 == profile_step) {
-      // Note [Profiling one step]: the step's host ops and device kernels,
+      // Note [Profiling one step]
+      // The step's host ops and device kernels,
       // between two device synchronisations so nothing earlier or later
       // leaks in; each rank writes its own trace.
       synchronize(device_);
@@ -395,7 +398,7 @@ StepMetrics Trainer::run() {
     } else {
       last = train_step();
     }
-    // Note [One trainer per dump folder]: a folder removed under the run
+    // See Note [One trainer per dump folder]: a folder removed under the run
     // stops it.
     for (const auto& lock : folder_locks_) lock->check_still_there();
     metrics_->log_step(last);
@@ -419,7 +422,7 @@ StepMetrics Trainer::run() {
 }
 
 void Trainer::stop_on_signal(bool saved_this_step) {
-  // Note [Save and exit on a signal].
+  // See Note [Save and exit on a signal].
   stopped_on_signal_ = true;
   if (!checkpointer_->manager().policy().enable) {
     log::warn("stopping at step ", step_, " on a signal; checkpoint.enable = false, so "

@@ -75,7 +75,7 @@ class Trainer {
   bool warm_start();
 
   int64_t step() const { return step_; }
-  // True when run() stopped early on SIGTERM / SIGINT / SIGUSR1 (Note [Save
+  // True when run() stopped early on SIGTERM / SIGINT / SIGUSR1 (see Note [Save
   // and exit on a signal], train/preemption.h).
   bool stopped_on_signal() const { return stopped_on_signal_; }
   // This rank's model parts, one per stage it holds, in stage order.
@@ -93,7 +93,7 @@ class Trainer {
   // executor.
   ModelInfo build_model();
   // A run whose estimated memory (weights, gradients, optimizer state,
-  // activations: Note [Activation memory estimate], train/memory_estimate.h)
+  // activations: see Note [Activation memory estimate], train/memory_estimate.h)
   // exceeds what the device has stops here with the figures and what would
   // make it fit.
   void check_memory_fits() const;

@@ -13,7 +13,7 @@ TrainingData::TrainingData(const Config& cfg, int dp_rank, int dp_size) : cfg_(c
   options_.shuffle = cfg.get_bool("data.shuffle");
   options_.dp_rank = dp_rank;
   options_.dp_size = dp_size;
-  // data.path is a blend of one source (Note [Windows and the data cursor]).
+  // data.path is a blend of one source (see Note [Windows and the data cursor]).
   const auto format = cfg.get_string("data.format");
   const auto paths = cfg.get_string_list("data.paths");
   const bool blend = !paths.empty();
