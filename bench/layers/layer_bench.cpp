@@ -26,6 +26,7 @@
 
 #include "core/device.h"
 #include "kernels/fused.h"
+#include "kernels/weight_cache.h"
 #include "model/attn_res.h"
 #include "model/kda.h"
 #include "model/layers.h"
@@ -88,9 +89,15 @@ int main(int argc, char** argv) {
   const int64_t H = std::max<int64_t>(4, D / 128), hd = D / H;
   auto x = at::randn({B, T, D}, at::TensorOptions().device(dev)).to(dtype);
   std::vector<Result> rows;
+  // What a rank's model gives its modules: the GEMM path probed on the
+  // device and one weight cache (train/rank_model.cpp).
+  ops::KernelOptions layer_options;
+  layer_options.capabilities = ops::probe_capabilities(dev);
+  layer_options.weight_cache = std::make_shared<kernels::WeightCache>();
   auto run = [&](const std::string& name, torch::nn::Module& m,
                  const std::function<at::Tensor(const at::Tensor&)>& fn, double core_flops) {
     if (!only.empty() && name.find(only) == std::string::npos) return;
+    ops::set_kernel_options(m, layer_options);
     m.to(dev);
     int64_t params = 0;
     for (const auto& p : m.parameters()) params += p.numel();

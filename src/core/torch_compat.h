@@ -5,7 +5,6 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <optional>
 #include <stdexcept>
@@ -119,27 +118,65 @@ inline bool fused_adamw(at::TensorList params, at::TensorList grads, at::TensorL
 #endif
 }
 
-// c = a @ b (accumulate: c += a @ b) with c fp32 and a, b bf16/fp16: on
-// CUDA with LibTorch >= 2.8 one GEMM writing (or accumulating into) c in
-// fp32 (cuBLAS's fp32 output); else the product rounded to a's dtype, cast
-// and copied or added (two more passes over c). A build that refuses the
-// fp32-out GEMM (its checks run before any write) takes the fallback from
-// then on.
-inline void matmul_into_fp32_(at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
-                              bool accumulate) {
+// Note [GEMM support decided at start-up]
+// Two ATen calls write an fp32 output from bf16 inputs where LibTorch >= 2.8
+// has them: addmm_out with an out dtype (a weight gradient written in fp32
+// by its GEMM) and _grouped_mm with one (the MoE experts' weight
+// gradients). A build may still refuse either: the dtype checks in front
+// of them differ between releases, and run before anything is written.
+// Whether they refuse depends on the build, the device and the dtypes, not
+// on the shapes, so ops::probe_capabilities asks once at start-up with
+// one small call of each form in the ops' dtypes and layouts
+// (fp32_out_gemm_refusal, grouped_fp32_out_gemm_refusal), the trainer logs
+// the answer, and every call of the run takes the path it gave (the ops
+// pass it in: ops::Capabilities). A refusal the probe did not see is an
+// error, never a switch to the other path in the middle of a run.
+
+// The first line of a c10::Error's message.
+inline std::string first_line(const c10::Error& e) {
+  const std::string msg = e.what_without_backtrace();
+  return msg.substr(0, msg.find('\n'));
+}
+
+// Why this build does not take matmul_into_fp32_'s one fp32-output GEMM on
+// `device` (a CUDA device), or nullopt where it does.
+inline std::optional<std::string> fp32_out_gemm_refusal(const at::Device& device) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
-  static std::atomic<bool> works{true};
-  if (works && c.is_cuda() && c.scalar_type() == at::kFloat && c.is_contiguous() &&
+  try {
+    const auto o = at::TensorOptions(device);
+    auto c = at::zeros({8, 8}, o.dtype(at::kFloat));
+    const auto dy = at::zeros({16, 8}, o.dtype(at::kBFloat16));
+    const auto x = at::zeros({16, 8}, o.dtype(at::kBFloat16));
+    // A weight gradient dy^T x, written and accumulated (the chunked head).
+    at::addmm_out(c, c, dy.t(), x, at::kFloat, /*beta=*/0);
+    at::addmm_out(c, c, dy.t(), x, at::kFloat, /*beta=*/1);
+    return std::nullopt;
+  } catch (const c10::Error& e) {
+    return first_line(e);
+  }
+#else
+  (void)device;
+  return std::string("LibTorch " TORCH_VERSION " has none (2.8 and later)");
+#endif
+}
+
+// c = a @ b (accumulate: c += a @ b) with c fp32 and a, b bf16/fp16: on
+// CUDA with LibTorch >= 2.8 and `fp32_out` (ops::Capabilities, see Note [GEMM
+// support decided at start-up]) one GEMM writing (or accumulating into) c
+// in fp32 (cuBLAS's fp32 output); else the product rounded to a's dtype,
+// cast and copied or added (two more passes over c).
+inline void matmul_into_fp32_(at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
+                              bool accumulate, bool fp32_out) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  if (fp32_out && c.is_cuda() && c.scalar_type() == at::kFloat && c.is_contiguous() &&
       a.scalar_type() == b.scalar_type() &&
       (a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf)) {
-    try {
-      // beta = 0 ignores c's contents (NaN included).
-      at::addmm_out(c, c, a, b, at::kFloat, /*beta=*/accumulate ? 1 : 0);
-      return;
-    } catch (const c10::Error&) {
-      works = false;
-    }
+    // beta = 0 ignores c's contents (NaN included).
+    at::addmm_out(c, c, a, b, at::kFloat, /*beta=*/accumulate ? 1 : 0);
+    return;
   }
+#else
+  (void)fp32_out;
 #endif
   if (accumulate) {
     c.add_(at::matmul(a, b).to(c.scalar_type()));
@@ -166,25 +203,40 @@ inline at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at:
 #endif
 }
 
+// Why this build does not take grouped_mm_fp32's grouped GEMM writing fp32
+// on `device` (a CUDA device), or nullopt where it does (see Note [GEMM support
+// decided at start-up]).
+inline std::optional<std::string> grouped_fp32_out_gemm_refusal(const at::Device& device) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  try {
+    const auto o = at::TensorOptions(device);
+    // The experts' weight gradients dy^T x over two groups of 16 rows.
+    const auto dy = at::zeros({32, 16}, o.dtype(at::kBFloat16));
+    const auto x = at::zeros({32, 16}, o.dtype(at::kBFloat16));
+    const auto offs = at::arange(16, 33, 16, o.dtype(at::kInt));
+    at::_grouped_mm(dy.t(), x, offs, std::nullopt, at::kFloat);
+    return std::nullopt;
+  } catch (const c10::Error& e) {
+    return first_line(e);
+  }
+#else
+  (void)device;
+  return std::string("LibTorch " TORCH_VERSION " has no grouped GEMM (2.8 and later)");
+#endif
+}
+
 // out[e] = a[:, cols of group e] @ b[rows of group e] in fp32: a [N, M],
 // b [M, K], offs int32 [E] the groups' end columns of a (rows of b);
-// returns [E, N, K] (the experts' weight gradients). A build that refuses
-// an fp32 output (its checks run before any write) has its bf16 product
-// cast from then on.
+// returns [E, N, K] (the experts' weight gradients): one grouped GEMM
+// writing fp32 where `fp32_out` (ops::Capabilities, see Note [GEMM support
+// decided at start-up]), else its bf16 product cast.
 inline at::Tensor grouped_mm_fp32(const at::Tensor& a, const at::Tensor& b,
-                                  const at::Tensor& offs) {
+                                  const at::Tensor& offs, bool fp32_out) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
-  static std::atomic<bool> works{true};
-  if (works) {
-    try {
-      return at::_grouped_mm(a, b, offs, std::nullopt, at::kFloat);
-    } catch (const c10::Error&) {
-      works = false;
-    }
-  }
+  if (fp32_out) return at::_grouped_mm(a, b, offs, std::nullopt, at::kFloat);
   return at::_grouped_mm(a, b, offs).to(at::kFloat);
 #else
-  (void)a, (void)b, (void)offs;
+  (void)a, (void)b, (void)offs, (void)fp32_out;
   throw std::runtime_error("grouped GEMM needs LibTorch >= 2.8");
 #endif
 }

@@ -22,6 +22,8 @@
 
 namespace viaduct::kernels {
 
+class WeightCache;
+
 // True when the kernels can run on `x`: a CUDA build, x on a GPU the
 // kernels were compiled for (sm_90a), x float32 or bfloat16.
 bool usable(const at::Tensor& x);
@@ -52,16 +54,28 @@ at::Tensor repeat_heads(const at::Tensor& x, int64_t repeat);
 // silu(a) * b.
 at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b);
 
+// How swiglu_linear treats its weight: the cast through `cache` (see Note
+// [Low-precision weight cache], kernels/weight_cache.h; null: a fresh
+// cast), the weight gradient written in fp32 by its GEMM where
+// `fp32_out_gemm` (see Note [GEMM support decided at start-up],
+// core/torch_compat.h), and the product recomputed in the backward where
+// `recompute` (model.swiglu_recompute: one [tokens x F] activation less
+// per layer).
+struct SwiGLULinearOptions {
+  WeightCache* cache = nullptr;
+  bool fp32_out_gemm = true;
+  bool recompute = false;
+};
 // linear(silu(a) * b, w) with w (fp32 master weight [D, F]) cast to a's
 // dtype. Keeps a, b and the cast weight for the backward, and the product
-// unless `recompute` (model.swiglu_recompute: the backward recomputes it,
-// one [tokens x F] activation less per layer).
+// unless o.recompute.
 at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w,
-                         bool recompute);
+                         const SwiGLULinearOptions& o);
 // swiglu_linear(ab[..., :F], ab[..., F:], w) for ab the [..., 2F] output of
 // one GEMM over w1 and w3 (see Note [One w1/w3 projection], ops/swiglu.cpp):
 // the halves are read in place and their gradient is one [..., 2F] tensor.
-at::Tensor swiglu_linear_packed(const at::Tensor& ab, const at::Tensor& w, bool recompute);
+at::Tensor swiglu_linear_packed(const at::Tensor& ab, const at::Tensor& w,
+                                const SwiGLULinearOptions& o);
 
 // scale * x * rsqrt(sum(x^2) + eps) over the last dimension of x (fp32 or
 // bf16), in fp32 (a warp per row); the backward gives x's gradient in x's

@@ -24,10 +24,12 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor&, const at::Tens
   no_cuda("add_rms_norm");
 }
 at::Tensor swiglu(const at::Tensor&, const at::Tensor&) { no_cuda("swiglu"); }
-at::Tensor swiglu_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {
+at::Tensor swiglu_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const SwiGLULinearOptions&) {
   no_cuda("swiglu_linear");
 }
-at::Tensor swiglu_linear_packed(const at::Tensor&, const at::Tensor&, bool) {
+at::Tensor swiglu_linear_packed(const at::Tensor&, const at::Tensor&,
+                                const SwiGLULinearOptions&) {
   no_cuda("swiglu_linear_packed");
 }
 at::Tensor cross_entropy_rows_(at::Tensor&, const at::Tensor&) { no_cuda("cross_entropy"); }

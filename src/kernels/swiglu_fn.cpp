@@ -78,14 +78,16 @@ at::Tensor swiglu_grads_packed(const at::Tensor& dy, const at::Tensor& ab) {
 class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
-                            const at::Tensor& w, bool packed, bool recompute) {
+                            const at::Tensor& w, bool packed, const SwiGLULinearOptions* o) {
     auto ac = a.contiguous(), bc = packed ? b : b.contiguous();
-    // Kept: the backward needs the same cast (from the weight cache, Note
-    // [Low-precision weight cache]).
-    auto wc = w.scalar_type() == a.scalar_type() ? w : weight_cache::get({w}, a.scalar_type());
+    // Kept: the backward needs the same cast, from the options' weight
+    // cache (see Note [Low-precision weight cache]).
+    auto wc = w.scalar_type() == a.scalar_type() ? w
+                                                 : cast_weights(o->cache, {w}, a.scalar_type());
     auto h = packed ? swiglu_launch_packed(ac) : swiglu_launch(ac, bc);
-    ctx->save_for_backward({ac, bc, w, wc, recompute ? at::Tensor() : h});
+    ctx->save_for_backward({ac, bc, w, wc, o->recompute ? at::Tensor() : h});
     ctx->saved_data["packed"] = packed;
+    ctx->saved_data["fp32_out"] = o->fp32_out_gemm;
     return at::linear(h, wc);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -103,9 +105,11 @@ class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
                                : swiglu_launch(a, b))
                  .view({-1, F});
     auto dy = grads[0].contiguous().view({-1, D}).to(a.scalar_type());
-    // fp32 straight from the GEMM (see Note [Linear with an fp32 weight gradient]).
+    // fp32 straight from the GEMM (see Note [Linear with an fp32 weight
+    // gradient], ops/linear.cpp).
     auto dw = at::empty(w.sizes(), w.options());
-    compat::matmul_into_fp32_(dw, dy.t(), h, /*accumulate=*/false);
+    compat::matmul_into_fp32_(dw, dy.t(), h, /*accumulate=*/false,
+                              ctx->saved_data["fp32_out"].toBool());
     auto dh = at::mm(dy, wc);
     h.reset();
     if (packed) return {swiglu_grads_packed(dh, a), at::Tensor(), dw, at::Tensor(), at::Tensor()};
@@ -124,21 +128,22 @@ at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b) {
 }
 
 at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w,
-                         bool recompute) {
+                         const SwiGLULinearOptions& o) {
   RECORD_FUNCTION("viaduct::swiglu_linear", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && w.dim() == 2 &&
                     w.size(1) == a.size(-1),
                 "fused swiglu_linear: a, b must match and w be [D, ", a.size(-1), "]");
-  return SwiGLULinearFn::apply(a, b, w, false, recompute);
+  return SwiGLULinearFn::apply(a, b, w, false, &o);
 }
 
-at::Tensor swiglu_linear_packed(const at::Tensor& ab, const at::Tensor& w, bool recompute) {
+at::Tensor swiglu_linear_packed(const at::Tensor& ab, const at::Tensor& w,
+                                const SwiGLULinearOptions& o) {
   RECORD_FUNCTION("viaduct::swiglu_linear", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(ab.dim() >= 1 && ab.size(-1) % 2 == 0 && w.dim() == 2 &&
                     2 * w.size(1) == ab.size(-1),
                 "fused swiglu_linear_packed: ab must be [..., 2F] and w [D, F], got ",
                 ab.sizes(), " and ", w.sizes());
-  return SwiGLULinearFn::apply(ab, at::empty({0}, ab.options()), w, true, recompute);
+  return SwiGLULinearFn::apply(ab, at::empty({0}, ab.options()), w, true, &o);
 }
 
 }  // namespace viaduct::kernels

@@ -1,38 +1,26 @@
 #include "kernels/weight_cache.h"
 
-#include <memory>
-#include <mutex>
-#include <unordered_map>
+#include <algorithm>
 
 #include "core/check.h"
 
-namespace viaduct::kernels::weight_cache {
-namespace {
+namespace viaduct::kernels {
 
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
 // One copy: its parts (weakly: a freed weight drops its copy at the next
 // sweep), each part's first row in the copy and the version it was
 // written at (-1: never).
-struct Entry {
+struct WeightCache::Entry {
   std::vector<WeakImpl> parts;
   std::vector<int64_t> row_begin;
   std::vector<int64_t> versions;
   at::Tensor copy;
 };
 
-struct Registry {
-  std::mutex mu;
-  // Each part's entry, keyed by its TensorImpl (checked against the weak
-  // pointer, so a new tensor at a freed address never matches).
-  std::unordered_map<const c10::TensorImpl*, std::shared_ptr<Entry>> by_part;
-  int64_t casts = 0;
-};
+namespace {
 
-Registry& registry() {
-  static Registry r;
-  return r;
-}
+using Entry = WeightCache::Entry;
 
 // The index of `p` among e's parts, or -1.
 int64_t index_of(const Entry& e, const c10::TensorImpl* p) {
@@ -59,17 +47,15 @@ at::Tensor rows_of(const Entry& e, size_t i) {
 }
 
 // Drops the entries of freed weights (their copies with them).
-void sweep(Registry& r) {
-  for (auto it = r.by_part.begin(); it != r.by_part.end();) {
+void sweep(std::unordered_map<const c10::TensorImpl*, std::shared_ptr<Entry>>& by_part) {
+  for (auto it = by_part.begin(); it != by_part.end();) {
     bool dead = false;
     for (const auto& w : it->second->parts) dead = dead || w.expired();
-    it = dead ? r.by_part.erase(it) : std::next(it);
+    it = dead ? by_part.erase(it) : std::next(it);
   }
 }
 
-}  // namespace
-
-at::Tensor get(at::TensorList parts, at::ScalarType dtype) {
+void check_parts(at::TensorList parts, at::ScalarType dtype) {
   VIADUCT_CHECK(!parts.empty(), "weight cache: no weights");
   const auto inner = parts[0].sizes().slice(std::min<size_t>(1, parts[0].dim()));
   for (const auto& p : parts) {
@@ -79,25 +65,39 @@ at::Tensor get(at::TensorList parts, at::ScalarType dtype) {
                   "weight cache: the parts must be weights of 2 or more dims, equal past the "
                   "first, of one device and dtype, other than ", dtype);
   }
+}
+
+// A fresh cast of the parts' concatenation, not kept.
+at::Tensor cast_afresh(at::TensorList parts, at::ScalarType dtype) {
   at::NoGradGuard no_grad;
-  auto& r = registry();
+  return parts.size() == 1 ? parts[0].to(dtype) : at::cat(parts).to(dtype);
+}
+
+}  // namespace
+
+WeightCache::WeightCache() = default;
+WeightCache::~WeightCache() = default;
+
+at::Tensor WeightCache::get(at::TensorList parts, at::ScalarType dtype) {
+  check_parts(parts, dtype);
+  at::NoGradGuard no_grad;
   // Only leaves are cached: a view of a weight (an expert's slice of the
   // MoE's stacked weights) is a new tensor on every forward, so a copy keyed
   // by it would never be found again.
   bool leaves = true;
   for (const auto& p : parts) leaves = leaves && p.is_leaf();
   if (!leaves) {
-    std::lock_guard<std::mutex> lock(r.mu);
-    ++r.casts;
-    return parts.size() == 1 ? parts[0].to(dtype) : at::cat(parts).to(dtype);
+    std::lock_guard<std::mutex> lock(mu_);
+    ++casts_;
+    return cast_afresh(parts, dtype);
   }
-  std::lock_guard<std::mutex> lock(r.mu);
+  std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Entry> e;
-  if (auto it = r.by_part.find(parts[0].unsafeGetTensorImpl());
-      it != r.by_part.end() && matches(*it->second, parts, dtype)) {
+  if (auto it = by_part_.find(parts[0].unsafeGetTensorImpl());
+      it != by_part_.end() && matches(*it->second, parts, dtype)) {
     e = it->second;
   } else {
-    sweep(r);
+    sweep(by_part_);
     e = std::make_shared<Entry>();
     int64_t rows = 0;
     for (const auto& p : parts) {
@@ -112,14 +112,14 @@ at::Tensor get(at::TensorList parts, at::ScalarType dtype) {
     // A weight belongs to one copy: a new grouping replaces every copy that
     // held one of its parts, for all of that copy's parts.
     for (const auto& p : parts) {
-      auto it = r.by_part.find(p.unsafeGetTensorImpl());
-      if (it == r.by_part.end()) continue;
+      auto it = by_part_.find(p.unsafeGetTensorImpl());
+      if (it == by_part_.end()) continue;
       const auto old = it->second;
-      for (auto j = r.by_part.begin(); j != r.by_part.end();) {
-        j = j->second == old ? r.by_part.erase(j) : std::next(j);
+      for (auto j = by_part_.begin(); j != by_part_.end();) {
+        j = j->second == old ? by_part_.erase(j) : std::next(j);
       }
     }
-    for (const auto& p : parts) r.by_part[p.unsafeGetTensorImpl()] = e;
+    for (const auto& p : parts) by_part_[p.unsafeGetTensorImpl()] = e;
   }
   bool cast = false;
   for (size_t i = 0; i < parts.size(); ++i) {
@@ -129,15 +129,14 @@ at::Tensor get(at::TensorList parts, at::ScalarType dtype) {
     e->versions[i] = v;
     cast = true;
   }
-  if (cast) ++r.casts;
+  if (cast) ++casts_;
   return e->copy;
 }
 
-at::Tensor slot_for(const at::Tensor& p) {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  auto it = r.by_part.find(p.unsafeGetTensorImpl());
-  if (it == r.by_part.end()) return {};
+at::Tensor WeightCache::slot_for(const at::Tensor& p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_part_.find(p.unsafeGetTensorImpl());
+  if (it == by_part_.end()) return {};
   const auto& e = *it->second;
   const auto i = index_of(e, p.unsafeGetTensorImpl());
   if (i < 0) return {};
@@ -145,11 +144,10 @@ at::Tensor slot_for(const at::Tensor& p) {
   return rows.numel() == p.numel() ? rows : at::Tensor();
 }
 
-void mark_written(const at::Tensor& p) {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  auto it = r.by_part.find(p.unsafeGetTensorImpl());
-  VIADUCT_CHECK(it != r.by_part.end(), "weight cache: mark_written of a weight without a copy");
+void WeightCache::mark_written(const at::Tensor& p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_part_.find(p.unsafeGetTensorImpl());
+  VIADUCT_CHECK(it != by_part_.end(), "weight cache: mark_written of a weight without a copy");
   auto& e = *it->second;
   const auto i = index_of(e, p.unsafeGetTensorImpl());
   VIADUCT_CHECK(i >= 0, "weight cache: mark_written of a weight without a copy");
@@ -161,18 +159,16 @@ void mark_written(const at::Tensor& p) {
   e.versions[static_cast<size_t>(i)] = p._version();
 }
 
-void clear() {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  r.by_part.clear();
+void WeightCache::clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  by_part_.clear();
 }
 
-int64_t bytes() {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
+int64_t WeightCache::bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<const Entry*> seen;
   int64_t n = 0;
-  for (const auto& [impl, e] : r.by_part) {
+  for (const auto& [impl, e] : by_part_) {
     if (std::find(seen.begin(), seen.end(), e.get()) != seen.end()) continue;
     seen.push_back(e.get());
     n += static_cast<int64_t>(e->copy.nbytes());
@@ -180,10 +176,15 @@ int64_t bytes() {
   return n;
 }
 
-int64_t casts() {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  return r.casts;
+int64_t WeightCache::casts() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return casts_;
 }
 
-}  // namespace viaduct::kernels::weight_cache
+at::Tensor cast_weights(WeightCache* cache, at::TensorList parts, at::ScalarType dtype) {
+  if (cache != nullptr) return cache->get(parts, dtype);
+  check_parts(parts, dtype);
+  return cast_afresh(parts, dtype);
+}
+
+}  // namespace viaduct::kernels

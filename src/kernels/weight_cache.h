@@ -24,34 +24,70 @@
 // already, so the activation peak does not grow. The copies do not require
 // grad; the autograd functions that use them return the gradient to the
 // fp32 parts.
+//
+// Ownership: one WeightCache per rank, made with the rank's model
+// (train/rank_model.cpp, freed with it) and reached through
+// ops::KernelOptions::weight_cache by the ops that cast weights -- linear,
+// the fused SwiGLU's down projection, the grouped MoE experts, the chunked
+// head loss -- and by the AdamW kernel's update. Where options carry none
+// (a module built outside a training run), every cast is made afresh.
 #pragma once
 
 #include <torch/torch.h>
 
-namespace viaduct::kernels::weight_cache {
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
 
-// `parts` cast to `dtype` and concatenated along dim 0 (see above). Every
-// part a tensor of 2 or more dims (the MoE's stacked expert weights are 3-D)
-// with the same sizes past the first, on one device. The
-// result must not be written. Parts that are not leaves (views, results of
-// ops) are cast every time and not kept.
-at::Tensor get(at::TensorList parts, at::ScalarType dtype);
+namespace viaduct::kernels {
 
-// For the optimizer: the rows of `p`'s copy as a contiguous tensor of
-// p.numel() elements (in the copy's dtype), or an undefined tensor when p
-// has no current-layout copy.
-at::Tensor slot_for(const at::Tensor& p);
+// One rank's copies (see above). The rank's model owns one (train/
+// rank_model.h) and hands it to every module and to the optimizer through
+// ops::KernelOptions::weight_cache; nothing else reaches it. Thread-safe.
+class WeightCache {
+ public:
+  WeightCache();
+  ~WeightCache();
+  WeightCache(const WeightCache&) = delete;
+  WeightCache& operator=(const WeightCache&) = delete;
 
-// After the optimizer wrote p and slot_for(p) from the same new values:
-// bumps p's version and records p's rows of the copy as current.
-void mark_written(const at::Tensor& p);
+  // `parts` cast to `dtype` and concatenated along dim 0 (see above). Every
+  // part a tensor of 2 or more dims (the MoE's stacked expert weights are
+  // 3-D) with the same sizes past the first, on one device. The result must
+  // not be written. Parts that are not leaves (views, results of ops) are
+  // cast every time and not kept.
+  at::Tensor get(at::TensorList parts, at::ScalarType dtype);
 
-// Forgets every copy (they are rebuilt on use).
-void clear();
+  // For the optimizer: the rows of `p`'s copy as a contiguous tensor of
+  // p.numel() elements (in the copy's dtype), or an undefined tensor when p
+  // has no current-layout copy.
+  at::Tensor slot_for(const at::Tensor& p);
 
-// Bytes held by the copies; the number of get() calls that cast at least
-// one part (for tests and logs).
-int64_t bytes();
-int64_t casts();
+  // After the optimizer wrote p and slot_for(p) from the same new values:
+  // bumps p's version and records p's rows of the copy as current.
+  void mark_written(const at::Tensor& p);
 
-}  // namespace viaduct::kernels::weight_cache
+  // Forgets every copy (they are rebuilt on use).
+  void clear();
+
+  // Bytes held by the copies; the number of get() calls that cast at least
+  // one part (for tests and logs).
+  int64_t bytes();
+  int64_t casts();
+
+  struct Entry;  // one copy and its parts (weight_cache.cpp)
+
+ private:
+  std::mutex mu_;
+  // Each part's entry, keyed by its TensorImpl (checked against the weak
+  // pointer, so a new tensor at a freed address never matches).
+  std::unordered_map<const c10::TensorImpl*, std::shared_ptr<Entry>> by_part_;
+  int64_t casts_ = 0;
+};
+
+// `parts` cast as WeightCache::get casts them: through `cache` where the
+// caller has one, else a fresh cast on every call (the same bits).
+at::Tensor cast_weights(WeightCache* cache, at::TensorList parts, at::ScalarType dtype);
+
+}  // namespace viaduct::kernels

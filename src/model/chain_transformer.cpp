@@ -200,8 +200,7 @@ at::Tensor ChainTransformer::forward_loss(const Activations& in, const at::Tenso
   VIADUCT_CHECK(has_head_, "forward_loss on a part without the head");
   auto h = trunk(in);
   const auto& w = lm_head_ ? lm_head_->weight : tok_embeddings_->weight;
-  int64_t chunk = spec_.loss_chunk_tokens;
-  if (chunk < 0) chunk = ops::fused_runs(h, kernel_options_) ? kAutoLossChunkTokens : 0;  // auto
+  const int64_t chunk = ops::loss_chunk_tokens(spec_.loss_chunk_tokens, h, kernel_options_);
   if (chunk == 0) {
     return summed_cross_entropy(ops::linear(h, w, at::Tensor(), kernel_options_), targets);
   }

@@ -11,11 +11,6 @@
 
 namespace viaduct {
 
-// model.loss_chunk_tokens = -1 on the fused-kernel path: chunks of 4096
-// tokens keep the [chunk x vocab] logits small while each chunk's GEMMs
-// still fill the GPU.
-inline constexpr int64_t kAutoLossChunkTokens = 4096;
-
 struct ChainSpec {
   std::string family;
   std::string flavor;
@@ -34,8 +29,8 @@ struct ChainSpec {
   bool bias = false;             // attention biases
   bool learned_positions = false;  // gpt2: pos_embeddings (pinned first)
   bool tie_embeddings = false;
-  // > 0: see Note [Chunked head loss]; 0: plain; < 0: auto (kAutoLossChunkTokens
-  // where the fused kernels run, plain elsewhere).
+  // model.loss_chunk_tokens: > 0 chunks (see Note [Chunked head loss],
+  // ops/cross_entropy.h); 0: plain; < 0: auto (ops::loss_chunk_tokens).
   int64_t loss_chunk_tokens = -1;
   bool depth_init = true;        // llama: wo/w2/w3 std 0.02/sqrt(2(l+1))
   // See Note [Activation checkpointing] (ops/recompute.h): which layers.

@@ -108,27 +108,38 @@ void KdaImpl::init_weights(uint64_t seed, const std::string& p, double std_in,
   dt_bias.copy_(dt + at::log(-at::expm1(-dt)));  // softplus^-1
 }
 
-at::Tensor KdaImpl::forward(const at::Tensor& x) {
+KdaRuleInputs KdaImpl::rule_inputs(const at::Tensor& x) {
   // x: [B, T, D]
   const auto B = x.size(0), T = x.size(1);
   const auto H = opts_.n_heads, d = opts_.head_dim;
   const auto st = inner_type(x);
-  auto q = q_conv(linear(x, q_proj, kernel_options_)).view({B, T, H, d});
-  auto k = k_conv(linear(x, k_proj, kernel_options_)).view({B, T, H, d});
-  auto v = v_conv(linear(x, v_proj, kernel_options_)).view({B, T, H, d});
-  q = ops::l2_normalize(q, 1e-6, 1.0 / std::sqrt(static_cast<double>(d)), kernel_options_);
-  k = ops::l2_normalize(k, 1e-6, 1.0, kernel_options_);
+  KdaRuleInputs in;
+  in.q = q_conv(linear(x, q_proj, kernel_options_)).view({B, T, H, d});
+  in.k = k_conv(linear(x, k_proj, kernel_options_)).view({B, T, H, d});
+  in.v = v_conv(linear(x, v_proj, kernel_options_)).view({B, T, H, d});
+  in.q = ops::l2_normalize(in.q, 1e-6, 1.0 / std::sqrt(static_cast<double>(d)), kernel_options_);
+  in.k = ops::l2_normalize(in.k, 1e-6, 1.0, kernel_options_);
   // Per-channel log decay g = -exp(A_log) * softplus(f + dt_bias) <= 0.
   auto f = linear(linear(x, f_a, kernel_options_), f_b, kernel_options_).to(st) + dt_bias.to(st);
-  auto g = -(A_log.to(st).exp().view({1, 1, H, 1})) *
-           at::softplus(f.view({B, T, H, d}));
-  auto beta = at::sigmoid(linear(x, b_proj, kernel_options_).to(st));  // [B, T, H]
-  auto o = recurrent_ ? ops::kda_recurrent(q, k, v, g, beta)
-                      : ops::kda(q, k, v, g, beta, opts_.chunk_size, kernel_options_);
-  // Output: per-head RMSNorm, sigmoid gate, projection.
+  in.g = -(A_log.to(st).exp().view({1, 1, H, 1})) * at::softplus(f.view({B, T, H, d}));
+  in.beta = at::sigmoid(linear(x, b_proj, kernel_options_).to(st));  // [B, T, H]
+  return in;
+}
+
+at::Tensor KdaImpl::output(const at::Tensor& x, const at::Tensor& o) {
+  // x: [B, T, D], o: [B, T, H, dv]
+  const auto B = x.size(0), T = x.size(1);
+  const auto H = opts_.n_heads, d = opts_.head_dim;
+  const auto st = inner_type(x);
+  // Per-head RMSNorm, sigmoid gate, projection.
   auto gate = at::sigmoid(linear(linear(x, g_a, kernel_options_), g_b, kernel_options_).to(st)).view({B, T, H, d});
-  o = o_norm(o) * gate;  // [B, T, H, dv]
-  return linear(o.reshape({B, T, H * d}).to(x.scalar_type()), o_proj, kernel_options_);
+  auto y = o_norm(o) * gate;  // [B, T, H, dv]
+  return linear(y.reshape({B, T, H * d}).to(x.scalar_type()), o_proj, kernel_options_);
+}
+
+at::Tensor KdaImpl::forward(const at::Tensor& x) {
+  const auto in = rule_inputs(x);
+  return output(x, ops::kda(in.q, in.k, in.v, in.g, in.beta, opts_.chunk_size, kernel_options_));
 }
 
 }  // namespace viaduct

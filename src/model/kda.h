@@ -32,12 +32,27 @@ struct KdaOptions {
   double norm_eps = 1e-5;
 };
 
+// The inputs of the gated delta rule (ops/kda.h) for one layer's input.
+struct KdaRuleInputs {
+  at::Tensor q, k;  // [B, T, H, dk], L2-normalised (q scaled by dk^-1/2)
+  at::Tensor v;     // [B, T, H, dv]
+  at::Tensor g;     // [B, T, H, dk] per-channel log-decays (<= 0)
+  at::Tensor beta;  // [B, T, H]
+};
+
 // FQNs: q_proj, k_proj, v_proj, q_conv, k_conv, v_conv, f_a, f_b (decay),
 // A_log, dt_bias, b_proj (beta), g_a, g_b (output gate), o_norm, o_proj.
 class KdaImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   explicit KdaImpl(const KdaOptions& opts);
-  at::Tensor forward(const at::Tensor& x);  // x: [B, T, D] -> [B, T, D]
+  // x: [B, T, D] -> [B, T, D]: output(x, ops::kda(rule_inputs(x), ...)).
+  at::Tensor forward(const at::Tensor& x);
+  // The layer's two halves around the recurrence: its projections,
+  // convolutions, norms, decay and beta; and from the recurrence's o
+  // [B, T, H, dv] the gated, normalised output projection. A test
+  // evaluates the layer with another form of the rule between them.
+  KdaRuleInputs rule_inputs(const at::Tensor& x);
+  at::Tensor output(const at::Tensor& x, const at::Tensor& o);
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out);
   static int64_t count_params(const KdaOptions& o);
@@ -46,7 +61,6 @@ class KdaImpl : public torch::nn::Module, public ops::KernelUser {
   static double mixing_flops(const KdaOptions& o);
 
   KdaOptions opts_;
-  bool recurrent_ = false;  // evaluate with ops::kda_recurrent (tests)
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
   ShortConv q_conv{nullptr}, k_conv{nullptr}, v_conv{nullptr};
   torch::nn::Linear f_a{nullptr}, f_b{nullptr}, b_proj{nullptr};

@@ -2,7 +2,6 @@
 
 #include "core/check.h"
 #include "core/rng.h"
-#include "core/torch_compat.h"
 #include "ops/rms_norm.h"
 #include "ops/swiglu.h"
 
@@ -98,31 +97,12 @@ void AttentionImpl::init_weights(uint64_t seed, const std::string& p,
 at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   // x: [B, T, D]
   const auto B = x.size(0), T = x.size(1);
-  const auto H = opts_.n_heads, KV = opts_.n_kv_heads, hd = head_dim_;
+  const auto H = opts_.n_heads, hd = head_dim_;
   const auto& ko = kernel_options_;
-  at::Tensor q, k, v;
-  if (ops::fused_runs(x, ko)) {
-    // Note [One qkv projection]
-    // On the fused-kernel path q, k and v come
-    // from one GEMM over the concatenated weights: a wider product instead
-    // of three (two of them only kv wide), and in the backward one GEMM for
-    // dx instead of three plus two additions. The slices are strided views;
-    // the RoPE kernel and SDPA read them in place.
-    // The three weights as parts of one linear (see Note [Linear with an fp32
-    // weight gradient], ops/linear.cpp): their bf16 concatenation from the
-    // weight cache, the fp32 gradient split back into the three.
-    auto qkv = ops::linear_parts(x, {wq->weight, wk->weight, wv->weight},
-                                 opts_.bias ? at::cat({wq->bias, wk->bias, wv->bias}) : at::Tensor(),
-                                 ko);
-    auto parts = qkv.split_with_sizes({H * hd, KV * hd, KV * hd}, -1);
-    q = parts[0].view({B, T, H, hd});
-    k = parts[1].view({B, T, KV, hd});
-    v = parts[2].view({B, T, KV, hd});
-  } else {
-    q = linear(x, wq, ko).view({B, T, H, hd});
-    k = linear(x, wk, ko).view({B, T, KV, hd});
-    v = linear(x, wv, ko).view({B, T, KV, hd});
-  }
+  const at::Tensor none;  // no bias
+  auto [q, k, v] = ops::qkv_projection(x, wq->weight, wk->weight, wv->weight,
+                                       opts_.bias ? wq->bias : none, opts_.bias ? wk->bias : none,
+                                       opts_.bias ? wv->bias : none, hd, ko);
   // Module::to() moves buffers with set_data, so rope_ stays valid.
   auto y = ops::causal_attention(q, k, v, opts_.rope ? &rope_ : nullptr, ko);  // [B, H, T, hd]
   y = y.transpose(1, 2).reshape({B, T, H * hd});

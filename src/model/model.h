@@ -137,10 +137,13 @@ std::vector<std::string> model_module_fqns(const Config& cfg);
 // Build the part holding `module_fqns` (empty = the whole model) on CPU in
 // fp32 with uninitialised weights; call init_weights or load a checkpoint.
 // Builds the part and sets its modules' kernel options from the config
-// (kernel_options; see Note [Ops own the kernel choice], ops/options.h).
+// (kernel_options; see Note [Ops own the kernel choice], ops/options.h); a
+// training rank completes them with its capabilities and weight cache
+// (train/rank_model.cpp).
 std::shared_ptr<ModelPart> build_model_part(
     const Config& cfg, const std::vector<std::string>& module_fqns = {});
-// model.cuda_kernels and model.swiglu_recompute as the ops' options.
+// model.cuda_kernels and model.swiglu_recompute as the ops' options (no
+// capabilities probed, no weight cache).
 ops::KernelOptions kernel_options(const Config& cfg);
 // activation_checkpoint.mode and .selective_ac_option (checked on load).
 ops::ActivationCheckpoint activation_checkpoint(const Config& cfg);

@@ -123,47 +123,7 @@ at::Tensor source_use(const at::Tensor& w,
   return out;
 }
 
-// Rows in expert order (`order`: their slots) back in slot order, [slots,
-// ...]: a permutation's inverse, or under capacity (`dropped`) into zeros,
-// each kept slot written once (a deterministic index_copy).
-at::Tensor to_slot_order(const at::Tensor& rows, const at::Tensor& order, int64_t slots,
-                         bool dropped) {
-  if (!dropped) return rows.index_select(0, at::argsort(order));
-  auto shape = rows.sizes().vec();
-  shape[0] = slots;
-  return at::zeros(shape, rows.options()).index_copy(0, order, rows);
-}
-
 }  // namespace
-
-// Note [MoE dispatch without per-expert gradient fills]
-// The experts run
-// one at a time, each on its own rows. Taken as `w1[e]` and
-// `x.index_select(0, rows_e)`, every expert's slice has a backward that
-// fills a zero tensor of the whole weight ([E, H, D]) or the whole input
-// ([N, D]) around its part, which the engine then adds up: E full-size
-// fills and adds per tensor, quadratic in the expert count for the weights
-// (E = 128 in the full flavor: 128 x 1 GiB a weight a layer). Here the
-// weights are unbound once (one node whose backward stacks the E
-// gradients) and the rows are gathered once for every slot in expert order
-// and split (one node whose backward concatenates). The forward's values
-// and the weights' gradients are the same bits as the per-expert slices';
-// x's gradient sums the same terms in another order (test
-// Moe.DispatchHasThePerExpertFormsBits).
-std::vector<at::Tensor> GroupedExpertsImpl::forward_all(const std::vector<at::Tensor>& rows) {
-  const at::Tensor none;  // no bias
-  const auto w1s = w1.unbind(0), w2s = w2.unbind(0), w3s = w3.unbind(0);
-  std::vector<at::Tensor> outs;
-  for (size_t e = 0; e < rows.size(); ++e) {
-    const auto& x = rows[e];
-    if (x.size(0) == 0) continue;
-    const auto& k = kernel_options_;
-    outs.push_back(ops::linear(at::silu(ops::linear(x, w1s[e], none, k)) *
-                                   ops::linear(x, w3s[e], none, k),
-                               w2s[e], none, k));
-  }
-  return outs;
-}
 
 MoeImpl::MoeImpl(const MoeOptions& o) : opts_(o) {
   VIADUCT_CHECK(o.n_routed_experts > 0 && o.n_activated_experts > 0 &&
@@ -267,36 +227,18 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     tokens_dropped += at::logical_not(keep).sum().view({1});
   }
   at::Tensor y;
-  if (!exchange_ && ops::grouped_experts_run(xf, opts_.hidden_dim, kernel_options_)) {
-    // Grouped GEMMs over padded expert groups (see Note [MoE dispatch into
-    // padded groups], ops/moe.h): no host sync. Dropped copies run and
-    // their gating weights are zero.
-    auto d = ops::dispatch_experts(idx, E, kernel_options_);
-    count_tokens(d.counts);
-    auto xs = at::zeros({d.rows, D}, xf.options()).index_copy(0, d.pos, slots);
-    auto ys = ops::grouped_swiglu_experts(xs, d.offs, experts->w1, experts->w2, experts->w3);
-    y = ops::gather_distinct_rows(ys, d.pos).view({N, K, D});
-    if (keep.defined()) w = w * keep.view({N, K}).to(w.scalar_type());
-  } else {
-    // The slots in expert order, split by expert (see Note [MoE dispatch
-    // without per-expert gradient fills]). The gather is a permutation of
-    // the slots, so its backward adds into no row twice, and the sum over a
-    // token's k copies is a reduction: no scatter-add anywhere,
-    // deterministic.
-    const auto eo = expert_order(idx.reshape({-1}), keep);
+  if (exchange_) {
+    // See Note [Expert parallelism]: the copies in expert order through
+    // their experts' owners.
+    const auto eo = ops::expert_order(idx.reshape({-1}), keep, E);
     count_tokens(eo.routed);
-    if (exchange_) {
-      y = experts_over_ranks(slots, eo, keep.defined()).view({N, K, D});
-    } else {
-      const auto* cnt = eo.counts.data_ptr<int64_t>();
-      auto rows = slots.index_select(0, eo.order).split_with_sizes(
-          std::vector<int64_t>(cnt, cnt + E), 0);
-      // Expert outputs in expert order, then back to (token, slot) order.
-      auto sorted_out = at::cat(experts->forward_all(rows), 0);  // [kept, D]
-      y = to_slot_order(sorted_out, eo.order, N * K, keep.defined()).view({N, K, D});
-    }
+    y = ops::combine_experts(experts_over_ranks(slots, eo, keep.defined()).view({N, K, D}), w);
+  } else {
+    auto r = ops::moe_experts(slots, idx, w, keep, {experts->w1, experts->w2, experts->w3},
+                              kernel_options_);
+    count_tokens(r.routed);
+    y = r.out;
   }
-  y = (y * w.to(y.scalar_type()).unsqueeze(-1)).sum(1);  // [N, D]
   if (shared_expert) y = y + shared_expert(xf);
   return y.view(x.sizes());
 }
@@ -334,7 +276,7 @@ std::vector<std::vector<at::Tensor>> MoeImpl::take_source_grads() {
   return out;
 }
 
-at::Tensor MoeImpl::experts_over_ranks(const at::Tensor& slots, const ExpertOrder& eo,
+at::Tensor MoeImpl::experts_over_ranks(const at::Tensor& slots, const ops::ExpertOrder& eo,
                                        bool dropped) {
   const int64_t E = opts_.n_routed_experts, P = exchange_->size(), El = local_experts();
   const auto& order = eo.order;
@@ -374,56 +316,22 @@ at::Tensor MoeImpl::experts_over_ranks(const at::Tensor& slots, const ExpertOrde
   auto out = run_local_experts(rows, pieces);
   // The outputs back to their sources, in each source's expert order.
   auto back = exchange_rows(exchange_, out, recv, send);  // [kept, D]
-  return to_slot_order(back, order, slots.size(0), dropped);
+  return ops::to_slot_order(back, order, slots.size(0), dropped);
 }
 
 at::Tensor MoeImpl::run_local_experts(const at::Tensor& rows, const std::vector<int64_t>& pieces) {
-  const int64_t P = exchange_->size(), El = local_experts();
-  const auto& k = kernel_options_;
-  if (source_grads_->size() == 1 && ops::grouped_experts_run(rows, opts_.hidden_dim, k)) {
-    // One gradient for every source: the local experts as grouped GEMMs
-    // over the received rows, each row's group its local expert.
-    std::vector<int64_t> expert_of;
-    expert_of.reserve(static_cast<size_t>(rows.size(0)));
-    for (int64_t s = 0; s < P; ++s) {
-      for (int64_t e = 0; e < El; ++e) {
-        expert_of.insert(expert_of.end(), static_cast<size_t>(pieces[static_cast<size_t>(s * El + e)]), e);
-      }
-    }
-    const auto ids = at::tensor(expert_of, at::TensorOptions(at::kLong))
-                         .to(rows.device())
-                         .view({-1, 1});
-    auto d = ops::dispatch_experts(ids, El, k);
-    auto xs = at::zeros({d.rows, rows.size(1)}, rows.options()).index_copy(0, d.pos, rows);
-    auto ys = ops::grouped_swiglu_experts(xs, d.offs, source_use(experts->w1, source_grads_, 0, 0),
-                                          source_use(experts->w2, source_grads_, 0, 1),
-                                          source_use(experts->w3, source_grads_, 0, 2));
-    return ops::gather_distinct_rows(ys, d.pos);
-  }
-  // A GEMM chain per (source, expert): each source's gradient its own when
-  // kept per source (see Note [Expert parallelism]).
-  auto groups = rows.split_with_sizes(pieces, 0);
-  std::vector<at::Tensor> outs;
-  const at::Tensor none;
-  for (int64_t s = 0; s < P; ++s) {
-    bool any = false;
-    for (int64_t e = 0; e < El; ++e) any = any || pieces[static_cast<size_t>(s * El + e)] > 0;
-    if (!any) continue;
-    const auto src = source_grads_->size() == 1 ? size_t{0} : static_cast<size_t>(s);
-    const auto w1s = source_use(experts->w1, source_grads_, src, 0).unbind(0);
-    const auto w2s = source_use(experts->w2, source_grads_, src, 1).unbind(0);
-    const auto w3s = source_use(experts->w3, source_grads_, src, 2).unbind(0);
-    for (int64_t e = 0; e < El; ++e) {
-      const auto& x = groups[static_cast<size_t>(s * El + e)];
-      if (x.size(0) == 0) continue;
-      outs.push_back(ops::linear(at::silu(ops::linear(x, w1s[e], none, k)) *
-                                     ops::linear(x, w3s[e], none, k),
-                                 w2s[e], none, k));
-    }
-  }
-  // No rows here: an empty slice of the received rows keeps the return
-  // exchange's backward linked to the first one's, as on the other ranks.
-  return outs.empty() ? rows.narrow(0, 0, 0) : at::cat(outs, 0);
+  // Each source's use of the local experts: its own gradient sinks when
+  // kept per source, else every source's into one (see Note [Expert
+  // parallelism]).
+  const bool per_source = source_grads_->size() > 1;
+  auto weights = [&](int64_t s) {
+    const auto src = per_source ? static_cast<size_t>(s) : size_t{0};
+    return ops::ExpertWeights{source_use(experts->w1, source_grads_, src, 0),
+                              source_use(experts->w2, source_grads_, src, 1),
+                              source_use(experts->w3, source_grads_, src, 2)};
+  };
+  return ops::moe_local_experts(rows, pieces, exchange_->size(), opts_.hidden_dim, per_source,
+                                weights, kernel_options_);
 }
 
 at::Tensor MoeImpl::capacity_keep(const at::Tensor& idx) {
@@ -443,20 +351,6 @@ at::Tensor MoeImpl::capacity_keep(const at::Tensor& idx) {
       at::arange(S, flat.options()) - first.index_select(0, flat.index_select(0, order));
   const auto place = at::empty_like(place_sorted).index_copy_(0, order, place_sorted);
   return place < C;
-}
-
-MoeImpl::ExpertOrder MoeImpl::expert_order(const at::Tensor& flat, const at::Tensor& keep) {
-  torch::NoGradGuard g;
-  ExpertOrder eo;
-  eo.order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
-  const int64_t E = opts_.n_routed_experts;
-  eo.routed = at::bincount(flat, {}, E).to(at::kCPU).contiguous();
-  eo.counts = eo.routed;
-  if (keep.defined()) {
-    eo.order = eo.order.masked_select(keep.index_select(0, eo.order));
-    eo.counts = at::bincount(flat.masked_select(keep), {}, E).to(at::kCPU).contiguous();
-  }
-  return eo;
 }
 
 void MoeImpl::update_bias() {

@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "model/layers.h"
+#include "ops/moe.h"
 
 namespace viaduct {
 
@@ -86,12 +87,11 @@ class ExpertExchange {
 
 // FQNs: router.weight [E, D], expert_bias [E] (buffer), experts.w1 [E, H, D],
 // experts.w2 [E, D, H], experts.w3 [E, H, D], shared_expert.{w1,w2,w3}.
-class GroupedExpertsImpl : public torch::nn::Module, public ops::KernelUser {
+// The routed experts' stacked SwiGLU weights; they run through
+// ops::moe_experts (ops/moe.h).
+class GroupedExpertsImpl : public torch::nn::Module {
  public:
   GroupedExpertsImpl(int64_t n_experts, int64_t dim, int64_t hidden);
-  // SwiGLU of every expert e on its rows[e]: [n_e, D] -> [n_e, D]; the
-  // outputs of the experts with rows, in expert order.
-  std::vector<at::Tensor> forward_all(const std::vector<at::Tensor>& rows);
   at::Tensor w1, w2, w3;
 };
 TORCH_MODULE(GroupedExperts);
@@ -138,25 +138,17 @@ class MoeImpl : public torch::nn::Module, public ops::KernelUser {
   at::Tensor tokens_dropped;
 
  private:
-  struct ExpertOrder;
   // See Note [Expert parallelism]: the token copies `slots` [N K, D] that run
   // (`eo`) through their experts' owners; the outputs [N K, D] in slot
   // order, zero for a dropped copy.
-  at::Tensor experts_over_ranks(const at::Tensor& slots, const ExpertOrder& eo, bool dropped);
+  at::Tensor experts_over_ranks(const at::Tensor& slots, const ops::ExpertOrder& eo,
+                                bool dropped);
   // The local experts on the received rows [R, D] (`pieces`: rows per
   // source and local expert, source-major): outputs [R, D].
   at::Tensor run_local_experts(const at::Tensor& rows, const std::vector<int64_t>& pieces);
   // See Note [Expert capacity]: which of the slots idx [N, K] an expert takes
   // (bool [N K]); undefined when dropless.
   at::Tensor capacity_keep(const at::Tensor& idx);
-  // The slots' order by expert (a stable sort) and, per expert, the copies
-  // that run: under capacity the first C of each expert's.
-  struct ExpertOrder {
-    at::Tensor order;   // [kept] slot indices, by expert then slot
-    at::Tensor counts;  // [E] int64 on the CPU: the kept copies per expert
-    at::Tensor routed;  // [E] int64 on the CPU: every routed copy per expert
-  };
-  ExpertOrder expert_order(const at::Tensor& flat, const at::Tensor& keep);
   std::shared_ptr<ExpertExchange> exchange_;
   // [source][w]; shared with the backward nodes, which add into it.
   std::shared_ptr<std::vector<std::vector<at::Tensor>>> source_grads_;

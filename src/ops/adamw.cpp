@@ -7,7 +7,9 @@ namespace viaduct::ops {
 
 bool adamw_kernel_runs(const at::Tensor& p, const KernelOptions& k) { return fused_runs(p, k); }
 
-void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& s) {
+void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& s,
+                        const KernelOptions& k) {
+  auto* cache = k.weight_cache.get();
   // See Note [Small tensors in one AdamW launch] (kernels/adamw.cu): the small
   // tensors go in batches after the others, the same bits.
   std::vector<kernels::AdamWTensors> small;
@@ -17,7 +19,7 @@ void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& 
     auto m = ap.exp_avg, v = ap.exp_avg_sq;
     // The weight's bf16 copy, where a forward made one, is written in the
     // same pass (see Note [Low-precision weight cache]).
-    const auto low = kernels::weight_cache::slot_for(pr);
+    const auto low = cache != nullptr ? cache->slot_for(pr) : at::Tensor();
     const double wd = ap.weight_decay;
     kernels::AdamWTensors t{data, pr.grad(), m, v, low, wd};
     if (kernels::adamw_many_takes(t)) {
@@ -28,7 +30,7 @@ void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& 
     }
     // Raw writes move no version counter: say that the weight changed.
     if (low.defined()) {
-      kernels::weight_cache::mark_written(pr);
+      cache->mark_written(pr);
     } else {
       torch::autograd::impl::bump_version(pr);
     }

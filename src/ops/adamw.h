@@ -30,7 +30,9 @@ bool adamw_kernel_runs(const at::Tensor& p, const KernelOptions& k);
 // The update of every parameter in place on the kernel (adamw_kernel_runs):
 // small tensors in shared launches (see Note [Small tensors in one AdamW
 // launch], kernels/adamw.cu), each weight's bf16 copy written in the same
-// pass where the weight cache holds one, version counters bumped.
-void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& s);
+// pass where k's weight cache holds one (see Note [Low-precision weight
+// cache], kernels/weight_cache.h), version counters bumped.
+void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& s,
+                        const KernelOptions& k);
 
 }  // namespace viaduct::ops

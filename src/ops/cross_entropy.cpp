@@ -18,15 +18,15 @@ class ChunkedHeadCrossEntropy
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h,
                             const at::Tensor& weight, const at::Tensor& targets,
-                            int64_t chunk, bool fused) {
+                            int64_t chunk, bool fused, const KernelOptions* k) {
     at::NoGradGuard no_grad;
     const auto N = h.size(0);
     const auto acc = h.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    // The bf16 head weight from the weight cache where the kernels run
-    // (see Note [Low-precision weight cache]): no cast per step.
+    // The bf16 head weight from the options' weight cache where the kernels
+    // run (see Note [Low-precision weight cache]): no cast per step.
     const auto w = weight.scalar_type() == h.scalar_type() ? weight
                    : fused && weight.dim() == 2
-                       ? kernels::weight_cache::get({weight}, h.scalar_type())
+                       ? kernels::cast_weights(k->weight_cache.get(), {weight}, h.scalar_type())
                        : weight.to(h.scalar_type());
     const bool need_h = h.requires_grad(), need_w = weight.requires_grad();
     auto grad_h = need_h ? at::empty(h.sizes(), h.options()) : at::Tensor();  // contiguous
@@ -46,7 +46,10 @@ class ChunkedHeadCrossEntropy
           at::mm_out(rows, g, w);
         }
         // One GEMM accumulating in fp32, no [V, D] temporaries (compat).
-        if (need_w) compat::matmul_into_fp32_(grad_w, g.t(), hc, /*accumulate=*/true);
+        if (need_w) {
+          compat::matmul_into_fp32_(grad_w, g.t(), hc, /*accumulate=*/true,
+                                    k->capabilities.fp32_out_gemm);
+        }
         continue;
       }
       auto logits = at::matmul(hc, w.t()).to(acc);  // [n, V]
@@ -81,7 +84,7 @@ class ChunkedHeadCrossEntropy
       gw = (saved[1] * go.to(saved[1].scalar_type()))
                .to(static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt()));
     }
-    return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -92,7 +95,16 @@ at::Tensor chunked_head_cross_entropy(const at::Tensor& h, const at::Tensor& wei
                                       const KernelOptions& k) {
   VIADUCT_CHECK(chunk_tokens > 0, "chunked head loss: chunk must be > 0");
   return ChunkedHeadCrossEntropy::apply(h, weight, targets.reshape(-1), chunk_tokens,
-                                        fused_runs(h, k));
+                                        fused_runs(h, k), &k);
+}
+
+int64_t loss_chunk_tokens(int64_t configured, bool kernels_run) {
+  if (configured >= 0) return configured;
+  return kernels_run ? kAutoLossChunkTokens : 0;  // auto
+}
+
+int64_t loss_chunk_tokens(int64_t configured, const at::Tensor& h, const KernelOptions& k) {
+  return loss_chunk_tokens(configured, configured < 0 && fused_runs(h, k));
 }
 
 }  // namespace viaduct::ops

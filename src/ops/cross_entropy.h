@@ -24,4 +24,18 @@ at::Tensor chunked_head_cross_entropy(const at::Tensor& h, const at::Tensor& wei
                                       const at::Tensor& targets, int64_t chunk_tokens,
                                       const KernelOptions& k);
 
+// model.loss_chunk_tokens = -1 (auto) where the kernels run: chunks of 4096
+// tokens keep the [chunk x vocab] logits small while each chunk's GEMMs
+// still fill the GPU.
+inline constexpr int64_t kAutoLossChunkTokens = 4096;
+
+// The chunk (see Note [Chunked head loss]) that model.loss_chunk_tokens =
+// `configured` gives for the head's input h under k: > 0 as configured, 0
+// (the plain loss over whole logits) as configured, < 0 (auto)
+// kAutoLossChunkTokens where the kernels run on h, else 0.
+int64_t loss_chunk_tokens(int64_t configured, const at::Tensor& h, const KernelOptions& k);
+// The same where whether the kernels run is known without a tensor (the
+// memory estimate, before any model exists).
+int64_t loss_chunk_tokens(int64_t configured, bool kernels_run);
+
 }  // namespace viaduct::ops

@@ -1,39 +1,41 @@
 #include "ops/linear.h"
 
 #include "core/torch_compat.h"
-#include "kernels/fused.h"
-#include "ops/recompute.h"
 #include "kernels/weight_cache.h"
+#include "ops/recompute.h"
 
 namespace viaduct::ops {
 
 namespace {
 
 // Note [Linear with an fp32 weight gradient]
-// On the fused-kernel path a
-// linear whose fp32 master weight is used in the bf16 input's dtype computes
-// its weight gradient with one GEMM writing fp32 (compat::matmul_into_fp32_)
+// On the fused-kernel path a linear whose fp32 master weight is used in the
+// bf16 input's dtype computes its weight gradient with one GEMM writing fp32
+// (compat::matmul_into_fp32_, where the build takes it: ops::Capabilities)
 // instead of a bf16 product cast up by autograd's ToCopyBackward: one pass
 // less over every weight gradient, and no bf16 rounding of it. The weight
-// may come in parts (q, k and v: one GEMM, see Note [One qkv projection]); the
-// bf16 weight is their concatenation from the weight cache (Note
-// [Low-precision weight cache]), kept for the backward as at::linear keeps
-// its cast weight, and the fp32 gradient is split back into the parts.
+// may come in parts (q, k and v: one GEMM, see Note [One qkv projection]);
+// the bf16 weight is their concatenation from the options' weight cache
+// (see Note [Low-precision weight cache], kernels/weight_cache.h), kept for
+// the backward as at::linear keeps its cast weight, and the fp32 gradient is
+// split back into the parts.
 struct MixedLinear {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            at::TensorList w, const at::Tensor& b) {
-    auto wc = kernels::weight_cache::get(w, x.scalar_type());
+                            at::TensorList w, const at::Tensor& b, const KernelOptions& k) {
+    auto wc = kernels::cast_weights(k.weight_cache.get(), w, x.scalar_type());
     ctx->save_for_backward({x, wc});
     std::vector<int64_t> rows;
     for (const auto& p : w) rows.push_back(p.size(0));
     ctx->saved_data["rows"] = rows;
-    // See Note [Per-op activation checkpointing]: the GEMM alone is skipped in
-    // a replay; the node and what it saves are the same.
+    ctx->saved_data["fp32_out"] = k.capabilities.fp32_out_gemm;
+    // See Note [Per-op activation checkpointing]: the GEMM alone is skipped
+    // in a replay; the node and what it saves are the same.
     if (!b.defined()) return run_saved_op([&] { return at::linear(x, wc); });
     ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
     return run_saved_op([&] { return at::linear(x, wc, b.to(x.scalar_type())); });
   }
-  // {dx, dw per part..., db}; db only when `bias_slot`.
+  // {dx, dw per part..., db, none for the options}; db only when
+  // `bias_slot`.
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  const torch::autograd::variable_list& grads,
                                                  bool bias_slot) {
@@ -43,13 +45,14 @@ struct MixedLinear {
     const auto n = rows.size();
     const auto out_f = wc.size(0), in_f = wc.size(1);
     auto dy = grads[0].to(x.scalar_type()).reshape({-1, out_f});
-    torch::autograd::variable_list out(1 + n + (bias_slot ? 1 : 0));
+    torch::autograd::variable_list out(1 + n + (bias_slot ? 1 : 0) + 1);
     if (ctx->needs_input_grad(0)) out[0] = at::mm(dy, wc).view(x.sizes());
     bool any_w = false;
     for (size_t i = 0; i < n; ++i) any_w = any_w || ctx->needs_input_grad(1 + i);
     if (any_w) {
       auto dw = at::empty({out_f, in_f}, dy.options().dtype(at::kFloat));
-      compat::matmul_into_fp32_(dw, dy.t(), x.reshape({-1, in_f}), /*accumulate=*/false);
+      compat::matmul_into_fp32_(dw, dy.t(), x.reshape({-1, in_f}), /*accumulate=*/false,
+                                ctx->saved_data["fp32_out"].toBool());
       int64_t row = 0;
       for (size_t i = 0; i < n; ++i) {
         // Rows of a contiguous tensor: contiguous views, no copies.
@@ -71,8 +74,8 @@ struct MixedLinear {
 class MixedLinearFn : public torch::autograd::Function<MixedLinearFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            at::TensorList w, const at::Tensor& b) {
-    return MixedLinear::forward(ctx, x, w, b);
+                            at::TensorList w, const at::Tensor& b, const KernelOptions* k) {
+    return MixedLinear::forward(ctx, x, w, b, *k);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -83,8 +86,8 @@ class MixedLinearFn : public torch::autograd::Function<MixedLinearFn> {
 class MixedLinearNoBiasFn : public torch::autograd::Function<MixedLinearNoBiasFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            at::TensorList w) {
-    return MixedLinear::forward(ctx, x, w, at::Tensor());
+                            at::TensorList w, const KernelOptions* k) {
+    return MixedLinear::forward(ctx, x, w, at::Tensor(), *k);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -162,7 +165,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
 at::Tensor linear_parts(const at::Tensor& x, at::TensorList w, const at::Tensor& b,
                         const KernelOptions& k) {
   if (mixed_linear_applies(x, w, k)) {
-    return b.defined() ? MixedLinearFn::apply(x, w, b) : MixedLinearNoBiasFn::apply(x, w);
+    return b.defined() ? MixedLinearFn::apply(x, w, b, &k) : MixedLinearNoBiasFn::apply(x, w, &k);
   }
   const auto whole = w.size() == 1 ? w[0] : at::cat(w);
   const auto wc = whole.scalar_type() == x.scalar_type() ? whole : whole.to(x.scalar_type());
@@ -171,6 +174,37 @@ at::Tensor linear_parts(const at::Tensor& x, at::TensorList w, const at::Tensor&
     return AtenLinearFn::apply(x, wc, bc);
   }
   return AtenLinearNoBiasFn::apply(x, wc);
+}
+
+QkvProjection qkv_projection(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wk,
+                             const at::Tensor& wv, const at::Tensor& bq, const at::Tensor& bk,
+                             const at::Tensor& bv, int64_t head_dim, const KernelOptions& k) {
+  // x: [B, T, D]
+  const auto B = x.size(0), T = x.size(1);
+  const auto hd = head_dim, H = wq.size(0) / hd, KV = wk.size(0) / hd;
+  QkvProjection p;
+  if (fused_runs(x, k)) {
+    // Note [One qkv projection]
+    // On the fused-kernel path q, k and v come from one GEMM over the
+    // concatenated weights: a wider product instead of three (two of them
+    // only kv wide), and in the backward one GEMM for dx instead of three
+    // plus two additions. The slices are strided views; the RoPE kernel and
+    // SDPA read them in place. The three weights are the parts of one
+    // linear (see Note [Linear with an fp32 weight gradient]): their bf16
+    // concatenation from the weight cache, the fp32 gradient split back
+    // into the three. Elsewhere (the ATen forms) three linears.
+    auto qkv = linear_parts(x, {wq, wk, wv}, bq.defined() ? at::cat({bq, bk, bv}) : at::Tensor(),
+                            k);
+    auto parts = qkv.split_with_sizes({H * hd, KV * hd, KV * hd}, -1);
+    p.q = parts[0].view({B, T, H, hd});
+    p.k = parts[1].view({B, T, KV, hd});
+    p.v = parts[2].view({B, T, KV, hd});
+  } else {
+    p.q = linear(x, wq, bq, k).view({B, T, H, hd});
+    p.k = linear(x, wk, bk, k).view({B, T, KV, hd});
+    p.v = linear(x, wv, bv, k).view({B, T, KV, hd});
+  }
+  return p;
 }
 
 }  // namespace viaduct::ops

@@ -4,6 +4,7 @@
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
 #include "kernels/weight_cache.h"
+#include "ops/linear.h"
 #include "ops/recompute.h"
 
 namespace viaduct::ops {
@@ -11,15 +12,17 @@ namespace viaduct::ops {
 namespace {
 
 // y = x_g @ w_e^T for each group g of rows of x and its expert e: x [M, K]
-// in the compute dtype, w [E, N, K] an fp32 master (see Note [Low-precision
-// weight cache]). The weight gradient dw_e = dy_g^T x_g comes out of one
-// grouped GEMM in fp32.
+// in the compute dtype, w [E, N, K] an fp32 master cast through the
+// options' weight cache (see Note [Low-precision weight cache],
+// kernels/weight_cache.h). The weight gradient dw_e = dy_g^T x_g comes out
+// of one grouped GEMM, in fp32 where the build writes it (ops::Capabilities).
 class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& w, const at::Tensor& offs) {
-    auto wc = kernels::weight_cache::get({w}, x.scalar_type());
+                            const at::Tensor& w, const at::Tensor& offs, const KernelOptions* k) {
+    auto wc = kernels::cast_weights(k->weight_cache.get(), {w}, x.scalar_type());
     ctx->save_for_backward({x, wc, offs});
+    ctx->saved_data["fp32_out"] = k->capabilities.grouped_fp32_out_gemm;
     // See Note [Per-op activation checkpointing]: a replay skips the GEMM.
     return run_saved_op([&] { return compat::grouped_mm(x, wc.transpose(1, 2), offs); });
   }
@@ -30,8 +33,10 @@ class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
     auto dy = grads[0].to(x.scalar_type()).contiguous();
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) dx = compat::grouped_mm(dy, wc, offs);
-    if (ctx->needs_input_grad(1)) dw = compat::grouped_mm_fp32(dy.t(), x, offs);
-    return {dx, dw, at::Tensor()};
+    if (ctx->needs_input_grad(1)) {
+      dw = compat::grouped_mm_fp32(dy.t(), x, offs, ctx->saved_data["fp32_out"].toBool());
+    }
+    return {dx, dw, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -109,12 +114,147 @@ at::Tensor top_experts(const at::Tensor& scores, const at::Tensor& bias, int64_t
 }
 
 at::Tensor grouped_swiglu_experts(const at::Tensor& xs, const at::Tensor& offs,
-                                  const at::Tensor& w1, const at::Tensor& w2,
-                                  const at::Tensor& w3) {
+                                  const ExpertWeights& w, const KernelOptions& k) {
   RECORD_FUNCTION("viaduct::grouped_experts", std::vector<c10::IValue>());  // named in profiles
-  auto h1 = GroupedLinearFn::apply(xs, w1, offs);
-  auto h3 = GroupedLinearFn::apply(xs, w3, offs);
-  return GroupedLinearFn::apply(kernels::swiglu(h1, h3), w2, offs);
+  auto h1 = GroupedLinearFn::apply(xs, w.w1, offs, &k);
+  auto h3 = GroupedLinearFn::apply(xs, w.w3, offs, &k);
+  return GroupedLinearFn::apply(kernels::swiglu(h1, h3), w.w2, offs, &k);
+}
+
+ExpertOrder expert_order(const at::Tensor& flat, const at::Tensor& keep, int64_t n_experts) {
+  torch::NoGradGuard g;
+  ExpertOrder eo;
+  eo.order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
+  eo.routed = at::bincount(flat, {}, n_experts).to(at::kCPU).contiguous();
+  eo.counts = eo.routed;
+  if (keep.defined()) {
+    eo.order = eo.order.masked_select(keep.index_select(0, eo.order));
+    eo.counts = at::bincount(flat.masked_select(keep), {}, n_experts).to(at::kCPU).contiguous();
+  }
+  return eo;
+}
+
+at::Tensor to_slot_order(const at::Tensor& rows, const at::Tensor& order, int64_t slots,
+                         bool dropped) {
+  if (!dropped) return rows.index_select(0, at::argsort(order));
+  auto shape = rows.sizes().vec();
+  shape[0] = slots;
+  return at::zeros(shape, rows.options()).index_copy(0, order, rows);
+}
+
+at::Tensor combine_experts(const at::Tensor& y, const at::Tensor& gates) {
+  return (y * gates.to(y.scalar_type()).unsqueeze(-1)).sum(1);
+}
+
+namespace {
+
+// One expert's SwiGLU w2(silu(w1 x) * w3 x) on its rows x as three linears.
+at::Tensor expert_chain(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                        const at::Tensor& w3, const KernelOptions& k) {
+  const at::Tensor none;  // no bias
+  return linear(at::silu(linear(x, w1, none, k)) * linear(x, w3, none, k), w2, none, k);
+}
+
+}  // namespace
+
+MoeExperts moe_experts(const at::Tensor& slots, const at::Tensor& idx, const at::Tensor& gates,
+                       const at::Tensor& keep, const ExpertWeights& w, const KernelOptions& k) {
+  const auto D = slots.size(-1), N = idx.size(0), K = idx.size(1);
+  const auto E = w.w1.size(0), hidden = w.w1.size(1);
+  MoeExperts r;
+  if (grouped_experts_run(slots, hidden, k)) {
+    // Grouped GEMMs over padded expert groups (see Note [MoE dispatch into
+    // padded groups]): no host sync. Dropped copies run and their gating
+    // weights are zero.
+    auto d = dispatch_experts(idx, E, k);
+    r.routed = d.counts;
+    auto xs = at::zeros({d.rows, D}, slots.options()).index_copy(0, d.pos, slots);
+    auto ys = grouped_swiglu_experts(xs, d.offs, w, k);
+    auto y = gather_distinct_rows(ys, d.pos).view({N, K, D});
+    auto g = keep.defined() ? gates * keep.view({N, K}).to(gates.scalar_type()) : gates;
+    r.out = combine_experts(y, g);
+    return r;
+  }
+  // Note [MoE dispatch without per-expert gradient fills]
+  // The experts run one at a time, each on its own rows. Taken as `w1[e]` and
+  // `x.index_select(0, rows_e)`, every expert's slice has a backward that
+  // fills a zero tensor of the whole weight ([E, H, D]) or the whole input
+  // ([N, D]) around its part, which the engine then adds up: E full-size
+  // fills and adds per tensor, quadratic in the expert count for the
+  // weights (E = 128 in the full flavor: 128 x 1 GiB a weight a layer).
+  // Here the weights are unbound once (one node whose backward stacks the E
+  // gradients) and the slots are gathered once in expert order and split
+  // (one node whose backward concatenates). The gather is a permutation of
+  // the slots, so its backward adds into no row twice, and the sum over a
+  // token's k copies is a reduction: no scatter-add anywhere,
+  // deterministic. The forward's values and the weights' gradients are the
+  // same bits as the per-expert slices'; x's gradient sums the same terms
+  // in another order (test Moe.DispatchHasThePerExpertFormsBits).
+  const auto eo = expert_order(idx.reshape({-1}), keep, E);
+  r.routed = eo.routed;
+  const auto* cnt = eo.counts.data_ptr<int64_t>();
+  auto rows = slots.index_select(0, eo.order).split_with_sizes(
+      std::vector<int64_t>(cnt, cnt + E), 0);
+  const auto w1s = w.w1.unbind(0), w2s = w.w2.unbind(0), w3s = w.w3.unbind(0);
+  std::vector<at::Tensor> outs;
+  for (size_t e = 0; e < rows.size(); ++e) {
+    const auto& x = rows[e];
+    if (x.size(0) == 0) continue;
+    outs.push_back(expert_chain(x, w1s[e], w2s[e], w3s[e], k));
+  }
+  // Expert outputs in expert order, then back to (token, slot) order.
+  auto sorted_out = at::cat(outs, 0);  // [kept, D]
+  auto y = to_slot_order(sorted_out, eo.order, N * K, keep.defined()).view({N, K, D});
+  r.out = combine_experts(y, gates);
+  return r;
+}
+
+at::Tensor moe_local_experts(const at::Tensor& rows, const std::vector<int64_t>& pieces,
+                             int64_t n_sources, int64_t hidden, bool per_source,
+                             const std::function<ExpertWeights(int64_t source)>& weights,
+                             const KernelOptions& k) {
+  const int64_t P = n_sources, El = static_cast<int64_t>(pieces.size()) / P;
+  VIADUCT_ASSERT(El * P == static_cast<int64_t>(pieces.size()), "expert parallelism: ",
+                 pieces.size(), " row counts for ", P, " source ranks");
+  if (!per_source && grouped_experts_run(rows, hidden, k)) {
+    // One gradient for every source: the local experts as grouped GEMMs
+    // over the received rows, each row's group its local expert.
+    std::vector<int64_t> expert_of;
+    expert_of.reserve(static_cast<size_t>(rows.size(0)));
+    for (int64_t s = 0; s < P; ++s) {
+      for (int64_t e = 0; e < El; ++e) {
+        const auto rows_se = pieces[static_cast<size_t>(s * El + e)];
+        expert_of.insert(expert_of.end(), static_cast<size_t>(rows_se), e);
+      }
+    }
+    const auto ids = at::tensor(expert_of, at::TensorOptions(at::kLong))
+                         .to(rows.device())
+                         .view({-1, 1});
+    auto d = dispatch_experts(ids, El, k);
+    auto xs = at::zeros({d.rows, rows.size(1)}, rows.options()).index_copy(0, d.pos, rows);
+    auto ys = grouped_swiglu_experts(xs, d.offs, weights(0), k);
+    return gather_distinct_rows(ys, d.pos);
+  }
+  // A GEMM chain per (source, expert): each source's gradient its own when
+  // kept per source (see Note [Expert parallelism], model/moe.h).
+  auto groups = rows.split_with_sizes(pieces, 0);
+  std::vector<at::Tensor> outs;
+  for (int64_t s = 0; s < P; ++s) {
+    bool any = false;
+    for (int64_t e = 0; e < El; ++e) any = any || pieces[static_cast<size_t>(s * El + e)] > 0;
+    if (!any) continue;
+    const auto w = weights(s);
+    const auto w1s = w.w1.unbind(0), w2s = w.w2.unbind(0), w3s = w.w3.unbind(0);
+    for (int64_t e = 0; e < El; ++e) {
+      const auto& x = groups[static_cast<size_t>(s * El + e)];
+      if (x.size(0) == 0) continue;
+      outs.push_back(expert_chain(x, w1s[static_cast<size_t>(e)], w2s[static_cast<size_t>(e)],
+                                  w3s[static_cast<size_t>(e)], k));
+    }
+  }
+  // No rows here: an empty slice of the received rows keeps the return
+  // exchange's backward linked to the first one's, as on the other ranks.
+  return outs.empty() ? rows.narrow(0, 0, 0) : at::cat(outs, 0);
 }
 
 }  // namespace viaduct::ops

@@ -1,6 +1,8 @@
-// The MoE's routed experts through grouped GEMMs: one launch per projection
-// for every expert, the tokens permuted into expert order on the device
-// (no host sync: the group offsets stay on the GPU).
+// The MoE's routed experts (model/moe.h keeps the routing, the capacity
+// rule and expert parallelism's exchange): through grouped GEMMs -- one
+// launch per projection for every expert, the tokens permuted into expert
+// order on the device (no host sync: the group offsets stay on the GPU) --
+// or, where those do not run, one GEMM chain per expert.
 //
 // Note [MoE dispatch into padded groups]
 // Slot s = n K + j (token n's j-th choice) goes to row pos[s] of a buffer
@@ -19,15 +21,79 @@
 
 #include <torch/torch.h>
 
+#include <cstdint>
+#include <functional>
+#include <vector>
+
 #include "ops/options.h"
 
 namespace viaduct::ops {
 
 constexpr int64_t kExpertAlign = 16;
 
+// The routed experts' stacked SwiGLU weights (fp32 masters): w1, w3
+// [E, H, D], w2 [E, D, H].
+struct ExpertWeights {
+  at::Tensor w1, w2, w3;
+};
+
+// The routed experts of one MoE layer on this rank's tokens, combined:
+// token n's output is sum_j gates[n, j] expert_{idx[n, j]}(x_n). slots
+// [N K, D]: the token copies (slot n K + j: token n's j-th choice); idx
+// [N, K] int64 expert ids; gates [N, K] the gating weights; keep: bool
+// [N K] the copies the experts take (see Note [Expert capacity], model/moe.h),
+// undefined when dropless. Where grouped GEMMs run (grouped_experts_run):
+// the copies dispatched into padded groups on the device (see Note [MoE
+// dispatch into padded groups]), three grouped GEMMs, no host sync; the
+// dropped copies run and their gates are zeroed. Elsewhere the kept copies
+// sorted by expert and split, one GEMM chain per expert (see Note [MoE dispatch
+// without per-expert gradient fills]), the dropped copies' outputs zero.
+struct MoeExperts {
+  at::Tensor out;     // [N, D]
+  at::Tensor routed;  // [E] int64: every routed copy per expert (before drops)
+};
+MoeExperts moe_experts(const at::Tensor& slots, const at::Tensor& idx, const at::Tensor& gates,
+                       const at::Tensor& keep, const ExpertWeights& w, const KernelOptions& k);
+
+// See Note [Expert parallelism] (model/moe.h): the local experts (of width
+// `hidden`) of an expert-parallel rank on the rows it received, rows [R, D]
+// grouped by source rank, then local expert, pieces[s El + e] rows each
+// (El = pieces.size() / n_sources). weights(s) gives the weights the rows
+// of source s use (the layer's gradient sinks), asked for in source order
+// where the rows run. per_source: one GEMM chain per (source, expert), each
+// source's rows on their own weights(s) -- every GEMM the shape it has
+// without expert parallelism. Otherwise the sinks keep one gradient of
+// every source, and where grouped GEMMs run the local experts take every
+// source's rows at once, on weights(0); else one chain per (source,
+// expert) on weights(s). Returns [R, D] in the rows' order.
+at::Tensor moe_local_experts(const at::Tensor& rows, const std::vector<int64_t>& pieces,
+                             int64_t n_sources, int64_t hidden, bool per_source,
+                             const std::function<ExpertWeights(int64_t source)>& weights,
+                             const KernelOptions& k);
+
+// out [N, D] = sum_j gates[n, j] y[n, j] for the experts' outputs y
+// [N, K, D] in slot order, in y's dtype.
+at::Tensor combine_experts(const at::Tensor& y, const at::Tensor& gates);
+
+// The slots' order by expert (a stable sort: slot order within an expert)
+// and, per expert, the copies that run: all, or under capacity the `keep`
+// ones. flat: [N K] expert ids.
+struct ExpertOrder {
+  at::Tensor order;   // [kept] slot indices, by expert then slot
+  at::Tensor counts;  // [E] int64 on the CPU: the kept copies per expert
+  at::Tensor routed;  // [E] int64 on the CPU: every routed copy per expert
+};
+ExpertOrder expert_order(const at::Tensor& flat, const at::Tensor& keep, int64_t n_experts);
+
+// Rows in expert order (`order`: their slots) back in slot order, [slots,
+// ...]: a permutation's inverse, or under capacity (`dropped`) into zeros,
+// each kept slot written once (a deterministic index_copy).
+at::Tensor to_slot_order(const at::Tensor& rows, const at::Tensor& order, int64_t slots,
+                         bool dropped);
+
 // Where the routed experts run as grouped GEMMs: a CUDA bf16 x under the
 // kernel options, a LibTorch that has them, widths that keep rows 16-byte
-// aligned.
+// aligned (x [.., D], `hidden` each expert's H).
 bool grouped_experts_run(const at::Tensor& x, int64_t hidden, const KernelOptions& k);
 
 struct ExpertDispatch {
@@ -58,7 +124,6 @@ at::Tensor gather_distinct_rows(const at::Tensor& src, const at::Tensor& pos);
 // whose groups `offs` end; w1, w3: [E, H, D], w2: [E, D, H] fp32 masters,
 // cast through the weight cache; their gradients come back in fp32.
 at::Tensor grouped_swiglu_experts(const at::Tensor& xs, const at::Tensor& offs,
-                                  const at::Tensor& w1, const at::Tensor& w2,
-                                  const at::Tensor& w3);
+                                  const ExpertWeights& w, const KernelOptions& k);
 
 }  // namespace viaduct::ops

@@ -6,7 +6,8 @@
 #include "config/config.h"
 #include "core/check.h"
 #include "core/log.h"
-#include "model/chain_transformer.h"
+#include "model/model.h"
+#include "ops/cross_entropy.h"
 #include "pipeline/schedule/plan_config.h"
 
 namespace viaduct {
@@ -102,10 +103,8 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
                    e.recompute_values_per_token) *
                   tokens * elem;
   if (holds_head) {
-    int64_t chunk = info.loss_chunk_tokens;
-    if (chunk < 0) {
-      chunk = on_cuda && cfg.get_bool("model.cuda_kernels") ? kAutoLossChunkTokens : 0;
-    }
+    const int64_t chunk = ops::loss_chunk_tokens(
+        info.loss_chunk_tokens, /*kernels_run=*/on_cuda && cfg.get_bool("model.cuda_kernels"));
     const int64_t rows =
         chunk > 0 ? std::min(chunk, e.tokens_per_microbatch) : e.tokens_per_microbatch;
     e.loss = static_cast<double>(rows) * static_cast<double>(info.vocab_size) * 8.0;

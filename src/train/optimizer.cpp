@@ -72,9 +72,9 @@ AdamW::AdamW(std::vector<NamedParam> params, double beta1, double beta2,
 
 bool AdamW::fusable() const {
   // Note [Fused AdamW]
-  // On CUDA, one pass per tensor instead of the loop's
-  // ~7 kernels and 2 temporaries: viaduct's kernel where ops::fused_runs(),
-  // else ATen's multi-tensor kernel (2.x), the same formulas in fp32.
+  // On CUDA, one pass per tensor instead of the loop's ~7 kernels and 2
+  // temporaries: viaduct's kernel where ops::adamw_kernel_runs(), else
+  // ATen's multi-tensor kernel (2.x), the same formulas in fp32.
   // Elementwise, so every layout still gets the same bits. Both need every
   // parameter with a gradient to be a contiguous fp32 tensor on one GPU.
   if (params_.empty()) return false;
@@ -153,7 +153,8 @@ bool AdamW::fused_step(double lr, double bc1, double bc2) {
       ps.push_back({params_[i].param, exp_avg_[i], exp_avg_sq_[i],
                     params_[i].weight_decay ? weight_decay_ : 0.0});
     }
-    ops::adamw_kernel_step_(ps, {lr, beta1_, beta2_, eps_, bc1, bc2, grad_scale_, scale_dev_});
+    ops::adamw_kernel_step_(ps, {lr, beta1_, beta2_, eps_, bc1, bc2, grad_scale_, scale_dev_},
+                            kernel_options_);
     return true;
   }
   std::vector<at::Tensor> p[2], g[2], m[2], v[2];
@@ -247,15 +248,15 @@ void SGD::step(double lr) {
   }
 }
 
-std::unique_ptr<Optimizer> make_optimizer(const Config& cfg,
-                                          std::vector<NamedParam> params) {
+std::unique_ptr<Optimizer> make_optimizer(const Config& cfg, std::vector<NamedParam> params,
+                                          const ops::KernelOptions& kernels) {
   const auto name = cfg.get_string("optimizer.name");
   if (name == "SGD") return std::make_unique<SGD>(std::move(params));
   auto adamw = std::make_unique<AdamW>(
       std::move(params), cfg.get_float("optimizer.beta1"),
       cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
       cfg.get_float("optimizer.weight_decay"));
-  adamw->set_own_kernel_options(kernel_options(cfg));  // model.cuda_kernels
+  adamw->set_own_kernel_options(kernels);  // model.cuda_kernels, the weight cache
   return adamw;
 }
 

@@ -120,8 +120,11 @@ class SGD : public Optimizer {
   std::vector<std::string> state_keys() const override { return {}; }
 };
 
-std::unique_ptr<Optimizer> make_optimizer(const Config& cfg,
-                                          std::vector<NamedParam> params);
+// optimizer.name's optimizer over `params`; AdamW runs its kernel under
+// `kernels` (the rank model's options: model.cuda_kernels, the weight cache
+// whose copies its update writes).
+std::unique_ptr<Optimizer> make_optimizer(const Config& cfg, std::vector<NamedParam> params,
+                                          const ops::KernelOptions& kernels);
 
 // Learning rate at optimizer step `step` (1-based): linear warmup, then
 // cosine / linear decay to min_lr_factor x lr, or constant.

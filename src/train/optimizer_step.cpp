@@ -61,14 +61,16 @@ OptimizerStep::OptimizerStep(const Config& cfg, std::vector<NamedParam> params,
     }
     auto zero = std::make_unique<ShardedOptimizer>(
         std::move(params), mesh->dp_group(), buckets,
-        [&cfg](std::vector<NamedParam> slices) { return make_optimizer(cfg, std::move(slices)); },
+        [&cfg, this](std::vector<NamedParam> slices) {
+          return make_optimizer(cfg, std::move(slices), setup_.kernels);
+        },
         units, mesh->expert_replica_group(), std::move(expert_buckets));
     log::info("rank ", rank, ": optimizer state ", zero->state_bytes(), " bytes for ",
               zero->owned_elements(), " of ", elements,
               " parameter elements (ZeRO-1 over dp ", dp_size_, ")");
     optimizer_ = std::move(zero);
   } else {
-    optimizer_ = make_optimizer(cfg, std::move(params));
+    optimizer_ = make_optimizer(cfg, std::move(params), setup_.kernels);
     log::info("rank ", rank, ": optimizer state ", optimizer_->state_bytes(), " bytes for ",
               elements, " of ", elements, " parameter elements");
   }

@@ -44,6 +44,8 @@ struct OptimizerStepSetup {
   std::vector<int64_t> param_offsets;
   int64_t total_param_tensors = 0;
   distributed::Mesh* mesh = nullptr;  // null: one process
+  // The rank model's options: the device clip and the AdamW kernel run
+  // under them, and the kernel writes the copies of their weight cache.
   ops::KernelOptions kernels;
 };
 

@@ -66,6 +66,9 @@ ProcessSetup init_process(const Config& cfg) {
     }
   }
   ps.compute_dtype = resolve_compute_dtype(cfg.get_string("training.dtype"), ps.device.is_cuda());
+  // After the determinism settings: the probe may make the first cuBLAS
+  // handle.
+  ps.capabilities = ops::probe_capabilities(ps.device);
   return ps;
 }
 
@@ -85,6 +88,7 @@ void log_job_summary(const Config& cfg, const JobSummary& job) {
                                  : cfg.get_bool("model.cuda_kernels")
                                      ? "off (this GPU or build has none; ATen ops)"
                                      : "off (model.cuda_kernels = false)");
+    log::info("GEMM path: ", ops::describe(job.capabilities));
   }
   if (split.num_stages > 1 || job.dp_size > 1) {
     log::info("parallelism: pp ", split.pp, " x dp ", job.dp_size, ", ",

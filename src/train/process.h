@@ -1,7 +1,7 @@
 // What a training process sets up before it builds a model: the log level,
-// the thread count, the kernel switches, its place in the pp x dp mesh, the
-// determinism settings, the device and the compute dtype; and the summary of
-// the job it logs once everything is built.
+// the thread count, its place in the pp x dp mesh, the determinism
+// settings, the device, the compute dtype and what the device's GEMMs take;
+// and the summary of the job it logs once everything is built.
 #pragma once
 
 #include <torch/torch.h>
@@ -10,6 +10,7 @@
 
 #include "config/config.h"
 #include "model/model.h"
+#include "ops/options.h"
 
 namespace viaduct {
 
@@ -29,6 +30,10 @@ struct ProcessSetup {
   at::Device device{at::kCPU};
   at::ScalarType compute_dtype = at::kFloat;
   int pp_rank = 0, dp_rank = 0, dp_size = 1;
+  // What this LibTorch build's GEMMs take on `device`, probed once here
+  // (ops::probe_capabilities; See Note [GEMM support decided at start-up],
+  // core/torch_compat.h): every op of the run takes the path it gives.
+  ops::Capabilities capabilities;
 };
 
 // training.dtype on a CUDA device or not: auto is bfloat16 on CUDA, float32
@@ -39,13 +44,14 @@ at::ScalarType resolve_compute_dtype(const std::string& name, bool on_cuda);
 // match parallelism.* is a ConfigError.
 ProcessSetup init_process(const Config& cfg);
 
-// The job at info level: model, device, dtype, threads, fused kernels,
-// parallelism and its simulated bubble, data.
+// The job at info level: model, device, dtype, threads, fused kernels and
+// the GEMM path, parallelism and its simulated bubble, data.
 struct JobSummary {
   const ModelInfo& model;
   const pipeline::PipelinePlan& plan;
   at::Device device;
   at::ScalarType compute_dtype;
+  const ops::Capabilities& capabilities;
   int dp_size = 1;
   int64_t num_microbatches = 1;
   const data::TokenSampler& sampler;

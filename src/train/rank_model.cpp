@@ -2,7 +2,7 @@
 #include "train/rank_model.h"
 
 #include "distributed/distributed.h"
-
+#include "kernels/weight_cache.h"
 #include "model/family.h"
 #include "pipeline/attn_res/attn_res_stage.h"
 #include "pipeline/schedule/plan_config.h"
@@ -12,9 +12,13 @@
 namespace viaduct {
 
 RankModel build_rank_model(const Config& cfg, int pp_rank, at::Device device,
-                           at::ScalarType compute_dtype, distributed::ProcessGroup* pp_group,
-                           const std::string& context, distributed::ProcessGroup* ep_group) {
+                           at::ScalarType compute_dtype, const ops::Capabilities& capabilities,
+                           distributed::ProcessGroup* pp_group, const std::string& context,
+                           distributed::ProcessGroup* ep_group) {
   RankModel rm;
+  rm.kernel_options = kernel_options(cfg);
+  rm.kernel_options.capabilities = capabilities;
+  rm.kernel_options.weight_cache = std::make_shared<kernels::WeightCache>();
   // The pipeline plan (a pure function of the config: every rank agrees).
   rm.info = describe_model(cfg);
   auto plan_spec = pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg));
@@ -41,6 +45,7 @@ RankModel build_rank_model(const Config& cfg, int pp_rank, at::Device device,
   for (int64_t s : split.rank_to_stages.at(pp_rank)) {
     auto part = build_model_part(
         cfg, split.num_stages == 1 ? std::vector<std::string>{} : split.stage_modules.at(s));
+    ops::set_kernel_options(*part, rm.kernel_options);  // the config's, completed
     if (ep_group != nullptr) {
       if (!rm.expert_stats) rm.expert_stats = std::make_shared<ExpertExchangeStats>();
       shard_moe_experts(*part, *ep_group, str("rank ", ep_group->global_rank(ep_group->rank())),

@@ -2,7 +2,8 @@
 // the model parts of the stages this rank holds (initialised from
 // training.seed, on the device, in the compute dtype), their pipeline stages,
 // the AttnRes layout tables and block store where stages hand on AttnRes
-// blocks, and where each part's parameters sit in the global FQN order.
+// blocks, where each part's parameters sit in the global FQN order, and the
+// options its ops run with -- among them the rank's weight cache.
 #pragma once
 
 #include <torch/torch.h>
@@ -14,6 +15,7 @@
 
 #include "config/config.h"
 #include "model/model.h"
+#include "ops/options.h"
 #include "pipeline/runtime/stage.h"
 #include "pipeline/schedule/plan.h"
 #include "train/optimizer.h"
@@ -45,14 +47,23 @@ struct RankModel {
   int64_t total_param_tensors = 0;
   // Under expert parallelism: what the MoE layers' exchanges moved.
   std::shared_ptr<ExpertExchangeStats> expert_stats;
+  // What every part's modules run their ops with, and the optimizer its
+  // kernel: the config's switches (kernel_options, model/model.h), the
+  // capabilities probed at start-up, and this rank's weight cache
+  // (see Note [Low-precision weight cache], kernels/weight_cache.h), made
+  // here and freed with the last holder of these options.
+  ops::KernelOptions kernel_options;
 };
 
-// `pp_group` sums the stages' parameter counts over the pipeline ranks (null:
-// one process); `ep_group`, when set, shards every MoE layer's experts over
-// it before the weights are initialised (see Note [Expert parallelism],
-// model/moe.h); `context` names this rank in a timeout.
+// `capabilities`: what the GEMMs take on `device` (ops::probe_capabilities,
+// at start-up); `pp_group` sums the stages' parameter counts over the
+// pipeline ranks (null: one process); `ep_group`, when set, shards every MoE
+// layer's experts over it before the weights are initialised (see Note
+// [Expert parallelism], model/moe.h); `context` names this rank in a
+// timeout.
 RankModel build_rank_model(const Config& cfg, int pp_rank, at::Device device,
-                           at::ScalarType compute_dtype, distributed::ProcessGroup* pp_group,
-                           const std::string& context, distributed::ProcessGroup* ep_group = nullptr);
+                           at::ScalarType compute_dtype, const ops::Capabilities& capabilities,
+                           distributed::ProcessGroup* pp_group, const std::string& context,
+                           distributed::ProcessGroup* ep_group = nullptr);
 
 }  // namespace viaduct

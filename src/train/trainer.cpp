@@ -10,7 +10,6 @@
 #include "core/profiler.h"
 #include "core/log.h"
 #include "distributed/distributed.h"
-#include "kernels/weight_cache.h"
 #include "model/family.h"
 #include "pipeline/attn_res/block_store.h"
 #include "pipeline/runtime/executor.h"
@@ -45,6 +44,7 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   pp_rank_ = process.pp_rank;
   dp_rank_ = process.dp_rank;
   dp_size_ = process.dp_size;
+  capabilities_ = process.capabilities;
   // checkpoint.last_save_in_hf: a missing data.tokenizer fails before
   // anything is written.
   if (cfg_.get_bool("checkpoint.last_save_in_hf") && rank() == 0) {
@@ -100,8 +100,8 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
     mo.plan_memory_bytes_per_rank.push_back(e.total());
   }
   metrics_ = std::make_unique<MetricsWriter>(std::move(mo));
-  log_job_summary(cfg_, {info, *plan_, device_, compute_dtype_, dp_size_, num_microbatches(),
-                         data_->sampler(), data_->eval_tokens()});
+  log_job_summary(cfg_, {info, *plan_, device_, compute_dtype_, capabilities_, dp_size_,
+                         num_microbatches(), data_->sampler(), data_->eval_tokens()});
 }
 
 void Trainer::check_memory_fits() const {
@@ -113,7 +113,7 @@ void Trainer::check_memory_fits() const {
 }
 
 ModelInfo Trainer::build_model() {
-  auto rm = build_rank_model(cfg_, pp_rank_, device_, compute_dtype_,
+  auto rm = build_rank_model(cfg_, pp_rank_, device_, compute_dtype_, capabilities_,
                              mesh_ ? &mesh_->pp_group() : nullptr, step_context(),
                              mesh_ ? mesh_->ep_group() : nullptr);
   plan_ = std::move(rm.plan);
@@ -130,7 +130,7 @@ ModelInfo Trainer::build_model() {
   setup.param_offsets = std::move(rm.param_offsets);
   setup.total_param_tensors = rm.total_param_tensors;
   setup.mesh = mesh_.get();
-  setup.kernels = kernel_options(cfg_);
+  setup.kernels = rm.kernel_options;  // the rank's weight cache among them
   update_ = std::make_unique<OptimizerStep>(cfg_, std::move(rm.params), std::move(setup));
   if (rm.info.routed_experts > 0) {
     moe_metrics_ = std::make_unique<MoeStepMetrics>(
@@ -150,10 +150,6 @@ Trainer::~Trainer() {
   // A save still being written finishes first (the Checkpointer's
   // destructor logs its error, which run() saw only when it did not fail).
   checkpointer_.reset();
-  // The weight cache's copies live in a process-wide registry; drop them
-  // with the model rather than at static destruction, after the CUDA
-  // runtime may be gone (see Note [Low-precision weight cache]).
-  kernels::weight_cache::clear();
 }
 
 int Trainer::rank() const { return mesh_ ? mesh_->rank() : 0; }

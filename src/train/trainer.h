@@ -18,6 +18,7 @@
 
 #include "config/config.h"
 #include "model/model.h"
+#include "ops/options.h"
 #include "train/metrics.h"
 #include "train/fault_injection.h"
 #include "train/optimizer.h"
@@ -126,6 +127,8 @@ class Trainer {
   int pp_rank_ = 0, dp_rank_ = 0, dp_size_ = 1;
   at::Device device_;
   at::ScalarType compute_dtype_;
+  // What the GEMMs take on device_, probed once at start-up (init_process).
+  ops::Capabilities capabilities_;
   std::vector<std::shared_ptr<ModelPart>> parts_;
   // The data-parallel sums, the clip and the optimizer.
   std::unique_ptr<OptimizerStep> update_;

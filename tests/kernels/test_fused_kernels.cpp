@@ -684,10 +684,10 @@ TEST(FusedKernels, SwiGLUPackedMatchesTwoTensors) {
     auto w2 = w.detach().clone().requires_grad_(true);
     auto dy = at::randn({3, 37, 64}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16);
     auto al = a.clone().requires_grad_(true), bl = b.clone().requires_grad_(true);
-    auto y = kernels::swiglu_linear(al, bl, w, recompute);
+    auto y = kernels::swiglu_linear(al, bl, w, {.recompute = recompute});
     y.backward(dy);
     auto ab = at::cat({a, b}, -1).requires_grad_(true);
-    auto yp = kernels::swiglu_linear_packed(ab, w2, recompute);
+    auto yp = kernels::swiglu_linear_packed(ab, w2, {.recompute = recompute});
     yp.backward(dy);
     EXPECT_TRUE(at::equal(y, yp));
     EXPECT_TRUE(at::equal(ab.grad(), at::cat({al.grad(), bl.grad()}, -1)));
@@ -741,7 +741,7 @@ TEST(FusedKernels, SwiGLULinearMatchesUnfused) {
       auto w = (at::randn({256, 512}, at::TensorOptions(at::kCUDA)) * 0.05).requires_grad_(true);
       auto wr = w.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
       poison();
-      auto y = kernels::swiglu_linear(a, b, w, recompute);
+      auto y = kernels::swiglu_linear(a, b, w, {.recompute = recompute});
       auto yr = at::linear(at::silu(ar) * br, wr);
       ASSERT_EQ(y.scalar_type(), t);
       EXPECT_LT(rel_err(y, yr), bound(t)) << "seed " << seed << " " << t;
@@ -1062,35 +1062,36 @@ TEST(FusedKernels, AdamWWritesTheWeightCache) {
   // bf16 copy of q|k is current (no cast on the next forward) and holds the
   // bits a fresh cast of the new weights gives.
   const auto seed = fresh_seed();
-  kernels::weight_cache::clear();
+  ops::KernelOptions k;
+  k.weight_cache = std::make_shared<kernels::WeightCache>();
   const auto cuda = at::TensorOptions(at::kCUDA);
   std::vector<NamedParam> ps;
   ps.push_back({"q", (at::randn({48, 64}, cuda) * 0.1).requires_grad_(true), true});
   ps.push_back({"k", (at::randn({16, 64}, cuda) * 0.1).requires_grad_(true), true});
   AdamW opt(ps, 0.9, 0.95, 1e-8, 0.1);
+  opt.set_own_kernel_options(k);
   auto x = at::randn({2, 9, 64}, cuda).to(at::kBFloat16);
   for (int step = 0; step < 3; ++step) {
-    auto y = ops::linear_parts(x, {ps[0].param, ps[1].param}, {}, ops::KernelOptions{});
+    auto y = ops::linear_parts(x, {ps[0].param, ps[1].param}, {}, k);
     y.to(at::kFloat).square().sum().backward();
     ASSERT_EQ(ps[1].param.grad().scalar_type(), at::kFloat);
-    const auto casts = kernels::weight_cache::casts();
+    const auto casts = k.weight_cache->casts();
     opt.step(1e-2);
     opt.zero_grad();
-    auto copy = kernels::weight_cache::get({ps[0].param, ps[1].param}, at::kBFloat16);
-    EXPECT_EQ(kernels::weight_cache::casts(), casts) << "step " << step << " seed " << seed;
+    auto copy = k.weight_cache->get({ps[0].param, ps[1].param}, at::kBFloat16);
+    EXPECT_EQ(k.weight_cache->casts(), casts) << "step " << step << " seed " << seed;
     auto fresh = at::cat({ps[0].param, ps[1].param}).detach().to(at::kBFloat16);
     EXPECT_TRUE(at::equal(copy.view(at::kShort), fresh.view(at::kShort)))
         << "step " << step << " seed " << seed;
   }
-  kernels::weight_cache::clear();
 }
 
 TEST(FusedKernels, WeightCacheChangesNoBit) {
   REQUIRE_GPU();
-  // Three bf16 AdamW steps of a small llama with the cache kept across
-  // steps (copies written by the AdamW kernel) and with it emptied before
-  // every step (fresh casts, as before the cache): the same losses and
-  // parameters, bit for bit. Deterministic kernels, as training.deterministic.
+  // Three bf16 AdamW steps of a small llama with a cache kept across steps
+  // (copies written by the AdamW kernel) and with none (fresh casts): the
+  // same losses and parameters, bit for bit. Deterministic kernels, as
+  // training.deterministic.
   const auto seed = fresh_seed();
   const bool det = at::globalContext().deterministicAlgorithms();
   at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
@@ -1100,8 +1101,12 @@ TEST(FusedKernels, WeightCacheChangesNoBit) {
   std::vector<std::vector<double>> losses(2);
   std::vector<std::vector<at::Tensor>> params(2);
   for (int keep = 0; keep < 2; ++keep) {
-    kernels::weight_cache::clear();
+    // keep = 1: one cache for the model and the optimizer, as a rank's
+    // model holds it; keep = 0: none, every forward casts afresh.
+    auto k = kernel_options(cfg);
+    if (keep == 1) k.weight_cache = std::make_shared<kernels::WeightCache>();
     auto model = build_model_part(cfg);
+    ops::set_kernel_options(*model, k);
     model->init_weights(11);
     model->to(at::kCUDA);
     model->set_compute_dtype(at::kBFloat16);
@@ -1110,8 +1115,8 @@ TEST(FusedKernels, WeightCacheChangesNoBit) {
       ps.push_back({kv.key(), kv.value(), kv.value().dim() >= 2});
     }
     AdamW opt(ps, 0.9, 0.95, 1e-8, 0.1);
+    opt.set_own_kernel_options(k);
     for (int step = 0; step < 3; ++step) {
-      if (keep == 0) kernels::weight_cache::clear();
       auto loss = model->forward_loss({tokens}, targets);
       loss.backward();
       losses[keep].push_back(loss.item<double>());
@@ -1121,7 +1126,6 @@ TEST(FusedKernels, WeightCacheChangesNoBit) {
     for (const auto& p : model->parameters()) params[keep].push_back(p.detach().clone());
   }
   at::globalContext().setDeterministicAlgorithms(det, /*warn_only=*/false);
-  kernels::weight_cache::clear();
   EXPECT_EQ(losses[0], losses[1]) << "seed " << seed;
   ASSERT_EQ(params[0].size(), params[1].size());
   for (size_t i = 0; i < params[0].size(); ++i) {

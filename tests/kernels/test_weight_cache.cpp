@@ -1,8 +1,8 @@
-// The low-precision weight cache (see Note [Low-precision weight cache]) on CPU
-// tensors: its copies against fresh casts, its validity rule (version
-// counters), the optimizer's slot protocol, and linear_parts against
-// separate linears. The CUDA path (the AdamW kernel writing the copies, the
-// fused linear using them) is in test_fused_kernels.
+// The low-precision weight cache (see Note [Low-precision weight cache]) on
+// CPU tensors: its copies against fresh casts, its validity rule (version
+// counters), the optimizer's slot protocol, one cache per owner, and
+// linear_parts against separate linears. The CUDA path (the AdamW kernel
+// writing the copies, the fused linear using them) is in test_fused_kernels.
 #include <gtest/gtest.h>
 
 #include "kernels/weight_cache.h"
@@ -11,8 +11,6 @@
 namespace viaduct {
 namespace {
 
-namespace wc = kernels::weight_cache;
-
 bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
          at::equal(a.view(at::kShort), b.view(at::kShort));
@@ -20,49 +18,46 @@ bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
 
 class WeightCache : public ::testing::Test {
  protected:
-  void SetUp() override {
-    wc::clear();
-    torch::manual_seed(7);
-  }
-  void TearDown() override { wc::clear(); }
+  void SetUp() override { torch::manual_seed(7); }
+  kernels::WeightCache cache_;
 };
 
 TEST_F(WeightCache, ReusesTheCopyUntilTheWeightChanges) {
   auto w = at::randn({6, 5}).requires_grad_(true);
-  const auto casts0 = wc::casts();
-  auto c1 = wc::get({w}, at::kBFloat16);
+  const auto casts0 = cache_.casts();
+  auto c1 = cache_.get({w}, at::kBFloat16);
   EXPECT_TRUE(bitwise_equal(c1, w.detach().to(at::kBFloat16)));
   EXPECT_FALSE(c1.requires_grad());
-  EXPECT_EQ(wc::casts(), casts0 + 1);
-  auto c2 = wc::get({w}, at::kBFloat16);
+  EXPECT_EQ(cache_.casts(), casts0 + 1);
+  auto c2 = cache_.get({w}, at::kBFloat16);
   EXPECT_EQ(c2.data_ptr(), c1.data_ptr());
-  EXPECT_EQ(wc::casts(), casts0 + 1);  // nothing changed: no cast
-  EXPECT_EQ(wc::bytes(), 6 * 5 * 2);
+  EXPECT_EQ(cache_.casts(), casts0 + 1);  // nothing changed: no cast
+  EXPECT_EQ(cache_.bytes(), 6 * 5 * 2);
   {
     at::NoGradGuard g;
     w.add_(0.25);  // an ATen in-place write moves the version
   }
-  auto c3 = wc::get({w}, at::kBFloat16);
-  EXPECT_EQ(wc::casts(), casts0 + 2);
+  auto c3 = cache_.get({w}, at::kBFloat16);
+  EXPECT_EQ(cache_.casts(), casts0 + 2);
   EXPECT_TRUE(bitwise_equal(c3, w.detach().to(at::kBFloat16)));
 }
 
 TEST_F(WeightCache, PartsAreConcatenatedAndRecastOneByOne) {
   auto a = at::randn({4, 3}), b = at::randn({2, 3}), c = at::randn({5, 3});
-  auto copy = wc::get({a, b, c}, at::kBFloat16);
+  auto copy = cache_.get({a, b, c}, at::kBFloat16);
   EXPECT_TRUE(bitwise_equal(copy, at::cat({a, b, c}).to(at::kBFloat16)));
   const auto a_rows_before = copy.narrow(0, 0, 4).clone();
   b.mul_(-3.0);
-  auto again = wc::get({a, b, c}, at::kBFloat16);
+  auto again = cache_.get({a, b, c}, at::kBFloat16);
   EXPECT_EQ(again.data_ptr(), copy.data_ptr());
   EXPECT_TRUE(bitwise_equal(again, at::cat({a, b, c}).to(at::kBFloat16)));
   EXPECT_TRUE(bitwise_equal(again.narrow(0, 0, 4), a_rows_before));
   // Another grouping of the same weights replaces the copy.
-  auto alone = wc::get({b}, at::kBFloat16);
+  auto alone = cache_.get({b}, at::kBFloat16);
   EXPECT_TRUE(bitwise_equal(alone, b.to(at::kBFloat16)));
-  EXPECT_FALSE(wc::slot_for(a).defined());  // a's copy went with its group
-  EXPECT_THROW(wc::get({a, at::randn({2, 4})}, at::kBFloat16), std::exception);
-  EXPECT_THROW(wc::get({a.to(at::kBFloat16)}, at::kBFloat16), std::exception);
+  EXPECT_FALSE(cache_.slot_for(a).defined());  // a's copy went with its group
+  EXPECT_THROW(cache_.get({a, at::randn({2, 4})}, at::kBFloat16), std::exception);
+  EXPECT_THROW(cache_.get({a.to(at::kBFloat16)}, at::kBFloat16), std::exception);
 }
 
 TEST_F(WeightCache, OptimizerSlotProtocol) {
@@ -70,9 +65,9 @@ TEST_F(WeightCache, OptimizerSlotProtocol) {
   // new values without moving any version (as the AdamW kernel does), then
   // calls mark_written: the next get() casts nothing and sees the values.
   auto q = at::randn({3, 4}).requires_grad_(true), k = at::randn({2, 4}).requires_grad_(true);
-  auto copy = wc::get({q, k}, at::kBFloat16);
-  const auto casts0 = wc::casts();
-  auto slot = wc::slot_for(k);
+  auto copy = cache_.get({q, k}, at::kBFloat16);
+  const auto casts0 = cache_.casts();
+  auto slot = cache_.slot_for(k);
   ASSERT_TRUE(slot.defined());
   EXPECT_EQ(slot.numel(), k.numel());
   EXPECT_EQ(static_cast<char*>(slot.data_ptr()),
@@ -81,13 +76,13 @@ TEST_F(WeightCache, OptimizerSlotProtocol) {
   std::memcpy(k.data_ptr(), fresh.data_ptr(), fresh.nbytes());  // raw: no version bump
   std::memcpy(slot.data_ptr(), fresh.to(at::kBFloat16).data_ptr(), slot.nbytes());
   const auto version = k._version();
-  wc::mark_written(k);
+  cache_.mark_written(k);
   EXPECT_GT(k._version(), version);
-  auto after = wc::get({q, k}, at::kBFloat16);
-  EXPECT_EQ(wc::casts(), casts0);
+  auto after = cache_.get({q, k}, at::kBFloat16);
+  EXPECT_EQ(cache_.casts(), casts0);
   EXPECT_TRUE(bitwise_equal(after, at::cat({q, k}).detach().to(at::kBFloat16)));
-  EXPECT_FALSE(wc::slot_for(at::randn({2, 4})).defined());
-  EXPECT_THROW(wc::mark_written(at::randn({2, 4})), std::exception);
+  EXPECT_FALSE(cache_.slot_for(at::randn({2, 4})).defined());
+  EXPECT_THROW(cache_.mark_written(at::randn({2, 4})), std::exception);
 }
 
 TEST_F(WeightCache, ViewsAreCastButNotKept) {
@@ -95,23 +90,55 @@ TEST_F(WeightCache, ViewsAreCastButNotKept) {
   auto stacked = at::randn({3, 4, 5}).requires_grad_(true);
   auto view = stacked.select(0, 1);
   ASSERT_FALSE(view.is_leaf());
-  const auto casts0 = wc::casts();
-  auto c = wc::get({view}, at::kBFloat16);
+  const auto casts0 = cache_.casts();
+  auto c = cache_.get({view}, at::kBFloat16);
   EXPECT_TRUE(bitwise_equal(c, view.detach().to(at::kBFloat16)));
-  EXPECT_EQ(wc::casts(), casts0 + 1);
-  EXPECT_EQ(wc::bytes(), 0);
-  EXPECT_FALSE(wc::slot_for(view).defined());
+  EXPECT_EQ(cache_.casts(), casts0 + 1);
+  EXPECT_EQ(cache_.bytes(), 0);
+  EXPECT_FALSE(cache_.slot_for(view).defined());
 }
 
 TEST_F(WeightCache, FreedWeightsReleaseTheirCopies) {
   {
     auto w = at::randn({64, 64});
-    wc::get({w}, at::kBFloat16);
-    EXPECT_EQ(wc::bytes(), 64 * 64 * 2);
+    cache_.get({w}, at::kBFloat16);
+    EXPECT_EQ(cache_.bytes(), 64 * 64 * 2);
   }
   auto other = at::randn({8, 8});
-  wc::get({other}, at::kBFloat16);  // a new copy sweeps the dead ones
-  EXPECT_EQ(wc::bytes(), 8 * 8 * 2);
+  cache_.get({other}, at::kBFloat16);  // a new copy sweeps the dead ones
+  EXPECT_EQ(cache_.bytes(), 8 * 8 * 2);
+}
+
+TEST_F(WeightCache, EachCacheHoldsItsOwnCopies) {
+  // One cache per rank: another's copies, casts and clear() are its own.
+  auto w = at::randn({4, 6}).requires_grad_(true);
+  kernels::WeightCache other;
+  auto c1 = cache_.get({w}, at::kBFloat16);
+  EXPECT_FALSE(other.slot_for(w).defined());
+  EXPECT_EQ(other.bytes(), 0);
+  auto c2 = other.get({w}, at::kBFloat16);
+  EXPECT_NE(c1.data_ptr(), c2.data_ptr());
+  EXPECT_TRUE(bitwise_equal(c1, c2));
+  EXPECT_EQ(other.casts(), 1);
+  other.clear();
+  EXPECT_EQ(other.bytes(), 0);
+  EXPECT_EQ(cache_.bytes(), 4 * 6 * 2);
+  EXPECT_EQ(cache_.get({w}, at::kBFloat16).data_ptr(), c1.data_ptr());
+}
+
+TEST_F(WeightCache, WithoutACacheEveryCastIsFresh) {
+  // Options without a cache (a module built outside a training run): the
+  // same bits, nothing kept.
+  auto a = at::randn({3, 5}).requires_grad_(true), b = at::randn({2, 5}).requires_grad_(true);
+  auto c1 = kernels::cast_weights(nullptr, {a, b}, at::kBFloat16);
+  auto c2 = kernels::cast_weights(nullptr, {a, b}, at::kBFloat16);
+  EXPECT_NE(c1.data_ptr(), c2.data_ptr());
+  EXPECT_FALSE(c1.requires_grad());
+  EXPECT_TRUE(bitwise_equal(c1, cache_.get({a, b}, at::kBFloat16)));
+  EXPECT_EQ(kernels::cast_weights(&cache_, {a, b}, at::kBFloat16).data_ptr(),
+            cache_.get({a, b}, at::kBFloat16).data_ptr());
+  EXPECT_THROW(kernels::cast_weights(nullptr, {a.to(at::kBFloat16)}, at::kBFloat16),
+               std::exception);
 }
 
 TEST(LinearParts, MatchesSeparateLinears) {

@@ -183,9 +183,10 @@ TEST(KdaLayer, ChunkedEqualsRecurrentAndGradcheck) {
   torch::manual_seed(5);
   auto x = torch::randn({2, 11, 12}, torch::kDouble).requires_grad_(true);
   auto y = layer(x);
-  layer->recurrent_ = true;
-  auto y_ref = layer(x);
-  layer->recurrent_ = false;
+  // The same layer with the step-by-step form of the rule (ops/kda.h)
+  // between its two halves in place of the chunked one.
+  const auto in = layer->rule_inputs(x);
+  auto y_ref = layer->output(x, ops::kda_recurrent(in.q, in.k, in.v, in.g, in.beta));
   EXPECT_LT((y - y_ref).abs().max().item<double>(), 1e-12);
   auto tensors = named_params(*layer);
   tensors.emplace_back("x", x);
