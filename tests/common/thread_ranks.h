@@ -14,11 +14,11 @@
 #include "distributed/distributed.h"
 #include "distributed/launcher.h"
 
-namespace viaduct::dist::testing {
+namespace viaduct::distributed::testing {
 
 // CPU groups need Gloo, which the PyTorch wheel's LibTorch lacks.
 #define SKIP_WITHOUT_GLOO()                                \
-  if (!::viaduct::dist::backend_available(at::kCPU)) {    \
+  if (!::viaduct::distributed::backend_available(at::kCPU)) {    \
     GTEST_SKIP() << "this build has no Gloo (CPU groups)"; \
   }
 inline constexpr std::chrono::milliseconds kTimeout{10'000};
@@ -69,4 +69,4 @@ struct World {
             at::kCPU, timeout, "test", std::vector<int>{}, "127.0.0.1")) {}
 };
 
-}  // namespace viaduct::dist::testing
+}  // namespace viaduct::distributed::testing

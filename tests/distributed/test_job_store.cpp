@@ -26,7 +26,7 @@
 #include "distributed/job_store.h"
 #include "distributed/launcher.h"
 
-namespace viaduct::dist {
+namespace viaduct::distributed {
 namespace {
 
 using std::chrono::milliseconds;
@@ -406,4 +406,4 @@ TEST(JobStore, APortInUseNamesThePortAndTheCause) {
 }
 
 }  // namespace
-}  // namespace viaduct::dist
+}  // namespace viaduct::distributed

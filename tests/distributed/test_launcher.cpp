@@ -10,7 +10,7 @@
 #include "core/check.h"
 #include "distributed/launcher.h"
 
-namespace viaduct::dist {
+namespace viaduct::distributed {
 namespace {
 
 struct Captured {
@@ -171,7 +171,7 @@ TEST(Launcher, ParsesFlags) {
 }
 
 }  // namespace
-}  // namespace viaduct::dist
+}  // namespace viaduct::distributed
 
 // ------------------------------------------------ ranks as real processes
 // The launcher runs this binary again, filtered to RankProcess.Main, with
@@ -185,7 +185,7 @@ TEST(Launcher, ParsesFlags) {
 
 #include "distributed/distributed.h"
 
-namespace viaduct::dist {
+namespace viaduct::distributed {
 namespace {
 
 TEST(RankProcess, Main) {
@@ -242,4 +242,4 @@ TEST(LauncherWithRanks, KilledRankFailsTheJobWithItsName) {
 }
 
 }  // namespace
-}  // namespace viaduct::dist
+}  // namespace viaduct::distributed

@@ -8,7 +8,7 @@
 #include "distributed/distributed.h"
 #include "distributed/launcher.h"
 
-namespace viaduct::dist {
+namespace viaduct::distributed {
 namespace {
 
 using std::chrono::milliseconds;
@@ -78,4 +78,4 @@ TEST(Nccl, TwoRanksSendRecvAndAllreduce) {
 }
 
 }  // namespace
-}  // namespace viaduct::dist
+}  // namespace viaduct::distributed

@@ -13,10 +13,10 @@
 #include "distributed/launcher.h"
 #include "common/thread_ranks.h"
 
-namespace viaduct::dist {
+namespace viaduct::distributed {
 namespace {
 
-using namespace viaduct::dist::testing;
+using namespace viaduct::distributed::testing;
 using std::chrono::milliseconds;
 
 TEST(ProcessGroup, SendRecvPairs) {
@@ -250,4 +250,4 @@ TEST(Mesh, Pp2Dp2SubGroupsReduceOverTheRightRanks) {
 }
 
 }  // namespace
-}  // namespace viaduct::dist
+}  // namespace viaduct::distributed

@@ -8,7 +8,7 @@
 #include "core/check.h"
 #include "distributed/distributed.h"
 
-namespace viaduct::dist {
+namespace viaduct::distributed {
 namespace {
 
 using Env = std::map<std::string, std::string>;
@@ -183,4 +183,4 @@ TEST(Mesh, ShapeMustMatchWorldSize) {
 }
 
 }  // namespace
-}  // namespace viaduct::dist
+}  // namespace viaduct::distributed
