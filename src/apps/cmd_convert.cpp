@@ -13,6 +13,7 @@
 #include "checkpoint/hf.h"
 #include "checkpoint/manager.h"
 #include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "core/log.h"
 #include "train/warm_start.h"
@@ -54,8 +55,9 @@ int to_hf(const std::string& input, const std::string& output,
     dir = ck::checkpoint_dir(dir, *latest);
   }
   ck::Checkpoint c = ck::open_checkpoint(dir);
-  Config cfg = Config::parse(c.metadata.config_toml, dir.string() + "/metadata.json");
-  ck::HfModelShape shape = hf_model_shape(cfg);
+  const auto job =
+      JobConfig::from(Config::parse(c.metadata.config_toml, dir.string() + "/metadata.json"));
+  ck::HfModelShape shape = hf_model_shape(job);
   std::vector<fs::path> model_files;
   for (const auto& f : c.metadata.files) {
     if (f.name.rfind("model", 0) == 0) model_files.push_back(dir / f.name);
@@ -69,7 +71,7 @@ int to_hf(const std::string& input, const std::string& output,
   return 0;
 }
 
-int to_viaduct(const std::string& input, const std::string& output, const Config& cfg) {
+int to_viaduct(const std::string& input, const std::string& output, const JobConfig& job) {
   // As --to hf refuses an existing folder: a checkpoint already in FOLDER
   // would be replaced, or, newer than step 0, be what a run resumes from.
   std::error_code ec;
@@ -84,12 +86,12 @@ int to_viaduct(const std::string& input, const std::string& output, const Config
                   held.size() > 1 ? str(" and ", held.size() - 1, " more") : std::string(),
                   "); give a folder without checkpoints, nothing was written");
   ck::HfFolder hf = ck::read_hf_folder(input);
-  ck::HfModelShape shape = hf_model_shape(cfg);
+  ck::HfModelShape shape = hf_model_shape(job);
   ck::check_hf_shape(hf.shape, shape, input);
   ck::TensorMap tensors = ck::from_hf_tensors(hf.tensors, shape, hf.shape.vocab_size, input);
   ck::CheckpointMetadata meta;
   meta.step = 0;
-  meta.config_toml = cfg.to_toml();
+  meta.config_toml = job.to_toml();
   meta.layout = {{"pp", 1}, {"dp", 1}, {"stages", 1}};
   meta.extra = {{"converted_from", input}};
   ck::CheckpointPart part{"model.safetensors", {}, {}};
@@ -161,7 +163,7 @@ int convert_main(int argc, char** argv) {
     return 2;
   }
   if (to == "hf") return to_hf(input, output, options);
-  return to_viaduct(input, output, Config::load(config, overrides));
+  return to_viaduct(input, output, JobConfig::load(config, overrides));
 }
 
 }  // namespace

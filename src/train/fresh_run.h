@@ -15,16 +15,16 @@
 
 namespace viaduct {
 
-class Config;
+struct JobConfig;
 
-// What the folders of `cfg` hold of an earlier run ("metrics.jsonl (12
+// What the folders of `job` hold of an earlier run ("metrics.jsonl (12
 // lines), checkpoints step-5 ... step-10"); empty when nothing.
-std::string old_run_in_folders(const Config& cfg);
+std::string old_run_in_folders(const JobConfig& job);
 
 // Under checkpoint.resume = false: returns at once when the folders hold no
 // run; throws a ConfigError naming the folder and the choices, or moves the
 // old run aside (checkpoint.move_old_run_aside) and returns the folder it
 // went to. Run by the rank holding the folder lock.
-std::filesystem::path make_room_for_fresh_run(const Config& cfg);
+std::filesystem::path make_room_for_fresh_run(const JobConfig& job);
 
 }  // namespace viaduct

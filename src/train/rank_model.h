@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "config/config.h"
+#include "config/job_config.h"
 #include "model/model.h"
 #include "pipeline/runtime/stage.h"
 #include "pipeline/schedule/plan.h"
@@ -51,7 +51,7 @@ struct RankModel {
 // one process); `ep_group`, when set, shards every MoE layer's experts over
 // it before the weights are initialised (Note [Expert parallelism],
 // model/moe.h); `context` names this rank in a timeout.
-RankModel build_rank_model(const Config& cfg, int pp_rank, at::Device device,
+RankModel build_rank_model(const JobConfig& job, int pp_rank, at::Device device,
                            at::ScalarType compute_dtype, distributed::ProcessGroup* pp_group,
                            const std::string& context, distributed::ProcessGroup* ep_group = nullptr);
 

@@ -11,6 +11,7 @@
 #include "checkpoint/hf.h"
 #include "common/process_runs.h"
 #include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "data/fixtures.h"
 #include "data/temp_dir.h"
@@ -248,10 +249,11 @@ TEST(LastSaveInHf, TheFolderHoldsTheFinalWeights) {
     const auto cfg = job.config(dump, o);
     Trainer t(cfg);
     t.run();
-    const auto folder = hf_export_folder(cfg, 3);
+    const auto job_config = JobConfig::from(cfg);
+    const auto folder = hf_export_folder(job_config, 3);
     EXPECT_EQ(folder, fs::path(t.checkpoint_folder()) / "hf-step-3");
     const auto hf = checkpoint::read_hf_folder(folder);
-    const auto shape = hf_model_shape(cfg);
+    const auto shape = hf_model_shape(job_config);
     const auto back = checkpoint::from_hf_tensors(hf.tensors, shape, hf.shape.vocab_size,
                                                   folder.string());
     expect_same_bits(weights(t), std::map<std::string, at::Tensor>(back.begin(), back.end()));
@@ -272,7 +274,7 @@ TEST(LastSaveInHf, TheFolderCarriesTheTokenizerOfDataTokenizer) {
   const auto cfg = job.config("run", {"checkpoint.last_save_in_hf=true",
                                       "data.tokenizer=" + (tok / "tokenizer.json").string()});
   Trainer(cfg).run();
-  const auto folder = hf_export_folder(cfg, 3);
+  const auto folder = hf_export_folder(JobConfig::from(cfg), 3);
   EXPECT_EQ(data::testing::read_bytes((folder / "tokenizer.json").string()),
             data::testing::read_bytes((tok / "tokenizer.json").string()));
   EXPECT_TRUE(fs::exists(folder / "tokenizer_config.json"));
