@@ -5,7 +5,7 @@
 #include "core/check.h"
 #include "model/family.h"
 #include "model/model.h"
-#include "pipeline/schedule/plan_config.h"
+#include "train/plan_spec.h"
 
 namespace viaduct::apps {
 
@@ -37,7 +37,7 @@ std::optional<ConfigCommand> parse_config_command(
   // family and its flavor (the model registry), the schedule keys (the
   // schedule table).
   const auto& family = model_family(out.job);
-  pipeline::validate_plan_config(out.job.parallelism);
+  validate_plan_config(out.job.parallelism);
   // What the split's parts need of the model (tied embeddings in one part),
   // so that every command refuses what `train` would.
   if (family.check_part) {
@@ -48,7 +48,7 @@ std::optional<ConfigCommand> parse_config_command(
 }
 
 pipeline::PipelinePlan plan_for(const JobConfig& job) {
-  auto spec = pipeline::plan_spec_from_config(job.parallelism, model_module_fqns(job));
+  auto spec = plan_spec_from_config(job.parallelism, model_module_fqns(job));
   spec.module_flops = describe_model(job).module_flops;
   return pipeline::make_pipeline_plan(spec);
 }

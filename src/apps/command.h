@@ -27,7 +27,7 @@ struct ConfigCommand {
 // Prints `usage` and returns nullopt for --help / -h. An unknown flag or a
 // stray argument is a ConfigError naming it, followed by `usage`. The config
 // is loaded and checked as a whole: its keys (config/), its model family
-// and flavor (model/family.h) and its schedule (pipeline/schedule/plan_config.h), then
+// and flavor (model/family.h) and its schedule (train/plan_spec.h), then
 // parsed once into the JobConfig the command hands down.
 std::optional<ConfigCommand> parse_config_command(
     int argc, char** argv, const std::string& name, const char* usage,

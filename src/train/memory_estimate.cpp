@@ -7,7 +7,7 @@
 #include "core/check.h"
 #include "core/log.h"
 #include "model/chain_transformer.h"
-#include "pipeline/schedule/plan_config.h"
+#include "train/plan_spec.h"
 
 namespace viaduct {
 
@@ -165,7 +165,7 @@ MemoryEstimate check_rank_memory_fits(const JobConfig& job, int64_t pp_rank,
                                       at::ScalarType compute_dtype, bool on_cuda,
                                       double available, const std::string& device_name) {
   const ModelInfo info = describe_model(job);
-  auto spec = pipeline::plan_spec_from_config(job.parallelism, model_module_fqns(job));
+  auto spec = plan_spec_from_config(job.parallelism, model_module_fqns(job));
   spec.module_flops = info.module_flops;
   const auto plan = pipeline::make_pipeline_plan(spec);
   const auto all = estimate_memory_per_rank(job, info, plan, compute_dtype, on_cuda);

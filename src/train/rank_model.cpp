@@ -5,8 +5,8 @@
 
 #include "model/family.h"
 #include "pipeline/attn_res/attn_res_stage.h"
-#include "pipeline/schedule/plan_config.h"
 #include "train/expert_parallel.h"
+#include "train/plan_spec.h"
 #include "train/reduce.h"
 
 namespace viaduct {
@@ -17,7 +17,7 @@ RankModel build_rank_model(const JobConfig& job, int pp_rank, at::Device device,
   RankModel rm;
   // The pipeline plan (a pure function of the config: every rank agrees).
   rm.info = describe_model(job);
-  auto plan_spec = pipeline::plan_spec_from_config(job.parallelism, model_module_fqns(job));
+  auto plan_spec = plan_spec_from_config(job.parallelism, model_module_fqns(job));
   plan_spec.module_flops = rm.info.module_flops;  // Note [Bubble weighted by FLOPs]
   rm.plan = std::make_unique<pipeline::PipelinePlan>(pipeline::make_pipeline_plan(plan_spec));
   const auto& split = rm.plan->split;

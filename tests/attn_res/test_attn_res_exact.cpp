@@ -26,7 +26,7 @@
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
 #include "common/thread_ranks.h"
-#include "pipeline/schedule/plan_config.h"
+#include "train/plan_spec.h"
 
 namespace viaduct::pipeline {
 namespace {
@@ -238,7 +238,7 @@ PipelinePlan plan_for(const JobConfig& cfg, int64_t stages_per_rank,
   } else {
     p.module_fqns_per_model_part = per_stage;
   }
-  return make_pipeline_plan(plan_spec_from_config(p, model_module_fqns(cfg)));
+  return make_pipeline_plan(viaduct::plan_spec_from_config(p, model_module_fqns(cfg)));
 }
 
 std::string diff(const at::Tensor& a, const at::Tensor& b) {

@@ -21,7 +21,7 @@
 #include "ops/recompute.h"
 #include "pipeline/runtime/stage.h"
 #include "train/memory_estimate.h"
-#include "pipeline/schedule/plan_config.h"
+#include "train/plan_spec.h"
 
 namespace viaduct {
 namespace {
@@ -383,7 +383,7 @@ TEST(ActivationCheckpoint, MemoryEstimateKeepsInputsAndOneRecompute) {
   };
   auto estimate = [](const JobConfig& cfg) {
     const auto plan = pipeline::make_pipeline_plan(
-        pipeline::plan_spec_from_config(cfg.parallelism, model_module_fqns(cfg)));
+        plan_spec_from_config(cfg.parallelism, model_module_fqns(cfg)));
     return estimate_rank_memory(cfg, describe_model(cfg), plan, 0, at::kFloat, false);
   };
   const auto none_cfg = cfg_of({});

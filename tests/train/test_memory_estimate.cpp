@@ -10,7 +10,7 @@
 #include "core/check.h"
 #include "model/model.h"
 #include "train/memory_estimate.h"
-#include "pipeline/schedule/plan_config.h"
+#include "train/plan_spec.h"
 
 namespace viaduct {
 namespace {
@@ -26,7 +26,7 @@ JobConfig llama_config(std::vector<std::string> extra = {}) {
 
 pipeline::PipelinePlan plan_of(const JobConfig& cfg) {
   return pipeline::make_pipeline_plan(
-      pipeline::plan_spec_from_config(cfg.parallelism, model_module_fqns(cfg)));
+      plan_spec_from_config(cfg.parallelism, model_module_fqns(cfg)));
 }
 
 // The shapes the closed form needs, read off the built model.

@@ -19,7 +19,7 @@
 #include "model/family.h"
 #include "model/model.h"
 #include "train/memory_estimate.h"
-#include "pipeline/schedule/plan_config.h"
+#include "train/plan_spec.h"
 
 namespace viaduct {
 namespace {
@@ -66,7 +66,7 @@ std::vector<MemoryEstimate> reference(const PlanCase& c,
   o.insert(o.end(), extra.begin(), extra.end());
   const auto cfg = JobConfig::load(c.config, o);
   const auto info = describe_model(cfg);
-  auto spec = pipeline::plan_spec_from_config(cfg.parallelism, model_module_fqns(cfg));
+  auto spec = plan_spec_from_config(cfg.parallelism, model_module_fqns(cfg));
   spec.module_flops = info.module_flops;
   const auto plan = pipeline::make_pipeline_plan(spec);
   std::vector<MemoryEstimate> out;

@@ -1,32 +1,15 @@
-// The [parallelism] section -> PlanSpec, and the checks of those keys
-// that need the schedule table (config/ sits below pipeline/ and cannot
-// make them). Header-only so the pure plan library stays free of the config
-// library; include it where a JobConfig is at hand (the commands, the
-// runtime). `model_fqns` is the model's ordered module list
-// (model_module_fqns(job) in model/model.h).
-#pragma once
+// The [parallelism] section -> PlanSpec (see plan_spec.h).
+#include "train/plan_spec.h"
 
-#include <string>
-#include <vector>
-
-#include "config/job_config.h"
 #include "core/check.h"
-#include "pipeline/schedule/plan.h"
 #include "pipeline/schedule/schedule.h"
 
-namespace viaduct::pipeline {
+namespace viaduct {
 
-// The schedule keys against the schedule table: an unknown
-// parallelism.pipeline_parallel_schedule is refused with the closest valid
-// name, and parallelism.pipeline_parallel_stages_per_rank outside what the
-// schedule runs with the range it takes. A CSV schedule brings its own
-// stages, so nothing is checked then. Throws ConfigError. Every command that
-// takes a config runs it at load (apps/command.cpp), and so does
-// plan_spec_from_config.
-inline void validate_plan_config(const ParallelismSection& p) {
+void validate_plan_config(const ParallelismSection& p) {
   if (!p.pipeline_parallel_schedule_csv.empty()) return;
-  const auto type = schedule_type_from_name(p.pipeline_parallel_schedule);
-  const auto& tr = schedule_traits(type);
+  const auto type = pipeline::schedule_type_from_name(p.pipeline_parallel_schedule);
+  const auto& tr = pipeline::schedule_traits(type);
   const auto& spr = p.pipeline_parallel_stages_per_rank;
   if (!spr) return;
   const bool ok = *spr >= tr.min_stages_per_rank &&
@@ -40,11 +23,11 @@ inline void validate_plan_config(const ParallelismSection& p) {
                   tr.single_stage ? "; for several use Interleaved1F1B" : "");
 }
 
-inline PlanSpec plan_spec_from_config(const ParallelismSection& p,
-                                      const std::vector<std::string>& model_fqns) {
+pipeline::PlanSpec plan_spec_from_config(const ParallelismSection& p,
+                                         const std::vector<std::string>& model_fqns) {
   validate_plan_config(p);
-  PlanSpec spec;
-  spec.split.model = model_layout_from_fqns(model_fqns);
+  pipeline::PlanSpec spec;
+  spec.split.model = pipeline::model_layout_from_fqns(model_fqns);
   spec.split.pp = p.pipeline_parallel_degree;
   spec.split.first_stage_weight = p.pipeline_parallel_first_stage_less_layers;
   spec.split.last_stage_weight = p.pipeline_parallel_last_stage_less_layers;
@@ -60,4 +43,4 @@ inline PlanSpec plan_spec_from_config(const ParallelismSection& p,
   return spec;
 }
 
-}  // namespace viaduct::pipeline
+}  // namespace viaduct
