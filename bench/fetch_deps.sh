@@ -6,7 +6,8 @@
 # also find toml++'s CMake config there and want its compiled library) and GoogleTest's sources (for the CUDA tests,
 # -DVIADUCT_GTEST_SOURCE_DIR=$PWD/.deps/usr/src/googletest) into .deps/ at the repository root, on a machine
 # with Debian's mirror, so they can be carried to the GPU machine, which has
-# no network. bench/run_single_gpu.sh unpacks them there with
+# no network. bench/lib/gpu_build.sh, the GPU build of every bench script,
+# unpacks them there with
 #   for f in .deps/*.deb; do dpkg -x "$f" .deps; done
 # and builds with -DVIADUCT_EXTRA_INCLUDE=$PWD/.deps/usr/include.
 set -euo pipefail

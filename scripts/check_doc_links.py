@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Checks the relative links and anchors of README.md and docs/*.md.
+"""Checks the relative links and anchors of README.md, docs/ (with its
+results/ and notes/), bench/ and reference/ Markdown files.
 
 Every [text](target) outside code must name a file or folder that exists,
 and a #anchor must match a heading of the target file (GitHub's slugs).
@@ -62,7 +63,9 @@ def check(path):
 
 def main():
     files = sys.argv[1:] or [os.path.join(ROOT, "README.md")] + sorted(
-        glob.glob(os.path.join(ROOT, "docs", "*.md")))
+        glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True) +
+        glob.glob(os.path.join(ROOT, "bench", "**", "*.md"), recursive=True) +
+        glob.glob(os.path.join(ROOT, "reference", "*.md")))
     bad = [b for f in files for b in check(os.path.abspath(f))]
     for b in bad:
         print(b)

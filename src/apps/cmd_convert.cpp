@@ -1,6 +1,7 @@
 // `viaduct convert`: a viaduct checkpoint (any pipeline layout wrote it) to a
 // Hugging Face model folder that transformers loads, and an HF llama / gpt2
-// folder to a viaduct checkpoint (checkpoint/hf.h has the layouts).
+// folder to a viaduct checkpoint (checkpoint/hf.h writes and reads the
+// folders, the family's StateDictAdapter maps the tensors and config.json).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -16,7 +17,7 @@
 #include "config/job_config.h"
 #include "core/check.h"
 #include "core/log.h"
-#include "train/warm_start.h"
+#include "model/family.h"
 
 namespace viaduct::apps {
 namespace {
@@ -57,7 +58,7 @@ int to_hf(const std::string& input, const std::string& output,
   ck::Checkpoint c = ck::open_checkpoint(dir);
   const auto job =
       JobConfig::from(Config::parse(c.metadata.config_toml, dir.string() + "/metadata.json"));
-  ck::HfModelShape shape = hf_model_shape(job);
+  const auto adapter = state_dict_adapter(job);
   std::vector<fs::path> model_files;
   for (const auto& f : c.metadata.files) {
     if (f.name.rfind("model", 0) == 0) model_files.push_back(dir / f.name);
@@ -65,8 +66,8 @@ int to_hf(const std::string& input, const std::string& output,
   ck::TensorFileIndex index(model_files, dir);
   ck::TensorMap tensors;
   for (const auto& name : index.names()) tensors[name] = index.load(name);
-  ck::write_hf_folder(output, tensors, shape, options);
-  log::info("convert: ", dir.string(), " (step ", c.metadata.step, ", ", shape.family,
+  ck::write_hf_folder(output, tensors, *adapter, options);
+  log::info("convert: ", dir.string(), " (step ", c.metadata.step, ", ", model_family(job).name,
             ") -> ", output, " (", ck::torch_dtype_name(options.dtype), ")");
   return 0;
 }
@@ -85,10 +86,7 @@ int to_viaduct(const std::string& input, const std::string& output, const JobCon
                   "' already holds checkpoints (", held.empty() ? "" : held.front(),
                   held.size() > 1 ? str(" and ", held.size() - 1, " more") : std::string(),
                   "); give a folder without checkpoints, nothing was written");
-  ck::HfFolder hf = ck::read_hf_folder(input);
-  ck::HfModelShape shape = hf_model_shape(job);
-  ck::check_hf_shape(hf.shape, shape, input);
-  ck::TensorMap tensors = ck::from_hf_tensors(hf.tensors, shape, hf.shape.vocab_size, input);
+  ck::TensorMap tensors = ck::read_hf_model(input, *state_dict_adapter(job));
   ck::CheckpointMetadata meta;
   meta.step = 0;
   meta.config_toml = job.to_toml();
@@ -97,7 +95,7 @@ int to_viaduct(const std::string& input, const std::string& output, const JobCon
   ck::CheckpointPart part{"model.safetensors", {}, {}};
   for (auto& [name, t] : tensors) part.tensors.emplace_back(name, t);
   fs::path step = ck::save_checkpoint(output, meta, {part});
-  log::info("convert: ", input, " (", shape.family, ") -> ", step.string());
+  log::info("convert: ", input, " (", model_family(job).name, ") -> ", step.string());
   return 0;
 }
 

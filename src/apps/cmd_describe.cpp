@@ -81,7 +81,7 @@ void print_text(const ModelInfo& info) {
     }
     std::printf("\n");
   }
-  // The rest of the per-module FLOPs (Note [Bubble weighted by FLOPs]).
+  // The rest of the per-module FLOPs (see Note [Bubble weighted by FLOPs]).
   for (const auto& [fqn, f] : info.module_flops) {
     if (fqn.rfind("layers.", 0) != 0) {
       std::printf("  %-24s %s flops/token\n", fqn.c_str(), human(f).c_str());

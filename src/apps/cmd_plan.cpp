@@ -3,7 +3,7 @@
 // For every family: each pp rank's memory -- weights, gradients, optimizer
 // state (divided over dp under parallelism.dp_shard_optimizer), activations
 // at the schedule's peak with the config's activation checkpointing and with
-// none and full, the loss buffer (Note [Activation memory estimate],
+// none and full, the loss buffer (see Note [Activation memory estimate],
 // train/memory_estimate.h: the figure the trainer checks and logs as
 // plan_memory_bytes) -- the boundary activations each rank holds and the
 // schedule's bubble. For AttnRes families also the per-hop bytes for both
@@ -80,7 +80,7 @@ void print_bubble(const pipeline::PipelinePlan& plan) {
   }
   if (plan.balanced_weights && !plan.balanced && plan.simulation_flops &&
       plan.balanced_bubble_flops < plan.simulation_flops->bubble_fraction) {
-    // Note [Split balanced by FLOPs]
+    // See Note [Split balanced by FLOPs]
     std::printf("; %.1f%% with parallelism.pipeline_parallel_balance = \"flops\"",
                 100.0 * plan.balanced_bubble_flops);
   }
@@ -137,7 +137,7 @@ int plan_main(int argc, char** argv) {
   const int64_t dim = layout ? layout->dim : info.dim;
   const double entry = static_cast<double>(B / M * T * dim * elem);
 
-  // Note [Activation memory estimate]: the config's checkpointing, and none
+  // See Note [Activation memory estimate]: the config's checkpointing, and none
   // and full to show what it buys.
   const auto memory = estimate_memory_per_rank(job, info, plan, dtype, on_cuda);
   const auto memory_none = estimate_with_checkpointing(job, "none", dtype, on_cuda);
@@ -174,7 +174,7 @@ int plan_main(int argc, char** argv) {
   }
 
   // AttnRes: the layout tables of both transports. `cache`: deposit
-  // backward; `cache_wsb`: whole-stack backward (Note [AttnRes cache
+  // backward; `cache_wsb`: whole-stack backward (see Note [AttnRes cache
   // backward]).
   using pipeline::AttnResCacheBackward;
   using pipeline::AttnResTransport;
@@ -275,7 +275,7 @@ int plan_main(int argc, char** argv) {
                    {"total_ac_full", memory_full[ri].total()}};
     ranks.push_back(j);
   }
-  // Note [Expert parallelism] (model/moe.h): the experts' share, their
+  // See Note [Expert parallelism] (model/moe.h): the experts' share, their
   // traffic, and the peak at every ep the layout allows.
   std::optional<double> device_bytes;
   if (auto it = cmd->options.find("--device-gib"); it != cmd->options.end()) {
@@ -386,7 +386,7 @@ int plan_main(int argc, char** argv) {
     }
   }
 
-  // Note [Activation memory estimate]
+  // See Note [Activation memory estimate]
   const std::string optimizer =
       !adamw ? str(job.optimizer.name, ": no optimizer state")
       : shards > 1

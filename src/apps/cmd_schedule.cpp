@@ -100,7 +100,7 @@ int schedule_main(int argc, char** argv) {
   for (auto p : sim.peak_activations) std::printf(" %lld", static_cast<long long>(p));
   std::printf("\n");
   if (plan.simulation_flops) {
-    // Note [Bubble weighted by FLOPs]
+    // See Note [Bubble weighted by FLOPs]
     std::printf("with stage costs in proportion to their FLOPs: bubble %.2f%% (stage GFLOP per "
                 "token:",
                 100.0 * plan.simulation_flops->bubble_fraction);
@@ -108,7 +108,7 @@ int schedule_main(int argc, char** argv) {
     std::printf(")\n");
   }
   if (plan.balanced_weights) {
-    // Note [Split balanced by FLOPs]
+    // See Note [Split balanced by FLOPs]
     std::printf("%s: the embedding counts %lld layer(s), the head %lld; bubble by FLOPs %.2f%%\n",
                 plan.balanced ? "split balanced by FLOPs"
                         : "with parallelism.pipeline_parallel_balance = \"flops\"",

@@ -35,7 +35,7 @@ std::optional<ConfigCommand> parse_config_command(
     const std::vector<std::string>& valued_options = {});
 
 // The job's pipeline plan as the trainer makes it, with the model's module
-// FLOPs (Note [Bubble weighted by FLOPs]).
+// FLOPs (see Note [Bubble weighted by FLOPs]).
 pipeline::PipelinePlan plan_for(const JobConfig& job);
 
 // argv[0] is the subcommand name; returns the process exit code.

@@ -1,4 +1,4 @@
-// Checkpoint folders: atomic save (Note [Atomic checkpoint save] in
+// Checkpoint folders: atomic save (see Note [Atomic checkpoint save] in
 // checkpoint.h), discovery, pruning, verification and metadata.
 #include "checkpoint/checkpoint.h"
 

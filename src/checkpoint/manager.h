@@ -51,7 +51,7 @@ struct CheckpointPolicy {
   bool save_final = true;     // the last step, off the interval
 };
 
-// The ranks that save one checkpoint together (two phases, Note [Atomic
+// The ranks that save one checkpoint together (two phases, see Note [Atomic
 // checkpoint save]): every rank with `writes_parts` writes its parts into the
 // shared tmp folder, all wait, rank 0 commits and prunes, all wait.
 struct SaveGroup {

@@ -1,5 +1,5 @@
 // The union-of-files tensor index and layout-independent loading
-// (Note [Checkpoints load under any layout] in tensor_index.h).
+// (see Note [Checkpoints load under any layout] in tensor_index.h).
 #include "checkpoint/tensor_index.h"
 
 #include <algorithm>
@@ -72,7 +72,7 @@ void TensorFileIndex::add_file(const std::filesystem::path& path) {
   files_.push_back(std::make_unique<SafetensorsFile>(path));
   const size_t slot = files_.size() - 1;
   const SafetensorsFile& file = *files_.back();
-  // Note [Tensors stored in pieces]: entries the pieces table names are
+  // See Note [Tensors stored in pieces]: entries the pieces table names are
   // indexed under their tensor's FQN.
   std::set<std::string> piece_names;
   auto meta = file.metadata().find(kTensorPiecesKey);
@@ -261,7 +261,7 @@ LoadReport TensorFileIndex::load_into(const NamedTensors& destinations,
       // Straight into the destination's memory, no staging copy.
       file.read_into(e, dst.data_ptr(), options.verify_checksums);
       // A raw write: move the version counter as copy_ would (the weight
-      // cache, Note [Low-precision weight cache], trusts it).
+      // cache, see Note [Low-precision weight cache], trusts it).
       torch::autograd::impl::bump_version(dst);
     } else {
       at::Tensor staged = file.read(fqn, options.verify_checksums);

@@ -41,7 +41,7 @@ namespace viaduct::checkpoint {
 std::string optim_state_fqn(const std::string& state,
                             const std::string& param_fqn);
 
-// The metadata key of Note [Tensors stored in pieces].
+// The metadata key of see Note [Tensors stored in pieces].
 inline constexpr const char* kTensorPiecesKey = "viaduct.tensor_pieces";
 
 // One piece: the elements [offset, offset + values.numel()) of the

@@ -66,7 +66,7 @@ void add_core_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("metrics", "pipeline_timing", T::kBool, true, "time each rank's pipeline compute actions and P2P waits: pipeline_* and bubble_measured* per step in metrics.jsonl (CUDA: timing events, no extra sync)"));
   k.push_back(key("metrics", "profile_step", T::kInt, int64_t{0}, "profile this step (1-based; 0: off) into <dump_folder>/profile/").in(at_least(0)));
   k.push_back(key("metrics", "profile_host_ops", T::kBool, true, "the profile records every host op (which op launched each kernel); false: device kernels only (needs training.device = cuda): no attribution, but no host cost per op either, so the idle gaps come closer to an unprofiled step's"));
-  // Note [Activation checkpointing] (ops/recompute.h); torchtitan's keys.
+  // See Note [Activation checkpointing] (ops/recompute.h); torchtitan's keys.
   k.push_back(key("activation_checkpoint", "mode", T::kString, std::string("none"), "none | full | selective: recompute a layer's forward in its backward instead of keeping its activations (full: every transformer layer; selective: every selective_ac_option-th, or with \"op\" every layer keeping its matmul outputs); same bits as none"));
   k.push_back(key("activation_checkpoint", "selective_ac_option", T::kString, std::string("2"), "selective mode: N (a positive integer) checkpoints every N-th layer, counted by global layer id (layers N-1, 2N-1, ...); \"op\" (torchtitan's per-op policy) checkpoints every layer but keeps the outputs of its linear projections, MoE expert GEMMs, KDA's chunk scan and (where flash runs) attention's core, so the backward recomputes only the cheap ops (norms, activations, rope, residual adds); same bits as none"));
   (void)kUnset;

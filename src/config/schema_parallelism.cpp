@@ -106,7 +106,7 @@ void validate_parallelism(const Config& c) {
                           list));
   }
 
-  // Note [Expert parallelism] (model/moe.h): ep ranks are data-parallel
+  // See Note [Expert parallelism] (model/moe.h): ep ranks are data-parallel
   // replicas of one stage.
   const int64_t dp = c.get_int("parallelism.data_parallel_degree");
   const int64_t ep = c.get_int("parallelism.expert_parallel_degree");
@@ -119,7 +119,7 @@ void validate_parallelism(const Config& c) {
                   "parallelism.expert_gradient_sum must be \"replica_order\" or \"local\", "
                   "got \"", sum, "\"");
 
-  // Note [AttnRes cache backward] (pipeline/attn_res/block_layout.h).
+  // See Note [AttnRes cache backward] (pipeline/attn_res/block_layout.h).
   constexpr const char* kCacheBackward = "parallelism.attn_res_cache_backward";
   const auto cache_backward = c.get_string(kCacheBackward);
   VIADUCT_CHECK_T(ConfigError, cache_backward == "deposit" || cache_backward == "whole_stack",

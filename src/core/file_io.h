@@ -10,7 +10,7 @@
 // renamed onto `path`, and the folder is fsynced so that the rename itself
 // persists. A crash leaves either the old file or the new one, and at worst a
 // stray `.tmp` that the next write truncates. A folder is published the same
-// way (checkpoint/checkpoint.h, Note [Atomic checkpoint save]).
+// way (checkpoint/checkpoint.h, see Note [Atomic checkpoint save]).
 #pragma once
 
 #include <cstddef>
@@ -112,7 +112,7 @@ std::string read_text_file(const std::filesystem::path& path);
 // published as a whole).
 void write_text_file(const std::filesystem::path& path, const std::string& text);
 
-// A file written under Note [Atomic replace]: the writes go to `<path>.tmp`;
+// A file written under see Note [Atomic replace]: the writes go to `<path>.tmp`;
 // commit() fsyncs, closes, renames onto `path` and fsyncs the folder.
 // Dropped without commit(), it removes the temporary file.
 class AtomicFile {
@@ -136,7 +136,7 @@ class AtomicFile {
   bool committed_ = false;
 };
 
-// Replaces `path` with `text` under Note [Atomic replace].
+// Replaces `path` with `text` under see Note [Atomic replace].
 void atomic_write_file(const std::filesystem::path& path, const std::string& text);
 
 }  // namespace viaduct

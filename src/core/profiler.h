@@ -1,6 +1,6 @@
 // One training step under LibTorch's Kineto profiler: every ATen op on the
 // host and, in the CUDA build, every kernel on the device, saved as a Chrome
-// trace (chrome://tracing, Perfetto). bench/profile_summary.py turns the
+// trace (chrome://tracing, Perfetto). reference/profile_summary.py turns the
 // trace into a per-op / per-kernel table.
 //
 // The profiler is global to the process; only one StepProfiler may be active.

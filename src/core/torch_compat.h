@@ -52,7 +52,7 @@ inline at::Tensor causal_sdpa(const at::Tensor& q, const at::Tensor& k,
 // Causal flash attention as its two ATen ops (LibTorch 2.x, CUDA): what
 // causal_sdpa runs for the half-precision inputs flash takes, exposed so
 // that an autograd function of ours can keep its outputs and call its
-// backward (Note [Per-op activation checkpointing], ops/recompute.h).
+// backward (see Note [Per-op activation checkpointing], ops/recompute.h).
 // flash_attention_applies: q, k, v [B, H, T, hd] on CUDA in bf16 or fp16,
 // one head dim (a multiple of 8, at most 256), H and T alike, last dim
 // dense. 1.13: never.

@@ -504,7 +504,7 @@ int64_t TokenFileWriter::finish() {
   std::memcpy(header + 24, &vocab, 8);
   std::memcpy(header + 32, tokenizer_.data(), tokenizer_.size());
   write_all(header, sizeof(header), 0);
-  // Note [Atomic replace] (core/file_io.h); a failure leaves no .tmp behind.
+  // See Note [Atomic replace] (core/file_io.h); a failure leaves no .tmp behind.
   out_->commit();
   out_.reset();
   return kViaductHeaderBytes + count_ * bytes_per_token_;

@@ -140,7 +140,7 @@ std::string resolve_val_path(const std::string& path,
 std::vector<std::string> resolve_val_paths(const std::vector<std::string>& paths,
                                            const std::string& val_path);
 
-// Writes a viaduct token file atomically (Note [Atomic replace] in
+// Writes a viaduct token file atomically (see Note [Atomic replace] in
 // core/file_io.h): tokens go to `<path>.tmp`, and finish() writes the header,
 // fsyncs, renames onto `path` and fsyncs the folder. Dropped without
 // finish(), it removes the temporary file.

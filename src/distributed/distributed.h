@@ -179,7 +179,7 @@ class ProcessGroup {
 
 // ---------------------------------------------------------------- the mesh
 
-// Pure arithmetic of Note [Mesh layout].
+// Pure arithmetic of see Note [Mesh layout].
 struct MeshShape {
   int pp = 1;
   int dp = 1;

@@ -1,4 +1,4 @@
-// The job store's server, client and wire format (Note [Job store],
+// The job store's server, client and wire format (see Note [Job store],
 // job_store.h). The server takes one thread per connection: a job has a few
 // connections per rank, and a thread that blocks in a get or wait is then
 // the simplest correct form of a blocking request.

@@ -4,7 +4,7 @@
 // interface and serves anyone who connects, so on a shared machine any user
 // could write into a running job's rendezvous; this store cannot be reached
 // from outside a one-host job (loopback) and refuses a stray client of a
-// multi-host one (Note [Job store]).
+// multi-host one (see Note [Job store]).
 //
 // Note [Job store]
 // Where it listens: 127.0.0.1 when the whole job is on one host or
@@ -112,7 +112,7 @@ class JobStore : public c10d::Store {
 bool job_on_one_host(const RendezvousInfo& info);
 
 // The numeric address the store of `info`'s job listens on and its ranks
-// connect to (Note [Job store]): "127.0.0.1" for a job on one host or a
+// connect to (see Note [Job store]): "127.0.0.1" for a job on one host or a
 // loopback MASTER_ADDR ("localhost", 127.x), else MASTER_ADDR resolved with
 // getaddrinfo. Throws viaduct::Error naming MASTER_ADDR when it does not
 // resolve, or when a multi-host job's MASTER_ADDR resolves to loopback here.

@@ -159,7 +159,7 @@ struct RankProcess {
   OutputStream out;
   OutputStream err;
   // The last error line the rank printed on stderr and when it arrived
-  // (the launcher's count of error lines so far): Note [The first rank to
+  // (the launcher's count of error lines so far): see Note [The first rank to
   // fail].
   std::string error_line;
   int64_t error_seq = -1;
@@ -469,7 +469,7 @@ namespace {
 // (train/preemption.h): deliberate, so neither a failure nor restarted.
 constexpr int kExitSavedOnSignal = 75;
 
-// The token every rank proves to the rendezvous store (Note [Job store],
+// The token every rank proves to the rendezvous store (see Note [Job store],
 // dist/job_store.h): the user's VIADUCT_JOB_TOKEN, else on one node one made
 // for this launch and kept across restarts. Several nodes without one get
 // none: launchers started apart cannot agree on one, and the ranks refuse to
@@ -644,7 +644,7 @@ LaunchResult run_ranks(const LaunchOptions& options, const LineSink& sink,
     bool still_running = false;
     for (auto& p : procs) still_running |= p->running;
     if (failure_at && !ending && (!still_running || Clock::now() - *failure_at >= kSettle)) {
-      // Note [The first rank to fail]: its error line came first; without
+      // See Note [The first rank to fail]: its error line came first; without
       // one, the first exit reaped.
       auto rank_key = [&](const RankProcess* p) {
         // Its own error before a follower's, then the earlier line.

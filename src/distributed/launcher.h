@@ -7,7 +7,7 @@
 // rank which attempt it is; a trainer resumes from its latest checkpoint).
 //
 // Signals: the first SIGINT/SIGTERM/SIGUSR1 is forwarded to every rank and
-// the launcher waits for them (a trainer saves and exits with 75, Note [Save
+// the launcher waits for them (a trainer saves and exits with 75, see Note [Save
 // and exit on a signal]); a second one is forwarded too and starts the grace
 // period, after which the ranks are killed. A rank that exits with 75 stopped
 // on purpose: it is not a failure, it ends no other rank and is not

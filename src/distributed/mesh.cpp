@@ -1,4 +1,4 @@
-// The pp × dp device mesh (Note [Mesh layout] in dist.h): one store, the world
+// The pp × dp device mesh (see Note [Mesh layout] in dist.h): one store, the world
 // group, and this rank's pipeline group and data-parallel group, each a
 // c10d group over the same store with its own key prefix.
 #include <cstdlib>

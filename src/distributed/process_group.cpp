@@ -58,7 +58,7 @@ c10::intrusive_ptr<c10d::Store> make_store(const RendezvousInfo& info,
   }
   VIADUCT_CHECK(info.master_port > 0 && info.master_port <= 65535,
                 "MASTER_PORT=", info.master_port, " is not a TCP port");
-  // Where the store listens and what a rank must prove: Note [Job store].
+  // Where the store listens and what a rank must prove: see Note [Job store].
   const std::string address = store_address(info);
   const std::string token = job_token(info, [](const std::string& name) {
     const char* value = std::getenv(name.c_str());

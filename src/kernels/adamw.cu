@@ -37,7 +37,7 @@ __device__ __forceinline__ void adamw_groups(float* __restrict__ p, const float*
     load_n<float, N>(v, k * N, vv);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      // The clip coefficient (Note [Clip folded into AdamW]) is rounded on
+      // The clip coefficient (see Note [Clip folded into AdamW]) is rounded on
       // its own, as ATen's in-place multiply of the gradient rounds it.
       // Every operation is spelled with its rounding (the _rn intrinsics
       // become mul.rn/sub.rn, which ptxas may not fuse into an fma), so the
@@ -55,14 +55,14 @@ __device__ __forceinline__ void adamw_groups(float* __restrict__ p, const float*
     store_n<float, N>(p, k * N, pv);
     store_n<float, N>(m, k * N, mv);
     store_n<float, N>(v, k * N, vv);
-    // Note [Low-precision weight cache]: the new weight's bf16 copy in the
+    // See Note [Low-precision weight cache]: the new weight's bf16 copy in the
     // same pass, rounded as a cast rounds.
     if (low != nullptr) store_n<__nv_bfloat16, N>(low, k * N, pv);
   }
 }
 
 // The clip coefficient an AdamW kernel applies: grad_scale, or with
-// scale_dev the one formed on the device (Note [Clip coefficient on the
+// scale_dev the one formed on the device (see Note [Clip coefficient on the
 // device]), where NaN means the norm was not finite and nothing is updated.
 __device__ __forceinline__ float adamw_scale(float grad_scale, const float* scale_dev) {
   return scale_dev != nullptr ? *scale_dev : grad_scale;
@@ -80,7 +80,7 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
                   scale);
 }
 
-// Note [Small tensors in one AdamW launch]: the update of tensor
+// See Note [Small tensors in one AdamW launch]: the update of tensor
 // blockIdx.y of the batch, values in groups of 4 (every item 16-byte
 // aligned with a multiple of 4 values).
 __global__ void adamw_batch_kernel(AdamWBatch batch, float beta1, float beta2, float step_size,

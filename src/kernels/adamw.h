@@ -13,13 +13,13 @@ namespace viaduct::cuda {
 // p -= lr / bias_corr1 * m / (sqrt(v) / sqrt(bias_corr2) + eps) (g' for g); and, when
 // low_bf16 is not null, low_bf16[i] = bf16(p[i]) (round to nearest even).
 // With scale_dev: grad_scale is read from scale_dev[0] on the device, and
-// NaN there updates nothing (Note [Clip coefficient on the device]).
+// NaN there updates nothing (see Note [Clip coefficient on the device]).
 cudaError_t adamw(float* p, const float* g, float* m, float* v, void* low_bf16, int64_t n,
                   float lr, float beta1, float beta2, float eps, float weight_decay,
                   float bias_corr1, float bias_corr2, float grad_scale, cudaStream_t stream,
                   const float* scale_dev = nullptr);
 
-// Note [Small tensors in one AdamW launch] (kernels/adamw.cu): adamw() for
+// See Note [Small tensors in one AdamW launch] (kernels/adamw.cu): adamw() for
 // `count` tensors, up to 24 a launch, with the bits of one call each. Every
 // item must be adamw_batchable: 1 to kAdamWSmall values, a multiple of 4,
 // every pointer 16-byte aligned (low_bf16 may be null).

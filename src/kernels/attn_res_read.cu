@@ -7,7 +7,7 @@ namespace {
 
 // Register form: dim <= 32 * N * ITERS. Lane columns: lane * N + it * 32 * N
 // + k (constant offsets from a per-row base; `rem` bounds a partial row).
-// kNorm (Note [AttnRes read with its norm]): out is norm(h), not h.
+// kNorm (see Note [AttnRes read with its norm]): out is norm(h), not h.
 template <typename T, int N, int ITERS, bool kNorm>
 __global__ void __launch_bounds__(kReadWarps * 32, kReadForwardBlocksPerSM)
     attn_res_read_forward_warp_kernel(ReadSources src, int n, const float* __restrict__ u,
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kReadWarps * 32)
 // Register form: dim <= 32 * N * ITERS, columns as in the forward's. Warp w
 // of block b takes rows b * kReadWarps + w + k * gridDim.x * kReadWarps.
 //
-// kNorm (Note [AttnRes read with its norm]): g is not loaded but formed from
+// kNorm (see Note [AttnRes read with its norm]): g is not loaded but formed from
 // nrm.dy through the norm's backward, with h formed again from the sources
 // as the forward formed it; the norm weight's gradient accumulates per warp
 // in dynamic shared memory beside du's and leaves as nrm.dw_partial rows.

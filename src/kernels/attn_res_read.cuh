@@ -59,10 +59,11 @@ constexpr int kReadRowsPerPart = 8;
 // backward g's and a source's slices (du is in shared memory).
 constexpr int kReadForwardBlocksPerSM = 4;
 constexpr int kReadBackwardBlocksPerSM = 3;
-// The form that adds into slots (Note [AttnRes block gradients in place])
+// The form that adds into slots (see Note [AttnRes block gradients in place])
 // holds a slot's slice too.
 constexpr int kReadBackwardAccBlocksPerSM = 2;
-// Note [AttnRes read with its norm]: every AttnRes read in kimi_k3 feeds
+// Note [AttnRes read with its norm]
+// Every AttnRes read in kimi_k3 feeds
 // an RMSNorm (attention_norm, ffn_norm, the final norm) and nothing else,
 // so the register forms can take that norm in too (ReadNorm). Forward: h is
 // rounded to T in registers as it would be stored, and y = (h r) w is
@@ -209,7 +210,7 @@ __device__ __forceinline__ Packed<T, N> pack_n(const float (&v)[N]) {
   return r;
 }
 
-// The backward's per-source coefficients of the warp's row (Note [Fused
+// The backward's per-source coefficients of the warp's row (see Note [Fused
 // AttnRes read]'s formulas), for the sources in this lane's slots: pass 1
 // (g . v_i for every source, in order) given the row's statistics.
 struct ReadCoefficients {
@@ -260,7 +261,7 @@ __device__ __forceinline__ void write_block_part(const float4 (*sh)[ITERS * (N /
   }
 }
 
-// Note [Read with its norm in two passes] (kernels/attn_res_read_norm.cu):
+// See Note [Read with its norm in two passes] (kernels/attn_res_read_norm.cu):
 // the source counts it takes; more take the three-pass form.
 constexpr int kReadNormPassMaxSources = 5;
 

@@ -7,7 +7,7 @@
 
 namespace viaduct::cuda {
 
-// Block AttnRes read (Note [AttnRes read without keys], ops/attn_res_read.cpp)
+// Block AttnRes read (see Note [AttnRes read without keys], ops/attn_res_read.cpp)
 // over n <= kMaxReadSources sources, each a contiguous [rows, dim] tensor of
 // the same dtype; u = norm weight * query, fp32 [dim]. Forward: per row,
 // rstd_i = rsqrt(mean(v_i^2) + eps), dot_i = v_i . u, alpha = softmax_i(
@@ -16,7 +16,7 @@ namespace viaduct::cuda {
 // alpha_i g + dd_i u - dr_i v_i (dd_i = dlogit_i rstd_i, dr_i = dlogit_i
 // dot_i rstd_i^3 / dim, dlogit_i = alpha_i (g.v_i - sum_j alpha_j g.v_j))
 // and du_partial[p, :] = the sum over the rows block p handles of
-// sum_i dd_i v_i (the caller sums the parts). One warp a row (Note [Fused
+// sum_i dd_i v_i (the caller sums the parts). One warp a row (see Note [Fused
 // AttnRes read, warp per row]).
 constexpr int kMaxReadSources = 64;
 struct ReadSources {
@@ -25,13 +25,13 @@ struct ReadSources {
 struct ReadGrads {
   void* p[kMaxReadSources];
 };
-// The RMSNorm that takes the read's output (Note [AttnRes read with its
+// The RMSNorm that takes the read's output (see Note [AttnRes read with its
 // norm], kernels/attn_res_read.cu), when the launches get one: weight w
 // [dim] fp32 and eps; the forward writes out = norm(h) instead of h and the
 // norm's rstd [rows]; the backward takes dy, the gradient of norm(h),
 // instead of h's, and writes the weight's gradient as dw_partial rows (as
 // du_partial). The backward runs in two passes over the sources for up to
-// 5 of them (Note [Read with its norm in two passes]), in three for more.
+// 5 of them (see Note [Read with its norm in two passes]), in three for more.
 struct ReadNorm {
   const float* w = nullptr;
   float eps = 0.f;
@@ -58,7 +58,7 @@ cudaError_t attn_res_read_backward(DType dt, const ReadSources& src, const ReadS
                                    cudaStream_t stream, const ReadNorm* nrm = nullptr);
 
 // out[s, c] = the sum over p of partial[s, p, c], for fp32 partial rows
-// [sets, parts, dim] (Note [Summing the read's partial rows]); in a fixed
+// [sets, parts, dim] (see Note [Summing the read's partial rows]); in a fixed
 // order, bitwise reproducible. With prod: also prod->out_a[c] = out[0, c] *
 // prod->a[c] and prod->out_b[c] = out[0, c] * prod->b[c].
 struct PartsProducts {

@@ -12,10 +12,10 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Note [Fused AttnRes read, warp per row] in kernels/attn_res_read.cu; the
-// equations of Note [AttnRes read without keys] (ops/attn_res_read.cpp), whose ATen form runs
+// See Note [Fused AttnRes read, warp per row] in kernels/attn_res_read.cu; the
+// equations of see Note [AttnRes read without keys] (ops/attn_res_read.cpp), whose ATen form runs
 // everywhere else. With out_weight not empty, the read and the RMSNorm
-// after it (Note [AttnRes read with its norm]): the output is norm(h).
+// after it (see Note [AttnRes read with its norm]): the output is norm(h).
 class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, at::TensorList sources,
@@ -115,7 +115,7 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
                                               with_norm ? &nrm : nullptr),
                  with_norm ? "attn_res_read_norm_backward" : "attn_res_read_backward");
     for (auto& [slot, dv] : to_add) attn_res_slot_add(slot, dv);
-    // Note [Summing the read's partial rows]: one launch sums the parts and
+    // See Note [Summing the read's partial rows]: one launch sums the parts and
     // forms d query = du * w and d norm.weight = du * q, when both are the
     // fp32 parameters they are in the model; ATen otherwise.
     const int sets = with_norm ? 2 : 1;

@@ -1,4 +1,4 @@
-// The read-with-norm backward in two passes over the sources (Note [Read
+// The read-with-norm backward in two passes over the sources (see Note [Read
 // with its norm in two passes]), for up to kReadNormPassMaxSources sources.
 #include "kernels/attn_res_read.cuh"
 
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kReadWarps * 32, kReadNormPassBlocksPerSM)
   write_block_part<N, ITERS>(dw_sh, nrm.dw_partial, dim);
 }
 
-// Note [Read with its norm in two passes]: the launch for n sources.
+// See Note [Read with its norm in two passes]: the launch for n sources.
 template <typename T, int N, int NS, bool kAcc>
 cudaError_t launch_read_norm_2pass_kernel(unsigned grid, cudaStream_t stream,
                                           const ReadSources& src, const ReadSources& acc,

@@ -7,7 +7,7 @@
 
 namespace viaduct::cuda {
 
-// Note [Clip coefficient on the device] (kernels/clip.cu): from k fp32
+// See Note [Clip coefficient on the device] (kernels/clip.cu): from k fp32
 // per-tensor gradient norms, norm_out[0] = the global norm (double) and
 // scale_out[0] = the clip coefficient as fp32, or NaN when the norm is not
 // finite (max_norm <= 0: no clipping, 1).

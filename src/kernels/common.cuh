@@ -64,7 +64,7 @@ __device__ __forceinline__ void store_n(T* p, int64_t i, const float (&v)[N]) {
   }
 }
 // v[k] := p[i + k] + v[k] rounded to T: the sum autograd forms when it adds
-// a gradient stored as T into an accumulated one (Note [AttnRes block
+// a gradient stored as T into an accumulated one (see Note [AttnRes block
 // gradients in place], model/attn_res.h); the caller stores the result as T.
 template <typename T, int N>
 __device__ __forceinline__ void add_rounded(const T* p, int64_t i, float (&v)[N]) {

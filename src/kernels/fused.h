@@ -30,7 +30,7 @@ bool usable(const at::Tensor& x);
 // dtype; weight: fp32 [D]. Saves x and one fp32 per row for the backward.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // (h, rms_norm(h)) for h = x + res, h rounded to x's type as an add rounds:
-// one kernel each way, the bits of the two ops (Note [Residual add inside
+// one kernel each way, the bits of the two ops (see Note [Residual add inside
 // the norm]).
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& res,
                                                const at::Tensor& weight, double eps);
@@ -46,7 +46,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // x [B, T, KV, hd] (the last dim contiguous, other strides free) ->
 // contiguous [B, T, KV * repeat, hd], each head written `repeat` times (as
 // repeat_interleave on dim 2); the backward sums each head's copies in
-// fp32 in head order. Note [Repeated heads without a gather].
+// fp32 in head order. See Note [Repeated heads without a gather].
 at::Tensor repeat_heads(const at::Tensor& x, int64_t repeat);
 
 // silu(a) * b.
@@ -59,7 +59,7 @@ at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b);
 at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w,
                          bool recompute);
 // swiglu_linear(ab[..., :F], ab[..., F:], w) for ab the [..., 2F] output of
-// one GEMM over w1 and w3 (Note [One w1/w3 projection], ops/swiglu.cpp):
+// one GEMM over w1 and w3 (see Note [One w1/w3 projection], ops/swiglu.cpp):
 // the halves are read in place and their gradient is one [..., 2F] tensor.
 at::Tensor swiglu_linear_packed(const at::Tensor& ab, const at::Tensor& w, bool recompute);
 
@@ -93,14 +93,14 @@ at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets);
 // statistics per source and token. attn_res_read_usable: the kernels can
 // take these sources (usable(), the limits above; false in the CPU build).
 bool attn_res_read_usable(const std::vector<at::Tensor>& sources);
-// slots: as AttnResReadImpl::forward's (Note [AttnRes block gradients in
+// slots: as AttnResReadImpl::forward's (see Note [AttnRes block gradients in
 // place], model/attn_res.h); the backward adds into a slot in the pass that
 // computes the gradient.
 at::Tensor attn_res_read(const std::vector<at::Tensor>& sources, const at::Tensor& query,
                          const at::Tensor& norm_weight, double eps,
                          const std::vector<at::Tensor>* slots = nullptr);
 // RMSNorm(attn_res_read(...)) with weight out_weight (fp32 [D]) and out_eps
-// in one kernel forward and one backward (Note [AttnRes read with its
+// in one kernel forward and one backward (see Note [AttnRes read with its
 // norm], kernels/attn_res_read.cu): h itself is neither written nor kept.
 // attn_res_read_norm_usable: attn_res_read_usable, contiguous sources of
 // rows of at most 2048 bf16 / 1024 fp32 in 16-byte words.
@@ -139,7 +139,7 @@ std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tenso
 // int64 [N, k]; what a stable descending sort of the sums selects.
 // moe_topk_usable: the kernel takes these (E up to 256; false in the CPU
 // build). moe_dispatch: for expert ids [S] (int64) in [0, n_experts), each
-// slot's row in groups padded to `align` (Note [MoE dispatch into padded
+// slot's row in groups padded to `align` (see Note [MoE dispatch into padded
 // groups], ops/moe.h): {pos [S] int64, offs [E] int32, counts [E] int64};
 // moe_dispatch_usable: the kernels take these ids (up to 1024 experts).
 bool moe_topk_usable(const at::Tensor& scores, int64_t k);
@@ -151,18 +151,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& ex
 // One AdamW step in place on contiguous fp32 CUDA tensors (the formulas of
 // AdamW::step's loop; bias_corr_i = 1 - beta_i^step). `low`, when defined (a
 // contiguous bf16 tensor of p's size), receives the new p cast to bf16 in
-// the same pass (Note [Low-precision weight cache]). The update reads
-// g * grad_scale (the clip coefficient, Note [Clip folded into AdamW]); g
+// the same pass (see Note [Low-precision weight cache]). The update reads
+// g * grad_scale (the clip coefficient, see Note [Clip folded into AdamW]); g
 // itself is not written. Raw writes: the caller bumps p's version.
 // With scale_dev (a [1] fp32 tensor on p's device), grad_scale is read from
-// there instead, and NaN there updates nothing (Note [Clip coefficient on
+// there instead, and NaN there updates nothing (see Note [Clip coefficient on
 // the device], kernels/clip.cu).
 void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, double lr,
             double beta1, double beta2, double eps, double weight_decay, double bias_corr1,
             double bias_corr2, const at::Tensor& low = at::Tensor(), double grad_scale = 1.0,
             const at::Tensor& scale_dev = at::Tensor());
 
-// adamw_ for many small tensors in few launches (Note [Small tensors in one
+// adamw_ for many small tensors in few launches (see Note [Small tensors in one
 // AdamW launch], kernels/adamw.cu), the same bits. adamw_many_takes says
 // which: contiguous fp32 CUDA tensors of one size, at most 65536 values, a
 // multiple of 4, 16-byte aligned (low as adamw_'s). All on one device.
@@ -175,7 +175,7 @@ void adamw_many_(const std::vector<AdamWTensors>& ts, double lr, double beta1, d
                  double eps, double bias_corr1, double bias_corr2, double grad_scale = 1.0,
                  const at::Tensor& scale_dev = at::Tensor());
 
-// Note [Clip coefficient on the device] (kernels/clip.cu): the global norm
+// See Note [Clip coefficient on the device] (kernels/clip.cu): the global norm
 // of these gradients (contiguous or not, fp32, on one CUDA device, in
 // parameter order) and the clip coefficient for max_norm (<= 0: 1), formed
 // on the device with the host's arithmetic (total_norm, clip_coefficient).

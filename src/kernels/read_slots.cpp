@@ -1,4 +1,4 @@
-// The slots of the AttnRes read's gradients in place (Note [AttnRes block
+// The slots of the AttnRes read's gradients in place (see Note [AttnRes block
 // gradients in place], model/attn_res.h): shared by the ATen read
 // (ops/attn_res_read.cpp) and the kernel's (kernels/attn_res_read_fn.cpp),
 // so both builds compile it.

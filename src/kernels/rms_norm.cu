@@ -7,7 +7,7 @@ namespace {
 
 // Rows are read in groups of N values (16 bytes when the launcher found the
 // rows aligned, else N = 1).
-// With res (Note [Residual add inside the norm]): the normalised row is
+// With res (see Note [Residual add inside the norm]): the normalised row is
 // h = x + res, rounded to T as ATen's add rounds, and h is written too.
 template <typename T, int N>
 __global__ void rms_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ res,
@@ -52,7 +52,7 @@ __global__ void rms_norm_forward_kernel(const T* __restrict__ x, const T* __rest
   }
 }
 
-// With dres (Note [Residual add inside the norm]): dx = dres + the norm's
+// With dres (see Note [Residual add inside the norm]): dx = dres + the norm's
 // dx rounded to T, the sum autograd formed for h's two uses, same bits.
 template <typename T, int N>
 __device__ __forceinline__ void add_residual_grad(const T* dres, int64_t row, int64_t dim,

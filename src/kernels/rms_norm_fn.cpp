@@ -26,7 +26,7 @@ at::Tensor norm_forward(const at::Tensor& x2, const at::Tensor& w, double eps, a
   return y;
 }
 
-// The norm's backward; dres2 defined: added to dx (Note [Residual add
+// The norm's backward; dres2 defined: added to dx (see Note [Residual add
 // inside the norm]). Returns dx and dw.
 std::pair<at::Tensor, at::Tensor> norm_backward(const at::Tensor& dy2, const at::Tensor& x2,
                                                 const at::Tensor& w, const at::Tensor& rstd,
@@ -66,7 +66,8 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
   }
 };
 
-// Note [Residual add inside the norm]: a block's h = x + attn(...) is
+// Note [Residual add inside the norm]
+// A block's h = x + attn(...) is
 // normalised for the FFN and also carried on the residual. As two ops, the
 // forward wrote h and read it back for the norm, and the backward wrote
 // the norm's dx, then autograd added the residual's gradient in another

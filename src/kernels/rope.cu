@@ -14,7 +14,7 @@ namespace {
 // input head rep times (grouped KV heads repeated for attention); (1, rep,
 // rep) sums rep heads (the repeat's backward).
 // cos_t == nullptr: no rotation (the heads copied or summed as above; v's
-// grouped heads repeated for attention, Note [Repeated heads without a
+// grouped heads repeated for attention, see Note [Repeated heads without a
 // gather]).
 template <typename T, int N>
 __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ cos_t,

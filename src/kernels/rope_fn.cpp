@@ -51,7 +51,8 @@ class RopeFn : public torch::autograd::Function<RopeFn> {
   }
 };
 
-// Note [Repeated heads without a gather]: v's grouped heads repeated for
+// Note [Repeated heads without a gather]
+// V's grouped heads repeated for
 // SDPA went through repeat_interleave, a strided gather from the qkv GEMM's
 // output far below the memory bandwidth, and its backward through a
 // reduction kernel. The RoPE kernel already writes

@@ -10,7 +10,7 @@ __device__ __forceinline__ float sigmoid(float a) { return 1.f / (1.f + __expf(-
 // Elementwise over `groups` groups of N values (see load_n).
 // Rows of `width` values; a, b (and da, db) have `pitch` values between
 // rows (pitch == width: contiguous; 2 width: the halves of one [rows, 2F]
-// GEMM output, Note [One w1/w3 projection]); y and dy are contiguous.
+// GEMM output, see Note [One w1/w3 projection]); y and dy are contiguous.
 // width is a multiple of N, so a group never crosses a row.
 __device__ __forceinline__ int64_t pitched(int64_t e, int64_t width, int64_t pitch) {
   return pitch == width ? e : (e / width) * pitch + e % width;

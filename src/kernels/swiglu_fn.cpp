@@ -46,7 +46,7 @@ class SwiGLUFn : public torch::autograd::Function<SwiGLUFn> {
 };
 
 // silu(ab[..., :F]) * ab[..., F:] for the [..., 2F] output of one w1/w3
-// GEMM (Note [One w1/w3 projection]), and its gradient as one [..., 2F]
+// GEMM (see Note [One w1/w3 projection]), and its gradient as one [..., 2F]
 // tensor: the halves read and written in place, no split copies.
 at::Tensor swiglu_launch_packed(const at::Tensor& ab) {
   const auto F = ab.size(-1) / 2;
@@ -94,7 +94,8 @@ class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
     const bool packed = ctx->saved_data["packed"].toBool();
     const auto F = w.size(1);
     const auto D = w.size(0);
-    // Note [SwiGLU recompute]: without model.swiglu_recompute the product
+    // Note [SwiGLU recompute]
+    // Without model.swiglu_recompute the product
     // was kept by the forward; with it, recomputed here (one [tokens x F]
     // activation less per layer, one more elementwise pass).
     auto h = (saved[4].defined() ? saved[4]
@@ -102,7 +103,7 @@ class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
                                : swiglu_launch(a, b))
                  .view({-1, F});
     auto dy = grads[0].contiguous().view({-1, D}).to(a.scalar_type());
-    // fp32 straight from the GEMM (Note [Linear with an fp32 weight gradient]).
+    // fp32 straight from the GEMM (see Note [Linear with an fp32 weight gradient]).
     auto dw = at::empty(w.sizes(), w.options());
     compat::matmul_into_fp32_(dw, dy.t(), h, /*accumulate=*/false);
     auto dh = at::mm(dy, wc);

@@ -28,11 +28,11 @@ class AttnResReadImpl : public torch::nn::Module, public ops::KernelUser {
   // sources: N tensors [B, T, D] (N >= 1) -> [B, T, D] in the sources' dtype.
   // slots, when given (one entry per source, undefined for none): the
   // source's gradient is added into its slot instead of being returned
-  // (Note [AttnRes block gradients in place]).
+  // (see Note [AttnRes block gradients in place]).
   at::Tensor forward(const std::vector<at::Tensor>& sources,
                      const std::vector<at::Tensor>* slots = nullptr);
   // next(forward(sources, slots)): the read and the RMSNorm in one kernel
-  // each way where those kernels run (Note [AttnRes read with its norm],
+  // each way where those kernels run (see Note [AttnRes read with its norm],
   // kernels/attn_res_read.cu).
   at::Tensor forward_normed(const std::vector<at::Tensor>& sources,
                             const std::vector<at::Tensor>* slots, RMSNormImpl& next);

@@ -289,7 +289,8 @@ ModelInfo describe_chain(const ChainSpec& s, int64_t seq_len) {
   info.params = info.embedding_params + s.n_layers * per_layer +
                 (s.layer_norm ? 2 : 1) * s.dim + head;
   info.active_params = info.params;
-  // Note [FLOPs per token]: 6 x (non-embedding parameters, the head
+  // Note [FLOPs per token]
+  // 6 x (non-embedding parameters, the head
   // included) for the matmuls of forward + backward, plus 12 L D T for
   // causal attention's scores and values (PaLM's formula as torchtitan uses
   // it, with T the sequence length).
@@ -302,7 +303,7 @@ ModelInfo describe_chain(const ChainSpec& s, int64_t seq_len) {
   info.dim = s.dim;
   info.vocab_size = s.vocab_size;
   info.loss_chunk_tokens = s.loss_chunk_tokens;
-  // Note [Activation memory estimate]: two norms' inputs and outputs (4 D),
+  // See Note [Activation memory estimate]: two norms' inputs and outputs (4 D),
   // q and the attention output (2 D), k and v (2 kv); SwiGLU keeps w1 x,
   // w3 x and their product (3 H), the GELU MLP its pre- and post-GELU
   // hidden (2 H).

@@ -34,11 +34,11 @@ struct ChainSpec {
   bool bias = false;             // attention biases
   bool learned_positions = false;  // gpt2: pos_embeddings (pinned first)
   bool tie_embeddings = false;
-  // > 0: Note [Chunked head loss]; 0: plain; < 0: auto (kAutoLossChunkTokens
+  // > 0: see Note [Chunked head loss]; 0: plain; < 0: auto (kAutoLossChunkTokens
   // where the fused kernels run, plain elsewhere).
   int64_t loss_chunk_tokens = -1;
   bool depth_init = true;        // llama: wo/w2/w3 std 0.02/sqrt(2(l+1))
-  // Note [Activation checkpointing] (ops/recompute.h): which layers.
+  // See Note [Activation checkpointing] (ops/recompute.h): which layers.
   ops::ActivationCheckpoint activation_checkpoint;
 };
 

@@ -1,4 +1,4 @@
-// The exact16 model family (Note [exact16: integer gradients] in
+// The exact16 model family (see Note [exact16: integer gradients] in
 // exact16.h): options and refusals, the part, and its registry entry.
 #include "model/exact16.h"
 
@@ -44,7 +44,7 @@ float exact16_scale(int64_t layer, int64_t channel, bool ffn) {
 }
 
 double exact16_gradient_bound(const Exact16Options& o) {
-  // The backward of Note [exact16: integer gradients] per channel at one
+  // The backward of see Note [exact16: integer gradients] per channel at one
   // counted token, in units of the loss scale: signed values for the
   // recurrence, magnitudes summed per stack entry for the bound.
   double bound = 1;
@@ -208,7 +208,7 @@ at::Tensor Exact16Part::layer_forward(const Layer& l, const at::Tensor& hidden,
     return p + layer->feed_forward->forward(read(st, p));
   };
   if (!opts_.activation_checkpoint.checkpoints(l.id)) return sublayers(stack, partial);
-  // Note [Activation checkpointing]: the region's inputs are the stack and
+  // See Note [Activation checkpointing]: the region's inputs are the stack and
   // the partial sum; the push (and the probe's hook) stay outside.
   std::vector<at::Tensor> inputs = stack;
   if (partial.defined()) inputs.push_back(partial);

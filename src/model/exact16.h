@@ -6,7 +6,7 @@
 // the closed form (tests/attn_res/test_attn_res_exact.cpp).
 //
 // Note [exact16: integer gradients]
-// The part contract is Note [Kimi-K3 part activations] (kimi_k3.h): stack
+// The part contract is see Note [Kimi-K3 part activations] (kimi_k3.h): stack
 // [e_0 = embedding, e_1, ...] of completed block sums, the open block's
 // partial sum as `hidden`, a block's first layer pushes the incoming stream.
 // What differs from the K3 layer is that everything is linear with fixed
@@ -50,7 +50,7 @@ struct Exact16Options {
   int64_t block_size = 4;
   int64_t dim = 16;
   int64_t vocab_size = 320;
-  // Note [Activation checkpointing] (ops/recompute.h): which layers.
+  // See Note [Activation checkpointing] (ops/recompute.h): which layers.
   ops::ActivationCheckpoint activation_checkpoint;
 
   bool opens_block(int64_t layer) const { return layer % block_size == 0; }

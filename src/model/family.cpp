@@ -21,7 +21,7 @@ std::string one_of(const std::vector<std::string>& names) {
   return out;
 }
 
-// Note [Expert parallelism] (model/moe.h): ep > 1 splits every MoE layer's
+// See Note [Expert parallelism] (model/moe.h): ep > 1 splits every MoE layer's
 // routed experts evenly, so the config must build MoE layers and ep must
 // divide their expert count; a capacity factor needs MoE layers too.
 void check_expert_parallel(const ModelFamily& family, const JobConfig& job) {
@@ -124,6 +124,17 @@ std::optional<AttnResLayout> attn_res_layout(const JobConfig& job) {
   return family.attn_res ? family.attn_res(job) : std::nullopt;
 }
 
+std::unique_ptr<checkpoint::StateDictAdapter> state_dict_adapter(const JobConfig& job) {
+  const auto& family = model_family(job);
+  if (family.state_dict_adapter) return family.state_dict_adapter(job);
+  std::string with;
+  for (const auto& f : model_families()) {
+    if (f.state_dict_adapter) with += str(with.empty() ? "" : ", ", f.name);
+  }
+  throw ConfigError(str("model.family '", family.name, "' has no Hugging Face layout (", with,
+                        ")"));
+}
+
 std::vector<std::string> model_module_fqns(const JobConfig& job) {
   return model_family(job).module_fqns(job);
 }
@@ -131,13 +142,13 @@ std::vector<std::string> model_module_fqns(const JobConfig& job) {
 std::shared_ptr<ModelPart> build_model_part(const JobConfig& job,
                                             const std::vector<std::string>& fqns) {
   auto part = model_family(job).build(job, fqns);
-  ops::set_kernel_options(*part, kernel_options(job.model));  // Note [Ops own the kernel choice]
+  ops::set_kernel_options(*part, kernel_options(job.model));  // See Note [Ops own the kernel choice]
   return part;
 }
 
 ModelInfo describe_model(const JobConfig& job) {
   auto info = model_family(job).describe(job);
-  // Note [Activation memory estimate] under activation checkpointing: a
+  // See Note [Activation memory estimate] under activation checkpointing: a
   // checkpointed layer keeps its input, the hidden stream (an AttnRes
   // layer's block stack is left out as before: it is the stack), and under
   // "op" its expensive ops' outputs too.

@@ -6,7 +6,8 @@
 // (declared in model/families.h) and model_families() (model/family.cpp)
 // lists it. Its flavors, module list, part builder, description and, for a
 // family whose parts hand on an AttnRes block stack, that stack's shape are
-// all the pipeline, the trainer and the commands need.
+// all the pipeline, the trainer and the commands need; a family with a
+// Hugging Face layout adds its StateDictAdapter, all checkpoint/hf.h needs.
 #pragma once
 
 #include <cstdint>
@@ -16,12 +17,13 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/state_dict_adapter.h"
 #include "core/check.h"
 #include "model/model.h"
 
 namespace viaduct {
 
-// The block stack a family's parts pass between stages (Note [Kimi-K3 part
+// The block stack a family's parts pass between stages (see Note [Kimi-K3 part
 // activations] in model/kimi_k3.h): what the AttnRes stage and `viaduct
 // plan` size their tables and bytes by.
 struct AttnResLayout {
@@ -66,6 +68,14 @@ struct ModelFamily {
   // building it: every command runs it on each stage of the config's split,
   // so `plan` and `split` refuse what `train` would. Unset: nothing.
   std::function<void(const JobConfig&, const std::vector<std::string>&)> check_part;
+  // The family's Hugging Face layout: transformers' model_type in
+  // config.json, and the adapter (names and tensors both ways, config.json
+  // both ways) of the model a config builds. Unset: no HF layout; convert,
+  // checkpoint.initial_load_in_hf and checkpoint.last_save_in_hf refuse the
+  // family.
+  std::string hf_model_type;
+  std::function<std::unique_ptr<checkpoint::StateDictAdapter>(const JobConfig&)>
+      state_dict_adapter;
 };
 
 // Every registered family, in the order the error messages list them.
@@ -79,6 +89,11 @@ const ModelFamily& model_family(const JobConfig& job);
 // The AttnRes block stack the config's parts hand on, or nullopt for a
 // chain model (model_family(job).attn_res).
 std::optional<AttnResLayout> attn_res_layout(const JobConfig& job);
+
+// The Hugging Face adapter of the model the config builds
+// (model_family(job).state_dict_adapter); a ConfigError naming the families
+// that have one when model.family has none.
+std::unique_ptr<checkpoint::StateDictAdapter> state_dict_adapter(const JobConfig& job);
 
 // The ConfigError of a flavor the family does not have, as model_family
 // throws it; for a family's own flavor table.

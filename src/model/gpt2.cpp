@@ -3,6 +3,7 @@
 #include "core/check.h"
 #include "model/chain_transformer.h"
 #include "model/families.h"
+#include "model/hf_adapter.h"
 
 namespace viaduct {
 namespace {
@@ -61,6 +62,8 @@ ModelFamily gpt2_family() {
   f.check_part = [](const JobConfig& job, const std::vector<std::string>& fqns) {
     check_chain_part(gpt2_spec(job), fqns);
   };
+  f.hf_model_type = kGpt2ModelType;
+  f.state_dict_adapter = [](const JobConfig& job) { return gpt2_hf_adapter(gpt2_spec(job)); };
   f.model_keys = chain_model_keys(false, false);
   return f;
 }

@@ -1,4 +1,4 @@
-// The kimi_k3 family: flavors, the layer, the part (Note [Kimi-K3 part
+// The kimi_k3 family: flavors, the layer, the part (see Note [Kimi-K3 part
 // activations] in kimi_k3.h) and its description.
 #include "model/kimi_k3.h"
 
@@ -246,7 +246,7 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
     partial = hidden;
   }
   if (!checkpointed_) return forward_sublayers(blocks, partial, slots);
-  // Note [Activation checkpointing]: the block push (the sink and its slot)
+  // See Note [Activation checkpointing]: the block push (the sink and its slot)
   // stays outside; the region's inputs are the stack and the partial sum,
   // and the recompute's reads add into the same slots.
   std::vector<at::Tensor> inputs = blocks;
@@ -432,7 +432,7 @@ Activations KimiK3Part::forward(const Activations& in) {
     hidden = in[0];
     blocks.assign(in.begin() + 1, in.end());
   }
-  // Note [AttnRes block gradients in place]: while autograd records, every
+  // See Note [AttnRes block gradients in place]: while autograd records, every
   // block on the stack is a sink with a slot, and a middle part's outputs
   // go through the seed.
   const bool in_place = opts_.attn_res && opts_.attn_res_grad_in_place &&
@@ -476,7 +476,7 @@ Activations KimiK3Part::forward(const Activations& in) {
 
 namespace {
 
-// Note [Activation memory estimate] for one layer, in values of the
+// See Note [Activation memory estimate] for one layer, in values of the
 // compute dtype (bf16: an fp32 tensor counts twice): the two norms' inputs
 // and outputs (4 D); MLA keeps its low-rank latents, q, k, v and the
 // attention output; a MoE layer each routed token's copy of x, its expert's
@@ -529,7 +529,7 @@ double saved_values_per_token(const KimiK3Options& o, int64_t layer) {
   return v;
 }
 
-// Note [Activation memory estimate] for one layer under "op" (Note [Per-op
+// See Note [Activation memory estimate] for one layer under "op" (see Note [Per-op
 // activation checkpointing]): the outputs of its linear projections -- MLA's
 // q (through the q latent where there is one), kv latent, k/v and wo; KDA's
 // q, k, v, the decay and gate low-rank pairs, beta and o_proj -- KDA's chunk
@@ -681,7 +681,7 @@ ModelFamily kimi_k3_family() {
   };
   f.attn_res = [](const JobConfig& job) -> std::optional<AttnResLayout> {
     const auto o = kimi_k3_options(job);
-    if (!o.attn_res) return std::nullopt;  // a chain (Note [Kimi-K3 part activations])
+    if (!o.attn_res) return std::nullopt;  // a chain (see Note [Kimi-K3 part activations])
     return AttnResLayout{o.n_layers, o.block_size, o.dim};
   };
   return f;

@@ -53,7 +53,7 @@ struct KimiK3Options {
   bool moe_ffn = true;
   bool vision = false;
   bool attn_res = true;  // false: plain residuals (Note above)
-  // Note [AttnRes block gradients in place] (model/attn_res.h). No config
+  // See Note [AttnRes block gradients in place] (model/attn_res.h). No config
   // key: false (autograd's own sums) is the reference the tests compare
   // the slots against.
   bool attn_res_grad_in_place = true;
@@ -65,7 +65,7 @@ struct KimiK3Options {
   VisionOptions vis;
 
   int64_t mla_interval = 4;  // model.mla_interval
-  // Note [Activation checkpointing] (ops/recompute.h): which layers.
+  // See Note [Activation checkpointing] (ops/recompute.h): which layers.
   ops::ActivationCheckpoint activation_checkpoint;
 
   // Full-attention rule: MLA at every mla_interval-th layer (every fourth by
@@ -92,7 +92,7 @@ class KimiK3LayerImpl : public torch::nn::Module {
   // and `blocks` is left alone.
   // slots, when given, runs parallel to blocks: each block this layer opens
   // goes on the stack as its sink with a new slot, and the reads add into
-  // the slots (Note [AttnRes block gradients in place]).
+  // the slots (see Note [AttnRes block gradients in place]).
   at::Tensor forward(const at::Tensor& hidden, std::vector<at::Tensor>& blocks,
                      std::vector<at::Tensor>* slots = nullptr);
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
@@ -101,8 +101,8 @@ class KimiK3LayerImpl : public torch::nn::Module {
   int64_t layer_id_;
   bool attn_res_;
   bool opens_block_;  // false without AttnRes
-  bool checkpointed_;  // Note [Activation checkpointing]
-  bool keep_op_outputs_;  // Note [Per-op activation checkpointing]
+  bool checkpointed_;  // See Note [Activation checkpointing]
+  bool keep_op_outputs_;  // See Note [Per-op activation checkpointing]
   AttnResRead attn_res_attn{nullptr}, attn_res_ffn{nullptr};
   RMSNorm attention_norm{nullptr}, ffn_norm{nullptr};
   Kda kda{nullptr};

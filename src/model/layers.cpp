@@ -102,12 +102,13 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   const auto& ko = kernel_options_;
   at::Tensor q, k, v;
   if (ops::fused_runs(x, ko)) {
-    // Note [One qkv projection]: on the fused-kernel path q, k and v come
+    // Note [One qkv projection]
+    // On the fused-kernel path q, k and v come
     // from one GEMM over the concatenated weights: a wider product instead
     // of three (two of them only kv wide), and in the backward one GEMM for
     // dx instead of three plus two additions. The slices are strided views;
     // the RoPE kernel and SDPA read them in place.
-    // The three weights as parts of one linear (Note [Linear with an fp32
+    // The three weights as parts of one linear (see Note [Linear with an fp32
     // weight gradient], ops/linear.cpp): their bf16 concatenation from the
     // weight cache, the fp32 gradient split back into the three.
     auto qkv = ops::linear_parts(x, {wq->weight, wk->weight, wv->weight},

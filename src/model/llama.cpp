@@ -3,6 +3,7 @@
 #include "core/check.h"
 #include "model/chain_transformer.h"
 #include "model/families.h"
+#include "model/hf_adapter.h"
 
 namespace viaduct {
 namespace {
@@ -70,6 +71,8 @@ ModelFamily llama_family() {
   f.check_part = [](const JobConfig& job, const std::vector<std::string>& fqns) {
     check_chain_part(llama_spec(job), fqns);
   };
+  f.hf_model_type = kLlamaModelType;
+  f.state_dict_adapter = [](const JobConfig& job) { return llama_hf_adapter(llama_spec(job)); };
   f.model_keys = chain_model_keys(true, true);
   return f;
 }

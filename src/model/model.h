@@ -41,7 +41,7 @@ class ModelPart : public torch::nn::Module {
   virtual Activations forward(const Activations& inputs) = 0;
   // The last part's summed token cross-entropy (fp32) against targets
   // [B, T]. The default runs forward() and summed_cross_entropy; a family
-  // may fuse its head with the loss (Note [Chunked head loss],
+  // may fuse its head with the loss (see Note [Chunked head loss],
   // ops/cross_entropy.h).
   virtual at::Tensor forward_loss(const Activations& inputs, const at::Tensor& targets);
   // Initialise every parameter from (seed, FQN); buffers too where relevant.
@@ -61,7 +61,7 @@ class ModelPart : public torch::nn::Module {
   // after_optimizer_step (e.g. MoE tokens per expert), updated in place.
   virtual std::vector<at::Tensor> replica_statistics() { return {}; }
 
-  // The dtype activations leave the first part in (Note [Mixed precision]).
+  // The dtype activations leave the first part in (see Note [Mixed precision]).
   void set_compute_dtype(at::ScalarType t) { compute_dtype_ = t; }
   at::ScalarType compute_dtype() const { return compute_dtype_; }
 
@@ -79,14 +79,14 @@ struct LayerInfo {
   std::string ffn;        // "swiglu", "gelu", "moe", "dense"
   int64_t block = -1;     // AttnRes block, -1 when not an AttnRes model
   bool opens_block = false;
-  // Note [Activation memory estimate]: the values (in the compute dtype)
+  // See Note [Activation memory estimate]: the values (in the compute dtype)
   // this layer keeps for its backward per token of a micro-batch, from its
   // shapes: norm inputs and outputs, q/k/v and the attention output, the
   // FFN's hidden activations. Attention is counted as the fused (flash)
   // form keeps it, without [T, T] scores; small per-head statistics and
   // temporaries are left out. 0: the family does not say.
   double saved_values_per_token = 0;
-  // A layer under activation checkpointing (Note [Activation
+  // A layer under activation checkpointing (see Note [Activation
   // checkpointing], ops/recompute.h) keeps its input alone (the hidden
   // stream, D values; saved_values_per_token says that), and this many
   // while its backward recomputes it (what it keeps without). 0: not
@@ -94,7 +94,7 @@ struct LayerInfo {
   double recompute_values_per_token = 0;
   // The outputs of the layer's expensive ops per token (its linear
   // projections, attention's core, MoE expert GEMMs, KDA's chunk scan and
-  // its states: Note [Per-op activation checkpointing], ops/recompute.h),
+  // its states: see Note [Per-op activation checkpointing], ops/recompute.h),
   // which a layer under selective_ac_option = "op" keeps beside its input.
   // 0: the family does not say.
   double op_output_values_per_token = 0;
@@ -109,7 +109,7 @@ struct ModelInfo {
   int64_t embedding_params = 0;  // excluded from the 6N FLOP count
   int64_t dim = 0;               // width of the hidden state
   int64_t vocab_size = 0;        // rows of the head's logits
-  // The head's loss in chunks of this many tokens (Note [Chunked head
+  // The head's loss in chunks of this many tokens (see Note [Chunked head
   // loss]); 0: plain (all logits at once); -1: chunks of 4096 where the
   // fused kernels run, else plain.
   int64_t loss_chunk_tokens = 0;
@@ -123,7 +123,7 @@ struct ModelInfo {
   // flops_per_token by top-level module FQN (layers.i, lm_head, ...; a
   // module missing costs nothing); they add up to flops_per_token. Empty
   // where a family does not say (exact16). The pipeline plan weighs its
-  // stages with them (Note [Bubble weighted by FLOPs]).
+  // stages with them (see Note [Bubble weighted by FLOPs]).
   std::map<std::string, double> module_flops;
   std::vector<LayerInfo> layers;
   // Pinned modules: these ride with the first / last stage and count as no
@@ -140,19 +140,23 @@ std::vector<std::string> model_module_fqns(const JobConfig& job);
 // Build the part holding `module_fqns` (empty = the whole model) on CPU in
 // fp32 with uninitialised weights; call init_weights or load a checkpoint.
 // Builds the part and sets its modules' kernel options from the config
-// (kernel_options; Note [Ops own the kernel choice], ops/options.h).
+// (kernel_options; see Note [Ops own the kernel choice], ops/options.h).
 std::shared_ptr<ModelPart> build_model_part(
     const JobConfig& job, const std::vector<std::string>& module_fqns = {});
 // model.cuda_kernels and model.swiglu_recompute as the ops' options.
 ops::KernelOptions kernel_options(const ModelSection& model);
-// Transitional, for train/trainer.cpp and train/optimizer.cpp until they
-// hold a JobConfig: kernel_options of the raw config's model section.
-// Defined in train/config_bridge.cpp; goes when they are converted.
-ops::KernelOptions kernel_options(const Config& cfg);
 // activation_checkpoint.mode and .selective_ac_option (checked on load).
 ops::ActivationCheckpoint activation_checkpoint(const ActivationCheckpointSection& ac);
 
 ModelInfo describe_model(const JobConfig& job);
+
+// Transitional: the raw config's forms of kernel_options, model_module_fqns
+// and describe_model, for the train/ files that still hold a Config
+// (trainer.cpp, optimizer.cpp, resume_checks.cpp) until they hold a
+// JobConfig. Defined in train/config_bridge.cpp; they go with it.
+ops::KernelOptions kernel_options(const Config& cfg);
+std::vector<std::string> model_module_fqns(const Config& cfg);
+ModelInfo describe_model(const Config& cfg);
 
 // Summed token cross-entropy (fp32) over logits [B, T, V] and targets [B, T];
 // targets < 0 are ignored. Divide by the global token count yourself.

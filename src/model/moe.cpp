@@ -26,7 +26,7 @@ namespace {
 
 using torch::autograd::variable_list;
 
-// Note [Expert parallelism]: the backward of an all-to-all is the
+// See Note [Expert parallelism]: the backward of an all-to-all is the
 // all-to-all with the counts swapped. Every rank reaches this node in the
 // same order (the same graph, the same schedule), so the collectives pair.
 class ExchangeBackward : public torch::autograd::Node {
@@ -80,7 +80,7 @@ at::Tensor exchange_rows(const std::shared_ptr<ExpertExchange>& ex, const at::Te
   return out;
 }
 
-// Note [Expert parallelism]: one source rank's use of a local expert weight.
+// See Note [Expert parallelism]: one source rank's use of a local expert weight.
 // The backward adds the gradient into that source's slot (as AccumulateGrad
 // adds into .grad: the first one stored, the next added in place) and
 // passes nothing on; the edge to the weight stays so that a backward asked
@@ -136,7 +136,8 @@ at::Tensor to_slot_order(const at::Tensor& rows, const at::Tensor& order, int64_
 
 }  // namespace
 
-// Note [MoE dispatch without per-expert gradient fills]: the experts run
+// Note [MoE dispatch without per-expert gradient fills]
+// The experts run
 // one at a time, each on its own rows. Taken as `w1[e]` and
 // `x.index_select(0, rows_e)`, every expert's slice has a backward that
 // fills a zero tensor of the whole weight ([E, H, D]) or the whole input
@@ -248,7 +249,7 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   // the tokens; their gradients are summed back over the K copies.
   auto slots = xf.unsqueeze(1).expand({N, K, D}).reshape({N * K, D});
   // Only training forwards count toward the balance, once under activation
-  // checkpointing (Note [Activation checkpointing]). The counts live on the
+  // checkpointing (see Note [Activation checkpointing]). The counts live on the
   // routing's device: a copy to the host would wait for every kernel queued
   // so far, once per MoE layer.
   const auto dev = idx.device();
@@ -257,7 +258,7 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     if (tokens_per_expert.device() != dev) tokens_per_expert = tokens_per_expert.to(dev);
     tokens_per_expert += counts.to(dev);
   };
-  // Note [Expert capacity]: the copies an expert takes (all when dropless).
+  // See Note [Expert capacity]: the copies an expert takes (all when dropless).
   const auto keep = capacity_keep(idx);
   if (keep.defined() && ops::counts_training_statistics()) {
     if (!tokens_dropped.defined() || tokens_dropped.device() != dev) {
@@ -267,7 +268,7 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   }
   at::Tensor y;
   if (!exchange_ && ops::grouped_experts_run(xf, opts_.hidden_dim, kernel_options_)) {
-    // Grouped GEMMs over padded expert groups (Note [MoE dispatch into
+    // Grouped GEMMs over padded expert groups (see Note [MoE dispatch into
     // padded groups], ops/moe.h): no host sync. Dropped copies run and
     // their gating weights are zero.
     auto d = ops::dispatch_experts(idx, E, kernel_options_);
@@ -277,7 +278,7 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     y = ops::gather_distinct_rows(ys, d.pos).view({N, K, D});
     if (keep.defined()) w = w * keep.view({N, K}).to(w.scalar_type());
   } else {
-    // The slots in expert order, split by expert (Note [MoE dispatch
+    // The slots in expert order, split by expert (see Note [MoE dispatch
     // without per-expert gradient fills]). The gather is a permutation of
     // the slots, so its backward adds into no row twice, and the sum over a
     // token's k copies is a reduction: no scatter-add anywhere,
@@ -400,7 +401,7 @@ at::Tensor MoeImpl::run_local_experts(const at::Tensor& rows, const std::vector<
     return ops::gather_distinct_rows(ys, d.pos);
   }
   // A GEMM chain per (source, expert): each source's gradient its own when
-  // kept per source (Note [Expert parallelism]).
+  // kept per source (see Note [Expert parallelism]).
   auto groups = rows.split_with_sizes(pieces, 0);
   std::vector<at::Tensor> outs;
   const at::Tensor none;

@@ -65,7 +65,7 @@ struct MoeOptions {
   int64_t n_shared_experts = 1;     // one SwiGLU of n_shared * hidden_dim
   double route_scale = 1.0;
   double bias_update_rate = 1e-3;
-  // Note [Expert capacity]; 0: dropless.
+  // See Note [Expert capacity]; 0: dropless.
   double capacity_factor = 0.0;
 };
 
@@ -107,7 +107,7 @@ class MoeImpl : public torch::nn::Module, public ops::KernelUser {
                     double std_out);
   // Move expert_bias from the counts gathered since the last call; resets them.
   void update_bias();
-  // Note [Expert parallelism]: keeps this rank's E / size experts (before
+  // See Note [Expert parallelism]: keeps this rank's E / size experts (before
   // init_weights; their values are the whole tensors' rows) and reaches the
   // others through `exchange`. `per_source`: their gradients kept per source
   // rank (else one sum of the sources in the backward's order).
@@ -129,24 +129,24 @@ class MoeImpl : public torch::nn::Module, public ops::KernelUser {
   SwiGLU shared_expert{nullptr};
   at::Tensor expert_bias;        // [E] buffer, selection only
   at::Tensor tokens_per_expert;  // [E] int64 on the routing's device, not in the state dict
-  // Note [Expert parallelism]: the token copies this rank's experts
+  // See Note [Expert parallelism]: the token copies this rank's experts
   // received from the ep group in training forwards (counted once under
   // activation checkpointing), for the metrics; the trainer resets it.
   int64_t tokens_received = 0;
-  // Note [Expert capacity]: copies dropped in training forwards since the
+  // See Note [Expert capacity]: copies dropped in training forwards since the
   // trainer's last read, [1] int64 on the routing's device.
   at::Tensor tokens_dropped;
 
  private:
   struct ExpertOrder;
-  // Note [Expert parallelism]: the token copies `slots` [N K, D] that run
+  // See Note [Expert parallelism]: the token copies `slots` [N K, D] that run
   // (`eo`) through their experts' owners; the outputs [N K, D] in slot
   // order, zero for a dropped copy.
   at::Tensor experts_over_ranks(const at::Tensor& slots, const ExpertOrder& eo, bool dropped);
   // The local experts on the received rows [R, D] (`pieces`: rows per
   // source and local expert, source-major): outputs [R, D].
   at::Tensor run_local_experts(const at::Tensor& rows, const std::vector<int64_t>& pieces);
-  // Note [Expert capacity]: which of the slots idx [N, K] an expert takes
+  // See Note [Expert capacity]: which of the slots idx [N, K] an expert takes
   // (bool [N K]); undefined when dropless.
   at::Tensor capacity_keep(const at::Tensor& idx);
   // The slots' order by expert (a stable sort) and, per expert, the copies

@@ -8,7 +8,7 @@ namespace viaduct::ops {
 bool adamw_kernel_runs(const at::Tensor& p, const KernelOptions& k) { return fused_runs(p, k); }
 
 void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& s) {
-  // Note [Small tensors in one AdamW launch] (kernels/adamw.cu): the small
+  // See Note [Small tensors in one AdamW launch] (kernels/adamw.cu): the small
   // tensors go in batches after the others, the same bits.
   std::vector<kernels::AdamWTensors> small;
   for (const auto& ap : params) {
@@ -16,7 +16,7 @@ void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& 
     auto data = pr.detach();
     auto m = ap.exp_avg, v = ap.exp_avg_sq;
     // The weight's bf16 copy, where a forward made one, is written in the
-    // same pass (Note [Low-precision weight cache]).
+    // same pass (see Note [Low-precision weight cache]).
     const auto low = kernels::weight_cache::slot_for(pr);
     const double wd = ap.weight_decay;
     kernels::AdamWTensors t{data, pr.grad(), m, v, low, wd};

@@ -19,8 +19,8 @@ struct AdamWParam {
 struct AdamWStep {
   double lr = 0.0, beta1 = 0.0, beta2 = 0.0, eps = 0.0;
   double bias_corr1 = 1.0, bias_corr2 = 1.0;  // 1 - beta_i^step
-  // The clip coefficient (Note [Clip folded into AdamW]), or with scale_dev
-  // read on the device (Note [Clip coefficient on the device], ops/clip.h).
+  // The clip coefficient (see Note [Clip folded into AdamW]), or with scale_dev
+  // read on the device (see Note [Clip coefficient on the device], ops/clip.h).
   double grad_scale = 1.0;
   at::Tensor scale_dev;
 };
@@ -28,7 +28,7 @@ struct AdamWStep {
 // Whether viaduct's AdamW kernel runs for parameters like p.
 bool adamw_kernel_runs(const at::Tensor& p, const KernelOptions& k);
 // The update of every parameter in place on the kernel (adamw_kernel_runs):
-// small tensors in shared launches (Note [Small tensors in one AdamW
+// small tensors in shared launches (see Note [Small tensors in one AdamW
 // launch], kernels/adamw.cu), each weight's bf16 copy written in the same
 // pass where the weight cache holds one, version counters bumped.
 void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& s);

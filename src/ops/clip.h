@@ -1,4 +1,4 @@
-// The clip coefficient formed on the device (Note [Clip coefficient on the
+// The clip coefficient formed on the device (see Note [Clip coefficient on the
 // device], kernels/clip.cu).
 #pragma once
 

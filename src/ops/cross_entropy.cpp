@@ -23,7 +23,7 @@ class ChunkedHeadCrossEntropy
     const auto N = h.size(0);
     const auto acc = h.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     // The bf16 head weight from the weight cache where the kernels run
-    // (Note [Low-precision weight cache]): no cast per step.
+    // (see Note [Low-precision weight cache]): no cast per step.
     const auto w = weight.scalar_type() == h.scalar_type() ? weight
                    : fused && weight.dim() == 2
                        ? kernels::weight_cache::get({weight}, h.scalar_type())

@@ -22,7 +22,8 @@ at::Tensor heads_first(const at::Tensor& x, at::ScalarType st) {
   return x.to(st).transpose(1, 2);
 }
 
-// Note [KDA decayed products in sub-chunks]: the chunked form needs, per
+// Note [KDA decayed products in sub-chunks]
+// The chunked form needs, per
 // chunk, A[c, j] = sum_d x_c,d y_j,d exp(G_c,d - G_j,d) for j <= c (j < c:
 // strict), G the in-chunk cumulative log-decay (non-increasing). Built as
 // one [C, C, d] tensor of exp(G_c - G_j) it costs C * d per token (and as
@@ -66,11 +67,12 @@ at::Tensor decayed_products(const at::Tensor& x, const at::Tensor& y, const at::
   return at::cat(rows, -2);  // [B, H, N, C, C]
 }
 
-// The sub-chunk of Note [KDA decayed products in sub-chunks]: 16 rows where
+// The sub-chunk of see Note [KDA decayed products in sub-chunks]: 16 rows where
 // they divide the chunk, else the chunk itself.
 int64_t sub_chunk(int64_t C) { return C > 16 && C % 16 == 0 ? 16 : C; }
 
-// Note [KDA chunk scan as one autograd node]: the scan over chunks is
+// Note [KDA chunk scan as one autograd node]
+// The scan over chunks is
 // serial, N = T / C steps a layer (128 at 2048 tokens, C = 16). Written as
 // ATen ops under autograd, every step recorded ~13 nodes, and every
 // `select` of a chunk from the [B, H, N, ...] inputs had a backward that
@@ -127,7 +129,7 @@ class ChunkScanFn : public torch::autograd::Function<ChunkScanFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& U,
                             const at::Tensor& W, const at::Tensor& qe, const at::Tensor& Aqk,
                             const at::Tensor& Ke, const at::Tensor& d, const at::Tensor& S0) {
-    // Note [Per-op activation checkpointing]: the scan's output and the
+    // See Note [Per-op activation checkpointing]: the scan's output and the
     // states and v' its backward reads are what a replay takes back.
     const auto N = static_cast<size_t>(U.size(2));
     auto kept = run_saved_op_outputs([&] {
@@ -252,7 +254,7 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   auto k_to_end = kc * (G_last - G).exp();             // [B, H, N, C, dk]
   auto decay_chunk = G_last.exp().transpose(-1, -2);   // [B, H, N, dk, 1]
 
-  // The serial scan over chunks (Note [KDA chunk scan as one autograd node]).
+  // The serial scan over chunks (see Note [KDA chunk scan as one autograd node]).
   auto S0 = initial_state.defined()
                 ? initial_state.to(st).reshape({B * H, dk, dv})
                 : at::zeros({B * H, dk, dv}, qc.options());

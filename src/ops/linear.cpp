@@ -9,12 +9,13 @@ namespace viaduct::ops {
 
 namespace {
 
-// Note [Linear with an fp32 weight gradient]: on the fused-kernel path a
+// Note [Linear with an fp32 weight gradient]
+// On the fused-kernel path a
 // linear whose fp32 master weight is used in the bf16 input's dtype computes
 // its weight gradient with one GEMM writing fp32 (compat::matmul_into_fp32_)
 // instead of a bf16 product cast up by autograd's ToCopyBackward: one pass
 // less over every weight gradient, and no bf16 rounding of it. The weight
-// may come in parts (q, k and v: one GEMM, Note [One qkv projection]); the
+// may come in parts (q, k and v: one GEMM, see Note [One qkv projection]); the
 // bf16 weight is their concatenation from the weight cache (Note
 // [Low-precision weight cache]), kept for the backward as at::linear keeps
 // its cast weight, and the fp32 gradient is split back into the parts.
@@ -26,7 +27,7 @@ struct MixedLinear {
     std::vector<int64_t> rows;
     for (const auto& p : w) rows.push_back(p.size(0));
     ctx->saved_data["rows"] = rows;
-    // Note [Per-op activation checkpointing]: the GEMM alone is skipped in
+    // See Note [Per-op activation checkpointing]: the GEMM alone is skipped in
     // a replay; the node and what it saves are the same.
     if (!b.defined()) return run_saved_op([&] { return at::linear(x, wc); });
     ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
@@ -92,7 +93,7 @@ class MixedLinearNoBiasFn : public torch::autograd::Function<MixedLinearNoBiasFn
 };
 
 // The ATen form: y = x W^T (+ b) with W and b already in x's dtype, as an
-// autograd function of its own so that Note [Per-op activation
+// autograd function of its own so that see Note [Per-op activation
 // checkpointing] can answer the forward from a saved output while the node
 // and its backward stay the same. The backward is the one autograd derives
 // for the matmul over x's rows: dx = dy W, dW = dy^T x, db = the sum of

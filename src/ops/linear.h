@@ -1,4 +1,4 @@
-// The linear layer of mixed precision (Note [Mixed precision],
+// The linear layer of mixed precision (see Note [Mixed precision],
 // model/layers.h): y = x W^T (+ b) with the fp32 master weight cast to x's
 // dtype.
 #pragma once
@@ -10,7 +10,7 @@
 namespace viaduct::ops {
 
 // y = x W^T (+ b), with W cast to x's dtype (where the kernels run, the
-// cast comes from the weight cache, Note [Low-precision weight cache]).
+// cast comes from the weight cache, see Note [Low-precision weight cache]).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                   const KernelOptions& k);
 // The same with W the concatenation of `w` along dim 0 (one GEMM for

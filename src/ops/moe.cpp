@@ -11,7 +11,7 @@ namespace viaduct::ops {
 namespace {
 
 // y = x_g @ w_e^T for each group g of rows of x and its expert e: x [M, K]
-// in the compute dtype, w [E, N, K] an fp32 master (Note [Low-precision
+// in the compute dtype, w [E, N, K] an fp32 master (see Note [Low-precision
 // weight cache]). The weight gradient dw_e = dy_g^T x_g comes out of one
 // grouped GEMM in fp32.
 class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
@@ -20,7 +20,7 @@ class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
                             const at::Tensor& w, const at::Tensor& offs) {
     auto wc = kernels::weight_cache::get({w}, x.scalar_type());
     ctx->save_for_backward({x, wc, offs});
-    // Note [Per-op activation checkpointing]: a replay skips the GEMM.
+    // See Note [Per-op activation checkpointing]: a replay skips the GEMM.
     return run_saved_op([&] { return compat::grouped_mm(x, wc.transpose(1, 2), offs); });
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,

@@ -1,4 +1,4 @@
-// Note [Activation checkpointing] (recompute.h): the autograd node.
+// See Note [Activation checkpointing] (recompute.h): the autograd node.
 #include "ops/recompute.h"
 
 #include <torch/csrc/autograd/function.h>
@@ -18,7 +18,7 @@ std::atomic<int64_t> g_op_computes{0}, g_op_replays{0};
 thread_local int tl_recomputing = 0;
 thread_local int tl_first_forward = 0;
 
-// Note [Per-op activation checkpointing]: one checkpointed body's saved op
+// See Note [Per-op activation checkpointing]: one checkpointed body's saved op
 // outputs, in call order, with their versions at the end of the op (an
 // in-place change by a later op of the first forward would make them other
 // values than the recompute's).

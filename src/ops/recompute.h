@@ -29,11 +29,11 @@
 // train/test_activation_checkpoint.cpp). State a forward mutates is
 // touched once: the first (no-grad) forward counts as a training forward
 // and the recompute does not (counts_training_statistics(), MoE loads).
-// AttnRes slots (Note [AttnRes block gradients in place]) stay outside the
+// AttnRes slots (see Note [AttnRes block gradients in place]) stay outside the
 // body: the reads inside add into the same slots in the same layer order.
 //
 // Note [Per-op activation checkpointing]
-// selective_ac_option = "op" (torchtitan's per-op policy) checkpoints every
+// Selective_ac_option = "op" (torchtitan's per-op policy) checkpoints every
 // layer, but its recompute skips the expensive ops: the first forward keeps
 // their outputs, the recompute takes them back instead of running them and
 // reruns only the cheap ops around them (norms, activations, rope, residual
@@ -81,7 +81,7 @@ namespace viaduct::ops {
 
 // activation_checkpoint.mode and .selective_ac_option (torchtitan's keys).
 struct ActivationCheckpoint {
-  // kOp: selective_ac_option = "op" (Note [Per-op activation checkpointing]).
+  // kOp: selective_ac_option = "op" (see Note [Per-op activation checkpointing]).
   enum class Mode { kNone, kFull, kSelective, kOp };
   Mode mode = Mode::kNone;
   int64_t every = 1;  // kSelective: every N-th layer
@@ -102,10 +102,10 @@ struct ActivationCheckpoint {
 using CheckpointBody =
     std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>& inputs)>;
 
-// body(inputs) with Note [Activation checkpointing]'s backward when grad
+// body(inputs) with see Note [Activation checkpointing]'s backward when grad
 // mode is on and an input or a parameter requires grad; plain body(inputs)
 // otherwise. `params`: every parameter the body reads. `keep_op_outputs`:
-// Note [Per-op activation checkpointing].
+// See Note [Per-op activation checkpointing].
 std::vector<at::Tensor> recompute(const CheckpointBody& body,
                                    const std::vector<at::Tensor>& inputs,
                                    const std::vector<at::Tensor>& params,
@@ -119,7 +119,7 @@ inline std::vector<at::Tensor> recompute(const ActivationCheckpoint& ac,
   return recompute(body, inputs, params, ac.mode == ActivationCheckpoint::Mode::kOp);
 }
 
-// An expensive op's outputs under Note [Per-op activation checkpointing]:
+// An expensive op's outputs under see Note [Per-op activation checkpointing]:
 // compute() when no checkpointed body records or replays on this thread;
 // compute() appended to the body's list while it records; the next saved
 // outputs (and no compute) while it replays. Called from an autograd

@@ -1,4 +1,4 @@
-// RMSNorm, and the residual add with it (Note [Residual add inside the
+// RMSNorm, and the residual add with it (see Note [Residual add inside the
 // norm], kernels/rms_norm_fn.cpp).
 #pragma once
 

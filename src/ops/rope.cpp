@@ -23,7 +23,7 @@ std::pair<at::Tensor, at::Tensor> rope_tables_fp32(const RopeTables& rope, int64
 
 // Causal flash attention as an autograd function of ours, where
 // compat::flash_attention_applies: the forward and backward ATen ops that
-// scaled_dot_product_attention's flash path runs, so that Note [Per-op
+// scaled_dot_product_attention's flash path runs, so that see Note [Per-op
 // activation checkpointing] can keep the attention core's outputs (out,
 // logsumexp and the rest its backward reads) and skip the forward in a
 // replay while the backward stays the same call.
@@ -89,11 +89,12 @@ at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const Rope
                             const KernelOptions& opts) {
   const auto T = q.size(1), H = q.size(2), KV = k.size(2);
   if (tables != nullptr && fused_runs(q, opts)) {
-    // Note [RoPE writes the repeated keys]: one table cast for q and k, and
+    // Note [RoPE writes the repeated keys]
+    // One table cast for q and k, and
     // k's KV heads come out of the RoPE kernel already repeated to H (its
     // backward sums the copies), instead of a repeat_interleave copy and
     // its reduction. v's heads are repeated by the same kernel without the
-    // rotation (Note [Repeated heads without a gather]).
+    // rotation (see Note [Repeated heads without a gather]).
     check_rope_length(*tables, T);
     auto [c, s] = rope_tables_fp32(*tables, T, q.device());
     q = kernels::rope(q, c, s).transpose(1, 2);            // [B, H, T, hd]

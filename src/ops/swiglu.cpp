@@ -8,7 +8,8 @@ namespace viaduct::ops {
 at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
                       const at::Tensor& w3, const KernelOptions& k) {
   if (fused_runs(x, k)) {
-    // Note [One w1/w3 projection]: as the qkv projection (Note [One qkv
+    // Note [One w1/w3 projection]
+    // As the qkv projection (see Note [One qkv
     // projection], model/layers.cpp), w1 and w3 are the parts of one GEMM,
     // [tokens, 2F]; the SwiGLU kernels read its halves in place and write
     // their gradient as one [tokens, 2F] tensor, so the backward's dx is

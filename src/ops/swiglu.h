@@ -8,7 +8,7 @@
 namespace viaduct::ops {
 
 // x: [..., D]; w1, w3: [F, D]; w2: [D, F] (fp32 master weights, cast to
-// x's dtype). Where the kernels run: Note [One w1/w3 projection].
+// x's dtype). Where the kernels run: see Note [One w1/w3 projection].
 at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
                       const at::Tensor& w3, const KernelOptions& k);
 

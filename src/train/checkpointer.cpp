@@ -7,6 +7,8 @@
 #include "core/device.h"
 #include "core/log.h"
 #include "distributed/distributed.h"
+#include "model/model.h"
+#include "train/warm_start.h"
 
 namespace viaduct {
 namespace fs = std::filesystem;
@@ -98,7 +100,7 @@ void Checkpointer::save(const ck::CheckpointMetadata& meta, std::vector<ck::Chec
     }
     distributed::Mesh* mesh = mesh_;
     if (options_.async) {
-      // Note [Asynchronous checkpoint]: the writer thread must not use the
+      // See Note [Asynchronous checkpoint]: the writer thread must not use the
       // process groups the training steps use; it meets the other ranks'
       // writers through the store.
       const int64_t save_id = ++async_saves_;
@@ -129,7 +131,7 @@ void Checkpointer::save(const ck::CheckpointMetadata& meta, std::vector<ck::Chec
 }
 
 void Checkpointer::snapshot_to_host(std::vector<ck::CheckpointPart>& files) const {
-  // Note [Asynchronous checkpoint]: the copies are taken at the step
+  // See Note [Asynchronous checkpoint]: the copies are taken at the step
   // boundary, so the next steps' updates cannot reach the writer; device
   // tensors go to pinned host memory, copied on the stream and awaited once.
   bool on_device = false;
@@ -146,6 +148,33 @@ void Checkpointer::snapshot_to_host(std::vector<ck::CheckpointPart>& files) cons
     }
   }
   if (on_device) synchronize(device_);
+}
+
+void Checkpointer::write_final_hf(const Config& cfg, int64_t step,
+                                  const std::vector<std::shared_ptr<ModelPart>>& parts) const {
+  if (mesh_ && mesh_->rank() != 0) return;
+  const fs::path folder = hf_export_folder(cfg, step);
+  if (fs::exists(folder)) {
+    log::info("the final weights' Hugging Face folder ", folder.string(), " is already there");
+    return;
+  }
+  checkpoint::TensorMap tensors;
+  if (!mesh_) {
+    for (const auto& part : parts) {
+      for (const auto& p : part->named_parameters()) {
+        tensors[p.key()] = p.value().detach().to(at::kCPU).contiguous();
+      }
+    }
+  } else {
+    // Every rank's weights are in the final checkpoint, which every rank
+    // has finished with (the save's last barrier).
+    const auto ckpt = manager_->open(step, checkpoint::Verify::kSizes);
+    for (const auto& name : ckpt.tensors.names()) {
+      if (name.rfind("optim.", 0) != 0) tensors[name] = ckpt.tensors.load(name);
+    }
+  }
+  write_hf_export(cfg, folder, tensors);
+  log::info("final weights as a Hugging Face model: ", folder.string());
 }
 
 }  // namespace viaduct

@@ -7,7 +7,7 @@
 // Note [Asynchronous checkpoint]
 // With checkpoint.async_mode = "async", save() copies the state to host
 // memory at the step boundary (pinned memory from a GPU) and a writer
-// thread saves it under the same atomic protocol (Note [Atomic checkpoint
+// thread saves it under the same atomic protocol (see Note [Atomic checkpoint
 // save]) while training goes on. The next save, a signal's stop, the end of
 // the run and the destructor wait for it; its error surfaces there. Under a
 // launcher the writers of all ranks meet through the rendezvous store
@@ -30,12 +30,14 @@
 
 namespace viaduct {
 
+class Config;
+class ModelPart;
 namespace distributed {
 class Mesh;
 }  // namespace distributed
 
-// What decides the files a rank writes (Note [Expert parallelism] for the
-// pieces of sharded experts, Note [ZeRO-1] for the optimizer's).
+// What decides the files a rank writes (see Note [Expert parallelism] for the
+// pieces of sharded experts, see Note [ZeRO-1] for the optimizer's).
 struct CheckpointLayout {
   int pp = 1, pp_rank = 0;
   int dp = 1, dp_rank = 0;
@@ -78,6 +80,11 @@ class Checkpointer {
             const std::vector<ExpertShard>& expert_shards);
   // Waits for the background writer; rethrows its error.
   void wait();
+  // checkpoint.last_save_in_hf: the final weights of step `step` as a
+  // Hugging Face model folder, written by rank 0; under a launcher read back
+  // from the final checkpoint, which every rank has finished with.
+  void write_final_hf(const Config& cfg, int64_t step,
+                      const std::vector<std::shared_ptr<ModelPart>>& parts) const;
 
  private:
   // The parts' tensors replaced by host copies taken now.

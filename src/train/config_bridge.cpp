@@ -6,6 +6,7 @@
 #include "config/job_config.h"
 #include "data/sampler.h"
 #include "distributed/distributed.h"
+#include "model/family.h"
 #include "model/model.h"
 #include "train/fresh_run.h"
 #include "train/memory_estimate.h"
@@ -65,8 +66,12 @@ checkpoint::CheckpointPolicy checkpoint_policy_from_config(const Config& cfg) {
   return checkpoint_policy_from_config(JobConfig::from(cfg).checkpoint);
 }
 
-std::filesystem::path make_room_for_fresh_run(const Config& cfg) {
-  return make_room_for_fresh_run(JobConfig::from(cfg));
+std::vector<std::unique_ptr<FolderLock>> lock_run_folders(const Config& cfg) {
+  return lock_run_folders(JobConfig::from(cfg));
+}
+
+std::unique_ptr<checkpoint::StateDictAdapter> state_dict_adapter(const Config& cfg) {
+  return state_dict_adapter(JobConfig::from(cfg));
 }
 
 std::vector<std::string> model_module_fqns(const Config& cfg) {
@@ -74,10 +79,6 @@ std::vector<std::string> model_module_fqns(const Config& cfg) {
 }
 
 ModelInfo describe_model(const Config& cfg) { return describe_model(JobConfig::from(cfg)); }
-
-checkpoint::HfModelShape hf_model_shape(const Config& cfg) {
-  return hf_model_shape(JobConfig::from(cfg));
-}
 
 TrainProgress warm_start(const Config& cfg, const std::vector<std::shared_ptr<ModelPart>>& parts,
                          Optimizer& optimizer, data::TokenSampler& sampler,

@@ -1,9 +1,10 @@
-// Transitional: the `const Config&` forms of the functions train/trainer.cpp
-// calls, for the trainer until it holds a JobConfig (config/job_config.h).
-// Each makes the JobConfig of the raw config and calls the typed form; the
-// trainer's conversion deletes this file (and model/model.h's
-// kernel_options(const Config&), defined here for train/optimizer.cpp).
-// Nothing new calls these.
+// Transitional: the `const Config&` forms of the functions the trainer and
+// its components still holding a Config call (train/trainer.cpp,
+// checkpointer.cpp; optimizer.cpp and resume_checks.cpp through the three
+// declared in model/model.h), until they hold a JobConfig
+// (config/job_config.h). Each makes the JobConfig of the raw config and
+// calls the typed form; their conversion deletes this file and those three
+// declarations. Nothing new calls these.
 #pragma once
 
 #include <torch/torch.h>
@@ -28,10 +29,11 @@ struct ModelInfo;
 struct TrainProgress;
 class ModelPart;
 class Optimizer;
+class FolderLock;
 namespace checkpoint {
 struct CheckpointPolicy;
-struct HfModelShape;
 struct HfExtraFile;
+class StateDictAdapter;
 enum class Verify;
 }  // namespace checkpoint
 namespace data {
@@ -59,10 +61,8 @@ MemoryEstimate check_rank_memory_fits(const Config& cfg, int64_t pp_rank,
 MetricsOptions metrics_options_from_config(const Config& cfg, bool logging_rank);
 std::string checkpoint_folder_from_config(const Config& cfg);
 checkpoint::CheckpointPolicy checkpoint_policy_from_config(const Config& cfg);
-std::filesystem::path make_room_for_fresh_run(const Config& cfg);
-std::vector<std::string> model_module_fqns(const Config& cfg);
-ModelInfo describe_model(const Config& cfg);
-checkpoint::HfModelShape hf_model_shape(const Config& cfg);
+std::vector<std::unique_ptr<FolderLock>> lock_run_folders(const Config& cfg);
+std::unique_ptr<checkpoint::StateDictAdapter> state_dict_adapter(const Config& cfg);
 TrainProgress warm_start(const Config& cfg, const std::vector<std::shared_ptr<ModelPart>>& parts,
                          Optimizer& optimizer, data::TokenSampler& sampler,
                          checkpoint::Verify verify);

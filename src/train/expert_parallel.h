@@ -1,4 +1,4 @@
-// Expert parallelism's side in the trainer (Note [Expert parallelism],
+// Expert parallelism's side in the trainer (see Note [Expert parallelism],
 // model/moe.h): the MoE layers' exchange over the ep group, the sum of the
 // local experts' gradients over their source ranks and the expert-replica
 // group, and the checkpoint form of the sharded expert tensors (pieces of
@@ -7,7 +7,7 @@
 // Note [Expert gradient sum]
 // At ep = 1 the data-parallel sum gives expert e the gradient
 // ((G_0 + G_1) + G_2) + ... over the dp replicas r, G_r being replica r's
-// micro-batches summed in order (Note [Data-parallel sum in a fixed
+// micro-batches summed in order (see Note [Data-parallel sum in a fixed
 // order], train/reduce.h). Under ep the owner of e in the ep group of dp
 // block b holds G_r for the replicas r = b ep + s of its block (one per
 // source rank s, MoeImpl::take_source_grads), and the owners of e in the
@@ -82,11 +82,11 @@ std::vector<MoeLayerRef> moe_layer_refs(torch::nn::Module& part);
 // The sharded expert tensors of `part`, in parameter order (none at ep = 1).
 std::vector<ExpertShard> expert_shards(torch::nn::Module& part);
 // The FQNs of every routed-expert tensor of `part`, sharded or not: the
-// tensors that Note [Expert ranges and the clip norm] keeps in their own
+// tensors that see Note [Expert ranges and the clip norm] keeps in their own
 // buckets, and each one's rows (experts).
 std::vector<std::pair<std::string, int64_t>> routed_expert_tensors(torch::nn::Module& part);
 
-// Note [Expert gradient sum].
+// See Note [Expert gradient sum].
 class ExpertGradReduction {
  public:
   // `replicas`: the expert-replica group (null when dp == ep); `params`:
@@ -101,7 +101,7 @@ class ExpertGradReduction {
   // The indices (into params) of the expert tensors.
   const std::vector<size_t>& param_indices() const { return param_index_; }
   // This member's range of every expert tensor, with its slot param * dp +
-  // q (Note [Expert ranges and the clip norm]); only this rank contributes
+  // q (see Note [Expert ranges and the clip norm]); only this rank contributes
   // it.
   std::vector<GradReduction::NormPiece> norm_pieces() const;
   int64_t last_step_bytes() const { return last_step_bytes_; }
@@ -120,7 +120,7 @@ class ExpertGradReduction {
 };
 
 // Rewrites the sharded expert tensors of a checkpoint part as pieces of the
-// whole tensors (Note [Tensors stored in pieces]): the weights under their
+// whole tensors (see Note [Tensors stored in pieces]): the weights under their
 // FQNs and their optimizer state ("optim.<state>.<fqn>", shaped like the
 // weight). `keep_rest`: keep every other tensor too (the part's first
 // writer), else drop them (the ep group's other ranks write only their

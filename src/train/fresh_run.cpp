@@ -120,4 +120,20 @@ fs::path make_room_for_fresh_run(const JobConfig& job) {
   return dump / aside;
 }
 
+std::vector<std::unique_ptr<FolderLock>> lock_run_folders(const JobConfig& job) {
+  // See Note [One trainer per dump folder]: a checkpoint folder outside the
+  // dump folder is locked too.
+  std::vector<std::unique_ptr<FolderLock>> locks;
+  const fs::path dump = job.job.dump_folder;
+  locks.push_back(std::make_unique<FolderLock>(dump, "job.dump_folder"));
+  if (!job.checkpoint.enable) return locks;
+  const fs::path ckpt = fs::absolute(checkpoint_folder_from_config(job)).lexically_normal();
+  const auto rel = ckpt.lexically_relative(fs::absolute(dump).lexically_normal());
+  if (rel.empty() || *rel.begin() == "..") {
+    locks.push_back(std::make_unique<FolderLock>(ckpt, "checkpoint.folder"));
+  }
+  make_room_for_fresh_run(job);  // See Note [A fresh run never mixes with an old one]
+  return locks;
+}
+
 }  // namespace viaduct

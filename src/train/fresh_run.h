@@ -11,7 +11,11 @@
 #pragma once
 
 #include <filesystem>
+#include <memory>
 #include <string>
+#include <vector>
+
+#include "core/folder_lock.h"
 
 namespace viaduct {
 
@@ -26,5 +30,12 @@ std::string old_run_in_folders(const JobConfig& job);
 // old run aside (checkpoint.move_old_run_aside) and returns the folder it
 // went to. Run by the rank holding the folder lock.
 std::filesystem::path make_room_for_fresh_run(const JobConfig& job);
+
+// The locks of a starting job, taken by rank 0, which speaks for the job
+// (see Note [One trainer per dump folder], core/folder_lock.h): job.dump_folder
+// and, when checkpoints are on and kept outside it, the checkpoint folder;
+// then a fresh run makes room (make_room_for_fresh_run). Held while the
+// locks live.
+std::vector<std::unique_ptr<FolderLock>> lock_run_folders(const JobConfig& job);
 
 }  // namespace viaduct

@@ -36,7 +36,7 @@ MemoryEstimate estimate_rank_memory(const JobConfig& job, const ModelInfo& info,
   e.weights = params * 4.0 + (compute_dtype == at::kFloat ? 0.0 : cached * elem);
   // Under expert parallelism with parallelism.expert_gradient_sum =
   // replica_order the local experts' gradients are held once per source
-  // rank until the step's sum (Note [Expert gradient sum]).
+  // rank until the step's sum (see Note [Expert gradient sum]).
   const bool per_source =
       e.expert_shards > 1 && job.parallelism.expert_gradient_sum == "replica_order";
   e.gradients = params * 4.0 +

@@ -20,7 +20,7 @@
 // from each family's shapes) times the micro-batch's tokens, in the compute
 // dtype; on the head's rank the loss buffer (fp32 log-probabilities and their
 // gradient, [rows, V] x 8 bytes, rows = the micro-batch's tokens or one chunk
-// of them under Note [Chunked head loss]); and the backward's working set
+// of them under see Note [Chunked head loss]); and the backward's working set
 // when it starts (backward_transient): the head's weight gradient (fp32, on
 // the head's rank) and the gradients of one layer's activations, counted as
 // the rank's largest layer in full.
@@ -37,7 +37,7 @@
 //
 // Under activation checkpointing a checkpointed layer keeps its input alone
 // (D values per token; under selective_ac_option = "op" plus its expensive
-// ops' outputs, LayerInfo::op_output_values_per_token, Note [Per-op
+// ops' outputs, LayerInfo::op_output_values_per_token, see Note [Per-op
 // activation checkpointing]) and the rank adds one recomputed layer, once:
 // layers are recomputed one at a time, and a recompute materialises what the
 // layer did not keep (under "op" the kept outputs are reused); a schedule

@@ -154,7 +154,7 @@ std::string MetricsWriter::step_json(const StepMetrics& m) const {
     j["ep_alltoall_seconds"] = m.ep_alltoall_seconds;
   }
   if (!m.bubble_measured_per_rank.empty()) {
-    // Note [Measured bubble]: this rank's times; the mean over the pp ranks
+    // See Note [Measured bubble]: this rank's times; the mean over the pp ranks
     // is what compares with the simulator's bubble.
     j["pipeline_seconds"] = m.pipeline_seconds;
     j["pipeline_compute_seconds"] = m.pipeline_compute_seconds;

@@ -46,14 +46,14 @@ struct StepMetrics {
   std::vector<int64_t> hop_bytes;
   std::vector<int64_t> hop_grad_bytes;
   std::vector<int64_t> attn_res_store_peak_bytes;
-  // Pipeline timing (Note [Measured bubble], pipeline/runtime/executor.h):
+  // Pipeline timing (see Note [Measured bubble], pipeline/runtime/executor.h):
   // this rank's span of the schedule, compute and P2P wait seconds, and
   // 1 - compute / span for each pp rank of this pipeline; empty when off.
   double pipeline_seconds = 0;
   double pipeline_compute_seconds = 0;
   double pipeline_p2p_wait_seconds = 0;
   std::vector<double> bubble_measured_per_rank;
-  // dp > 1 (Note [Overlapped data-parallel reduction], train/reduce.h): the
+  // dp > 1 (see Note [Overlapped data-parallel reduction], train/reduce.h): the
   // gradient buckets of the logging rank, how many of them started their
   // reduce-scatter while the rank still ran another stage's backward, the
   // seconds the step then waited for the sums after the schedule, and the
@@ -67,10 +67,10 @@ struct StepMetrics {
   // layer; empty without MoE layers.
   std::vector<double> moe_load_max_over_mean;
   // Under model.moe_capacity_factor: the token copies dropped in the step,
-  // all layers and replicas (Note [Expert capacity], model/moe.h); -1: none
+  // all layers and replicas (see Note [Expert capacity], model/moe.h); -1: none
   // can be (dropless).
   double moe_dropped_tokens = -1;
-  // Expert parallelism (Note [Expert parallelism], model/moe.h): the token
+  // Expert parallelism (see Note [Expert parallelism], model/moe.h): the token
   // copies each rank of the logging rank's ep group received for its
   // experts in the step (all its MoE layers, forward only), the bytes the
   // logging rank sent by all-to-all and the host seconds its exchanges
@@ -96,7 +96,7 @@ struct MetricsOptions {
   int pp_rank = 0;
   double bubble_simulated = 0;
   std::optional<double> bubble_simulated_flops;
-  // Each pp rank's estimated total bytes (Note [Activation memory estimate],
+  // Each pp rank's estimated total bytes (see Note [Activation memory estimate],
   // train/memory_estimate.h), the figure `viaduct plan` prints, written
   // beside the measured peaks; empty: not written.
   std::vector<double> plan_memory_bytes_per_rank;
@@ -116,7 +116,7 @@ class MetricsWriter {
   void log_step(const StepMetrics& m);
   void log_eval(int64_t step, double loss);
   // Lines a crashed run wrote past its last checkpoint (`step`) are dropped,
-  // with a torn last line (no newline: a crash mid-write). Note [Metrics log
+  // with a torn last line (no newline: a crash mid-write). See Note [Metrics log
   // is never lost]. A run that starts from step 0 again drops every line:
   // it writes its step-0 eval again, and a file holds one line per step.
   void truncate_after(int64_t step);

@@ -71,7 +71,8 @@ AdamW::AdamW(std::vector<NamedParam> params, double beta1, double beta2,
 }
 
 bool AdamW::fusable() const {
-  // Note [Fused AdamW]: on CUDA, one pass per tensor instead of the loop's
+  // Note [Fused AdamW]
+  // On CUDA, one pass per tensor instead of the loop's
   // ~7 kernels and 2 temporaries: viaduct's kernel where ops::fused_runs(),
   // else ATen's multi-tensor kernel (2.x), the same formulas in fp32.
   // Elementwise, so every layout still gets the same bits. Both need every
@@ -95,7 +96,8 @@ bool AdamW::own_kernel() const {
   return fusable() && ops::adamw_kernel_runs(params_.front().param, kernel_options_);
 }
 
-// Note [Clip folded into AdamW]: clipping multiplied every gradient in place
+// Note [Clip folded into AdamW]
+// Clipping multiplied every gradient in place
 // (one more read and write of every fp32 gradient) before the update read
 // them again.
 // viaduct's kernel multiplies each gradient value by the coefficient as it

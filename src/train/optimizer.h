@@ -23,7 +23,7 @@ struct NamedParam {
   std::string fqn;
   at::Tensor param;     // fp32 master weight
   bool weight_decay;    // false for norms, biases and embeddings
-  // Set for an expert tensor sharded by expert parallelism (Note [Expert
+  // Set for an expert tensor sharded by expert parallelism (see Note [Expert
   // parallelism], model/moe.h): param holds rows [first_row, first_row +
   // param.size(0)) of the whole tensor `fqn` of whole_rows rows; 0: whole.
   int64_t first_row = 0;
@@ -42,10 +42,10 @@ class Optimizer {
   // The update from every gradient times grad_scale (the clip coefficient;
   // 1: as they are). Here: the gradients are scaled in place, then step();
   // AdamW's CUDA kernel reads the scale instead and leaves the gradients
-  // as they are (Note [Clip folded into AdamW]). Either way the update has
+  // as they are (see Note [Clip folded into AdamW]). Either way the update has
   // the same bits.
   virtual void step_scaled(double lr, double grad_scale);
-  // Note [Clip coefficient on the device] (kernels/clip.cu): the
+  // See Note [Clip coefficient on the device] (kernels/clip.cu): the
   // update with the clip coefficient read on the device from `scale` ([1]
   // fp32, ops::clip_on_device), NaN there updating nothing; only where
   // takes_device_scale() (AdamW's own CUDA kernel), else an error.
@@ -60,7 +60,7 @@ class Optimizer {
   // Keys state() would produce (for loading).
   virtual std::vector<std::string> state_keys() const = 0;
   // The metadata of the file state() is saved into (a sharded optimizer's
-  // pieces table, Note [Tensors stored in pieces]); empty by default.
+  // pieces table, see Note [Tensors stored in pieces]); empty by default.
   virtual std::map<std::string, std::string> state_file_metadata() const { return {}; }
   // Restores the state from a checkpoint's tensors, stored whole or in
   // pieces; by default load_state() of every state_keys() tensor, the state
@@ -68,6 +68,9 @@ class Optimizer {
   virtual void load_from(const checkpoint::TensorFileIndex& index);
   // Bytes of the state this process holds.
   int64_t state_bytes() const;
+  // Bytes this process sent to other ranks in its last step (a sharded
+  // optimizer's gathers); 0 for one that updates its own parameters only.
+  virtual int64_t last_step_bytes() const { return 0; }
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t s) { steps_ = s; }
   const std::vector<NamedParam>& params() const { return params_; }

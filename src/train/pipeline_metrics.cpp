@@ -1,7 +1,10 @@
 // Packing of the pipeline's per-rank step values (see pipeline_metrics.h).
 #include "train/pipeline_metrics.h"
 
+#include "core/device.h"
+#include "distributed/distributed.h"
 #include "pipeline/attn_res/block_store.h"
+#include "train/reduce.h"
 
 namespace viaduct {
 
@@ -63,6 +66,54 @@ void unpack_attn_res_bytes(const std::vector<double>& v, int64_t num_stages,
     (i < hops ? m.hop_bytes : i < 2 * hops ? m.hop_grad_bytes : m.attn_res_store_peak_bytes)
         .push_back(static_cast<int64_t>(v[i]));
   }
+}
+
+double StepGather::gather_loss(double loss_sum, bool stop_signal, StepMetrics& m,
+                               const std::string& context) {
+  // The loss lives on the last stage's rank; one sum over pp gathers it with
+  // each pp rank's pipeline times (when timed) and memory peak (pp > 1). The
+  // device has finished the pipeline's work here (the norm was read).
+  StepGatherLayout layout;
+  layout.pp = static_cast<size_t>(plan_.split.pp);
+  layout.pp_rank = static_cast<size_t>(pp_rank_);
+  layout.timed = executor_ && executor_->timing();
+  layout.per_rank_memory = mesh_ && layout.pp > 1;
+  pipeline::PipelineTimes times;
+  if (layout.timed) times = executor_->take_times();
+  auto gathered = layout.pack(loss_sum, times,
+                              layout.per_rank_memory ? peak_memory_bytes(device_) : 0.0);
+  // See Note [Save and exit on a signal]: the ranks' stop requests ride along
+  // (a separate element: the loss's sum is unchanged); pp then dp covers
+  // the mesh.
+  gathered.push_back(stop_signal ? 1.0 : 0.0);
+  sum_over(mesh_ ? &mesh_->pp_group() : nullptr, gathered, context,
+           layout.timed ? "the loss and pipeline times" : "the loss");
+  std::vector<double> loss{gathered[0], gathered.back()};
+  sum_over(mesh_ ? &mesh_->dp_group() : nullptr, loss, context, "the loss");
+  gathered.pop_back();
+  layout.unpack(gathered, times, m);
+  stop_requested_ = loss[1] > 0;
+  return loss[0];
+}
+
+void StepGather::gather_attn_res_bytes(StepMetrics& m, const std::string& context) {
+  // Each rank knows its own sends and store: one sum over pp gathers them.
+  const int64_t stages = plan_.split.num_stages;
+  auto v = pack_attn_res_bytes(*executor_, *attn_res_store_, stages, plan_.split.pp, pp_rank_);
+  sum_over(mesh_ ? &mesh_->pp_group() : nullptr, v, context, "pipeline byte counts");
+  unpack_attn_res_bytes(v, stages, m);
+}
+
+void StepGather::fill_throughput(StepMetrics& m, double seconds) const {
+  m.seconds = seconds;
+  m.tokens_per_sec = static_cast<double>(m.tokens) / seconds;
+  if (auto peak = peak_flops(device_, compute_dtype_)) {
+    // Every rank's device counts toward the peak.
+    const int world = mesh_ ? mesh_->world_size() : 1;
+    m.mfu = flops_per_token_ * m.tokens_per_sec / (*peak * world);
+  }
+  m.peak_memory_bytes = peak_memory_bytes(device_);
+  m.p2p_bytes = executor_ ? executor_->last_step_p2p_bytes() : 0;
 }
 
 }  // namespace viaduct

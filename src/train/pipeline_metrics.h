@@ -9,11 +9,17 @@
 #include <cstdint>
 #include <vector>
 
+#include <string>
+
 #include "pipeline/runtime/executor.h"
+#include "pipeline/schedule/plan.h"
 #include "train/metrics.h"
 
 namespace viaduct {
 
+namespace distributed {
+class Mesh;
+}  // namespace distributed
 namespace pipeline {
 class RankBlockStore;
 }  // namespace pipeline
@@ -42,5 +48,42 @@ std::vector<double> pack_attn_res_bytes(const pipeline::PipelineExecutor& execut
                                         int64_t num_stages, int64_t pp, int pp_rank);
 void unpack_attn_res_bytes(const std::vector<double>& v, int64_t num_stages,
                            StepMetrics& m);
+
+// The gathers at the end of a step, with what each needs of the rank: the
+// loss and the pipeline figures (StepGatherLayout), the AttnRes byte counts,
+// and the throughput of this step. `executor` and `store` may be null (one
+// stage; no AttnRes pipeline); `mesh` null for one process.
+class StepGather {
+ public:
+  StepGather(const pipeline::PipelinePlan& plan, int pp_rank, distributed::Mesh* mesh,
+             pipeline::PipelineExecutor* executor, const pipeline::RankBlockStore* store,
+             at::Device device, at::ScalarType compute_dtype, double flops_per_token)
+      : plan_(plan), pp_rank_(pp_rank), mesh_(mesh), executor_(executor),
+        attn_res_store_(store), device_(device), compute_dtype_(compute_dtype),
+        flops_per_token_(flops_per_token) {}
+
+  // The step's loss sum over the mesh (every rank gets it), with each pp
+  // rank's pipeline times and memory peak into `m`; `stop_signal`: this
+  // rank was asked to stop (see Note [Save and exit on a signal]), after which
+  // stop_requested() says whether any rank was.
+  double gather_loss(double loss_sum, bool stop_signal, StepMetrics& m,
+                     const std::string& context);
+  bool stop_requested() const { return stop_requested_; }
+  void gather_attn_res_bytes(StepMetrics& m, const std::string& context);
+  // Tokens per second, MFU over every rank's device, the memory peak and the
+  // pipeline's bytes, from m.tokens and the step's host time.
+  void fill_throughput(StepMetrics& m, double seconds) const;
+
+ private:
+  const pipeline::PipelinePlan& plan_;
+  int pp_rank_;
+  distributed::Mesh* mesh_;
+  pipeline::PipelineExecutor* executor_;
+  const pipeline::RankBlockStore* attn_res_store_;
+  at::Device device_;
+  at::ScalarType compute_dtype_;
+  double flops_per_token_;
+  bool stop_requested_ = false;
+};
 
 }  // namespace viaduct

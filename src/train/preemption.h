@@ -9,7 +9,7 @@
 // together (checkpoint.enable = true) and exit with kExitSavedOnSignal. A
 // second signal while that happens ends the process at once with
 // 128 + the signal number; the last complete checkpoint stays the one to
-// resume from (Note [Atomic checkpoint save]).
+// resume from (see Note [Atomic checkpoint save]).
 #pragma once
 
 namespace viaduct {

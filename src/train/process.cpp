@@ -100,7 +100,7 @@ void log_job_summary(const JobConfig& config, const JobSummary& job) {
     const auto& bw = plan.balanced_weights;
     if (bw && plan.balanced) {
       log::info("split balanced by FLOPs: the embedding counts ", bw->first,
-                " layer(s), the head ", bw->second, " (Note [Split balanced by FLOPs])");
+                " layer(s), the head ", bw->second, " (see Note [Split balanced by FLOPs])");
     } else if (bw && plan.simulation_flops &&
                plan.simulation_flops->bubble_fraction - plan.balanced_bubble_flops > 0.02) {
       log::info("hint: parallelism.pipeline_parallel_balance = \"flops\" (embedding ", bw->first,

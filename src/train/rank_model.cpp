@@ -18,14 +18,14 @@ RankModel build_rank_model(const JobConfig& job, int pp_rank, at::Device device,
   // The pipeline plan (a pure function of the config: every rank agrees).
   rm.info = describe_model(job);
   auto plan_spec = plan_spec_from_config(job.parallelism, model_module_fqns(job));
-  plan_spec.module_flops = rm.info.module_flops;  // Note [Bubble weighted by FLOPs]
+  plan_spec.module_flops = rm.info.module_flops;  // See Note [Bubble weighted by FLOPs]
   rm.plan = std::make_unique<pipeline::PipelinePlan>(pipeline::make_pipeline_plan(plan_spec));
   const auto& split = rm.plan->split;
   const auto seed = static_cast<uint64_t>(job.training.seed);
   std::vector<double> counts(static_cast<size_t>(split.num_stages), 0.0);
   const auto attn_res = attn_res_layout(job);  // nullopt: a chain model
   if (split.num_stages > 1 && attn_res) {
-    // Note [AttnRes transports] (pipeline/attn_res/block_layout.h). A chain
+    // See Note [AttnRes transports] (pipeline/attn_res/block_layout.h). A chain
     // (kimi_k3 with model.attn_res = false among them) runs plain stages.
     rm.attn_res_tables = std::make_shared<const pipeline::BlockLayoutTables>(
         pipeline::make_block_layout_tables(

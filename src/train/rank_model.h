@@ -49,7 +49,7 @@ struct RankModel {
 
 // `pp_group` sums the stages' parameter counts over the pipeline ranks (null:
 // one process); `ep_group`, when set, shards every MoE layer's experts over
-// it before the weights are initialised (Note [Expert parallelism],
+// it before the weights are initialised (see Note [Expert parallelism],
 // model/moe.h); `context` names this rank in a timeout.
 RankModel build_rank_model(const JobConfig& job, int pp_rank, at::Device device,
                            at::ScalarType compute_dtype, distributed::ProcessGroup* pp_group,

@@ -26,7 +26,7 @@ void sum_over(distributed::ProcessGroup* group, std::vector<double>& values,
 // one pipeline stage per bucket (`stage_of[i]`: parameter i's stage; empty:
 // all one stage); a bucket closes once it holds bucket_bytes, or the dtype
 // or the stage changes. A parameter with `own_bucket[i]` set (empty: none)
-// gets a bucket of its own (Note [Expert ranges and the clip norm],
+// gets a bucket of its own (see Note [Expert ranges and the clip norm],
 // train/expert_parallel.h); one with `skip[i]` (empty: none) none at all.
 // Also the units ZeRO-1 shards (sharded_optimizer.h).
 std::vector<std::vector<size_t>> grad_buckets(const std::vector<NamedParam>& params,
@@ -93,7 +93,7 @@ void copy_gathered_ranges(const RangeGather& gather,
 // ... Without ZeRO-1 an all-gather of the summed ranges then gives every
 // replica the whole sum (an all-reduce's result and traffic, 2 (dp - 1) /
 // dp of the bucket each way); with ZeRO-1 each replica keeps its range
-// only, for its slice of the optimizer (Note [ZeRO-1]), and all-gathers
+// only, for its slice of the optimizer (see Note [ZeRO-1]), and all-gathers
 // the updated weights instead. Both runs therefore add every gradient
 // element in the same order -- the sharded run has the unsharded one's
 // bits -- and that order is the replicas', whatever the backend's
@@ -143,7 +143,7 @@ class GradReduction {
   // receives as many), padding included.
   int64_t last_step_bytes() const { return last_step_bytes_; }
 
-  // Note [Gradient norm in shard pieces]: the pieces whose sums this
+  // See Note [Gradient norm in shard pieces]: the pieces whose sums this
   // replica holds after finish() (all of them when `whole`), each with its
   // slot: parameter index * dp + the replica owning it.
   struct NormPiece {

@@ -8,7 +8,12 @@
 #include <sstream>
 
 #include "core/check.h"
+#include "config/config.h"
 #include "core/file_io.h"
+#include "core/log.h"
+#include "core/strings.h"
+#include "pipeline/schedule/plan.h"
+#include "pipeline/schedule/timeline_svg.h"
 
 namespace viaduct {
 namespace fs = std::filesystem;
@@ -319,6 +324,27 @@ fs::path write_run_report(const fs::path& dump, const std::string& title,
   const fs::path out = dump / "report.html";
   atomic_write_file(out, run_report_html(records, title, svg));
   return out;
+}
+
+void write_run_report_at_end(const Config& cfg, const pipeline::PipelinePlan& plan,
+                             bool logging_rank) {
+  // The run report beside metrics.jsonl (train/report.h); a run that trained
+  // is not failed by its picture, but a report that cannot be written says so.
+  if (!logging_rank || !cfg.get_bool("metrics.enable_jsonl")) return;
+  const fs::path dump = cfg.get_string("job.dump_folder");
+  const std::string description = cfg.get_string("job.description");
+  const std::string title = description.empty() ? dump.string() : description;
+  try {
+    const std::string svg = pipeline::timeline_svg(
+        plan.lowered, plan.simulation,
+        str(plan.compute.name, ": pp ", plan.split.pp, ", ", plan.split.stages_per_rank,
+            " stage(s) per rank, ", plan.compute.microbatches, " micro-batches"));
+    atomic_write_file(dump / "schedule.svg", svg);
+    const auto path = write_run_report(dump, title, svg);
+    log::info("run report: ", path.string());
+  } catch (const std::exception& e) {
+    log::warn("cannot write the run report: ", e.what());
+  }
 }
 
 }  // namespace viaduct

@@ -14,6 +14,11 @@
 
 namespace viaduct {
 
+class Config;
+namespace pipeline {
+struct PipelinePlan;
+}  // namespace pipeline
+
 // The page for the records of metrics.jsonl (steps and evals, in order).
 // `schedule_svg`: the timeline picture, or "" for none.
 std::string run_report_html(const std::vector<nlohmann::json>& records, const std::string& title,
@@ -25,5 +30,12 @@ std::string run_report_html(const std::vector<nlohmann::json>& records, const st
 std::filesystem::path write_run_report(const std::filesystem::path& dump,
                                        const std::string& title,
                                        const std::string& schedule_svg = "");
+
+// The end of a run on the logging rank, when metrics.enable_jsonl: the
+// schedule's timeline (schedule.svg) and report.html in job.dump_folder. A
+// run that trained is not failed by its picture: a report that cannot be
+// written is a warning.
+void write_run_report_at_end(const Config& cfg, const pipeline::PipelinePlan& plan,
+                             bool logging_rank);
 
 }  // namespace viaduct

@@ -1,4 +1,4 @@
-// ZeRO-1 (Note [ZeRO-1] in sharded_optimizer.h).
+// ZeRO-1 (see Note [ZeRO-1] in sharded_optimizer.h).
 #include "train/sharded_optimizer.h"
 
 #include <algorithm>

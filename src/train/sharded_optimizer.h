@@ -7,9 +7,9 @@
 // ranges of about equal size (shard_layout); replica r keeps the optimizer
 // state (AdamW's two fp32 moments) for range r only. A step:
 //  1. the gradients are reduce-scattered: replica r gets the sum of range r
-//     only, added in the order of the unsharded run (Note [Data-parallel
+//     only, added in the order of the unsharded run (see Note [Data-parallel
 //     sum in a fixed order], reduce.h), and the clip norm is formed from
-//     the ranges' pieces (Note [Gradient norm in shard pieces]);
+//     the ranges' pieces (see Note [Gradient norm in shard pieces]);
 //  2. each replica runs the inner optimizer on its ranges: the parameters
 //     and gradients there are views into the whole tensors, so the update
 //     writes the weights in place;
@@ -19,15 +19,15 @@
 // reduce-scatter and an all-gather (of weights rather than gradients).
 //
 // Checkpoints stay FQN-keyed: each replica saves its slices of the moments
-// as pieces (Note [Tensors stored in pieces]) into its own file, with no
+// as pieces (see Note [Tensors stored in pieces]) into its own file, with no
 // gather; loading reads the pieces covering this replica's ranges from
 // whichever files hold them, so a sharded checkpoint resumes unsharded, on
 // another dp or pp, and an unsharded one resumes sharded.
 //
-// Under expert parallelism the sharded expert tensors (Note [Expert
+// Under expert parallelism the sharded expert tensors (see Note [Expert
 // parallelism], model/moe.h) are buckets of their own over the
 // expert-replica group instead, cut at expert boundaries as their gradient
-// sum keeps them (Note [Expert gradient sum], expert_parallel.h); their
+// sum keeps them (see Note [Expert gradient sum], expert_parallel.h); their
 // pieces are written at their place in the whole tensors.
 #pragma once
 
@@ -77,7 +77,7 @@ class ShardedOptimizer : public Optimizer {
   // Elements of the parameters whose state this replica keeps.
   int64_t owned_elements() const;
   // Bytes this replica sent in the last step's all-gather of the weights.
-  int64_t last_step_bytes() const { return last_step_bytes_; }
+  int64_t last_step_bytes() const override { return last_step_bytes_; }
 
  private:
   // The update through `run` with the slices' gradients attached, then the

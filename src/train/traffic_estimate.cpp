@@ -1,4 +1,4 @@
-// Note [Data-parallel and expert traffic estimate] (traffic_estimate.h).
+// See Note [Data-parallel and expert traffic estimate] (traffic_estimate.h).
 #include "train/traffic_estimate.h"
 
 #include "config/job_config.h"

@@ -2,7 +2,7 @@
 // groups in a step, from the config alone (`viaduct plan`).
 //
 // Note [Data-parallel and expert traffic estimate]
-// Gradient sums (fp32, Notes [Data-parallel sum in a fixed order] and
+// Gradient sums (fp32, see Notes [Data-parallel sum in a fixed order] and
 // [Expert gradient sum]): the rank's dense share G (parameters / pp less
 // the routed experts) moves 2 (dp - 1) / dp G -- a reduce-scatter and an
 // all-gather, of the sums or (ZeRO-1) of the updated weights; its expert

@@ -8,44 +8,12 @@
 #include "core/check.h"
 #include "core/log.h"
 #include "data/sampler.h"
-#include "model/chain_transformer.h"
 #include "model/family.h"
 #include "train/expert_parallel.h"
 
 namespace viaduct {
 namespace ck = checkpoint;
 namespace fs = std::filesystem;
-
-ck::HfModelShape hf_model_shape(const JobConfig& job) {
-  const ModelFamily& family = model_family(job);
-  // One block is enough to read the whole model's spec.
-  auto part = family.build(job, {"layers.0"});
-  auto* chain = dynamic_cast<ChainTransformer*>(part.get());
-  const bool has_layout =
-      chain != nullptr && (chain->spec().family == "llama" || chain->spec().family == "gpt2");
-  VIADUCT_CHECK_T(ConfigError, has_layout, "model.family '", family.name,
-                  "' has no Hugging Face layout (llama, gpt2)");
-  const ChainSpec& s = chain->spec();
-  ck::HfModelShape h;
-  h.family = s.family;
-  h.n_layers = s.n_layers;
-  h.dim = s.dim;
-  h.n_heads = s.n_heads;
-  h.n_kv_heads = s.n_kv_heads;
-  h.vocab_size = s.vocab_size;
-  h.ffn_hidden = s.ffn_hidden;
-  h.max_seq_len = s.max_seq_len;
-  h.norm_eps = s.norm_eps;
-  h.rope_theta = s.rope_theta;
-  if (s.family == "llama" && s.rope_scaling.enabled()) {
-    h.rope_scaling_factor = s.rope_scaling.factor;
-    h.rope_scaling_low_freq_factor = s.rope_scaling.low_freq_factor;
-    h.rope_scaling_high_freq_factor = s.rope_scaling.high_freq_factor;
-    h.rope_scaling_original_max_seq_len = s.rope_scaling.original_max_seq_len;
-  }
-  h.tie_embeddings = s.tie_embeddings;
-  return h;
-}
 
 namespace {
 
@@ -54,11 +22,7 @@ constexpr const char* kPathKey = "checkpoint.initial_load_path";
 // The HF folder's weights into this rank's parameters (the FQNs it owns).
 void load_hf_weights(const JobConfig& job, const fs::path& folder,
                      const std::vector<std::shared_ptr<ModelPart>>& parts) {
-  ck::HfFolder hf = ck::read_hf_folder(folder);
-  const ck::HfModelShape shape = hf_model_shape(job);
-  ck::check_hf_shape(hf.shape, shape, folder.string());
-  const ck::TensorMap weights =
-      ck::from_hf_tensors(hf.tensors, shape, hf.shape.vocab_size, folder.string());
+  const ck::TensorMap weights = ck::read_hf_model(folder, *state_dict_adapter(job));
   torch::NoGradGuard no_grad;
   for (const auto& part : parts) {
     for (const auto& p : part->named_parameters()) {
@@ -172,7 +136,7 @@ void write_hf_export(const JobConfig& job, const fs::path& folder,
   ck::HfWriteOptions options;
   options.dtype = at::kFloat;
   options.extra_files = hf_export_tokenizer_files(job);
-  ck::write_hf_folder(folder, tensors, hf_model_shape(job), options);
+  ck::write_hf_folder(folder, tensors, *state_dict_adapter(job), options);
 }
 
 }  // namespace viaduct

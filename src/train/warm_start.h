@@ -2,8 +2,9 @@
 // warm start from checkpoint.initial_load_path (a viaduct checkpoint of any
 // layout, or an HF llama / gpt2 model folder) when the run's own checkpoint
 // folder has nothing to resume from, and checkpoint.last_save_in_hf's model
-// folder of the final weights (with data.tokenizer's files). The HF layouts
-// are checkpoint/hf.h's.
+// folder of the final weights (with data.tokenizer's files). The folders are
+// checkpoint/hf.h's, the layout the family's StateDictAdapter
+// (state_dict_adapter in model/family.h).
 #pragma once
 
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include "checkpoint/hf.h"
 #include "config/job_config.h"
 #include "model/model.h"
+#include "train/config_bridge.h"  // until the trainer and its checkpointer hold a JobConfig
 #include "train/optimizer.h"
 #include "train/train_state.h"
 
@@ -22,10 +24,6 @@ namespace viaduct {
 namespace data {
 class TokenSampler;
 }  // namespace data
-
-// The HF shape of the model `job` builds; a ConfigError for a family with
-// no HF layout (only llama and gpt2 have one).
-checkpoint::HfModelShape hf_model_shape(const JobConfig& job);
 
 // Loads checkpoint.initial_load_path into this rank's `parts` (the FQNs it
 // owns, whatever layout saved them) and, for a full-state warm start

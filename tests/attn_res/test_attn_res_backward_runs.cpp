@@ -1,5 +1,5 @@
 // parallelism.attn_res_cache_backward through `viaduct train`, ranks as
-// processes over Gloo (Note [AttnRes cache backward] in
+// processes over Gloo (see Note [AttnRes cache backward] in
 // pipeline/attn_res/block_layout.h): the rank cache with the whole-stack
 // backward trains debugmodel_deep to exactly the bits of one process (losses
 // and every parameter / optimizer-state tensor after three steps) at pp4 x 2

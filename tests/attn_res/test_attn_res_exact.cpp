@@ -3,7 +3,7 @@
 // times the loss scale, so the rank cache's regrouped sums are exact and
 // every transport (the rank cache with either backward) and layout must give
 // one process's bits -- and the closed form below, an integer recurrence
-// written from Note [exact16: integer gradients] independently of the model
+// written from see Note [exact16: integer gradients] independently of the model
 // code. Also the family's refusals.
 #include <gtest/gtest.h>
 
@@ -361,7 +361,7 @@ TEST(AttnResExact, Exact16OneProcessEqualsTheClosedForm) {
 }
 
 // One pipeline layout and AttnRes transport (with its backward for the rank
-// cache, Note [AttnRes cache backward]) of the exact16 model on 4 ranks.
+// cache, see Note [AttnRes cache backward]) of the exact16 model on 4 ranks.
 struct ExactCase {
   std::string layout;  // "16_stages", "8_stages" or "uneven_8_stages"
   AttnResTransport transport;

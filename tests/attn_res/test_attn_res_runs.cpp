@@ -277,7 +277,7 @@ TEST_P(AttnResTransports, InterleavedZeroBubbleMatchesOneProcess) {
   }
 }
 
-// Activation checkpointing (Note [Activation checkpointing],
+// Activation checkpointing (see Note [Activation checkpointing],
 // ops/recompute.h) through the whole-stack transport: zero-bubble's I/W
 // split with every layer recomputed (in full and per op), and 1F1B with
 // every 3rd, have the bits of the one process without it.

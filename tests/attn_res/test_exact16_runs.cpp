@@ -3,7 +3,7 @@
 // --model.family=exact16` at pp4 x 2 stages per rank, rank cache and whole
 // stack, trains to the bits of one process (losses and every parameter and
 // optimizer-state tensor after three steps) -- the rank cache included,
-// because exact16's gradients are integers (Note [exact16: integer
+// because exact16's gradients are integers (see Note [exact16: integer
 // gradients]) -- and the command refuses a job that would break them.
 #include <gtest/gtest.h>
 

@@ -194,7 +194,7 @@ TEST_F(Checkpoints, UnionOfTwoFilesLoadsByFqn) {
   EXPECT_EQ(index.file_of(model.back().first).path().filename(), "b.safetensors");
 }
 
-// Note [Tensors stored in pieces]: the elements of a tensor split at
+// See Note [Tensors stored in pieces]: the elements of a tensor split at
 // `cuts` into pieces, written into one file per piece.
 void write_pieces(const fs::path& dir, const std::string& fqn, const at::Tensor& whole,
                   const std::vector<int64_t>& cuts) {

@@ -203,7 +203,7 @@ TEST(Config, SpeedKeysDefaultsAndRefusals) {
 }
 
 TEST(Config, PipelineBalanceValues) {
-  // Note [Split balanced by FLOPs]: "layers" (torchtitan's rule, the
+  // See Note [Split balanced by FLOPs]: "layers" (torchtitan's rule, the
   // default) or "flops"; anything else is refused by name.
   auto c = Config::parse("", "job.toml", {});
   EXPECT_EQ(c.get_string("parallelism.pipeline_parallel_balance"), "layers");

@@ -1,5 +1,5 @@
 // The MoE layer under expert parallelism, ranks as threads exchanging rows
-// in memory (Note [Expert parallelism], model/moe.h): the dispatch against
+// in memory (see Note [Expert parallelism], model/moe.h): the dispatch against
 // its closed form (every token copy reaches its expert's rank once, grouped
 // by source then expert, in the source's slot order), and each rank's
 // outputs, token gradients and per-source expert gradients against the
@@ -141,7 +141,7 @@ std::vector<RankResult> run_sharded(int ep, int64_t n, const at::Tensor& bias,
   return out;
 }
 
-// Note [Expert capacity] by a plain loop: slot s = n K + j is kept when
+// See Note [Expert capacity] by a plain loop: slot s = n K + j is kept when
 // fewer than C earlier slots chose its expert.
 at::Tensor capacity_keep_by_loop(const at::Tensor& idx, const MoeOptions& o) {
   const auto flat = idx.reshape({-1}).cpu();
@@ -289,7 +289,7 @@ TEST(ExpertLayer, RanksThatReceiveNothingStillAnswerTheExchanges) {
   expect_matches_one_rank(4, 5, bias);
 }
 
-// Note [Expert capacity]: the output is the shared expert plus each kept
+// See Note [Expert capacity]: the output is the shared expert plus each kept
 // copy's gated expert output, from the layer's own weights slot by slot;
 // the dropped count is the loop's.
 TEST(ExpertCapacity, DropsTheCopiesPastEachExpertsCapacityInSlotOrder) {

@@ -118,7 +118,7 @@ TEST_F(ExpertParallelRuns, DataParallelTimesExpertParallelHasTheBitsOfDataParall
     EXPECT_EQ(j["ep_tokens_received_per_rank"].size(), 2u);
     EXPECT_GT(j["ep_alltoall_bytes"].get<double>(), 0.0);
   }
-  // Note [Expert capacity]: the same copies dropped under either layout.
+  // See Note [Expert capacity]: the same copies dropped under either layout.
   const std::string capacity = " --model.moe_capacity_factor=0.5";
   const auto plain_c = train("dp2_ep1_capacity", 2, base_args() + layout(1, 2, 1) + capacity);
   const auto ep_c = train("dp2_ep2_capacity", 2, base_args() + layout(1, 2, 2) + capacity);
@@ -150,7 +150,7 @@ TEST_F(ExpertParallelRuns, PipelineSchedulesWithExpertParallelHaveTheBitsOfDataP
                                           " --activation_checkpoint.mode=full"}}) {
     SCOPED_TRACE(name);
     // One process and pipelines share bits with the same micro-batches
-    // (the AttnRes rank cache with the whole-stack backward: Note [AttnRes
+    // (the AttnRes rank cache with the whole-stack backward: see Note [AttnRes
     // cache backward]).
     const auto with_micro = train("dp2_ep1_m2", 2,
                                   base_args() + layout(1, 2, 1) +

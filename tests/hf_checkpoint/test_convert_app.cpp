@@ -10,6 +10,7 @@
 #include "checkpoint/hf.h"
 #include "common/process_runs.h"
 #include "data/temp_dir.h"
+#include "model/hf_adapter.h"
 
 namespace viaduct::checkpoint {
 namespace {
@@ -90,7 +91,7 @@ TEST_F(ConvertApp, BadInputExitsNonZeroNamingTheProblem) {
   EXPECT_NE(r.output.find("no config.json"), std::string::npos) << r.output;
 
   // An HF llama folder whose shape differs from the job's.
-  HfModelShape s;
+  ChainSpec s;
   s.family = "llama";
   s.n_layers = 1;
   s.dim = 16;
@@ -111,7 +112,7 @@ TEST_F(ConvertApp, BadInputExitsNonZeroNamingTheProblem) {
                  {"layers.0.feed_forward.w3.weight", at::zeros({32, 16})},
                  {"layers.0.attention_norm.weight", at::ones({16})},
                  {"layers.0.ffn_norm.weight", at::ones({16})}};
-  write_hf_folder(dir_.file("small"), v, s, {});
+  write_hf_folder(dir_.file("small"), v, *llama_hf_adapter(s), {});
   r = shell(bin + " convert --to viaduct --input " + dir_.file("small") + " --output " +
             dir_.file("o") + " --config " + VIADUCT_SOURCE_DIR + "/configs/llama_debug.toml");
   EXPECT_NE(r.exit_code, 0);

@@ -1,8 +1,11 @@
-// HF checkpoints: Note [HF rotary layout] against a hand-written rotate-half
-// RoPE (transformers' form) and viaduct's own ops::rope; llama3 RoPE scaling
-// against its closed form; viaduct -> HF folder
-// -> viaduct bitwise for llama (GQA, untied, sharded) and gpt2 (tied, padded
-// vocab); bad folders and shape mismatches refused naming the field.
+// HF checkpoints: the q/k row permutation against a hand-written
+// rotate-half RoPE (transformers' form) and viaduct's own ops::rope (the
+// layout: see Note [HF rotary layout]); llama3 RoPE scaling against its
+// closed form; the families' StateDictAdapters: config.json from a config
+// and back into the same config, viaduct -> HF folder ->
+// viaduct bitwise for llama (GQA, untied, sharded) and gpt2 (tied, padded
+// vocab); bad folders and shape mismatches refused naming the field; a
+// family without an HF layout refused naming those with one.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,9 +13,12 @@
 #include <fstream>
 
 #include "checkpoint/hf.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "core/file_io.h"
 #include "data/temp_dir.h"
+#include "model/family.h"
+#include "model/hf_adapter.h"
 #include "model/layers.h"
 #include "model/rope_scaling.h"
 #include "ops/rope.h"
@@ -24,7 +30,11 @@ namespace fs = std::filesystem;
 using data::testing::TempDir;
 using viaduct::Attention;
 using viaduct::AttentionOptions;
+using viaduct::ChainSpec;
+using viaduct::JobConfig;
 using viaduct::RopeScaling;
+using viaduct::gpt2_hf_adapter;
+using viaduct::llama_hf_adapter;
 
 // Meta's interleaved RoPE on x [T, H, hd] (fp64): pairs (2i, 2i+1).
 at::Tensor rope_interleaved(const at::Tensor& x, double theta) {
@@ -155,8 +165,17 @@ TEST(RopeScaling, OffGivesTheUnscaledTablesAndAttentionUsesTheScaledOnes) {
   EXPECT_TRUE(found);
 }
 
+// The value `key` has in `overrides` (from_hf_config's "key=value").
+std::string value_of(const std::vector<std::string>& overrides, const std::string& key) {
+  for (const auto& o : overrides) {
+    if (o.rfind(key + "=", 0) == 0) return o.substr(key.size() + 1);
+  }
+  ADD_FAILURE() << key << " is not among the overrides";
+  return "";
+}
+
 TEST(HfCheckpoint, Llama3RopeScalingGoesThroughConfigJson) {
-  HfModelShape s;
+  ChainSpec s;
   s.family = "llama";
   s.n_layers = 2;
   s.dim = 32;
@@ -166,33 +185,36 @@ TEST(HfCheckpoint, Llama3RopeScalingGoesThroughConfigJson) {
   s.ffn_hidden = 48;
   s.max_seq_len = 131072;
   s.rope_theta = 500000.0;
-  s.rope_scaling_factor = 32.0;
-  s.rope_scaling_original_max_seq_len = 8192;
-  nlohmann::json c = hf_config_json(s, "bfloat16");
+  s.rope_scaling.factor = 32.0;
+  s.rope_scaling.original_max_seq_len = 8192;
+  const auto adapter = llama_hf_adapter(s);
+  nlohmann::json c = adapter->to_hf_config("bfloat16");
   EXPECT_EQ(c["rope_scaling"]["rope_type"], "llama3");
-  HfModelShape back = shape_from_hf_config(c, "src");
-  EXPECT_EQ(back.rope_scaling_factor, 32.0);
-  EXPECT_EQ(back.rope_scaling_low_freq_factor, 1.0);
-  EXPECT_EQ(back.rope_scaling_high_freq_factor, 4.0);
-  EXPECT_EQ(back.rope_scaling_original_max_seq_len, 8192);
-  EXPECT_NO_THROW(check_hf_shape(back, s, "src"));
+  const auto back = adapter->from_hf_config(c, "src");
+  EXPECT_EQ(std::stod(value_of(back, "model.rope_scaling_factor")), 32.0);
+  EXPECT_EQ(std::stod(value_of(back, "model.rope_scaling_low_freq_factor")), 1.0);
+  EXPECT_EQ(std::stod(value_of(back, "model.rope_scaling_high_freq_factor")), 4.0);
+  EXPECT_EQ(value_of(back, "model.rope_scaling_original_max_seq_len"), "8192");
+  EXPECT_NO_THROW(adapter->check_hf_config(c, "src"));
   // Newer transformers: theta and scaling in rope_parameters.
   nlohmann::json c5 = c;
   c5.erase("rope_theta");
   c5.erase("rope_scaling");
   c5["rope_parameters"] = c["rope_scaling"];
   c5["rope_parameters"]["rope_theta"] = 500000.0;
-  HfModelShape back5 = shape_from_hf_config(c5, "src");
-  EXPECT_EQ(back5.rope_theta, 500000.0);
-  EXPECT_EQ(back5.rope_scaling_factor, 32.0);
+  const auto back5 = adapter->from_hf_config(c5, "src");
+  EXPECT_EQ(std::stod(value_of(back5, "model.rope_theta")), 500000.0);
+  EXPECT_EQ(std::stod(value_of(back5, "model.rope_scaling_factor")), 32.0);
+  EXPECT_NO_THROW(adapter->check_hf_config(c5, "src"));
   c5["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}};
-  EXPECT_EQ(shape_from_hf_config(c5, "src").rope_scaling_factor, 0.0);
-  EXPECT_EQ(shape_from_hf_config(c5, "src").rope_theta, 10000.0);
-  HfModelShape unscaled = s;
-  unscaled.rope_scaling_factor = 0;
+  EXPECT_EQ(std::stod(value_of(adapter->from_hf_config(c5, "src"), "model.rope_scaling_factor")),
+            0.0);
+  EXPECT_EQ(std::stod(value_of(adapter->from_hf_config(c5, "src"), "model.rope_theta")), 10000.0);
+  ChainSpec unscaled = s;
+  unscaled.rope_scaling.factor = 0;
   std::string msg;
   try {
-    check_hf_shape(back, unscaled, "src");
+    llama_hf_adapter(unscaled)->check_hf_config(c, "src");
   } catch (const ConfigError& e) {
     msg = e.what();
   }
@@ -202,8 +224,45 @@ TEST(HfCheckpoint, Llama3RopeScalingGoesThroughConfigJson) {
       << msg;
 }
 
-HfModelShape llama_shape() {
-  HfModelShape s;
+// config.json written from a config reads back into overrides that build
+// the same model: the same config.json, every field both ways.
+TEST(HfCheckpoint, ConfigJsonReadsBackIntoTheSameConfig) {
+  const std::vector<std::vector<std::string>> configs = {
+      {"model.family=llama", "model.n_layers=3", "model.dim=48", "model.n_heads=6",
+       "model.n_kv_heads=2", "model.vocab_size=301", "model.ffn_hidden_dim=80",
+       "model.max_seq_len=4096", "model.norm_eps=1e-6", "model.rope_theta=500000",
+       "model.rope_scaling_factor=8", "model.rope_scaling_low_freq_factor=1.5",
+       "model.rope_scaling_high_freq_factor=3.25",
+       "model.rope_scaling_original_max_seq_len=2048", "model.tie_embeddings=true"},
+      {"model.family=llama", "model.flavor=8B", "training.seq_len=128"},
+      {"model.family=gpt2", "model.n_layers=3", "model.dim=48", "model.n_heads=3",
+       "model.vocab_size=333", "model.ffn_hidden_dim=100", "model.max_seq_len=256",
+       "model.norm_eps=0.00001", "model.tie_embeddings=false"},
+      {"model.family=gpt2", "model.flavor=124M"}};
+  for (const auto& o : configs) {
+    const auto adapter = viaduct::state_dict_adapter(JobConfig::parse("", "job.toml", o));
+    const nlohmann::json c = adapter->to_hf_config("float32");
+    const auto back = adapter->from_hf_config(c, "hf");
+    const auto again = viaduct::state_dict_adapter(JobConfig::parse("", "config.json", back));
+    EXPECT_EQ(again->to_hf_config("float32"), c) << o[0] << " " << o[1];
+    EXPECT_NO_THROW(again->check_hf_config(c, "hf"));
+  }
+}
+
+TEST(HfCheckpoint, AFamilyWithoutAnHfLayoutIsRefusedNamingThoseWithOne) {
+  for (const std::string family : {"kimi_k3", "exact16"}) {
+    std::string msg;
+    try {
+      viaduct::state_dict_adapter(JobConfig::parse("", "job.toml", {"model.family=" + family}));
+    } catch (const ConfigError& e) {
+      msg = e.what();
+    }
+    EXPECT_EQ(msg, "model.family '" + family + "' has no Hugging Face layout (llama, gpt2)");
+  }
+}
+
+ChainSpec llama_shape() {
+  ChainSpec s;
   s.family = "llama";
   s.n_layers = 2;
   s.dim = 32;
@@ -218,8 +277,8 @@ HfModelShape llama_shape() {
   return s;
 }
 
-HfModelShape gpt2_shape() {
-  HfModelShape s;
+ChainSpec gpt2_shape() {
+  ChainSpec s;
   s.family = "gpt2";
   s.n_layers = 2;
   s.dim = 32;
@@ -232,7 +291,7 @@ HfModelShape gpt2_shape() {
   return s;
 }
 
-TensorMap random_llama(const HfModelShape& s) {
+TensorMap random_llama(const ChainSpec& s) {
   const int64_t D = s.dim, kv = s.n_kv_heads * (D / s.n_heads), F = s.ffn_hidden;
   TensorMap m;
   m["tok_embeddings.weight"] = at::randn({s.vocab_size, D});
@@ -253,7 +312,7 @@ TensorMap random_llama(const HfModelShape& s) {
   return m;
 }
 
-TensorMap random_gpt2(const HfModelShape& s) {
+TensorMap random_gpt2(const ChainSpec& s) {
   const int64_t D = s.dim, F = s.ffn_hidden;
   TensorMap m;
   m["tok_embeddings.weight"] = at::randn({s.vocab_size, D});
@@ -290,35 +349,36 @@ void expect_bitwise(const TensorMap& a, const TensorMap& b) {
 TEST(HfCheckpoint, LlamaRoundTripIsBitwiseThroughShards) {
   at::manual_seed(2);
   TempDir dir;
-  const HfModelShape s = llama_shape();
-  TensorMap v = random_llama(s);
+  const auto adapter = llama_hf_adapter(llama_shape());
+  TensorMap v = random_llama(llama_shape());
   HfWriteOptions o;
   o.max_shard_bytes = 40000;  // several shards
   fs::path out = dir.path() / "hf";
-  write_hf_folder(out, v, s, o);
+  write_hf_folder(out, v, *adapter, o);
   EXPECT_TRUE(fs::exists(out / "model.safetensors.index.json"));
   EXPECT_TRUE(fs::exists(out / "model-00001-of-00003.safetensors") ||
               fs::exists(out / "model-00001-of-00004.safetensors") ||
               fs::exists(out / "model-00001-of-00002.safetensors"));
   HfFolder hf = read_hf_folder(out);
   EXPECT_EQ(hf.config["architectures"][0], "LlamaForCausalLM");
-  EXPECT_NO_THROW(check_hf_shape(hf.shape, s, "test"));
+  EXPECT_NO_THROW(adapter->check_hf_config(hf.config, "test"));
   EXPECT_EQ(hf.tensors.size(), v.size());
   // q and k are permuted in the file, v is not.
   EXPECT_TRUE(at::equal(hf.tensors.at("model.layers.1.self_attn.k_proj.weight"),
                         interleaved_to_half_rows(v.at("layers.1.attention.wk.weight"), 2)));
   EXPECT_FALSE(at::equal(hf.tensors.at("model.layers.1.self_attn.q_proj.weight"),
                          v.at("layers.1.attention.wq.weight")));
-  expect_bitwise(v, from_hf_tensors(hf.tensors, s, hf.shape.vocab_size, "test"));
+  expect_bitwise(v, adapter->from_hf(hf.tensors, hf.config, "test"));
+  expect_bitwise(v, read_hf_model(out, *adapter));
 }
 
 TEST(HfCheckpoint, Gpt2RoundTripIsBitwiseWithTiedHead) {
   at::manual_seed(3);
   TempDir dir;
-  const HfModelShape s = gpt2_shape();
-  TensorMap v = random_gpt2(s);
+  const auto adapter = gpt2_hf_adapter(gpt2_shape());
+  TensorMap v = random_gpt2(gpt2_shape());
   fs::path out = dir.path() / "hf";
-  write_hf_folder(out, v, s, {});
+  write_hf_folder(out, v, *adapter, {});
   EXPECT_TRUE(fs::exists(out / "model.safetensors"));
   HfFolder hf = read_hf_folder(out);
   EXPECT_EQ(hf.config["architectures"][0], "GPT2LMHeadModel");
@@ -326,20 +386,24 @@ TEST(HfCheckpoint, Gpt2RoundTripIsBitwiseWithTiedHead) {
   // Conv1D: c_attn is [D, 3D] with q first.
   EXPECT_TRUE(at::equal(hf.tensors.at("transformer.h.0.attn.c_attn.weight").slice(1, 0, 32),
                         v.at("layers.0.attention.wq.weight").t()));
-  expect_bitwise(v, from_hf_tensors(hf.tensors, s, hf.shape.vocab_size, "test"));
+  expect_bitwise(v, adapter->from_hf(hf.tensors, hf.config, "test"));
+  expect_bitwise(v, read_hf_model(out, *adapter));
 }
 
 TEST(HfCheckpoint, Gpt2SmallerHfVocabIsPaddedWithZeros) {
   at::manual_seed(4);
-  HfModelShape s = gpt2_shape();
-  TensorMap v = random_gpt2(s);
-  TensorMap hf = to_hf_tensors(v, s);
+  const auto adapter = gpt2_hf_adapter(gpt2_shape());
+  TensorMap v = random_gpt2(gpt2_shape());
+  TensorMap hf = adapter->to_hf(v);
   // Without the "transformer." prefix, as GPT2Model saves, and 257 rows.
   TensorMap bare;
   for (auto& [n, t] : hf) bare[n.substr(12)] = t;
   bare["wte.weight"] = hf.at("transformer.wte.weight").slice(0, 0, 257).clone();
   bare["h.0.attn.bias"] = at::ones({1, 1, 64, 64});  // an old mask buffer
-  TensorMap back = from_hf_tensors(bare, s, 257, "test");
+  nlohmann::json config = adapter->to_hf_config("float32");
+  config["vocab_size"] = 257;
+  EXPECT_NO_THROW(adapter->check_hf_config(config, "test"));
+  TensorMap back = adapter->from_hf(bare, config, "test");
   EXPECT_TRUE(at::equal(back.at("tok_embeddings.weight").slice(0, 0, 257),
                         v.at("tok_embeddings.weight").slice(0, 0, 257)));
   EXPECT_EQ(back.at("tok_embeddings.weight").slice(0, 257).abs().sum().item<float>(), 0.0f);
@@ -348,15 +412,15 @@ TEST(HfCheckpoint, Gpt2SmallerHfVocabIsPaddedWithZeros) {
 TEST(HfCheckpoint, Bf16ExportRoundsOnce) {
   at::manual_seed(5);
   TempDir dir;
-  const HfModelShape s = llama_shape();
-  TensorMap v = random_llama(s);
+  const auto adapter = llama_hf_adapter(llama_shape());
+  TensorMap v = random_llama(llama_shape());
   HfWriteOptions o;
   o.dtype = at::kBFloat16;
-  write_hf_folder(dir.path() / "hf", v, s, o);
+  write_hf_folder(dir.path() / "hf", v, *adapter, o);
   HfFolder hf = read_hf_folder(dir.path() / "hf");
   EXPECT_EQ(hf.config["torch_dtype"], "bfloat16");
   EXPECT_EQ(hf.tensors.at("model.norm.weight").scalar_type(), at::kBFloat16);
-  TensorMap back = from_hf_tensors(hf.tensors, s, s.vocab_size, "test");
+  TensorMap back = adapter->from_hf(hf.tensors, hf.config, "test");
   for (const auto& [n, t] : v) {
     EXPECT_TRUE(at::equal(back.at(n), t.to(at::kBFloat16).to(at::kFloat))) << n;
   }
@@ -374,46 +438,64 @@ std::string error_of(F f) {
 
 TEST(HfCheckpoint, MismatchesAndBadFoldersNameTheProblem) {
   TempDir dir;
-  HfModelShape hf = llama_shape();
-  HfModelShape v = llama_shape();
+  const ChainSpec hf = llama_shape();
+  ChainSpec v = llama_shape();
   v.n_kv_heads = 4;
-  std::string msg = error_of<ConfigError>([&] { check_hf_shape(hf, v, "src"); });
+  const auto adapter = llama_hf_adapter(hf);
+  std::string msg = error_of<ConfigError>(
+      [&] { llama_hf_adapter(v)->check_hf_config(adapter->to_hf_config("float32"), "src"); });
   EXPECT_NE(msg.find("num_key_value_heads = 2"), std::string::npos) << msg;
   EXPECT_NE(msg.find("model.n_kv_heads = 4"), std::string::npos) << msg;
 
-  nlohmann::json c = hf_config_json(hf, "float32");
+  nlohmann::json c = adapter->to_hf_config("float32");
   c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
-  EXPECT_NE(error_of<ConfigError>([&] { shape_from_hf_config(c, "src"); }).find("rope_scaling"),
+  EXPECT_NE(error_of<ConfigError>([&] { adapter->from_hf_config(c, "src"); }).find("rope_scaling"),
             std::string::npos);
-  c = hf_config_json(hf, "float32");
+  EXPECT_NE(error_of<ConfigError>([&] { adapter->check_hf_config(c, "src"); }).find("rope_scaling"),
+            std::string::npos);
+  c = adapter->to_hf_config("float32");
   c["model_type"] = "mistral";
-  EXPECT_NE(error_of<ConfigError>([&] { shape_from_hf_config(c, "src"); }).find("'mistral'"),
+  msg = error_of<ConfigError>([&] { adapter->check_hf_config(c, "src"); });
+  EXPECT_EQ(msg, "src/config.json: model_type 'mistral' is not supported (llama, gpt2)");
+  EXPECT_NE(error_of<ConfigError>([&] { adapter->from_hf_config(c, "src"); }).find("'mistral'"),
             std::string::npos);
+  // Another family's layout: both named.
+  msg = error_of<ConfigError>([&] {
+    adapter->check_hf_config(gpt2_hf_adapter(gpt2_shape())->to_hf_config("float32"), "src");
+  });
+  EXPECT_EQ(msg, "src: config.json model_type = gpt2 but the viaduct config has model.family = llama");
 
   at::manual_seed(6);
   HfWriteOptions o;
   o.max_shard_bytes = 40000;
   fs::path out = dir.path() / "hf";
-  write_hf_folder(out, random_llama(hf), hf, o);
-  EXPECT_NE(error_of<FileError>([&] { write_hf_folder(out, random_llama(hf), hf, o); })
+  write_hf_folder(out, random_llama(hf), *adapter, o);
+  EXPECT_NE(error_of<FileError>([&] { write_hf_folder(out, random_llama(hf), *adapter, o); })
                 .find("exists"),
             std::string::npos);
+  // A folder of another shape is refused before its tensors are read.
+  msg = error_of<ConfigError>([&] { read_hf_model(out, *llama_hf_adapter(v)); });
+  EXPECT_NE(msg.find("num_key_value_heads = 2 but the viaduct config has model.n_kv_heads = 4"),
+            std::string::npos)
+      << msg;
   fs::remove(out / "model-00002-of-00003.safetensors");
   fs::remove(out / "model-00002-of-00004.safetensors");
   EXPECT_NE(error_of<FileError>([&] { read_hf_folder(out); }).find("which is missing"),
             std::string::npos);
+  EXPECT_NE(error_of<FileError>([&] { read_hf_model(out, *adapter); }).find("which is missing"),
+            std::string::npos);
   EXPECT_NE(error_of<FileError>([&] { read_hf_folder(dir.path()); }).find("no config.json"),
             std::string::npos);
-  TensorMap t = to_hf_tensors(random_llama(hf), hf);
+  TensorMap t = adapter->to_hf(random_llama(hf));
   t.erase("model.layers.1.mlp.up_proj.weight");
-  EXPECT_NE(error_of<FileError>([&] { from_hf_tensors(t, hf, hf.vocab_size, "src"); })
+  EXPECT_NE(error_of<FileError>([&] { adapter->from_hf(t, adapter->to_hf_config("float32"), "src"); })
                 .find("model.layers.1.mlp.up_proj.weight"),
             std::string::npos);
 }
 
 TEST(HfCheckpoint, TokenizerFilesAreCopiedByteForByte) {
   TempDir dir;
-  const HfModelShape s = llama_shape();
+  const auto adapter = llama_hf_adapter(llama_shape());
   // A tokenizer folder as transformers saves it (any bytes: the copy is raw).
   const fs::path tok = dir.path() / "tok";
   fs::create_directories(tok);
@@ -432,7 +514,7 @@ TEST(HfCheckpoint, TokenizerFilesAreCopiedByteForByte) {
   HfWriteOptions o;
   o.extra_files = by_folder;
   const fs::path out = dir.path() / "hf";
-  write_hf_folder(out, random_llama(s), s, o);
+  write_hf_folder(out, random_llama(llama_shape()), *adapter, o);
   for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}) {
     EXPECT_EQ(data::testing::read_bytes((out / name).string()),
               data::testing::read_bytes((tok / name).string()))
@@ -465,12 +547,12 @@ TEST(HfCheckpoint, TokenizerFilesAreCopiedByteForByte) {
   EXPECT_NE(msg.find("holds no tokenizer.json"), std::string::npos) << msg;
   o.extra_files = {{dir.path() / "gone.json", "tokenizer.json"}};
   const fs::path out2 = dir.path() / "hf2";
-  msg = error_of<FileError>([&] { write_hf_folder(out2, random_llama(s), s, o); });
+  msg = error_of<FileError>([&] { write_hf_folder(out2, random_llama(llama_shape()), *adapter, o); });
   EXPECT_NE(msg.find("gone.json"), std::string::npos) << msg;
   // Two files of one name: refused too.
   o.extra_files = by_folder;
   o.extra_files.push_back({dir.path() / "gpt2-tokenizer.json", "tokenizer.json"});
-  msg = error_of<FileError>([&] { write_hf_folder(out2, random_llama(s), s, o); });
+  msg = error_of<FileError>([&] { write_hf_folder(out2, random_llama(llama_shape()), *adapter, o); });
   EXPECT_NE(msg.find("two files named 'tokenizer.json'"), std::string::npos) << msg;
   // Nothing of either attempt is left.
   for (const auto& e : fs::directory_iterator(dir.path())) {

@@ -88,7 +88,7 @@ TEST(FusedKernels, RMSNormForwardBackward) {
 
 TEST(FusedKernels, AddRMSNormIsBitwiseTheTwoOps) {
   REQUIRE_GPU();
-  // Note [Residual add inside the norm]: (h, norm(h)) for h = x + res and
+  // See Note [Residual add inside the norm]: (h, norm(h)) for h = x + res and
   // the gradients of x and res (h also used elsewhere, as on the residual)
   // have the bits of the add followed by the norm kernel, for both backward
   // forms; and they match an fp64 reference.
@@ -212,7 +212,7 @@ TEST(FusedKernels, RopeRepeatsGroupedHeads) {
 
 TEST(FusedKernels, RepeatHeadsMatchesRepeatInterleave) {
   REQUIRE_GPU();
-  // Note [Repeated heads without a gather]: v's grouped heads, a strided
+  // See Note [Repeated heads without a gather]: v's grouped heads, a strided
   // slice of one qkv output as in the attention layer, repeated for SDPA:
   // bit for bit repeat_interleave's copy; the backward sums the copies.
   const int64_t B = 2, T = 40, H = 6, KV = 2, rep = H / KV, hd = 64;
@@ -318,7 +318,7 @@ TEST(FusedKernels, AttnResReadMatchesAtenRead) {
 
 TEST(FusedKernels, AttnResReadWarpPerRowMatchesAtenRead) {
   REQUIRE_GPU();
-  // The warp-per-row kernels (Note [Fused AttnRes read, warp per row]):
+  // The warp-per-row kernels (see Note [Fused AttnRes read, warp per row]):
   // register forms (2048: whole rows in bf16, the loop form in fp32; 1000:
   // lanes past the row's end) and loop forms (4096; the odd 1001 and a
   // source off 16-byte alignment, read one value at a time). n = 40 puts
@@ -356,7 +356,7 @@ TEST(FusedKernels, AttnResReadIsDeterministic) {
 
 TEST(FusedKernels, AttnResReadAddsIntoSlotsWithAutogradsBits) {
   REQUIRE_GPU();
-  // Note [AttnRes block gradients in place] (model/attn_res.h): a slot that
+  // See Note [AttnRes block gradients in place] (model/attn_res.h): a slot that
   // holds a gradient receives it + this read's gradient as the source's
   // dtype adds them (autograd's sum), an empty slot becomes the gradient,
   // and the source itself gets none; bit for bit against the read without
@@ -390,11 +390,11 @@ TEST(FusedKernels, AttnResReadAddsIntoSlotsWithAutogradsBits) {
   }
 }
 
-// Note [AttnRes read with its norm]: norm(read(sources)) in one kernel each
+// See Note [AttnRes read with its norm]: norm(read(sources)) in one kernel each
 // way against the fp64 modules (the read, then the RMSNorm): register forms
 // (2048 and 1000 bf16: lanes past the row's end; 1000 and 512 fp32), 1 to 6
 // sources, with slots (one holding a gradient, one empty) and without; both
-// backward forms (Note [Read with its norm in two passes]: two passes up to
+// backward forms (see Note [Read with its norm in two passes]: two passes up to
 // 5 sources, three beyond), each chosen by the source count.
 TEST(FusedKernels, AttnResReadNormMatchesAtenReadThenNorm) {
   REQUIRE_GPU();
@@ -500,7 +500,7 @@ TEST(FusedKernels, AttnResReadNormIsDeterministicAndFallsBack) {
                         next->forward(m->forward(wide.src))));
 }
 
-// Note [Summing the read's partial rows]: the column sums of [sets, parts,
+// See Note [Summing the read's partial rows]: the column sums of [sets, parts,
 // dim] fp32 partial rows against fp64 sums, the products bit for bit the
 // separate multiplies of the sum, and run to run the same bits. Shapes: the
 // K3 read's (1024 parts of 2048, one and two sets), parts and columns that
@@ -539,7 +539,7 @@ TEST(FusedKernels, SumPartsMatchesFp64Sums) {
 TEST(FusedKernels, MixedLinearWeightGradientIsFp32) {
   REQUIRE_GPU();
   // bf16 input, fp32 master weight and bias: the weight gradient comes from
-  // a GEMM writing fp32 (Note [Linear with an fp32 weight gradient]), so
+  // a GEMM writing fp32 (see Note [Linear with an fp32 weight gradient]), so
   // against the fp64 product of the same bf16 values it is off by fp32
   // accumulation only (~1e-7), not by a bf16 rounding (~1e-3).
   const auto seed = fresh_seed();
@@ -668,7 +668,7 @@ TEST(FusedKernels, KimiK3FusedReadNormMatchesAtenStep) {
   }
 }
 
-// Note [One w1/w3 projection]: the packed form reads the halves of one
+// See Note [One w1/w3 projection]: the packed form reads the halves of one
 // [tokens, 2F] tensor in place. Against the two-tensor form on the same
 // values it is the same arithmetic: every output and gradient bit for bit
 // (with the recompute on and off). Then the module's bf16 step (one GEMM
@@ -922,7 +922,7 @@ TEST(FusedKernels, FusedAdamWMatchesLoop) {
   }
 }
 
-// Note [Small tensors in one AdamW launch]: 30 small tensors (two
+// See Note [Small tensors in one AdamW launch]: 30 small tensors (two
 // launches of at most 24) updated in batches get the bits of one adamw_
 // call each: parameters, moments and the bf16 copies, with and without
 // weight decay, with a clip coefficient. Tensors that do not qualify are
@@ -982,7 +982,7 @@ std::vector<NamedParam> clip_test_params(size_t count) {
 
 TEST(FusedKernels, AdamWFoldsTheClipBitwise) {
   REQUIRE_GPU();
-  // Note [Clip folded into AdamW]: step_scaled(lr, c) through the kernel
+  // See Note [Clip folded into AdamW]: step_scaled(lr, c) through the kernel
   // gives the bits of scaling the gradients in place and then step(lr), and
   // leaves the gradients unscaled.
   const auto seed = fresh_seed();
@@ -1007,7 +1007,7 @@ TEST(FusedKernels, AdamWFoldsTheClipBitwise) {
   }
 }
 
-// Note [Clip coefficient on the device]: the norm formed on the device is
+// See Note [Clip coefficient on the device]: the norm formed on the device is
 // the host's to the bit, and the update that reads its coefficient there
 // has the bits of step_scaled with the host's coefficient, clipping (0.5),
 // not clipping (1e9) and off (0); the values fetched with the norm are the
@@ -1058,7 +1058,7 @@ TEST(FusedKernels, ClipOnTheDeviceHasTheHostBits) {
 
 TEST(FusedKernels, AdamWWritesTheWeightCache) {
   REQUIRE_GPU();
-  // Note [Low-precision weight cache]: after a step of the fused AdamW the
+  // See Note [Low-precision weight cache]: after a step of the fused AdamW the
   // bf16 copy of q|k is current (no cast on the next forward) and holds the
   // bits a fresh cast of the new weights gives.
   const auto seed = fresh_seed();

@@ -1,4 +1,4 @@
-// The low-precision weight cache (Note [Low-precision weight cache]) on CPU
+// The low-precision weight cache (see Note [Low-precision weight cache]) on CPU
 // tensors: its copies against fresh casts, its validity rule (version
 // counters), the optimizer's slot protocol, and linear_parts against
 // separate linears. The CUDA path (the AdamW kernel writing the copies, the

@@ -178,7 +178,7 @@ TEST(Models, FqnsFollowTorchtitanNames) {
 }
 
 TEST(Models, ModuleFlopsAddUpToTheModelsFlops) {
-  // Note [Bubble weighted by FLOPs]: the per-module figures partition
+  // See Note [Bubble weighted by FLOPs]: the per-module figures partition
   // flops_per_token, name real modules, and give llama's head 6 V D.
   const std::vector<std::vector<std::string>> configs = {
       {"model.n_layers=3"},

@@ -168,7 +168,7 @@ TEST(KimiK3Model, PartActivationContract) {
   auto a1 = mid->forward(a0);
   ASSERT_EQ(a1.size(), 3u);  // hidden, b_0 (embedding), b_1
   // The embedding passes through unchanged: the same tensor, or (while
-  // autograd records, Note [AttnRes block gradients in place]) a view of it.
+  // autograd records, see Note [AttnRes block gradients in place]) a view of it.
   EXPECT_TRUE(a1[1].is_same(a0[0]) || (a1[1].is_alias_of(a0[0]) && a1[1].equal(a0[0])));
   {
     torch::NoGradGuard no_grad;
@@ -234,7 +234,7 @@ TEST(KimiK3Model, PartsChainedGiveTheWholeModelBitwise) {
       {tokens});
 }
 
-// Note [AttnRes block gradients in place]: the slots give every parameter
+// See Note [AttnRes block gradients in place]: the slots give every parameter
 // and every input gradient the bits of autograd's own sums, through three
 // parts (the seed at both boundaries) and through a rerun of a part's
 // backward from the same received gradients (zero-bubble's W pass).

@@ -56,7 +56,7 @@ TEST(KdaChunked, MatchesRecurrentFp64) {
 TEST(KdaChunked, GradientsMatchRecurrentFp64) {
   auto in = random_kda(1, 21, 2, 4, 5, 0.5, 2);
   std::vector<at::Tensor> leaves{in.q, in.k, in.v, in.g, in.beta};
-  // Chunks of 8 (one sub-chunk) and of 32 (two sub-chunks of 16, Note [KDA
+  // Chunks of 8 (one sub-chunk) and of 32 (two sub-chunks of 16, see Note [KDA
   // decayed products in sub-chunks]).
   for (int64_t chunk : {8, 32}) {
   auto grads = [&](bool chunked) {
@@ -108,7 +108,7 @@ TEST(KdaChunked, InitialStateMatchesRecurrentFp64) {
   }
 }
 
-// The grouped experts' dispatch (Note [MoE dispatch into padded groups]):
+// The grouped experts' dispatch (see Note [MoE dispatch into padded groups]):
 // every slot in its expert's group in slot order, each group padded to the
 // alignment and at least one alignment long, the buffer sized without a
 // look at the counts.
@@ -303,7 +303,7 @@ TEST(Moe, Gradcheck) {
   expect_gradients_match([&] { return moe(x); }, tensors);
 }
 
-// Note [MoE dispatch without per-expert gradient fills]: the layer against
+// See Note [MoE dispatch without per-expert gradient fills]: the layer against
 // the per-expert form it replaced (each expert's rows and weights sliced
 // out one at a time), written out here, with an expert left without
 // tokens: the output and every weight's gradient are the same bits; x's

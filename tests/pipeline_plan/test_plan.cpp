@@ -59,7 +59,7 @@ TEST(PipelinePlan, ScheduleDecidesStagesPerRankAndPlacement) {
 }
 
 TEST(PipelinePlan, FlopWeightedBubbleMatchesTheFlowShopClosedForm) {
-  // Note [Bubble weighted by FLOPs]. GPipe on p ranks, one stage each, stage
+  // See Note [Bubble weighted by FLOPs]. GPipe on p ranks, one stage each, stage
   // costs c_s (F = c_s, B = 2 c_s), m micro-batches, free messages: the
   // forwards are a flow shop of identical jobs, done at sum(c) + (m - 1)
   // max(c); the backwards run the same shop in reverse at twice the cost,
@@ -98,7 +98,7 @@ TEST(PipelinePlan, FlopWeightedBubbleMatchesTheFlowShopClosedForm) {
 }
 
 TEST(PipelinePlan, BalancedSplitMinimisesTheSlowestStage) {
-  // Note [Split balanced by FLOPs]. 8 layers of 1 FLOP, a head of 3, GPipe
+  // See Note [Split balanced by FLOPs]. 8 layers of 1 FLOP, a head of 3, GPipe
   // on 2 ranks: torchtitan's rule (weights 1, 1) gives stages of 4 and 4 + 3;
   // the best split of layers (k, 8 - k) has max(k, 11 - k) = 6 (k = 5 or 6),
   // and GPipe's makespan 3 (sum + (m - 1) max) makes that the optimum.

@@ -170,7 +170,7 @@ TEST_F(PipelineRuns, PipelineTimesDataParallelMatchesDataParallel) {
   }
 }
 
-// Note [Overlapped data-parallel reduction]: with two stages per rank, the
+// See Note [Overlapped data-parallel reduction]: with two stages per rank, the
 // later stage's buckets start summing while the rank still runs the earlier
 // stage's backward (B, W under zero bubble, deferred under LoopedBFS; with
 // gradient accumulation, in the last batch only), and the run keeps the
@@ -257,7 +257,7 @@ TEST_F(PipelineRuns, CheckpointMovesBetweenLayoutsBitwise) {
   }
 }
 
-// Note [ZeRO-1]: the optimizer sharded over dp 2 x pp 2 trains to the bits
+// See Note [ZeRO-1]: the optimizer sharded over dp 2 x pp 2 trains to the bits
 // of the same run unsharded (losses, weights, every optimizer moment) at
 // the same data-parallel traffic, each
 // replica keeps and writes about half of its pp rank's optimizer state, and
@@ -403,7 +403,7 @@ TEST_F(PipelineRuns, EvalBeforeTrainingAndAfterMatchesOneProcess) {
   EXPECT_EQ(a, b);
 }
 
-// Note [Measured bubble] (pipeline/runtime/executor.h): every step line of a
+// See Note [Measured bubble] (pipeline/runtime/executor.h): every step line of a
 // pipeline run carries this rank's span, compute and P2P wait seconds and the
 // measured bubble per pp rank. On CPU the intervals are disjoint host times
 // inside the span, so the bounds hold exactly. The simulated bubble of 1F1B
@@ -474,7 +474,7 @@ TEST_F(PipelineRuns, MeasuredBubbleIsBoundedAndSimulatedBubbleFallsWithMoreMicro
   EXPECT_FALSE(off[0].contains("pipeline_compute_seconds"));
 }
 
-// Activation checkpointing (Note [Activation checkpointing], ops/recompute.h)
+// Activation checkpointing (see Note [Activation checkpointing], ops/recompute.h)
 // with two stages per rank, under zero-bubble's I/W split and plain 1F1B
 // backward, every layer, every 2nd and per op: the bits of the one process
 // without it.
@@ -492,7 +492,7 @@ TEST_F(PipelineRuns, ActivationCheckpointingTrainsToTheBitsOfOneProcess) {
                                   " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
                                   " --activation_checkpoint.mode=selective"
                                   " --activation_checkpoint.selective_ac_option=2"));
-  // Per op (Note [Per-op activation checkpointing]): the recompute takes
+  // Per op (see Note [Per-op activation checkpointing]): the recompute takes
   // the projections' outputs back from the forward.
   expect_same_bits(ref, train("ac_op_zb", 2,
                               layout +

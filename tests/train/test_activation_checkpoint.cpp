@@ -1,8 +1,8 @@
-// Activation checkpointing (Note [Activation checkpointing], ops/recompute.h)
+// Activation checkpointing (see Note [Activation checkpointing], ops/recompute.h)
 // against the run without it: llama, gpt2 and kimi_k3 debug models train a
 // few steps in one process and as a chain of pipeline stages under plain
 // backward and zero-bubble's I/W split, with mode none, full, selective
-// every N-th layer and selective per op ("op": Note [Per-op activation
+// every N-th layer and selective per op ("op": see Note [Per-op activation
 // checkpointing]); losses, every gradient, the MoE load counters and every
 // parameter must be the same bits. Also: checkpointing keeps fewer bytes
 // after the forward ("op" between none and full), "op" recomputes none of
@@ -298,7 +298,7 @@ TEST_P(ActivationCheckpointFamilies, OpRecomputesNoExpensiveOp) {
 }
 
 // On a GPU in bf16, where the projections are the mixed-precision linear
-// (Note [Linear with an fp32 weight gradient]) and the MoE experts grouped
+// (see Note [Linear with an fp32 weight gradient]) and the MoE experts grouped
 // GEMMs: "op" against none, after checking that none repeats its own bits
 // there.
 TEST_P(ActivationCheckpointFamilies, OpOnCudaInBf16HasTheBitsOfNone) {

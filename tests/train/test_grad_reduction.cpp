@@ -1,7 +1,7 @@
-// The data-parallel gradient sum (Note [Data-parallel sum in a fixed order],
+// The data-parallel gradient sum (see Note [Data-parallel sum in a fixed order],
 // train/reduce.h) with replicas as threads: against the sum formed on one
 // thread in replica order, whole and reduce-scattered, and the clip norm of
-// both forms (Note [Gradient norm in shard pieces]).
+// both forms (see Note [Gradient norm in shard pieces]).
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,4 +1,4 @@
-// The per-rank memory estimate (Note [Activation memory estimate]) against
+// The per-rank memory estimate (see Note [Activation memory estimate]) against
 // a closed-form count of a small llama's shapes, taken from the built model.
 #include <gtest/gtest.h>
 

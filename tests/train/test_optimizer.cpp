@@ -70,7 +70,7 @@ TEST(Clipping, CoefficientClosedForm) {
 
 TEST(Clipping, StepScaledEqualsScalingThenStepOnCpu) {
   // Off the fused kernel, step_scaled scales the gradients in place and
-  // steps: the same bits as the two calls (Note [Clip folded into AdamW]).
+  // steps: the same bits as the two calls (see Note [Clip folded into AdamW]).
   auto make = [] {
     torch::manual_seed(3);
     std::vector<NamedParam> ps;
@@ -111,7 +111,7 @@ TEST(Clipping, ScalesToMaxNormAndSumsInGivenOrder) {
   EXPECT_NEAR(a.grad().item<float>(), 0.6f, 1e-6);
 }
 
-// Note [ZeRO-1]: the ranges of a bucket over dp replicas.
+// See Note [ZeRO-1]: the ranges of a bucket over dp replicas.
 TEST(ShardLayout, SplitsEachBucketAtAlignedPointsInsideParameters) {
   using viaduct::kShardAlign;
   using viaduct::ShardSegment;

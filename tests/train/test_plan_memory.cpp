@@ -1,5 +1,5 @@
 // `viaduct plan`'s memory accounting against its reference, the memory
-// estimate (Note [Activation memory estimate]) computed here from the same
+// estimate (see Note [Activation memory estimate]) computed here from the same
 // config: every family and layout, each pp rank's figures with the config's
 // activation checkpointing and with none and full, ZeRO-1's optimizer share,
 // and the plan's totals beside the measured peaks in metrics.jsonl.

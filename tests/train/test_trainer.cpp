@@ -101,7 +101,7 @@ TEST(Trainer, LossFallsAndMetricsAreWritten) {
   EXPECT_EQ(static_cast<float>(losses.back()), static_cast<float>(last.loss));
 }
 
-// Every step line carries the plan's estimated total (Note [Activation
+// Every step line carries the plan's estimated total (see Note [Activation
 // memory estimate]) beside the measured peak; one process has no per-rank
 // list.
 TEST(Trainer, MetricsCarryThePlanMemoryEstimate) {

@@ -16,6 +16,7 @@
 #include "data/fixtures.h"
 #include "data/temp_dir.h"
 #include "data/token_file.h"
+#include "model/family.h"
 #include "train/trainer.h"
 #include "train/warm_start.h"
 
@@ -252,10 +253,7 @@ TEST(LastSaveInHf, TheFolderHoldsTheFinalWeights) {
     const auto job_config = JobConfig::from(cfg);
     const auto folder = hf_export_folder(job_config, 3);
     EXPECT_EQ(folder, fs::path(t.checkpoint_folder()) / "hf-step-3");
-    const auto hf = checkpoint::read_hf_folder(folder);
-    const auto shape = hf_model_shape(job_config);
-    const auto back = checkpoint::from_hf_tensors(hf.tensors, shape, hf.shape.vocab_size,
-                                                  folder.string());
+    const auto back = checkpoint::read_hf_model(folder, *state_dict_adapter(job_config));
     expect_same_bits(weights(t), std::map<std::string, at::Tensor>(back.begin(), back.end()));
     // And a run started from it has those weights.
     Trainer w(job.config(dump + "_warm", {"checkpoint.initial_load_path=" + folder.string()}));
@@ -327,9 +325,12 @@ TEST(WarmStart, TwoPipelineRanksLoadAndExportUnderALauncher) {
                    std::map<std::string, at::Tensor>(loaded.begin(), loaded.end()));
   const auto final_weights = model_tensors(job.path("dst") + "/checkpoint/step-2");
   const fs::path hf_dir = job.path("dst") + "/checkpoint/hf-step-2";
+  // Read as the model its config.json describes (llama's reading of it).
   const auto hf = checkpoint::read_hf_folder(hf_dir);
-  const auto back = checkpoint::from_hf_tensors(hf.tensors, hf.shape, hf.shape.vocab_size,
-                                                hf_dir.string());
+  const auto overrides =
+      state_dict_adapter(JobConfig::parse("", "test"))->from_hf_config(hf.config, hf_dir.string());
+  const auto back =
+      checkpoint::read_hf_model(hf_dir, *state_dict_adapter(JobConfig::parse("", "test", overrides)));
   expect_same_bits(std::map<std::string, at::Tensor>(final_weights.begin(), final_weights.end()),
                    std::map<std::string, at::Tensor>(back.begin(), back.end()));
 }

@@ -1,4 +1,4 @@
-// AttnResStage (Note [AttnRes stage] in attn_res_stage.h).
+// AttnResStage (see Note [AttnRes stage] in attn_res_stage.h).
 #include "pipeline/attn_res/attn_res_stage.h"
 
 #include "core/check.h"

@@ -1,5 +1,5 @@
 // AttnResStage: a PipelineStage for models whose stages hand on an AttnRes
-// stack (Note [Kimi-K3 part activations] in model/kimi_k3.h). What crosses a
+// stack (see Note [Kimi-K3 part activations] in model/kimi_k3.h). What crosses a
 // hop and what stays in the rank's store is the layout tables' business;
 // with the whole-stack tables this stage behaves exactly as PipelineStage.
 //
@@ -13,7 +13,7 @@
 // stage collects are added (a count mismatch is an Error naming stage,
 // micro-batch and block), the part's backward runs, and of the input
 // gradients the tables' `returned` columns go back over P2P while the
-// `deposited` ones go to the store (Note [AttnRes cache backward]: with the
+// `deposited` ones go to the store (see Note [AttnRes cache backward]: with the
 // whole-stack backward every column goes back and nothing is deposited).
 // The rank's last stage releases the micro-batch's blocks
 // right after its forward. Metadata inference and eval run the same
@@ -46,7 +46,7 @@ class AttnResStage : public PipelineStage {
   void clear() override;
   void check_step_end(const std::string& what) override;
   // hidden + the tables' returned entries, each with hidden's shape and
-  // dtype (every stack entry has them: Note [Kimi-K3 part activations]).
+  // dtype (every stack entry has them: see Note [Kimi-K3 part activations]).
   std::vector<TensorMeta> hop_grad_metas(int64_t s,
                                          const std::vector<TensorMeta>& forward) const override;
 

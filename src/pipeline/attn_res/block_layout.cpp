@@ -1,4 +1,4 @@
-// BlockLayoutTables (Note [AttnRes stack entries], Note [AttnRes transports]).
+// BlockLayoutTables (see Note [AttnRes stack entries], see Note [AttnRes transports]).
 #include "pipeline/attn_res/block_layout.h"
 
 #include <algorithm>
@@ -126,7 +126,7 @@ BlockLayoutTables make_block_layout_tables(
       }
       held_end[l.rank] = l.entries_out;
     }
-    // Note [AttnRes cache backward].
+    // See Note [AttnRes cache backward].
     if (deposit) {
       l.returned = l.received;
       l.deposited = l.read;

@@ -34,7 +34,7 @@
 // order -- one process's order and bits. The forward still ships only the
 // delta: routing a gradient needs no block values, and every stage already
 // holds each entry of its stack as an autograd leaf (from the store or the
-// hop) and hands it on as an output (Note [Kimi-K3 part activations]), so
+// hop) and hands it on as an output (see Note [Kimi-K3 part activations]), so
 // a running sum can pass through a stage whichever way its forward value
 // arrived. The cost is the whole stack's bytes on the backward hops; the
 // store then holds blocks only, no gradient slots.
@@ -53,7 +53,7 @@ namespace viaduct::pipeline {
 
 enum class AttnResTransport { kRankCache, kWholeStack };
 const char* transport_name(AttnResTransport t);
-// parallelism.attn_res_cache_backward (Note [AttnRes cache backward]).
+// parallelism.attn_res_cache_backward (see Note [AttnRes cache backward]).
 enum class AttnResCacheBackward { kDeposit, kWholeStack };
 const char* cache_backward_name(AttnResCacheBackward b);  // "deposit", "whole_stack"
 // The config value's enum; ConfigError naming the key for anything else.
@@ -74,7 +74,7 @@ struct StageBlockLayout {
                                    // this stage collects their deposits
   bool releases = false;  // the rank's last stage: frees the micro-batch's
                           // blocks right after its forward
-  // Backward (Note [AttnRes cache backward]).
+  // Backward (see Note [AttnRes cache backward]).
   std::vector<int64_t> returned;   // entries whose gradients go back over the
                                    // hop into this stage (after hidden's):
                                    // `received`, or [0, entries_in) with the

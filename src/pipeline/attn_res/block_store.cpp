@@ -1,4 +1,4 @@
-// RankBlockStore (Note [Rank block store lifetimes] in block_store.h).
+// RankBlockStore (see Note [Rank block store lifetimes] in block_store.h).
 #include "pipeline/attn_res/block_store.h"
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // RankBlockStore: one per rank, shared by the rank's AttnRes stages. Holds
-// the stack entries (Note [AttnRes stack entries] in block_layout.h) a later
+// the stack entries (see Note [AttnRes stack entries] in block_layout.h) a later
 // stage of the rank reads, per micro-batch, and the gradient deposits those
 // readers leave for the entry's owner.
 //

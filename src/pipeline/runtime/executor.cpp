@@ -61,7 +61,7 @@ PipelineExecutor::PipelineExecutor(const PipelinePlan& plan, int pp_rank,
     }
   }
   num_microbatches_ = m;
-  // Note [Deferred gradient accumulation]: a stage whose weight gradients
+  // See Note [Deferred gradient accumulation]: a stage whose weight gradients
   // the schedule produces out of micro-batch order accumulates them apart.
   std::map<int64_t, int64_t> last_mb;
   for (const auto& a : plan_.compute.ranks.at(pp_rank_)) {
@@ -74,7 +74,7 @@ PipelineExecutor::PipelineExecutor(const PipelinePlan& plan, int pp_rank,
       last_mb[leaf.stage] = leaf.microbatch;
     }
   }
-  // Note [Overlapped data-parallel reduction]: the action after which each
+  // See Note [Overlapped data-parallel reduction]: the action after which each
   // stage of this rank has run all of its step's backwards (B, or W under
   // the split backward) -- its gradients are final there.
   const auto& lowered = plan_.lowered.ranks.at(pp_rank_);

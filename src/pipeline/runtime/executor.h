@@ -42,7 +42,7 @@
 namespace viaduct::pipeline {
 
 // One rank's pipeline times over the run_steps since the last take
-// (Note [Measured bubble]).
+// (see Note [Measured bubble]).
 struct PipelineTimes {
   double seconds = 0;           // the schedule's span
   double compute_seconds = 0;   // F, B, I, W of this rank's stages
@@ -89,9 +89,9 @@ class PipelineExecutor {
   const std::map<int64_t, int64_t>& last_step_hop_grad_bytes() const {
     return hop_grad_bytes_;
   }
-  // Note [Measured bubble]. Off by default; the trainer turns it on.
+  // See Note [Measured bubble]. Off by default; the trainer turns it on.
   void set_timing(bool on);
-  // Note [Overlapped data-parallel reduction] (train/reduce.h): `fn(stage)`
+  // See Note [Overlapped data-parallel reduction] (train/reduce.h): `fn(stage)`
   // runs inside run_step as soon as every backward of that stage has run
   // (after the action holding its last B or W): its parameters' gradients
   // are final from there on, while the schedule goes on.

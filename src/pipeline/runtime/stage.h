@@ -24,7 +24,7 @@
 
 namespace viaduct::pipeline {
 
-// A tensor that crosses a stage boundary (Note [Boundary metadata] in
+// A tensor that crosses a stage boundary (see Note [Boundary metadata] in
 // executor.h).
 struct TensorMeta {
   std::vector<int64_t> shape;
@@ -64,7 +64,7 @@ class PipelineStage {
 
   // The tensors the backward sends back over the hop s -> s + 1 (this stage
   // is s or s + 1), given `forward`, those the forward sends over it: one
-  // gradient per forward tensor unless a subclass routes more (Note [AttnRes
+  // gradient per forward tensor unless a subclass routes more (see Note [AttnRes
   // cache backward] in pipeline/attn_res/block_layout.h). Both sides of the
   // hop must answer alike.
   virtual std::vector<TensorMeta> hop_grad_metas(int64_t s,

@@ -11,7 +11,7 @@ namespace viaduct::pipeline {
 namespace {
 
 // The stages' FLOPs per token and the simulation with costs in proportion
-// to them (Note [Bubble weighted by FLOPs]): a stage of `unit` FLOPs costs
+// to them (see Note [Bubble weighted by FLOPs]): a stage of `unit` FLOPs costs
 // F 1, B 2 (default unit: the stages' mean). Splits compared by makespan
 // share one unit, as their stage counts may differ.
 void weigh_by_flops(PipelinePlan& plan, const std::map<std::string, double>& module_flops,
@@ -47,7 +47,8 @@ PipelinePlan rule_based_plan(const PlanSpec& spec, SplitSpec split, double unit 
   return plan;
 }
 
-// Note [Split balanced by FLOPs]: torchtitan's rule counts the embedding and
+// Note [Split balanced by FLOPs]
+// Torchtitan's rule counts the embedding and
 // the head as `first/last_stage_weight` layers each; where a vocabulary is
 // large the head's stage is then the slowest, and the bubble is several
 // times what unit costs predict. Every

@@ -28,7 +28,7 @@ struct PlanSpec {
   // module_flops); empty: no FLOP-weighted simulation.
   std::map<std::string, double> module_flops;
   // parallelism.pipeline_parallel_balance = "flops": choose the split's
-  // first/last stage weights by the FLOP-weighted simulation (Note [Split
+  // first/last stage weights by the FLOP-weighted simulation (see Note [Split
   // balanced by FLOPs]); needs module_flops and a rule-based split.
   bool balance_flops = false;
 };
@@ -38,7 +38,8 @@ struct PipelinePlan {
   Schedule compute;  // per rank, compute actions
   Schedule lowered;  // per rank, what the runtime executes
   SimulationResult simulation;  // default costs; proves deadlock freedom
-  // Note [Bubble weighted by FLOPs]: with module FLOPs, each stage's FLOPs
+  // Note [Bubble weighted by FLOPs]
+  // With module FLOPs, each stage's FLOPs
   // per token and the simulation with every compute cost scaled by its
   // stage's FLOPs over the stages' mean (F 1, B 2, I 1, W 1 on average).
   // A split that counts the head as one layer (torchtitan's rule) is uneven
@@ -46,7 +47,7 @@ struct PipelinePlan {
   // costs, the unit one does not.
   std::vector<double> stage_flops;
   std::optional<SimulationResult> simulation_flops;
-  // Note [Split balanced by FLOPs]: with module FLOPs and a rule-based
+  // See Note [Split balanced by FLOPs]: with module FLOPs and a rule-based
   // split, the embedding / head weights (0..4 split units each) whose split
   // has the smallest FLOP-weighted makespan, and its bubble -- the split's
   // own when `balanced` (PlanSpec::balance_flops), otherwise a hint.

@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# A GPU-machine call's worth of issue 6/7 work, in order, within a time
+# budget: each part is skipped (and says so) when the time it needs is not
+# left. Everything lands in one file, $OUT/summary.md (the device tool brings
+# back few files), and its key lines go to stdout.
+#
+#   PARTS="build tests profile k3profile offload" bash bench/speed/gpu_session.sh
+#   PARTS="sbs" CELLS="1B gpt2" bash bench/speed/gpu_session.sh     # a second call
+#
+# Parts (estimated seconds on an H200): build (90: bench/lib/gpu_build.sh),
+# tests (15: the CUDA kernel suite), probe (60: short llama-1B and K3 runs
+# that report a failing step), profile (70: llama-1B step,
+# bench/speed/profile_step.sh), k3profile (110: the kimi_k3 d2048 step of
+# bench/speed/run_single_gpu.sh), offload (150:
+# bench/gpu_checks/gpu_checks.sh section 3), sbs (240 per llama cell: the
+# side-by-side of bench/speed/run_single_gpu.sh for CELLS), readnorm (200:
+# the read with its norm: layer_bench's read+norm rows (two ops and fused),
+# the K3 A/B as built (K3_ROUNDS pairs, default 2)), k3gemmprofile (60: the
+# k3gemm cell's step, MLA everywhere and dense FFNs, where the AttnRes reads
+# are the difference from plain residuals), sbs1Bab (330: viaduct then
+# torch.compile twice on the 1B; VD_EXTRA applies). BUDGET_S (560): the
+# call's limit less a margin. Needs .deps and data carried (bench/README.md).
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+source bench/lib/gpu_build.sh
+OUT=${OUT:-$PWD/outputs/bench/session}
+mkdir -p "$OUT"
+SUM=$OUT/summary.md
+PARTS=${PARTS:-build tests profile k3profile offload}
+B=${BUILD:-build-gpu}  # the CUDA build (the build part makes it)
+BUDGET_S=${BUDGET_S:-560}
+T0=$(date +%s)
+left() { echo $((BUDGET_S - ($(date +%s) - T0))); }
+note() { echo "$*" | tee -a "$SUM"; }
+want() {  # part estimate
+  [[ " $PARTS " == *" $1 "* ]] || return 1
+  if [ "$(left)" -lt "$2" ]; then
+    note "## $1: skipped ($(left) s left, needs ~$2 s)"
+    return 1
+  fi
+  note "## $1 (at $(($(date +%s) - T0)) s)"
+}
+K3=(--model.family=kimi_k3 --model.flavor=debugmodel_deep --model.dim=2048 --model.n_heads=16
+  --model.kda_head_dim=64 --model.mla_kv_lora_rank=512 --model.mla_qk_nope_head_dim=128
+  --model.mla_qk_rope_head_dim=64 --model.mla_v_head_dim=128 --model.ffn_hidden_dim=5632
+  --model.moe_hidden_dim=512 --training.seq_len=2048 --training.local_batch_size=4)
+: >"$SUM"
+
+if want build 90; then
+  # run_single_gpu.sh's targets (bench/lib/gpu_build.sh); a failed build is
+  # reported and the parts that find their binaries still run.
+  targets=(viaduct_app layer_bench)
+  gpu_build_has_gtest && targets+=(test_fused_kernels)
+  if gpu_build . "$B" /tmp/vs_build.log "${targets[@]}" 2>&1 | tee -a "$SUM"; then
+    note "build: $B ready"
+  else
+    note "build failed (log: /tmp/vs_build.log)"
+  fi
+fi
+if want tests 15; then
+  if [ -x "$B/tests/kernels/test_fused_kernels" ]; then
+    timeout 120 "$B/tests/kernels/test_fused_kernels" >/tmp/vs_tests.txt 2>&1
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED|^\[  SKIPPED|Failure|Expected|Which is|seed" /tmp/vs_tests.txt |
+      head -40 | tee -a "$SUM"
+    # A failing kernel test is reported; every kernel path has one form,
+    # so the call goes on with what is built.
+    failed=$(grep -E "^\[  FAILED  \] FusedKernels\." /tmp/vs_tests.txt | sort -u)
+    [ -n "$failed" ] && note "kernel tests failed: $failed"
+  else
+    note "no $B/tests/kernels/test_fused_kernels (GoogleTest not carried in .deps?)"
+  fi
+fi
+# probe: short runs of the llama-1B and the K3 (section 3's) shapes; a run
+# that fails prints its error.
+probe_run() {  # name args...
+  local name=$1; shift
+  local log=/tmp/vs_probe_$name.log
+  local extra=()
+  read -r -a extra <<<"${VD_EXTRA:-}"
+  timeout 150 "$B/viaduct" train "$@" "${extra[@]}" >"$log" 2>&1 && {
+    note "$name: ok ($(grep -E '^step +[0-9]+ \|' "$log" | tail -1 | cut -c1-110))"; return 0; }
+  note "$name failed:"
+  grep -v '^frame #' "$log" | grep -v '^$' | tail -8 | tee -a "$SUM"
+  return 1
+}
+if want probe 60; then
+  df -h . /tmp | tail -2 | tee -a "$SUM"
+  mkdir -p outputs/bench
+  python3 -c "
+import array,random
+r=random.Random(1);a=array.array('I',(r.randrange(128256) for _ in range(8*4*4096+1)))
+open('outputs/bench/probe_v128256.u32','wb').write(a.tobytes())"
+  probe_run llama1B --config configs/llama_debug.toml --model.flavor=1B --training.seq_len=4096 \
+    --training.local_batch_size=4 --training.dtype=bfloat16 --training.device=cuda \
+    --training.steps=3 --training.eval_interval=0 --checkpoint.enable=false \
+    --training.deterministic=false --metrics.progress_bar=false --metrics.log_freq=1 \
+    --data.path=outputs/bench/probe_v128256.u32 --job.dump_folder=/tmp/vs_probe_1B
+  probe_run k3 --config configs/kimi_k3_debug.toml --model.flavor=debugmodel_deep \
+    --model.dim=2048 --model.attn_res_block_size=3 --model.mla_interval=1 \
+    --training.seq_len=2048 --training.local_batch_size=8 --training.dtype=bfloat16 \
+    --training.device=cuda --training.steps=2 --training.eval_interval=0 \
+    --checkpoint.enable=false --training.deterministic=false --metrics.progress_bar=false \
+    --metrics.log_freq=1 --parallelism.pipeline_parallel_stages_per_rank=4 \
+    --parallelism.pipeline_parallel_schedule=Interleaved1F1B \
+    --parallelism.pipeline_parallel_microbatches=8 --job.dump_folder=/tmp/vs_probe_k3
+fi
+if want sbs 240; then
+  OUT=/tmp/vs_sbs CELLS=${CELLS:-1B} bash bench/speed/run_single_gpu.sh >/tmp/vs_sbs.txt 2>&1
+  cat /tmp/vs_sbs.txt >>"$SUM"
+  grep -E "^\|" /tmp/vs_sbs.txt
+fi
+if want readnorm 200; then
+  for k in 1 2 3; do
+    timeout 60 "$B/bench/layer_bench" --only "read+norm" --tokens 8192 --dim 2048 --blocks "$k" \
+      --iters 20 2>&1 | grep -E "^\| attn|rror" | tee -a "$SUM"
+  done
+  OUT=/tmp/vs_rn STAGES=run CELLS=k3gemmab K3_ROUNDS=${K3_ROUNDS:-2} MODES=" " CELL_TIMEOUT=120 \
+    bash bench/speed/run_single_gpu.sh >/tmp/vs_rn.txt 2>&1
+  grep -E "overhead" /tmp/vs_rn.txt | tee -a "$SUM"
+  python3 - /tmp/vs_rn/k3gemm_r1.viaduct.metrics.jsonl /tmp/vs_rn/k3gemm_r2.viaduct.metrics.jsonl \
+    <<'PYEOF' | tee -a "$SUM"
+import json, statistics, sys
+for f in sys.argv[1:]:
+    try:
+        rows = [json.loads(l) for l in open(f) if '"loss"' in l]
+    except OSError:
+        print(f, "missing")
+        continue
+    t = [r["step_seconds"] * 1e3 for r in rows[3:]]
+    print(f, "median %.1f ms, peak %.2f GiB, losses" % (statistics.median(t),
+          max(r["peak_memory_bytes"] for r in rows) / 2**30),
+          " ".join("%.5f" % r["loss"] for r in rows[:5]))
+PYEOF
+fi
+if want sbs1Bab 330; then
+  OUT=/tmp/vs_1Bab CELLS=1Bab STAGES=run bash bench/speed/run_single_gpu.sh >/tmp/vs_1Bab.txt 2>&1
+  cat /tmp/vs_1Bab.txt >>"$SUM"
+  grep -E "^\||against torch.compile" /tmp/vs_1Bab.txt
+fi
+if want profile 70; then
+  OUT=/tmp/vs_prof TOP=${TOP:-25} bash bench/speed/profile_step.sh "$B" "" >/tmp/vs_prof.txt 2>&1
+  cat /tmp/vs_prof.txt >>"$SUM"
+  grep -E "^step |^step wall|^device idle" /tmp/vs_prof.txt
+fi
+if want k3profile 110; then
+  OUT=/tmp/vs_k3 VOCAB=320 TOP=${TOP:-25} bash bench/speed/profile_step.sh "$B" "${K3[*]}" \
+    >/tmp/vs_k3.txt 2>&1
+  cat /tmp/vs_k3.txt >>"$SUM"
+  grep -E "^step |^step wall|^device idle|attn_res|AttnRes" /tmp/vs_k3.txt
+fi
+if want k3gemmprofile 60; then
+  OUT=/tmp/vs_k3g VOCAB=320 TOP=${TOP:-25} bash bench/speed/profile_step.sh "$B" \
+    "${K3[*]} --model.mla_interval=1 --model.moe_ffn=false" >/tmp/vs_k3g.txt 2>&1
+  cat /tmp/vs_k3g.txt >>"$SUM"
+  grep -E "^step |^step wall|^device idle|attn_res|AttnRes|sum_parts" /tmp/vs_k3g.txt
+fi
+if want offload 150; then
+  SECTIONS=3 OUT=/tmp/vs_off K3_RUN_TIMEOUT=$(($(left) / 3 - 5)) bash bench/gpu_checks/gpu_checks.sh "$B" \
+    2>&1 | tee -a "$SUM"
+fi
+note "done at $(($(date +%s) - T0)) s"

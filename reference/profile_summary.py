@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""Per-op breakdown of one profiled viaduct step (metrics.profile_step).
+
+    python3 reference/profile_summary.py TRACE.json [--top 30] [--json OUT.json]
+
+Reads the Chrome trace viaduct writes (<dump_folder>/profile/step-N-rank-R
+.trace.json) and prints where the step's time goes:
+
+  * with device kernels (CUDA build): device time per *source* -- the phase
+    ("fwd", "bwd", "optim", "norm") and the op that launched the kernel: the
+    outermost ATen op on the host in the forward and the optimizer, the
+    autograd node (e.g. MmBackward0) in the backward -- then per kernel name;
+    device busy time against the step's wall time;
+  * the device's idle time: before the first kernel, after the last, and the
+    largest gaps between kernels, each with the host op the CPU was in when
+    the gap began and the source of the kernel that ended it (in a
+    device-only trace, metrics.profile_host_ops = false: the kernels before
+    and after it);
+  * without (Debian's CPU LibTorch records host ops only): host time of the
+    outermost ops, the same way.
+
+Standard library only.
+"""
+
+import argparse
+import bisect
+import collections
+import json
+import sys
+
+
+def load(path):
+    with open(path) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def is_kernel(e):
+    return e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset")
+
+
+def host_forest(ops):
+    """For each host op, its chain of enclosing ops on the same thread."""
+    by_tid = collections.defaultdict(list)
+    for e in ops:
+        by_tid[(e.get("pid"), e.get("tid"))].append(e)
+    parent = {}
+    for evs in by_tid.values():
+        evs.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        stack = []
+        for e in evs:
+            end = e["ts"] + e.get("dur", 0)
+            while stack and stack[-1][1] < end - 1e-3 and stack[-1][1] <= e["ts"]:
+                stack.pop()
+            parent[id(e)] = stack[-1][0] if stack else None
+            stack.append((e, end))
+    return parent
+
+
+def chain(e, parent):
+    out = []
+    while e is not None:
+        out.append(e)
+        e = parent.get(id(e))
+    return out  # innermost first
+
+
+def source_of(e, parent):
+    """(phase, op) for a host op: the autograd node in the backward, else the
+    outermost ATen op, with the viaduct:: scope as the phase."""
+    c = chain(e, parent)
+    phase = "fwd"
+    for x in c:
+        n = x.get("name", "")
+        if n.startswith("viaduct::optimizer"):
+            phase = "optim"
+        elif n.startswith("viaduct::grad_norm"):
+            phase = "norm"
+    for x in c:
+        n = x.get("name", "")
+        if n.startswith("autograd::engine::evaluate_function: "):
+            return "bwd", n.split(": ", 1)[1]
+    scopes = ("viaduct::forward_backward", "viaduct::optimizer", "viaduct::grad_norm")
+    aten = [x.get("name", "") for x in c
+            if x.get("name", "").startswith(("aten::", "viaduct::"))
+            and not x.get("name", "").startswith(scopes)]
+    op = aten[-1] if aten else (c[0].get("name", "?") if c else "?")
+    return phase, op
+
+
+def kernel_class(name):
+    n = name.lower()
+    if "flash" in n or "fmha" in n or "attention" in n or "sdpa" in n:
+        return "attention"
+    if "gemm" in n or "xmma" in n or "cutlass" in n or "sm90" in n or "nvjet" in n:
+        return "matmul"
+    if "memcpy" in n or "memset" in n:
+        return "copy"
+    if "reduce" in n or "norm" in n:
+        return "reduction"
+    if "viaduct" in n:
+        return "viaduct kernel"
+    if "elementwise" in n or "vectorized" in n or "unrolled" in n or "foreach" in n:
+        return "elementwise"
+    return "other"
+
+
+def idle_gaps(kernels, ops, parent, t0, t1, by_ext, top, min_us=20.0):
+    """Device idle intervals of the step (kernels overlap on streams: the
+    union of their spans is what counts) and where the host was."""
+    ks = sorted(kernels, key=lambda k: k["ts"])
+    gaps = [(ks[0]["ts"] - t0, t0, None, ks[0])]
+    end = ks[0]["ts"] + ks[0]["dur"]
+    prev = ks[0]
+    for k in ks[1:]:
+        if k["ts"] - end >= min_us:
+            gaps.append((k["ts"] - end, end, prev, k))
+        if k["ts"] + k["dur"] > end:
+            end, prev = k["ts"] + k["dur"], k
+    gaps.append((t1 - end, end, prev, None))
+    # The innermost host op open at a time point (any thread).
+    def host_at(t):
+        best = None
+        for e in ops:
+            if e["ts"] <= t < e["ts"] + e["dur"] and (best is None or e["ts"] >= best["ts"]):
+                best = e
+        return best
+    def label(k):
+        if k is None:
+            return "-"
+        if not ops:  # a device-only trace: the kernel itself
+            return k["name"][:60]
+        op = by_ext.get((k.get("args") or {}).get("External id"))
+        phase, name = source_of(op, parent) if op is not None else ("?", "(no host op)")
+        return f"{phase}: {name}"
+    total = sum(g[0] for g in gaps)
+    lines = [f"device idle {total / 1000:.2f} ms: {gaps[0][0] / 1000:.2f} before the first "
+             f"kernel, {gaps[-1][0] / 1000:.2f} after the last, "
+             f"{sum(g[0] for g in gaps[1:-1]) / 1000:.2f} in {len(gaps) - 2} gaps of "
+             f">= {min_us:.0f} us", "",
+             "| idle ms | at ms | host op when it began | kernel that ended it |",
+             "|---|---|---|---|"]
+    rows = []
+    for dur, start, before, nxt in sorted(gaps, key=lambda g: -g[0])[:top]:
+        h = host_at(start + 1e-3)
+        if ops:
+            hname = h.get("name", "?")[:60] if h else "(no host op)"
+        else:  # a device-only trace (metrics.profile_host_ops = false)
+            hname = "after " + (before["name"][:54] if before else "the start")
+        lines.append(f"| {dur / 1000:.3f} | {(start - t0) / 1000:.1f} | {hname} | {label(nxt)} |")
+        rows.append({"idle_us": dur, "at_us": start - t0, "host": hname, "next": label(nxt)})
+    return "\n".join(lines), total, rows
+
+
+def table(rows, total, top, head):
+    lines = [f"| {head} | ms | % | calls |", "|---|---|---|---|"]
+    for key, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| {key} | {t / 1000:.3f} | {100 * t / total:.1f} | {n} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--json", help="also write the aggregates here")
+    a = ap.parse_args()
+    events = [e for e in load(a.trace) if e.get("ph") == "X" and "dur" in e]
+    ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "Operator")]
+    kernels = [e for e in events if is_kernel(e)]
+    parent = host_forest(ops)
+    t0 = min(e["ts"] for e in events)
+    t1 = max(e["ts"] + e["dur"] for e in events)
+    wall = t1 - t0
+    out = {"wall_us": wall}
+    if kernels:
+        by_ext = {}
+        for e in ops:
+            ext = (e.get("args") or {}).get("External id")
+            if ext is not None:
+                by_ext.setdefault(ext, e)
+        busy = sum(k["dur"] for k in kernels)
+        src = collections.defaultdict(lambda: [0.0, 0])
+        names = collections.defaultdict(lambda: [0.0, 0])
+        classes = collections.defaultdict(lambda: [0.0, 0])
+        phases = collections.defaultdict(lambda: [0.0, 0])
+        for k in kernels:
+            op = by_ext.get((k.get("args") or {}).get("External id"))
+            phase, name = source_of(op, parent) if op is not None else ("?", "(no host op)")
+            for d, key in ((src, f"{phase}: {name}"), (names, k["name"][:90]),
+                           (classes, kernel_class(k["name"])), (phases, phase)):
+                d[key][0] += k["dur"]
+                d[key][1] += 1
+        print(f"step wall {wall / 1000:.1f} ms; device busy {busy / 1000:.1f} ms "
+              f"({100 * busy / wall:.1f}%), {len(kernels)} kernels\n")
+        print(table(phases, busy, a.top, "phase"), "\n")
+        print(table(classes, busy, a.top, "kernel class"), "\n")
+        print(table(src, busy, a.top, "source (phase: op)"), "\n")
+        print(table(names, busy, a.top, "kernel"), "\n")
+        text, idle, gap_rows = idle_gaps(kernels, ops, parent, t0, t1, by_ext, min(a.top, 15))
+        print(text)
+        out.update(idle_us=idle, gaps=gap_rows)
+        out.update(busy_us=busy, phases=phases, classes=classes, sources=src, kernels=names)
+    else:
+        top_level = collections.defaultdict(lambda: [0.0, 0])
+        for e in ops:
+            if not e.get("name", "").startswith("aten::"):
+                continue
+            c = chain(e, parent)
+            if any(x.get("name", "").startswith("aten::") for x in c[1:]):
+                continue  # not outermost
+            phase, name = source_of(e, parent)
+            top_level[f"{phase}: {name}"][0] += e["dur"]
+            top_level[f"{phase}: {name}"][1] += 1
+        busy = sum(t for t, _ in top_level.values())
+        print(f"step wall {wall / 1000:.1f} ms; host time in outermost ATen ops "
+              f"{busy / 1000:.1f} ms (no device kernels in this trace)\n")
+        print(table(top_level, busy, a.top, "source (phase: op)"))
+        out.update(host_us=busy, sources=top_level)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

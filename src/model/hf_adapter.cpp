@@ -1,0 +1,94 @@
+// What the chain families' Hugging Face adapters share (see hf_adapter.h):
+// the rotary row permutation, tensor and config.json lookups, and the
+// model_type check against the registry.
+#include "model/hf_adapter.h"
+
+#include <vector>
+
+#include "model/family.h"
+
+namespace viaduct {
+
+using json = nlohmann::json;
+
+at::Tensor interleaved_to_half_rows(const at::Tensor& w, int64_t n_heads) {
+  const int64_t rows = w.size(0);
+  const int64_t hd = rows / n_heads;
+  auto rest = w.sizes().slice(1).vec();
+  std::vector<int64_t> view{n_heads, hd / 2, 2};
+  view.insert(view.end(), rest.begin(), rest.end());
+  return w.reshape(view).transpose(1, 2).reshape(w.sizes()).contiguous();
+}
+
+at::Tensor half_to_interleaved_rows(const at::Tensor& w, int64_t n_heads) {
+  const int64_t rows = w.size(0);
+  const int64_t hd = rows / n_heads;
+  auto rest = w.sizes().slice(1).vec();
+  std::vector<int64_t> view{n_heads, 2, hd / 2};
+  view.insert(view.end(), rest.begin(), rest.end());
+  return w.reshape(view).transpose(1, 2).reshape(w.sizes()).contiguous();
+}
+
+namespace hf {
+
+std::string layer(int64_t i) {
+  return "layers." + std::to_string(i) + ".";
+}
+
+const at::Tensor& need(const TensorMap& m, const std::string& name,
+                       const std::string& source) {
+  auto it = m.find(name);
+  VIADUCT_CHECK_T(FileError, it != m.end(), source, ": tensor '", name,
+                  "' is missing");
+  return it->second;
+}
+
+void expect_shape(const at::Tensor& t, const std::vector<int64_t>& shape,
+                  const std::string& name, const std::string& source) {
+  VIADUCT_CHECK_T(FileError, t.sizes().vec() == shape, source, ": tensor '",
+                  name, "' has shape ", t.sizes(), ", expected ",
+                  at::IntArrayRef(shape));
+}
+
+at::Tensor cpu(const at::Tensor& t) {
+  return t.detach().to(at::kCPU).contiguous();
+}
+
+int64_t get_int(const json& c, const std::string& key,
+                const std::string& source) {
+  VIADUCT_CHECK_T(ConfigError, c.contains(key) && c[key].is_number_integer(),
+                  source, ": config.json has no integer '", key, "'");
+  return c[key].get<int64_t>();
+}
+
+double get_number(const json& c, const std::string& key, double fallback) {
+  return c.contains(key) && c[key].is_number() ? c[key].get<double>()
+                                               : fallback;
+}
+
+void check_model_type(const json& c, const std::string& model_type,
+                      const std::string& family, const std::string& folder) {
+  const std::string source = folder + "/config.json";
+  VIADUCT_CHECK_T(ConfigError, c.is_object(), source,
+                  ": config.json is not an object");
+  const std::string type = c.value("model_type", std::string());
+  if (type == model_type) return;
+  std::string known;
+  bool read_by_a_family = false;
+  for (const auto& f : model_families()) {
+    if (f.hf_model_type.empty()) continue;
+    known += str(known.empty() ? "" : ", ", f.hf_model_type);
+    read_by_a_family = read_by_a_family || f.hf_model_type == type;
+  }
+  if (read_by_a_family)
+    differ(folder, "model_type", type, "model.family", family);
+  throw ConfigError(
+      str(source, ": model_type '", type, "' is not supported (", known, ")"));
+}
+
+std::string override_of(const std::string& key, const json& value) {
+  return key + "=" + value.dump();
+}
+
+}  // namespace hf
+}  // namespace viaduct

@@ -1,0 +1,87 @@
+#include "train/training_data.h"
+
+#include "config/config.h"
+#include "core/check.h"
+#include "core/log.h"
+
+namespace viaduct {
+
+TrainingData::TrainingData(const Config& cfg, int dp_rank, int dp_size) : cfg_(cfg) {
+  options_.batch_size = cfg.get_int("training.local_batch_size");
+  options_.seq_len = cfg.get_int("training.seq_len");
+  options_.seed = static_cast<uint64_t>(cfg.get_int("training.seed"));
+  options_.shuffle = cfg.get_bool("data.shuffle");
+  options_.dp_rank = dp_rank;
+  options_.dp_size = dp_size;
+  // data.path is a blend of one source (see Note [Windows and the data cursor]).
+  const auto format = cfg.get_string("data.format");
+  const auto paths = cfg.get_string_list("data.paths");
+  const bool blend = !paths.empty();
+  const std::vector<std::string> specs =
+      blend ? paths : std::vector<std::string>{cfg.get_string("data.path")};
+  auto sources = data::open_data_sources(
+      blend ? "data.paths" : "data.path", specs,
+      blend ? cfg.get_float_list("data.weights") : std::vector<double>{}, format);
+  const auto val = data::resolve_val_paths(specs, cfg.get_string("data.val_path"));
+  if (!val.empty()) eval_tokens_ = data::open_token_stream(val, format);
+  sampler_ = std::make_unique<data::TokenSampler>(std::move(sources), options_);
+}
+
+TrainingData::~TrainingData() = default;
+
+void TrainingData::check_fits_vocab(int64_t vocab) const {
+  for (size_t s = 0; s < sampler_->num_sources(); ++s) {
+    const auto& tokens = *sampler_->source(s).tokens;
+    VIADUCT_CHECK_T(ConfigError, tokens.max_token() < vocab, "the data ", tokens.describe(),
+                    " holds token id ", tokens.max_token(), ", but model.vocab_size is ", vocab);
+  }
+  // The held-out tokens too: eval would index past the embedding.
+  if (eval_tokens_) {
+    VIADUCT_CHECK_T(ConfigError, eval_tokens_->max_token() < vocab, "the held-out data ",
+                    eval_tokens_->describe(), " (data.val_path, or <stem>.val<.ext> beside the "
+                    "training data) holds token id ", eval_tokens_->max_token(),
+                    ", but model.vocab_size is ", vocab);
+  }
+}
+
+void TrainingData::hint_export_tokenizer() const {
+  if (!cfg_.get_string("data.tokenizer").empty()) return;
+  // The token files' headers name the tokenizer that made them; a real one
+  // belongs beside the exported weights.
+  for (size_t s = 0; s < sampler_->num_sources(); ++s) {
+    for (const auto& file : sampler_->source(s).tokens->files()) {
+      const auto& name = file.tokenizer();
+      if (name.empty() || name == "byte") continue;
+      log::info("the data ", file.path(), " was made with the tokenizer ", name,
+                "; set data.tokenizer to its tokenizer.json to copy it into the Hugging "
+                "Face folder of checkpoint.last_save_in_hf");
+      return;
+    }
+  }
+}
+
+void TrainingData::cut_eval_batches(int64_t microbatches) {
+  VIADUCT_CHECK_T(ConfigError, options_.batch_size % microbatches == 0,
+                  "training.local_batch_size (", options_.batch_size,
+                  ") must be divisible by the ", microbatches,
+                  " micro-batches (parallelism.pipeline_parallel_microbatches)");
+  if (eval_tokens_) {
+    eval_loader_ = std::make_unique<data::EvalLoader>(eval_tokens_, options_,
+                                                      cfg_.get_int("data.eval_batches"));
+  }
+}
+
+bool TrainingData::can_eval(bool warn_if_not) const {
+  if (eval_loader_ && eval_loader_->num_batches() > 0) return true;
+  if (!warn_if_not) return false;
+  if (cfg_.get_string_list("data.paths").empty()) {
+    log::warn("no held-out data (", data::val_path_for(cfg_.get_string("data.path")),
+              " missing, data.val_path unset): eval is off");
+  } else {
+    log::warn("no held-out data (no data.paths entry is a file with a <stem>.val<.ext> "
+              "beside it, data.val_path unset): eval is off");
+  }
+  return false;
+}
+
+}  // namespace viaduct

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""reference/profile_summary.py on hand-made traces whose answers are known:
+device time per phase and source, and the device's idle gaps (union of
+kernel spans, the host op open when a gap began, the kernel that ended it)."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOL = os.path.join(ROOT, "reference", "profile_summary.py")
+
+
+def op(name, ts, dur, ext=None, tid=1):
+    e = {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+    if ext is not None:
+        e["args"] = {"External id": ext}
+    return e
+
+
+def kernel(name, ts, dur, ext, stream=7):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 2,
+            "tid": stream, "args": {"External id": ext}}
+
+
+def summarise(events):
+    with tempfile.TemporaryDirectory() as d:
+        trace = os.path.join(d, "t.json")
+        out = os.path.join(d, "s.json")
+        with open(trace, "w") as f:
+            json.dump({"traceEvents": events}, f)
+        text = subprocess.run([sys.executable, TOOL, trace, "--json", out], check=True,
+                              capture_output=True, text=True).stdout
+        with open(out) as f:
+            return text, json.load(f)
+
+
+class ProfileSummary(unittest.TestCase):
+    def test_phases_sources_and_gaps(self):
+        events = [
+            # forward: a matmul launched inside the step scope
+            op("viaduct::forward_backward", 0, 1000),
+            op("aten::mm", 10, 20, ext=1),
+            kernel("nvjet_gemm", 20, 300, 1),
+            # an overlapping kernel on another stream: no gap between them
+            op("aten::add", 40, 10, ext=2),
+            kernel("vectorized_elementwise_add", 250, 100, 2, stream=8),
+            # the host blocks on a scalar read: the device idles 150 us
+            op("aten::_local_scalar_dense", 340, 220),
+            op("aten::mul", 560, 10, ext=3),
+            kernel("elementwise_mul", 500, 50, 3),
+            # the optimizer
+            op("viaduct::optimizer", 600, 300),
+            op("aten::_fused_adamw_", 610, 50, ext=4),
+            kernel("multi_tensor_apply_kernel", 620, 280, 4),
+        ]
+        text, s = summarise(events)
+        self.assertAlmostEqual(s["wall_us"], 1000.0)
+        self.assertAlmostEqual(s["busy_us"], 300 + 100 + 50 + 280)
+        self.assertEqual(s["phases"]["fwd"][0], 450.0)
+        self.assertEqual(s["phases"]["optim"][0], 280.0)
+        self.assertEqual(s["sources"]["fwd: aten::mm"][0], 300.0)
+        # idle: 20 before the first kernel, 150 (350 -> 500: the host was in
+        # the scalar read), 70 (550 -> 620), 100 after the last (900 -> 1000)
+        self.assertAlmostEqual(s["idle_us"], 20 + 150 + 70 + 100)
+        gaps = {round(g["idle_us"]): g for g in s["gaps"]}
+        self.assertEqual(gaps[150]["next"], "fwd: aten::mul")
+        self.assertEqual(gaps[150]["host"], "aten::_local_scalar_dense")
+        self.assertEqual(gaps[70]["next"], "optim: aten::_fused_adamw_")
+        self.assertEqual(gaps[100]["next"], "-")
+        self.assertIn("device idle 0.34 ms", text)
+
+    def test_device_only_trace(self):
+        # metrics.profile_host_ops = false: kernels only; the gaps are named
+        # by the kernels around them.
+        events = [kernel("gemm_a", 0, 100, 1), kernel("norm_b", 130, 20, 2),
+                  kernel("adamw_c", 400, 50, 3)]
+        text, s = summarise(events)
+        self.assertAlmostEqual(s["busy_us"], 170.0)
+        self.assertAlmostEqual(s["idle_us"], 30 + 250)
+        gaps = {round(g["idle_us"]): g for g in s["gaps"]}
+        self.assertEqual(gaps[250]["host"], "after norm_b")
+        self.assertEqual(gaps[250]["next"], "adamw_c")
+        self.assertEqual(gaps[30]["host"], "after gemm_a")
+        self.assertEqual(s["sources"]["?: (no host op)"][0], 170.0)
+
+    def test_host_only_trace(self):
+        # Debian's Kineto-less LibTorch: host ops only, no idle table.
+        events = [op("viaduct::forward_backward", 0, 100), op("aten::mm", 10, 50),
+                  op("aten::add", 70, 20)]
+        text, s = summarise(events)
+        self.assertNotIn("idle_us", s)
+        self.assertAlmostEqual(s["host_us"], 70.0)
+        self.assertIn("no device kernels", text)
+
+
+if __name__ == "__main__":
+    unittest.main()
