@@ -9,7 +9,11 @@
 2. Family names: outside src/model/ no code compares a string with a family
    name ("llama", "gpt2", "kimi_k3", "exact16"); the families answer through
    the registry.
-3. Notes: a Note is defined once, on a comment line of its own
+3. Typed config: below apps/ and train/ no code includes config/config.h
+   (the raw key store) or reads a key by name (`.get_int("section.key")`
+   and the like); a family's parse of its own [model] keys
+   (ModelSection::keys) is the one read by name, and only of model.* keys.
+4. Notes: a Note is defined once, on a comment line of its own
    (`// Note [Title]`), and every other mention reads `See Note [Title]`
    (or `See Notes [A], [B]`) and names a defined Note.
 
@@ -159,6 +163,25 @@ def check_family_names():
                                 f"{line.strip()}")
 
 
+def check_typed_config():
+    read = re.compile(r'\.get_(int|float|bool|string|string_list|float_list)(_opt)?\(\s*"([^"]*)"')
+    for path in sorted(SRC.rglob("*")):
+        if path.suffix not in (".h", ".cpp"):
+            continue
+        rel = path.relative_to(SRC).as_posix()
+        if rel.split("/")[0] in ("config", "train", "apps", "tools"):
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            code = line.split("//")[0]
+            if re.match(r'\s*#\s*include\s+"config/config.h"', code):
+                problems.append(f"src/{rel}:{n}: includes the raw config below train/; take the "
+                                f"JobConfig section instead (config/job_config.h)")
+            for m in read.finditer(code):
+                if not m.group(3).startswith("model."):
+                    problems.append(f"src/{rel}:{n}: reads config key {m.group(3)!r} by name "
+                                    f"below train/; take its JobConfig section")
+
+
 def check_notes():
     defs = {}
     mentions = []
@@ -192,10 +215,11 @@ def check_notes():
 check_layers()
 check_model_calls_ops_only()
 check_family_names()
+check_typed_config()
 check_notes()
 for p in problems:
     print(p)
 if problems:
     print(f"{len(problems)} architecture rule(s) broken (docs/ARCHITECTURE.md)")
     sys.exit(1)
-print("architecture rules hold: layers, family names, Notes")
+print("architecture rules hold: layers, family names, typed config, Notes")

@@ -14,6 +14,7 @@
 #include "checkpoint/hf.h"
 #include "checkpoint/manager.h"
 #include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "core/log.h"
 #include "model/family.h"
@@ -55,8 +56,9 @@ int to_hf(const std::string& input, const std::string& output,
     dir = ck::checkpoint_dir(dir, *latest);
   }
   ck::Checkpoint c = ck::open_checkpoint(dir);
-  Config cfg = Config::parse(c.metadata.config_toml, dir.string() + "/metadata.json");
-  const auto adapter = state_dict_adapter(cfg);
+  const auto job =
+      JobConfig::from(Config::parse(c.metadata.config_toml, dir.string() + "/metadata.json"));
+  const auto adapter = state_dict_adapter(job);
   std::vector<fs::path> model_files;
   for (const auto& f : c.metadata.files) {
     if (f.name.rfind("model", 0) == 0) model_files.push_back(dir / f.name);
@@ -65,12 +67,12 @@ int to_hf(const std::string& input, const std::string& output,
   ck::TensorMap tensors;
   for (const auto& name : index.names()) tensors[name] = index.load(name);
   ck::write_hf_folder(output, tensors, *adapter, options);
-  log::info("convert: ", dir.string(), " (step ", c.metadata.step, ", ", model_family(cfg).name,
+  log::info("convert: ", dir.string(), " (step ", c.metadata.step, ", ", model_family(job).name,
             ") -> ", output, " (", ck::torch_dtype_name(options.dtype), ")");
   return 0;
 }
 
-int to_viaduct(const std::string& input, const std::string& output, const Config& cfg) {
+int to_viaduct(const std::string& input, const std::string& output, const JobConfig& job) {
   // As --to hf refuses an existing folder: a checkpoint already in FOLDER
   // would be replaced, or, newer than step 0, be what a run resumes from.
   std::error_code ec;
@@ -84,16 +86,16 @@ int to_viaduct(const std::string& input, const std::string& output, const Config
                   "' already holds checkpoints (", held.empty() ? "" : held.front(),
                   held.size() > 1 ? str(" and ", held.size() - 1, " more") : std::string(),
                   "); give a folder without checkpoints, nothing was written");
-  ck::TensorMap tensors = ck::read_hf_model(input, *state_dict_adapter(cfg));
+  ck::TensorMap tensors = ck::read_hf_model(input, *state_dict_adapter(job));
   ck::CheckpointMetadata meta;
   meta.step = 0;
-  meta.config_toml = cfg.to_toml();
+  meta.config_toml = job.to_toml();
   meta.layout = {{"pp", 1}, {"dp", 1}, {"stages", 1}};
   meta.extra = {{"converted_from", input}};
   ck::CheckpointPart part{"model.safetensors", {}, {}};
   for (auto& [name, t] : tensors) part.tensors.emplace_back(name, t);
   fs::path step = ck::save_checkpoint(output, meta, {part});
-  log::info("convert: ", input, " (", model_family(cfg).name, ") -> ", step.string());
+  log::info("convert: ", input, " (", model_family(job).name, ") -> ", step.string());
   return 0;
 }
 
@@ -159,7 +161,7 @@ int convert_main(int argc, char** argv) {
     return 2;
   }
   if (to == "hf") return to_hf(input, output, options);
-  return to_viaduct(input, output, Config::load(config, overrides));
+  return to_viaduct(input, output, JobConfig::load(config, overrides));
 }
 
 }  // namespace

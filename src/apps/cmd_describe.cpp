@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/command.h"
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "model/model.h"
 
@@ -106,9 +106,8 @@ void print_text(const ModelInfo& info) {
 int describe_main(int argc, char** argv) {
   const auto cmd = parse_config_command(argc, argv, "describe", kUsage, {"--json"});
   if (!cmd) return 0;
-  const auto& cfg = cmd->config;
   const bool json = cmd->has("--json");
-  const auto info = describe_model(cfg);
+  const auto info = describe_model(cmd->job);
   if (json) {
     std::printf("%s\n", to_json(info).dump().c_str());
   } else {

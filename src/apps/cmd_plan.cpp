@@ -22,13 +22,12 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/command.h"
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "core/strings.h"
 #include "model/family.h"
 #include "model/model.h"
 #include "pipeline/attn_res/block_layout.h"
-#include "pipeline/schedule/plan_config.h"
 #include "core/device.h"
 #include "train/memory_estimate.h"
 #include "train/process.h"
@@ -90,26 +89,25 @@ void print_bubble(const pipeline::PipelinePlan& plan) {
 
 // As `viaduct train` resolves training.device: auto is CUDA where this
 // machine has it.
-bool plans_for_cuda(const Config& cfg) {
-  const auto device = cfg.get_string("training.device");
+bool plans_for_cuda(const TrainingSection& training) {
+  const auto& device = training.device;
   return device == "cuda" || (device == "auto" && torch::cuda::is_available());
 }
 
 // activation_checkpoint.mode as the user wrote it, with selective's option.
-std::string checkpointing_name(const Config& cfg) {
-  const auto mode = cfg.get_string("activation_checkpoint.mode");
+std::string checkpointing_name(const ActivationCheckpointSection& ac) {
+  const auto& mode = ac.mode;
   if (mode != "selective") return mode;
-  return str(mode, " (selective_ac_option = ",
-             cfg.get_string("activation_checkpoint.selective_ac_option"), ")");
+  return str(mode, " (selective_ac_option = ", ac.selective_ac_option, ")");
 }
 
-// Every pp rank's estimate for `cfg` with activation_checkpoint.mode =
+// Every pp rank's estimate for `job` with activation_checkpoint.mode =
 // `mode`, the model described and the plan made as the trainer makes them.
-std::vector<MemoryEstimate> estimate_with_checkpointing(const Config& cfg,
+std::vector<MemoryEstimate> estimate_with_checkpointing(const JobConfig& job,
                                                         const std::string& mode,
                                                         at::ScalarType dtype, bool on_cuda) {
-  Config c = cfg;
-  c.set("activation_checkpoint.mode", mode);
+  JobConfig c = job;
+  c.activation_checkpoint.mode = mode;
   return estimate_memory_per_rank(c, describe_model(c), plan_for(c), dtype, on_cuda);
 }
 
@@ -117,35 +115,35 @@ int plan_main(int argc, char** argv) {
   const auto cmd =
       parse_config_command(argc, argv, "plan", kUsage, {"--json"}, {"--device-gib"});
   if (!cmd) return 0;
-  const auto& cfg = cmd->config;
+  const auto& job = cmd->job;
   const bool json = cmd->has("--json");
-  const auto& family = model_family(cfg);
-  const auto plan = plan_for(cfg);
+  const auto& family = model_family(job);
+  const auto plan = plan_for(job);
   const auto& sp = plan.split;
-  const ModelInfo info = describe_model(cfg);
+  const ModelInfo info = describe_model(job);
   // nullopt: a chain (llama, gpt2, kimi_k3 with model.attn_res = false).
   const auto layout =
-      family.attn_res ? family.attn_res(cfg) : std::optional<AttnResLayout>();
+      family.attn_res ? family.attn_res(job) : std::optional<AttnResLayout>();
   const int64_t M = plan.compute.microbatches;
-  const int64_t B = cfg.get_int("training.local_batch_size");
+  const int64_t B = job.training.local_batch_size;
   // As the trainer refuses it: a micro-batch of B / M sequences.
   VIADUCT_CHECK_T(ConfigError, M >= 1 && B % M == 0, "training.local_batch_size (", B,
                   ") must be divisible by the ", M,
                   " micro-batches (parallelism.pipeline_parallel_microbatches)");
-  const int64_t T = cfg.get_int("training.seq_len");
-  const bool on_cuda = plans_for_cuda(cfg);
-  const at::ScalarType dtype = resolve_compute_dtype(cfg.get_string("training.dtype"), on_cuda);
+  const int64_t T = job.training.seq_len;
+  const bool on_cuda = plans_for_cuda(job.training);
+  const at::ScalarType dtype = resolve_compute_dtype(job.training.dtype, on_cuda);
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t dim = layout ? layout->dim : info.dim;
   const double entry = static_cast<double>(B / M * T * dim * elem);
 
   // See Note [Activation memory estimate]: the config's checkpointing, and none
   // and full to show what it buys.
-  const auto memory = estimate_memory_per_rank(cfg, info, plan, dtype, on_cuda);
-  const auto memory_none = estimate_with_checkpointing(cfg, "none", dtype, on_cuda);
-  const auto memory_full = estimate_with_checkpointing(cfg, "full", dtype, on_cuda);
-  const bool adamw = cfg.get_string("optimizer.name") == "AdamW";
-  const int64_t dp = cfg.get_int("parallelism.data_parallel_degree");
+  const auto memory = estimate_memory_per_rank(job, info, plan, dtype, on_cuda);
+  const auto memory_none = estimate_with_checkpointing(job, "none", dtype, on_cuda);
+  const auto memory_full = estimate_with_checkpointing(job, "full", dtype, on_cuda);
+  const bool adamw = job.optimizer.name == "AdamW";
+  const int64_t dp = job.parallelism.data_parallel_degree;
   const int64_t shards = memory.at(0).optimizer_shards;
 
   nlohmann::json out;
@@ -162,8 +160,8 @@ int plan_main(int argc, char** argv) {
   out["device"] = on_cuda ? "cuda" : "cpu";
   out["dtype"] = dtype == at::kBFloat16 ? "bfloat16" : "float32";
   out["entry_bytes"] = entry;
-  out["activation_checkpoint"] = checkpointing_name(cfg);
-  out["optimizer"] = cfg.get_string("optimizer.name");
+  out["activation_checkpoint"] = checkpointing_name(job.activation_checkpoint);
+  out["optimizer"] = job.optimizer.name;
   out["optimizer_sharded"] = shards > 1;
   out["optimizer_shards"] = shards;
   out["bubble_fraction"] = plan.simulation.bubble_fraction;
@@ -289,7 +287,7 @@ int plan_main(int argc, char** argv) {
     device_bytes = device_memory_bytes(at::Device(at::kCUDA, 0));
   }
   const bool moe = info.routed_expert_params > 0;
-  const int64_t ep = cfg.get_int("parallelism.expert_parallel_degree");
+  const int64_t ep = job.parallelism.expert_parallel_degree;
   std::vector<TrafficEstimate> traffic;
   std::vector<std::pair<int64_t, double>> peak_by_ep;  // ep, the largest rank's peak
   if (moe) {
@@ -297,7 +295,7 @@ int plan_main(int argc, char** argv) {
     out["routed_experts"] = info.routed_experts;
     out["experts_per_token"] = info.experts_per_token;
     for (int64_t r = 0; r < sp.pp; ++r) {
-      traffic.push_back(estimate_rank_traffic(cfg, info, plan, r, dtype));
+      traffic.push_back(estimate_rank_traffic(job, info, plan, r, dtype));
       const auto& t = traffic.back();
       auto& j = out["ranks"][static_cast<size_t>(r)];
       j["memory"]["expert_params"] = memory[static_cast<size_t>(r)].expert_params;
@@ -310,8 +308,8 @@ int plan_main(int argc, char** argv) {
     nlohmann::json by_ep = nlohmann::json::array();
     for (int64_t e = 1; e <= dp; ++e) {
       if (dp % e != 0 || info.routed_experts % e != 0) continue;
-      Config c = cfg;
-      c.set("parallelism.expert_parallel_degree", e);
+      JobConfig c = job;
+      c.parallelism.expert_parallel_degree = e;
       double worst = 0;
       for (const auto& m : estimate_memory_per_rank(c, info, plan, dtype, on_cuda)) {
         worst = std::max(worst, m.total());
@@ -390,7 +388,7 @@ int plan_main(int argc, char** argv) {
 
   // See Note [Activation memory estimate]
   const std::string optimizer =
-      !adamw ? str(cfg.get_string("optimizer.name"), ": no optimizer state")
+      !adamw ? str(job.optimizer.name, ": no optimizer state")
       : shards > 1
           ? str("AdamW moments sharded over ", shards,
                 " dp ranks (parallelism.dp_shard_optimizer = true)")
@@ -398,7 +396,7 @@ int plan_main(int argc, char** argv) {
                 dp > 1 ? str("; true divides them by ", dp) : std::string(), ")");
   std::printf("memory per pp rank (estimate, before allocator slack and temporaries): %s; "
               "activation_checkpoint.mode = %s\n",
-              optimizer.c_str(), checkpointing_name(cfg).c_str());
+              optimizer.c_str(), checkpointing_name(job.activation_checkpoint).c_str());
   std::printf("  %4s %11s %11s %11s %11s %11s %11s %11s   %s\n", "rank", "weights", "gradients",
               "optimizer", "activations", "loss", "bwd work", "peak",
               "activations with mode none / full");

@@ -8,11 +8,10 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/command.h"
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "model/model.h"
 #include "pipeline/schedule/csv.h"
-#include "pipeline/schedule/plan_config.h"
 #include "pipeline/schedule/timeline_svg.h"
 
 namespace viaduct::apps {
@@ -34,11 +33,10 @@ int schedule_main(int argc, char** argv) {
   const auto cmd = parse_config_command(argc, argv, "schedule", kUsage,
                                         {"--json", "--csv", "--lowered"}, {"--svg"});
   if (!cmd) return 0;
-  const auto& cfg = cmd->config;
   const bool json = cmd->has("--json"), csv = cmd->has("--csv"),
              lowered = cmd->has("--lowered");
   VIADUCT_CHECK_T(ConfigError, !(json && csv), "schedule: --json and --csv exclude each other");
-  const auto plan = plan_for(cfg);
+  const auto plan = plan_for(cmd->job);
   const auto& sim = plan.simulation;
   const auto& shown = lowered ? plan.lowered : plan.compute;
 

@@ -6,10 +6,9 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/command.h"
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "model/model.h"
-#include "pipeline/schedule/plan_config.h"
 
 namespace viaduct::apps {
 namespace {
@@ -30,9 +29,8 @@ std::string layers_text(const std::pair<int64_t, int64_t>& range) {
 int split_main(int argc, char** argv) {
   const auto cmd = parse_config_command(argc, argv, "split", kUsage, {"--json"});
   if (!cmd) return 0;
-  const auto& cfg = cmd->config;
   const bool json = cmd->has("--json");
-  const auto plan = plan_for(cfg);
+  const auto plan = plan_for(cmd->job);
   const auto& sp = plan.split;
   if (json) {
     nlohmann::json stages = nlohmann::json::array();

@@ -24,18 +24,18 @@ constexpr const char* kUsage =
 int run_train(int argc, char** argv) {
   const auto cmd = parse_config_command(argc, argv, "train", kUsage, {"--print-config"});
   if (!cmd) return 0;
-  const auto& cfg = cmd->config;
+  const auto& job = cmd->job;
   if (cmd->has("--print-config")) {
-    std::printf("%s", cfg.to_toml().c_str());
+    std::printf("%s", job.to_toml().c_str());
     return 0;
   }
-  install_stop_signal_handlers(cfg.get_bool("checkpoint.enable"));
-  Trainer trainer(cfg);
+  install_stop_signal_handlers(job.checkpoint.enable);
+  Trainer trainer(job.raw());
   const auto last = trainer.run();
   if (trainer.stopped_on_signal()) {
     // 75 promises a checkpoint to resume from; without one it is an
     // interruption like any other.
-    return cfg.get_bool("checkpoint.enable") ? kExitSavedOnSignal : 128 + stop_signal();
+    return job.checkpoint.enable ? kExitSavedOnSignal : 128 + stop_signal();
   }
   if (last.step == 0) {
     log::info("nothing to do: the run is already at step ", trainer.step(),

@@ -5,7 +5,7 @@
 #include "core/check.h"
 #include "model/family.h"
 #include "model/model.h"
-#include "pipeline/schedule/plan_config.h"
+#include "train/plan_spec.h"
 
 namespace viaduct::apps {
 
@@ -32,24 +32,24 @@ std::optional<ConfigCommand> parse_config_command(
                   ": unexpected argument '",
                   args.positional.empty() ? "" : args.positional[0], "'\n", usage);
   out.options = args.options;
-  out.config = Config::load(args.config_path, args.overrides);
+  out.job = JobConfig::load(args.config_path, args.overrides);
   // What config/ cannot check alone, at load as for every other key: the
   // family and its flavor (the model registry), the schedule keys (the
   // schedule table).
-  const auto& family = model_family(out.config);
-  pipeline::validate_plan_config(out.config);
+  const auto& family = model_family(out.job);
+  validate_plan_config(out.job.parallelism);
   // What the split's parts need of the model (tied embeddings in one part),
   // so that every command refuses what `train` would.
   if (family.check_part) {
-    const auto plan = plan_for(out.config);
-    for (const auto& modules : plan.split.stage_modules) family.check_part(out.config, modules);
+    const auto plan = plan_for(out.job);
+    for (const auto& modules : plan.split.stage_modules) family.check_part(out.job, modules);
   }
   return out;
 }
 
-pipeline::PipelinePlan plan_for(const Config& cfg) {
-  auto spec = pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg));
-  spec.module_flops = describe_model(cfg).module_flops;
+pipeline::PipelinePlan plan_for(const JobConfig& job) {
+  auto spec = plan_spec_from_config(job.parallelism, model_module_fqns(job));
+  spec.module_flops = describe_model(job).module_flops;
   return pipeline::make_pipeline_plan(spec);
 }
 

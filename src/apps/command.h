@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "config/config.h"
+#include "config/job_config.h"
 #include "pipeline/schedule/plan.h"
 
 namespace viaduct::apps {
@@ -17,7 +18,7 @@ namespace viaduct::apps {
 // `--config F`, `--section.key=value` overrides, and the command's own flags
 // (no value) and options (one value).
 struct ConfigCommand {
-  Config config;
+  JobConfig job;  // the loaded config's sections; job.raw() is the store
   std::set<std::string> flags;                 // given flags, e.g. "--json"
   std::map<std::string, std::string> options;  // e.g. "--svg" -> FILE
   bool has(const std::string& flag) const { return flags.count(flag) != 0; }
@@ -26,7 +27,8 @@ struct ConfigCommand {
 // Prints `usage` and returns nullopt for --help / -h. An unknown flag or a
 // stray argument is a ConfigError naming it, followed by `usage`. The config
 // is loaded and checked as a whole: its keys (config/), its model family
-// and flavor (model/family.h) and its schedule (pipeline/schedule/plan_config.h).
+// and flavor (model/family.h) and its schedule (train/plan_spec.h), then
+// parsed once into the JobConfig the command hands down.
 std::optional<ConfigCommand> parse_config_command(
     int argc, char** argv, const std::string& name, const char* usage,
     const std::vector<std::string>& allowed_flags,
@@ -34,7 +36,7 @@ std::optional<ConfigCommand> parse_config_command(
 
 // The job's pipeline plan as the trainer makes it, with the model's module
 // FLOPs (see Note [Bubble weighted by FLOPs]).
-pipeline::PipelinePlan plan_for(const Config& cfg);
+pipeline::PipelinePlan plan_for(const JobConfig& job);
 
 // argv[0] is the subcommand name; returns the process exit code.
 using CommandFn = std::function<int(int argc, char** argv)>;

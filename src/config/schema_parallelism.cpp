@@ -1,7 +1,7 @@
 // [parallelism] keys and their cross-field checks. The checks that need the
 // model's layer count (is the split possible?) or the schedule table (is the
 // schedule name known, does it run this many stages per rank?) run when the
-// plan is built (pipeline/schedule/plan_config.h); these are the ones the
+// plan is built (train/plan_spec.h); these are the ones the
 // config alone decides.
 #include <filesystem>
 

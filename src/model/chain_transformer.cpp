@@ -4,7 +4,6 @@
 
 #include <cmath>
 
-#include "config/config.h"
 #include "core/check.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
@@ -208,32 +207,33 @@ at::Tensor ChainTransformer::forward_loss(const Activations& in, const at::Tenso
                                          kernel_options_);
 }
 
-ChainSpec apply_model_overrides(ChainSpec s, const Config& cfg) {
-  s.n_layers = int_or(cfg, "model.n_layers", s.n_layers);
-  const bool dim_changed = cfg.is_set("model.dim");
-  s.dim = int_or(cfg, "model.dim", s.dim);
-  s.n_heads = int_or(cfg, "model.n_heads", s.n_heads);
-  if (cfg.is_set("model.n_kv_heads")) {
-    s.n_kv_heads = cfg.get_int("model.n_kv_heads");
-  } else if (cfg.is_set("model.n_heads") &&
+ChainSpec apply_model_overrides(ChainSpec s, const JobConfig& job) {
+  const ModelKeys& keys = job.model.keys;
+  s.n_layers = int_or(keys, "model.n_layers", s.n_layers);
+  const bool dim_changed = keys.is_set("model.dim");
+  s.dim = int_or(keys, "model.dim", s.dim);
+  s.n_heads = int_or(keys, "model.n_heads", s.n_heads);
+  if (keys.is_set("model.n_kv_heads")) {
+    s.n_kv_heads = keys.get_int("model.n_kv_heads");
+  } else if (keys.is_set("model.n_heads") &&
              (s.n_kv_heads > s.n_heads || s.n_heads % s.n_kv_heads != 0)) {
     s.n_kv_heads = s.n_heads;  // the flavor's KV heads no longer fit
   }
-  s.vocab_size = int_or(cfg, "model.vocab_size", s.vocab_size);
-  if (cfg.is_set("model.ffn_hidden_dim")) {
-    s.ffn_hidden = cfg.get_int("model.ffn_hidden_dim");
+  s.vocab_size = int_or(keys, "model.vocab_size", s.vocab_size);
+  if (keys.is_set("model.ffn_hidden_dim")) {
+    s.ffn_hidden = keys.get_int("model.ffn_hidden_dim");
   } else if (dim_changed) {
     s.ffn_hidden = s.gelu_mlp ? 4 * s.dim : llama_ffn_hidden(s.dim, 256, 1.0);
   }
-  s.max_seq_len = int_or(cfg, "model.max_seq_len", s.max_seq_len);
-  s.norm_eps = float_or(cfg, "model.norm_eps", s.norm_eps);
-  s.rope_theta = float_or(cfg, "model.rope_theta", s.rope_theta);
-  s.rope_scaling.factor = float_or(cfg, "model.rope_scaling_factor", s.rope_scaling.factor);
+  s.max_seq_len = int_or(keys, "model.max_seq_len", s.max_seq_len);
+  s.norm_eps = float_or(keys, "model.norm_eps", s.norm_eps);
+  s.rope_theta = float_or(keys, "model.rope_theta", s.rope_theta);
+  s.rope_scaling.factor = float_or(keys, "model.rope_scaling_factor", s.rope_scaling.factor);
   s.rope_scaling.low_freq_factor =
-      float_or(cfg, "model.rope_scaling_low_freq_factor", s.rope_scaling.low_freq_factor);
+      float_or(keys, "model.rope_scaling_low_freq_factor", s.rope_scaling.low_freq_factor);
   s.rope_scaling.high_freq_factor =
-      float_or(cfg, "model.rope_scaling_high_freq_factor", s.rope_scaling.high_freq_factor);
-  s.rope_scaling.original_max_seq_len = int_or(cfg, "model.rope_scaling_original_max_seq_len",
+      float_or(keys, "model.rope_scaling_high_freq_factor", s.rope_scaling.high_freq_factor);
+  s.rope_scaling.original_max_seq_len = int_or(keys, "model.rope_scaling_original_max_seq_len",
                                                s.rope_scaling.original_max_seq_len);
   VIADUCT_CHECK_T(ConfigError,
                   !s.rope_scaling.enabled() ||
@@ -241,9 +241,9 @@ ChainSpec apply_model_overrides(ChainSpec s, const Config& cfg) {
                   "model.rope_scaling_high_freq_factor (", s.rope_scaling.high_freq_factor,
                   ") must exceed model.rope_scaling_low_freq_factor (",
                   s.rope_scaling.low_freq_factor, ")");
-  s.tie_embeddings = bool_or(cfg, "model.tie_embeddings", s.tie_embeddings);
-  s.loss_chunk_tokens = cfg.get_int("model.loss_chunk_tokens");
-  s.activation_checkpoint = activation_checkpoint(cfg);
+  s.tie_embeddings = bool_or(keys, "model.tie_embeddings", s.tie_embeddings);
+  s.loss_chunk_tokens = keys.get_int("model.loss_chunk_tokens");
+  s.activation_checkpoint = activation_checkpoint(job.activation_checkpoint);
   auto pos = [&](int64_t v, const char* key) {
     VIADUCT_CHECK_T(ConfigError, v > 0, key, " must be > 0 (", s.family, " ",
                     s.flavor, ")");
@@ -263,7 +263,7 @@ ChainSpec apply_model_overrides(ChainSpec s, const Config& cfg) {
   VIADUCT_CHECK_T(ConfigError, s.learned_positions || (s.dim / s.n_heads) % 2 == 0,
                   "rotary embeddings need an even head dim, got model.dim / "
                   "model.n_heads = ", s.dim / s.n_heads);
-  const auto seq = cfg.get_int("training.seq_len");
+  const auto seq = job.training.seq_len;
   VIADUCT_CHECK_T(ConfigError, seq <= s.max_seq_len, "training.seq_len (", seq,
                   ") exceeds model.max_seq_len (", s.max_seq_len, ")");
   return s;

@@ -83,7 +83,9 @@ std::vector<std::string> chain_module_fqns(const ChainSpec& spec);
 void check_chain_part(const ChainSpec& spec, const std::vector<std::string>& fqns);
 ModelInfo describe_chain(const ChainSpec& spec, int64_t seq_len);
 
-// Apply the [model] overrides on top of a flavor's spec and check it.
-ChainSpec apply_model_overrides(ChainSpec spec, const Config& cfg);
+// Apply the [model] overrides on top of a flavor's spec and check it: the
+// chain families' parse of their [model] keys (with the job's activation
+// checkpointing, and training.seq_len against model.max_seq_len).
+ChainSpec apply_model_overrides(ChainSpec spec, const JobConfig& job);
 
 }  // namespace viaduct

@@ -6,7 +6,6 @@
 #include <map>
 #include <set>
 
-#include "config/config.h"
 #include "core/check.h"
 #include "core/rng.h"
 #include "model/families.h"
@@ -72,7 +71,8 @@ double exact16_gradient_bound(const Exact16Options& o) {
   return bound;
 }
 
-Exact16Options exact16_options(const Config& cfg) {
+Exact16Options exact16_options(const JobConfig& job) {
+  const ModelKeys& keys = job.model.keys;
   // Every other model key belongs to the K3 hybrid; a switch set to what
   // exact16 is anyway is fine (configs/kimi_k3_debug.toml sets vision = false).
   static const std::set<std::string> kShape{"model.family", "model.flavor", "model.n_layers",
@@ -82,31 +82,30 @@ Exact16Options exact16_options(const Config& cfg) {
                                                      {"model.synthetic_images", false},
                                                      {"model.moe_ffn", false},
                                                      {"model.attn_res", true}};
-  for (const auto& k : config_schema()) {
-    const auto key = k.dotted();
-    if (k.section != "model" || kShape.count(key) || !cfg.is_set(key)) continue;
+  for (const auto& key : ModelKeys::names()) {
+    if (kShape.count(key) || !keys.is_set(key)) continue;
     auto sw = kSwitches.find(key);
-    if (sw != kSwitches.end() && cfg.get_bool(key) == sw->second) continue;
-    if (key == "model.loss_chunk_tokens" && cfg.get_int(key) == 0) continue;
+    if (sw != kSwitches.end() && keys.get_bool(key) == sw->second) continue;
+    if (key == "model.loss_chunk_tokens" && keys.get_int(key) == 0) continue;
     throw ConfigError(str(
         key,
         sw != kSwitches.end() ? str(" = ", sw->second ? "false" : "true") : std::string(),
-        " (", cfg.origin(), ") does not apply to ", kFamily,
+        " (", job.origin(), ") does not apply to ", kFamily,
         ": it is the integer-gradient AttnRes model (no KDA, MLA, MoE, vision, "
         "norms or cross-entropy) and takes only model.n_layers, model.dim, "
         "model.vocab_size and model.attn_res_block_size"));
   }
   Exact16Options o;
-  o.activation_checkpoint = activation_checkpoint(cfg);
-  o.n_layers = int_or(cfg, "model.n_layers", o.n_layers);
-  o.block_size = int_or(cfg, "model.attn_res_block_size", o.block_size);
-  o.dim = int_or(cfg, "model.dim", o.dim);
-  o.vocab_size = int_or(cfg, "model.vocab_size", o.vocab_size);
+  o.activation_checkpoint = activation_checkpoint(job.activation_checkpoint);
+  o.n_layers = int_or(keys, "model.n_layers", o.n_layers);
+  o.block_size = int_or(keys, "model.attn_res_block_size", o.block_size);
+  o.dim = int_or(keys, "model.dim", o.dim);
+  o.vocab_size = int_or(keys, "model.vocab_size", o.vocab_size);
   for (const auto& [v, key] : {std::pair{o.n_layers, "model.n_layers"},
                                std::pair{o.dim, "model.dim"},
                                std::pair{o.block_size, "model.attn_res_block_size"}}) {
     VIADUCT_CHECK_T(ConfigError, v > 0, key, " must be > 0 for ", kFamily, ", got ", v, " (",
-                    cfg.origin(), ")");
+                    job.origin(), ")");
   }
   VIADUCT_CHECK_T(ConfigError, o.vocab_size >= 257,
                   "model.vocab_size must be >= 257 (the byte tokenizer), got ", o.vocab_size);
@@ -119,15 +118,15 @@ Exact16Options exact16_options(const Config& cfg) {
   return o;
 }
 
-void check_exact16_training(const Config& cfg) {
-  VIADUCT_CHECK_T(ConfigError, cfg.get_string("training.dtype") != "bfloat16", kFamily,
+void check_exact16_training(const JobConfig& job) {
+  VIADUCT_CHECK_T(ConfigError, job.training.dtype != "bfloat16", kFamily,
                   " computes in float32 (its gradients are exact integers); "
                   "training.dtype = \"bfloat16\" would round them (",
-                  cfg.origin(), ")");
-  const int64_t b = cfg.get_int("training.local_batch_size");
-  const int64_t t = cfg.get_int("training.seq_len");
-  const int64_t dp = cfg.get_int("parallelism.data_parallel_degree");
-  const int64_t a = cfg.get_int("training.gradient_accumulation_steps");
+                  job.origin(), ")");
+  const int64_t b = job.training.local_batch_size;
+  const int64_t t = job.training.seq_len;
+  const int64_t dp = job.parallelism.data_parallel_degree;
+  const int64_t a = job.training.gradient_accumulation_steps;
   const int64_t tokens = b * t * dp * a;
   VIADUCT_CHECK_T(ConfigError, tokens > 0 && (tokens & (tokens - 1)) == 0, kFamily,
                   " needs a power-of-two token count per step, so that the loss "
@@ -135,7 +134,7 @@ void check_exact16_training(const Config& cfg) {
                   "training.local_batch_size (", b, ") x training.seq_len (", t,
                   ") x parallelism.data_parallel_degree (", dp,
                   ") x training.gradient_accumulation_steps (", a, ") = ", tokens,
-                  " (", cfg.origin(), ")");
+                  " (", job.origin(), ")");
 }
 
 // ---------------------------------------------------------------- part
@@ -267,8 +266,8 @@ at::Tensor Exact16Part::forward_loss(const Activations& inputs, const at::Tensor
 
 namespace {
 
-ModelInfo describe_exact16(const Config& cfg) {
-  const auto o = exact16_options(cfg);
+ModelInfo describe_exact16(const JobConfig& job) {
+  const auto o = exact16_options(job);
   const int64_t D = o.dim;
   ModelInfo info;
   info.family = kFamily;
@@ -308,19 +307,19 @@ ModelFamily exact16_family() {
   ModelFamily f;
   f.name = kFamily;
   f.flavors = {kFlavor};
-  f.module_fqns = [](const Config& cfg) { return all_module_fqns(exact16_options(cfg)); };
-  f.build = [](const Config& cfg,
+  f.module_fqns = [](const JobConfig& job) { return all_module_fqns(exact16_options(job)); };
+  f.build = [](const JobConfig& job,
                const std::vector<std::string>& fqns) -> std::shared_ptr<ModelPart> {
-    check_exact16_training(cfg);
-    return std::make_shared<Exact16Part>(exact16_options(cfg), fqns);
+    check_exact16_training(job);
+    return std::make_shared<Exact16Part>(exact16_options(job), fqns);
   };
   f.describe = describe_exact16;
   // Its model keys (exact16_options refuses the others, switches at the
   // value exact16 has anyway excepted) at every lookup, as model_keys does
   // for the other families.
-  f.check = [](const Config& cfg) { (void)exact16_options(cfg); };
-  f.attn_res = [](const Config& cfg) -> std::optional<AttnResLayout> {
-    const auto o = exact16_options(cfg);
+  f.check = [](const JobConfig& job) { (void)exact16_options(job); };
+  f.attn_res = [](const JobConfig& job) -> std::optional<AttnResLayout> {
+    const auto o = exact16_options(job);
     return AttnResLayout{o.n_layers, o.block_size, o.dim};
   };
   return f;

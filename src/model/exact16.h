@@ -45,8 +45,6 @@
 
 namespace viaduct {
 
-class Config;
-
 struct Exact16Options {
   int64_t n_layers = 16;
   int64_t block_size = 4;
@@ -63,11 +61,14 @@ struct Exact16Options {
 
 // The shape (model.n_layers, model.dim, model.vocab_size,
 // model.attn_res_block_size over its debugmodel's 16 / 16 / 320 / 4); refuses
-// every other model key and shapes past exact16_gradient_bound.
-Exact16Options exact16_options(const Config& cfg);
+// every other model key and shapes past exact16_gradient_bound: the family's
+// parse of its [model] keys (job.model.keys), with the job's activation
+// checkpointing.
+Exact16Options exact16_options(const JobConfig& job);
 // What training this model needs on top (its part builder checks it):
-// float32 and a power-of-two token count per step.
-void check_exact16_training(const Config& cfg);
+// float32 and a power-of-two token count per step (training and
+// parallelism sections).
+void check_exact16_training(const JobConfig& job);
 
 // The fixed coefficient of layer `layer`'s attention (`ffn` = false) or
 // feed-forward (`ffn` = true) sublayer at `channel`: 1, 0 or -2.

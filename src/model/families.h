@@ -3,6 +3,7 @@
 // model_families() (model/family.cpp) lists them.
 #pragma once
 
+#include "config/job_config.h"
 #include "model/family.h"
 #include "model/model.h"
 
@@ -19,10 +20,10 @@ ModelFamily exact16_family();  // model/exact16.cpp
 std::vector<std::string> select_modules(const std::vector<std::string>& all,
                                         const std::vector<std::string>& wanted,
                                         const std::string& family);
-// Config value or the flavor's default.
-int64_t int_or(const Config& cfg, const std::string& key, int64_t fallback);
-double float_or(const Config& cfg, const std::string& key, double fallback);
-bool bool_or(const Config& cfg, const std::string& key, bool fallback);
+// A family's [model] key as the config sets it, or the flavor's default.
+int64_t int_or(const ModelKeys& keys, const std::string& key, int64_t fallback);
+double float_or(const ModelKeys& keys, const std::string& key, double fallback);
+bool bool_or(const ModelKeys& keys, const std::string& key, bool fallback);
 // Count parameters of a part (module tree) without building tensors twice.
 int64_t count_parameters(const torch::nn::Module& m);
 // ModelFamily::model_keys of the chain families (model/chain_transformer.cpp

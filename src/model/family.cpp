@@ -4,7 +4,6 @@
 
 #include <algorithm>
 
-#include "config/config.h"
 #include "core/check.h"
 #include "model/families.h"
 #include "ops/options.h"
@@ -25,12 +24,12 @@ std::string one_of(const std::vector<std::string>& names) {
 // See Note [Expert parallelism] (model/moe.h): ep > 1 splits every MoE layer's
 // routed experts evenly, so the config must build MoE layers and ep must
 // divide their expert count; a capacity factor needs MoE layers too.
-void check_expert_parallel(const ModelFamily& family, const Config& cfg) {
+void check_expert_parallel(const ModelFamily& family, const JobConfig& job) {
   constexpr const char* kEp = "parallelism.expert_parallel_degree";
-  const int64_t ep = cfg.get_int(kEp);
-  const int64_t experts = family.routed_experts ? family.routed_experts(cfg) : 0;
-  VIADUCT_CHECK_T(ConfigError, cfg.get_float("model.moe_capacity_factor") == 0 || experts > 0,
-                  "model.moe_capacity_factor = ", cfg.get_float("model.moe_capacity_factor"),
+  const int64_t ep = job.parallelism.expert_parallel_degree;
+  const int64_t experts = family.routed_experts ? family.routed_experts(job) : 0;
+  VIADUCT_CHECK_T(ConfigError, job.model.moe_capacity_factor == 0 || experts > 0,
+                  "model.moe_capacity_factor = ", job.model.moe_capacity_factor,
                   " needs a model with MoE layers, but ", family.name,
                   family.routed_experts ? " with this config" : "", " has none");
   if (ep == 1) return;
@@ -77,12 +76,10 @@ std::vector<std::string> chain_model_keys(bool rope, bool swiglu) {
 namespace {
 
 // The keys of another family: see ModelFamily::model_keys.
-void check_model_keys(const ModelFamily& family, const Config& cfg) {
+void check_model_keys(const ModelFamily& family, const ModelKeys& keys) {
   if (family.model_keys.empty()) return;
-  for (const auto& k : config_schema()) {
-    const auto key = k.dotted();
-    if (k.section != "model" || key == "model.family" || key == "model.flavor" ||
-        !cfg.differs_from_default(key)) {
+  for (const auto& key : ModelKeys::names()) {
+    if (key == "model.family" || key == "model.flavor" || !keys.differs_from_default(key)) {
       continue;
     }
     if (std::find(family.model_keys.begin(), family.model_keys.end(), key) !=
@@ -93,7 +90,7 @@ void check_model_keys(const ModelFamily& family, const Config& cfg) {
     for (size_t i = 0; i < family.model_keys.size(); ++i) {
       takes += str(i ? ", " : "", family.model_keys[i]);
     }
-    throw ConfigError(str(key, " (from ", cfg.source(key), ") does not apply to model.family = ",
+    throw ConfigError(str(key, " (from ", keys.source(key), ") does not apply to model.family = ",
                           family.name, ", which takes ", takes,
                           " besides model.family and model.flavor; remove it"));
   }
@@ -101,8 +98,8 @@ void check_model_keys(const ModelFamily& family, const Config& cfg) {
 
 }  // namespace
 
-const ModelFamily& model_family(const Config& cfg) {
-  const auto name = cfg.get_string("model.family");
+const ModelFamily& model_family(const JobConfig& job) {
+  const auto& name = job.model.family;
   const auto& all = model_families();
   const auto it = std::find_if(all.begin(), all.end(),
                                [&](const ModelFamily& f) { return f.name == name; });
@@ -110,26 +107,26 @@ const ModelFamily& model_family(const Config& cfg) {
     std::vector<std::string> names;
     for (const auto& f : all) names.push_back(f.name);
     throw ConfigError(str("model.family must be ", one_of(names), ", got '", name, "' (",
-                          cfg.origin(), ")"));
+                          job.origin(), ")"));
   }
-  const auto flavor = cfg.get_string("model.flavor");
+  const auto& flavor = job.model.flavor;
   if (std::find(it->flavors.begin(), it->flavors.end(), flavor) == it->flavors.end()) {
     throw unknown_flavor_error(it->name, flavor, it->flavors);
   }
-  check_model_keys(*it, cfg);
-  if (it->check) it->check(cfg);
-  check_expert_parallel(*it, cfg);
+  check_model_keys(*it, job.model.keys);
+  if (it->check) it->check(job);
+  check_expert_parallel(*it, job);
   return *it;
 }
 
-std::optional<AttnResLayout> attn_res_layout(const Config& cfg) {
-  const auto& family = model_family(cfg);
-  return family.attn_res ? family.attn_res(cfg) : std::nullopt;
+std::optional<AttnResLayout> attn_res_layout(const JobConfig& job) {
+  const auto& family = model_family(job);
+  return family.attn_res ? family.attn_res(job) : std::nullopt;
 }
 
-std::unique_ptr<checkpoint::StateDictAdapter> state_dict_adapter(const Config& cfg) {
-  const auto& family = model_family(cfg);
-  if (family.state_dict_adapter) return family.state_dict_adapter(cfg);
+std::unique_ptr<checkpoint::StateDictAdapter> state_dict_adapter(const JobConfig& job) {
+  const auto& family = model_family(job);
+  if (family.state_dict_adapter) return family.state_dict_adapter(job);
   std::string with;
   for (const auto& f : model_families()) {
     if (f.state_dict_adapter) with += str(with.empty() ? "" : ", ", f.name);
@@ -138,24 +135,24 @@ std::unique_ptr<checkpoint::StateDictAdapter> state_dict_adapter(const Config& c
                         ")"));
 }
 
-std::vector<std::string> model_module_fqns(const Config& cfg) {
-  return model_family(cfg).module_fqns(cfg);
+std::vector<std::string> model_module_fqns(const JobConfig& job) {
+  return model_family(job).module_fqns(job);
 }
 
-std::shared_ptr<ModelPart> build_model_part(const Config& cfg,
+std::shared_ptr<ModelPart> build_model_part(const JobConfig& job,
                                             const std::vector<std::string>& fqns) {
-  auto part = model_family(cfg).build(cfg, fqns);
-  ops::set_kernel_options(*part, kernel_options(cfg));  // See Note [Ops own the kernel choice]
+  auto part = model_family(job).build(job, fqns);
+  ops::set_kernel_options(*part, kernel_options(job.model));  // See Note [Ops own the kernel choice]
   return part;
 }
 
-ModelInfo describe_model(const Config& cfg) {
-  auto info = model_family(cfg).describe(cfg);
+ModelInfo describe_model(const JobConfig& job) {
+  auto info = model_family(job).describe(job);
   // See Note [Activation memory estimate] under activation checkpointing: a
   // checkpointed layer keeps its input, the hidden stream (an AttnRes
   // layer's block stack is left out as before: it is the stack), and under
   // "op" its expensive ops' outputs too.
-  const auto ac = activation_checkpoint(cfg);
+  const auto ac = activation_checkpoint(job.activation_checkpoint);
   const bool op = ac.mode == ops::ActivationCheckpoint::Mode::kOp;
   for (auto& l : info.layers) {
     if (!ac.checkpoints(l.layer) || l.saved_values_per_token <= 0) continue;

@@ -23,8 +23,6 @@
 
 namespace viaduct {
 
-class Config;
-
 // The block stack a family's parts pass between stages (see Note [Kimi-K3 part
 // activations] in model/kimi_k3.h): what the AttnRes stage and `viaduct
 // plan` size their tables and bytes by.
@@ -37,24 +35,27 @@ struct AttnResLayout {
 struct ModelFamily {
   std::string name;                  // the value of model.family
   std::vector<std::string> flavors;  // the values of model.flavor it takes
+  // Each function reads the job config as the family needs it: its own
+  // [model] keys parsed from ModelSection::keys into its options struct,
+  // the typed sections for the rest (activation checkpointing, seq_len).
   // Every top-level module FQN of the whole model, in order (model.h).
-  std::function<std::vector<std::string>(const Config&)> module_fqns;
+  std::function<std::vector<std::string>(const JobConfig&)> module_fqns;
   // The part holding the given modules (empty: the whole model), as
   // build_model_part (model.h) promises.
-  std::function<std::shared_ptr<ModelPart>(const Config&, const std::vector<std::string>&)>
+  std::function<std::shared_ptr<ModelPart>(const JobConfig&, const std::vector<std::string>&)>
       build;
-  std::function<ModelInfo(const Config&)> describe;
+  std::function<ModelInfo(const JobConfig&)> describe;
   // Set where the family's parts hand on an AttnRes block stack: its shape
   // for this config, or nullopt where the config builds a chain (kimi_k3
   // with model.attn_res = false). Unset: the parts form a chain.
-  std::function<std::optional<AttnResLayout>(const Config&)> attn_res;
+  std::function<std::optional<AttnResLayout>(const JobConfig&)> attn_res;
   // Cross-field checks of the model keys that need no model built; run by
   // every lookup (model_family). Unset: none.
-  std::function<void(const Config&)> check;
+  std::function<void(const JobConfig&)> check;
   // The routed experts of each MoE layer under this config (0: the config
   // builds no MoE layer). Unset: a family without experts. What
   // parallelism.expert_parallel_degree is checked against.
-  std::function<int64_t(const Config&)> routed_experts;
+  std::function<int64_t(const JobConfig&)> routed_experts;
   // The model.* keys the family reads besides model.family and model.flavor.
   // Any other model key the config sets to something but its default is
   // refused naming the family, so a setting meant for another family is
@@ -66,14 +67,14 @@ struct ModelFamily {
   // What a part of the given modules needs of the config, checked without
   // building it: every command runs it on each stage of the config's split,
   // so `plan` and `split` refuse what `train` would. Unset: nothing.
-  std::function<void(const Config&, const std::vector<std::string>&)> check_part;
+  std::function<void(const JobConfig&, const std::vector<std::string>&)> check_part;
   // The family's Hugging Face layout: transformers' model_type in
   // config.json, and the adapter (names and tensors both ways, config.json
   // both ways) of the model a config builds. Unset: no HF layout; convert,
   // checkpoint.initial_load_in_hf and checkpoint.last_save_in_hf refuse the
   // family.
   std::string hf_model_type;
-  std::function<std::unique_ptr<checkpoint::StateDictAdapter>(const Config&)>
+  std::function<std::unique_ptr<checkpoint::StateDictAdapter>(const JobConfig&)>
       state_dict_adapter;
 };
 
@@ -83,16 +84,16 @@ const std::vector<ModelFamily>& model_families();
 // The family model.family names, with model.flavor checked against its
 // flavors and the family's checks run. Throws ConfigError naming the valid
 // families or flavors.
-const ModelFamily& model_family(const Config& cfg);
+const ModelFamily& model_family(const JobConfig& job);
 
 // The AttnRes block stack the config's parts hand on, or nullopt for a
-// chain model (model_family(cfg).attn_res).
-std::optional<AttnResLayout> attn_res_layout(const Config& cfg);
+// chain model (model_family(job).attn_res).
+std::optional<AttnResLayout> attn_res_layout(const JobConfig& job);
 
 // The Hugging Face adapter of the model the config builds
-// (model_family(cfg).state_dict_adapter); a ConfigError naming the families
+// (model_family(job).state_dict_adapter); a ConfigError naming the families
 // that have one when model.family has none.
-std::unique_ptr<checkpoint::StateDictAdapter> state_dict_adapter(const Config& cfg);
+std::unique_ptr<checkpoint::StateDictAdapter> state_dict_adapter(const JobConfig& job);
 
 // The ConfigError of a flavor the family does not have, as model_family
 // throws it; for a family's own flavor table.

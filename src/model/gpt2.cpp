@@ -1,6 +1,5 @@
 // The gpt2 family: learned positions, LayerNorm, GELU MLP, biases, tied
 // embeddings by default.
-#include "config/config.h"
 #include "core/check.h"
 #include "model/chain_transformer.h"
 #include "model/families.h"
@@ -42,8 +41,8 @@ ChainSpec gpt2_flavor(const std::string& flavor) {
   return s;
 }
 
-ChainSpec gpt2_spec(const Config& cfg) {
-  return apply_model_overrides(gpt2_flavor(cfg.get_string("model.flavor")), cfg);
+ChainSpec gpt2_spec(const JobConfig& job) {
+  return apply_model_overrides(gpt2_flavor(job.model.flavor), job);
 }
 
 }  // namespace
@@ -52,19 +51,19 @@ ModelFamily gpt2_family() {
   ModelFamily f;
   f.name = "gpt2";
   f.flavors = kFlavors;
-  f.module_fqns = [](const Config& cfg) { return chain_module_fqns(gpt2_spec(cfg)); };
-  f.build = [](const Config& cfg,
+  f.module_fqns = [](const JobConfig& job) { return chain_module_fqns(gpt2_spec(job)); };
+  f.build = [](const JobConfig& job,
                const std::vector<std::string>& fqns) -> std::shared_ptr<ModelPart> {
-    return std::make_shared<ChainTransformer>(gpt2_spec(cfg), fqns);
+    return std::make_shared<ChainTransformer>(gpt2_spec(job), fqns);
   };
-  f.describe = [](const Config& cfg) {
-    return describe_chain(gpt2_spec(cfg), cfg.get_int("training.seq_len"));
+  f.describe = [](const JobConfig& job) {
+    return describe_chain(gpt2_spec(job), job.training.seq_len);
   };
-  f.check_part = [](const Config& cfg, const std::vector<std::string>& fqns) {
-    check_chain_part(gpt2_spec(cfg), fqns);
+  f.check_part = [](const JobConfig& job, const std::vector<std::string>& fqns) {
+    check_chain_part(gpt2_spec(job), fqns);
   };
   f.hf_model_type = kGpt2ModelType;
-  f.state_dict_adapter = [](const Config& cfg) { return gpt2_hf_adapter(gpt2_spec(cfg)); };
+  f.state_dict_adapter = [](const JobConfig& job) { return gpt2_hf_adapter(gpt2_spec(job)); };
   f.model_keys = chain_model_keys(false, false);
   return f;
 }

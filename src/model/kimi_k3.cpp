@@ -5,7 +5,6 @@
 #include <cmath>
 #include <map>
 
-#include "config/config.h"
 #include "core/check.h"
 #include "core/rng.h"
 #include "model/families.h"
@@ -94,66 +93,67 @@ int64_t second_read_sources(const KimiK3Options& o, int64_t i) {
 
 }  // namespace
 
-KimiK3Options kimi_k3_options(const Config& cfg) {
-  auto o = flavor_defaults(cfg.get_string("model.flavor"));
-  o.n_layers = int_or(cfg, "model.n_layers", o.n_layers);
-  o.dim = int_or(cfg, "model.dim", o.dim);
-  o.n_heads = int_or(cfg, "model.n_heads", o.n_heads);
-  o.vocab_size = int_or(cfg, "model.vocab_size", o.vocab_size);
-  o.ffn_hidden_dim = int_or(cfg, "model.ffn_hidden_dim", o.ffn_hidden_dim);
-  o.max_seq_len = int_or(cfg, "model.max_seq_len", o.max_seq_len);
-  o.norm_eps = float_or(cfg, "model.norm_eps", o.norm_eps);
-  o.block_size = int_or(cfg, "model.attn_res_block_size", o.block_size);
-  o.first_k_dense = int_or(cfg, "model.first_k_dense", o.first_k_dense);
-  o.mla_interval = int_or(cfg, "model.mla_interval", o.mla_interval);
-  o.moe_ffn = bool_or(cfg, "model.moe_ffn", o.moe_ffn);
-  o.vision = bool_or(cfg, "model.vision", o.vision);
-  o.attn_res = cfg.get_bool("model.attn_res");
-  o.synthetic_images = bool_or(cfg, "model.synthetic_images", o.synthetic_images);
-  o.activation_checkpoint = activation_checkpoint(cfg);
+KimiK3Options kimi_k3_options(const JobConfig& job) {
+  const ModelKeys& keys = job.model.keys;
+  auto o = flavor_defaults(job.model.flavor);
+  o.n_layers = int_or(keys, "model.n_layers", o.n_layers);
+  o.dim = int_or(keys, "model.dim", o.dim);
+  o.n_heads = int_or(keys, "model.n_heads", o.n_heads);
+  o.vocab_size = int_or(keys, "model.vocab_size", o.vocab_size);
+  o.ffn_hidden_dim = int_or(keys, "model.ffn_hidden_dim", o.ffn_hidden_dim);
+  o.max_seq_len = int_or(keys, "model.max_seq_len", o.max_seq_len);
+  o.norm_eps = float_or(keys, "model.norm_eps", o.norm_eps);
+  o.block_size = int_or(keys, "model.attn_res_block_size", o.block_size);
+  o.first_k_dense = int_or(keys, "model.first_k_dense", o.first_k_dense);
+  o.mla_interval = int_or(keys, "model.mla_interval", o.mla_interval);
+  o.moe_ffn = bool_or(keys, "model.moe_ffn", o.moe_ffn);
+  o.vision = bool_or(keys, "model.vision", o.vision);
+  o.attn_res = keys.get_bool("model.attn_res");
+  o.synthetic_images = bool_or(keys, "model.synthetic_images", o.synthetic_images);
+  o.activation_checkpoint = activation_checkpoint(job.activation_checkpoint);
 
   o.kda.dim = o.dim;
   o.kda.n_heads = o.n_heads;
-  o.kda.head_dim = int_or(cfg, "model.kda_head_dim", o.kda.head_dim);
-  o.kda.chunk_size = int_or(cfg, "model.kda_chunk_size", o.kda.chunk_size);
-  o.kda.conv_size = int_or(cfg, "model.kda_conv_size", o.kda.conv_size);
+  o.kda.head_dim = int_or(keys, "model.kda_head_dim", o.kda.head_dim);
+  o.kda.chunk_size = int_or(keys, "model.kda_chunk_size", o.kda.chunk_size);
+  o.kda.conv_size = int_or(keys, "model.kda_conv_size", o.kda.conv_size);
   o.kda.norm_eps = o.norm_eps;
 
   o.mla.dim = o.dim;
   o.mla.n_heads = o.n_heads;
-  o.mla.q_lora_rank = int_or(cfg, "model.mla_q_lora_rank", o.mla.q_lora_rank);
-  o.mla.kv_lora_rank = int_or(cfg, "model.mla_kv_lora_rank", o.mla.kv_lora_rank);
+  o.mla.q_lora_rank = int_or(keys, "model.mla_q_lora_rank", o.mla.q_lora_rank);
+  o.mla.kv_lora_rank = int_or(keys, "model.mla_kv_lora_rank", o.mla.kv_lora_rank);
   o.mla.qk_nope_head_dim =
-      int_or(cfg, "model.mla_qk_nope_head_dim", o.mla.qk_nope_head_dim);
+      int_or(keys, "model.mla_qk_nope_head_dim", o.mla.qk_nope_head_dim);
   o.mla.qk_rope_head_dim =
-      int_or(cfg, "model.mla_qk_rope_head_dim", o.mla.qk_rope_head_dim);
-  o.mla.v_head_dim = int_or(cfg, "model.mla_v_head_dim", o.mla.v_head_dim);
-  o.mla.rope = bool_or(cfg, "model.mla_rope", o.mla.rope);
+      int_or(keys, "model.mla_qk_rope_head_dim", o.mla.qk_rope_head_dim);
+  o.mla.v_head_dim = int_or(keys, "model.mla_v_head_dim", o.mla.v_head_dim);
+  o.mla.rope = bool_or(keys, "model.mla_rope", o.mla.rope);
   o.mla.max_seq_len = o.max_seq_len;
-  o.mla.rope_theta = float_or(cfg, "model.rope_theta", o.mla.rope_theta);
+  o.mla.rope_theta = float_or(keys, "model.rope_theta", o.mla.rope_theta);
   o.mla.norm_eps = o.norm_eps;
 
   o.moe.dim = o.dim;
-  o.moe.n_routed_experts = int_or(cfg, "model.n_routed_experts", o.moe.n_routed_experts);
+  o.moe.n_routed_experts = int_or(keys, "model.n_routed_experts", o.moe.n_routed_experts);
   o.moe.n_activated_experts =
-      int_or(cfg, "model.n_activated_experts", o.moe.n_activated_experts);
-  o.moe.hidden_dim = int_or(cfg, "model.moe_hidden_dim", o.moe.hidden_dim);
-  o.moe.n_shared_experts = int_or(cfg, "model.n_shared_experts", o.moe.n_shared_experts);
-  o.moe.route_scale = float_or(cfg, "model.moe_route_scale", o.moe.route_scale);
+      int_or(keys, "model.n_activated_experts", o.moe.n_activated_experts);
+  o.moe.hidden_dim = int_or(keys, "model.moe_hidden_dim", o.moe.hidden_dim);
+  o.moe.n_shared_experts = int_or(keys, "model.n_shared_experts", o.moe.n_shared_experts);
+  o.moe.route_scale = float_or(keys, "model.moe_route_scale", o.moe.route_scale);
   o.moe.bias_update_rate =
-      float_or(cfg, "model.moe_bias_update_rate", o.moe.bias_update_rate);
-  o.moe.capacity_factor = cfg.get_float("model.moe_capacity_factor");
+      float_or(keys, "model.moe_bias_update_rate", o.moe.bias_update_rate);
+  o.moe.capacity_factor = job.model.moe_capacity_factor;
 
   o.vis.out_dim = o.dim;
-  o.vis.dim = int_or(cfg, "model.vision_dim", o.vis.dim);
-  o.vis.image_size = int_or(cfg, "model.vision_image_size", o.vis.image_size);
-  o.vis.patch_size = int_or(cfg, "model.vision_patch_size", o.vis.patch_size);
+  o.vis.dim = int_or(keys, "model.vision_dim", o.vis.dim);
+  o.vis.image_size = int_or(keys, "model.vision_image_size", o.vis.image_size);
+  o.vis.patch_size = int_or(keys, "model.vision_patch_size", o.vis.patch_size);
   o.vis.norm_eps = o.norm_eps;
-  o.image_token_id = int_or(cfg, "model.image_token_id", o.vocab_size - 1);
+  o.image_token_id = int_or(keys, "model.image_token_id", o.vocab_size - 1);
 
   auto pos = [&](int64_t v, const char* key) {
     VIADUCT_CHECK_T(ConfigError, v > 0, key, " must be > 0 for kimi_k3, got ",
-                    v, " (", cfg.origin(), ")");
+                    v, " (", job.origin(), ")");
   };
   pos(o.n_layers, "model.n_layers");
   pos(o.dim, "model.dim");
@@ -566,10 +566,10 @@ double op_output_values_per_token(const KimiK3Options& o, int64_t layer) {
 
 // Counts are analytic (the full flavor is far too large to build); a test
 // checks them against built debug models.
-ModelInfo describe_kimi_k3(const Config& cfg) {
-  const auto o = kimi_k3_options(cfg);
+ModelInfo describe_kimi_k3(const JobConfig& job) {
+  const auto o = kimi_k3_options(job);
   const int64_t D = o.dim, V = o.vocab_size;
-  const int64_t T = cfg.get_int("training.seq_len");
+  const int64_t T = job.training.seq_len;
   ModelInfo info;
   info.family = kFamily;
   info.flavor = o.flavor;
@@ -656,10 +656,10 @@ ModelFamily kimi_k3_family() {
   ModelFamily f;
   f.name = kFamily;
   f.flavors = kFlavors;
-  f.module_fqns = [](const Config& cfg) { return all_module_fqns(kimi_k3_options(cfg)); };
-  f.build = [](const Config& cfg,
+  f.module_fqns = [](const JobConfig& job) { return all_module_fqns(kimi_k3_options(job)); };
+  f.build = [](const JobConfig& job,
                const std::vector<std::string>& fqns) -> std::shared_ptr<ModelPart> {
-    return std::make_shared<KimiK3Part>(kimi_k3_options(cfg), fqns);
+    return std::make_shared<KimiK3Part>(kimi_k3_options(job), fqns);
   };
   f.describe = describe_kimi_k3;
   f.model_keys = {"model.n_layers", "model.dim", "model.n_heads", "model.vocab_size",
@@ -675,12 +675,12 @@ ModelFamily kimi_k3_family() {
                   "model.moe_bias_update_rate", "model.moe_capacity_factor", "model.vision_dim",
                   "model.vision_image_size", "model.vision_patch_size", "model.image_token_id",
                   "model.cuda_kernels", "model.swiglu_recompute"};
-  f.routed_experts = [](const Config& cfg) -> int64_t {
-    const auto o = kimi_k3_options(cfg);
+  f.routed_experts = [](const JobConfig& job) -> int64_t {
+    const auto o = kimi_k3_options(job);
     return o.moe_ffn && o.n_layers > o.first_k_dense ? o.moe.n_routed_experts : 0;
   };
-  f.attn_res = [](const Config& cfg) -> std::optional<AttnResLayout> {
-    const auto o = kimi_k3_options(cfg);
+  f.attn_res = [](const JobConfig& job) -> std::optional<AttnResLayout> {
+    const auto o = kimi_k3_options(job);
     if (!o.attn_res) return std::nullopt;  // a chain (see Note [Kimi-K3 part activations])
     return AttnResLayout{o.n_layers, o.block_size, o.dim};
   };

@@ -38,8 +38,6 @@
 
 namespace viaduct {
 
-class Config;
-
 // A flavor with the config's overrides applied.
 struct KimiK3Options {
   std::string flavor;
@@ -79,7 +77,9 @@ struct KimiK3Options {
   bool opens_block(int64_t layer) const { return layer % block_size == 0; }
   int64_t block_of(int64_t layer) const { return layer / block_size; }
 };
-KimiK3Options kimi_k3_options(const Config& cfg);
+// The family's parse of its [model] keys (job.model.keys) over the flavor's
+// defaults, with the job's activation checkpointing; checks the result.
+KimiK3Options kimi_k3_options(const JobConfig& job);
 
 // One layer: FQNs attn_res_attn, attention_norm, attention (KDA or MLA),
 // attn_res_ffn, ffn_norm, and feed_forward (dense) or moe.

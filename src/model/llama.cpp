@@ -1,6 +1,5 @@
 // The llama family (Meta's llama 3 shapes): RMSNorm, RoPE, GQA, SwiGLU,
 // untied head.
-#include "config/config.h"
 #include "core/check.h"
 #include "model/chain_transformer.h"
 #include "model/families.h"
@@ -51,8 +50,8 @@ ChainSpec llama_flavor(const std::string& flavor) {
   return s;
 }
 
-ChainSpec llama_spec(const Config& cfg) {
-  return apply_model_overrides(llama_flavor(cfg.get_string("model.flavor")), cfg);
+ChainSpec llama_spec(const JobConfig& job) {
+  return apply_model_overrides(llama_flavor(job.model.flavor), job);
 }
 
 }  // namespace
@@ -61,19 +60,19 @@ ModelFamily llama_family() {
   ModelFamily f;
   f.name = "llama";
   f.flavors = kFlavors;
-  f.module_fqns = [](const Config& cfg) { return chain_module_fqns(llama_spec(cfg)); };
-  f.build = [](const Config& cfg,
+  f.module_fqns = [](const JobConfig& job) { return chain_module_fqns(llama_spec(job)); };
+  f.build = [](const JobConfig& job,
                const std::vector<std::string>& fqns) -> std::shared_ptr<ModelPart> {
-    return std::make_shared<ChainTransformer>(llama_spec(cfg), fqns);
+    return std::make_shared<ChainTransformer>(llama_spec(job), fqns);
   };
-  f.describe = [](const Config& cfg) {
-    return describe_chain(llama_spec(cfg), cfg.get_int("training.seq_len"));
+  f.describe = [](const JobConfig& job) {
+    return describe_chain(llama_spec(job), job.training.seq_len);
   };
-  f.check_part = [](const Config& cfg, const std::vector<std::string>& fqns) {
-    check_chain_part(llama_spec(cfg), fqns);
+  f.check_part = [](const JobConfig& job, const std::vector<std::string>& fqns) {
+    check_chain_part(llama_spec(job), fqns);
   };
   f.hf_model_type = kLlamaModelType;
-  f.state_dict_adapter = [](const Config& cfg) { return llama_hf_adapter(llama_spec(cfg)); };
+  f.state_dict_adapter = [](const JobConfig& job) { return llama_hf_adapter(llama_spec(job)); };
   f.model_keys = chain_model_keys(true, true);
   return f;
 }

@@ -5,27 +5,26 @@
 #include <algorithm>
 #include <set>
 
-#include "config/config.h"
 #include "core/check.h"
 #include "model/families.h"
 #include "ops/options.h"
 
 namespace viaduct {
 
-ops::KernelOptions kernel_options(const Config& cfg) {
+ops::KernelOptions kernel_options(const ModelSection& model) {
   ops::KernelOptions k;
-  k.fused = cfg.get_bool("model.cuda_kernels");
-  k.swiglu_recompute = cfg.get_bool("model.swiglu_recompute");
+  k.fused = model.cuda_kernels;
+  k.swiglu_recompute = model.swiglu_recompute;
   return k;
 }
 
-ops::ActivationCheckpoint activation_checkpoint(const Config& cfg) {
+ops::ActivationCheckpoint activation_checkpoint(const ActivationCheckpointSection& section) {
   ops::ActivationCheckpoint ac;
-  const auto mode = cfg.get_string("activation_checkpoint.mode");
+  const auto& mode = section.mode;
   if (mode == "full") {
     ac.mode = ops::ActivationCheckpoint::Mode::kFull;
   } else if (mode == "selective") {
-    const auto option = cfg.get_string("activation_checkpoint.selective_ac_option");
+    const auto& option = section.selective_ac_option;
     if (option == "op") {
       ac.mode = ops::ActivationCheckpoint::Mode::kOp;
     } else {
@@ -68,14 +67,14 @@ std::vector<std::string> select_modules(const std::vector<std::string>& all,
   return out;
 }
 
-int64_t int_or(const Config& cfg, const std::string& key, int64_t fallback) {
-  return cfg.get_int_opt(key).value_or(fallback);
+int64_t int_or(const ModelKeys& keys, const std::string& key, int64_t fallback) {
+  return keys.get_int_opt(key).value_or(fallback);
 }
-double float_or(const Config& cfg, const std::string& key, double fallback) {
-  return cfg.get_float_opt(key).value_or(fallback);
+double float_or(const ModelKeys& keys, const std::string& key, double fallback) {
+  return keys.get_float_opt(key).value_or(fallback);
 }
-bool bool_or(const Config& cfg, const std::string& key, bool fallback) {
-  return cfg.get_bool_opt(key).value_or(fallback);
+bool bool_or(const ModelKeys& keys, const std::string& key, bool fallback) {
+  return keys.get_bool_opt(key).value_or(fallback);
 }
 
 int64_t count_parameters(const torch::nn::Module& m) {

@@ -23,7 +23,9 @@
 
 namespace viaduct {
 
-class Config;
+struct JobConfig;  // config/job_config.h
+struct ModelSection;
+struct ActivationCheckpointSection;
 
 // What crosses a stage boundary. The first part receives {tokens [B, T]
 // int64} (plus optional extra inputs such as images); the last part returns
@@ -132,7 +134,7 @@ struct ModelInfo {
 // Every top-level module FQN of the whole model, in order (pinned ones
 // included): tok_embeddings, [pinned first], layers.0 .. layers.L-1, norm,
 // lm_head, [pinned last] -- the exact list is the family's.
-std::vector<std::string> model_module_fqns(const Config& cfg);
+std::vector<std::string> model_module_fqns(const JobConfig& job);
 
 // Build the part holding `module_fqns` (empty = the whole model) on CPU in
 // fp32 with uninitialised weights; call init_weights or load a checkpoint.
@@ -141,14 +143,14 @@ std::vector<std::string> model_module_fqns(const Config& cfg);
 // training rank completes them with its capabilities and weight cache
 // (train/rank_model.cpp).
 std::shared_ptr<ModelPart> build_model_part(
-    const Config& cfg, const std::vector<std::string>& module_fqns = {});
+    const JobConfig& job, const std::vector<std::string>& module_fqns = {});
 // model.cuda_kernels and model.swiglu_recompute as the ops' options (no
 // capabilities probed, no weight cache).
-ops::KernelOptions kernel_options(const Config& cfg);
+ops::KernelOptions kernel_options(const ModelSection& model);
 // activation_checkpoint.mode and .selective_ac_option (checked on load).
-ops::ActivationCheckpoint activation_checkpoint(const Config& cfg);
+ops::ActivationCheckpoint activation_checkpoint(const ActivationCheckpointSection& ac);
 
-ModelInfo describe_model(const Config& cfg);
+ModelInfo describe_model(const JobConfig& job);
 
 // Summed token cross-entropy (fp32) over logits [B, T, V] and targets [B, T];
 // targets < 0 are ignored. Divide by the global token count yourself.

@@ -150,10 +150,10 @@ void Checkpointer::snapshot_to_host(std::vector<ck::CheckpointPart>& files) cons
   if (on_device) synchronize(device_);
 }
 
-void Checkpointer::write_final_hf(const Config& cfg, int64_t step,
+void Checkpointer::write_final_hf(const JobConfig& job, int64_t step,
                                   const std::vector<std::shared_ptr<ModelPart>>& parts) const {
   if (mesh_ && mesh_->rank() != 0) return;
-  const fs::path folder = hf_export_folder(cfg, step);
+  const fs::path folder = hf_export_folder(job, step);
   if (fs::exists(folder)) {
     log::info("the final weights' Hugging Face folder ", folder.string(), " is already there");
     return;
@@ -173,7 +173,7 @@ void Checkpointer::write_final_hf(const Config& cfg, int64_t step,
       if (name.rfind("optim.", 0) != 0) tensors[name] = ckpt.tensors.load(name);
     }
   }
-  write_hf_export(cfg, folder, tensors);
+  write_hf_export(job, folder, tensors);
   log::info("final weights as a Hugging Face model: ", folder.string());
 }
 

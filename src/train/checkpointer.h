@@ -30,7 +30,7 @@
 
 namespace viaduct {
 
-class Config;
+struct JobConfig;
 class ModelPart;
 namespace distributed {
 class Mesh;
@@ -83,7 +83,7 @@ class Checkpointer {
   // checkpoint.last_save_in_hf: the final weights of step `step` as a
   // Hugging Face model folder, written by rank 0; under a launcher read back
   // from the final checkpoint, which every rank has finished with.
-  void write_final_hf(const Config& cfg, int64_t step,
+  void write_final_hf(const JobConfig& job, int64_t step,
                       const std::vector<std::shared_ptr<ModelPart>>& parts) const;
 
  private:

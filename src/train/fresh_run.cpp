@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "core/folder_lock.h"
 #include "core/log.h"
@@ -77,8 +77,8 @@ void move_entries(const fs::path& folder, const std::string& aside) {
 
 }  // namespace
 
-std::string old_run_in_folders(const Config& cfg) {
-  const fs::path dump = cfg.get_string("job.dump_folder");
+std::string old_run_in_folders(const JobConfig& job) {
+  const fs::path dump = job.job.dump_folder;
   std::string found;
   std::error_code ec;
   const fs::path metrics = dump / "metrics.jsonl";
@@ -87,7 +87,7 @@ std::string old_run_in_folders(const Config& cfg) {
       found = str(metrics.string(), " (", lines, " lines)");
     }
   }
-  const fs::path ckpt = checkpoint_folder_from_config(cfg);
+  const fs::path ckpt = checkpoint_folder_from_config(job);
   const auto steps = step_folders(ckpt);
   if (!steps.empty()) {
     found += str(found.empty() ? "" : " and ", "checkpoints ", steps.front(),
@@ -97,20 +97,20 @@ std::string old_run_in_folders(const Config& cfg) {
   return found;
 }
 
-fs::path make_room_for_fresh_run(const Config& cfg) {
-  if (cfg.get_bool("checkpoint.resume")) return {};
-  const std::string found = old_run_in_folders(cfg);
+fs::path make_room_for_fresh_run(const JobConfig& job) {
+  if (job.checkpoint.resume) return {};
+  const std::string found = old_run_in_folders(job);
   if (found.empty()) return {};
-  const fs::path dump = cfg.get_string("job.dump_folder");
-  VIADUCT_CHECK_T(ConfigError, cfg.get_bool("checkpoint.move_old_run_aside"),
-                  "checkpoint.resume = false (from ", cfg.source("checkpoint.resume"),
+  const fs::path dump = job.job.dump_folder;
+  VIADUCT_CHECK_T(ConfigError, job.checkpoint.move_old_run_aside,
+                  "checkpoint.resume = false (from ", job.source("checkpoint.resume"),
                   "), but job.dump_folder ", dump.string(), " holds a run: ", found,
                   ". A fresh run there would mix with it or destroy it. Give this run another "
                   "job.dump_folder, resume the old run (checkpoint.resume = true), or set "
                   "checkpoint.move_old_run_aside = true to move it into ", (dump / kAsidePrefix).string(),
                   "<UTC time>/ first");
   const std::string aside = kAsidePrefix + utc_stamp();
-  const fs::path ckpt = checkpoint_folder_from_config(cfg);
+  const fs::path ckpt = checkpoint_folder_from_config(job);
   move_entries(dump, aside);
   if (!is_under(ckpt, dump) && fs::exists(ckpt)) move_entries(ckpt, aside);
   log::warn("checkpoint.move_old_run_aside: the old run (", found, ") is now in ",
@@ -120,19 +120,19 @@ fs::path make_room_for_fresh_run(const Config& cfg) {
   return dump / aside;
 }
 
-std::vector<std::unique_ptr<FolderLock>> lock_run_folders(const Config& cfg) {
+std::vector<std::unique_ptr<FolderLock>> lock_run_folders(const JobConfig& job) {
   // See Note [One trainer per dump folder]: a checkpoint folder outside the
   // dump folder is locked too.
   std::vector<std::unique_ptr<FolderLock>> locks;
-  const fs::path dump = cfg.get_string("job.dump_folder");
+  const fs::path dump = job.job.dump_folder;
   locks.push_back(std::make_unique<FolderLock>(dump, "job.dump_folder"));
-  if (!cfg.get_bool("checkpoint.enable")) return locks;
-  const fs::path ckpt = fs::absolute(checkpoint_folder_from_config(cfg)).lexically_normal();
+  if (!job.checkpoint.enable) return locks;
+  const fs::path ckpt = fs::absolute(checkpoint_folder_from_config(job)).lexically_normal();
   const auto rel = ckpt.lexically_relative(fs::absolute(dump).lexically_normal());
   if (rel.empty() || *rel.begin() == "..") {
     locks.push_back(std::make_unique<FolderLock>(ckpt, "checkpoint.folder"));
   }
-  make_room_for_fresh_run(cfg);  // See Note [A fresh run never mixes with an old one]
+  make_room_for_fresh_run(job);  // See Note [A fresh run never mixes with an old one]
   return locks;
 }
 

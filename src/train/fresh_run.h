@@ -19,23 +19,23 @@
 
 namespace viaduct {
 
-class Config;
+struct JobConfig;
 
-// What the folders of `cfg` hold of an earlier run ("metrics.jsonl (12
+// What the folders of `job` hold of an earlier run ("metrics.jsonl (12
 // lines), checkpoints step-5 ... step-10"); empty when nothing.
-std::string old_run_in_folders(const Config& cfg);
+std::string old_run_in_folders(const JobConfig& job);
 
 // Under checkpoint.resume = false: returns at once when the folders hold no
 // run; throws a ConfigError naming the folder and the choices, or moves the
 // old run aside (checkpoint.move_old_run_aside) and returns the folder it
 // went to. Run by the rank holding the folder lock.
-std::filesystem::path make_room_for_fresh_run(const Config& cfg);
+std::filesystem::path make_room_for_fresh_run(const JobConfig& job);
 
 // The locks of a starting job, taken by rank 0, which speaks for the job
 // (see Note [One trainer per dump folder], core/folder_lock.h): job.dump_folder
 // and, when checkpoints are on and kept outside it, the checkpoint folder;
 // then a fresh run makes room (make_room_for_fresh_run). Held while the
 // locks live.
-std::vector<std::unique_ptr<FolderLock>> lock_run_folders(const Config& cfg);
+std::vector<std::unique_ptr<FolderLock>> lock_run_folders(const JobConfig& job);
 
 }  // namespace viaduct

@@ -3,16 +3,16 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "core/log.h"
 #include "model/model.h"
 #include "ops/cross_entropy.h"
-#include "pipeline/schedule/plan_config.h"
+#include "train/plan_spec.h"
 
 namespace viaduct {
 
-MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
+MemoryEstimate estimate_rank_memory(const JobConfig& job, const ModelInfo& info,
                                     const pipeline::PipelinePlan& plan, int64_t pp_rank,
                                     at::ScalarType compute_dtype, bool on_cuda) {
   const auto& split = plan.split;
@@ -22,13 +22,13 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
   // An even share of the parameters, of which the routed experts' part is
   // split again over the expert-parallel ranks.
   e.expert_shards = info.routed_expert_params > 0
-                        ? cfg.get_int("parallelism.expert_parallel_degree")
+                        ? job.parallelism.expert_parallel_degree
                         : 1;
   const double pp = static_cast<double>(split.pp);
   const double experts = static_cast<double>(info.routed_expert_params) / pp;
   e.expert_params = experts / static_cast<double>(e.expert_shards);
   const double params = static_cast<double>(info.params) / pp - experts + e.expert_params;
-  const bool adamw = cfg.get_string("optimizer.name") == "AdamW";
+  const bool adamw = job.optimizer.name == "AdamW";
   const double elem = static_cast<double>(c10::elementSize(compute_dtype));
   // The fp32 master, and under bf16 the weight cache's copy of every weight
   // but the embeddings (read by row, never cast whole).
@@ -39,13 +39,13 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
   // replica_order the local experts' gradients are held once per source
   // rank until the step's sum (see Note [Expert gradient sum]).
   const bool per_source =
-      e.expert_shards > 1 && cfg.get_string("parallelism.expert_gradient_sum") == "replica_order";
+      e.expert_shards > 1 && job.parallelism.expert_gradient_sum == "replica_order";
   e.gradients = params * 4.0 +
                 (per_source ? static_cast<double>(e.expert_shards - 1) * e.expert_params * 4.0
                             : 0.0);
   // ZeRO-1: each dp rank keeps the moments of ~1/dp of the parameters.
-  if (adamw && cfg.get_bool("parallelism.dp_shard_optimizer")) {
-    e.optimizer_shards = cfg.get_int("parallelism.data_parallel_degree");
+  if (adamw && job.parallelism.dp_shard_optimizer) {
+    e.optimizer_shards = job.parallelism.data_parallel_degree;
   }
   // The experts' moments are split over their dp / ep replicas.
   const double shards = static_cast<double>(e.optimizer_shards);
@@ -59,11 +59,11 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
   // what the schedule's simulation says.
   const int64_t microbatches =
       split.pp > 1 ? plan.compute.microbatches
-                   : cfg.get_int_opt("parallelism.pipeline_parallel_microbatches").value_or(1);
-  const int64_t batch = cfg.get_int("training.local_batch_size");
+                   : job.parallelism.pipeline_parallel_microbatches.value_or(1);
+  const int64_t batch = job.training.local_batch_size;
   e.tokens_per_microbatch =
       std::max<int64_t>(1, batch / std::max<int64_t>(1, microbatches)) *
-      cfg.get_int("training.seq_len");
+      job.training.seq_len;
   e.microbatches_in_flight =
       split.pp > 1 ? plan.simulation.peak_activations.at(static_cast<size_t>(pp_rank)) : 1;
   // Activation checkpointing: a checkpointed layer keeps its input per
@@ -104,7 +104,7 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
                   tokens * elem;
   if (holds_head) {
     const int64_t chunk = ops::loss_chunk_tokens(
-        info.loss_chunk_tokens, /*kernels_run=*/on_cuda && cfg.get_bool("model.cuda_kernels"));
+        info.loss_chunk_tokens, /*kernels_run=*/on_cuda && job.model.cuda_kernels);
     const int64_t rows =
         chunk > 0 ? std::min(chunk, e.tokens_per_microbatch) : e.tokens_per_microbatch;
     e.loss = static_cast<double>(rows) * static_cast<double>(info.vocab_size) * 8.0;
@@ -114,17 +114,17 @@ MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
   // Gradients are freed after each step; they are live beside kept
   // activations when the rank runs several micro-batches or accumulates.
   e.gradients_in_forward = microbatches > 1 || split.pp > 1 ||
-                           cfg.get_int("training.gradient_accumulation_steps") > 1;
+                           job.training.gradient_accumulation_steps > 1;
   return e;
 }
 
-std::vector<MemoryEstimate> estimate_memory_per_rank(const Config& cfg, const ModelInfo& info,
+std::vector<MemoryEstimate> estimate_memory_per_rank(const JobConfig& job, const ModelInfo& info,
                                                      const pipeline::PipelinePlan& plan,
                                                      at::ScalarType compute_dtype,
                                                      bool on_cuda) {
   std::vector<MemoryEstimate> out;
   for (int64_t r = 0; r < plan.split.pp; ++r) {
-    out.push_back(estimate_rank_memory(cfg, info, plan, r, compute_dtype, on_cuda));
+    out.push_back(estimate_rank_memory(job, info, plan, r, compute_dtype, on_cuda));
   }
   return out;
 }
@@ -160,14 +160,14 @@ std::string describe_memory_estimate(const MemoryEstimate& e) {
              ")");
 }
 
-MemoryEstimate check_rank_memory_fits(const Config& cfg, int64_t pp_rank,
+MemoryEstimate check_rank_memory_fits(const JobConfig& job, int64_t pp_rank,
                                       at::ScalarType compute_dtype, bool on_cuda,
                                       double available, const std::string& device_name) {
-  const ModelInfo info = describe_model(cfg);
-  auto spec = pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg));
+  const ModelInfo info = describe_model(job);
+  auto spec = plan_spec_from_config(job.parallelism, model_module_fqns(job));
   spec.module_flops = info.module_flops;
   const auto plan = pipeline::make_pipeline_plan(spec);
-  const auto all = estimate_memory_per_rank(cfg, info, plan, compute_dtype, on_cuda);
+  const auto all = estimate_memory_per_rank(job, info, plan, compute_dtype, on_cuda);
   const auto& e = all.at(static_cast<size_t>(pp_rank));
   const int64_t pp = plan.split.pp;
   const std::string has = str(device_name, " has ", format_gib(available),
@@ -180,9 +180,9 @@ MemoryEstimate check_rank_memory_fits(const Config& cfg, int64_t pp_rank,
   }
   log::info("memory estimate for pp rank ", pp_rank, ": ", describe_memory_estimate(e), totals,
             "; ", has);
-  const bool adamw = cfg.get_string("optimizer.name") == "AdamW";
+  const bool adamw = job.optimizer.name == "AdamW";
   const bool can_shard = adamw && e.optimizer_shards == 1 &&
-                         cfg.get_int("parallelism.data_parallel_degree") > 1;
+                         job.parallelism.data_parallel_degree > 1;
   VIADUCT_CHECK_T(
       ConfigError, e.total() <= available, "this run cannot fit: pp rank ", pp_rank,
       " needs about ", describe_memory_estimate(e), " for ", info.family, "/", info.flavor,
@@ -193,15 +193,15 @@ MemoryEstimate check_rank_memory_fits(const Config& cfg, int64_t pp_rank,
       "launch`), a smaller model (model.flavor, model.n_layers, model.dim)",
       can_shard ? ", parallelism.dp_shard_optimizer = true (optimizer state / dp)" : "",
       e.expert_params > 0 && e.expert_shards == 1 &&
-              cfg.get_int("parallelism.data_parallel_degree") > 1
+              job.parallelism.data_parallel_degree > 1
           ? ", parallelism.expert_parallel_degree > 1 (the routed experts / ep)"
           : "",
-      e.expert_shards > 1 && cfg.get_string("parallelism.expert_gradient_sum") == "replica_order"
+      e.expert_shards > 1 && job.parallelism.expert_gradient_sum == "replica_order"
           ? ", parallelism.expert_gradient_sum = \"local\" (the experts' gradients / ep, "
             "without ep = 1's bits)"
           : "",
       adamw ? ", or optimizer.name = SGD (no optimizer state)" : "",
-      activation_checkpoint(cfg).mode == ops::ActivationCheckpoint::Mode::kFull
+      activation_checkpoint(job.activation_checkpoint).mode == ops::ActivationCheckpoint::Mode::kFull
           ? ""
           : ", or activation_checkpoint.mode = \"full\" (keep only each layer's input)");
   // Within a tenth of the limit a run may still fail: the estimate leaves

@@ -61,7 +61,7 @@
 
 namespace viaduct {
 
-class Config;
+struct JobConfig;
 
 struct MemoryEstimate {
   // Bytes on one rank.
@@ -99,12 +99,12 @@ struct MemoryEstimate {
 
 // `plan` is the run's pipeline plan and `pp_rank` the rank estimated.
 // `on_cuda` resolves model.loss_chunk_tokens = -1 (auto).
-MemoryEstimate estimate_rank_memory(const Config& cfg, const ModelInfo& info,
+MemoryEstimate estimate_rank_memory(const JobConfig& job, const ModelInfo& info,
                                     const pipeline::PipelinePlan& plan, int64_t pp_rank,
                                     at::ScalarType compute_dtype, bool on_cuda);
 
 // Every pp rank's estimate, indexed by pp rank.
-std::vector<MemoryEstimate> estimate_memory_per_rank(const Config& cfg, const ModelInfo& info,
+std::vector<MemoryEstimate> estimate_memory_per_rank(const JobConfig& job, const ModelInfo& info,
                                                      const pipeline::PipelinePlan& plan,
                                                      at::ScalarType compute_dtype,
                                                      bool on_cuda);
@@ -118,7 +118,7 @@ constexpr double kNearLimitFraction = 0.9;
 // in one line against `available` bytes; throws ConfigError with the
 // figures and the knobs that would make it fit when it does not; warns
 // when it fits with less than a tenth of `available` to spare.
-MemoryEstimate check_rank_memory_fits(const Config& cfg, int64_t pp_rank,
+MemoryEstimate check_rank_memory_fits(const JobConfig& job, int64_t pp_rank,
                                       at::ScalarType compute_dtype, bool on_cuda,
                                       double available, const std::string& device_name);
 

@@ -39,15 +39,15 @@ std::string float_repr(double v) {
 
 }  // namespace
 
-MetricsOptions metrics_options_from_config(const Config& cfg, bool logging_rank) {
+MetricsOptions metrics_options_from_config(const JobConfig& job, bool logging_rank) {
   MetricsOptions mo;
-  mo.dump_folder = cfg.get_string("job.dump_folder");
-  mo.jsonl = cfg.get_bool("metrics.enable_jsonl");
+  mo.dump_folder = job.job.dump_folder;
+  mo.jsonl = job.metrics.enable_jsonl;
   mo.logging_rank = logging_rank;
-  mo.progress_bar = cfg.get_bool("metrics.progress_bar") && isatty(STDOUT_FILENO) &&
+  mo.progress_bar = job.metrics.progress_bar && isatty(STDOUT_FILENO) &&
                     logging_rank;
-  mo.total_steps = cfg.get_int("training.steps");
-  mo.log_freq = cfg.get_int("metrics.log_freq");
+  mo.total_steps = job.training.steps;
+  mo.log_freq = job.metrics.log_freq;
   return mo;
 }
 

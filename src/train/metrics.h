@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "config/config.h"
+#include "config/job_config.h"
 
 namespace viaduct {
 
@@ -104,7 +104,7 @@ struct MetricsOptions {
 
 // The job.* and metrics.* keys; the pipeline fields stay at their defaults.
 // The progress bar needs stdout to be a terminal.
-MetricsOptions metrics_options_from_config(const Config& cfg, bool logging_rank);
+MetricsOptions metrics_options_from_config(const JobConfig& job, bool logging_rank);
 
 class MetricsWriter {
  public:

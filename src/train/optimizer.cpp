@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "checkpoint/tensor_index.h"
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "core/torch_compat.h"
 #include "model/model.h"
@@ -248,24 +248,23 @@ void SGD::step(double lr) {
   }
 }
 
-std::unique_ptr<Optimizer> make_optimizer(const Config& cfg, std::vector<NamedParam> params,
+std::unique_ptr<Optimizer> make_optimizer(const OptimizerSection& section, std::vector<NamedParam> params,
                                           const ops::KernelOptions& kernels) {
-  const auto name = cfg.get_string("optimizer.name");
+  const auto& name = section.name;
   if (name == "SGD") return std::make_unique<SGD>(std::move(params));
   auto adamw = std::make_unique<AdamW>(
-      std::move(params), cfg.get_float("optimizer.beta1"),
-      cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
-      cfg.get_float("optimizer.weight_decay"));
+      std::move(params), section.beta1, section.beta2, section.eps,
+      section.weight_decay);
   adamw->set_own_kernel_options(kernels);  // model.cuda_kernels, the weight cache
   return adamw;
 }
 
-double lr_at(const Config& cfg, int64_t step) {
-  const double peak = cfg.get_float("optimizer.lr");
-  const int64_t warmup = cfg.get_int("lr_scheduler.warmup_steps");
-  const int64_t total = cfg.get_int("training.steps");
-  const auto type = cfg.get_string("lr_scheduler.decay_type");
-  const double min_f = cfg.get_float("lr_scheduler.min_lr_factor");
+double lr_at(const JobConfig& job, int64_t step) {
+  const double peak = job.optimizer.lr;
+  const int64_t warmup = job.lr_scheduler.warmup_steps;
+  const int64_t total = job.training.steps;
+  const auto& type = job.lr_scheduler.decay_type;
+  const double min_f = job.lr_scheduler.min_lr_factor;
   if (warmup > 0 && step <= warmup) {
     return peak * static_cast<double>(step) / static_cast<double>(warmup);
   }

@@ -13,7 +13,8 @@
 
 namespace viaduct {
 
-class Config;
+struct JobConfig;
+struct OptimizerSection;
 
 namespace checkpoint {
 class TensorFileIndex;
@@ -123,12 +124,12 @@ class SGD : public Optimizer {
 // optimizer.name's optimizer over `params`; AdamW runs its kernel under
 // `kernels` (the rank model's options: model.cuda_kernels, the weight cache
 // whose copies its update writes).
-std::unique_ptr<Optimizer> make_optimizer(const Config& cfg, std::vector<NamedParam> params,
+std::unique_ptr<Optimizer> make_optimizer(const OptimizerSection& section, std::vector<NamedParam> params,
                                           const ops::KernelOptions& kernels);
 
 // Learning rate at optimizer step `step` (1-based): linear warmup, then
 // cosine / linear decay to min_lr_factor x lr, or constant.
-double lr_at(const Config& cfg, int64_t step);
+double lr_at(const JobConfig& job, int64_t step);
 
 // The gradients that are defined, in the order of `params`; with `where`,
 // the index in `params` of each.

@@ -3,7 +3,7 @@
 #include <chrono>
 #include <cmath>
 
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "core/log.h"
 #include "core/profiler.h"
@@ -15,13 +15,13 @@
 
 namespace viaduct {
 
-OptimizerStep::OptimizerStep(const Config& cfg, std::vector<NamedParam> params,
+OptimizerStep::OptimizerStep(const JobConfig& job, std::vector<NamedParam> params,
                              OptimizerStepSetup setup)
     : setup_(std::move(setup)) {
   auto* mesh = setup_.mesh;
   const auto& parts = *setup_.parts;
   dp_size_ = mesh ? mesh->dp() : 1;
-  shards_ = mesh && dp_size_ > 1 && cfg.get_bool("parallelism.dp_shard_optimizer");
+  shards_ = mesh && dp_size_ > 1 && job.parallelism.dp_shard_optimizer;
   const int rank = mesh ? mesh->rank() : 0;
   int64_t elements = 0;
   for (const auto& np : params) elements += np.param.numel();
@@ -50,7 +50,7 @@ OptimizerStep::OptimizerStep(const Config& cfg, std::vector<NamedParam> params,
     }
     for (auto& s : viaduct::expert_shards(*part)) expert_shards_.push_back(std::move(s));
   }
-  auto buckets = grad_buckets(params, cfg.get_int("parallelism.dp_bucket_mb") << 20, stage_of,
+  auto buckets = grad_buckets(params, job.parallelism.dp_bucket_mb << 20, stage_of,
                               own_bucket, sharded);
   if (shards_) {
     // See Note [ZeRO-1] (train/sharded_optimizer.h); sharded experts over their
@@ -61,8 +61,8 @@ OptimizerStep::OptimizerStep(const Config& cfg, std::vector<NamedParam> params,
     }
     auto zero = std::make_unique<ShardedOptimizer>(
         std::move(params), mesh->dp_group(), buckets,
-        [&cfg, this](std::vector<NamedParam> slices) {
-          return make_optimizer(cfg, std::move(slices), setup_.kernels);
+        [section = job.optimizer, this](std::vector<NamedParam> slices) {
+          return make_optimizer(section, std::move(slices), setup_.kernels);
         },
         units, mesh->expert_replica_group(), std::move(expert_buckets));
     log::info("rank ", rank, ": optimizer state ", zero->state_bytes(), " bytes for ",
@@ -70,7 +70,7 @@ OptimizerStep::OptimizerStep(const Config& cfg, std::vector<NamedParam> params,
               " parameter elements (ZeRO-1 over dp ", dp_size_, ")");
     optimizer_ = std::move(zero);
   } else {
-    optimizer_ = make_optimizer(cfg, std::move(params), setup_.kernels);
+    optimizer_ = make_optimizer(job.optimizer, std::move(params), setup_.kernels);
     log::info("rank ", rank, ": optimizer state ", optimizer_->state_bytes(), " bytes for ",
               elements, " of ", elements, " parameter elements");
   }

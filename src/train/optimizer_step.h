@@ -29,7 +29,7 @@
 
 namespace viaduct {
 
-class Config;
+struct JobConfig;
 class GradReduction;
 class ModelPart;
 namespace distributed {
@@ -52,7 +52,7 @@ struct OptimizerStepSetup {
 class OptimizerStep {
  public:
   // `params`: the parts' training parameters in global FQN order.
-  OptimizerStep(const Config& cfg, std::vector<NamedParam> params, OptimizerStepSetup setup);
+  OptimizerStep(const JobConfig& job, std::vector<NamedParam> params, OptimizerStepSetup setup);
   ~OptimizerStep();
 
   // parallelism.dp_shard_optimizer with more than one replica (ZeRO-1).

@@ -23,20 +23,20 @@ at::ScalarType resolve_compute_dtype(const std::string& name, bool on_cuda) {
   return on_cuda ? at::kBFloat16 : at::kFloat;  // auto
 }
 
-ProcessSetup init_process(const Config& cfg) {
+ProcessSetup init_process(const JobConfig& job) {
   ProcessSetup ps;
-  const auto lvl = cfg.get_string("job.log_level");
+  const auto& lvl = job.job.log_level;
   log::set_level(lvl == "debug"     ? log::Level::kDebug
                  : lvl == "warning" ? log::Level::kWarn
                  : lvl == "error"   ? log::Level::kError
                                     : log::Level::kInfo);
   // The same thread count whether launched or run alone (determinism).
-  at::set_num_threads(static_cast<int>(cfg.get_int("training.num_threads")));
+  at::set_num_threads(static_cast<int>(job.training.num_threads));
 
   // Where this process sits: pp x dp ranks over c10d, or one process.
   const auto rdv = distributed::rendezvous_from_env();
-  const int pp = static_cast<int>(cfg.get_int("parallelism.pipeline_parallel_degree"));
-  const int dp = static_cast<int>(cfg.get_int("parallelism.data_parallel_degree"));
+  const int pp = static_cast<int>(job.parallelism.pipeline_parallel_degree);
+  const int dp = static_cast<int>(job.parallelism.data_parallel_degree);
   VIADUCT_CHECK_T(ConfigError, pp * dp == rdv.world_size,
                   "parallelism.pipeline_parallel_degree (", pp,
                   ") x parallelism.data_parallel_degree (", dp, ") = ", pp * dp,
@@ -45,19 +45,19 @@ ProcessSetup init_process(const Config& cfg) {
                       ? str("; start the ranks with `viaduct launch --nproc-per-node ",
                             pp * dp, " -- viaduct train ...`")
                       : std::string());
-  if (cfg.get_bool("training.deterministic")) {
+  if (job.training.deterministic) {
     // cuBLAS needs a fixed workspace for reproducible results; it must be set
     // before the first cuBLAS handle exists.
     setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
     at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
   }
-  ps.device = resolve_device(cfg.get_string("training.device"), rdv.local_rank);
+  ps.device = resolve_device(job.training.device, rdv.local_rank);
   if (rdv.world_size > 1) {
     const auto timeout =
-        std::chrono::seconds(cfg.get_int("parallelism.comm_timeout_seconds"));
+        std::chrono::seconds(job.parallelism.comm_timeout_seconds);
     ps.mesh = distributed::init_mesh(rdv, pp, dp, ps.device,
                               std::chrono::duration_cast<std::chrono::milliseconds>(timeout),
-                              static_cast<int>(cfg.get_int("parallelism.expert_parallel_degree")));
+                              static_cast<int>(job.parallelism.expert_parallel_degree));
     ps.pp_rank = ps.mesh->pp_rank();
     ps.dp_rank = ps.mesh->dp_rank();
     ps.dp_size = ps.mesh->dp();
@@ -65,14 +65,14 @@ ProcessSetup init_process(const Config& cfg) {
       log::set_level(log::Level::kWarn);  // rank 0 reports for the job
     }
   }
-  ps.compute_dtype = resolve_compute_dtype(cfg.get_string("training.dtype"), ps.device.is_cuda());
+  ps.compute_dtype = resolve_compute_dtype(job.training.dtype, ps.device.is_cuda());
   // After the determinism settings: the probe may make the first cuBLAS
   // handle.
   ps.capabilities = ops::probe_capabilities(ps.device);
   return ps;
 }
 
-void log_job_summary(const Config& cfg, const JobSummary& job) {
+void log_job_summary(const JobConfig& config, const JobSummary& job) {
   const auto& info = job.model;
   const auto& plan = job.plan;
   const auto& split = plan.split;
@@ -83,9 +83,9 @@ void log_job_summary(const Config& cfg, const JobSummary& job) {
   if (job.device.is_cuda()) {
     const bool fused = ops::fused_runs(
         at::empty({1}, at::TensorOptions(job.device).dtype(job.compute_dtype)),
-        kernel_options(cfg));
+        kernel_options(config.model));
     log::info("fused kernels: ", fused ? "on"
-                                 : cfg.get_bool("model.cuda_kernels")
+                                 : config.model.cuda_kernels
                                      ? "off (this GPU or build has none; ATen ops)"
                                      : "off (model.cuda_kernels = false)");
     log::info("GEMM path: ", ops::describe(job.capabilities));
@@ -94,7 +94,7 @@ void log_job_summary(const Config& cfg, const JobSummary& job) {
     log::info("parallelism: pp ", split.pp, " x dp ", job.dp_size, ", ",
               split.num_stages, " stages (", split.stages_per_rank, " per rank, ",
               pipeline::placement_name(split.placement), "), schedule ",
-              cfg.get_string("parallelism.pipeline_parallel_schedule"), ", ",
+              config.parallelism.pipeline_parallel_schedule, ", ",
               job.num_microbatches, " micro-batches, simulated bubble ",
               plan.simulation.bubble_fraction,
               plan.simulation_flops

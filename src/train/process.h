@@ -8,7 +8,7 @@
 
 #include <memory>
 
-#include "config/config.h"
+#include "config/job_config.h"
 #include "model/model.h"
 #include "ops/options.h"
 
@@ -42,7 +42,7 @@ at::ScalarType resolve_compute_dtype(const std::string& name, bool on_cuda);
 
 // Reads WORLD_SIZE & co. (distributed::rendezvous_from_env); a world that does not
 // match parallelism.* is a ConfigError.
-ProcessSetup init_process(const Config& cfg);
+ProcessSetup init_process(const JobConfig& job);
 
 // The job at info level: model, device, dtype, threads, fused kernels and
 // the GEMM path, parallelism and its simulated bubble, data.
@@ -57,6 +57,6 @@ struct JobSummary {
   const data::TokenSampler& sampler;
   const data::TokenStream* eval_tokens = nullptr;
 };
-void log_job_summary(const Config& cfg, const JobSummary& job);
+void log_job_summary(const JobConfig& config, const JobSummary& job);
 
 }  // namespace viaduct

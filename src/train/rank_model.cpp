@@ -5,52 +5,52 @@
 #include "kernels/weight_cache.h"
 #include "model/family.h"
 #include "pipeline/attn_res/attn_res_stage.h"
-#include "pipeline/schedule/plan_config.h"
 #include "train/expert_parallel.h"
+#include "train/plan_spec.h"
 #include "train/reduce.h"
 
 namespace viaduct {
 
-RankModel build_rank_model(const Config& cfg, int pp_rank, at::Device device,
+RankModel build_rank_model(const JobConfig& job, int pp_rank, at::Device device,
                            at::ScalarType compute_dtype, const ops::Capabilities& capabilities,
                            distributed::ProcessGroup* pp_group, const std::string& context,
                            distributed::ProcessGroup* ep_group) {
   RankModel rm;
-  rm.kernel_options = kernel_options(cfg);
+  rm.kernel_options = kernel_options(job.model);
   rm.kernel_options.capabilities = capabilities;
   rm.kernel_options.weight_cache = std::make_shared<kernels::WeightCache>();
   // The pipeline plan (a pure function of the config: every rank agrees).
-  rm.info = describe_model(cfg);
-  auto plan_spec = pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg));
+  rm.info = describe_model(job);
+  auto plan_spec = plan_spec_from_config(job.parallelism, model_module_fqns(job));
   plan_spec.module_flops = rm.info.module_flops;  // See Note [Bubble weighted by FLOPs]
   rm.plan = std::make_unique<pipeline::PipelinePlan>(pipeline::make_pipeline_plan(plan_spec));
   const auto& split = rm.plan->split;
-  const auto seed = static_cast<uint64_t>(cfg.get_int("training.seed"));
+  const auto seed = static_cast<uint64_t>(job.training.seed);
   std::vector<double> counts(static_cast<size_t>(split.num_stages), 0.0);
-  const auto attn_res = attn_res_layout(cfg);  // nullopt: a chain model
+  const auto attn_res = attn_res_layout(job);  // nullopt: a chain model
   if (split.num_stages > 1 && attn_res) {
     // See Note [AttnRes transports] (pipeline/attn_res/block_layout.h). A chain
     // (kimi_k3 with model.attn_res = false among them) runs plain stages.
     rm.attn_res_tables = std::make_shared<const pipeline::BlockLayoutTables>(
         pipeline::make_block_layout_tables(
             split, attn_res->block_size,
-            cfg.get_bool("parallelism.attn_res_cache")
+            job.parallelism.attn_res_cache
                 ? pipeline::AttnResTransport::kRankCache
                 : pipeline::AttnResTransport::kWholeStack,
             pipeline::cache_backward_from_name(
-                cfg.get_string("parallelism.attn_res_cache_backward"))));
+                job.parallelism.attn_res_cache_backward)));
     rm.attn_res_store = std::make_shared<pipeline::RankBlockStore>(
-        pp_rank, *rm.attn_res_tables, cfg.get_bool("parallelism.attn_res_cache_offload"));
+        pp_rank, *rm.attn_res_tables, job.parallelism.attn_res_cache_offload);
   }
   for (int64_t s : split.rank_to_stages.at(pp_rank)) {
     auto part = build_model_part(
-        cfg, split.num_stages == 1 ? std::vector<std::string>{} : split.stage_modules.at(s));
+        job, split.num_stages == 1 ? std::vector<std::string>{} : split.stage_modules.at(s));
     ops::set_kernel_options(*part, rm.kernel_options);  // the config's, completed
     if (ep_group != nullptr) {
       if (!rm.expert_stats) rm.expert_stats = std::make_shared<ExpertExchangeStats>();
       shard_moe_experts(*part, *ep_group, str("rank ", ep_group->global_rank(ep_group->rank())),
                         rm.expert_stats,
-                        cfg.get_string("parallelism.expert_gradient_sum") == "replica_order");
+                        job.parallelism.expert_gradient_sum == "replica_order");
     }
     part->init_weights(seed);
     part->to(device);

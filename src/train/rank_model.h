@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "config/config.h"
+#include "config/job_config.h"
 #include "model/model.h"
 #include "ops/options.h"
 #include "pipeline/runtime/stage.h"
@@ -61,7 +61,7 @@ struct RankModel {
 // layer's experts over it before the weights are initialised (see Note
 // [Expert parallelism], model/moe.h); `context` names this rank in a
 // timeout.
-RankModel build_rank_model(const Config& cfg, int pp_rank, at::Device device,
+RankModel build_rank_model(const JobConfig& job, int pp_rank, at::Device device,
                            at::ScalarType compute_dtype, const ops::Capabilities& capabilities,
                            distributed::ProcessGroup* pp_group, const std::string& context,
                            distributed::ProcessGroup* ep_group = nullptr);

@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "core/check.h"
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/file_io.h"
 #include "core/log.h"
 #include "core/strings.h"
@@ -326,13 +326,13 @@ fs::path write_run_report(const fs::path& dump, const std::string& title,
   return out;
 }
 
-void write_run_report_at_end(const Config& cfg, const pipeline::PipelinePlan& plan,
+void write_run_report_at_end(const JobConfig& job, const pipeline::PipelinePlan& plan,
                              bool logging_rank) {
   // The run report beside metrics.jsonl (train/report.h); a run that trained
   // is not failed by its picture, but a report that cannot be written says so.
-  if (!logging_rank || !cfg.get_bool("metrics.enable_jsonl")) return;
-  const fs::path dump = cfg.get_string("job.dump_folder");
-  const std::string description = cfg.get_string("job.description");
+  if (!logging_rank || !job.metrics.enable_jsonl) return;
+  const fs::path dump = job.job.dump_folder;
+  const std::string description = job.job.description;
   const std::string title = description.empty() ? dump.string() : description;
   try {
     const std::string svg = pipeline::timeline_svg(

@@ -14,7 +14,7 @@
 
 namespace viaduct {
 
-class Config;
+struct JobConfig;
 namespace pipeline {
 struct PipelinePlan;
 }  // namespace pipeline
@@ -35,7 +35,7 @@ std::filesystem::path write_run_report(const std::filesystem::path& dump,
 // schedule's timeline (schedule.svg) and report.html in job.dump_folder. A
 // run that trained is not failed by its picture: a report that cannot be
 // written is a warning.
-void write_run_report_at_end(const Config& cfg, const pipeline::PipelinePlan& plan,
+void write_run_report_at_end(const JobConfig& job, const pipeline::PipelinePlan& plan,
                              bool logging_rank);
 
 }  // namespace viaduct

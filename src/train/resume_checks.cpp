@@ -1,16 +1,17 @@
 #include "train/resume_checks.h"
 
+#include "config/config.h"
 #include "core/check.h"
 #include "core/log.h"
 #include "model/model.h"
 
 namespace viaduct {
 
-void check_checkpoint_matches_model(const Config& cfg, const checkpoint::Checkpoint& ckpt) {
+void check_checkpoint_matches_model(const JobConfig& job, const checkpoint::Checkpoint& ckpt) {
   // Every checkpoint tensor must belong to a module of this model: a model
   // with fewer layers would otherwise drop the others without a word
   // (shapes and missing tensors are checked as the tensors load).
-  const auto modules = model_module_fqns(cfg);
+  const auto modules = model_module_fqns(job);
   std::vector<std::string> strays;
   for (const auto& name : ckpt.tensors.names()) {
     if (name.rfind("optim.", 0) == 0) continue;
@@ -22,9 +23,9 @@ void check_checkpoint_matches_model(const Config& cfg, const checkpoint::Checkpo
   }
   std::string differences;
   try {
-    const auto saved = Config::parse(ckpt.metadata.config_toml, ckpt.dir.string());
+    const auto saved = JobConfig::parse(ckpt.metadata.config_toml, ckpt.dir.string());
     const auto was = describe_model(saved);
-    const auto now = describe_model(cfg);
+    const auto now = describe_model(job);
     if (was.family != now.family || was.n_layers != now.n_layers || was.params != now.params) {
       differences = str("; the checkpoint's model is ", was.family, "/", was.flavor, " with ",
                         was.n_layers, " layers and ", was.params, " parameters, this config's ",
@@ -32,12 +33,12 @@ void check_checkpoint_matches_model(const Config& cfg, const checkpoint::Checkpo
                         now.params, " parameters");
       for (const auto& k : config_schema()) {
         if (k.section != "model" || k.type != ConfigType::kInt) continue;
-        const auto a = saved.get_int_opt(k.dotted());
-        const auto b = cfg.get_int_opt(k.dotted());
+        const auto a = saved.model.keys.get_int_opt(k.dotted());
+        const auto b = job.model.keys.get_int_opt(k.dotted());
         if (a == b) continue;
         differences += str("; ", k.dotted(), " = ", a ? str(*a) : std::string("(flavor)"),
                            " in the checkpoint, ", b ? str(*b) : std::string("(flavor)"),
-                           " now (from ", cfg.source(k.dotted()), ")");
+                           " now (from ", job.source(k.dotted()), ")");
       }
     }
   } catch (const Error&) {
@@ -57,25 +58,25 @@ void check_checkpoint_matches_model(const Config& cfg, const checkpoint::Checkpo
       "job.dump_folder (or with checkpoint.resume = false)"));
 }
 
-bool resume_loads_optimizer(const Config& cfg, const checkpoint::Checkpoint& ckpt, bool log) {
+bool resume_loads_optimizer(const JobConfig& job, const checkpoint::Checkpoint& ckpt, bool log) {
   // A checkpoint of another optimizer holds state this one cannot take (or
   // none that it needs): dropping it is the user's call, never silent.
   std::string saved;
   try {
-    saved = Config::parse(ckpt.metadata.config_toml, ckpt.dir.string()).get_string("optimizer.name");
+    saved = JobConfig::parse(ckpt.metadata.config_toml, ckpt.dir.string()).optimizer.name;
   } catch (const Error&) {
     return true;  // an older config vocabulary: the tensors decide as they load
   }
-  const std::string now = cfg.get_string("optimizer.name");
+  const std::string& now = job.optimizer.name;
   if (saved == now) return true;
   size_t state_tensors = 0;
   for (const auto& name : ckpt.tensors.names()) state_tensors += name.rfind("optim.", 0) == 0;
   const std::string dropped =
       state_tensors > 0 ? str("its ", saved, " state (", state_tensors, " optim.* tensors)")
                         : str("its ", saved, " step count");
-  VIADUCT_CHECK_T(ConfigError, cfg.get_bool("checkpoint.resume_with_new_optimizer"),
+  VIADUCT_CHECK_T(ConfigError, job.checkpoint.resume_with_new_optimizer,
                   "cannot resume from ", ckpt.dir.string(), ": it was saved with optimizer.name = ",
-                  saved, ", this config has ", now, " (from ", cfg.source("optimizer.name"),
+                  saved, ", this config has ", now, " (from ", job.source("optimizer.name"),
                   "), and ", dropped, " would be dropped. Resume with optimizer.name = ", saved,
                   ", or set checkpoint.resume_with_new_optimizer = true to start ", now,
                   " fresh from the checkpoint's weights");

@@ -4,7 +4,7 @@
 #pragma once
 
 #include "checkpoint/manager.h"
-#include "config/config.h"
+#include "config/job_config.h"
 
 namespace viaduct {
 
@@ -13,12 +13,12 @@ namespace viaduct {
 // keys) or tensors this model has no place for (a model with fewer layers
 // would otherwise drop them without a word; shapes and missing tensors are
 // checked as the tensors load).
-void check_checkpoint_matches_model(const Config& cfg, const checkpoint::Checkpoint& ckpt);
+void check_checkpoint_matches_model(const JobConfig& job, const checkpoint::Checkpoint& ckpt);
 
 // False when the checkpoint was saved under another optimizer.name and
 // checkpoint.resume_with_new_optimizer allows starting it fresh (with a
 // warning when `log`); a ConfigError naming both optimizers without that
 // key; true when the optimizers agree.
-bool resume_loads_optimizer(const Config& cfg, const checkpoint::Checkpoint& ckpt, bool log);
+bool resume_loads_optimizer(const JobConfig& job, const checkpoint::Checkpoint& ckpt, bool log);
 
 }  // namespace viaduct

@@ -25,7 +25,7 @@
 
 namespace viaduct {
 
-class Config;
+struct JobConfig;
 
 struct TrafficEstimate {
   int64_t moe_layers = 0;  // on the rank
@@ -35,7 +35,7 @@ struct TrafficEstimate {
   double expert_reduce_bytes_per_step = 0;
 };
 
-TrafficEstimate estimate_rank_traffic(const Config& cfg, const ModelInfo& info,
+TrafficEstimate estimate_rank_traffic(const JobConfig& job, const ModelInfo& info,
                                       const pipeline::PipelinePlan& plan, int64_t pp_rank,
                                       at::ScalarType compute_dtype);
 

@@ -11,20 +11,20 @@ namespace viaduct {
 namespace ck = checkpoint;
 namespace fs = std::filesystem;
 
-std::string checkpoint_folder_from_config(const Config& cfg) {
-  fs::path f = cfg.get_string("checkpoint.folder");
+std::string checkpoint_folder_from_config(const JobConfig& job) {
+  fs::path f = job.checkpoint.folder;
   if (f.is_absolute()) return f.string();
-  return (fs::path(cfg.get_string("job.dump_folder")) / f).string();
+  return (fs::path(job.job.dump_folder) / f).string();
 }
 
-ck::CheckpointPolicy checkpoint_policy_from_config(const Config& cfg) {
+ck::CheckpointPolicy checkpoint_policy_from_config(const CheckpointSection& c) {
   ck::CheckpointPolicy p;
-  p.enable = cfg.get_bool("checkpoint.enable");
-  p.resume = cfg.get_bool("checkpoint.resume");
-  p.interval = cfg.get_int("checkpoint.interval");
-  p.keep_latest_k = static_cast<int>(cfg.get_int("checkpoint.keep_latest_k"));
-  p.save_initial = cfg.get_bool("checkpoint.save_initial");
-  p.save_final = cfg.get_bool("checkpoint.save_final");
+  p.enable = c.enable;
+  p.resume = c.resume;
+  p.interval = c.interval;
+  p.keep_latest_k = static_cast<int>(c.keep_latest_k);
+  p.save_initial = c.save_initial;
+  p.save_final = c.save_final;
   return p;
 }
 

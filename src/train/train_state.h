@@ -10,7 +10,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/manager.h"
-#include "config/config.h"
+#include "config/job_config.h"
 #include "model/model.h"
 #include "train/optimizer.h"
 
@@ -21,9 +21,9 @@ class TokenSampler;
 }  // namespace data
 
 // checkpoint.folder, under job.dump_folder unless absolute.
-std::string checkpoint_folder_from_config(const Config& cfg);
+std::string checkpoint_folder_from_config(const JobConfig& job);
 // The checkpoint.* keys.
-checkpoint::CheckpointPolicy checkpoint_policy_from_config(const Config& cfg);
+checkpoint::CheckpointPolicy checkpoint_policy_from_config(const CheckpointSection& checkpoint);
 
 struct TrainProgress {
   int64_t step = 0;

@@ -36,8 +36,8 @@ namespace fs = std::filesystem;
 
 // ---- setup -----------------------------------------------------------------
 
-Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
-  auto process = init_process(cfg_);
+Trainer::Trainer(JobConfig job) : job_(std::move(job)), device_(at::kCPU) {
+  auto process = init_process(job_);
   mesh_ = std::move(process.mesh);
   device_ = process.device;
   compute_dtype_ = process.compute_dtype;
@@ -47,18 +47,18 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   capabilities_ = process.capabilities;
   // checkpoint.last_save_in_hf: a missing data.tokenizer fails before
   // anything is written.
-  if (cfg_.get_bool("checkpoint.last_save_in_hf") && rank() == 0) {
-    hf_export_tokenizer_files(cfg_);
+  if (job_.checkpoint.last_save_in_hf && rank() == 0) {
+    hf_export_tokenizer_files(job_);
   }
-  if (rank() == 0) folder_locks_ = lock_run_folders(cfg_);
+  if (rank() == 0) folder_locks_ = lock_run_folders(job_);
   check_memory_fits();
-  data_ = std::make_unique<TrainingData>(cfg_, dp_rank_, dp_size_);
-  if (cfg_.get_bool("checkpoint.last_save_in_hf")) {
-    state_dict_adapter(cfg_);  // a family without an HF layout fails before training
+  data_ = std::make_unique<TrainingData>(job_, dp_rank_, dp_size_);
+  if (job_.checkpoint.last_save_in_hf) {
+    state_dict_adapter(job_);  // a family without an HF layout fails before training
     if (rank() == 0) data_->hint_export_tokenizer();
     VIADUCT_CHECK_T(ConfigError,
-                    !mesh_ || (cfg_.get_bool("checkpoint.enable") &&
-                               cfg_.get_bool("checkpoint.save_final")),
+                    !mesh_ || (job_.checkpoint.enable &&
+                               job_.checkpoint.save_final),
                     "checkpoint.last_save_in_hf under a launcher needs checkpoint.enable = "
                     "true and checkpoint.save_final = true: the export reads the final "
                     "checkpoint");
@@ -84,23 +84,23 @@ Trainer::Trainer(Config cfg) : cfg_(std::move(cfg)), device_(at::kCPU) {
   layout.ep = mesh_ ? mesh_->ep() : 1;
   layout.moe = moe_metrics_ != nullptr;
   CheckpointerOptions checkpoint_options;
-  checkpoint_options.async = cfg_.get_string("checkpoint.async_mode") == "async";
-  checkpoint_options.timeout = std::chrono::seconds(cfg_.get_int("parallelism.comm_timeout_seconds"));
+  checkpoint_options.async = job_.checkpoint.async_mode == "async";
+  checkpoint_options.timeout = std::chrono::seconds(job_.parallelism.comm_timeout_seconds);
   checkpoint_options.hold_writes = faults_.slow_save;
   checkpointer_ = std::make_unique<Checkpointer>(checkpoint_folder(),
-                                                 checkpoint_policy_from_config(cfg_), layout,
+                                                 checkpoint_policy_from_config(job_.checkpoint), layout,
                                                  checkpoint_options, mesh_.get(), device_);
-  auto mo = metrics_options_from_config(cfg_, is_logging_rank());
+  auto mo = metrics_options_from_config(job_, is_logging_rank());
   mo.pipeline = executor_ != nullptr;
   mo.attn_res = attn_res_tables_ != nullptr;
   mo.pp_rank = pp_rank_;
   mo.bubble_simulated = plan_->simulation.bubble_fraction;
   if (plan_->simulation_flops) mo.bubble_simulated_flops = plan_->simulation_flops->bubble_fraction;
-  for (const auto& e : estimate_memory_per_rank(cfg_, info, *plan_, compute_dtype_, device_.is_cuda())) {
+  for (const auto& e : estimate_memory_per_rank(job_, info, *plan_, compute_dtype_, device_.is_cuda())) {
     mo.plan_memory_bytes_per_rank.push_back(e.total());
   }
   metrics_ = std::make_unique<MetricsWriter>(std::move(mo));
-  log_job_summary(cfg_, {info, *plan_, device_, compute_dtype_, capabilities_, dp_size_,
+  log_job_summary(job_, {info, *plan_, device_, compute_dtype_, capabilities_, dp_size_,
                          num_microbatches(), data_->sampler(), data_->eval_tokens()});
 }
 
@@ -108,12 +108,12 @@ void Trainer::check_memory_fits() const {
   // See Note [Activation memory estimate] (train/memory_estimate.h).
   const auto avail = device_memory_bytes(device_);
   if (!avail) return;
-  check_rank_memory_fits(cfg_, pp_rank_, compute_dtype_, device_.is_cuda(), *avail,
+  check_rank_memory_fits(job_, pp_rank_, compute_dtype_, device_.is_cuda(), *avail,
                          device_name(device_));
 }
 
 ModelInfo Trainer::build_model() {
-  auto rm = build_rank_model(cfg_, pp_rank_, device_, compute_dtype_, capabilities_,
+  auto rm = build_rank_model(job_, pp_rank_, device_, compute_dtype_, capabilities_,
                              mesh_ ? &mesh_->pp_group() : nullptr, step_context(),
                              mesh_ ? mesh_->ep_group() : nullptr);
   plan_ = std::move(rm.plan);
@@ -131,17 +131,17 @@ ModelInfo Trainer::build_model() {
   setup.total_param_tensors = rm.total_param_tensors;
   setup.mesh = mesh_.get();
   setup.kernels = rm.kernel_options;  // the rank's weight cache among them
-  update_ = std::make_unique<OptimizerStep>(cfg_, std::move(rm.params), std::move(setup));
+  update_ = std::make_unique<OptimizerStep>(job_, std::move(rm.params), std::move(setup));
   if (rm.info.routed_experts > 0) {
     moe_metrics_ = std::make_unique<MoeStepMetrics>(
         parts_, rm.info.n_layers, rm.info.routed_experts, std::move(rm.expert_stats),
-        cfg_.get_float("model.moe_capacity_factor") > 0, mesh_.get(), device_);
+        job_.model.moe_capacity_factor > 0, mesh_.get(), device_);
   }
   if (plan_->split.num_stages > 1) {
     executor_ = std::make_unique<pipeline::PipelineExecutor>(
         *plan_, pp_rank_, std::move(rm.stages), mesh_ ? &mesh_->pp_group() : nullptr,
         device_);
-    executor_->set_timing(cfg_.get_bool("metrics.pipeline_timing"));
+    executor_->set_timing(job_.metrics.pipeline_timing);
   }
   return rm.info;
 }
@@ -159,12 +159,12 @@ const Optimizer& Trainer::optimizer() const { return update_->optimizer(); }
 int64_t Trainer::num_microbatches() const {
   // One stage: the key alone decides (default 1); else the schedule's count.
   if (!executor_) {
-    return cfg_.get_int_opt("parallelism.pipeline_parallel_microbatches").value_or(1);
+    return job_.parallelism.pipeline_parallel_microbatches.value_or(1);
   }
   return executor_->num_microbatches();
 }
 
-std::string Trainer::checkpoint_folder() const { return checkpoint_folder_from_config(cfg_); }
+std::string Trainer::checkpoint_folder() const { return checkpoint_folder_from_config(job_); }
 
 std::string Trainer::step_context() const { return str("rank ", rank(), " step ", step_ + 1); }
 
@@ -187,8 +187,8 @@ StepMetrics Trainer::train_step() {
   update_->finish_reduction(m, step_context());
   // Queued before the update, read after the norm (train/moe_metrics.h).
   const auto moe_counts = moe_metrics_ ? moe_metrics_->snapshot() : at::Tensor();
-  m.lr = lr_at(cfg_, step_ + 1);
-  m.grad_norm = update_->clip_and_step(m.lr, cfg_.get_float("training.max_norm"), pending_losses,
+  m.lr = lr_at(job_, step_ + 1);
+  m.grad_norm = update_->clip_and_step(m.lr, job_.training.max_norm, pending_losses,
                                        loss_sum, step_ + 1, step_context());
   m.dp_bytes += update_->optimizer().last_step_bytes();
   m.loss = gather_->gather_loss(loss_sum, stop_signal() != 0, m, step_context()) /
@@ -213,7 +213,7 @@ StepMetrics Trainer::train_step() {
 }
 
 std::vector<data::TokenBatch> Trainer::next_batches(int64_t& global_tokens) {
-  const int64_t accum = cfg_.get_int("training.gradient_accumulation_steps");
+  const int64_t accum = job_.training.gradient_accumulation_steps;
   std::vector<data::TokenBatch> batches;
   int64_t local_tokens = 0;
   for (int64_t a = 0; a < accum; ++a) {
@@ -315,7 +315,7 @@ double Trainer::evaluate() {
 void Trainer::save_checkpoint() {
   metrics_->flush();  // the log reaches the disk no later than the checkpoint
   const auto meta = training_state_metadata(
-      {step_, tokens_seen_}, data_->sampler(), update_->optimizer(), cfg_.to_toml(),
+      {step_, tokens_seen_}, data_->sampler(), update_->optimizer(), job_.to_toml(),
       {{"pp", plan_->split.pp},
        {"dp", dp_size_},
        {"stages", plan_->split.num_stages},
@@ -329,9 +329,9 @@ void Trainer::save_checkpoint() {
 }
 
 bool Trainer::warm_start() {
-  if (cfg_.get_string("checkpoint.initial_load_path").empty()) return false;
+  if (job_.checkpoint.initial_load_path.empty()) return false;
   const auto progress =
-      viaduct::warm_start(cfg_, parts_, update_->optimizer(), data_->sampler(),
+      viaduct::warm_start(job_, parts_, update_->optimizer(), data_->sampler(),
                           mesh_ ? checkpoint::Verify::kSizes : checkpoint::Verify::kChecksums);
   step_ = progress.step;
   tokens_seen_ = progress.tokens_seen;
@@ -345,10 +345,10 @@ bool Trainer::resume() {
   // per-tensor CRCs are still checked as they are read.
   const auto ckpt = checkpointer_->manager().open(*latest, mesh_ ? checkpoint::Verify::kSizes
                                                       : checkpoint::Verify::kChecksums);
-  check_checkpoint_matches_model(cfg_, ckpt);
+  check_checkpoint_matches_model(job_, ckpt);
   const auto progress =
       load_training_state(ckpt, parts_, update_->optimizer(), data_->sampler(),
-                          resume_loads_optimizer(cfg_, ckpt, rank() == 0));
+                          resume_loads_optimizer(job_, ckpt, rank() == 0));
   step_ = progress.step;
   tokens_seen_ = progress.tokens_seen;
   log::info("resumed from ", ckpt.dir.string(), " at step ", step_);
@@ -364,14 +364,14 @@ StepMetrics Trainer::run() {
     save_checkpoint();  // step-0: the initial weights (for reference runs)
   }
   metrics_->truncate_after(step_);
-  const int64_t total = cfg_.get_int("training.steps");
-  const int64_t eval_every = cfg_.get_int("training.eval_interval");
+  const int64_t total = job_.training.steps;
+  const int64_t eval_every = job_.training.eval_interval;
   const bool can_eval = data_->can_eval(/*warn_if_not=*/eval_every > 0);
   if (can_eval && eval_every > 0 && step_ == 0) metrics_->log_eval(step_, evaluate());
   StepMetrics last;
   reset_peak_memory(device_);
-  const int64_t profile_step = cfg_.get_int("metrics.profile_step");
-  const bool profile_host_ops = cfg_.get_bool("metrics.profile_host_ops");
+  const int64_t profile_step = job_.metrics.profile_step;
+  const bool profile_host_ops = job_.metrics.profile_host_ops;
   VIADUCT_CHECK_T(ConfigError, profile_step == 0 || profile_host_ops || device_.is_cuda(),
                   "metrics.profile_host_ops = false records device kernels only, but "
                   "training.device is ", device_, ": nothing would be profiled");
@@ -385,7 +385,7 @@ StepMetrics Trainer::run() {
       StepProfiler profiler(device_, profile_host_ops);
       last = train_step();
       synchronize(device_);
-      const auto path = (fs::path(cfg_.get_string("job.dump_folder")) / "profile" /
+      const auto path = (fs::path(job_.job.dump_folder) / "profile" /
                          str("step-", step_, "-rank-", rank(), ".trace.json"))
                             .string();
       profiler.save(path);
@@ -410,10 +410,10 @@ StepMetrics Trainer::run() {
   }
   metrics_->flush();
   checkpointer_->wait();
-  if (cfg_.get_bool("checkpoint.last_save_in_hf") && step_ == total && !stopped_on_signal_) {
-    checkpointer_->write_final_hf(cfg_, step_, parts_);
+  if (job_.checkpoint.last_save_in_hf && step_ == total && !stopped_on_signal_) {
+    checkpointer_->write_final_hf(job_, step_, parts_);
   }
-  write_run_report_at_end(cfg_, *plan_, is_logging_rank());
+  write_run_report_at_end(job_, *plan_, is_logging_rank());
   return last;
 }
 

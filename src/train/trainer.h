@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "config/config.h"
+#include "config/job_config.h"
 #include "model/model.h"
 #include "ops/options.h"
 #include "train/metrics.h"
@@ -57,7 +58,9 @@ struct SamplerOptions;
 
 class Trainer {
  public:
-  explicit Trainer(Config cfg);
+  explicit Trainer(JobConfig job);
+  // The loaded raw config's sections (JobConfig::from).
+  explicit Trainer(const Config& cfg) : Trainer(JobConfig::from(cfg)) {}
   ~Trainer();
 
   // The whole job: resume if a checkpoint exists, train to training.steps,
@@ -86,7 +89,7 @@ class Trainer {
   bool is_logging_rank() const { return rank() == 0; }
   const pipeline::PipelinePlan& plan() const { return *plan_; }
   const Optimizer& optimizer() const;
-  const Config& config() const { return cfg_; }
+  const JobConfig& config() const { return job_; }
   std::string checkpoint_folder() const;
 
  private:
@@ -114,7 +117,7 @@ class Trainer {
                 const std::string& what);
   int64_t num_microbatches() const;
 
-  Config cfg_;
+  JobConfig job_;
   std::unique_ptr<distributed::Mesh> mesh_;
   std::vector<std::unique_ptr<FolderLock>> folder_locks_;
   std::unique_ptr<pipeline::PipelinePlan> plan_;

@@ -1,28 +1,28 @@
 #include "train/training_data.h"
 
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "core/log.h"
 
 namespace viaduct {
 
-TrainingData::TrainingData(const Config& cfg, int dp_rank, int dp_size) : cfg_(cfg) {
-  options_.batch_size = cfg.get_int("training.local_batch_size");
-  options_.seq_len = cfg.get_int("training.seq_len");
-  options_.seed = static_cast<uint64_t>(cfg.get_int("training.seed"));
-  options_.shuffle = cfg.get_bool("data.shuffle");
+TrainingData::TrainingData(const JobConfig& job, int dp_rank, int dp_size) : data_(job.data) {
+  options_.batch_size = job.training.local_batch_size;
+  options_.seq_len = job.training.seq_len;
+  options_.seed = static_cast<uint64_t>(job.training.seed);
+  options_.shuffle = job.data.shuffle;
   options_.dp_rank = dp_rank;
   options_.dp_size = dp_size;
   // data.path is a blend of one source (see Note [Windows and the data cursor]).
-  const auto format = cfg.get_string("data.format");
-  const auto paths = cfg.get_string_list("data.paths");
+  const auto& format = job.data.format;
+  const auto& paths = job.data.paths;
   const bool blend = !paths.empty();
   const std::vector<std::string> specs =
-      blend ? paths : std::vector<std::string>{cfg.get_string("data.path")};
+      blend ? paths : std::vector<std::string>{job.data.path};
   auto sources = data::open_data_sources(
       blend ? "data.paths" : "data.path", specs,
-      blend ? cfg.get_float_list("data.weights") : std::vector<double>{}, format);
-  const auto val = data::resolve_val_paths(specs, cfg.get_string("data.val_path"));
+      blend ? job.data.weights : std::vector<double>{}, format);
+  const auto val = data::resolve_val_paths(specs, job.data.val_path);
   if (!val.empty()) eval_tokens_ = data::open_token_stream(val, format);
   sampler_ = std::make_unique<data::TokenSampler>(std::move(sources), options_);
 }
@@ -45,7 +45,7 @@ void TrainingData::check_fits_vocab(int64_t vocab) const {
 }
 
 void TrainingData::hint_export_tokenizer() const {
-  if (!cfg_.get_string("data.tokenizer").empty()) return;
+  if (!data_.tokenizer.empty()) return;
   // The token files' headers name the tokenizer that made them; a real one
   // belongs beside the exported weights.
   for (size_t s = 0; s < sampler_->num_sources(); ++s) {
@@ -67,15 +67,15 @@ void TrainingData::cut_eval_batches(int64_t microbatches) {
                   " micro-batches (parallelism.pipeline_parallel_microbatches)");
   if (eval_tokens_) {
     eval_loader_ = std::make_unique<data::EvalLoader>(eval_tokens_, options_,
-                                                      cfg_.get_int("data.eval_batches"));
+                                                      data_.eval_batches);
   }
 }
 
 bool TrainingData::can_eval(bool warn_if_not) const {
   if (eval_loader_ && eval_loader_->num_batches() > 0) return true;
   if (!warn_if_not) return false;
-  if (cfg_.get_string_list("data.paths").empty()) {
-    log::warn("no held-out data (", data::val_path_for(cfg_.get_string("data.path")),
+  if (data_.paths.empty()) {
+    log::warn("no held-out data (", data::val_path_for(data_.path),
               " missing, data.val_path unset): eval is off");
   } else {
     log::warn("no held-out data (no data.paths entry is a file with a <stem>.val<.ext> "

@@ -8,19 +8,19 @@
 #include <memory>
 #include <vector>
 
+#include "config/job_config.h"
 #include "data/sampler.h"
 #include "data/token_file.h"
 
 namespace viaduct {
 
-class Config;
 
 class TrainingData {
  public:
   // Opens every source and the held-out file (data.val_path, or
   // <stem>.val<.ext> beside the training data) for replica `dp_rank` of
   // `dp_size`. A missing or corrupt file is an error naming it.
-  TrainingData(const Config& cfg, int dp_rank, int dp_size);
+  TrainingData(const JobConfig& job, int dp_rank, int dp_size);
   ~TrainingData();
 
   // A ConfigError when a token id of the training or the held-out data is
@@ -44,7 +44,7 @@ class TrainingData {
   const data::SamplerOptions& options() const { return options_; }
 
  private:
-  const Config& cfg_;
+  const DataSection data_;
   data::SamplerOptions options_;
   std::shared_ptr<const data::TokenStream> eval_tokens_;
   std::unique_ptr<data::TokenSampler> sampler_;

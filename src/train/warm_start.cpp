@@ -20,9 +20,9 @@ namespace {
 constexpr const char* kPathKey = "checkpoint.initial_load_path";
 
 // The HF folder's weights into this rank's parameters (the FQNs it owns).
-void load_hf_weights(const Config& cfg, const fs::path& folder,
+void load_hf_weights(const JobConfig& job, const fs::path& folder,
                      const std::vector<std::shared_ptr<ModelPart>>& parts) {
-  const ck::TensorMap weights = ck::read_hf_model(folder, *state_dict_adapter(cfg));
+  const ck::TensorMap weights = ck::read_hf_model(folder, *state_dict_adapter(job));
   torch::NoGradGuard no_grad;
   for (const auto& part : parts) {
     for (const auto& p : part->named_parameters()) {
@@ -51,8 +51,8 @@ fs::path viaduct_step_folder(const fs::path& path) {
 
 // Every model tensor of the checkpoint must have a place in this model: a
 // checkpoint of a deeper model would otherwise lose its other layers unseen.
-void check_every_tensor_has_a_place(const Config& cfg, const ck::Checkpoint& ckpt) {
-  const auto modules = model_module_fqns(cfg);
+void check_every_tensor_has_a_place(const JobConfig& job, const ck::Checkpoint& ckpt) {
+  const auto modules = model_module_fqns(job);
   for (const auto& name : ckpt.tensors.names()) {
     if (name.rfind("optim.", 0) == 0) continue;
     bool owned = false;
@@ -65,27 +65,27 @@ void check_every_tensor_has_a_place(const Config& cfg, const ck::Checkpoint& ckp
 
 }  // namespace
 
-TrainProgress warm_start(const Config& cfg,
+TrainProgress warm_start(const JobConfig& job,
                          const std::vector<std::shared_ptr<ModelPart>>& parts,
                          Optimizer& optimizer, data::TokenSampler& sampler,
                          ck::Verify verify) {
-  const fs::path path = cfg.get_string(kPathKey);
-  const bool model_only = cfg.get_bool("checkpoint.initial_load_model_only");
+  const fs::path path = job.checkpoint.initial_load_path;
+  const bool model_only = job.checkpoint.initial_load_model_only;
   std::error_code ec;
   VIADUCT_CHECK_T(FileError, fs::is_directory(path, ec), kPathKey, " '", path.string(),
-                  "' is not a folder (from ", cfg.source(kPathKey), ")");
-  if (cfg.get_bool("checkpoint.initial_load_in_hf") || ck::is_hf_folder(path)) {
+                  "' is not a folder (from ", job.source(kPathKey), ")");
+  if (job.checkpoint.initial_load_in_hf || ck::is_hf_folder(path)) {
     VIADUCT_CHECK_T(ConfigError, model_only, kPathKey, " '", path.string(),
                     "' is a Hugging Face model folder, which holds weights only: "
                     "set checkpoint.initial_load_model_only = true");
-    load_hf_weights(cfg, path, parts);
+    load_hf_weights(job, path, parts);
     log::info("warm start: the weights of the Hugging Face model ", path.string(),
               ", at step 0");
     return {};
   }
   const fs::path dir = viaduct_step_folder(path);
   const ck::Checkpoint ckpt = ck::open_checkpoint(dir, verify);
-  check_every_tensor_has_a_place(cfg, ckpt);
+  check_every_tensor_has_a_place(job, ckpt);
   for (const auto& part : parts) {
     load_part_tensors(ckpt.tensors, *part);
     ckpt.tensors.load_into(part->extra_state());
@@ -95,7 +95,7 @@ TrainProgress warm_start(const Config& cfg,
               "), at step 0 with a fresh optimizer and data cursor");
     return {};
   }
-  const auto excluded = cfg.get_string_list("checkpoint.exclude_from_loading");
+  const auto& excluded = job.checkpoint.exclude_from_loading;
   const auto excludes = [&](const char* what) {
     return std::find(excluded.begin(), excluded.end(), what) != excluded.end();
   };
@@ -120,23 +120,23 @@ TrainProgress warm_start(const Config& cfg,
   return progress;
 }
 
-fs::path hf_export_folder(const Config& cfg, int64_t step) {
-  return fs::path(checkpoint_folder_from_config(cfg)) / str("hf-step-", step);
+fs::path hf_export_folder(const JobConfig& job, int64_t step) {
+  return fs::path(checkpoint_folder_from_config(job)) / str("hf-step-", step);
 }
 
-std::vector<ck::HfExtraFile> hf_export_tokenizer_files(const Config& cfg) {
-  const std::string tokenizer = cfg.get_string("data.tokenizer");
+std::vector<ck::HfExtraFile> hf_export_tokenizer_files(const JobConfig& job) {
+  const std::string& tokenizer = job.data.tokenizer;
   if (tokenizer.empty()) return {};
   return ck::hf_tokenizer_files(tokenizer,
-                                str("data.tokenizer (from ", cfg.source("data.tokenizer"), ")"));
+                                str("data.tokenizer (from ", job.source("data.tokenizer"), ")"));
 }
 
-void write_hf_export(const Config& cfg, const fs::path& folder,
+void write_hf_export(const JobConfig& job, const fs::path& folder,
                      const ck::TensorMap& tensors) {
   ck::HfWriteOptions options;
   options.dtype = at::kFloat;
-  options.extra_files = hf_export_tokenizer_files(cfg);
-  ck::write_hf_folder(folder, tensors, *state_dict_adapter(cfg), options);
+  options.extra_files = hf_export_tokenizer_files(job);
+  ck::write_hf_folder(folder, tensors, *state_dict_adapter(job), options);
 }
 
 }  // namespace viaduct

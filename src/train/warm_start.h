@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "checkpoint/hf.h"
-#include "config/config.h"
+#include "config/job_config.h"
 #include "model/model.h"
 #include "train/optimizer.h"
 #include "train/train_state.h"
@@ -31,20 +31,20 @@ class TokenSampler;
 // the progress to start from ({0, 0} for weights only). A missing or
 // unreadable folder, a tensor of another shape (named, with both shapes) or
 // an HF model of another shape is an error naming the file or field.
-TrainProgress warm_start(const Config& cfg,
+TrainProgress warm_start(const JobConfig& job,
                          const std::vector<std::shared_ptr<ModelPart>>& parts,
                          Optimizer& optimizer, data::TokenSampler& sampler,
                          checkpoint::Verify verify);
 
 // <checkpoint folder>/hf-step-<step>: where last_save_in_hf writes.
-std::filesystem::path hf_export_folder(const Config& cfg, int64_t step);
+std::filesystem::path hf_export_folder(const JobConfig& job, int64_t step);
 // The tokenizer files the export carries: data.tokenizer's
 // (checkpoint::hf_tokenizer_files), none when it is empty. A missing file is
 // a FileError naming data.tokenizer, so the trainer asks before it trains.
-std::vector<checkpoint::HfExtraFile> hf_export_tokenizer_files(const Config& cfg);
+std::vector<checkpoint::HfExtraFile> hf_export_tokenizer_files(const JobConfig& job);
 // Writes the FQN-keyed weights `tensors` (all of the model's) as an HF model
 // folder in fp32 at `folder`, with the tokenizer files, atomically.
-void write_hf_export(const Config& cfg, const std::filesystem::path& folder,
+void write_hf_export(const JobConfig& job, const std::filesystem::path& folder,
                      const checkpoint::TensorMap& tensors);
 
 }  // namespace viaduct

@@ -15,7 +15,7 @@
 #include <thread>
 #include <tuple>
 
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "distributed/distributed.h"
 #include "distributed/launcher.h"
@@ -25,8 +25,8 @@
 #include "pipeline/attn_res/attn_res_stage.h"
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
-#include "pipeline/schedule/plan_config.h"
 #include "common/thread_ranks.h"
+#include "train/plan_spec.h"
 
 namespace viaduct::pipeline {
 namespace {
@@ -37,14 +37,14 @@ constexpr double kScale = 1.0 / 64;  // the trainer's 1 / tokens for 4 x 2 x 8
 constexpr double kLr = 1.0 / 1024;
 constexpr uint64_t kSeed = 7;
 
-Config exact16_config(std::vector<std::string> overrides = {}) {
+JobConfig exact16_config(std::vector<std::string> overrides = {}) {
   std::vector<std::string> o{"model.family=exact16",
                              "training.local_batch_size=8", "training.seq_len=8"};
   o.insert(o.end(), overrides.begin(), overrides.end());
-  return Config::parse("", "test", o);
+  return JobConfig::parse("", "test", o);
 }
 
-std::shared_ptr<Exact16Part> build(const Config& cfg, const std::vector<std::string>& fqns = {}) {
+std::shared_ptr<Exact16Part> build(const JobConfig& cfg, const std::vector<std::string>& fqns = {}) {
   auto part = std::dynamic_pointer_cast<Exact16Part>(build_model_part(cfg, fqns));
   VIADUCT_CHECK(part != nullptr, "exact16 did not build an Exact16Part");
   part->init_weights(kSeed);
@@ -163,7 +163,7 @@ struct Record {
   }
 };
 
-void run_one_process(const Config& cfg, Record& rec) {
+void run_one_process(const JobConfig& cfg, Record& rec) {
   auto part = build(cfg);
   rec.keep_initial(*part);
   rec.probe(*part);
@@ -179,7 +179,7 @@ void run_one_process(const Config& cfg, Record& rec) {
   }
 }
 
-void run_pipeline(const Config& cfg, const PipelinePlan& plan, AttnResTransport transport,
+void run_pipeline(const JobConfig& cfg, const PipelinePlan& plan, AttnResTransport transport,
                   AttnResCacheBackward backward, Record& rec) {
   const auto tables = std::make_shared<const BlockLayoutTables>(make_block_layout_tables(
       plan.split, exact16_options(cfg).block_size, transport, backward));
@@ -225,20 +225,20 @@ void run_pipeline(const Config& cfg, const PipelinePlan& plan, AttnResTransport 
 
 // 4 ranks, Interleaved1F1B, 4 micro-batches; the embedding and the head
 // count as no unit, so 16 stages hold one layer each.
-PipelinePlan plan_for(const Config& base, int64_t stages_per_rank,
-                      const StringListList& per_stage = {}) {
-  auto cfg = base;
-  cfg.set("parallelism.pipeline_parallel_degree", int64_t{4});
-  cfg.set("parallelism.pipeline_parallel_schedule", std::string("Interleaved1F1B"));
-  cfg.set("parallelism.pipeline_parallel_microbatches", kMicro);
-  cfg.set("parallelism.pipeline_parallel_first_stage_less_layers", int64_t{0});
-  cfg.set("parallelism.pipeline_parallel_last_stage_less_layers", int64_t{0});
+PipelinePlan plan_for(const JobConfig& cfg, int64_t stages_per_rank,
+                      const std::vector<std::vector<std::string>>& per_stage = {}) {
+  auto p = cfg.parallelism;
+  p.pipeline_parallel_degree = 4;
+  p.pipeline_parallel_schedule = "Interleaved1F1B";
+  p.pipeline_parallel_microbatches = kMicro;
+  p.pipeline_parallel_first_stage_less_layers = 0;
+  p.pipeline_parallel_last_stage_less_layers = 0;
   if (per_stage.empty()) {
-    cfg.set("parallelism.pipeline_parallel_stages_per_rank", stages_per_rank);
+    p.pipeline_parallel_stages_per_rank = stages_per_rank;
   } else {
-    cfg.set("parallelism.module_fqns_per_model_part", per_stage);
+    p.module_fqns_per_model_part = per_stage;
   }
-  return make_pipeline_plan(plan_spec_from_config(cfg, model_module_fqns(cfg)));
+  return make_pipeline_plan(viaduct::plan_spec_from_config(p, model_module_fqns(cfg)));
 }
 
 std::string diff(const at::Tensor& a, const at::Tensor& b) {
@@ -368,7 +368,7 @@ struct ExactCase {
   AttnResCacheBackward backward;
 };
 
-PipelinePlan exact_layout_plan(const Config& cfg, const std::string& layout) {
+PipelinePlan exact_layout_plan(const JobConfig& cfg, const std::string& layout) {
   if (layout == "16_stages") return plan_for(cfg, 4);
   if (layout == "8_stages") return plan_for(cfg, 2);
   // Stages 1-3 open a block at their last layer, not their first; the last
@@ -462,9 +462,9 @@ TEST(Exact16Family, ModulesDescriptionAndBound) {
   }
   // The configs/kimi_k3_debug.toml job takes the family as an override, and
   // the old spelling (a kimi_k3 flavor) still builds the same model.
-  const auto job = Config::load("configs/kimi_k3_debug.toml", {"model.family=exact16"});
+  const auto job = JobConfig::load("configs/kimi_k3_debug.toml", {"model.family=exact16"});
   EXPECT_NO_THROW(build_model_part(job));
-  const auto old = Config::load("configs/kimi_k3_debug.toml", {"model.flavor=exact16"});
+  const auto old = JobConfig::load("configs/kimi_k3_debug.toml", {"model.flavor=exact16"});
   EXPECT_EQ(model_module_fqns(old), model_module_fqns(job));
   EXPECT_NO_THROW(build_model_part(old));
 }

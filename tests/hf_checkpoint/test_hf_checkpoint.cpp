@@ -13,7 +13,7 @@
 #include <fstream>
 
 #include "checkpoint/hf.h"
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "core/file_io.h"
 #include "data/temp_dir.h"
@@ -31,7 +31,7 @@ using data::testing::TempDir;
 using viaduct::Attention;
 using viaduct::AttentionOptions;
 using viaduct::ChainSpec;
-using viaduct::Config;
+using viaduct::JobConfig;
 using viaduct::RopeScaling;
 using viaduct::gpt2_hf_adapter;
 using viaduct::llama_hf_adapter;
@@ -240,10 +240,10 @@ TEST(HfCheckpoint, ConfigJsonReadsBackIntoTheSameConfig) {
        "model.norm_eps=0.00001", "model.tie_embeddings=false"},
       {"model.family=gpt2", "model.flavor=124M"}};
   for (const auto& o : configs) {
-    const auto adapter = viaduct::state_dict_adapter(Config::parse("", "job.toml", o));
+    const auto adapter = viaduct::state_dict_adapter(JobConfig::parse("", "job.toml", o));
     const nlohmann::json c = adapter->to_hf_config("float32");
     const auto back = adapter->from_hf_config(c, "hf");
-    const auto again = viaduct::state_dict_adapter(Config::parse("", "config.json", back));
+    const auto again = viaduct::state_dict_adapter(JobConfig::parse("", "config.json", back));
     EXPECT_EQ(again->to_hf_config("float32"), c) << o[0] << " " << o[1];
     EXPECT_NO_THROW(again->check_hf_config(c, "hf"));
   }
@@ -253,7 +253,7 @@ TEST(HfCheckpoint, AFamilyWithoutAnHfLayoutIsRefusedNamingThoseWithOne) {
   for (const std::string family : {"kimi_k3", "exact16"}) {
     std::string msg;
     try {
-      viaduct::state_dict_adapter(Config::parse("", "job.toml", {"model.family=" + family}));
+      viaduct::state_dict_adapter(JobConfig::parse("", "job.toml", {"model.family=" + family}));
     } catch (const ConfigError& e) {
       msg = e.what();
     }

@@ -13,7 +13,7 @@
 
 #include <c10/cuda/CUDAStream.h>
 
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
 #include "kernels/attn_res_read.h"
@@ -587,7 +587,7 @@ struct StepResult {
 };
 StepResult run_step(const std::vector<std::string>& overrides, const at::Tensor& tokens,
                     const at::Tensor& targets, bool fp64_cpu) {
-  auto model = build_model_part(Config::parse("", "test", overrides));
+  auto model = build_model_part(JobConfig::parse("", "test", overrides));
   model->init_weights(11);
   if (fp64_cpu) {
     model->to(at::kDouble);
@@ -1095,7 +1095,7 @@ TEST(FusedKernels, WeightCacheChangesNoBit) {
   const auto seed = fresh_seed();
   const bool det = at::globalContext().deterministicAlgorithms();
   at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
-  auto cfg = Config::parse("", "test", {"model.n_layers=2", "training.seq_len=64"});
+  auto cfg = JobConfig::parse("", "test", {"model.n_layers=2", "training.seq_len=64"});
   auto tokens = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
   auto targets = at::randint(0, 300, {2, 64}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
   std::vector<std::vector<double>> losses(2);

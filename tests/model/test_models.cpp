@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "model/family.h"
 #include "model/model.h"
@@ -117,7 +117,7 @@ at::Tensor ref_forward(ParamMap& p, const at::Tensor& tokens, int64_t L,
 
 void check_against_reference(const std::string& family, const RefSpec& s) {
   at::set_num_threads(1);
-  auto cfg = Config::parse("", "test", {"model.family=" + family, "model.n_layers=2",
+  auto cfg = JobConfig::parse("", "test", {"model.family=" + family, "model.n_layers=2",
                                         "training.seq_len=12"});
   auto model = build_model_part(cfg);
   model->init_weights(7);
@@ -159,7 +159,7 @@ TEST(Gpt2, ForwardAndBackwardMatchReference) {
 }
 
 TEST(Models, FqnsFollowTorchtitanNames) {
-  auto cfg = Config::parse("", "test", {"model.n_layers=2"});
+  auto cfg = JobConfig::parse("", "test", {"model.n_layers=2"});
   auto fqns = model_module_fqns(cfg);
   EXPECT_EQ(fqns, (std::vector<std::string>{"tok_embeddings", "layers.0", "layers.1",
                                             "norm", "lm_head"}));
@@ -171,7 +171,7 @@ TEST(Models, FqnsFollowTorchtitanNames) {
                         "norm.weight", "lm_head.weight"}) {
     EXPECT_TRUE(p.count(k)) << k;
   }
-  auto g = Config::parse("", "test", {"model.family=gpt2", "model.n_layers=1"});
+  auto g = JobConfig::parse("", "test", {"model.family=gpt2", "model.n_layers=1"});
   EXPECT_EQ(model_module_fqns(g),
             (std::vector<std::string>{"tok_embeddings", "pos_embeddings", "layers.0",
                                       "norm", "lm_head"}));
@@ -187,7 +187,7 @@ TEST(Models, ModuleFlopsAddUpToTheModelsFlops) {
       {"model.family=kimi_k3", "model.flavor=debugmodel", "model.attn_res=false"},
   };
   for (const auto& overrides : configs) {
-    auto cfg = Config::parse("", "test", overrides);
+    auto cfg = JobConfig::parse("", "test", overrides);
     const auto info = describe_model(cfg);
     const auto fqns = model_module_fqns(cfg);
     double sum = 0;
@@ -201,7 +201,7 @@ TEST(Models, ModuleFlopsAddUpToTheModelsFlops) {
       EXPECT_EQ(info.module_flops.count("layers." + std::to_string(i)), 1u) << i;
     }
   }
-  auto cfg = Config::parse("", "test", {"model.n_layers=3"});
+  auto cfg = JobConfig::parse("", "test", {"model.n_layers=3"});
   const auto info = describe_model(cfg);
   // llama: the embedding is V x D, as the untied head.
   EXPECT_DOUBLE_EQ(info.module_flops.at("lm_head"), 6.0 * static_cast<double>(info.embedding_params));
@@ -210,7 +210,7 @@ TEST(Models, ModuleFlopsAddUpToTheModelsFlops) {
 TEST(Models, PartsChainedEqualTheWholeModelBitwise) {
   at::set_num_threads(1);
   for (const char* fam : {"llama", "gpt2"}) {
-    auto cfg = Config::parse("", "test", {std::string("model.family=") + fam,
+    auto cfg = JobConfig::parse("", "test", {std::string("model.family=") + fam,
                                           "model.n_layers=4", "model.tie_embeddings=false"});
     auto whole = build_model_part(cfg);
     whole->init_weights(3);
@@ -232,7 +232,7 @@ TEST(Models, PartsChainedEqualTheWholeModelBitwise) {
 }
 
 TEST(Models, InitMatchesReferenceStatistics) {
-  auto cfg = Config::parse("", "test", {"model.dim=256", "model.n_layers=2"});
+  auto cfg = JobConfig::parse("", "test", {"model.dim=256", "model.n_layers=2"});
   auto model = build_model_part(cfg);
   model->init_weights(1);
   auto p = params_of(*model);
@@ -248,7 +248,7 @@ TEST(Models, InitMatchesReferenceStatistics) {
 TEST(Models, BadShapesAreConfigErrors) {
   auto expect_error = [](std::vector<std::string> o, const std::string& needle) {
     try {
-      auto cfg = Config::parse("", "test", o);
+      auto cfg = JobConfig::parse("", "test", o);
       build_model_part(cfg);
       FAIL() << "no error for " << needle;
     } catch (const ConfigError& e) {
@@ -266,7 +266,7 @@ TEST(Models, BadShapesAreConfigErrors) {
 TEST(ModelFamilies, UnknownFamilyOrFlavorNamesTheValidOnes) {
   auto error_of = [](const std::vector<std::string>& o) -> std::string {
     try {
-      model_family(Config::parse("", "job.toml", o));
+      model_family(JobConfig::parse("", "job.toml", o));
     } catch (const ConfigError& e) {
       return e.what();
     }
@@ -284,7 +284,7 @@ TEST(ModelFamilies, UnknownFamilyOrFlavorNamesTheValidOnes) {
   msg = error_of({"model.family=kimi_k3", "model.flavor=huge"});
   EXPECT_NE(msg.find("debugmodel_deep"), std::string::npos) << msg;
   for (const auto& f : model_families()) {
-    EXPECT_EQ(model_family(Config::parse("", "job.toml", {"model.family=" + f.name})).name,
+    EXPECT_EQ(model_family(JobConfig::parse("", "job.toml", {"model.family=" + f.name})).name,
               f.name);
     // Every family has a debugmodel (the schema's default flavor).
     EXPECT_NE(std::find(f.flavors.begin(), f.flavors.end(), "debugmodel"), f.flavors.end())
@@ -294,12 +294,12 @@ TEST(ModelFamilies, UnknownFamilyOrFlavorNamesTheValidOnes) {
 
 TEST(ModelFamilies, AttnResOffIsKimiK3Only) {
   auto load = [](const std::string& toml, const std::vector<std::string>& o = {}) {
-    auto cfg = Config::parse(toml, "job.toml", o);
+    auto cfg = JobConfig::parse(toml, "job.toml", o);
     model_family(cfg);
     return cfg;
   };
   auto c = load("[model]\nfamily = \"kimi_k3\"\n");
-  EXPECT_TRUE(c.get_bool("model.attn_res"));  // default: AttnRes on
+  EXPECT_TRUE(c.model.keys.get_bool("model.attn_res"));  // default: AttnRes on
   EXPECT_NO_THROW(load("[model]\nfamily = \"kimi_k3\"\nattn_res = false\n"));
   for (const char* fam : {"llama", "gpt2"}) {
     std::string msg;
@@ -318,7 +318,7 @@ TEST(ModelFamilies, AttnResOffIsKimiK3Only) {
 // hand on, none for a chain (kimi_k3 with model.attn_res = false included).
 TEST(ModelFamilies, AttnResLayoutOfEachFamily) {
   auto layout = [](const std::vector<std::string>& o) {
-    return attn_res_layout(Config::parse("", "job.toml", o));
+    return attn_res_layout(JobConfig::parse("", "job.toml", o));
   };
   EXPECT_FALSE(layout({"model.family=llama"}).has_value());
   EXPECT_FALSE(layout({"model.family=gpt2"}).has_value());
@@ -366,7 +366,7 @@ struct LossAndGrads {
 };
 LossAndGrads loss_and_grads(const std::vector<std::string>& overrides, at::ScalarType dt,
                             int64_t seq, uint64_t seed) {
-  auto model = build_model_part(Config::parse("", "test", overrides));
+  auto model = build_model_part(JobConfig::parse("", "test", overrides));
   model->init_weights(seed);
   model->to(dt);
   model->set_compute_dtype(dt);
@@ -440,7 +440,7 @@ TEST(RemovedConfigKeys, SettingOneIsAConfigErrorThatSaysWhatNowHappens) {
        {"model.swiglu_one_gemm", "model.attn_res_fused_norm", "model.attn_res_grad_in_place"}) {
     // On the command line.
     try {
-      Config::parse("", "test", {key + "=false"});
+      JobConfig::parse("", "test", {key + "=false"});
       FAIL() << key << " was accepted";
     } catch (const ConfigError& e) {
       const std::string what = e.what();
@@ -451,7 +451,7 @@ TEST(RemovedConfigKeys, SettingOneIsAConfigErrorThatSaysWhatNowHappens) {
     // In a file.
     const auto dot = key.find('.');
     try {
-      Config::parse("[" + key.substr(0, dot) + "]\n" + key.substr(dot + 1) + " = true\n",
+      JobConfig::parse("[" + key.substr(0, dot) + "]\n" + key.substr(dot + 1) + " = true\n",
                     "job.toml", {});
       FAIL() << key << " was accepted in a file";
     } catch (const ConfigError& e) {

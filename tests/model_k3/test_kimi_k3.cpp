@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "model/families.h"
 #include "model/kimi_k3.h"
@@ -16,15 +16,15 @@
 namespace viaduct {
 namespace {
 
-Config k3_config(const std::string& flavor,
+JobConfig k3_config(const std::string& flavor,
                  const std::vector<std::string>& overrides = {}) {
   std::vector<std::string> o{"model.family=kimi_k3", "model.flavor=" + flavor};
   o.insert(o.end(), overrides.begin(), overrides.end());
-  return Config::parse("", "test", o);
+  return JobConfig::parse("", "test", o);
 }
 
 // 8 layers in blocks of 3 (0-2, 3-5, 6-7): MLA at 3 and 7, MoE from layer 1.
-Config small_config(bool vision = false) {
+JobConfig small_config(bool vision = false) {
   return k3_config("debugmodel",
                    {"model.n_layers=8", "model.attn_res_block_size=3",
                     "model.dim=32", "model.kda_head_dim=16",
@@ -32,7 +32,7 @@ Config small_config(bool vision = false) {
                     std::string("model.vision=") + (vision ? "true" : "false")});
 }
 
-std::shared_ptr<KimiK3Part> build(const Config& cfg,
+std::shared_ptr<KimiK3Part> build(const JobConfig& cfg,
                                   const std::vector<std::string>& fqns = {}) {
   auto p = std::dynamic_pointer_cast<KimiK3Part>(build_model_part(cfg, fqns));
   p->init_weights(42);
@@ -109,7 +109,7 @@ TEST(KimiK3Model, FlavorsAndFullAttentionRule) {
   EXPECT_TRUE(deep.layers[24].opens_block);
   EXPECT_EQ(describe_model(k3_config("debugmodel")).n_layers, 24);
   // The integer-gradient model is its own family (model/exact16.h).
-  auto ex = describe_model(Config::parse("", "test", {"model.family=exact16"}));
+  auto ex = describe_model(JobConfig::parse("", "test", {"model.family=exact16"}));
   EXPECT_EQ(ex.n_layers, 16);
   EXPECT_TRUE(ex.layers[12].opens_block);
   EXPECT_EQ(ex.layers[15].block, 3);
@@ -124,7 +124,7 @@ TEST(KimiK3Model, FlavorsAndFullAttentionRule) {
 }
 
 TEST(KimiK3Model, MlaIntervalPicksTheFullAttentionLayers) {
-  auto kinds = [](const Config& cfg) {
+  auto kinds = [](const JobConfig& cfg) {
     std::string s;
     for (const auto& l : describe_model(cfg).layers) s += l.attention == "mla" ? 'M' : 'k';
     return s;
@@ -186,7 +186,7 @@ TEST(KimiK3Model, PartActivationContract) {
 }
 
 // Whole model vs parts chained by hand: logits and every gradient bitwise.
-void expect_chain_matches(const Config& cfg,
+void expect_chain_matches(const JobConfig& cfg,
                           const std::vector<std::vector<std::string>>& split,
                           const Activations& input) {
   auto whole = build(cfg);
@@ -250,7 +250,7 @@ TEST(KimiK3Model, BlockGradientsInPlaceHaveAutogradsBits) {
   };
   auto run = [&](bool in_place) {
     auto cfg = small_config();
-    cfg = Config::parse("", "test",
+    cfg = JobConfig::parse("", "test",
                         {"model.family=kimi_k3", "model.flavor=debugmodel", "model.n_layers=8",
                          "model.attn_res_block_size=3", "model.dim=32", "model.kda_head_dim=16",
                          "model.kda_chunk_size=8", "training.seq_len=24"});
@@ -418,7 +418,7 @@ TEST(KimiK3Model, TinyModelTrainsAndIsDeterministic) {
 // reference is the chain composed here by hand from the model's own
 // sublayers: h = emb; h += attention(attention_norm(h)); h += ffn(ffn_norm(h));
 // logits = lm_head(norm(h)). Logits, loss and every gradient bitwise.
-Config plain_config() {
+JobConfig plain_config() {
   return k3_config("debugmodel",
                    {"model.n_layers=8", "model.attn_res_block_size=3",
                     "model.dim=32", "model.kda_head_dim=16",

@@ -15,13 +15,13 @@
 #include <string>
 #include <vector>
 
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "model/model.h"
 #include "ops/recompute.h"
 #include "pipeline/runtime/stage.h"
-#include "pipeline/schedule/plan_config.h"
 #include "train/memory_estimate.h"
+#include "train/plan_spec.h"
 
 namespace viaduct {
 namespace {
@@ -44,7 +44,7 @@ std::vector<std::string> family_args(const std::string& family) {
   return a;
 }
 
-Config make_config(const std::string& family, const std::vector<std::string>& extra) {
+JobConfig make_config(const std::string& family, const std::vector<std::string>& extra) {
   auto o = family_args(family);
   auto set = [&](const std::string& key) {
     for (const auto& e : extra) {
@@ -57,7 +57,7 @@ Config make_config(const std::string& family, const std::vector<std::string>& ex
     o.push_back("training.local_batch_size=" + std::to_string(kBatch));
   }
   o.insert(o.end(), extra.begin(), extra.end());
-  return Config::parse("", "test", o);
+  return JobConfig::parse("", "test", o);
 }
 
 // What a run leaves to compare: per step the loss, every gradient and the
@@ -134,7 +134,7 @@ void record_params(const std::vector<std::shared_ptr<ModelPart>>& parts, Run& ru
 
 // The whole model in one process, micro-batches one after another; on
 // `device` with activations in `dtype` when given (the weights stay fp32).
-Run train_one_process(const Config& cfg, const at::Device& device = at::kCPU,
+Run train_one_process(const JobConfig& cfg, const at::Device& device = at::kCPU,
                       at::ScalarType dtype = at::kFloat) {
   auto part = build_model_part(cfg);
   part->init_weights(7);
@@ -168,7 +168,7 @@ enum class Backward { kPlain, kZeroBubble };
 // holding every stage): forwards of every micro-batch, then backward --
 // plain B per stage, or zero-bubble's I for each micro-batch and stage and
 // the W of each afterwards.
-Run train_stages(const Config& cfg, int64_t n_stages, Backward how) {
+Run train_stages(const JobConfig& cfg, int64_t n_stages, Backward how) {
   const auto fqns = model_module_fqns(cfg);
   // Cut the layers evenly; pinned modules ride with the ends.
   std::vector<std::string> layers;
@@ -338,7 +338,7 @@ double heap_bytes() {
 }
 
 // The bytes a forward leaves alive for its backward.
-double kept_after_forward(const Config& cfg) {
+double kept_after_forward(const JobConfig& cfg) {
   auto part = build_model_part(cfg);
   part->init_weights(7);
   auto [tokens, targets] = batch(0, 8, 64);
@@ -381,9 +381,9 @@ TEST(ActivationCheckpoint, MemoryEstimateKeepsInputsAndOneRecompute) {
     mode.insert(mode.end(), base.begin(), base.end());
     return make_config("llama", mode);
   };
-  auto estimate = [](const Config& cfg) {
+  auto estimate = [](const JobConfig& cfg) {
     const auto plan = pipeline::make_pipeline_plan(
-        pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg)));
+        plan_spec_from_config(cfg.parallelism, model_module_fqns(cfg)));
     return estimate_rank_memory(cfg, describe_model(cfg), plan, 0, at::kFloat, false);
   };
   const auto none_cfg = cfg_of({});
@@ -425,7 +425,7 @@ TEST(ActivationCheckpoint, MemoryEstimateKeepsInputsAndOneRecompute) {
 }
 
 TEST(ActivationCheckpoint, ConfigTakesOpAndRefusesBadValues) {
-  auto parse = [](std::vector<std::string> o) { return Config::parse("", "test", o); };
+  auto parse = [](std::vector<std::string> o) { return JobConfig::parse("", "test", o); };
   EXPECT_NO_THROW(parse({"activation_checkpoint.mode=full"}));
   EXPECT_NO_THROW(parse({"activation_checkpoint.mode=selective",
                          "activation_checkpoint.selective_ac_option=4"}));

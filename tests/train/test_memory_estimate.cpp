@@ -6,27 +6,27 @@
 #include <string>
 #include <vector>
 
-#include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "model/model.h"
-#include "pipeline/schedule/plan_config.h"
 #include "train/memory_estimate.h"
+#include "train/plan_spec.h"
 
 namespace viaduct {
 namespace {
 
-Config llama_config(std::vector<std::string> extra = {}) {
+JobConfig llama_config(std::vector<std::string> extra = {}) {
   std::vector<std::string> o = {"model.family=llama", "model.flavor=debugmodel",
                                 "model.n_layers=2", "model.dim=64", "model.n_heads=4",
                                 "model.n_kv_heads=2", "training.seq_len=32",
                                 "training.local_batch_size=8"};
   o.insert(o.end(), extra.begin(), extra.end());
-  return Config::parse("", "test", o);
+  return JobConfig::parse("", "test", o);
 }
 
-pipeline::PipelinePlan plan_of(const Config& cfg) {
+pipeline::PipelinePlan plan_of(const JobConfig& cfg) {
   return pipeline::make_pipeline_plan(
-      pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg)));
+      plan_spec_from_config(cfg.parallelism, model_module_fqns(cfg)));
 }
 
 // The shapes the closed form needs, read off the built model.
@@ -34,7 +34,7 @@ struct Shapes {
   double params = 0, dim = 0, kv = 0, hidden = 0, vocab = 0;
 };
 
-Shapes shapes_of(const Config& cfg) {
+Shapes shapes_of(const JobConfig& cfg) {
   Shapes s;
   auto part = build_model_part(cfg);
   for (const auto& p : part->named_parameters()) {
@@ -86,7 +86,7 @@ TEST(MemoryEstimate, OneProcessLlamaMatchesClosedForm) {
 // gone; with two micro-batches (or accumulated batches) the first one's
 // gradients are live while the second one's activations are kept.
 TEST(MemoryEstimate, PeakCountsThePartsLiveTogether) {
-  auto estimate = [](const Config& cfg) {
+  auto estimate = [](const JobConfig& cfg) {
     return estimate_rank_memory(cfg, describe_model(cfg), plan_of(cfg), 0, at::kFloat, false);
   };
   const auto one = estimate(llama_config());

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "config/config.h"
+#include "config/job_config.h"
 #include "train/optimizer.h"
 #include "train/sharded_optimizer.h"
 
@@ -48,14 +49,14 @@ TEST(AdamW, NoDecayOnNormsBiasesEmbeddings) {
 }
 
 TEST(LrSchedule, WarmupThenCosineToMin) {
-  auto cfg = Config::parse("", "t", {"optimizer.lr=1.0", "training.steps=110",
+  auto cfg = JobConfig::parse("", "t", {"optimizer.lr=1.0", "training.steps=110",
                                      "lr_scheduler.warmup_steps=10",
                                      "lr_scheduler.min_lr_factor=0.1"});
   EXPECT_DOUBLE_EQ(lr_at(cfg, 1), 0.1);
   EXPECT_DOUBLE_EQ(lr_at(cfg, 10), 1.0);
   EXPECT_NEAR(lr_at(cfg, 60), 0.1 + 0.9 * 0.5, 1e-12);  // half way: cos(pi/2) = 0
   EXPECT_NEAR(lr_at(cfg, 110), 0.1, 1e-12);
-  auto lin = Config::parse("", "t", {"optimizer.lr=1.0", "training.steps=110",
+  auto lin = JobConfig::parse("", "t", {"optimizer.lr=1.0", "training.steps=110",
                                      "lr_scheduler.warmup_steps=10",
                                      "lr_scheduler.decay_type=linear",
                                      "lr_scheduler.min_lr_factor=0"});

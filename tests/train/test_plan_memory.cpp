@@ -14,12 +14,12 @@
 
 #include "common/process_runs.h"
 #include "common/reference_cache.h"
-#include "config/config.h"
+#include "config/job_config.h"
 #include "data/temp_dir.h"
 #include "model/family.h"
 #include "model/model.h"
-#include "pipeline/schedule/plan_config.h"
 #include "train/memory_estimate.h"
+#include "train/plan_spec.h"
 
 namespace viaduct {
 namespace {
@@ -64,9 +64,9 @@ std::vector<MemoryEstimate> reference(const PlanCase& c,
                                       const std::vector<std::string>& extra = {}) {
   auto o = c.overrides;
   o.insert(o.end(), extra.begin(), extra.end());
-  const auto cfg = Config::load(c.config, o);
+  const auto cfg = JobConfig::load(c.config, o);
   const auto info = describe_model(cfg);
-  auto spec = pipeline::plan_spec_from_config(cfg, model_module_fqns(cfg));
+  auto spec = plan_spec_from_config(cfg.parallelism, model_module_fqns(cfg));
   spec.module_flops = info.module_flops;
   const auto plan = pipeline::make_pipeline_plan(spec);
   std::vector<MemoryEstimate> out;
@@ -116,8 +116,8 @@ TEST_P(PlanMemory, PerRankFiguresAreTheEstimate) {
   const auto want = reference(c);
   const auto none = reference(c, {"activation_checkpoint.mode=none"});
   const auto full = reference(c, {"activation_checkpoint.mode=full"});
-  const auto cfg = Config::load(c.config, c.overrides);
-  EXPECT_EQ(j["family"].get<std::string>(), cfg.get_string("model.family"));
+  const auto cfg = JobConfig::load(c.config, c.overrides);
+  EXPECT_EQ(j["family"].get<std::string>(), cfg.model.family);
   EXPECT_EQ(j["dtype"].get<std::string>(), "float32");
   EXPECT_EQ(j["device"].get<std::string>(), "cpu");
   const bool attn_res = attn_res_layout(cfg).has_value();

@@ -12,6 +12,7 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/manager.h"
 #include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "data/fixtures.h"
 #include "data/temp_dir.h"
@@ -109,8 +110,10 @@ TEST(Trainer, MetricsCarryThePlanMemoryEstimate) {
                          "parallelism.pipeline_parallel_microbatches=2"});
   Trainer t(cfg);
   t.run();
-  const double want =
-      estimate_rank_memory(cfg, describe_model(cfg), t.plan(), 0, at::kFloat, false).total();
+  const auto job_config = JobConfig::from(cfg);
+  const double want = estimate_rank_memory(job_config, describe_model(job_config), t.plan(), 0,
+                                           at::kFloat, false)
+                          .total();
   auto lines = read_metrics(fs::path(cfg.get_string("job.dump_folder")) / "metrics.jsonl");
   int steps = 0;
   for (const auto& j : lines) {

@@ -11,6 +11,7 @@
 #include "checkpoint/hf.h"
 #include "common/process_runs.h"
 #include "config/config.h"
+#include "config/job_config.h"
 #include "core/check.h"
 #include "data/fixtures.h"
 #include "data/temp_dir.h"
@@ -249,9 +250,10 @@ TEST(LastSaveInHf, TheFolderHoldsTheFinalWeights) {
     const auto cfg = job.config(dump, o);
     Trainer t(cfg);
     t.run();
-    const auto folder = hf_export_folder(cfg, 3);
+    const auto job_config = JobConfig::from(cfg);
+    const auto folder = hf_export_folder(job_config, 3);
     EXPECT_EQ(folder, fs::path(t.checkpoint_folder()) / "hf-step-3");
-    const auto back = checkpoint::read_hf_model(folder, *state_dict_adapter(cfg));
+    const auto back = checkpoint::read_hf_model(folder, *state_dict_adapter(job_config));
     expect_same_bits(weights(t), std::map<std::string, at::Tensor>(back.begin(), back.end()));
     // And a run started from it has those weights.
     Trainer w(job.config(dump + "_warm", {"checkpoint.initial_load_path=" + folder.string()}));
@@ -270,7 +272,7 @@ TEST(LastSaveInHf, TheFolderCarriesTheTokenizerOfDataTokenizer) {
   const auto cfg = job.config("run", {"checkpoint.last_save_in_hf=true",
                                       "data.tokenizer=" + (tok / "tokenizer.json").string()});
   Trainer(cfg).run();
-  const auto folder = hf_export_folder(cfg, 3);
+  const auto folder = hf_export_folder(JobConfig::from(cfg), 3);
   EXPECT_EQ(data::testing::read_bytes((folder / "tokenizer.json").string()),
             data::testing::read_bytes((tok / "tokenizer.json").string()));
   EXPECT_TRUE(fs::exists(folder / "tokenizer_config.json"));
@@ -326,9 +328,9 @@ TEST(WarmStart, TwoPipelineRanksLoadAndExportUnderALauncher) {
   // Read as the model its config.json describes (llama's reading of it).
   const auto hf = checkpoint::read_hf_folder(hf_dir);
   const auto overrides =
-      state_dict_adapter(Config::parse("", "test"))->from_hf_config(hf.config, hf_dir.string());
+      state_dict_adapter(JobConfig::parse("", "test"))->from_hf_config(hf.config, hf_dir.string());
   const auto back =
-      checkpoint::read_hf_model(hf_dir, *state_dict_adapter(Config::parse("", "test", overrides)));
+      checkpoint::read_hf_model(hf_dir, *state_dict_adapter(JobConfig::parse("", "test", overrides)));
   expect_same_bits(std::map<std::string, at::Tensor>(final_weights.begin(), final_weights.end()),
                    std::map<std::string, at::Tensor>(back.begin(), back.end()));
 }
