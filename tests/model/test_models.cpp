@@ -12,7 +12,6 @@
 #include "core/check.h"
 #include "model/family.h"
 #include "model/model.h"
-#include "ops/cross_entropy.h"
 
 using namespace viaduct;
 
@@ -333,28 +332,6 @@ TEST(ModelFamilies, AttnResLayoutOfEachFamily) {
   EXPECT_EQ(e16->n_layers, 16);
   EXPECT_EQ(e16->block_size, 4);
   EXPECT_EQ(e16->dim, 16);
-}
-
-TEST(ChunkedHeadLoss, MatchesLogitsThenCrossEntropyInFp64) {
-  at::manual_seed(3);
-  const int64_t N = 37, D = 16, V = 50;
-  auto h = torch::randn({N, D}, torch::kDouble).requires_grad_(true);
-  auto w = torch::randn({V, D}, torch::kDouble).requires_grad_(true);
-  auto t = torch::randint(0, V, {N}, torch::kLong);
-  t[5] = -100;  // ignored
-  t[20] = -100;
-  auto ref = at::cross_entropy_loss(at::matmul(h, w.t()), t, {}, at::Reduction::Sum, -100);
-  (ref * 0.25).backward();
-  const auto gh = h.grad().clone(), gw = w.grad().clone();
-  for (int64_t chunk : {1, 8, 37, 64}) {
-    h.mutable_grad() = at::Tensor();
-    w.mutable_grad() = at::Tensor();
-    auto loss = ops::chunked_head_cross_entropy(h, w, t, chunk, ops::KernelOptions{});
-    (loss * 0.25).backward();
-    EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-11) << chunk;
-    EXPECT_TRUE(torch::allclose(h.grad(), gh, 1e-10, 1e-12)) << chunk;
-    EXPECT_TRUE(torch::allclose(w.grad(), gw, 1e-10, 1e-12)) << chunk;
-  }
 }
 
 // One forward_loss + backward of a fresh model from `overrides` (init seed

@@ -21,7 +21,7 @@
 #include "data/temp_dir.h"
 #include "pipeline/attn_res/block_layout.h"
 #include "pipeline/schedule/plan.h"
-#include "attn_res/k3_plan.h"
+#include "k3_plan.h"
 
 namespace fs = std::filesystem;
 using namespace viaduct::pipeline;

@@ -23,7 +23,7 @@
 #include "data/token_file.h"
 #include "pipeline/attn_res/block_layout.h"
 #include "pipeline/schedule/plan.h"
-#include "attn_res/k3_plan.h"
+#include "k3_plan.h"
 
 namespace fs = std::filesystem;
 using namespace viaduct::pipeline;

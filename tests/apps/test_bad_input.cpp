@@ -13,7 +13,7 @@
 
 #include "common/process_runs.h"
 #include "data/temp_dir.h"
-#include "survive/survive_util.h"
+#include "survive_util.h"
 
 namespace viaduct::testing {
 namespace {

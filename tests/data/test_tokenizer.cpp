@@ -1,7 +1,7 @@
 // Real tokenizers against a reference encoder: GPT-2's and llama-3's
 // tokenizer.json encoded by viaduct and by Hugging Face's tokenizers.js, and
 // tiktoken's encodings by viaduct and by tiktoken's npm build
-// (tests/tokenizer/reference_encode.mjs, fetched with the tokenizer files by
+// (tests/data/reference_encode.mjs, fetched with the tokenizer files by
 // scripts/fetch_tokenizers.sh), id for id, on the whole fortunes corpus and
 // on hard cases; UTF-8 repair against its closed form; bad files.
 #include <gtest/gtest.h>
@@ -30,7 +30,7 @@ using testing::TempDir;
 using testing::write_text;
 
 const std::string kCache = VIADUCT_TOKENIZER_CACHE;
-const std::string kReferenceScript = VIADUCT_SOURCE_DIR "/tests/tokenizer/reference_encode.mjs";
+const std::string kReferenceScript = VIADUCT_SOURCE_DIR "/tests/data/reference_encode.mjs";
 const std::string kFortunes = "/usr/share/games/fortunes";
 
 std::string tokenizer_path(const std::string& name) {

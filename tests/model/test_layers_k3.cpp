@@ -1,6 +1,7 @@
-// The Kimi-K3 layers against references: chunked KDA against the recurrent
-// form, AttnRes against its closed forms, every layer's gradient against
-// central differences in fp64, and the MoE bias's selection-only rule.
+// The Kimi-K3 layers against references: the KDA layer chunked against its
+// recurrent form, AttnRes against its closed forms, every layer's gradient
+// against central differences in fp64, and the MoE bias's selection-only
+// rule. The ops under them (chunked KDA, the MoE dispatch) are in tests/ops.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -12,125 +13,13 @@
 #include "model/mla.h"
 #include "model/moe.h"
 #include "model/vision.h"
-#include "ops/moe.h"
-#include "model_k3/grad_check.h"
+#include "grad_check.h"
 
 namespace viaduct {
 namespace {
 
 using testing::expect_gradients_match;
 using testing::named_params;
-
-struct KdaInputs {
-  at::Tensor q, k, v, g, beta;
-};
-
-// Normalised q, k (q scaled), decays in [-decay_max, 0], beta in (0, 1).
-KdaInputs random_kda(int64_t B, int64_t T, int64_t H, int64_t dk, int64_t dv,
-                     double decay_max, uint64_t seed) {
-  torch::manual_seed(seed);
-  auto o = torch::TensorOptions().dtype(torch::kDouble);
-  auto nrm = [](const at::Tensor& x) {
-    return x / x.norm(2, -1, /*keepdim=*/true);
-  };
-  KdaInputs in;
-  in.q = nrm(torch::randn({B, T, H, dk}, o)) / std::sqrt(double(dk));
-  in.k = nrm(torch::randn({B, T, H, dk}, o));
-  in.v = torch::randn({B, T, H, dv}, o);
-  in.g = -decay_max * torch::rand({B, T, H, dk}, o);
-  in.beta = torch::sigmoid(torch::randn({B, T, H}, o));
-  return in;
-}
-
-TEST(KdaChunked, MatchesRecurrentFp64) {
-  const auto in = random_kda(2, 37, 2, 8, 6, 1.0, 1);
-  const auto ref = ops::kda_recurrent(in.q, in.k, in.v, in.g, in.beta);
-  ASSERT_EQ(ref.scalar_type(), at::kDouble);
-  for (int64_t chunk : {1, 4, 8, 16, 64}) {
-    auto out = ops::kda_chunked(in.q, in.k, in.v, in.g, in.beta, chunk);
-    EXPECT_EQ(out.sizes(), ref.sizes());
-    EXPECT_LT((out - ref).abs().max().item<double>(), 1e-12) << "chunk " << chunk;
-  }
-}
-
-TEST(KdaChunked, GradientsMatchRecurrentFp64) {
-  auto in = random_kda(1, 21, 2, 4, 5, 0.5, 2);
-  std::vector<at::Tensor> leaves{in.q, in.k, in.v, in.g, in.beta};
-  // Chunks of 8 (one sub-chunk) and of 32 (two sub-chunks of 16, Note [KDA
-  // decayed products in sub-chunks]).
-  for (int64_t chunk : {8, 32}) {
-  auto grads = [&](bool chunked) {
-    std::vector<at::Tensor> xs;
-    for (auto& t : leaves) xs.push_back(t.detach().clone().requires_grad_(true));
-    auto o = chunked ? ops::kda_chunked(xs[0], xs[1], xs[2], xs[3], xs[4], chunk)
-                     : ops::kda_recurrent(xs[0], xs[1], xs[2], xs[3], xs[4]);
-    torch::manual_seed(3);
-    (o * torch::randn(o.sizes(), o.options())).sum().backward();
-    std::vector<at::Tensor> gs;
-    for (auto& x : xs) gs.push_back(x.grad());
-    return gs;
-  };
-  auto a = grads(true), b = grads(false);
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_LT((a[i] - b[i]).abs().max().item<double>(), 1e-11) << "input " << i << " chunk "
-                                                               << chunk;
-  }
-  }
-}
-
-// An initial state enters both forms the same way: outputs and every
-// gradient, the state's own included, agree in fp64.
-TEST(KdaChunked, InitialStateMatchesRecurrentFp64) {
-  auto in = random_kda(2, 19, 2, 4, 5, 0.5, 5);
-  torch::manual_seed(6);
-  auto S0 = torch::randn({2, 2, 4, 5}, torch::TensorOptions().dtype(torch::kDouble));
-  std::vector<at::Tensor> leaves{in.q, in.k, in.v, in.g, in.beta, S0};
-  for (int64_t chunk : {4, 32}) {
-    auto run = [&](bool chunked) {
-      std::vector<at::Tensor> xs;
-      for (auto& t : leaves) xs.push_back(t.detach().clone().requires_grad_(true));
-      auto o = chunked ? ops::kda_chunked(xs[0], xs[1], xs[2], xs[3], xs[4], chunk, xs[5])
-                       : ops::kda_recurrent(xs[0], xs[1], xs[2], xs[3], xs[4], xs[5]);
-      torch::manual_seed(7);
-      (o * torch::randn(o.sizes(), o.options())).sum().backward();
-      std::vector<at::Tensor> out{o.detach()};
-      for (auto& x : xs) out.push_back(x.grad());
-      return out;
-    };
-    auto a = run(true), b = run(false);
-    // The state changes the output: a run from zero differs.
-    auto zero = ops::kda_chunked(in.q, in.k, in.v, in.g, in.beta, chunk);
-    EXPECT_GT((zero - b[0]).abs().max().item<double>(), 1e-3);
-    for (size_t i = 0; i < a.size(); ++i) {
-      EXPECT_LT((a[i] - b[i]).abs().max().item<double>(), 1e-11) << "tensor " << i << " chunk "
-                                                                 << chunk;
-    }
-  }
-}
-
-// The grouped experts' dispatch (Note [MoE dispatch into padded groups]):
-// every slot in its expert's group in slot order, each group padded to the
-// alignment and at least one alignment long, the buffer sized without a
-// look at the counts.
-TEST(MoeDispatch, GroupsArePaddedAndInSlotOrder) {
-  const int64_t A = ops::kExpertAlign;
-  // Tokens' choices: [3, 0], [3, 1], [0, 3]; expert 2 gets none.
-  auto idx = at::tensor(std::vector<int64_t>{3, 0, 3, 1, 0, 3}).view({3, 2});
-  auto d = ops::dispatch_experts(idx, 4, {});
-  auto vec = [](const at::Tensor& t) {
-    auto c = t.to(at::kLong).contiguous();
-    return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-  };
-  EXPECT_EQ(vec(d.counts), (std::vector<int64_t>{2, 1, 0, 3}));
-  EXPECT_EQ(vec(d.offs), (std::vector<int64_t>{A, 2 * A, 3 * A, 4 * A}));
-  EXPECT_EQ(vec(d.pos), (std::vector<int64_t>{3 * A, 0, 3 * A + 1, A, 1, 3 * A + 2}));
-  EXPECT_EQ(d.rows, 6 + 4 * A);
-  // A group longer than the alignment is rounded up to its next multiple.
-  auto many = at::zeros({A + 1, 1}, at::kLong);
-  auto m = ops::dispatch_experts(many, 2, {});
-  EXPECT_EQ(vec(m.offs), (std::vector<int64_t>{2 * A, 3 * A}));
-  EXPECT_EQ(vec(m.pos).back(), A);
-}
 
 // Equal biased scores pick the lower expert ids, in order: a router of
 // zeros scores every expert 0.5, so every token takes experts 0 .. k-1;
@@ -157,22 +46,6 @@ TEST(MoeRoute, TiesGoToTheLowerExpertId) {
     EXPECT_EQ(idx[n][1].item<int64_t>(), 0);
     EXPECT_EQ(idx[n][2].item<int64_t>(), 1);
   }
-}
-
-TEST(KdaChunked, StrongDecayStaysFinite) {
-  // Cumulative log-decays reach -1900 inside a chunk: exp of the unmasked
-  // upper triangle would overflow; masking before exp keeps all finite.
-  auto in = random_kda(1, 64, 1, 4, 4, 60.0, 4);
-  auto q = in.q.to(at::kFloat).requires_grad_(true);
-  auto g = in.g.to(at::kFloat).requires_grad_(true);
-  auto o = ops::kda_chunked(q, in.k.to(at::kFloat), in.v.to(at::kFloat), g,
-                       in.beta.to(at::kFloat), 64);
-  o.sum().backward();
-  EXPECT_TRUE(torch::isfinite(o).all().item<bool>());
-  EXPECT_TRUE(torch::isfinite(q.grad()).all().item<bool>());
-  EXPECT_TRUE(torch::isfinite(g.grad()).all().item<bool>());
-  auto ref = ops::kda_recurrent(in.q, in.k, in.v, in.g, in.beta);
-  EXPECT_LT((o.to(at::kDouble) - ref).abs().max().item<double>(), 1e-4);
 }
 
 TEST(KdaLayer, ChunkedEqualsRecurrentAndGradcheck) {
@@ -446,23 +319,6 @@ TEST(Moe, BiasUpdateWithoutTokensChangesNothing) {
   ASSERT_EQ(moe->tokens_per_expert.sum().item<int64_t>(), 0);
   moe->update_bias();
   EXPECT_TRUE(torch::equal(moe->expert_bias, before));
-}
-
-// The MoE's combine gather: index_select's values, and a gradient written
-// into place equal to index_select's added into zeros.
-TEST(MoeDispatch, GatherDistinctRowsHasIndexSelectsBits) {
-  torch::manual_seed(5);
-  auto src = torch::randn({11, 6}, torch::requires_grad());
-  auto pos = torch::randperm(11, torch::kLong).narrow(0, 0, 7);
-  auto y = ops::gather_distinct_rows(src, pos);
-  auto src2 = src.detach().clone().requires_grad_(true);
-  auto y2 = src2.index_select(0, pos);
-  EXPECT_TRUE(torch::equal(y, y2));
-  auto g = torch::randn({7, 6});
-  y.backward(g);
-  y2.backward(g);
-  EXPECT_TRUE(torch::equal(src.grad(), src2.grad()));
-  EXPECT_EQ(src.grad().abs().sum(1).nonzero().size(0), 7);  // the 4 unread rows are zero
 }
 
 TEST(Vision, GradcheckAndMerge) {

@@ -24,10 +24,10 @@ struct GoldenRow {
 };
 
 const GoldenRow kTorchOrders[] = {
-#include "pipeline_plan/torch_orders.inc"
+#include "torch_orders.inc"
 };
 const GoldenRow kTorchLowered[] = {
-#include "pipeline_plan/torch_lowered.inc"
+#include "torch_lowered.inc"
 };
 
 std::string rank_text(const std::vector<Action>& actions) {

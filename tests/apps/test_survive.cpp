@@ -27,7 +27,7 @@
 #include "data/temp_dir.h"
 #include "distributed/job_store.h"
 #include "distributed/launcher.h"
-#include "survive/survive_util.h"
+#include "survive_util.h"
 
 namespace viaduct::testing {
 namespace {
