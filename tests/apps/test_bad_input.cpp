@@ -154,9 +154,9 @@ TEST_F(BadInput, ARestartFromScratchLeavesOneLinePerStep) {
       ASSERT_EQ(r.exit_code, 0) << r.output;
     }
     const auto lines = metric_lines(dir_.file(dump + "/metrics.jsonl"));
-    const std::vector<std::pair<int64_t, std::string>> want{
+    const std::vector<std::pair<int64_t, std::string>> reference{
         {0, "eval"}, {1, "step"}, {2, "step"}, {2, "eval"}, {3, "step"}, {3, "eval"}};
-    EXPECT_EQ(lines, want) << dump;
+    EXPECT_EQ(lines, reference) << dump;
   }
 }
 

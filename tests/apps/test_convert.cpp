@@ -54,9 +54,9 @@ class ConvertApp : public ::testing::Test {
     run_viaduct_ok(1, " convert --to viaduct --input " + hf + " --output " + back +
                           " --config " + VIADUCT_SOURCE_DIR + "/configs/" + config +
                           " --model.n_layers=4");
-    TensorMap want = model_tensors(step), got = model_tensors(fs::path(back) / "step-0");
-    ASSERT_EQ(want.size(), got.size());
-    for (const auto& [name, t] : want) {
+    TensorMap reference = model_tensors(step), got = model_tensors(fs::path(back) / "step-0");
+    ASSERT_EQ(reference.size(), got.size());
+    for (const auto& [name, t] : reference) {
       ASSERT_TRUE(got.count(name)) << name;
       EXPECT_TRUE(at::equal(t, got.at(name))) << name << " differs after the round trip";
     }

@@ -60,7 +60,7 @@ nlohmann::json plan_json(const PlanCase& c) {
 
 // The reference: every pp rank's estimate for the config plus `extra`, the
 // model described and the plan made as the trainer's rank model makes them.
-std::vector<MemoryEstimate> reference(const PlanCase& c,
+std::vector<MemoryEstimate> reference_estimates(const PlanCase& c,
                                       const std::vector<std::string>& extra = {}) {
   auto o = c.overrides;
   o.insert(o.end(), extra.begin(), extra.end());
@@ -113,9 +113,9 @@ TEST_P(PlanMemory, PerRankFiguresAreTheEstimate) {
   const auto& c = GetParam();
   const auto j = plan_json(c);
   ASSERT_TRUE(j.is_object());
-  const auto want = reference(c);
-  const auto none = reference(c, {"activation_checkpoint.mode=none"});
-  const auto full = reference(c, {"activation_checkpoint.mode=full"});
+  const auto reference = reference_estimates(c);
+  const auto none = reference_estimates(c, {"activation_checkpoint.mode=none"});
+  const auto full = reference_estimates(c, {"activation_checkpoint.mode=full"});
   const auto cfg = Config::load(c.config, c.overrides);
   EXPECT_EQ(j["family"].get<std::string>(), cfg.get_string("model.family"));
   EXPECT_EQ(j["dtype"].get<std::string>(), "float32");
@@ -123,11 +123,11 @@ TEST_P(PlanMemory, PerRankFiguresAreTheEstimate) {
   const bool attn_res = attn_res_layout(cfg).has_value();
   EXPECT_EQ(j["attn_res"].get<bool>(), attn_res);
   EXPECT_EQ(j.contains("hops"), attn_res);
-  ASSERT_EQ(j["ranks"].size(), want.size());
-  for (size_t r = 0; r < want.size(); ++r) {
+  ASSERT_EQ(j["ranks"].size(), reference.size());
+  for (size_t r = 0; r < reference.size(); ++r) {
     SCOPED_TRACE("pp rank " + std::to_string(r));
     const auto& m = j["ranks"][r]["memory"];
-    const auto& e = want[r];
+    const auto& e = reference[r];
     EXPECT_DOUBLE_EQ(m["weights"].get<double>(), e.weights);
     EXPECT_DOUBLE_EQ(m["gradients"].get<double>(), e.gradients);
     EXPECT_DOUBLE_EQ(m["optimizer"].get<double>(), e.optimizer);
@@ -149,9 +149,9 @@ TEST_P(PlanMemory, PerRankFiguresAreTheEstimate) {
   // The text form prints the same table without an error.
   const auto text = shell(command_line(c));
   ASSERT_EQ(text.exit_code, 0) << text.output;
-  for (const char* want_text : {"memory per pp rank", "weights", "gradients", "optimizer",
+  for (const char* reference_text : {"memory per pp rank", "weights", "gradients", "optimizer",
                                 "activations", "loss", "bwd work", "peak", "none / full"}) {
-    EXPECT_NE(text.output.find(want_text), std::string::npos) << want_text << "\n"
+    EXPECT_NE(text.output.find(reference_text), std::string::npos) << reference_text << "\n"
                                                               << text.output;
   }
   EXPECT_EQ(text.output.find("AttnRes") != std::string::npos, attn_res) << text.output;
@@ -214,7 +214,7 @@ TEST(PlanMemoryMetrics, PipelineRunCarriesThePlanTotalsPerRank) {
   testing::run_viaduct_ok(2, args);
   const auto steps = testing::step_metrics((dir.path() / "out").string());
   ASSERT_EQ(steps.size(), 2u);
-  const auto want = reference(c);
+  const auto reference = reference_estimates(c);
   const auto plan = plan_json(c);
   ASSERT_EQ(plan["ranks"].size(), 2u);
   for (const auto& j : steps) {
@@ -222,12 +222,12 @@ TEST(PlanMemoryMetrics, PipelineRunCarriesThePlanTotalsPerRank) {
     ASSERT_TRUE(j.contains("plan_memory_bytes_per_rank"));
     ASSERT_EQ(j["plan_memory_bytes_per_rank"].size(), 2u);
     for (size_t r = 0; r < 2; ++r) {
-      EXPECT_DOUBLE_EQ(j["plan_memory_bytes_per_rank"][r].get<double>(), want[r].total());
+      EXPECT_DOUBLE_EQ(j["plan_memory_bytes_per_rank"][r].get<double>(), reference[r].total());
       EXPECT_DOUBLE_EQ(j["plan_memory_bytes_per_rank"][r].get<double>(),
                        plan["ranks"][r]["memory"]["total"].get<double>());
     }
     // Rank 0 writes the line: its own figure beside its own peak.
-    EXPECT_DOUBLE_EQ(j["plan_memory_bytes"].get<double>(), want[0].total());
+    EXPECT_DOUBLE_EQ(j["plan_memory_bytes"].get<double>(), reference[0].total());
     EXPECT_TRUE(j.contains("peak_memory_bytes_per_rank"));
   }
 }

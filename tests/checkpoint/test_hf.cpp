@@ -128,9 +128,9 @@ TEST(RopeScaling, Llama3FrequenciesMatchTheClosedForm) {
   int seen[3] = {0, 0, 0};
   for (int64_t i = 0; i < hd / 2; ++i) {
     int regime = 0;
-    const double want = llama3_frequency(i, hd, theta, s, &regime);
+    const double reference = llama3_frequency(i, hd, theta, s, &regime);
     ++seen[regime];
-    EXPECT_NEAR(got[i].item<double>(), want, 1e-13 * want) << "frequency " << i;
+    EXPECT_NEAR(got[i].item<double>(), reference, 1e-13 * reference) << "frequency " << i;
   }
   EXPECT_GT(seen[0], 0);
   EXPECT_GT(seen[1], 0);

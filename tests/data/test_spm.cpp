@@ -29,12 +29,12 @@ namespace fs = std::filesystem;
 using testing::TempDir;
 using testing::write_text;
 
-const std::string kFortunes = "/usr/share/games/fortunes";
+const std::string kFortunesFolder = "/usr/share/games/fortunes";
 
 // Every non-empty line of the fortunes files (spm_encode reads lines).
 std::vector<std::string> fortune_lines() {
   std::vector<std::string> lines;
-  for (const auto& path : list_text_files({kFortunes})) {
+  for (const auto& path : list_text_files({kFortunesFolder})) {
     std::ifstream in(path, std::ios::binary);
     for (std::string l; std::getline(in, l);) {
       if (!l.empty() && l != "%") lines.push_back(l);
@@ -57,7 +57,7 @@ const std::vector<std::string> kHardCases = {
 int run(const std::string& cmd) { return std::system(cmd.c_str()); }
 
 // spm_encode's ids for each line of `lines`.
-std::vector<std::vector<int64_t>> reference(const std::string& model_file,
+std::vector<std::vector<int64_t>> reference_ids(const std::string& model_file,
                                                    const std::vector<std::string>& lines) {
   TempDir dir;
   std::string text;
@@ -111,14 +111,14 @@ TempDir* Spm::dir_ = nullptr;
 void expect_same_ids(const std::string& model_file, const std::vector<std::string>& lines) {
   SpmTokenizer tok(model_file);
   auto state = tok.new_state();
-  const auto want = reference(model_file, lines);
-  ASSERT_EQ(want.size(), lines.size());
+  const auto reference = reference_ids(model_file, lines);
+  ASSERT_EQ(reference.size(), lines.size());
   int shown = 0;
   size_t differ = 0;
   for (size_t i = 0; i < lines.size(); ++i) {
     std::vector<int64_t> got;
     tok.encode_into(lines[i], /*add_special_tokens=*/false, got, *state);
-    if (got != want[i]) {
+    if (got != reference[i]) {
       ++differ;
       if (shown++ < 3) ADD_FAILURE() << model_file << " line " << i << ": '" << lines[i] << "'";
     }
@@ -152,10 +152,10 @@ TEST_F(Spm, DocumentsStartWithBosAndHeaderFactsComeFromTheModel) {
   tok.encode_into("Two lines\nof one document.", true, special, *state);
   tok.encode_into("Two lines\nof one document.", false, plain, *state);
   ASSERT_FALSE(plain.empty());
-  std::vector<int64_t> want{1};
-  want.insert(want.end(), plain.begin(), plain.end());
-  EXPECT_EQ(doc, want);
-  EXPECT_EQ(special, want);
+  std::vector<int64_t> reference{1};
+  reference.insert(reference.end(), plain.begin(), plain.end());
+  EXPECT_EQ(doc, reference);
+  EXPECT_EQ(special, reference);
   // A model trained without BOS puts EOS before each document.
   const std::string cmd = "spm_train --minloglevel=2 --input=" + dir_->file("train.txt") +
                           " --model_prefix=" + dir_->file("nobos") +
@@ -223,9 +223,9 @@ TEST_F(Spm, PrepareDataOnSeveralThreadsWritesWhatOneThreadWrites) {
   // And both are BOS + the tokenizer's ids of each document, in order.
   SpmTokenizer tok(model("bpe"));
   auto state = tok.new_state();
-  std::vector<int64_t> want;
-  for (const auto& d : docs) tok.encode_document(d, want, *state);
-  EXPECT_EQ(outs[0], want);
+  std::vector<int64_t> reference;
+  for (const auto& d : docs) tok.encode_document(d, reference, *state);
+  EXPECT_EQ(outs[0], reference);
 }
 
 TEST_F(Spm, ACorruptModelAndAMissingWorkerAreRefusedNamingThem) {

@@ -85,14 +85,14 @@ Reference reference_encode(const std::string& tokenizer,
                     dir.file("request.json") + "' '" + dir.file("result.json") + "'";
   int rc = std::system(cmd.c_str());
   EXPECT_EQ(rc, 0) << cmd << " failed (node and scripts/fetch_tokenizers.sh needed)";
-  Reference ref;
-  if (rc != 0) return ref;
+  Reference reference;
+  if (rc != 0) return reference;
   std::ifstream in(dir.file("result.json"));
   json result = json::parse(in);
-  ref.ids = result.at("ids").get<std::vector<std::vector<int64_t>>>();
-  ref.seconds = result.at("seconds").get<double>();
-  ref.bytes = result.at("bytes").get<double>();
-  return ref;
+  reference.ids = result.at("ids").get<std::vector<std::vector<int64_t>>>();
+  reference.seconds = result.at("seconds").get<double>();
+  reference.bytes = result.at("bytes").get<double>();
+  return reference;
 }
 
 std::string printable(std::string_view s) {
@@ -119,16 +119,16 @@ void expect_same_ids(const TextTokenizer& tok, const std::string& tokenizer_file
     tok.encode_into(texts[i], add_special_tokens, ours[i], *state);
   }
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  Reference ref = reference_encode(tokenizer_file, texts, add_special_tokens, tiktoken);
-  ASSERT_EQ(ref.ids.size(), texts.size());
+  Reference reference = reference_encode(tokenizer_file, texts, add_special_tokens, tiktoken);
+  ASSERT_EQ(reference.ids.size(), texts.size());
   int mismatches = 0;
   int64_t tokens = 0;
   for (size_t i = 0; i < texts.size(); ++i) {
     tokens += static_cast<int64_t>(ours[i].size());
-    if (ours[i] != ref.ids[i] && ++mismatches <= 5) {
+    if (ours[i] != reference.ids[i] && ++mismatches <= 5) {
       std::ostringstream a, b;
       for (auto x : ours[i]) a << x << ' ';
-      for (auto x : ref.ids[i]) b << x << ' ';
+      for (auto x : reference.ids[i]) b << x << ' ';
       ADD_FAILURE() << what << ": text " << i << " '" << printable(texts[i])
                     << "'\n  viaduct:   " << a.str().substr(0, 400)
                     << "\n  reference: " << b.str().substr(0, 400);
@@ -139,8 +139,8 @@ void expect_same_ids(const TextTokenizer& tok, const std::string& tokenizer_file
   std::printf("%s: %zu texts, %lld tokens, %.2f MB: viaduct %.2f MB/s, "
               "reference %.2f MB/s (one thread each)\n",
               what.c_str(), texts.size(), static_cast<long long>(tokens),
-              ref.bytes / 1e6, ref.bytes / 1e6 / seconds,
-              ref.bytes / 1e6 / ref.seconds);
+              reference.bytes / 1e6, reference.bytes / 1e6 / seconds,
+              reference.bytes / 1e6 / reference.seconds);
 }
 
 void expect_same_ids(const std::string& tokenizer_file,
@@ -413,14 +413,14 @@ TEST(HfTokenizer, PrepareDataWritesUint32PastTheUint16Range) {
   EXPECT_EQ(f.vocab_size(), 128256);
   std::vector<int64_t> got(static_cast<size_t>(f.size()));
   f.read(0, f.size(), got.data());
-  Reference ref = reference_encode(options.tokenizer, {docs[0] + "\n", docs[1] + "\n"}, false);
-  ASSERT_EQ(ref.ids.size(), 2u);
-  std::vector<int64_t> want;
-  for (const auto& ids : ref.ids) {
-    want.push_back(128001);
-    want.insert(want.end(), ids.begin(), ids.end());
+  Reference reference = reference_encode(options.tokenizer, {docs[0] + "\n", docs[1] + "\n"}, false);
+  ASSERT_EQ(reference.ids.size(), 2u);
+  std::vector<int64_t> reference_ids;
+  for (const auto& ids : reference.ids) {
+    reference_ids.push_back(128001);
+    reference_ids.insert(reference_ids.end(), ids.begin(), ids.end());
   }
-  EXPECT_EQ(got, want);
+  EXPECT_EQ(got, reference_ids);
   EXPECT_GT(f.max_token(), 65535);
 }
 

@@ -68,12 +68,12 @@ TEST(MoeRouting, TopkKernelChoosesAsAStableSort) {
     ASSERT_TRUE(kernels::moe_topk_usable(scores, K));
     auto got = kernels::moe_topk(scores, bias, K);
     auto sums = scores.cpu() + bias.cpu();
-    auto want = std::get<1>(at::sort(sums, /*stable=*/true, -1, /*descending=*/true))
+    auto reference = std::get<1>(at::sort(sums, /*stable=*/true, -1, /*descending=*/true))
                     .narrow(-1, 0, K);
-    ASSERT_EQ(got.sizes(), want.sizes());
-    EXPECT_EQ(longs(got), longs(want));
+    ASSERT_EQ(got.sizes(), reference.sizes());
+    EXPECT_EQ(longs(got), longs(reference));
     // The model's entry point takes the kernel under the kernel options.
-    EXPECT_EQ(longs(ops::top_experts(scores, bias, K, ops::KernelOptions{})), longs(want));
+    EXPECT_EQ(longs(ops::top_experts(scores, bias, K, ops::KernelOptions{})), longs(reference));
   }
 }
 
@@ -88,17 +88,17 @@ TEST(MoeRouting, DispatchKernelsPlaceAsTheSortForm) {
       SCOPED_TRACE("S " + std::to_string(S) + " E " + std::to_string(E));
       auto ids = at::randint(0, E, {S}, at::kLong);
       if (E > 2) ids.masked_fill_(ids == 1, 0);
-      auto ref = ops::dispatch_experts(ids, E, {});  // on the CPU: the sort form
+      auto reference = ops::dispatch_experts(ids, E, {});  // on the CPU: the sort form
       auto got = ops::dispatch_experts(ids.to(at::kCUDA), E, {});
       // The sort form on the GPU too, where the options turn the kernels off.
       auto sorted = ops::dispatch_experts(ids.to(at::kCUDA), E, {.fused = false});
-      EXPECT_EQ(longs(sorted.pos), longs(ref.pos));
+      EXPECT_EQ(longs(sorted.pos), longs(reference.pos));
       ASSERT_TRUE(got.pos.is_cuda());
-      EXPECT_EQ(got.rows, ref.rows);
-      EXPECT_EQ(longs(got.counts), longs(ref.counts));
-      EXPECT_EQ(longs(got.offs), longs(ref.offs));
+      EXPECT_EQ(got.rows, reference.rows);
+      EXPECT_EQ(longs(got.counts), longs(reference.counts));
+      EXPECT_EQ(longs(got.offs), longs(reference.offs));
       EXPECT_EQ(got.offs.scalar_type(), at::kInt);
-      EXPECT_EQ(longs(got.pos), longs(ref.pos));
+      EXPECT_EQ(longs(got.pos), longs(reference.pos));
     }
   }
 }

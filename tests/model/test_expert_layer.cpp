@@ -180,21 +180,21 @@ Reference run_one(int rank, int64_t n, const at::Tensor& bias, const at::Device&
   auto x = tokens(rank, n).to(device).requires_grad_(true);
   auto y = moe->forward(x);
   (y * loss_weights(rank, n).to(device)).sum().backward();
-  Reference ref;
-  ref.y = y.detach();
-  ref.dx = x.grad();
-  ref.drouter = moe->router->weight.grad();
+  Reference reference;
+  reference.y = y.detach();
+  reference.dx = x.grad();
+  reference.drouter = moe->router->weight.grad();
   for (auto* w : {&moe->experts->w1, &moe->experts->w2, &moe->experts->w3}) {
-    ref.dw.push_back(w->grad());
+    reference.dw.push_back(w->grad());
   }
-  ref.w1 = moe->experts->w1.detach().clone();
+  reference.w1 = moe->experts->w1.detach().clone();
   torch::NoGradGuard g;
   auto xf = x.detach().reshape({-1, options().dim});
-  ref.idx = moe->route(xf).first;
+  reference.idx = moe->route(xf).first;
   const int64_t K = options().n_activated_experts;
-  ref.slots = xf.unsqueeze(1).expand({n, K, options().dim}).reshape({n * K, options().dim});
-  ref.keep = capacity_keep_by_loop(ref.idx, opts);
-  return ref;
+  reference.slots = xf.unsqueeze(1).expand({n, K, options().dim}).reshape({n * K, options().dim});
+  reference.keep = capacity_keep_by_loop(reference.idx, opts);
+  return reference;
 }
 
 // Bitwise on the CPU; on a GPU within `tol` (relative), the bits counted.
@@ -216,51 +216,51 @@ void expect_matches_one_rank(int ep, int64_t n, const at::Tensor& bias,
                              const MoeOptions& opts = options()) {
   const auto sharded = run_sharded(ep, n, bias, device, opts);
   const int64_t E = opts.n_routed_experts, El = E / ep;
-  std::vector<Reference> refs;
-  for (int r = 0; r < ep; ++r) refs.push_back(run_one(r, n, bias, device, opts));
+  std::vector<Reference> references;
+  for (int r = 0; r < ep; ++r) references.push_back(run_one(r, n, bias, device, opts));
   Compare same{device.is_cpu()};
   for (int r = 0; r < ep; ++r) {
     const auto& got = sharded[static_cast<size_t>(r)];
-    const auto& ref = refs[static_cast<size_t>(r)];
+    const auto& reference = references[static_cast<size_t>(r)];
     SCOPED_TRACE("ep " + std::to_string(ep) + " rank " + std::to_string(r));
-    EXPECT_TRUE(same(got.y, ref.y));
+    EXPECT_TRUE(same(got.y, reference.y));
     // The dispatch's closed form: the counts, then for every source in rank
     // order the copies of this rank's experts, expert by expert, each in
     // the source's slot order.
     ASSERT_GE(got.received.size(), 3u);
-    std::vector<at::Tensor> want_rows;
-    std::vector<int64_t> want_counts;
+    std::vector<at::Tensor> reference_rows;
+    std::vector<int64_t> reference_counts;
     for (int s = 0; s < ep; ++s) {
-      const auto& src = refs[static_cast<size_t>(s)];
+      const auto& src = references[static_cast<size_t>(s)];
       const auto flat = src.idx.reshape({-1});
       for (int64_t e = r * El; e < (r + 1) * El; ++e) {
         const auto slots = ((flat == e) & src.keep.to(flat.device())).nonzero().reshape({-1});
-        want_counts.push_back(slots.numel());
-        want_rows.push_back(src.slots.index_select(0, slots));
+        reference_counts.push_back(slots.numel());
+        reference_rows.push_back(src.slots.index_select(0, slots));
       }
     }
-    EXPECT_TRUE(torch::equal(got.received[0].reshape({-1}).cpu(), torch::tensor(want_counts)));
-    EXPECT_TRUE(torch::equal(got.received[1].cpu(), at::cat(want_rows, 0).cpu()));
+    EXPECT_TRUE(torch::equal(got.received[0].reshape({-1}).cpu(), torch::tensor(reference_counts)));
+    EXPECT_TRUE(torch::equal(got.received[1].cpu(), at::cat(reference_rows, 0).cpu()));
     if (!device.is_cpu()) {
       // The forward's exchanges alone: the counts, the rows, the outputs.
       EXPECT_EQ(got.received.size(), 3u);
       continue;
     }
-    EXPECT_TRUE(torch::equal(got.w1, ref.w1.narrow(0, r * El, El)));
-    EXPECT_TRUE(same(got.dx, ref.dx));
-    EXPECT_TRUE(same(got.drouter, ref.drouter));
+    EXPECT_TRUE(torch::equal(got.w1, reference.w1.narrow(0, r * El, El)));
+    EXPECT_TRUE(same(got.dx, reference.dx));
+    EXPECT_TRUE(same(got.drouter, reference.drouter));
     // Each source's gradient of this rank's experts: the rows of the
     // unsharded layer's gradient on that source's tokens.
     ASSERT_EQ(got.source_grads.size(), static_cast<size_t>(ep));
     for (int s = 0; s < ep; ++s) {
       for (size_t w = 0; w < 3; ++w) {
-        const auto want = refs[static_cast<size_t>(s)].dw[w].narrow(0, r * El, El);
+        const auto reference_dw = references[static_cast<size_t>(s)].dw[w].narrow(0, r * El, El);
         const auto& g = got.source_grads[static_cast<size_t>(s)][w];
         if (!g.defined()) {
-          EXPECT_TRUE(torch::equal(want.cpu(), torch::zeros_like(want).cpu())) << "source " << s;
+          EXPECT_TRUE(torch::equal(reference_dw.cpu(), torch::zeros_like(reference_dw).cpu())) << "source " << s;
           continue;
         }
-        EXPECT_TRUE(same(g, want)) << "source " << s << " weight " << w;
+        EXPECT_TRUE(same(g, reference_dw)) << "source " << s << " weight " << w;
       }
     }
   }
@@ -309,7 +309,7 @@ TEST(ExpertCapacity, DropsTheCopiesPastEachExpertsCapacityInSlotOrder) {
   ASSERT_GT(dropped, 0) << "the capacity should drop some copies of this routing";
   ASSERT_LT(dropped, n * K);
   EXPECT_EQ(moe->tokens_dropped.item<int64_t>(), dropped);
-  auto want = moe->shared_expert(xf);
+  auto reference = moe->shared_expert(xf);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t j = 0; j < K; ++j) {
       if (!keep[t * K + j].item<bool>()) continue;
@@ -317,10 +317,10 @@ TEST(ExpertCapacity, DropsTheCopiesPastEachExpertsCapacityInSlotOrder) {
       const auto xt = xf[t];
       const auto h = at::silu(at::matmul(moe->experts->w1[e], xt)) *
                      at::matmul(moe->experts->w3[e], xt);
-      want[t] += w[t][j] * at::matmul(moe->experts->w2[e], h);
+      reference[t] += w[t][j] * at::matmul(moe->experts->w2[e], h);
     }
   }
-  EXPECT_LT((y - want).abs().max().item<double>(), 1e-5);
+  EXPECT_LT((y - reference).abs().max().item<double>(), 1e-5);
   // A capacity nothing reaches keeps the dropless layer's bits.
   auto wide = options();
   wide.capacity_factor = 100.0;
@@ -380,11 +380,11 @@ TEST(ExpertLayer, OnTheGpuTheLocalSumRunsTheGroupedExperts) {
   Compare same{false, 1e-2};  // bf16
   EXPECT_TRUE(same(ys, yw));
   EXPECT_TRUE(same(dxs, dxw));
-  const std::vector<at::Tensor> want{whole->experts->w1.grad(), whole->experts->w2.grad(),
+  const std::vector<at::Tensor> reference{whole->experts->w1.grad(), whole->experts->w2.grad(),
                                      whole->experts->w3.grad()};
   for (size_t w = 0; w < 3; ++w) {
     ASSERT_TRUE(grads[0][w].defined()) << "weight " << w;
-    EXPECT_TRUE(same(grads[0][w], want[w])) << "weight " << w;
+    EXPECT_TRUE(same(grads[0][w], reference[w])) << "weight " << w;
   }
   std::printf("[ grouped local experts on %s ] %d of %d tensors bitwise the unsharded layer's\n",
               dev.str().c_str(), same.same_bits, same.compared);

@@ -200,18 +200,18 @@ void expect_chain_matches(const Config& cfg,
   auto targets = input[0].roll(-1, 1);
   summed_cross_entropy(logits, targets).backward();
   summed_cross_entropy(act[0], targets).backward();
-  std::map<std::string, at::Tensor> ref;
-  for (const auto& p : whole->named_parameters()) ref[p.key()] = p.value().grad();
+  std::map<std::string, at::Tensor> reference;
+  for (const auto& p : whole->named_parameters()) reference[p.key()] = p.value().grad();
   size_t seen = 0;
   for (auto& part : parts) {
     for (const auto& p : part->named_parameters()) {
-      ASSERT_TRUE(ref.count(p.key())) << p.key();
+      ASSERT_TRUE(reference.count(p.key())) << p.key();
       ASSERT_TRUE(p.value().grad().defined()) << p.key();
-      EXPECT_TRUE(torch::equal(p.value().grad(), ref[p.key()])) << p.key();
+      EXPECT_TRUE(torch::equal(p.value().grad(), reference[p.key()])) << p.key();
       ++seen;
     }
   }
-  EXPECT_EQ(seen, ref.size());
+  EXPECT_EQ(seen, reference.size());
 }
 
 TEST(KimiK3Model, PartsChainedGiveTheWholeModelBitwise) {
@@ -344,9 +344,9 @@ TEST(KimiK3Model, VisionPartsAndImagesBitwise) {
 TEST(KimiK3Model, InitIsLayoutIndependent) {
   auto cfg = small_config(true);
   auto whole = build(cfg);
-  std::map<std::string, at::Tensor> ref;
-  for (const auto& p : whole->named_parameters()) ref[p.key()] = p.value();
-  for (const auto& b : whole->named_buffers()) ref[b.key()] = b.value();
+  std::map<std::string, at::Tensor> reference;
+  for (const auto& p : whole->named_parameters()) reference[p.key()] = p.value();
+  for (const auto& b : whole->named_buffers()) reference[b.key()] = b.value();
   const std::vector<std::vector<std::string>> split{
       {"tok_embeddings", "vision_tower", "layers.0"},
       {"layers.1", "layers.2", "layers.3"},
@@ -356,17 +356,17 @@ TEST(KimiK3Model, InitIsLayoutIndependent) {
   for (const auto& s : split) {
     auto part = build(cfg, s);
     for (const auto& p : part->named_parameters()) {
-      ASSERT_TRUE(ref.count(p.key())) << p.key();
-      EXPECT_TRUE(torch::equal(p.value(), ref[p.key()])) << p.key();
+      ASSERT_TRUE(reference.count(p.key())) << p.key();
+      EXPECT_TRUE(torch::equal(p.value(), reference[p.key()])) << p.key();
       ++seen;
     }
   }
   EXPECT_EQ(seen, whole->named_parameters().size());
   EXPECT_GT(seen, 50u);
-  EXPECT_TRUE(ref.count("layers.1.moe.expert_bias"));
-  EXPECT_TRUE(ref.count("layers.3.attention.wkv_a.weight"));
-  EXPECT_TRUE(ref.count("layers.0.attention.q_conv.weight"));
-  EXPECT_TRUE(ref.count("attn_res_final.query"));
+  EXPECT_TRUE(reference.count("layers.1.moe.expert_bias"));
+  EXPECT_TRUE(reference.count("layers.3.attention.wkv_a.weight"));
+  EXPECT_TRUE(reference.count("layers.0.attention.q_conv.weight"));
+  EXPECT_TRUE(reference.count("attn_res_final.query"));
 }
 
 TEST(KimiK3Model, AfterOptimizerStepMovesTheMoeBias) {
@@ -430,7 +430,7 @@ TEST(KimiK3Plain, LossEqualsAHandComposedPlainResidualChain) {
   auto cfg = plain_config();
   ASSERT_FALSE(kimi_k3_options(cfg).attn_res);
   auto model = build(cfg);
-  auto ref = build(cfg);  // the same (seed, FQN) weights
+  auto reference_model = build(cfg);  // the same (seed, FQN) weights
   for (const auto& p : model->named_parameters()) {
     EXPECT_EQ(p.key().find("attn_res"), std::string::npos) << p.key();
   }
@@ -438,30 +438,30 @@ TEST(KimiK3Plain, LossEqualsAHandComposedPlainResidualChain) {
   auto targets = tokens.roll(-1, 1);
   auto loss = summed_cross_entropy(model->forward({tokens})[0], targets);
 
-  auto h = at::embedding(ref->tok_embeddings->weight, tokens);  // [B, T, D]
-  for (auto layer : ref->layers()) {  // holders: shared_ptr copies
+  auto h = at::embedding(reference_model->tok_embeddings->weight, tokens);  // [B, T, D]
+  for (auto layer : reference_model->layers()) {  // holders: shared_ptr copies
     auto n = layer->attention_norm(h);
     h = h + (layer->mla ? layer->mla(n) : layer->kda(n));
     n = layer->ffn_norm(h);
     h = h + (layer->moe ? layer->moe(n) : layer->feed_forward(n));
   }
-  auto ref_loss =
-      summed_cross_entropy(linear(ref->norm(h), ref->lm_head, ops::KernelOptions{}), targets);
-  EXPECT_TRUE(torch::equal(loss, ref_loss))
-      << loss.item<double>() << " vs " << ref_loss.item<double>();
+  auto reference_loss =
+      summed_cross_entropy(linear(reference_model->norm(h), reference_model->lm_head, ops::KernelOptions{}), targets);
+  EXPECT_TRUE(torch::equal(loss, reference_loss))
+      << loss.item<double>() << " vs " << reference_loss.item<double>();
   loss.backward();
-  ref_loss.backward();
-  std::map<std::string, at::Tensor> want;
-  for (const auto& p : ref->named_parameters()) want[p.key()] = p.value().grad();
+  reference_loss.backward();
+  std::map<std::string, at::Tensor> reference;
+  for (const auto& p : reference_model->named_parameters()) reference[p.key()] = p.value().grad();
   for (const auto& p : model->named_parameters()) {
     ASSERT_TRUE(p.value().grad().defined()) << p.key();
-    EXPECT_TRUE(torch::equal(p.value().grad(), want.at(p.key()))) << p.key();
+    EXPECT_TRUE(torch::equal(p.value().grad(), reference.at(p.key()))) << p.key();
   }
   // AttnRes really is gone: the same weights with AttnRes give another loss.
   auto with = build(small_config());
   torch::NoGradGuard g;
   auto loss_with = summed_cross_entropy(with->forward({tokens})[0], targets);
-  EXPECT_FALSE(torch::equal(loss_with, ref_loss.detach()));
+  EXPECT_FALSE(torch::equal(loss_with, reference_loss.detach()));
 }
 
 TEST(KimiK3Plain, ModulesParamsAndInitAgreeWithTheAttnResModel) {

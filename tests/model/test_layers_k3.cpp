@@ -57,9 +57,9 @@ TEST(KdaLayer, ChunkedEqualsRecurrentAndGradcheck) {
   auto x = torch::randn({2, 11, 12}, torch::kDouble).requires_grad_(true);
   auto y = layer(x);
   layer->recurrent_ = true;
-  auto y_ref = layer(x);
+  auto y_reference = layer(x);
   layer->recurrent_ = false;
-  EXPECT_LT((y - y_ref).abs().max().item<double>(), 1e-12);
+  EXPECT_LT((y - y_reference).abs().max().item<double>(), 1e-12);
   auto tensors = named_params(*layer);
   tensors.emplace_back("x", x);
   expect_gradients_match([&] { return layer(x); }, tensors);
@@ -98,8 +98,8 @@ TEST(AttnRes, SoftmaxOverDepthWithNormedKeys) {
     logits.push_back((kn * read->query).sum(-1));
   }
   auto alpha = torch::softmax(torch::stack(logits, 0), 0);
-  auto ref = (alpha.unsqueeze(-1) * torch::stack(src, 0)).sum(0);
-  EXPECT_TRUE(torch::allclose(read(src), ref, 1e-5, 1e-6));
+  auto reference = (alpha.unsqueeze(-1) * torch::stack(src, 0)).sum(0);
+  EXPECT_TRUE(torch::allclose(read(src), reference, 1e-5, 1e-6));
 }
 
 TEST(AttnRes, Gradcheck) {
@@ -224,17 +224,17 @@ TEST(Moe, DispatchHasThePerExpertFormsBits) {
   if (moe->shared_expert) yr = yr + moe->shared_expert(xf);
   yr = yr.view(x.sizes());
   yr.backward(dy);
-  std::vector<at::Tensor> want{yr.detach(), xr.grad()};
+  std::vector<at::Tensor> reference{yr.detach(), xr.grad()};
   for (const auto& p : moe->parameters()) {
-    want.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
+    reference.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
   }
-  ASSERT_EQ(got.size(), want.size());
+  ASSERT_EQ(got.size(), reference.size());
   for (size_t i = 0; i < got.size(); ++i) {
     if (i == 1) {
-      EXPECT_TRUE(torch::allclose(got[i], want[i], 1e-6, 1e-7));
+      EXPECT_TRUE(torch::allclose(got[i], reference[i], 1e-6, 1e-7));
       EXPECT_GT(got[i].abs().sum().item<double>(), 0);
     } else {
-      EXPECT_TRUE(torch::equal(got[i], want[i])) << "tensor " << i;
+      EXPECT_TRUE(torch::equal(got[i], reference[i])) << "tensor " << i;
     }
   }
   // The expert without tokens has zero weight gradients, not undefined ones.

@@ -36,12 +36,12 @@ KdaInputs random_kda(int64_t B, int64_t T, int64_t H, int64_t dk, int64_t dv,
 
 TEST(KdaChunked, MatchesRecurrentFp64) {
   const auto in = random_kda(2, 37, 2, 8, 6, 1.0, 1);
-  const auto ref = ops::kda_recurrent(in.q, in.k, in.v, in.g, in.beta);
-  ASSERT_EQ(ref.scalar_type(), at::kDouble);
+  const auto reference = ops::kda_recurrent(in.q, in.k, in.v, in.g, in.beta);
+  ASSERT_EQ(reference.scalar_type(), at::kDouble);
   for (int64_t chunk : {1, 4, 8, 16, 64}) {
     auto out = ops::kda_chunked(in.q, in.k, in.v, in.g, in.beta, chunk);
-    EXPECT_EQ(out.sizes(), ref.sizes());
-    EXPECT_LT((out - ref).abs().max().item<double>(), 1e-12) << "chunk " << chunk;
+    EXPECT_EQ(out.sizes(), reference.sizes());
+    EXPECT_LT((out - reference).abs().max().item<double>(), 1e-12) << "chunk " << chunk;
   }
 }
 
@@ -112,8 +112,8 @@ TEST(KdaChunked, StrongDecayStaysFinite) {
   EXPECT_TRUE(torch::isfinite(o).all().item<bool>());
   EXPECT_TRUE(torch::isfinite(q.grad()).all().item<bool>());
   EXPECT_TRUE(torch::isfinite(g.grad()).all().item<bool>());
-  auto ref = ops::kda_recurrent(in.q, in.k, in.v, in.g, in.beta);
-  EXPECT_LT((o.to(at::kDouble) - ref).abs().max().item<double>(), 1e-4);
+  auto reference = ops::kda_recurrent(in.q, in.k, in.v, in.g, in.beta);
+  EXPECT_LT((o.to(at::kDouble) - reference).abs().max().item<double>(), 1e-4);
 }
 
 }  // namespace

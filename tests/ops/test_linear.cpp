@@ -17,11 +17,11 @@ TEST(LinearParts, MatchesSeparateLinears) {
   auto b = at::randn({2, 6}, at::kDouble).requires_grad_(true);
   auto bias = at::randn({6}, at::kDouble).requires_grad_(true);
   auto y = ops::linear_parts(x, {a, b}, bias, ops::KernelOptions{});
-  auto ref = at::cat({at::linear(x, a, bias.narrow(0, 0, 4)), at::linear(x, b, bias.narrow(0, 4, 2))}, -1);
-  EXPECT_TRUE(at::allclose(y, ref, 1e-12, 1e-12));
+  auto reference = at::cat({at::linear(x, a, bias.narrow(0, 0, 4)), at::linear(x, b, bias.narrow(0, 4, 2))}, -1);
+  EXPECT_TRUE(at::allclose(y, reference, 1e-12, 1e-12));
   auto g = at::randn_like(y);
   auto grads = torch::autograd::grad({y}, {x, a, b, bias}, {g});
-  auto rgrads = torch::autograd::grad({ref}, {x, a, b, bias}, {g});
+  auto rgrads = torch::autograd::grad({reference}, {x, a, b, bias}, {g});
   for (size_t i = 0; i < grads.size(); ++i) {
     EXPECT_TRUE(at::allclose(grads[i], rgrads[i], 1e-12, 1e-12)) << i;
   }

@@ -242,9 +242,9 @@ std::string mode_name(const std::vector<std::string>& m) {
 class ActivationCheckpointFamilies : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ActivationCheckpointFamilies, OneProcessTrainsToTheBitsOfNoCheckpointing) {
-  const auto ref = train_one_process(make_config(GetParam(), {}));
+  const auto reference = train_one_process(make_config(GetParam(), {}));
   for (const auto& mode : kModes) {
-    expect_same_bits(ref, train_one_process(make_config(GetParam(), mode)), mode_name(mode));
+    expect_same_bits(reference, train_one_process(make_config(GetParam(), mode)), mode_name(mode));
   }
 }
 
@@ -252,9 +252,9 @@ TEST_P(ActivationCheckpointFamilies, StagesUnderPlainAndZeroBubbleBackwardMatchB
   // Three stages: layers split 2 / 2 / 2 (k3: each stage opens a block) or
   // 1 / 1 / 2; the references are the same stages without checkpointing.
   for (auto how : {Backward::kPlain, Backward::kZeroBubble}) {
-    const auto ref = train_stages(make_config(GetParam(), {}), 3, how);
+    const auto reference = train_stages(make_config(GetParam(), {}), 3, how);
     for (const auto& mode : kModes) {
-      expect_same_bits(ref, train_stages(make_config(GetParam(), mode), 3, how),
+      expect_same_bits(reference, train_stages(make_config(GetParam(), mode), 3, how),
                        mode_name(mode) + (how == Backward::kPlain ? " plain" : " I/W"));
     }
   }
@@ -304,15 +304,15 @@ TEST_P(ActivationCheckpointFamilies, OpRecomputesNoExpensiveOp) {
 TEST_P(ActivationCheckpointFamilies, OpOnCudaInBf16HasTheBitsOfNone) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU";
   const at::Device cuda(at::kCUDA);
-  const auto ref = train_one_process(make_config(GetParam(), {}), cuda, at::kBFloat16);
+  const auto reference = train_one_process(make_config(GetParam(), {}), cuda, at::kBFloat16);
   const auto again = train_one_process(make_config(GetParam(), {}), cuda, at::kBFloat16);
   bool repeats = true;
-  for (size_t s = 0; s < ref.losses.size(); ++s) {
-    repeats = repeats && at::equal(ref.losses[s], again.losses[s]);
+  for (size_t s = 0; s < reference.losses.size(); ++s) {
+    repeats = repeats && at::equal(reference.losses[s], again.losses[s]);
   }
   if (!repeats) GTEST_SKIP() << "a run without checkpointing does not repeat its bits here";
   const auto replays = ops::saved_op_replays();
-  expect_same_bits(ref, train_one_process(make_config(GetParam(), kOp), cuda, at::kBFloat16),
+  expect_same_bits(reference, train_one_process(make_config(GetParam(), kOp), cuda, at::kBFloat16),
                    "op on CUDA");
   const auto cfg = make_config(GetParam(), kOp);
   const auto per_layer = static_cast<double>(ops::saved_op_replays() - replays) /
@@ -320,7 +320,7 @@ TEST_P(ActivationCheckpointFamilies, OpOnCudaInBf16HasTheBitsOfNone) {
   std::cout << GetParam() << " on CUDA: ops replayed per layer and micro-batch " << per_layer
             << "\n";
   EXPECT_GT(per_layer, 0);
-  expect_same_bits(ref, train_one_process(make_config(GetParam(), kModes[0]), cuda, at::kBFloat16),
+  expect_same_bits(reference, train_one_process(make_config(GetParam(), kModes[0]), cuda, at::kBFloat16),
                    "full on CUDA");
 }
 

@@ -179,7 +179,7 @@ TEST_F(ExpertParallelRuns, CheckpointsResumeUnderAnotherExpertParallelDegree) {
   // dp 4: the reference without ep, 4 steps; written at ep 1, 2 and 4, cut
   // back to step 2 and resumed at ep 2, 4, 1 and 2.
   const auto args = base_args(4);
-  const auto ref = train("dp4_ep1", 4, args + layout(1, 4, 1));
+  const auto reference = train("dp4_ep1", 4, args + layout(1, 4, 1));
   for (const auto& [from, to] :
        std::vector<std::pair<int, int>>{{1, 2}, {2, 4}, {2, 1}, {4, 2}}) {
     const auto src = train("dp4_ep" + std::to_string(from), 4, args + layout(1, 4, from));
@@ -195,10 +195,10 @@ TEST_F(ExpertParallelRuns, CheckpointsResumeUnderAnotherExpertParallelDegree) {
     auto r = viaduct::testing::run_viaduct_ok(
         4, " train" + args + layout(1, 4, to) + " --job.dump_folder=" + dst);
     EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
-    auto c = shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + ref + "/checkpoint " +
+    auto c = shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + reference + "/checkpoint " +
                    dst + "/checkpoint");
     EXPECT_EQ(c.exit_code, 0) << c.output;
-    const auto lr = viaduct::testing::step_losses(ref);
+    const auto lr = viaduct::testing::step_losses(reference);
     const auto ld = viaduct::testing::step_losses(dst);
     ASSERT_EQ(lr.size(), 4u);
     ASSERT_EQ(ld.size(), 2u);  // steps 3 and 4
@@ -215,9 +215,9 @@ TEST_F(ExpertParallelRuns, ZeroOneWithExpertParallelHasTheBitsOfDataParallel) {
   expect_same_bits(train("dp2_ep1", 2, base_args() + layout(1, 2, 1)),
                    train("dp2_ep2_zero", 2, base_args() + layout(1, 2, 2, zero)), 5);
   const auto args = base_args(4);
-  const auto ref = train("dp4_ep1", 4, args + layout(1, 4, 1));
+  const auto reference = train("dp4_ep1", 4, args + layout(1, 4, 1));
   const auto src = train("dp4_ep2_zero", 4, args + layout(1, 4, 2, zero));
-  expect_same_bits(ref, src, 4);
+  expect_same_bits(reference, src, 4);
   const auto dst = (fs::path(dir_->path()) / "resume_ep2_zero_to_ep4").string();
   fs::remove_all(dst);
   fs::create_directories(dst);
@@ -225,7 +225,7 @@ TEST_F(ExpertParallelRuns, ZeroOneWithExpertParallelHasTheBitsOfDataParallel) {
   fs::remove_all(dst + "/checkpoint/step-4");
   viaduct::testing::run_viaduct_ok(4, " train" + args + layout(1, 4, 4) +
                                           " --job.dump_folder=" + dst);
-  auto c = shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + ref + "/checkpoint " +
+  auto c = shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + reference + "/checkpoint " +
                  dst + "/checkpoint");
   EXPECT_EQ(c.exit_code, 0) << c.output;
 }
@@ -237,11 +237,11 @@ TEST_F(ExpertParallelRuns, ZeroOneWithExpertParallelHasTheBitsOfDataParallel) {
 TEST_F(ExpertParallelRuns, LocalGradientSumRepeatsItsBitsAndStaysCloseToDataParallel) {
   const std::string m2 = " --parallelism.pipeline_parallel_microbatches=2";
   const std::string local = " --parallelism.expert_gradient_sum=local";
-  const auto ref = train("dp2_ep1_m2", 2, base_args() + layout(1, 2, 1) + m2);
+  const auto reference = train("dp2_ep1_m2", 2, base_args() + layout(1, 2, 1) + m2);
   const auto a = train("dp2_ep2_local_a", 2, base_args() + layout(1, 2, 2) + m2 + local);
   const auto b = train("dp2_ep2_local_b", 2, base_args() + layout(1, 2, 2) + m2 + local);
   expect_same_bits(a, b, 5);
-  const auto lr = viaduct::testing::step_metrics(ref), la = viaduct::testing::step_metrics(a);
+  const auto lr = viaduct::testing::step_metrics(reference), la = viaduct::testing::step_metrics(a);
   ASSERT_EQ(lr.size(), la.size());
   for (size_t k = 0; k < lr.size(); ++k) {
     const double x = lr[k]["loss"].get<double>(), y = la[k]["loss"].get<double>();

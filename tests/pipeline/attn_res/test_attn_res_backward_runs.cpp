@@ -105,16 +105,16 @@ class AttnResCacheBackwardRuns : public ::testing::Test {
     EXPECT_NE(r.output.find(" 0 differ"), std::string::npos) << r.output;
   }
   // The default deposit backward: losses within rounding of one process.
-  static void expect_within_rounding(const std::string& ref, const std::string& run,
+  static void expect_within_rounding(const std::string& reference, const std::string& run,
                                      const std::string& what) {
-    const auto a = metrics(ref), b = metrics(run);
+    const auto a = metrics(reference), b = metrics(run);
     ASSERT_EQ(a.size(), b.size());
     for (size_t i = 0; i < a.size(); ++i) {
       const double la = a[i]["loss"].get<double>(), lb = b[i]["loss"].get<double>();
       EXPECT_NEAR(la, lb, 1e-5 * std::abs(la)) << what << " step " << i + 1;
     }
     // The summary line of `checkpoint compare`: "N tensors compared, K differ".
-    const auto r = compare(ref, run);
+    const auto r = compare(reference, run);
     const auto at = r.output.rfind("tensors compared");
     const auto line = at == std::string::npos ? r.output
                                               : r.output.substr(r.output.rfind('\n', at) + 1);
@@ -128,15 +128,15 @@ viaduct::data::testing::TempDir* AttnResCacheBackwardRuns::dir_ = nullptr;
 std::string AttnResCacheBackwardRuns::data_;
 
 // A debugmodel_deep layout under Interleaved1F1B: pp and stages per rank.
-struct Layout {
+struct BackwardLayout {
   int pp, stages_per_rank;
 };
-void PrintTo(const Layout& l, std::ostream* os) {
+void PrintTo(const BackwardLayout& l, std::ostream* os) {
   *os << "pp" << l.pp << " x " << l.stages_per_rank;
 }
 
 class AttnResCacheBackwardLayouts : public AttnResCacheBackwardRuns,
-                                    public ::testing::WithParamInterface<Layout> {};
+                                    public ::testing::WithParamInterface<BackwardLayout> {};
 
 class AttnResCacheBackwardModes : public AttnResCacheBackwardRuns,
                                   public ::testing::WithParamInterface<Mode> {};
@@ -157,8 +157,8 @@ TEST_P(AttnResCacheBackwardLayouts, WholeStackBackwardIsBitwiseOneProcess) {
 // pp2 x 2: 35 units over 4 stages, layers [0,8) [8,17) [17,26) [26,33),
 // every boundary inside a block.
 INSTANTIATE_TEST_SUITE_P(DebugmodelDeep, AttnResCacheBackwardLayouts,
-                         ::testing::Values(Layout{4, 2}, Layout{2, 2}),
-                         [](const ::testing::TestParamInfo<Layout>& info) {
+                         ::testing::Values(BackwardLayout{4, 2}, BackwardLayout{2, 2}),
+                         [](const ::testing::TestParamInfo<BackwardLayout>& info) {
                            return "pp" + std::to_string(info.param.pp) + "_v" +
                                   std::to_string(info.param.stages_per_rank);
                          });

@@ -248,15 +248,15 @@ std::string diff(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // Every loss, block gradient, parameter gradient and parameter bitwise.
-void expect_bitwise(const Record& want, const Record& got, const std::string& what) {
+void expect_bitwise(const Record& reference, const Record& got, const std::string& what) {
   EXPECT_TRUE(got.errors.empty()) << what << ": " << (got.errors.empty() ? "" : got.errors[0]);
   ASSERT_EQ(got.losses.size(), static_cast<size_t>(kSteps * kMicro)) << what;
-  for (const auto& [key, loss] : want.losses) {
+  for (const auto& [key, loss] : reference.losses) {
     EXPECT_EQ(got.losses.at(key), loss)
         << what << ": loss of step " << key.first + 1 << " micro-batch " << key.second;
   }
-  ASSERT_EQ(got.block_grads.size(), want.block_grads.size()) << what;
-  for (const auto& [key, g] : want.block_grads) {
+  ASSERT_EQ(got.block_grads.size(), reference.block_grads.size()) << what;
+  for (const auto& [key, g] : reference.block_grads) {
     const auto& [step, mb, entry] = key;
     auto it = got.block_grads.find(key);
     ASSERT_NE(it, got.block_grads.end()) << what << ": no gradient for entry " << entry;
@@ -265,11 +265,11 @@ void expect_bitwise(const Record& want, const Record& got, const std::string& wh
   }
   for (int s = 0; s < kSteps; ++s) {
     const auto st = static_cast<size_t>(s);
-    ASSERT_EQ(got.params[st].size(), want.params[st].size()) << what;
-    for (const auto& [fqn, p] : want.params[st]) {
-      EXPECT_TRUE(got.grads[st].at(fqn).equal(want.grads[st].at(fqn)))
+    ASSERT_EQ(got.params[st].size(), reference.params[st].size()) << what;
+    for (const auto& [fqn, p] : reference.params[st]) {
+      EXPECT_TRUE(got.grads[st].at(fqn).equal(reference.grads[st].at(fqn)))
           << what << ": step " << s + 1 << " gradient of " << fqn << ": "
-          << diff(got.grads[st].at(fqn), want.grads[st].at(fqn));
+          << diff(got.grads[st].at(fqn), reference.grads[st].at(fqn));
       EXPECT_TRUE(got.params[st].at(fqn).equal(p))
           << what << ": step " << s + 1 << " " << fqn << ": " << diff(got.params[st].at(fqn), p);
     }
@@ -296,11 +296,11 @@ void expect_closed_form(const Exact16Options& o, const Record& one) {
       const auto& tokens = b.inputs[static_cast<size_t>(m)];
       const auto counted = (b.targets[static_cast<size_t>(m)] != -100).to(at::kFloat);
       for (int64_t n = 0; n < o.n_entries(); ++n) {
-        const auto want =
+        const auto reference =
             counted.unsqueeze(-1) * row(cf.entry[static_cast<size_t>(n)]).view({1, 1, D}) * kScale;
         const auto& got = one.block_grads.at({step, m, n});
-        EXPECT_TRUE(got.equal(want)) << "closed form: step " << step + 1 << " micro-batch " << m
-                                     << " entry " << n << ": " << diff(got, want);
+        EXPECT_TRUE(got.equal(reference)) << "closed form: step " << step + 1 << " micro-batch " << m
+                                     << " entry " << n << ": " << diff(got, reference);
       }
       // The loss as the linear form of the inputs, in double.
       const double n_counted = counted.sum().item<double>();
@@ -324,15 +324,15 @@ void expect_closed_form(const Exact16Options& o, const Record& one) {
           << "closed form: loss of step " << step + 1 << " micro-batch " << m;
       emb_grad.index_add_(0, tokens.flatten(), counted.flatten().unsqueeze(1) * row(cf.entry[0]));
     }
-    std::map<std::string, at::Tensor> want{{"tok_embeddings.weight", emb_grad * kScale}};
+    std::map<std::string, at::Tensor> reference{{"tok_embeddings.weight", emb_grad * kScale}};
     for (int64_t j = 0; j < o.n_layers; ++j) {
       const auto pre = "layers." + std::to_string(j);
-      want[pre + ".attention.bias"] = ga[static_cast<size_t>(j)] * kScale;
-      want[pre + ".feed_forward.bias"] = gf[static_cast<size_t>(j)] * kScale;
+      reference[pre + ".attention.bias"] = ga[static_cast<size_t>(j)] * kScale;
+      reference[pre + ".feed_forward.bias"] = gf[static_cast<size_t>(j)] * kScale;
     }
     const auto& got = one.grads[static_cast<size_t>(step)];
-    ASSERT_EQ(got.size(), want.size());
-    for (const auto& [fqn, g] : want) {
+    ASSERT_EQ(got.size(), reference.size());
+    for (const auto& [fqn, g] : reference) {
       EXPECT_TRUE(got.at(fqn).equal(g))
           << "closed form: step " << step + 1 << " gradient of " << fqn << ": " << diff(got.at(fqn), g);
       params[fqn] = one.params[static_cast<size_t>(step)].at(fqn);

@@ -71,7 +71,7 @@ class AttnResRuns : public ::testing::Test {
     viaduct::testing::expect_same_bits(a, b, steps);
   }
 
-  static std::string reference(const std::string& flavor, int micro, int steps = 3) {
+  static std::string reference_run(const std::string& flavor, int micro, int steps = 3) {
     return viaduct::testing::cached_reference(base_args(flavor, micro, steps));
   }
 
@@ -124,7 +124,7 @@ std::string transport_case_name(const ::testing::TestParamInfo<bool>& info) {
 
 TEST_P(AttnResWholeStack, IsBitwiseOneProcess) {
   const auto& l = GetParam();
-  expect_same_bits(reference(l.flavor, l.micro),
+  expect_same_bits(reference_run(l.flavor, l.micro),
                    pp_run(l.flavor, l.micro, l.pp, l.stages_per_rank, false, l.offload));
 }
 
@@ -143,9 +143,9 @@ INSTANTIATE_TEST_SUITE_P(Layouts, AttnResWholeStack,
 // its bits may differ from the whole stack's in the last places; offload
 // changes none of them.
 TEST_F(AttnResRuns, RankCacheStaysWithinRoundingAndOffloadChangesNoBit) {
-  const auto ref = reference("debugmodel", 4);
+  const auto reference = reference_run("debugmodel", 4);
   const auto cache = pp_run("debugmodel", 4, 2, 2, true);
-  const auto a = metrics(ref), b = metrics(cache);
+  const auto a = metrics(reference), b = metrics(cache);
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     const double la = a[i]["loss"].get<double>(), lb = b[i]["loss"].get<double>();
@@ -153,7 +153,7 @@ TEST_F(AttnResRuns, RankCacheStaysWithinRoundingAndOffloadChangesNoBit) {
     std::printf("[cache vs one process] debugmodel pp2x2 step %zu loss %.17g vs %.17g (diff %.3g)\n",
                 i + 1, la, lb, lb - la);
   }
-  auto r = compare(ref, cache);
+  auto r = compare(reference, cache);
   std::printf("[cache vs one process] checkpoint compare (exit %d):\n%s\n", r.exit_code,
               r.output.c_str());
   expect_same_bits(cache, pp_run("debugmodel", 4, 2, 2, true, true));
@@ -257,7 +257,7 @@ TEST(RankBlockStore, CountsDepositsAndSweeps) {
 // The zero-bubble split (I then W) collects deposits at I; both transports
 // against one process.
 TEST_P(AttnResTransports, InterleavedZeroBubbleMatchesOneProcess) {
-  const auto ref = reference("debugmodel", 4);
+  const auto reference = reference_run("debugmodel", 4);
   const bool cache = GetParam();
   std::ostringstream args;
   args << base_args("debugmodel", 4) << " --parallelism.pipeline_parallel_degree=2"
@@ -266,9 +266,9 @@ TEST_P(AttnResTransports, InterleavedZeroBubbleMatchesOneProcess) {
        << " --parallelism.attn_res_cache=" << (cache ? "true" : "false");
   const auto run = train(std::string("zb_") + (cache ? "cache" : "whole"), 2, args.str());
   if (!cache) {
-    expect_same_bits(ref, run);
+    expect_same_bits(reference, run);
   } else {
-    const auto a = metrics(ref), b = metrics(run);
+    const auto a = metrics(reference), b = metrics(run);
     ASSERT_EQ(a.size(), b.size());
     for (size_t i = 0; i < a.size(); ++i) {
       EXPECT_NEAR(a[i]["loss"].get<double>(), b[i]["loss"].get<double>(),
@@ -282,21 +282,21 @@ TEST_P(AttnResTransports, InterleavedZeroBubbleMatchesOneProcess) {
 // split with every layer recomputed (in full and per op), and 1F1B with
 // every 3rd, have the bits of the one process without it.
 TEST_F(AttnResRuns, ActivationCheckpointingIsBitwiseOneProcess) {
-  const auto ref = reference("debugmodel", 4);
+  const auto reference = reference_run("debugmodel", 4);
   const auto layout = base_args("debugmodel", 4) +
                       " --parallelism.pipeline_parallel_degree=2"
                       " --parallelism.pipeline_parallel_stages_per_rank=2"
                       " --parallelism.attn_res_cache=false";
-  expect_same_bits(ref, train("ac_full_zb", 2,
+  expect_same_bits(reference, train("ac_full_zb", 2,
                               layout +
                                   " --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble"
                                   " --activation_checkpoint.mode=full"));
-  expect_same_bits(ref, train("ac_every3_1f1b", 2,
+  expect_same_bits(reference, train("ac_every3_1f1b", 2,
                               layout +
                                   " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
                                   " --activation_checkpoint.mode=selective"
                                   " --activation_checkpoint.selective_ac_option=3"));
-  expect_same_bits(ref, train("ac_op_zb", 2,
+  expect_same_bits(reference, train("ac_op_zb", 2,
                               layout +
                                   " --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble"
                                   " --activation_checkpoint.mode=selective"
@@ -308,15 +308,15 @@ TEST_F(AttnResRuns, ActivationCheckpointingIsBitwiseOneProcess) {
 // bits of one process, and a loss unlike the AttnRes model's.
 TEST_F(AttnResRuns, PlainResidualsPp2x2IsBitwiseOneProcessWithoutTheTransport) {
   const auto base = base_args("debugmodel", 4) + " --model.attn_res=false";
-  const auto ref = viaduct::testing::cached_reference(base);
+  const auto reference = viaduct::testing::cached_reference(base);
   const auto pp = train("plain_pp2x2", 2,
                         base + " --parallelism.pipeline_parallel_degree=2"
                                " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
                                " --parallelism.pipeline_parallel_stages_per_rank=2");
-  expect_same_bits(ref, pp);
+  expect_same_bits(reference, pp);
   for (const auto& j : metrics(pp)) EXPECT_FALSE(j.contains("hop_bytes")) << j.dump();
-  EXPECT_NE(viaduct::testing::step_losses(ref),
-            viaduct::testing::step_losses(reference("debugmodel", 4)));
+  EXPECT_NE(viaduct::testing::step_losses(reference),
+            viaduct::testing::step_losses(reference_run("debugmodel", 4)));
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, AttnResTransports, ::testing::Values(false, true),

@@ -116,9 +116,9 @@ TEST(BlockLayout, PropertiesOverShapes) {
             for (const auto& l : t.stages) {
               V stack = l.read;
               stack.insert(stack.end(), l.received.begin(), l.received.end());
-              V want;
-              for (int64_t n = 0; n < l.entries_in; ++n) want.push_back(n);
-              ASSERT_EQ(stack, want) << "stage " << l.stage_id;
+              V reference;
+              for (int64_t n = 0; n < l.entries_in; ++n) reference.push_back(n);
+              ASSERT_EQ(stack, reference) << "stage " << l.stage_id;
               if (tr == AttnResTransport::kWholeStack || l.stage_id < pp) continue;
               std::set<int64_t> between;
               bool single = true;

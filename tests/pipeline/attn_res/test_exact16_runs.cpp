@@ -44,8 +44,8 @@ TEST_P(Exact16Transports, TrainCommandPp4x2IsBitwiseOneProcess) {
   const bool cache = GetParam();
   const auto corpus = viaduct::testing::cached_corpus(4242);
   const auto one = viaduct::testing::cached_reference(exact16_args(corpus, ""));
-  const auto want = viaduct::testing::step_losses(one);
-  ASSERT_EQ(want.size(), 3u);
+  const auto reference = viaduct::testing::step_losses(one);
+  ASSERT_EQ(reference.size(), 3u);
   const auto pp = (fs::path(dir_.path()) / "pp4x2").string();
   viaduct::testing::run_viaduct_ok(
       4, " train" + exact16_args(corpus, std::string(" --parallelism.pipeline_parallel_degree=4"
@@ -54,11 +54,11 @@ TEST_P(Exact16Transports, TrainCommandPp4x2IsBitwiseOneProcess) {
                                           " --parallelism.attn_res_cache=") +
                                   (cache ? "true" : "false")) +
              " --job.dump_folder=" + pp);
-  const auto r = viaduct::testing::expect_same_bits(one, pp, want.size());
+  const auto r = viaduct::testing::expect_same_bits(one, pp, reference.size());
   // 33 parameters (the embedding, two biases a layer) and AdamW's two
   // moments of each.
   EXPECT_NE(r.output.find("99 tensors compared, 0 differ"), std::string::npos) << r.output;
-  std::printf("[exact16] losses %s %s %s\n", want[0].c_str(), want[1].c_str(), want[2].c_str());
+  std::printf("[exact16] losses %s %s %s\n", reference[0].c_str(), reference[1].c_str(), reference[2].c_str());
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, Exact16Transports, ::testing::Bool(),

@@ -65,7 +65,7 @@ class PipelineRuns : public ::testing::Test {
   }
 
   // The single-process reference for (family, layers, micro-batches).
-  static std::string reference(const std::string& family, int layers, int micro) {
+  static std::string reference_run(const std::string& family, int layers, int micro) {
     return viaduct::testing::cached_reference(base_args(family, layers, micro));
   }
 
@@ -106,7 +106,7 @@ class PipelineLayouts : public PipelineRuns, public ::testing::WithParamInterfac
 
 TEST_P(PipelineLayouts, TrainsToTheBitsOfOneProcess) {
   const Layout& l = GetParam();
-  const auto ref = reference(l.family, l.layers, l.micro);
+  const auto reference = reference_run(l.family, l.layers, l.micro);
   std::ostringstream args;
   args << base_args(l.family, l.layers, l.micro)
        << " --parallelism.pipeline_parallel_degree=" << l.pp
@@ -118,7 +118,7 @@ TEST_P(PipelineLayouts, TrainsToTheBitsOfOneProcess) {
     args << " --parallelism.pipeline_parallel_last_stage_less_layers="
          << l.last_stage_less_layers;
   }
-  expect_same_bits(ref, train("run", l.pp, args.str()));
+  expect_same_bits(reference, train("run", l.pp, args.str()));
 }
 
 INSTANTIATE_TEST_SUITE_P(GPipeAnd1F1B, PipelineLayouts,
@@ -221,7 +221,7 @@ TEST_F(PipelineRuns, CheckpointMovesBetweenLayoutsBitwise) {
              " --checkpoint.keep_latest_k=0" + extra;
     return a;
   };
-  const auto ref = viaduct::testing::cached_reference(args(""));
+  const auto reference = viaduct::testing::cached_reference(args(""));
   // Written under pp2 x 2 stages per rank; the step-4 checkpoint is dropped,
   // then the run resumes from step 2 under one process and under pp4.
   const auto src = train("move_src", 2, args(" --parallelism.pipeline_parallel_degree=2"
@@ -247,10 +247,10 @@ TEST_F(PipelineRuns, CheckpointMovesBetweenLayoutsBitwise) {
     auto r = shell(cmd.str());
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
-    auto c = shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + ref +
+    auto c = shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + reference +
                    "/checkpoint " + dst + "/checkpoint");
     EXPECT_EQ(c.exit_code, 0) << name << "\n" << c.output;
-    const auto lr = losses(ref), ld = losses(dst);
+    const auto lr = losses(reference), ld = losses(dst);
     ASSERT_EQ(ld.size(), 2u) << name;  // steps 3 and 4
     EXPECT_EQ(ld[0], lr[2]);
     EXPECT_EQ(ld[1], lr[3]);
@@ -393,12 +393,12 @@ TEST_F(PipelineRuns, EvalBeforeTrainingAndAfterMatchesOneProcess) {
     return out;
   };
   const std::string ev = " --training.eval_interval=3 --data.eval_batches=2";
-  const auto ref = viaduct::testing::cached_reference(base_args("llama", 6, 4) + ev);
+  const auto reference = viaduct::testing::cached_reference(base_args("llama", 6, 4) + ev);
   const auto run = train("eval_pp2", 2, base_args("llama", 6, 4) + ev +
                                             " --parallelism.pipeline_parallel_degree=2"
                                             " --parallelism.pipeline_parallel_stages_per_rank=2"
                                             " --parallelism.pipeline_parallel_schedule=Interleaved1F1B");
-  const auto a = eval_losses(ref), b = eval_losses(run);
+  const auto a = eval_losses(reference), b = eval_losses(run);
   ASSERT_EQ(a.size(), 2u);  // step 0 and step 3
   EXPECT_EQ(a, b);
 }
@@ -479,22 +479,22 @@ TEST_F(PipelineRuns, MeasuredBubbleIsBoundedAndSimulatedBubbleFallsWithMoreMicro
 // backward, every layer, every 2nd and per op: the bits of the one process
 // without it.
 TEST_F(PipelineRuns, ActivationCheckpointingTrainsToTheBitsOfOneProcess) {
-  const auto ref = reference("llama", 6, 4);
+  const auto reference = reference_run("llama", 6, 4);
   const auto layout = base_args("llama", 6, 4) +
                       " --parallelism.pipeline_parallel_degree=2"
                       " --parallelism.pipeline_parallel_stages_per_rank=2";
-  expect_same_bits(ref, train("ac_full_zb", 2,
+  expect_same_bits(reference, train("ac_full_zb", 2,
                               layout +
                                   " --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble"
                                   " --activation_checkpoint.mode=full"));
-  expect_same_bits(ref, train("ac_every2_1f1b", 2,
+  expect_same_bits(reference, train("ac_every2_1f1b", 2,
                               layout +
                                   " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
                                   " --activation_checkpoint.mode=selective"
                                   " --activation_checkpoint.selective_ac_option=2"));
   // Per op (Note [Per-op activation checkpointing]): the recompute takes
   // the projections' outputs back from the forward.
-  expect_same_bits(ref, train("ac_op_zb", 2,
+  expect_same_bits(reference, train("ac_op_zb", 2,
                               layout +
                                   " --parallelism.pipeline_parallel_schedule=InterleavedZeroBubble"
                                   " --activation_checkpoint.mode=selective"

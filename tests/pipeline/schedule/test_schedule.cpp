@@ -175,15 +175,15 @@ TEST(ScheduleSimulator, OneFOneBBubbleClosedForm) {
         c.forward = 1;
         c.backward = b_cost;
         const auto r = simulate(generate_schedule(ScheduleType::k1F1B, p, 1, m), c);
-        const double want = double(p - 1) / double(m + p - 1);
-        EXPECT_NEAR(r.bubble_fraction, want, 1e-12) << "p=" << p << " m=" << m;
+        const double reference = double(p - 1) / double(m + p - 1);
+        EXPECT_NEAR(r.bubble_fraction, reference, 1e-12) << "p=" << p << " m=" << m;
         EXPECT_NEAR(r.makespan, (m + p - 1) * (1 + b_cost), 1e-9);
         for (int64_t k = 0; k < p; ++k) {
           EXPECT_EQ(r.peak_activations[k], std::min(m, p - k)) << "rank " << k;
         }
         // GPipe: same bubble, every micro-batch alive at once.
         const auto g = simulate(generate_schedule(ScheduleType::kGPipe, p, 1, m), c);
-        EXPECT_NEAR(g.bubble_fraction, want, 1e-12);
+        EXPECT_NEAR(g.bubble_fraction, reference, 1e-12);
         EXPECT_EQ(g.peak_activations[0], m);
       }
     }

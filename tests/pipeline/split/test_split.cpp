@@ -94,10 +94,10 @@ TEST(Split, MatchesTorchtitanExamples) {
   EXPECT_EQ(layer_counts(split_with(32, 4, 1)), (std::vector<int64_t>{8, 9, 8, 7}));
   EXPECT_EQ(layer_counts(split_with(32, 8, 1)),
             (std::vector<int64_t>{4, 5, 4, 4, 4, 4, 4, 3}));
-  std::vector<int64_t> want{7};
-  for (int i = 0; i < 14; ++i) want.push_back(8);
-  want.push_back(7);
-  EXPECT_EQ(layer_counts(split_with(126, 16, 1)), want);
+  std::vector<int64_t> reference{7};
+  for (int i = 0; i < 14; ++i) reference.push_back(8);
+  reference.push_back(7);
+  EXPECT_EQ(layer_counts(split_with(126, 16, 1)), reference);
   const Split last_empty = split_with(8, 8, 1);
   EXPECT_EQ(last_empty.stage_layers.back().first, last_empty.stage_layers.back().second);
   EXPECT_EQ(last_empty.stage_modules.back(),
@@ -110,9 +110,9 @@ TEST(Split, PropertyEqualsBothReferencesOverThousandsOfShapes) {
     for (int64_t S = 1; S <= 24; ++S) {
       for (int64_t in_w = 0; in_w <= 3; ++in_w) {
         for (int64_t out_w = 0; out_w <= 3; ++out_w) {
-          const Lists ref = torchtitan_reference(S, L, in_w, out_w);
+          const Lists reference = torchtitan_reference(S, L, in_w, out_w);
           const bool feasible = split_feasible(L, S, in_w, out_w);
-          EXPECT_EQ(feasible, !ref.empty()) << L << " " << S << " " << in_w << " " << out_w;
+          EXPECT_EQ(feasible, !reference.empty()) << L << " " << S << " " << in_w << " " << out_w;
           if (!feasible) {
             EXPECT_THROW(generate_stage_modules(plain_model(L), S, in_w, out_w),
                          ConfigError);
@@ -121,7 +121,7 @@ TEST(Split, PropertyEqualsBothReferencesOverThousandsOfShapes) {
           }
           // One stage per rank, pp = S.
           const Split sp = split_with(L, S, 1, in_w, out_w);
-          ASSERT_EQ(sp.stage_modules, ref) << L << " " << S << " " << in_w << " " << out_w;
+          ASSERT_EQ(sp.stage_modules, reference) << L << " " << S << " " << in_w << " " << out_w;
           int64_t next = 0;
           std::vector<int64_t> units;
           for (int64_t s = 0; s < S; ++s) {
