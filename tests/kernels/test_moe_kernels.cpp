@@ -32,7 +32,7 @@ struct Run {
   std::vector<std::pair<std::string, at::Tensor>> grads;
 };
 
-Run run(const MoeOptions& o, bool grouped, const at::Tensor& x, const at::Tensor& dy) {
+Run run_experts(const MoeOptions& o, bool grouped, const at::Tensor& x, const at::Tensor& dy) {
   Moe m(o);
   m->init_weights(11, "moe.", 0.05, 0.05);
   m->to(at::kCUDA);
@@ -120,8 +120,8 @@ TEST_P(MoeGrouped, MatchesThePerExpertLoop) {
   auto x = at::randn({2, 157, o.dim}, opt);
   auto dy = at::randn({2, 157, o.dim}, opt);
   ASSERT_TRUE(ops::grouped_experts_run(x, o.hidden_dim, ops::KernelOptions{}));
-  auto g = run(o, true, x, dy);
-  auto l = run(o, false, x, dy);
+  auto g = run_experts(o, true, x, dy);
+  auto l = run_experts(o, false, x, dy);
   EXPECT_TRUE(at::equal(g.loads, l.loads));
   EXPECT_LT(rel_err(g.y, l.y), 2e-2);
   EXPECT_LT(rel_err(g.dx, l.dx), 2e-2);
@@ -132,7 +132,7 @@ TEST_P(MoeGrouped, MatchesThePerExpertLoop) {
     EXPECT_LT(rel_err(g.grads[i].second, l.grads[i].second), 2e-2) << g.grads[i].first;
   }
   // Run to run: the same bits.
-  auto g2 = run(o, true, x, dy);
+  auto g2 = run_experts(o, true, x, dy);
   EXPECT_TRUE(at::equal(g.y, g2.y));
   EXPECT_TRUE(at::equal(g.dx, g2.dx));
   for (size_t i = 0; i < g.grads.size(); ++i) {
