@@ -2,8 +2,8 @@
 # Expert parallelism on one GPU, one device call: the CUDA build with the
 # expert-parallel code (build-gpu, bench/lib/gpu_build.sh), the MoE layer
 # sharded over ranks as threads on the GPU against the unsharded layer
-# (test_expert_layer), the MoE kernel tests, the NCCL cases of
-# test_distributed, and short kimi_k3 runs at ep 1 on the GPU (bf16, the
+# (test_model's ExpertLayer tests), the MoE kernel tests (test_kernels), the
+# NCCL cases of test_distributed, and short kimi_k3 runs at ep 1 on the GPU (bf16, the
 # grouped experts) whose metrics must carry the MoE load per layer, one of
 # them with a capacity factor (its dropped copies counted). ep > 1 over NCCL
 # needs several GPUs (bench/multi_gpu/run_multi_gpu.sh's ep section). Needs
@@ -22,16 +22,16 @@ B=build-gpu
 PY=${PYTHON:-python3}
 
 t0=$(date +%s)
-gpu_build . $B "$OUT/build.log" viaduct_app test_expert_layer test_moe_kernels \
+gpu_build . $B "$OUT/build.log" viaduct_app test_model test_kernels \
   test_distributed 2>&1 | tee -a "$MD" || { say "build failed"; exit 1; }
 say "build: $(($(date +%s) - t0)) s"
 
-for t in expert_parallel/test_expert_layer kernels/test_moe_kernels \
-  distributed/test_distributed; do
+for t in "model/test_model:ExpertLayer*:ExpertCapacity*" \
+         "kernels/test_kernels:MoeRouting*:*MoeGrouped*" \
+         "distributed/test_distributed:*Nccl*:*NCCL*"; do
+  filter=${t#*:} t=${t%%:*}
   [ -x "$B/tests/$t" ] || { say "no $B/tests/$t"; continue; }
-  args=()
-  [ "$t" = distributed/test_distributed ] && args=(--gtest_filter='*Nccl*:*NCCL*')
-  timeout 300 "$B/tests/$t" "${args[@]}" >"$OUT/$(basename $t).log" 2>&1
+  timeout 300 "$B/tests/$t" --gtest_filter="$filter" >"$OUT/$(basename $t).log" 2>&1
   say "$t: exit $? $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$(basename $t).log" | tr '\n' ' ')"
   grep -E "expert layer on|Failure|Which is" "$OUT/$(basename $t).log" | head -12 | tee -a "$MD"
 done

@@ -17,7 +17,7 @@
 #
 #   source bench/lib/gpu_build.sh
 #   gpu_build . build-gpu "$OUT/build.log" viaduct_app layer_bench || exit 1
-#   gpu_build_has_gtest && targets+=(test_fused_kernels)
+#   gpu_build_has_gtest && targets+=(test_kernels)
 #
 # or run alone, building build-gpu/ (BUILD) of this tree, log in LOG
 # (BUILD/gpu_build.log):

@@ -50,7 +50,7 @@ if want build 90; then
   # run_single_gpu.sh's targets (bench/lib/gpu_build.sh); a failed build is
   # reported and the parts that find their binaries still run.
   targets=(viaduct_app layer_bench)
-  gpu_build_has_gtest && targets+=(test_fused_kernels)
+  gpu_build_has_gtest && targets+=(test_kernels)
   if gpu_build . "$B" /tmp/vs_build.log "${targets[@]}" 2>&1 | tee -a "$SUM"; then
     note "build: $B ready"
   else
@@ -58,8 +58,8 @@ if want build 90; then
   fi
 fi
 if want tests 15; then
-  if [ -x "$B/tests/kernels/test_fused_kernels" ]; then
-    timeout 120 "$B/tests/kernels/test_fused_kernels" >/tmp/vs_tests.txt 2>&1
+  if [ -x "$B/tests/kernels/test_kernels" ]; then
+    timeout 120 "$B/tests/kernels/test_kernels" >/tmp/vs_tests.txt 2>&1
     grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED|^\[  SKIPPED|Failure|Expected|Which is|seed" /tmp/vs_tests.txt |
       head -40 | tee -a "$SUM"
     # A failing kernel test is reported; every kernel path has one form,
@@ -67,7 +67,7 @@ if want tests 15; then
     failed=$(grep -E "^\[  FAILED  \] FusedKernels\." /tmp/vs_tests.txt | sort -u)
     [ -n "$failed" ] && note "kernel tests failed: $failed"
   else
-    note "no $B/tests/kernels/test_fused_kernels (GoogleTest not carried in .deps?)"
+    note "no $B/tests/kernels/test_kernels (GoogleTest not carried in .deps?)"
   fi
 fi
 # probe: short runs of the llama-1B and the K3 (section 3's) shapes; a run

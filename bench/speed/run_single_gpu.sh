@@ -56,7 +56,7 @@ say() { printf '[%4ds] %s\n' $(($(date +%s) - T0)) "$*"; }
 # CUDA kernel tests when GoogleTest's sources travel in .deps.
 build_viaduct() {
   local targets=(viaduct_app layer_bench)
-  gpu_build_has_gtest && targets+=(test_fused_kernels)
+  gpu_build_has_gtest && targets+=(test_kernels)
   gpu_build . build-gpu "$OUT/build.log" "${targets[@]}" || { say "build: failed"; return 1; }
   say "build: build-gpu/viaduct ready"
 }

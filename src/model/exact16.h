@@ -3,7 +3,7 @@
 // contributions add to the same bits in any order and grouping. It is the
 // model the AttnRes transports are proven exact with: the rank cache, the
 // whole stack and one process must agree bitwise with each other and with
-// the closed form (tests/attn_res/test_attn_res_exact.cpp).
+// the closed form (tests/pipeline/attn_res/test_attn_res_exact.cpp).
 //
 // Note [exact16: integer gradients]
 // The part contract is see Note [Kimi-K3 part activations] (kimi_k3.h): stack

@@ -25,8 +25,8 @@
 // function of the inputs and the selection bias, which only the optimizer
 // step changes). The inner graph has the structure of the graph without
 // checkpointing, so every gradient is summed in the same order: AC on and
-// off give the same losses, gradients and parameters bit for bit (tests/
-// train/test_activation_checkpoint.cpp). State a forward mutates is
+// off give the same losses, gradients and parameters bit for bit
+// (tests/ops/test_recompute.cpp). State a forward mutates is
 // touched once: the first (no-grad) forward counts as a training forward
 // and the recompute does not (counts_training_statistics(), MoE loads).
 // AttnRes slots (see Note [AttnRes block gradients in place]) stay outside the

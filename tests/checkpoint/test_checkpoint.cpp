@@ -79,7 +79,7 @@ TEST_F(Checkpoints, SaveLoadRoundTripWithMetadataAndRng) {
   at::Generator gen = make_generator(42, "dropout");
   at::randn({10}, gen);  // advance it
   meta.rng_states["cpu"] = generator_state_hex(gen);
-  const at::Tensor expected_draw = at::randn({10}, gen);
+  const at::Tensor reference_draw = at::randn({10}, gen);
   meta.extra = {{"lr_scheduler_step", 20}};
 
   const fs::path dir = save_checkpoint(
@@ -128,7 +128,7 @@ TEST_F(Checkpoints, SaveLoadRoundTripWithMetadataAndRng) {
 
   at::Generator restored = make_generator(0, "other");
   set_generator_state(restored, ckpt.metadata.rng_states.at("cpu"));
-  EXPECT_TRUE(torch::equal(at::randn({10}, restored), expected_draw));
+  EXPECT_TRUE(torch::equal(at::randn({10}, restored), reference_draw));
 
   // The metadata JSON round-trips.
   auto again = CheckpointMetadata::from_json(ckpt.metadata.to_json(), "x");
@@ -140,19 +140,19 @@ TEST_F(Checkpoints, TwoPhaseSaveFromRanksLoadsUnderAnotherLayout) {
   auto optim = make_optim(model);
   // Save as 2 ranks, each writing its half into the shared tmp folder.
   const fs::path tmp = checkpoint_tmp_dir(dir_, 7, "job1");
-  std::vector<std::string> expected;
+  std::vector<std::string> reference;
   for (int r = 0; r < 2; ++r) {
     CheckpointPart mp{part_file_name("model", r, 2), subset(model, r, 2), {}};
     CheckpointPart op{part_file_name("optim", r, 2), subset(optim, r, 2), {}};
     write_checkpoint_part(tmp, mp);
     write_checkpoint_part(tmp, op);
-    expected.push_back(mp.file_name);
-    expected.push_back(op.file_name);
+    reference.push_back(mp.file_name);
+    reference.push_back(op.file_name);
   }
   EXPECT_FALSE(find_latest_checkpoint(dir_).has_value()) << "not committed yet";
   CheckpointMetadata meta = make_meta(7);
   meta.layout = {{"pp", 2}};
-  commit_checkpoint(dir_, tmp, meta, expected);
+  commit_checkpoint(dir_, tmp, meta, reference);
   EXPECT_FALSE(fs::exists(tmp));
   ASSERT_EQ(find_latest_checkpoint(dir_), 7);
 
@@ -453,11 +453,11 @@ TEST_F(Checkpoints, PruneKeepsTheNewest) {
 TEST_F(Checkpoints, SavingAnExistingStepReplacesIt) {
   save_simple(dir_, 3, /*seed=*/1);
   save_simple(dir_, 3, /*seed=*/2);
-  auto expected = make_model(2);
+  auto reference = make_model(2);
   Checkpoint ckpt = open_checkpoint(checkpoint_dir(dir_, 3));
-  auto dst = zeros_like(expected);
+  auto dst = zeros_like(reference);
   ckpt.tensors.load_into(dst);
-  EXPECT_TRUE(torch::equal(dst[0].second, expected[0].second));
+  EXPECT_TRUE(torch::equal(dst[0].second, reference[0].second));
   EXPECT_EQ(list_checkpoints(dir_), std::vector<int64_t>{3});
   for (const auto& de : fs::directory_iterator(dir_)) {
     EXPECT_EQ(de.path().filename(), "step-3");

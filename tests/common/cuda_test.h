@@ -28,10 +28,10 @@ inline uint64_t fresh_seed() {
   return s;
 }
 
-// ||out - ref|| / ||ref|| in fp64 on the CPU; infinite when out has a
+// ||out - reference|| / ||reference|| in fp64 on the CPU; infinite when out has a
 // non-finite value.
-inline double rel_err(const at::Tensor& out, const at::Tensor& ref) {
-  auto o = out.to(at::kCPU, at::kDouble), r = ref.to(at::kCPU, at::kDouble);
+inline double rel_err(const at::Tensor& out, const at::Tensor& reference) {
+  auto o = out.to(at::kCPU, at::kDouble), r = reference.to(at::kCPU, at::kDouble);
   if (!at::isfinite(o).all().item<bool>()) return INFINITY;
   return (o - r).norm().item<double>() / std::max(r.norm().item<double>(), 1e-30);
 }

@@ -58,7 +58,7 @@ std::vector<Row> rows_of(const TokenBatch& b, int64_t T) {
   return out;
 }
 
-bool same(const TokenBatch& a, const TokenBatch& b) {
+bool same_batches(const TokenBatch& a, const TokenBatch& b) {
   return a.inputs.equal(b.inputs) && a.targets.equal(b.targets);
 }
 
@@ -145,9 +145,9 @@ TEST(Blend, PrefixCountsFollowTheBlendRule) {
     for (int64_t n = 1; n <= 1000; ++n) {
       ++count[static_cast<size_t>(rows_of(s.next(), 10)[0].source)];
       for (size_t k = 0; k < 2; ++k) {
-        const double want = weights[k] / total * static_cast<double>(n);
-        EXPECT_GE(count[k], std::floor(want + 1e-9)) << "source " << k << " after " << n;
-        EXPECT_LE(count[k], std::ceil(want - 1e-9)) << "source " << k << " after " << n;
+        const double reference = weights[k] / total * static_cast<double>(n);
+        EXPECT_GE(count[k], std::floor(reference + 1e-9)) << "source " << k << " after " << n;
+        EXPECT_LE(count[k], std::ceil(reference - 1e-9)) << "source " << k << " after " << n;
       }
     }
   }
@@ -164,16 +164,16 @@ TEST(Blend, PrefixCountsFollowTheBlendRule) {
     const std::vector<int64_t> sizes(weights.size(), 4001);
     const int64_t B = 4;
     TokenSampler t(blend(d, sizes, weights), opts(B, 10));
-    const auto want = reference_owners(weights, 400 * B);
+    const auto reference = reference_owners(weights, 400 * B);
     const double total = std::accumulate(weights.begin(), weights.end(), 0.0);
     std::vector<int64_t> count(weights.size(), 0);
     for (int64_t step = 0; step < 400; ++step) {
       const auto rows = rows_of(t.next(), 10);
       for (int64_t b = 0; b < B; ++b) {
         const int64_t slot = step * B + b;
-        ASSERT_EQ(rows[static_cast<size_t>(b)].source, want[static_cast<size_t>(slot)])
+        ASSERT_EQ(rows[static_cast<size_t>(b)].source, reference[static_cast<size_t>(slot)])
             << "slot " << slot;
-        ++count[static_cast<size_t>(want[static_cast<size_t>(slot)])];
+        ++count[static_cast<size_t>(reference[static_cast<size_t>(slot)])];
       }
       for (size_t k = 0; k < weights.size(); ++k) {
         EXPECT_LE(count[k], std::ceil(weights[k] / total * (step + 1) * B - 1e-9));
@@ -225,7 +225,7 @@ TEST(Blend, DpRanksStackToTheSingleRankBatch) {
   auto sources = blend(dir, {3001, 401, 1201}, {0.5, 0.2, 0.3});
   for (bool shuffle : {false, true}) {
     for (int64_t dp : {2, 3, 4}) {
-      TokenSampler ref(sources, opts(12, 10, 0, 1, shuffle, 7));
+      TokenSampler reference_sampler(sources, opts(12, 10, 0, 1, shuffle, 7));
       std::vector<TokenSampler> ranks;
       for (int64_t r = 0; r < dp; ++r) ranks.emplace_back(sources, opts(12 / dp, 10, r, dp, shuffle, 7));
       // 60 steps: source 1 (40 windows, ~2.4 a step) wraps several times.
@@ -236,12 +236,12 @@ TEST(Blend, DpRanksStackToTheSingleRankBatch) {
           in.push_back(b.inputs);
           tg.push_back(b.targets);
         }
-        TokenBatch want = ref.next();
-        ASSERT_TRUE(at::cat(in, 0).equal(want.inputs)) << "dp " << dp << " step " << step;
-        ASSERT_TRUE(at::cat(tg, 0).equal(want.targets)) << "dp " << dp << " step " << step;
+        TokenBatch reference = reference_sampler.next();
+        ASSERT_TRUE(at::cat(in, 0).equal(reference.inputs)) << "dp " << dp << " step " << step;
+        ASSERT_TRUE(at::cat(tg, 0).equal(reference.targets)) << "dp " << dp << " step " << step;
       }
       // The cursor does not depend on the layout either.
-      EXPECT_EQ(ranks[0].cursor().to_json(), ref.cursor().to_json());
+      EXPECT_EQ(ranks[0].cursor().to_json(), reference_sampler.cursor().to_json());
     }
   }
 }
@@ -269,7 +269,7 @@ TEST(Blend, ResumeMidEpochContinuesAsTheUninterruptedSampler) {
     TokenSampler b(sources, opts(3, 10, 1, 2, shuffle, 99));
     b.restore(c);
     for (size_t i = 0; i < after.size(); ++i) {
-      ASSERT_TRUE(same(b.next(), after[i])) << "batch " << i;
+      ASSERT_TRUE(same_batches(b.next(), after[i])) << "batch " << i;
     }
     EXPECT_EQ(a.cursor(), b.cursor());
     TokenSampler one(sources, opts(6, 10, 0, 1, shuffle, 99));
@@ -297,7 +297,7 @@ TEST(Blend, OneSourceIsTheSingleStreamSamplerOfEarlierVersions) {
         OldSampler old{100, 3, dp, r, shuffle, 1234};
         for (int step = 0; step < 80; ++step) {  // several epochs
           TokenBatch a = by_stream.next();
-          ASSERT_TRUE(same(a, by_paths.next())) << "step " << step;
+          ASSERT_TRUE(same_batches(a, by_paths.next())) << "step " << step;
           std::vector<int64_t> windows;
           for (const Row& row : rows_of(a, 10)) windows.push_back(row.window);
           ASSERT_EQ(windows, old.next()) << "step " << step << " dp " << dp << " rank " << r;
@@ -309,12 +309,12 @@ TEST(Blend, OneSourceIsTheSingleStreamSamplerOfEarlierVersions) {
   }
   // The single-stream JSON of earlier versions (no "taken") still loads.
   TokenSampler s(stream, opts(4, 10, 0, 1, true, 5));
-  TokenSampler ref(stream, opts(4, 10, 0, 1, true, 5));
-  for (int i = 0; i < 37; ++i) ref.next();  // epoch 1, position 48
+  TokenSampler reference(stream, opts(4, 10, 0, 1, true, 5));
+  for (int i = 0; i < 37; ++i) reference.next();  // epoch 1, position 48
   s.restore(DataCursor::from_json(R"({"epoch":1,"num_windows":100,"position":48,)"
                                   R"("seed":5,"seq_len":10,"shuffle":true})"));
-  for (int i = 0; i < 30; ++i) ASSERT_TRUE(same(s.next(), ref.next())) << i;
-  EXPECT_EQ(ref.cursor().to_json(),
+  for (int i = 0; i < 30; ++i) ASSERT_TRUE(same_batches(s.next(), reference.next())) << i;
+  EXPECT_EQ(reference.cursor().to_json(),
             R"({"epoch":2,"num_windows":100,"position":68,"seed":5,"seq_len":10,)"
             R"("shuffle":true,"taken":268})");
 }

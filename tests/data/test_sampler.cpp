@@ -124,9 +124,9 @@ TEST(TokenSampler, DpShardsAreDisjointAndStackToTheSingleRankBatch) {
         for (int64_t w : windows_of(b, T)) windows.insert(w);
       }
       EXPECT_EQ(windows.size(), 8u) << "ranks overlap at step " << step;
-      TokenBatch ref = single.next();
-      EXPECT_TRUE(at::cat(in, 0).equal(ref.inputs)) << "step " << step;
-      EXPECT_TRUE(at::cat(tg, 0).equal(ref.targets)) << "step " << step;
+      TokenBatch reference = single.next();
+      EXPECT_TRUE(at::cat(in, 0).equal(reference.inputs)) << "step " << step;
+      EXPECT_TRUE(at::cat(tg, 0).equal(reference.targets)) << "step " << step;
     }
   }
 }
@@ -195,9 +195,9 @@ TEST(TokenSampler, CursorIsIndependentOfTheDpLayout) {
   r0.restore(DataCursor::from_json(saved));
   r1.restore(DataCursor::from_json(saved));
   for (int i = 0; i < 20; ++i) {
-    TokenBatch ref = single.next();
+    TokenBatch reference = single.next();
     EXPECT_TRUE(
-        at::cat({r0.next().inputs, r1.next().inputs}, 0).equal(ref.inputs));
+        at::cat({r0.next().inputs, r1.next().inputs}, 0).equal(reference.inputs));
   }
 }
 
@@ -243,12 +243,12 @@ TEST(EvalLoader, AlwaysTheFirstBatchesAndShardedByRank) {
   EvalLoader r1(stream, opts(2, 10, 1, 2), 3);
   ASSERT_EQ(single.num_batches(), 3);
   for (int64_t i = 0; i < 3; ++i) {
-    TokenBatch ref = single.batch(i);
-    EXPECT_EQ(windows_of(ref, 10),
+    TokenBatch reference = single.batch(i);
+    EXPECT_EQ(windows_of(reference, 10),
               (std::vector<int64_t>{4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3}));
     EXPECT_TRUE(
-        at::cat({r0.batch(i).inputs, r1.batch(i).inputs}, 0).equal(ref.inputs));
-    EXPECT_TRUE(same(single.batch(i), ref));  // no hidden state
+        at::cat({r0.batch(i).inputs, r1.batch(i).inputs}, 0).equal(reference.inputs));
+    EXPECT_TRUE(same(single.batch(i), reference));  // no hidden state
   }
   EXPECT_EQ(single.batches().size(), 3u);
   EXPECT_THROW(single.batch(3), Error);

@@ -31,7 +31,7 @@ namespace {
 
 using std::chrono::milliseconds;
 
-constexpr milliseconds kTimeout{10'000};
+constexpr milliseconds kStoreTimeout{10'000};
 const std::string kToken = "0123456789abcdef0123456789abcdef";
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
@@ -39,7 +39,7 @@ std::string text(const std::vector<uint8_t>& v) { return {v.begin(), v.end()}; }
 
 c10::intrusive_ptr<JobStore> client(const JobStoreServer& server,
                                     const std::string& token = kToken,
-                                    milliseconds timeout = kTimeout) {
+                                    milliseconds timeout = kStoreTimeout) {
   return c10::make_intrusive<JobStore>(server.address(), server.port(), token, timeout);
 }
 
@@ -72,9 +72,9 @@ std::vector<StoreOp> every_operation() {
   auto add = [](std::string k, int64_t v) {
     return StoreOp([=](c10d::Store& s) { return std::to_string(s.add(k, v)); });
   };
-  auto compare_set = [](std::string k, std::string expected, std::string desired) {
+  auto compare_set = [](std::string k, std::string reference, std::string desired) {
     return StoreOp([=](c10d::Store& s) {
-      return text(s.compareSet(k, bytes(expected), bytes(desired)));
+      return text(s.compareSet(k, bytes(reference), bytes(desired)));
     });
   };
   auto remove = [](std::string k) {
@@ -131,15 +131,15 @@ std::vector<StoreOp> every_operation() {
 TEST(JobStore, EveryOperationMatchesHashStore) {
   JobStoreServer server("127.0.0.1", 0, kToken);
   auto store = client(server);
-  c10d::HashStore reference;
-  reference.setTimeout(kTimeout);
+  c10d::HashStore reference_store;
+  reference_store.setTimeout(kStoreTimeout);
   const auto ops = every_operation();
-  const auto want = run_ops(reference, ops);
+  const auto reference = run_ops(reference_store, ops);
   const auto got = run_ops(*store, ops);
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got[i], want[i]) << "operation " << i;
-  EXPECT_EQ(want[13], "7");  // the reference does what the cases say
-  EXPECT_EQ(want[14], "error");
+  ASSERT_EQ(got.size(), reference.size());
+  for (size_t i = 0; i < reference.size(); ++i) EXPECT_EQ(got[i], reference[i]) << "operation " << i;
+  EXPECT_EQ(reference[13], "7");  // the reference does what the cases say
+  EXPECT_EQ(reference[14], "error");
   try {
     store->add("cs", 1);  // "second"
     FAIL() << "add to a key holding text returned";
@@ -251,14 +251,14 @@ std::string raw_exchange(int port, const std::string& payload) {
 TEST(JobStore, StrayClientsAreRefusedWhileARanksRequestsGoOn) {
   JobStoreServer server("127.0.0.1", 0, kToken);
   auto rank = client(server);
-  c10d::HashStore reference;
-  reference.setTimeout(kTimeout);
+  c10d::HashStore reference_store;
+  reference_store.setTimeout(kStoreTimeout);
   const auto ops = every_operation();
   const std::vector<StoreOp> first(ops.begin(), ops.begin() + 15);
   const std::vector<StoreOp> rest(ops.begin() + 15, ops.end());
-  auto want = run_ops(reference, first);
+  auto reference = run_ops(reference_store, first);
   auto got = run_ops(*rank, first);
-  EXPECT_EQ(got, want);
+  EXPECT_EQ(got, reference);
 
   ::testing::internal::CaptureStderr();
   const auto start = std::chrono::steady_clock::now();
@@ -276,9 +276,9 @@ TEST(JobStore, StrayClientsAreRefusedWhileARanksRequestsGoOn) {
   // Not a store client at all: an HTTP request.
   EXPECT_EQ(raw_exchange(server.port(), "GET / HTTP/1.0\r\n\r\n"), "");
   // The rank's connection, opened before, goes on as if nothing happened.
-  want = run_ops(reference, rest);
+  reference = run_ops(reference_store, rest);
   got = run_ops(*rank, rest);
-  EXPECT_EQ(got, want);
+  EXPECT_EQ(got, reference);
   const std::string log = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(log.find("refused a connection from 127.0.0.1:"), std::string::npos) << log;
   EXPECT_NE(log.find("wrong job token"), std::string::npos) << log;
@@ -321,7 +321,7 @@ RendezvousInfo two_ranks(int rank, int local_world_size, const std::string& mast
 
 TEST(JobStore, ListensOnLoopbackForAOneHostJob) {
   const auto info = two_ranks(0, 2, "127.0.0.1");
-  auto store = make_store(info, kTimeout);
+  auto store = make_store(info, kStoreTimeout);
   EXPECT_EQ(listening_on(info.master_port), std::vector<std::string>{"0100007F"});
   JobStoreServer server(store_address(info), 0, "");
   EXPECT_EQ(server.address(), "127.0.0.1");  // getsockname
@@ -371,7 +371,7 @@ TEST(JobStore, ThreeRanksRendezvousThroughMakeStore) {
         info.source = "env";
         // Rank 0's server starts last: the others retry until it listens.
         if (r == 0) std::this_thread::sleep_for(milliseconds(300));
-        auto store = make_store(info, kTimeout);
+        auto store = make_store(info, kStoreTimeout);
         store->add("arrived", 1);
         store->set(str("rank", r), bytes(std::to_string(r * r)));
         store->wait({"rank0", "rank1", "rank2"});

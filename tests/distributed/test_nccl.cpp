@@ -12,7 +12,7 @@ namespace viaduct::distributed {
 namespace {
 
 using std::chrono::milliseconds;
-constexpr milliseconds kTimeout{30'000};
+constexpr milliseconds kNcclTimeout{30'000};
 
 int cuda_devices() {
   if (!backend_available(at::kCUDA) || !torch::cuda::is_available()) return 0;
@@ -33,7 +33,7 @@ RendezvousInfo loopback(int rank, int world, int port) {
 TEST(Nccl, SingleRankCollectives) {
   if (cuda_devices() < 1) GTEST_SKIP() << "no CUDA device / NCCL";
   RendezvousInfo info = loopback(0, 1, 1);
-  auto mesh = init_mesh(info, 1, 1, at::Device(at::kCUDA, 0), kTimeout);
+  auto mesh = init_mesh(info, 1, 1, at::Device(at::kCUDA, 0), kNcclTimeout);
   EXPECT_EQ(mesh->world().backend_kind(), BackendKind::kNccl);
   std::vector<at::Tensor> t = {at::arange(
       4, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, 0))};
@@ -55,7 +55,7 @@ TEST(Nccl, TwoRanksSendRecvAndAllreduce) {
       try {
         at::Device device(at::kCUDA, static_cast<at::DeviceIndex>(r));
         auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
-        auto mesh = init_mesh(loopback(r, 2, port), 2, 1, device, kTimeout);
+        auto mesh = init_mesh(loopback(r, 2, port), 2, 1, device, kNcclTimeout);
         std::vector<at::Tensor> t = {at::full({5}, r + 1.0, opts)};
         mesh->world().allreduce(t).wait("nccl allreduce");
         VIADUCT_CHECK(at::equal(t[0].cpu(), at::full({5}, 3.0f)), "sum ", t[0]);

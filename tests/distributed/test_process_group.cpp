@@ -39,9 +39,9 @@ TEST(ProcessGroup, SendRecvPairs) {
       }
       got.wait(str("rank ", info.rank, " test RECV tag ", tag));
       sent.wait(str("rank ", info.rank, " test SEND tag ", tag));
-      at::Tensor want =
+      at::Tensor reference =
           at::arange(6, at::kFloat).view({2, 3}) * (peer + 1) + tag;
-      VIADUCT_CHECK(at::equal(in[0], want), "rank ", info.rank, " tag ", tag,
+      VIADUCT_CHECK(at::equal(in[0], reference), "rank ", info.rank, " tag ", tag,
                     " got ", in[0]);
     }
   });
@@ -56,8 +56,8 @@ TEST(ProcessGroup, AllreduceSumIsClosedForm) {
     std::vector<at::Tensor> t = {at::arange(1, 6, at::kDouble) *
                                  (info.rank + 1)};
     w.pg->allreduce(t).wait("allreduce test");
-    at::Tensor want = at::arange(1, 6, at::kDouble) * (world * (world + 1) / 2);
-    VIADUCT_CHECK(at::equal(t[0], want), "rank ", info.rank, " got ", t[0]);
+    at::Tensor reference = at::arange(1, 6, at::kDouble) * (world * (world + 1) / 2);
+    VIADUCT_CHECK(at::equal(t[0], reference), "rank ", info.rank, " got ", t[0]);
     std::vector<at::Tensor> m = {at::full({3}, static_cast<double>(info.rank))};
     w.pg->allreduce(m, ReduceOp::kMax).wait("allreduce max test");
     VIADUCT_CHECK(at::equal(m[0], at::full({3}, world - 1.0)), "max: ", m[0]);
@@ -105,11 +105,11 @@ TEST(ProcessGroup, AlltoallMovesUnevenSplits) {
       auto out = at::full({mine * world}, -1, dtype);
       w.pg->alltoall(out, in, std::vector<int64_t>(world, mine), share)
           .wait("alltoall test");
-      std::vector<at::Tensor> want;
+      std::vector<at::Tensor> reference;
       for (int src = 0; src < world; ++src) {
-        want.push_back(at::full({mine}, (src + 1) * 10 + info.rank, dtype));
+        reference.push_back(at::full({mine}, (src + 1) * 10 + info.rank, dtype));
       }
-      VIADUCT_CHECK(at::equal(out, at::cat(want)), "rank ", info.rank, " ", dtype, " got ", out);
+      VIADUCT_CHECK(at::equal(out, at::cat(reference)), "rank ", info.rank, " ", dtype, " got ", out);
     }
     // Splits that do not tile the tensor are refused before anything is sent.
     auto in = at::zeros({5});

@@ -22,7 +22,7 @@ RendezvousInfo parse(const Env& vars) {
       });
 }
 
-RendezvousInfo expected(int rank, int world, int local_rank, int local_world,
+RendezvousInfo reference(int rank, int world, int local_rank, int local_world,
                         std::string addr, int port, std::string source) {
   RendezvousInfo info;
   info.rank = rank;
@@ -45,7 +45,7 @@ std::string error_of(const Env& vars) {
 }
 
 TEST(Rendezvous, NothingSetIsOneProcess) {
-  EXPECT_EQ(parse({}), expected(0, 1, 0, 1, "127.0.0.1", 29500, "single"));
+  EXPECT_EQ(parse({}), reference(0, 1, 0, 1, "127.0.0.1", 29500, "single"));
 }
 
 TEST(Rendezvous, Torchrun) {
@@ -56,12 +56,12 @@ TEST(Rendezvous, Torchrun) {
              {"MASTER_ADDR", "node0"},
              {"MASTER_PORT", "29512"},
              {"GROUP_RANK", "1"}};
-  EXPECT_EQ(parse(env), expected(5, 8, 1, 4, "node0", 29512, "env"));
+  EXPECT_EQ(parse(env), reference(5, 8, 1, 4, "node0", 29512, "env"));
 }
 
 TEST(Rendezvous, TorchrunDefaults) {
   EXPECT_EQ(parse({{"RANK", "1"}, {"WORLD_SIZE", "2"}}),
-            expected(1, 2, 1, 2, "127.0.0.1", 29500, "env"));
+            reference(1, 2, 1, 2, "127.0.0.1", 29500, "env"));
 }
 
 TEST(Rendezvous, TorchrunTakesPrecedenceOverSlurm) {
@@ -80,7 +80,7 @@ TEST(Rendezvous, SlurmSrun) {
              {"SLURM_NODEID", "1"},
              {"SLURM_STEP_TASKS_PER_NODE", "4(x2)"},
              {"SLURM_JOB_NODELIST", "gpu[017-018]"}};
-  EXPECT_EQ(parse(env), expected(6, 8, 2, 4, "gpu017", 29500, "slurm"));
+  EXPECT_EQ(parse(env), reference(6, 8, 2, 4, "gpu017", 29500, "slurm"));
 }
 
 TEST(Rendezvous, SlurmUnevenTasksAndMasterAddr) {
@@ -92,7 +92,7 @@ TEST(Rendezvous, SlurmUnevenTasksAndMasterAddr) {
              {"SLURM_JOB_NODELIST", "a,b,c"},
              {"MASTER_ADDR", "10.0.0.1"},
              {"MASTER_PORT", "1234"}};
-  EXPECT_EQ(parse(env), expected(4, 5, 0, 1, "10.0.0.1", 1234, "slurm"));
+  EXPECT_EQ(parse(env), reference(4, 5, 0, 1, "10.0.0.1", 1234, "slurm"));
 }
 
 TEST(Rendezvous, SlurmNtasksPerNode) {
@@ -101,7 +101,7 @@ TEST(Rendezvous, SlurmNtasksPerNode) {
              {"SLURM_LOCALID", "1"},
              {"SLURM_NTASKS_PER_NODE", "2"},
              {"SLURM_JOB_NODELIST", "login1"}};
-  EXPECT_EQ(parse(env), expected(1, 2, 1, 2, "login1", 29500, "slurm"));
+  EXPECT_EQ(parse(env), reference(1, 2, 1, 2, "login1", 29500, "slurm"));
 }
 
 TEST(Rendezvous, SlurmNodeLists) {
@@ -119,11 +119,11 @@ TEST(Rendezvous, OpenMpi) {
              {"OMPI_COMM_WORLD_SIZE", "4"},
              {"OMPI_COMM_WORLD_LOCAL_RANK", "3"},
              {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}};
-  EXPECT_EQ(parse(env), expected(3, 4, 3, 4, "127.0.0.1", 29500, "mpi"));
+  EXPECT_EQ(parse(env), reference(3, 4, 3, 4, "127.0.0.1", 29500, "mpi"));
   env["OMPI_COMM_WORLD_SIZE"] = "8";  // two nodes: MASTER_ADDR is required
   EXPECT_NE(error_of(env).find("MASTER_ADDR"), std::string::npos);
   env["MASTER_ADDR"] = "host-a";
-  EXPECT_EQ(parse(env), expected(3, 8, 3, 4, "host-a", 29500, "mpi"));
+  EXPECT_EQ(parse(env), reference(3, 8, 3, 4, "host-a", 29500, "mpi"));
 }
 
 TEST(Rendezvous, BadValuesNameTheVariable) {
@@ -169,7 +169,7 @@ TEST(MeshShape, PipelinesAreContiguous) {
 }
 
 TEST(Mesh, ShapeMustMatchWorldSize) {
-  RendezvousInfo info = expected(0, 6, 0, 6, "127.0.0.1", 1, "env");
+  RendezvousInfo info = reference(0, 6, 0, 6, "127.0.0.1", 1, "env");
   try {
     init_mesh(info, 4, 2, at::kCPU, std::chrono::seconds(1));
     FAIL() << "no error";

@@ -2,7 +2,7 @@
 // fp64 from the same inputs. Built only in the CUDA build; every test skips
 // without a GPU the kernels were compiled for.
 //
-// Error bound: relative Frobenius error ||out - ref|| / ||ref|| below 1e-5
+// Error bound: relative Frobenius error ||out - reference|| / ||reference|| below 1e-5
 // for fp32 inputs and 1e-2 for bf16 (the inputs are rounded to bf16 before
 // the reference sees them, so the bound covers the kernel's own roundings).
 // Inputs are fresh random draws per run (the seed is printed on failure);
@@ -59,8 +59,8 @@ const at::ScalarType kTypes[] = {at::kFloat, at::kBFloat16};
 // A CUDA tensor of dtype t, and the same values as a CPU fp64 leaf.
 std::pair<at::Tensor, at::Tensor> draw(at::IntArrayRef shape, at::ScalarType t, double scale = 1.0) {
   auto x = (at::randn(shape, at::TensorOptions(at::kCUDA).dtype(at::kFloat)) * scale).to(t);
-  auto ref = x.to(at::kCPU, at::kDouble).detach().requires_grad_(true);
-  return {x.detach().requires_grad_(true), ref};
+  auto reference = x.to(at::kCPU, at::kDouble).detach().requires_grad_(true);
+  return {x.detach().requires_grad_(true), reference};
 }
 
 TEST(FusedKernels, RMSNormForwardBackward) {
@@ -218,9 +218,9 @@ TEST(FusedKernels, RepeatHeadsMatchesRepeatInterleave) {
   const int64_t B = 2, T = 40, H = 6, KV = 2, rep = H / KV, hd = 64;
   for (auto t : kTypes) {
     const auto seed = fresh_seed();
-    auto [qkv, qkv_ref] = draw({B, T, (H + 2 * KV) * hd}, t);
+    auto [qkv, qkv_reference] = draw({B, T, (H + 2 * KV) * hd}, t);
     auto v = qkv.narrow(-1, (H + KV) * hd, KV * hd).view({B, T, KV, hd});
-    auto vr = qkv_ref.narrow(-1, (H + KV) * hd, KV * hd).view({B, T, KV, hd});
+    auto vr = qkv_reference.narrow(-1, (H + KV) * hd, KV * hd).view({B, T, KV, hd});
     poison();
     auto y = kernels::repeat_heads(v, rep);
     auto yr = vr.repeat_interleave(rep, 2);
@@ -229,7 +229,7 @@ TEST(FusedKernels, RepeatHeadsMatchesRepeatInterleave) {
         << "seed " << seed << " " << t;
     backward_both(y, yr,
                   at::randn({B, H, T, hd}, at::TensorOptions(at::kCUDA)).to(t).transpose(1, 2));
-    EXPECT_LT(rel_err(qkv.grad(), qkv_ref.grad()), bound(t)) << "seed " << seed << " " << t;
+    EXPECT_LT(rel_err(qkv.grad(), qkv_reference.grad()), bound(t)) << "seed " << seed << " " << t;
   }
 }
 
@@ -238,7 +238,7 @@ TEST(FusedKernels, RepeatHeadsMatchesRepeatInterleave) {
 // weight. shifted: source 0 starts one element past a 16-byte boundary, so
 // the kernels read the rows one value at a time.
 struct ReadInputs {
-  std::vector<at::Tensor> src, src_ref;
+  std::vector<at::Tensor> src, src_reference;
   at::Tensor q, w;
 };
 ReadInputs draw_read(at::IntArrayRef shape, int64_t n, at::ScalarType t, bool shifted = false) {
@@ -251,7 +251,7 @@ ReadInputs draw_read(at::IntArrayRef shape, int64_t n, at::ScalarType t, bool sh
       v = buf.narrow(0, 1, v.numel()).view(v.sizes()).detach().requires_grad_(true);
     }
     in.src.push_back(v);
-    in.src_ref.push_back(vr);
+    in.src_reference.push_back(vr);
   }
   const auto D = shape.back();
   in.q = (at::randn({D}, at::TensorOptions(at::kCUDA)) * 0.3).requires_grad_(true);
@@ -267,16 +267,16 @@ void expect_read_matches_aten(int64_t D, int64_t n, at::ScalarType t, bool shift
   SCOPED_TRACE(testing::Message() << "dim " << D << " sources " << n << " " << t
                                   << (shifted ? " shifted" : "") << " seed " << seed);
   auto in = draw_read({2, 37, D}, n, t, shifted);
-  AttnResRead ref(D, 1e-5);
-  ref->to(at::kDouble);
+  AttnResRead reference(D, 1e-5);
+  reference->to(at::kDouble);
   {
     torch::NoGradGuard g;
-    ref->query.copy_(in.q.detach().cpu());
-    ref->norm->weight.copy_(in.w.detach().cpu());
+    reference->query.copy_(in.q.detach().cpu());
+    reference->norm->weight.copy_(in.w.detach().cpu());
   }
   poison();
   auto y = kernels::attn_res_read(in.src, in.q, in.w, 1e-5);
-  auto yr = ref->forward(in.src_ref);
+  auto yr = reference->forward(in.src_reference);
   ASSERT_EQ(y.scalar_type(), t);
   EXPECT_LT(rel_err(y, yr), bound(t));
   backward_both(y, yr);
@@ -286,10 +286,10 @@ void expect_read_matches_aten(int64_t D, int64_t n, at::ScalarType t, bool shift
   // its bound).
   const double b = t == at::kFloat && n > 9 ? 5e-5 : bound(t);
   for (int64_t i = 0; i < n; ++i) {
-    EXPECT_LT(rel_err(in.src[i].grad(), in.src_ref[i].grad()), b) << "source " << i;
+    EXPECT_LT(rel_err(in.src[i].grad(), in.src_reference[i].grad()), b) << "source " << i;
   }
-  EXPECT_LT(rel_err(in.q.grad(), ref->query.grad()), b);
-  EXPECT_LT(rel_err(in.w.grad(), ref->norm->weight.grad()), b);
+  EXPECT_LT(rel_err(in.q.grad(), reference->query.grad()), b);
+  EXPECT_LT(rel_err(in.w.grad(), reference->norm->weight.grad()), b);
 }
 
 // The read's output, then the gradients of the sources, the query and the
@@ -412,15 +412,15 @@ TEST(FusedKernels, AttnResReadNormMatchesAtenReadThenNorm) {
                                     << (slots_on ? " with slots" : "") << " seed " << seed);
     auto in = draw_read({2, 37, c.D}, n, c.t);
     auto ow = (1.0 + 0.1 * at::randn({c.D}, at::TensorOptions(at::kCUDA))).requires_grad_(true);
-    AttnResRead ref(c.D, 1e-5);
-    RMSNorm ref_norm(c.D, 1e-6);
-    ref->to(at::kDouble);
-    ref_norm->to(at::kDouble);
+    AttnResRead reference_read(c.D, 1e-5);
+    RMSNorm reference_norm(c.D, 1e-6);
+    reference_read->to(at::kDouble);
+    reference_norm->to(at::kDouble);
     {
       torch::NoGradGuard g;
-      ref->query.copy_(in.q.detach().cpu());
-      ref->norm->weight.copy_(in.w.detach().cpu());
-      ref_norm->weight.copy_(ow.detach().cpu());
+      reference_read->query.copy_(in.q.detach().cpu());
+      reference_read->norm->weight.copy_(in.w.detach().cpu());
+      reference_norm->weight.copy_(ow.detach().cpu());
     }
     ASSERT_TRUE(kernels::attn_res_read_norm_usable(in.src, ow));
     std::vector<at::Tensor> slots(in.src.size());
@@ -432,7 +432,7 @@ TEST(FusedKernels, AttnResReadNormMatchesAtenReadThenNorm) {
     }
     poison();
     auto y = kernels::attn_res_read_norm(in.src, in.q, in.w, 1e-5, &slots, ow, 1e-6);
-    auto yr = ref_norm->forward(ref->forward(in.src_ref));
+    auto yr = reference_norm->forward(reference_read->forward(in.src_reference));
     ASSERT_EQ(y.scalar_type(), c.t);
     EXPECT_LT(rel_err(y, yr), bound(c.t));
     backward_both(y, yr);
@@ -441,16 +441,16 @@ TEST(FusedKernels, AttnResReadNormMatchesAtenReadThenNorm) {
       if (slot.defined()) {
         EXPECT_FALSE(in.src[i].grad().defined()) << "source " << i << " has a slot";
         // Slot 0 started with `prior`: it holds prior + the gradient.
-        auto want = i == 0 ? prior.to(at::kCPU, at::kDouble) + in.src_ref[i].grad()
-                           : in.src_ref[i].grad();
-        EXPECT_LT(rel_err(slot, want), bound(c.t)) << "slot " << i;
+        auto reference = i == 0 ? prior.to(at::kCPU, at::kDouble) + in.src_reference[i].grad()
+                           : in.src_reference[i].grad();
+        EXPECT_LT(rel_err(slot, reference), bound(c.t)) << "slot " << i;
       } else {
-        EXPECT_LT(rel_err(in.src[i].grad(), in.src_ref[i].grad()), bound(c.t)) << "source " << i;
+        EXPECT_LT(rel_err(in.src[i].grad(), in.src_reference[i].grad()), bound(c.t)) << "source " << i;
       }
     }
-    EXPECT_LT(rel_err(in.q.grad(), ref->query.grad()), bound(c.t));
-    EXPECT_LT(rel_err(in.w.grad(), ref->norm->weight.grad()), bound(c.t));
-    EXPECT_LT(rel_err(ow.grad(), ref_norm->weight.grad()), bound(c.t));
+    EXPECT_LT(rel_err(in.q.grad(), reference_read->query.grad()), bound(c.t));
+    EXPECT_LT(rel_err(in.w.grad(), reference_read->norm->weight.grad()), bound(c.t));
+    EXPECT_LT(rel_err(ow.grad(), reference_norm->weight.grad()), bound(c.t));
   }
 }
 
@@ -657,12 +657,12 @@ TEST(FusedKernels, KimiK3FusedReadNormMatchesAtenStep) {
   // each of its errors is bounded by the ATen ops' own fp32 error (three
   // times it) or 1e-4, whichever is larger: a fixed 1e-4 between the two
   // fp32 forms could not tell rounding from a fault.
-  const auto ref = fp64_step(cfg, tokens, targets);
-  EXPECT_LT(std::abs(fused.loss - ref.loss) / std::abs(ref.loss), 1e-5) << "seed " << seed;
-  ASSERT_EQ(fused.grads.size(), ref.grads.size());
-  for (size_t i = 0; i < ref.grads.size(); ++i) {
-    const double e_fused = rel_err(fused.grads[i], ref.grads[i]);
-    const double e_two = rel_err(two_ops.grads[i], ref.grads[i]);
+  const auto reference = fp64_step(cfg, tokens, targets);
+  EXPECT_LT(std::abs(fused.loss - reference.loss) / std::abs(reference.loss), 1e-5) << "seed " << seed;
+  ASSERT_EQ(fused.grads.size(), reference.grads.size());
+  for (size_t i = 0; i < reference.grads.size(); ++i) {
+    const double e_fused = rel_err(fused.grads[i], reference.grads[i]);
+    const double e_two = rel_err(two_ops.grads[i], reference.grads[i]);
     EXPECT_LT(e_fused, std::max(1e-4, 3 * e_two))
         << "parameter " << i << " (two ops: " << e_two << ") seed " << seed;
   }
@@ -698,15 +698,15 @@ TEST(FusedKernels, SwiGLUPackedMatchesTwoTensors) {
   const auto seed = fresh_seed();
   SwiGLU m(256, 512);
   m->init_weights(3, "f.", 0.05, 0.05);
-  SwiGLU ref(256, 512);
+  SwiGLU reference_swiglu(256, 512);
   {
     torch::NoGradGuard g;
-    for (const auto& pair : {std::pair{&m->w1, &ref->w1}, std::pair{&m->w2, &ref->w2},
-                       std::pair{&m->w3, &ref->w3}}) {
+    for (const auto& pair : {std::pair{&m->w1, &reference_swiglu->w1}, std::pair{&m->w2, &reference_swiglu->w2},
+                       std::pair{&m->w3, &reference_swiglu->w3}}) {
       (*pair.second)->weight.copy_((*pair.first)->weight.to(at::kBFloat16));
     }
   }
-  ref->to(at::kDouble);
+  reference_swiglu->to(at::kDouble);
   m->to(at::kCUDA);
   auto x = at::randn({2, 50, 256}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16);
   auto xl = x.clone().requires_grad_(true);
@@ -716,13 +716,13 @@ TEST(FusedKernels, SwiGLUPackedMatchesTwoTensors) {
   y.backward(dy);
   std::vector<at::Tensor> got{xl.grad()};
   for (auto* l : {&m->w1, &m->w2, &m->w3}) got.push_back((*l)->weight.grad().clone());
-  auto yr = ref->forward(xr);
+  auto yr = reference_swiglu->forward(xr);
   yr.backward(dy.to(at::kCPU, at::kDouble));
-  std::vector<at::Tensor> want{xr.grad()};
-  for (auto* l : {&ref->w1, &ref->w2, &ref->w3}) want.push_back((*l)->weight.grad());
+  std::vector<at::Tensor> reference{xr.grad()};
+  for (auto* l : {&reference_swiglu->w1, &reference_swiglu->w2, &reference_swiglu->w3}) reference.push_back((*l)->weight.grad());
   EXPECT_LT(rel_err(y, yr), 1e-2) << "seed " << seed;
   for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_LT(rel_err(got[i], want[i]), 1e-2) << "gradient " << i << " (x, w1, w2, w3) seed "
+    EXPECT_LT(rel_err(got[i], reference[i]), 1e-2) << "gradient " << i << " (x, w1, w2, w3) seed "
                                               << seed;
   }
 }
@@ -770,15 +770,15 @@ TEST(FusedKernels, CrossEntropyRowsAndGradient) {
     auto logits = (at::randn({n, V}, at::TensorOptions(at::kCUDA)) * 4.0).to(t);
     auto targets = at::randint(0, V, {n}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
     targets.index_put_({at::arange(0, n, 7, targets.options())}, -100);  // some ignored
-    auto ref_in = logits.to(at::kCPU, at::kDouble).requires_grad_(true);
+    auto reference_in = logits.to(at::kCPU, at::kDouble).requires_grad_(true);
     auto tc = targets.cpu();
-    auto ref_rows = at::cross_entropy_loss(ref_in, tc, {}, at::Reduction::None, -100);
-    ref_rows.sum().backward();
+    auto reference_rows = at::cross_entropy_loss(reference_in, tc, {}, at::Reduction::None, -100);
+    reference_rows.sum().backward();
     auto g = logits.clone();
     poison();
     auto rows = kernels::cross_entropy_rows_(g, targets);
-    EXPECT_LT(rel_err(rows, ref_rows), bound(t) / 10) << "seed " << seed << " " << t;
-    EXPECT_LT(rel_err(g, ref_in.grad()), bound(t)) << "seed " << seed << " " << t;
+    EXPECT_LT(rel_err(rows, reference_rows), bound(t) / 10) << "seed " << seed << " " << t;
+    EXPECT_LT(rel_err(g, reference_in.grad()), bound(t)) << "seed " << seed << " " << t;
     // Ignored rows: zero loss, zero gradient, exactly.
     auto ignored = (tc == -100).nonzero().squeeze(1);
     EXPECT_EQ(rows.cpu().index_select(0, ignored).abs().sum().item<double>(), 0.0);
@@ -853,14 +853,14 @@ TEST(FusedKernels, EmbeddingGradientSumsRowsInOrder) {
     auto dw = kernels::embedding_weight_grad(grad, tokens, V);
     auto tc = tokens.cpu().reshape({-1});
     auto gc = grad.cpu().reshape({-1, D});
-    auto ref = at::zeros({V, D});
-    auto r = ref.accessor<float, 2>();
+    auto reference = at::zeros({V, D});
+    auto r = reference.accessor<float, 2>();
     auto g = gc.accessor<float, 2>();
     auto t = tc.accessor<int64_t, 1>();
     for (int64_t row = 0; row < tc.size(0); ++row) {
       for (int64_t c = 0; c < D; ++c) r[t[row]][c] += g[row][c];
     }
-    EXPECT_TRUE(at::equal(dw.cpu(), ref)) << "seed " << seed << " D " << D;
+    EXPECT_TRUE(at::equal(dw.cpu(), reference)) << "seed " << seed << " D " << D;
     auto aten = at::embedding_dense_backward(grad, tokens, V, -1, false);
     EXPECT_LT(rel_err(dw, aten.to(at::kDouble).cpu()), 1e-6) << "seed " << seed << " D " << D;
     EXPECT_TRUE(at::equal(kernels::embedding_weight_grad(grad, tokens, V), dw));
@@ -1103,7 +1103,7 @@ TEST(FusedKernels, WeightCacheChangesNoBit) {
   for (int keep = 0; keep < 2; ++keep) {
     // keep = 1: one cache for the model and the optimizer, as a rank's
     // model holds it; keep = 0: none, every forward casts afresh.
-    auto k = kernel_options(cfg);
+    auto k = kernel_options(cfg.model);
     if (keep == 1) k.weight_cache = std::make_shared<kernels::WeightCache>();
     auto model = build_model_part(cfg);
     ops::set_kernel_options(*model, k);

@@ -70,13 +70,13 @@ Result run(const Inputs& in, at::Device dev, at::ScalarType t, const at::Tensor&
 
 const char* kNames[] = {"q", "k", "v", "g", "beta", "initial state"};
 
-void expect_close(const Result& out, const Result& ref, double fwd_bound, double grad_bound,
+void expect_close(const Result& out, const Result& reference, double fwd_bound, double grad_bound,
                   const std::string& what) {
-  EXPECT_LT(rel_err(out.o, ref.o), fwd_bound) << what << ": output";
-  for (size_t i = 0; i < ref.grads.size(); ++i) {
-    if (!ref.grads[i].defined()) continue;
+  EXPECT_LT(rel_err(out.o, reference.o), fwd_bound) << what << ": output";
+  for (size_t i = 0; i < reference.grads.size(); ++i) {
+    if (!reference.grads[i].defined()) continue;
     ASSERT_TRUE(out.grads[i].defined()) << what << ": no gradient for " << kNames[i];
-    const double e = rel_err(out.grads[i], ref.grads[i]);
+    const double e = rel_err(out.grads[i], reference.grads[i]);
     EXPECT_LT(e, grad_bound) << what << ": gradient of " << kNames[i];
     std::printf("  %s d%s: %.2e\n", what.c_str(), kNames[i], e);
   }
@@ -101,15 +101,15 @@ TEST_P(KdaKernels, MatchFp64RecurrenceAndAtenChunks) {
   const auto in = draw(p.B, p.T, p.H, p.D, p.state);
   const auto dO = at::randn({p.B, p.T, p.H, p.D}, at::kDouble);
   const at::Device gpu(at::kCUDA);
-  auto ref = run(in, at::kCPU, at::kDouble, dO, [](const std::vector<at::Tensor>& x) {
+  auto reference = run(in, at::kCPU, at::kDouble, dO, [](const std::vector<at::Tensor>& x) {
     return ops::kda_recurrent(x[0], x[1], x[2], x[3], x[4], x[5]);
   });
   auto kern = run(in, gpu, at::kFloat, dO, kernel_o);
   auto aten = run(in, gpu, at::kFloat, dO, [](const std::vector<at::Tensor>& x) {
     return ops::kda_chunked(x[0], x[1], x[2], x[3], x[4], 64, x[5]);
   });
-  expect_close(kern, ref, 2e-5, 1e-4, "kernels vs fp64");
-  expect_close(aten, ref, 2e-5, 1e-4, "aten fp32 vs fp64");
+  expect_close(kern, reference, 2e-5, 1e-4, "kernels vs fp64");
+  expect_close(aten, reference, 2e-5, 1e-4, "aten fp32 vs fp64");
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, KdaKernels,
@@ -200,7 +200,7 @@ TEST(KdaGemm, MatchesFp64ForEveryLayout) {
       auto b = bt ? at::randn({Z, N, K}, f32).transpose(1, 2) : at::randn({Z, K, N}, f32);
       auto wide = at::randn({Z, M, N + 64}, f32);
       auto c = wide.narrow(2, 32, N);
-      auto want = c.to(at::kDouble) - at::bmm(a.to(at::kDouble), b.to(at::kDouble));
+      auto reference = c.to(at::kDouble) - at::bmm(a.to(at::kDouble), b.to(at::kDouble));
       const auto before = wide.clone();
       cuda::KdaGemm g;
       g.batch = Z;
@@ -215,7 +215,7 @@ TEST(KdaGemm, MatchesFp64ForEveryLayout) {
       g.alpha = -1.f;
       g.beta = 1.f;
       ASSERT_EQ(cuda::kda_gemm(g, nullptr), cudaSuccess);
-      EXPECT_LT(rel_err(c.to(at::kDouble).cpu(), want.cpu()), 1e-6);
+      EXPECT_LT(rel_err(c.to(at::kDouble).cpu(), reference.cpu()), 1e-6);
       // The columns either side of the product are untouched.
       EXPECT_TRUE(at::equal(wide.narrow(2, 0, 32), before.narrow(2, 0, 32)));
       EXPECT_TRUE(at::equal(wide.narrow(2, 32 + N, 32), before.narrow(2, 32 + N, 32)));
@@ -234,11 +234,11 @@ TEST(KdaKernelsState, StrongDecayStaysFinite) {
   auto in = draw(1, 128, 2, 64, false);
   in.x[3] = -60.0 * at::rand_like(in.x[3]);
   const auto dO = at::randn({1, 128, 2, 64}, at::kDouble);
-  auto ref = run(in, at::kCPU, at::kDouble, dO, [](const std::vector<at::Tensor>& x) {
+  auto reference = run(in, at::kCPU, at::kDouble, dO, [](const std::vector<at::Tensor>& x) {
     return ops::kda_recurrent(x[0], x[1], x[2], x[3], x[4], x[5]);
   });
   auto kern = run(in, at::Device(at::kCUDA), at::kFloat, dO, kernel_o);
-  expect_close(kern, ref, 2e-5, 1e-4, "strong decay");
+  expect_close(kern, reference, 2e-5, 1e-4, "strong decay");
 }
 
 // The whole layer as the model runs it in bf16: with the kernels (chunk 64,

@@ -32,12 +32,16 @@ struct Run {
   std::vector<std::pair<std::string, at::Tensor>> grads;
 };
 
-Run run(const MoeOptions& o, bool grouped, const at::Tensor& x, const at::Tensor& dy) {
+Run run_experts(const MoeOptions& o, bool grouped, const at::Tensor& x, const at::Tensor& dy) {
   Moe m(o);
   m->init_weights(11, "moe.", 0.05, 0.05);
   m->to(at::kCUDA);
+  // As a rank's model runs: the GEMM forms this build takes on the device,
+  // probed (the grouped GEMM writes its fp32 weight gradients itself, or its
+  // bf16 product is cast).
   ops::KernelOptions k;
   k.fused = grouped;
+  k.capabilities = ops::probe_capabilities(x.device());
   ops::set_kernel_options(*m, k);
   auto xi = x.detach().requires_grad_(true);
   Run r;
@@ -68,12 +72,12 @@ TEST(MoeRouting, TopkKernelChoosesAsAStableSort) {
     ASSERT_TRUE(kernels::moe_topk_usable(scores, K));
     auto got = kernels::moe_topk(scores, bias, K);
     auto sums = scores.cpu() + bias.cpu();
-    auto want = std::get<1>(at::sort(sums, /*stable=*/true, -1, /*descending=*/true))
+    auto reference = std::get<1>(at::sort(sums, /*stable=*/true, -1, /*descending=*/true))
                     .narrow(-1, 0, K);
-    ASSERT_EQ(got.sizes(), want.sizes());
-    EXPECT_EQ(longs(got), longs(want));
+    ASSERT_EQ(got.sizes(), reference.sizes());
+    EXPECT_EQ(longs(got), longs(reference));
     // The model's entry point takes the kernel under the kernel options.
-    EXPECT_EQ(longs(ops::top_experts(scores, bias, K, ops::KernelOptions{})), longs(want));
+    EXPECT_EQ(longs(ops::top_experts(scores, bias, K, ops::KernelOptions{})), longs(reference));
   }
 }
 
@@ -88,17 +92,17 @@ TEST(MoeRouting, DispatchKernelsPlaceAsTheSortForm) {
       SCOPED_TRACE("S " + std::to_string(S) + " E " + std::to_string(E));
       auto ids = at::randint(0, E, {S}, at::kLong);
       if (E > 2) ids.masked_fill_(ids == 1, 0);
-      auto ref = ops::dispatch_experts(ids, E, {});  // on the CPU: the sort form
+      auto reference = ops::dispatch_experts(ids, E, {});  // on the CPU: the sort form
       auto got = ops::dispatch_experts(ids.to(at::kCUDA), E, {});
       // The sort form on the GPU too, where the options turn the kernels off.
       auto sorted = ops::dispatch_experts(ids.to(at::kCUDA), E, {.fused = false});
-      EXPECT_EQ(longs(sorted.pos), longs(ref.pos));
+      EXPECT_EQ(longs(sorted.pos), longs(reference.pos));
       ASSERT_TRUE(got.pos.is_cuda());
-      EXPECT_EQ(got.rows, ref.rows);
-      EXPECT_EQ(longs(got.counts), longs(ref.counts));
-      EXPECT_EQ(longs(got.offs), longs(ref.offs));
+      EXPECT_EQ(got.rows, reference.rows);
+      EXPECT_EQ(longs(got.counts), longs(reference.counts));
+      EXPECT_EQ(longs(got.offs), longs(reference.offs));
       EXPECT_EQ(got.offs.scalar_type(), at::kInt);
-      EXPECT_EQ(longs(got.pos), longs(ref.pos));
+      EXPECT_EQ(longs(got.pos), longs(reference.pos));
     }
   }
 }
@@ -120,8 +124,8 @@ TEST_P(MoeGrouped, MatchesThePerExpertLoop) {
   auto x = at::randn({2, 157, o.dim}, opt);
   auto dy = at::randn({2, 157, o.dim}, opt);
   ASSERT_TRUE(ops::grouped_experts_run(x, o.hidden_dim, ops::KernelOptions{}));
-  auto g = run(o, true, x, dy);
-  auto l = run(o, false, x, dy);
+  auto g = run_experts(o, true, x, dy);
+  auto l = run_experts(o, false, x, dy);
   EXPECT_TRUE(at::equal(g.loads, l.loads));
   EXPECT_LT(rel_err(g.y, l.y), 2e-2);
   EXPECT_LT(rel_err(g.dx, l.dx), 2e-2);
@@ -132,7 +136,7 @@ TEST_P(MoeGrouped, MatchesThePerExpertLoop) {
     EXPECT_LT(rel_err(g.grads[i].second, l.grads[i].second), 2e-2) << g.grads[i].first;
   }
   // Run to run: the same bits.
-  auto g2 = run(o, true, x, dy);
+  auto g2 = run_experts(o, true, x, dy);
   EXPECT_TRUE(at::equal(g.y, g2.y));
   EXPECT_TRUE(at::equal(g.dx, g2.dx));
   for (size_t i = 0; i < g.grads.size(); ++i) {

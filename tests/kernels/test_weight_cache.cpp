@@ -1,8 +1,8 @@
 // The low-precision weight cache (see Note [Low-precision weight cache]) on
 // CPU tensors: its copies against fresh casts, its validity rule (version
-// counters), the optimizer's slot protocol, one cache per owner, and
-// linear_parts against separate linears. The CUDA path (the AdamW kernel
-// writing the copies, the fused linear using them) is in test_fused_kernels.
+// counters), the optimizer's slot protocol and one cache per owner. The CUDA
+// path (the AdamW kernel writing the copies, the fused linear using them) is
+// in test_fused_kernels; linear_parts on the CPU in tests/ops/test_linear.cpp.
 #include <gtest/gtest.h>
 
 #include "kernels/weight_cache.h"
@@ -139,25 +139,6 @@ TEST_F(WeightCache, WithoutACacheEveryCastIsFresh) {
             cache_.get({a, b}, at::kBFloat16).data_ptr());
   EXPECT_THROW(kernels::cast_weights(nullptr, {a.to(at::kBFloat16)}, at::kBFloat16),
                std::exception);
-}
-
-TEST(LinearParts, MatchesSeparateLinears) {
-  // The CPU path concatenates; values and each part's gradient equal those
-  // of three linears (fp64, so only summation order differs).
-  torch::manual_seed(3);
-  auto x = at::randn({2, 5, 6}, at::kDouble).requires_grad_(true);
-  auto a = at::randn({4, 6}, at::kDouble).requires_grad_(true);
-  auto b = at::randn({2, 6}, at::kDouble).requires_grad_(true);
-  auto bias = at::randn({6}, at::kDouble).requires_grad_(true);
-  auto y = ops::linear_parts(x, {a, b}, bias, ops::KernelOptions{});
-  auto ref = at::cat({at::linear(x, a, bias.narrow(0, 0, 4)), at::linear(x, b, bias.narrow(0, 4, 2))}, -1);
-  EXPECT_TRUE(at::allclose(y, ref, 1e-12, 1e-12));
-  auto g = at::randn_like(y);
-  auto grads = torch::autograd::grad({y}, {x, a, b, bias}, {g});
-  auto rgrads = torch::autograd::grad({ref}, {x, a, b, bias}, {g});
-  for (size_t i = 0; i < grads.size(); ++i) {
-    EXPECT_TRUE(at::allclose(grads[i], rgrads[i], 1e-12, 1e-12)) << i;
-  }
 }
 
 }  // namespace

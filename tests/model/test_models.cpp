@@ -12,7 +12,6 @@
 #include "core/check.h"
 #include "model/family.h"
 #include "model/model.h"
-#include "ops/cross_entropy.h"
 
 using namespace viaduct;
 
@@ -26,11 +25,11 @@ ParamMap params_of(const torch::nn::Module& m) {
   return out;
 }
 
-at::Tensor ref_rms(const at::Tensor& x, const at::Tensor& w, double eps) {
+at::Tensor reference_rms(const at::Tensor& x, const at::Tensor& w, double eps) {
   return x / (x.pow(2).mean(-1, true) + eps).sqrt() * w;
 }
 
-at::Tensor ref_layer_norm(const at::Tensor& x, const at::Tensor& w,
+at::Tensor reference_layer_norm(const at::Tensor& x, const at::Tensor& w,
                           const at::Tensor& b, double eps) {
   auto mu = x.mean(-1, true);
   auto var = (x - mu).pow(2).mean(-1, true);
@@ -38,7 +37,7 @@ at::Tensor ref_layer_norm(const at::Tensor& x, const at::Tensor& w,
 }
 
 // Rotate consecutive pairs as complex numbers: (x0 + i x1) e^{i t f_j}.
-at::Tensor ref_rope(const at::Tensor& x, double theta) {
+at::Tensor reference_rope(const at::Tensor& x, double theta) {
   // x: [B, T, H, hd]
   const auto T = x.size(1), hd = x.size(3);
   auto j = torch::arange(0, hd / 2, torch::kDouble);
@@ -49,7 +48,7 @@ at::Tensor ref_rope(const at::Tensor& x, double theta) {
   return torch::view_as_real(xc * rot).reshape(x.sizes());
 }
 
-at::Tensor ref_attention(const at::Tensor& x, ParamMap& p, const std::string& pre,
+at::Tensor reference_attention(const at::Tensor& x, ParamMap& p, const std::string& pre,
                          int64_t H, int64_t KV, bool rope, double theta,
                          bool bias) {
   const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / H;
@@ -62,8 +61,8 @@ at::Tensor ref_attention(const at::Tensor& x, ParamMap& p, const std::string& pr
   auto k = lin(x, "wk").view({B, T, KV, hd});
   auto v = lin(x, "wv").view({B, T, KV, hd});
   if (rope) {
-    q = ref_rope(q, theta);
-    k = ref_rope(k, theta);
+    q = reference_rope(q, theta);
+    k = reference_rope(k, theta);
   }
   std::vector<at::Tensor> heads;
   auto mask = torch::ones({T, T}, torch::kBool).triu(1);
@@ -77,24 +76,24 @@ at::Tensor ref_attention(const at::Tensor& x, ParamMap& p, const std::string& pr
   return lin(at::cat(heads, -1), "wo");
 }
 
-struct RefSpec {
+struct ReferenceSpec {
   bool gpt2 = false;
   int64_t H = 0, KV = 0;
   double eps = 1e-5, theta = 10000;
 };
 
-at::Tensor ref_forward(ParamMap& p, const at::Tensor& tokens, int64_t L,
-                       const RefSpec& s) {
+at::Tensor reference_forward(ParamMap& p, const at::Tensor& tokens, int64_t L,
+                       const ReferenceSpec& s) {
   auto x = p["tok_embeddings.weight"].index_select(0, tokens.reshape(-1))
                .view({tokens.size(0), tokens.size(1), -1});
   if (s.gpt2) x = x + p["pos_embeddings.weight"].slice(0, 0, tokens.size(1));
   for (int64_t i = 0; i < L; ++i) {
     const std::string pre = "layers." + std::to_string(i) + ".";
     auto norm = [&](const at::Tensor& in, const std::string& n) {
-      return s.gpt2 ? ref_layer_norm(in, p[pre + n + ".weight"], p[pre + n + ".bias"], s.eps)
-                    : ref_rms(in, p[pre + n + ".weight"], s.eps);
+      return s.gpt2 ? reference_layer_norm(in, p[pre + n + ".weight"], p[pre + n + ".bias"], s.eps)
+                    : reference_rms(in, p[pre + n + ".weight"], s.eps);
     };
-    x = x + ref_attention(norm(x, "attention_norm"), p, pre + "attention.", s.H,
+    x = x + reference_attention(norm(x, "attention_norm"), p, pre + "attention.", s.H,
                           s.KV, !s.gpt2, s.theta, s.gpt2);
     auto h = norm(x, "ffn_norm");
     const std::string f = pre + "feed_forward.";
@@ -109,13 +108,13 @@ at::Tensor ref_forward(ParamMap& p, const at::Tensor& tokens, int64_t L,
       x = x + at::matmul(a * torch::sigmoid(a) * b, p[f + "w2.weight"].t());
     }
   }
-  x = s.gpt2 ? ref_layer_norm(x, p["norm.weight"], p["norm.bias"], s.eps)
-             : ref_rms(x, p["norm.weight"], s.eps);
+  x = s.gpt2 ? reference_layer_norm(x, p["norm.weight"], p["norm.bias"], s.eps)
+             : reference_rms(x, p["norm.weight"], s.eps);
   const auto& head = p.count("lm_head.weight") ? p["lm_head.weight"] : p["tok_embeddings.weight"];
   return at::matmul(x, head.t());
 }
 
-void check_against_reference(const std::string& family, const RefSpec& s) {
+void check_against_reference(const std::string& family, const ReferenceSpec& s) {
   at::set_num_threads(1);
   auto cfg = JobConfig::parse("", "test", {"model.family=" + family, "model.n_layers=2",
                                         "training.seq_len=12"});
@@ -130,32 +129,32 @@ void check_against_reference(const std::string& family, const RefSpec& s) {
   summed_cross_entropy(logits, targets).backward();
 
   // The reference on detached copies of the same parameters.
-  ParamMap ref;
-  for (auto& [k, v] : params_of(*model)) ref[k] = v.detach().clone().requires_grad_(true);
-  auto ref_logits = ref_forward(ref, tokens, 2, s);
-  at::cross_entropy_loss(ref_logits.reshape({-1, ref_logits.size(-1)}),
+  ParamMap reference;
+  for (auto& [k, v] : params_of(*model)) reference[k] = v.detach().clone().requires_grad_(true);
+  auto reference_logits = reference_forward(reference, tokens, 2, s);
+  at::cross_entropy_loss(reference_logits.reshape({-1, reference_logits.size(-1)}),
                          targets.reshape(-1), {}, at::Reduction::Sum)
       .backward();
 
-  EXPECT_TRUE(torch::allclose(logits, ref_logits, 1e-9, 1e-10))
-      << (logits - ref_logits).abs().max().item<double>();
+  EXPECT_TRUE(torch::allclose(logits, reference_logits, 1e-9, 1e-10))
+      << (logits - reference_logits).abs().max().item<double>();
   for (auto& [k, v] : params_of(*model)) {
     ASSERT_TRUE(v.grad().defined()) << k;
-    EXPECT_TRUE(torch::allclose(v.grad(), ref[k].grad(), 1e-8, 1e-10))
+    EXPECT_TRUE(torch::allclose(v.grad(), reference[k].grad(), 1e-8, 1e-10))
         << family << " " << k << " max diff "
-        << (v.grad() - ref[k].grad()).abs().max().item<double>() << " of max "
-        << ref[k].grad().abs().max().item<double>();
+        << (v.grad() - reference[k].grad()).abs().max().item<double>() << " of max "
+        << reference[k].grad().abs().max().item<double>();
   }
 }
 
 }  // namespace
 
 TEST(Llama, ForwardAndBackwardMatchReference) {
-  check_against_reference("llama", RefSpec{false, 8, 4, 1e-5, 10000});
+  check_against_reference("llama", ReferenceSpec{false, 8, 4, 1e-5, 10000});
 }
 
 TEST(Gpt2, ForwardAndBackwardMatchReference) {
-  check_against_reference("gpt2", RefSpec{true, 4, 4, 1e-5, 10000});
+  check_against_reference("gpt2", ReferenceSpec{true, 4, 4, 1e-5, 10000});
 }
 
 TEST(Models, FqnsFollowTorchtitanNames) {
@@ -226,8 +225,8 @@ TEST(Models, PartsChainedEqualTheWholeModelBitwise) {
       part->init_weights(3);
       acts = part->forward(acts);
     }
-    auto ref = whole->forward({tokens}).at(0);
-    EXPECT_TRUE(torch::equal(acts.at(0), ref)) << fam;
+    auto reference = whole->forward({tokens}).at(0);
+    EXPECT_TRUE(torch::equal(acts.at(0), reference)) << fam;
   }
 }
 
@@ -335,28 +334,6 @@ TEST(ModelFamilies, AttnResLayoutOfEachFamily) {
   EXPECT_EQ(e16->dim, 16);
 }
 
-TEST(ChunkedHeadLoss, MatchesLogitsThenCrossEntropyInFp64) {
-  at::manual_seed(3);
-  const int64_t N = 37, D = 16, V = 50;
-  auto h = torch::randn({N, D}, torch::kDouble).requires_grad_(true);
-  auto w = torch::randn({V, D}, torch::kDouble).requires_grad_(true);
-  auto t = torch::randint(0, V, {N}, torch::kLong);
-  t[5] = -100;  // ignored
-  t[20] = -100;
-  auto ref = at::cross_entropy_loss(at::matmul(h, w.t()), t, {}, at::Reduction::Sum, -100);
-  (ref * 0.25).backward();
-  const auto gh = h.grad().clone(), gw = w.grad().clone();
-  for (int64_t chunk : {1, 8, 37, 64}) {
-    h.mutable_grad() = at::Tensor();
-    w.mutable_grad() = at::Tensor();
-    auto loss = ops::chunked_head_cross_entropy(h, w, t, chunk, ops::KernelOptions{});
-    (loss * 0.25).backward();
-    EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-11) << chunk;
-    EXPECT_TRUE(torch::allclose(h.grad(), gh, 1e-10, 1e-12)) << chunk;
-    EXPECT_TRUE(torch::allclose(w.grad(), gw, 1e-10, 1e-12)) << chunk;
-  }
-}
-
 // One forward_loss + backward of a fresh model from `overrides` (init seed
 // `seed`) in dtype `dt` on tokens [2, seq]: the loss and every parameter's
 // gradient by FQN.
@@ -421,15 +398,15 @@ TEST(Models, KimiK3RunsInFp64AndAgreesWithFp32) {
   EXPECT_NEAR(losses[0], losses[1], 1e-5 * std::abs(losses[1]));
   int nonzero = 0;
   for (auto& [k, g] : grads[1]) {
-    const double ref = g.norm().item<double>();
-    if (ref == 0) {
+    const double reference = g.norm().item<double>();
+    if (reference == 0) {
       // Zero-initialised queries leave the norm weights' gradients at
       // exactly zero (and the first reads' queries: one source), in both.
       EXPECT_EQ(grads[0][k].norm().item<double>(), 0) << k;
       continue;
     }
     ++nonzero;
-    const double err = (grads[0][k] - g).norm().item<double>() / ref;
+    const double err = (grads[0][k] - g).norm().item<double>() / reference;
     EXPECT_LT(err, 1e-3) << k;
   }
   EXPECT_GT(nonzero, 50);

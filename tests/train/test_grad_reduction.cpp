@@ -83,10 +83,10 @@ TEST(GradReduction, SumsInReplicaOrderWholeAndScattered) {
       }
       const auto& mine = red.layout();
       for (size_t i = 0; i < params.size(); ++i) {
-        const auto want = sum_in_replica_order(i, dp);
+        const auto reference = sum_in_replica_order(i, dp);
         const auto& got = params[i].param.grad();
         if (whole) {
-          VIADUCT_CHECK(at::equal(got, want), "rank ", r, " parameter ", i, ": whole sum differs");
+          VIADUCT_CHECK(at::equal(got, reference), "rank ", r, " parameter ", i, ": whole sum differs");
         }
       }
       int64_t owned = 0, sent = 0;
@@ -95,8 +95,8 @@ TEST(GradReduction, SumsInReplicaOrderWholeAndScattered) {
         for (const auto& segs : per_rank) n += segment_elements(segs);
         sent += (n - segment_elements(per_rank[r])) * 4;
         for (const auto& s : per_rank[r]) {
-          const auto want = segment_of(sum_in_replica_order(s.param, dp), s);
-          VIADUCT_CHECK(at::equal(segment_of(params[s.param].param.grad(), s), want), "rank ", r,
+          const auto reference = segment_of(sum_in_replica_order(s.param, dp), s);
+          VIADUCT_CHECK(at::equal(segment_of(params[s.param].param.grad(), s), reference), "rank ", r,
                         " parameter ", s.param, " [", s.begin, ", ", s.end,
                         "): the range's sum differs");
           owned += s.end - s.begin;
@@ -126,11 +126,11 @@ TEST(GradReduction, SumsInReplicaOrderWholeAndScattered) {
   }
   // The norm against the whole sum's fp64 norm: the pieces change only
   // the rounding.
-  double ref = 0;
+  double reference = 0;
   for (size_t i = 0; i < kShapes.size(); ++i) {
-    ref += sum_in_replica_order(i, dp).to(at::kDouble).pow(2).sum().item<double>();
+    reference += sum_in_replica_order(i, dp).to(at::kDouble).pow(2).sum().item<double>();
   }
-  EXPECT_NEAR(norm_whole[0], std::sqrt(ref), 1e-5 * std::sqrt(ref));
+  EXPECT_NEAR(norm_whole[0], std::sqrt(reference), 1e-5 * std::sqrt(reference));
 }
 
 }  // namespace

@@ -192,10 +192,10 @@ TEST(MemoryEstimate, RefusesWithFiguresAndKnobs) {
     FAIL() << "a run one byte over was accepted";
   } catch (const ConfigError& err) {
     const std::string m = err.what();
-    for (const char* want : {"cannot fit", "weights", "gradients", "optimizer", "activations",
+    for (const char* reference : {"cannot fit", "weights", "gradients", "optimizer", "activations",
                              "loss", "training.local_batch_size",
                              "parallelism.pipeline_parallel_degree", "model.flavor"}) {
-      EXPECT_NE(m.find(want), std::string::npos) << want << " missing from: " << m;
+      EXPECT_NE(m.find(reference), std::string::npos) << reference << " missing from: " << m;
     }
     EXPECT_EQ(m.find("dp_shard_optimizer"), std::string::npos) << "dp = 1: " << m;
   }

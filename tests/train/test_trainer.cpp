@@ -111,16 +111,16 @@ TEST(Trainer, MetricsCarryThePlanMemoryEstimate) {
   Trainer t(cfg);
   t.run();
   const auto job_config = JobConfig::from(cfg);
-  const double want = estimate_rank_memory(job_config, describe_model(job_config), t.plan(), 0,
-                                           at::kFloat, false)
-                          .total();
+  const double reference = estimate_rank_memory(job_config, describe_model(job_config), t.plan(),
+                                                0, at::kFloat, false)
+                               .total();
   auto lines = read_metrics(fs::path(cfg.get_string("job.dump_folder")) / "metrics.jsonl");
   int steps = 0;
   for (const auto& j : lines) {
     if (!j.contains("loss")) continue;
     ++steps;
     ASSERT_TRUE(j.contains("plan_memory_bytes")) << j.dump();
-    EXPECT_DOUBLE_EQ(j["plan_memory_bytes"].get<double>(), want);
+    EXPECT_DOUBLE_EQ(j["plan_memory_bytes"].get<double>(), reference);
     EXPECT_GT(j["peak_memory_bytes"].get<double>(), 0.0);
     EXPECT_FALSE(j.contains("plan_memory_bytes_per_rank"));
   }
@@ -131,19 +131,19 @@ TEST(Trainer, ResumeContinuesBitwise) {
   Job a, b;
   // A: six uninterrupted steps.
   Trainer ta(a.config());
-  std::vector<double> ref;
-  for (int i = 0; i < 6; ++i) ref.push_back(ta.train_step().loss);
+  std::vector<double> reference;
+  for (int i = 0; i < 6; ++i) reference.push_back(ta.train_step().loss);
   // B: three steps, a checkpoint, a "crash", and a new process resumes.
   const std::vector<std::string> ck = {"checkpoint.enable=true", "checkpoint.interval=3"};
   {
     Trainer tb(b.config(ck));
-    for (int i = 0; i < 3; ++i) EXPECT_EQ(tb.train_step().loss, ref[i]);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(tb.train_step().loss, reference[i]);
     tb.save_checkpoint();
   }
   Trainer tc(b.config(ck));
   ASSERT_TRUE(tc.resume());
   EXPECT_EQ(tc.step(), 3);
-  for (int i = 3; i < 6; ++i) EXPECT_EQ(tc.train_step().loss, ref[i]) << "step " << i + 1;
+  for (int i = 3; i < 6; ++i) EXPECT_EQ(tc.train_step().loss, reference[i]) << "step " << i + 1;
   const auto pa = params(ta), pc = params(tc);
   for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::equal(pa[i], pc[i]));
 }
@@ -168,19 +168,19 @@ TEST(Trainer, BlendResumesBitwiseAndEvalsOnTheValFilesOfItsSources) {
   };
   // A: eight uninterrupted steps, eval at 3 and 6 from train.val.tok alone.
   Trainer ta(a.blend_config(blend(a)));
-  std::vector<double> ref, ref_eval;
+  std::vector<double> reference, reference_eval;
   for (int i = 0; i < 8; ++i) {
-    ref.push_back(ta.train_step().loss);
-    if (i == 2 || i == 5) ref_eval.push_back(ta.evaluate());
+    reference.push_back(ta.train_step().loss);
+    if (i == 2 || i == 5) reference_eval.push_back(ta.evaluate());
   }
-  EXPECT_FALSE(std::isnan(ref_eval[0]));
+  EXPECT_FALSE(std::isnan(reference_eval[0]));
   // B: five steps, a checkpoint mid-epoch of both sources, a new process.
   std::string folder;
   {
     Trainer tb(b.blend_config(blend(b)));
     for (int i = 0; i < 5; ++i) {
-      EXPECT_EQ(tb.train_step().loss, ref[i]) << "step " << i + 1;
-      if (i == 2) EXPECT_EQ(tb.evaluate(), ref_eval[0]);
+      EXPECT_EQ(tb.train_step().loss, reference[i]) << "step " << i + 1;
+      if (i == 2) EXPECT_EQ(tb.evaluate(), reference_eval[0]);
     }
     tb.save_checkpoint();
     folder = tb.checkpoint_folder();
@@ -194,8 +194,8 @@ TEST(Trainer, BlendResumesBitwiseAndEvalsOnTheValFilesOfItsSources) {
     ASSERT_TRUE(tc.resume());
     EXPECT_EQ(tc.step(), 5);
     for (int i = 5; i < 8; ++i) {
-      EXPECT_EQ(tc.train_step().loss, ref[i]) << "step " << i + 1;
-      if (i == 5) EXPECT_EQ(tc.evaluate(), ref_eval[1]);
+      EXPECT_EQ(tc.train_step().loss, reference[i]) << "step " << i + 1;
+      if (i == 5) EXPECT_EQ(tc.evaluate(), reference_eval[1]);
     }
     const auto pa = params(ta), pc = params(tc);
     for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::equal(pa[i], pc[i]));
@@ -317,8 +317,8 @@ TEST(Trainer, MoeSelectionBiasIsCheckpointedAndResumesBitwise) {
     return extra;
   };
   Trainer ta(a.config(with({})));
-  std::vector<double> ref;
-  for (int i = 0; i < 4; ++i) ref.push_back(ta.train_step().loss);
+  std::vector<double> reference;
+  for (int i = 0; i < 4; ++i) reference.push_back(ta.train_step().loss);
   const auto ck = with({"checkpoint.enable=true"});
   {
     Trainer tb(b.config(ck));
@@ -333,7 +333,7 @@ TEST(Trainer, MoeSelectionBiasIsCheckpointedAndResumesBitwise) {
     EXPECT_GT(t.abs().sum().item<double>(), 0.0) << k << " was not restored";
   }
   EXPECT_TRUE(has_bias);
-  for (int i = 2; i < 4; ++i) EXPECT_EQ(tc.train_step().loss, ref[i]) << "step " << i + 1;
+  for (int i = 2; i < 4; ++i) EXPECT_EQ(tc.train_step().loss, reference[i]) << "step " << i + 1;
 }
 
 TEST(Trainer, ProfileStepWritesATraceOfThatStepOnly) {
@@ -354,9 +354,9 @@ TEST(Trainer, ProfileStepWritesATraceOfThatStepOnly) {
   for (const auto& e : j["traceEvents"]) {
     if (e.contains("name")) names.insert(e["name"].get<std::string>());
   }
-  for (const char* want : {"viaduct::forward_backward", "viaduct::grad_norm",
+  for (const char* reference : {"viaduct::forward_backward", "viaduct::grad_norm",
                            "viaduct::optimizer", "aten::mm"}) {
-    EXPECT_TRUE(names.count(want)) << want << " missing from the trace";
+    EXPECT_TRUE(names.count(reference)) << reference << " missing from the trace";
   }
   // Only step 2 was profiled.
   EXPECT_EQ(std::distance(fs::directory_iterator(trace.parent_path()), fs::directory_iterator()), 1);

@@ -32,10 +32,10 @@ const std::vector<std::string> kTwoStages = {
     "parallelism.pipeline_parallel_schedule=Interleaved1F1B",
     "parallelism.pipeline_parallel_microbatches=2"};
 
-struct Job {
+struct WarmStartJob {
   data::testing::TempDir dir;
   std::string data_path;
-  Job() : data_path((fs::path(dir.path()) / "train.tok").string()) {
+  WarmStartJob() : data_path((fs::path(dir.path()) / "train.tok").string()) {
     write_phrase_corpus(data_path, 20000);
   }
   std::string path(const std::string& name) const { return (fs::path(dir.path()) / name).string(); }
@@ -79,10 +79,10 @@ std::string error_of(const std::function<void()>& f) {
 }  // namespace
 
 TEST(WarmStart, ModelOnlyLoadsTheWeightsAtStepZeroWithAFreshOptimizer) {
-  Job job;
+  WarmStartJob job;
   Trainer src(job.config("src"));
   src.run();
-  const auto ref = weights(src);
+  const auto reference = weights(src);
   const std::string ckpt = src.checkpoint_folder();
   // The checkpoint folder (its latest step) and the step folder alike.
   for (const std::string& path : {ckpt, ckpt + "/step-3"}) {
@@ -90,7 +90,7 @@ TEST(WarmStart, ModelOnlyLoadsTheWeightsAtStepZeroWithAFreshOptimizer) {
                                  "checkpoint.enable=false"}));
     ASSERT_TRUE(t.warm_start());
     EXPECT_EQ(t.step(), 0);
-    expect_same_bits(ref, weights(t));
+    expect_same_bits(reference, weights(t));
     EXPECT_EQ(t.optimizer().steps_taken(), 0);
     for (const auto& [name, s] : t.optimizer().state()) {
       EXPECT_EQ(s.abs().sum().item<double>(), 0.0) << name;
@@ -106,14 +106,14 @@ TEST(WarmStart, ModelOnlyLoadsTheWeightsAtStepZeroWithAFreshOptimizer) {
   Trainer by_hand(job.config("by_hand"));
   {
     torch::NoGradGuard g;
-    for (const auto& np : by_hand.optimizer().params()) np.param.copy_(ref.at(np.fqn));
+    for (const auto& np : by_hand.optimizer().params()) np.param.copy_(reference.at(np.fqn));
   }
   EXPECT_EQ(warm.train_step().loss, by_hand.train_step().loss);
   expect_same_bits(weights(by_hand), weights(warm));
 }
 
 TEST(WarmStart, FullStateContinuesAsTheUninterruptedRun) {
-  Job job;
+  WarmStartJob job;
   Trainer whole(job.config("whole", {"training.steps=6", "checkpoint.enable=false"}));
   std::vector<double> losses;
   for (int i = 0; i < 6; ++i) losses.push_back(whole.train_step().loss);
@@ -142,7 +142,7 @@ TEST(WarmStart, FullStateContinuesAsTheUninterruptedRun) {
 }
 
 TEST(WarmStart, LoadsAcrossPipelineLayouts) {
-  Job job;
+  WarmStartJob job;
   // One stage -> two stages in one process, and back.
   Trainer one(job.config("one"));
   one.run();
@@ -164,7 +164,7 @@ TEST(WarmStart, LoadsAcrossPipelineLayouts) {
 }
 
 TEST(WarmStart, HuggingFaceFolderFromConvertGivesTheSameWeights) {
-  Job job;
+  WarmStartJob job;
   Trainer src(job.config("src"));
   src.run();
   const std::string hf = job.path("hf");
@@ -189,7 +189,7 @@ TEST(WarmStart, HuggingFaceFolderFromConvertGivesTheSameWeights) {
 }
 
 TEST(WarmStart, ARestartResumesFromItsOwnCheckpoint) {
-  Job job;
+  WarmStartJob job;
   Trainer src(job.config("src"));
   src.run();
   Trainer first(job.config("dst", {"checkpoint.initial_load_path=" + src.checkpoint_folder()}));
@@ -201,14 +201,14 @@ TEST(WarmStart, ARestartResumesFromItsOwnCheckpoint) {
   again.run();
   EXPECT_EQ(again.step(), 5);
   // The same as continuing the first run by hand.
-  Trainer ref(job.config("dst", {"training.steps=5"}));
-  ASSERT_TRUE(ref.resume());
-  EXPECT_EQ(ref.step(), 5);
-  expect_same_bits(weights(again), weights(ref));
+  Trainer reference(job.config("dst", {"training.steps=5"}));
+  ASSERT_TRUE(reference.resume());
+  EXPECT_EQ(reference.step(), 5);
+  expect_same_bits(weights(again), weights(reference));
 }
 
 TEST(WarmStart, BadInputsAreNamed) {
-  Job job;
+  WarmStartJob job;
   const auto start = [&](std::vector<std::string> o) {
     return error_of([&] {
       Trainer t(job.config("dst", o));
@@ -242,7 +242,7 @@ TEST(WarmStart, BadInputsAreNamed) {
 }
 
 TEST(LastSaveInHf, TheFolderHoldsTheFinalWeights) {
-  Job job;
+  WarmStartJob job;
   for (const auto& layout : std::vector<std::vector<std::string>>{{}, kTwoStages}) {
     const std::string dump = layout.empty() ? "one" : "two";
     auto o = layout;
@@ -263,7 +263,7 @@ TEST(LastSaveInHf, TheFolderHoldsTheFinalWeights) {
 }
 
 TEST(LastSaveInHf, TheFolderCarriesTheTokenizerOfDataTokenizer) {
-  Job job;
+  WarmStartJob job;
   const fs::path tok = job.path("tokenizer");
   fs::create_directories(tok);
   const std::string json = "{\"version\": \"1.0\", \"model\": {\"type\": \"BPE\"}}\n";
@@ -304,7 +304,7 @@ checkpoint::TensorMap model_tensors(const fs::path& step_dir) {
 }  // namespace
 
 TEST(WarmStart, TwoPipelineRanksLoadAndExportUnderALauncher) {
-  Job job;
+  WarmStartJob job;
   const std::string common =
       " train --model.n_layers=2 --model.dim=64 --model.n_heads=4 --model.n_kv_heads=2"
       " --training.seq_len=32 --training.local_batch_size=4 --training.steps=2"
@@ -320,8 +320,8 @@ TEST(WarmStart, TwoPipelineRanksLoadAndExportUnderALauncher) {
                   " --checkpoint.initial_load_path=" + job.path("src") + "/checkpoint"
                   " --job.dump_folder=" + job.path("dst"));
   const auto loaded = model_tensors(job.path("dst") + "/checkpoint/step-0");
-  const auto want = model_tensors(job.path("src") + "/checkpoint/step-2");
-  expect_same_bits(std::map<std::string, at::Tensor>(want.begin(), want.end()),
+  const auto reference = model_tensors(job.path("src") + "/checkpoint/step-2");
+  expect_same_bits(std::map<std::string, at::Tensor>(reference.begin(), reference.end()),
                    std::map<std::string, at::Tensor>(loaded.begin(), loaded.end()));
   const auto final_weights = model_tensors(job.path("dst") + "/checkpoint/step-2");
   const fs::path hf_dir = job.path("dst") + "/checkpoint/hf-step-2";
