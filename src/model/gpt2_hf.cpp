@@ -159,8 +159,7 @@ class Gpt2HfAdapter final : public checkpoint::StateDictAdapter {
     for (const auto& [name, t] : hf_in) {
       std::string n = name;
       if (n.rfind("transformer.", 0) == 0) n = n.substr(12);
-      if (n.size() > 9 && (n.compare(n.size() - 9, 9, ".attn.bias") == 0 ||
-                           n.find(".attn.masked_bias") != std::string::npos)) {
+      if (n.ends_with(".attn.bias") || n.ends_with(".attn.masked_bias")) {
         continue;
       }
       hf_tensors[n] = t;
