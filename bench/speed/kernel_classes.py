@@ -55,7 +55,8 @@ TRITON_RULES = [
 NAME_RULES = [
     ("optimizer", ("adam", "multi_tensor_apply", "foreach", "lpnorm", "normtwo",
                    "norm_two", "clip_scale", "clip_kernel")),
-    ("attention", ("flash", "fmha", "attention", "sdpa", "attn_fwd", "attn_bwd")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "attn_fwd", "attn_bwd",
+                   "cudnn::fusion", "dot_do_o", "convert_dq")),
     ("GEMMs", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "splitk", "gemv",
                "sm90_", "sm80_", "ampere_", "wgmma")),
     ("loss", ("cross_entropy", "log_softmax", "nll_loss", "softmax")),
@@ -100,10 +101,17 @@ def kernel_class(name):
 
 def fused_group(name):
     """A kernel's name without inductor's trailing index (kernels fusing the
-    same ops count together) and without a launch's template arguments."""
+    same ops count together) and without a launch's argument list."""
     if is_triton(name):
         return re.sub(r"_\d+$", "", name)
-    return name.split("(")[0][:100]
+    if name.endswith(")"):  # 'void ns::(anonymous namespace)::f<...>(args)'
+        depth = 0
+        for i in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                name = name[:i]
+                break
+    return name.replace("(anonymous namespace)::", "")[:110]
 
 
 def load_kernels(path):
@@ -121,14 +129,16 @@ def summarize(path, top):
         raise SystemExit(f"kernel_classes: {path} holds no device kernels "
                          "(a host-only trace?)")
     classes = {c: [0.0, 0] for c in CLASSES}
-    groups = collections.defaultdict(lambda: [0.0, 0])
+    groups = collections.defaultdict(lambda: [0.0, 0, ""])
     for k in ks:
-        c = classes[kernel_class(k["name"])]
+        cls = kernel_class(k["name"])
+        c = classes[cls]
         c[0] += k["dur"]
         c[1] += 1
         g = groups[fused_group(k["name"])]
         g[0] += k["dur"]
         g[1] += 1
+        g[2] = cls
     busy, end = 0.0, ks[0]["ts"]
     for k in ks:  # union of the spans
         s, e = max(k["ts"], end), k["ts"] + k["dur"]
@@ -146,12 +156,12 @@ def summarize(path, top):
         "idle_us": span - busy,
         "kernel_sum_us": kernel_sum,
         "classes": classes,
-        "top_fused": [(n, kernel_class(n), t, c) for n, (t, c) in ranked
-                      if is_triton(n)][:top],
-        "top_other": [(n, kernel_class(n), t, c) for n, (t, c) in ranked
-                      if kernel_class(n) not in ("GEMMs", "attention")][:top],
-        "unclassified": [(n, t, c) for n, (t, c) in ranked
-                         if kernel_class(n) == "other"][:top],
+        "top_fused": [(n, cls, t, c) for n, (t, c, cls) in ranked if is_triton(n)][:top],
+        "top_other": [(n, cls, t, c) for n, (t, c, cls) in ranked
+                      if cls not in ("GEMMs", "attention")][:top],
+        "top_gemm_attention": [(n, cls, t, c) for n, (t, c, cls) in ranked
+                               if cls in ("GEMMs", "attention")][:top],
+        "unclassified": [(n, t, c) for n, (t, c, cls) in ranked if cls == "other"][:top],
     }
 
 
@@ -234,6 +244,8 @@ def main():
             print(kernel_list(f"{n}: top inductor (Triton) kernels, by name less the index",
                               r["top_fused"]))
             print()
+        print(kernel_list(f"{n}: top GEMM and attention kernels", r["top_gemm_attention"]))
+        print()
         print(kernel_list(f"{n}: top kernels other than GEMMs and attention", r["top_other"]))
         if r["unclassified"]:
             print()
