@@ -594,6 +594,30 @@ class StepClock:
         return [e - s for s, e in zip(self.starts, self.ends)]
 
 
+class StepProfiler:
+    """One step under torch.profiler, as viaduct's metrics.profile_step with
+    metrics.profile_host_ops = false: device kernels only on CUDA (no host
+    cost per op, so the device's idle gaps stay close to an unprofiled
+    step's), host ops on the CPU. The device is synchronized before the
+    step starts and before the trace closes."""
+
+    def __init__(self, device):
+        from torch.profiler import ProfilerActivity, profile
+        self.device = device
+        cuda = device.type == "cuda"
+        synchronize(device)
+        self.prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+        self.prof.__enter__()
+
+    def save(self, path):
+        synchronize(self.device)
+        self.prof.__exit__(None, None, None)
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.prof.export_chrome_trace(path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -732,6 +756,11 @@ def train_main(argv):
                     f"H100/H200 {PEAK_BF16_FLOPS:.4g})")
     ap.add_argument("--json", help="write the summary JSON here too")
     ap.add_argument("--label", default="", help="free text carried into the JSON")
+    ap.add_argument("--profile-step", type=int, default=0,
+                    help="profile this step of the run (1-based; 0: off) with "
+                    "torch.profiler, device kernels only on CUDA, into --profile-trace")
+    ap.add_argument("--profile-trace", default="torch_profile.trace.json",
+                    help="the Chrome trace --profile-step writes")
     add_config_override_args(ap)
     ap.add_argument("--dry-run", action="store_true",
                     help="resolve the checkpoint, config and data, print them, "
@@ -806,11 +835,16 @@ def train_main(argv):
     step_losses, norms, lrs, wall = [], [], [], []
     reset_peak_memory(device)
     peak_warmup = 0
+    if not 0 <= args.profile_step <= n_steps:
+        fail(f"--profile-step {args.profile_step} is not a step of this run (1..{n_steps})")
+    profiler = None
     for i in range(n_steps):
         if i == args.timing_warmup:
             synchronize(device)
             peak_warmup = peak_memory(device)
             reset_peak_memory(device)
+        if i + 1 == args.profile_step:
+            profiler = StepProfiler(device)
         w0 = time.perf_counter()
         clock.start(i)
         mb_losses = []
@@ -835,6 +869,9 @@ def train_main(argv):
         if i < args.timing_warmup:  # wall time of the warm-up steps (compile)
             synchronize(device)
             wall.append(time.perf_counter() - w0)
+        if profiler is not None:
+            profiler.save(args.profile_trace)
+            profiler = None
     synchronize(device)
     peak_timed = peak_memory(device)
 
@@ -864,6 +901,7 @@ def train_main(argv):
         "start_step": start_step, "steps": n_steps, "timing_warmup": args.timing_warmup,
         "optimizer_impl": impl, "rope_dtype": args.rope_dtype,
         "compute_dtype": args.dtype,
+        "profile_step": args.profile_step or None,
         "median_step_s": median,
         "step_s": step_s,
         "tokens_per_s": tok_s,
