@@ -9,6 +9,8 @@
 #
 #   bash bench/bits/bits_before_after.sh .cache/base.tar .      # trees: before, after
 #   CELLS="1B k3" STEPS=5 bash bench/bits/bits_before_after.sh A B
+#   VD_EXTRA="--training.deterministic=false" CELLS=1B bash bench/bits/bits_before_after.sh .
+#     (more viaduct overrides for every run; one tree: its runs alone)
 #   A tree may be a folder or a .tar of one (git archive HEAD), unpacked
 #   under $OUT; each is named by its folder's (or the tar's) base name.
 #
@@ -136,6 +138,7 @@ for line in open(sys.argv[1]):
 EOF
 }
 
+read -r -a extra <<<"${VD_EXTRA:-}"  # more viaduct overrides for every run
 for cell in $CELLS; do
   mapfile -t a < <(cell_args "$cell") || { say "unknown cell $cell"; continue; }
   data=${a[0]}
@@ -149,7 +152,7 @@ for cell in $CELLS; do
       "${device[@]}" --training.steps="$STEPS" \
       --training.eval_interval=0 --training.num_threads="$JOBS" --checkpoint.enable=false \
       --job.dump_folder="$dump" --data.path="$data" --metrics.log_freq=1 \
-      --metrics.progress_bar=false >"$OUT/$cell.$name.log" 2>&1 ||
+      --metrics.progress_bar=false "${extra[@]}" >"$OUT/$cell.$name.log" 2>&1 ||
       { say "$cell $name: FAILED"; grep -v '^frame #' "$OUT/$cell.$name.log" | tail -6; }
     summarise "$dump/metrics.jsonl" >"$OUT/$cell.$name.steps" 2>/dev/null
   done

@@ -48,54 +48,81 @@ inline at::Tensor causal_sdpa(const at::Tensor& q, const at::Tensor& k,
 #endif
 }
 
-// Causal flash attention as its two ATen ops (LibTorch 2.x, CUDA): what
-// causal_sdpa runs for the half-precision inputs flash takes, exposed so
-// that an autograd function of ours can keep its outputs and call its
-// backward (see Note [Per-op activation checkpointing], ops/recompute.h).
-// flash_attention_applies: q, k, v [B, H, T, hd] on CUDA in bf16 or fp16,
-// one head dim (a multiple of 8, at most 256), H and T alike, last dim
-// dense. 1.13: never.
-inline bool flash_attention_applies(const at::Tensor& q, const at::Tensor& k,
-                                    const at::Tensor& v) {
-#if TORCH_VERSION_MAJOR >= 2
-  const auto hd = q.size(-1);
-  return q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) &&
-         k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
-         q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes() && hd % 8 == 0 &&
-         hd <= 256 && q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1 &&
-         at::globalContext().userEnabledFlashSDP();
+// The fused attention kernels of LibTorch 2.x on CUDA, as pairs of ATen ops
+// (a forward that returns what its backward reads, and that backward), so
+// that an autograd function of ours can keep the forward's outputs and call
+// the backward itself (see Note [Per-op activation checkpointing],
+// ops/recompute.h). Which pair runs is the one scaled_dot_product_attention
+// would pick for the same tensors (at::_fused_sdp_choice): cuDNN's where
+// LibTorch takes it, flash's otherwise. LibTorch refuses cuDNN's under
+// deterministic algorithms (its backward does not promise the same bits run
+// to run), so training.deterministic runs flash's, whose backward does.
+enum class FusedAttention { kNone, kFlash, kCudnn };
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+#define VIADUCT_FUSED_ATTENTION 1
+#else
+#define VIADUCT_FUSED_ATTENTION 0
+#endif
+
+// The pair for causal attention of q, k, v [B, H, T, hd] (k, v repeated to
+// H heads): kNone off CUDA, in fp32, and before LibTorch 2.8 (the plain
+// causal_sdpa runs, with ATen's own autograd).
+inline FusedAttention fused_attention_for(const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v) {
+#if VIADUCT_FUSED_ATTENTION
+  if (!q.is_cuda() || q.dim() != 4) return FusedAttention::kNone;
+  // SDPBackend's values (ATen/native/transformers/sdp_utils_cpp.h).
+  constexpr int64_t kFlashChoice = 1, kCudnnChoice = 3;
+  const int64_t choice = at::_fused_sdp_choice(q, k, v, {}, 0.0, /*is_causal=*/true);
+  if (choice == kCudnnChoice) return FusedAttention::kCudnn;
+  if (choice == kFlashChoice) return FusedAttention::kFlash;
+  return FusedAttention::kNone;
 #else
   (void)q, (void)k, (void)v;
-  return false;
+  return FusedAttention::kNone;
 #endif
 }
 
-// {out [B, H, T, hd], logsumexp, cum_seq_q, cum_seq_k, philox_seed,
-// philox_offset}: the forward's outputs its backward reads.
-inline std::vector<at::Tensor> causal_flash_forward(const at::Tensor& q, const at::Tensor& k,
-                                                    const at::Tensor& v) {
-#if TORCH_VERSION_MAJOR >= 2
+// The forward of pair `f`: {out [B, H, T, hd], then what the backward reads
+// (logsumexp, the cumulative sequence lengths, the philox seed and offset)}.
+inline std::vector<at::Tensor> causal_fused_forward(FusedAttention f, const at::Tensor& q,
+                                                    const at::Tensor& k, const at::Tensor& v) {
+#if VIADUCT_FUSED_ATTENTION
+  if (f == FusedAttention::kCudnn) {
+    auto r = at::_scaled_dot_product_cudnn_attention(q, k, v, {}, /*compute_log_sumexp=*/true,
+                                                     0.0, /*is_causal=*/true);
+    return {std::get<0>(r), std::get<1>(r), std::get<2>(r),
+            std::get<3>(r), std::get<6>(r), std::get<7>(r)};
+  }
   auto r = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, /*is_causal=*/true);
   return {std::get<0>(r), std::get<1>(r), std::get<2>(r),
           std::get<3>(r), std::get<6>(r), std::get<7>(r)};
 #else
-  (void)q, (void)k, (void)v;
-  throw std::runtime_error("flash attention ops need LibTorch 2.x");
+  (void)f, (void)q, (void)k, (void)v;
+  throw std::runtime_error("fused attention ops need LibTorch 2.8 or later");
 #endif
 }
 
-// {dq, dk, dv} from causal_flash_forward's outputs `fwd`.
-inline std::vector<at::Tensor> causal_flash_backward(const at::Tensor& grad, const at::Tensor& q,
-                                                     const at::Tensor& k, const at::Tensor& v,
+// {dq, dk, dv} of pair `f` from causal_fused_forward's outputs `fwd`.
+inline std::vector<at::Tensor> causal_fused_backward(FusedAttention f, const at::Tensor& grad,
+                                                     const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v,
                                                      const std::vector<at::Tensor>& fwd) {
-#if TORCH_VERSION_MAJOR >= 2
+#if VIADUCT_FUSED_ATTENTION
+  if (f == FusedAttention::kCudnn) {
+    auto r = at::_scaled_dot_product_cudnn_attention_backward(
+        grad, q, k, v, fwd[0], fwd[1], fwd[4], fwd[5], /*attn_bias=*/{}, fwd[2], fwd[3],
+        /*max_q=*/q.size(2), /*max_k=*/k.size(2), 0.0, /*is_causal=*/true);
+    return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+  }
   auto r = at::_scaled_dot_product_flash_attention_backward(
       grad, q, k, v, fwd[0], fwd[1], fwd[2], fwd[3], /*max_q=*/q.size(2), /*max_k=*/k.size(2),
       0.0, /*is_causal=*/true, fwd[4], fwd[5]);
   return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
 #else
-  (void)grad, (void)q, (void)k, (void)v, (void)fwd;
-  throw std::runtime_error("flash attention ops need LibTorch 2.x");
+  (void)f, (void)grad, (void)q, (void)k, (void)v, (void)fwd;
+  throw std::runtime_error("fused attention ops need LibTorch 2.8 or later");
 #endif
 }
 

@@ -58,10 +58,11 @@
 // mixed-precision form was one already; ops/linear.cpp), the grouped MoE
 // expert GEMMs (ops/moe.cpp; the per-expert loop of the ATen form goes
 // through ops::linear), KDA's chunk scan with the states its backward
-// reads (ops/kda.cpp), and causal attention's core where flash attention
-// runs (LibTorch 2.x, CUDA, bf16 / fp16, one head dim: CausalFlashFn in
-// ops/rope.cpp calls flash's forward and backward ops, so it keeps the
-// output and log-sum-exp). Recomputed although expensive:
+// reads (ops/kda.cpp), and causal attention's core where one of
+// LibTorch's fused attention kernels runs (LibTorch 2.8+, CUDA, bf16 /
+// fp16: CausalFusedAttentionFn in ops/rope.cpp calls the forward and
+// backward ops of the kernel SDPA would pick, flash's or cuDNN's, so it
+// keeps the output and log-sum-exp). Recomputed although expensive:
 //  - attention elsewhere (1.13's composite math on the CPU, fp32, MLA's
 //    core with its wider q/k heads): its backward is ATen's own autograd
 //    formula over statistics the forward does not return, so a cached

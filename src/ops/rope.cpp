@@ -21,34 +21,45 @@ std::pair<at::Tensor, at::Tensor> rope_tables_fp32(const RopeTables& rope, int64
           rope.sin.slice(0, 0, T).to(device, at::kFloat).contiguous()};
 }
 
-// Causal flash attention as an autograd function of ours, where
-// compat::flash_attention_applies: the forward and backward ATen ops that
-// scaled_dot_product_attention's flash path runs, so that see Note [Per-op
-// activation checkpointing] can keep the attention core's outputs (out,
-// logsumexp and the rest its backward reads) and skip the forward in a
-// replay while the backward stays the same call.
-class CausalFlashFn : public torch::autograd::Function<CausalFlashFn> {
+// Causal attention through one of LibTorch's fused kernels
+// (compat::fused_attention_for: the one scaled_dot_product_attention would
+// pick) as an autograd function of ours, calling the kernel's forward and
+// backward ATen ops, so that see Note [Per-op activation checkpointing] can
+// keep the attention core's outputs (out, logsumexp and the rest its
+// backward reads) and skip the forward in a replay while the backward stays
+// the same call.
+class CausalFusedAttentionFn : public torch::autograd::Function<CausalFusedAttentionFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
-                            const at::Tensor& k, const at::Tensor& v) {
-    auto fwd = run_saved_op_outputs([&] { return compat::causal_flash_forward(q, k, v); });
+                            const at::Tensor& k, const at::Tensor& v, int64_t kernel) {
+    const auto f = static_cast<compat::FusedAttention>(kernel);
+    auto fwd = run_saved_op_outputs([&] { return compat::causal_fused_forward(f, q, k, v); });
     std::vector<at::Tensor> saved{q, k, v};
     saved.insert(saved.end(), fwd.begin(), fwd.end());
     ctx->save_for_backward(saved);
+    ctx->saved_data["kernel"] = kernel;
     return fwd[0];
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const std::vector<at::Tensor> fwd(saved.begin() + 3, saved.end());
-    auto g = compat::causal_flash_backward(grads[0], saved[0], saved[1], saved[2], fwd);
-    return {g[0], g[1], g[2]};
+    const auto f = static_cast<compat::FusedAttention>(ctx->saved_data["kernel"].toInt());
+    // The kernels read a dense last dimension of the incoming gradient.
+    auto g = compat::causal_fused_backward(f, grads[0].contiguous(), saved[0], saved[1],
+                                           saved[2], fwd);
+    return {g[0], g[1], g[2], at::Tensor()};
   }
 };
 
-// Causal attention of q, k, v [B, H, T, hd] (k, v repeated to H heads).
+// Causal attention of q, k, v [B, H, T, hd] (k, v repeated to H heads). The
+// kernel is chosen here, where q, k and v still require their gradients as
+// the training step's do (the choice weighs whether a backward follows).
 at::Tensor causal_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  if (compat::flash_attention_applies(q, k, v)) return CausalFlashFn::apply(q, k, v);
+  const auto f = compat::fused_attention_for(q, k, v);
+  if (f != compat::FusedAttention::kNone) {
+    return CausalFusedAttentionFn::apply(q, k, v, static_cast<int64_t>(f));
+  }
   return compat::causal_sdpa(q, k, v);
 }
 

@@ -210,6 +210,51 @@ TEST(FusedKernels, RopeRepeatsGroupedHeads) {
   }
 }
 
+TEST(FusedKernels, AttentionCoreRunsSdpasKernel) {
+  REQUIRE_GPU();
+  if (!VIADUCT_FUSED_ATTENTION) GTEST_SKIP() << "no fused attention ops in this LibTorch";
+  // ops::causal_attention's core calls the forward and backward ops of the
+  // kernel scaled_dot_product_attention picks for the same tensors: the
+  // same output bits as SDPA, gradients within bf16 rounding of SDPA's
+  // (the same kernels; cuDNN's backward may sum in another order), and
+  // under deterministic algorithms flash's kernel, whose gradients repeat
+  // bit for bit.
+  const bool det = at::globalContext().deterministicAlgorithms();
+  const int64_t B = 2, T = 256, H = 4, hd = 64;
+  for (const bool deterministic : {true, false}) {
+    at::globalContext().setDeterministicAlgorithms(deterministic, /*warn_only=*/false);
+    const auto seed = fresh_seed();
+    const auto o = at::TensorOptions(at::kCUDA).dtype(at::kBFloat16);
+    const auto q0 = at::randn({B, T, H, hd}, o), k0 = at::randn({B, T, H, hd}, o),
+               v0 = at::randn({B, T, H, hd}, o), dy = at::randn({B, H, T, hd}, o);
+    // Asked as the layer asks: of [B, H, T, hd] views of leaves that need
+    // their gradients.
+    const auto kernel = compat::fused_attention_for(
+        q0.clone().requires_grad_(true).transpose(1, 2),
+        k0.clone().requires_grad_(true).transpose(1, 2),
+        v0.clone().requires_grad_(true).transpose(1, 2));
+    ASSERT_NE(kernel, compat::FusedAttention::kNone) << "deterministic " << deterministic;
+    if (deterministic) EXPECT_EQ(kernel, compat::FusedAttention::kFlash);
+    auto run = [&](bool ours) {
+      auto q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true),
+           v = v0.clone().requires_grad_(true);
+      auto y = ours ? ops::causal_attention(q, k, v, nullptr, ops::KernelOptions{})
+                    : at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                       v.transpose(1, 2), {}, 0.0, true);
+      y.backward(dy);
+      return std::vector<at::Tensor>{y.detach(), q.grad(), k.grad(), v.grad()};
+    };
+    const auto ours = run(true), sdpa = run(false), again = run(true);
+    EXPECT_TRUE(at::equal(ours[0], sdpa[0])) << "seed " << seed << " deterministic "
+                                             << deterministic;
+    for (size_t i = 1; i < ours.size(); ++i) {
+      EXPECT_LT(rel_err(ours[i], sdpa[i]), 1e-2) << "gradient " << i << " seed " << seed;
+      if (deterministic) EXPECT_TRUE(at::equal(ours[i], again[i])) << "gradient " << i;
+    }
+  }
+  at::globalContext().setDeterministicAlgorithms(det, /*warn_only=*/false);
+}
+
 TEST(FusedKernels, RepeatHeadsMatchesRepeatInterleave) {
   REQUIRE_GPU();
   // See Note [Repeated heads without a gather]: v's grouped heads, a strided
