@@ -201,7 +201,8 @@ class TokenFile:
             if size < 128 or head[:8] != VIADUCT_MAGIC:
                 fail(f"token file '{path}': not a viaduct token file")
             version, bpt, count, vocab = struct.unpack_from("<IIQQ", head, 8)
-            if version != 1 or bpt not in (2, 4):
+            # Version 2 adds the document marker at [96, 105) (unused here).
+            if version not in (1, 2) or bpt not in (2, 4):
                 fail(f"token file '{path}': version {version}, {bpt} bytes/token")
             if size != 128 + count * bpt:
                 fail(f"token file '{path}': header says {count} tokens but the "

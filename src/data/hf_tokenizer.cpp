@@ -787,6 +787,18 @@ void HfBpeTokenizer::encode_into(std::string_view text, bool add_special_tokens,
   if (add_special_tokens) out.insert(out.end(), suffix_ids_.begin(), suffix_ids_.end());
 }
 
+DocumentMarker HfBpeTokenizer::document_marker() const {
+  // As encode_document: the separator first, else the post-processor's
+  // first prefix token, else its last suffix token closes the document.
+  if (separator_id_ >= 0) return {separator_id_, DocumentMarker::Kind::kStarts};
+  if (!prefix_ids_.empty()) return {prefix_ids_.front(), DocumentMarker::Kind::kStarts};
+  VIADUCT_CHECK(!suffix_ids_.empty(), "tokenizer '", path_,
+                "': its post-processor adds no special token and it has none "
+                "of <|endoftext|>, <|end_of_text|>, </s> to put between "
+                "documents");
+  return {suffix_ids_.back(), DocumentMarker::Kind::kEnds};
+}
+
 void HfBpeTokenizer::encode_document(std::string_view text,
                                      std::vector<int64_t>& out,
                                      EncodeState& state) const {

@@ -52,6 +52,7 @@ class HfBpeTokenizer final : public TextTokenizer {
                    std::vector<int64_t>& out,
                    EncodeState& state) const override;
   std::string decode(const std::vector<int64_t>& ids) const override;
+  DocumentMarker document_marker() const override;
   void encode_document(std::string_view text, std::vector<int64_t>& out,
                        EncodeState& state) const override;
 

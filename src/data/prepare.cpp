@@ -293,11 +293,12 @@ PrepareStats prepare_text_data(const std::vector<std::string>& inputs,
   stats.tokenizer = tokenizer->name();
   stats.vocab_size = tokenizer->vocab_size();
   const std::string val_path = val_path_for(output_path);
-  TokenFileWriter train(output_path, tokenizer->vocab_size(), tokenizer->name());
+  const DocumentMarker marker = tokenizer->document_marker();
+  TokenFileWriter train(output_path, tokenizer->vocab_size(), tokenizer->name(), marker);
   std::optional<TokenFileWriter> val;
   if (f > 0.0) {
     stats.val_path = val_path;
-    val.emplace(val_path, tokenizer->vocab_size(), tokenizer->name());
+    val.emplace(val_path, tokenizer->vocab_size(), tokenizer->name(), marker);
   }
 
   int threads = options.threads > 0

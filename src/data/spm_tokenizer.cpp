@@ -217,6 +217,13 @@ std::string SpmTokenizer::decode(const std::vector<int64_t>& ids) const {
   return control_->decode(ids);
 }
 
+DocumentMarker SpmTokenizer::document_marker() const {
+  // As encode_document: BOS first, else EOS first as a separator.
+  if (bos_id_ >= 0) return {bos_id_, DocumentMarker::Kind::kStarts};
+  if (eos_id_ >= 0) return {eos_id_, DocumentMarker::Kind::kStarts};
+  return {};
+}
+
 void SpmTokenizer::encode_document(std::string_view text, std::vector<int64_t>& out,
                                    EncodeState& state) const {
   if (bos_id_ >= 0) {

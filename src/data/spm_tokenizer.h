@@ -36,6 +36,7 @@ class SpmTokenizer final : public TextTokenizer {
   void encode_into(std::string_view text, bool add_special_tokens, std::vector<int64_t>& out,
                    EncodeState& state) const override;
   std::string decode(const std::vector<int64_t>& ids) const override;
+  DocumentMarker document_marker() const override;
   void encode_document(std::string_view text, std::vector<int64_t>& out,
                        EncodeState& state) const override;
 

@@ -32,6 +32,9 @@ class ByteTextTokenizer final : public TextTokenizer {
     out.push_back(ByteTokenizer::kEndOfText);
     ByteTokenizer::encode_into(text, out);
   }
+  DocumentMarker document_marker() const override {
+    return {ByteTokenizer::kEndOfText, DocumentMarker::Kind::kStarts};
+  }
 };
 
 // Length of the valid UTF-8 sequence at s[i], or the length of its maximal

@@ -20,6 +20,8 @@
 #include <string_view>
 #include <vector>
 
+#include "data/token_file.h"
+
 namespace viaduct::data {
 
 // Per-thread scratch of a tokenizer; opaque to callers.
@@ -50,6 +52,11 @@ class TextTokenizer {
   // The ids prepare-data writes for one document (see the top of this file).
   virtual void encode_document(std::string_view text, std::vector<int64_t>& out,
                                EncodeState& state) const = 0;
+  // The token encode_document puts first (kStarts) or last (kEnds) in every
+  // document, which prepare-data records in its token files so that
+  // training can find where documents meet. A tokenizer whose
+  // encode_document cannot run (no separator) throws as that does.
+  virtual DocumentMarker document_marker() const = 0;
 
   // One-off encoding with a fresh state.
   std::vector<int64_t> encode(std::string_view text,

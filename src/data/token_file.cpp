@@ -175,8 +175,8 @@ TokenFile::TokenFile(const std::string& path, TokenFormat format)
         fail("bad magic (not a viaduct token file)");
       }
       uint32_t version = load_u32(d + 8);
-      if (version != kViaductVersion) {
-        fail(str("unsupported version ", version, " (expected ",
+      if (version != 1 && version != kViaductVersion) {
+        fail(str("unsupported version ", version, " (expected 1 or ",
                  kViaductVersion, ")"));
       }
       uint32_t bpt = load_u32(d + 12);
@@ -196,8 +196,22 @@ TokenFile::TokenFile(const std::string& path, TokenFormat format)
       for (size_t i = len; i < kTokenizerField; ++i) {
         if (name[i] != '\0') fail("tokenizer name field has trailing bytes");
       }
-      for (size_t i = 96; i < static_cast<size_t>(kViaductHeaderBytes); ++i) {
+      const size_t reserved_from = version == 1 ? 96 : 105;
+      for (size_t i = reserved_from; i < static_cast<size_t>(kViaductHeaderBytes); ++i) {
         if (d[i] != 0) fail("reserved header bytes are not zero");
+      }
+      if (version >= 2) {
+        const uint64_t token = load_u64(d + 96);
+        const uint8_t kind = d[104];
+        if (kind > 2) fail(str("bad document marker kind ", int{kind}, " (0, 1 or 2)"));
+        if (kind == 0 && token != 0) fail("a document marker token without a kind");
+        if (kind != 0) {
+          if (token >= vocab) {
+            fail(str("document marker token ", token, " is outside the vocab (", vocab, ")"));
+          }
+          marker_.token = static_cast<int64_t>(token);
+          marker_.kind = static_cast<DocumentMarker::Kind>(kind);
+        }
       }
       uint64_t expect = static_cast<uint64_t>(kViaductHeaderBytes);
       if (count > (UINT64_MAX - expect) / bpt) {
@@ -327,6 +341,12 @@ TokenStream::TokenStream(std::vector<TokenFile> files)
     : files_(std::move(files)) {
   VIADUCT_CHECK(!files_.empty(), "a token stream needs at least one file");
   for (const auto& f : files_) {
+    // One stream, one way to find its documents.
+    VIADUCT_CHECK_T(FileError, f.document_marker() == files_.front().document_marker(),
+                    "token files '", files_.front().path(), "' and '", f.path(),
+                    "' mark documents differently (", data::describe(files_.front().document_marker()),
+                    "; ", data::describe(f.document_marker()),
+                    "): prepare them with the same tokenizer");
     starts_.push_back(size_);
     size_ += f.size();
   }
@@ -434,14 +454,30 @@ std::vector<std::string> resolve_val_paths(const std::vector<std::string>& paths
   return out;
 }
 
+std::string describe(const DocumentMarker& m) {
+  switch (m.kind) {
+    case DocumentMarker::Kind::kStarts:
+      return str("token ", m.token, " starts each document");
+    case DocumentMarker::Kind::kEnds:
+      return str("token ", m.token, " ends each document");
+    case DocumentMarker::Kind::kNone:
+      break;
+  }
+  return "no document marker recorded";
+}
+
 // ----------------------------------------------------------- TokenFileWriter
 
 TokenFileWriter::TokenFileWriter(const std::string& path, int64_t vocab_size,
-                                 const std::string& tokenizer)
+                                 const std::string& tokenizer, const DocumentMarker& marker)
     : path_(path),
       vocab_size_(vocab_size),
       tokenizer_(tokenizer),
+      marker_(marker),
       bytes_per_token_(vocab_size <= 65536 ? 2 : 4) {
+  VIADUCT_CHECK(!marker.recorded() || (marker.token >= 0 && marker.token < vocab_size),
+                "token file '", path, "': document marker token ", marker.token,
+                " is outside the vocab (", vocab_size, ")");
   VIADUCT_CHECK(vocab_size > 0 && vocab_size <= (int64_t{1} << 32),
                 "token file '", path, "': vocab size ", vocab_size,
                 " does not fit 32-bit tokens");
@@ -503,6 +539,11 @@ int64_t TokenFileWriter::finish() {
   std::memcpy(header + 16, &count, 8);
   std::memcpy(header + 24, &vocab, 8);
   std::memcpy(header + 32, tokenizer_.data(), tokenizer_.size());
+  if (marker_.recorded()) {
+    const uint64_t token = static_cast<uint64_t>(marker_.token);
+    std::memcpy(header + 96, &token, 8);
+    header[104] = static_cast<uint8_t>(marker_.kind);
+  }
   write_all(header, sizeof(header), 0);
   // See Note [Atomic replace] (core/file_io.h); a failure leaves no .tmp behind.
   out_->commit();

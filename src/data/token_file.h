@@ -10,7 +10,10 @@
 //              [16, 24)   uint64 token count
 //              [24, 32)   uint64 vocab size
 //              [32, 96)   tokenizer name, NUL-padded (at most 63 chars)
-//              [96, 128)  reserved, zero
+//              [96, 104)  version 2: the document marker's token id
+//              [104, 105) version 2: the marker's kind (0 none, 1 starts,
+//                         2 ends; see DocumentMarker)
+//              [105, 128) reserved, zero (version 1: [96, 128) zero)
 //   llmc     llm.c's `.bin` shards: 256 int32 header (magic 20240520,
 //            version 1, token count) then uint16 tokens; the llama-3 variant
 //            (magic 20240801, version 7) holds uint32 tokens.
@@ -58,6 +61,21 @@ class MappedFile {
   size_t size_ = 0;
 };
 
+// The token that marks where documents meet in a token file, as
+// prepare-data wrote it (TextTokenizer::document_marker): kStarts, the token
+// begins each document (a separator or BOS written first); kEnds, it closes
+// each one (an EOS written last). Files of other formats, and viaduct files
+// of version 1, record none.
+struct DocumentMarker {
+  enum class Kind : uint8_t { kNone = 0, kStarts = 1, kEnds = 2 };
+  int64_t token = -1;
+  Kind kind = Kind::kNone;
+  bool recorded() const { return kind != Kind::kNone; }
+  bool operator==(const DocumentMarker&) const = default;
+};
+// "<|endoftext|> (id 50256) starts each document", or "none recorded".
+std::string describe(const DocumentMarker& m);
+
 class TokenFile {
  public:
   // Opens `path` in `format`; see open_token_file for "auto".
@@ -72,6 +90,8 @@ class TokenFile {
   int64_t vocab_size() const { return vocab_size_; }
   // From the header; "" where the format does not record it.
   const std::string& tokenizer() const { return tokenizer_; }
+  // From the header; none where the format does not record it.
+  const DocumentMarker& document_marker() const { return marker_; }
 
   // Token i, 0 <= i < size().
   int64_t token(int64_t i) const;
@@ -88,6 +108,7 @@ class TokenFile {
   int64_t size_ = 0;
   int64_t vocab_size_ = 0;
   std::string tokenizer_;
+  DocumentMarker marker_;
 };
 
 // `format`: "auto", "viaduct", "llmc", "uint16" or "uint32". "auto" sniffs the
@@ -108,6 +129,9 @@ class TokenStream {
   // The vocab size recorded by the headers (the largest); 0 if none records it.
   int64_t vocab_size() const;
   int64_t max_token() const;
+  // The files' document marker (they agree: checked when the stream opens;
+  // none when no file records one).
+  const DocumentMarker& document_marker() const { return files_.front().document_marker(); }
 
   const std::vector<TokenFile>& files() const { return files_; }
   // The first file's path, with ", +N more" for a multi-file stream.
@@ -148,7 +172,7 @@ class TokenFileWriter {
  public:
   // bytes_per_token is derived from vocab_size (uint16 when it fits).
   TokenFileWriter(const std::string& path, int64_t vocab_size,
-                  const std::string& tokenizer);
+                  const std::string& tokenizer, const DocumentMarker& marker = {});
   ~TokenFileWriter();
   TokenFileWriter(const TokenFileWriter&) = delete;
   TokenFileWriter& operator=(const TokenFileWriter&) = delete;
@@ -171,13 +195,14 @@ class TokenFileWriter {
   std::unique_ptr<AtomicFile> out_;  // null once finished
   int64_t vocab_size_;
   std::string tokenizer_;
+  DocumentMarker marker_;
   int bytes_per_token_;
   int64_t count_ = 0;
   std::vector<uint8_t> buffer_;
 };
 
 constexpr int64_t kViaductHeaderBytes = 128;
-constexpr uint32_t kViaductVersion = 1;
+constexpr uint32_t kViaductVersion = 2;  // 1 is read too (no document marker)
 constexpr int64_t kLlmcHeaderInts = 256;
 constexpr int32_t kLlmcMagic = 20240520;        // GPT-2 shards, uint16 tokens
 constexpr int32_t kLlmcMagicLlama3 = 20240801;  // llama-3 shards, uint32

@@ -113,6 +113,11 @@ TEST_F(PrepareTest, WritesTheReferenceStream) {
   TokenFile f = open_token_file(out, "viaduct");
   EXPECT_EQ(f.vocab_size(), 257);
   EXPECT_EQ(f.tokenizer(), "byte");
+  // Every document starts with the byte tokenizer's <|endoftext|>, and the
+  // file says so.
+  EXPECT_EQ(f.document_marker(),
+            (DocumentMarker{ByteTokenizer::kEndOfText, DocumentMarker::Kind::kStarts}));
+  EXPECT_EQ(read_all(out).front(), ByteTokenizer::kEndOfText);
   EXPECT_FALSE(std::filesystem::exists(out + ".tmp"));
   EXPECT_FALSE(std::filesystem::exists(dir_.file("out/corpus.val.tok")));
 }

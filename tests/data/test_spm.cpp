@@ -156,6 +156,7 @@ TEST_F(Spm, DocumentsStartWithBosAndHeaderFactsComeFromTheModel) {
   reference.insert(reference.end(), plain.begin(), plain.end());
   EXPECT_EQ(doc, reference);
   EXPECT_EQ(special, reference);
+  EXPECT_EQ(tok.document_marker(), (DocumentMarker{doc.front(), DocumentMarker::Kind::kStarts}));
   // A model trained without BOS puts EOS before each document.
   const std::string cmd = "spm_train --minloglevel=2 --input=" + dir_->file("train.txt") +
                           " --model_prefix=" + dir_->file("nobos") +
@@ -169,6 +170,7 @@ TEST_F(Spm, DocumentsStartWithBosAndHeaderFactsComeFromTheModel) {
   nobos.encode_into("a document", false, p2, *s2);
   ASSERT_FALSE(d2.empty());
   EXPECT_EQ(d2.front(), nobos.eos_id());
+  EXPECT_EQ(nobos.document_marker(), (DocumentMarker{d2.front(), DocumentMarker::Kind::kStarts}));
   EXPECT_EQ(std::vector<int64_t>(d2.begin() + 1, d2.end()), p2);
 }
 

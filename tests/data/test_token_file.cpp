@@ -46,7 +46,8 @@ std::vector<int64_t> read_all(const TokenFile& f) {
 // A viaduct header built byte by byte, as the format is documented.
 std::vector<uint8_t> viaduct_header(uint32_t version, uint32_t bpt,
                                     uint64_t count, uint64_t vocab,
-                                    const std::string& tokenizer) {
+                                    const std::string& tokenizer,
+                                    uint64_t marker_token = 0, uint8_t marker_kind = 0) {
   std::vector<uint8_t> h(128, 0);
   std::memcpy(h.data(), "VIADTOK", 8);  // with its NUL
   std::memcpy(h.data() + 8, &version, 4);
@@ -54,6 +55,8 @@ std::vector<uint8_t> viaduct_header(uint32_t version, uint32_t bpt,
   std::memcpy(h.data() + 16, &count, 8);
   std::memcpy(h.data() + 24, &vocab, 8);
   std::memcpy(h.data() + 32, tokenizer.data(), tokenizer.size());
+  std::memcpy(h.data() + 96, &marker_token, 8);
+  h[104] = marker_kind;
   return h;
 }
 
@@ -89,7 +92,7 @@ TEST(TokenFile, ViaductWriterMatchesDocumentedLayout) {
   EXPECT_EQ(w.finish(), 128 + 2 * 1000);
   EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
 
-  std::vector<uint8_t> expect = viaduct_header(1, 2, 1000, 257, "byte");
+  std::vector<uint8_t> expect = viaduct_header(2, 2, 1000, 257, "byte");
   for (int64_t t : tokens) {
     auto v = static_cast<uint16_t>(t);
     expect.push_back(static_cast<uint8_t>(v & 0xff));
@@ -106,6 +109,53 @@ TEST(TokenFile, ViaductWriterMatchesDocumentedLayout) {
   EXPECT_EQ(read_all(f), tokens);
   EXPECT_EQ(f.token(999), tokens[999]);
   EXPECT_EQ(f.max_token(), 256);
+  EXPECT_FALSE(f.document_marker().recorded());
+}
+
+TEST(TokenFile, DocumentMarkerRoundTripsAtItsDocumentedBytes) {
+  TempDir dir;
+  for (const auto kind : {DocumentMarker::Kind::kStarts, DocumentMarker::Kind::kEnds}) {
+    const std::string path = dir.file("m.tok");
+    const DocumentMarker marker{256, kind};
+    TokenFileWriter w(path, 257, "byte", marker);
+    w.append(ramp(10, 257));
+    w.finish();
+    auto expect = viaduct_header(2, 2, 10, 257, "byte", 256, static_cast<uint8_t>(kind));
+    auto bytes = read_bytes(path);
+    bytes.resize(128);
+    EXPECT_EQ(bytes, expect);
+    TokenFile f = open_token_file(path, "auto");
+    EXPECT_EQ(f.document_marker(), marker);
+    EXPECT_EQ(f.size(), 10);
+  }
+  // A version-1 file (reserved bytes zero) reads as recording none.
+  const std::string old = dir.file("v1.tok");
+  auto v1 = viaduct_header(1, 2, 2, 257, "byte");
+  v1.resize(v1.size() + 4, 0);
+  write_bytes(old, v1.data(), v1.size());
+  EXPECT_FALSE(open_token_file(old, "viaduct").document_marker().recorded());
+  // A marker outside the vocab is refused when written.
+  EXPECT_THROW(TokenFileWriter(dir.file("x.tok"), 257, "byte",
+                               DocumentMarker{257, DocumentMarker::Kind::kStarts}),
+               Error);
+}
+
+TEST(TokenFile, StreamOfFilesThatMarkDocumentsDifferentlyIsRefused) {
+  TempDir dir;
+  auto write = [&](const std::string& name, DocumentMarker m) {
+    TokenFileWriter w(dir.file(name), 257, "byte", m);
+    w.append(ramp(8, 257));
+    w.finish();
+    return dir.file(name);
+  };
+  const auto a = write("a.tok", {256, DocumentMarker::Kind::kStarts});
+  const auto b = write("b.tok", {256, DocumentMarker::Kind::kStarts});
+  const auto c = write("c.tok", {0, DocumentMarker::Kind::kEnds});
+  auto same = open_token_stream(std::vector<std::string>{a, b}, "auto");
+  EXPECT_EQ(same->document_marker(), (DocumentMarker{256, DocumentMarker::Kind::kStarts}));
+  expect_file_error([&] { open_token_stream(std::vector<std::string>{a, c}, "auto"); },
+                    {a, c, "mark documents differently", "token 256 starts",
+                     "token 0 ends"});
 }
 
 TEST(TokenFile, ViaductUint32RoundTrip) {
@@ -182,13 +232,19 @@ TEST(TokenFile, ViaductCorruptHeaderFieldsAreRefused) {
   std::vector<uint8_t> bad_magic = viaduct_header(1, 2, 2, 257, "byte");
   bad_magic[0] = 'X';
   write_and_expect(bad_magic, "bad magic");
-  write_and_expect(viaduct_header(2, 2, 2, 257, "byte"), "version 2");
+  write_and_expect(viaduct_header(3, 2, 2, 257, "byte"), "version 3");
   write_and_expect(viaduct_header(1, 3, 2, 257, "byte"), "dtype");
   write_and_expect(viaduct_header(1, 2, 2, 0, "byte"), "vocab size 0");
   write_and_expect(viaduct_header(1, 2, 2, 70000, "byte"), "vocab size 70000");
   std::vector<uint8_t> reserved = viaduct_header(1, 2, 2, 257, "byte");
   reserved[100] = 1;
   write_and_expect(reserved, "reserved");
+  std::vector<uint8_t> reserved2 = viaduct_header(2, 2, 2, 257, "byte");
+  reserved2[110] = 1;
+  write_and_expect(reserved2, "reserved");
+  write_and_expect(viaduct_header(2, 2, 2, 257, "byte", 5, 3), "document marker kind 3");
+  write_and_expect(viaduct_header(2, 2, 2, 257, "byte", 5, 0), "without a kind");
+  write_and_expect(viaduct_header(2, 2, 2, 257, "byte", 300, 1), "outside the vocab");
   std::vector<uint8_t> unterminated = viaduct_header(1, 2, 2, 257, "");
   std::memset(unterminated.data() + 32, 'a', 64);
   write_and_expect(unterminated, "tokenizer name");

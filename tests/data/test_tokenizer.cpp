@@ -280,6 +280,8 @@ TEST(HfTokenizer, Llama3BosFromTheTemplateProcessor) {
   std::vector<int64_t> doc;
   tok.encode_document("Hi", doc, *state);
   EXPECT_EQ(doc, (std::vector<int64_t>{128000, 13347}));
+  // The marker prepare-data records is the token encode_document put first.
+  EXPECT_EQ(tok.document_marker(), (DocumentMarker{doc.front(), DocumentMarker::Kind::kStarts}));
 }
 
 TEST(HfTokenizer, Gpt2MatchesReferenceOnFortunes) {
@@ -310,6 +312,14 @@ TEST(HfTokenizer, VocabSizesAndSeparators) {
   EXPECT_EQ(llama3.vocab_size(), 128256);
   EXPECT_EQ(llama3.document_separator(), 128001);  // <|end_of_text|>
   EXPECT_EQ(llama3.token_id("<|begin_of_text|>"), 128000);
+  // The recorded marker is what encode_document puts first.
+  for (const HfBpeTokenizer* tok : {&gpt2, &llama3}) {
+    auto state = tok->new_state();
+    std::vector<int64_t> doc;
+    tok->encode_document("Hi", doc, *state);
+    EXPECT_EQ(tok->document_marker(),
+              (DocumentMarker{doc.front(), DocumentMarker::Kind::kStarts}));
+  }
 }
 
 TEST(Tiktoken, MatchesReferenceOnHardCases) {
