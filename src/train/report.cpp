@@ -60,8 +60,8 @@ std::string escape(const std::string& s) {
 // power of ten, the smallest that cuts the range into at most
 // kMaxIntervals; a value axis is widened to the multiples around its data,
 // the step axis keeps the data's range and labels the multiples inside it.
-// A label shows the digits the step needs ("0.5", "2", "0.0005", "2e-05"),
-// so the ticks of one axis differ in their last shown digit.
+// A label shows the digits the step needs ("0.5", "2", "0.5e-3"), so the
+// ticks of one axis differ in their last shown digit.
 constexpr int kMaxIntervals = 6;
 
 struct Axis {
@@ -102,19 +102,31 @@ Axis make_axis(double lo, double hi, bool widen, double min_step) {
   return a;
 }
 
-// A tick's label with the digits its axis's step needs (Note [Axis ticks]).
-std::string tick_label(double v, double step) {
-  if (std::fabs(v) < step * 1e-6) v = 0;  // no "-0.0"
-  const int step_exp = static_cast<int>(std::floor(std::log10(step) + 1e-9));
-  char buf[32];
-  if (step_exp >= -3 && std::fabs(v) < 1e6) {
-    std::snprintf(buf, sizeof(buf), "%.*f", std::max(0, -step_exp), v);
-    return buf;
+// The labels of an axis's ticks with the digits its step needs (Note [Axis
+// ticks]): fixed-point, or where the step is below 0.001 or a tick reaches a
+// million, every label as a mantissa times the largest tick's power of ten
+// ("0.5e-3 1.0e-3 1.5e-3").
+std::vector<std::string> tick_labels(const Axis& axis) {
+  const int step_exp = static_cast<int>(std::floor(std::log10(axis.step) + 1e-9));
+  double largest = 0;
+  for (double v : axis.ticks) largest = std::max(largest, std::fabs(v));
+  const bool scientific = step_exp < -3 || largest >= 1e6;
+  const int exp = largest > 0 ? static_cast<int>(std::floor(std::log10(largest) + 1e-9)) : 0;
+  std::vector<std::string> out;
+  for (double v : axis.ticks) {
+    if (std::fabs(v) < axis.step * 1e-6) v = 0;  // no "-0.0"
+    char buf[32];
+    if (!scientific) {
+      std::snprintf(buf, sizeof(buf), "%.*f", std::max(0, -step_exp), v);
+    } else if (v == 0) {
+      std::snprintf(buf, sizeof(buf), "0");
+    } else {
+      std::snprintf(buf, sizeof(buf), "%.*fe%d", std::max(0, exp - step_exp),
+                    v / std::pow(10.0, exp), exp);
+    }
+    out.emplace_back(buf);
   }
-  if (v == 0) return "0";
-  const int value_exp = static_cast<int>(std::floor(std::log10(std::fabs(v)) + 1e-9));
-  std::snprintf(buf, sizeof(buf), "%.*e", std::max(0, value_exp - step_exp), v);
-  return buf;
+  return out;
 }
 
 constexpr double kW = 520, kH = 220, kLeft = 64, kRight = 12, kTop = 28, kBottom = 34;
@@ -194,14 +206,16 @@ std::string line_chart(const std::string& title, const std::vector<Series>& seri
   auto py = [&](double y) { return top + (1 - (y - ya.lo) / (ya.hi - ya.lo)) * ph; };
   os << "<rect x=\"" << kLeft << "\" y=\"" << top << "\" width=\"" << pw << "\" height=\"" << ph
      << "\" class=\"frame\"/>";
-  for (double y : ya.ticks) {
-    os << "<line x1=\"" << kLeft << "\" x2=\"" << kLeft + pw << "\" y1=\"" << py(y) << "\" y2=\""
-       << py(y) << "\" class=\"grid\"/><text x=\"" << kLeft - 4 << "\" y=\"" << py(y) + 4
-       << "\" text-anchor=\"end\" class=\"tick y\">" << tick_label(y, ya.step) << "</text>";
+  const auto y_labels = tick_labels(ya), x_labels = tick_labels(xa);
+  for (size_t i = 0; i < ya.ticks.size(); ++i) {
+    const double y = py(ya.ticks[i]);
+    os << "<line x1=\"" << kLeft << "\" x2=\"" << kLeft + pw << "\" y1=\"" << y << "\" y2=\"" << y
+       << "\" class=\"grid\"/><text x=\"" << kLeft - 4 << "\" y=\"" << y + 4
+       << "\" text-anchor=\"end\" class=\"tick y\">" << y_labels[i] << "</text>";
   }
-  for (double x : xa.ticks) {
-    os << "<text x=\"" << px(x) << "\" y=\"" << top + ph + 16
-       << "\" text-anchor=\"middle\" class=\"tick x\">" << tick_label(x, xa.step) << "</text>";
+  for (size_t i = 0; i < xa.ticks.size(); ++i) {
+    os << "<text x=\"" << px(xa.ticks[i]) << "\" y=\"" << top + ph + 16
+       << "\" text-anchor=\"middle\" class=\"tick x\">" << x_labels[i] << "</text>";
   }
   os << "<text x=\"" << kLeft + pw / 2 << "\" y=\"" << kH - 4
      << "\" text-anchor=\"middle\" class=\"tick\">step</text>";
@@ -247,10 +261,12 @@ std::string bar_chart(const std::string& title, const std::string& unit,
   auto py = [&](double v) { return top + (1 - v / ya.hi) * ph; };
   os << "<rect x=\"" << kLeft << "\" y=\"" << top << "\" width=\"" << pw << "\" height=\"" << ph
      << "\" class=\"frame\"/>";
-  for (double v : ya.ticks) {
-    os << "<line x1=\"" << kLeft << "\" x2=\"" << kLeft + pw << "\" y1=\"" << py(v) << "\" y2=\""
-       << py(v) << "\" class=\"grid\"/><text x=\"" << kLeft - 4 << "\" y=\"" << py(v) + 4
-       << "\" text-anchor=\"end\" class=\"tick y\">" << tick_label(v, ya.step) << "</text>";
+  const auto y_labels = tick_labels(ya);
+  for (size_t i = 0; i < ya.ticks.size(); ++i) {
+    const double y = py(ya.ticks[i]);
+    os << "<line x1=\"" << kLeft << "\" x2=\"" << kLeft + pw << "\" y1=\"" << y << "\" y2=\"" << y
+       << "\" class=\"grid\"/><text x=\"" << kLeft - 4 << "\" y=\"" << y + 4
+       << "\" text-anchor=\"end\" class=\"tick y\">" << y_labels[i] << "</text>";
   }
   for (size_t g = 0; g < groups; ++g) {
     os << "<text x=\"" << kLeft + gw * (static_cast<double>(g) + 0.5) << "\" y=\""

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -151,17 +152,25 @@ void expect_round_ticks(const std::vector<std::string>& labels, const std::strin
     EXPECT_NEAR(v[i] - v[i - 1], step, step * 1e-6) << where << ": " << labels[i];
   }
   for (double x : v) EXPECT_NEAR(x / step, std::round(x / step), 1e-6) << where << ": " << x;
+  // Scientific labels: one power of ten for the axis, the same test on the
+  // mantissas.
+  std::vector<std::string> mantissas;
+  std::set<std::string> powers;
   for (const auto& l : labels) {
-    if (l.find('e') != std::string::npos) return;  // scientific: the mantissas vary
+    if (l == "0") continue;
+    const size_t e = l.find('e');
+    mantissas.push_back(l.substr(0, e));
+    powers.insert(e == std::string::npos ? "" : l.substr(e));
   }
+  EXPECT_EQ(powers.size(), 1u) << where << ": " << labels[0] << " .. " << labels.back();
   auto decimals = [](const std::string& l) {
     const size_t dot = l.find('.');
     return dot == std::string::npos ? size_t{0} : l.size() - dot - 1;
   };
-  bool needed = decimals(labels[0]) == 0;
-  for (const auto& l : labels) {
-    EXPECT_EQ(decimals(l), decimals(labels[0])) << where << ": " << l;
-    if (l.back() != '0') needed = true;
+  bool needed = decimals(mantissas.at(0)) == 0;
+  for (const auto& m : mantissas) {
+    EXPECT_EQ(decimals(m), decimals(mantissas[0])) << where << ": " << m;
+    if (m.back() != '0') needed = true;
   }
   EXPECT_TRUE(needed) << where << ": " << labels[0] << " .. " << labels.back();
 }
@@ -276,7 +285,7 @@ std::string find_chromium() {
 // --disable-dev-shm-usage: containers often have a tiny /dev/shm.
 std::string chromium_flags(const TempDir& dir) {
   return " --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --hide-scrollbars"
-         " --window-size=1200,1400 --user-data-dir=" + dir.file("profile");
+         " --window-size=1200,1480 --user-data-dir=" + dir.file("profile");
 }
 
 TEST(Report, ChromiumLoadsThePageAndDrawsTheCurves) {
@@ -408,6 +417,17 @@ TEST(Report, ChromiumDrawsTheDemoReportWithEveryTextInItsBox) {
     EXPECT_GE(labels.size(), 3u) << axis;
     for (size_t i = 0; i < labels.size(); ++i) expect_round_ticks(labels[i], str("demo ", axis, i));
   }
+  // The measure itself against a page with one clipped caption and two
+  // overlapping texts.
+  const auto [control, control_texts] = measure_texts(
+      chromium, dir,
+      "<html><body><svg width=\"120\" height=\"40\"><text x=\"4\" y=\"20\">a caption far "
+      "wider than its picture</text></svg><svg class=\"chart\" width=\"300\" height=\"40\">"
+      "<text x=\"4\" y=\"20\">title</text><text x=\"10\" y=\"22\">legend</text></svg>"
+      "</body></html>");
+  EXPECT_EQ(control_texts, 3);
+  EXPECT_EQ(control, (std::vector<std::string>{"clipped: a caption far wider than its picture",
+                                               "overlapping: title | legend"}));
   for (const auto& [name, page] :
        {std::pair{"demo", html}, std::pair{"pipeline", run_report_html(pipeline_records(), "a run", "")},
         std::pair{"awkward", run_report_html(awkward_records(), "awkward", "")}}) {
