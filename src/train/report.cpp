@@ -102,10 +102,10 @@ Axis make_axis(double lo, double hi, bool widen, double min_step) {
   return a;
 }
 
-// The labels of an axis's ticks with the digits its step needs (Note [Axis
-// ticks]): fixed-point, or where the step is below 0.001 or a tick reaches a
-// million, every label as a mantissa times the largest tick's power of ten
-// ("0.5e-3 1.0e-3 1.5e-3").
+// The labels of an axis's ticks with the digits its step needs: fixed-point,
+// or where the step is below 0.001 or a tick reaches a million, every label
+// as a mantissa times the largest tick's power of ten ("0.5e-3 1.0e-3").
+// See Note [Axis ticks].
 std::vector<std::string> tick_labels(const Axis& axis) {
   const int step_exp = static_cast<int>(std::floor(std::log10(axis.step) + 1e-9));
   double largest = 0;
