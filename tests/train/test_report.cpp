@@ -428,8 +428,22 @@ TEST(Report, ChromiumDrawsTheDemoReportWithEveryTextInItsBox) {
   EXPECT_EQ(control_texts, 3);
   EXPECT_EQ(control, (std::vector<std::string>{"clipped: a caption far wider than its picture",
                                                "overlapping: title | legend"}));
+  // A two-rank pipeline's page with its schedule (Interleaved 1F1B, two
+  // stages per rank).
+  const auto pp2 = shell(std::string(VIADUCT_BINARY) + " schedule --config " + VIADUCT_SOURCE_DIR +
+                         "/configs/llama_debug.toml --parallelism.pipeline_parallel_degree=2"
+                         " --parallelism.pipeline_parallel_stages_per_rank=2"
+                         " --parallelism.pipeline_parallel_schedule=Interleaved1F1B --svg " +
+                         dir.file("pp2.svg"));
+  ASSERT_EQ(pp2.exit_code, 0) << pp2.output;
+  std::ifstream pp2_in(dir.file("pp2.svg"));
+  std::stringstream pp2_svg;
+  pp2_svg << pp2_in.rdbuf();
+  EXPECT_NE(pp2_svg.str().find(">2 ranks, 4 stages, 4 micro-batches;"), std::string::npos)
+      << pp2_svg.str().substr(0, 1500);
   for (const auto& [name, page] :
-       {std::pair{"demo", html}, std::pair{"pipeline", run_report_html(pipeline_records(), "a run", "")},
+       {std::pair{"demo", html},
+        std::pair{"pipeline", run_report_html(pipeline_records(), "a run", pp2_svg.str())},
         std::pair{"awkward", run_report_html(awkward_records(), "awkward", "")}}) {
     const auto [faults, texts] = measure_texts(chromium, dir, page);
     EXPECT_GT(texts, 30) << name;
