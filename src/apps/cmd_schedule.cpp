@@ -41,9 +41,7 @@ int schedule_main(int argc, char** argv) {
   const auto& shown = lowered ? plan.lowered : plan.compute;
 
   if (auto it = cmd->options.find("--svg"); it != cmd->options.end()) {
-    const std::string title =
-        str(plan.compute.name, ": pp ", plan.split.pp, ", ", plan.split.stages_per_rank,
-            " stage(s) per rank, ", plan.compute.microbatches, " micro-batches");
+    const std::string title = pipeline::timeline_title(plan);
     std::ofstream out(it->second, std::ios::binary);
     VIADUCT_CHECK_T(FileError, out.good(), "cannot write '", it->second, "'");
     out << pipeline::timeline_svg(plan.lowered, sim, title);

@@ -66,6 +66,7 @@ JobConfig JobConfig::from(Config raw) {
   m.pipeline_timing = c.get_bool("metrics.pipeline_timing");
   m.profile_step = c.get_int("metrics.profile_step");
   m.profile_host_ops = c.get_bool("metrics.profile_host_ops");
+  m.loss_spike_factor = c.get_float("metrics.loss_spike_factor");
 
   j.activation_checkpoint.mode = c.get_string("activation_checkpoint.mode");
   j.activation_checkpoint.selective_ac_option =

@@ -93,6 +93,7 @@ struct MetricsSection {
   bool pipeline_timing = false;
   int64_t profile_step = 0;
   bool profile_host_ops = false;
+  double loss_spike_factor = 0;
 };
 
 struct ParallelismSection {

@@ -44,4 +44,12 @@ inline std::optional<double> parse_finite_number(const std::string& text) {
   return v;
 }
 
+// `n` and the noun in its number: "1 rank", "2 ranks"; `plural` for a noun
+// that takes more than an s ("micro-batches").
+inline std::string count_of(long long n, const std::string& singular,
+                            const std::string& plural = "") {
+  return std::to_string(n) + " " +
+         (n == 1 ? singular : plural.empty() ? singular + "s" : plural);
+}
+
 }  // namespace viaduct

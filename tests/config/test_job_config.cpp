@@ -95,6 +95,7 @@ const std::map<std::string, Field>& typed_fields() {
         FIELD(metrics, pipeline_timing),
         FIELD(metrics, profile_step),
         FIELD(metrics, profile_host_ops),
+        FIELD(metrics, loss_spike_factor),
         FIELD(activation_checkpoint, mode),
         FIELD(activation_checkpoint, selective_ac_option),
         FIELD(model, family),

@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "core/check.h"
+#include "core/strings.h"
 #include "pipeline/schedule/csv.h"
 
 namespace viaduct::pipeline {
@@ -152,6 +153,12 @@ PipelinePlan make_pipeline_plan(const PlanSpec& spec) {
     }
   }
   return plan;
+}
+
+std::string timeline_title(const PipelinePlan& plan) {
+  return str(plan.compute.name, ": pp ", plan.split.pp, ", ",
+             count_of(plan.split.stages_per_rank, "stage"), " per rank, ",
+             count_of(plan.compute.microbatches, "micro-batch", "micro-batches"));
 }
 
 }  // namespace viaduct::pipeline

@@ -59,4 +59,8 @@ struct PipelinePlan {
 // Throws ConfigError for impossible shapes, Error for a malformed CSV.
 PipelinePlan make_pipeline_plan(const PlanSpec& spec);
 
+// The title of the plan's timeline picture: "1F1B: pp 2, 1 stage per rank,
+// 8 micro-batches".
+std::string timeline_title(const PipelinePlan& plan);
+
 }  // namespace viaduct::pipeline

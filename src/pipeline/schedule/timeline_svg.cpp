@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "core/check.h"
+#include "core/strings.h"
 
 namespace viaduct::pipeline {
 namespace {
@@ -28,6 +29,12 @@ std::string escape(const std::string& s) {
     else out += c;
   }
   return out;
+}
+
+// A generous width of `text` at `font_size` px: wider than Helvetica's and
+// DejaVu Sans's average glyph, so a picture sized by it never clips its text.
+double text_width(const std::string& text, double font_size, bool bold = false) {
+  return static_cast<double>(text.size()) * font_size * (bold ? 0.68 : 0.62);
 }
 
 // Micro-batch hue: golden-angle steps keep neighbours apart.
@@ -58,7 +65,27 @@ std::string timeline_svg(const Schedule& sch, const SimulationResult& sim,
   const double span = std::max(sim.makespan, 1e-9);
   const double scale = std::clamp(1100.0 / span, 4.0, 60.0);  // px per unit
   const double plot_w = span * scale;
-  const double width = kLeft + plot_w + 24;
+  const std::string caption =
+      str(count_of(sch.pp, "rank"), ", ", count_of(sch.num_stages, "stage"), ", ",
+          count_of(sch.microbatches, "micro-batch", "micro-batches"), "; makespan ",
+          num(sim.makespan), ", bubble ", num(100.0 * sim.bubble_fraction), "% (hatched)");
+  const std::pair<ActionKind, const char*> kinds[] = {
+      {ActionKind::kForward, "F forward"},
+      {ActionKind::kBackward, "B backward"},
+      {ActionKind::kBackwardInput, "I input grad"},
+      {ActionKind::kBackwardWeight, "W weight grad"}};
+  const char* const kIdle = "idle (bubble)";
+  const char* const kKey =
+      "colour = micro-batch; label = stage, kind, micro-batch (torch's text form)";
+  // The legend's entries side by side: a swatch, its name, a gap.
+  auto entry_width = [](const std::string& name) { return 24 + text_width(name, 11) + 16; };
+  double legend_w = entry_width(kIdle);
+  for (const auto& [k, name] : kinds) legend_w += entry_width(name);
+  // Wide enough for the plot and for every line of text.
+  const double width =
+      kLeft + 24 +
+      std::max({plot_w, text_width(title, 16, /*bold=*/true), text_width(caption, 12),
+                legend_w, text_width(kKey, 11)});
   const int64_t rows = sch.pp;
   const double plot_h = rows * (kRowH + kRowGap);
   const double height = kTop + plot_h + 80;
@@ -75,9 +102,7 @@ std::string timeline_svg(const Schedule& sch, const SimulationResult& sim,
   o += str("<text x=\"", num(kLeft), "\" y=\"22\" font-size=\"16\" "
            "font-weight=\"bold\">", escape(title), "</text>\n");
   o += str("<text x=\"", num(kLeft), "\" y=\"42\" font-size=\"12\" fill=\"#444\">",
-           sch.pp, " ranks, ", sch.num_stages, " stages, ", sch.microbatches,
-           " micro-batches; makespan ", num(sim.makespan), ", bubble ",
-           num(100.0 * sim.bubble_fraction), "% (hatched)</text>\n");
+           escape(caption), "</text>\n");
   for (int64_t r = 0; r < rows; ++r) {
     const double y = kTop + r * (kRowH + kRowGap);
     o += str("<text x=\"", num(kLeft - 8), "\" y=\"", num(y + kRowH / 2 + 4),
@@ -120,11 +145,6 @@ std::string timeline_svg(const Schedule& sch, const SimulationResult& sim,
   // Legend: kinds in one neutral hue; colour = micro-batch.
   const double ly = axis_y + 34;
   double lx = kLeft;
-  const std::pair<ActionKind, const char*> kinds[] = {
-      {ActionKind::kForward, "F forward"},
-      {ActionKind::kBackward, "B backward"},
-      {ActionKind::kBackwardInput, "I input grad"},
-      {ActionKind::kBackwardWeight, "W weight grad"}};
   for (const auto& [k, name] : kinds) {
     const auto st = style_of(k, 1);
     o += str("<rect x=\"", num(lx), "\" y=\"", num(ly), "\" width=\"18\" height=\"12\" fill=\"",
@@ -132,14 +152,13 @@ std::string timeline_svg(const Schedule& sch, const SimulationResult& sim,
              st.dash.empty() ? "" : str(" stroke-dasharray=\"", st.dash, "\""),
              "/><text x=\"", num(lx + 24), "\" y=\"", num(ly + 10),
              "\" font-size=\"11\">", name, "</text>\n");
-    lx += 110;
+    lx += entry_width(name);
   }
   o += str("<rect x=\"", num(lx), "\" y=\"", num(ly), "\" width=\"18\" height=\"12\" "
            "fill=\"url(#idle)\" stroke=\"#bbb\"/><text x=\"", num(lx + 24), "\" y=\"",
-           num(ly + 10), "\" font-size=\"11\">idle (bubble)</text>\n");
+           num(ly + 10), "\" font-size=\"11\">", kIdle, "</text>\n");
   o += str("<text x=\"", num(kLeft), "\" y=\"", num(ly + 30),
-           "\" font-size=\"11\" fill=\"#444\">colour = micro-batch; label = "
-           "stage, kind, micro-batch (torch's text form)</text>\n");
+           "\" font-size=\"11\" fill=\"#444\">", escape(kKey), "</text>\n");
   o += "</svg>\n";
   return o;
 }

@@ -189,5 +189,23 @@ TEST(TimelineSvg, OneBoxPerComputeActionAndTheBubbleNamed) {
   EXPECT_EQ(count(svg, "rank 0"), 1u);
 }
 
+// One rank, one stage, one micro-batch: the counts in the singular, and a
+// picture at least as wide as its caption and legend at their fonts' widest
+// glyphs, whatever the plot's width (the report's test measures the drawn text).
+TEST(TimelineSvg, OneRankReadsInTheSingularAndTheTextSetsTheWidth) {
+  const Schedule s = lower_schedule(generate_schedule(ScheduleType::k1F1B, 1, 1, 1));
+  const SimulationResult sim = simulate(s);
+  const std::string svg = timeline_svg(s, sim, "1F1B: pp 1, 1 stage per rank, 1 micro-batch");
+  EXPECT_NE(svg.find(">1 rank, 1 stage, 1 micro-batch; makespan "), std::string::npos) << svg;
+  const std::string width = "width=\"";
+  const double w = std::stod(svg.substr(svg.find(width) + width.size()));
+  const std::string key =
+      "colour = micro-batch; label = stage, kind, micro-batch (torch's text form)";
+  EXPECT_GE(w, 70 + key.size() * 11 * 0.6) << svg;
+  const Schedule two = lower_schedule(generate_schedule(ScheduleType::k1F1B, 2, 1, 4));
+  const std::string svg2 = timeline_svg(two, simulate(two), "two");
+  EXPECT_NE(svg2.find(">2 ranks, 2 stages, 4 micro-batches; makespan "), std::string::npos);
+}
+
 }  // namespace
 }  // namespace viaduct::pipeline
