@@ -14,6 +14,8 @@
 #   A tree may be a folder or a .tar of one (git archive HEAD), unpacked
 #   under $OUT; each is named by its folder's (or the tar's) base name.
 #
+# Windows are read in file order (--data.shuffle=false) in every tree, so
+# trees whose configs differ in data.shuffle compare the same tokens.
 # Cells: 1B (llama 1B, 4 x 4096), k3 (kimi_k3 debugmodel_deep at d2048 with
 # KDA, MLA and MoE, 4 x 2048), k3gemm (the same with MLA everywhere and dense
 # FFNs), gpt2 (124M, 8 x 1024), and on the CPU in fp32: cpu_llama (llama
@@ -151,7 +153,7 @@ for cell in $CELLS; do
     timeout 400 "$d/build-gpu/viaduct" train --config "$d/configs/llama_debug.toml" "${a[@]:1}" \
       "${device[@]}" --training.steps="$STEPS" \
       --training.eval_interval=0 --training.num_threads="$JOBS" --checkpoint.enable=false \
-      --job.dump_folder="$dump" --data.path="$data" --metrics.log_freq=1 \
+      --job.dump_folder="$dump" --data.path="$data" --data.shuffle=false --metrics.log_freq=1 \
       --metrics.progress_bar=false "${extra[@]}" >"$OUT/$cell.$name.log" 2>&1 ||
       { say "$cell $name: FAILED"; grep -v '^frame #' "$OUT/$cell.$name.log" | tail -6; }
     summarise "$dump/metrics.jsonl" >"$OUT/$cell.$name.steps" 2>/dev/null
