@@ -27,6 +27,7 @@
 set -uo pipefail  # no -e: a failed cell must not cost the other rows
 cd "$(dirname "$0")/../.." || exit 1
 source bench/lib/gpu_build.sh
+source bench/lib/gpu_log.sh  # with_gpu_log: clocks and power beside each run, in $OUT/gpu.md
 
 OUT=${OUT:-$PWD/outputs/bench/out}
 mkdir -p "$OUT"
@@ -77,45 +78,6 @@ os.replace(path + ".tmp", path)
 EOF
 }
 
-# Runs "$@" with GPU 0's SM clock, power and temperature sampled every
-# 200 ms (when nvidia-smi exists) and appends one summary line for `what`
-# to $OUT/gpu.md.
-with_gpu_log() {  # what cmd...
-  local what=$1
-  shift
-  local csv=$OUT/gpu.$$.csv pid=""
-  if command -v nvidia-smi >/dev/null; then
-    nvidia-smi -i 0 --query-gpu=clocks.sm,power.draw,temperature.gpu \
-      --format=csv,noheader,nounits -lms 200 >"$csv" 2>/dev/null &
-    pid=$!
-  fi
-  "$@"
-  local rc=$?
-  if [ -n "$pid" ]; then
-    kill "$pid" 2>/dev/null
-    wait "$pid" 2>/dev/null
-    "$PY" - "$csv" "$what" >>"$OUT/gpu.md" <<'PYEOF'
-import statistics, sys
-rows = []
-for line in open(sys.argv[1]):
-    try:
-        rows.append([float(x) for x in line.split(",")])
-    except ValueError:
-        pass
-busy = [r for r in rows if r[1] > 150]  # samples while the GPU worked (W)
-if busy:
-    clk = [r[0] for r in busy]
-    pw = [r[1] for r in busy]
-    print(f"- {sys.argv[2]}: {len(busy)} busy samples, SM clock mean {statistics.fmean(clk):.0f} "
-          f"MHz (min {min(clk):.0f}, max {max(clk):.0f}), power mean {statistics.fmean(pw):.0f} W "
-          f"(max {max(pw):.0f}), temperature max {max(r[2] for r in busy):.0f} C")
-else:
-    print(f"- {sys.argv[2]}: no busy samples")
-PYEOF
-    rm -f "$csv"
-  fi
-  return $rc
-}
 
 # One cell: viaduct, then the reference in each mode, then its table rows.
 run_cell() {  # name label data viaduct-overrides...
@@ -141,7 +103,7 @@ run_cell() {  # name label data viaduct-overrides...
   read -r -a extra <<<"${VD_EXTRA:-}"
   vd_cmd+=("${extra[@]}")
   echo "${vd_cmd[*]}" >"$OUT/$name.viaduct.cmd"
-  with_gpu_log "$name viaduct" timeout "$CELL_TIMEOUT" "${vd_cmd[@]}" >"$OUT/$name.viaduct.log" 2>&1 ||
+  with_gpu_log "$OUT/gpu.md" "$name viaduct" timeout "$CELL_TIMEOUT" "${vd_cmd[@]}" >"$OUT/$name.viaduct.log" 2>&1 ||
     { say "$name: viaduct failed"; grep -v '^frame #' "$OUT/$name.viaduct.log" | tail -8; }
   cp "$dir/viaduct/metrics.jsonl" "$OUT/$name.viaduct.metrics.jsonl" 2>/dev/null
   rm -rf "$ck/step-$STEPS"  # the final save: only step-0 is needed (disk)
@@ -151,7 +113,7 @@ run_cell() {  # name label data viaduct-overrides...
       say "$name: torch $mode"
       local json=$OUT/$name.torch-$mode.json
       rm -f "$json"
-      with_gpu_log "$name torch-$mode" timeout "$CELL_TIMEOUT" "$PY" reference/torch_llama.py \
+      with_gpu_log "$OUT/gpu.md" "$name torch-$mode" timeout "$CELL_TIMEOUT" "$PY" reference/torch_llama.py \
         --checkpoint "$ck/step-0" \
         --mode "$mode" --compile-mode "$COMPILE_MODE" --timing-warmup "$WARM" \
         --label "$label" --json "$json" >"$OUT/$name.torch-$mode.log" 2>&1 ||
