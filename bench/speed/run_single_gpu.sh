@@ -54,10 +54,10 @@ T0=$(date +%s)
 say() { printf '[%4ds] %s\n' $(($(date +%s) - T0)) "$*"; }
 
 # build-gpu/ with CUDA (bench/lib/gpu_build.sh): viaduct, layer_bench, and the
-# CUDA kernel tests when GoogleTest's sources travel in .deps.
+# CUDA kernel tests and test_core (the energy meter) when GoogleTest's sources travel in .deps.
 build_viaduct() {
   local targets=(viaduct_app layer_bench)
-  gpu_build_has_gtest && targets+=(test_kernels)
+  gpu_build_has_gtest && targets+=(test_kernels test_core)
   gpu_build . build-gpu "$OUT/build.log" "${targets[@]}" || { say "build: failed"; return 1; }
   say "build: build-gpu/viaduct ready"
 }
