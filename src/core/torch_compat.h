@@ -48,6 +48,21 @@ inline at::Tensor causal_sdpa(const at::Tensor& q, const at::Tensor& k,
 #endif
 }
 
+// Under deterministic algorithms LibTorch 2.1 and later also fill every
+// tensor an op allocates without initialising (at::empty and the outputs
+// of most ops, before the op writes them) with NaN, so that a read of
+// memory nobody wrote gives the same bits each run. It is a check, not a
+// need of deterministic kernels, and it costs one fill launch per
+// allocation. Off here: the kernels' tests poison free memory with NaN to
+// find such reads, and the bitwise layout tests run without the fill.
+inline void set_deterministic_fill(bool on) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  at::globalContext().setDeterministicFillUninitializedMemory(on);
+#else
+  (void)on;
+#endif
+}
+
 // The fused attention kernels of LibTorch 2.x on CUDA, as pairs of ATen ops
 // (a forward that returns what its backward reads, and that backward), so
 // that an autograd function of ours can keep the forward's outputs and call

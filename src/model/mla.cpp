@@ -3,7 +3,7 @@
 
 #include "core/check.h"
 #include "core/rng.h"
-#include "core/torch_compat.h"
+#include "ops/rope.h"
 
 namespace viaduct {
 
@@ -96,7 +96,7 @@ at::Tensor MlaImpl::forward(const at::Tensor& x) {
   // q, k: [B, H, T, nope + pe], the rotary key broadcast over heads.
   auto qf = at::cat({q_nope, q_pe}, -1).transpose(1, 2);
   auto kf = at::cat({k_nope, k_pe.expand({B, T, H, pe})}, -1).transpose(1, 2);
-  auto y = compat::causal_sdpa(qf, kf, v.transpose(1, 2));  // [B, H, T, vd]
+  auto y = ops::causal_attention_core(qf, kf, v.transpose(1, 2));  // [B, H, T, vd]
   return linear(y.transpose(1, 2).reshape({B, T, H * vd}), wo, kernel_options_);
 }
 

@@ -52,18 +52,35 @@ class CausalFusedAttentionFn : public torch::autograd::Function<CausalFusedAtten
   }
 };
 
-// Causal attention of q, k, v [B, H, T, hd] (k, v repeated to H heads). The
-// kernel is chosen here, where q, k and v still require their gradients as
-// the training step's do (the choice weighs whether a backward follows).
-at::Tensor causal_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  const auto f = compat::fused_attention_for(q, k, v);
+}  // namespace
+
+at::Tensor causal_attention_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  // The kernel is chosen here, where q, k and v still require their
+  // gradients as the training step's do (the choice weighs whether a
+  // backward follows).
+  auto f = compat::fused_attention_for(q, k, v);
   if (f != compat::FusedAttention::kNone) {
     return CausalFusedAttentionFn::apply(q, k, v, static_cast<int64_t>(f));
   }
+  // Note [Narrow value heads on flash's kernel]
+  // Flash's kernel wants one head width for q, k and v, so value heads
+  // narrower than the query's (MLA: 192 against 128) leave SDPA only
+  // cuDNN's kernel or the memory-efficient one, and under deterministic
+  // algorithms, where LibTorch refuses cuDNN's, the memory-efficient
+  // kernel's deterministic backward is several times slower than flash's.
+  // Zero columns widen v to q's width for flash's kernel, and the output's
+  // extra columns (attention weights times zeros) are cut off; the
+  // gradient of v is the padded one's first columns.
+  const auto qd = q.size(-1), vd = v.size(-1);
+  if (q.is_cuda() && vd < qd) {
+    const auto vp = at::constant_pad_nd(v, {0, qd - vd});
+    f = compat::fused_attention_for(q, k, vp);
+    if (f == compat::FusedAttention::kFlash) {
+      return CausalFusedAttentionFn::apply(q, k, vp, static_cast<int64_t>(f)).narrow(-1, 0, vd);
+    }
+  }
   return compat::causal_sdpa(q, k, v);
 }
-
-}  // namespace
 
 RopeTables make_rope_tables(int64_t head_dim, int64_t max_seq_len, double theta) {
   VIADUCT_CHECK(head_dim % 2 == 0, "rotary embeddings need an even head_dim, got ",
@@ -111,7 +128,7 @@ at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const Rope
     q = kernels::rope(q, c, s).transpose(1, 2);            // [B, H, T, hd]
     k = kernels::rope(k, c, s, H / KV).transpose(1, 2);    // [B, H, T, hd]
     v = kernels::repeat_heads(v, H / KV).transpose(1, 2);  // [B, H, T, hd]
-    return causal_core(q, k, v);                           // [B, H, T, hd]
+    return causal_attention_core(q, k, v);                           // [B, H, T, hd]
   }
   if (tables != nullptr) {
     q = rope(q, *tables, opts);
@@ -124,7 +141,7 @@ at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const Rope
     k = k.repeat_interleave(H / KV, 1);  // as compat::causal_sdpa_gqa
     v = v.repeat_interleave(H / KV, 1);
   }
-  return causal_core(q, k, v);  // [B, H, T, hd]
+  return causal_attention_core(q, k, v);  // [B, H, T, hd]
 }
 
 }  // namespace viaduct::ops

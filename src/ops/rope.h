@@ -27,4 +27,11 @@ at::Tensor rope(const at::Tensor& x, const RopeTables& tables, const KernelOptio
 at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const RopeTables* tables,
                             const KernelOptions& opts);
 
+// Causal attention of q, k [B, H, T, d] and v [B, H, T, dv], dv <= d, all
+// with H heads: on CUDA through the fused kernel SDPA would pick (its
+// forward's outputs kept under per-op activation checkpointing), and for
+// dv < d flash's on zero-padded values where SDPA would pick neither flash's
+// nor cuDNN's; elsewhere SDPA itself. Returns [B, H, T, dv].
+at::Tensor causal_attention_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
 }  // namespace viaduct::ops
