@@ -141,6 +141,43 @@ inline std::vector<at::Tensor> causal_fused_backward(FusedAttention f, const at:
 #endif
 }
 
+// Flash's variable-length causal attention: q, k, v [N, H, hd] hold the
+// tokens of several sequences end to end, sequence i the rows
+// [cu_seqlens[i], cu_seqlens[i + 1]) (int32 on q's device), `max_len` the
+// longest; each sequence attends causally within itself. The forward
+// returns {out [N, H, hd], then what the backward reads (logsumexp, the
+// RNG state and its companion)}. LibTorch 2.8 and later, CUDA.
+inline std::vector<at::Tensor> varlen_flash_forward(const at::Tensor& q, const at::Tensor& k,
+                                                    const at::Tensor& v,
+                                                    const at::Tensor& cu_seqlens,
+                                                    int64_t max_len) {
+#if VIADUCT_FUSED_ATTENTION
+  auto r = at::_flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0,
+                                        /*is_causal=*/true, /*return_debug_mask=*/false);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
+#else
+  (void)q, (void)k, (void)v, (void)cu_seqlens, (void)max_len;
+  throw std::runtime_error("variable-length flash attention needs LibTorch 2.8 or later");
+#endif
+}
+
+// {dq, dk, dv} of varlen_flash_forward's outputs `fwd`.
+inline std::vector<at::Tensor> varlen_flash_backward(const at::Tensor& grad, const at::Tensor& q,
+                                                     const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& cu_seqlens,
+                                                     int64_t max_len,
+                                                     const std::vector<at::Tensor>& fwd) {
+#if VIADUCT_FUSED_ATTENTION
+  auto r = at::_flash_attention_backward(grad, q, k, v, fwd[0], fwd[1], cu_seqlens, cu_seqlens,
+                                         max_len, max_len, 0.0, /*is_causal=*/true, fwd[2],
+                                         fwd[3]);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+#else
+  (void)grad, (void)q, (void)k, (void)v, (void)cu_seqlens, (void)max_len, (void)fwd;
+  throw std::runtime_error("variable-length flash attention needs LibTorch 2.8 or later");
+#endif
+}
+
 // One multi-tensor AdamW update (decoupled decay, bias-corrected moments) of
 // CUDA fp32 tensors through ATen's fused kernel; `step` holds the 1-based
 // step count as a one-element fp32 tensor on the same device. Returns false
