@@ -52,7 +52,48 @@ class CausalFusedAttentionFn : public torch::autograd::Function<CausalFusedAtten
   }
 };
 
+// Flash's variable-length causal attention (compat::varlen_flash_forward)
+// as an autograd function of ours, for the same reason as
+// CausalFusedAttentionFn: per-op activation checkpointing keeps its
+// forward's outputs. cu_seqlens and max_len are not differentiable.
+class VarlenFlashAttentionFn : public torch::autograd::Function<VarlenFlashAttentionFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cu_seqlens, int64_t max_len) {
+    auto fwd = run_saved_op_outputs(
+        [&] { return compat::varlen_flash_forward(q, k, v, cu_seqlens, max_len); });
+    std::vector<at::Tensor> saved{q, k, v, cu_seqlens};
+    saved.insert(saved.end(), fwd.begin(), fwd.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["max_len"] = max_len;
+    return fwd[0];
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const std::vector<at::Tensor> fwd(saved.begin() + 4, saved.end());
+    auto g = compat::varlen_flash_backward(grads[0].contiguous(), saved[0], saved[1], saved[2],
+                                           saved[3], ctx->saved_data["max_len"].toInt(), fwd);
+    return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor varlen_causal_attention(const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                   int64_t max_len) {
+  VIADUCT_CHECK(q.is_cuda() && VIADUCT_FUSED_ATTENTION,
+                "variable-length attention runs on CUDA with LibTorch 2.8 or later");
+  const auto qd = q.size(-1), vd = v.size(-1);
+  if (vd < qd) {
+    // See Note [Narrow value heads on flash's kernel].
+    const auto vp = at::constant_pad_nd(v, {0, qd - vd});
+    return VarlenFlashAttentionFn::apply(q, k, vp, cu_seqlens, max_len).narrow(-1, 0, vd);
+  }
+  return VarlenFlashAttentionFn::apply(q, k, v, cu_seqlens, max_len);
+}
 
 at::Tensor causal_attention_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   // The kernel is chosen here, where q, k and v still require their

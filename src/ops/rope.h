@@ -34,4 +34,13 @@ at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const Rope
 // nor cuDNN's; elsewhere SDPA itself. Returns [B, H, T, dv].
 at::Tensor causal_attention_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
+// Causal attention within each of several sequences packed end to end: q,
+// k [N, H, d] and v [N, H, dv], dv <= d (H heads each), sequence i the rows
+// [cu_seqlens[i], cu_seqlens[i + 1]) (int32 on q's device, first 0, last
+// N), `max_len` the longest. Flash's variable-length kernel, so CUDA and
+// LibTorch 2.8+ only (an error elsewhere). Returns [N, H, dv].
+at::Tensor varlen_causal_attention(const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                   int64_t max_len);
+
 }  // namespace viaduct::ops
