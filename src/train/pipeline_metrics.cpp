@@ -86,8 +86,8 @@ double StepGather::gather_loss(double loss_sum, bool stop_signal, StepMetrics& m
   // (a separate element: the loss's sum is unchanged); pp then dp covers
   // the mesh.
   gathered.push_back(stop_signal ? 1.0 : 0.0);
-  // The step's energy and how many ranks could read theirs (Note [Energy
-  // per step]): a sum that counted fewer ranks than the mesh has is not
+  // The step's energy and how many ranks could read theirs
+  // (see Note [Energy per step]): a sum that counted fewer ranks than the mesh has is not
   // the step's, and is dropped.
   const auto joules = energy_.joules_since_last();
   gathered.push_back(joules.value_or(0.0));

@@ -64,8 +64,8 @@ class StepGather {
         flops_per_token_(flops_per_token), energy_(device) {}
 
   // The step's loss sum over the mesh (every rank gets it), with each pp
-  // rank's pipeline times and memory peak and the step's energy (Note
-  // [Energy per step], core/energy.h) into `m`; `stop_signal`: this
+  // rank's pipeline times and memory peak and the step's energy
+  // (see Note [Energy per step], core/energy.h) into `m`; `stop_signal`: this
   // rank was asked to stop (see Note [Save and exit on a signal]), after which
   // stop_requested() says whether any rank was.
   double gather_loss(double loss_sum, bool stop_signal, StepMetrics& m,
