@@ -147,11 +147,15 @@ TEST(DocumentBoundaries, LlamaDocumentAsAlone) { expect_b_as_alone(kLlama, 1e-5)
 
 TEST(DocumentBoundaries, Gpt2DocumentAsAlone) { expect_b_as_alone(kGpt2, 1e-5); }
 
-// With AttnRes's reads (ATen ops over all the micro-batch's tokens at once)
-// B's logits differ from B alone's in the last bits (2.4e-7 at most here;
-// the op that rounds a token by its place among them is not pinned down):
-// to a bound. Without AttnRes, bitwise.
+// With AttnRes's reads and MoE layers together, B's logits differ from B
+// alone's in the last bits (2.4e-7 at most here; the op that rounds a token
+// by its place in the micro-batch is not pinned down): to a bound. With a
+// dense FFN, or without AttnRes, bitwise.
 TEST(DocumentBoundaries, KimiK3DocumentAsAlone) { expect_b_as_alone(kKimiK3, 1e-4, 1e-6); }
+
+TEST(DocumentBoundaries, KimiK3DenseDocumentAsAlone) {
+  expect_b_as_alone(with(kKimiK3, {"model.moe_ffn=false"}), 1e-4);
+}
 
 TEST(DocumentBoundaries, KimiK3PlainResidualsDocumentAsAlone) {
   expect_b_as_alone(with(kKimiK3, {"model.attn_res=false"}), 1e-4);
