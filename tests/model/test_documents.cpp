@@ -1,6 +1,7 @@
 // block_causal (see Note [Document boundaries], ops/documents.h) against its
 // reference, each document alone: a window packing documents A | B | C
-// gives B's tokens the logits of B run alone from position 0 (bitwise), and
+// gives B's tokens the logits of B run alone from position 0 (bitwise, but
+// for kimi_k3 with AttnRes and MoE together: to a bound), and
 // a loss over B's tokens the parameter gradients of B alone (to a stated
 // bound: the weight gradients sum the window's tokens, A's and C's zeros
 // among them, in another order). Every family and mixer: llama (attention,
