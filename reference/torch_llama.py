@@ -619,6 +619,38 @@ class StepProfiler:
         os.replace(path + ".tmp", path)
 
 
+class EnergyCounter:
+    """The GPU's total-energy counter (NVML, millijoules since the driver
+    loaded), the counter viaduct's energy_joules reads, through ctypes: None
+    readings on the CPU or without libnvidia-ml."""
+
+    def __init__(self, device):
+        self.nvml = self.handle = None
+        if device.type != "cuda":
+            return
+        import ctypes
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError:
+            return
+        if nvml.nvmlInit_v2() != 0:
+            return
+        p = torch.cuda.get_device_properties(device)
+        bus = f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0".encode()
+        handle = ctypes.c_void_p()
+        if nvml.nvmlDeviceGetHandleByPciBusId_v2(bus, ctypes.byref(handle)) == 0:
+            self.nvml, self.handle = nvml, handle
+
+    def joules(self):
+        if self.nvml is None:
+            return None
+        import ctypes
+        mj = ctypes.c_ulonglong()
+        if self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(mj)) != 0:
+            return None
+        return mj.value / 1e3
+
+
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -836,6 +868,8 @@ def train_main(argv):
     step_losses, norms, lrs, wall = [], [], [], []
     reset_peak_memory(device)
     peak_warmup = 0
+    energy = EnergyCounter(device)
+    energy_start = None
     if not 0 <= args.profile_step <= n_steps:
         fail(f"--profile-step {args.profile_step} is not a step of this run (1..{n_steps})")
     profiler = None
@@ -844,6 +878,7 @@ def train_main(argv):
             synchronize(device)
             peak_warmup = peak_memory(device)
             reset_peak_memory(device)
+            energy_start = energy.joules()
         if i + 1 == args.profile_step:
             profiler = StepProfiler(device)
         w0 = time.perf_counter()
@@ -875,6 +910,11 @@ def train_main(argv):
             profiler = None
     synchronize(device)
     peak_timed = peak_memory(device)
+    energy_end = energy.joules()
+    timed_tokens = tokens * (n_steps - args.timing_warmup)
+    energy_per_token = ((energy_end - energy_start) / timed_tokens
+                        if energy_start is not None and energy_end is not None
+                        and timed_tokens > 0 else None)
 
     losses = [sum(float(l.item()) for l in ls) / tokens for ls in step_losses]
     grad_norms = [float(n.item()) for n in norms]
@@ -911,6 +951,7 @@ def train_main(argv):
         "mfu": fpt * tok_s / peak if peak else None,
         "peak_memory_bytes": peak_timed,
         "peak_memory_warmup_bytes": peak_warmup,
+        "joules_per_token": energy_per_token,
         "first_step_wall_s": wall[0] if wall else None,
         "compile_s": (wall[0] - median) if (wall and args.mode == "compile") else None,
         "load_s": load_s,
@@ -948,6 +989,12 @@ def viaduct_summary(metrics_path, timing_warmup, fpt, peak_flops):
     median = statistics.median(timed)
     tokens = rows[-1]["tokens"]
     tok_s = tokens / median
+    # The timed steps' energies telescope (viaduct's Note [Energy per step]):
+    # their sum over their tokens is the span's energy per token.
+    timed_rows = rows[timing_warmup:]
+    joules = [j.get("energy_joules") for j in timed_rows]
+    jpt = (sum(joules) / sum(j["tokens"] for j in timed_rows)
+           if joules and all(x is not None for x in joules) else None)
     return {
         "impl": "viaduct",
         "tokens_per_step": tokens,
@@ -959,6 +1006,7 @@ def viaduct_summary(metrics_path, timing_warmup, fpt, peak_flops):
         "mfu_reported": statistics.median(
             [j["mfu"] for j in rows[timing_warmup:] if j.get("mfu") is not None] or [0]),
         "peak_memory_bytes": max(j.get("peak_memory_bytes", 0) for j in rows),
+        "joules_per_token": jpt,
         "losses": [j["loss"] for j in rows],
         "grad_norms": [j["grad_norm"] for j in rows],
     }
@@ -1018,12 +1066,12 @@ def report_main(argv):
 
     lines = []
     if args.header:
-        lines += ["| cell | impl | tok/s | MFU | peak GiB | loss steps 1-5 | "
-                  "rel Δloss vs viaduct: step 1 / max 1-5 | viaduct ÷ this: tok/s, mem |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["| cell | impl | tok/s | MFU | peak GiB | mJ/tok | loss steps 1-5 | "
+                  "rel Δloss vs viaduct: step 1 / max 1-5 | viaduct ÷ this: tok/s, mem, energy |",
+                  "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("failed"):
-            lines.append(f"| {args.cell} | {r['impl']} | failed | | | | | |")
+            lines.append(f"| {args.cell} | {r['impl']} | failed | | | | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
         gib = f"{r['peak_memory_bytes'] / 2**30:.1f}"
@@ -1039,11 +1087,15 @@ def report_main(argv):
                   f"{'ok' if max(rels) <= args.loss_rtol else 'DIFFERS'}")
             ratio = (f"{vd['tokens_per_s'] / r['tokens_per_s']:.2f}x, "
                      f"{vd['peak_memory_bytes'] / r['peak_memory_bytes']:.2f}x")
+            if vd.get("joules_per_token") and r.get("joules_per_token"):
+                ratio += f", {vd['joules_per_token'] / r['joules_per_token']:.2f}x"
+        mj = (f"{1e3 * r['joules_per_token']:.2f}" if r.get("joules_per_token") is not None
+              else "n/a")
         extra = ""
         if r.get("compile_s") is not None:
             extra = f" (compile {r['compile_s']:.0f} s)"
         lines.append(f"| {args.cell} | {r['impl']}{extra} | {r['tokens_per_s']:.0f} | "
-                     f"{mfu} | {gib} | {fmt_losses(r['losses'])} | {dl} | {ratio} |")
+                     f"{mfu} | {gib} | {mj} | {fmt_losses(r['losses'])} | {dl} | {ratio} |")
     # Step times of the timed steps, each side: a median alone hides a
     # bimodal run (viaduct's steps alternated in pairs between 256 and 269 ms
     # in session 5), so the mean (the wall rate) and the spread go beside it.

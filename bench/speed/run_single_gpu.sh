@@ -54,10 +54,10 @@ T0=$(date +%s)
 say() { printf '[%4ds] %s\n' $(($(date +%s) - T0)) "$*"; }
 
 # build-gpu/ with CUDA (bench/lib/gpu_build.sh): viaduct, layer_bench, and the
-# CUDA kernel tests when GoogleTest's sources travel in .deps.
+# CUDA kernel tests and test_core (the energy meter) when GoogleTest's sources travel in .deps.
 build_viaduct() {
   local targets=(viaduct_app layer_bench)
-  gpu_build_has_gtest && targets+=(test_kernels)
+  gpu_build_has_gtest && targets+=(test_kernels test_core)
   gpu_build . build-gpu "$OUT/build.log" "${targets[@]}" || { say "build: failed"; return 1; }
   say "build: build-gpu/viaduct ready"
 }
@@ -136,16 +136,20 @@ tps = statistics.median(r["tokens_per_sec"] for r in timed)
 mfu = statistics.median(r.get("mfu") or 0.0 for r in timed)
 peak = max(r.get("peak_memory_bytes") or 0 for r in rows) / 2**30
 losses = " ".join(f"{r['loss']:.4f}" for r in rows[:5])
+# Energy per token over the timed steps (their energies telescope).
+joules = [r.get("energy_joules") for r in timed]
+mj = (f"{1e3 * sum(joules) / sum(r['tokens'] for r in timed):.2f}"
+      if joules and None not in joules else "n/a")
 print(f"| {label} | viaduct (median step {secs * 1e3:.1f} ms) | {tps:.0f} | {100 * mfu:.1f}% "
-      f"| {peak:.1f} | {losses} | | |")
+      f"| {peak:.1f} | {mj} | {losses} | | |")
 PYEOF
-      echo "| $label | viaduct (no metrics, see $name.viaduct.log) | | | | | | |" >>"$OUT/table.md"
+      echo "| $label | viaduct (no metrics, see $name.viaduct.log) | | | | | | | |" >>"$OUT/table.md"
     return 0
   fi
   "$PY" reference/torch_llama.py report --cell "$label" --timing-warmup "$WARM" \
     --viaduct-metrics "$dir/viaduct/metrics.jsonl" "${peers[@]}" \
     --checkpoint "$ck/step-0" --steps-out "$OUT/steps.md" >>"$OUT/table.md" 2>>"$OUT/report.log" ||
-    echo "| $label | (report failed, see report.log) | | | | | | |" >>"$OUT/table.md"
+    echo "| $label | (report failed, see report.log) | | | | | | | |" >>"$OUT/table.md"
   rm -rf "$ck"  # step-0 of a 1B model is 18 GB
 }
 
@@ -249,8 +253,8 @@ torch_v=$("$PY" -c 'import torch;print(torch.__version__)' 2>/dev/null)
 {
   echo "$(date -u +%Y-%m-%d) · ${gpu:-unknown GPU} · torch ${torch_v:-?} · $WARM untimed + $TIMED timed steps, median step time · MFU = FLOPs/token (viaduct describe's formula per family; llama/gpt2: 6 x matmul params incl. head + 12 L D T) x tok/s / 989.4e12 · compile mode $COMPILE_MODE"
   echo
-  echo "| cell | impl | tok/s | MFU | peak GiB | loss steps 1-5 | rel Δloss vs viaduct: step 1 / max 1-5 | viaduct ÷ this: tok/s, mem |"
-  echo "|---|---|---|---|---|---|---|---|"
+  echo "| cell | impl | tok/s | MFU | peak GiB | mJ/tok | loss steps 1-5 | rel Δloss vs viaduct: step 1 / max 1-5 | viaduct ÷ this: tok/s, mem, energy |"
+  echo "|---|---|---|---|---|---|---|---|---|"
   cat "$OUT/table.md" 2>/dev/null
   if [ -s "$OUT/steps.md" ]; then
     echo

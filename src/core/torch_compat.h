@@ -48,6 +48,21 @@ inline at::Tensor causal_sdpa(const at::Tensor& q, const at::Tensor& k,
 #endif
 }
 
+// Under deterministic algorithms LibTorch 2.1 and later also fill every
+// tensor an op allocates without initialising (at::empty and the outputs
+// of most ops, before the op writes them) with NaN, so that a read of
+// memory nobody wrote gives the same bits each run. It is a check, not a
+// need of deterministic kernels, and it costs one fill launch per
+// allocation. Off here: the kernels' tests poison free memory with NaN to
+// find such reads, and the bitwise layout tests run without the fill.
+inline void set_deterministic_fill(bool on) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  at::globalContext().setDeterministicFillUninitializedMemory(on);
+#else
+  (void)on;
+#endif
+}
+
 // The fused attention kernels of LibTorch 2.x on CUDA, as pairs of ATen ops
 // (a forward that returns what its backward reads, and that backward), so
 // that an autograd function of ours can keep the forward's outputs and call
@@ -123,6 +138,43 @@ inline std::vector<at::Tensor> causal_fused_backward(FusedAttention f, const at:
 #else
   (void)f, (void)grad, (void)q, (void)k, (void)v, (void)fwd;
   throw std::runtime_error("fused attention ops need LibTorch 2.8 or later");
+#endif
+}
+
+// Flash's variable-length causal attention: q, k, v [N, H, hd] hold the
+// tokens of several sequences end to end, sequence i the rows
+// [cu_seqlens[i], cu_seqlens[i + 1]) (int32 on q's device), `max_len` the
+// longest; each sequence attends causally within itself. The forward
+// returns {out [N, H, hd], then what the backward reads (logsumexp, the
+// RNG state and its companion)}. LibTorch 2.8 and later, CUDA.
+inline std::vector<at::Tensor> varlen_flash_forward(const at::Tensor& q, const at::Tensor& k,
+                                                    const at::Tensor& v,
+                                                    const at::Tensor& cu_seqlens,
+                                                    int64_t max_len) {
+#if VIADUCT_FUSED_ATTENTION
+  auto r = at::_flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0,
+                                        /*is_causal=*/true, /*return_debug_mask=*/false);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
+#else
+  (void)q, (void)k, (void)v, (void)cu_seqlens, (void)max_len;
+  throw std::runtime_error("variable-length flash attention needs LibTorch 2.8 or later");
+#endif
+}
+
+// {dq, dk, dv} of varlen_flash_forward's outputs `fwd`.
+inline std::vector<at::Tensor> varlen_flash_backward(const at::Tensor& grad, const at::Tensor& q,
+                                                     const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& cu_seqlens,
+                                                     int64_t max_len,
+                                                     const std::vector<at::Tensor>& fwd) {
+#if VIADUCT_FUSED_ATTENTION
+  auto r = at::_flash_attention_backward(grad, q, k, v, fwd[0], fwd[1], cu_seqlens, cu_seqlens,
+                                         max_len, max_len, 0.0, /*is_causal=*/true, fwd[2],
+                                         fwd[3]);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+#else
+  (void)grad, (void)q, (void)k, (void)v, (void)cu_seqlens, (void)max_len, (void)fwd;
+  throw std::runtime_error("variable-length flash attention needs LibTorch 2.8 or later");
 #endif
 }
 

@@ -3,7 +3,7 @@
 
 #include "core/check.h"
 #include "core/rng.h"
-#include "core/torch_compat.h"
+#include "ops/rope.h"
 
 namespace viaduct {
 
@@ -114,7 +114,7 @@ at::Tensor MlaImpl::attend(const at::Tensor& q, at::Tensor k_pe, const at::Tenso
   // q, k: [B, H, T, nope + pe], the rotary key broadcast over heads.
   auto qf = at::cat({q_nope, q_pe}, -1).transpose(1, 2);
   auto kf = at::cat({k_nope, k_pe.expand({B, T, H, pe})}, -1).transpose(1, 2);
-  return compat::causal_sdpa(qf, kf, v.transpose(1, 2)).transpose(1, 2);  // [B, T, H, vd]
+  return ops::causal_attention_core(qf, kf, v.transpose(1, 2)).transpose(1, 2);  // [B, T, H, vd]
 }
 
 }  // namespace viaduct

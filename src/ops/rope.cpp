@@ -52,18 +52,76 @@ class CausalFusedAttentionFn : public torch::autograd::Function<CausalFusedAtten
   }
 };
 
-// Causal attention of q, k, v [B, H, T, hd] (k, v repeated to H heads). The
-// kernel is chosen here, where q, k and v still require their gradients as
-// the training step's do (the choice weighs whether a backward follows).
-at::Tensor causal_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  const auto f = compat::fused_attention_for(q, k, v);
+// Flash's variable-length causal attention (compat::varlen_flash_forward)
+// as an autograd function of ours, for the same reason as
+// CausalFusedAttentionFn: per-op activation checkpointing keeps its
+// forward's outputs. cu_seqlens and max_len are not differentiable.
+class VarlenFlashAttentionFn : public torch::autograd::Function<VarlenFlashAttentionFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cu_seqlens, int64_t max_len) {
+    auto fwd = run_saved_op_outputs(
+        [&] { return compat::varlen_flash_forward(q, k, v, cu_seqlens, max_len); });
+    std::vector<at::Tensor> saved{q, k, v, cu_seqlens};
+    saved.insert(saved.end(), fwd.begin(), fwd.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["max_len"] = max_len;
+    return fwd[0];
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const std::vector<at::Tensor> fwd(saved.begin() + 4, saved.end());
+    auto g = compat::varlen_flash_backward(grads[0].contiguous(), saved[0], saved[1], saved[2],
+                                           saved[3], ctx->saved_data["max_len"].toInt(), fwd);
+    return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor varlen_causal_attention(const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                   int64_t max_len) {
+  VIADUCT_CHECK(q.is_cuda() && VIADUCT_FUSED_ATTENTION,
+                "variable-length attention runs on CUDA with LibTorch 2.8 or later");
+  const auto qd = q.size(-1), vd = v.size(-1);
+  if (vd < qd) {
+    // See Note [Narrow value heads on flash's kernel].
+    const auto vp = at::constant_pad_nd(v, {0, qd - vd});
+    return VarlenFlashAttentionFn::apply(q, k, vp, cu_seqlens, max_len).narrow(-1, 0, vd);
+  }
+  return VarlenFlashAttentionFn::apply(q, k, v, cu_seqlens, max_len);
+}
+
+at::Tensor causal_attention_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  // The kernel is chosen here, where q, k and v still require their
+  // gradients as the training step's do (the choice weighs whether a
+  // backward follows).
+  auto f = compat::fused_attention_for(q, k, v);
   if (f != compat::FusedAttention::kNone) {
     return CausalFusedAttentionFn::apply(q, k, v, static_cast<int64_t>(f));
   }
+  // Note [Narrow value heads on flash's kernel]
+  // Flash's kernel wants one head width for q, k and v, so value heads
+  // narrower than the query's (MLA: 192 against 128) leave SDPA only
+  // cuDNN's kernel or the memory-efficient one, and under deterministic
+  // algorithms, where LibTorch refuses cuDNN's, the memory-efficient
+  // kernel's deterministic backward is several times slower than flash's.
+  // Zero columns widen v to q's width for flash's kernel, and the output's
+  // extra columns (attention weights times zeros) are cut off; the
+  // gradient of v is the padded one's first columns.
+  const auto qd = q.size(-1), vd = v.size(-1);
+  if (q.is_cuda() && vd < qd) {
+    const auto vp = at::constant_pad_nd(v, {0, qd - vd});
+    f = compat::fused_attention_for(q, k, vp);
+    if (f == compat::FusedAttention::kFlash) {
+      return CausalFusedAttentionFn::apply(q, k, vp, static_cast<int64_t>(f)).narrow(-1, 0, vd);
+    }
+  }
   return compat::causal_sdpa(q, k, v);
 }
-
-}  // namespace
 
 RopeTables make_rope_tables(int64_t head_dim, int64_t max_seq_len, double theta) {
   VIADUCT_CHECK(head_dim % 2 == 0, "rotary embeddings need an even head_dim, got ",
@@ -122,7 +180,7 @@ at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const Rope
     q = kernels::rope(q, c, s).transpose(1, 2);            // [B, H, T, hd]
     k = kernels::rope(k, c, s, H / KV).transpose(1, 2);    // [B, H, T, hd]
     v = kernels::repeat_heads(v, H / KV).transpose(1, 2);  // [B, H, T, hd]
-    return causal_core(q, k, v);                           // [B, H, T, hd]
+    return causal_attention_core(q, k, v);                           // [B, H, T, hd]
   }
   if (tables != nullptr) {
     q = rope(q, *tables, opts);
@@ -135,7 +193,7 @@ at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const Rope
     k = k.repeat_interleave(H / KV, 1);  // as compat::causal_sdpa_gqa
     v = v.repeat_interleave(H / KV, 1);
   }
-  return causal_core(q, k, v);  // [B, H, T, hd]
+  return causal_attention_core(q, k, v);  // [B, H, T, hd]
 }
 
 }  // namespace viaduct::ops

@@ -36,4 +36,20 @@ at::Tensor rope(const at::Tensor& x, const RopeTables& tables, const KernelOptio
 at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const RopeTables* tables,
                             const KernelOptions& opts, const Documents* documents = nullptr);
 
+// Causal attention of q, k [B, H, T, d] and v [B, H, T, dv], dv <= d, all
+// with H heads: on CUDA through the fused kernel SDPA would pick (its
+// forward's outputs kept under per-op activation checkpointing), and for
+// dv < d flash's on zero-padded values where SDPA would pick neither flash's
+// nor cuDNN's; elsewhere SDPA itself. Returns [B, H, T, dv].
+at::Tensor causal_attention_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+// Causal attention within each of several sequences packed end to end: q,
+// k [N, H, d] and v [N, H, dv], dv <= d (H heads each), sequence i the rows
+// [cu_seqlens[i], cu_seqlens[i + 1]) (int32 on q's device, first 0, last
+// N), `max_len` the longest. Flash's variable-length kernel, so CUDA and
+// LibTorch 2.8+ only (an error elsewhere). Returns [N, H, dv].
+at::Tensor varlen_causal_attention(const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                   int64_t max_len);
+
 }  // namespace viaduct::ops

@@ -133,6 +133,7 @@ std::string MetricsWriter::step_json(const StepMetrics& m) const {
   j["step_seconds"] = m.seconds;
   j["mfu"] = m.mfu >= 0 ? nlohmann::json(m.mfu) : nlohmann::json(nullptr);
   j["peak_memory_bytes"] = m.peak_memory_bytes;
+  if (m.energy_joules >= 0) j["energy_joules"] = m.energy_joules;
   if (!m.peak_memory_bytes_per_rank.empty()) {
     j["peak_memory_bytes_per_rank"] = m.peak_memory_bytes_per_rank;
   }
@@ -192,6 +193,10 @@ std::string MetricsWriter::step_line(const StepMetrics& m) const {
     line << "n/a";
   }
   line << " | mem " << human_bytes(m.peak_memory_bytes);
+  if (m.energy_joules >= 0 && m.tokens > 0) {
+    line << " | " << std::setprecision(2)
+         << 1e3 * m.energy_joules / static_cast<double>(m.tokens) << " mJ/tok";
+  }
   if (!m.bubble_measured_per_rank.empty()) {
     line << " | bubble " << std::setprecision(1) << 100 * mean(m.bubble_measured_per_rank)
          << "% (sim " << 100 * options_.bubble_simulated << "%";

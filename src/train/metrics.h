@@ -42,6 +42,9 @@ struct StepMetrics {
   double tokens_per_sec = 0;
   double mfu = -1;        // fraction of peak; < 0 when the peak is unknown
   double peak_memory_bytes = 0;
+  // Joules every rank's GPU used in the step (Note [Energy per step],
+  // core/energy.h); < 0 when unknown (CPU, no NVML).
+  double energy_joules = -1;
   // pp > 1: each pp rank's device peak so far, read at the loss's all-reduce
   // (after the backward; on CPU the process's peak resident set).
   std::vector<double> peak_memory_bytes_per_rank;

@@ -86,13 +86,22 @@ double StepGather::gather_loss(double loss_sum, bool stop_signal, StepMetrics& m
   // (a separate element: the loss's sum is unchanged); pp then dp covers
   // the mesh.
   gathered.push_back(stop_signal ? 1.0 : 0.0);
+  // The step's energy and how many ranks could read theirs (Note [Energy
+  // per step]): a sum that counted fewer ranks than the mesh has is not
+  // the step's, and is dropped.
+  const auto joules = energy_.joules_since_last();
+  gathered.push_back(joules.value_or(0.0));
+  gathered.push_back(joules ? 1.0 : 0.0);
   sum_over(mesh_ ? &mesh_->pp_group() : nullptr, gathered, context,
            layout.timed ? "the loss and pipeline times" : "the loss");
-  std::vector<double> loss{gathered[0], gathered.back()};
+  const size_t n = gathered.size();
+  std::vector<double> loss{gathered[0], gathered[n - 3], gathered[n - 2], gathered[n - 1]};
   sum_over(mesh_ ? &mesh_->dp_group() : nullptr, loss, context, "the loss");
-  gathered.pop_back();
+  gathered.resize(n - 3);
   layout.unpack(gathered, times, m);
   stop_requested_ = loss[1] > 0;
+  const int world = mesh_ ? mesh_->world_size() : 1;
+  m.energy_joules = loss[3] == static_cast<double>(world) ? loss[2] : -1.0;
   return loss[0];
 }
 

@@ -11,6 +11,7 @@
 
 #include <string>
 
+#include "core/energy.h"
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
 #include "train/metrics.h"
@@ -60,10 +61,11 @@ class StepGather {
              at::Device device, at::ScalarType compute_dtype, double flops_per_token)
       : plan_(plan), pp_rank_(pp_rank), mesh_(mesh), executor_(executor),
         attn_res_store_(store), device_(device), compute_dtype_(compute_dtype),
-        flops_per_token_(flops_per_token) {}
+        flops_per_token_(flops_per_token), energy_(device) {}
 
   // The step's loss sum over the mesh (every rank gets it), with each pp
-  // rank's pipeline times and memory peak into `m`; `stop_signal`: this
+  // rank's pipeline times and memory peak and the step's energy (Note
+  // [Energy per step], core/energy.h) into `m`; `stop_signal`: this
   // rank was asked to stop (see Note [Save and exit on a signal]), after which
   // stop_requested() says whether any rank was.
   double gather_loss(double loss_sum, bool stop_signal, StepMetrics& m,
@@ -83,6 +85,7 @@ class StepGather {
   at::Device device_;
   at::ScalarType compute_dtype_;
   double flops_per_token_;
+  EnergyMeter energy_;
   bool stop_requested_ = false;
 };
 

@@ -50,6 +50,9 @@ ProcessSetup init_process(const JobConfig& job) {
     // before the first cuBLAS handle exists.
     setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
     at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+    // Deterministic kernels without LibTorch's NaN fill of every new tensor
+    // (compat::set_deterministic_fill says why).
+    compat::set_deterministic_fill(false);
   }
   ps.device = resolve_device(job.training.device, rdv.local_rank);
   if (rdv.world_size > 1) {

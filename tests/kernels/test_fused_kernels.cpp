@@ -255,6 +255,106 @@ TEST(FusedKernels, AttentionCoreRunsSdpasKernel) {
   at::globalContext().setDeterministicAlgorithms(det, /*warn_only=*/false);
 }
 
+TEST(FusedKernels, AttentionCoreTakesNarrowerValueHeads) {
+  REQUIRE_GPU();
+  if (!VIADUCT_FUSED_ATTENTION) GTEST_SKIP() << "no fused attention ops in this LibTorch";
+  // See Note [Narrow value heads on flash's kernel]: MLA's shapes (q and k
+  // 192 wide, v 128) against causal attention in fp64 on the CPU, output
+  // and gradients; under deterministic algorithms through flash's kernel on
+  // zero-padded values, gradients repeating bit for bit.
+  const bool det = at::globalContext().deterministicAlgorithms();
+  const int64_t B = 2, H = 4, T = 256, d = 192, dv = 128;
+  for (const bool deterministic : {true, false}) {
+    at::globalContext().setDeterministicAlgorithms(deterministic, /*warn_only=*/false);
+    const auto seed = fresh_seed();
+    const auto o = at::TensorOptions(at::kCUDA).dtype(at::kBFloat16);
+    const auto q0 = at::randn({B, H, T, d}, o), k0 = at::randn({B, H, T, d}, o),
+               v0 = at::randn({B, H, T, dv}, o), dy = at::randn({B, H, T, dv}, o);
+    if (deterministic) {
+      const auto padded = at::constant_pad_nd(v0, {0, d - dv}).requires_grad_(true);
+      EXPECT_EQ(compat::fused_attention_for(q0.clone().requires_grad_(true),
+                                            k0.clone().requires_grad_(true), padded),
+                compat::FusedAttention::kFlash);
+    }
+    auto run = [&] {
+      auto q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true),
+           v = v0.clone().requires_grad_(true);
+      auto y = ops::causal_attention_core(q, k, v);
+      y.backward(dy);
+      return std::vector<at::Tensor>{y.detach(), q.grad(), k.grad(), v.grad()};
+    };
+    const auto ours = run(), again = run();
+    auto f64 = [](const at::Tensor& t) {
+      return t.to(at::kCPU, at::kDouble).detach().requires_grad_(true);
+    };
+    auto q = f64(q0), k = f64(k0), v = f64(v0);
+    auto s = at::matmul(q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(d));
+    auto mask = at::ones({T, T}, at::kBool).triu(1);
+    auto y = at::matmul(at::softmax(s.masked_fill(mask, -INFINITY), -1), v);
+    y.backward(dy.to(at::kCPU, at::kDouble));
+    const std::vector<at::Tensor> ref{y.detach(), q.grad(), k.grad(), v.grad()};
+    ASSERT_EQ(ours[0].sizes(), ref[0].sizes());
+    for (size_t i = 0; i < ours.size(); ++i) {
+      EXPECT_LT(rel_err(ours[i], ref[i]), 1e-2)
+          << "tensor " << i << " seed " << seed << " deterministic " << deterministic;
+      if (deterministic) EXPECT_TRUE(at::equal(ours[i], again[i])) << "tensor " << i;
+    }
+  }
+  at::globalContext().setDeterministicAlgorithms(det, /*warn_only=*/false);
+}
+
+TEST(FusedKernels, VarlenAttentionIsEachSequenceAlone) {
+  REQUIRE_GPU();
+  if (!VIADUCT_FUSED_ATTENTION) GTEST_SKIP() << "no fused attention ops in this LibTorch";
+  // Three sequences packed end to end through flash's variable-length
+  // kernel: each one's output and gradients against causal attention of
+  // that sequence alone in fp64 on the CPU; head widths equal (llama) and
+  // the values narrower (MLA); gradients repeat bit for bit under
+  // deterministic algorithms.
+  const bool det = at::globalContext().deterministicAlgorithms();
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  const std::vector<int64_t> lengths{37, 100, 119};
+  const int64_t N = 256, H = 4;
+  const auto cu = at::tensor(std::vector<int32_t>{0, 37, 137, 256},
+                             at::TensorOptions(at::kCUDA).dtype(at::kInt));
+  for (const auto& [d, dv] : std::vector<std::pair<int64_t, int64_t>>{{64, 64}, {192, 128}}) {
+    const auto seed = fresh_seed();
+    const auto o = at::TensorOptions(at::kCUDA).dtype(at::kBFloat16);
+    const auto q0 = at::randn({N, H, d}, o), k0 = at::randn({N, H, d}, o),
+               v0 = at::randn({N, H, dv}, o), dy = at::randn({N, H, dv}, o);
+    auto run = [&] {
+      auto q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true),
+           v = v0.clone().requires_grad_(true);
+      auto y = ops::varlen_causal_attention(q, k, v, cu, 119);
+      y.backward(dy);
+      return std::vector<at::Tensor>{y.detach(), q.grad(), k.grad(), v.grad()};
+    };
+    const auto ours = run(), again = run();
+    for (size_t i = 0; i < ours.size(); ++i) {
+      EXPECT_TRUE(at::equal(ours[i], again[i])) << "tensor " << i << " d " << d;
+    }
+    int64_t start = 0;
+    for (const int64_t L : lengths) {
+      auto f64 = [&](const at::Tensor& t) {  // [L, H, w] -> [H, L, w], fp64 leaf
+        return t.narrow(0, start, L).transpose(0, 1).to(at::kCPU, at::kDouble).detach()
+            .requires_grad_(true);
+      };
+      auto q = f64(q0), k = f64(k0), v = f64(v0);
+      auto s = at::matmul(q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(d));
+      auto mask = at::ones({L, L}, at::kBool).triu(1);
+      auto y = at::matmul(at::softmax(s.masked_fill(mask, -INFINITY), -1), v);
+      y.backward(dy.narrow(0, start, L).transpose(0, 1).to(at::kCPU, at::kDouble));
+      const std::vector<at::Tensor> ref{y.detach(), q.grad(), k.grad(), v.grad()};
+      for (size_t i = 0; i < ours.size(); ++i) {
+        EXPECT_LT(rel_err(ours[i].narrow(0, start, L).transpose(0, 1), ref[i]), 1e-2)
+            << "tensor " << i << " sequence at " << start << " d " << d << " seed " << seed;
+      }
+      start += L;
+    }
+  }
+  at::globalContext().setDeterministicAlgorithms(det, /*warn_only=*/false);
+}
+
 TEST(FusedKernels, RepeatHeadsMatchesRepeatInterleave) {
   REQUIRE_GPU();
   // See Note [Repeated heads without a gather]: v's grouped heads, a strided
