@@ -78,6 +78,8 @@ JobConfig JobConfig::from(Config raw) {
   md.cuda_kernels = c.get_bool("model.cuda_kernels");
   md.swiglu_recompute = c.get_bool("model.swiglu_recompute");
   md.moe_capacity_factor = c.get_float("model.moe_capacity_factor");
+  md.attn_mask_type = c.get_string("model.attn_mask_type");
+  md.reset_position_ids = c.get_bool_opt("model.reset_position_ids");
   md.keys = ModelKeys(j.raw_);
 
   auto& d = j.data;

@@ -163,6 +163,13 @@ struct ModelSection {
   bool cuda_kernels = false;
   bool swiglu_recompute = false;
   double moe_capacity_factor = 0;
+  // See Note [Document boundaries] (ops/documents.h): "causal" or
+  // "block_causal"; positions restart at documents under block_causal unless
+  // reset_position_ids is set false (true under causal is refused at load).
+  std::string attn_mask_type = "causal";
+  std::optional<bool> reset_position_ids;
+  bool block_causal() const { return attn_mask_type == "block_causal"; }
+  bool resets_positions() const { return reset_position_ids.value_or(block_causal()); }
   ModelKeys keys;
 };
 

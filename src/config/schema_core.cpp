@@ -92,6 +92,8 @@ void add_model_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("model", "cuda_kernels", T::kBool, true, "use viaduct's CUDA kernels (RMSNorm, RoPE, SwiGLU, the chunked loss) where the GPU has them; false: ATen ops only"));
   k.push_back(key("model", "swiglu_recompute", T::kBool, false, "fused SwiGLU (CUDA kernels): recompute silu(w1 x) * w3 x in the backward instead of keeping it; saves tokens x ffn_hidden_dim x 2 bytes per layer for one more elementwise pass"));
   k.push_back(key("model", "loss_chunk_tokens", T::kInt, int64_t{-1}, "> 0: fuse head and cross-entropy in chunks of this many tokens (no full logits); 0: plain; -1: auto (4096 where the fused CUDA kernels run, else plain)").in(at_least(-1)));
+  k.push_back(key("model", "attn_mask_type", T::kString, std::string("causal"), "causal: every token sees the whole window before it; block_causal: documents packed into a window do not see each other (attention, KDA's state and short convolutions restart at each document start, found from the token files' document marker) and the first token of a document is not trained on the previous one's last"));
+  k.push_back(key("model", "reset_position_ids", T::kBool, kUnset, "block_causal: positions (RoPE, gpt2's learned positions) restart at 0 at each document (default true); false: positions run through the window"));
   k.push_back(key("model", "tie_embeddings", T::kBool, kUnset, "share tok_embeddings and lm_head (gpt2 default true)"));
   // Kimi-K3 hybrid keys (used by family kimi_k3 only).
   k.push_back(key("model", "attn_res_block_size", T::kInt, kUnset, "AttnRes layers per block").in(greater_than(0)));
@@ -167,6 +169,15 @@ void validate_core(const Config& c) {
                     "outputs of its matmuls), got '", opt, "' (from ",
                     c.source("activation_checkpoint.selective_ac_option"), ")");
   }
+  const auto mask = c.get_string("model.attn_mask_type");
+  VIADUCT_CHECK_T(ConfigError, mask == "causal" || mask == "block_causal",
+                  "model.attn_mask_type must be causal or block_causal, got '", mask, "' (from ",
+                  c.source("model.attn_mask_type"), ")");
+  VIADUCT_CHECK_T(ConfigError,
+                  mask == "block_causal" || !c.get_bool_opt("model.reset_position_ids").value_or(false),
+                  "model.reset_position_ids = true needs model.attn_mask_type = \"block_causal\" "
+                  "(positions restart at documents only when documents are kept apart; from ",
+                  c.source("model.reset_position_ids"), ")");
   const auto lvl = c.get_string("job.log_level");
   VIADUCT_CHECK_T(ConfigError,
                   lvl == "debug" || lvl == "info" || lvl == "warning" || lvl == "error",

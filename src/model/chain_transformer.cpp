@@ -66,22 +66,26 @@ void ChainBlockImpl::init_weights(uint64_t seed, const std::string& p) {
   }
 }
 
-at::Tensor ChainBlockImpl::forward(const at::Tensor& x) {
-  if (!spec_.activation_checkpoint.checkpoints(layer_id_)) return forward_layer(x);
-  auto body = [this](const std::vector<at::Tensor>& in) {
-    return std::vector<at::Tensor>{forward_layer(in[0])};
+at::Tensor ChainBlockImpl::forward(const at::Tensor& x, const ops::DocumentsPtr& documents) {
+  if (!spec_.activation_checkpoint.checkpoints(layer_id_)) {
+    return forward_layer(x, documents.get());
+  }
+  // The recompute runs in the backward, when the part may hold the next
+  // micro-batch's documents: the body keeps this one's.
+  auto body = [this, documents](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{forward_layer(in[0], documents.get())};
   };
   return ops::recompute(spec_.activation_checkpoint, body, {x}, parameters()).at(0);
 }
 
-at::Tensor ChainBlockImpl::forward_layer(const at::Tensor& x) {
+at::Tensor ChainBlockImpl::forward_layer(const at::Tensor& x, const ops::Documents* documents) {
   auto a = spec_.layer_norm ? attention_ln_->forward(x) : attention_rms_->forward(x);
   at::Tensor h, f;
   if (spec_.layer_norm) {
-    h = x + attention_->forward(a);
+    h = x + attention_->forward(a, documents);
     f = ffn_ln_->forward(h);
   } else {
-    std::tie(h, f) = ffn_rms_->forward_with_residual(x, attention_->forward(a));
+    std::tie(h, f) = ffn_rms_->forward_with_residual(x, attention_->forward(a, documents));
   }
   return h + (spec_.gelu_mlp ? gelu_->forward(f) : swiglu_->forward(f));
 }
@@ -177,13 +181,19 @@ at::Tensor ChainTransformer::trunk(const Activations& in) {
       const auto T = tokens.size(1);
       VIADUCT_CHECK(T <= spec_.max_seq_len, "sequence length ", T,
                     " exceeds model.max_seq_len ", spec_.max_seq_len);
-      h = h + pos_embeddings_->weight.slice(0, 0, T).unsqueeze(0);
+      if (documents_ && documents_->reset_positions()) {
+        // Each token at its position in its document.
+        const auto pos = documents_->positions().to(h.device());
+        h = h + pos_embeddings_->weight.index_select(0, pos.flatten()).view(h.sizes());
+      } else {
+        h = h + pos_embeddings_->weight.slice(0, 0, T).unsqueeze(0);
+      }
     }
     if (compute_dtype_ != h.scalar_type()) h = h.to(compute_dtype_);
   } else {
     h = in[0];
   }
-  for (auto& [id, b] : blocks_) h = b->forward(h);
+  for (auto& [id, b] : blocks_) h = b->forward(h, documents_);
   if (has_head_) h = norm_ln_ ? norm_ln_->forward(h) : norm_rms_->forward(h);
   return h;
 }

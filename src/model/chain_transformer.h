@@ -40,11 +40,13 @@ struct ChainSpec {
 class ChainBlockImpl : public torch::nn::Module {
  public:
   ChainBlockImpl(const ChainSpec& spec, int64_t layer_id);
-  at::Tensor forward(const at::Tensor& x);  // [B, T, D] -> [B, T, D]
+  // [B, T, D] -> [B, T, D]; `documents`: see Note [Document boundaries].
+  at::Tensor forward(const at::Tensor& x, const ops::DocumentsPtr& documents = nullptr);
   void init_weights(uint64_t seed, const std::string& prefix);
 
  private:
-  at::Tensor forward_layer(const at::Tensor& x);  // forward() without checkpointing
+  // forward() without checkpointing
+  at::Tensor forward_layer(const at::Tensor& x, const ops::Documents* documents);
   const ChainSpec spec_;
   int64_t layer_id_;
   Attention attention_{nullptr};

@@ -87,6 +87,7 @@ Exact16Options exact16_options(const JobConfig& job) {
     auto sw = kSwitches.find(key);
     if (sw != kSwitches.end() && keys.get_bool(key) == sw->second) continue;
     if (key == "model.loss_chunk_tokens" && keys.get_int(key) == 0) continue;
+    if (key == "model.attn_mask_type" && !job.model.block_causal()) continue;
     throw ConfigError(str(
         key,
         sw != kSwitches.end() ? str(" = ", sw->second ? "false" : "true") : std::string(),

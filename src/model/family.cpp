@@ -60,7 +60,8 @@ std::vector<std::string> chain_model_keys(bool rope, bool swiglu) {
   std::vector<std::string> keys{"model.n_layers",     "model.dim",         "model.n_heads",
                                 "model.n_kv_heads",   "model.vocab_size",  "model.ffn_hidden_dim",
                                 "model.max_seq_len",  "model.norm_eps",    "model.tie_embeddings",
-                                "model.loss_chunk_tokens", "model.cuda_kernels"};
+                                "model.loss_chunk_tokens", "model.cuda_kernels",
+                                "model.attn_mask_type", "model.reset_position_ids"};
   if (rope) {
     for (const char* k : {"model.rope_theta", "model.rope_scaling_factor",
                           "model.rope_scaling_low_freq_factor",

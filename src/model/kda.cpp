@@ -23,9 +23,9 @@ ShortConvImpl::ShortConvImpl(int64_t channels, int64_t kernel) {
   weight = register_parameter("weight", torch::zeros({channels, kernel}));
 }
 
-at::Tensor ShortConvImpl::forward(const at::Tensor& x) {
+at::Tensor ShortConvImpl::forward(const at::Tensor& x, const ops::Documents* documents) {
   // x: [B, T, C]; y_t = silu(sum_j w[:, j] x_{t - K + 1 + j})
-  return ops::short_conv_silu(x, weight, kernel_options_);
+  return ops::short_conv_silu(x, weight, kernel_options_, documents);
 }
 
 KdaImpl::KdaImpl(const KdaOptions& o) : opts_(o) {
@@ -108,15 +108,15 @@ void KdaImpl::init_weights(uint64_t seed, const std::string& p, double std_in,
   dt_bias.copy_(dt + at::log(-at::expm1(-dt)));  // softplus^-1
 }
 
-KdaRuleInputs KdaImpl::rule_inputs(const at::Tensor& x) {
+KdaRuleInputs KdaImpl::rule_inputs(const at::Tensor& x, const ops::Documents* documents) {
   // x: [B, T, D]
   const auto B = x.size(0), T = x.size(1);
   const auto H = opts_.n_heads, d = opts_.head_dim;
   const auto st = inner_type(x);
   KdaRuleInputs in;
-  in.q = q_conv(linear(x, q_proj, kernel_options_)).view({B, T, H, d});
-  in.k = k_conv(linear(x, k_proj, kernel_options_)).view({B, T, H, d});
-  in.v = v_conv(linear(x, v_proj, kernel_options_)).view({B, T, H, d});
+  in.q = q_conv(linear(x, q_proj, kernel_options_), documents).view({B, T, H, d});
+  in.k = k_conv(linear(x, k_proj, kernel_options_), documents).view({B, T, H, d});
+  in.v = v_conv(linear(x, v_proj, kernel_options_), documents).view({B, T, H, d});
   in.q = ops::l2_normalize(in.q, 1e-6, 1.0 / std::sqrt(static_cast<double>(d)), kernel_options_);
   in.k = ops::l2_normalize(in.k, 1e-6, 1.0, kernel_options_);
   // Per-channel log decay g = -exp(A_log) * softplus(f + dt_bias) <= 0.
@@ -137,9 +137,10 @@ at::Tensor KdaImpl::output(const at::Tensor& x, const at::Tensor& o) {
   return linear(y.reshape({B, T, H * d}).to(x.scalar_type()), o_proj, kernel_options_);
 }
 
-at::Tensor KdaImpl::forward(const at::Tensor& x) {
-  const auto in = rule_inputs(x);
-  return output(x, ops::kda(in.q, in.k, in.v, in.g, in.beta, opts_.chunk_size, kernel_options_));
+at::Tensor KdaImpl::forward(const at::Tensor& x, const ops::Documents* documents) {
+  const auto in = rule_inputs(x, documents);
+  return output(x, ops::kda(in.q, in.k, in.v, in.g, in.beta, opts_.chunk_size, kernel_options_,
+                            at::Tensor(), documents));
 }
 
 }  // namespace viaduct

@@ -18,7 +18,8 @@ namespace viaduct {
 class ShortConvImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   ShortConvImpl(int64_t channels, int64_t kernel);
-  at::Tensor forward(const at::Tensor& x);  // x: [B, T, C] -> [B, T, C]
+  // x: [B, T, C] -> [B, T, C]; `documents`: see Note [Document boundaries].
+  at::Tensor forward(const at::Tensor& x, const ops::Documents* documents = nullptr);
   at::Tensor weight;
 };
 TORCH_MODULE(ShortConv);
@@ -45,13 +46,14 @@ struct KdaRuleInputs {
 class KdaImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   explicit KdaImpl(const KdaOptions& opts);
-  // x: [B, T, D] -> [B, T, D]: output(x, ops::kda(rule_inputs(x), ...)).
-  at::Tensor forward(const at::Tensor& x);
+  // x: [B, T, D] -> [B, T, D]: output(x, ops::kda(rule_inputs(x), ...)),
+  // each document alone under `documents` (see Note [Document boundaries]).
+  at::Tensor forward(const at::Tensor& x, const ops::Documents* documents = nullptr);
   // The layer's two halves around the recurrence: its projections,
   // convolutions, norms, decay and beta; and from the recurrence's o
   // [B, T, H, dv] the gated, normalised output projection. A test
   // evaluates the layer with another form of the rule between them.
-  KdaRuleInputs rule_inputs(const at::Tensor& x);
+  KdaRuleInputs rule_inputs(const at::Tensor& x, const ops::Documents* documents = nullptr);
   at::Tensor output(const at::Tensor& x, const at::Tensor& o);
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out);

@@ -225,12 +225,14 @@ void KimiK3LayerImpl::init_weights(uint64_t seed, const std::string& p,
 
 at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
                                     std::vector<at::Tensor>& blocks,
-                                    std::vector<at::Tensor>* slots) {
-  // hidden, blocks[i]: [B, T, D]
+                                    std::vector<at::Tensor>* slots,
+                                    const ops::DocumentsPtr& documents) {
+  // hidden, blocks[i]: [B, T, D]. A recompute runs in the backward, when the
+  // part may hold another micro-batch's documents: the bodies keep these.
   if (!attn_res_) {
-    if (!checkpointed_) return forward_plain(hidden);
-    auto body = [this](const std::vector<at::Tensor>& in) {
-      return std::vector<at::Tensor>{forward_plain(in[0])};
+    if (!checkpointed_) return forward_plain(hidden, documents.get());
+    auto body = [this, documents](const std::vector<at::Tensor>& in) {
+      return std::vector<at::Tensor>{forward_plain(in[0], documents.get())};
     };
     return ops::recompute(body, {hidden}, parameters(), keep_op_outputs_).at(0);
   }
@@ -245,7 +247,7 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
   } else {
     partial = hidden;
   }
-  if (!checkpointed_) return forward_sublayers(blocks, partial, slots);
+  if (!checkpointed_) return forward_sublayers(blocks, partial, slots, documents.get());
   // See Note [Activation checkpointing]: the block push (the sink and its slot)
   // stays outside; the region's inputs are the stack and the partial sum,
   // and the recompute's reads add into the same slots.
@@ -253,27 +255,34 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
   if (partial.defined()) inputs.push_back(partial);
   const bool with_slots = slots != nullptr;
   auto body = [this, n_blocks = blocks.size(), has_partial = partial.defined(), with_slots,
-               body_slots = with_slots ? *slots : std::vector<at::Tensor>()](
+               body_slots = with_slots ? *slots : std::vector<at::Tensor>(), documents](
                   const std::vector<at::Tensor>& in) {
     const std::vector<at::Tensor> stack(in.begin(),
                                         in.begin() + static_cast<std::ptrdiff_t>(n_blocks));
     return std::vector<at::Tensor>{forward_sublayers(
-        stack, has_partial ? in.back() : at::Tensor(), with_slots ? &body_slots : nullptr)};
+        stack, has_partial ? in.back() : at::Tensor(), with_slots ? &body_slots : nullptr,
+        documents.get())};
   };
   return ops::recompute(body, inputs, parameters(), keep_op_outputs_).at(0);
 }
 
-at::Tensor KimiK3LayerImpl::forward_plain(const at::Tensor& hidden) {
+at::Tensor KimiK3LayerImpl::mix(const at::Tensor& n, const ops::Documents* documents) {
+  return mla ? mla(n, documents) : kda(n, documents);
+}
+
+at::Tensor KimiK3LayerImpl::forward_plain(const at::Tensor& hidden,
+                                          const ops::Documents* documents) {
   // Plain residuals: h = h + attention(norm(h)); h = h + ffn(norm(h)).
   auto n = attention_norm(hidden);
-  auto h = hidden + (mla ? mla(n) : kda(n));
+  auto h = hidden + mix(n, documents);
   n = ffn_norm(h);
   return h + (moe ? moe(n) : feed_forward(n));
 }
 
 at::Tensor KimiK3LayerImpl::forward_sublayers(const std::vector<at::Tensor>& blocks,
                                               at::Tensor partial,
-                                              const std::vector<at::Tensor>* slots) {
+                                              const std::vector<at::Tensor>* slots,
+                                              const ops::Documents* documents) {
   std::vector<at::Tensor> sources = blocks;
   if (partial.defined()) sources.push_back(partial);
   // The read's slots: the blocks', none for the partial sum.
@@ -286,7 +295,7 @@ at::Tensor KimiK3LayerImpl::forward_sublayers(const std::vector<at::Tensor>& blo
   if (trace) trace_->push_back(sources);
   auto n = attn_res_attn->forward_normed(sources, slots != nullptr ? &read_slots : nullptr,
                                          *attention_norm);
-  auto a = mla ? mla(n) : kda(n);
+  auto a = mix(n, documents);
   partial = partial.defined() ? partial + a : a;
   sources = blocks;
   sources.push_back(partial);
@@ -451,7 +460,7 @@ Activations KimiK3Part::forward(const Activations& in) {
     VIADUCT_CHECK(static_cast<int64_t>(blocks.size()) == expected,
                   "kimi_k3: layers.", layer->layer_id_, " expects ", expected,
                   " completed blocks on the stack, got ", blocks.size());
-    hidden = layer(hidden, blocks, in_place ? &slots : nullptr);
+    hidden = layer(hidden, blocks, in_place ? &slots : nullptr, documents_);
   }
   if (has_last_ && !opts_.attn_res) return {linear(norm(hidden), lm_head, kernel_options_)};
   if (has_last_) {
@@ -674,7 +683,8 @@ ModelFamily kimi_k3_family() {
                   "model.n_shared_experts", "model.moe_route_scale",
                   "model.moe_bias_update_rate", "model.moe_capacity_factor", "model.vision_dim",
                   "model.vision_image_size", "model.vision_patch_size", "model.image_token_id",
-                  "model.cuda_kernels", "model.swiglu_recompute"};
+                  "model.cuda_kernels", "model.swiglu_recompute", "model.attn_mask_type",
+                  "model.reset_position_ids"};
   f.routed_experts = [](const JobConfig& job) -> int64_t {
     const auto o = kimi_k3_options(job);
     return o.moe_ffn && o.n_layers > o.first_k_dense ? o.moe.n_routed_experts : 0;

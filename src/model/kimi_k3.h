@@ -93,8 +93,10 @@ class KimiK3LayerImpl : public torch::nn::Module {
   // slots, when given, runs parallel to blocks: each block this layer opens
   // goes on the stack as its sink with a new slot, and the reads add into
   // the slots (see Note [AttnRes block gradients in place]).
+  // `documents`: see Note [Document boundaries] (ops/documents.h).
   at::Tensor forward(const at::Tensor& hidden, std::vector<at::Tensor>& blocks,
-                     std::vector<at::Tensor>* slots = nullptr);
+                     std::vector<at::Tensor>* slots = nullptr,
+                     const ops::DocumentsPtr& documents = nullptr);
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out);
 
@@ -117,8 +119,12 @@ class KimiK3LayerImpl : public torch::nn::Module {
   // completed blocks and the open block's partial sum (undefined in an
   // opening layer). The region activation checkpointing recomputes.
   at::Tensor forward_sublayers(const std::vector<at::Tensor>& blocks, at::Tensor partial,
-                               const std::vector<at::Tensor>* slots);
-  at::Tensor forward_plain(const at::Tensor& hidden);  // without AttnRes
+                               const std::vector<at::Tensor>* slots,
+                               const ops::Documents* documents);
+  // without AttnRes
+  at::Tensor forward_plain(const at::Tensor& hidden, const ops::Documents* documents);
+  // The token mixer, MLA or KDA, of n [B, T, D].
+  at::Tensor mix(const at::Tensor& n, const ops::Documents* documents);
 };
 TORCH_MODULE(KimiK3Layer);
 

@@ -94,7 +94,7 @@ void AttentionImpl::init_weights(uint64_t seed, const std::string& p,
   init(wo, "wo", std_out);
 }
 
-at::Tensor AttentionImpl::forward(const at::Tensor& x) {
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const ops::Documents* documents) {
   // x: [B, T, D]
   const auto B = x.size(0), T = x.size(1);
   const auto H = opts_.n_heads, hd = head_dim_;
@@ -104,7 +104,8 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
                                        opts_.bias ? wq->bias : none, opts_.bias ? wk->bias : none,
                                        opts_.bias ? wv->bias : none, hd, ko);
   // Module::to() moves buffers with set_data, so rope_ stays valid.
-  auto y = ops::causal_attention(q, k, v, opts_.rope ? &rope_ : nullptr, ko);  // [B, H, T, hd]
+  auto y = ops::causal_attention(q, k, v, opts_.rope ? &rope_ : nullptr, ko,
+                                 documents);  // [B, H, T, hd]
   y = y.transpose(1, 2).reshape({B, T, H * hd});
   return linear(y, wo, ko);
 }

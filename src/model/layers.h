@@ -68,7 +68,8 @@ struct AttentionOptions {
 class AttentionImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   explicit AttentionImpl(const AttentionOptions& opts);
-  at::Tensor forward(const at::Tensor& x);  // x: [B, T, D] -> [B, T, D]
+  // x: [B, T, D] -> [B, T, D]; `documents`: see Note [Document boundaries].
+  at::Tensor forward(const at::Tensor& x, const ops::Documents* documents = nullptr);
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out, bool truncated);
   AttentionOptions opts_;

@@ -73,7 +73,7 @@ void MlaImpl::init_weights(uint64_t seed, const std::string& p, double std_in,
   kv_norm->reset_parameters();
 }
 
-at::Tensor MlaImpl::forward(const at::Tensor& x) {
+at::Tensor MlaImpl::forward(const at::Tensor& x, const ops::Documents* documents) {
   // x: [B, T, D]
   const auto B = x.size(0), T = x.size(1), H = opts_.n_heads;
   const auto nope = opts_.qk_nope_head_dim, pe = opts_.qk_rope_head_dim;
@@ -84,20 +84,37 @@ at::Tensor MlaImpl::forward(const at::Tensor& x) {
   auto kv_a = linear(x, wkv_a, kernel_options_);  // [B, T, kv_lora + pe]
   auto c_kv = kv_norm(kv_a.narrow(-1, 0, opts_.kv_lora_rank));
   auto k_pe = kv_a.narrow(-1, opts_.kv_lora_rank, pe).view({B, T, 1, pe});
+  auto kv = linear(c_kv, wkv_b, kernel_options_).view({B, T, H, nope + vd});
+  at::Tensor y;  // [B, T, H, vd]
+  if (documents != nullptr) {
+    y = documents->per_document({q, k_pe, kv}, [&](const std::vector<at::Tensor>& d,
+                                                   const ops::DocumentSpan& s) {
+      return attend(d[0], d[1], d[2], documents->first_position(s));
+    });
+  } else {
+    y = attend(q, k_pe, kv, 0);
+  }
+  return linear(y.reshape({B, T, H * vd}), wo, kernel_options_);
+}
+
+at::Tensor MlaImpl::attend(const at::Tensor& q, at::Tensor k_pe, const at::Tensor& kv,
+                           int64_t first_position) {
+  const auto B = q.size(0), T = q.size(1), H = opts_.n_heads;
+  const auto nope = opts_.qk_nope_head_dim, pe = opts_.qk_rope_head_dim;
+  const auto vd = opts_.v_head_dim;
   auto q_nope = q.narrow(-1, 0, nope);
   auto q_pe = q.narrow(-1, nope, pe);
   if (rope_.cos.defined()) {
-    q_pe = ops::rope(q_pe, rope_, kernel_options_);
-    k_pe = ops::rope(k_pe, rope_, kernel_options_);
+    const auto tables = rope_.from(first_position);
+    q_pe = ops::rope(q_pe, tables, kernel_options_);
+    k_pe = ops::rope(k_pe, tables, kernel_options_);
   }
-  auto kv = linear(c_kv, wkv_b, kernel_options_).view({B, T, H, nope + vd});
   auto k_nope = kv.narrow(-1, 0, nope);
   auto v = kv.narrow(-1, nope, vd);
   // q, k: [B, H, T, nope + pe], the rotary key broadcast over heads.
   auto qf = at::cat({q_nope, q_pe}, -1).transpose(1, 2);
   auto kf = at::cat({k_nope, k_pe.expand({B, T, H, pe})}, -1).transpose(1, 2);
-  auto y = ops::causal_attention_core(qf, kf, v.transpose(1, 2));  // [B, H, T, vd]
-  return linear(y.transpose(1, 2).reshape({B, T, H * vd}), wo, kernel_options_);
+  return ops::causal_attention_core(qf, kf, v.transpose(1, 2)).transpose(1, 2);  // [B, T, H, vd]
 }
 
 }  // namespace viaduct

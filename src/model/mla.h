@@ -33,7 +33,9 @@ struct MlaOptions {
 class MlaImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   explicit MlaImpl(const MlaOptions& opts);
-  at::Tensor forward(const at::Tensor& x);  // x: [B, T, D] -> [B, T, D]
+  // x: [B, T, D] -> [B, T, D]; under `documents` each document attends
+  // within itself (see Note [Document boundaries], ops/documents.h).
+  at::Tensor forward(const at::Tensor& x, const ops::Documents* documents = nullptr);
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out);
   static int64_t count_params(const MlaOptions& o);
@@ -43,6 +45,11 @@ class MlaImpl : public torch::nn::Module, public ops::KernelUser {
   static double mixing_flops(const MlaOptions& o, int64_t seq_len);
 
   MlaOptions opts_;
+  // The rotation and attention of q [B, T, H, nope + pe], the rotary key
+  // k_pe [B, T, 1, pe] and kv [B, T, H, nope + vd], rotated from
+  // `first_position`: y [B, T, H, vd].
+  at::Tensor attend(const at::Tensor& q, at::Tensor k_pe, const at::Tensor& kv,
+                    int64_t first_position);
   torch::nn::Linear wq{nullptr}, wq_a{nullptr}, wq_b{nullptr};
   RMSNorm q_norm{nullptr};
   torch::nn::Linear wkv_a{nullptr}, wkv_b{nullptr}, wo{nullptr};

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "ops/documents.h"
 #include "ops/recompute.h"
 #include "ops/options.h"
 
@@ -60,12 +61,19 @@ class ModelPart : public torch::nn::Module {
   // after_optimizer_step (e.g. MoE tokens per expert), updated in place.
   virtual std::vector<at::Tensor> replica_statistics() { return {}; }
 
+  // The documents of the micro-batch the next forward or forward_loss runs
+  // (see Note [Document boundaries], ops/documents.h); null: the window is
+  // one causal sequence. The caller sets them before every forward.
+  void set_documents(ops::DocumentsPtr documents) { documents_ = std::move(documents); }
+  const ops::DocumentsPtr& documents() const { return documents_; }
+
   // The dtype activations leave the first part in (see Note [Mixed precision]).
   void set_compute_dtype(at::ScalarType t) { compute_dtype_ = t; }
   at::ScalarType compute_dtype() const { return compute_dtype_; }
 
  protected:
   at::ScalarType compute_dtype_ = at::kFloat;
+  ops::DocumentsPtr documents_;
   bool has_first_ = false;
   bool has_last_ = false;
   std::vector<std::string> module_fqns_;

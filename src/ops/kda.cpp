@@ -266,7 +266,15 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 at::Tensor kda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                const at::Tensor& beta, int64_t chunk_size, const KernelOptions& opts,
-               const at::Tensor& initial_state) {
+               const at::Tensor& initial_state, const Documents* documents) {
+  if (documents != nullptr) {
+    VIADUCT_CHECK(!initial_state.defined(),
+                  "KDA over documents starts each from zero; an initial state has no document");
+    return documents->per_document({q, k, v, g, beta}, [&](const std::vector<at::Tensor>& d,
+                                                           const DocumentSpan&) {
+      return kda(d[0], d[1], d[2], d[3], d[4], chunk_size, opts);
+    });
+  }
   if (chunk_size == kernels::kKdaKernelChunk && fused_runs(q, opts) &&
       q.scalar_type() == at::kFloat && kernels::kda_usable(q, v)) {
     return kernels::kda_chunk(q, k, v, g, beta, initial_state).first;

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "ops/documents.h"
 #include "ops/options.h"
 
 namespace viaduct::ops {
@@ -35,8 +36,11 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const at::Tensor& initial_state = {});
 // The op: viaduct's kernels (kernels/kda.h) for fp32 inputs on a GPU they
 // were built for, chunk 64 and dk = dv of 64 or 128; kda_chunked otherwise.
+// With `documents` (see Note [Document boundaries], ops/documents.h) the
+// state starts from zero at each document: each runs as a sequence of its
+// own (no initial_state then).
 at::Tensor kda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                const at::Tensor& beta, int64_t chunk_size, const KernelOptions& opts,
-               const at::Tensor& initial_state = {});
+               const at::Tensor& initial_state = {}, const Documents* documents = nullptr);
 
 }  // namespace viaduct::ops

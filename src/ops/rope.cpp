@@ -155,7 +155,18 @@ at::Tensor rope(const at::Tensor& x, const RopeTables& tables, const KernelOptio
 }
 
 at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const RopeTables* tables,
-                            const KernelOptions& opts) {
+                            const KernelOptions& opts, const Documents* documents) {
+  if (documents != nullptr) {
+    // q, k, v: [B, T, *, hd]; each document as a sequence of its own.
+    auto y = documents->per_document({q, k, v}, [&](const std::vector<at::Tensor>& x,
+                                                    const DocumentSpan& s) {
+      RopeTables shifted;
+      if (tables != nullptr) shifted = tables->from(documents->first_position(s));
+      return causal_attention(x[0], x[1], x[2], tables != nullptr ? &shifted : nullptr, opts)
+          .transpose(1, 2);  // [1, L, H, hd]
+    });
+    return y.transpose(1, 2);  // [B, H, T, hd]
+  }
   const auto T = q.size(1), H = q.size(2), KV = k.size(2);
   if (tables != nullptr && fused_runs(q, opts)) {
     // Note [RoPE writes the repeated keys]

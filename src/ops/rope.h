@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "ops/documents.h"
 #include "ops/options.h"
 
 namespace viaduct::ops {
@@ -14,6 +15,12 @@ namespace viaduct::ops {
 // fp32 (fp64 for fp64 input): the rotation itself runs in fp32.
 struct RopeTables {
   at::Tensor cos, sin;
+  // The tables from `position` on: row 0 rotates as `position` does.
+  RopeTables from(int64_t position) const {
+    if (position == 0) return *this;
+    return {cos.narrow(0, position, cos.size(0) - position),
+            sin.narrow(0, position, sin.size(0) - position)};
+  }
 };
 RopeTables make_rope_tables(int64_t head_dim, int64_t max_seq_len, double theta);
 
@@ -23,9 +30,11 @@ at::Tensor rope(const at::Tensor& x, const RopeTables& tables, const KernelOptio
 
 // Causal scaled-dot-product attention of q [B, T, H, hd] over k, v
 // [B, T, KV, hd] (H a multiple of KV), q and k rotated first when `tables`
-// is given. Returns [B, H, T, hd].
+// is given. Returns [B, H, T, hd]. With `documents` (see Note [Document
+// boundaries], ops/documents.h) each document attends within itself alone,
+// rotated from its first position.
 at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const RopeTables* tables,
-                            const KernelOptions& opts);
+                            const KernelOptions& opts, const Documents* documents = nullptr);
 
 // Causal attention of q, k [B, H, T, d] and v [B, H, T, dv], dv <= d, all
 // with H heads: on CUDA through the fused kernel SDPA would pick (its

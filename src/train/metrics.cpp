@@ -125,6 +125,10 @@ std::string MetricsWriter::step_json(const StepMetrics& m) const {
   j["grad_norm"] = nlohmann::json::parse(float_repr(m.grad_norm));
   j["lr"] = m.lr;
   j["tokens"] = m.tokens;
+  if (m.documents_per_window >= 0) {
+    j["documents_per_window"] = m.documents_per_window;
+    j["mean_document_tokens"] = m.mean_document_tokens;
+  }
   j["tokens_per_sec"] = m.tokens_per_sec;
   j["step_seconds"] = m.seconds;
   j["mfu"] = m.mfu >= 0 ? nlohmann::json(m.mfu) : nlohmann::json(nullptr);

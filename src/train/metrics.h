@@ -32,6 +32,12 @@ struct StepMetrics {
   double grad_norm = 0;   // before clipping
   double lr = 0;
   int64_t tokens = 0;     // target tokens of the step (all dp ranks)
+  // model.attn_mask_type = "block_causal" (see Note [Document boundaries],
+  // ops/documents.h): the document pieces per window of the step, and the
+  // window tokens per document that starts in them (the data's mean
+  // document length as the step saw it; 0 when none started); -1 otherwise.
+  double documents_per_window = -1;
+  double mean_document_tokens = -1;
   double seconds = 0;
   double tokens_per_sec = 0;
   double mfu = -1;        // fraction of peak; < 0 when the peak is unknown

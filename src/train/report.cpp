@@ -399,6 +399,16 @@ std::string run_report_html(const std::vector<nlohmann::json>& records, const st
     }
     os << " (" << spike_rule << ")</td></tr>";
   }
+  // block_causal runs: every step's windows hold the same tokens, so the
+  // run's mean document length is the harmonic mean of the steps' values.
+  const auto doc_tokens = column(records, "mean_document_tokens");
+  double inverse_sum = 0;
+  for (const auto& [step, tokens] : doc_tokens) inverse_sum += tokens > 0 ? 1.0 / tokens : 0.0;
+  if (inverse_sum > 0) {
+    os << "<tr><td>mean document length</td><td class=\"documents\">"
+       << fmt(static_cast<double>(doc_tokens.size()) / inverse_sum)
+       << " tokens (the documents that start in the run's windows)</td></tr>";
+  }
   os << "</table>\n<h2>Training</h2>\n<div class=\"grid-charts\">\n";
   std::vector<Series> loss_series{{"loss", "#1f77b4", loss}};
   if (!eval.empty()) loss_series.push_back({"eval loss", "#d62728", eval, /*dots=*/true});
@@ -419,6 +429,11 @@ std::string run_report_html(const std::vector<nlohmann::json>& records, const st
      << line_chart("MFU (%)", {{"MFU", "#8c564b", column(records, "mfu", 100.0)}},
                    why("MFU needs a GPU with a known peak"))
      << '\n';
+  if (const auto docs = column(records, "documents_per_window"); !docs.empty()) {
+    os << line_chart("documents per window", {{"documents", "#7f7f7f", docs}},
+                     why("no values recorded"))
+       << '\n';
+  }
   // MoE runs: the balance the selection bias keeps (1 = every expert
   // equally loaded).
   if (const auto imbalance = max_of_array(records, "moe_load_max_over_mean"); !imbalance.empty()) {

@@ -179,11 +179,11 @@ StepMetrics Trainer::train_step() {
   faults_.kill_if_due(rank(), step_ + 1);
   const auto t0 = std::chrono::steady_clock::now();
   int64_t tokens = 0;
-  const auto batches = next_batches(tokens);
+  StepMetrics m;
+  const auto batches = next_batches(tokens, m);
   // See Note [Loss scaling]: the denominator is the global token count.
   std::vector<at::Tensor> pending_losses;
   double loss_sum = forward_backward(batches, 1.0 / static_cast<double>(tokens), pending_losses);
-  StepMetrics m;
   update_->finish_reduction(m, step_context());
   // Queued before the update, read after the norm (train/moe_metrics.h).
   const auto moe_counts = moe_metrics_ ? moe_metrics_->snapshot() : at::Tensor();
@@ -212,17 +212,28 @@ StepMetrics Trainer::train_step() {
   return m;
 }
 
-std::vector<data::TokenBatch> Trainer::next_batches(int64_t& global_tokens) {
+std::vector<data::TokenBatch> Trainer::next_batches(int64_t& global_tokens, StepMetrics& m) {
   const int64_t accum = job_.training.gradient_accumulation_steps;
   std::vector<data::TokenBatch> batches;
-  int64_t local_tokens = 0;
+  // target tokens, windows, document pieces, documents started
+  std::vector<double> counts(4, 0.0);
   for (int64_t a = 0; a < accum; ++a) {
     batches.push_back(data_->sampler().next());
-    local_tokens += (batches.back().targets != -100).sum().item<int64_t>();
+    data_->mask_document_starts(batches.back());
+    const auto& b = batches.back();
+    const auto documents = data_->count_documents(b.inputs);
+    counts[0] += static_cast<double>((b.targets != -100).sum().item<int64_t>());
+    counts[1] += static_cast<double>(b.inputs.size(0));
+    counts[2] += static_cast<double>(documents.pieces);
+    counts[3] += static_cast<double>(documents.starts);
   }
-  std::vector<double> counts{static_cast<double>(local_tokens)};
   sum_over(mesh_ ? &mesh_->dp_group() : nullptr, counts, "token counts");
   global_tokens = static_cast<int64_t>(counts[0]);
+  if (data_->document_marker().recorded()) {
+    m.documents_per_window = counts[2] / counts[1];
+    m.mean_document_tokens =
+        counts[3] > 0 ? counts[1] * static_cast<double>(job_.training.seq_len) / counts[3] : 0.0;
+  }
   return batches;
 }
 
@@ -247,13 +258,15 @@ double Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, d
         in.push_back(mb.inputs);
         tgt.push_back(mb.targets);
       }
-      loss_sum += executor_->run_step(in, tgt, scale);
+      loss_sum += executor_->run_step(in, tgt, scale, documents_of(mbs));
     } else {
       // Note [No sync between forward and backward]
       // The loss is read once
       // every backward and the gradient norm are queued; reading it in
       // between stalls the device while the host starts the backward.
       for (const auto& mb : mbs) {
+        const auto documents = data_->documents(mb.inputs);
+        for (auto& p : parts_) p->set_documents(documents);
         auto loss = forward_loss(mb.inputs, mb.targets);
         (loss * scale).backward();
         pending_losses.push_back(loss.detach());
@@ -261,6 +274,14 @@ double Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, d
     }
   }
   return loss_sum;
+}
+
+std::vector<ops::DocumentsPtr> Trainer::documents_of(
+    const std::vector<data::TokenBatch>& mbs) const {
+  std::vector<ops::DocumentsPtr> out;
+  if (!data_->document_marker().recorded()) return out;
+  for (const auto& mb : mbs) out.push_back(data_->documents(mb.inputs));
+  return out;
 }
 
 at::Tensor Trainer::forward_loss(const at::Tensor& inputs,
@@ -288,18 +309,22 @@ double Trainer::evaluate() {
   torch::NoGradGuard no_grad;
   for (auto& p : parts_) p->eval();
   std::vector<double> sums{0.0, 0.0};  // loss, tokens
-  for (const auto& b : data_->eval_loader().batches()) {
+  for (auto b : data_->eval_loader().batches()) {
+    data_->mask_document_starts(b);
+    const auto mbs = data::split_microbatches(b, num_microbatches());
     if (executor_) {
       std::vector<at::Tensor> in, tgt;
-      for (const auto& mb : data::split_microbatches(b, num_microbatches())) {
+      for (const auto& mb : mbs) {
         in.push_back(mb.inputs);
         tgt.push_back(mb.targets);
       }
-      sums[0] += executor_->run_eval(in, tgt);
+      sums[0] += executor_->run_eval(in, tgt, documents_of(mbs));
     } else {
       // The same micro-batches as training and the pipeline, so eval losses
       // agree bitwise across layouts.
-      for (const auto& mb : data::split_microbatches(b, num_microbatches())) {
+      for (const auto& mb : mbs) {
+        const auto documents = data_->documents(mb.inputs);
+        for (auto& p : parts_) p->set_documents(documents);
         sums[0] += forward_loss(mb.inputs, mb.targets).item<double>();
       }
     }

@@ -105,10 +105,15 @@ class Trainer {
   void stop_on_signal(bool saved_this_step);
 
   // The pieces of train_step.
-  std::vector<data::TokenBatch> next_batches(int64_t& global_tokens);
+  // The step's batches and their target tokens over all dp ranks; under
+  // block_causal the step's document counts into `m` too.
+  std::vector<data::TokenBatch> next_batches(int64_t& global_tokens, StepMetrics& m);
   double forward_backward(const std::vector<data::TokenBatch>& batches, double scale,
                           std::vector<at::Tensor>& pending_losses);
   at::Tensor forward_loss(const at::Tensor& inputs, const at::Tensor& targets);
+  // Each micro-batch's documents (see Note [Document boundaries],
+  // ops/documents.h); empty under model.attn_mask_type = "causal".
+  std::vector<ops::DocumentsPtr> documents_of(const std::vector<data::TokenBatch>& mbs) const;
   void sync_replica_statistics();
 
   // "rank R step S": the context of a collective's timeout message.

@@ -3,6 +3,7 @@
 #include "config/job_config.h"
 #include "core/check.h"
 #include "core/log.h"
+#include "data/documents.h"
 
 namespace viaduct {
 
@@ -25,6 +26,50 @@ TrainingData::TrainingData(const JobConfig& job, int dp_rank, int dp_size) : dat
   const auto val = data::resolve_val_paths(specs, job.data.val_path);
   if (!val.empty()) eval_tokens_ = data::open_token_stream(val, format);
   sampler_ = std::make_unique<data::TokenSampler>(std::move(sources), options_);
+  if (job.model.block_causal()) {
+    // Every file of every source, and the held-out ones, must say where
+    // documents start, and all alike (one stream's files agree already).
+    auto check = [&](const data::TokenStream& stream, const char* what) {
+      for (const auto& f : stream.files()) {
+        VIADUCT_CHECK_T(ConfigError, f.document_marker().recorded(),
+                        "model.attn_mask_type = \"block_causal\" needs to know where documents "
+                        "start, but the ", what, " ", f.path(), " records no document marker "
+                        "(prepare-data writes it into viaduct token files; llm.c and raw token "
+                        "files, and viaduct files of version 1, have none): remake the file "
+                        "with viaduct prepare-data, or set model.attn_mask_type = \"causal\"");
+      }
+      const auto& m = stream.document_marker();
+      if (!marker_.recorded()) marker_ = m;
+      VIADUCT_CHECK_T(ConfigError, m == marker_, "model.attn_mask_type = \"block_causal\": the ",
+                      what, " ", stream.files().front().path(), " marks documents with ",
+                      data::describe(m), ", the data before it with ", data::describe(marker_));
+    };
+    for (size_t s = 0; s < sampler_->num_sources(); ++s) {
+      check(*sampler_->source(s).tokens, blend ? "data.paths file" : "data.path file");
+    }
+    if (eval_tokens_) check(*eval_tokens_, "held-out file");
+    reset_positions_ = job.model.resets_positions();
+  }
+}
+
+void TrainingData::mask_document_starts(data::TokenBatch& batch) const {
+  if (marker_.recorded()) data::mask_document_start_targets(batch, marker_);
+}
+
+TrainingData::DocumentCounts TrainingData::count_documents(const at::Tensor& inputs) const {
+  if (!marker_.recorded()) return {};
+  const auto starts = data::document_starts(inputs, marker_);
+  const auto T = starts.size(1);
+  DocumentCounts c;
+  c.starts = starts.sum().item<int64_t>();
+  c.pieces = starts.size(0) + (T > 1 ? starts.narrow(1, 1, T - 1).sum().item<int64_t>() : 0);
+  return c;
+}
+
+ops::DocumentsPtr TrainingData::documents(const at::Tensor& inputs) const {
+  if (!marker_.recorded()) return nullptr;
+  return std::make_shared<const ops::Documents>(data::document_starts(inputs, marker_),
+                                                reset_positions_);
 }
 
 TrainingData::~TrainingData() = default;

@@ -11,6 +11,7 @@
 #include "config/job_config.h"
 #include "data/sampler.h"
 #include "data/token_file.h"
+#include "ops/documents.h"
 
 namespace viaduct {
 
@@ -37,6 +38,23 @@ class TrainingData {
   // cannot, a warning that says which held-out file is missing.
   bool can_eval(bool warn_if_not) const;
 
+  // See Note [Document boundaries] (ops/documents.h). Under
+  // model.attn_mask_type = "block_causal": masks the targets of `batch`
+  // that are a document's first token (a no-op under "causal"); and the
+  // documents of a micro-batch's inputs (null under "causal").
+  void mask_document_starts(data::TokenBatch& batch) const;
+  ops::DocumentsPtr documents(const at::Tensor& inputs) const;
+  // Of `inputs` [B, T]: the document pieces its windows hold (each row's
+  // first token starts one) and the documents that start in them (a
+  // marker's start; a row that begins mid-document starts none).
+  struct DocumentCounts {
+    int64_t pieces = 0;
+    int64_t starts = 0;
+  };
+  DocumentCounts count_documents(const at::Tensor& inputs) const;
+  // The marker the data's files record (kNone under "causal").
+  const data::DocumentMarker& document_marker() const { return marker_; }
+
   data::TokenSampler& sampler() { return *sampler_; }
   const data::TokenSampler& sampler() const { return *sampler_; }
   const data::TokenStream* eval_tokens() const { return eval_tokens_.get(); }
@@ -45,6 +63,8 @@ class TrainingData {
 
  private:
   const DataSection data_;
+  data::DocumentMarker marker_;  // recorded only under block_causal
+  bool reset_positions_ = false;
   data::SamplerOptions options_;
   std::shared_ptr<const data::TokenStream> eval_tokens_;
   std::unique_ptr<data::TokenSampler> sampler_;

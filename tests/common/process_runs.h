@@ -50,6 +50,28 @@ inline void write_random_corpus(const std::string& path, uint64_t seed, int n = 
   w.finish();
 }
 
+// Documents of 1 to 12 tokens (<|endoftext|> = 256 first, then
+// write_random_corpus's bytes), `n` tokens in all, in a viaduct token file
+// at `path` that records the byte tokenizer's document marker.
+inline void write_random_documents(const std::string& path, uint64_t seed, int n = 20000) {
+  data::TokenFileWriter w(path, 257, "byte", {256, data::DocumentMarker::Kind::kStarts});
+  std::vector<int64_t> toks;
+  uint64_t x = seed;
+  int left = 0;
+  for (int i = 0; i < n; ++i) {
+    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    if (left == 0) {
+      toks.push_back(256);
+      left = static_cast<int>((x >> 40) % 12);
+    } else {
+      toks.push_back(static_cast<int64_t>((x >> 33) % 97) + 32);
+      --left;
+    }
+  }
+  w.append(toks);
+  w.finish();
+}
+
 #ifdef VIADUCT_BINARY
 // Runs `viaduct <args>` (through `viaduct launch --nproc-per-node N --` when
 // nproc > 1; `env` goes first, e.g. "VAR=1") and expects it to succeed.

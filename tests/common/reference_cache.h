@@ -136,6 +136,19 @@ inline std::string cached_corpus(uint64_t seed, int n = 20000, uint64_t val_seed
   return (dir / "d.tok").string();
 }
 
+// The path of a token file holding write_random_documents's tokens for
+// (seed, n), with a validation file of (val_seed, val_n) beside it.
+inline std::string cached_documents(uint64_t seed, int n, uint64_t val_seed, int val_n) {
+  std::ostringstream key;
+  key << "documents " << seed << " " << n << " " << val_seed << " " << val_n;
+  const auto dir = cached("corpus", key.str(), [&](const std::filesystem::path& tmp) {
+    write_random_documents((tmp / "d.tok").string(), seed, n);
+    write_random_documents((tmp / "d.val.tok").string(), val_seed, val_n);
+    return true;
+  });
+  return (dir / "d.tok").string();
+}
+
 // The dump folder of `viaduct train<args>` on one process (metrics.jsonl and
 // the checkpoint), trained at most once per binary. The args must not name a
 // dump folder, and the data they read must not change under the same path

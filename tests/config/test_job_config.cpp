@@ -103,6 +103,8 @@ const std::map<std::string, Field>& typed_fields() {
         FIELD(model, cuda_kernels),
         FIELD(model, swiglu_recompute),
         FIELD(model, moe_capacity_factor),
+        FIELD(model, attn_mask_type),
+        FIELD(model, reset_position_ids),
         FIELD(data, path),
         FIELD(data, paths),
         FIELD(data, weights),

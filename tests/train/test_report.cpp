@@ -117,6 +117,25 @@ TEST(Report, LossSpikesAreMarkedAndCounted) {
   EXPECT_NE(none.find("<td class=\"spikes\">0 ("), std::string::npos);
 }
 
+// block_causal runs: 120 window tokens per step, with 10 documents starting
+// in step 1's windows, 30 in step 2's and none in step 3's: 360 tokens over
+// 40 documents, 9 tokens a document.
+TEST(Report, MeanDocumentLengthOverTheRun) {
+  std::vector<nlohmann::json> records;
+  const double starts[3] = {10, 30, 0};
+  for (int s = 1; s <= 3; ++s) {
+    records.push_back({{"step", s},
+                       {"loss", 3.0},
+                       {"documents_per_window", 2.0 + s},
+                       {"mean_document_tokens", starts[s - 1] > 0 ? 120.0 / starts[s - 1] : 0.0}});
+  }
+  const auto html = run_report_html(records, "documents", "");
+  EXPECT_NE(html.find("<td class=\"documents\">9 tokens"), std::string::npos) << html;
+  EXPECT_NE(html.find("documents per window"), std::string::npos);
+  EXPECT_EQ(run_report_html(pipeline_records(), "causal", "").find("mean document length"),
+            std::string::npos);
+}
+
 // The labels of each chart's `axis` ("x" or "y") ticks, chart by chart.
 std::vector<std::vector<std::string>> tick_labels(const std::string& html, const std::string& axis) {
   std::vector<std::vector<std::string>> out;

@@ -226,6 +226,7 @@ void PipelineExecutor::run_action(const Action& a) {
       }
       at::Tensor tgt;
       if (st.is_last()) tgt = targets_->at(mb).to(device_);
+      set_documents(st, documents_, mb);
       time_begin(kComputeSlot);
       auto out = st.forward(mb, in, tgt, loss_scale_);
       time_end(kComputeSlot);
@@ -297,16 +298,28 @@ void PipelineExecutor::finish_step(const char* what) {
   }
 }
 
+void PipelineExecutor::set_documents(PipelineStage& st,
+                                     const std::vector<ops::DocumentsPtr>* documents,
+                                     int64_t mb) const {
+  st.part().set_documents(documents != nullptr && !documents->empty()
+                              ? documents->at(static_cast<size_t>(mb))
+                              : nullptr);
+}
+
 double PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
                                   const std::vector<at::Tensor>& targets,
-                                  double loss_scale) {
+                                  double loss_scale,
+                                  const std::vector<ops::DocumentsPtr>& documents) {
   VIADUCT_CHECK(have_meta_, "run_step before infer_metadata");
   VIADUCT_CHECK(static_cast<int64_t>(inputs.size()) == num_microbatches_ &&
                     static_cast<int64_t>(targets.size()) == num_microbatches_,
                 "the schedule has ", num_microbatches_, " micro-batches, the batch ",
                 inputs.size());
+  VIADUCT_CHECK(documents.empty() || documents.size() == inputs.size(), "the step has ",
+                inputs.size(), " micro-batches but documents for ", documents.size());
   inputs_ = &inputs;
   targets_ = &targets;
+  documents_ = &documents;
   loss_scale_ = loss_scale;
   p2p_bytes_ = 0;
   hop_bytes_.clear();
@@ -333,6 +346,7 @@ double PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
     timing_now_ = false;
   } catch (...) {
     inputs_ = targets_ = nullptr;
+    documents_ = nullptr;
     timing_now_ = false;
     if (timer_) timer_->reset();
     throw;
@@ -343,6 +357,7 @@ double PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
     for (int64_t mb = 0; mb < num_microbatches_; ++mb) loss += last.loss_sum(mb);
   }
   inputs_ = targets_ = nullptr;
+  documents_ = nullptr;
   return loss;
 }
 
@@ -364,7 +379,8 @@ PipelineTimes PipelineExecutor::take_times() {
 // order: every dependency points to a lower stage of the same micro-batch,
 // so the blocking receives cannot deadlock.
 double PipelineExecutor::run_eval(const std::vector<at::Tensor>& inputs,
-                                  const std::vector<at::Tensor>& targets) {
+                                  const std::vector<at::Tensor>& targets,
+                                  const std::vector<ops::DocumentsPtr>& documents) {
   double loss = 0.0;
   const auto& mine = plan_.split.rank_to_stages.at(pp_rank_);
   for (size_t mb = 0; mb < inputs.size(); ++mb) {
@@ -382,6 +398,7 @@ double PipelineExecutor::run_eval(const std::vector<at::Tensor>& inputs,
         post_recv(tmp, {s, 0}, meta_.at(s - 1), rank_of(s - 1), kForwardDir, a);
         in = take_recv(tmp, {s, 0}, a);
       }
+      set_documents(st, &documents, static_cast<int64_t>(mb));
       auto out = st.forward_no_grad(in, st.is_last() ? targets[mb].to(device_) : at::Tensor());
       if (st.is_last()) {
         if (targets[mb].defined()) loss += out.at(0).item<double>();
@@ -434,6 +451,7 @@ void PipelineExecutor::infer_metadata(const at::Tensor& tokens) {
       post_recv(tmp, {s, 0}, metas, rank_of(s - 1), kForwardDir, a);
       in = take_recv(tmp, {s, 0}, a);
     }
+    set_documents(st, nullptr, 0);  // the shapes are the same with documents
     if (st.is_last()) {
       st.forward_no_grad(in);
       continue;

@@ -67,11 +67,16 @@ class PipelineExecutor {
   // first stage reads inputs, only the last targets). Returns the summed
   // token cross-entropy of all micro-batches on the rank holding the last
   // stage (added in micro-batch order), 0 elsewhere.
+  // `documents`: each micro-batch's documents (see Note [Document
+  // boundaries], ops/documents.h), which every stage's part gets before its
+  // forward; empty: none.
   double run_step(const std::vector<at::Tensor>& inputs,
-                  const std::vector<at::Tensor>& targets, double loss_scale);
+                  const std::vector<at::Tensor>& targets, double loss_scale,
+                  const std::vector<ops::DocumentsPtr>& documents = {});
   // Forward only, no autograd state: the summed loss as run_step.
   double run_eval(const std::vector<at::Tensor>& inputs,
-                  const std::vector<at::Tensor>& targets);
+                  const std::vector<at::Tensor>& targets,
+                  const std::vector<ops::DocumentsPtr>& documents = {});
 
   const std::vector<std::unique_ptr<PipelineStage>>& stages() const {
     return stages_;
@@ -124,6 +129,9 @@ class PipelineExecutor {
   void send(const Activations& tensors, int dst_rank, int64_t stage,
             int64_t mb, int direction, const Action& a);
   void finish_step(const char* what);
+  // Hands stage `st` micro-batch mb's documents (none when the step has none).
+  void set_documents(PipelineStage& st, const std::vector<ops::DocumentsPtr>* documents,
+                     int64_t mb) const;
   // Timer slots; each call is a no-op outside a timed run_step.
   enum TimerSlot : size_t { kSpanSlot, kComputeSlot, kWaitSlot, kNumSlots };
   void time_begin(TimerSlot slot) {
@@ -148,6 +156,7 @@ class PipelineExecutor {
   // Per step.
   const std::vector<at::Tensor>* inputs_ = nullptr;
   const std::vector<at::Tensor>* targets_ = nullptr;
+  const std::vector<ops::DocumentsPtr>* documents_ = nullptr;
   double loss_scale_ = 1.0;
   std::map<Key, Activations> fwd_out_;  // stage's outputs awaiting SEND_F / local F
   std::map<Key, Activations> bwd_out_;  // stage's input grads awaiting SEND_B / local B

@@ -142,6 +142,24 @@ INSTANTIATE_TEST_SUITE_P(Layouts, AttnResWholeStack,
 // The rank cache adds a block's gradient contributions grouped by rank, so
 // its bits may differ from the whole stack's in the last places; offload
 // changes none of them.
+// See Note [Document boundaries] (ops/documents.h): under block_causal each
+// rank finds every micro-batch's documents itself; the whole-stack
+// transport over 4 stages keeps the bits of one process.
+TEST_F(AttnResRuns, BlockCausalIsBitwiseOneProcess) {
+  auto args = base_args("debugmodel", 4);
+  args.replace(args.find(data_), data_.size(),
+               viaduct::testing::cached_documents(424242, 20000, 4343, 4000));
+  args += " --model.attn_mask_type=block_causal --model.mla_rope=true";
+  const auto reference = viaduct::testing::cached_reference(args);
+  const auto run = train("block_causal_pp2x2", 2,
+                         args + " --parallelism.pipeline_parallel_degree=2"
+                                " --parallelism.pipeline_parallel_schedule=Interleaved1F1B"
+                                " --parallelism.pipeline_parallel_stages_per_rank=2"
+                                " --parallelism.attn_res_cache=false");
+  expect_same_bits(reference, run);
+  for (const auto& j : metrics(run)) EXPECT_GT(j.value("documents_per_window", 0.0), 1.5);
+}
+
 TEST_F(AttnResRuns, RankCacheStaysWithinRoundingAndOffloadChangesNoBit) {
   const auto reference = reference_run("debugmodel", 4);
   const auto cache = pp_run("debugmodel", 4, 2, 2, true);

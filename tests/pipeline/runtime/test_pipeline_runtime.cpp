@@ -155,6 +155,69 @@ INSTANTIATE_TEST_SUITE_P(UnevenSplitsAndLocalStages, PipelineLayouts,
                                            Layout{"llama", 6, 4, 1, "Interleaved1F1B", 4}),
                          layout_name);
 
+// See Note [Document boundaries] (ops/documents.h): under block_causal every
+// rank finds the documents of each micro-batch itself; the layouts keep the
+// bits of one process, with eval, and with checkpointed layers, whose
+// recompute runs after later micro-batches' forwards.
+class BlockCausalLayouts : public PipelineRuns, public ::testing::WithParamInterface<Layout> {
+ protected:
+  static std::string block_args(const std::string& family, int layers, int micro) {
+    const auto documents = viaduct::testing::cached_documents(424242, 20000, 4343, 4000);
+    auto args = base_args(family, layers, micro);
+    args.replace(args.find(data_), data_.size(), documents);
+    return args + " --model.attn_mask_type=block_causal --training.eval_interval=3"
+           " --activation_checkpoint.mode=selective --activation_checkpoint.selective_ac_option=2";
+  }
+};
+
+TEST_P(BlockCausalLayouts, TrainsToTheBitsOfOneProcess) {
+  const Layout& l = GetParam();
+  const auto reference = viaduct::testing::cached_reference(block_args(l.family, l.layers, l.micro));
+  std::ostringstream args;
+  args << block_args(l.family, l.layers, l.micro)
+       << " --parallelism.pipeline_parallel_degree=" << l.pp
+       << " --parallelism.pipeline_parallel_schedule=" << l.schedule;
+  if (l.stages_per_rank > 0) {
+    args << " --parallelism.pipeline_parallel_stages_per_rank=" << l.stages_per_rank;
+  }
+  const auto run = train("block_causal", l.pp, args.str());
+  expect_same_bits(reference, run);
+  const auto eval = [](const std::string& dump) {
+    std::vector<double> out;
+    std::ifstream in(fs::path(dump) / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_object() && j.contains("eval_loss")) out.push_back(j["eval_loss"].get<double>());
+    }
+    return out;
+  };
+  EXPECT_EQ(eval(reference), eval(run));
+  EXPECT_FALSE(eval(run).empty());
+  for (const auto& j : viaduct::testing::step_metrics(run)) {
+    // Documents of 1 to 12 tokens: several in each 16-token window.
+    EXPECT_GT(j.value("documents_per_window", 0.0), 1.5) << j.dump();
+    EXPECT_GT(j.value("mean_document_tokens", 0.0), 1.0) << j.dump();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, BlockCausalLayouts,
+                         ::testing::Values(Layout{"llama", 6, 4, 2, "1F1B", 1},
+                                           Layout{"gpt2", 6, 4, 2, "Interleaved1F1B", 2},
+                                           Layout{"llama", 6, 4, 2, "ZBVZeroBubble", 0}),
+                         layout_name);
+
+TEST_F(PipelineRuns, BlockCausalRefusesDataWithoutDocumentMarker) {
+  // The plain random corpus is a viaduct file without a recorded marker.
+  const auto out = (fs::path(dir_->path()) / "no_marker").string();
+  const auto r = viaduct::testing::shell(std::string(VIADUCT_BINARY) + " train" +
+                                         base_args("llama", 2, 1) +
+                                         " --model.attn_mask_type=block_causal"
+                                         " --job.dump_folder=" + out);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("model.attn_mask_type"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(data_), std::string::npos) << r.output;
+}
+
 TEST_F(PipelineRuns, PipelineTimesDataParallelMatchesDataParallel) {
   const auto dp = train("dp2", 2, base_args("llama", 6, 4) +
                                       " --parallelism.data_parallel_degree=2");
