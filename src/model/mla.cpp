@@ -86,34 +86,54 @@ at::Tensor MlaImpl::forward(const at::Tensor& x, const ops::Documents* documents
   auto k_pe = kv_a.narrow(-1, opts_.kv_lora_rank, pe).view({B, T, 1, pe});
   auto kv = linear(c_kv, wkv_b, kernel_options_).view({B, T, H, nope + vd});
   at::Tensor y;  // [B, T, H, vd]
-  if (documents != nullptr) {
+  if (documents != nullptr && ops::varlen_runs(q)) {
+    // Every document in one call of flash's variable-length kernel, the
+    // rotary tables gathered per token (see causal_attention, ops/rope.cpp).
+    y = attend(q, k_pe, kv, rope_.cos.defined()
+                                ? rope_.at_positions(documents->positions().flatten())
+                                : RopeTables{},
+               documents);
+  } else if (documents != nullptr) {
     y = documents->per_document({q, k_pe, kv}, [&](const std::vector<at::Tensor>& d,
                                                    const ops::DocumentSpan& s) {
-      return attend(d[0], d[1], d[2], documents->first_position(s));
+      return attend(d[0], d[1], d[2],
+                    rope_.cos.defined() ? rope_.from(documents->first_position(s))
+                                        : RopeTables{});
     });
   } else {
-    y = attend(q, k_pe, kv, 0);
+    y = attend(q, k_pe, kv, rope_);
   }
   return linear(y.reshape({B, T, H * vd}), wo, kernel_options_);
 }
 
 at::Tensor MlaImpl::attend(const at::Tensor& q, at::Tensor k_pe, const at::Tensor& kv,
-                           int64_t first_position) {
+                           const RopeTables& tables, const ops::Documents* documents) {
   const auto B = q.size(0), T = q.size(1), H = opts_.n_heads;
   const auto nope = opts_.qk_nope_head_dim, pe = opts_.qk_rope_head_dim;
   const auto vd = opts_.v_head_dim;
   auto q_nope = q.narrow(-1, 0, nope);
   auto q_pe = q.narrow(-1, nope, pe);
-  if (rope_.cos.defined()) {
-    const auto tables = rope_.from(first_position);
-    q_pe = ops::rope(q_pe, tables, kernel_options_);
-    k_pe = ops::rope(k_pe, tables, kernel_options_);
+  if (tables.cos.defined()) {
+    if (documents != nullptr) {
+      // Per-token tables: the rows as one sequence, each token its row.
+      const auto rows = [&](const at::Tensor& x) {
+        return x.reshape({1, B * T, x.size(2), x.size(3)});
+      };
+      q_pe = ops::rope(rows(q_pe), tables, kernel_options_).view(q_pe.sizes());
+      k_pe = ops::rope(rows(k_pe), tables, kernel_options_).view(k_pe.sizes());
+    } else {
+      q_pe = ops::rope(q_pe, tables, kernel_options_);
+      k_pe = ops::rope(k_pe, tables, kernel_options_);
+    }
   }
   auto k_nope = kv.narrow(-1, 0, nope);
   auto v = kv.narrow(-1, nope, vd);
   // q, k: [B, H, T, nope + pe], the rotary key broadcast over heads.
   auto qf = at::cat({q_nope, q_pe}, -1).transpose(1, 2);
   auto kf = at::cat({k_nope, k_pe.expand({B, T, H, pe})}, -1).transpose(1, 2);
+  if (documents != nullptr) {
+    return ops::document_attention(qf.transpose(1, 2), kf.transpose(1, 2), v, *documents);
+  }
   return ops::causal_attention_core(qf, kf, v.transpose(1, 2)).transpose(1, 2);  // [B, T, H, vd]
 }
 

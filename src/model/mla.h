@@ -46,10 +46,12 @@ class MlaImpl : public torch::nn::Module, public ops::KernelUser {
 
   MlaOptions opts_;
   // The rotation and attention of q [B, T, H, nope + pe], the rotary key
-  // k_pe [B, T, 1, pe] and kv [B, T, H, nope + vd], rotated from
-  // `first_position`: y [B, T, H, vd].
+  // k_pe [B, T, 1, pe] and kv [B, T, H, nope + vd], rotated by `tables`
+  // (none: no rotation): y [B, T, H, vd]. With `documents`, attention
+  // within each document through flash's variable-length kernel, and
+  // `tables` hold one row per token of the B x T.
   at::Tensor attend(const at::Tensor& q, at::Tensor k_pe, const at::Tensor& kv,
-                    int64_t first_position);
+                    const RopeTables& tables, const ops::Documents* documents = nullptr);
   torch::nn::Linear wq{nullptr}, wq_a{nullptr}, wq_b{nullptr};
   RMSNorm q_norm{nullptr};
   torch::nn::Linear wkv_a{nullptr}, wkv_b{nullptr}, wo{nullptr};

@@ -95,6 +95,22 @@ at::Tensor varlen_causal_attention(const at::Tensor& q, const at::Tensor& k,
   return VarlenFlashAttentionFn::apply(q, k, v, cu_seqlens, max_len);
 }
 
+bool varlen_runs(const at::Tensor& q) {
+  return VIADUCT_FUSED_ATTENTION && q.is_cuda() &&
+         (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
+}
+
+at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const Documents& documents) {
+  const auto B = q.size(0), T = q.size(1);
+  int64_t longest = 0;
+  for (const auto& s : documents.spans()) longest = std::max(longest, s.length);
+  const auto cu = documents.cu_seqlens().to(q.device());
+  auto flat = [&](const at::Tensor& x) { return x.reshape({B * T, x.size(2), x.size(3)}); };
+  return varlen_causal_attention(flat(q), flat(k), flat(v), cu, longest)
+      .view({B, T, q.size(2), v.size(3)});
+}
+
 at::Tensor causal_attention_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   // The kernel is chosen here, where q, k and v still require their
   // gradients as the training step's do (the choice weighs whether a
@@ -154,8 +170,31 @@ at::Tensor rope(const at::Tensor& x, const RopeTables& tables, const KernelOptio
   return out.flatten(-2).to(x.scalar_type());
 }
 
+// q [B, T, H, hd], k, v [B, T, KV, hd] -> q, k, v [B, H, T, hd]: q and k
+// rotated (when `tables` is given), k and v repeated to H heads.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotate_and_repeat(at::Tensor q, at::Tensor k,
+                                                                 at::Tensor v,
+                                                                 const RopeTables* tables,
+                                                                 const KernelOptions& opts);
+
 at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const RopeTables* tables,
                             const KernelOptions& opts, const Documents* documents) {
+  if (documents != nullptr && varlen_runs(q)) {
+    // Every document of every row in one call of flash's variable-length
+    // kernel: the rows as one sequence [1, B T, ...] whose positions are
+    // the tokens' own (RoPE's tables gathered per token), rotated and
+    // repeated as below, then attention within each document.
+    const auto B = q.size(0), T = q.size(1);
+    RopeTables per_token;
+    if (tables != nullptr) per_token = tables->at_positions(documents->positions().flatten());
+    auto one_row = [&](const at::Tensor& x) { return x.reshape({1, B * T, x.size(2), x.size(3)}); };
+    auto [qr, kr, vr] = rotate_and_repeat(one_row(q), one_row(k), one_row(v),
+                                          tables != nullptr ? &per_token : nullptr, opts);
+    auto back = [&](const at::Tensor& x) {  // [1, H, B T, hd] -> [B, T, H, hd]
+      return x.transpose(1, 2).reshape({B, T, x.size(1), x.size(3)});
+    };
+    return document_attention(back(qr), back(kr), back(vr), *documents).transpose(1, 2);
+  }
   if (documents != nullptr) {
     // q, k, v: [B, T, *, hd]; each document as a sequence of its own.
     auto y = documents->per_document({q, k, v}, [&](const std::vector<at::Tensor>& x,
@@ -167,6 +206,14 @@ at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const Rope
     });
     return y.transpose(1, 2);  // [B, H, T, hd]
   }
+  auto [qr, kr, vr] = rotate_and_repeat(q, k, v, tables, opts);
+  return causal_attention_core(qr, kr, vr);  // [B, H, T, hd]
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotate_and_repeat(at::Tensor q, at::Tensor k,
+                                                                 at::Tensor v,
+                                                                 const RopeTables* tables,
+                                                                 const KernelOptions& opts) {
   const auto T = q.size(1), H = q.size(2), KV = k.size(2);
   if (tables != nullptr && fused_runs(q, opts)) {
     // Note [RoPE writes the repeated keys]
@@ -180,7 +227,7 @@ at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const Rope
     q = kernels::rope(q, c, s).transpose(1, 2);            // [B, H, T, hd]
     k = kernels::rope(k, c, s, H / KV).transpose(1, 2);    // [B, H, T, hd]
     v = kernels::repeat_heads(v, H / KV).transpose(1, 2);  // [B, H, T, hd]
-    return causal_attention_core(q, k, v);                           // [B, H, T, hd]
+    return {q, k, v};
   }
   if (tables != nullptr) {
     q = rope(q, *tables, opts);
@@ -193,7 +240,7 @@ at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const Rope
     k = k.repeat_interleave(H / KV, 1);  // as compat::causal_sdpa_gqa
     v = v.repeat_interleave(H / KV, 1);
   }
-  return causal_attention_core(q, k, v);  // [B, H, T, hd]
+  return {q, k, v};
 }
 
 }  // namespace viaduct::ops

@@ -16,6 +16,10 @@ namespace viaduct::ops {
 struct RopeTables {
   at::Tensor cos, sin;
   // The tables from `position` on: row 0 rotates as `position` does.
+  // Row i rotates as positions[i] does (positions: int64 on the CPU).
+  RopeTables at_positions(const at::Tensor& positions) const {
+    return {cos.index_select(0, positions), sin.index_select(0, positions)};
+  }
   RopeTables from(int64_t position) const {
     if (position == 0) return *this;
     return {cos.narrow(0, position, cos.size(0) - position),
@@ -51,5 +55,13 @@ at::Tensor causal_attention_core(const at::Tensor& q, const at::Tensor& k, const
 at::Tensor varlen_causal_attention(const at::Tensor& q, const at::Tensor& k,
                                    const at::Tensor& v, const at::Tensor& cu_seqlens,
                                    int64_t max_len);
+// Whether varlen_causal_attention takes q (CUDA, bf16 or fp16, LibTorch
+// 2.8+): block_causal attention then runs every document of a micro-batch
+// in one call instead of one call per document.
+bool varlen_runs(const at::Tensor& q);
+// varlen_causal_attention over a micro-batch's documents: q, k [B, T, H, d]
+// and v [B, T, H, dv] (rotated already) -> [B, T, H, dv].
+at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const Documents& documents);
 
 }  // namespace viaduct::ops
