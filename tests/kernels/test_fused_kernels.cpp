@@ -22,6 +22,7 @@
 #include "model/layers.h"
 #include "model/model.h"
 #include "ops/cross_entropy.h"
+#include "ops/documents.h"
 #include "ops/embedding.h"
 #include "ops/l2_norm.h"
 #include "ops/short_conv.h"
@@ -353,6 +354,36 @@ TEST(FusedKernels, VarlenAttentionIsEachSequenceAlone) {
     }
   }
   at::globalContext().setDeterministicAlgorithms(det, /*warn_only=*/false);
+}
+
+TEST(FusedKernels, BlockCausalAttentionIsEachDocumentAlone) {
+  REQUIRE_GPU();
+  if (!VIADUCT_FUSED_ATTENTION) GTEST_SKIP() << "no fused attention ops in this LibTorch";
+  // block_causal attention on CUDA (rows as one sequence, RoPE per token,
+  // flash's variable-length kernel) against the CPU's route in fp64 (each
+  // document through the plain op from its own first position, the path the
+  // A|B|C tests prove equal to a document alone): outputs and gradients,
+  // grouped KV heads, positions reset and running through the window.
+  const int64_t B = 2, T = 96, H = 4, KV = 2, hd = 64;
+  auto tables = make_rope_tables(hd, T, 10000.0);
+  auto starts = at::zeros({B, T}, at::kBool);
+  for (const int64_t t : {17, 18, 50}) starts[0][t] = true;  // a 1-token document
+  for (const int64_t t : {63, 64}) starts[1][t] = true;
+  for (const bool reset : {true, false}) {
+    const ops::Documents docs(starts, reset);
+    const auto seed = fresh_seed();
+    auto [q, qr] = draw({B, T, H, hd}, at::kBFloat16);
+    auto [k, kr] = draw({B, T, KV, hd}, at::kBFloat16);
+    auto [v, vr] = draw({B, T, KV, hd}, at::kBFloat16);
+    auto y = ops::causal_attention(q, k, v, &tables, ops::KernelOptions{}, &docs);
+    auto yr = ops::causal_attention(qr, kr, vr, &tables, ops::KernelOptions{}, &docs);
+    ASSERT_EQ(y.sizes(), yr.sizes());
+    EXPECT_LT(rel_err(y, yr), 1e-2) << "seed " << seed << " reset " << reset;
+    backward_both(y, yr);
+    EXPECT_LT(rel_err(q.grad(), qr.grad()), 1e-2) << "seed " << seed << " reset " << reset;
+    EXPECT_LT(rel_err(k.grad(), kr.grad()), 1e-2) << "seed " << seed << " reset " << reset;
+    EXPECT_LT(rel_err(v.grad(), vr.grad()), 1e-2) << "seed " << seed << " reset " << reset;
+  }
 }
 
 TEST(FusedKernels, RepeatHeadsMatchesRepeatInterleave) {
