@@ -217,7 +217,7 @@ std::vector<data::TokenBatch> Trainer::next_batches(int64_t& global_tokens) {
   std::vector<data::TokenBatch> batches;
   int64_t local_tokens = 0;
   for (int64_t a = 0; a < accum; ++a) {
-    batches.push_back(data_->sampler().next());
+    batches.push_back(data_->next_batch());
     local_tokens += (batches.back().targets != -100).sum().item<int64_t>();
   }
   std::vector<double> counts{static_cast<double>(local_tokens)};
@@ -242,19 +242,20 @@ double Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, d
       } else {
         executor_->set_grads_ready(nullptr);
       }
-      std::vector<at::Tensor> in, tgt;
+      std::vector<at::Tensor> in, tgt, img;
       for (const auto& mb : mbs) {
         in.push_back(mb.inputs);
         tgt.push_back(mb.targets);
+        if (mb.images.defined()) img.push_back(mb.images);
       }
-      loss_sum += executor_->run_step(in, tgt, scale);
+      loss_sum += executor_->run_step(in, tgt, scale, img);
     } else {
       // Note [No sync between forward and backward]
       // The loss is read once
       // every backward and the gradient norm are queued; reading it in
       // between stalls the device while the host starts the backward.
       for (const auto& mb : mbs) {
-        auto loss = forward_loss(mb.inputs, mb.targets);
+        auto loss = forward_loss(mb);
         (loss * scale).backward();
         pending_losses.push_back(loss.detach());
       }
@@ -263,11 +264,11 @@ double Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, d
   return loss_sum;
 }
 
-at::Tensor Trainer::forward_loss(const at::Tensor& inputs,
-                                 const at::Tensor& targets) {
-  Activations acts{to_device_async(inputs, device_)};
+at::Tensor Trainer::forward_loss(const data::TokenBatch& mb) {
+  Activations acts{to_device_async(mb.inputs, device_)};
+  if (mb.images.defined()) acts.push_back(to_device_async(mb.images, device_));
   for (size_t i = 0; i + 1 < parts_.size(); ++i) acts = parts_[i]->forward(acts);
-  return parts_.back()->forward_loss(acts, to_device_async(targets, device_));
+  return parts_.back()->forward_loss(acts, to_device_async(mb.targets, device_));
 }
 
 void Trainer::sync_replica_statistics() {
@@ -290,17 +291,18 @@ double Trainer::evaluate() {
   std::vector<double> sums{0.0, 0.0};  // loss, tokens
   for (const auto& b : data_->eval_loader().batches()) {
     if (executor_) {
-      std::vector<at::Tensor> in, tgt;
+      std::vector<at::Tensor> in, tgt, img;
       for (const auto& mb : data::split_microbatches(b, num_microbatches())) {
         in.push_back(mb.inputs);
         tgt.push_back(mb.targets);
+        if (mb.images.defined()) img.push_back(mb.images);
       }
-      sums[0] += executor_->run_eval(in, tgt);
+      sums[0] += executor_->run_eval(in, tgt, img);
     } else {
       // The same micro-batches as training and the pipeline, so eval losses
       // agree bitwise across layouts.
       for (const auto& mb : data::split_microbatches(b, num_microbatches())) {
-        sums[0] += forward_loss(mb.inputs, mb.targets).item<double>();
+        sums[0] += forward_loss(mb).item<double>();
       }
     }
     sums[1] += static_cast<double>((b.targets != -100).sum().item<int64_t>());

@@ -108,7 +108,8 @@ class Trainer {
   std::vector<data::TokenBatch> next_batches(int64_t& global_tokens);
   double forward_backward(const std::vector<data::TokenBatch>& batches, double scale,
                           std::vector<at::Tensor>& pending_losses);
-  at::Tensor forward_loss(const at::Tensor& inputs, const at::Tensor& targets);
+  // One process: a micro-batch's tokens (and images) through every part.
+  at::Tensor forward_loss(const data::TokenBatch& mb);
   void sync_replica_statistics();
 
   // "rank R step S": the context of a collective's timeout message.

@@ -64,14 +64,18 @@ class PipelineExecutor {
   void infer_metadata(const at::Tensor& tokens);
 
   // One step over the micro-batches: inputs/targets [B/M, T] each (only the
-  // first stage reads inputs, only the last targets). Returns the summed
+  // first stage reads inputs, only the last targets); `images`, empty or
+  // one per micro-batch, go to the first stage after its tokens (a vision
+  // tower's images, Note [Kimi-K3 part activations]). Returns the summed
   // token cross-entropy of all micro-batches on the rank holding the last
   // stage (added in micro-batch order), 0 elsewhere.
   double run_step(const std::vector<at::Tensor>& inputs,
-                  const std::vector<at::Tensor>& targets, double loss_scale);
+                  const std::vector<at::Tensor>& targets, double loss_scale,
+                  const std::vector<at::Tensor>& images = {});
   // Forward only, no autograd state: the summed loss as run_step.
   double run_eval(const std::vector<at::Tensor>& inputs,
-                  const std::vector<at::Tensor>& targets);
+                  const std::vector<at::Tensor>& targets,
+                  const std::vector<at::Tensor>& images = {});
 
   const std::vector<std::unique_ptr<PipelineStage>>& stages() const {
     return stages_;
@@ -124,6 +128,10 @@ class PipelineExecutor {
   void send(const Activations& tensors, int dst_rank, int64_t stage,
             int64_t mb, int direction, const Action& a);
   void finish_step(const char* what);
+  // The first stage's inputs of micro-batch mb: its tokens, and its images
+  // when the step has them.
+  Activations first_inputs(const std::vector<at::Tensor>& inputs,
+                           const std::vector<at::Tensor>* images, size_t mb) const;
   // Timer slots; each call is a no-op outside a timed run_step.
   enum TimerSlot : size_t { kSpanSlot, kComputeSlot, kWaitSlot, kNumSlots };
   void time_begin(TimerSlot slot) {
@@ -148,6 +156,7 @@ class PipelineExecutor {
   // Per step.
   const std::vector<at::Tensor>* inputs_ = nullptr;
   const std::vector<at::Tensor>* targets_ = nullptr;
+  const std::vector<at::Tensor>* images_ = nullptr;  // null or empty: none
   double loss_scale_ = 1.0;
   std::map<Key, Activations> fwd_out_;  // stage's outputs awaiting SEND_F / local F
   std::map<Key, Activations> bwd_out_;  // stage's input grads awaiting SEND_B / local B
