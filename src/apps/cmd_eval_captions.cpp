@@ -8,6 +8,7 @@
 // name's tokens, with the real images and with blank ones.
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -204,43 +205,53 @@ int eval_captions_main(int argc, char** argv) {
       if (j >= static_cast<int64_t>(shared) && j + 1 < L) name_mask[k][P - 1 + j] = 1.0f;
     }
   }
-  auto score = [&](bool blank) {
+  // caption_loss, name_loss: [nb, K] for images [nb, 1, C, S, S].
+  auto losses = [&](const at::Tensor& images) {
+    const int64_t nb = images.size(0);
+    // [nb K, ...]: every image with every caption.
+    auto imgs = images.repeat_interleave(K, 0);
+    auto tok = tokens.repeat({nb, 1});
+    auto tgt = targets.repeat({nb, 1});
+    auto logits = model->forward({tok, imgs}).at(0).to(at::kFloat);  // [nb K, T, V]
+    auto logp = at::log_softmax(logits, -1);
+    auto nll = -logp.gather(-1, tgt.clamp_min(0).unsqueeze(-1)).squeeze(-1) * (tgt >= 0);
+    return std::make_pair(nll.sum(-1).view({nb, K}),
+                          (nll * name_mask.repeat({nb, 1})).sum(-1).view({nb, K}));
+  };
+  auto tally = [&](Scores& s, const at::Tensor& caption_loss, const at::Tensor& name_loss,
+                   int64_t image) {
+    const int64_t t = truth[static_cast<size_t>(image)];
+    const bool ok = caption_loss.argmin().item<int64_t>() == t;
+    s.correct += ok;
+    s.per_class_correct[static_cast<size_t>(t)] += ok;
+    s.per_class_total[static_cast<size_t>(t)] += 1;
+    s.name_loss += name_loss[t].item<double>();
+  };
+  auto fresh = [&] {
     Scores s;
     s.per_class_correct.assign(static_cast<size_t>(K), 0);
     s.per_class_total.assign(static_cast<size_t>(K), 0);
-    for (int64_t b0 = 0; b0 < N; b0 += batch) {
-      const int64_t nb = std::min(batch, N - b0);
-      auto images = at::zeros({nb, 1, file.channels(), file.image_size(), file.image_size()},
-                              at::kByte);
-      if (!blank) {
-        for (int64_t b = 0; b < nb; ++b) {
-          std::memcpy(images.data_ptr<uint8_t>() + b * file.image_bytes(), file.image(b0 + b),
-                      static_cast<size_t>(file.image_bytes()));
-        }
-      }
-      // [nb K, ...]: every image with every caption.
-      auto imgs = images.repeat_interleave(K, 0);
-      auto tok = tokens.repeat({nb, 1});
-      auto tgt = targets.repeat({nb, 1});
-      auto logits = model->forward({tok, imgs}).at(0).to(at::kFloat);  // [nb K, T, V]
-      auto logp = at::log_softmax(logits, -1);
-      auto safe = tgt.clamp_min(0);
-      auto nll = -logp.gather(-1, safe.unsqueeze(-1)).squeeze(-1) * (tgt >= 0);  // [nb K, T]
-      auto caption_loss = nll.sum(-1).view({nb, K});
-      auto name_loss = (nll * name_mask.repeat({nb, 1})).sum(-1).view({nb, K});
-      auto guess = caption_loss.argmin(1);
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t t = truth[static_cast<size_t>(b0 + b)];
-        const bool ok = guess[b].item<int64_t>() == t;
-        s.correct += ok;
-        s.per_class_correct[static_cast<size_t>(t)] += ok;
-        s.per_class_total[static_cast<size_t>(t)] += 1;
-        s.name_loss += name_loss[b][t].item<double>();
-      }
-    }
     return s;
   };
-  const Scores real = score(false), blank = score(true);
+  Scores real = fresh(), blank = fresh();
+  // Blank images are all the same image: one forward scores them all.
+  const auto blank_losses =
+      losses(at::zeros({1, 1, file.channels(), file.image_size(), file.image_size()}, at::kByte));
+  for (int64_t b0 = 0; b0 < N; b0 += batch) {
+    const int64_t nb = std::min(batch, N - b0);
+    auto images =
+        at::empty({nb, 1, file.channels(), file.image_size(), file.image_size()}, at::kByte);
+    for (int64_t b = 0; b < nb; ++b) {
+      std::memcpy(images.data_ptr<uint8_t>() + b * file.image_bytes(), file.image(b0 + b),
+                  static_cast<size_t>(file.image_bytes()));
+    }
+    const auto [caption_loss, name_loss] = losses(images);
+    for (int64_t b = 0; b < nb; ++b) {
+      tally(real, caption_loss[b], name_loss[b], b0 + b);
+      tally(blank, blank_losses.first[0], blank_losses.second[0], b0 + b);
+    }
+    if ((b0 / batch) % 50 == 49) log::info("eval-captions: ", b0 + nb, " of ", N, " images");
+  }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const auto acc = [&](const Scores& s) { return static_cast<double>(s.correct) / N; };

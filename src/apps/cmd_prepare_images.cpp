@@ -1,7 +1,8 @@
 // `viaduct prepare-images`: image-text pairs (WebDataset tar shards, a JSONL
 // of {"image", "text"}, IDX image and label files with a caption template)
 // -> an image-text file the trainer memory-maps (data/prepare_images.h).
-// Built only where libpng, libjpeg and libwebp were found.
+// Each image format needs its library at build time (src/data/CMakeLists.txt);
+// IDX input needs none.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>

@@ -3,14 +3,21 @@
 // separable triangle-filter resize.
 #include "data/image_decode.h"
 
-#include <jpeglib.h>
-#include <png.h>
-#include <webp/decode.h>
-
 #include <algorithm>
 #include <cmath>
 #include <csetjmp>
+#include <cstdio>
 #include <cstring>
+
+#ifdef VIADUCT_WITH_PNG
+#include <png.h>
+#endif
+#ifdef VIADUCT_WITH_JPEG
+#include <jpeglib.h>
+#endif
+#ifdef VIADUCT_WITH_WEBP
+#include <webp/decode.h>
+#endif
 
 namespace viaduct::data {
 namespace {
@@ -27,6 +34,13 @@ void check_dims(int64_t w, int64_t h, const char* kind) {
   }
 }
 
+// A format whose library this build was made without.
+[[maybe_unused]] RgbImage not_built(const char* kind, const char* package) {
+  throw ImageError(str(kind, " image, but this viaduct was built without ", package,
+                       " (install it and build again)"));
+}
+
+#ifdef VIADUCT_WITH_PNG
 RgbImage decode_png(const uint8_t* data, size_t size) {
   png_image image;
   std::memset(&image, 0, sizeof(image));
@@ -59,7 +73,11 @@ RgbImage decode_png(const uint8_t* data, size_t size) {
   png_image_free(&image);
   return out;
 }
+#else
+RgbImage decode_png(const uint8_t*, size_t) { return not_built("PNG", "libpng-dev"); }
+#endif
 
+#ifdef VIADUCT_WITH_JPEG
 // libjpeg reports errors through a callback that must not return: jump
 // back to the decode with the message.
 struct JpegError {
@@ -121,7 +139,11 @@ RgbImage decode_jpeg(const uint8_t* data, size_t size) {
   if (err.warned) throw ImageError(str("damaged JPEG: ", err.message));
   return out;
 }
+#else
+RgbImage decode_jpeg(const uint8_t*, size_t) { return not_built("JPEG", "libjpeg-dev"); }
+#endif
 
+#ifdef VIADUCT_WITH_WEBP
 RgbImage decode_webp(const uint8_t* data, size_t size) {
   int w = 0, h = 0;
   if (!WebPGetInfo(data, size, &w, &h)) throw ImageError("corrupt WebP header");
@@ -135,6 +157,9 @@ RgbImage decode_webp(const uint8_t* data, size_t size) {
   }
   return out;
 }
+#else
+RgbImage decode_webp(const uint8_t*, size_t) { return not_built("WebP", "libwebp-dev"); }
+#endif
 
 // Source taps and weights of each output position of a 1-D resample from n
 // to m samples; `offset` shifts the output grid (a crop).

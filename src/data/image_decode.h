@@ -2,6 +2,8 @@
 // libwebp) and the resize to the vision tower's square. Only `viaduct
 // prepare-images` links this; the trainer reads decoded images from
 // image-text files (image_text_file.h) and needs none of these libraries.
+// A build without one of them refuses that format (an ImageError naming
+// the package to install).
 #pragma once
 
 #include <cstddef>

@@ -116,6 +116,8 @@ std::vector<RawSample> read_tar_samples(const std::string& path, const std::stri
   size_t at = 0;
   while (true) {
     if (at + 512 > size) {
+      VIADUCT_CHECK_T(FileError, at > 0, "'", path, "' is not a tar file (", size,
+                      " bytes, shorter than one header)");
       if (at < size) log::warn("tar shard '", path, "': ", size - at,
                                " stray bytes after the last entry (truncated header?)");
       break;
