@@ -38,7 +38,7 @@ namespace ck = checkpoint;
 constexpr const char* kUsage =
     "usage: viaduct eval-captions --checkpoint DIR --data FILE --labels NAMES\n"
     "         [--caption TEMPLATE] [--tokenizer FILE] [--limit N] [--batch N]\n"
-    "         [--threads N] [--output FILE.json]\n"
+    "         [--threads N] [--device auto|cpu|cuda] [--output FILE.json]\n"
     "\n"
     "Zero-shot classification by caption likelihood: every image of FILE (an\n"
     "image-text file from prepare-images) is scored with the caption of each\n"
@@ -53,6 +53,8 @@ constexpr const char* kUsage =
     "                     default 32\n"
     "  --threads N        intra-op threads; default the config's\n"
     "                     training.num_threads\n"
+    "  --device D         where the model runs; default auto (cuda when there\n"
+    "                     is one)\n"
     "  --output FILE      also write the results as JSON\n";
 
 std::vector<std::string> split_names(const std::string& s) {
@@ -84,6 +86,7 @@ struct Scores {
 int eval_captions_main(int argc, char** argv) {
   std::string checkpoint_dir, data_path, labels, caption = "{label}", tokenizer_spec = "byte",
                                                  output;
+  std::string device_name = "auto";
   int64_t limit = -1, batch = 32, threads = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -100,7 +103,8 @@ int eval_captions_main(int argc, char** argv) {
     }
     static const std::vector<std::string> kValued{"--checkpoint", "--data",  "--labels",
                                                   "--caption",    "--tokenizer", "--limit",
-                                                  "--batch",      "--threads", "--output"};
+                                                  "--batch",      "--threads", "--output",
+                                                  "--device"};
     if (std::find(kValued.begin(), kValued.end(), name) == kValued.end()) {
       std::fprintf(stderr, "viaduct eval-captions: unknown argument '%s'\n\n%s", arg.c_str(),
                    kUsage);
@@ -119,6 +123,7 @@ int eval_captions_main(int argc, char** argv) {
     else if (name == "--batch") batch = parse_count(name, value);
     else if (name == "--threads") threads = parse_count(name, value);
     else if (name == "--output") output = value;
+    else if (name == "--device") device_name = value;
   }
   if (checkpoint_dir.empty() || data_path.empty() || labels.empty()) {
     std::fprintf(stderr, "viaduct eval-captions: --checkpoint, --data and --labels are "
@@ -144,9 +149,17 @@ int eval_captions_main(int argc, char** argv) {
   const auto image = image_input(job);
   VIADUCT_CHECK_T(ConfigError, image.has_value(), "eval-captions: the checkpoint's model (",
                   dir.string(), ") has no vision tower (model.vision = true)");
+  VIADUCT_CHECK_T(ConfigError, device_name == "auto" || device_name == "cpu" ||
+                                   device_name == "cuda",
+                  "--device: '", device_name, "' (expected auto, cpu or cuda)");
+  const bool cuda = device_name == "cuda" || (device_name == "auto" && torch::cuda::is_available());
+  VIADUCT_CHECK_T(ConfigError, !cuda || torch::cuda::is_available(),
+                  "--device cuda, but no CUDA device is available");
+  const at::Device device = cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
   auto model = build_model_part(job);
   load_part_tensors(ckpt.tensors, *model);
   ckpt.tensors.load_into(model->extra_state());
+  model->to(device);
   model->eval();
   torch::NoGradGuard no_grad;
 
@@ -209,14 +222,14 @@ int eval_captions_main(int argc, char** argv) {
   auto losses = [&](const at::Tensor& images) {
     const int64_t nb = images.size(0);
     // [nb K, ...]: every image with every caption.
-    auto imgs = images.repeat_interleave(K, 0);
-    auto tok = tokens.repeat({nb, 1});
-    auto tgt = targets.repeat({nb, 1});
+    auto imgs = images.repeat_interleave(K, 0).to(device);
+    auto tok = tokens.repeat({nb, 1}).to(device);
+    auto tgt = targets.repeat({nb, 1}).to(device);
     auto logits = model->forward({tok, imgs}).at(0).to(at::kFloat);  // [nb K, T, V]
     auto logp = at::log_softmax(logits, -1);
     auto nll = -logp.gather(-1, tgt.clamp_min(0).unsqueeze(-1)).squeeze(-1) * (tgt >= 0);
-    return std::make_pair(nll.sum(-1).view({nb, K}),
-                          (nll * name_mask.repeat({nb, 1})).sum(-1).view({nb, K}));
+    return std::make_pair(nll.sum(-1).view({nb, K}).cpu(),
+                          (nll * name_mask.repeat({nb, 1}).to(device)).sum(-1).view({nb, K}).cpu());
   };
   auto tally = [&](Scores& s, const at::Tensor& caption_loss, const at::Tensor& name_loss,
                    int64_t image) {
@@ -273,6 +286,7 @@ int eval_captions_main(int argc, char** argv) {
       {"blank_accuracy", acc(blank)},
       {"blank_class_name_loss", loss(blank)},
       {"accuracy_per_label", per_class},
+      {"device", cuda ? "cuda" : "cpu"},
       {"seconds", seconds}};
   log::info("eval-captions: ", dir.string(), " on ", N, " images of '", data_path, "', ", K,
             " labels: accuracy ", acc(real), " (blank images: ", acc(blank),
