@@ -76,10 +76,11 @@ class ImageTextFile {
   const uint8_t* offsets_ = nullptr;  // uint64 [N + 1]
 };
 
-// Writes an image-text file under Note [Atomic replace] (core/file_io.h):
-// images stream to `<path>.tmp`, the captions are kept in memory (a small
-// share of the bytes) and written by finish(), which then fills the header,
-// fsyncs and renames. Dropped without finish(), it removes the temporary file.
+// Writes an image-text file atomically (see Note [Atomic replace],
+// core/file_io.h): images stream to `<path>.tmp`, the captions are kept in
+// memory (a small share of the bytes) and written by finish(), which then
+// fills the header, fsyncs and renames. Dropped without finish(), it
+// removes the temporary file.
 class ImageTextWriter {
  public:
   ImageTextWriter(const std::string& path, int64_t channels, int64_t image_size,

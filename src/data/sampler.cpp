@@ -7,7 +7,6 @@
 #include <iomanip>
 #include <numeric>
 #include <sstream>
-
 #include <cstring>
 
 #include "core/check.h"
@@ -61,7 +60,7 @@ int64_t windows_of(const DataSource& source, int64_t seq_len) {
   return source.images ? source.images->size() : windows_in(*source.tokens, seq_len);
 }
 
-// Note [Image-text rows]: row b is record rows[b].second of *rows[b].first.
+// See Note [Image-text rows]: row b is record rows[b].second of *rows[b].first.
 TokenBatch image_rows(const std::vector<std::pair<const ImageTextFile*, int64_t>>& rows,
                       int64_t T, int64_t P, int64_t image_token_id) {
   VIADUCT_CHECK_T(ConfigError, P > 0,
@@ -267,6 +266,14 @@ TokenSampler::TokenSampler(std::vector<DataSource> sources,
                       "training.seq_len (", options_.seq_len, ") must exceed the ",
                       options_.image_tokens, " image placeholder tokens of '", sources[i].path,
                       "' by the caption's length");
+      const int64_t room = options_.seq_len + 1 - options_.image_tokens;
+      const int64_t longest = sources[i].images->max_caption_length();
+      if (longest > room) {
+        log::warn("the image-text data '", sources[i].path, "' has captions of up to ", longest,
+                  " tokens; training.seq_len = ", options_.seq_len, " after ",
+                  options_.image_tokens, " placeholders keeps the first ", room,
+                  " of each (seq_len = ", options_.image_tokens + longest - 1, " keeps them all)");
+      }
     }
     VIADUCT_CHECK_T(ConfigError,
                     std::isfinite(sources[i].weight) && sources[i].weight > 0,

@@ -65,7 +65,7 @@ namespace viaduct::data {
 struct TokenBatch {
   at::Tensor inputs;   // [B, T] int64, CPU
   at::Tensor targets;  // [B, T] int64, CPU: inputs shifted left by one token
-  // [B, 1, C, S, S] uint8, CPU, for image-text data (Note [Image-text
+  // [B, 1, C, S, S] uint8, CPU, for image-text data (see Note [Image-text
   // rows]); undefined for token data.
   at::Tensor images;
 };
@@ -128,7 +128,7 @@ struct SamplerOptions {
   int64_t dp_size = 1;
   uint64_t seed = 0;  // used only with shuffle
   bool shuffle = false;
-  // Image-text data (Note [Image-text rows]): placeholders before each
+  // Image-text data (see Note [Image-text rows]): placeholders before each
   // caption and their id; 0 for a model without a vision tower, which
   // refuses image-text data.
   int64_t image_tokens = 0;
@@ -195,7 +195,7 @@ class EvalLoader {
   // options.shuffle and options.seed are ignored.
   EvalLoader(std::shared_ptr<const TokenStream> tokens,
              const SamplerOptions& options, int64_t num_batches);
-  // Image-text data: its records in order (Note [Image-text rows]).
+  // Image-text data: its records in order (see Note [Image-text rows]).
   EvalLoader(std::shared_ptr<const ImageTextFile> images,
              const SamplerOptions& options, int64_t num_batches);
 
@@ -215,7 +215,7 @@ class EvalLoader {
 TokenBatch read_windows(const TokenStream& tokens,
                         const std::vector<int64_t>& window_ids,
                         int64_t seq_len);
-// Image-text records into a batch (Note [Image-text rows]): row b holds
+// Image-text records into a batch (see Note [Image-text rows]): row b holds
 // record ids[b] after `image_tokens` placeholders `image_token_id`.
 TokenBatch read_image_rows(const ImageTextFile& file, const std::vector<int64_t>& ids,
                            int64_t seq_len, int64_t image_tokens, int64_t image_token_id);

@@ -1,4 +1,4 @@
-// Image-text files and their rows in the sampler (Note [Image-text rows],
+// Image-text files and their rows in the sampler (see Note [Image-text rows],
 // data/sampler.h), against hand-built files whose record r has image bytes
 // and caption tokens that name r: a row's placeholders, caption, targets and
 // image are checked against the row built here by hand; resumed cursors

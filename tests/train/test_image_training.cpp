@@ -1,4 +1,4 @@
-// The trainer on image-text data (Note [Image-text rows], data/sampler.h):
+// The trainer on image-text data (see Note [Image-text rows], data/sampler.h):
 // a step counts the caption's tokens alone, a resumed run continues the
 // uninterrupted one bitwise (the data cursor over records included), the
 // images reach the loss, and eval reads the held-out image-text file.

@@ -66,7 +66,7 @@ class PipelineExecutor {
   // One step over the micro-batches: inputs/targets [B/M, T] each (only the
   // first stage reads inputs, only the last targets); `images`, empty or
   // one per micro-batch, go to the first stage after its tokens (a vision
-  // tower's images, Note [Kimi-K3 part activations]). Returns the summed
+  // tower's images, see Note [Kimi-K3 part activations]). Returns the summed
   // token cross-entropy of all micro-batches on the rank holding the last
   // stage (added in micro-batch order), 0 elsewhere.
   double run_step(const std::vector<at::Tensor>& inputs,

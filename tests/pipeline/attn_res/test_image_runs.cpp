@@ -1,4 +1,4 @@
-// Kimi-K3 with its vision tower on image-text data (Note [Image-text rows],
+// Kimi-K3 with its vision tower on image-text data (see Note [Image-text rows],
 // data/sampler.h), ranks as processes over Gloo: under every pipeline
 // layout, with the tower on the first stage, three steps train to exactly
 // the bits of one process (losses, every parameter and optimizer-state
