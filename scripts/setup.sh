@@ -6,16 +6,19 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libtomlplusplus-dev
           nlohmann-json3-dev libgtest-dev googletest fortunes fortunes-min python3
-          pkg-config libpcre2-dev zlib1g-dev libsentencepiece-dev)
+          pkg-config libpcre2-dev zlib1g-dev libsentencepiece-dev
+          libpng-dev libjpeg62-turbo-dev libwebp-dev)
 # The tests also need PyTorch for the independent cross-check of the models
 # (Reference.TorchCrossCheck) and node + npm for the tokenizer tests'
 # reference encoder (scripts/fetch_tokenizers.sh), chromium to render the
 # run report headless (Report.ChromiumLoadsThePageAndDrawsTheCurves), and
-# sentencepiece's spm_train / spm_encode for the SentencePiece tests;
+# sentencepiece's spm_train / spm_encode for the SentencePiece tests, and
+# Pillow and ImageMagick, the independent encoders of prepare-images' tests
+# (tests/data/make_image_fixtures.py, run with /usr/bin/python3);
 # scripts/test.sh asks for them. A node already on the PATH (with its npm)
 # is used as it is.
 if [ "${VIADUCT_TEST_PACKAGES:-0}" = 1 ]; then
-  PACKAGES+=(python3-torch chromium sentencepiece)
+  PACKAGES+=(python3-torch chromium sentencepiece python3-pil imagemagick)
   if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
     PACKAGES+=(nodejs npm)
   fi

@@ -73,6 +73,41 @@ bool has_separator_line(std::string_view text) {
 
 }  // namespace
 
+// The whole decompressed stream. zlib checks each member's CRC and length
+// as it reads (a mismatch fails gzread); a stream cut short, even at a
+// line boundary, shows only in gzclose's Z_BUF_ERROR; a file that is not
+// gzip at all would be read as it is (gzdirect).
+std::string read_gzip(const std::string& path) {
+  gzFile f = gzopen(path.c_str(), "rb");
+  VIADUCT_CHECK_T(FileError, f != nullptr, "cannot open '", path, "'");
+  std::string out;
+  std::vector<char> buf(1 << 20);
+  while (true) {
+    int n = gzread(f, buf.data(), static_cast<unsigned>(buf.size()));
+    if (n < 0) {
+      int err = 0;
+      std::string msg = gzerror(f, &err);
+      gzclose(f);
+      throw FileError(str("'", path, "' is not a readable gzip file: ", msg,
+                          " (gzip -t '", path, "' says the same); nothing was written"));
+    }
+    if (n == 0) break;
+    out.append(buf.data(), static_cast<size_t>(n));
+  }
+  const bool plain = gzdirect(f) != 0;
+  const int closed = gzclose(f);
+  VIADUCT_CHECK_T(FileError, !plain, "'", path,
+                  "' is not gzip data although its name ends in .gz; decompress it or "
+                  "rename it; nothing was written");
+  VIADUCT_CHECK_T(FileError, closed == Z_OK, "'", path, "' is a truncated or corrupt gzip file (",
+                  closed == Z_BUF_ERROR ? "unexpected end of file: the stream stops before its "
+                                          "trailer"
+                                        : str("zlib error ", closed),
+                  ", after ", out.size(), " decompressed bytes); nothing was written");
+  return out;
+}
+
+
 std::vector<std::string> list_text_files(
     const std::vector<std::string>& inputs) {
   VIADUCT_CHECK(!inputs.empty(), "prepare-data: no --input given");
@@ -170,40 +205,6 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 
 bool is_jsonl(const std::string& path) {
   return ends_with(path, ".jsonl") || ends_with(path, ".jsonl.gz");
-}
-
-// The whole decompressed stream. zlib checks each member's CRC and length
-// as it reads (a mismatch fails gzread); a stream cut short, even at a
-// line boundary, shows only in gzclose's Z_BUF_ERROR; a file that is not
-// gzip at all would be read as it is (gzdirect).
-std::string read_gzip(const std::string& path) {
-  gzFile f = gzopen(path.c_str(), "rb");
-  VIADUCT_CHECK_T(FileError, f != nullptr, "cannot open '", path, "'");
-  std::string out;
-  std::vector<char> buf(1 << 20);
-  while (true) {
-    int n = gzread(f, buf.data(), static_cast<unsigned>(buf.size()));
-    if (n < 0) {
-      int err = 0;
-      std::string msg = gzerror(f, &err);
-      gzclose(f);
-      throw FileError(str("'", path, "' is not a readable gzip file: ", msg,
-                          " (gzip -t '", path, "' says the same); nothing was written"));
-    }
-    if (n == 0) break;
-    out.append(buf.data(), static_cast<size_t>(n));
-  }
-  const bool plain = gzdirect(f) != 0;
-  const int closed = gzclose(f);
-  VIADUCT_CHECK_T(FileError, !plain, "'", path,
-                  "' is not gzip data although its name ends in .gz; decompress it or "
-                  "rename it; nothing was written");
-  VIADUCT_CHECK_T(FileError, closed == Z_OK, "'", path, "' is a truncated or corrupt gzip file (",
-                  closed == Z_BUF_ERROR ? "unexpected end of file: the stream stops before its "
-                                          "trailer"
-                                        : str("zlib error ", closed),
-                  ", after ", out.size(), " decompressed bytes); nothing was written");
-  return out;
 }
 
 // Documents of a batch of files, kept alive until the batch is written.

@@ -69,6 +69,10 @@ struct PrepareStats {
 std::vector<std::string> list_text_files(
     const std::vector<std::string>& inputs);
 
+// The whole decompressed content of a gzip file; a file cut short, corrupt
+// or not gzip at all is a FileError naming it.
+std::string read_gzip(const std::string& path);
+
 // The documents of one file's text (views into `text`).
 std::vector<std::string_view> split_documents(std::string_view text,
                                               DocumentSplit split);

@@ -7,6 +7,7 @@
 #include <iomanip>
 #include <numeric>
 #include <sstream>
+#include <cstring>
 
 #include "core/check.h"
 #include "core/log.h"
@@ -54,17 +55,63 @@ int64_t windows_in(const TokenStream& tokens, int64_t seq_len) {
   return tokens.size() > 0 ? (tokens.size() - 1) / seq_len : 0;
 }
 
-// Reads rows into a batch: row b holds window ids[b] of *streams[b].
-TokenBatch read_rows(const std::vector<const TokenStream*>& streams,
-                     const std::vector<int64_t>& ids, int64_t seq_len) {
+// Windows of a source: the token stream's, or an image-text file's records.
+int64_t windows_of(const DataSource& source, int64_t seq_len) {
+  return source.images ? source.images->size() : windows_in(*source.tokens, seq_len);
+}
+
+// See Note [Image-text rows]: row b is record rows[b].second of *rows[b].first.
+TokenBatch image_rows(const std::vector<std::pair<const ImageTextFile*, int64_t>>& rows,
+                      int64_t T, int64_t P, int64_t image_token_id) {
+  VIADUCT_CHECK_T(ConfigError, P > 0,
+                  "image-text data needs a model with a vision tower (model.vision = true)");
+  VIADUCT_CHECK_T(ConfigError, T > P, "image-text data: training.seq_len (", T,
+                  ") must exceed the ", P, " image placeholder tokens");
+  const auto B = static_cast<int64_t>(rows.size());
+  const ImageTextFile& first = *rows.front().first;
+  const int64_t C = first.channels(), S = first.image_size(), bytes = first.image_bytes();
+  auto inputs = at::zeros({B, T}, at::kLong);
+  auto targets = at::full({B, T}, -100, at::kLong);
+  auto images = at::empty({B, 1, C, S, S}, at::kByte);
+  std::vector<int64_t> seq(static_cast<size_t>(T + 1));
+  for (int64_t b = 0; b < B; ++b) {
+    const ImageTextFile& f = *rows[static_cast<size_t>(b)].first;
+    const int64_t id = rows[static_cast<size_t>(b)].second;
+    VIADUCT_CHECK(f.image_bytes() == bytes, "image-text files of one batch differ in image "
+                  "shape: '", f.path(), "' and '", first.path(), "'");
+    // seq: P placeholders, then the caption, cut at T + 1 tokens.
+    std::fill_n(seq.begin(), P, image_token_id);
+    const int64_t n = f.read_caption(id, seq.data() + P, T + 1 - P);
+    int64_t* in = inputs.data_ptr<int64_t>() + b * T;
+    int64_t* tg = targets.data_ptr<int64_t>() + b * T;
+    for (int64_t t = 0; t < std::min(T, P + n); ++t) in[t] = seq[static_cast<size_t>(t)];
+    // Targets: the caption's tokens at the places before them (P - 1 ...).
+    for (int64_t t = P - 1; t < P + n - 1; ++t) tg[t] = seq[static_cast<size_t>(t + 1)];
+    std::memcpy(images.data_ptr<uint8_t>() + b * bytes, f.image(id), static_cast<size_t>(bytes));
+  }
+  return TokenBatch{inputs, targets, images};
+}
+
+// Reads rows into a batch: row b holds window ids[b] of *sources[b] (all
+// token streams or all image-text files).
+TokenBatch read_rows(const std::vector<const DataSource*>& sources,
+                     const std::vector<int64_t>& ids, const SamplerOptions& o) {
   const auto B = static_cast<int64_t>(ids.size());
-  const int64_t T = seq_len;
+  const int64_t T = o.seq_len;
+  if (B > 0 && sources.front()->images) {
+    std::vector<std::pair<const ImageTextFile*, int64_t>> rows;
+    for (int64_t b = 0; b < B; ++b) {
+      const auto i = static_cast<size_t>(b);
+      rows.emplace_back(sources[i]->images.get(), ids[i]);
+    }
+    return image_rows(rows, T, o.image_tokens, o.image_token_id);
+  }
   // buf: [B, T + 1]; row b = tokens [w T, w T + T] of window w = ids[b].
   at::Tensor buf = at::empty({B, T + 1}, at::TensorOptions().dtype(at::kLong));
   int64_t* p = buf.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     const auto i = static_cast<size_t>(b);
-    streams[i]->read(ids[i] * T, T + 1, p + b * (T + 1));
+    sources[i]->tokens->read(ids[i] * T, T + 1, p + b * (T + 1));
   }
   TokenBatch batch;
   batch.inputs = buf.narrow(1, 0, T).contiguous();   // [B, T]
@@ -152,6 +199,10 @@ DataCursor DataCursor::from_json(const std::string& text) {
 
 // ------------------------------------------------------------------ sources
 
+std::string DataSource::describe() const {
+  return images ? str(images->path(), " (image-text)") : tokens->describe();
+}
+
 std::vector<DataSource> open_data_sources(const std::string& key,
                                           const std::vector<std::string>& specs,
                                           const std::vector<double>& weights,
@@ -168,7 +219,11 @@ std::vector<DataSource> open_data_sources(const std::string& key,
     s.path = specs[i];
     s.weight = weights.empty() ? 1.0 : weights[i];
     try {
-      s.tokens = open_token_stream(specs[i], format);
+      if (is_image_text_file(specs[i])) {
+        s.images = std::make_shared<const ImageTextFile>(specs[i]);
+      } else {
+        s.tokens = open_token_stream(specs[i], format);
+      }
     } catch (const FileError& e) {
       throw FileError(str(label, ": ", e.what()));
     }
@@ -185,7 +240,7 @@ TokenSampler::TokenSampler(std::shared_ptr<const TokenStream> tokens,
           [&] {
             VIADUCT_CHECK(tokens != nullptr, "sampler: no token stream");
             return std::vector<DataSource>{
-                DataSource{tokens->describe(), std::move(tokens), 1.0}};
+                DataSource{tokens->describe(), std::move(tokens), 1.0, nullptr}};
           }(),
           options) {}
 
@@ -196,8 +251,30 @@ TokenSampler::TokenSampler(std::vector<DataSource> sources,
   check_options(options_, "sampler");
   double total = 0;
   for (size_t i = 0; i < sources.size(); ++i) {
-    VIADUCT_CHECK(sources[i].tokens != nullptr, "sampler: source ", i,
-                  " has no token stream");
+    VIADUCT_CHECK((sources[i].tokens != nullptr) != (sources[i].images != nullptr),
+                  "sampler: source ", i, " has no token stream or image-text file");
+    VIADUCT_CHECK_T(ConfigError, (sources[i].images != nullptr) == (sources[0].images != nullptr),
+                    "data.paths mixes image-text data ('",
+                    (sources[i].images ? sources[i] : sources[0]).path, "') with token data ('",
+                    (sources[i].images ? sources[0] : sources[i]).path,
+                    "'): a batch's rows have an image each or none has");
+    if (sources[i].images) {
+      VIADUCT_CHECK_T(ConfigError, options_.image_tokens > 0, "the training data '",
+                      sources[i].path, "' is image-text data: it needs a model with a vision "
+                      "tower (model.vision = true)");
+      VIADUCT_CHECK_T(ConfigError, options_.seq_len > options_.image_tokens,
+                      "training.seq_len (", options_.seq_len, ") must exceed the ",
+                      options_.image_tokens, " image placeholder tokens of '", sources[i].path,
+                      "' by the caption's length");
+      const int64_t room = options_.seq_len + 1 - options_.image_tokens;
+      const int64_t longest = sources[i].images->max_caption_length();
+      if (longest > room) {
+        log::warn("the image-text data '", sources[i].path, "' has captions of up to ", longest,
+                  " tokens; training.seq_len = ", options_.seq_len, " after ",
+                  options_.image_tokens, " placeholders keeps the first ", room,
+                  " of each (seq_len = ", options_.image_tokens + longest - 1, " keeps them all)");
+      }
+    }
     VIADUCT_CHECK_T(ConfigError,
                     std::isfinite(sources[i].weight) && sources[i].weight > 0,
                     "data.weights[", i, "] = ", sources[i].weight, " (for '",
@@ -208,19 +285,20 @@ TokenSampler::TokenSampler(std::vector<DataSource> sources,
   for (size_t i = 0; i < sources.size(); ++i) {
     Source s;
     s.share = sources[i].weight / total;
-    s.num_windows = windows_in(*sources[i].tokens, options_.seq_len);
+    s.num_windows = windows_of(sources[i], options_.seq_len);
     s.data = std::move(sources[i]);
     // A source holds at least its share of one global step (one source:
     // the whole step).
     const auto need = static_cast<int64_t>(
         std::ceil(s.share * static_cast<double>(global) - 1e-9));
-    const auto& tokens = *s.data.tokens;
     VIADUCT_CHECK_T(
         ConfigError, s.num_windows >= std::max<int64_t>(need, 1),
         sources.size() == 1 ? std::string("training data ")
                             : str("data.paths[", i, "] "),
-        tokens.describe(), " has ", tokens.size(), " tokens: ", s.num_windows,
-        " windows of seq_len ", options_.seq_len,
+        s.data.describe(), " has ",
+        s.data.images ? str(s.num_windows, " records") :
+        str(s.data.tokens->size(), " tokens: ", s.num_windows,
+        " windows of seq_len ", options_.seq_len),
         sources.size() == 1 ? str(", fewer than one global batch (")
                             : str(", fewer than its share ", share_text(s.share),
                                   " of one global batch (", need, " of "),
@@ -300,7 +378,7 @@ TokenBatch TokenSampler::next() {
     }
   }
   // Serve every slot in order; this rank's rows are slots [r B, r B + B).
-  std::vector<const TokenStream*> streams;
+  std::vector<const DataSource*> streams;
   std::vector<int64_t> ids;
   streams.reserve(static_cast<size_t>(B));
   ids.reserve(static_cast<size_t>(B));
@@ -313,13 +391,13 @@ TokenBatch TokenSampler::next() {
       src.position = 0;
     }
     if (j >= mine && j < mine + B) {
-      streams.push_back(src.data.tokens.get());
+      streams.push_back(&src.data);
       ids.push_back(window_at(src.epoch, src.position, s));
     }
     src.position += 1;
     src.taken += 1;
   }
-  return read_rows(streams, ids, options_.seq_len);
+  return read_rows(streams, ids, options_);
 }
 
 DataCursor TokenSampler::cursor() const {
@@ -367,7 +445,7 @@ void TokenSampler::restore(const DataCursor& c) {
   for (size_t s = 0; s < k; ++s) {
     const SourceCursor& saved = c.sources[s];
     const Source& src = sources_[s];
-    const std::string name = k == 1 ? src.data.tokens->describe()
+    const std::string name = k == 1 ? src.data.describe()
                                     : str("data.paths[", s, "] '", src.data.path, "'");
     VIADUCT_CHECK(saved.num_windows == src.num_windows,
                   "data cursor was saved for ", saved.num_windows,
@@ -395,7 +473,15 @@ void TokenSampler::restore(const DataCursor& c) {
 std::string TokenSampler::describe() const {
   const int64_t T = options_.seq_len;
   if (sources_.size() == 1) {
-    const auto& tokens = *sources_.front().data.tokens;
+    const auto& data = sources_.front().data;
+    if (data.images) {
+      return str(data.describe(), ": ", data.images->size(), " images of ",
+                 data.images->channels(), "x", data.images->image_size(), "x",
+                 data.images->image_size(), ", ", data.images->caption_tokens(),
+                 " caption tokens (the longest ", data.images->max_caption_length(), "), ",
+                 options_.image_tokens, " placeholders each, rows of ", T);
+    }
+    const auto& tokens = *data.tokens;
     return str(tokens.describe(), ": ", tokens.size(), " tokens, ",
                sources_.front().num_windows, " windows of ", T);
   }
@@ -406,8 +492,9 @@ std::string TokenSampler::describe() const {
     std::ostringstream epoch;
     epoch << std::setprecision(3)
           << static_cast<double>(src.num_windows) / (src.share * global);
-    out += str(s ? "; " : " ", "[", s, "] ", src.data.tokens->describe(), " ",
-               src.data.tokens->size(), " tokens, ", src.num_windows, " windows, share ",
+    out += str(s ? "; " : " ", "[", s, "] ", src.data.describe(), " ",
+               src.data.images ? src.data.images->caption_tokens() : src.data.tokens->size(),
+               " tokens, ", src.num_windows, " windows, share ",
                share_text(src.share), " (an epoch every ", epoch.str(), " steps)");
   }
   return out;
@@ -417,21 +504,35 @@ std::string TokenSampler::describe() const {
 
 EvalLoader::EvalLoader(std::shared_ptr<const TokenStream> tokens,
                        const SamplerOptions& options, int64_t num_batches)
-    : tokens_(std::move(tokens)), options_(options) {
-  VIADUCT_CHECK(tokens_ != nullptr, "eval: no token stream");
+    : options_(options) {
+  VIADUCT_CHECK(tokens != nullptr, "eval: no token stream");
+  source_.path = tokens->describe();
+  source_.tokens = std::move(tokens);
+  init(num_batches);
+}
+
+EvalLoader::EvalLoader(std::shared_ptr<const ImageTextFile> images,
+                       const SamplerOptions& options, int64_t num_batches)
+    : options_(options) {
+  VIADUCT_CHECK(images != nullptr, "eval: no image-text file");
+  source_.path = images->path();
+  source_.images = std::move(images);
+  init(num_batches);
+}
+
+void EvalLoader::init(int64_t num_batches) {
   check_options(options_, "eval");
   VIADUCT_CHECK_T(ConfigError, num_batches >= 1,
                   "data.eval_batches must be >= 1, got ", num_batches);
   const int64_t global = options_.batch_size * options_.dp_size;
-  const int64_t fit = windows_in(*tokens_, options_.seq_len) / global;
-  VIADUCT_CHECK_T(ConfigError, fit >= 1, "eval data ", tokens_->describe(),
-                  " has ", tokens_->size(),
-                  " tokens, fewer than one global "
-                  "batch of ",
-                  global, " windows of seq_len ", options_.seq_len,
-                  " (+1 token)");
+  const int64_t fit = windows_of(source_, options_.seq_len) / global;
+  VIADUCT_CHECK_T(ConfigError, fit >= 1, "eval data ", source_.describe(), " has ",
+                  source_.images ? str(source_.images->size(), " records")
+                                 : str(source_.tokens->size(), " tokens"),
+                  ", fewer than one global batch of ", global, " windows of seq_len ",
+                  options_.seq_len, source_.images ? "" : " (+1 token)");
   if (fit < num_batches) {
-    log::warn("eval data ", tokens_->describe(), " holds only ", fit,
+    log::warn("eval data ", source_.describe(), " holds only ", fit,
               " batches; data.eval_batches = ", num_batches, " lowered to ",
               fit);
   }
@@ -445,7 +546,7 @@ TokenBatch EvalLoader::batch(int64_t i) const {
   std::vector<int64_t> ids(static_cast<size_t>(B));
   const int64_t first = (i * options_.dp_size + options_.dp_rank) * B;
   std::iota(ids.begin(), ids.end(), first);
-  return read_windows(*tokens_, ids, options_.seq_len);
+  return read_rows(std::vector<const DataSource*>(ids.size(), &source_), ids, options_);
 }
 
 std::vector<TokenBatch> EvalLoader::batches() const {
@@ -460,8 +561,18 @@ std::vector<TokenBatch> EvalLoader::batches() const {
 TokenBatch read_windows(const TokenStream& tokens,
                         const std::vector<int64_t>& window_ids,
                         int64_t seq_len) {
-  return read_rows(std::vector<const TokenStream*>(window_ids.size(), &tokens),
-                   window_ids, seq_len);
+  DataSource source;
+  source.tokens = std::shared_ptr<const TokenStream>(&tokens, [](const TokenStream*) {});
+  SamplerOptions o;
+  o.seq_len = seq_len;
+  return read_rows(std::vector<const DataSource*>(window_ids.size(), &source), window_ids, o);
+}
+
+TokenBatch read_image_rows(const ImageTextFile& file, const std::vector<int64_t>& ids,
+                           int64_t seq_len, int64_t image_tokens, int64_t image_token_id) {
+  std::vector<std::pair<const ImageTextFile*, int64_t>> rows;
+  for (int64_t id : ids) rows.emplace_back(&file, id);
+  return image_rows(rows, seq_len, image_tokens, image_token_id);
 }
 
 std::vector<at::Tensor> split_microbatches(const at::Tensor& batch, int64_t n) {
@@ -483,8 +594,12 @@ std::vector<at::Tensor> split_microbatches(const at::Tensor& batch, int64_t n) {
 std::vector<TokenBatch> split_microbatches(const TokenBatch& batch, int64_t n) {
   std::vector<at::Tensor> in = split_microbatches(batch.inputs, n);
   std::vector<at::Tensor> tg = split_microbatches(batch.targets, n);
+  std::vector<at::Tensor> im;
+  if (batch.images.defined()) im = split_microbatches(batch.images, n);
   std::vector<TokenBatch> out(in.size());
-  for (size_t i = 0; i < in.size(); ++i) out[i] = TokenBatch{in[i], tg[i]};
+  for (size_t i = 0; i < in.size(); ++i) {
+    out[i] = TokenBatch{in[i], tg[i], im.empty() ? at::Tensor() : im[i]};
+  }
   return out;
 }
 

@@ -34,6 +34,20 @@
 // sources' window counts and shares, which a restore checks, it continues
 // the sequence exactly. One source writes the single-stream JSON of earlier
 // versions plus "taken", and their cursors still load.
+//
+// Note [Image-text rows]
+// An image-text file (image_text_file.h) is a source whose windows are its
+// records: window w is record w whatever seq_len is. Its row is the image's
+// P placeholder tokens (SamplerOptions::image_tokens of
+// SamplerOptions::image_token_id, one per patch of the vision tower) and
+// then the caption (its tokens and the end of text), cut at T + 1 tokens;
+// inputs are the first T of those and targets the next token at each place,
+// with -100 wherever the next token is a placeholder or past the caption, so
+// the loss counts the caption's tokens only -- the first of them predicted
+// from the image alone. The batch's images come with it, [B, 1, C, S, S]
+// uint8, one per row. Epochs, shuffling, the blend rule and the cursor are
+// those of token windows. The sources of one sampler are all image-text or
+// all tokens: every row of a batch has its image or none has.
 #pragma once
 
 #include <torch/torch.h>
@@ -43,6 +57,7 @@
 #include <string>
 #include <vector>
 
+#include "data/image_text_file.h"
 #include "data/token_file.h"
 
 namespace viaduct::data {
@@ -50,6 +65,9 @@ namespace viaduct::data {
 struct TokenBatch {
   at::Tensor inputs;   // [B, T] int64, CPU
   at::Tensor targets;  // [B, T] int64, CPU: inputs shifted left by one token
+  // [B, 1, C, S, S] uint8, CPU, for image-text data (see Note [Image-text
+  // rows]); undefined for token data.
+  at::Tensor images;
 };
 
 // Where one source of the sampler stands, plus what a restore checks.
@@ -86,11 +104,15 @@ struct DataCursor {
 // normalises the weights of all its sources).
 struct DataSource {
   std::string path;  // the spec it was opened from (a file or a glob)
-  std::shared_ptr<const TokenStream> tokens;
+  std::shared_ptr<const TokenStream> tokens;  // token data, or
   double weight = 1.0;
+  std::shared_ptr<const ImageTextFile> images;  // image-text data
+  // The stream's or the file's description, for messages.
+  std::string describe() const;
 };
 
-// Opens each spec (a file or a glob: open_token_stream) as one source with
+// Opens each spec (a file or a glob: open_token_stream; an image-text file,
+// found by its magic, as image-text data) as one source with
 // its weight; `weights` empty means 1 each. `key` names the config key
 // ("data.paths") in errors: a spec that matches no file or cannot be read
 // is a FileError naming key[i] and the spec.
@@ -106,6 +128,11 @@ struct SamplerOptions {
   int64_t dp_size = 1;
   uint64_t seed = 0;  // used only with shuffle
   bool shuffle = false;
+  // Image-text data (see Note [Image-text rows]): placeholders before each
+  // caption and their id; 0 for a model without a vision tower, which
+  // refuses image-text data.
+  int64_t image_tokens = 0;
+  int64_t image_token_id = -1;
 };
 
 class TokenSampler {
@@ -168,6 +195,9 @@ class EvalLoader {
   // options.shuffle and options.seed are ignored.
   EvalLoader(std::shared_ptr<const TokenStream> tokens,
              const SamplerOptions& options, int64_t num_batches);
+  // Image-text data: its records in order (see Note [Image-text rows]).
+  EvalLoader(std::shared_ptr<const ImageTextFile> images,
+             const SamplerOptions& options, int64_t num_batches);
 
   int64_t num_batches() const { return num_batches_; }
   // This rank's eval batch i, 0 <= i < num_batches().
@@ -175,7 +205,8 @@ class EvalLoader {
   std::vector<TokenBatch> batches() const;
 
  private:
-  std::shared_ptr<const TokenStream> tokens_;
+  void init(int64_t num_batches);
+  DataSource source_;
   SamplerOptions options_;
   int64_t num_batches_ = 0;
 };
@@ -184,6 +215,10 @@ class EvalLoader {
 TokenBatch read_windows(const TokenStream& tokens,
                         const std::vector<int64_t>& window_ids,
                         int64_t seq_len);
+// Image-text records into a batch (see Note [Image-text rows]): row b holds
+// record ids[b] after `image_tokens` placeholders `image_token_id`.
+TokenBatch read_image_rows(const ImageTextFile& file, const std::vector<int64_t>& ids,
+                           int64_t seq_len, int64_t image_tokens, int64_t image_token_id);
 
 // Splits a [B, ...] tensor into n micro-batches of B / n rows along dim 0
 // (views). B must be divisible by n.

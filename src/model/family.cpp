@@ -125,6 +125,11 @@ std::optional<AttnResLayout> attn_res_layout(const JobConfig& job) {
   return family.attn_res ? family.attn_res(job) : std::nullopt;
 }
 
+std::optional<ImageInput> image_input(const JobConfig& job) {
+  const auto& family = model_family(job);
+  return family.image_input ? family.image_input(job) : std::nullopt;
+}
+
 std::unique_ptr<checkpoint::StateDictAdapter> state_dict_adapter(const JobConfig& job) {
   const auto& family = model_family(job);
   if (family.state_dict_adapter) return family.state_dict_adapter(job);

@@ -32,6 +32,16 @@ struct AttnResLayout {
   int64_t dim = 0;         // width of a block entry [B, T, dim]
 };
 
+// What a model with a vision tower takes of image-text data (see Note
+// [Image-text rows], data/sampler.h): `patches` placeholder tokens of id
+// `image_token_id` per image, images [C, S, S] with S = image_size.
+struct ImageInput {
+  int64_t patches = 0;
+  int64_t image_token_id = 0;
+  int64_t channels = 0;
+  int64_t image_size = 0;
+};
+
 struct ModelFamily {
   std::string name;                  // the value of model.family
   std::vector<std::string> flavors;  // the values of model.flavor it takes
@@ -73,6 +83,9 @@ struct ModelFamily {
   // both ways) of the model a config builds. Unset: no HF layout; convert,
   // checkpoint.initial_load_in_hf and checkpoint.last_save_in_hf refuse the
   // family.
+  // The images the config's model takes, or nullopt where it builds no
+  // vision tower. Unset: a family without one.
+  std::function<std::optional<ImageInput>(const JobConfig&)> image_input;
   std::string hf_model_type;
   std::function<std::unique_ptr<checkpoint::StateDictAdapter>(const JobConfig&)>
       state_dict_adapter;
@@ -89,6 +102,10 @@ const ModelFamily& model_family(const JobConfig& job);
 // The AttnRes block stack the config's parts hand on, or nullopt for a
 // chain model (model_family(job).attn_res).
 std::optional<AttnResLayout> attn_res_layout(const JobConfig& job);
+
+// The images the config's model takes (model_family(job).image_input), or
+// nullopt for a model without a vision tower.
+std::optional<ImageInput> image_input(const JobConfig& job);
 
 // The Hugging Face adapter of the model the config builds
 // (model_family(job).state_dict_adapter); a ConfigError naming the families

@@ -694,6 +694,11 @@ ModelFamily kimi_k3_family() {
     if (!o.attn_res) return std::nullopt;  // a chain (see Note [Kimi-K3 part activations])
     return AttnResLayout{o.n_layers, o.block_size, o.dim};
   };
+  f.image_input = [](const JobConfig& job) -> std::optional<ImageInput> {
+    const auto o = kimi_k3_options(job);
+    if (!o.vision) return std::nullopt;
+    return ImageInput{o.vis.patches(), o.image_token_id, o.vis.channels, o.vis.image_size};
+  };
   return f;
 }
 

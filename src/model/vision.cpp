@@ -54,8 +54,11 @@ void VisionTowerImpl::init_weights(uint64_t seed, const std::string& p) {
   norm->reset_parameters();
 }
 
-at::Tensor VisionTowerImpl::forward(const at::Tensor& images) {
-  // images: [B, n, C, S, S]
+at::Tensor VisionTowerImpl::forward(const at::Tensor& input) {
+  // images: [B, n, C, S, S]; uint8 pixels (image-text data) are scaled to
+  // [-1, 1] here, on the device.
+  const at::Tensor images =
+      input.scalar_type() == at::kByte ? input.to(at::kFloat) / 127.5 - 1.0 : input;
   VIADUCT_CHECK(images.dim() == 5 && images.size(2) == opts_.channels &&
                     images.size(3) == opts_.image_size &&
                     images.size(4) == opts_.image_size,

@@ -2,7 +2,8 @@
 // image placeholder tokens in the embedded sequence. Pinned to the embedding's
 // stage (it counts as no split unit).
 //
-// Images: [B, n_img, C, S, S] floats. Each image gives (S / p)^2 patch
+// Images: [B, n_img, C, S, S] floats, or uint8 pixels (0..255), which the
+// tower scales to [-1, 1]. Each image gives (S / p)^2 patch
 // embeddings; a sequence carries exactly that many placeholder tokens
 // (model.image_token_id) per image, in image order.
 #pragma once

@@ -218,7 +218,7 @@ std::vector<data::TokenBatch> Trainer::next_batches(int64_t& global_tokens, Step
   // target tokens, windows, document pieces, documents started
   std::vector<double> counts(4, 0.0);
   for (int64_t a = 0; a < accum; ++a) {
-    batches.push_back(data_->sampler().next());
+    batches.push_back(data_->next_batch());
     data_->mask_document_starts(batches.back());
     const auto& b = batches.back();
     const auto documents = data_->count_documents(b.inputs);
@@ -253,12 +253,13 @@ double Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, d
       } else {
         executor_->set_grads_ready(nullptr);
       }
-      std::vector<at::Tensor> in, tgt;
+      std::vector<at::Tensor> in, tgt, img;
       for (const auto& mb : mbs) {
         in.push_back(mb.inputs);
         tgt.push_back(mb.targets);
+        if (mb.images.defined()) img.push_back(mb.images);
       }
-      loss_sum += executor_->run_step(in, tgt, scale, documents_of(mbs));
+      loss_sum += executor_->run_step(in, tgt, scale, img, documents_of(mbs));
     } else {
       // Note [No sync between forward and backward]
       // The loss is read once
@@ -267,7 +268,7 @@ double Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, d
       for (const auto& mb : mbs) {
         const auto documents = data_->documents(mb.inputs);
         for (auto& p : parts_) p->set_documents(documents);
-        auto loss = forward_loss(mb.inputs, mb.targets);
+        auto loss = forward_loss(mb);
         (loss * scale).backward();
         pending_losses.push_back(loss.detach());
       }
@@ -284,11 +285,11 @@ std::vector<ops::DocumentsPtr> Trainer::documents_of(
   return out;
 }
 
-at::Tensor Trainer::forward_loss(const at::Tensor& inputs,
-                                 const at::Tensor& targets) {
-  Activations acts{to_device_async(inputs, device_)};
+at::Tensor Trainer::forward_loss(const data::TokenBatch& mb) {
+  Activations acts{to_device_async(mb.inputs, device_)};
+  if (mb.images.defined()) acts.push_back(to_device_async(mb.images, device_));
   for (size_t i = 0; i + 1 < parts_.size(); ++i) acts = parts_[i]->forward(acts);
-  return parts_.back()->forward_loss(acts, to_device_async(targets, device_));
+  return parts_.back()->forward_loss(acts, to_device_async(mb.targets, device_));
 }
 
 void Trainer::sync_replica_statistics() {
@@ -313,19 +314,20 @@ double Trainer::evaluate() {
     data_->mask_document_starts(b);
     const auto mbs = data::split_microbatches(b, num_microbatches());
     if (executor_) {
-      std::vector<at::Tensor> in, tgt;
+      std::vector<at::Tensor> in, tgt, img;
       for (const auto& mb : mbs) {
         in.push_back(mb.inputs);
         tgt.push_back(mb.targets);
+        if (mb.images.defined()) img.push_back(mb.images);
       }
-      sums[0] += executor_->run_eval(in, tgt, documents_of(mbs));
+      sums[0] += executor_->run_eval(in, tgt, img, documents_of(mbs));
     } else {
       // The same micro-batches as training and the pipeline, so eval losses
       // agree bitwise across layouts.
       for (const auto& mb : mbs) {
         const auto documents = data_->documents(mb.inputs);
         for (auto& p : parts_) p->set_documents(documents);
-        sums[0] += forward_loss(mb.inputs, mb.targets).item<double>();
+        sums[0] += forward_loss(mb).item<double>();
       }
     }
     sums[1] += static_cast<double>((b.targets != -100).sum().item<int64_t>());

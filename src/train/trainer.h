@@ -110,7 +110,8 @@ class Trainer {
   std::vector<data::TokenBatch> next_batches(int64_t& global_tokens, StepMetrics& m);
   double forward_backward(const std::vector<data::TokenBatch>& batches, double scale,
                           std::vector<at::Tensor>& pending_losses);
-  at::Tensor forward_loss(const at::Tensor& inputs, const at::Tensor& targets);
+  // One process: a micro-batch's tokens (and images) through every part.
+  at::Tensor forward_loss(const data::TokenBatch& mb);
   // Each micro-batch's documents (see Note [Document boundaries],
   // ops/documents.h); empty under model.attn_mask_type = "causal".
   std::vector<ops::DocumentsPtr> documents_of(const std::vector<data::TokenBatch>& mbs) const;

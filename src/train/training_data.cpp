@@ -4,6 +4,8 @@
 #include "core/check.h"
 #include "core/log.h"
 #include "data/documents.h"
+#include "data/image_text_file.h"
+#include "model/family.h"
 
 namespace viaduct {
 
@@ -14,6 +16,13 @@ TrainingData::TrainingData(const JobConfig& job, int dp_rank, int dp_size) : dat
   options_.shuffle = job.data.shuffle;
   options_.dp_rank = dp_rank;
   options_.dp_size = dp_size;
+  // Image-text data: the placeholders the model's vision tower replaces
+  // (see Note [Image-text rows], data/sampler.h).
+  const auto image = image_input(job);
+  if (image) {
+    options_.image_tokens = image->patches;
+    options_.image_token_id = image->image_token_id;
+  }
   // data.path is a blend of one source (see Note [Windows and the data cursor]).
   const auto& format = job.data.format;
   const auto& paths = job.data.paths;
@@ -24,7 +33,28 @@ TrainingData::TrainingData(const JobConfig& job, int dp_rank, int dp_size) : dat
       blend ? "data.paths" : "data.path", specs,
       blend ? job.data.weights : std::vector<double>{}, format);
   const auto val = data::resolve_val_paths(specs, job.data.val_path);
-  if (!val.empty()) eval_tokens_ = data::open_token_stream(val, format);
+  if (val.size() == 1 && data::is_image_text_file(val.front())) {
+    eval_images_ = std::make_shared<const data::ImageTextFile>(val.front());
+  } else if (!val.empty()) {
+    eval_tokens_ = data::open_token_stream(val, format);
+  }
+  // The images must be what the tower takes.
+  std::vector<const data::ImageTextFile*> files;
+  for (const auto& s : sources) {
+    if (s.images) files.push_back(s.images.get());
+  }
+  if (eval_images_) files.push_back(eval_images_.get());
+  for (const auto* f : files) {
+    VIADUCT_CHECK_T(ConfigError, image, "the data '", f->path(),
+                    "' is image-text data: it needs a model with a vision tower "
+                    "(model.vision = true)");
+    VIADUCT_CHECK_T(ConfigError,
+                    f->channels() == image->channels && f->image_size() == image->image_size,
+                    "the image-text data '", f->path(), "' holds ", f->channels(), "x",
+                    f->image_size(), "x", f->image_size(), " images, but the vision tower "
+                    "takes ", image->channels, "x", image->image_size, "x", image->image_size,
+                    " (model.vision_image_size; prepare-images --image-size)");
+  }
   sampler_ = std::make_unique<data::TokenSampler>(std::move(sources), options_);
   if (job.model.block_causal()) {
     // Every file of every source, and the held-out ones, must say where
@@ -45,7 +75,12 @@ TrainingData::TrainingData(const JobConfig& job, int dp_rank, int dp_size) : dat
                       data::describe(m), ", the data before it with ", data::describe(marker_));
     };
     for (size_t s = 0; s < sampler_->num_sources(); ++s) {
-      check(*sampler_->source(s).tokens, blend ? "data.paths file" : "data.path file");
+      const auto& source = sampler_->source(s);
+      VIADUCT_CHECK_T(ConfigError, source.tokens != nullptr,
+                      "model.attn_mask_type = \"block_causal\" keeps the documents of token "
+                      "files apart, but '", source.path, "' is image-text data, whose rows are "
+                      "one caption each: set model.attn_mask_type = \"causal\"");
+      check(*source.tokens, blend ? "data.paths file" : "data.path file");
     }
     if (eval_tokens_) check(*eval_tokens_, "held-out file");
     reset_positions_ = job.model.resets_positions();
@@ -72,15 +107,60 @@ ops::DocumentsPtr TrainingData::documents(const at::Tensor& inputs) const {
                                                 reset_positions_);
 }
 
-TrainingData::~TrainingData() = default;
+TrainingData::~TrainingData() {
+  if (ahead_.valid()) ahead_.wait();
+}
+
+data::TokenBatch TrainingData::next_batch() {
+  auto read_ahead = [this] {
+    before_ahead_ = sampler_->cursor();
+    ahead_ = std::async(std::launch::async, [s = sampler_.get()] { return s->next(); });
+  };
+  if (!ahead_.valid()) read_ahead();
+  auto batch = ahead_.get();
+  read_ahead();
+  return batch;
+}
+
+void TrainingData::settle() const {
+  if (!ahead_.valid()) return;
+  try {
+    ahead_.get();
+  } catch (...) {
+    // The read fails again, where the batch is asked for.
+  }
+  sampler_->restore(before_ahead_);
+}
+
+data::TokenSampler& TrainingData::sampler() {
+  settle();
+  return *sampler_;
+}
+
+const data::TokenSampler& TrainingData::sampler() const {
+  settle();
+  return *sampler_;
+}
 
 void TrainingData::check_fits_vocab(int64_t vocab) const {
   for (size_t s = 0; s < sampler_->num_sources(); ++s) {
-    const auto& tokens = *sampler_->source(s).tokens;
+    const auto& source = sampler_->source(s);
+    if (source.images) {
+      const int64_t max = source.images->max_token();
+      VIADUCT_CHECK_T(ConfigError, max < vocab, "the data ", source.describe(),
+                      " holds token id ", max, ", but model.vocab_size is ", vocab);
+      continue;
+    }
+    const auto& tokens = *source.tokens;
     VIADUCT_CHECK_T(ConfigError, tokens.max_token() < vocab, "the data ", tokens.describe(),
                     " holds token id ", tokens.max_token(), ", but model.vocab_size is ", vocab);
   }
   // The held-out tokens too: eval would index past the embedding.
+  if (eval_images_) {
+    VIADUCT_CHECK_T(ConfigError, eval_images_->max_token() < vocab, "the held-out data ",
+                    eval_images_->path(), " holds token id ", eval_images_->max_token(),
+                    ", but model.vocab_size is ", vocab);
+  }
   if (eval_tokens_) {
     VIADUCT_CHECK_T(ConfigError, eval_tokens_->max_token() < vocab, "the held-out data ",
                     eval_tokens_->describe(), " (data.val_path, or <stem>.val<.ext> beside the "
@@ -94,6 +174,7 @@ void TrainingData::hint_export_tokenizer() const {
   // The token files' headers name the tokenizer that made them; a real one
   // belongs beside the exported weights.
   for (size_t s = 0; s < sampler_->num_sources(); ++s) {
+    if (!sampler_->source(s).tokens) continue;
     for (const auto& file : sampler_->source(s).tokens->files()) {
       const auto& name = file.tokenizer();
       if (name.empty() || name == "byte") continue;
@@ -112,6 +193,9 @@ void TrainingData::cut_eval_batches(int64_t microbatches) {
                   " micro-batches (parallelism.pipeline_parallel_microbatches)");
   if (eval_tokens_) {
     eval_loader_ = std::make_unique<data::EvalLoader>(eval_tokens_, options_,
+                                                      data_.eval_batches);
+  } else if (eval_images_) {
+    eval_loader_ = std::make_unique<data::EvalLoader>(eval_images_, options_,
                                                       data_.eval_batches);
   }
 }

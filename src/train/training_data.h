@@ -2,9 +2,16 @@
 // blend of data.paths with data.weights) in the sampler, which hands this
 // data-parallel replica its batches, and the held-out tokens with the eval
 // batches cut from them.
+//
+// The next batch is read on a worker thread while the step before it runs
+// (next_batch). The sampler stays the one record of where the data stands:
+// sampler() first waits for a batch in flight and puts the sampler back to
+// before it, so a checkpoint's cursor is that of the batches handed out,
+// and the batch is read again by the next next_batch.
 #pragma once
 
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <vector>
 
@@ -55,8 +62,12 @@ class TrainingData {
   // The marker the data's files record (kNone under "causal").
   const data::DocumentMarker& document_marker() const { return marker_; }
 
-  data::TokenSampler& sampler() { return *sampler_; }
-  const data::TokenSampler& sampler() const { return *sampler_; }
+  // This replica's next batch (the sampler's next()), read ahead on a worker
+  // thread.
+  data::TokenBatch next_batch();
+  // With no batch in flight (see the top of this file).
+  data::TokenSampler& sampler();
+  const data::TokenSampler& sampler() const;
   const data::TokenStream* eval_tokens() const { return eval_tokens_.get(); }
   const data::EvalLoader& eval_loader() const { return *eval_loader_; }
   const data::SamplerOptions& options() const { return options_; }
@@ -67,8 +78,13 @@ class TrainingData {
   bool reset_positions_ = false;
   data::SamplerOptions options_;
   std::shared_ptr<const data::TokenStream> eval_tokens_;
+  std::shared_ptr<const data::ImageTextFile> eval_images_;  // image-text eval data
   std::unique_ptr<data::TokenSampler> sampler_;
   std::unique_ptr<data::EvalLoader> eval_loader_;
+  // The batch read ahead and the sampler's cursor before it.
+  mutable std::future<data::TokenBatch> ahead_;
+  mutable data::DataCursor before_ahead_;
+  void settle() const;
 };
 
 }  // namespace viaduct

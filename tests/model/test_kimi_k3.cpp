@@ -341,6 +341,31 @@ TEST(KimiK3Model, VisionPartsAndImagesBitwise) {
   EXPECT_TRUE(torch::isfinite(out).all().item<bool>());
 }
 
+// Image-text data hands the tower uint8 pixels: they are the float images
+// (pixel / 127.5 - 1), bitwise, whole and split into parts.
+TEST(KimiK3Model, Uint8PixelsAreTheScaledFloatImages) {
+  auto cfg = small_config(true);
+  auto opts = kimi_k3_options(cfg);
+  const int64_t P = opts.vis.patches();
+  auto tokens = random_tokens(2, 24, 320, 9);
+  tokens.narrow(1, 0, P).fill_(opts.image_token_id);
+  torch::manual_seed(6);
+  auto pixels = torch::randint(0, 256, {2, 1, 3, 16, 16}).to(at::kByte);
+  auto reference = pixels.to(at::kFloat) / 127.5 - 1.0;
+  {
+    auto whole = build(cfg);
+    torch::NoGradGuard g;
+    EXPECT_TRUE(torch::equal(whole->forward({tokens, pixels})[0],
+                             whole->forward({tokens, reference})[0]));
+  }
+  expect_chain_matches(
+      cfg,
+      {{"tok_embeddings", "vision_tower", "layers.0"},
+       {"layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "layers.6", "layers.7",
+        "norm", "lm_head", "attn_res_final"}},
+      {tokens, pixels});
+}
+
 TEST(KimiK3Model, InitIsLayoutIndependent) {
   auto cfg = small_config(true);
   auto whole = build(cfg);

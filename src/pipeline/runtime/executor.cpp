@@ -214,7 +214,7 @@ void PipelineExecutor::run_action(const Action& a) {
       auto& st = stage(s);
       Activations in;
       if (st.is_first()) {
-        in = {inputs_->at(mb).to(device_)};
+        in = first_inputs(*inputs_, images_, static_cast<size_t>(mb));
       } else if (local(s - 1)) {
         auto it = fwd_out_.find({s - 1, mb});
         VIADUCT_CHECK(it != fwd_out_.end(), context(a),
@@ -306,19 +306,30 @@ void PipelineExecutor::set_documents(PipelineStage& st,
                               : nullptr);
 }
 
+Activations PipelineExecutor::first_inputs(const std::vector<at::Tensor>& inputs,
+                                           const std::vector<at::Tensor>* images,
+                                           size_t mb) const {
+  Activations in{inputs.at(mb).to(device_)};
+  if (images && !images->empty()) in.push_back(images->at(mb).to(device_));
+  return in;
+}
+
 double PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
                                   const std::vector<at::Tensor>& targets,
                                   double loss_scale,
+                                  const std::vector<at::Tensor>& images,
                                   const std::vector<ops::DocumentsPtr>& documents) {
   VIADUCT_CHECK(have_meta_, "run_step before infer_metadata");
   VIADUCT_CHECK(static_cast<int64_t>(inputs.size()) == num_microbatches_ &&
-                    static_cast<int64_t>(targets.size()) == num_microbatches_,
+                    static_cast<int64_t>(targets.size()) == num_microbatches_ &&
+                    (images.empty() || static_cast<int64_t>(images.size()) == num_microbatches_),
                 "the schedule has ", num_microbatches_, " micro-batches, the batch ",
                 inputs.size());
   VIADUCT_CHECK(documents.empty() || documents.size() == inputs.size(), "the step has ",
                 inputs.size(), " micro-batches but documents for ", documents.size());
   inputs_ = &inputs;
   targets_ = &targets;
+  images_ = &images;
   documents_ = &documents;
   loss_scale_ = loss_scale;
   p2p_bytes_ = 0;
@@ -345,7 +356,7 @@ double PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
     time_end(kSpanSlot);
     timing_now_ = false;
   } catch (...) {
-    inputs_ = targets_ = nullptr;
+    inputs_ = targets_ = images_ = nullptr;
     documents_ = nullptr;
     timing_now_ = false;
     if (timer_) timer_->reset();
@@ -356,7 +367,7 @@ double PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
     auto& last = stage(plan_.split.num_stages - 1);
     for (int64_t mb = 0; mb < num_microbatches_; ++mb) loss += last.loss_sum(mb);
   }
-  inputs_ = targets_ = nullptr;
+  inputs_ = targets_ = images_ = nullptr;
   documents_ = nullptr;
   return loss;
 }
@@ -380,6 +391,7 @@ PipelineTimes PipelineExecutor::take_times() {
 // so the blocking receives cannot deadlock.
 double PipelineExecutor::run_eval(const std::vector<at::Tensor>& inputs,
                                   const std::vector<at::Tensor>& targets,
+                                  const std::vector<at::Tensor>& images,
                                   const std::vector<ops::DocumentsPtr>& documents) {
   double loss = 0.0;
   const auto& mine = plan_.split.rank_to_stages.at(pp_rank_);
@@ -390,7 +402,7 @@ double PipelineExecutor::run_eval(const std::vector<at::Tensor>& inputs,
       const Action a = make_action(s, ActionKind::kForward, static_cast<int64_t>(mb));
       Activations in;
       if (st.is_first()) {
-        in = {inputs[mb].to(device_)};
+        in = first_inputs(inputs, &images, mb);
       } else if (local(s - 1)) {
         in = std::move(carry);
       } else {

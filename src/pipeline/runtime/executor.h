@@ -64,7 +64,9 @@ class PipelineExecutor {
   void infer_metadata(const at::Tensor& tokens);
 
   // One step over the micro-batches: inputs/targets [B/M, T] each (only the
-  // first stage reads inputs, only the last targets). Returns the summed
+  // first stage reads inputs, only the last targets); `images`, empty or
+  // one per micro-batch, go to the first stage after its tokens (a vision
+  // tower's images, see Note [Kimi-K3 part activations]). Returns the summed
   // token cross-entropy of all micro-batches on the rank holding the last
   // stage (added in micro-batch order), 0 elsewhere.
   // `documents`: each micro-batch's documents (see Note [Document
@@ -72,10 +74,12 @@ class PipelineExecutor {
   // forward; empty: none.
   double run_step(const std::vector<at::Tensor>& inputs,
                   const std::vector<at::Tensor>& targets, double loss_scale,
+                  const std::vector<at::Tensor>& images = {},
                   const std::vector<ops::DocumentsPtr>& documents = {});
   // Forward only, no autograd state: the summed loss as run_step.
   double run_eval(const std::vector<at::Tensor>& inputs,
                   const std::vector<at::Tensor>& targets,
+                  const std::vector<at::Tensor>& images = {},
                   const std::vector<ops::DocumentsPtr>& documents = {});
 
   const std::vector<std::unique_ptr<PipelineStage>>& stages() const {
@@ -132,6 +136,10 @@ class PipelineExecutor {
   // Hands stage `st` micro-batch mb's documents (none when the step has none).
   void set_documents(PipelineStage& st, const std::vector<ops::DocumentsPtr>* documents,
                      int64_t mb) const;
+  // The first stage's inputs of micro-batch mb: its tokens, and its images
+  // when the step has them.
+  Activations first_inputs(const std::vector<at::Tensor>& inputs,
+                           const std::vector<at::Tensor>* images, size_t mb) const;
   // Timer slots; each call is a no-op outside a timed run_step.
   enum TimerSlot : size_t { kSpanSlot, kComputeSlot, kWaitSlot, kNumSlots };
   void time_begin(TimerSlot slot) {
@@ -156,6 +164,7 @@ class PipelineExecutor {
   // Per step.
   const std::vector<at::Tensor>* inputs_ = nullptr;
   const std::vector<at::Tensor>* targets_ = nullptr;
+  const std::vector<at::Tensor>* images_ = nullptr;  // null or empty: none
   const std::vector<ops::DocumentsPtr>* documents_ = nullptr;
   double loss_scale_ = 1.0;
   std::map<Key, Activations> fwd_out_;  // stage's outputs awaiting SEND_F / local F
