@@ -57,18 +57,6 @@ constexpr const char* kUsage =
     "                     is one)\n"
     "  --output FILE      also write the results as JSON\n";
 
-std::vector<std::string> split_names(const std::string& s) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (true) {
-    const size_t comma = s.find(',', start);
-    out.push_back(s.substr(start, comma - start));
-    if (comma == std::string::npos) break;
-    start = comma + 1;
-  }
-  return out;
-}
-
 int64_t parse_count(const std::string& name, const std::string& value) {
   char* end = nullptr;
   const long long v = std::strtoll(value.c_str(), &end, 10);
@@ -170,7 +158,7 @@ int eval_captions_main(int argc, char** argv) {
                   "'", data_path, "' holds ", file.channels(), "x", file.image_size(), "x",
                   file.image_size(), " images, but the model takes ", image->channels, "x",
                   image->image_size, "x", image->image_size);
-  const auto names = split_names(labels);
+  const auto names = split_on(labels, ',');
   const auto tokenizer = data::load_tokenizer(tokenizer_spec);
   const int64_t end_token = tokenizer->document_marker().token;
   std::vector<std::vector<int64_t>> captions;

@@ -56,22 +56,6 @@ int64_t parse_count(const std::string& name, const std::string& value, int64_t m
   return v;
 }
 
-std::vector<std::string> split_names(const std::string& s) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (true) {
-    const size_t comma = s.find(',', start);
-    out.push_back(s.substr(start, comma - start));
-    if (comma == std::string::npos) break;
-    start = comma + 1;
-  }
-  return out;
-}
-
-bool ends_with(const std::string& s, const std::string& tail) {
-  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
-
 int prepare_images_main(int argc, char** argv) {
   std::vector<data::ImageInput> inputs;
   std::vector<std::string> idx_images, idx_labels;
@@ -110,9 +94,9 @@ int prepare_images_main(int argc, char** argv) {
     if (name == "--input") {
       data::ImageInput in;
       in.path = value;
-      if (ends_with(value, ".tar")) {
+      if (value.ends_with(".tar")) {
         in.kind = data::ImageInput::Kind::kTar;
-      } else if (ends_with(value, ".jsonl")) {
+      } else if (value.ends_with(".jsonl")) {
         in.kind = data::ImageInput::Kind::kJsonl;
       } else {
         throw ConfigError(str("--input '", value,
@@ -127,7 +111,7 @@ int prepare_images_main(int argc, char** argv) {
     } else if (name == "--idx-labels") {
       idx_labels.push_back(value);
     } else if (name == "--labels") {
-      options.labels = split_names(value);
+      options.labels = split_on(value, ',');
     } else if (name == "--caption") {
       options.caption_template = value;
     } else if (name == "--image-size") {

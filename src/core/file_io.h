@@ -15,10 +15,30 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <string>
 
 namespace viaduct {
+
+// A host-order integer from bytes at any alignment (the token and
+// image-text file headers; both formats are little-endian, and their
+// readers refuse big-endian hosts).
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline uint64_t load_u64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline int32_t load_i32(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
 
 // strerror(errno), read before anything else can change errno.
 std::string errno_text();

@@ -36,6 +36,20 @@ inline size_t edit_distance(const std::string& a, const std::string& b,
 
 // The whole of `text` as a finite number; nullopt for anything else (empty,
 // trailing characters, nan, inf, out of double's range).
+// The pieces of `s` between `sep`s, empty pieces kept ("a,,b" -> a, "", b;
+// "" -> one empty piece).
+inline std::vector<std::string> split_on(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (true) {
+    const size_t at = s.find(sep, start);
+    out.push_back(s.substr(start, at - start));
+    if (at == std::string::npos) break;
+    start = at + 1;
+  }
+  return out;
+}
+
 inline std::optional<double> parse_finite_number(const std::string& text) {
   if (text.empty() || std::isspace(static_cast<unsigned char>(text.front()))) return std::nullopt;
   char* end = nullptr;

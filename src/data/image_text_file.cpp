@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 
+#include "core/file_io.h"
 #include "core/check.h"
 
 namespace viaduct::data {
@@ -17,16 +18,6 @@ constexpr int64_t kHeaderBytes = 128;
 constexpr size_t kTokenizerField = 64;
 constexpr size_t kWriteChunk = 1 << 22;
 
-uint32_t load_u32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-uint64_t load_u64(const uint8_t* p) {
-  uint64_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 }  // namespace
 

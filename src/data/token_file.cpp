@@ -32,21 +32,6 @@ constexpr int32_t kLlmcVersion = 1;
 constexpr int32_t kLlmcVersionLlama3 = 7;
 constexpr size_t kWriteChunk = 1 << 20;
 
-uint32_t load_u32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-uint64_t load_u64(const uint8_t* p) {
-  uint64_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-int32_t load_i32(const uint8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 bool has_viaduct_magic(const MappedFile& f) {
   return f.size() >= sizeof(kViaductMagic) &&
