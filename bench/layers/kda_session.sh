@@ -13,10 +13,14 @@
 # (fla's core and layer once), pairs (the KDA core against fla's core in
 # PAIRS (3) alternating processes of ITERS (50) timed iterations, after
 # one untimed fla run that autotunes; with build, that run goes in the
-# background of the build).
+# background of the build), docs (KDA over packed documents: the
+# kda_documents_bench target writes a case and times causal / packed / one
+# call a document, then kda_documents_vs_fla.py checks viaduct and fla's
+# chunk_kda with cu_seqlens against a float64 recurrence and times fla's
+# cu_seqlens against its plain batch; DOC_ARGS: the bench's flags).
 #
 # Environment (defaults): OUT (outputs/kda), SECTIONS ("build test layers
-# anchor"), TARGETS ("test_kda_kernels layer_bench"), ANCHOR
+# anchor"), TARGETS ("test_kda_kernels layer_bench kda_documents_bench"), ANCHOR
 # (../shared/anchors/kda, or shared/anchors/kda inside the tree), SHAPE
 # (1x4096x16x128: B x T x H x d for fla), LAYER_ARGS (layer bench flags:
 # "--only kda"), JOBS (nproc), PAIRS (3), ITERS (50).
@@ -49,7 +53,7 @@ if has pairs && [ -d "$ANCHOR" ]; then
 fi
 
 if has build; then
-  read -r -a targets <<<"${TARGETS:-test_kda_kernels layer_bench}"
+  read -r -a targets <<<"${TARGETS:-test_kda_kernels layer_bench kda_documents_bench}"
   gpu_build . build-gpu "$OUT/build.log" "${targets[@]}" || { say "build failed"; exit 1; }
   say "build done"
 fi
@@ -70,6 +74,16 @@ if has pairs && [ -n "$WARM_PID" ]; then
     fla=$(fla_core "${ITERS:-50}")
     printf 'pair %d\n  viaduct %s\n  fla     %s\n' "$i" "$vd" "$fla" | tee -a "$OUT/pairs.log"
   done
+fi
+if has docs; then
+  say "kda_documents_bench ${DOC_ARGS:-}"
+  rm -rf "$OUT/docs_case"
+  timeout 300 build-gpu/bench/kda_documents_bench --out "$OUT/docs_case" ${DOC_ARGS:-} 2>&1 |
+    tee "$OUT/docs_viaduct.log" | tail -8
+  if [ -d "$ANCHOR" ]; then
+    PYTHONUNBUFFERED=1 timeout 420 "$PY" bench/layers/kda_documents_vs_fla.py --dir "$OUT/docs_case" \
+      --anchor "$ANCHOR" 2>&1 | tee "$OUT/docs_fla.log" | tail -16
+  fi
 fi
 if has anchor && [ -d "$ANCHOR" ]; then
   say "fla chunk_kda (${SHAPE:-1x4096x16x128})"

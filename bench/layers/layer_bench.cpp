@@ -9,7 +9,14 @@
 // counts but runs as many small batched products).
 //
 // usage: layer_bench [--tokens T] [--dim D] [--batch B] [--iters N] [--cpu] [--only SUBSTRING]
-//                    [--blocks K]
+//                    [--blocks K] [--doc-mean L]
+// --doc-mean: each token mixer (attention, MLA, KDA and its core at chunk
+// 64) runs a second time over packed documents, as under
+// model.attn_mask_type = block_causal: each row cut into documents of
+// lengths drawn from an exponential law of mean L (seeded; at least one
+// token), the attention floor over the documents' own causal pairs. The
+// two rows of a mixer, in one process, are block_causal's cost against
+// causal at the layer.
 // --blocks: the AttnRes reads' completed blocks (default 8; the read has
 // K + 1 sources). "attn_res read (K blocks, slots)" is the same read with a
 // slot per block already holding a gradient (Note [AttnRes block gradients
@@ -21,9 +28,11 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "bench_documents.h"
 #include "core/device.h"
 #include "kernels/fused.h"
 #include "kernels/weight_cache.h"
@@ -32,6 +41,7 @@
 #include "model/layers.h"
 #include "model/mla.h"
 #include "model/moe.h"
+#include "ops/documents.h"
 #include "ops/kda.h"
 #include "ops/l2_norm.h"
 
@@ -70,6 +80,7 @@ double time_fwd_bwd(torch::nn::Module& m, const std::function<at::Tensor(const a
 int main(int argc, char** argv) {
   int64_t T = 4096, D = 2048, B = 1, K = 8;
   int iters = 10;
+  double doc_mean = 0;
   bool cpu = false;
   std::string only;  // run only the layers whose name contains this
   for (int i = 1; i < argc; ++i) {
@@ -81,6 +92,7 @@ int main(int argc, char** argv) {
     else if (a == "--iters") iters = static_cast<int>(next());
     else if (a == "--blocks") K = next();
     else if (a == "--cpu") cpu = true;
+    else if (a == "--doc-mean" && i + 1 < argc) doc_mean = std::stod(argv[++i]);
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
   }
   const auto dev = cpu ? at::Device(at::kCPU) : resolve_device("auto");
@@ -107,13 +119,34 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   };
   const double attn_core = 3.0 * 2 * 2 * (double(T) * T / 2) * H * hd * B;
+  std::unique_ptr<ops::Documents> docs;
+  double doc_pairs = 0;  // the causal pairs inside documents, all rows
+  if (doc_mean > 0) {
+    docs = std::make_unique<ops::Documents>(bench::document_starts(B, T, doc_mean), true);
+    for (const auto& sp : docs->spans()) doc_pairs += double(sp.length) * sp.length / 2;
+    std::printf("documents: %zu over %lld rows, mean length %.1f\n", docs->spans().size(),
+                (long long)B, double(B * T) / docs->spans().size());
+  }
+  // The mixer once causal, and again over the documents when asked.
+  auto mixer = [&](const std::string& name, torch::nn::Module& m,
+                   const std::function<at::Tensor(const at::Tensor&, const ops::Documents*)>& fn,
+                   double causal_flops, double doc_flops) {
+    run(name, m, [&](const at::Tensor& in) { return fn(in, nullptr); }, causal_flops);
+    if (docs) {
+      run(name + ", documents", m, [&](const at::Tensor& in) { return fn(in, docs.get()); },
+          doc_flops);
+    }
+  };
+  const double attn_docs = 3.0 * 2 * 2 * doc_pairs * H * hd;
 
   {
     AttentionOptions o;
     o.dim = D; o.n_heads = H; o.n_kv_heads = H / 4; o.max_seq_len = T; o.rope_theta = 500000;
     Attention m(o);
     m->init_weights(1, "a.", 0.02, 0.02, true);
-    run("gqa attention (llama)", *m, [&](const at::Tensor& in) { return m->forward(in); }, attn_core);
+    mixer("gqa attention (llama)", *m,
+          [&](const at::Tensor& in, const ops::Documents* d) { return m->forward(in, d); },
+          attn_core, attn_docs);
   }
   {
     MlaOptions o;
@@ -122,16 +155,24 @@ int main(int argc, char** argv) {
     o.rope = true; o.max_seq_len = T;
     Mla m(o);
     m->init_weights(1, "m.", 0.02, 0.02);
-    run("mla", *m, [&](const at::Tensor& in) { return m->forward(in); },
-        3.0 * 2 * 2 * (double(T) * T / 2) * H * (hd + hd / 2 + hd) / 2 * B);
+    const double per_pair = 3.0 * 2 * 2 * H * (hd + hd / 2 + hd) / 2;
+    mixer("mla", *m,
+          [&](const at::Tensor& in, const ops::Documents* d) { return m->forward(in, d); },
+          per_pair * (double(T) * T / 2) * B, per_pair * doc_pairs);
   }
   for (int64_t chunk : {16, 64}) {
     KdaOptions o;
     o.dim = D; o.n_heads = H; o.head_dim = hd; o.chunk_size = chunk;
     Kda m(o);
     m->init_weights(1, "k.", 0.02, 0.02);
-    run("kda (chunk " + std::to_string(chunk) + ")", *m,
-        [&](const at::Tensor& in) { return m->forward(in); }, 0.0);
+    const std::string name = "kda (chunk " + std::to_string(chunk) + ")";
+    if (chunk == 64) {
+      mixer(name, *m,
+            [&](const at::Tensor& in, const ops::Documents* d) { return m->forward(in, d); }, 0.0,
+            0.0);
+    } else {
+      run(name, *m, [&](const at::Tensor& in) { return m->forward(in); }, 0.0);
+    }
   }
   // The chunked gated delta rule alone, on the inputs flash-linear-
   // attention's chunk_kda takes in its "core" timing (../shared/anchors/
@@ -148,15 +189,19 @@ int main(int argc, char** argv) {
     auto v = at::randn({B, T, H, hd}, o).to(dtype).requires_grad_(true);
     auto g = (-at::softplus(at::randn({B, T, H, hd}, o))).requires_grad_(true);
     auto beta = at::sigmoid(at::randn({B, T, H}, o)).to(dtype).requires_grad_(true);
-    run("kda core (chunk " + std::to_string(chunk) + ")", none,
-        [&, chunk](const at::Tensor&) {
-          for (auto* l : {&q, &k, &v, &g, &beta}) l->mutable_grad().reset();
-          ops::KernelOptions ko;
-          auto qn = ops::l2_normalize(q, 1e-6, 1.0 / std::sqrt(double(hd)), ko);
-          auto kn = ops::l2_normalize(k, 1e-6, 1.0, ko);
-          return ops::kda(qn, kn, v.to(at::kFloat), g, beta.to(at::kFloat), chunk, ko);
-        },
-        0.0);
+    auto core = [&, chunk](const at::Tensor&, const ops::Documents* d) {
+      for (auto* l : {&q, &k, &v, &g, &beta}) l->mutable_grad().reset();
+      ops::KernelOptions ko;
+      auto qn = ops::l2_normalize(q, 1e-6, 1.0 / std::sqrt(double(hd)), ko);
+      auto kn = ops::l2_normalize(k, 1e-6, 1.0, ko);
+      return ops::kda(qn, kn, v.to(at::kFloat), g, beta.to(at::kFloat), chunk, ko, {}, d);
+    };
+    const std::string name = "kda core (chunk " + std::to_string(chunk) + ")";
+    if (chunk == 64) {
+      mixer(name, none, core, 0.0, 0.0);
+    } else {
+      run(name, none, [&](const at::Tensor& in) { return core(in, nullptr); }, 0.0);
+    }
   }
   {
     SwiGLU m(D, 4 * D);

@@ -16,7 +16,11 @@
 # everywhere and dense FFNs, for a GEMM-bound AttnRes A/B; k3gemmab: that
 # pair K3_ROUNDS (3) times in alternating processes, viaduct only, the
 # overhead pooled over the rounds; 1Bab: the 1B cell ROUNDS_1B (2) times,
-# viaduct then torch.compile, their step-time ratio pooled and per round), K3_BATCH x K3_SEQ (4 x 2048: the K3 cells' shape),
+# viaduct then torch.compile, their step-time ratio pooled and per round;
+# 1Bdocs / k3docs: block_causal's cost, the 1B or K3 cell DOC_ROUNDS (2)
+# times, causal then block_causal, viaduct only, on random tokens packed as
+# documents of lengths drawn from an exponential law of mean DOC_MEAN
+# (1024) behind a start marker (token 0)), K3_BATCH x K3_SEQ (4 x 2048: the K3 cells' shape),
 # MODES ("eager compile"; empty: viaduct only, no step-0 checkpoint), COMPILE_MODE (default; or
 # max-autotune-no-cudagraphs), WARMUP_STEPS (3) untimed + TIMED_STEPS (10)
 # timed steps, STAGES ("build run"), PYTHON (python3), JOBS (nproc),
@@ -78,6 +82,30 @@ os.replace(path + ".tmp", path)
 EOF
 }
 
+# A viaduct token file (version 2, start marker token 0) of random
+# documents: each the marker, then tokens in [1, vocab), lengths from an
+# exponential law of mean `mean` (at least 2), deterministic.
+make_document_tokens() {  # path vocab count mean
+  [ -f "$1" ] && return 0
+  mkdir -p "$(dirname "$1")"
+  "$PY" - "$1" "$2" "$3" "$4" <<'EOF'
+import array, os, random, struct, sys
+path, vocab, n, mean = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+r = random.Random(1234)
+a = array.array("I")
+while len(a) < n:
+    length = max(2, int(r.expovariate(1.0 / mean)))
+    a.append(0)
+    a.extend(r.randrange(1, vocab) for _ in range(length - 1))
+del a[n:]
+header = b"VIADTOK\0" + struct.pack("<IIQQ", 2, 4, n, vocab)
+header += b"random documents".ljust(64, b"\0") + struct.pack("<QB", 0, 1)
+header = header.ljust(128, b"\0")
+with open(path + ".tmp", "wb") as f:
+    f.write(header + a.tobytes())
+os.replace(path + ".tmp", path)
+EOF
+}
 
 # One cell: viaduct, then the reference in each mode, then its table rows.
 run_cell() {  # name label data viaduct-overrides...
@@ -182,6 +210,37 @@ for cell in $CELLS; do
       done
       MODES=$saved_modes
       ;;
+    # block_causal's cost: causal then block_causal on the same documents,
+    # DOC_ROUNDS times, viaduct only.
+    1Bdocs | k3docs)
+      saved_modes=$MODES
+      MODES=""
+      if [ "$cell" = 1Bdocs ]; then
+        data=$WORK/docs_v128256_m${DOC_MEAN:-1024}.tok
+        make_document_tokens "$data" 128256 $(((STEPS + 4) * 4 * 4096 + 1)) "${DOC_MEAN:-1024}"
+        args=(--model.flavor=1B --training.seq_len=4096 --training.local_batch_size=4
+          --optimizer.lr=3e-4)
+        label="llama 1B, 4x4096"
+      else
+        data=$WORK/docs_v320_m${DOC_MEAN:-1024}.tok
+        make_document_tokens "$data" 320 $(((STEPS + 4) * K3_BATCH * K3_SEQ + 1)) "${DOC_MEAN:-1024}"
+        args=(--model.family=kimi_k3 --model.flavor=debugmodel_deep --model.dim=2048
+          --model.n_heads=16 --model.kda_head_dim=64 --model.mla_kv_lora_rank=512
+          --model.mla_qk_nope_head_dim=128 --model.mla_qk_rope_head_dim=64
+          --model.mla_v_head_dim=128 --model.ffn_hidden_dim=5632
+          --model.moe_hidden_dim=512 --model.kda_chunk_size=64 --training.seq_len="$K3_SEQ"
+          --model.max_seq_len="$((K3_SEQ > 2048 ? K3_SEQ : 2048))"
+          --training.local_batch_size="$K3_BATCH" --optimizer.lr=3e-4)
+        label="kimi_k3 deep d2048, ${K3_BATCH}x${K3_SEQ}"
+      fi
+      for r in $(seq 1 "${DOC_ROUNDS:-2}"); do
+        for mask in causal block_causal; do
+          run_cell "${cell}_${mask}_r$r" "$label, documents of mean ${DOC_MEAN:-1024}, $mask, round $r" \
+            "$data" "${args[@]}" --model.attn_mask_type=$mask
+        done
+      done
+      MODES=$saved_modes
+      ;;
     gpt2)
       data=$WORK/random_v50257.u32
       make_random_tokens "$data" 50257 $(((STEPS + 4) * 8 * 1024 + 1))
@@ -244,7 +303,7 @@ for cell in $CELLS; do
         say "debug: data/fortunes.tok not carried: skipped"
       fi
       ;;
-    *) say "unknown cell '$cell' (1B, 1Bab, gpt2, k3, k3plain, k3gemm, k3gemmplain, k3gemmab, debug)" ;;
+    *) say "unknown cell '$cell' (1B, 1Bab, 1Bdocs, gpt2, k3, k3plain, k3gemm, k3gemmplain, k3gemmab, k3docs, debug)" ;;
   esac
 done
 
@@ -301,6 +360,18 @@ torch_v=$("$PY" -c 'import torch;print(torch.__version__)' 2>/dev/null)
       --name "AttnRes overhead (viaduct, kimi_k3 deep d2048 MLA+dense ${K3_BATCH}x${K3_SEQ}: step time k3gemm / k3gemmplain - 1)" \
       --with "$OUT/k3gemm.viaduct.metrics.jsonl" --without "$OUT/k3gemmplain.viaduct.metrics.jsonl"
   fi
+  for cell in 1Bdocs k3docs; do
+    [ -f "$OUT/${cell}_causal_r1.viaduct.metrics.jsonl" ] || continue
+    ab=()
+    for r in $(seq 1 "${DOC_ROUNDS:-2}"); do
+      ab+=(--with "$OUT/${cell}_block_causal_r$r.viaduct.metrics.jsonl"
+        --without "$OUT/${cell}_causal_r$r.viaduct.metrics.jsonl")
+    done
+    echo
+    "$PY" reference/torch_llama.py overhead --timing-warmup "$WARM" \
+      --name "block_causal's cost ($cell, documents of mean ${DOC_MEAN:-1024}, ${DOC_ROUNDS:-2} rounds: step time block_causal / causal - 1)" \
+      "${ab[@]}"
+  done
 } >"$RESULTS"
 say "done; per-process logs and JSON in $OUT"
 cat "$RESULTS"

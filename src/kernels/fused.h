@@ -138,14 +138,17 @@ at::Tensor saved_read_slot(torch::autograd::AutogradContext* ctx, size_t i);
 // (kernels/kda.h): chunk kKdaKernelChunk, fp32 q, k, v, g: [B, T, H, D],
 // beta [B, T, H], D of 64 or 128 (dk = dv); initial_state [B, H, D, D] or
 // undefined. Returns o [B, T, H, D] and the final state [B, H, D, D], both
-// differentiable (the initial state too). kda_usable: the kernels take q and
-// v (false in the CPU build).
+// differentiable (the initial state too). chunk_starts: undefined, or uint8
+// [B, ceil(T / 64)] on q's device, 1 where the state restarts from zero as
+// the chunk starts (packed documents, see Note [Packed documents]).
+// kda_usable: the kernels take q and v (false in the CPU build).
 constexpr int64_t kKdaKernelChunk = 64;
 bool kda_usable(const at::Tensor& q, const at::Tensor& v);
 std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tensor& k,
                                             const at::Tensor& v, const at::Tensor& g,
                                             const at::Tensor& beta,
-                                            const at::Tensor& initial_state);
+                                            const at::Tensor& initial_state,
+                                            const at::Tensor& chunk_starts = {});
 
 // MoE routing on viaduct's kernels (kernels/moe_route.h). moe_topk: the k
 // experts of the largest scores + bias per row of scores [N, E] (fp32, on

@@ -76,7 +76,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor&, i
 bool kda_usable(const at::Tensor&, const at::Tensor&) { return false; }
 std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor&, const at::Tensor&,
                                             const at::Tensor&, const at::Tensor&,
-                                            const at::Tensor&, const at::Tensor&) {
+                                            const at::Tensor&, const at::Tensor&,
+                                            const at::Tensor&) {
   no_cuda("kda_chunk");
 }
 

@@ -408,6 +408,9 @@ struct ScanArgs {
   const float* dec;                    // [Z][D]
   const float* Y;                      // [Z][D][D] or null
   const float* S0;                     // [B H][D][D] or null
+  // [B][N] or null: the state is zero as a flagged chunk starts (forward);
+  // the gradient of the state before a flagged chunk is zero (backward).
+  const uint8_t* restarts;
   float s1, s2;
   bool reverse;
   float* x;        int64_t x_stride;   // [Z][C][x_stride]
@@ -521,6 +524,22 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(KdaShape s, ScanArgs
   for (int64_t step = 0; step < N; ++step) {
     const int64_t n = chunk_of(step), z = bh * N + n, zc = z * C;
     const int b = static_cast<int>(step & 1);
+    // A restart: forward, this chunk starts from zero; backward (S the
+    // gradient of the state after chunk n), the next chunk started from
+    // zero, so nothing of it reaches chunk n. Each thread clears its own
+    // part of the state and of its mirror Ss (read after the sync below).
+    const int64_t flagged = p.reverse ? n + 1 : n;
+    if (p.restarts != nullptr && flagged < N && p.restarts[(bh / s.H) * N + flagged]) {
+#pragma unroll
+      for (int j = 0; j < ST; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          S[j][2 * h] = S[j][2 * h + 1] = 0.f;
+          *reinterpret_cast<float2*>(Ss + (srow(j) + g + 8 * h) * PV + col) =
+              make_float2(0.f, 0.f);
+        }
+      }
+    }
     cp_async_wait_all();
     __syncthreads();  // this chunk's M1, M2 and the state's mirror Ss visible to all
     if (step + 1 < N) {
@@ -612,6 +631,14 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(KdaShape s, ScanArgs
       }
     }
     cur = next;
+  }
+  // Backward: a restart at chunk 0 leaves S0 unread, so dS0 is zero.
+  if (p.reverse && p.restarts != nullptr && N > 0 && p.restarts[(bh / s.H) * N]) {
+#pragma unroll
+    for (int j = 0; j < ST; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) S[j][e] = 0.f;
+    }
   }
   store_state(p.final_state + bh * D * D);
 }
@@ -904,23 +931,25 @@ cudaError_t launch_scan(const KdaShape& s, const ScanArgs& p, cudaStream_t strea
 }  // namespace
 
 cudaError_t kda_scan_forward(const KdaShape& s, const float* WU, const float* ke,
-                             const float* dec, const float* S0, float* vnew, float* states,
-                             float* final_state, cudaStream_t stream) {
+                             const float* dec, const float* S0, const uint8_t* restarts,
+                             float* vnew, float* states, float* final_state,
+                             cudaStream_t stream) {
   const int64_t D = s.D;
   return launch_scan(s,
-                     {WU + D, 2 * D, WU, 2 * D, ke, D, dec, nullptr, S0, -1.f, 1.f, false, vnew, D,
-                      states, final_state, nullptr, nullptr},
+                     {WU + D, 2 * D, WU, 2 * D, ke, D, dec, nullptr, S0, restarts, -1.f, 1.f,
+                      false, vnew, D, states, final_state, nullptr, nullptr},
                      stream);
 }
 
 cudaError_t kda_scan_backward(const KdaShape& s, const float* WU, const float* ke,
                               const float* dec, const float* X, const float* Y, const float* dSN,
-                              const float* states, float* dvnew, int64_t dvnew_stride,
-                              float* dstates, float* dS0, float* ddec_part, cudaStream_t stream) {
+                              const uint8_t* restarts, const float* states, float* dvnew,
+                              int64_t dvnew_stride, float* dstates, float* dS0, float* ddec_part,
+                              cudaStream_t stream) {
   const int64_t D = s.D;
   return launch_scan(s,
-                     {X, D, ke, D, WU, 2 * D, dec, Y, dSN, 1.f, -1.f, true, dvnew, dvnew_stride,
-                      dstates, dS0, states, ddec_part},
+                     {X, D, ke, D, WU, 2 * D, dec, Y, dSN, restarts, 1.f, -1.f, true, dvnew,
+                      dvnew_stride, dstates, dS0, states, ddec_part},
                      stream);
 }
 

@@ -58,9 +58,13 @@ cudaError_t kda_intra_forward(const KdaShape& s, const float* q, const float* k,
 // starts [Z, D, D] and the final state [B H, D, D]:
 //   v'_n = U_n - W_n S_n;  S_n+1 = dec_n * S_n + ke_n^T v'_n
 // (o_n = qe_n S_n + Aqk_n v'_n is then a batched GEMM for the caller.)
+// restarts [B][N] (null: none): where set, S_n is zero instead (a packed
+// document's first chunk); the backward then passes no gradient back past
+// that chunk.
 cudaError_t kda_scan_forward(const KdaShape& s, const float* WU, const float* ke,
-                             const float* dec, const float* S0, float* vnew, float* states,
-                             float* final_state, cudaStream_t stream);
+                             const float* dec, const float* S0, const uint8_t* restarts,
+                             float* vnew, float* states, float* final_state,
+                             cudaStream_t stream);
 
 // The state pass backward, chunks in reverse, from X = Aqk^T do [Z, C, D],
 // Y = qe^T do [Z, D, D] and dS_N [B H, D, D] (null: zero). Writes dv'
@@ -74,8 +78,9 @@ cudaError_t kda_scan_forward(const KdaShape& s, const float* WU, const float* ke
 int64_t kda_ddec_parts(int64_t head_dim);
 cudaError_t kda_scan_backward(const KdaShape& s, const float* WU, const float* ke,
                               const float* dec, const float* X, const float* Y, const float* dSN,
-                              const float* states, float* dvnew, int64_t dvnew_stride,
-                              float* dstates, float* dS0, float* ddec_part, cudaStream_t stream);
+                              const uint8_t* restarts, const float* states, float* dvnew,
+                              int64_t dvnew_stride, float* dstates, float* dS0, float* ddec_part,
+                              cudaStream_t stream);
 
 // The products over the chunks, C_z = alpha A_z B_z + beta C_z for every z
 // of a batch, in fp32 on the tensor cores (split-tf32: three tf32 products

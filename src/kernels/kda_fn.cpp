@@ -23,6 +23,7 @@ using torch::autograd::variable_list;
 
 const float* ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 float* mut(at::Tensor& t) { return t.data_ptr<float>(); }
+const uint8_t* flags(const at::Tensor& t) { return t.defined() ? t.data_ptr<uint8_t>() : nullptr; }
 
 cuda::KdaShape shape_of(const at::Tensor& q) {
   return {q.size(0), q.size(1), q.size(2), q.size(3)};
@@ -76,15 +77,23 @@ at::Tensor chunk_mm(const at::Tensor& a, const at::Tensor& b, cudaStream_t strea
 class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
  public:
   // S0: [B, H, D, D], or a 0-size stand-in for a zero state (custom
-  // functions take no undefined inputs on LibTorch 2.x).
+  // functions take no undefined inputs on LibTorch 2.x); restarts: uint8
+  // [B, N] or 0-size (none), not differentiable.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q_in,
                                const at::Tensor& k_in, const at::Tensor& v_in,
                                const at::Tensor& g_in, const at::Tensor& beta_in,
-                               const at::Tensor& S0_in) {
+                               const at::Tensor& S0_in, const at::Tensor& restarts_in) {
     auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
     auto g = g_in.contiguous(), beta = beta_in.contiguous();
     auto S0 = S0_in.numel() ? S0_in.contiguous() : at::Tensor();
+    auto restarts = restarts_in.numel() ? restarts_in.contiguous() : at::Tensor();
     const auto s = shape_of(q);
+    VIADUCT_CHECK(!restarts.defined() ||
+                      (restarts.scalar_type() == at::kByte && restarts.device() == q.device() &&
+                       restarts.numel() == s.B * s.chunks()),
+                  "kda_chunk: chunk starts must be uint8 [B, N] = [", s.B, ", ", s.chunks(),
+                  "] on ", q.device(), ", got ", restarts.sizes(), " ", restarts.scalar_type(),
+                  " on ", restarts.device());
     const auto C = cuda::kKdaChunk, Z = s.Z(), D = s.D;
     const auto opt = q.options();
     auto Aqk = at::empty({Z, C, C}, opt), Kp = at::empty({Z, C, C}, opt);
@@ -101,14 +110,15 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     auto vnew = at::empty({Z, C, D}, opt);
     auto states = at::empty({Z, D, D}, opt);
     auto final_state = at::empty({s.B, s.H, D, D}, opt);
-    check_launch(cuda::kda_scan_forward(s, ptr(WU), ptr(ke), ptr(dec), ptr(S0), mut(vnew),
-                                        mut(states), mut(final_state), stream),
+    check_launch(cuda::kda_scan_forward(s, ptr(WU), ptr(ke), ptr(dec), ptr(S0), flags(restarts),
+                                        mut(vnew), mut(states), mut(final_state), stream),
                  "kda_scan_forward");
     auto o_z = chunk_mm(qe, states, stream);
     chunk_gemm(o_z, Aqk, vnew, 1.f, 1.f, stream);
     auto o = from_chunks(o_z, s);
     ctx->save_for_backward({q, k, v, g, beta, Kp, Tm, WU, qe, ke, dec, Aqk, vnew, states});
     ctx->saved_data["has_S0"] = S0.defined();
+    ctx->saved_data["restarts"] = restarts_in;
     return {o, final_state};
   }
 
@@ -117,6 +127,8 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &g = saved[3], &beta = saved[4];
     const auto &Kp = saved[5], &Tm = saved[6], &WU = saved[7], &qe = saved[8], &ke = saved[9];
     const auto &dec = saved[10], &Aqk = saved[11], &vnew = saved[12], &states = saved[13];
+    const auto restarts_in = ctx->saved_data["restarts"].toTensor();
+    const auto restarts = restarts_in.numel() ? restarts_in.contiguous() : at::Tensor();
     const auto s = shape_of(q);
     const auto C = cuda::kKdaChunk, Z = s.Z(), D = s.D;
     const auto opt = q.options();
@@ -133,8 +145,8 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     auto X = chunk_mm(Aqk.transpose(1, 2), do_z, stream);
     auto Y = chunk_mm(qe.transpose(1, 2), do_z, stream);
     check_launch(cuda::kda_scan_backward(s, ptr(WU), ptr(ke), ptr(dec), ptr(X), ptr(Y), ptr(dSN),
-                                         ptr(states), mut(dWU) + D, 2 * D, mut(dstates), mut(dS0),
-                                         mut(ddec_part), stream),
+                                         flags(restarts), ptr(states), mut(dWU) + D, 2 * D,
+                                         mut(dstates), mut(dS0), mut(ddec_part), stream),
                  "kda_scan_backward");
     X.reset();
     Y.reset();
@@ -164,7 +176,7 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
                      .transpose(1, 2)
                      .contiguous();
     const bool has_S0 = ctx->saved_data["has_S0"].toBool();
-    return {dq, dk, dv, dg, dbeta, has_S0 ? dS0 : at::Tensor()};
+    return {dq, dk, dv, dg, dbeta, has_S0 ? dS0 : at::Tensor(), at::Tensor()};
   }
 };
 
@@ -178,7 +190,8 @@ bool kda_usable(const at::Tensor& q, const at::Tensor& v) {
 std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tensor& k,
                                             const at::Tensor& v, const at::Tensor& g,
                                             const at::Tensor& beta,
-                                            const at::Tensor& initial_state) {
+                                            const at::Tensor& initial_state,
+                                            const at::Tensor& chunk_starts) {
   RECORD_FUNCTION("viaduct::kda_chunk", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(kda_usable(q, v) && q.sizes() == k.sizes() && q.sizes() == v.sizes() &&
                     q.sizes() == g.sizes() && beta.dim() == 3 &&
@@ -190,7 +203,9 @@ std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tenso
   auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
   at::Tensor S0 = initial_state.defined() ? f(initial_state)
                                           : at::empty({0}, q.options().dtype(at::kFloat));
-  auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0);
+  at::Tensor restarts = chunk_starts.defined() ? chunk_starts
+                                               : at::empty({0}, q.options().dtype(at::kByte));
+  auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0, restarts);
   return {out[0], out[1]};
 }
 

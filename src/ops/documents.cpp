@@ -28,12 +28,128 @@ Documents::Documents(const at::Tensor& starts, bool reset_positions)
   }
 }
 
-at::Tensor Documents::cu_seqlens() const {
-  std::vector<int32_t> cu{0};
-  for (const auto& s : spans_) {
-    cu.push_back(static_cast<int32_t>(s.row * seq_len_ + s.start + s.length));
+at::Tensor Documents::cu_seqlens(at::Device device) const {
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  auto& kept = cu_seqlens_[device.str()];
+  if (!kept.defined()) {
+    std::vector<int32_t> cu{0};
+    for (const auto& s : spans_) {
+      cu.push_back(static_cast<int32_t>(s.row * seq_len_ + s.start + s.length));
+    }
+    kept = at::tensor(cu, at::kInt).to(device);
   }
-  return at::tensor(cu, at::kInt);
+  return kept;
+}
+
+const PackedSpans& Documents::packed(int64_t align, int64_t gap, at::Device device) const {
+  VIADUCT_CHECK(align >= 1 && gap >= 0, "packed documents: align ", align, " and gap ", gap,
+                " (align >= 1, gap >= 0)");
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  auto& kept = packed_[std::to_string(align) + "/" + std::to_string(gap) + "/" + device.str()];
+  if (kept) return *kept;
+  auto p = std::make_unique<PackedSpans>();
+  p->align = align;
+  const int64_t tokens = rows_ * seq_len_;
+  std::vector<int64_t> gather, scatter(static_cast<size_t>(tokens));
+  int64_t end = 0;
+  for (size_t i = 0; i < spans_.size(); ++i) {
+    const auto& s = spans_[i];
+    int64_t at = i == 0 ? 0 : end + gap;
+    at = (at + align - 1) / align * align;
+    gather.resize(static_cast<size_t>(at), tokens);  // zero rows up to the span
+    p->span_rows.push_back(at);
+    for (int64_t t = 0; t < s.length; ++t) {
+      const int64_t token = s.row * seq_len_ + s.start + t;
+      scatter[static_cast<size_t>(token)] = at + t;
+      gather.push_back(token);
+    }
+    end = at + s.length;
+  }
+  p->length = end;
+  const int64_t blocks = (end + align - 1) / align;
+  std::vector<uint8_t> starts(static_cast<size_t>(blocks), 0);
+  for (const int64_t r : p->span_rows) starts[static_cast<size_t>(r / align)] = 1;
+  p->gather = at::tensor(gather, at::kLong).to(device);
+  p->scatter = at::tensor(scatter, at::kLong).to(device);
+  p->chunk_starts = at::from_blob(starts.data(), {blocks}, at::kByte).clone().to(device);
+  kept = std::move(p);
+  return *kept;
+}
+
+namespace {
+
+// Rows `index` of x2 [n, ...], where index n reads a row of zeros.
+at::Tensor take_rows(const at::Tensor& x2, const at::Tensor& index) {
+  return at::cat({x2, at::zeros({1, x2.size(1)}, x2.options())}, 0).index_select(0, index);
+}
+
+// x's first `leading` entries along its flattened leading dims as rows.
+at::Tensor as_rows(const at::Tensor& x, int64_t leading) {
+  return x.reshape({leading, -1});
+}
+
+// `lead` followed by x's sizes from dim `drop` on.
+std::vector<int64_t> with_leading(const at::Tensor& x, int64_t drop, std::vector<int64_t> lead) {
+  for (int64_t d = drop; d < x.dim(); ++d) lead.push_back(x.size(d));
+  return lead;
+}
+
+// Pack and unpack as one gather each way (see Note [Packed documents]):
+// packing reads each token once, so its backward reads each token's
+// gradient at its packed row; unpacking reads each packed row at most once
+// (zero rows never), so its backward gathers by the packing's index.
+class PackFn : public torch::autograd::Function<PackFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const PackedSpans* p) {
+    ctx->saved_data["scatter"] = p->scatter;
+    ctx->saved_data["shape"] = x.sizes().vec();
+    const int64_t tokens = x.size(0) * x.size(1);
+    return take_rows(as_rows(x, tokens), p->gather).view(with_leading(x, 2, {1, p->length}));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto scatter = ctx->saved_data["scatter"].toTensor();
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    auto g = grads[0].reshape({grads[0].size(1), -1}).index_select(0, scatter);
+    return {g.view(shape), at::Tensor()};
+  }
+};
+
+class UnpackFn : public torch::autograd::Function<UnpackFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y,
+                            const PackedSpans* p, int64_t rows, int64_t seq_len) {
+    ctx->saved_data["gather"] = p->gather;
+    ctx->saved_data["shape"] = y.sizes().vec();
+    return as_rows(y, y.size(1)).index_select(0, p->scatter).view(with_leading(y, 2, {rows, seq_len}));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto gather = ctx->saved_data["gather"].toTensor();
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    const int64_t tokens = grads[0].size(0) * grads[0].size(1);
+    auto g = take_rows(as_rows(grads[0], tokens), gather);
+    return {g.view(shape), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor pack_spans(const at::Tensor& x, const PackedSpans& p) {
+  VIADUCT_CHECK(x.dim() >= 2 && x.size(0) * x.size(1) == p.scatter.numel(),
+                "pack_spans: an input of shape ", x.sizes(), " for ", p.scatter.numel(),
+                " tokens");
+  return PackFn::apply(x, &p);
+}
+
+at::Tensor unpack_spans(const at::Tensor& y, const PackedSpans& p, int64_t rows,
+                        int64_t seq_len) {
+  VIADUCT_CHECK(y.dim() >= 2 && y.size(0) == 1 && y.size(1) == p.length &&
+                    rows * seq_len == p.scatter.numel(),
+                "unpack_spans: a packed input of shape ", y.sizes(), " for ", p.length,
+                " rows and ", rows, " x ", seq_len, " tokens");
+  return UnpackFn::apply(y, &p, rows, seq_len);
 }
 
 at::Tensor Documents::per_document(const std::vector<at::Tensor>& xs, const SpanFn& fn) const {

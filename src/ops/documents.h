@@ -22,20 +22,39 @@
 // stage boundary. A layer that checkpoints its activations keeps the
 // Documents of its micro-batch for the recompute.
 //
-// Each token mixer (attention, MLA, KDA's recurrence, the short
-// convolutions) runs per_document: every span of every row as a sequence of
-// its own, [1, L, ...], through the op's one path, and the outputs put back
-// in place -- the variable-length batch of flash's cu_seqlens, evaluated
-// span by span. A span runs the same op on the same shape as its document
-// alone from position 0, so its mixer outputs are those bits; token-wise
-// layers (projections, norms, the FFN and a dropless MoE) need nothing.
+// Each token mixer runs its documents as sequences of their own, in one of
+// two ways. Attention and MLA run per_document on the CPU (every span of
+// every row as [1, L, ...] through the op's one path, the outputs put back
+// in place) and as flash's variable-length batch (cu_seqlens) on a GPU.
+// KDA's recurrence and the short convolutions run packed
+// (see Note [Packed documents]). Either way a span meets the same
+// arithmetic as its document alone from position 0; token-wise layers
+// (projections, norms, the FFN and a dropless MoE) need nothing.
+//
+// Note [Packed documents]
+// A mixer whose work is laid out along the sequence in fixed blocks runs a
+// micro-batch's spans as one row: Documents::packed(align, gap) places the
+// spans one after another, each starting at a multiple of `align` and at
+// least `gap` rows after the previous one ends, zero rows between. The
+// short convolution packs with gap = kernel - 1: a span's first tokens read
+// the zeros before it, as they read the padding alone, and nothing of the
+// previous span. KDA packs with align = its chunk: no chunk holds two
+// spans, the zero rows after a span change nothing (beta = 0, g = 0), and
+// the scan over chunks starts the state from zero at each span's first
+// chunk (PackedSpans::chunk_starts). One launch serves every document, where
+// per_document would launch once per span; pack and unpack are gathers by
+// index in both directions (their backward is the other's forward), so no
+// sum is reordered and no atomics run.
 #pragma once
 
 #include <torch/torch.h>
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
 
 namespace viaduct::ops {
@@ -46,6 +65,17 @@ struct DocumentSpan {
   int64_t row = 0;
   int64_t start = 0;
   int64_t length = 0;
+};
+
+// A micro-batch's spans packed into one row (see Note [Packed documents]).
+struct PackedSpans {
+  int64_t length = 0;         // rows of the packed sequence
+  int64_t align = 1;          // every span starts at a multiple of it
+  at::Tensor gather;          // [length] int64: each row's token b T + t, or B T (a zero row)
+  at::Tensor scatter;         // [B T] int64: each token's packed row
+  std::vector<int64_t> span_rows;  // the packed row each span starts at
+  // [ceil(length / align)] uint8: 1 where a span starts the block (chunk).
+  at::Tensor chunk_starts;
 };
 
 class Documents {
@@ -66,9 +96,13 @@ class Documents {
   int64_t first_position(const DocumentSpan& s) const { return reset_positions_ ? 0 : s.start; }
   // [B, T] int64 on the CPU: each token's position (see first_position).
   const at::Tensor& positions() const { return positions_; }
-  // [spans + 1] int32 on the CPU: where each span starts in the B x T
-  // tokens flattened row by row, then B x T (flash's cu_seqlens).
-  at::Tensor cu_seqlens() const;
+  // [spans + 1] int32 on `device`: where each span starts in the B x T
+  // tokens flattened row by row, then B x T (flash's cu_seqlens). Made once
+  // per device and kept: every layer of the micro-batch asks for it.
+  at::Tensor cu_seqlens(at::Device device = at::kCPU) const;
+  // The spans packed with `align` and `gap` (see Note [Packed documents]),
+  // its index tensors on `device`; made once and kept.
+  const PackedSpans& packed(int64_t align, int64_t gap, at::Device device) const;
 
   // Runs `fn` on every span: its arguments are each of `xs` ([B, T, ...],
   // one row and its span cut along dim 1: [1, L, ...]); it returns
@@ -82,7 +116,16 @@ class Documents {
   bool reset_positions_ = true;
   std::vector<DocumentSpan> spans_;
   at::Tensor positions_;
+  // What cu_seqlens and packed made, by device and layout; a micro-batch's
+  // layers share one Documents, so the mutex guards the first use of each.
+  mutable std::mutex cache_mutex_;
+  mutable std::map<std::string, at::Tensor> cu_seqlens_;
+  mutable std::map<std::string, std::unique_ptr<PackedSpans>> packed_;
 };
+
+// x [B, T, ...] -> [1, length, ...] and back; differentiable.
+at::Tensor pack_spans(const at::Tensor& x, const PackedSpans& p);
+at::Tensor unpack_spans(const at::Tensor& y, const PackedSpans& p, int64_t rows, int64_t seq_len);
 
 // Shared by a micro-batch's forward and any recompute of it; null: plain
 // causal (the whole window one sequence).

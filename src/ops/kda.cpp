@@ -105,15 +105,20 @@ at::Tensor chunk_of(const at::Tensor& x, int64_t n) {
 // GEMMs over B H with the additions folded in (baddbmm): 5 launches a chunk.
 // With `states` and `vnew` it keeps S_n and v'_n for ChunkScanFn's
 // backward.
+//
+// `restarts` (empty, or one flag a chunk): the state is zero as a flagged
+// chunk starts (a document's first chunk, see Note [Packed documents]).
 at::Tensor chunk_scan(const at::Tensor& U, const at::Tensor& W, const at::Tensor& qe,
                       const at::Tensor& Aqk, const at::Tensor& Ke, const at::Tensor& d,
-                      const at::Tensor& S0, std::vector<at::Tensor>* states = nullptr,
+                      const at::Tensor& S0, const std::vector<int64_t>& restarts,
+                      std::vector<at::Tensor>* states = nullptr,
                       std::vector<at::Tensor>* vnew = nullptr) {
   const auto B = U.size(0), H = U.size(1), N = U.size(2), dv = U.size(-1);
   auto S = S0;
   std::vector<at::Tensor> outs;
   outs.reserve(N);
   for (int64_t n = 0; n < N; ++n) {
+    if (!restarts.empty() && restarts[static_cast<size_t>(n)]) S = at::zeros_like(S0);
     auto v_n = at::baddbmm(chunk_of(U, n), chunk_of(W, n), S, 1, -1);  // [BH, C, dv]
     outs.push_back(at::baddbmm(at::bmm(chunk_of(qe, n), S), chunk_of(Aqk, n), v_n));
     if (states) states->push_back(S);
@@ -128,13 +133,14 @@ class ChunkScanFn : public torch::autograd::Function<ChunkScanFn> {
   // chunk_scan's inputs and output; the backward takes 11 launches a chunk.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& U,
                             const at::Tensor& W, const at::Tensor& qe, const at::Tensor& Aqk,
-                            const at::Tensor& Ke, const at::Tensor& d, const at::Tensor& S0) {
+                            const at::Tensor& Ke, const at::Tensor& d, const at::Tensor& S0,
+                            const std::vector<int64_t>& restarts) {
     // See Note [Per-op activation checkpointing]: the scan's output and the
     // states and v' its backward reads are what a replay takes back.
     const auto N = static_cast<size_t>(U.size(2));
     auto kept = run_saved_op_outputs([&] {
       std::vector<at::Tensor> states, vnew;
-      std::vector<at::Tensor> all{chunk_scan(U, W, qe, Aqk, Ke, d, S0, &states, &vnew)};
+      std::vector<at::Tensor> all{chunk_scan(U, W, qe, Aqk, Ke, d, S0, restarts, &states, &vnew)};
       all.insert(all.end(), states.begin(), states.end());
       all.insert(all.end(), vnew.begin(), vnew.end());
       return all;
@@ -147,6 +153,7 @@ class ChunkScanFn : public torch::autograd::Function<ChunkScanFn> {
     ctx->save_for_backward({U, W, qe, Aqk, Ke, d});
     ctx->saved_data["states"] = states;
     ctx->saved_data["vnew"] = vnew;
+    ctx->saved_data["restarts"] = restarts;
     return o;
   }
 
@@ -157,6 +164,7 @@ class ChunkScanFn : public torch::autograd::Function<ChunkScanFn> {
                &d = saved[5];
     const auto states = ctx->saved_data["states"].toTensorVector();
     const auto vnew = ctx->saved_data["vnew"].toTensorVector();
+    const auto restarts = ctx->saved_data["restarts"].toIntVector();
     const auto N = static_cast<int64_t>(states.size());
     const auto& dO = grads[0];  // [B, H, N, C, dv]
     std::vector<at::Tensor> dU(N), dW(N), dqe(N), dAqk(N), dKe(N), dd(N);
@@ -174,13 +182,15 @@ class ChunkScanFn : public torch::autograd::Function<ChunkScanFn> {
       dS = at::baddbmm(at::baddbmm(chunk_of(d, n) * dS, chunk_of(qe, n).transpose(1, 2), do_n),
                        chunk_of(W, n).transpose(1, 2), dv_n, 1, -1);
       dU[n] = std::move(dv_n);
+      // A restarted chunk's state is zero, not the previous chunk's result.
+      if (!restarts.empty() && restarts[static_cast<size_t>(n)]) dS = at::zeros_like(dS);
     }
     // Each input's N chunk gradients, stacked into its [B, H, N, ...] shape.
     auto whole = [&](const std::vector<at::Tensor>& g, const at::Tensor& like) {
       return at::stack(g, 1).view(like.sizes());
     };
     return {whole(dU, U), whole(dW, W).neg_(), whole(dqe, qe),
-            whole(dAqk, Aqk), whole(dKe, Ke), whole(dd, d), dS};
+            whole(dAqk, Aqk), whole(dKe, Ke), whole(dd, d), dS, at::Tensor()};
   }
 
 };
@@ -214,7 +224,7 @@ at::Tensor kda_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
-                       const at::Tensor& initial_state) {
+                       const at::Tensor& initial_state, const at::Tensor& chunk_starts) {
   VIADUCT_CHECK(chunk_size > 0, "model.kda_chunk_size must be > 0, got ",
                 chunk_size);
   const auto st = inner_type(q);
@@ -258,11 +268,36 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   auto S0 = initial_state.defined()
                 ? initial_state.to(st).reshape({B * H, dk, dv})
                 : at::zeros({B * H, dk, dv}, qc.options());
-  auto o = ChunkScanFn::apply(U, W, qe, Aqk, k_to_end, decay_chunk, S0)
+  std::vector<int64_t> restarts;
+  if (chunk_starts.defined()) {
+    VIADUCT_CHECK(B == 1 && chunk_starts.numel() == N,
+                  "KDA chunk starts: ", chunk_starts.numel(), " flags for ", B, " x ", N,
+                  " chunks (one row)");
+    const auto flags = chunk_starts.to(at::kCPU, at::kLong).contiguous();
+    restarts.assign(flags.data_ptr<int64_t>(), flags.data_ptr<int64_t>() + N);
+  }
+  auto o = ChunkScanFn::apply(U, W, qe, Aqk, k_to_end, decay_chunk, S0, restarts)
                .reshape({B, H, N * C, dv})
                .narrow(2, 0, T);
   return o.transpose(1, 2);  // [B, T, H, dv]
 }
+
+namespace {
+
+// The op on rows that are each one sequence, or (with chunk_starts) one
+// row of packed documents.
+at::Tensor kda_row(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
+                   const KernelOptions& opts, const at::Tensor& initial_state,
+                   const at::Tensor& chunk_starts) {
+  if (chunk_size == kernels::kKdaKernelChunk && fused_runs(q, opts) &&
+      q.scalar_type() == at::kFloat && kernels::kda_usable(q, v)) {
+    return kernels::kda_chunk(q, k, v, g, beta, initial_state, chunk_starts).first;
+  }
+  return kda_chunked(q, k, v, g, beta, chunk_size, initial_state, chunk_starts);
+}
+
+}  // namespace
 
 at::Tensor kda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                const at::Tensor& beta, int64_t chunk_size, const KernelOptions& opts,
@@ -270,16 +305,14 @@ at::Tensor kda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   if (documents != nullptr) {
     VIADUCT_CHECK(!initial_state.defined(),
                   "KDA over documents starts each from zero; an initial state has no document");
-    return documents->per_document({q, k, v, g, beta}, [&](const std::vector<at::Tensor>& d,
-                                                           const DocumentSpan&) {
-      return kda(d[0], d[1], d[2], d[3], d[4], chunk_size, opts);
-    });
+    // One row of chunk-aligned spans, the state restarted at each (see Note
+    // [Packed documents]).
+    const auto& p = documents->packed(chunk_size, 0, q.device());
+    auto o = kda_row(pack_spans(q, p), pack_spans(k, p), pack_spans(v, p), pack_spans(g, p),
+                     pack_spans(beta, p), chunk_size, opts, {}, p.chunk_starts);
+    return unpack_spans(o, p, q.size(0), q.size(1));
   }
-  if (chunk_size == kernels::kKdaKernelChunk && fused_runs(q, opts) &&
-      q.scalar_type() == at::kFloat && kernels::kda_usable(q, v)) {
-    return kernels::kda_chunk(q, k, v, g, beta, initial_state).first;
-  }
-  return kda_chunked(q, k, v, g, beta, chunk_size, initial_state);
+  return kda_row(q, k, v, g, beta, chunk_size, opts, initial_state, {});
 }
 
 }  // namespace viaduct::ops

@@ -105,7 +105,7 @@ at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at
   const auto B = q.size(0), T = q.size(1);
   int64_t longest = 0;
   for (const auto& s : documents.spans()) longest = std::max(longest, s.length);
-  const auto cu = documents.cu_seqlens().to(q.device());
+  const auto cu = documents.cu_seqlens(q.device());
   auto flat = [&](const at::Tensor& x) { return x.reshape({B * T, x.size(2), x.size(3)}); };
   return varlen_causal_attention(flat(q), flat(k), flat(v), cu, longest)
       .view({B, T, q.size(2), v.size(3)});

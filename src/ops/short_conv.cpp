@@ -7,22 +7,26 @@ namespace viaduct::ops {
 at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight, const KernelOptions& k,
                            const Documents* documents) {
   if (documents != nullptr) {
-    return documents->per_document({x}, [&](const std::vector<at::Tensor>& d, const DocumentSpan&) {
-      return short_conv_silu(d[0], weight, k);
-    });
+    // Packed with kernel - 1 zero rows before each span: one pass over
+    // every document (see Note [Packed documents]).
+    const auto& p = documents->packed(1, weight.size(1) - 1, x.device());
+    return unpack_spans(short_conv_silu(pack_spans(x, p), weight, k), p, x.size(0), x.size(1));
   }
   if (fused_runs(x, k) && kernels::short_conv_silu_usable(x, weight)) {
     return kernels::short_conv_silu(x, weight);
   }
+  // The filter as K shifted products added in tap order, in fp32 (fp64 for
+  // fp64 x): each output's sum has the same terms in the same order
+  // wherever the token sits in the sequence, so a packed document gets its
+  // bits alone (see Note [Packed documents]) -- a convolution library's
+  // blocking depends on the sequence's length.
   const auto T = x.size(1), K = weight.size(1);
-  auto w = weight.to(x.scalar_type()).unsqueeze(1);  // [C, 1, K]
-  auto y = at::conv1d(x.transpose(1, 2), w, {}, /*stride=*/1,
-                      /*padding=*/K - 1, /*dilation=*/1,
-                      /*groups=*/weight.size(0));  // [B, C, T + K - 1]
-  // [B, T, C] laid out densely, as the kernel's and as documents put back
-  // together (see Note [Document boundaries]): the ops after it reduce
-  // over C in the order its layout gives.
-  return at::silu(y.narrow(2, 0, T).transpose(1, 2)).contiguous();
+  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  auto xp = at::constant_pad_nd(x.to(acc), {0, 0, K - 1, 0});  // [B, T + K - 1, C]
+  auto w = weight.to(acc);                                      // [C, K]
+  at::Tensor y = xp.narrow(1, 0, T) * w.select(1, 0);
+  for (int64_t j = 1; j < K; ++j) y = y + xp.narrow(1, j, T) * w.select(1, j);
+  return at::silu(y).to(x.scalar_type());
 }
 
 }  // namespace viaduct::ops

@@ -1011,6 +1011,41 @@ TEST(FusedKernels, ShortConvSiluMatchesAtenConv) {
   }
 }
 
+// The short convolution over packed documents on the kernel
+// (see Note [Packed documents]) against the kernel on each document alone: outputs
+// and the input's gradient bit for bit; the weight's gradient sums over
+// every document in another order, so it is compared with the sum of the
+// documents' own within rounding.
+TEST(FusedKernels, PackedShortConvIsEachDocumentAlone) {
+  REQUIRE_GPU();
+  const int64_t B = 2, T = 150, C = 72, K = 4;
+  auto starts = at::zeros({B, T}, at::kBool);
+  for (const int64_t t : {1, 2, 40, 149}) starts[0][t] = true;
+  starts[1][77] = true;
+  const ops::Documents docs(starts, true);
+  for (auto t : kTypes) {
+    const auto seed = fresh_seed();
+    auto x = at::randn({B, T, C}, at::TensorOptions(at::kCUDA).dtype(t)).requires_grad_(true);
+    auto w = (at::randn({C, K}, at::TensorOptions(at::kCUDA)) * 0.5).requires_grad_(true);
+    auto y = ops::short_conv_silu(x, w, ops::KernelOptions{}, &docs);
+    auto dy = at::randn(y.sizes(), y.options());
+    y.backward(dy);
+    at::Tensor w_sum = at::zeros_like(w);
+    for (const auto& s : docs.spans()) {
+      auto cut = [&](const at::Tensor& a) { return a.narrow(0, s.row, 1).narrow(1, s.start, s.length); };
+      auto xa = cut(x).detach().clone().requires_grad_(true);
+      auto wa = w.detach().clone().requires_grad_(true);
+      auto ya = ops::short_conv_silu(xa, wa, ops::KernelOptions{});
+      ya.backward(cut(dy));
+      w_sum += wa.grad();
+      EXPECT_TRUE(at::equal(cut(y), ya)) << "seed " << seed << " " << t << " span at " << s.start;
+      EXPECT_TRUE(at::equal(cut(x.grad()), xa.grad()))
+          << "seed " << seed << " " << t << " span at " << s.start;
+    }
+    EXPECT_LT(rel_err(w.grad(), w_sum), bound(t)) << "seed " << seed << " " << t;
+  }
+}
+
 // The table's gradient against a host loop that adds each token's rows in
 // increasing row order (the kernel's order: equal bits), and against
 // ATen's embedding backward (another order: close). Token 7 takes a third of

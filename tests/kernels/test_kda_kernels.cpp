@@ -273,5 +273,47 @@ TEST(KdaKernelsLayer, LayerMatchesAtenForm) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_LT(rel_err(a[i], b[i]), 2e-2) << "tensor " << i;
 }
 
+// Packed documents on the kernels (see Note [Packed documents]): one call
+// over a micro-batch's documents, the state restarted at each document's
+// first chunk, against ops::kda on each document alone (the kernels again,
+// one call a document): outputs and every input's gradient bit for bit.
+// Documents of 1 token, shorter than a chunk, across chunk edges, and a
+// window cut mid-document.
+TEST(KdaKernelsState, PackedDocumentsAreEachAlone) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t B = 2, T = 200, H = 2;
+  auto starts = at::zeros({B, T}, at::kBool);
+  for (const int64_t t : {1, 70, 135, 199}) starts[0][t] = true;
+  for (const int64_t t : {64, 100}) starts[1][t] = true;
+  const ops::Documents docs(starts, true);
+  for (const int64_t D : {64, 128}) {
+    const auto in = draw(B, T, H, D, false);
+    std::vector<at::Tensor> x;
+    for (int i = 0; i < 5; ++i) x.push_back(in.x[i].to(at::kCUDA, at::kFloat).requires_grad_());
+    auto run = [](const std::vector<at::Tensor>& a, const ops::Documents* d) {
+      return ops::kda(a[0], a[1], a[2], a[3], a[4], 64, ops::KernelOptions{}, {}, d);
+    };
+    auto y = run(x, &docs);
+    auto w = at::randn(y.sizes(), y.options());
+    auto grads = torch::autograd::grad({(y * w).sum()}, x);
+    for (const auto& s : docs.spans()) {
+      auto cut = [&](const at::Tensor& t) { return t.narrow(0, s.row, 1).narrow(1, s.start, s.length); };
+      std::vector<at::Tensor> alone;
+      for (const auto& t : x) alone.push_back(cut(t).detach().clone().requires_grad_());
+      auto ya = run(alone, nullptr);
+      auto ga = torch::autograd::grad({(ya * cut(w)).sum()}, alone);
+      SCOPED_TRACE("D " + std::to_string(D) + ", row " + std::to_string(s.row) + ", span at " +
+                   std::to_string(s.start) + " of " + std::to_string(s.length));
+      EXPECT_TRUE(at::equal(cut(y), ya)) << "output, rel err " << rel_err(cut(y), ya);
+      for (int i = 0; i < 5; ++i) {
+        EXPECT_TRUE(at::equal(cut(grads[i]), ga[i]))
+            << "gradient of " << kNames[i] << ", rel err " << rel_err(cut(grads[i]), ga[i]);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace viaduct

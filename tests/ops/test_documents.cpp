@@ -1,12 +1,17 @@
 // ops::Documents: the spans, positions and cu_seqlens of hand-written
-// document starts, and per_document putting every span's result back in
-// place (against the same op run on each span by hand).
+// document starts, per_document putting every span's result back in place
+// (against the same op run on each span by hand), the packed layout against
+// hand-placed rows, pack and unpack and their gradients against gathers
+// written out, and the packed mixers (KDA's chunked recurrence, the short
+// convolution) against each document run alone.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <array>
 
 #include "ops/documents.h"
+#include "ops/kda.h"
+#include "ops/short_conv.h"
 
 namespace viaduct::ops {
 namespace {
@@ -51,6 +56,133 @@ TEST(Documents, PerDocumentPutsResultsInPlace) {
     reference[s.row].narrow(0, s.start, s.length).copy_(x[s.row].narrow(0, s.start, s.length).cumsum(0));
   }
   EXPECT_TRUE(at::equal(y, reference));
+}
+
+TEST(Documents, PackedPlacesSpansOnAlignedRows) {
+  // Spans: row 0 [0, 2) [2, 5) [5, 6); row 1 [0, 6) (6 tokens a row).
+  const Documents d(starts_of({{0, 0, 1, 0, 0, 1}, {1, 0, 0, 0, 0, 0}}), true);
+  // align 4, no gap: the spans at rows 0, 4, 8, 12; 12 + 6 = 18 rows.
+  const auto& a = d.packed(4, 0, at::kCPU);
+  EXPECT_EQ(a.length, 18);
+  EXPECT_EQ(a.span_rows, (std::vector<int64_t>{0, 4, 8, 12}));
+  const int64_t z = 12;  // the zero row's index (B T)
+  EXPECT_TRUE(at::equal(a.gather, at::tensor(std::vector<int64_t>{0, 1, z, z, 2, 3, 4, z, 5, z,
+                                                                   z, z, 6, 7, 8, 9, 10, 11})));
+  EXPECT_TRUE(at::equal(a.scatter, at::tensor(std::vector<int64_t>{0, 1, 4, 5, 6, 8, 12, 13,
+                                                                    14, 15, 16, 17})));
+  EXPECT_TRUE(at::equal(a.chunk_starts, at::tensor(std::vector<uint8_t>{1, 1, 1, 1, 0})));
+  // align 1, gap 2: two zero rows between spans, none before the first.
+  const auto& c = d.packed(1, 2, at::kCPU);
+  EXPECT_EQ(c.span_rows, (std::vector<int64_t>{0, 4, 9, 12}));
+  EXPECT_EQ(c.length, 18);
+  EXPECT_TRUE(at::equal(c.scatter, at::tensor(std::vector<int64_t>{0, 1, 4, 5, 6, 9, 12, 13, 14,
+                                                                    15, 16, 17})));
+  // Asked again: the same object, made once.
+  EXPECT_EQ(&d.packed(4, 0, at::kCPU), &a);
+  EXPECT_EQ(d.cu_seqlens(at::kCPU).data_ptr(), d.cu_seqlens().data_ptr());
+}
+
+TEST(Documents, PackAndUnpackAreGathersBothWays) {
+  const Documents d(starts_of({{1, 0, 1, 0, 0, 1, 0}, {0, 1, 0, 0, 0, 0, 1}}), true);
+  const auto& p = d.packed(4, 1, at::kCPU);
+  auto x = at::randn({2, 7, 3}, at::kDouble).requires_grad_();
+  auto packed = pack_spans(x, p);
+  ASSERT_EQ(packed.sizes(), (std::vector<int64_t>{1, p.length, 3}));
+  // Each packed row is its token's row, or zeros.
+  auto rows = x.detach().reshape({14, 3});
+  for (int64_t r = 0; r < p.length; ++r) {
+    const int64_t t = p.gather[r].item<int64_t>();
+    const auto want = t == 14 ? at::zeros({3}, at::kDouble) : rows[t];
+    EXPECT_TRUE(at::equal(packed[0][r], want)) << "packed row " << r;
+  }
+  // Unpacking gives x back exactly.
+  auto back = unpack_spans(packed, p, 2, 7);
+  EXPECT_TRUE(at::equal(back, x.detach()));
+  // Gradients: through pack, each token's weight at its packed row; through
+  // unpack, each packed row's token weight, zero rows nothing.
+  auto w_packed = at::randn({1, p.length, 3}, at::kDouble);
+  auto gx = torch::autograd::grad({(pack_spans(x, p) * w_packed).sum()}, {x})[0];
+  EXPECT_TRUE(at::equal(gx, w_packed[0].index_select(0, p.scatter).view({2, 7, 3})));
+  auto y = at::randn({1, p.length, 3}, at::kDouble).requires_grad_();
+  auto w = at::randn({2, 7, 3}, at::kDouble);
+  auto gy = torch::autograd::grad({(unpack_spans(y, p, 2, 7) * w).sum()}, {y})[0];
+  auto want = at::cat({w.reshape({14, 3}), at::zeros({1, 3}, at::kDouble)}).index_select(0, p.gather);
+  EXPECT_TRUE(at::equal(gy, want.unsqueeze(0)));
+}
+
+// Documents of lengths that cross chunk edges and stop short of them; a
+// span of one token; both rows cut mid-document.
+at::Tensor mixed_starts() {
+  std::vector<int> r0(23, 0), r1(23, 0);
+  for (int t : {5, 6, 14}) r0[t] = 1;
+  for (int t : {9, 17}) r1[t] = 1;
+  return starts_of({r0, r1});
+}
+
+// Each input's span, alone: [1, L, ...].
+std::vector<at::Tensor> span_of(const std::vector<at::Tensor>& xs, const DocumentSpan& s) {
+  std::vector<at::Tensor> out;
+  for (const auto& x : xs) out.push_back(x.narrow(0, s.row, 1).narrow(1, s.start, s.length));
+  return out;
+}
+
+// The op over packed documents against the same op on each document alone,
+// outputs and every input's gradient, each span compared bitwise.
+void expect_packed_as_alone(const Documents& d, std::vector<at::Tensor> xs,
+                            const std::function<at::Tensor(const std::vector<at::Tensor>&,
+                                                           const Documents*)>& op) {
+  for (auto& x : xs) x.requires_grad_();
+  auto y = op(xs, &d);
+  auto w = at::randn(y.sizes(), y.options());
+  auto grads = torch::autograd::grad({(y * w).sum()}, xs);
+  for (const auto& s : d.spans()) {
+    std::vector<at::Tensor> alone;
+    for (const auto& x : span_of(xs, s)) alone.push_back(x.detach().clone().requires_grad_());
+    auto ya = op(alone, nullptr);
+    const auto wa = span_of({w}, s)[0];
+    auto ga = torch::autograd::grad({(ya * wa).sum()}, alone);
+    EXPECT_TRUE(at::equal(span_of({y.detach()}, s)[0], ya.detach()))
+        << "row " << s.row << " span at " << s.start << " length " << s.length << ": max diff "
+        << (span_of({y.detach()}, s)[0] - ya.detach()).abs().max().item<double>();
+    for (size_t i = 0; i < xs.size(); ++i) {
+      EXPECT_TRUE(at::equal(span_of({grads[i]}, s)[0], ga[i]))
+          << "input " << i << ", row " << s.row << " span at " << s.start << ": max diff "
+          << (span_of({grads[i]}, s)[0] - ga[i]).abs().max().item<double>();
+    }
+  }
+}
+
+TEST(Documents, PackedKdaIsEachDocumentAlone) {
+  const Documents d(mixed_starts(), true);
+  for (const auto dtype : {at::kDouble, at::kFloat}) {
+    torch::manual_seed(3);
+    const auto o = at::TensorOptions().dtype(dtype);
+    const int64_t B = 2, T = 23, H = 2, D = 4;
+    auto nrm = [](const at::Tensor& x) { return x / x.norm(2, -1, true); };
+    std::vector<at::Tensor> xs{nrm(at::randn({B, T, H, D}, o)) * 0.5, nrm(at::randn({B, T, H, D}, o)),
+                               at::randn({B, T, H, D}, o), -at::rand({B, T, H, D}, o),
+                               at::sigmoid(at::randn({B, T, H}, o))};
+    expect_packed_as_alone(d, xs, [](const std::vector<at::Tensor>& x, const Documents* docs) {
+      return kda(x[0], x[1], x[2], x[3], x[4], /*chunk_size=*/4, KernelOptions{}, {}, docs);
+    });
+  }
+}
+
+TEST(Documents, PackedShortConvIsEachDocumentAlone) {
+  const Documents d(mixed_starts(), true);
+  for (const auto dtype : {at::kDouble, at::kFloat}) {
+    torch::manual_seed(4);
+    const auto o = at::TensorOptions().dtype(dtype);
+    // 16 channels, as a model's widths are multiples of the vector width:
+    // ATen's elementwise loops take a scalar exp (silu) on a row's tail
+    // past the last full vector, a few ulp from the vector one, and a
+    // packed token's place in the row differs from its place alone.
+    auto weight = at::randn({16, 4}, o.dtype(at::kFloat));
+    expect_packed_as_alone(d, {at::randn({2, 23, 16}, o)},
+                           [&](const std::vector<at::Tensor>& x, const Documents* docs) {
+                             return short_conv_silu(x[0], weight, KernelOptions{}, docs);
+                           });
+  }
 }
 
 }  // namespace

@@ -1,0 +1,142 @@
+"""KDA over packed documents: viaduct against flash-linear-attention.
+
+Reads what `kda_documents_bench --out DIR` wrote (inputs, viaduct's output
+and gradients, cu_seqlens), runs fla's chunk_kda on the same inputs with
+cu_seqlens (the B x T tokens as one row, as fla takes documents), and
+compares both with a float64 step-by-step recurrence of each document from
+a zero state (autograd through the loop for the gradients). Then times
+fla's forward + backward with cu_seqlens and on the plain [B, T] batch.
+
+    python3 bench/layers/kda_documents_vs_fla.py --dir DIR --anchor ../shared/anchors/kda
+
+Prints one table of relative errors (max |a - b| / max |b|, and the RMS
+ratio) and one of fla's times. Runs on a GPU with Triton.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def load(d, name, shape):
+    n = 1
+    for s in shape:
+        n *= s
+    data = open(f"{d}/{name}.f32", "rb").read()
+    assert len(data) == 4 * n, f"{name}.f32: {len(data)} bytes for shape {shape}"
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).view(*shape)
+
+
+def recurrent(q, k, v, g, beta):
+    """o_t = S_t^T q_t, S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T, S_0 = 0.
+    q, k, v, g: [T, H, D]; beta: [T, H]."""
+    T, H, D = q.shape
+    S = q.new_zeros(H, D, v.shape[-1])
+    outs = []
+    for t in range(T):
+        S = S * g[t].exp().unsqueeze(-1)
+        u = v[t] - torch.einsum("hk,hkv->hv", k[t], S)
+        S = S + torch.einsum("hk,hv->hkv", beta[t].unsqueeze(-1) * k[t], u)
+        outs.append(torch.einsum("hk,hkv->hv", q[t], S))
+    return torch.stack(outs, 0)
+
+
+def errors(a, b):
+    a, b = a.double(), b.double()
+    d = (a - b).abs()
+    return d.max().item() / max(b.abs().max().item(), 1e-30), \
+        (d.pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def timed(fn, iters):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--anchor", required=True, help="the folder holding fla/ (../shared/anchors/kda)")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    sys.path.insert(0, args.anchor)
+    from fla.ops.kda import chunk_kda
+
+    meta = json.load(open(f"{args.dir}/meta.json"))
+    B, T, H, D = meta["B"], meta["T"], meta["H"], meta["D"]
+    cu = torch.tensor(meta["cu_seqlens"], dtype=torch.long)
+    dev = torch.device("cuda")
+    names = ["q", "k", "v", "g", "beta"]
+    x = {n: load(args.dir, n, [B, T, H] if n == "beta" else [B, T, H, D]) for n in names}
+    dO = load(args.dir, "do", [B, T, H, D])
+    viaduct = {"o": load(args.dir, "o", [B, T, H, D])}
+    for n in names:
+        viaduct["d" + n] = load(args.dir, "d" + n, [B, T, H] if n == "beta" else [B, T, H, D])
+
+    # fla: the tokens as one row [1, B T, ...], documents by cu_seqlens; q
+    # arrives scaled (scale 1) and normalised (no in-kernel L2 norm).
+    def flat(t):
+        return t.reshape(1, B * T, *t.shape[2:]).to(dev).requires_grad_(True)
+
+    fx = [flat(x[n]) for n in names]
+    cu_dev = cu.to(dev)
+    o_fla, _ = chunk_kda(*fx, scale=1.0, cu_seqlens=cu_dev)
+    g_fla = torch.autograd.grad(o_fla, fx, dO.reshape(1, B * T, H, D).to(dev))
+    fla = {"o": o_fla.detach().reshape(B, T, H, D).cpu()}
+    for n, gr in zip(names, g_fla):
+        fla["d" + n] = gr.reshape(x[n].shape).cpu()
+
+    # float64 reference: each document alone from a zero state.
+    rx = [x[n].reshape(B * T, *x[n].shape[2:]).to(dev, torch.float64).requires_grad_(True) for n in names]
+    outs = []
+    bounds = cu.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        outs.append(recurrent(*(t[s:e] for t in rx)))
+    o_ref = torch.cat(outs, 0)
+    g_ref = torch.autograd.grad(o_ref, rx, dO.reshape(B * T, H, D).to(dev, torch.float64))
+    ref = {"o": o_ref.detach().reshape(B, T, H, D).cpu()}
+    for n, gr in zip(names, g_ref):
+        ref["d" + n] = gr.reshape(x[n].shape).cpu()
+
+    print(f"KDA over {len(bounds) - 1} documents (mean {B * T / (len(bounds) - 1):.1f} tokens), "
+          f"{B} x {T}, {H} heads of {D}, fp32 inputs; viaduct on {meta['device']}")
+    print("| tensor | viaduct vs fp64: max rel / rms | fla vs fp64: max rel / rms | viaduct vs fla: max rel / rms |")
+    print("|---|---|---|---|")
+    for key in ["o"] + ["d" + n for n in names]:
+        cells = [errors(viaduct[key], ref[key]), errors(fla[key], ref[key]), errors(viaduct[key], fla[key])]
+        print(f"| {key} | " + " | ".join(f"{m:.2e} / {r:.2e}" for m, r in cells) + " |")
+
+    # fla's own cost of documents: cu_seqlens against the plain batch.
+    px = [x[n].to(dev).requires_grad_(True) for n in names]
+    dO_dev = dO.to(dev)
+
+    def fla_docs():
+        o, _ = chunk_kda(*fx, scale=1.0, cu_seqlens=cu_dev)
+        torch.autograd.grad(o, fx, dO_dev.reshape(1, B * T, H, D))
+
+    def fla_causal():
+        o, _ = chunk_kda(*px, scale=1.0)
+        torch.autograd.grad(o, px, dO_dev)
+
+    causal = timed(fla_causal, args.iters)
+    docs = timed(fla_docs, args.iters)
+    print()
+    print("| fla chunk_kda fwd+bwd | ms | vs causal |")
+    print("|---|---|---|")
+    print(f"| causal ([B, T]) | {causal:.3f} | 1.00x |")
+    print(f"| documents (cu_seqlens) | {docs:.3f} | {docs / causal:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
