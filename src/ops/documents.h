@@ -29,7 +29,11 @@
 // KDA's recurrence and the short convolutions run packed
 // (see Note [Packed documents]). Either way a span meets the same
 // arithmetic as its document alone from position 0; token-wise layers
-// (projections, norms, the FFN and a dropless MoE) need nothing.
+// (projections, norms, the FFN and a dropless MoE) need nothing. One caveat
+// on the CPU: ATen's elementwise loops take a tensor's last partial vector
+// through scalar transcendentals (exp, a few ulp from the vector ones), so
+// a sigmoid or softmax over a per-token width that is not a multiple of
+// the vector length can round a token by its place in the micro-batch.
 //
 // Note [Packed documents]
 // A mixer whose work is laid out along the sequence in fixed blocks runs a
