@@ -182,7 +182,8 @@ int main(int argc, char** argv) {
   // l2_normalize, then ops::kda on fp32 values). viaduct's kernels run at
   // chunk 64 on a GPU they were built for, the ATen form otherwise.
   for (int64_t chunk : {16, 64}) {
-    torch::nn::Module none;
+    auto none_holder = std::make_shared<torch::nn::Module>();  // set_kernel_options walks modules()
+    auto& none = *none_holder;
     const auto o = at::TensorOptions().device(dev);
     auto q = at::randn({B, T, H, hd}, o).to(dtype).requires_grad_(true);
     auto k = at::randn({B, T, H, hd}, o).to(dtype).requires_grad_(true);

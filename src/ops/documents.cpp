@@ -1,5 +1,7 @@
 #include "ops/documents.h"
 
+#include <algorithm>
+
 #include "core/check.h"
 
 namespace viaduct::ops {
@@ -49,29 +51,40 @@ const PackedSpans& Documents::packed(int64_t align, int64_t gap, at::Device devi
   if (kept) return *kept;
   auto p = std::make_unique<PackedSpans>();
   p->align = align;
-  const int64_t tokens = rows_ * seq_len_;
-  std::vector<int64_t> gather, scatter(static_cast<size_t>(tokens));
-  int64_t end = 0;
+  // Each span's packed place in its row: the row's first at 0, each next
+  // at least `gap` after the one before it ends, on a multiple of `align`.
+  std::vector<int64_t> end_of_row(static_cast<size_t>(rows_), 0);
   for (size_t i = 0; i < spans_.size(); ++i) {
     const auto& s = spans_[i];
-    int64_t at = i == 0 ? 0 : end + gap;
-    at = (at + align - 1) / align * align;
-    gather.resize(static_cast<size_t>(at), tokens);  // zero rows up to the span
+    int64_t& end = end_of_row[static_cast<size_t>(s.row)];
+    const bool first = i == 0 || spans_[i - 1].row != s.row;
+    const int64_t at = first ? 0 : (end + gap + align - 1) / align * align;
     p->span_rows.push_back(at);
-    for (int64_t t = 0; t < s.length; ++t) {
-      const int64_t token = s.row * seq_len_ + s.start + t;
-      scatter[static_cast<size_t>(token)] = at + t;
-      gather.push_back(token);
-    }
     end = at + s.length;
   }
-  p->length = end;
-  const int64_t blocks = (end + align - 1) / align;
-  std::vector<uint8_t> starts(static_cast<size_t>(blocks), 0);
-  for (const int64_t r : p->span_rows) starts[static_cast<size_t>(r / align)] = 1;
+  const int64_t length =
+      rows_ == 0 ? 0 : *std::max_element(end_of_row.begin(), end_of_row.end());
+  p->length = length;
+  const int64_t tokens = rows_ * seq_len_;
+  // Every packed place reads the zero row (index B T) unless a token goes there.
+  std::vector<int64_t> gather(static_cast<size_t>(rows_ * length), tokens);
+  std::vector<int64_t> scatter(static_cast<size_t>(tokens));
+  const int64_t blocks = (length + align - 1) / align;
+  std::vector<uint8_t> starts(static_cast<size_t>(rows_ * blocks), 0);
+  for (size_t i = 0; i < spans_.size(); ++i) {
+    const auto& s = spans_[i];
+    const int64_t at = s.row * length + p->span_rows[i];
+    for (int64_t t = 0; t < s.length; ++t) {
+      const int64_t token = s.row * seq_len_ + s.start + t;
+      gather[static_cast<size_t>(at + t)] = token;
+      scatter[static_cast<size_t>(token)] = at + t;
+    }
+    starts[static_cast<size_t>(s.row * blocks + p->span_rows[i] / align)] = 1;
+  }
   p->gather = at::tensor(gather, at::kLong).to(device);
   p->scatter = at::tensor(scatter, at::kLong).to(device);
-  p->chunk_starts = at::from_blob(starts.data(), {blocks}, at::kByte).clone().to(device);
+  p->chunk_starts =
+      at::from_blob(starts.data(), {rows_, blocks}, at::kByte).clone().to(device);
   kept = std::move(p);
   return *kept;
 }
@@ -96,8 +109,8 @@ std::vector<int64_t> with_leading(const at::Tensor& x, int64_t drop, std::vector
 
 // Pack and unpack as one gather each way (see Note [Packed documents]):
 // packing reads each token once, so its backward reads each token's
-// gradient at its packed row; unpacking reads each packed row at most once
-// (zero rows never), so its backward gathers by the packing's index.
+// gradient at its packed place; unpacking reads each packed place at most
+// once (zero places never), so its backward gathers by the packing's index.
 class PackFn : public torch::autograd::Function<PackFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
@@ -105,13 +118,14 @@ class PackFn : public torch::autograd::Function<PackFn> {
     ctx->saved_data["scatter"] = p->scatter;
     ctx->saved_data["shape"] = x.sizes().vec();
     const int64_t tokens = x.size(0) * x.size(1);
-    return take_rows(as_rows(x, tokens), p->gather).view(with_leading(x, 2, {1, p->length}));
+    return take_rows(as_rows(x, tokens), p->gather)
+        .view(with_leading(x, 2, {x.size(0), p->length}));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto scatter = ctx->saved_data["scatter"].toTensor();
     const auto shape = ctx->saved_data["shape"].toIntVector();
-    auto g = grads[0].reshape({grads[0].size(1), -1}).index_select(0, scatter);
+    auto g = grads[0].reshape({grads[0].size(0) * grads[0].size(1), -1}).index_select(0, scatter);
     return {g.view(shape), at::Tensor()};
   }
 };
@@ -122,7 +136,9 @@ class UnpackFn : public torch::autograd::Function<UnpackFn> {
                             const PackedSpans* p, int64_t rows, int64_t seq_len) {
     ctx->saved_data["gather"] = p->gather;
     ctx->saved_data["shape"] = y.sizes().vec();
-    return as_rows(y, y.size(1)).index_select(0, p->scatter).view(with_leading(y, 2, {rows, seq_len}));
+    return as_rows(y, y.size(0) * y.size(1))
+        .index_select(0, p->scatter)
+        .view(with_leading(y, 2, {rows, seq_len}));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -145,7 +161,7 @@ at::Tensor pack_spans(const at::Tensor& x, const PackedSpans& p) {
 
 at::Tensor unpack_spans(const at::Tensor& y, const PackedSpans& p, int64_t rows,
                         int64_t seq_len) {
-  VIADUCT_CHECK(y.dim() >= 2 && y.size(0) == 1 && y.size(1) == p.length &&
+  VIADUCT_CHECK(y.dim() >= 2 && y.size(0) == rows && y.size(1) == p.length &&
                     rows * seq_len == p.scatter.numel(),
                 "unpack_spans: a packed input of shape ", y.sizes(), " for ", p.length,
                 " rows and ", rows, " x ", seq_len, " tokens");

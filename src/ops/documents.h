@@ -37,18 +37,21 @@
 //
 // Note [Packed documents]
 // A mixer whose work is laid out along the sequence in fixed blocks runs a
-// micro-batch's spans as one row: Documents::packed(align, gap) places the
-// spans one after another, each starting at a multiple of `align` and at
-// least `gap` rows after the previous one ends, zero rows between. The
-// short convolution packs with gap = kernel - 1: a span's first tokens read
-// the zeros before it, as they read the padding alone, and nothing of the
-// previous span. KDA packs with align = its chunk: no chunk holds two
-// spans, the zero rows after a span change nothing (beta = 0, g = 0), and
-// the scan over chunks starts the state from zero at each span's first
-// chunk (PackedSpans::chunk_starts). One launch serves every document, where
-// per_document would launch once per span; pack and unpack are gathers by
-// index in both directions (their backward is the other's forward), so no
-// sum is reordered and no atomics run.
+// micro-batch's documents with each row's spans moved apart:
+// Documents::packed(align, gap) places a row's spans one after another in
+// a row of its own, the first at 0, each next on a multiple of `align` and
+// at least `gap` rows after the previous one ends, zero rows between and
+// after (every packed row as long as the longest). The short convolution
+// packs with gap = kernel - 1: a span's first tokens read the zeros before
+// it, as they read the padding alone, and nothing of the previous span.
+// KDA packs with align = its chunk: no chunk holds two spans, the zero rows
+// after a span change nothing (beta = 0, g = 0), and the scan over chunks
+// starts the state from zero at each span's first chunk
+// (PackedSpans::chunk_starts). One call serves every document, where a
+// call per span would launch once per span; the rows stay rows, so the
+// scan keeps its B H independent chains, each longer only by the padding.
+// Pack and unpack are gathers by index in both directions (their backward
+// is the other's forward), so no sum is reordered and no atomics run.
 #pragma once
 
 #include <torch/torch.h>
@@ -71,14 +74,14 @@ struct DocumentSpan {
   int64_t length = 0;
 };
 
-// A micro-batch's spans packed into one row (see Note [Packed documents]).
+// A micro-batch's spans packed row by row (see Note [Packed documents]).
 struct PackedSpans {
-  int64_t length = 0;         // rows of the packed sequence
+  int64_t length = 0;         // tokens of each packed row
   int64_t align = 1;          // every span starts at a multiple of it
-  at::Tensor gather;          // [length] int64: each row's token b T + t, or B T (a zero row)
-  at::Tensor scatter;         // [B T] int64: each token's packed row
-  std::vector<int64_t> span_rows;  // the packed row each span starts at
-  // [ceil(length / align)] uint8: 1 where a span starts the block (chunk).
+  at::Tensor gather;          // [B length] int64: each place's token b T + t, or B T (zeros)
+  at::Tensor scatter;         // [B T] int64: each token's place b length + i
+  std::vector<int64_t> span_rows;  // where each span starts in its packed row
+  // [B, ceil(length / align)] uint8: 1 where a span starts the block (chunk).
   at::Tensor chunk_starts;
 };
 
@@ -127,7 +130,7 @@ class Documents {
   mutable std::map<std::string, std::unique_ptr<PackedSpans>> packed_;
 };
 
-// x [B, T, ...] -> [1, length, ...] and back; differentiable.
+// x [B, T, ...] -> [B, length, ...] and back; differentiable.
 at::Tensor pack_spans(const at::Tensor& x, const PackedSpans& p);
 at::Tensor unpack_spans(const at::Tensor& y, const PackedSpans& p, int64_t rows, int64_t seq_len);
 

@@ -3,6 +3,7 @@
 // viaduct's kernels where they take the shape.
 #include "ops/kda.h"
 
+#include <algorithm>
 #include <limits>
 
 #include "core/check.h"
@@ -93,6 +94,19 @@ int64_t sub_chunk(int64_t C) { return C > 16 && C % 16 == 0 ? 16 : C; }
 // and each input's gradient is one stack of its N chunk gradients, so the
 // backward's cost grows with the chunk count rather than its square.
 
+// For chunk n of a scan with restarts (N x B H flags, chunk-major): 0 for
+// the rows that restart, 1 for the rest, [B H, 1, 1] in S's type; undefined
+// when none restarts there. A state times 0 or 1 is exactly zero or itself.
+at::Tensor kept_rows(const std::vector<int64_t>& restarts, int64_t n, const at::Tensor& S) {
+  if (restarts.empty()) return {};
+  const int64_t rows = S.size(0);
+  const auto first = restarts.begin() + n * rows;
+  if (std::find(first, first + rows, 1) == first + rows) return {};
+  std::vector<double> keep(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) keep[static_cast<size_t>(r)] = first[r] ? 0.0 : 1.0;
+  return at::tensor(keep, at::kDouble).to(S.device(), S.scalar_type()).view({rows, 1, 1});
+}
+
 // Chunk n of x [B, H, N, r, c] as [B H, r, c] (a view: the scan's inputs
 // are contiguous over B and H, or narrowed in the last dimension only).
 at::Tensor chunk_of(const at::Tensor& x, int64_t n) {
@@ -106,8 +120,9 @@ at::Tensor chunk_of(const at::Tensor& x, int64_t n) {
 // With `states` and `vnew` it keeps S_n and v'_n for ChunkScanFn's
 // backward.
 //
-// `restarts` (empty, or one flag a chunk): the state is zero as a flagged
-// chunk starts (a document's first chunk, see Note [Packed documents]).
+// `restarts` (empty, or N x B H flags, chunk-major): the state of a
+// flagged (chunk, row and head) is zero as the chunk starts (a document's
+// first chunk, see Note [Packed documents]).
 at::Tensor chunk_scan(const at::Tensor& U, const at::Tensor& W, const at::Tensor& qe,
                       const at::Tensor& Aqk, const at::Tensor& Ke, const at::Tensor& d,
                       const at::Tensor& S0, const std::vector<int64_t>& restarts,
@@ -118,7 +133,7 @@ at::Tensor chunk_scan(const at::Tensor& U, const at::Tensor& W, const at::Tensor
   std::vector<at::Tensor> outs;
   outs.reserve(N);
   for (int64_t n = 0; n < N; ++n) {
-    if (!restarts.empty() && restarts[static_cast<size_t>(n)]) S = at::zeros_like(S0);
+    if (auto keep = kept_rows(restarts, n, S); keep.defined()) S = S * keep;
     auto v_n = at::baddbmm(chunk_of(U, n), chunk_of(W, n), S, 1, -1);  // [BH, C, dv]
     outs.push_back(at::baddbmm(at::bmm(chunk_of(qe, n), S), chunk_of(Aqk, n), v_n));
     if (states) states->push_back(S);
@@ -183,7 +198,7 @@ class ChunkScanFn : public torch::autograd::Function<ChunkScanFn> {
                        chunk_of(W, n).transpose(1, 2), dv_n, 1, -1);
       dU[n] = std::move(dv_n);
       // A restarted chunk's state is zero, not the previous chunk's result.
-      if (!restarts.empty() && restarts[static_cast<size_t>(n)]) dS = at::zeros_like(dS);
+      if (auto keep = kept_rows(restarts, n, dS); keep.defined()) dS = dS * keep;
     }
     // Each input's N chunk gradients, stacked into its [B, H, N, ...] shape.
     auto whole = [&](const std::vector<at::Tensor>& g, const at::Tensor& like) {
@@ -268,13 +283,17 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   auto S0 = initial_state.defined()
                 ? initial_state.to(st).reshape({B * H, dk, dv})
                 : at::zeros({B * H, dk, dv}, qc.options());
-  std::vector<int64_t> restarts;
+  std::vector<int64_t> restarts;  // N x B H, chunk-major (the scan's order)
   if (chunk_starts.defined()) {
-    VIADUCT_CHECK(B == 1 && chunk_starts.numel() == N,
-                  "KDA chunk starts: ", chunk_starts.numel(), " flags for ", B, " x ", N,
-                  " chunks (one row)");
-    const auto flags = chunk_starts.to(at::kCPU, at::kLong).contiguous();
-    restarts.assign(flags.data_ptr<int64_t>(), flags.data_ptr<int64_t>() + N);
+    VIADUCT_CHECK(chunk_starts.dim() == 2 && chunk_starts.size(0) == B &&
+                      chunk_starts.size(1) == N,
+                  "KDA chunk starts: ", chunk_starts.sizes(), " for ", B, " x ", N, " chunks");
+    const auto flags = chunk_starts.to(at::kCPU, at::kLong)
+                           .t()
+                           .unsqueeze(-1)
+                           .expand({N, B, H})
+                           .contiguous();
+    restarts.assign(flags.data_ptr<int64_t>(), flags.data_ptr<int64_t>() + flags.numel());
   }
   auto o = ChunkScanFn::apply(U, W, qe, Aqk, k_to_end, decay_chunk, S0, restarts)
                .reshape({B, H, N * C, dv})
@@ -305,8 +324,8 @@ at::Tensor kda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   if (documents != nullptr) {
     VIADUCT_CHECK(!initial_state.defined(),
                   "KDA over documents starts each from zero; an initial state has no document");
-    // One row of chunk-aligned spans, the state restarted at each (see Note
-    // [Packed documents]).
+    // Each row's spans on chunk boundaries, the state restarted at each
+    // (see Note [Packed documents]).
     const auto& p = documents->packed(chunk_size, 0, q.device());
     auto o = kda_row(pack_spans(q, p), pack_spans(k, p), pack_spans(v, p), pack_spans(g, p),
                      pack_spans(beta, p), chunk_size, opts, {}, p.chunk_starts);

@@ -30,17 +30,17 @@ at::Tensor kda_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // The chunked form. T need not divide by `chunk_size` (the tail is padded
 // with steps that change nothing before them). The exponent differences
 // G_c - G_j are masked to -inf above the diagonal *before* exp, so no entry
-// can overflow (nor poison the gradient). `chunk_starts` (B = 1 only):
-// uint8 [ceil(T / chunk_size)], 1 where the state restarts from zero as the
-// chunk starts (packed documents, see Note [Packed documents]).
+// can overflow (nor poison the gradient). `chunk_starts`: uint8
+// [B, ceil(T / chunk_size)], 1 where the row's state restarts from zero as
+// the chunk starts (packed documents, see Note [Packed documents]).
 at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
                        const at::Tensor& initial_state = {}, const at::Tensor& chunk_starts = {});
 // The op: viaduct's kernels (kernels/kda.h) for fp32 inputs on a GPU they
 // were built for, chunk 64 and dk = dv of 64 or 128; kda_chunked otherwise.
 // With `documents` (see Note [Document boundaries], ops/documents.h) the
-// state starts from zero at each document: the documents run packed into
-// one row of chunk-aligned spans (no initial_state then).
+// state starts from zero at each document: each row's documents run packed
+// on chunk boundaries (no initial_state then).
 at::Tensor kda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                const at::Tensor& beta, int64_t chunk_size, const KernelOptions& opts,
                const at::Tensor& initial_state = {}, const Documents* documents = nullptr);

@@ -61,22 +61,25 @@ TEST(Documents, PerDocumentPutsResultsInPlace) {
 TEST(Documents, PackedPlacesSpansOnAlignedRows) {
   // Spans: row 0 [0, 2) [2, 5) [5, 6); row 1 [0, 6) (6 tokens a row).
   const Documents d(starts_of({{0, 0, 1, 0, 0, 1}, {1, 0, 0, 0, 0, 0}}), true);
-  // align 4, no gap: the spans at rows 0, 4, 8, 12; 12 + 6 = 18 rows.
+  // align 4, no gap: row 0's spans at 0, 4, 8 (ends 9), row 1's at 0
+  // (ends 6): packed rows of 9.
   const auto& a = d.packed(4, 0, at::kCPU);
-  EXPECT_EQ(a.length, 18);
-  EXPECT_EQ(a.span_rows, (std::vector<int64_t>{0, 4, 8, 12}));
+  EXPECT_EQ(a.length, 9);
+  EXPECT_EQ(a.span_rows, (std::vector<int64_t>{0, 4, 8, 0}));
   const int64_t z = 12;  // the zero row's index (B T)
-  EXPECT_TRUE(at::equal(a.gather, at::tensor(std::vector<int64_t>{0, 1, z, z, 2, 3, 4, z, 5, z,
-                                                                   z, z, 6, 7, 8, 9, 10, 11})));
-  EXPECT_TRUE(at::equal(a.scatter, at::tensor(std::vector<int64_t>{0, 1, 4, 5, 6, 8, 12, 13,
-                                                                    14, 15, 16, 17})));
-  EXPECT_TRUE(at::equal(a.chunk_starts, at::tensor(std::vector<uint8_t>{1, 1, 1, 1, 0})));
-  // align 1, gap 2: two zero rows between spans, none before the first.
+  EXPECT_TRUE(at::equal(a.gather, at::tensor(std::vector<int64_t>{0, 1, z, z, 2, 3, 4, z, 5,  //
+                                                                   6, 7, 8, 9, 10, 11, z, z, z})));
+  EXPECT_TRUE(at::equal(a.scatter, at::tensor(std::vector<int64_t>{0, 1, 4, 5, 6, 8,  //
+                                                                    9, 10, 11, 12, 13, 14})));
+  EXPECT_TRUE(at::equal(a.chunk_starts,
+                        at::tensor(std::vector<uint8_t>{1, 1, 1, 1, 0, 0}).view({2, 3})));
+  // align 1, gap 2: two zero rows between a row's spans, none before its
+  // first: row 0's at 0, 4, 9 (ends 10).
   const auto& c = d.packed(1, 2, at::kCPU);
-  EXPECT_EQ(c.span_rows, (std::vector<int64_t>{0, 4, 9, 12}));
-  EXPECT_EQ(c.length, 18);
-  EXPECT_TRUE(at::equal(c.scatter, at::tensor(std::vector<int64_t>{0, 1, 4, 5, 6, 9, 12, 13, 14,
-                                                                    15, 16, 17})));
+  EXPECT_EQ(c.span_rows, (std::vector<int64_t>{0, 4, 9, 0}));
+  EXPECT_EQ(c.length, 10);
+  EXPECT_TRUE(at::equal(c.scatter, at::tensor(std::vector<int64_t>{0, 1, 4, 5, 6, 9,  //
+                                                                    10, 11, 12, 13, 14, 15})));
   // Asked again: the same object, made once.
   EXPECT_EQ(&d.packed(4, 0, at::kCPU), &a);
   EXPECT_EQ(d.cu_seqlens(at::kCPU).data_ptr(), d.cu_seqlens().data_ptr());
@@ -87,27 +90,29 @@ TEST(Documents, PackAndUnpackAreGathersBothWays) {
   const auto& p = d.packed(4, 1, at::kCPU);
   auto x = at::randn({2, 7, 3}, at::kDouble).requires_grad_();
   auto packed = pack_spans(x, p);
-  ASSERT_EQ(packed.sizes(), (std::vector<int64_t>{1, p.length, 3}));
-  // Each packed row is its token's row, or zeros.
+  ASSERT_EQ(packed.sizes(), (std::vector<int64_t>{2, p.length, 3}));
+  // Each packed place holds its token's row, or zeros.
   auto rows = x.detach().reshape({14, 3});
-  for (int64_t r = 0; r < p.length; ++r) {
+  auto places = packed.detach().reshape({2 * p.length, 3});
+  for (int64_t r = 0; r < 2 * p.length; ++r) {
     const int64_t t = p.gather[r].item<int64_t>();
     const auto want = t == 14 ? at::zeros({3}, at::kDouble) : rows[t];
-    EXPECT_TRUE(at::equal(packed[0][r], want)) << "packed row " << r;
+    EXPECT_TRUE(at::equal(places[r], want)) << "packed place " << r;
   }
   // Unpacking gives x back exactly.
   auto back = unpack_spans(packed, p, 2, 7);
   EXPECT_TRUE(at::equal(back, x.detach()));
   // Gradients: through pack, each token's weight at its packed row; through
   // unpack, each packed row's token weight, zero rows nothing.
-  auto w_packed = at::randn({1, p.length, 3}, at::kDouble);
+  auto w_packed = at::randn({2, p.length, 3}, at::kDouble);
   auto gx = torch::autograd::grad({(pack_spans(x, p) * w_packed).sum()}, {x})[0];
-  EXPECT_TRUE(at::equal(gx, w_packed[0].index_select(0, p.scatter).view({2, 7, 3})));
-  auto y = at::randn({1, p.length, 3}, at::kDouble).requires_grad_();
+  EXPECT_TRUE(at::equal(
+      gx, w_packed.reshape({2 * p.length, 3}).index_select(0, p.scatter).view({2, 7, 3})));
+  auto y = at::randn({2, p.length, 3}, at::kDouble).requires_grad_();
   auto w = at::randn({2, 7, 3}, at::kDouble);
   auto gy = torch::autograd::grad({(unpack_spans(y, p, 2, 7) * w).sum()}, {y})[0];
   auto want = at::cat({w.reshape({14, 3}), at::zeros({1, 3}, at::kDouble)}).index_select(0, p.gather);
-  EXPECT_TRUE(at::equal(gy, want.unsqueeze(0)));
+  EXPECT_TRUE(at::equal(gy, want.view({2, p.length, 3})));
 }
 
 // Documents of lengths that cross chunk edges and stop short of them; a
