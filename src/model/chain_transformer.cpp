@@ -302,10 +302,15 @@ ModelInfo describe_chain(const ChainSpec& s, int64_t seq_len) {
   // 6 x (non-embedding parameters, the head
   // included) for the matmuls of forward + backward, plus 12 L D T for
   // causal attention's scores and values (PaLM's formula as torchtitan uses
-  // it, with T the sequence length).
+  // it, with T the sequence length): each token counts all T keys of its
+  // window, no causal discount, 2 D for the score and 2 D for the value of
+  // each (query, key) pair forward and twice that backward, so 12 D a pair
+  // and layer (ModelInfo::attention_flops_per_pair).
   const int64_t matmul_params = s.n_layers * (attn + ffn) + s.vocab_size * s.dim;
-  info.flops_per_token = 6.0 * static_cast<double>(matmul_params) +
-                         12.0 * s.n_layers * s.dim * static_cast<double>(seq_len);
+  info.flops_per_token_outside_attention = 6.0 * static_cast<double>(matmul_params);
+  info.attention_flops_per_pair = 12.0 * static_cast<double>(s.n_layers * s.dim);
+  info.flops_per_token = info.flops_per_token_outside_attention +
+                         info.attention_flops_per_pair * static_cast<double>(seq_len);
   const double layer_flops = 6.0 * static_cast<double>(attn + ffn) +
                              12.0 * s.dim * static_cast<double>(seq_len);
   info.module_flops["lm_head"] = 6.0 * static_cast<double>(s.vocab_size * s.dim);

@@ -298,6 +298,7 @@ ModelInfo describe_exact16(const JobConfig& job) {
   }
   fwd += static_cast<double>(o.n_entries() + 1);  // final read and readout
   info.flops_per_token = 3.0 * fwd * static_cast<double>(D);
+  info.flops_per_token_outside_attention = info.flops_per_token;  // no attention
   info.pinned_last.push_back("attn_res_final");
   return info;
 }

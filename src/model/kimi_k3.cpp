@@ -598,8 +598,11 @@ ModelInfo describe_kimi_k3(const JobConfig& job) {
   //   + sum over AttnRes reads of 3 x 6 D n_sources (none with
   //     model.attn_res = false).
   // N_active counts each MoE layer's router, top-k and shared experts; the
-  // vision tower is left out (it runs on image tokens only).
-  double mixing = 0;
+  // vision tower is left out (it runs on image tokens only). The MLA terms
+  // are the attention part (MlaImpl::attention_flops_per_pair x T); KDA's
+  // and the reads' do not grow with T and count outside it.
+  double mixing = 0;       // outside attention: KDA and the AttnRes reads
+  double pair_flops = 0;   // the MLA layers' per (query, key) pair
   for (int64_t i = 0; i < o.n_layers; ++i) {
     LayerInfo li;
     li.layer = i;
@@ -629,15 +632,17 @@ ModelInfo describe_kimi_k3(const JobConfig& job) {
       active += 3 * D * o.ffn_hidden_dim;
       layer_active += 3 * D * o.ffn_hidden_dim;
     }
-    double layer_mixing = o.is_mla(i) ? MlaImpl::mixing_flops(o.mla, T)
-                                      : KdaImpl::mixing_flops(o.kda);
+    const double layer_pair = o.is_mla(i) ? MlaImpl::attention_flops_per_pair(o.mla) : 0.0;
+    double layer_mixing = o.is_mla(i) ? 0.0 : KdaImpl::mixing_flops(o.kda);
     if (o.attn_res) {
       layer_mixing += 3 * (attn_res_read_flops(first_read_sources(o, i), D) +
                            attn_res_read_flops(second_read_sources(o, i), D));
     }
     mixing += layer_mixing;
+    pair_flops += layer_pair;
     info.module_flops["layers." + std::to_string(i)] =
-        6.0 * static_cast<double>(layer_active) + layer_mixing;
+        6.0 * static_cast<double>(layer_active) + layer_mixing +
+        layer_pair * static_cast<double>(T);
   }
   const int64_t head = D + D * V + (o.attn_res ? AttnResReadImpl::count_params(D) : 0);
   params += head;
@@ -654,8 +659,11 @@ ModelInfo describe_kimi_k3(const JobConfig& job) {
   }
   info.params = params;
   info.active_params = active;
-  info.flops_per_token =
+  info.flops_per_token_outside_attention =
       6.0 * static_cast<double>(active - info.embedding_params) + mixing;
+  info.attention_flops_per_pair = pair_flops;
+  info.flops_per_token = info.flops_per_token_outside_attention +
+                         pair_flops * static_cast<double>(T);
   return info;
 }
 

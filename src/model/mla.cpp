@@ -48,10 +48,9 @@ int64_t MlaImpl::count_params(const MlaOptions& o) {
   return n;
 }
 
-double MlaImpl::mixing_flops(const MlaOptions& o, int64_t seq_len) {
+double MlaImpl::attention_flops_per_pair(const MlaOptions& o) {
   const double qk = static_cast<double>(o.qk_nope_head_dim + o.qk_rope_head_dim);
-  return 6.0 * static_cast<double>(seq_len) * static_cast<double>(o.n_heads) *
-         (qk + static_cast<double>(o.v_head_dim));
+  return 6.0 * static_cast<double>(o.n_heads) * (qk + static_cast<double>(o.v_head_dim));
 }
 
 void MlaImpl::init_weights(uint64_t seed, const std::string& p, double std_in,

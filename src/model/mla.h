@@ -39,10 +39,11 @@ class MlaImpl : public torch::nn::Module, public ops::KernelUser {
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out);
   static int64_t count_params(const MlaOptions& o);
-  // Training FLOPs per token of the score and value products at sequence
-  // length T (forward + backward, no causal discount):
-  // 6 T H (qk_head_dim + v_head_dim).
-  static double mixing_flops(const MlaOptions& o, int64_t seq_len);
+  // Training FLOPs of the score and value products per (query, key) pair
+  // (forward + backward): 6 H (qk_head_dim + v_head_dim). A token of a
+  // window of T counts T pairs, no causal discount.
+  // See Note [FLOPs per token] (model/chain_transformer.cpp).
+  static double attention_flops_per_pair(const MlaOptions& o);
 
   MlaOptions opts_;
   // The rotation and attention of q [B, T, H, nope + pe], the rotary key

@@ -1,5 +1,5 @@
-// The loss shared by every family and the helpers of model/families.h
-// (family dispatch: model/family.cpp).
+// The loss shared by every family, the FLOPs of a micro-batch's documents,
+// and the helpers of model/families.h (family dispatch: model/family.cpp).
 #include "model/model.h"
 
 #include <algorithm>
@@ -75,6 +75,17 @@ double float_or(const ModelKeys& keys, const std::string& key, double fallback) 
 }
 bool bool_or(const ModelKeys& keys, const std::string& key, bool fallback) {
   return keys.get_bool_opt(key).value_or(fallback);
+}
+
+double training_flops(const ModelInfo& info, const ops::Documents& documents) {
+  // See Note [FLOPs of a step's documents].
+  int64_t positions = 0, pairs = 0;
+  for (const auto& span : documents.spans()) {
+    positions += span.length;
+    pairs += span.length * span.length;
+  }
+  return info.flops_per_token_outside_attention * static_cast<double>(positions) +
+         info.attention_flops_per_pair * static_cast<double>(pairs);
 }
 
 int64_t count_parameters(const torch::nn::Module& m) {

@@ -121,6 +121,17 @@ struct ModelInfo {
   // fused kernels run, else plain.
   int64_t loss_chunk_tokens = 0;
   double flops_per_token = 0;    // training FLOPs per token (fwd + bwd)
+  // flops_per_token in two parts: attention's score and value products per
+  // (query, key) pair over every layer (fwd + bwd), and the rest, what a
+  // token costs whatever it attends to. A token counts every key of its
+  // window, T = training.seq_len, with no causal discount, so
+  // flops_per_token = flops_per_token_outside_attention +
+  // attention_flops_per_pair x T.
+  // See Note [FLOPs per token] (model/chain_transformer.cpp).
+  // KDA's and the AttnRes reads' costs do not grow with the window and
+  // count in the rest; a family without attention has 0 per pair.
+  double flops_per_token_outside_attention = 0;
+  double attention_flops_per_pair = 0;
   // MoE families: every layer's routed experts' parameters together (what
   // expert parallelism shards), the routed experts of a layer and the
   // experts each token picks. 0 without MoE layers.
@@ -143,6 +154,22 @@ struct ModelInfo {
 // included): tok_embeddings, [pinned first], layers.0 .. layers.L-1, norm,
 // lm_head, [pinned last] -- the exact list is the family's.
 std::vector<std::string> model_module_fqns(const JobConfig& job);
+
+// Note [FLOPs of a step's documents]
+// Under model.attn_mask_type = "block_causal" a token attends to the tokens
+// of its own document only (see Note [Document boundaries],
+// ops/documents.h), so where flops_per_token counts the T keys of the
+// window, a token of a document piece of L tokens counts L: the piece costs
+// flops_per_token_outside_attention x L + attention_flops_per_pair x L^2.
+// L^2 keeps flops_per_token's convention of every key for every token, and
+// a window that is one document costs flops_per_token x T, as under
+// "causal". Every position runs through the model, those whose target
+// block_causal ignores too, so the pieces' lengths add up to the window.
+// Under block_causal a step's MFU counts these FLOPs (train/pipeline_metrics.h).
+//
+// The training FLOPs (fwd + bwd) of a micro-batch whose windows hold
+// `documents`.
+double training_flops(const ModelInfo& info, const ops::Documents& documents);
 
 // Build the part holding `module_fqns` (empty = the whole model) on CPU in
 // fp32 with uninitialised weights; call init_weights or load a checkpoint.

@@ -38,6 +38,11 @@ struct StepMetrics {
   // document length as the step saw it; 0 when none started); -1 otherwise.
   double documents_per_window = -1;
   double mean_document_tokens = -1;
+  // Under block_causal: the training FLOPs of the step's documents, all dp
+  // replicas, which MFU counts; -1 otherwise (MFU counts flops_per_token
+  // per target token).
+  // See Note [FLOPs of a step's documents] (model/model.h).
+  double flops = -1;
   double seconds = 0;
   double tokens_per_sec = 0;
   double mfu = -1;        // fraction of peak; < 0 when the peak is unknown

@@ -117,9 +117,13 @@ void StepGather::fill_throughput(StepMetrics& m, double seconds) const {
   m.seconds = seconds;
   m.tokens_per_sec = static_cast<double>(m.tokens) / seconds;
   if (auto peak = peak_flops(device_, compute_dtype_)) {
-    // Every rank's device counts toward the peak.
+    // Every rank's device counts toward the peak; under block_causal the
+    // step's documents give its FLOPs (m.flops), else every target token
+    // costs flops_per_token.
     const int world = mesh_ ? mesh_->world_size() : 1;
-    m.mfu = flops_per_token_ * m.tokens_per_sec / (*peak * world);
+    const double flops_per_sec =
+        m.flops >= 0 ? m.flops / seconds : flops_per_token_ * m.tokens_per_sec;
+    m.mfu = flops_per_sec / (*peak * world);
   }
   m.peak_memory_bytes = peak_memory_bytes(device_);
   m.p2p_bytes = executor_ ? executor_->last_step_p2p_bytes() : 0;

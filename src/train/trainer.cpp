@@ -63,7 +63,7 @@ Trainer::Trainer(JobConfig job) : job_(std::move(job)), device_(at::kCPU) {
                     "true and checkpoint.save_final = true: the export reads the final "
                     "checkpoint");
   }
-  const auto info = build_model();
+  info_ = build_model();
   data_->cut_eval_batches(num_microbatches());
   if (executor_) {
     // Boundary shapes from one forward-only micro-batch (see Note [Boundary metadata]).
@@ -72,7 +72,7 @@ Trainer::Trainer(JobConfig job) : job_(std::move(job)), device_(at::kCPU) {
   }
   gather_ = std::make_unique<StepGather>(*plan_, pp_rank_, mesh_.get(), executor_.get(),
                                          attn_res_store_.get(), device_, compute_dtype_,
-                                         info.flops_per_token);
+                                         info_.flops_per_token);
   faults_ = FaultInjection::from_environment();
   CheckpointLayout layout;
   layout.pp = static_cast<int>(plan_->split.pp);
@@ -96,11 +96,11 @@ Trainer::Trainer(JobConfig job) : job_(std::move(job)), device_(at::kCPU) {
   mo.pp_rank = pp_rank_;
   mo.bubble_simulated = plan_->simulation.bubble_fraction;
   if (plan_->simulation_flops) mo.bubble_simulated_flops = plan_->simulation_flops->bubble_fraction;
-  for (const auto& e : estimate_memory_per_rank(job_, info, *plan_, compute_dtype_, device_.is_cuda())) {
+  for (const auto& e : estimate_memory_per_rank(job_, info_, *plan_, compute_dtype_, device_.is_cuda())) {
     mo.plan_memory_bytes_per_rank.push_back(e.total());
   }
   metrics_ = std::make_unique<MetricsWriter>(std::move(mo));
-  log_job_summary(job_, {info, *plan_, device_, compute_dtype_, capabilities_, dp_size_,
+  log_job_summary(job_, {info_, *plan_, device_, compute_dtype_, capabilities_, dp_size_,
                          num_microbatches(), data_->sampler(), data_->eval_tokens()});
 }
 
@@ -215,8 +215,10 @@ StepMetrics Trainer::train_step() {
 std::vector<data::TokenBatch> Trainer::next_batches(int64_t& global_tokens, StepMetrics& m) {
   const int64_t accum = job_.training.gradient_accumulation_steps;
   std::vector<data::TokenBatch> batches;
-  // target tokens, windows, document pieces, documents started
-  std::vector<double> counts(4, 0.0);
+  // target tokens, windows, document pieces, documents started, the
+  // documents' FLOPs.
+  // See Note [FLOPs of a step's documents] (model/model.h).
+  std::vector<double> counts(5, 0.0);
   for (int64_t a = 0; a < accum; ++a) {
     batches.push_back(data_->next_batch());
     data_->mask_document_starts(batches.back());
@@ -226,6 +228,7 @@ std::vector<data::TokenBatch> Trainer::next_batches(int64_t& global_tokens, Step
     counts[1] += static_cast<double>(b.inputs.size(0));
     counts[2] += static_cast<double>(documents.pieces);
     counts[3] += static_cast<double>(documents.starts);
+    if (const auto spans = data_->documents(b.inputs)) counts[4] += training_flops(info_, *spans);
   }
   sum_over(mesh_ ? &mesh_->dp_group() : nullptr, counts, "token counts");
   global_tokens = static_cast<int64_t>(counts[0]);
@@ -233,6 +236,7 @@ std::vector<data::TokenBatch> Trainer::next_batches(int64_t& global_tokens, Step
     m.documents_per_window = counts[2] / counts[1];
     m.mean_document_tokens =
         counts[3] > 0 ? counts[1] * static_cast<double>(job_.training.seq_len) / counts[3] : 0.0;
+    m.flops = counts[4];
   }
   return batches;
 }

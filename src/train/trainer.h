@@ -106,7 +106,7 @@ class Trainer {
 
   // The pieces of train_step.
   // The step's batches and their target tokens over all dp ranks; under
-  // block_causal the step's document counts into `m` too.
+  // block_causal the step's document counts and FLOPs into `m` too.
   std::vector<data::TokenBatch> next_batches(int64_t& global_tokens, StepMetrics& m);
   double forward_backward(const std::vector<data::TokenBatch>& batches, double scale,
                           std::vector<at::Tensor>& pending_losses);
@@ -139,6 +139,7 @@ class Trainer {
   // What the GEMMs take on device_, probed once at start-up (init_process).
   ops::Capabilities capabilities_;
   std::vector<std::shared_ptr<ModelPart>> parts_;
+  ModelInfo info_;  // the whole model's, from its shapes
   // The data-parallel sums, the clip and the optimizer.
   std::unique_ptr<OptimizerStep> update_;
   std::unique_ptr<MoeStepMetrics> moe_metrics_;  // null without routed experts
