@@ -9,7 +9,7 @@
 #   SECTIONS="build test layers" bash bench/layers/kda_session.sh
 #   SECTIONS="build pairs" ANCHOR=.anchors/kda bash bench/layers/kda_session.sh
 #
-# Sections: build, test (test_kda_kernels), layers (layer_bench), anchor
+# Sections: build, test (the KDA suites of test_kernels), layers (layer_bench), anchor
 # (fla's core and layer once), pairs (the KDA core against fla's core in
 # PAIRS (3) alternating processes of ITERS (50) timed iterations, after
 # one untimed fla run that autotunes; with build, that run goes in the
@@ -20,7 +20,7 @@
 # cu_seqlens against its plain batch; DOC_ARGS: the bench's flags).
 #
 # Environment (defaults): OUT (outputs/kda), SECTIONS ("build test layers
-# anchor"), TARGETS ("test_kda_kernels layer_bench kda_documents_bench"), ANCHOR
+# anchor"), TARGETS ("test_kernels layer_bench kda_documents_bench"), ANCHOR
 # (../shared/anchors/kda, or shared/anchors/kda inside the tree), SHAPE
 # (1x4096x16x128: B x T x H x d for fla), LAYER_ARGS (layer bench flags:
 # "--only kda"), JOBS (nproc), PAIRS (3), ITERS (50).
@@ -53,13 +53,13 @@ if has pairs && [ -d "$ANCHOR" ]; then
 fi
 
 if has build; then
-  read -r -a targets <<<"${TARGETS:-test_kda_kernels layer_bench kda_documents_bench}"
+  read -r -a targets <<<"${TARGETS:-test_kernels layer_bench kda_documents_bench}"
   gpu_build . build-gpu "$OUT/build.log" "${targets[@]}" || { say "build failed"; exit 1; }
   say "build done"
 fi
 if has test; then
-  say "test_kda_kernels"
-  timeout 300 build-gpu/tests/kernels/test_kda_kernels 2>&1 | tee "$OUT/test_kda.log" | grep -vE "^\[ RUN|^\[       OK" | tail -60
+  say "test_kernels, the KDA suites"
+  timeout 300 build-gpu/tests/kernels/test_kernels --gtest_filter="*Kda*" 2>&1 | tee "$OUT/test_kda.log" | grep -vE "^\[ RUN|^\[       OK" | tail -60
 fi
 if has layers; then
   say "layer_bench ${LAYER_ARGS:---only kda}"

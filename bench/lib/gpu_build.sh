@@ -22,7 +22,7 @@
 # or run alone, building build-gpu/ (BUILD) of this tree, log in LOG
 # (BUILD/gpu_build.log):
 #
-#   bash bench/lib/gpu_build.sh viaduct_app test_kda_kernels
+#   bash bench/lib/gpu_build.sh viaduct_app test_kernels
 #
 # gpu_build SOURCE_TREE BUILD_DIR LOG TARGET...: the log gets cmake's and the
 # build's output; on a failure the last lines or first errors go to stderr and

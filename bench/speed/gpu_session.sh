@@ -18,8 +18,17 @@
 # the K3 A/B as built (K3_ROUNDS pairs, default 2)), k3gemmprofile (60: the
 # k3gemm cell's step, MLA everywhere and dense FFNs, where the AttnRes reads
 # are the difference from plain residuals), sbs1Bab (330: viaduct then
-# torch.compile twice on the 1B; VD_EXTRA applies). BUDGET_S (560): the
-# call's limit less a margin. Needs .deps and data carried (bench/README.md).
+# torch.compile twice on the 1B; VD_EXTRA applies), doctests (20:
+# block_causal's CUDA paths against each document alone, from
+# test_kernels), kdadocs (120: KDA over packed documents against fla's
+# chunk_kda with cu_seqlens, bench/layers/kda_session.sh's docs section,
+# ANCHOR a copy of ../shared/anchors/kda; then layer_bench --doc-mean 1024
+# for the attention and KDA layers), doccost (480: block_causal's cost,
+# run_single_gpu.sh's DOC_CELLS, default "1Bdocs k3docs"), fashion (420:
+# scripts/fashion_mnist.sh on the GPU, FASHION_STEPS (3000) steps of 64,
+# with FASHION_MNIST the folder of the four .gz files carried, then
+# bench/data_prepare_images.sh). BUDGET_S (560): the call's limit less a
+# margin. Needs .deps and data carried (bench/README.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 source bench/lib/gpu_build.sh
@@ -49,7 +58,7 @@ K3=(--model.family=kimi_k3 --model.flavor=debugmodel_deep --model.dim=2048 --mod
 if want build 90; then
   # run_single_gpu.sh's targets (bench/lib/gpu_build.sh); a failed build is
   # reported and the parts that find their binaries still run.
-  targets=(viaduct_app layer_bench)
+  targets=(viaduct_app layer_bench kda_documents_bench)
   gpu_build_has_gtest && targets+=(test_kernels)
   if gpu_build . "$B" /tmp/vs_build.log "${targets[@]}" 2>&1 | tee -a "$SUM"; then
     note "build: $B ready"
@@ -157,5 +166,34 @@ fi
 if want offload 150; then
   SECTIONS=3 OUT=/tmp/vs_off K3_RUN_TIMEOUT=$(($(left) / 3 - 5)) bash bench/gpu_checks/gpu_checks.sh "$B" \
     2>&1 | tee -a "$SUM"
+fi
+if want doctests 20; then
+  timeout 120 "$B/tests/kernels/test_kernels" \
+    --gtest_filter='*Varlen*:*BlockCausal*:*Packed*:KdaKernelsState.*' >/tmp/vs_doctests.txt 2>&1
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED|^\[       OK|Failure|Expected|Which is|rel err|seed" \
+    /tmp/vs_doctests.txt | head -60 | tee -a "$SUM"
+fi
+if want kdadocs 120; then
+  OUT=/tmp/vs_kdadocs SECTIONS=docs ANCHOR=${ANCHOR:-../shared/anchors/kda} \
+    bash bench/layers/kda_session.sh >/tmp/vs_kdadocs.txt 2>&1
+  cat /tmp/vs_kdadocs.txt >>"$SUM"
+  grep -E "^\||documents" /tmp/vs_kdadocs.txt
+  for only in "attention" "mla" "kda"; do
+    timeout 90 "$B/bench/layer_bench" --only "$only" --batch 4 --tokens 2048 --dim 2048 \
+      --doc-mean 1024 --iters 20 2>&1 | grep -E "^\| |^documents|rror" | tee -a "$SUM"
+  done
+fi
+if want doccost 480; then
+  OUT=/tmp/vs_doc STAGES=run CELLS="${DOC_CELLS:-1Bdocs k3docs}" CELL_TIMEOUT=150 \
+    bash bench/speed/run_single_gpu.sh >/tmp/vs_doc.txt 2>&1
+  cat /tmp/vs_doc.txt >>"$SUM"
+  grep -E "^\||block_causal's cost" /tmp/vs_doc.txt
+fi
+if want fashion 420; then
+  VIADUCT=$B/viaduct OUT=/tmp/vs_fashion bash scripts/fashion_mnist.sh \
+    --training.steps="${FASHION_STEPS:-3000}" --training.local_batch_size=64 \
+    --checkpoint.interval=1000 --training.device=cuda >/tmp/vs_fashion.txt 2>&1
+  tail -25 /tmp/vs_fashion.txt | tee -a "$SUM"
+  N=${N:-2000} OUT=/tmp/vs_prep bash bench/data_prepare_images.sh "$B" 2>&1 | tail -8 | tee -a "$SUM"
 fi
 note "done at $(($(date +%s) - T0)) s"

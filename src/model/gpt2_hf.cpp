@@ -165,11 +165,7 @@ class Gpt2HfAdapter final : public checkpoint::StateDictAdapter {
       hf_tensors[n] = t;
     }
     const int64_t D = s_.dim, F = s_.ffn_hidden;
-    auto take = [&](const std::string& name, std::vector<int64_t> shape) {
-      const at::Tensor& t = hf::need(hf_tensors, name, source);
-      hf::expect_shape(t, shape, name, source);
-      return t.to(at::kFloat).contiguous();
-    };
+    hf::Taker take(hf_tensors, source);
     // An HF vocab smaller than viaduct's: the rows past it are zero.
     auto embedding = [&](const std::string& name) {
       at::Tensor e = take(name, {hf_vocab, D});
@@ -209,10 +205,15 @@ class Gpt2HfAdapter final : public checkpoint::StateDictAdapter {
     v["norm.weight"] = take("ln_f.weight", {D});
     v["norm.bias"] = take("ln_f.bias", {D});
     if (!s_.tie_embeddings) {
-      v["lm_head.weight"] = hf_tensors.count("lm_head.weight")
-                                ? embedding("lm_head.weight")
-                                : v["tok_embeddings.weight"].clone();
+      v["lm_head.weight"] = take.has("lm_head.weight") ? embedding("lm_head.weight")
+                                                       : v["tok_embeddings.weight"].clone();
+    } else if (take.has("lm_head.weight")) {
+      // GPT2LMHeadModel's state dict stores the tied head too.
+      VIADUCT_CHECK_T(FileError, embedding("lm_head.weight").equal(v["tok_embeddings.weight"]),
+                      source, ": lm_head.weight differs from wte.weight, but "
+                      "model.tie_embeddings = true ties them");
     }
+    take.expect_all_taken();
     return v;
   }
 

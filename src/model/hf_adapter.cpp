@@ -54,6 +54,30 @@ at::Tensor cpu(const at::Tensor& t) {
   return t.detach().to(at::kCPU).contiguous();
 }
 
+Taker::Taker(const TensorMap& tensors, std::string source)
+    : tensors_(tensors), source_(std::move(source)) {}
+
+at::Tensor Taker::operator()(const std::string& name, const std::vector<int64_t>& shape) {
+  const at::Tensor& t = need(tensors_, name, source_);
+  expect_shape(t, shape, name, source_);
+  taken_.insert(name);
+  return t.to(at::kFloat).contiguous();
+}
+
+void Taker::expect_all_taken(const std::function<bool(const std::string&)>& ignorable) const {
+  std::vector<std::string> left;
+  for (const auto& [name, t] : tensors_) {
+    if (!taken_.count(name) && !(ignorable && ignorable(name))) left.push_back(name);
+  }
+  if (left.empty()) return;
+  std::string listed;
+  for (size_t i = 0; i < left.size() && i < 5; ++i) listed += (i ? ", " : "") + left[i];
+  if (left.size() > 5) listed += ", ...";
+  VIADUCT_CHECK_T(FileError, false, source_, ": ", left.size(),
+                  " tensor(s) that this model does not have (", listed,
+                  "): a checkpoint of another size or architecture?");
+}
+
 int64_t get_int(const json& c, const std::string& key,
                 const std::string& source) {
   VIADUCT_CHECK_T(ConfigError, c.contains(key) && c[key].is_number_integer(),

@@ -16,9 +16,12 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "checkpoint/state_dict_adapter.h"
 #include "core/check.h"
@@ -53,6 +56,27 @@ const at::Tensor& need(const TensorMap& m, const std::string& name,
 void expect_shape(const at::Tensor& t, const std::vector<int64_t>& shape,
                   const std::string& name, const std::string& source);
 at::Tensor cpu(const at::Tensor& t);  // detached, on the CPU, contiguous
+
+// An adapter's from_hf reads an HF state dict through a Taker, which keeps
+// the names it was asked for: a checkpoint holding tensors the model never
+// reads (a deeper or wider model's, another architecture's) is refused
+// naming them, rather than loading part of it without a word.
+class Taker {
+ public:
+  Taker(const TensorMap& tensors, std::string source);
+  bool has(const std::string& name) const { return tensors_.count(name) != 0; }
+  // The tensor `name` as fp32, contiguous; a FileError naming it and the
+  // source if it is missing or not of `shape`.
+  at::Tensor operator()(const std::string& name, const std::vector<int64_t>& shape);
+  // A FileError naming the source, how many tensors were never taken and
+  // the first few, unless `ignorable` says a name is no weight.
+  void expect_all_taken(const std::function<bool(const std::string&)>& ignorable = {}) const;
+
+ private:
+  const TensorMap& tensors_;
+  std::string source_;
+  std::set<std::string> taken_;
+};
 
 // config.json's integer `key`; a ConfigError naming `source` if absent.
 int64_t get_int(const nlohmann::json& c, const std::string& key,

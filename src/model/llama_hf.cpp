@@ -217,11 +217,7 @@ class LlamaHfAdapter final : public checkpoint::StateDictAdapter {
         hf::get_int(c, "vocab_size", source + "/config.json");
     const int64_t D = s_.dim, kv = s_.n_kv_heads * (s_.dim / s_.n_heads),
                   F = s_.ffn_hidden;
-    auto take = [&](const std::string& name, std::vector<int64_t> shape) {
-      const at::Tensor& t = hf::need(hf_tensors, name, source);
-      hf::expect_shape(t, shape, name, source);
-      return t.to(at::kFloat).contiguous();
-    };
+    hf::Taker take(hf_tensors, source);
     // An HF vocab smaller than viaduct's: the rows past it are zero.
     auto embedding = [&](const std::string& name) {
       at::Tensor e = take(name, {hf_vocab, D});
@@ -255,10 +251,18 @@ class LlamaHfAdapter final : public checkpoint::StateDictAdapter {
     v["norm.weight"] = take("model.norm.weight", {D});
     if (!s_.tie_embeddings) {
       // A tied HF checkpoint loaded untied starts its head from the embedding.
-      v["lm_head.weight"] = hf_tensors.count("lm_head.weight")
-                                ? embedding("lm_head.weight")
-                                : v["tok_embeddings.weight"].clone();
+      v["lm_head.weight"] = take.has("lm_head.weight") ? embedding("lm_head.weight")
+                                                       : v["tok_embeddings.weight"].clone();
+    } else if (take.has("lm_head.weight")) {
+      // A tied checkpoint may store the head too: then it is the embedding.
+      VIADUCT_CHECK_T(FileError, embedding("lm_head.weight").equal(v["tok_embeddings.weight"]),
+                      source, ": lm_head.weight differs from model.embed_tokens.weight, but "
+                      "model.tie_embeddings = true ties them");
     }
+    // transformers' older llama checkpoints keep each layer's rotary
+    // frequencies as a buffer; viaduct computes its own.
+    take.expect_all_taken(
+        [](const std::string& n) { return n.ends_with(".rotary_emb.inv_freq"); });
     return v;
   }
 

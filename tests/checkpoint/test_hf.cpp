@@ -493,6 +493,43 @@ TEST(HfCheckpoint, MismatchesAndBadFoldersNameTheProblem) {
             std::string::npos);
 }
 
+// A checkpoint holding tensors the model does not have (a deeper model's
+// layer, a stray weight) is refused naming them; the buffers that are no
+// weights (llama's rotary frequencies, gpt2's attention masks) and a tied
+// head stored beside its embedding load as before.
+TEST(HfCheckpoint, TensorsTheModelDoesNotHaveAreRefused) {
+  at::manual_seed(8);
+  const auto llama = llama_hf_adapter(llama_shape());
+  const auto config = llama->to_hf_config("float32");
+  const TensorMap v = random_llama(llama_shape());
+  TensorMap t = llama->to_hf(v);
+  t["model.layers.0.self_attn.rotary_emb.inv_freq"] = at::ones({4});
+  expect_bitwise(v, llama->from_hf(t, config, "src"));
+  t["model.layers.2.mlp.up_proj.weight"] = at::zeros({48, 32});
+  t["model.layers.2.mlp.down_proj.weight"] = at::zeros({32, 48});
+  std::string msg = error_of<FileError>([&] { llama->from_hf(t, config, "src"); });
+  EXPECT_EQ(msg, "src: 2 tensor(s) that this model does not have (model.layers.2.mlp.down_proj.weight, "
+                 "model.layers.2.mlp.up_proj.weight): a checkpoint of another size or architecture?");
+
+  const auto gpt2 = gpt2_hf_adapter(gpt2_shape());
+  const auto gpt2_config = gpt2->to_hf_config("float32");
+  const TensorMap g = random_gpt2(gpt2_shape());
+  TensorMap h = gpt2->to_hf(g);
+  h["transformer.h.1.attn.masked_bias"] = at::zeros({});
+  // GPT2LMHeadModel's own state dict: the tied head stored too.
+  h["lm_head.weight"] = h.at("transformer.wte.weight").clone();
+  expect_bitwise(g, gpt2->from_hf(h, gpt2_config, "src"));
+  h["lm_head.weight"] = h.at("lm_head.weight") + 1;
+  msg = error_of<FileError>([&] { gpt2->from_hf(h, gpt2_config, "src"); });
+  EXPECT_NE(msg.find("lm_head.weight differs from wte.weight"), std::string::npos) << msg;
+  h.erase("lm_head.weight");
+  h["transformer.h.0.attn.q_norm.weight"] = at::ones({32});
+  msg = error_of<FileError>([&] { gpt2->from_hf(h, gpt2_config, "src"); });
+  EXPECT_NE(msg.find("1 tensor(s) that this model does not have (h.0.attn.q_norm.weight)"),
+            std::string::npos)
+      << msg;
+}
+
 TEST(HfCheckpoint, TokenizerFilesAreCopiedByteForByte) {
   TempDir dir;
   const auto adapter = llama_hf_adapter(llama_shape());
