@@ -16,8 +16,6 @@
 // gradient), o, dq, dk, dv, dg, dbeta; and meta.json with the shape, the
 // files and cu_seqlens (each document's start in the B x T tokens, then
 // B x T).
-#include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -26,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "bench_documents.h"
+#include "bench_common.h"
 #include "core/device.h"
 #include "ops/documents.h"
 #include "ops/kda.h"
@@ -41,22 +39,6 @@ void write_raw(const std::filesystem::path& path, const at::Tensor& t) {
   f.write(reinterpret_cast<const char*>(c.data_ptr<float>()),
           static_cast<std::streamsize>(c.numel() * sizeof(float)));
   if (!f) throw std::runtime_error("cannot write " + path.string());
-}
-
-// Median ms of `fn` (forward + backward), after 3 untimed runs.
-double median_ms(const std::function<void()>& fn, int iters, const at::Device& dev) {
-  std::vector<double> times;
-  for (int i = 0; i < iters + 3; ++i) {
-    synchronize(dev);
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    synchronize(dev);
-    const double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (i >= 3) times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
 }
 
 }  // namespace
@@ -132,10 +114,10 @@ int main(int argc, char** argv) {
   auto fwd_bwd = [&](const std::function<at::Tensor()>& f) {
     return [&, f] { torch::autograd::grad({f()}, x, {dO_dev}); };
   };
-  const double causal = median_ms(fwd_bwd([&] { return run(nullptr); }), iters, dev);
-  const double packed = median_ms(fwd_bwd([&] { return run(&docs); }), iters, dev);
+  const double causal = bench::median_ms(fwd_bwd([&] { return run(nullptr); }), iters, dev);
+  const double packed = bench::median_ms(fwd_bwd([&] { return run(&docs); }), iters, dev);
   // One call a document: each span's slices through the op alone.
-  const double each = median_ms(fwd_bwd([&] {
+  const double each = bench::median_ms(fwd_bwd([&] {
                                   return docs.per_document(
                                       x, [&](const std::vector<at::Tensor>& s,
                                              const ops::DocumentSpan&) {

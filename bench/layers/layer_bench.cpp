@@ -24,7 +24,6 @@
 // --cpu, or model.cuda_kernels' choice on a GPU without viaduct's kernels,
 // runs the ATen forms.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -32,7 +31,7 @@
 #include <string>
 #include <vector>
 
-#include "bench_documents.h"
+#include "bench_common.h"
 #include "core/device.h"
 #include "kernels/fused.h"
 #include "kernels/weight_cache.h"
@@ -58,21 +57,12 @@ struct Result {
 
 double time_fwd_bwd(torch::nn::Module& m, const std::function<at::Tensor(const at::Tensor&)>& fn,
                     const at::Tensor& x, int iters, const at::Device& dev) {
-  std::vector<double> times;
-  for (int i = 0; i < iters + 3; ++i) {
-    auto in = x.detach().requires_grad_(true);
-    synchronize(dev);
-    const auto t0 = std::chrono::steady_clock::now();
-    auto y = fn(in);
-    y.backward(at::ones_like(y));
-    synchronize(dev);
-    const double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (i >= 3) times.push_back(ms);
-    m.zero_grad();
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return bench::median_ms(
+      [&] {
+        auto y = fn(x.detach().requires_grad_(true));
+        y.backward(at::ones_like(y));
+      },
+      iters, dev, [&] { m.zero_grad(); });
 }
 
 }  // namespace

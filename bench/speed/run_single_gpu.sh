@@ -307,6 +307,18 @@ for cell in $CELLS; do
   esac
 done
 
+# One cell against another over alternating rounds: the step time of the
+# first / the second - 1, pooled over the rounds and per round. The files
+# are under $OUT, @ standing for the round's number.
+pooled_overhead() {  # name rounds with-file without-file
+  local name=$1 rounds=$2 with=$3 without=$4 r ab=()
+  for r in $(seq 1 "$rounds"); do
+    ab+=(--with "$OUT/${with//@/$r}" --without "$OUT/${without//@/$r}")
+  done
+  echo
+  "$PY" reference/torch_llama.py overhead --timing-warmup "$WARM" --name "$name" "${ab[@]}"
+}
+
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 torch_v=$("$PY" -c 'import torch;print(torch.__version__)' 2>/dev/null)
 {
@@ -334,25 +346,12 @@ torch_v=$("$PY" -c 'import torch;print(torch.__version__)' 2>/dev/null)
       --with "$OUT/k3.viaduct.metrics.jsonl" --without "$OUT/k3plain.viaduct.metrics.jsonl"
   fi
   if [ -f "$OUT/1B_r1.viaduct.metrics.jsonl" ]; then
-    ab=()
-    for r in $(seq 1 "${ROUNDS_1B:-2}"); do
-      ab+=(--with "$OUT/1B_r$r.viaduct.metrics.jsonl" --without "$OUT/1B_r$r.torch-compile.json")
-    done
-    echo
-    "$PY" reference/torch_llama.py overhead --timing-warmup "$WARM" \
-      --name "viaduct against torch.compile (llama 1B 4x4096, ${ROUNDS_1B:-2} rounds, viaduct then compile: step time viaduct / compile - 1, below 0 is faster)" \
-      "${ab[@]}"
+    pooled_overhead "viaduct against torch.compile (llama 1B 4x4096, ${ROUNDS_1B:-2} rounds, viaduct then compile: step time viaduct / compile - 1, below 0 is faster)" \
+      "${ROUNDS_1B:-2}" "1B_r@.viaduct.metrics.jsonl" "1B_r@.torch-compile.json"
   fi
   if [ -f "$OUT/k3gemm_r1.viaduct.metrics.jsonl" ]; then
-    ab=()
-    for r in $(seq 1 "$K3_ROUNDS"); do
-      ab+=(--with "$OUT/k3gemm_r$r.viaduct.metrics.jsonl"
-        --without "$OUT/k3gemmplain_r$r.viaduct.metrics.jsonl")
-    done
-    echo
-    "$PY" reference/torch_llama.py overhead --timing-warmup "$WARM" \
-      --name "AttnRes overhead (viaduct, kimi_k3 deep d2048 MLA+dense ${K3_BATCH}x${K3_SEQ}, $K3_ROUNDS alternating rounds: step time k3gemm / k3gemmplain - 1)" \
-      "${ab[@]}"
+    pooled_overhead "AttnRes overhead (viaduct, kimi_k3 deep d2048 MLA+dense ${K3_BATCH}x${K3_SEQ}, $K3_ROUNDS alternating rounds: step time k3gemm / k3gemmplain - 1)" \
+      "$K3_ROUNDS" "k3gemm_r@.viaduct.metrics.jsonl" "k3gemmplain_r@.viaduct.metrics.jsonl"
   fi
   if [ -f "$OUT/k3gemm.viaduct.metrics.jsonl" ] && [ -f "$OUT/k3gemmplain.viaduct.metrics.jsonl" ]; then
     echo
@@ -362,15 +361,8 @@ torch_v=$("$PY" -c 'import torch;print(torch.__version__)' 2>/dev/null)
   fi
   for cell in 1Bdocs k3docs; do
     [ -f "$OUT/${cell}_causal_r1.viaduct.metrics.jsonl" ] || continue
-    ab=()
-    for r in $(seq 1 "${DOC_ROUNDS:-2}"); do
-      ab+=(--with "$OUT/${cell}_block_causal_r$r.viaduct.metrics.jsonl"
-        --without "$OUT/${cell}_causal_r$r.viaduct.metrics.jsonl")
-    done
-    echo
-    "$PY" reference/torch_llama.py overhead --timing-warmup "$WARM" \
-      --name "block_causal's cost ($cell, documents of mean ${DOC_MEAN:-1024}, ${DOC_ROUNDS:-2} rounds: step time block_causal / causal - 1)" \
-      "${ab[@]}"
+    pooled_overhead "block_causal's cost ($cell, documents of mean ${DOC_MEAN:-1024}, ${DOC_ROUNDS:-2} rounds: step time block_causal / causal - 1)" \
+      "${DOC_ROUNDS:-2}" "${cell}_block_causal_r@.viaduct.metrics.jsonl" "${cell}_causal_r@.viaduct.metrics.jsonl"
   done
 } >"$RESULTS"
 say "done; per-process logs and JSON in $OUT"
