@@ -82,6 +82,17 @@ const PackedSpans& Documents::packed(int64_t align, int64_t gap, at::Device devi
     starts[static_cast<size_t>(s.row * blocks + p->span_rows[i] / align)] = 1;
   }
   p->gather = at::tensor(gather, at::kLong).to(device);
+  // The gather as the device runs it: zero places read token 0, then are
+  // cleared (one pass over the rows, not a copy of them with a zero row).
+  std::vector<int64_t> zero_places;
+  for (size_t i = 0; i < gather.size(); ++i) {
+    if (gather[i] == tokens) {
+      zero_places.push_back(static_cast<int64_t>(i));
+      gather[i] = 0;
+    }
+  }
+  p->gather_read = at::tensor(gather, at::kLong).to(device);
+  p->zero_places = at::tensor(zero_places, at::kLong).to(device);
   p->scatter = at::tensor(scatter, at::kLong).to(device);
   p->chunk_starts =
       at::from_blob(starts.data(), {rows_, blocks}, at::kByte).clone().to(device);
@@ -91,9 +102,12 @@ const PackedSpans& Documents::packed(int64_t align, int64_t gap, at::Device devi
 
 namespace {
 
-// Rows `index` of x2 [n, ...], where index n reads a row of zeros.
-at::Tensor take_rows(const at::Tensor& x2, const at::Tensor& index) {
-  return at::cat({x2, at::zeros({1, x2.size(1)}, x2.options())}, 0).index_select(0, index);
+// The rows of x2 [B T, rest] at the packed places: PackedSpans::gather,
+// zeros where it reads no token.
+at::Tensor take_rows(const at::Tensor& x2, const at::Tensor& read, const at::Tensor& zeros) {
+  auto out = x2.index_select(0, read);
+  if (zeros.numel() > 0) out.index_fill_(0, zeros, 0);
+  return out;
 }
 
 // x's first `leading` entries along its flattened leading dims as rows.
@@ -118,7 +132,7 @@ class PackFn : public torch::autograd::Function<PackFn> {
     ctx->saved_data["scatter"] = p->scatter;
     ctx->saved_data["shape"] = x.sizes().vec();
     const int64_t tokens = x.size(0) * x.size(1);
-    return take_rows(as_rows(x, tokens), p->gather)
+    return take_rows(as_rows(x, tokens), p->gather_read, p->zero_places)
         .view(with_leading(x, 2, {x.size(0), p->length}));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -134,7 +148,8 @@ class UnpackFn : public torch::autograd::Function<UnpackFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y,
                             const PackedSpans* p, int64_t rows, int64_t seq_len) {
-    ctx->saved_data["gather"] = p->gather;
+    ctx->saved_data["read"] = p->gather_read;
+    ctx->saved_data["zeros"] = p->zero_places;
     ctx->saved_data["shape"] = y.sizes().vec();
     return as_rows(y, y.size(0) * y.size(1))
         .index_select(0, p->scatter)
@@ -142,10 +157,11 @@ class UnpackFn : public torch::autograd::Function<UnpackFn> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto gather = ctx->saved_data["gather"].toTensor();
+    const auto read = ctx->saved_data["read"].toTensor();
+    const auto zeros = ctx->saved_data["zeros"].toTensor();
     const auto shape = ctx->saved_data["shape"].toIntVector();
     const int64_t tokens = grads[0].size(0) * grads[0].size(1);
-    auto g = take_rows(as_rows(grads[0], tokens), gather);
+    auto g = take_rows(as_rows(grads[0], tokens), read, zeros);
     return {g.view(shape), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

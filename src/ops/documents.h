@@ -80,6 +80,8 @@ struct PackedSpans {
   int64_t align = 1;          // every span starts at a multiple of it
   at::Tensor gather;          // [B length] int64: each place's token b T + t, or B T (zeros)
   at::Tensor scatter;         // [B T] int64: each token's place b length + i
+  at::Tensor gather_read;     // gather with the zero places reading token 0
+  at::Tensor zero_places;     // [places] int64: where gather reads no token
   std::vector<int64_t> span_rows;  // where each span starts in its packed row
   // [B, ceil(length / align)] uint8: 1 where a span starts the block (chunk).
   at::Tensor chunk_starts;

@@ -118,6 +118,7 @@ TEST(ImageDecode, BadBytesAreImageErrorsSayingWhy) {
 
 TEST(ImageFit, SameSizeIsExactCropTakesTheMiddlePadIsBlack) {
   const auto ref = raw_rgb(fx("rgb.raw"), 37, 23);
+  ASSERT_EQ(ref.pixels.size(), 37u * 23u * 3u) << "the fixture rgb.raw is missing or short";
   // Same size: every pixel, channel-major.
   RgbImage square;
   square.width = square.height = 23;
