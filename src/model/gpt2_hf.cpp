@@ -207,11 +207,8 @@ class Gpt2HfAdapter final : public checkpoint::StateDictAdapter {
     if (!s_.tie_embeddings) {
       v["lm_head.weight"] = take.has("lm_head.weight") ? embedding("lm_head.weight")
                                                        : v["tok_embeddings.weight"].clone();
-    } else if (take.has("lm_head.weight")) {
-      // GPT2LMHeadModel's state dict stores the tied head too.
-      VIADUCT_CHECK_T(FileError, embedding("lm_head.weight").equal(v["tok_embeddings.weight"]),
-                      source, ": lm_head.weight differs from wte.weight, but "
-                      "model.tie_embeddings = true ties them");
+    } else {
+      take.take_tied_head("lm_head.weight", v["tok_embeddings.weight"], "wte.weight");
     }
     take.expect_all_taken();
     return v;

@@ -64,6 +64,18 @@ at::Tensor Taker::operator()(const std::string& name, const std::vector<int64_t>
   return t.to(at::kFloat).contiguous();
 }
 
+void Taker::take_tied_head(const std::string& head, const at::Tensor& embedding,
+                           const std::string& embedding_name) {
+  if (!has(head)) return;
+  const auto& t = need(tensors_, head, source_);
+  taken_.insert(head);
+  // The HF head may have fewer rows than viaduct's padded embedding.
+  const bool same = t.dim() == 2 && t.size(0) <= embedding.size(0) &&
+                    t.to(at::kFloat).equal(embedding.narrow(0, 0, t.size(0)));
+  VIADUCT_CHECK_T(FileError, same, source_, ": ", head, " differs from ", embedding_name,
+                  ", but model.tie_embeddings = true ties them");
+}
+
 void Taker::expect_all_taken(const std::function<bool(const std::string&)>& ignorable) const {
   std::vector<std::string> left;
   for (const auto& [name, t] : tensors_) {

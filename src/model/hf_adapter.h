@@ -68,6 +68,11 @@ class Taker {
   // The tensor `name` as fp32, contiguous; a FileError naming it and the
   // source if it is missing or not of `shape`.
   at::Tensor operator()(const std::string& name, const std::vector<int64_t>& shape);
+  // A tied model's head stored beside its embedding (GPT2LMHeadModel's
+  // state dict holds both): taken, and a FileError unless it equals
+  // `embedding` (the embedding `embedding_name` as loaded).
+  void take_tied_head(const std::string& head, const at::Tensor& embedding,
+                      const std::string& embedding_name);
   // A FileError naming the source, how many tensors were never taken and
   // the first few, unless `ignorable` says a name is no weight.
   void expect_all_taken(const std::function<bool(const std::string&)>& ignorable = {}) const;

@@ -253,11 +253,9 @@ class LlamaHfAdapter final : public checkpoint::StateDictAdapter {
       // A tied HF checkpoint loaded untied starts its head from the embedding.
       v["lm_head.weight"] = take.has("lm_head.weight") ? embedding("lm_head.weight")
                                                        : v["tok_embeddings.weight"].clone();
-    } else if (take.has("lm_head.weight")) {
-      // A tied checkpoint may store the head too: then it is the embedding.
-      VIADUCT_CHECK_T(FileError, embedding("lm_head.weight").equal(v["tok_embeddings.weight"]),
-                      source, ": lm_head.weight differs from model.embed_tokens.weight, but "
-                      "model.tie_embeddings = true ties them");
+    } else {
+      take.take_tied_head("lm_head.weight", v["tok_embeddings.weight"],
+                          "model.embed_tokens.weight");
     }
     // transformers' older llama checkpoints keep each layer's rotary
     // frequencies as a buffer; viaduct computes its own.

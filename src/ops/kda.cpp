@@ -303,8 +303,8 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 namespace {
 
-// The op on rows that are each one sequence, or (with chunk_starts) one
-// row of packed documents.
+// The op on rows that are each one sequence, or (with chunk_starts) rows
+// of packed documents.
 at::Tensor kda_row(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
                    const KernelOptions& opts, const at::Tensor& initial_state,
