@@ -189,6 +189,18 @@ fi
 [ -x build-gpu/viaduct ] || { say "no build-gpu/viaduct: run with STAGES=build first"; exit 1; }
 
 rm -f "$OUT/table.md" "$OUT/steps.md" "$OUT/gpu.md"
+# The K3 cells' model: kimi_k3 debugmodel_deep (33 layers, AttnRes blocks
+# 12 + 12 + 9, MLA at 3, 7, ..., 31, 32, MoE from layer 1) widened to dim
+# 2048 with inner widths to match: 16 heads, KDA head 64, MLA 512 / 128 +
+# 64 / 128, dense FFN 5632, 8 experts (top 2 + 1 shared) of 512.
+# Vocabulary 320 (the flavor's).
+k3=(--model.family=kimi_k3 --model.flavor=debugmodel_deep --model.dim=2048
+  --model.n_heads=16 --model.kda_head_dim=64 --model.mla_kv_lora_rank=512
+  --model.mla_qk_nope_head_dim=128 --model.mla_qk_rope_head_dim=64
+  --model.mla_v_head_dim=128 --model.ffn_hidden_dim=5632
+  --model.moe_hidden_dim=512 --model.kda_chunk_size=64 --training.seq_len="$K3_SEQ"
+  --model.max_seq_len="$((K3_SEQ > 2048 ? K3_SEQ : 2048))"
+  --training.local_batch_size="$K3_BATCH" --optimizer.lr=3e-4)
 for cell in $CELLS; do
   case $cell in
     1B)
@@ -224,13 +236,7 @@ for cell in $CELLS; do
       else
         data=$WORK/docs_v320_m${DOC_MEAN:-1024}.tok
         make_document_tokens "$data" 320 $(((STEPS + 4) * K3_BATCH * K3_SEQ + 1)) "${DOC_MEAN:-1024}"
-        args=(--model.family=kimi_k3 --model.flavor=debugmodel_deep --model.dim=2048
-          --model.n_heads=16 --model.kda_head_dim=64 --model.mla_kv_lora_rank=512
-          --model.mla_qk_nope_head_dim=128 --model.mla_qk_rope_head_dim=64
-          --model.mla_v_head_dim=128 --model.ffn_hidden_dim=5632
-          --model.moe_hidden_dim=512 --model.kda_chunk_size=64 --training.seq_len="$K3_SEQ"
-          --model.max_seq_len="$((K3_SEQ > 2048 ? K3_SEQ : 2048))"
-          --training.local_batch_size="$K3_BATCH" --optimizer.lr=3e-4)
+        args=("${k3[@]}")
         label="kimi_k3 deep d2048, ${K3_BATCH}x${K3_SEQ}"
       fi
       for r in $(seq 1 "${DOC_ROUNDS:-2}"); do
@@ -249,20 +255,9 @@ for cell in $CELLS; do
         --optimizer.lr=6e-4
       ;;
     k3 | k3plain | k3gemm | k3gemmplain | k3gemmab)
-      # kimi_k3 debugmodel_deep (33 layers, AttnRes blocks 12 + 12 + 9, MLA
-      # at 3, 7, ..., 31, 32, MoE from layer 1) widened to dim 2048 with
-      # inner widths to match: 16 heads, KDA head 64, MLA 512 / 128 + 64 /
-      # 128, dense FFN 5632, 8 experts (top 2 + 1 shared) of 512. Vocabulary
-      # 320 (the flavor's). k3plain: the same with model.attn_res = false.
+      # The K3 cells (the model: k3 above); k3plain: model.attn_res = false.
       data=$WORK/random_v320.u32
       make_random_tokens "$data" 320 $(((STEPS + 4) * K3_BATCH * K3_SEQ + 1))
-      k3=(--model.family=kimi_k3 --model.flavor=debugmodel_deep --model.dim=2048
-        --model.n_heads=16 --model.kda_head_dim=64 --model.mla_kv_lora_rank=512
-        --model.mla_qk_nope_head_dim=128 --model.mla_qk_rope_head_dim=64
-        --model.mla_v_head_dim=128 --model.ffn_hidden_dim=5632
-        --model.moe_hidden_dim=512 --model.kda_chunk_size=64 --training.seq_len="$K3_SEQ"
-        --model.max_seq_len="$((K3_SEQ > 2048 ? K3_SEQ : 2048))"
-        --training.local_batch_size="$K3_BATCH" --optimizer.lr=3e-4)
       case $cell in
         k3) run_cell k3 "kimi_k3 deep d2048, ${K3_BATCH}x${K3_SEQ}" "$data" "${k3[@]}" ;;
         k3plain)
