@@ -183,7 +183,7 @@ at::Tensor ChainTransformer::trunk(const Activations& in) {
                     " exceeds model.max_seq_len ", spec_.max_seq_len);
       if (documents_ && documents_->reset_positions()) {
         // Each token at its position in its document.
-        const auto pos = documents_->positions().to(h.device());
+        const auto pos = documents_->positions(h.device());
         h = h + pos_embeddings_->weight.index_select(0, pos.flatten()).view(h.sizes());
       } else {
         h = h + pos_embeddings_->weight.slice(0, 0, T).unsqueeze(0);

@@ -88,10 +88,10 @@ at::Tensor MlaImpl::forward(const at::Tensor& x, const ops::Documents* documents
   if (documents != nullptr && ops::varlen_runs(q)) {
     // Every document in one call of flash's variable-length kernel, the
     // rotary tables gathered per token (see causal_attention, ops/rope.cpp).
-    y = attend(q, k_pe, kv, rope_.cos.defined()
-                                ? rope_.at_positions(documents->positions().flatten())
-                                : RopeTables{},
-               documents);
+    const auto tables = rope_.cos.defined()
+                            ? rope_.at_positions(documents->positions(q.device()).flatten())
+                            : RopeTables{};
+    y = attend(q, k_pe, kv, tables, documents);
   } else if (documents != nullptr) {
     y = documents->per_document({q, k_pe, kv}, [&](const std::vector<at::Tensor>& d,
                                                    const ops::DocumentSpan& s) {

@@ -43,6 +43,14 @@ at::Tensor Documents::cu_seqlens(at::Device device) const {
   return kept;
 }
 
+at::Tensor Documents::positions(at::Device device) const {
+  if (device.is_cpu()) return positions_;
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  auto& kept = positions_on_[device.str()];
+  if (!kept.defined()) kept = positions_.to(device);
+  return kept;
+}
+
 const PackedSpans& Documents::packed(int64_t align, int64_t gap, at::Device device) const {
   VIADUCT_CHECK(align >= 1 && gap >= 0, "packed documents: align ", align, " and gap ", gap,
                 " (align >= 1, gap >= 0)");

@@ -1,5 +1,5 @@
-// The documents packed into a micro-batch's windows, and the one way a
-// token mixer runs on them: on each document alone.
+// The documents packed into a micro-batch's windows, and how the token
+// mixers run on them: each document as a sequence of its own.
 //
 // Note [Document boundaries]
 // Pre-training packs documents end to end into windows. Under
@@ -105,6 +105,9 @@ class Documents {
   int64_t first_position(const DocumentSpan& s) const { return reset_positions_ ? 0 : s.start; }
   // [B, T] int64 on the CPU: each token's position (see first_position).
   const at::Tensor& positions() const { return positions_; }
+  // The same on `device`, copied once per device and kept (every layer of
+  // the micro-batch gathers its rotary tables or positions by it).
+  at::Tensor positions(at::Device device) const;
   // [spans + 1] int32 on `device`: where each span starts in the B x T
   // tokens flattened row by row, then B x T (flash's cu_seqlens). Made once
   // per device and kept: every layer of the micro-batch asks for it.
@@ -125,10 +128,12 @@ class Documents {
   bool reset_positions_ = true;
   std::vector<DocumentSpan> spans_;
   at::Tensor positions_;
-  // What cu_seqlens and packed made, by device and layout; a micro-batch's
-  // layers share one Documents, so the mutex guards the first use of each.
+  // What cu_seqlens, positions and packed made, by device and layout; a
+  // micro-batch's layers share one Documents, so the mutex guards the first
+  // use of each.
   mutable std::mutex cache_mutex_;
   mutable std::map<std::string, at::Tensor> cu_seqlens_;
+  mutable std::map<std::string, at::Tensor> positions_on_;
   mutable std::map<std::string, std::unique_ptr<PackedSpans>> packed_;
 };
 

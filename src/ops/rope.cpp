@@ -186,7 +186,9 @@ at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const Rope
     // repeated as below, then attention within each document.
     const auto B = q.size(0), T = q.size(1);
     RopeTables per_token;
-    if (tables != nullptr) per_token = tables->at_positions(documents->positions().flatten());
+    if (tables != nullptr) {
+      per_token = tables->at_positions(documents->positions(q.device()).flatten());
+    }
     auto one_row = [&](const at::Tensor& x) { return x.reshape({1, B * T, x.size(2), x.size(3)}); };
     auto [qr, kr, vr] = rotate_and_repeat(one_row(q), one_row(k), one_row(v),
                                           tables != nullptr ? &per_token : nullptr, opts);

@@ -16,9 +16,11 @@ namespace viaduct::ops {
 struct RopeTables {
   at::Tensor cos, sin;
   // The tables from `position` on: row 0 rotates as `position` does.
-  // Row i rotates as positions[i] does (positions: int64 on the CPU).
+  // Row i rotates as positions[i] does (positions: int64, on the tables'
+  // device or copied there).
   RopeTables at_positions(const at::Tensor& positions) const {
-    return {cos.index_select(0, positions), sin.index_select(0, positions)};
+    const auto p = positions.to(cos.device());
+    return {cos.index_select(0, p), sin.index_select(0, p)};
   }
   RopeTables from(int64_t position) const {
     if (position == 0) return *this;

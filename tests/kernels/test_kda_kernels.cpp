@@ -299,7 +299,9 @@ TEST(KdaKernelsState, PackedDocumentsAreEachAlone) {
     auto w = at::randn(y.sizes(), y.options());
     auto grads = torch::autograd::grad({(y * w).sum()}, x);
     for (const auto& s : docs.spans()) {
-      auto cut = [&](const at::Tensor& t) { return t.narrow(0, s.row, 1).narrow(1, s.start, s.length); };
+      auto cut = [&](const at::Tensor& t) {
+        return t.narrow(0, s.row, 1).narrow(1, s.start, s.length);
+      };
       std::vector<at::Tensor> alone;
       for (const auto& t : x) alone.push_back(cut(t).detach().clone().requires_grad_());
       auto ya = run(alone, nullptr);

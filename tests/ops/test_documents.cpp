@@ -111,7 +111,8 @@ TEST(Documents, PackAndUnpackAreGathersBothWays) {
   auto y = at::randn({2, p.length, 3}, at::kDouble).requires_grad_();
   auto w = at::randn({2, 7, 3}, at::kDouble);
   auto gy = torch::autograd::grad({(unpack_spans(y, p, 2, 7) * w).sum()}, {y})[0];
-  auto want = at::cat({w.reshape({14, 3}), at::zeros({1, 3}, at::kDouble)}).index_select(0, p.gather);
+  auto want =
+      at::cat({w.reshape({14, 3}), at::zeros({1, 3}, at::kDouble)}).index_select(0, p.gather);
   EXPECT_TRUE(at::equal(gy, want.view({2, p.length, 3})));
 }
 
@@ -164,9 +165,9 @@ TEST(Documents, PackedKdaIsEachDocumentAlone) {
     const auto o = at::TensorOptions().dtype(dtype);
     const int64_t B = 2, T = 23, H = 2, D = 4;
     auto nrm = [](const at::Tensor& x) { return x / x.norm(2, -1, true); };
-    std::vector<at::Tensor> xs{nrm(at::randn({B, T, H, D}, o)) * 0.5, nrm(at::randn({B, T, H, D}, o)),
-                               at::randn({B, T, H, D}, o), -at::rand({B, T, H, D}, o),
-                               at::sigmoid(at::randn({B, T, H}, o))};
+    std::vector<at::Tensor> xs{nrm(at::randn({B, T, H, D}, o)) * 0.5,
+                               nrm(at::randn({B, T, H, D}, o)), at::randn({B, T, H, D}, o),
+                               -at::rand({B, T, H, D}, o), at::sigmoid(at::randn({B, T, H}, o))};
     expect_packed_as_alone(d, xs, [](const std::vector<at::Tensor>& x, const Documents* docs) {
       return kda(x[0], x[1], x[2], x[3], x[4], /*chunk_size=*/4, KernelOptions{}, {}, docs);
     });
