@@ -7,7 +7,8 @@ compares both with a float64 step-by-step recurrence of each document from
 a zero state (autograd through the loop for the gradients). Then times
 fla's forward + backward with cu_seqlens and on the plain [B, T] batch.
 
-    python3 bench/layers/kda_documents_vs_fla.py --dir DIR --anchor ../shared/anchors/kda
+    python3 bench/layers/kda_documents_vs_fla.py --dir DIR --anchor ../shared/anchors/kda \
+        [--dtype float32|bfloat16] [--iters N]
 
 Prints one table of relative errors (max |a - b| / max |b|, and the RMS
 ratio) and one of fla's times. Runs on a GPU with Triton.
@@ -69,6 +70,8 @@ def main():
     ap.add_argument("--dir", required=True)
     ap.add_argument("--anchor", required=True, help="the folder holding fla/ (../shared/anchors/kda)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="fla's q, k, v and beta (g stays float32, as fla's core takes it)")
     args = ap.parse_args()
     sys.path.insert(0, args.anchor)
     from fla.ops.kda import chunk_kda
@@ -86,13 +89,16 @@ def main():
 
     # fla: the tokens as one row [1, B T, ...], documents by cu_seqlens; q
     # arrives scaled (scale 1) and normalised (no in-kernel L2 norm).
-    def flat(t):
-        return t.reshape(1, B * T, *t.shape[2:]).to(dev).requires_grad_(True)
+    dt = getattr(torch, args.dtype)
 
-    fx = [flat(x[n]) for n in names]
+    def flat(n):
+        t = x[n].reshape(1, B * T, *x[n].shape[2:])
+        return t.to(dev, torch.float32 if n == "g" else dt).requires_grad_(True)
+
+    fx = [flat(n) for n in names]
     cu_dev = cu.to(dev)
     o_fla, _ = chunk_kda(*fx, scale=1.0, cu_seqlens=cu_dev)
-    g_fla = torch.autograd.grad(o_fla, fx, dO.reshape(1, B * T, H, D).to(dev))
+    g_fla = torch.autograd.grad(o_fla, fx, dO.reshape(1, B * T, H, D).to(dev, o_fla.dtype))
     fla = {"o": o_fla.detach().reshape(B, T, H, D).cpu()}
     for n, gr in zip(names, g_fla):
         fla["d" + n] = gr.reshape(x[n].shape).cpu()
@@ -110,7 +116,7 @@ def main():
         ref["d" + n] = gr.reshape(x[n].shape).cpu()
 
     print(f"KDA over {len(bounds) - 1} documents (mean {B * T / (len(bounds) - 1):.1f} tokens), "
-          f"{B} x {T}, {H} heads of {D}, fp32 inputs; viaduct on {meta['device']}")
+          f"{B} x {T}, {H} heads of {D}; viaduct fp32 on {meta['device']}, fla {args.dtype}")
     print("| tensor | viaduct vs fp64: max rel / rms | fla vs fp64: max rel / rms | viaduct vs fla: max rel / rms |")
     print("|---|---|---|---|")
     for key in ["o"] + ["d" + n for n in names]:
@@ -118,8 +124,8 @@ def main():
         print(f"| {key} | " + " | ".join(f"{m:.2e} / {r:.2e}" for m, r in cells) + " |")
 
     # fla's own cost of documents: cu_seqlens against the plain batch.
-    px = [x[n].to(dev).requires_grad_(True) for n in names]
-    dO_dev = dO.to(dev)
+    px = [x[n].to(dev, torch.float32 if n == "g" else dt).requires_grad_(True) for n in names]
+    dO_dev = dO.to(dev, dt)
 
     def fla_docs():
         o, _ = chunk_kda(*fx, scale=1.0, cu_seqlens=cu_dev)
