@@ -24,6 +24,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 source bench/lib/gpu_build.sh
+source bench/lib/tokens.sh  # random_tokens
 ROOT=$PWD
 OUT=${OUT:-$ROOT/outputs/bits}      # logs and the summary
 WORK=${WORK:-$ROOT/outputs/bits_work}  # unpacked trees, data, run folders
@@ -68,15 +69,6 @@ build_tree() {  # tree -> prints the tree's folder
   echo "$dir"
 }
 
-make_tokens() {  # path vocab count
-  [ -f "$1" ] && return 0
-  "$PY" - "$1" "$2" "$3" <<'EOF'
-import array, random, sys
-path, vocab, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-r = random.Random(1234)
-open(path, "wb").write(array.array("I", (r.randrange(vocab) for _ in range(n))).tobytes())
-EOF
-}
 
 K3=(--model.family=kimi_k3 --model.flavor=debugmodel_deep --model.dim=2048 --model.n_heads=16
   --model.kda_head_dim=64 --model.mla_kv_lora_rank=512 --model.mla_qk_nope_head_dim=128
@@ -85,20 +77,20 @@ K3=(--model.family=kimi_k3 --model.flavor=debugmodel_deep --model.dim=2048 --mod
   --optimizer.lr=3e-4)
 cell_args() {  # cell -> data file, then overrides, one per line
   case $1 in
-    1B) make_tokens "$WORK/v128256.u32" 128256 $(((STEPS + 2) * 4 * 4096 + 1))
+    1B) random_tokens "$WORK/v128256.u32" 128256 $(((STEPS + 2) * 4 * 4096 + 1))
         printf '%s\n' "$WORK/v128256.u32" --model.flavor=1B --training.seq_len=4096 \
           --training.local_batch_size=4 --optimizer.lr=3e-4 ;;
-    k3) make_tokens "$WORK/v320.u32" 320 $(((STEPS + 2) * 4 * 2048 + 1))
+    k3) random_tokens "$WORK/v320.u32" 320 $(((STEPS + 2) * 4 * 2048 + 1))
         printf '%s\n' "$WORK/v320.u32" "${K3[@]}" ;;
-    k3gemm) make_tokens "$WORK/v320.u32" 320 $(((STEPS + 2) * 4 * 2048 + 1))
+    k3gemm) random_tokens "$WORK/v320.u32" 320 $(((STEPS + 2) * 4 * 2048 + 1))
         printf '%s\n' "$WORK/v320.u32" "${K3[@]}" --model.mla_interval=1 --model.moe_ffn=false ;;
-    cpu_llama) make_tokens "$WORK/v256.u32" 256 $(((STEPS + 2) * 8 * 128 + 1))
+    cpu_llama) random_tokens "$WORK/v256.u32" 256 $(((STEPS + 2) * 8 * 128 + 1))
         printf '%s\n' "$WORK/v256.u32" --model.flavor=debugmodel --training.seq_len=128 \
           --training.local_batch_size=8 ;;
-    cpu_k3) make_tokens "$WORK/v256.u32" 256 $(((STEPS + 2) * 8 * 128 + 1))
+    cpu_k3) random_tokens "$WORK/v256.u32" 256 $(((STEPS + 2) * 8 * 128 + 1))
         printf '%s\n' "$WORK/v256.u32" --model.family=kimi_k3 --model.flavor=debugmodel \
           --training.seq_len=64 --training.local_batch_size=4 ;;
-    gpt2) make_tokens "$WORK/v50257.u32" 50257 $(((STEPS + 2) * 8 * 1024 + 1))
+    gpt2) random_tokens "$WORK/v50257.u32" 50257 $(((STEPS + 2) * 8 * 1024 + 1))
         printf '%s\n' "$WORK/v50257.u32" --model.family=gpt2 --model.flavor=124M \
           --training.seq_len=1024 --training.local_batch_size=8 --optimizer.lr=6e-4 ;;
     *) return 1 ;;

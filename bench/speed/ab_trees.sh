@@ -19,6 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 source bench/lib/gpu_build.sh
+source bench/lib/tokens.sh  # random_tokens
 source bench/lib/gpu_log.sh
 OUT=${OUT:-$PWD/outputs/ab}
 WORK=${WORK:-$PWD/outputs/ab_work}
@@ -59,26 +60,17 @@ ra=$?
 [ $ra -eq 0 ] && [ $rb -eq 0 ] || { say "build failed (A $ra, B $rb)"; exit 1; }
 say "built"
 
-make_tokens() {  # path vocab count
-  [ -f "$1" ] && return 0
-  "$PY" - "$1" "$2" "$3" <<'PYEOF'
-import array, random, sys
-path, vocab, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-r = random.Random(1234)
-open(path, "wb").write(array.array("I", (r.randrange(vocab) for _ in range(n))).tobytes())
-PYEOF
-}
 STEPS=$((WARM + TIMED))
 cell_args() {  # cell -> data file, then overrides, one per line
   case $1 in
-    k3) make_tokens "$WORK/v320.u32" 320 $(((STEPS + 2) * 4 * 2048 + 1))
+    k3) random_tokens "$WORK/v320.u32" 320 $(((STEPS + 2) * 4 * 2048 + 1))
         printf '%s\n' "$WORK/v320.u32" --model.family=kimi_k3 --model.flavor=debugmodel_deep \
           --model.dim=2048 --model.n_heads=16 --model.kda_head_dim=64 \
           --model.mla_kv_lora_rank=512 --model.mla_qk_nope_head_dim=128 \
           --model.mla_qk_rope_head_dim=64 --model.mla_v_head_dim=128 \
           --model.ffn_hidden_dim=5632 --model.moe_hidden_dim=512 --model.kda_chunk_size=64 \
           --training.seq_len=2048 --training.local_batch_size=4 --optimizer.lr=3e-4 ;;
-    1B) make_tokens "$WORK/v128256.u32" 128256 $(((STEPS + 2) * 4 * 4096 + 1))
+    1B) random_tokens "$WORK/v128256.u32" 128256 $(((STEPS + 2) * 4 * 4096 + 1))
         printf '%s\n' "$WORK/v128256.u32" --model.flavor=1B --training.seq_len=4096 \
           --training.local_batch_size=4 --optimizer.lr=3e-4 ;;
     *) return 1 ;;

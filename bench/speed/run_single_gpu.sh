@@ -31,6 +31,7 @@
 set -uo pipefail  # no -e: a failed cell must not cost the other rows
 cd "$(dirname "$0")/../.." || exit 1
 source bench/lib/gpu_build.sh
+source bench/lib/tokens.sh  # random_tokens, document_tokens
 source bench/lib/gpu_log.sh  # with_gpu_log: clocks and power beside each run, in $OUT/gpu.md
 
 OUT=${OUT:-$PWD/outputs/bench/out}
@@ -66,46 +67,7 @@ build_viaduct() {
   say "build: build-gpu/viaduct ready"
 }
 
-# A raw .u32 file of uniform random tokens in [0, vocab), deterministic.
-make_random_tokens() {  # path vocab count
-  [ -f "$1" ] && return 0
-  mkdir -p "$(dirname "$1")"
-  "$PY" - "$1" "$2" "$3" <<'EOF'
-import array, os, random, sys
-path, vocab, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-r = random.Random(1234)
-a = array.array("I", (r.randrange(vocab) for _ in range(n)))
-assert a.itemsize == 4
-with open(path + ".tmp", "wb") as f:
-    f.write(a.tobytes())
-os.replace(path + ".tmp", path)
-EOF
-}
 
-# A viaduct token file (version 2, start marker token 0) of random
-# documents: each the marker, then tokens in [1, vocab), lengths from an
-# exponential law of mean `mean` (at least 2), deterministic.
-make_document_tokens() {  # path vocab count mean
-  [ -f "$1" ] && return 0
-  mkdir -p "$(dirname "$1")"
-  "$PY" - "$1" "$2" "$3" "$4" <<'EOF'
-import array, os, random, struct, sys
-path, vocab, n, mean = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-r = random.Random(1234)
-a = array.array("I")
-while len(a) < n:
-    length = max(2, int(r.expovariate(1.0 / mean)))
-    a.append(0)
-    a.extend(r.randrange(1, vocab) for _ in range(length - 1))
-del a[n:]
-header = b"VIADTOK\0" + struct.pack("<IIQQ", 2, 4, n, vocab)
-header += b"random documents".ljust(64, b"\0") + struct.pack("<QB", 0, 1)
-header = header.ljust(128, b"\0")
-with open(path + ".tmp", "wb") as f:
-    f.write(header + a.tobytes())
-os.replace(path + ".tmp", path)
-EOF
-}
 
 # One cell: viaduct, then the reference in each mode, then its table rows.
 run_cell() {  # name label data viaduct-overrides...
@@ -205,7 +167,7 @@ for cell in $CELLS; do
   case $cell in
     1B)
       data=$WORK/random_v128256.u32
-      make_random_tokens "$data" 128256 $(((STEPS + 4) * 4 * 4096 + 1))
+      random_tokens "$data" 128256 $(((STEPS + 4) * 4 * 4096 + 1))
       run_cell 1B "llama 1B, 4x4096" "$data" --model.flavor=1B \
         --training.seq_len=4096 --training.local_batch_size=4 --optimizer.lr=3e-4
       ;;
@@ -213,7 +175,7 @@ for cell in $CELLS; do
     # round (no eager), each pair's ratio and the pooled one below.
     1Bab)
       data=$WORK/random_v128256.u32
-      make_random_tokens "$data" 128256 $(((STEPS + 4) * 4 * 4096 + 1))
+      random_tokens "$data" 128256 $(((STEPS + 4) * 4 * 4096 + 1))
       saved_modes=$MODES
       MODES=compile
       for r in $(seq 1 "${ROUNDS_1B:-2}"); do
@@ -229,13 +191,13 @@ for cell in $CELLS; do
       MODES=""
       if [ "$cell" = 1Bdocs ]; then
         data=$WORK/docs_v128256_m${DOC_MEAN:-1024}.tok
-        make_document_tokens "$data" 128256 $(((STEPS + 4) * 4 * 4096 + 1)) "${DOC_MEAN:-1024}"
+        document_tokens "$data" 128256 $(((STEPS + 4) * 4 * 4096 + 1)) "${DOC_MEAN:-1024}"
         args=(--model.flavor=1B --training.seq_len=4096 --training.local_batch_size=4
           --optimizer.lr=3e-4)
         label="llama 1B, 4x4096"
       else
         data=$WORK/docs_v320_m${DOC_MEAN:-1024}.tok
-        make_document_tokens "$data" 320 $(((STEPS + 4) * K3_BATCH * K3_SEQ + 1)) "${DOC_MEAN:-1024}"
+        document_tokens "$data" 320 $(((STEPS + 4) * K3_BATCH * K3_SEQ + 1)) "${DOC_MEAN:-1024}"
         args=("${k3[@]}")
         label="kimi_k3 deep d2048, ${K3_BATCH}x${K3_SEQ}"
       fi
@@ -249,7 +211,7 @@ for cell in $CELLS; do
       ;;
     gpt2)
       data=$WORK/random_v50257.u32
-      make_random_tokens "$data" 50257 $(((STEPS + 4) * 8 * 1024 + 1))
+      random_tokens "$data" 50257 $(((STEPS + 4) * 8 * 1024 + 1))
       run_cell gpt2 "gpt2 124M, 8x1024" "$data" --model.family=gpt2 \
         --model.flavor=124M --training.seq_len=1024 --training.local_batch_size=8 \
         --optimizer.lr=6e-4
@@ -257,7 +219,7 @@ for cell in $CELLS; do
     k3 | k3plain | k3gemm | k3gemmplain | k3gemmab)
       # The K3 cells (the model: k3 above); k3plain: model.attn_res = false.
       data=$WORK/random_v320.u32
-      make_random_tokens "$data" 320 $(((STEPS + 4) * K3_BATCH * K3_SEQ + 1))
+      random_tokens "$data" 320 $(((STEPS + 4) * K3_BATCH * K3_SEQ + 1))
       case $cell in
         k3) run_cell k3 "kimi_k3 deep d2048, ${K3_BATCH}x${K3_SEQ}" "$data" "${k3[@]}" ;;
         k3plain)
