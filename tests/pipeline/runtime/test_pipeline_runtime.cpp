@@ -100,16 +100,10 @@ std::string layout_name(const ::testing::TestParamInfo<Layout>& info) {
 }
 void PrintTo(const Layout& l, std::ostream* os) { *os << describe(l); }
 
-class PipelineLayouts : public PipelineRuns, public ::testing::WithParamInterface<Layout> {};
-
-}  // namespace
-
-TEST_P(PipelineLayouts, TrainsToTheBitsOfOneProcess) {
-  const Layout& l = GetParam();
-  const auto reference = reference_run(l.family, l.layers, l.micro);
+// The layout's pipeline flags, appended to a run's arguments.
+std::string pipeline_flags(const Layout& l) {
   std::ostringstream args;
-  args << base_args(l.family, l.layers, l.micro)
-       << " --parallelism.pipeline_parallel_degree=" << l.pp
+  args << " --parallelism.pipeline_parallel_degree=" << l.pp
        << " --parallelism.pipeline_parallel_schedule=" << l.schedule;
   if (l.stages_per_rank > 0) {
     args << " --parallelism.pipeline_parallel_stages_per_rank=" << l.stages_per_rank;
@@ -118,7 +112,18 @@ TEST_P(PipelineLayouts, TrainsToTheBitsOfOneProcess) {
     args << " --parallelism.pipeline_parallel_last_stage_less_layers="
          << l.last_stage_less_layers;
   }
-  expect_same_bits(reference, train("run", l.pp, args.str()));
+  return args.str();
+}
+
+class PipelineLayouts : public PipelineRuns, public ::testing::WithParamInterface<Layout> {};
+
+}  // namespace
+
+TEST_P(PipelineLayouts, TrainsToTheBitsOfOneProcess) {
+  const Layout& l = GetParam();
+  const auto reference = reference_run(l.family, l.layers, l.micro);
+  const auto args = base_args(l.family, l.layers, l.micro) + pipeline_flags(l);
+  expect_same_bits(reference, train("run", l.pp, args));
 }
 
 INSTANTIATE_TEST_SUITE_P(GPipeAnd1F1B, PipelineLayouts,
@@ -173,14 +178,8 @@ class BlockCausalLayouts : public PipelineRuns, public ::testing::WithParamInter
 TEST_P(BlockCausalLayouts, TrainsToTheBitsOfOneProcess) {
   const Layout& l = GetParam();
   const auto reference = viaduct::testing::cached_reference(block_args(l.family, l.layers, l.micro));
-  std::ostringstream args;
-  args << block_args(l.family, l.layers, l.micro)
-       << " --parallelism.pipeline_parallel_degree=" << l.pp
-       << " --parallelism.pipeline_parallel_schedule=" << l.schedule;
-  if (l.stages_per_rank > 0) {
-    args << " --parallelism.pipeline_parallel_stages_per_rank=" << l.stages_per_rank;
-  }
-  const auto run = train("block_causal", l.pp, args.str());
+  const auto args = block_args(l.family, l.layers, l.micro) + pipeline_flags(l);
+  const auto run = train("block_causal", l.pp, args);
   expect_same_bits(reference, run);
   const auto eval = [](const std::string& dump) {
     std::vector<double> out;
