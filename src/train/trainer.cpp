@@ -228,7 +228,7 @@ std::vector<data::TokenBatch> Trainer::next_batches(int64_t& global_tokens, Step
     counts[1] += static_cast<double>(b.inputs.size(0));
     counts[2] += static_cast<double>(documents.pieces);
     counts[3] += static_cast<double>(documents.starts);
-    if (const auto spans = data_->documents(b.inputs)) counts[4] += training_flops(info_, *spans);
+    if (documents.documents) counts[4] += training_flops(info_, *documents.documents);
   }
   sum_over(mesh_ ? &mesh_->dp_group() : nullptr, counts, "token counts");
   global_tokens = static_cast<int64_t>(counts[0]);

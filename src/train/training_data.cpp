@@ -94,10 +94,10 @@ void TrainingData::mask_document_starts(data::TokenBatch& batch) const {
 TrainingData::DocumentCounts TrainingData::count_documents(const at::Tensor& inputs) const {
   if (!marker_.recorded()) return {};
   const auto starts = data::document_starts(inputs, marker_);
-  const auto T = starts.size(1);
   DocumentCounts c;
+  c.documents = std::make_shared<const ops::Documents>(starts, reset_positions_);
   c.starts = starts.sum().item<int64_t>();
-  c.pieces = starts.size(0) + (T > 1 ? starts.narrow(1, 1, T - 1).sum().item<int64_t>() : 0);
+  c.pieces = static_cast<int64_t>(c.documents->spans().size());
   return c;
 }
 

@@ -51,10 +51,12 @@ class TrainingData {
   // documents of a micro-batch's inputs (null under "causal").
   void mask_document_starts(data::TokenBatch& batch) const;
   ops::DocumentsPtr documents(const at::Tensor& inputs) const;
-  // Of `inputs` [B, T]: the document pieces its windows hold (each row's
-  // first token starts one) and the documents that start in them (a
-  // marker's start; a row that begins mid-document starts none).
+  // Of `inputs` [B, T]: its documents (null without a marker), the document
+  // pieces its windows hold (each row's first token starts one) and the
+  // documents that start in them (a marker's start; a row that begins
+  // mid-document starts none).
   struct DocumentCounts {
+    ops::DocumentsPtr documents;
     int64_t pieces = 0;
     int64_t starts = 0;
   };
