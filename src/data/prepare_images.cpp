@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -63,6 +64,56 @@ int64_t octal(const uint8_t* p, size_t n, bool& ok) {
   return v;
 }
 
+// A tar header's size field: octal, or GNU's base-256 form (the first byte's
+// high bit set, then a big-endian number) that tar writers use past 8 GiB.
+int64_t size_field(const uint8_t* p, bool& ok) {
+  if ((p[0] & 0x80) == 0) return octal(p, 12, ok);
+  ok = (p[0] & 0x40) == 0;  // negative sizes do not exist
+  uint64_t v = p[0] & 0x3f;
+  for (size_t i = 1; i < 12 && ok; ++i) {
+    ok = v < (uint64_t{1} << 55);
+    v = (v << 8) | p[i];
+  }
+  ok = ok && v <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+  return static_cast<int64_t>(v);
+}
+
+// The records of a pax extended header ("LENGTH key=value\n", LENGTH counting
+// the whole record) that matter to a reader of samples: `path`, the next
+// entry's full name (long or non-ASCII names), and `size`, its data's size.
+struct PaxRecords {
+  std::string path;
+  int64_t size = -1;
+};
+PaxRecords parse_pax(const uint8_t* p, size_t n, const std::string& shard, size_t at) {
+  PaxRecords r;
+  size_t i = 0;
+  while (i < n && p[i] != '\0') {
+    size_t len = 0, j = i;
+    for (; j < n && j - i < 19 && p[j] >= '0' && p[j] <= '9'; ++j) len = len * 10 + (p[j] - '0');
+    const size_t eq = j + 1;
+    size_t k = eq;
+    while (k < i + len && k < n && p[k] != '=') ++k;
+    VIADUCT_CHECK_T(FileError, j > i && j < n && p[j] == ' ' && len > 0 && i + len <= n &&
+                                   p[i + len - 1] == '\n' && k < i + len - 1,
+                    "tar shard '", shard, "': a malformed pax record in the header at byte ", at);
+    const std::string key(reinterpret_cast<const char*>(p + eq), k - eq);
+    const std::string value(reinterpret_cast<const char*>(p + k + 1), i + len - 1 - (k + 1));
+    if (key == "path") {
+      r.path = value;
+    } else if (key == "size") {
+      const bool digits = !value.empty() && value.size() < 19 &&
+                          std::all_of(value.begin(), value.end(),
+                                      [](char c) { return c >= '0' && c <= '9'; });
+      VIADUCT_CHECK_T(FileError, digits, "tar shard '", shard, "': pax size \"", value,
+                      "\" in the header at byte ", at, " is not a size");
+      r.size = std::stoll(value);
+    }
+    i += len;
+  }
+  return r;
+}
+
 std::string field(const uint8_t* p, size_t n) {
   return std::string(reinterpret_cast<const char*>(p), strnlen(reinterpret_cast<const char*>(p), n));
 }
@@ -113,6 +164,7 @@ std::vector<RawSample> read_tar_samples(const std::string& path, const std::stri
     return it->second;
   };
   std::string long_name;  // a GNU long-name entry names the next one
+  PaxRecords pax;         // a pax extended header renames or resizes the next one
   size_t at = 0;
   while (true) {
     if (at + 512 > size) {
@@ -130,17 +182,21 @@ std::vector<RawSample> read_tar_samples(const std::string& path, const std::stri
     for (size_t i = 0; i < 512; ++i) computed += (i >= 148 && i < 156) ? ' ' : h[i];
     VIADUCT_CHECK_T(FileError, ok_sum && sum == computed, "'", path,
                     "' is not a tar file (bad header checksum at byte ", at, ")");
-    const int64_t entry_size = octal(h + 124, 12, ok_size);
+    int64_t entry_size = size_field(h + 124, ok_size);
     VIADUCT_CHECK_T(FileError, ok_size, "tar shard '", path, "': bad size field at byte ", at);
     const char type = static_cast<char>(h[156]);
+    const bool extension = type == 'L' || type == 'K' || type == 'x' || type == 'g';
     std::string name = field(h, 100);
     if (std::memcmp(h + 257, "ustar", 5) == 0) {
       const std::string prefix = field(h + 345, 155);
       if (!prefix.empty()) name = prefix + "/" + name;
     }
-    if (!long_name.empty()) {
-      name = long_name;
+    if (!extension) {  // the names and sizes the headers before it gave this entry
+      if (!long_name.empty()) name = long_name;
+      if (!pax.path.empty()) name = pax.path;
+      if (pax.size >= 0) entry_size = pax.size;
       long_name.clear();
+      pax = PaxRecords{};
     }
     const size_t data_at = at + 512;
     const auto padded = static_cast<size_t>((entry_size + 511) / 512 * 512);
@@ -148,6 +204,12 @@ std::vector<RawSample> read_tar_samples(const std::string& path, const std::stri
     if (type == 'L') {  // GNU long name for the next entry
       VIADUCT_CHECK_T(FileError, !truncated, "tar shard '", path, "' is truncated at byte ", at);
       long_name = field(d + data_at, static_cast<size_t>(entry_size));
+      at = data_at + padded;
+      continue;
+    }
+    if (type == 'x') {  // pax extended header for the next entry
+      VIADUCT_CHECK_T(FileError, !truncated, "tar shard '", path, "' is truncated at byte ", at);
+      pax = parse_pax(d + data_at, static_cast<size_t>(entry_size), path, at);
       at = data_at + padded;
       continue;
     }
@@ -187,7 +249,9 @@ std::vector<RawSample> read_tar_samples(const std::string& path, const std::stri
       at = data_at + padded;
       continue;
     }
-    // Directories, links, pax headers: no sample data.
+    // Directories, links, GNU long link names, pax global headers (archive
+    // comments such as git's commit id; a global path or size would make no
+    // sense for many entries): no sample data.
     VIADUCT_CHECK_T(FileError, !truncated, "tar shard '", path, "' is truncated at byte ", at);
     at = data_at + padded;
   }

@@ -105,6 +105,63 @@ cut = 512 * 2 + ((len(jpg) + 511) // 512) * 512 + 512 + 512 + 512 + 200
 save("truncated.tar", whole[:cut])
 save("mixed.tar.crc", b"%08x" % (zlib.crc32(open(os.path.join(out, "mixed.tar"), "rb").read()) & 0xFFFFFFFF))
 
+# The same kind of samples under names a ustar header cannot hold: longer
+# than 100 bytes (the last two differ only after byte 100) and not ASCII.
+# The pax shard opens with a global header (an archive comment, as git
+# archive writes); the GNU shard names entries by long-name entries.
+LONG = "d/" + "x" * 120 + "/"
+long_named = [(LONG + "000.jpg", jpg), (LONG + "000.txt", b"a smooth gradient"),
+              ("s/\u00fcn\u00ef/001.png", png), ("s/\u00fcn\u00ef/001.txt", b"noise"),
+              (LONG + "002.webp", webp), (LONG + "002.txt", b"lossless noise"),
+              (LONG + "003.png", png)]                         # no caption
+with tarfile.open(os.path.join(out, "pax.tar"), "w", format=tarfile.PAX_FORMAT,
+                  pax_headers={"comment": "fixtures of test_prepare_images"}) as tar:
+    for name, data in long_named:
+        add(tar, name, data)
+with tarfile.open(os.path.join(out, "gnu.tar"), "w", format=tarfile.GNU_FORMAT) as tar:
+    for name, data in long_named:
+        add(tar, name, data)
+
+
+def raw_header(name, size_field, kind):
+    """A ustar header block with the given 12-byte size field, checksummed."""
+    h = bytearray(512)
+    h[0:len(name)] = name.encode()
+    h[100:108] = b"0000644\0"
+    h[108:116] = b"0000000\0"
+    h[116:124] = b"0000000\0"
+    h[124:136] = size_field
+    h[136:148] = b"00000000000\0"
+    h[156:157] = kind
+    h[257:263] = b"ustar\0"
+    h[263:265] = b"00"
+    h[148:156] = b" " * 8
+    h[148:156] = b"%06o\0 " % sum(h)
+    return bytes(h)
+
+
+def padded(data):
+    return data + bytes(-len(data) % 512)
+
+
+# Sizes a writer states outside the octal field: a pax `size` record over a
+# ustar field of 0 (as for entries past 8 GiB), and GNU's base-256 field.
+record = b"size=%d\n" % len(png)
+record = b"%d " % (len(record) + 3) + record  # the length counts its own digits
+assert int(record.split(b" ")[0]) == len(record)
+base256 = bytes([0x80]) + len(png).to_bytes(11, "big")
+save("sizes.tar",
+     raw_header("././@PaxHeader", b"%011o\0" % len(record), b"x") + padded(record) +
+     raw_header("z/000.png", b"00000000000\0", b"0") + padded(png) +
+     raw_header("z/000.txt", b"%011o\0" % 5, b"0") + padded(b"noise") +
+     raw_header("z/001.png", base256, b"0") + padded(png) +
+     raw_header("z/001.txt", b"%011o\0" % 14, b"0") + padded(b"lossless noise") +
+     bytes(1024))
+bad_record = b"9 size=x\n"
+save("badpax.tar",
+     raw_header("././@PaxHeader", b"%011o\0" % len(bad_record), b"x") + padded(bad_record) +
+     raw_header("z/000.png", b"%011o\0" % len(png), b"0") + padded(png) + bytes(1024))
+
 lines = [json.dumps({"image": "rgb.png", "text": "noise from a list"}),
          json.dumps({"image": "missing.png", "text": "no such file"}),
          json.dumps({"image": "smooth.jpg"}),

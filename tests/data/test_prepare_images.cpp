@@ -287,6 +287,62 @@ TEST(PrepareImages, TruncatedShardKeepsWhatPrecedesTheCut) {
   EXPECT_FALSE(fs::exists(dir.file("u.img")));
 }
 
+// pax extended headers (Python's default format, GNU tar's --format=pax) and
+// GNU long-name entries name entries past ustar's 100 bytes: read by their
+// full names, the samples are the ustar shard's, and a bad one is reported
+// under its full key. Two of the names differ only after byte 100, so a
+// reader of the ustar fields alone would pair the wrong images and captions.
+TEST(PrepareImages, LongAndNonAsciiNamesFromPaxAndGnuHeaders) {
+  const std::string long_dir = "d/" + std::string(120, 'x') + "/";
+  const auto noise = fit_image(raw_rgb(fx("rgb.raw"), 37, 23), 16, ImageFit::kCrop);
+  const auto smooth = fit_image(decode_file(fx("smooth.jpg")), 16, ImageFit::kCrop);
+  for (const std::string shard : {"pax.tar", "gnu.tar"}) {
+    SCOPED_TRACE(shard);
+    TempDir dir;
+    const auto out = dir.file("long.img");
+    const auto stats = prepare_images({{ImageInput::Kind::kTar, fx(shard), ""}}, out, opts16());
+    EXPECT_EQ(stats.records, 3);
+    ASSERT_EQ(stats.problems.size(), 1u);
+    EXPECT_EQ(stats.problems[0].key, long_dir + "003");
+    EXPECT_NE(stats.problems[0].reason.find("no caption"), std::string::npos);
+    ImageTextFile f(out);
+    ASSERT_EQ(f.size(), 3);
+    EXPECT_EQ(f.caption(0), byte_caption("a smooth gradient"));
+    EXPECT_EQ(f.caption(1), byte_caption("noise"));
+    EXPECT_EQ(f.caption(2), byte_caption("lossless noise"));
+    EXPECT_TRUE(std::equal(smooth.begin(), smooth.end(), f.image(0)));
+    EXPECT_TRUE(std::equal(noise.begin(), noise.end(), f.image(1)));
+    EXPECT_TRUE(std::equal(noise.begin(), noise.end(), f.image(2)));
+  }
+}
+
+// An entry's size from a pax `size` record (over a ustar field of 0) and from
+// GNU's base-256 size field; a pax size that is not a number is refused.
+TEST(PrepareImages, SizesFromPaxRecordsAndBase256Fields) {
+  TempDir dir;
+  const auto out = dir.file("sizes.img");
+  const auto stats = prepare_images({{ImageInput::Kind::kTar, fx("sizes.tar"), ""}}, out, opts16());
+  EXPECT_EQ(stats.records, 2);
+  EXPECT_EQ(stats.skipped, 0);
+  ImageTextFile f(out);
+  ASSERT_EQ(f.size(), 2);
+  EXPECT_EQ(f.caption(0), byte_caption("noise"));
+  EXPECT_EQ(f.caption(1), byte_caption("lossless noise"));
+  const auto noise = fit_image(raw_rgb(fx("rgb.raw"), 37, 23), 16, ImageFit::kCrop);
+  EXPECT_TRUE(std::equal(noise.begin(), noise.end(), f.image(0)));
+  EXPECT_TRUE(std::equal(noise.begin(), noise.end(), f.image(1)));
+  try {
+    prepare_images({{ImageInput::Kind::kTar, fx("badpax.tar"), ""}}, dir.file("bad.img"),
+                   opts16());
+    ADD_FAILURE() << "a pax size that is not a number was read";
+  } catch (const FileError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("pax size \"x\""), std::string::npos) << what;
+    EXPECT_NE(what.find(fx("badpax.tar")), std::string::npos) << what;
+  }
+  EXPECT_FALSE(fs::exists(dir.file("bad.img")));
+}
+
 TEST(PrepareImages, JsonlListReadsPathsBesideItAndReportsBadLines) {
   TempDir dir;
   const auto stats = prepare_images({{ImageInput::Kind::kJsonl, fx("list.jsonl"), ""}},
