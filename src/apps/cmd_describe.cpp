@@ -43,6 +43,8 @@ nlohmann::json to_json(const ModelInfo& info) {
   out["active_params"] = info.active_params;
   out["embedding_params"] = info.embedding_params;
   out["flops_per_token"] = info.flops_per_token;
+  out["flops_per_token_outside_attention"] = info.flops_per_token_outside_attention;
+  out["attention_flops_per_pair"] = info.attention_flops_per_pair;
   out["pinned_first"] = info.pinned_first;
   out["pinned_last"] = info.pinned_last;
   out["module_flops_per_token"] = info.module_flops;

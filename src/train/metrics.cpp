@@ -130,6 +130,7 @@ std::string MetricsWriter::step_json(const StepMetrics& m) const {
     j["mean_document_tokens"] = m.mean_document_tokens;
   }
   j["tokens_per_sec"] = m.tokens_per_sec;
+  if (m.flops >= 0) j["flops"] = m.flops;
   j["step_seconds"] = m.seconds;
   j["mfu"] = m.mfu >= 0 ? nlohmann::json(m.mfu) : nlohmann::json(nullptr);
   j["peak_memory_bytes"] = m.peak_memory_bytes;

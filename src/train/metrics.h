@@ -38,9 +38,9 @@ struct StepMetrics {
   // document length as the step saw it; 0 when none started); -1 otherwise.
   double documents_per_window = -1;
   double mean_document_tokens = -1;
-  // Under block_causal: the training FLOPs of the step's documents, all dp
-  // replicas, which MFU counts; -1 otherwise (MFU counts flops_per_token
-  // per target token).
+  // The step's training FLOPs (forward and backward, every dp replica),
+  // which MFU counts: flops_per_token per target token, or under
+  // block_causal the FLOPs of the step's documents.
   // See Note [FLOPs of a step's documents] (model/model.h).
   double flops = -1;
   double seconds = 0;

@@ -116,14 +116,13 @@ void StepGather::gather_attn_res_bytes(StepMetrics& m, const std::string& contex
 void StepGather::fill_throughput(StepMetrics& m, double seconds) const {
   m.seconds = seconds;
   m.tokens_per_sec = static_cast<double>(m.tokens) / seconds;
+  // Under block_causal the step's documents gave its FLOPs; else every
+  // target token costs flops_per_token.
+  if (m.flops < 0) m.flops = flops_per_token_ * static_cast<double>(m.tokens);
   if (auto peak = peak_flops(device_, compute_dtype_)) {
-    // Every rank's device counts toward the peak; under block_causal the
-    // step's documents give its FLOPs (m.flops), else every target token
-    // costs flops_per_token.
+    // Every rank's device counts toward the peak.
     const int world = mesh_ ? mesh_->world_size() : 1;
-    const double flops_per_sec =
-        m.flops >= 0 ? m.flops / seconds : flops_per_token_ * m.tokens_per_sec;
-    m.mfu = flops_per_sec / (*peak * world);
+    m.mfu = m.flops / seconds / (*peak * world);
   }
   m.peak_memory_bytes = peak_memory_bytes(device_);
   m.p2p_bytes = executor_ ? executor_->last_step_p2p_bytes() : 0;

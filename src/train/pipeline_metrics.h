@@ -73,8 +73,8 @@ class StepGather {
   bool stop_requested() const { return stop_requested_; }
   void gather_attn_res_bytes(StepMetrics& m, const std::string& context);
   // Tokens per second, MFU over every rank's device, the memory peak and the
-  // pipeline's bytes, from m.tokens (m.flops under block_causal) and the
-  // step's host time.
+  // pipeline's bytes, from m.tokens and m.flops (flops_per_token x m.tokens
+  // unless the step's documents set it) and the step's host time.
   void fill_throughput(StepMetrics& m, double seconds) const;
 
  private:
