@@ -192,10 +192,16 @@ TEST_P(BlockCausalLayouts, TrainsToTheBitsOfOneProcess) {
   };
   EXPECT_EQ(eval(reference), eval(run));
   EXPECT_FALSE(eval(run).empty());
-  for (const auto& j : viaduct::testing::step_metrics(run)) {
+  const auto ref_steps = viaduct::testing::step_metrics(reference);
+  const auto run_steps = viaduct::testing::step_metrics(run);
+  ASSERT_EQ(ref_steps.size(), run_steps.size());
+  for (size_t i = 0; i < run_steps.size(); ++i) {
+    const auto& j = run_steps[i];
     // Documents of 1 to 12 tokens: several in each 16-token window.
     EXPECT_GT(j.value("documents_per_window", 0.0), 1.5) << j.dump();
     EXPECT_GT(j.value("mean_document_tokens", 0.0), 1.0) << j.dump();
+    // Every layout counts the FLOPs of the same documents.
+    EXPECT_EQ(j.value("flops", -1.0), ref_steps[i].value("flops", -2.0)) << j.dump();
   }
 }
 
