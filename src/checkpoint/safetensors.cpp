@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
 
@@ -318,6 +319,42 @@ void SafetensorsFile::read_into(const TensorEntry& e, void* dst,
                     ": checksum mismatch (stored crc32 ", crc32_hex(*e.crc32),
                     ", data has ", crc32_hex(got), "): the data is corrupt");
   }
+}
+
+void SafetensorsFile::read_range_into(const TensorEntry& e, uint64_t lo, uint64_t hi, void* dst,
+                                      bool verify_checksum) const {
+  VIADUCT_CHECK(lo <= hi && hi <= e.nbytes(), "tensor '", e.name, "': bytes [", lo, ", ", hi,
+                ") are outside its ", e.nbytes());
+  if (lo == 0 && hi == e.nbytes()) {
+    read_into(e, dst, verify_checksum);
+    return;
+  }
+  auto read = [&](void* to, uint64_t n, uint64_t at) {
+    try {
+      file_.read_at(to, n, data_start_ + e.begin + at);
+    } catch (const FileError& err) {
+      VIADUCT_CHECK_T(FileError, false, "tensor '", e.name, "' in file ", path().string(), ": ",
+                      err.what());
+    }
+  };
+  auto* out = static_cast<char*>(dst);
+  if (!verify_checksum || !e.crc32) {
+    if (hi > lo) read(out, hi - lo, lo);
+    return;
+  }
+  std::vector<char> buf(static_cast<size_t>(std::min<uint64_t>(uint64_t{8} << 20, e.nbytes())));
+  uint32_t c = 0;
+  for (uint64_t off = 0; off < e.nbytes();) {
+    const auto n = std::min<uint64_t>(buf.size(), e.nbytes() - off);
+    read(buf.data(), n, off);
+    c = crc32_update(c, buf.data(), static_cast<size_t>(n));
+    const uint64_t a = std::max(off, lo), b = std::min(off + n, hi);
+    if (a < b) std::memcpy(out + (a - lo), buf.data() + (a - off), static_cast<size_t>(b - a));
+    off += n;
+  }
+  VIADUCT_CHECK_T(FileError, c == *e.crc32, "tensor '", e.name, "' in file ", path().string(),
+                  ": checksum mismatch (stored crc32 ", crc32_hex(*e.crc32), ", data has ",
+                  crc32_hex(c), "): the data is corrupt");
 }
 
 at::Tensor SafetensorsFile::read(const std::string& name,

@@ -87,6 +87,11 @@ class SafetensorsFile {
   // Reads the entry's bytes into `dst` (entry.nbytes() bytes).
   void read_into(const TensorEntry& entry, void* dst,
                  bool verify_checksum = true) const;
+  // Reads bytes [lo, hi) of the entry into `dst`. A checksum covers the whole
+  // entry, so verifying streams all of it (a few MiB at a time) and keeps
+  // only the range: memory is the range's, not the entry's.
+  void read_range_into(const TensorEntry& entry, uint64_t lo, uint64_t hi, void* dst,
+                       bool verify_checksum = true) const;
   // The names whose stored CRC-32 does not match their bytes.
   std::vector<std::string> damaged_tensors() const;
 

@@ -174,13 +174,24 @@ TensorInfo TensorFileIndex::info(const std::string& fqn) const {
 }
 
 at::Tensor TensorFileIndex::assemble(const std::string& fqn, bool verify_checksum) const {
+  const auto shape = pieces_.at(fqn).front().shape;
+  int64_t numel = 1;
+  for (auto n : shape) numel *= n;
+  return assemble_range(fqn, 0, numel, verify_checksum).view(shape);
+}
+
+at::Tensor TensorFileIndex::assemble_range(const std::string& fqn, int64_t begin, int64_t end,
+                                           bool verify_checksum) const {
   const auto& list = pieces_.at(fqn);
   const auto& shape = list.front().shape;
   const auto dtype = files_[list.front().slot]->entry(list.front().entry).dtype;
+  const auto esize = static_cast<uint64_t>(c10::elementSize(dtype));
   int64_t numel = 1;
   for (auto n : shape) numel *= n;
-  auto out = at::empty(shape, at::TensorOptions().dtype(dtype));
-  auto flat = out.view(-1);
+  auto out = at::empty({end - begin}, at::TensorOptions().dtype(dtype));
+  auto* dst = static_cast<char*>(out.data_ptr());
+  // Every piece's place is checked; only those overlapping [begin, end) are
+  // read.
   int64_t covered = 0;
   for (const auto& ref : list) {
     const SafetensorsFile& file = *files_[ref.slot];
@@ -192,13 +203,45 @@ at::Tensor TensorFileIndex::assemble(const std::string& fqn, bool verify_checksu
     VIADUCT_CHECK_T(FileError, ref.offset == covered, where, ": elements [", covered, ", ",
                     ref.offset, ") are in no piece", ref.offset < covered ? " (pieces overlap)" : "",
                     " of ", searched());
-    file.read_into(e, flat.slice(0, ref.offset, ref.offset + e.shape[0]).data_ptr(),
-                   verify_checksum);
+    const int64_t lo = std::max(begin, ref.offset), hi = std::min(end, ref.offset + e.shape[0]);
+    if (lo < hi) {
+      file.read_range_into(e, static_cast<uint64_t>(lo - ref.offset) * esize,
+                           static_cast<uint64_t>(hi - ref.offset) * esize,
+                           dst + static_cast<uint64_t>(lo - begin) * esize, verify_checksum);
+    }
     covered = ref.offset + e.shape[0];
   }
   VIADUCT_CHECK_T(FileError, covered == numel, "tensor '", fqn, "': elements [", covered, ", ",
                   numel, ") are in no piece of ", searched());
   return out;
+}
+
+at::Tensor TensorFileIndex::load_range(const std::string& fqn, int64_t begin, int64_t end,
+                                       bool verify_checksum) const {
+  const auto inf = info(fqn);
+  int64_t numel = 1;
+  for (auto n : inf.shape) numel *= n;
+  VIADUCT_CHECK(0 <= begin && begin <= end && end <= numel, "tensor '", fqn, "': elements [",
+                begin, ", ", end, ") are outside its ", numel);
+  if (pieces_.count(fqn) != 0) return assemble_range(fqn, begin, end, verify_checksum);
+  const SafetensorsFile& file = file_of(fqn);
+  const auto esize = static_cast<uint64_t>(c10::elementSize(inf.dtype));
+  auto out = at::empty({end - begin}, at::TensorOptions().dtype(inf.dtype));
+  file.read_range_into(file.entry(fqn), static_cast<uint64_t>(begin) * esize,
+                       static_cast<uint64_t>(end) * esize, out.data_ptr(), verify_checksum);
+  return out;
+}
+
+at::Tensor TensorFileIndex::load_rows(const std::string& fqn, int64_t first_row, int64_t rows,
+                                      bool verify_checksum) const {
+  auto shape = info(fqn).shape;
+  VIADUCT_CHECK(!shape.empty() && 0 <= first_row && 0 <= rows && first_row + rows <= shape[0],
+                "tensor '", fqn, "': rows [", first_row, ", ", first_row + rows,
+                ") are outside its shape ", c10::IntArrayRef(shape));
+  int64_t row = 1;
+  for (size_t d = 1; d < shape.size(); ++d) row *= shape[d];
+  shape[0] = rows;
+  return load_range(fqn, first_row * row, (first_row + rows) * row, verify_checksum).view(shape);
 }
 
 at::Tensor TensorFileIndex::load(const std::string& fqn,

@@ -107,6 +107,16 @@ class TensorFileIndex {
 
   // CPU tensors with the stored dtype (pieces assembled).
   at::Tensor load(const std::string& fqn, bool verify_checksum = true) const;
+  // Elements [begin, end) of the tensor's row-major flattening, 1-D, reading
+  // only the pieces (or the bytes of a whole entry) that hold them; a
+  // checksum still covers its whole piece or entry (see
+  // SafetensorsFile::read_range_into). A rank that keeps a slice of a tensor
+  // (sharded experts, ZeRO-1's optimizer state) holds only the slice.
+  at::Tensor load_range(const std::string& fqn, int64_t begin, int64_t end,
+                        bool verify_checksum = true) const;
+  // Rows [first_row, first_row + rows) of dimension 0.
+  at::Tensor load_rows(const std::string& fqn, int64_t first_row, int64_t rows,
+                       bool verify_checksum = true) const;
   // (Not an overload of load: {"a", "b"} would also build a std::string.)
   std::map<std::string, at::Tensor> load_many(
       const std::vector<std::string>& fqns, bool verify_checksum = true) const;
@@ -135,6 +145,8 @@ class TensorFileIndex {
   };
   std::map<std::string, std::vector<PieceRef>> pieces_;  // fqn → by offset
   at::Tensor assemble(const std::string& fqn, bool verify_checksum) const;
+  at::Tensor assemble_range(const std::string& fqn, int64_t begin, int64_t end,
+                            bool verify_checksum) const;
 };
 
 // One-shot: index `folder` and load `fqns` as CPU tensors of the stored dtype.

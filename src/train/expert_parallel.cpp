@@ -326,7 +326,7 @@ void load_part_tensors(const ck::TensorFileIndex& index, torch::nn::Module& part
     want[0] = s.whole_rows;
     VIADUCT_CHECK_T(FileError, info.shape == want, "checkpoint tensor ", s.fqn, " has shape ",
                     c10::IntArrayRef(info.shape), ", the model's is ", c10::IntArrayRef(want));
-    dest.copy_(index.load(s.fqn).narrow(0, s.first_row, s.rows));
+    dest.copy_(index.load_rows(s.fqn, s.first_row, s.rows));
   }
 }
 

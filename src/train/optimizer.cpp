@@ -31,20 +31,26 @@ void Optimizer::zero_grad() {
 }
 
 void Optimizer::load_from(const checkpoint::TensorFileIndex& index) {
-  auto tensors = index.load_many(state_keys());
-  // A sharded expert tensor's state is stored whole ("optim.<state>.<fqn>",
-  // shaped like the whole weight): this rank's rows of it.
-  for (const auto& np : params_) {
-    if (np.whole_rows == 0) continue;
-    const std::string suffix = "." + np.fqn;
-    for (auto& [key, t] : tensors) {
-      if (key.size() <= suffix.size() ||
-          key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0 ||
-          t.dim() == 0 || t.size(0) != np.whole_rows) {
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& key : state_keys()) {
+    // A sharded expert tensor's state is stored whole ("optim.<state>.<fqn>",
+    // shaped like the whole weight): only this rank's rows of it are read.
+    const NamedParam* expert = nullptr;
+    for (const auto& np : params_) {
+      const std::string suffix = "." + np.fqn;
+      if (np.whole_rows > 0 && key.size() > suffix.size() &&
+          key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0) {
+        expert = &np;
+      }
+    }
+    if (expert && index.contains(key)) {
+      const auto shape = index.info(key).shape;
+      if (!shape.empty() && shape[0] == expert->whole_rows) {
+        tensors[key] = index.load_rows(key, expert->first_row, expert->param.size(0));
         continue;
       }
-      t = t.narrow(0, np.first_row, np.param.size(0));
     }
+    tensors[key] = index.load(key);
   }
   load_state(tensors);
 }

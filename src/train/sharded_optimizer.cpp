@@ -178,11 +178,26 @@ void ShardedOptimizer::load_state(const std::map<std::string, at::Tensor>& tenso
 }
 
 void ShardedOptimizer::load_from(const checkpoint::TensorFileIndex& index) {
-  load_slices([&](const std::string& key) {
+  // Only this replica's segment of each state is read: as in cut(), a
+  // sharded expert tensor's state stored whole gives this rank's rows first.
+  std::map<std::string, at::Tensor> slices;
+  for (const auto& key : inner_->state_keys()) {
     VIADUCT_CHECK_T(FileError, index.contains(key), "optimizer state '", key,
                     "' is missing from the checkpoint");
-    return index.load(key);
-  });
+    const auto& seg = mine_[slice_of_state_key(key)];
+    const auto& np = params_[seg.param];
+    const auto shape = index.info(key).shape;
+    int64_t stored = 1;
+    for (auto n : shape) stored *= n;
+    const bool whole_expert = np.whole_rows > 0 && !shape.empty() && shape[0] == np.whole_rows;
+    const int64_t row = whole_expert ? stored / np.whole_rows : 0;
+    const int64_t rows = whole_expert ? row * np.param.size(0) : stored;
+    VIADUCT_CHECK_T(FileError, rows == np.param.numel(), "optimizer state '", key, "' has ",
+                    stored, " elements, expected ", np.param.numel());
+    const int64_t offset = whole_expert ? np.first_row * row : 0;
+    slices[key] = index.load_range(key, offset + seg.begin, offset + seg.end);
+  }
+  inner_->load_state(slices);
 }
 
 }  // namespace viaduct

@@ -266,6 +266,90 @@ TEST_F(Checkpoints, DamagedPieceIsNamed) {
   expect_file_error([&] { index.load("m"); }, {"m@32", "p1.safetensors"});
 }
 
+// A rank that keeps a slice of a tensor reads the slice: load_range and
+// load_rows against the whole tensor's flattening, over pieces (ranges inside
+// one piece, across several, empty, the whole) and over a tensor stored
+// whole (fp32 and bf16, checksums on and off).
+TEST_F(Checkpoints, RangesAndRowsAreTheWholeTensorsSlices) {
+  torch::manual_seed(5);
+  const auto whole = torch::randn({6, 10});
+  write_pieces(dir_ / "r", "m", whole, {0, 17, 18, 60});
+  make_dirs(dir_ / "w");
+  write_safetensors(dir_ / "w" / "w.safetensors",
+                    {{"m", whole}, {"h", whole.to(at::kBFloat16)}});
+  const auto flat = whole.reshape(-1);
+  for (const auto& [folder, name] : std::vector<std::pair<std::string, std::string>>{
+           {"r", "m"}, {"w", "m"}, {"w", "h"}}) {
+    SCOPED_TRACE(folder + " " + name);
+    TensorFileIndex index(dir_ / folder);
+    const auto ref = index.load(name).reshape(-1);
+    EXPECT_TRUE(bitwise_equal(ref.to(at::kFloat), name == "h" ? flat.to(at::kBFloat16).to(at::kFloat)
+                                                              : flat));
+    for (const auto& [b, e] : std::vector<std::pair<int64_t, int64_t>>{
+             {0, 60}, {0, 17}, {3, 9}, {16, 19}, {17, 18}, {10, 50}, {59, 60}, {20, 20}}) {
+      for (const bool verify : {true, false}) {
+        const auto got = index.load_range(name, b, e, verify);
+        EXPECT_EQ(got.scalar_type(), ref.scalar_type());
+        EXPECT_TRUE(bitwise_equal(got, ref.slice(0, b, e))) << b << " " << e;
+      }
+    }
+    const auto rows = index.load_rows(name, 2, 3);
+    EXPECT_EQ(rows.sizes(), (at::IntArrayRef{3, 10}));
+    EXPECT_TRUE(bitwise_equal(rows, index.load(name).narrow(0, 2, 3)));
+    // Outside the tensor: the caller's mistake, named.
+    for (const auto& [fn, part] : std::vector<std::pair<std::function<void()>, std::string>>{
+             {[&] { index.load_range(name, 50, 61); }, "[50, 61) are outside its 60"},
+             {[&] { index.load_rows(name, 5, 2); }, "rows [5, 7) are outside"}}) {
+      try {
+        fn();
+        ADD_FAILURE() << part;
+      } catch (const std::exception& e) {
+        EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+      }
+    }
+  }
+}
+
+// A whole entry larger than the read buffer (8 MiB): the checksum streams
+// over several buffers, and a range that straddles buffers is copied whole.
+TEST_F(Checkpoints, RangeOfALargeWholeTensorStraddlesReadBuffers) {
+  const int64_t n = (int64_t{5} << 20) / 2;  // 10 MiB of fp32
+  const auto whole = torch::arange(n, at::kInt).to(at::kFloat);
+  make_dirs(dir_ / "big");
+  write_safetensors(dir_ / "big" / "w.safetensors", {{"m", whole}});
+  TensorFileIndex index(dir_ / "big");
+  const int64_t edge = (int64_t{8} << 20) / 4;  // the first buffer's last element + 1
+  for (const auto& [b, e] : std::vector<std::pair<int64_t, int64_t>>{
+           {edge - 5, edge + 7}, {edge, n}, {0, edge}, {n - 1, n}}) {
+    EXPECT_TRUE(bitwise_equal(index.load_range("m", b, e), whole.slice(0, b, e))) << b << " " << e;
+  }
+  flip_byte(dir_ / "big" / "w.safetensors", fs::file_size(dir_ / "big" / "w.safetensors") - 4);
+  TensorFileIndex damaged(dir_ / "big");
+  expect_file_error([&] { damaged.load_range("m", 0, 4); }, {"'m'", "checksum mismatch"});
+}
+
+// Only the pieces a range overlaps are read: damage in another piece does
+// not stop it (that piece's reader finds it), damage in an overlapping piece
+// does, and a whole tensor's checksum covers all of it whatever the range.
+TEST_F(Checkpoints, RangeReadsOnlyItsPiecesAndChecksumsThemWhole) {
+  const auto whole = torch::arange(96, at::kFloat);
+  write_pieces(dir_ / "d", "m", whole, {0, 32, 64, 96});
+  const auto file = dir_ / "d" / "p1.safetensors";
+  flip_byte(file, fs::file_size(file) - 4);  // the last element of [32, 64)
+  TensorFileIndex index(dir_ / "d");
+  EXPECT_TRUE(bitwise_equal(index.load_range("m", 0, 32), whole.slice(0, 0, 32)));
+  EXPECT_TRUE(bitwise_equal(index.load_range("m", 64, 96), whole.slice(0, 64, 96)));
+  expect_file_error([&] { index.load_range("m", 40, 41); }, {"m@32", "p1.safetensors"});
+  expect_file_error([&] { index.load_range("m", 20, 70); }, {"m@32", "checksum"});
+  make_dirs(dir_ / "dw");
+  write_safetensors(dir_ / "dw" / "w.safetensors", {{"m", whole}});
+  flip_byte(dir_ / "dw" / "w.safetensors", fs::file_size(dir_ / "dw" / "w.safetensors") - 4);
+  TensorFileIndex w(dir_ / "dw");
+  expect_file_error([&] { w.load_range("m", 0, 8); }, {"'m'", "w.safetensors", "checksum"});
+  EXPECT_TRUE(bitwise_equal(w.load_range("m", 0, 8, /*verify_checksum=*/false),
+                            whole.slice(0, 0, 8)));
+}
+
 TEST_F(Checkpoints, SameFqnInTwoFilesIsRefused) {
   make_dirs(dir_ / "dup");
   write_safetensors(dir_ / "dup" / "a.safetensors", {{"w", torch::ones({2})}});
