@@ -160,19 +160,14 @@ void MoeImpl::init_weights(uint64_t seed, const std::string& p, double std_in,
                            double std_out) {
   init_trunc_normal_(router->weight, std_in, -2.0, 2.0, seed,
                      p + "router.weight");
-  // From (seed, FQN) over the whole tensor; a sharded rank keeps its rows
-  // (one whole tensor at a time).
+  // Expert e's rows are drawn from (seed, "FQN#e"): a sharded rank draws
+  // its own experts alone, with the bits every other layout gives them, and
+  // holds one expert's rows at a time beyond its weights.
   auto init_experts = [&](at::Tensor& w, double std, const std::string& fqn) {
-    if (!exchange_) {
-      init_trunc_normal_(w, std, -2.0, 2.0, seed, fqn);
-      return;
+    const int64_t first = exchange_ ? first_local_expert() : 0;
+    for (int64_t e = 0; e < w.size(0); ++e) {
+      init_trunc_normal_(w[e], std, -2.0, 2.0, seed, fqn + "#" + std::to_string(first + e));
     }
-    auto shape = w.sizes().vec();
-    shape[0] = opts_.n_routed_experts;
-    auto whole = at::empty(shape, w.options());
-    init_trunc_normal_(whole, std, -2.0, 2.0, seed, fqn);
-    torch::NoGradGuard g;
-    w.copy_(whole.narrow(0, first_local_expert(), local_experts()));
   };
   init_experts(experts->w1, std_in, p + "experts.w1");
   init_experts(experts->w2, std_out, p + "experts.w2");

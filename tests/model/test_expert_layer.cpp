@@ -270,6 +270,30 @@ void expect_matches_one_rank(int ep, int64_t n, const at::Tensor& bias,
   }
 }
 
+// Each expert's rows come from (seed, FQN, expert): a sharded rank's experts
+// are the whole layer's rows bit for bit, and no two experts share a draw.
+TEST(ExpertLayer, ShardedInitIsTheWholeLayersRows) {
+  Moe whole(options());
+  whole->init_weights(7, "moe.", 0.3, 0.3);
+  const int64_t E = options().n_routed_experts;
+  for (const auto& w : {whole->experts->w1, whole->experts->w2, whole->experts->w3}) {
+    for (int64_t e = 1; e < E; ++e) EXPECT_FALSE(at::equal(w[e], w[0])) << e;
+  }
+  for (const int ep : {2, 4}) {
+    ThreadHub hub(ep);
+    for (int r = 0; r < ep; ++r) {
+      Moe moe(options());
+      moe->shard_experts(std::make_shared<ThreadExchange>(hub, r));
+      moe->init_weights(7, "moe.", 0.3, 0.3);
+      const int64_t local = E / ep;
+      EXPECT_TRUE(at::equal(moe->experts->w1, whole->experts->w1.narrow(0, r * local, local)));
+      EXPECT_TRUE(at::equal(moe->experts->w2, whole->experts->w2.narrow(0, r * local, local)));
+      EXPECT_TRUE(at::equal(moe->experts->w3, whole->experts->w3.narrow(0, r * local, local)));
+      EXPECT_TRUE(at::equal(moe->router->weight, whole->router->weight));
+    }
+  }
+}
+
 TEST(ExpertLayer, TwoRanksHaveTheBitsOfOneRankPerSource) {
   expect_matches_one_rank(2, 13, torch::zeros({options().n_routed_experts}));
 }
