@@ -29,8 +29,9 @@ constexpr const char* kUsage =
     "Decodes images (PNG, JPEG, WebP), fits them to S x S RGB and writes them\n"
     "with their captions' tokens into an image-text file for training with a\n"
     "vision tower (model.vision_image_size = S), and FILE.json, its manifest.\n"
-    "  --input PATH       a WebDataset shard (.tar: KEY.jpg|png|webp with\n"
-    "                     KEY.txt or KEY.json) or a JSON Lines file (.jsonl:\n"
+    "  --input PATH       a WebDataset shard (.tar, or gzipped .tar.gz / .tgz:\n"
+    "                     KEY.jpg|png|webp with KEY.txt or KEY.json) or a\n"
+    "                     JSON Lines file (.jsonl:\n"
     "                     {\"image\": path, \"text\": caption} per line, paths\n"
     "                     relative to its folder); repeatable, read in order\n"
     "  --idx-images FILE  IDX image file (MNIST's format, .gz or not) ...\n"
@@ -94,13 +95,13 @@ int prepare_images_main(int argc, char** argv) {
     if (name == "--input") {
       data::ImageInput in;
       in.path = value;
-      if (value.ends_with(".tar")) {
+      if (value.ends_with(".tar") || value.ends_with(".tar.gz") || value.ends_with(".tgz")) {
         in.kind = data::ImageInput::Kind::kTar;
       } else if (value.ends_with(".jsonl")) {
         in.kind = data::ImageInput::Kind::kJsonl;
       } else {
         throw ConfigError(str("--input '", value,
-                              "': expected a WebDataset shard (.tar) or a JSON Lines file "
+                              "': expected a WebDataset shard (.tar, .tar.gz or .tgz) or a JSON Lines file "
                               "(.jsonl); IDX files go with --idx-images and --idx-labels"));
       }
       inputs.push_back(in);

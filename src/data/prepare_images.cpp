@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <limits>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include "core/check.h"
@@ -146,9 +147,18 @@ uint32_t file_crc32(const std::string& path, int64_t& bytes) {
 // ------------------------------------------------------------------ readers
 
 std::vector<RawSample> read_tar_samples(const std::string& path, const std::string& json_field) {
-  const MappedFile map(path);
-  const uint8_t* d = map.data();
-  const size_t size = map.size();
+  // A gzip-compressed shard (.tar.gz, .tgz) is inflated into memory whole;
+  // a plain one is mapped.
+  const bool gzipped = ends_with(path, ".tar.gz") || ends_with(path, ".tgz");
+  std::optional<MappedFile> map;
+  std::string inflated;
+  if (gzipped) {
+    inflated = read_gzip(path);
+  } else {
+    map.emplace(path);
+  }
+  const uint8_t* d = gzipped ? reinterpret_cast<const uint8_t*>(inflated.data()) : map->data();
+  const size_t size = gzipped ? inflated.size() : map->size();
   struct Parts {
     std::string image, caption, problem, caption_problem;
     bool has_image = false, has_caption = false;

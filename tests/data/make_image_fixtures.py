@@ -9,6 +9,7 @@ Reference pixels go beside each encoded image as raw RGB (or grey) bytes:
 the pixels the encoder was given (PNG, lossless WebP) or meant to keep
 (JPEG), never viaduct's decode.
 """
+import gzip
 import io
 import json
 import os
@@ -103,6 +104,9 @@ with open(os.path.join(out, "good.tar"), "rb") as f:
 # Cut inside the second sample's image (after 000's two entries).
 cut = 512 * 2 + ((len(jpg) + 511) // 512) * 512 + 512 + 512 + 512 + 200
 save("truncated.tar", whole[:cut])
+with open(os.path.join(out, "good.tar.gz"), "wb") as f:
+    f.write(gzip.compress(whole))
+save("good.tgz", gzip.compress(whole)[:-20])  # cut before the gzip trailer
 save("mixed.tar.crc", b"%08x" % (zlib.crc32(open(os.path.join(out, "mixed.tar"), "rb").read()) & 0xFFFFFFFF))
 
 # The same kind of samples under names a ustar header cannot hold: longer
@@ -179,7 +183,6 @@ idx_images = (0x803).to_bytes(4, "big") + n.to_bytes(4, "big") + h.to_bytes(4, "
 idx_labels = (0x801).to_bytes(4, "big") + n.to_bytes(4, "big") + bytes([2, 0, 1])
 save("idx-images", idx_images)
 save("idx-labels", idx_labels)
-import gzip
 save("idx-images.gz", gzip.compress(idx_images))
 save("idx-labels.gz", gzip.compress(idx_labels))
 save("idx-labels-bad", (0x801).to_bytes(4, "big") + n.to_bytes(4, "big") + bytes([2, 0, 7]))

@@ -316,6 +316,28 @@ TEST(PrepareImages, LongAndNonAsciiNamesFromPaxAndGnuHeaders) {
   }
 }
 
+// A gzipped shard gives the samples of the same shard plain; a gzip stream
+// cut short is refused naming the file, with nothing written.
+TEST(PrepareImages, GzippedShardIsThePlainShard) {
+  TempDir dir;
+  const auto plain = dir.file("plain.img"), gz = dir.file("gz.img");
+  prepare_images({{ImageInput::Kind::kTar, fx("good.tar"), ""}}, plain, opts16());
+  const auto stats =
+      prepare_images({{ImageInput::Kind::kTar, fx("good.tar.gz"), ""}}, gz, opts16());
+  EXPECT_EQ(stats.records, 3);
+  EXPECT_EQ(stats.skipped, 0);
+  // The same records, byte for byte (the manifests differ in the source).
+  EXPECT_EQ(slurp(plain), slurp(gz));
+  try {
+    prepare_images({{ImageInput::Kind::kTar, fx("good.tgz"), ""}}, dir.file("cut.img"),
+                   opts16());
+    ADD_FAILURE() << "a truncated .tgz was read";
+  } catch (const FileError& e) {
+    EXPECT_NE(std::string(e.what()).find(fx("good.tgz")), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(dir.file("cut.img")));
+}
+
 // An entry's size from a pax `size` record (over a ustar field of 0) and from
 // GNU's base-256 size field; a pax size that is not a number is refused.
 TEST(PrepareImages, SizesFromPaxRecordsAndBase256Fields) {
