@@ -94,17 +94,17 @@ int64_t sub_chunk(int64_t C) { return C > 16 && C % 16 == 0 ? 16 : C; }
 // and each input's gradient is one stack of its N chunk gradients, so the
 // backward's cost grows with the chunk count rather than its square.
 
-// For chunk n of a scan with restarts (N x B H flags, chunk-major): 0 for
-// the rows that restart, 1 for the rest, [B H, 1, 1] in S's type; undefined
-// when none restarts there. A state times 0 or 1 is exactly zero or itself.
-at::Tensor kept_rows(const std::vector<int64_t>& restarts, int64_t n, const at::Tensor& S) {
+// For chunk n of a scan with restarts (N x B H flags, chunk-major, on the
+// host, and `keep`, 1 - the flags as [N, B H, 1, 1] in the state's type on
+// its device, made once a call): 0 for the rows that restart, 1 for the
+// rest; undefined when none restarts there. A state times 0 or 1 is
+// exactly zero or itself.
+at::Tensor kept_rows(const std::vector<int64_t>& restarts, const at::Tensor& keep, int64_t n) {
   if (restarts.empty()) return {};
-  const int64_t rows = S.size(0);
+  const int64_t rows = keep.size(1);
   const auto first = restarts.begin() + n * rows;
   if (std::find(first, first + rows, 1) == first + rows) return {};
-  std::vector<double> keep(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) keep[static_cast<size_t>(r)] = first[r] ? 0.0 : 1.0;
-  return at::tensor(keep, at::kDouble).to(S.device(), S.scalar_type()).view({rows, 1, 1});
+  return keep[n];
 }
 
 // Chunk n of x [B, H, N, r, c] as [B H, r, c] (a view: the scan's inputs
@@ -126,14 +126,14 @@ at::Tensor chunk_of(const at::Tensor& x, int64_t n) {
 at::Tensor chunk_scan(const at::Tensor& U, const at::Tensor& W, const at::Tensor& qe,
                       const at::Tensor& Aqk, const at::Tensor& Ke, const at::Tensor& d,
                       const at::Tensor& S0, const std::vector<int64_t>& restarts,
-                      std::vector<at::Tensor>* states = nullptr,
+                      const at::Tensor& keep, std::vector<at::Tensor>* states = nullptr,
                       std::vector<at::Tensor>* vnew = nullptr) {
   const auto B = U.size(0), H = U.size(1), N = U.size(2), dv = U.size(-1);
   auto S = S0;
   std::vector<at::Tensor> outs;
   outs.reserve(N);
   for (int64_t n = 0; n < N; ++n) {
-    if (auto keep = kept_rows(restarts, n, S); keep.defined()) S = S * keep;
+    if (auto kept = kept_rows(restarts, keep, n); kept.defined()) S = S * kept;
     auto v_n = at::baddbmm(chunk_of(U, n), chunk_of(W, n), S, 1, -1);  // [BH, C, dv]
     outs.push_back(at::baddbmm(at::bmm(chunk_of(qe, n), S), chunk_of(Aqk, n), v_n));
     if (states) states->push_back(S);
@@ -149,13 +149,13 @@ class ChunkScanFn : public torch::autograd::Function<ChunkScanFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& U,
                             const at::Tensor& W, const at::Tensor& qe, const at::Tensor& Aqk,
                             const at::Tensor& Ke, const at::Tensor& d, const at::Tensor& S0,
-                            const std::vector<int64_t>& restarts) {
+                            const std::vector<int64_t>& restarts, const at::Tensor& keep) {
     // See Note [Per-op activation checkpointing]: the scan's output and the
     // states and v' its backward reads are what a replay takes back.
     const auto N = static_cast<size_t>(U.size(2));
     auto kept = run_saved_op_outputs([&] {
       std::vector<at::Tensor> states, vnew;
-      std::vector<at::Tensor> all{chunk_scan(U, W, qe, Aqk, Ke, d, S0, restarts, &states, &vnew)};
+      std::vector<at::Tensor> all{chunk_scan(U, W, qe, Aqk, Ke, d, S0, restarts, keep, &states, &vnew)};
       all.insert(all.end(), states.begin(), states.end());
       all.insert(all.end(), vnew.begin(), vnew.end());
       return all;
@@ -169,6 +169,7 @@ class ChunkScanFn : public torch::autograd::Function<ChunkScanFn> {
     ctx->saved_data["states"] = states;
     ctx->saved_data["vnew"] = vnew;
     ctx->saved_data["restarts"] = restarts;
+    ctx->saved_data["keep"] = keep;
     return o;
   }
 
@@ -180,6 +181,7 @@ class ChunkScanFn : public torch::autograd::Function<ChunkScanFn> {
     const auto states = ctx->saved_data["states"].toTensorVector();
     const auto vnew = ctx->saved_data["vnew"].toTensorVector();
     const auto restarts = ctx->saved_data["restarts"].toIntVector();
+    const auto keep = ctx->saved_data["keep"].toTensor();
     const auto N = static_cast<int64_t>(states.size());
     const auto& dO = grads[0];  // [B, H, N, C, dv]
     std::vector<at::Tensor> dU(N), dW(N), dqe(N), dAqk(N), dKe(N), dd(N);
@@ -198,14 +200,14 @@ class ChunkScanFn : public torch::autograd::Function<ChunkScanFn> {
                        chunk_of(W, n).transpose(1, 2), dv_n, 1, -1);
       dU[n] = std::move(dv_n);
       // A restarted chunk's state is zero, not the previous chunk's result.
-      if (auto keep = kept_rows(restarts, n, dS); keep.defined()) dS = dS * keep;
+      if (auto kept = kept_rows(restarts, keep, n); kept.defined()) dS = dS * kept;
     }
     // Each input's N chunk gradients, stacked into its [B, H, N, ...] shape.
     auto whole = [&](const std::vector<at::Tensor>& g, const at::Tensor& like) {
       return at::stack(g, 1).view(like.sizes());
     };
     return {whole(dU, U), whole(dW, W).neg_(), whole(dqe, qe),
-            whole(dAqk, Aqk), whole(dKe, Ke), whole(dd, d), dS, at::Tensor()};
+            whole(dAqk, Aqk), whole(dKe, Ke), whole(dd, d), dS, at::Tensor(), at::Tensor()};
   }
 
 };
@@ -284,6 +286,9 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                 ? initial_state.to(st).reshape({B * H, dk, dv})
                 : at::zeros({B * H, dk, dv}, qc.options());
   std::vector<int64_t> restarts;  // N x B H, chunk-major (the scan's order)
+  // Empty without restarts (an autograd function's tensor inputs must be
+  // defined).
+  at::Tensor keep = at::empty({0}, S0.options());
   if (chunk_starts.defined()) {
     VIADUCT_CHECK(chunk_starts.dim() == 2 && chunk_starts.size(0) == B &&
                       chunk_starts.size(1) == N,
@@ -294,8 +299,10 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                            .expand({N, B, H})
                            .contiguous();
     restarts.assign(flags.data_ptr<int64_t>(), flags.data_ptr<int64_t>() + flags.numel());
+    // One host-to-device copy a call, not one per restarting chunk.
+    keep = (1 - flags).to(S0.device(), S0.scalar_type()).view({N, B * H, 1, 1});
   }
-  auto o = ChunkScanFn::apply(U, W, qe, Aqk, k_to_end, decay_chunk, S0, restarts)
+  auto o = ChunkScanFn::apply(U, W, qe, Aqk, k_to_end, decay_chunk, S0, restarts, keep)
                .reshape({B, H, N * C, dv})
                .narrow(2, 0, T);
   return o.transpose(1, 2);  // [B, T, H, dv]

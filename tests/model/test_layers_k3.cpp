@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
+#include <string>
 
 #include "model/attn_res.h"
 #include "model/kda.h"
@@ -132,6 +134,25 @@ MlaOptions small_mla(int64_t q_lora, bool rope) {
   o.rope = rope;
   o.max_seq_len = 16;
   return o;
+}
+
+// The rotary tables are the module's buffers: they go where the module goes
+// (one move, not a host-to-device copy per call), and they are not
+// checkpointed state (kimi_k3's extra_state keeps the expert biases only).
+TEST(Mla, RopeTablesMoveWithTheModule) {
+  Mla mla(small_mla(5, true));
+  const auto ref = make_rope_tables(4, 16, 10000.0);
+  std::map<std::string, at::Tensor> buffers;
+  for (const auto& b : mla->named_buffers()) buffers[b.key()] = b.value();
+  ASSERT_EQ(buffers.size(), 2u);
+  EXPECT_TRUE(at::equal(buffers.at("rope_cos"), ref.cos));
+  EXPECT_TRUE(at::equal(buffers.at("rope_sin"), ref.sin));
+  if (!torch::cuda::is_available()) return;
+  mla->to(torch::Device(torch::kCUDA, 0));
+  for (const auto& b : mla->named_buffers()) EXPECT_TRUE(b.value().is_cuda()) << b.key();
+  torch::NoGradGuard g;
+  auto x = torch::randn({2, 7, 12}, torch::Device(torch::kCUDA, 0));
+  EXPECT_TRUE(mla(x).is_cuda());
 }
 
 TEST(Mla, GradcheckLowRankQueryWithRope) {
