@@ -960,13 +960,25 @@ cudaError_t kda_gemm(const KdaGemm& g, cudaStream_t stream) {
       (!bt && g.B.col != 1) || (g.beta != 0.f && g.beta != 1.f)) {
     return cudaErrorInvalidValue;
   }
-  const dim3 grid(static_cast<unsigned>(g.N / kGemmN), static_cast<unsigned>(g.M / kGemmM),
-                  static_cast<unsigned>(g.batch));
-  if (at && bt) gemm_kernel<true, true><<<grid, kGemmThreads, 0, stream>>>(g);
-  if (at && !bt) gemm_kernel<true, false><<<grid, kGemmThreads, 0, stream>>>(g);
-  if (!at && bt) gemm_kernel<false, true><<<grid, kGemmThreads, 0, stream>>>(g);
-  if (!at && !bt) gemm_kernel<false, false><<<grid, kGemmThreads, 0, stream>>>(g);
-  return cudaGetLastError();
+  // The batch runs on the grid's z, which holds at most 65535: a longer
+  // batch (B H chunks past it: long sequences, packed documents) goes in
+  // slices, each its own launch with the operands moved to its first matrix.
+  constexpr int64_t kMaxZ = 65535;
+  for (int64_t z0 = 0; z0 < g.batch; z0 += kMaxZ) {
+    KdaGemm p = g;
+    p.batch = g.batch - z0 < kMaxZ ? g.batch - z0 : kMaxZ;
+    p.A.data += z0 * g.A.batch;
+    p.B.data += z0 * g.B.batch;
+    p.C += z0 * g.c_batch;
+    const dim3 grid(static_cast<unsigned>(p.N / kGemmN), static_cast<unsigned>(p.M / kGemmM),
+                    static_cast<unsigned>(p.batch));
+    if (at && bt) gemm_kernel<true, true><<<grid, kGemmThreads, 0, stream>>>(p);
+    if (at && !bt) gemm_kernel<true, false><<<grid, kGemmThreads, 0, stream>>>(p);
+    if (!at && bt) gemm_kernel<false, true><<<grid, kGemmThreads, 0, stream>>>(p);
+    if (!at && !bt) gemm_kernel<false, false><<<grid, kGemmThreads, 0, stream>>>(p);
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 int64_t kda_beta_slices(int64_t head_dim) { return head_dim / kSlice; }

@@ -227,6 +227,35 @@ TEST(KdaGemm, MatchesFp64ForEveryLayout) {
   EXPECT_EQ(cuda::kda_gemm(bad, nullptr), cudaErrorInvalidValue);
 }
 
+// A batch past the grid's z limit (65535) runs in slices: every matrix of
+// 70,000 is the product of its own operands, those either side of the
+// slice edge included. The operands overlap (matrix z starts z floats in)
+// so that each is distinct without 70,000 copies; C is 1.1 GB.
+TEST(KdaGemm, BatchPastTheGridLimit) {
+  REQUIRE_GPU();
+  fresh_seed();
+  const int64_t Z = 70000, M = 64, N = 64, K = 32;
+  const auto f32 = at::TensorOptions(at::kCUDA).dtype(at::kFloat);
+  auto a_buf = at::randn({Z + M * K}, f32), b_buf = at::randn({Z + K * N}, f32);
+  auto c = at::zeros({Z, M, N}, f32);
+  cuda::KdaGemm g;
+  g.batch = Z;
+  g.M = M;
+  g.N = N;
+  g.K = K;
+  g.A = {a_buf.data_ptr<float>(), 1, K, 1};
+  g.B = {b_buf.data_ptr<float>(), 1, N, 1};
+  g.C = c.data_ptr<float>();
+  g.c_batch = M * N;
+  g.c_row = N;
+  ASSERT_EQ(cuda::kda_gemm(g, nullptr), cudaSuccess);
+  for (const int64_t z : {int64_t{0}, int64_t{65534}, int64_t{65535}, int64_t{65536}, Z - 1}) {
+    const auto a = a_buf.narrow(0, z, M * K).view({M, K}).to(at::kDouble);
+    const auto b = b_buf.narrow(0, z, K * N).view({K, N}).to(at::kDouble);
+    EXPECT_LT(rel_err(c[z].to(at::kDouble).cpu(), at::mm(a, b).cpu()), 1e-6) << z;
+  }
+}
+
 // Decays far stronger than the layer's law stay finite and match fp64.
 TEST(KdaKernelsState, StrongDecayStaysFinite) {
   REQUIRE_GPU();
