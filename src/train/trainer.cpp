@@ -183,7 +183,8 @@ StepMetrics Trainer::train_step() {
   const auto batches = next_batches(tokens, m);
   // See Note [Loss scaling]: the denominator is the global token count.
   std::vector<at::Tensor> pending_losses;
-  double loss_sum = forward_backward(batches, 1.0 / static_cast<double>(tokens), pending_losses);
+  forward_backward(batches, 1.0 / static_cast<double>(tokens), pending_losses);
+  double loss_sum = 0.0;  // the pending losses', read after the update is queued
   update_->finish_reduction(m, step_context());
   // Queued before the update, read after the norm (train/moe_metrics.h).
   const auto moe_counts = moe_metrics_ ? moe_metrics_->snapshot() : at::Tensor();
@@ -241,10 +242,14 @@ std::vector<data::TokenBatch> Trainer::next_batches(int64_t& global_tokens, Step
   return batches;
 }
 
-double Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, double scale,
-                                 std::vector<at::Tensor>& pending_losses) {
+void Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, double scale,
+                               std::vector<at::Tensor>& pending_losses) {
+  // Note [No sync between forward and backward]
+  // Each micro-batch's loss stays on the device, in pending_losses, and is
+  // read once every backward and the gradient norm are queued; reading it in
+  // between stalls the device while the host starts the backward. The
+  // pipeline executor hands its last stage's losses over the same way.
   for (auto& p : parts_) p->train();
-  double loss_sum = 0.0;
   for (size_t a = 0; a < batches.size(); ++a) {
     const auto& batch = batches[a];
     RECORD_USER_SCOPE("viaduct::forward_backward");
@@ -263,12 +268,10 @@ double Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, d
         tgt.push_back(mb.targets);
         if (mb.images.defined()) img.push_back(mb.images);
       }
-      loss_sum += executor_->run_step(in, tgt, scale, img, documents_of(mbs));
+      for (auto& l : executor_->run_step(in, tgt, scale, img, documents_of(mbs))) {
+        pending_losses.push_back(std::move(l));
+      }
     } else {
-      // Note [No sync between forward and backward]
-      // The loss is read once
-      // every backward and the gradient norm are queued; reading it in
-      // between stalls the device while the host starts the backward.
       for (const auto& mb : mbs) {
         const auto documents = data_->documents(mb.inputs);
         for (auto& p : parts_) p->set_documents(documents);
@@ -278,7 +281,6 @@ double Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, d
       }
     }
   }
-  return loss_sum;
 }
 
 std::vector<ops::DocumentsPtr> Trainer::documents_of(

@@ -108,8 +108,10 @@ class Trainer {
   // The step's batches and their target tokens over all dp ranks; under
   // block_causal the step's document counts and FLOPs into `m` too.
   std::vector<data::TokenBatch> next_batches(int64_t& global_tokens, StepMetrics& m);
-  double forward_backward(const std::vector<data::TokenBatch>& batches, double scale,
-                          std::vector<at::Tensor>& pending_losses);
+  // Every micro-batch's forward and backward; their losses (on this rank's
+  // last stage) go to pending_losses, unread.
+  void forward_backward(const std::vector<data::TokenBatch>& batches, double scale,
+                        std::vector<at::Tensor>& pending_losses);
   // One process: a micro-batch's tokens (and images) through every part.
   at::Tensor forward_loss(const data::TokenBatch& mb);
   // Each micro-batch's documents (see Note [Document boundaries],

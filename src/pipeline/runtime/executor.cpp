@@ -314,11 +314,11 @@ Activations PipelineExecutor::first_inputs(const std::vector<at::Tensor>& inputs
   return in;
 }
 
-double PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
-                                  const std::vector<at::Tensor>& targets,
-                                  double loss_scale,
-                                  const std::vector<at::Tensor>& images,
-                                  const std::vector<ops::DocumentsPtr>& documents) {
+std::vector<at::Tensor> PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
+                                                   const std::vector<at::Tensor>& targets,
+                                                   double loss_scale,
+                                                   const std::vector<at::Tensor>& images,
+                                                   const std::vector<ops::DocumentsPtr>& documents) {
   VIADUCT_CHECK(have_meta_, "run_step before infer_metadata");
   VIADUCT_CHECK(static_cast<int64_t>(inputs.size()) == num_microbatches_ &&
                     static_cast<int64_t>(targets.size()) == num_microbatches_ &&
@@ -362,14 +362,14 @@ double PipelineExecutor::run_step(const std::vector<at::Tensor>& inputs,
     if (timer_) timer_->reset();
     throw;
   }
-  double loss = 0.0;
+  std::vector<at::Tensor> losses;
   if (holds_last_stage()) {
     auto& last = stage(plan_.split.num_stages - 1);
-    for (int64_t mb = 0; mb < num_microbatches_; ++mb) loss += last.loss_sum(mb);
+    for (int64_t mb = 0; mb < num_microbatches_; ++mb) losses.push_back(last.loss_sum(mb));
   }
   inputs_ = targets_ = images_ = nullptr;
   documents_ = nullptr;
-  return loss;
+  return losses;
 }
 
 void PipelineExecutor::set_timing(bool on) {

@@ -66,17 +66,21 @@ class PipelineExecutor {
   // One step over the micro-batches: inputs/targets [B/M, T] each (only the
   // first stage reads inputs, only the last targets); `images`, empty or
   // one per micro-batch, go to the first stage after its tokens (a vision
-  // tower's images, see Note [Kimi-K3 part activations]). Returns the summed
-  // token cross-entropy of all micro-batches on the rank holding the last
-  // stage (added in micro-batch order), 0 elsewhere.
+  // tower's images, see Note [Kimi-K3 part activations]). Returns, on the
+  // rank holding the last stage, each micro-batch's summed token
+  // cross-entropy as a detached scalar on the device, in micro-batch order
+  // (empty elsewhere): the caller reads them after the update is queued
+  // (see Note [No sync between forward and backward], train/trainer.cpp).
   // `documents`: each micro-batch's documents (see Note [Document
   // boundaries], ops/documents.h), which every stage's part gets before its
   // forward; empty: none.
-  double run_step(const std::vector<at::Tensor>& inputs,
-                  const std::vector<at::Tensor>& targets, double loss_scale,
-                  const std::vector<at::Tensor>& images = {},
-                  const std::vector<ops::DocumentsPtr>& documents = {});
-  // Forward only, no autograd state: the summed loss as run_step.
+  std::vector<at::Tensor> run_step(const std::vector<at::Tensor>& inputs,
+                                   const std::vector<at::Tensor>& targets, double loss_scale,
+                                   const std::vector<at::Tensor>& images = {},
+                                   const std::vector<ops::DocumentsPtr>& documents = {});
+  // Forward only, no autograd state: the summed loss of every micro-batch
+  // (added in micro-batch order) on the rank holding the last stage, 0
+  // elsewhere.
   double run_eval(const std::vector<at::Tensor>& inputs,
                   const std::vector<at::Tensor>& targets,
                   const std::vector<at::Tensor>& images = {},

@@ -39,7 +39,7 @@ Activations PipelineStage::forward(int64_t mb, const Activations& inputs,
     VIADUCT_CHECK(targets.defined(), "stage ", stage_id_, " micro-batch ", mb,
                   " F: the last stage needs targets");
     auto sum = part_->forward_loss(st.inputs, targets);
-    loss_sums_[mb] = sum.item<double>();
+    loss_sums_[mb] = sum.detach();
     st.loss = sum * loss_scale;
   } else {
     outputs = part_->forward(st.inputs);
@@ -176,7 +176,7 @@ void PipelineStage::backward_weight(int64_t mb) {
   state_.erase(mb);
 }
 
-double PipelineStage::loss_sum(int64_t mb) const {
+at::Tensor PipelineStage::loss_sum(int64_t mb) const {
   auto it = loss_sums_.find(mb);
   VIADUCT_CHECK(it != loss_sums_.end(), "stage ", stage_id_,
                 " has no loss for micro-batch ", mb);

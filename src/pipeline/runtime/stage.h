@@ -72,8 +72,10 @@ class PipelineStage {
     return forward;
   }
 
-  // The summed (unscaled) token cross-entropy of `mb` on the last stage.
-  double loss_sum(int64_t mb) const;
+  // The summed (unscaled) token cross-entropy of `mb` on the last stage: a
+  // detached scalar on the device, not read here (reading it would wait for
+  // the device between the forward and the backward).
+  at::Tensor loss_sum(int64_t mb) const;
   // Forward without autograd state (eval, metadata inference); the last
   // stage returns {summed loss} when targets are given, else its logits.
   virtual Activations forward_no_grad(const Activations& inputs,
@@ -117,7 +119,7 @@ class PipelineStage {
   std::shared_ptr<ModelPart> part_;
   std::vector<at::Tensor> params_;
   std::map<int64_t, MicrobatchState> state_;
-  std::map<int64_t, double> loss_sums_;
+  std::map<int64_t, at::Tensor> loss_sums_;
   bool deferred_ = false;
   std::map<int64_t, std::vector<at::Tensor>> deferred_grads_;
 };

@@ -210,7 +210,7 @@ void run_pipeline(const JobConfig& cfg, const PipelinePlan& plan, AttnResTranspo
           if (ex.holds_last_stage()) {
             auto& last = *ex.stages().back();
             std::lock_guard<std::mutex> lock(rec.mu);
-            for (int64_t m = 0; m < kMicro; ++m) rec.losses[{step, m}] = last.loss_sum(m);
+            for (int64_t m = 0; m < kMicro; ++m) rec.losses[{step, m}] = last.loss_sum(m).item<double>();
           }
           for (auto& p : parts) rec.sgd(*p, step);
         }
