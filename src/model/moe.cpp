@@ -338,12 +338,14 @@ at::Tensor MoeImpl::capacity_keep(const at::Tensor& idx) {
   const auto C = std::max<int64_t>(
       1, static_cast<int64_t>(std::ceil(opts_.capacity_factor * static_cast<double>(S) /
                                         static_cast<double>(E))));
-  // Each slot's place among its expert's slots, in slot order.
+  // Each slot's place among its expert's slots, in slot order. Each
+  // expert's first sorted slot comes from a search of the sorted experts:
+  // bincount would read the largest expert id to the host (a device sync
+  // per MoE layer on a GPU).
   const auto order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
-  const auto counts = at::bincount(flat, {}, E);
-  const auto first = counts.cumsum(0) - counts;
-  const auto place_sorted =
-      at::arange(S, flat.options()) - first.index_select(0, flat.index_select(0, order));
+  const auto sorted = flat.index_select(0, order);
+  const auto first = at::searchsorted(sorted, at::arange(E, flat.options()));
+  const auto place_sorted = at::arange(S, flat.options()) - first.index_select(0, sorted);
   const auto place = at::empty_like(place_sorted).index_copy_(0, order, place_sorted);
   return place < C;
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/check.h"
+#include "core/device.h"
 
 namespace viaduct::ops {
 
@@ -38,7 +39,7 @@ at::Tensor Documents::cu_seqlens(at::Device device) const {
     for (const auto& s : spans_) {
       cu.push_back(static_cast<int32_t>(s.row * seq_len_ + s.start + s.length));
     }
-    kept = at::tensor(cu, at::kInt).to(device);
+    kept = to_device_async(at::tensor(cu, at::kInt), device);
   }
   return kept;
 }
@@ -47,7 +48,7 @@ at::Tensor Documents::positions(at::Device device) const {
   if (device.is_cpu()) return positions_;
   std::lock_guard<std::mutex> lock(cache_mutex_);
   auto& kept = positions_on_[device.str()];
-  if (!kept.defined()) kept = positions_.to(device);
+  if (!kept.defined()) kept = to_device_async(positions_, device);
   return kept;
 }
 
@@ -89,7 +90,7 @@ const PackedSpans& Documents::packed(int64_t align, int64_t gap, at::Device devi
     }
     starts[static_cast<size_t>(s.row * blocks + p->span_rows[i] / align)] = 1;
   }
-  p->gather = at::tensor(gather, at::kLong).to(device);
+  p->gather = to_device_async(at::tensor(gather, at::kLong), device);
   // The gather as the device runs it: zero places read token 0, then are
   // cleared (one pass over the rows, not a copy of them with a zero row).
   std::vector<int64_t> zero_places;
@@ -99,11 +100,11 @@ const PackedSpans& Documents::packed(int64_t align, int64_t gap, at::Device devi
       gather[i] = 0;
     }
   }
-  p->gather_read = at::tensor(gather, at::kLong).to(device);
-  p->zero_places = at::tensor(zero_places, at::kLong).to(device);
-  p->scatter = at::tensor(scatter, at::kLong).to(device);
+  p->gather_read = to_device_async(at::tensor(gather, at::kLong), device);
+  p->zero_places = to_device_async(at::tensor(zero_places, at::kLong), device);
+  p->scatter = to_device_async(at::tensor(scatter, at::kLong), device);
   p->chunk_starts =
-      at::from_blob(starts.data(), {rows_, blocks}, at::kByte).clone().to(device);
+      to_device_async(at::from_blob(starts.data(), {rows_, blocks}, at::kByte).clone(), device);
   kept = std::move(p);
   return *kept;
 }

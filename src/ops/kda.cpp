@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "core/check.h"
+#include "core/device.h"
 #include "kernels/fused.h"
 #include "ops/recompute.h"
 
@@ -300,7 +301,7 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                            .contiguous();
     restarts.assign(flags.data_ptr<int64_t>(), flags.data_ptr<int64_t>() + flags.numel());
     // One host-to-device copy a call, not one per restarting chunk.
-    keep = (1 - flags).to(S0.device(), S0.scalar_type()).view({N, B * H, 1, 1});
+    keep = to_device_async((1 - flags).to(S0.scalar_type()), S0.device()).view({N, B * H, 1, 1});
   }
   auto o = ChunkScanFn::apply(U, W, qe, Aqk, k_to_end, decay_chunk, S0, restarts, keep)
                .reshape({B, H, N * C, dv})

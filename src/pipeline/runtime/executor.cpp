@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "core/check.h"
+#include "core/device.h"
 
 namespace viaduct::pipeline {
 namespace {
@@ -225,7 +226,7 @@ void PipelineExecutor::run_action(const Action& a) {
         in = take_recv(recv_f_, key, a);
       }
       at::Tensor tgt;
-      if (st.is_last()) tgt = targets_->at(mb).to(device_);
+      if (st.is_last()) tgt = to_device_async(targets_->at(mb), device_);
       set_documents(st, documents_, mb);
       time_begin(kComputeSlot);
       auto out = st.forward(mb, in, tgt, loss_scale_);
@@ -309,8 +310,8 @@ void PipelineExecutor::set_documents(PipelineStage& st,
 Activations PipelineExecutor::first_inputs(const std::vector<at::Tensor>& inputs,
                                            const std::vector<at::Tensor>* images,
                                            size_t mb) const {
-  Activations in{inputs.at(mb).to(device_)};
-  if (images && !images->empty()) in.push_back(images->at(mb).to(device_));
+  Activations in{to_device_async(inputs.at(mb), device_)};
+  if (images && !images->empty()) in.push_back(to_device_async(images->at(mb), device_));
   return in;
 }
 
@@ -411,7 +412,8 @@ double PipelineExecutor::run_eval(const std::vector<at::Tensor>& inputs,
         in = take_recv(tmp, {s, 0}, a);
       }
       set_documents(st, &documents, static_cast<int64_t>(mb));
-      auto out = st.forward_no_grad(in, st.is_last() ? targets[mb].to(device_) : at::Tensor());
+      auto out = st.forward_no_grad(
+          in, st.is_last() ? to_device_async(targets[mb], device_) : at::Tensor());
       if (st.is_last()) {
         if (targets[mb].defined()) loss += out.at(0).item<double>();
       } else if (local(s + 1)) {
