@@ -28,6 +28,7 @@ set -uo pipefail  # no -e: a failed round must not cost the others
 cd "$(dirname "$0")/../.." || exit 1
 source bench/lib/gpu_build.sh
 source bench/lib/gpu_log.sh
+source bench/lib/tokens.sh  # random_tokens
 
 OUT=${OUT:-$PWD/outputs/bench/profile_vs_compile}
 mkdir -p "$OUT"
@@ -53,19 +54,7 @@ fi
 [ -x "$B/viaduct" ] || { say "no $B/viaduct: build first"; exit 1; }
 
 DATA=outputs/bench/random_v128256.u32
-if [ ! -f "$DATA" ]; then
-  mkdir -p "$(dirname "$DATA")"
-  "$PY" - "$DATA" 128256 $(((STEPS + 4) * 4 * 4096 + 1)) <<'PYEOF'
-import array, os, random, sys
-path, vocab, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-r = random.Random(1234)
-a = array.array("I", (r.randrange(vocab) for _ in range(n)))
-assert a.itemsize == 4
-with open(path + ".tmp", "wb") as f:
-    f.write(a.tobytes())
-os.replace(path + ".tmp", path)
-PYEOF
-fi
+random_tokens "$DATA" 128256 $(((STEPS + 4) * 4 * 4096 + 1))
 
 rm -rf "$WORK"
 mkdir -p "$WORK"
