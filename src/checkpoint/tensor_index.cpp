@@ -2,6 +2,8 @@
 // (see Note [Checkpoints load under any layout] in tensor_index.h).
 #include "checkpoint/tensor_index.h"
 
+#include <c10/util/accumulate.h>
+
 #include <algorithm>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -174,10 +176,8 @@ TensorInfo TensorFileIndex::info(const std::string& fqn) const {
 }
 
 at::Tensor TensorFileIndex::assemble(const std::string& fqn, bool verify_checksum) const {
-  const auto shape = pieces_.at(fqn).front().shape;
-  int64_t numel = 1;
-  for (auto n : shape) numel *= n;
-  return assemble_range(fqn, 0, numel, verify_checksum).view(shape);
+  const auto& shape = pieces_.at(fqn).front().shape;
+  return assemble_range(fqn, 0, c10::multiply_integers(shape), verify_checksum).view(shape);
 }
 
 at::Tensor TensorFileIndex::assemble_range(const std::string& fqn, int64_t begin, int64_t end,
@@ -186,8 +186,7 @@ at::Tensor TensorFileIndex::assemble_range(const std::string& fqn, int64_t begin
   const auto& shape = list.front().shape;
   const auto dtype = files_[list.front().slot]->entry(list.front().entry).dtype;
   const auto esize = static_cast<uint64_t>(c10::elementSize(dtype));
-  int64_t numel = 1;
-  for (auto n : shape) numel *= n;
+  const int64_t numel = c10::multiply_integers(shape);
   auto out = at::empty({end - begin}, at::TensorOptions().dtype(dtype));
   auto* dst = static_cast<char*>(out.data_ptr());
   // Every piece's place is checked; only those overlapping [begin, end) are
@@ -219,8 +218,7 @@ at::Tensor TensorFileIndex::assemble_range(const std::string& fqn, int64_t begin
 at::Tensor TensorFileIndex::load_range(const std::string& fqn, int64_t begin, int64_t end,
                                        bool verify_checksum) const {
   const auto inf = info(fqn);
-  int64_t numel = 1;
-  for (auto n : inf.shape) numel *= n;
+  const int64_t numel = c10::multiply_integers(inf.shape);
   VIADUCT_CHECK(0 <= begin && begin <= end && end <= numel, "tensor '", fqn, "': elements [",
                 begin, ", ", end, ") are outside its ", numel);
   if (pieces_.count(fqn) != 0) return assemble_range(fqn, begin, end, verify_checksum);
@@ -238,8 +236,7 @@ at::Tensor TensorFileIndex::load_rows(const std::string& fqn, int64_t first_row,
   VIADUCT_CHECK(!shape.empty() && 0 <= first_row && 0 <= rows && first_row + rows <= shape[0],
                 "tensor '", fqn, "': rows [", first_row, ", ", first_row + rows,
                 ") are outside its shape ", c10::IntArrayRef(shape));
-  int64_t row = 1;
-  for (size_t d = 1; d < shape.size(); ++d) row *= shape[d];
+  const int64_t row = c10::multiply_integers(shape.begin() + 1, shape.end());
   shape[0] = rows;
   return load_range(fqn, first_row * row, (first_row + rows) * row, verify_checksum).view(shape);
 }

@@ -1,6 +1,8 @@
 // ZeRO-1 (see Note [ZeRO-1] in sharded_optimizer.h).
 #include "train/sharded_optimizer.h"
 
+#include <c10/util/accumulate.h>
+
 #include <algorithm>
 
 #include "checkpoint/tensor_index.h"
@@ -148,54 +150,41 @@ std::map<std::string, std::string> ShardedOptimizer::state_file_metadata() const
   return meta;
 }
 
-at::Tensor ShardedOptimizer::cut(const std::string& key, const at::Tensor& whole) const {
+std::pair<int64_t, int64_t> ShardedOptimizer::kept_range(const std::string& key,
+                                                         const std::vector<int64_t>& shape) const {
   const auto& seg = mine_[slice_of_state_key(key)];
   const auto& np = params_[seg.param];
-  const auto& param = np.param;
+  const int64_t stored = c10::multiply_integers(shape);
   // A sharded expert tensor's state is stored whole: its rows first.
-  const auto rows = np.whole_rows > 0 && whole.dim() > 0 && whole.size(0) == np.whole_rows
-                        ? whole.narrow(0, np.first_row, param.size(0))
-                        : whole;
-  VIADUCT_CHECK_T(FileError, rows.numel() == param.numel(), "optimizer state '", key, "' has ",
-                  whole.numel(), " elements, expected ", param.numel());
-  return segment_of(rows.contiguous(), seg).clone();
-}
-
-void ShardedOptimizer::load_slices(const std::function<at::Tensor(const std::string&)>& whole) {
-  // One whole tensor at a time; only this replica's slices are kept.
-  std::map<std::string, at::Tensor> slices;
-  for (const auto& key : inner_->state_keys()) slices[key] = cut(key, whole(key));
-  inner_->load_state(slices);
+  const bool whole_expert = np.whole_rows > 0 && !shape.empty() && shape[0] == np.whole_rows;
+  const int64_t row = whole_expert ? stored / np.whole_rows : 0;
+  const int64_t rows = whole_expert ? row * np.param.size(0) : stored;
+  VIADUCT_CHECK_T(FileError, rows == np.param.numel(), "optimizer state '", key, "' has ",
+                  stored, " elements, expected ", np.param.numel());
+  const int64_t offset = whole_expert ? np.first_row * row : 0;
+  return {offset + seg.begin, offset + seg.end};
 }
 
 void ShardedOptimizer::load_state(const std::map<std::string, at::Tensor>& tensors) {
-  load_slices([&](const std::string& key) {
+  std::map<std::string, at::Tensor> slices;
+  for (const auto& key : inner_->state_keys()) {
     auto it = tensors.find(key);
     VIADUCT_CHECK_T(FileError, it != tensors.end(), "optimizer state '", key,
                     "' is missing from the checkpoint");
-    return it->second;
-  });
+    const auto [begin, end] = kept_range(key, it->second.sizes().vec());
+    slices[key] = it->second.reshape(-1).slice(0, begin, end).clone();
+  }
+  inner_->load_state(slices);
 }
 
 void ShardedOptimizer::load_from(const checkpoint::TensorFileIndex& index) {
-  // Only this replica's segment of each state is read: as in cut(), a
-  // sharded expert tensor's state stored whole gives this rank's rows first.
+  // Only this replica's elements of each state are read.
   std::map<std::string, at::Tensor> slices;
   for (const auto& key : inner_->state_keys()) {
     VIADUCT_CHECK_T(FileError, index.contains(key), "optimizer state '", key,
                     "' is missing from the checkpoint");
-    const auto& seg = mine_[slice_of_state_key(key)];
-    const auto& np = params_[seg.param];
-    const auto shape = index.info(key).shape;
-    int64_t stored = 1;
-    for (auto n : shape) stored *= n;
-    const bool whole_expert = np.whole_rows > 0 && !shape.empty() && shape[0] == np.whole_rows;
-    const int64_t row = whole_expert ? stored / np.whole_rows : 0;
-    const int64_t rows = whole_expert ? row * np.param.size(0) : stored;
-    VIADUCT_CHECK_T(FileError, rows == np.param.numel(), "optimizer state '", key, "' has ",
-                    stored, " elements, expected ", np.param.numel());
-    const int64_t offset = whole_expert ? np.first_row * row : 0;
-    slices[key] = index.load_range(key, offset + seg.begin, offset + seg.end);
+    const auto [begin, end] = kept_range(key, index.info(key).shape);
+    slices[key] = index.load_range(key, begin, end);
   }
   inner_->load_state(slices);
 }

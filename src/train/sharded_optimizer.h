@@ -88,11 +88,10 @@ class ShardedOptimizer : public Optimizer {
       std::map<std::string, std::string>* metadata) const;
   // The index in mine_ of the parameter a state key names.
   size_t slice_of_state_key(const std::string& key) const;
-  // This replica's elements of the whole state tensor `whole` of `key`.
-  at::Tensor cut(const std::string& key, const at::Tensor& whole) const;
-  // The inner optimizer's state from this replica's elements of each whole
-  // tensor `whole(key)` returns.
-  void load_slices(const std::function<at::Tensor(const std::string&)>& whole);
+  // This replica's elements [begin, end) of the flattening of `key`'s whole
+  // state tensor, stored with `shape`; a FileError unless the shape fits.
+  std::pair<int64_t, int64_t> kept_range(const std::string& key,
+                                         const std::vector<int64_t>& shape) const;
 
   std::vector<distributed::ProcessGroup*> groups_;  // per bucket
   std::vector<std::vector<size_t>> buckets_;
