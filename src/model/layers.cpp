@@ -22,6 +22,11 @@ torch::nn::Linear make_linear(torch::nn::Module& parent, const std::string& name
       name, torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias)));
 }
 
+RopeTables register_rope_buffers(torch::nn::Module& parent, const RopeTables& tables) {
+  return {parent.register_buffer("rope_cos", tables.cos),
+          parent.register_buffer("rope_sin", tables.sin)};
+}
+
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
 }
@@ -65,12 +70,8 @@ AttentionImpl::AttentionImpl(const AttentionOptions& o) : opts_(o) {
   wv = make_linear(*this, "wv", o.dim, kv, o.bias);
   wo = make_linear(*this, "wo", o.dim, o.dim, o.bias);
   if (o.rope) {
-    // Buffers, so Module::to(device) moves them once; not persistent state
-    // (checkpoints hold parameters only).
-    auto tables = make_scaled_rope_tables(head_dim_, o.max_seq_len, o.rope_theta,
-                                          o.rope_scaling);
-    rope_.cos = register_buffer("rope_cos", tables.cos);
-    rope_.sin = register_buffer("rope_sin", tables.sin);
+    rope_ = register_rope_buffers(*this, make_scaled_rope_tables(head_dim_, o.max_seq_len,
+                                                                 o.rope_theta, o.rope_scaling));
   }
 }
 

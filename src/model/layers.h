@@ -53,6 +53,11 @@ TORCH_MODULE(LayerNorm);
 using ops::make_rope_tables;
 using ops::RopeTables;
 
+// `tables` as `parent`'s buffers rope_cos and rope_sin, so Module::to(device)
+// moves them once (with set_data, so the returned handles stay valid); not
+// persistent state, as checkpoints hold parameters only.
+RopeTables register_rope_buffers(torch::nn::Module& parent, const RopeTables& tables);
+
 struct AttentionOptions {
   int64_t dim = 0;
   int64_t n_heads = 0;

@@ -30,12 +30,10 @@ MlaImpl::MlaImpl(const MlaOptions& o) : opts_(o) {
                       o.n_heads * (o.qk_nope_head_dim + o.v_head_dim), false);
   wo = make_linear(*this, "wo", o.n_heads * o.v_head_dim, o.dim, false);
   if (o.rope && o.qk_rope_head_dim > 0) {
-    // Buffers, as Attention's: Module::to(device) moves them once. A plain
-    // member stayed on the host, and every rope call on a GPU copied its
-    // slice over with a synchronising host-to-device copy.
-    auto tables = make_rope_tables(o.qk_rope_head_dim, o.max_seq_len, o.rope_theta);
-    rope_.cos = register_buffer("rope_cos", tables.cos);
-    rope_.sin = register_buffer("rope_sin", tables.sin);
+    // Buffers, as Attention's: on the host every rope call on a GPU would
+    // copy its slice over with a synchronising host-to-device copy.
+    rope_ = register_rope_buffers(
+        *this, make_rope_tables(o.qk_rope_head_dim, o.max_seq_len, o.rope_theta));
   }
 }
 
