@@ -7,7 +7,6 @@
 #include <limits>
 
 #include "core/check.h"
-#include "core/device.h"
 #include "kernels/fused.h"
 #include "ops/recompute.h"
 
@@ -300,8 +299,12 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                            .expand({N, B, H})
                            .contiguous();
     restarts.assign(flags.data_ptr<int64_t>(), flags.data_ptr<int64_t>() + flags.numel());
-    // One host-to-device copy a call, not one per restarting chunk.
-    keep = to_device_async((1 - flags).to(S0.scalar_type()), S0.device()).view({N, B * H, 1, 1});
+    // Made once a call from the flags, on the state's device.
+    keep = (1 - chunk_starts.to(S0.device(), S0.scalar_type()))
+               .t()
+               .unsqueeze(-1)
+               .expand({N, B, H})
+               .reshape({N, B * H, 1, 1});
   }
   auto o = ChunkScanFn::apply(U, W, qe, Aqk, k_to_end, decay_chunk, S0, restarts, keep)
                .reshape({B, H, N * C, dv})
