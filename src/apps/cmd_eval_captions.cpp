@@ -166,6 +166,10 @@ int eval_captions_main(int argc, char** argv) {
     std::string text = caption;
     text.replace(text.find("{label}"), 7, n);
     auto ids = tokenizer->encode(text, false);
+    VIADUCT_CHECK_T(ConfigError,
+                    std::find(ids.begin(), ids.end(), image->image_token_id) == ids.end(),
+                    "eval-captions: the caption of label '", n, "' holds the image placeholder "
+                    "id ", image->image_token_id, " (model.image_token_id)");
     ids.push_back(end_token);
     captions.push_back(std::move(ids));
   }

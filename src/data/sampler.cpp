@@ -3,6 +3,7 @@
 #include "data/sampler.h"
 
 #include <nlohmann/json.hpp>
+#include <algorithm>
 #include <cmath>
 #include <iomanip>
 #include <numeric>
@@ -82,6 +83,15 @@ TokenBatch image_rows(const std::vector<std::pair<const ImageTextFile*, int64_t>
     // seq: P placeholders, then the caption, cut at T + 1 tokens.
     std::fill_n(seq.begin(), P, image_token_id);
     const int64_t n = f.read_caption(id, seq.data() + P, T + 1 - P);
+    // The tower's merge puts patches at the placeholders, so a caption token
+    // equal to the placeholder id would shift every patch after it. Checked
+    // here, on the host, so that the model need not read a device flag.
+    VIADUCT_CHECK_T(ConfigError,
+                    std::find(seq.begin() + P, seq.begin() + P + n, image_token_id) ==
+                        seq.begin() + P + n,
+                    "record ", id, " of '", f.path(), "' has a caption token equal to the image "
+                    "placeholder id ", image_token_id, " (model.image_token_id); pick an id the "
+                    "tokenizer never gives");
     int64_t* in = inputs.data_ptr<int64_t>() + b * T;
     int64_t* tg = targets.data_ptr<int64_t>() + b * T;
     for (int64_t t = 0; t < std::min(T, P + n); ++t) in[t] = seq[static_cast<size_t>(t)];

@@ -156,6 +156,30 @@ TEST(ImageTextSampler, RowsArePlaceholdersThenTheCaptionWithLossOnTheCaptionOnly
   EXPECT_EQ((b.targets[0] != -100).sum().item<int64_t>(), 5);
 }
 
+TEST(ImageTextSampler, CaptionHoldingThePlaceholderIdIsRefused) {
+  // A caption token equal to the placeholder id would take a patch in the
+  // merge; the row builder refuses it, naming the record and the file.
+  TempDir dir;
+  const auto path = dir.file("p.img");
+  {
+    ImageTextWriter w(path, kC, kS, 320, "byte");
+    w.append(image_of(0).data(), caption_of(0));
+    w.append(image_of(1).data(), {5, 319, 256});
+    w.finish();
+  }
+  TokenSampler s({image_source(path)}, image_opts(1, 8, 2));
+  EXPECT_NO_THROW(s.next());
+  try {
+    s.next();
+    FAIL() << "a caption holding the placeholder id was taken";
+  } catch (const ConfigError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("record 1"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    EXPECT_NE(msg.find("319"), std::string::npos) << msg;
+  }
+}
+
 TEST(ImageTextSampler, ResumedCursorContinuesBitwiseAndDpRanksStackToOneRank) {
   TempDir dir;
   const auto path = write_records(dir, "a.img", 23);
