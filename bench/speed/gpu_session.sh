@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A GPU-machine call's worth of issue 6/7 work, in order, within a time
+# A GPU-machine call's worth of work, the parts in the order PARTS names them, within a time
 # budget: each part is skipped (and says so) when the time it needs is not
 # left. Everything lands in one file, $OUT/summary.md (the device tool brings
 # back few files), and its key lines go to stdout.
@@ -55,7 +55,7 @@ K3=(--model.family=kimi_k3 --model.flavor=debugmodel_deep --model.dim=2048 --mod
   --model.moe_hidden_dim=512 --training.seq_len=2048 --training.local_batch_size=4)
 : >"$SUM"
 
-if want build 90; then
+part_build() {
   # run_single_gpu.sh's targets (bench/lib/gpu_build.sh); a failed build is
   # reported and the parts that find their binaries still run.
   targets=(viaduct_app layer_bench kda_documents_bench)
@@ -65,8 +65,8 @@ if want build 90; then
   else
     note "build failed (log: /tmp/vs_build.log)"
   fi
-fi
-if want tests 15; then
+}
+part_tests() {
   if [ -x "$B/tests/kernels/test_kernels" ]; then
     timeout 120 "$B/tests/kernels/test_kernels" >/tmp/vs_tests.txt 2>&1
     grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED|^\[  SKIPPED|Failure|Expected|Which is|seed" /tmp/vs_tests.txt |
@@ -78,7 +78,7 @@ if want tests 15; then
   else
     note "no $B/tests/kernels/test_kernels (GoogleTest not carried in .deps?)"
   fi
-fi
+}
 # probe: short runs of the llama-1B and the K3 (section 3's) shapes; a run
 # that fails prints its error.
 probe_run() {  # name args...
@@ -92,7 +92,7 @@ probe_run() {  # name args...
   grep -v '^frame #' "$log" | grep -v '^$' | tail -8 | tee -a "$SUM"
   return 1
 }
-if want probe 60; then
+part_probe() {
   df -h . /tmp | tail -2 | tee -a "$SUM"
   mkdir -p outputs/bench
   python3 -c "
@@ -112,13 +112,13 @@ open('outputs/bench/probe_v128256.u32','wb').write(a.tobytes())"
     --metrics.log_freq=1 --parallelism.pipeline_parallel_stages_per_rank=4 \
     --parallelism.pipeline_parallel_schedule=Interleaved1F1B \
     --parallelism.pipeline_parallel_microbatches=8 --job.dump_folder=/tmp/vs_probe_k3
-fi
-if want sbs 240; then
+}
+part_sbs() {
   OUT=/tmp/vs_sbs CELLS=${CELLS:-1B} bash bench/speed/run_single_gpu.sh >/tmp/vs_sbs.txt 2>&1
   cat /tmp/vs_sbs.txt >>"$SUM"
   grep -E "^\|" /tmp/vs_sbs.txt
-fi
-if want readnorm 200; then
+}
+part_readnorm() {
   for k in 1 2 3; do
     timeout 60 "$B/bench/layer_bench" --only "read+norm" --tokens 8192 --dim 2048 --blocks "$k" \
       --iters 20 2>&1 | grep -E "^\| attn|rror" | tee -a "$SUM"
@@ -140,40 +140,40 @@ for f in sys.argv[1:]:
           max(r["peak_memory_bytes"] for r in rows) / 2**30),
           " ".join("%.5f" % r["loss"] for r in rows[:5]))
 PYEOF
-fi
-if want sbs1Bab 330; then
+}
+part_sbs1Bab() {
   OUT=/tmp/vs_1Bab CELLS=1Bab STAGES=run bash bench/speed/run_single_gpu.sh >/tmp/vs_1Bab.txt 2>&1
   cat /tmp/vs_1Bab.txt >>"$SUM"
   grep -E "^\||against torch.compile" /tmp/vs_1Bab.txt
-fi
-if want profile 70; then
+}
+part_profile() {
   OUT=/tmp/vs_prof TOP=${TOP:-25} bash bench/speed/profile_step.sh "$B" "" >/tmp/vs_prof.txt 2>&1
   cat /tmp/vs_prof.txt >>"$SUM"
   grep -E "^step |^step wall|^device idle" /tmp/vs_prof.txt
-fi
-if want k3profile 110; then
+}
+part_k3profile() {
   OUT=/tmp/vs_k3 VOCAB=320 TOP=${TOP:-25} bash bench/speed/profile_step.sh "$B" "${K3[*]}" \
     >/tmp/vs_k3.txt 2>&1
   cat /tmp/vs_k3.txt >>"$SUM"
   grep -E "^step |^step wall|^device idle|attn_res|AttnRes" /tmp/vs_k3.txt
-fi
-if want k3gemmprofile 60; then
+}
+part_k3gemmprofile() {
   OUT=/tmp/vs_k3g VOCAB=320 TOP=${TOP:-25} bash bench/speed/profile_step.sh "$B" \
     "${K3[*]} --model.mla_interval=1 --model.moe_ffn=false" >/tmp/vs_k3g.txt 2>&1
   cat /tmp/vs_k3g.txt >>"$SUM"
   grep -E "^step |^step wall|^device idle|attn_res|AttnRes|sum_parts" /tmp/vs_k3g.txt
-fi
-if want offload 150; then
+}
+part_offload() {
   SECTIONS=3 OUT=/tmp/vs_off K3_RUN_TIMEOUT=$(($(left) / 3 - 5)) bash bench/gpu_checks/gpu_checks.sh "$B" \
     2>&1 | tee -a "$SUM"
-fi
-if want doctests 20; then
+}
+part_doctests() {
   timeout 120 "$B/tests/kernels/test_kernels" \
     --gtest_filter='*Varlen*:*BlockCausal*:*Packed*:KdaKernelsState.*' >/tmp/vs_doctests.txt 2>&1
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED|^\[       OK|Failure|Expected|Which is|rel err|seed" \
     /tmp/vs_doctests.txt | head -60 | tee -a "$SUM"
-fi
-if want kdadocs 120; then
+}
+part_kdadocs() {
   OUT=/tmp/vs_kdadocs SECTIONS=docs ANCHOR=${ANCHOR:-../shared/anchors/kda} \
     bash bench/layers/kda_session.sh >/tmp/vs_kdadocs.txt 2>&1
   cat /tmp/vs_kdadocs.txt >>"$SUM"
@@ -182,18 +182,27 @@ if want kdadocs 120; then
     timeout 90 "$B/bench/layer_bench" --only "$only" --batch 4 --tokens 2048 --dim 2048 \
       --doc-mean 1024 --iters 20 2>&1 | grep -E "^\| |^documents|rror" | tee -a "$SUM"
   done
-fi
-if want doccost 480; then
+}
+part_doccost() {
   OUT=/tmp/vs_doc STAGES=run CELLS="${DOC_CELLS:-1Bdocs k3docs}" CELL_TIMEOUT=150 \
     bash bench/speed/run_single_gpu.sh >/tmp/vs_doc.txt 2>&1
   cat /tmp/vs_doc.txt >>"$SUM"
   grep -E "^\||block_causal's cost" /tmp/vs_doc.txt
-fi
-if want fashion 420; then
+}
+part_fashion() {
   VIADUCT=$B/viaduct OUT=/tmp/vs_fashion bash scripts/fashion_mnist.sh \
     --training.steps="${FASHION_STEPS:-3000}" --training.local_batch_size=64 \
     --checkpoint.interval=1000 --training.device=cuda >/tmp/vs_fashion.txt 2>&1
   tail -25 /tmp/vs_fashion.txt | tee -a "$SUM"
   N=${N:-2000} OUT=/tmp/vs_prep bash bench/data_prepare_images.sh "$B" 2>&1 | tail -8 | tee -a "$SUM"
-fi
+}
+# The parts run in the order PARTS names them.
+declare -A ESTIMATE=([build]=90 [tests]=15 [probe]=60 [sbs]=240 [readnorm]=200 [sbs1Bab]=330 [profile]=70 [k3profile]=110 [k3gemmprofile]=60 [offload]=150 [doctests]=20 [kdadocs]=120 [doccost]=480 [fashion]=420)
+for part in $PARTS; do
+  if [ -z "${ESTIMATE[$part]:-}" ]; then
+    note "## $part: no such part (parts: build tests probe sbs readnorm sbs1Bab profile k3profile k3gemmprofile offload doctests kdadocs doccost fashion)"
+    continue
+  fi
+  want "$part" "${ESTIMATE[$part]}" && "part_$part"
+done
 note "done at $(($(date +%s) - T0)) s"
