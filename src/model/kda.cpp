@@ -23,9 +23,9 @@ ShortConvImpl::ShortConvImpl(int64_t channels, int64_t kernel) {
   weight = register_parameter("weight", torch::zeros({channels, kernel}));
 }
 
-at::Tensor ShortConvImpl::forward(const at::Tensor& x, const ops::Documents* documents) {
+at::Tensor ShortConvImpl::forward(const at::Tensor& x) {
   // x: [B, T, C]; y_t = silu(sum_j w[:, j] x_{t - K + 1 + j})
-  return ops::short_conv_silu(x, weight, kernel_options_, documents);
+  return ops::short_conv_silu(x, weight, kernel_options_);
 }
 
 KdaImpl::KdaImpl(const KdaOptions& o) : opts_(o) {
@@ -108,21 +108,25 @@ void KdaImpl::init_weights(uint64_t seed, const std::string& p, double std_in,
   dt_bias.copy_(dt + at::log(-at::expm1(-dt)));  // softplus^-1
 }
 
-KdaRuleInputs KdaImpl::rule_inputs(const at::Tensor& x, const ops::Documents* documents) {
-  // x: [B, T, D]
+KdaRuleInputs KdaImpl::rule_inputs(const at::Tensor& x, const ops::PackedSpans* packed) {
+  // x: [B, T, D]; L: the rows the rule runs over (T, or the packed rows).
   const auto B = x.size(0), T = x.size(1);
+  const auto L = packed != nullptr ? packed->length : T;
   const auto H = opts_.n_heads, d = opts_.head_dim;
   const auto st = inner_type(x);
+  auto pack = [&](const at::Tensor& t) {
+    return packed != nullptr ? ops::pack_spans(t, *packed) : t;
+  };
   KdaRuleInputs in;
-  in.q = q_conv(linear(x, q_proj, kernel_options_), documents).view({B, T, H, d});
-  in.k = k_conv(linear(x, k_proj, kernel_options_), documents).view({B, T, H, d});
-  in.v = v_conv(linear(x, v_proj, kernel_options_), documents).view({B, T, H, d});
+  in.q = q_conv(pack(linear(x, q_proj, kernel_options_))).view({B, L, H, d});
+  in.k = k_conv(pack(linear(x, k_proj, kernel_options_))).view({B, L, H, d});
+  in.v = v_conv(pack(linear(x, v_proj, kernel_options_))).view({B, L, H, d});
   in.q = ops::l2_normalize(in.q, 1e-6, 1.0 / std::sqrt(static_cast<double>(d)), kernel_options_);
   in.k = ops::l2_normalize(in.k, 1e-6, 1.0, kernel_options_);
   // Per-channel log decay g = -exp(A_log) * softplus(f + dt_bias) <= 0.
   auto f = linear(linear(x, f_a, kernel_options_), f_b, kernel_options_).to(st) + dt_bias.to(st);
-  in.g = -(A_log.to(st).exp().view({1, 1, H, 1})) * at::softplus(f.view({B, T, H, d}));
-  in.beta = at::sigmoid(linear(x, b_proj, kernel_options_).to(st));  // [B, T, H]
+  in.g = pack(-(A_log.to(st).exp().view({1, 1, H, 1})) * at::softplus(f.view({B, T, H, d})));
+  in.beta = pack(at::sigmoid(linear(x, b_proj, kernel_options_).to(st)));  // [B, L, H]
   return in;
 }
 
@@ -138,9 +142,19 @@ at::Tensor KdaImpl::output(const at::Tensor& x, const at::Tensor& o) {
 }
 
 at::Tensor KdaImpl::forward(const at::Tensor& x, const ops::Documents* documents) {
-  const auto in = rule_inputs(x, documents);
-  return output(x, ops::kda(in.q, in.k, in.v, in.g, in.beta, opts_.chunk_size, kernel_options_,
-                            at::Tensor(), documents));
+  if (documents == nullptr) {
+    const auto in = rule_inputs(x);
+    return output(x, ops::kda(in.q, in.k, in.v, in.g, in.beta, opts_.chunk_size, kernel_options_));
+  }
+  // One packing for the convolutions and the recurrence: each span on a
+  // chunk boundary (the scan restarts there) with at least conv_size - 1
+  // zero rows before it (the filter reads zeros there, as before a document
+  // alone); see Note [Packed documents].
+  const auto& p = documents->packed(opts_.chunk_size, opts_.conv_size - 1, x.device());
+  const auto in = rule_inputs(x, &p);
+  const auto o = ops::kda_packed(in.q, in.k, in.v, in.g, in.beta, opts_.chunk_size,
+                                 kernel_options_, p);
+  return output(x, ops::unpack_spans(o, p, x.size(0), x.size(1)));
 }
 
 }  // namespace viaduct

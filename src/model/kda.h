@@ -18,8 +18,9 @@ namespace viaduct {
 class ShortConvImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   ShortConvImpl(int64_t channels, int64_t kernel);
-  // x: [B, T, C] -> [B, T, C]; `documents`: see Note [Document boundaries].
-  at::Tensor forward(const at::Tensor& x, const ops::Documents* documents = nullptr);
+  // x: [B, T, C] -> [B, T, C]; a layer over documents packs x first (see
+  // Note [Packed documents]).
+  at::Tensor forward(const at::Tensor& x);
   at::Tensor weight;
 };
 TORCH_MODULE(ShortConv);
@@ -47,13 +48,19 @@ class KdaImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   explicit KdaImpl(const KdaOptions& opts);
   // x: [B, T, D] -> [B, T, D]: output(x, ops::kda(rule_inputs(x), ...)),
-  // each document alone under `documents` (see Note [Document boundaries]).
+  // each document alone under `documents` (see Note [Document boundaries]):
+  // then the documents are packed once, for the three convolutions and the
+  // recurrence together (ops::kda_packed), and the output unpacked once.
   at::Tensor forward(const at::Tensor& x, const ops::Documents* documents = nullptr);
   // The layer's two halves around the recurrence: its projections,
   // convolutions, norms, decay and beta; and from the recurrence's o
   // [B, T, H, dv] the gated, normalised output projection. A test
-  // evaluates the layer with another form of the rule between them.
-  KdaRuleInputs rule_inputs(const at::Tensor& x, const ops::Documents* documents = nullptr);
+  // evaluates the layer with another form of the rule between them. With
+  // `packed`, the inputs come packed ([B, packed->length, ...]): the
+  // projections are packed before the convolutions, the decay and beta
+  // after they are made (their zero places are then 0, which leaves the
+  // state alone).
+  KdaRuleInputs rule_inputs(const at::Tensor& x, const ops::PackedSpans* packed = nullptr);
   at::Tensor output(const at::Tensor& x, const at::Tensor& o);
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out);

@@ -47,7 +47,11 @@
 // KDA packs with align = its chunk: no chunk holds two spans, the zero rows
 // after a span change nothing (beta = 0, g = 0), and the scan over chunks
 // starts the state from zero at each span's first chunk
-// (PackedSpans::chunk_starts). One call serves every document, where a
+// (PackedSpans::chunk_starts). The KDA layer packs once for both: align =
+// chunk and gap = kernel - 1, its three convolutions and the recurrence on
+// the same packed rows, one unpack of the output (a span's arithmetic does
+// not depend on where its row places it, so the bits are those of two
+// packings). One call serves every document, where a
 // call per span would launch once per span; the rows stay rows, so the
 // scan keeps its B H independent chains, each longer only by the padding.
 // Pack and unpack are gathers by index in both directions (their backward

@@ -338,11 +338,20 @@ at::Tensor kda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     // Each row's spans on chunk boundaries, the state restarted at each
     // (see Note [Packed documents]).
     const auto& p = documents->packed(chunk_size, 0, q.device());
-    auto o = kda_row(pack_spans(q, p), pack_spans(k, p), pack_spans(v, p), pack_spans(g, p),
-                     pack_spans(beta, p), chunk_size, opts, {}, p.chunk_starts);
+    auto o = kda_packed(pack_spans(q, p), pack_spans(k, p), pack_spans(v, p), pack_spans(g, p),
+                        pack_spans(beta, p), chunk_size, opts, p);
     return unpack_spans(o, p, q.size(0), q.size(1));
   }
   return kda_row(q, k, v, g, beta, chunk_size, opts, initial_state, {});
+}
+
+at::Tensor kda_packed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
+                      const KernelOptions& opts, const PackedSpans& packed) {
+  VIADUCT_CHECK(packed.align == chunk_size && q.size(1) == packed.length,
+                "kda_packed: spans packed on ", packed.align, "-row boundaries into rows of ",
+                packed.length, ", but chunks of ", chunk_size, " over ", q.size(1), " rows");
+  return kda_row(q, k, v, g, beta, chunk_size, opts, {}, packed.chunk_starts);
 }
 
 }  // namespace viaduct::ops
