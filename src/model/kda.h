@@ -18,8 +18,8 @@ namespace viaduct {
 class ShortConvImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   ShortConvImpl(int64_t channels, int64_t kernel);
-  // x: [B, T, C] -> [B, T, C]; a layer over documents packs x first (see
-  // Note [Packed documents]).
+  // x: [B, T, C] -> [B, T, C]; a layer over documents packs x first
+  // (see Note [Packed documents]).
   at::Tensor forward(const at::Tensor& x);
   at::Tensor weight;
 };

@@ -44,8 +44,8 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 at::Tensor kda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                const at::Tensor& beta, int64_t chunk_size, const KernelOptions& opts,
                const at::Tensor& initial_state = {}, const Documents* documents = nullptr);
-// The op on inputs already packed by `packed` ([B, packed.length, ...], see
-// Note [Packed documents]), whose spans sit on chunk boundaries
+// The op on inputs already packed by `packed`, [B, packed.length, ...]
+// (see Note [Packed documents]), whose spans sit on chunk boundaries
 // (packed.align == chunk_size): the state restarts at each span's first
 // chunk. Returns the packed output; a layer that packs once for its
 // convolutions and the recurrence unpacks it.
