@@ -49,10 +49,6 @@ want() {  # part estimate
   fi
   note "## $1 (at $(($(date +%s) - T0)) s)"
 }
-K3=(--model.family=kimi_k3 --model.flavor=debugmodel_deep --model.dim=2048 --model.n_heads=16
-  --model.kda_head_dim=64 --model.mla_kv_lora_rank=512 --model.mla_qk_nope_head_dim=128
-  --model.mla_qk_rope_head_dim=64 --model.mla_v_head_dim=128 --model.ffn_hidden_dim=5632
-  --model.moe_hidden_dim=512 --training.seq_len=2048 --training.local_batch_size=4)
 : >"$SUM"
 
 part_build() {
@@ -152,14 +148,14 @@ part_profile() {
   grep -E "^step |^step wall|^device idle" /tmp/vs_prof.txt
 }
 part_k3profile() {
-  OUT=/tmp/vs_k3 VOCAB=320 TOP=${TOP:-25} bash bench/speed/profile_step.sh "$B" "${K3[*]}" \
+  OUT=/tmp/vs_k3 MODEL=k3 TOP=${TOP:-25} bash bench/speed/profile_step.sh "$B" "" \
     >/tmp/vs_k3.txt 2>&1
   cat /tmp/vs_k3.txt >>"$SUM"
   grep -E "^step |^step wall|^device idle|attn_res|AttnRes" /tmp/vs_k3.txt
 }
 part_k3gemmprofile() {
-  OUT=/tmp/vs_k3g VOCAB=320 TOP=${TOP:-25} bash bench/speed/profile_step.sh "$B" \
-    "${K3[*]} --model.mla_interval=1 --model.moe_ffn=false" >/tmp/vs_k3g.txt 2>&1
+  OUT=/tmp/vs_k3g MODEL=k3 TOP=${TOP:-25} bash bench/speed/profile_step.sh "$B" \
+    "--model.mla_interval=1 --model.moe_ffn=false" >/tmp/vs_k3g.txt 2>&1
   cat /tmp/vs_k3g.txt >>"$SUM"
   grep -E "^step |^step wall|^device idle|attn_res|AttnRes|sum_parts" /tmp/vs_k3g.txt
 }
