@@ -43,10 +43,6 @@ std::string trim(const std::string& s) {
   return s.substr(b, e - b + 1);
 }
 
-bool ends_with(const std::string& s, const std::string& tail) {
-  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
-
 std::string read_whole(const std::string& path) {
   std::string data;
   File f = File::open_read(path);
@@ -124,7 +120,7 @@ uint32_t big_u32(const uint8_t* p) {
 }
 
 std::string read_maybe_gzip(const std::string& path) {
-  return ends_with(path, ".gz") ? read_gzip(path) : read_whole(path);
+  return path.ends_with(".gz") ? read_gzip(path) : read_whole(path);
 }
 
 uint32_t file_crc32(const std::string& path, int64_t& bytes) {
@@ -149,7 +145,7 @@ uint32_t file_crc32(const std::string& path, int64_t& bytes) {
 std::vector<RawSample> read_tar_samples(const std::string& path, const std::string& json_field) {
   // A gzip-compressed shard (.tar.gz, .tgz) is inflated into memory whole;
   // a plain one is mapped.
-  const bool gzipped = ends_with(path, ".tar.gz") || ends_with(path, ".tgz");
+  const bool gzipped = path.ends_with(".tar.gz") || path.ends_with(".tgz");
   std::optional<MappedFile> map;
   std::string inflated;
   if (gzipped) {
