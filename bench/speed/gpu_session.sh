@@ -27,7 +27,11 @@
 # run_single_gpu.sh's DOC_CELLS, default "1Bdocs k3docs"), fashion (420:
 # scripts/fashion_mnist.sh on the GPU, FASHION_STEPS (3000) steps of 64,
 # with FASHION_MNIST the folder of the four .gz files carried, then
-# bench/data_prepare_images.sh). BUDGET_S (560): the call's limit less a
+# bench/data_prepare_images.sh), graphs (420: training.cuda_graphs: the
+# StepGraph tests of test_train (a graph step's bits against eager steps),
+# then GRAPH_CELLS (default "1B k3") with the key off and on, alternating,
+# GRAPH_ROUNDS rounds (default 2), losses and tokens/s side by side).
+# BUDGET_S (560): the call's limit less a
 # margin. Needs .deps and data carried (bench/README.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -162,6 +166,27 @@ part_offload() {
   SECTIONS=3 OUT=/tmp/vs_off K3_RUN_TIMEOUT=$(($(left) / 3 - 5)) bash bench/gpu_checks/gpu_checks.sh "$B" \
     2>&1 | tee -a "$SUM"
 }
+part_graphs() {
+  if gpu_build . "$B" /tmp/vs_graphs_build.log test_train >/dev/null 2>&1; then
+    timeout 300 "$B/tests/train/test_train" --gtest_filter='StepGraph.*' >/tmp/vs_graphs_tests.txt 2>&1
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED|^\[       OK|Failure|Expected|Which is|captured|rror" \
+      /tmp/vs_graphs_tests.txt | head -40 | tee -a "$SUM"
+  else
+    note "test_train did not build (/tmp/vs_graphs_build.log):"
+    grep -E "error|Error" /tmp/vs_graphs_build.log | head -10 | tee -a "$SUM"
+  fi
+  local r g
+  for r in $(seq 1 "${GRAPH_ROUNDS:-2}"); do
+    for g in false true; do
+      OUT=/tmp/vs_g_${g}_r$r CELLS=${GRAPH_CELLS:-1B k3} MODES= STAGES=run CELL_TIMEOUT=150 \
+        VD_EXTRA="${VD_EXTRA:-} --training.cuda_graphs=$g" bash bench/speed/run_single_gpu.sh \
+        >/tmp/vs_g_${g}_r$r.txt 2>&1
+      note "round $r, training.cuda_graphs = $g:"
+      grep -E "^\| .*viaduct|failed" /tmp/vs_g_${g}_r$r.txt | tee -a "$SUM"
+      grep -h -E "captured|rror" /tmp/vs_g_${g}_r$r/*.viaduct.log 2>/dev/null | head -4 | tee -a "$SUM"
+    done
+  done
+}
 part_doctests() {
   timeout 120 "$B/tests/kernels/test_kernels" \
     --gtest_filter='*Varlen*:*BlockCausal*:*Packed*:KdaKernelsState.*' >/tmp/vs_doctests.txt 2>&1
@@ -192,7 +217,7 @@ part_fashion() {
   N=${N:-2000} OUT=/tmp/vs_prep bash bench/data_prepare_images.sh "$B" 2>&1 | tail -8 | tee -a "$SUM"
 }
 # The parts run in the order PARTS names them.
-declare -A ESTIMATE=([build]=90 [tests]=15 [probe]=60 [sbs]=240 [readnorm]=200 [sbs1Bab]=330 [profile]=70 [k3profile]=110 [k3gemmprofile]=60 [offload]=150 [doctests]=20 [kdadocs]=120 [doccost]=480 [fashion]=420)
+declare -A ESTIMATE=([build]=90 [tests]=15 [probe]=60 [sbs]=240 [readnorm]=200 [sbs1Bab]=330 [profile]=70 [k3profile]=110 [k3gemmprofile]=60 [offload]=150 [doctests]=20 [kdadocs]=120 [doccost]=480 [fashion]=420 [graphs]=420)
 for part in $PARTS; do
   if [ -z "${ESTIMATE[$part]:-}" ]; then
     note "## $part: no such part (parts: build tests probe sbs readnorm sbs1Bab profile k3profile k3gemmprofile offload doctests kdadocs doccost fashion)"

@@ -38,6 +38,7 @@ struct TrainingSection {
   std::string dtype;   // auto | float32 | bfloat16
   std::string device;  // auto | cpu | cuda
   bool deterministic = false;
+  bool cuda_graphs = false;
   int64_t num_threads = 0;
   int64_t eval_interval = 0;
 };

@@ -40,15 +40,23 @@ DeviceClip clip_on_device(const std::vector<at::Tensor>& grads, double max_norm,
     for (const auto& t : also) flat.push_back(t.reshape({1}));
     vals.narrow(0, 1, n).copy_(at::cat(flat));
   }
-  auto host = at::empty({1 + n}, at::TensorOptions().dtype(at::kDouble).pinned_memory(true));
+  return {scale, vals};
+}
+
+std::function<std::vector<double>()> fetch_clip_values(const DeviceClip& clip) {
+  const auto& vals = clip.values;
+  VIADUCT_CHECK(vals.defined() && vals.is_cuda() && vals.scalar_type() == at::kDouble,
+                "fetch_clip_values: the values of clip_on_device");
+  const auto stream = c10::cuda::getCurrentCUDAStream(vals.device().index());
+  auto host = at::empty(vals.sizes(), at::TensorOptions().dtype(at::kDouble).pinned_memory(true));
   host.copy_(vals, /*non_blocking=*/true);
   auto ready = std::make_shared<at::cuda::CUDAEvent>();
   ready->record(stream);
-  return {scale, [host, ready, vals] {
-            ready->synchronize();
-            const double* v = host.data_ptr<double>();
-            return std::vector<double>(v, v + host.numel());
-          }};
+  return [host, ready, vals] {
+    ready->synchronize();
+    const double* v = host.data_ptr<double>();
+    return std::vector<double>(v, v + host.numel());
+  };
 }
 
 }  // namespace viaduct::kernels

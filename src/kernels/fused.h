@@ -196,16 +196,20 @@ void adamw_many_(const std::vector<AdamWTensors>& ts, double lr, double beta1, d
 // of these gradients (contiguous or not, fp32, on one CUDA device, in
 // parameter order) and the clip coefficient for max_norm (<= 0: 1), formed
 // on the device with the host's arithmetic (total_norm, clip_coefficient).
-// scale: [1] fp32 on the device, NaN when the norm is not finite, for
-// adamw_'s scale_dev. fetch(): waits for this call's work only (not for
-// work queued after it) and returns the norm, then the values of `also`
-// (one-element tensors on that device, e.g. the step's losses) as doubles.
+// Device work only, so a CUDA graph can hold it. scale: [1] fp32, NaN when
+// the norm is not finite, for adamw_'s scale_dev; values: [1 + n] fp64,
+// the norm, then the values of `also` (one-element tensors on that device,
+// e.g. the step's losses).
 struct DeviceClip {
   at::Tensor scale;
-  std::function<std::vector<double>()> fetch;
+  at::Tensor values;
 };
 bool clip_on_device_takes(const std::vector<at::Tensor>& grads);
 DeviceClip clip_on_device(const std::vector<at::Tensor>& grads, double max_norm,
                           const std::vector<at::Tensor>& also = {});
+// Starts copying clip.values to the host, ordered after the work queued so
+// far; the function returned waits for that copy only (not for work queued
+// after this call, e.g. the update) and returns the values as doubles.
+std::function<std::vector<double>()> fetch_clip_values(const DeviceClip& clip);
 
 }  // namespace viaduct::kernels

@@ -65,6 +65,9 @@ bool clip_on_device_takes(const std::vector<at::Tensor>&) { return false; }
 DeviceClip clip_on_device(const std::vector<at::Tensor>&, double, const std::vector<at::Tensor>&) {
   no_cuda("clip_on_device");
 }
+std::function<std::vector<double>()> fetch_clip_values(const DeviceClip&) {
+  no_cuda("fetch_clip_values");
+}
 
 bool moe_topk_usable(const at::Tensor&, int64_t) { return false; }
 bool moe_dispatch_usable(const at::Tensor&, int64_t) { return false; }

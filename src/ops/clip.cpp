@@ -11,4 +11,8 @@ DeviceClip clip_on_device(const std::vector<at::Tensor>& grads, double max_norm,
   return kernels::clip_on_device(grads, max_norm, also);
 }
 
+std::function<std::vector<double>()> fetch_clip_values(const DeviceClip& clip) {
+  return kernels::fetch_clip_values(clip);
+}
+
 }  // namespace viaduct::ops

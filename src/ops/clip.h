@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <vector>
 
 #include "kernels/fused.h"
@@ -17,8 +18,11 @@ using kernels::DeviceClip;
 // on one GPU the kernels run on, under these options).
 bool clip_on_device_takes(const std::vector<at::Tensor>& grads, const KernelOptions& k);
 // kernels::clip_on_device: the global norm and the coefficient for max_norm
-// on the device; fetch() returns the norm, then the values of `also`.
+// on the device, and the values of `also` beside the norm; device work only.
 DeviceClip clip_on_device(const std::vector<at::Tensor>& grads, double max_norm,
                           const std::vector<at::Tensor>& also = {});
+// kernels::fetch_clip_values: starts the values' copy to the host; the
+// function returned waits for it and returns the norm, then `also`.
+std::function<std::vector<double>()> fetch_clip_values(const DeviceClip& clip);
 
 }  // namespace viaduct::ops

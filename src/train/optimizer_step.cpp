@@ -104,68 +104,80 @@ void OptimizerStep::finish_reduction(StepMetrics& m, const std::string& context)
                (expert_reduction_ ? expert_reduction_->last_step_bytes() : 0);
 }
 
+namespace {
+
+// The norm is the whole model's on every rank, so every rank stops here
+// together.
+void check_norm_finite(double norm, int64_t step) {
+  VIADUCT_CHECK(std::isfinite(norm), "step ", step, ": the gradient norm is not finite (", norm,
+                "); lower optimizer.lr or check the data");
+}
+
+}  // namespace
+
 double OptimizerStep::clip_and_step(double lr, double max_norm,
                                     const std::vector<at::Tensor>& pending_losses,
                                     double& loss_sum, int64_t step, const std::string& context) {
+  if (auto clip = device_clip(max_norm, pending_losses)) {
+    return step_with_device_clip(lr, *clip, loss_sum, /*keep_grads=*/false, step);
+  }
   double norm = 0.0;
-  const bool on_device = step_on_device(lr, max_norm, pending_losses, loss_sum, norm);
-  if (!on_device) {
-    {
-      RECORD_USER_SCOPE("viaduct::grad_norm");
-      norm = global_grad_norm(context);
-    }
-    // Read after the norm's launches (see Note [No sync between forward and
-    // backward]); the norm's host copy has waited for the device already.
-    for (const auto& l : pending_losses) loss_sum += l.item<double>();
+  {
+    RECORD_USER_SCOPE("viaduct::grad_norm");
+    norm = global_grad_norm(context);
   }
-  // The norm is the whole model's on every rank, so every rank stops here
-  // together.
-  VIADUCT_CHECK(std::isfinite(norm), "step ", step, ": the gradient norm is not finite (", norm,
-                "); lower optimizer.lr or check the data");
-  if (!on_device) {
-    RECORD_USER_SCOPE("viaduct::optimizer");
-    // The clip coefficient rides into the update (see Note [Clip folded into
-    // AdamW]).
-    optimizer_->step_scaled(lr, clip_coefficient(norm, max_norm));
-    optimizer_->zero_grad();
-  }
+  // Read after the norm's launches (see Note [No sync between forward and
+  // backward]); the norm's host copy has waited for the device already.
+  for (const auto& l : pending_losses) loss_sum += l.item<double>();
+  check_norm_finite(norm, step);
+  RECORD_USER_SCOPE("viaduct::optimizer");
+  // The clip coefficient rides into the update (see Note [Clip folded into
+  // AdamW]).
+  optimizer_->step_scaled(lr, clip_coefficient(norm, max_norm));
+  optimizer_->zero_grad();
   return norm;
 }
 
-bool OptimizerStep::step_on_device(double lr, double max_norm,
-                                   const std::vector<at::Tensor>& pending_losses,
-                                   double& loss_sum, double& norm) {
+bool OptimizerStep::updates_on_device() const {
+  // A ZeRO-1 replica holds only its ranges' sums, and its norm needs a sum
+  // over dp first: the host path; so do a pipeline rank and a rank holding
+  // a share of the experts. See Note [Gradient norm in shard pieces].
+  auto* mesh = setup_.mesh;
+  return !((mesh && mesh->pp() > 1) || shards_ || expert_reduction_ ||
+           !optimizer_->takes_device_scale());
+}
+
+std::optional<ops::DeviceClip> OptimizerStep::device_clip(
+    double max_norm, const std::vector<at::Tensor>& pending_losses) {
   // See Note [Clip coefficient on the device] (kernels/clip.cu): the norm and
   // the coefficient are formed on the device and the update is queued
   // before the host reads the norm and the losses, which wait for the norm
-  // only. A norm that is not finite updates nothing. A ZeRO-1 replica holds
-  // only its ranges' sums, and its norm needs a sum over dp first (Note
-  // [Gradient norm in shard pieces]): the host path; so do a pipeline rank
-  // and a rank holding a share of the experts.
-  auto* mesh = setup_.mesh;
-  if ((mesh && mesh->pp() > 1) || shards_ || expert_reduction_ ||
-      !optimizer_->takes_device_scale()) {
-    return false;
-  }
+  // only. A norm that is not finite updates nothing.
+  if (!updates_on_device()) return std::nullopt;
   std::vector<at::Tensor> grads;
   if (grad_reduction_) {
     for (auto& piece : grad_reduction_->norm_pieces()) grads.push_back(std::move(piece.grad));
   } else {
     grads = defined_grads(optimizer_->params());
   }
-  if (!ops::clip_on_device_takes(grads, setup_.kernels)) return false;
-  std::optional<ops::DeviceClip> clip;
+  if (!ops::clip_on_device_takes(grads, setup_.kernels)) return std::nullopt;
+  RECORD_USER_SCOPE("viaduct::grad_norm");
+  return ops::clip_on_device(grads, max_norm, pending_losses);
+}
+
+double OptimizerStep::step_with_device_clip(double lr, const ops::DeviceClip& clip,
+                                            double& loss_sum, bool keep_grads, int64_t step) {
+  std::vector<double> v;  // [norm, the losses in order]
   {
     RECORD_USER_SCOPE("viaduct::optimizer");
-    clip = ops::clip_on_device(grads, max_norm, pending_losses);
-    optimizer_->step_device_scaled(lr, clip->scale);
-    optimizer_->zero_grad();
+    auto fetch = ops::fetch_clip_values(clip);
+    optimizer_->step_device_scaled(lr, clip.scale);
+    if (!keep_grads) optimizer_->zero_grad();
+    v = fetch();
   }
-  RECORD_USER_SCOPE("viaduct::grad_norm");
-  const auto v = clip->fetch();  // [norm, the losses in order]
   for (size_t i = 1; i < v.size(); ++i) loss_sum += v[i];
-  norm = v[0];
-  return true;
+  check_norm_finite(v[0], step);
+  return v[0];
 }
 
 double OptimizerStep::global_grad_norm(const std::string& context) {

@@ -19,9 +19,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "ops/clip.h"
 #include "ops/options.h"
 #include "train/expert_parallel.h"
 #include "train/metrics.h"
@@ -74,15 +76,33 @@ class OptimizerStep {
   double clip_and_step(double lr, double max_norm, const std::vector<at::Tensor>& pending_losses,
                        double& loss_sum, int64_t step, const std::string& context);
 
+  // Whether the clip and the update run on the device: one process holds
+  // the whole model (no pipeline rank, ZeRO-1 shard or expert share) and
+  // the optimizer reads the clip coefficient there (AdamW on viaduct's
+  // kernel).
+  bool updates_on_device() const;
+  // Where updates_on_device() and the gradients suit the device clip: its
+  // device half over this step's gradients (the data-parallel sums, when
+  // dp > 1), with `pending_losses` beside the norm; nullopt elsewhere.
+  // Device work only: a step graph captures it (see Note [The step as one
+  // CUDA graph], train/step_graph.h).
+  std::optional<ops::DeviceClip> device_clip(double max_norm,
+                                             const std::vector<at::Tensor>& pending_losses);
+  // The rest of a step whose clip came from device_clip(): queues the
+  // update with the device's coefficient, then reads the norm and the
+  // losses (added to `loss_sum`) and returns the norm, an error naming
+  // `step` when it is not finite (nothing was updated). keep_grads leaves
+  // the gradient tensors in place for a step graph to rewrite, where
+  // other steps release them.
+  double step_with_device_clip(double lr, const ops::DeviceClip& clip, double& loss_sum,
+                               bool keep_grads, int64_t step);
+
   Optimizer& optimizer() { return *optimizer_; }
   const Optimizer& optimizer() const { return *optimizer_; }
   // This rank's sharded expert tensors (none at ep = 1).
   const std::vector<ExpertShard>& expert_shards() const { return expert_shards_; }
 
  private:
-  // The device path where it applies; false when the host path must run.
-  bool step_on_device(double lr, double max_norm, const std::vector<at::Tensor>& pending_losses,
-                      double& loss_sum, double& norm);
   double global_grad_norm(const std::string& context);
 
   OptimizerStepSetup setup_;

@@ -25,6 +25,7 @@
 #include "train/preemption.h"
 #include "train/process.h"
 #include "train/rank_model.h"
+#include "train/step_graph.h"
 #include "train/reduce.h"
 #include "train/report.h"
 #include "train/train_state.h"
@@ -45,6 +46,12 @@ Trainer::Trainer(JobConfig job) : job_(std::move(job)), device_(at::kCPU) {
   dp_rank_ = process.dp_rank;
   dp_size_ = process.dp_size;
   capabilities_ = process.capabilities;
+  // See Note [The step as one CUDA graph] (train/step_graph.h); the config
+  // refused pp, dp and block_causal already.
+  VIADUCT_CHECK_T(ConfigError, !job_.training.cuda_graphs || device_.is_cuda(),
+                  "training.cuda_graphs = true needs a CUDA device, but this run trains on ",
+                  device_, " (training.device = \"", job_.training.device,
+                  "\"); set training.cuda_graphs = false");
   // checkpoint.last_save_in_hf: a missing data.tokenizer fails before
   // anything is written.
   if (job_.checkpoint.last_save_in_hf && rank() == 0) {
@@ -64,6 +71,17 @@ Trainer::Trainer(JobConfig job) : job_(std::move(job)), device_(at::kCPU) {
                     "checkpoint");
   }
   info_ = build_model();
+  if (job_.training.cuda_graphs) {
+    VIADUCT_CHECK_T(ConfigError, !executor_ && !mesh_,
+                    "training.cuda_graphs = true runs one process holding one stage, but this "
+                    "run has ", plan_->split.num_stages, " pipeline stages",
+                    mesh_ ? " under a launcher" : "", "; set training.cuda_graphs = false");
+    VIADUCT_CHECK_T(ConfigError, update_->updates_on_device(),
+                    "training.cuda_graphs = true needs the clip and the update on the device "
+                    "(optimizer.name = \"AdamW\" on viaduct's CUDA kernel), but optimizer.name = "
+                    "\"", job_.optimizer.name, "\"; set training.cuda_graphs = false");
+    step_graph_ = std::make_unique<StepGraph>(device_);
+  }
   data_->cut_eval_batches(num_microbatches());
   if (executor_) {
     // Boundary shapes from one forward-only micro-batch (see Note [Boundary metadata]).
@@ -156,6 +174,8 @@ int Trainer::rank() const { return mesh_ ? mesh_->rank() : 0; }
 
 const Optimizer& Trainer::optimizer() const { return update_->optimizer(); }
 
+int64_t Trainer::graph_replays() const { return step_graph_ ? step_graph_->replays() : 0; }
+
 int64_t Trainer::num_microbatches() const {
   // One stage: the key alone decides (default 1); else the schedule's count.
   if (!executor_) {
@@ -180,17 +200,30 @@ StepMetrics Trainer::train_step() {
   const auto t0 = std::chrono::steady_clock::now();
   int64_t tokens = 0;
   StepMetrics m;
+  // See Note [The step as one CUDA graph]: the step on the graph's stream.
+  std::optional<DeviceGraph::StreamScope> on_graph_stream;
+  if (step_graph_) on_graph_stream.emplace(step_graph_->stream_scope());
   const auto batches = next_batches(tokens, m);
   // See Note [Loss scaling]: the denominator is the global token count.
+  const double scale = 1.0 / static_cast<double>(tokens);
   std::vector<at::Tensor> pending_losses;
-  forward_backward(batches, 1.0 / static_cast<double>(tokens), pending_losses);
+  const ops::DeviceClip* clip = nullptr;  // from the step graph's replay
+  if (step_graph_ && !step_graph_->eager_now()) {
+    clip = &replay_step_graph(batches, scale);
+  } else {
+    forward_backward(batches, scale, pending_losses);
+    if (step_graph_) step_graph_->eager_step_done();
+  }
   double loss_sum = 0.0;  // the pending losses', read after the update is queued
   update_->finish_reduction(m, step_context());
   // Queued before the update, read after the norm (train/moe_metrics.h).
   const auto moe_counts = moe_metrics_ ? moe_metrics_->snapshot() : at::Tensor();
   m.lr = lr_at(job_, step_ + 1);
-  m.grad_norm = update_->clip_and_step(m.lr, job_.training.max_norm, pending_losses,
-                                       loss_sum, step_ + 1, step_context());
+  m.grad_norm = clip != nullptr
+                    ? update_->step_with_device_clip(m.lr, *clip, loss_sum,
+                                                     /*keep_grads=*/true, step_ + 1)
+                    : update_->clip_and_step(m.lr, job_.training.max_norm, pending_losses,
+                                             loss_sum, step_ + 1, step_context());
   m.dp_bytes += update_->optimizer().last_step_bytes();
   m.loss = gather_->gather_loss(loss_sum, stop_signal() != 0, m, step_context()) /
            static_cast<double>(tokens);
@@ -281,6 +314,39 @@ void Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, dou
       }
     }
   }
+}
+
+const ops::DeviceClip& Trainer::replay_step_graph(const std::vector<data::TokenBatch>& batches,
+                                                  double scale) {
+  // See Note [The step as one CUDA graph] (train/step_graph.h).
+  std::vector<data::TokenBatch> mbs;
+  for (const auto& batch : batches) {
+    for (auto& mb : data::split_microbatches(batch, num_microbatches())) {
+      mbs.push_back(std::move(mb));
+    }
+  }
+  step_graph_->load(mbs, scale);
+  return step_graph_->run([this] {
+    for (auto& p : parts_) {
+      p->train();
+      p->set_documents(nullptr);
+    }
+    std::vector<at::Tensor> losses;
+    for (const auto& mb : step_graph_->microbatches()) {
+      RECORD_USER_SCOPE("viaduct::forward_backward");
+      auto loss = forward_loss(mb);
+      VIADUCT_ASSERT(loss.scalar_type() == at::kFloat, "the step graph scales an fp32 loss, not ",
+                     loss.scalar_type());
+      (loss * step_graph_->loss_scale()).backward();
+      losses.push_back(loss.detach());
+    }
+    auto clip = update_->device_clip(job_.training.max_norm, losses);
+    VIADUCT_CHECK_T(ConfigError, clip.has_value(),
+                    "training.cuda_graphs = true: the gradient clip cannot run on the device "
+                    "for these gradients (fp32 on the GPU with viaduct's kernels: check "
+                    "model.cuda_kernels); set training.cuda_graphs = false");
+    return *clip;
+  });
 }
 
 std::vector<ops::DocumentsPtr> Trainer::documents_of(

@@ -19,6 +19,7 @@
 #include "config/config.h"
 #include "config/job_config.h"
 #include "model/model.h"
+#include "ops/clip.h"
 #include "ops/options.h"
 #include "train/metrics.h"
 #include "train/fault_injection.h"
@@ -47,6 +48,7 @@ class MoeStepMetrics;
 class StepGather;
 class OptimizerStep;
 class FolderLock;
+class StepGraph;
 
 namespace data {
 class TokenSampler;
@@ -79,6 +81,9 @@ class Trainer {
   bool warm_start();
 
   int64_t step() const { return step_; }
+  // Steps run as a replay of the step's CUDA graph (training.cuda_graphs;
+  // see Note [The step as one CUDA graph], train/step_graph.h).
+  int64_t graph_replays() const;
   // True when run() stopped early on SIGTERM / SIGINT / SIGUSR1 (see Note [Save
   // and exit on a signal], train/preemption.h).
   bool stopped_on_signal() const { return stopped_on_signal_; }
@@ -112,6 +117,11 @@ class Trainer {
   // last stage) go to pending_losses, unread.
   void forward_backward(const std::vector<data::TokenBatch>& batches, double scale,
                         std::vector<at::Tensor>& pending_losses);
+  // See Note [The step as one CUDA graph] (train/step_graph.h): the step's
+  // forward, backward and device clip as one graph, captured on its first
+  // call; returns the clip the replay rewrote.
+  const ops::DeviceClip& replay_step_graph(const std::vector<data::TokenBatch>& batches,
+                                           double scale);
   // One process: a micro-batch's tokens (and images) through every part.
   at::Tensor forward_loss(const data::TokenBatch& mb);
   // Each micro-batch's documents (see Note [Document boundaries],
@@ -145,6 +155,7 @@ class Trainer {
   // The data-parallel sums, the clip and the optimizer.
   std::unique_ptr<OptimizerStep> update_;
   std::unique_ptr<MoeStepMetrics> moe_metrics_;  // null without routed experts
+  std::unique_ptr<StepGraph> step_graph_;        // null: training.cuda_graphs = false
   std::unique_ptr<StepGather> gather_;
   std::unique_ptr<TrainingData> data_;
   std::unique_ptr<Checkpointer> checkpointer_;

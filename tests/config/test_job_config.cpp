@@ -63,6 +63,7 @@ const std::map<std::string, Field>& typed_fields() {
         FIELD(training, dtype),
         FIELD(training, device),
         FIELD(training, deterministic),
+        FIELD(training, cuda_graphs),
         FIELD(training, num_threads),
         FIELD(training, eval_interval),
         FIELD(optimizer, name),
