@@ -66,28 +66,40 @@ void ChainBlockImpl::init_weights(uint64_t seed, const std::string& p) {
   }
 }
 
-at::Tensor ChainBlockImpl::forward(const at::Tensor& x, const ops::DocumentsPtr& documents) {
+ChainResidual ChainBlockImpl::forward(const ChainResidual& x,
+                                     const ops::DocumentsPtr& documents) {
   if (!spec_.activation_checkpoint.checkpoints(layer_id_)) {
     return forward_layer(x, documents.get());
   }
-  // The recompute runs in the backward, when the part may hold the next
-  // micro-batch's documents: the body keeps this one's.
+  // See Note [Deferred residual add]: one tensor in, one out. The recompute
+  // runs in the backward, when the part may hold the next micro-batch's
+  // documents: the body keeps this one's.
   auto body = [this, documents](const std::vector<at::Tensor>& in) {
-    return std::vector<at::Tensor>{forward_layer(in[0], documents.get())};
+    return std::vector<at::Tensor>{forward_layer({in[0], {}}, documents.get()).sum()};
   };
-  return ops::recompute(spec_.activation_checkpoint, body, {x}, parameters()).at(0);
+  return {ops::recompute(spec_.activation_checkpoint, body, {x.sum()}, parameters()).at(0), {}};
 }
 
-at::Tensor ChainBlockImpl::forward_layer(const at::Tensor& x, const ops::Documents* documents) {
-  auto a = spec_.layer_norm ? attention_ln_->forward(x) : attention_rms_->forward(x);
-  at::Tensor h, f;
+ChainResidual ChainBlockImpl::forward_layer(const ChainResidual& x,
+                                            const ops::Documents* documents) {
+  auto ffn = [&](const at::Tensor& f) {
+    return spec_.gelu_mlp ? gelu_->forward(f) : swiglu_->forward(f);
+  };
   if (spec_.layer_norm) {
-    h = x + attention_->forward(a, documents);
-    f = ffn_ln_->forward(h);
-  } else {
-    std::tie(h, f) = ffn_rms_->forward_with_residual(x, attention_->forward(a, documents));
+    VIADUCT_ASSERT(!x.pending.defined(), "a LayerNorm block got a pending residual term");
+    auto h = x.stream + attention_->forward(attention_ln_->forward(x.stream), documents);
+    return {h + ffn(ffn_ln_->forward(h)), {}};
   }
-  return h + (spec_.gelu_mlp ? gelu_->forward(f) : swiglu_->forward(f));
+  // See Note [Deferred residual add]: s = stream + pending, summed in the norm.
+  at::Tensor s, a;
+  if (x.pending.defined()) {
+    std::tie(s, a) = attention_rms_->forward_with_residual(x.stream, x.pending);
+  } else {
+    s = x.stream;
+    a = attention_rms_->forward(s);
+  }
+  auto [h, f] = ffn_rms_->forward_with_residual(s, attention_->forward(a, documents));
+  return {h, ffn(f)};
 }
 
 std::vector<std::string> chain_module_fqns(const ChainSpec& s) {
@@ -193,9 +205,14 @@ at::Tensor ChainTransformer::trunk(const Activations& in) {
   } else {
     h = in[0];
   }
-  for (auto& [id, b] : blocks_) h = b->forward(h, documents_);
-  if (has_head_) h = norm_ln_ ? norm_ln_->forward(h) : norm_rms_->forward(h);
-  return h;
+  ChainResidual x{h, {}};
+  for (auto& [id, b] : blocks_) x = b->forward(x, documents_);
+  // See Note [Deferred residual add]: the part's output is one tensor; the
+  // final RMSNorm adds the last block's FFN output as it normalises.
+  if (!has_head_) return x.sum();
+  if (norm_ln_) return norm_ln_->forward(x.sum());
+  if (x.pending.defined()) return norm_rms_->forward_with_residual(x.stream, x.pending).second;
+  return norm_rms_->forward(x.stream);
 }
 
 Activations ChainTransformer::forward(const Activations& in) {

@@ -1,6 +1,7 @@
 // The pre-norm transformer whose residual is a chain (llama, gpt2): each
-// layer is x += attn(norm(x)); x += ffn(norm(x)). The families differ only in
-// a ChainSpec, so both share this one implementation.
+// layer is x += attn(norm(x)); x += ffn(norm(x)) (with RMSNorm the second add
+// is made by the next norm: see Note [Deferred residual add]). The families
+// differ only in a ChainSpec, so both share this one implementation.
 #pragma once
 
 #include <torch/torch.h>
@@ -37,16 +38,47 @@ struct ChainSpec {
   ops::ActivationCheckpoint activation_checkpoint;
 };
 
+// Note [Deferred residual add]
+// An RMSNorm block (llama) ends in x' = h + ffn(ffn_norm(h)), and the next
+// block starts with attention_norm(x'). The block returns the two terms
+// unsummed, {stream h, pending ffn output}, and the next block's attention
+// norm adds them as it normalises (ops::add_rms_norm: one kernel each way
+// where the kernels run, the two ATen ops elsewhere;
+// see Note [Residual add inside the norm]); on the part with the head the
+// final norm takes the last block's pair the same way. Forward, the sum is
+// rounded as the add rounded it; backward, x' has the same two uses (the
+// next block's attention norm, and the residual its h adds), whose
+// gradients the norm's backward adds where autograd added them: the bits
+// of the plain adds. Where the stream must be one tensor the pending term is added
+// explicitly:
+//  - at the end of a part without the head (a stage boundary: the part
+//    hands on one activation);
+//  - around a checkpointed layer (see Note [Activation checkpointing]):
+//    before it, so the layer keeps one [B, T, D] input rather than two, and
+//    at the end of its body, so it hands on one tensor made in the body
+//    (the fused norm's h is a view, which the checkpoint would copy to hang
+//    its node on).
+// The first block of a part gets nothing pending: a plain rms_norm.
+// LayerNorm blocks (gpt2) add inside the block and leave nothing pending.
+struct ChainResidual {
+  at::Tensor stream;   // [B, T, D]
+  at::Tensor pending;  // [B, T, D], not yet added to `stream`; undefined: none
+  // stream + pending (stream alone when nothing is pending).
+  at::Tensor sum() const { return pending.defined() ? stream + pending : stream; }
+};
+
 class ChainBlockImpl : public torch::nn::Module {
  public:
   ChainBlockImpl(const ChainSpec& spec, int64_t layer_id);
-  // [B, T, D] -> [B, T, D]; `documents`: see Note [Document boundaries].
-  at::Tensor forward(const at::Tensor& x, const ops::DocumentsPtr& documents = nullptr);
+  // [B, T, D] -> [B, T, D] as stream + pending
+  // (see Note [Deferred residual add]); `documents`: see Note [Document boundaries].
+  ChainResidual forward(const ChainResidual& x,
+                        const ops::DocumentsPtr& documents = nullptr);
   void init_weights(uint64_t seed, const std::string& prefix);
 
  private:
   // forward() without checkpointing
-  at::Tensor forward_layer(const at::Tensor& x, const ops::Documents* documents);
+  ChainResidual forward_layer(const ChainResidual& x, const ops::Documents* documents);
   const ChainSpec spec_;
   int64_t layer_id_;
   Attention attention_{nullptr};
