@@ -165,6 +165,22 @@ at::Tensor moe_topk(const at::Tensor& scores, const at::Tensor& bias, int64_t k)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& expert,
                                                             int64_t n_experts, int64_t align);
 
+// The grouped experts' rows moved in one pass each way (kernels/moe_permute.h,
+// see Note [MoE rows moved in one pass]); bf16 rows on a GPU, D a multiple
+// of 8 (moe_permute_usable; false in the CPU build). pos [N K] int64: each
+// slot's buffer row (moe_dispatch); row_slot [rows] int64: each buffer row's
+// slot, -1 for padding. moe_permute: x [N, D] -> [rows, D], row pos[n K + j]
+// a copy of x[n], padding zero; its gradient sums a token's K rows.
+// moe_combine: ys [rows, D], gates [N, K] fp32 -> [N, D]: sum over j of
+// bf16(gates[n, j]) * ys[pos[n K + j]], the ATen form
+// (ys.index_select(0, pos).view(N, K, D) * gates.to(bf16).unsqueeze(-1)).sum(1)
+// in one pass; gradients to ys and gates.
+bool moe_permute_usable(const at::Tensor& x);
+at::Tensor moe_permute(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& row_slot,
+                       int64_t k);
+at::Tensor moe_combine(const at::Tensor& ys, const at::Tensor& gates, const at::Tensor& pos,
+                       const at::Tensor& row_slot);
+
 // One AdamW step in place on contiguous fp32 CUDA tensors (the formulas of
 // AdamW::step's loop; bias_corr_i = 1 - beta_i^step). `low`, when defined (a
 // contiguous bf16 tensor of p's size), receives the new p cast to bf16 in

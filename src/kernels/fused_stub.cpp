@@ -69,6 +69,14 @@ std::function<std::vector<double>()> fetch_clip_values(const DeviceClip&) {
   no_cuda("fetch_clip_values");
 }
 
+bool moe_permute_usable(const at::Tensor&) { return false; }
+at::Tensor moe_permute(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  no_cuda("moe_permute");
+}
+at::Tensor moe_combine(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                       const at::Tensor&) {
+  no_cuda("moe_combine");
+}
 bool moe_topk_usable(const at::Tensor&, int64_t) { return false; }
 bool moe_dispatch_usable(const at::Tensor&, int64_t) { return false; }
 at::Tensor moe_topk(const at::Tensor&, const at::Tensor&, int64_t) { no_cuda("moe_topk"); }

@@ -200,9 +200,6 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   auto routed = route(xf);
   const auto idx = routed.first;
   auto w = routed.second;
-  // Every slot's row (slot n K + j is token n's j-th choice), as copies of
-  // the tokens; their gradients are summed back over the K copies.
-  auto slots = xf.unsqueeze(1).expand({N, K, D}).reshape({N * K, D});
   // Only training forwards count toward the balance, once under activation
   // checkpointing (see Note [Activation checkpointing]). The counts live on the
   // routing's device: a copy to the host would wait for every kernel queued
@@ -227,9 +224,12 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     // their experts' owners.
     const auto eo = ops::expert_order(idx.reshape({-1}), keep, E);
     count_tokens(eo.routed);
+    // Every slot's row (slot n K + j is token n's j-th choice), as copies of
+    // the tokens; their gradients are summed back over the K copies.
+    auto slots = xf.unsqueeze(1).expand({N, K, D}).reshape({N * K, D});
     y = ops::combine_experts(experts_over_ranks(slots, eo, keep.defined()).view({N, K, D}), w);
   } else {
-    auto r = ops::moe_experts(slots, idx, w, keep, {experts->w1, experts->w2, experts->w3},
+    auto r = ops::moe_experts(xf, idx, w, keep, {experts->w1, experts->w2, experts->w3},
                               kernel_options_);
     count_tokens(r.routed);
     y = r.out;

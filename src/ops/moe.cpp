@@ -157,24 +157,33 @@ at::Tensor expert_chain(const at::Tensor& x, const at::Tensor& w1, const at::Ten
 
 }  // namespace
 
-MoeExperts moe_experts(const at::Tensor& slots, const at::Tensor& idx, const at::Tensor& gates,
+MoeExperts moe_experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& gates,
                        const at::Tensor& keep, const ExpertWeights& w, const KernelOptions& k) {
-  const auto D = slots.size(-1), N = idx.size(0), K = idx.size(1);
+  const auto D = x.size(-1), N = idx.size(0), K = idx.size(1);
   const auto E = w.w1.size(0), hidden = w.w1.size(1);
   MoeExperts r;
-  if (grouped_experts_run(slots, hidden, k)) {
+  if (grouped_experts_run(x, hidden, k) && kernels::moe_permute_usable(x)) {
     // Grouped GEMMs over padded expert groups (see Note [MoE dispatch into
     // padded groups]): no host sync. Dropped copies run and their gating
-    // weights are zero.
+    // weights are zero. The rows go in and come back in one pass each:
+    // see Note [MoE rows moved in one pass] (kernels/moe_permute.cu).
     auto d = dispatch_experts(idx, E, k);
     r.routed = d.counts;
-    auto xs = at::zeros({d.rows, D}, slots.options()).index_copy(0, d.pos, slots);
+    at::Tensor row_slot;
+    {
+      torch::NoGradGuard no_grad;
+      row_slot = at::full({d.rows}, -1, d.pos.options())
+                     .index_copy_(0, d.pos, at::arange(N * K, d.pos.options()));
+    }
+    auto xs = kernels::moe_permute(x, d.pos, row_slot, K);
     auto ys = grouped_swiglu_experts(xs, d.offs, w, k);
-    auto y = gather_distinct_rows(ys, d.pos).view({N, K, D});
     auto g = keep.defined() ? gates * keep.view({N, K}).to(gates.scalar_type()) : gates;
-    r.out = combine_experts(y, g);
+    r.out = kernels::moe_combine(ys, g, d.pos, row_slot);
     return r;
   }
+  // Every slot's row (slot n K + j is token n's j-th choice), as copies of
+  // the tokens; their gradients are summed back over the K copies.
+  const auto slots = x.unsqueeze(1).expand({N, K, D}).reshape({N * K, D});
   // Note [MoE dispatch without per-expert gradient fills]
   // The experts run one at a time, each on its own rows. Taken as `w1[e]` and
   // `x.index_select(0, rows_e)`, every expert's slice has a backward that

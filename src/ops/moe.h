@@ -38,8 +38,8 @@ struct ExpertWeights {
 };
 
 // The routed experts of one MoE layer on this rank's tokens, combined:
-// token n's output is sum_j gates[n, j] expert_{idx[n, j]}(x_n). slots
-// [N K, D]: the token copies (slot n K + j: token n's j-th choice); idx
+// token n's output is sum_j gates[n, j] expert_{idx[n, j]}(x_n). x [N, D]:
+// the tokens (slot n K + j: token n's j-th choice); idx
 // [N, K] int64 expert ids; gates [N, K] the gating weights; keep: bool
 // [N K] the copies the experts take (see Note [Expert capacity], model/moe.h),
 // undefined when dropless. Where grouped GEMMs run (grouped_experts_run):
@@ -52,7 +52,7 @@ struct MoeExperts {
   at::Tensor out;     // [N, D]
   at::Tensor routed;  // [E] int64: every routed copy per expert (before drops)
 };
-MoeExperts moe_experts(const at::Tensor& slots, const at::Tensor& idx, const at::Tensor& gates,
+MoeExperts moe_experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& gates,
                        const at::Tensor& keep, const ExpertWeights& w, const KernelOptions& k);
 
 // See Note [Expert parallelism] (model/moe.h): the local experts (of width

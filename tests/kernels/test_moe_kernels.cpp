@@ -3,6 +3,9 @@
 // the same sums, with many ties; the dispatch into padded groups against
 // the sort-and-count form, over one and many of the kernels' blocks.
 //
+// The permute and combine kernels of the grouped path against their ATen
+// forms on a GPU.
+//
 // The MoE's routed experts through grouped GEMMs (ops/moe.h) against the
 // per-expert loop (the same layer with model.cuda_kernels off) on a GPU in
 // bf16: outputs, every gradient and the expert loads; and two grouped runs
@@ -14,6 +17,7 @@
 // writes the weight gradients in fp32).
 #include <gtest/gtest.h>
 
+#include <array>
 
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
@@ -141,6 +145,62 @@ TEST_P(MoeGrouped, MatchesThePerExpertLoop) {
   EXPECT_TRUE(at::equal(g.dx, g2.dx));
   for (size_t i = 0; i < g.grads.size(); ++i) {
     EXPECT_TRUE(at::equal(g.grads[i].second, g2.grads[i].second)) << g.grads[i].first;
+  }
+}
+
+// The one-pass moves of the grouped path (see Note [MoE rows moved in one
+// pass]) against their ATen forms on the same device: the permuted rows and
+// the combined sum bit for bit (copies; rounded products added in ascending
+// j), dx and dys bit for bit, each gate's gradient (a fixed-order sum over D
+// where ATen reduces in its own order) against fp64 sums of the same bf16
+// products; and two runs give the same bits.
+TEST(MoeRouting, PermuteAndCombineKernelsMatchTheirAtenForms) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const auto bf = at::TensorOptions(at::kCUDA).dtype(at::kBFloat16);
+  for (const auto& [N, K, E, D] : std::vector<std::array<int64_t, 4>>{
+           {1, 1, 4, 8}, {157, 2, 16, 256}, {300, 8, 64, 2048}, {64, 3, 5, 24}}) {
+    SCOPED_TRACE("N " + std::to_string(N) + " K " + std::to_string(K) + " E " +
+                 std::to_string(E) + " D " + std::to_string(D));
+    auto ids = at::randint(0, E, {N, K}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
+    auto d = ops::dispatch_experts(ids, E, {});
+    auto row_slot = at::full({d.rows}, -1, d.pos.options())
+                        .index_copy_(0, d.pos, at::arange(N * K, d.pos.options()));
+    auto x = at::randn({N, D}, bf).requires_grad_(true);
+    auto xr = x.detach().clone().requires_grad_(true);
+    auto xs = kernels::moe_permute(x, d.pos, row_slot, K);
+    auto xs_ref = at::zeros({d.rows, D}, bf).index_copy(
+        0, d.pos, xr.unsqueeze(1).expand({N, K, D}).reshape({N * K, D}));
+    EXPECT_TRUE(at::equal(xs, xs_ref));
+    auto dxs = at::randn({d.rows, D}, bf);
+    xs.backward(dxs);
+    xs_ref.backward(dxs);
+    EXPECT_TRUE(K > 2 || at::equal(x.grad(), xr.grad()));  // K > 2: ATen's order of K terms
+    EXPECT_LT(rel_err(x.grad(), xr.grad()), 1e-2);
+
+    auto ys = at::randn({d.rows, D}, bf).requires_grad_(true);
+    auto ysr = ys.detach().clone().requires_grad_(true);
+    auto gates = at::rand({N, K}, at::TensorOptions(at::kCUDA)).requires_grad_(true);
+    auto gr = gates.detach().clone().requires_grad_(true);
+    auto out = kernels::moe_combine(ys, gates, d.pos, row_slot);
+    auto y_ref = ysr.index_select(0, d.pos).view({N, K, D});
+    auto out_ref = ops::combine_experts(y_ref, gr);
+    EXPECT_TRUE(K > 2 || at::equal(out, out_ref));
+    EXPECT_LT(rel_err(out, out_ref), 1e-2);
+    auto dout = at::randn({N, D}, bf);
+    out.backward(dout);
+    out_ref.backward(dout);
+    EXPECT_TRUE(at::equal(ys.grad(), ysr.grad()));
+    // The gates' gradient: sum_d bf16(dout * y) per slot, in fp64.
+    auto prods = (dout.unsqueeze(1) * y_ref.detach()).to(at::kDouble).sum(-1);
+    EXPECT_EQ(gates.grad().scalar_type(), at::kFloat);
+    EXPECT_LT(rel_err(gates.grad(), prods), 1e-2);
+    EXPECT_LT(rel_err(gates.grad(), gr.grad()), 2e-2);
+    // Run to run.
+    auto out2 = kernels::moe_combine(ys.detach(), gates.detach().requires_grad_(true), d.pos,
+                                     row_slot);
+    EXPECT_TRUE(at::equal(out, out2));
   }
 }
 
