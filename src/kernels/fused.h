@@ -37,6 +37,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& res,
                                                const at::Tensor& weight, double eps);
 
+// (x - mean) * rsqrt(var + eps) * weight + bias over the last dim in fp32
+// (the biased variance), returned in x's dtype; weight, bias: fp32 [D].
+// One kernel each way; saves x and two fp32 per row for the backward.
+// layer_norm_usable: the kernels take these (false in the CPU build).
+bool layer_norm_usable(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                      double eps);
+
 // Rotary embedding on interleaved pairs of x: [B, T, H, hd]; cos, sin: fp32
 // [>= T, hd / 2] on x's device. Saves nothing but the tables. repeat > 1
 // returns [B, T, H * repeat, hd] with each rotated head repeated (as

@@ -69,6 +69,12 @@ std::function<std::vector<double>()> fetch_clip_values(const DeviceClip&) {
   no_cuda("fetch_clip_values");
 }
 
+bool layer_norm_usable(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  return false;
+}
+at::Tensor layer_norm(const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
+  no_cuda("layer_norm");
+}
 bool moe_permute_usable(const at::Tensor&) { return false; }
 at::Tensor moe_permute(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   no_cuda("moe_permute");

@@ -2,15 +2,11 @@
 
 #include "core/check.h"
 #include "core/rng.h"
+#include "ops/layer_norm.h"
 #include "ops/rms_norm.h"
 #include "ops/swiglu.h"
 
 namespace viaduct {
-
-// Norms and rotations run in fp32, or fp64 when the input is fp64.
-static at::ScalarType upcast(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 at::Tensor linear(const at::Tensor& x, const torch::nn::Linear& l, const ops::KernelOptions& k) {
   return ops::linear(x, l->weight, l->options.bias() ? l->bias : at::Tensor(), k);
@@ -53,9 +49,7 @@ void LayerNormImpl::reset_parameters() {
   bias.zero_();
 }
 at::Tensor LayerNormImpl::forward(const at::Tensor& x) {
-  auto y = at::layer_norm(x.to(upcast(x.scalar_type())), {weight.size(0)},
-                          weight, bias, eps_);
-  return y.to(x.scalar_type());
+  return ops::layer_norm(x, weight, bias, eps_, kernel_options_);
 }
 
 AttentionImpl::AttentionImpl(const AttentionOptions& o) : opts_(o) {

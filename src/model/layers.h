@@ -40,7 +40,7 @@ class RMSNormImpl : public torch::nn::Module, public ops::KernelUser {
 };
 TORCH_MODULE(RMSNorm);
 
-class LayerNormImpl : public torch::nn::Module {
+class LayerNormImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   LayerNormImpl(int64_t dim, double eps);
   at::Tensor forward(const at::Tensor& x);

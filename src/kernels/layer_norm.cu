@@ -1,0 +1,160 @@
+// LayerNorm forward and backward in one pass each over a row (bf16 or fp32
+// rows, fp32 statistics, weights and arithmetic). Where it replaces ATen's
+// form (the activation cast to fp32, layer_norm, the cast back, and the
+// three again in the backward), each direction reads and writes the rows
+// once.
+#include "kernels/common.cuh"
+#include "kernels/layer_norm.h"
+
+namespace viaduct::cuda {
+namespace {
+
+// A block per row. The mean first, then the variance about it from a
+// second read of the row (no cancellation of E[x^2] - mean^2), both block
+// sums in a fixed order.
+template <typename T, int N>
+__global__ void layer_norm_forward_kernel(const T* __restrict__ x, const float* __restrict__ w,
+                                          const float* __restrict__ b, T* __restrict__ y,
+                                          float* __restrict__ mean, float* __restrict__ rstd,
+                                          int64_t dim, float eps) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * dim;
+  T* yr = y + row * dim;
+  float s = 0.f;
+  for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
+    float v[N];
+    load_n<T, N>(xr, j, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) s += v[k];
+  }
+  const float mu = block_sum(s, scratch) / static_cast<float>(dim);
+  float ss = 0.f;
+  for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
+    float v[N];
+    load_n<T, N>(xr, j, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float d = v[k] - mu;
+      ss += d * d;
+    }
+  }
+  const float r = rsqrtf(block_sum(ss, scratch) / static_cast<float>(dim) + eps);
+  if (threadIdx.x == 0) {
+    mean[row] = mu;
+    rstd[row] = r;
+  }
+  for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
+    float v[N], wv[N], bv[N];
+    load_n<T, N>(xr, j, v);
+    load_n<float, N>(w, j, wv);
+    load_n<float, N>(b, j, bv);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = (v[k] - mu) * r * wv[k] + bv[k];
+    store_n<T, N>(yr, j, v);
+  }
+}
+
+// Rows in a grid stride, each block summing its rows' weight and bias
+// gradients into its own part (no atomics; the caller adds the parts).
+template <typename T, int N>
+__global__ void layer_norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                           const float* __restrict__ w,
+                                           const float* __restrict__ mean,
+                                           const float* __restrict__ rstd, T* __restrict__ dx,
+                                           float* __restrict__ dw_partial,
+                                           float* __restrict__ db_partial, int64_t rows,
+                                           int64_t dim) {
+  __shared__ float scratch[32];
+  float* pw = dw_partial + static_cast<int64_t>(blockIdx.x) * dim;
+  float* pb = db_partial + static_cast<int64_t>(blockIdx.x) * dim;
+  bool first = true;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* dyr = dy + row * dim;
+    const T* xr = x + row * dim;
+    T* dxr = dx + row * dim;
+    const float mu = mean[row], r = rstd[row];
+    float sg = 0.f, sgx = 0.f;
+    for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
+      float g[N], xv[N], wv[N];
+      load_n<T, N>(dyr, j, g);
+      load_n<T, N>(xr, j, xv);
+      load_n<float, N>(w, j, wv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const float gw = g[k] * wv[k];
+        sg += gw;
+        sgx += gw * ((xv[k] - mu) * r);
+      }
+    }
+    const float mg = block_sum(sg, scratch) / static_cast<float>(dim);
+    const float mgx = block_sum(sgx, scratch) / static_cast<float>(dim);
+    for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
+      float g[N], xv[N], wv[N], out[N], aw[N], ab[N];
+      load_n<T, N>(dyr, j, g);
+      load_n<T, N>(xr, j, xv);
+      load_n<float, N>(w, j, wv);
+      if (!first) {
+        load_n<float, N>(pw, j, aw);
+        load_n<float, N>(pb, j, ab);
+      }
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const float xh = (xv[k] - mu) * r;
+        out[k] = r * (g[k] * wv[k] - mg - xh * mgx);
+        aw[k] = first ? g[k] * xh : aw[k] + g[k] * xh;  // this block alone owns its parts
+        ab[k] = first ? g[k] : ab[k] + g[k];
+      }
+      store_n<T, N>(dxr, j, out);
+      store_n<float, N>(pw, j, aw);
+      store_n<float, N>(pb, j, ab);
+    }
+    first = false;
+  }
+  if (first) {  // more parts than rows: this block's parts are empty
+    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) {
+      pw[j] = 0.f;
+      pb[j] = 0.f;
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t layer_norm_forward(DType dt, const void* x, const float* w, const float* b, void* y,
+                               float* mean, float* rstd, int64_t rows, int64_t dim, float eps,
+                               cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  if (dim <= 0) return cudaErrorInvalidValue;
+  const bool vec = dim % group_of(dt) == 0 && aligned16(x) && aligned16(y) && aligned16(w) &&
+                   aligned16(b);
+  VIADUCT_DISPATCH_VEC(dt, vec,
+                       layer_norm_forward_kernel<T, N><<<static_cast<unsigned>(rows),
+                                                         kRowThreads, 0, stream>>>(
+                           static_cast<const T*>(x), w, b, static_cast<T*>(y), mean, rstd, dim,
+                           eps));
+  return cudaGetLastError();
+}
+
+// Eight rows per block, at most 4096 parts (as rms_norm_backward_parts).
+int64_t layer_norm_backward_parts(int64_t rows) {
+  const int64_t parts = (rows + 7) / 8;
+  return parts < 1 ? 1 : (parts > 4096 ? 4096 : parts);
+}
+
+cudaError_t layer_norm_backward(DType dt, const void* dy, const void* x, const float* w,
+                                const float* mean, const float* rstd, void* dx,
+                                float* dw_partial, float* db_partial, int64_t rows, int64_t dim,
+                                cudaStream_t stream) {
+  if (dim <= 0) return cudaErrorInvalidValue;
+  const auto parts = static_cast<unsigned>(layer_norm_backward_parts(rows));
+  const bool vec = dim % group_of(dt) == 0 && aligned16(dy) && aligned16(x) && aligned16(w) &&
+                   aligned16(dx) && aligned16(dw_partial) && aligned16(db_partial);
+  VIADUCT_DISPATCH_VEC(dt, vec,
+                       layer_norm_backward_kernel<T, N><<<parts, kRowThreads, 0, stream>>>(
+                           static_cast<const T*>(dy), static_cast<const T*>(x), w, mean, rstd,
+                           static_cast<T*>(dx), dw_partial, db_partial, rows, dim));
+  return cudaGetLastError();
+}
+
+}  // namespace viaduct::cuda
