@@ -6,6 +6,7 @@
 #include "core/check.h"
 #include "core/rng.h"
 #include "ops/l2_norm.h"
+#include "ops/linear.h"
 #include "ops/short_conv.h"
 
 namespace viaduct {
@@ -108,53 +109,63 @@ void KdaImpl::init_weights(uint64_t seed, const std::string& p, double std_in,
   dt_bias.copy_(dt + at::log(-at::expm1(-dt)));  // softplus^-1
 }
 
-KdaRuleInputs KdaImpl::rule_inputs(const at::Tensor& x, const ops::PackedSpans* packed) {
-  // x: [B, T, D]; L: the rows the rule runs over (T, or the packed rows).
-  const auto B = x.size(0), T = x.size(1);
+KdaProjections KdaImpl::project(const at::Tensor& x) {
+  // x: [B, T, D]
+  const auto w = ops::linear_split(x,
+                                   {q_proj->weight, k_proj->weight, v_proj->weight, f_a->weight,
+                                    b_proj->weight, g_a->weight},
+                                   kernel_options_);
+  return {w[0], w[1], w[2], w[3], w[4], w[5]};
+}
+
+KdaRuleInputs KdaImpl::rule_inputs(const KdaProjections& p, const ops::PackedSpans* packed) {
+  // p.q: [B, T, H dk]; L: the rows the rule runs over (T, or the packed rows).
+  const auto B = p.q.size(0), T = p.q.size(1);
   const auto L = packed != nullptr ? packed->length : T;
   const auto H = opts_.n_heads, d = opts_.head_dim;
-  const auto st = inner_type(x);
+  const auto st = inner_type(p.q);
   auto pack = [&](const at::Tensor& t) {
     return packed != nullptr ? ops::pack_spans(t, *packed) : t;
   };
   KdaRuleInputs in;
-  in.q = q_conv(pack(linear(x, q_proj, kernel_options_))).view({B, L, H, d});
-  in.k = k_conv(pack(linear(x, k_proj, kernel_options_))).view({B, L, H, d});
-  in.v = v_conv(pack(linear(x, v_proj, kernel_options_))).view({B, L, H, d});
+  in.q = q_conv(pack(p.q)).view({B, L, H, d});
+  in.k = k_conv(pack(p.k)).view({B, L, H, d});
+  in.v = v_conv(pack(p.v)).view({B, L, H, d});
   in.q = ops::l2_normalize(in.q, 1e-6, 1.0 / std::sqrt(static_cast<double>(d)), kernel_options_);
   in.k = ops::l2_normalize(in.k, 1e-6, 1.0, kernel_options_);
   // Per-channel log decay g = -exp(A_log) * softplus(f + dt_bias) <= 0.
-  auto f = linear(linear(x, f_a, kernel_options_), f_b, kernel_options_).to(st) + dt_bias.to(st);
+  auto f = linear(p.f, f_b, kernel_options_).to(st) + dt_bias.to(st);
   in.g = pack(-(A_log.to(st).exp().view({1, 1, H, 1})) * at::softplus(f.view({B, T, H, d})));
-  in.beta = pack(at::sigmoid(linear(x, b_proj, kernel_options_).to(st)));  // [B, L, H]
+  in.beta = pack(at::sigmoid(p.b.to(st)));  // [B, L, H]
   return in;
 }
 
-at::Tensor KdaImpl::output(const at::Tensor& x, const at::Tensor& o) {
-  // x: [B, T, D], o: [B, T, H, dv]
-  const auto B = x.size(0), T = x.size(1);
+at::Tensor KdaImpl::output(const KdaProjections& p, const at::Tensor& o) {
+  // o: [B, T, H, dv]
+  const auto B = p.q.size(0), T = p.q.size(1);
   const auto H = opts_.n_heads, d = opts_.head_dim;
-  const auto st = inner_type(x);
+  const auto st = inner_type(p.q);
   // Per-head RMSNorm, sigmoid gate, projection.
-  auto gate = at::sigmoid(linear(linear(x, g_a, kernel_options_), g_b, kernel_options_).to(st)).view({B, T, H, d});
+  auto gate = at::sigmoid(linear(p.g, g_b, kernel_options_).to(st)).view({B, T, H, d});
   auto y = o_norm(o) * gate;  // [B, T, H, dv]
-  return linear(y.reshape({B, T, H * d}).to(x.scalar_type()), o_proj, kernel_options_);
+  return linear(y.reshape({B, T, H * d}).to(p.q.scalar_type()), o_proj, kernel_options_);
 }
 
 at::Tensor KdaImpl::forward(const at::Tensor& x, const ops::Documents* documents) {
+  const auto p = project(x);
   if (documents == nullptr) {
-    const auto in = rule_inputs(x);
-    return output(x, ops::kda(in.q, in.k, in.v, in.g, in.beta, opts_.chunk_size, kernel_options_));
+    const auto in = rule_inputs(p);
+    return output(p, ops::kda(in.q, in.k, in.v, in.g, in.beta, opts_.chunk_size, kernel_options_));
   }
   // One packing for the convolutions and the recurrence: each span on a
   // chunk boundary (the scan restarts there) with at least conv_size - 1
   // zero rows before it (the filter reads zeros there, as before a document
   // alone); see Note [Packed documents].
-  const auto& p = documents->packed(opts_.chunk_size, opts_.conv_size - 1, x.device());
-  const auto in = rule_inputs(x, &p);
+  const auto& pk = documents->packed(opts_.chunk_size, opts_.conv_size - 1, x.device());
+  const auto in = rule_inputs(p, &pk);
   const auto o = ops::kda_packed(in.q, in.k, in.v, in.g, in.beta, opts_.chunk_size,
-                                 kernel_options_, p);
-  return output(x, ops::unpack_spans(o, p, x.size(0), x.size(1)));
+                                 kernel_options_, pk);
+  return output(p, ops::unpack_spans(o, pk, x.size(0), x.size(1)));
 }
 
 }  // namespace viaduct

@@ -42,6 +42,16 @@ struct KdaRuleInputs {
   at::Tensor beta;  // [B, T, H]
 };
 
+// The layer's projections of its input x [B, T, D]: one GEMM where the
+// kernels run (see Note [One GEMM for the projections of one input],
+// ops/linear.cpp), so x's gradient is one GEMM with no additions.
+struct KdaProjections {
+  at::Tensor q, k, v;  // [B, T, H dk]: q_proj, k_proj, v_proj x
+  at::Tensor f;        // [B, T, dk]: f_a x, the decay's low-rank input
+  at::Tensor b;        // [B, T, H]: b_proj x, beta's logits
+  at::Tensor g;        // [B, T, dk]: g_a x, the output gate's low-rank input
+};
+
 // FQNs: q_proj, k_proj, v_proj, q_conv, k_conv, v_conv, f_a, f_b (decay),
 // A_log, dt_bias, b_proj (beta), g_a, g_b (output gate), o_norm, o_proj.
 class KdaImpl : public torch::nn::Module, public ops::KernelUser {
@@ -52,16 +62,17 @@ class KdaImpl : public torch::nn::Module, public ops::KernelUser {
   // then the documents are packed once, for the three convolutions and the
   // recurrence together (ops::kda_packed), and the output unpacked once.
   at::Tensor forward(const at::Tensor& x, const ops::Documents* documents = nullptr);
-  // The layer's two halves around the recurrence: its projections,
-  // convolutions, norms, decay and beta; and from the recurrence's o
-  // [B, T, H, dv] the gated, normalised output projection. A test
-  // evaluates the layer with another form of the rule between them. With
-  // `packed`, the inputs come packed ([B, packed->length, ...]): the
+  // The layer's parts around the recurrence: the projections of x; from
+  // them the convolutions, norms, decay and beta; and from the
+  // recurrence's o [B, T, H, dv] the gated, normalised output projection.
+  // A test evaluates the layer with another form of the rule between them.
+  // With `packed`, the inputs come packed ([B, packed->length, ...]): the
   // projections are packed before the convolutions, the decay and beta
   // after they are made (their zero places are then 0, which leaves the
   // state alone).
-  KdaRuleInputs rule_inputs(const at::Tensor& x, const ops::PackedSpans* packed = nullptr);
-  at::Tensor output(const at::Tensor& x, const at::Tensor& o);
+  KdaProjections project(const at::Tensor& x);
+  KdaRuleInputs rule_inputs(const KdaProjections& p, const ops::PackedSpans* packed = nullptr);
+  at::Tensor output(const KdaProjections& p, const at::Tensor& o);
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out);
   static int64_t count_params(const KdaOptions& o);

@@ -14,7 +14,8 @@ namespace {
 // (compat::matmul_into_fp32_, where the build takes it: ops::Capabilities)
 // instead of a bf16 product cast up by autograd's ToCopyBackward: one pass
 // less over every weight gradient, and no bf16 rounding of it. The weight
-// may come in parts (q, k and v: one GEMM, see Note [One qkv projection]);
+// may come in parts (q, k and v in one GEMM:
+// see Note [One GEMM for the projections of one input]);
 // the bf16 weight is their concatenation from the options' weight cache
 // (see Note [Low-precision weight cache], kernels/weight_cache.h), kept for
 // the backward as at::linear keeps its cast weight, and the fp32 gradient is
@@ -176,6 +177,31 @@ at::Tensor linear_parts(const at::Tensor& x, at::TensorList w, const at::Tensor&
   return AtenLinearNoBiasFn::apply(x, wc);
 }
 
+std::vector<at::Tensor> linear_split(const at::Tensor& x, at::TensorList w,
+                                     const KernelOptions& k) {
+  std::vector<at::Tensor> out;
+  if (!fused_runs(x, k) || w.size() < 2) {
+    for (const auto& wi : w) out.push_back(linear(x, wi, at::Tensor(), k));
+    return out;
+  }
+  // Note [One GEMM for the projections of one input]
+  // On the fused-kernel path the projections of one input come from one
+  // GEMM over the concatenated weights: a wider product instead of several
+  // (some of them only a few columns wide), and in the backward one GEMM
+  // for dx instead of one per weight plus the additions of their dx. The
+  // outputs are strided views of the one product; the ops after them read
+  // the views in place or copy what they need contiguous. The weights are
+  // the parts of one linear (see Note [Linear with an fp32 weight
+  // gradient]): their bf16 concatenation from the weight cache, the fp32
+  // gradient split back into the parts. Elsewhere (the ATen forms) one
+  // linear per weight, so the CPU keeps the bits of separate projections.
+  std::vector<int64_t> widths;
+  for (const auto& wi : w) widths.push_back(wi.size(0));
+  const auto all = linear_parts(x, w, at::Tensor(), k);
+  for (auto& part : all.split_with_sizes(widths, -1)) out.push_back(std::move(part));
+  return out;
+}
+
 QkvProjection qkv_projection(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wk,
                              const at::Tensor& wv, const at::Tensor& bq, const at::Tensor& bk,
                              const at::Tensor& bv, int64_t head_dim, const KernelOptions& k) {
@@ -184,15 +210,9 @@ QkvProjection qkv_projection(const at::Tensor& x, const at::Tensor& wq, const at
   const auto hd = head_dim, H = wq.size(0) / hd, KV = wk.size(0) / hd;
   QkvProjection p;
   if (fused_runs(x, k)) {
-    // Note [One qkv projection]
-    // On the fused-kernel path q, k and v come from one GEMM over the
-    // concatenated weights: a wider product instead of three (two of them
-    // only kv wide), and in the backward one GEMM for dx instead of three
-    // plus two additions. The slices are strided views; the RoPE kernel and
-    // SDPA read them in place. The three weights are the parts of one
-    // linear (see Note [Linear with an fp32 weight gradient]): their bf16
-    // concatenation from the weight cache, the fp32 gradient split back
-    // into the three. Elsewhere (the ATen forms) three linears.
+    // See Note [One GEMM for the projections of one input]: q, k and v from
+    // one GEMM; the RoPE kernel and SDPA read the strided slices in place.
+    // The biases, where the family has them, ride in the one GEMM too.
     auto qkv = linear_parts(x, {wq, wk, wv}, bq.defined() ? at::cat({bq, bk, bv}) : at::Tensor(),
                             k);
     auto parts = qkv.split_with_sizes({H * hd, KV * hd, KV * hd}, -1);

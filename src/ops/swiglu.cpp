@@ -9,8 +9,8 @@ at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& w1, const at::Tenso
                       const at::Tensor& w3, const KernelOptions& k) {
   if (fused_runs(x, k)) {
     // Note [One w1/w3 projection]
-    // As the qkv projection (see Note [One qkv projection], ops/linear.cpp),
-    // w1 and w3 are the parts of one GEMM, [tokens, 2F]; the SwiGLU kernels
+    // As the qkv projection, w1 and w3 are the parts of one GEMM, [tokens,
+    // 2F] (see Note [One GEMM for the projections of one input], ops/linear.cpp); the SwiGLU kernels
     // read its halves in place and write their gradient as one [tokens, 2F]
     // tensor, so the backward's dx is one GEMM and x's two gradients need
     // no addition. bf16 with fp32 weights only (elsewhere the concatenation

@@ -60,8 +60,9 @@ TEST(KdaLayer, ChunkedEqualsRecurrentAndGradcheck) {
   auto y = layer(x);
   // The same layer with the step-by-step form of the rule (ops/kda.h)
   // between its two halves in place of the chunked one.
-  const auto in = layer->rule_inputs(x);
-  auto y_reference = layer->output(x, ops::kda_recurrent(in.q, in.k, in.v, in.g, in.beta));
+  const auto p = layer->project(x);
+  const auto in = layer->rule_inputs(p);
+  auto y_reference = layer->output(p, ops::kda_recurrent(in.q, in.k, in.v, in.g, in.beta));
   EXPECT_LT((y - y_reference).abs().max().item<double>(), 1e-12);
   auto tensors = named_params(*layer);
   tensors.emplace_back("x", x);
