@@ -68,16 +68,25 @@ void DeviceGraph::capture(const std::function<void()>& record) {
   at::cuda::device_synchronize();
   c10::cuda::CUDACachingAllocator::emptyCache();
   impl_->graph.capture_begin();
-  try {
-    record();
-  } catch (const std::exception& e) {
+  // Ends the failed capture (the stream leaves capture mode); what ending
+  // it said, for the message.
+  auto end_failed = [this] {
     std::string ended;
     try {
       impl_->graph.capture_end();
-    } catch (const std::exception& e2) {
-      ended = std::string("; ending the capture: ") + e2.what();
+    } catch (const std::exception& e) {
+      ended = std::string("; ending the capture: ") + e.what();
     }
-    (void)cudaGetLastError();  // the capture's error is reported here
+    (void)cudaGetLastError();  // the capture's error is reported by the caller
+    return ended;
+  };
+  try {
+    record();
+  } catch (const ConfigError&) {
+    end_failed();
+    throw;  // a refusal keeps its type (and its message names the key)
+  } catch (const std::exception& e) {
+    const auto ended = end_failed();
     throw Error(std::string("the step could not be captured as a CUDA graph: ") + e.what() +
                 ended);
   }

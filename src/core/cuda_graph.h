@@ -41,10 +41,11 @@ class DeviceGraph {
   // without running it. Tensors it allocates come from the graph's own
   // memory pool and keep their addresses: what the caller keeps of them
   // holds each replay's values. The allocator's cached blocks are released
-  // first, so the pool does not sit beside a second copy of the step's
+  // first, so the pool does not start beside the eager steps' cached
   // activations. A failure (an op that waits for the device, reads a
   // device value on the host or is not capturable) ends the capture and
-  // throws with the op's message.
+  // throws with the op's message; a ConfigError from `record` is rethrown
+  // as it is.
   void capture(const std::function<void()>& record);
   bool captured() const;
   // Queues the recorded work once on the current stream (a stream_scope()).

@@ -40,7 +40,7 @@ class PermuteFn : public torch::autograd::Function<PermuteFn> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto pos = ctx->get_saved_variables()[0];
-    auto g = grads[0].contiguous();
+    auto g = grads[0].to(at::kBFloat16).contiguous();
     const int64_t N = ctx->saved_data["n"].toInt(), k = ctx->saved_data["k"].toInt();
     auto dx = at::empty({N, g.size(1)}, g.options());
     check_launch(cuda::moe_permute_backward(g.data_ptr(), pos.data_ptr<int64_t>(), N, g.size(1),
@@ -90,7 +90,7 @@ class CombineFn : public torch::autograd::Function<CombineFn> {
 
 bool moe_permute_usable(const at::Tensor& x) {
   return usable(x) && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) > 0 &&
-         x.size(1) % 8 == 0;
+         x.size(1) % 8 == 0 && aligned16(x.data_ptr());
 }
 
 at::Tensor moe_permute(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& row_slot,

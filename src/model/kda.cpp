@@ -115,7 +115,10 @@ KdaProjections KdaImpl::project(const at::Tensor& x) {
                                    {q_proj->weight, k_proj->weight, v_proj->weight, f_a->weight,
                                     b_proj->weight, g_a->weight},
                                    kernel_options_);
-  return {w[0], w[1], w[2], w[3], w[4], w[5]};
+  // f and g feed linears that keep their input for the backward: as
+  // contiguous copies ([B, T, dk] each) they keep only themselves, not the
+  // whole product the views would hold.
+  return {w[0], w[1], w[2], w[3].contiguous(), w[4], w[5].contiguous()};
 }
 
 KdaRuleInputs KdaImpl::rule_inputs(const KdaProjections& p, const ops::PackedSpans* packed) {

@@ -31,7 +31,16 @@
 //  - Replays run the kernels an eager step runs, on the same values, so a
 //    run has the same bits with the key on or off
 //    (test StepGraph.SameBitsAsEagerSteps on a GPU).
-//  - Refused (a ConfigError at load or at setup): a CPU device, pipeline
+//  - The graph holds the addresses the capture saw: the static inputs, the
+//    gradients, and the weight cache's bf16 copies, which AdamW rewrites in
+//    place after each replay. A one-process run never regroups the cache's
+//    copies (a pipeline's or a changed layout's would), so they stay put.
+//  - Memory: the graph's pool keeps one step's activations reserved between
+//    replays; an eval's forward or a checkpoint's copies allocate beside
+//    it, so the peak is the step's plus the eval's, where an eager run
+//    reuses the step's blocks for the eval.
+//  - Refused (a ConfigError at load or at setup; gradients the device clip
+//    cannot take, at the capture): a CPU device, pipeline
 //    stages (the executor's sends and receives wait on the host), data
 //    parallelism, block_causal documents (each step's sizes follow its
 //    documents), images, and an update that cannot run on the device

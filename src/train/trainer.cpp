@@ -326,11 +326,13 @@ const ops::DeviceClip& Trainer::replay_step_graph(const std::vector<data::TokenB
     }
   }
   step_graph_->load(mbs, scale);
+  // The modules' host flags as an eager step sets them (an eval between
+  // steps leaves them in eval mode); the capture below reads them.
+  for (auto& p : parts_) {
+    p->train();
+    p->set_documents(nullptr);
+  }
   return step_graph_->run([this] {
-    for (auto& p : parts_) {
-      p->train();
-      p->set_documents(nullptr);
-    }
     std::vector<at::Tensor> losses;
     for (const auto& mb : step_graph_->microbatches()) {
       RECORD_USER_SCOPE("viaduct::forward_backward");
