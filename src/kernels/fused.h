@@ -173,6 +173,13 @@ at::Tensor moe_topk(const at::Tensor& scores, const at::Tensor& bias, int64_t k)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& expert,
                                                             int64_t n_experts, int64_t align);
 
+// The MoE router's logits [N, E] fp32 from bf16 tokens x [N, D] and fp32
+// weights w [E, D] in fp32 arithmetic (see Note [Router logits from bf16
+// tokens]); gradients to x (bf16) and w (fp32). moe_router_usable: the
+// kernels take these (D a multiple of 8, E <= 64; false in the CPU build).
+bool moe_router_usable(const at::Tensor& x, const at::Tensor& w);
+at::Tensor moe_router(const at::Tensor& x, const at::Tensor& w);
+
 // The grouped experts' rows moved in one pass each way (kernels/moe_permute.h,
 // see Note [MoE rows moved in one pass]); bf16 rows on a GPU, D a multiple
 // of 8 (moe_permute_usable; false in the CPU build). pos [N K] int64: each

@@ -182,8 +182,7 @@ void MoeImpl::init_weights(uint64_t seed, const std::string& p, double std_in,
 
 std::pair<at::Tensor, at::Tensor> MoeImpl::route(const at::Tensor& x) {
   // x: [N, D]; scores in fp32 (fp64 under gradient checks).
-  const auto st = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  auto scores = at::sigmoid(linear(x.to(st), router, kernel_options_));  // [N, E]
+  auto scores = at::sigmoid(ops::router_logits(x, router->weight, kernel_options_));  // [N, E]
   // Selection only: no gradient through the bias.
   auto idx = ops::top_experts(scores, expert_bias, opts_.n_activated_experts, kernel_options_);
   auto w = scores.gather(-1, idx);  // unbiased scores of the chosen experts

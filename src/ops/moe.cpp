@@ -68,6 +68,12 @@ at::Tensor gather_distinct_rows(const at::Tensor& src, const at::Tensor& pos) {
   return GatherDistinctRowsFn::apply(src, pos);
 }
 
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w, const KernelOptions& k) {
+  if (fused_runs(x, k) && kernels::moe_router_usable(x, w)) return kernels::moe_router(x, w);
+  const auto st = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return linear(x.to(st), w, at::Tensor(), k);
+}
+
 bool grouped_experts_run(const at::Tensor& x, int64_t hidden, const KernelOptions& k) {
   return compat::kGroupedMm && fused_runs(x, k) && x.scalar_type() == at::kBFloat16 &&
          x.size(-1) % 8 == 0 && hidden % 8 == 0;

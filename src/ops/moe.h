@@ -31,6 +31,12 @@ namespace viaduct::ops {
 
 constexpr int64_t kExpertAlign = 16;
 
+// The router's logits [N, E] in fp32 (fp64 for fp64 x) from tokens x [N, D]
+// and the router's weight w [E, D] (fp32 master): where the kernels run, read
+// from bf16 x without an fp32 copy of it (see Note [Router logits from bf16
+// tokens], kernels/moe_router.cu); else x cast up times w.
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w, const KernelOptions& k);
+
 // The routed experts' stacked SwiGLU weights (fp32 masters): w1, w3
 // [E, H, D], w2 [E, D, H].
 struct ExpertWeights {

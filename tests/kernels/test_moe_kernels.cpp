@@ -3,8 +3,8 @@
 // the same sums, with many ties; the dispatch into padded groups against
 // the sort-and-count form, over one and many of the kernels' blocks.
 //
-// The permute and combine kernels of the grouped path against their ATen
-// forms on a GPU.
+// The permute and combine kernels of the grouped path and the router's
+// kernels against their ATen forms on a GPU.
 //
 // The MoE's routed experts through grouped GEMMs (ops/moe.h) against the
 // per-expert loop (the same layer with model.cuda_kernels off) on a GPU in
@@ -201,6 +201,46 @@ TEST(MoeRouting, PermuteAndCombineKernelsMatchTheirAtenForms) {
     auto out2 = kernels::moe_combine(ys.detach(), gates.detach().requires_grad_(true), d.pos,
                                      row_slot);
     EXPECT_TRUE(at::equal(out, out2));
+  }
+}
+
+// The router's logits from bf16 tokens (see Note [Router logits from bf16
+// tokens]) against ATen's form, the tokens cast to fp32 times the fp32
+// weight, and an fp64 reference: logits and both gradients (the order of
+// the fp32 sums is the kernels' own), and two runs give the same bits.
+TEST(MoeRouting, RouterKernelsMatchTheFp32Linear) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const auto bf = at::TensorOptions(at::kCUDA).dtype(at::kBFloat16);
+  const auto f32 = at::TensorOptions(at::kCUDA).dtype(at::kFloat);
+  for (const auto& [N, D, E] : std::vector<std::array<int64_t, 3>>{
+           {1, 8, 1}, {157, 256, 8}, {4099, 2048, 8}, {300, 1024, 64}, {64, 72, 13}}) {
+    SCOPED_TRACE("N " + std::to_string(N) + " D " + std::to_string(D) + " E " +
+                 std::to_string(E));
+    auto x = at::randn({N, D}, bf).requires_grad_(true);
+    auto w = (0.05 * at::randn({E, D}, f32)).requires_grad_(true);
+    auto xr = x.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
+    auto wr = w.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
+    ASSERT_TRUE(kernels::moe_router_usable(x, w));
+    auto logits = kernels::moe_router(x, w);
+    ASSERT_EQ(logits.scalar_type(), at::kFloat);
+    auto ref = at::matmul(xr, wr.t());
+    EXPECT_LT(rel_err(logits, ref), 1e-5);
+    auto aten = at::matmul(x.detach().to(at::kFloat), w.detach().t());
+    EXPECT_LT(rel_err(logits, aten), 1e-5);
+    auto dl = at::randn({N, E}, f32);
+    logits.backward(dl);
+    ref.backward(dl.to(at::kCPU, at::kDouble));
+    EXPECT_EQ(x.grad().scalar_type(), at::kBFloat16);
+    EXPECT_LT(rel_err(x.grad(), xr.grad()), 1e-2);  // rounded once to bf16
+    EXPECT_LT(rel_err(w.grad(), wr.grad()), 1e-5);
+    auto x2 = x.detach().requires_grad_(true), w2 = w.detach().requires_grad_(true);
+    auto again = kernels::moe_router(x2, w2);
+    again.backward(dl);
+    EXPECT_TRUE(at::equal(logits, again));
+    EXPECT_TRUE(at::equal(x.grad(), x2.grad()));
+    EXPECT_TRUE(at::equal(w.grad(), w2.grad()));
   }
 }
 
