@@ -3,6 +3,7 @@
 
 #include "core/check.h"
 #include "core/rng.h"
+#include "ops/linear.h"
 #include "ops/rope.h"
 
 namespace viaduct {
@@ -80,10 +81,14 @@ at::Tensor MlaImpl::forward(const at::Tensor& x, const ops::Documents* documents
   const auto B = x.size(0), T = x.size(1), H = opts_.n_heads;
   const auto nope = opts_.qk_nope_head_dim, pe = opts_.qk_rope_head_dim;
   const auto vd = opts_.v_head_dim;
-  auto q = opts_.q_lora_rank > 0 ? linear(q_norm(linear(x, wq_a, kernel_options_)), wq_b, kernel_options_)
-                                 : linear(x, wq, kernel_options_);
-  q = q.view({B, T, H, nope + pe});
-  auto kv_a = linear(x, wkv_a, kernel_options_);  // [B, T, kv_lora + pe]
+  // The two projections of x, q's (its latent, or q itself) and the kv
+  // latent with k's rotary part, as one GEMM where the kernels run:
+  // see Note [One GEMM for the projections of one input] (ops/linear.cpp).
+  const auto xw = ops::linear_split(
+      x, {opts_.q_lora_rank > 0 ? wq_a->weight : wq->weight, wkv_a->weight}, kernel_options_);
+  auto q = opts_.q_lora_rank > 0 ? linear(q_norm(xw[0]), wq_b, kernel_options_) : xw[0];
+  q = q.reshape({B, T, H, nope + pe});
+  const auto& kv_a = xw[1];  // [B, T, kv_lora + pe]
   auto c_kv = kv_norm(kv_a.narrow(-1, 0, opts_.kv_lora_rank));
   auto k_pe = kv_a.narrow(-1, opts_.kv_lora_rank, pe).view({B, T, 1, pe});
   auto kv = linear(c_kv, wkv_b, kernel_options_).view({B, T, H, nope + vd});
