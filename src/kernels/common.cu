@@ -1,4 +1,5 @@
-// The device check shared by every kernel file (kernels/common.h).
+// What every kernel file shares on the host (kernels/common.h): the device
+// check and the norms' partial-sum count.
 #include <cuda_runtime.h>
 
 #include <mutex>
@@ -22,6 +23,11 @@ bool device_supported(int device) {
     cached[device] = ok && major == 9 && minor == 0 ? 1 : 0;
   }
   return cached[device] == 1;
+}
+
+int64_t norm_backward_parts(int64_t rows) {
+  const int64_t parts = (rows + 7) / 8;
+  return parts < 1 ? 1 : (parts > 4096 ? 4096 : parts);
 }
 
 }  // namespace viaduct::cuda

@@ -20,4 +20,10 @@ enum class DType { kFloat32, kBFloat16 };
 // compute capability 9.0). Cached per device.
 bool device_supported(int device);
 
+// How many partial rows a norm's backward (RMSNorm, LayerNorm) writes for
+// its weight gradients: eight rows per block (a short serial chain per
+// block, many blocks in flight), at most 4096 parts (16 MiB of fp32
+// partials at dim 1024). The caller sums the parts.
+int64_t norm_backward_parts(int64_t rows);
+
 }  // namespace viaduct::cuda

@@ -136,18 +136,12 @@ cudaError_t layer_norm_forward(DType dt, const void* x, const float* w, const fl
   return cudaGetLastError();
 }
 
-// Eight rows per block, at most 4096 parts (as rms_norm_backward_parts).
-int64_t layer_norm_backward_parts(int64_t rows) {
-  const int64_t parts = (rows + 7) / 8;
-  return parts < 1 ? 1 : (parts > 4096 ? 4096 : parts);
-}
-
 cudaError_t layer_norm_backward(DType dt, const void* dy, const void* x, const float* w,
                                 const float* mean, const float* rstd, void* dx,
                                 float* dw_partial, float* db_partial, int64_t rows, int64_t dim,
                                 cudaStream_t stream) {
   if (dim <= 0) return cudaErrorInvalidValue;
-  const auto parts = static_cast<unsigned>(layer_norm_backward_parts(rows));
+  const auto parts = static_cast<unsigned>(norm_backward_parts(rows));
   const bool vec = dim % group_of(dt) == 0 && aligned16(dy) && aligned16(x) && aligned16(w) &&
                    aligned16(dx) && aligned16(dw_partial) && aligned16(db_partial);
   VIADUCT_DISPATCH_VEC(dt, vec,

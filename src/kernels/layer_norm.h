@@ -13,12 +13,10 @@ namespace viaduct::cuda {
 cudaError_t layer_norm_forward(DType dt, const void* x, const float* w, const float* b, void* y,
                                float* mean, float* rstd, int64_t rows, int64_t dim, float eps,
                                cudaStream_t stream);
-// How many partial rows layer_norm_backward writes to dw_partial and
-// db_partial.
-int64_t layer_norm_backward_parts(int64_t rows);
 // With xhat = (x - mean) * rstd and g = dy * w: dx = rstd * (g - mean(g) -
 // xhat * mean(g * xhat)); dw_partial[p, :] and db_partial[p, :] = sums over
-// the rows block p handles of dy * xhat and dy (the caller sums the parts).
+// the rows block p handles of dy * xhat and dy, norm_backward_parts(rows)
+// parts each (the caller sums them).
 cudaError_t layer_norm_backward(DType dt, const void* dy, const void* x, const float* w,
                                 const float* mean, const float* rstd, void* dx,
                                 float* dw_partial, float* db_partial, int64_t rows, int64_t dim,

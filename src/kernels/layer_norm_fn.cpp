@@ -36,7 +36,7 @@ class LayerNormFn : public torch::autograd::Function<LayerNormFn> {
     const auto rows = x2.size(0), D = x2.size(1);
     auto dy = grads[0].to(x2.scalar_type()).contiguous().view({rows, D});
     auto dx = at::empty_like(x2);
-    const auto parts = cuda::layer_norm_backward_parts(rows);
+    const auto parts = cuda::norm_backward_parts(rows);
     auto pw = at::empty({parts, D}, x2.options().dtype(at::kFloat));
     auto pb = at::empty({parts, D}, x2.options().dtype(at::kFloat));
     check_launch(cuda::layer_norm_backward(dtype_of(x2), dy.data_ptr(), x2.data_ptr(),

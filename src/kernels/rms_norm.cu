@@ -199,17 +199,10 @@ cudaError_t rms_norm_forward(DType dt, const void* x, const void* res, const flo
   return cudaGetLastError();
 }
 
-// Eight rows per block (a short serial chain per block, many blocks in
-// flight), at most 4096 parts (16 MiB of fp32 partials at dim 1024).
-int64_t rms_norm_backward_parts(int64_t rows) {
-  const int64_t parts = (rows + 7) / 8;
-  return parts < 1 ? 1 : (parts > 4096 ? 4096 : parts);
-}
-
 cudaError_t rms_norm_backward(DType dt, const void* dy, const void* x, const float* w,
                               const float* rstd, const void* dres, void* dx, float* dw_partial,
                               int64_t rows, int64_t dim, cudaStream_t stream) {
-  const auto parts = static_cast<unsigned>(rms_norm_backward_parts(rows));
+  const auto parts = static_cast<unsigned>(norm_backward_parts(rows));
   const bool vec = dim % group_of(dt) == 0 && aligned16(dy) && aligned16(x) && aligned16(w) &&
                    aligned16(dx) && aligned16(dw_partial) && aligned16(dres);
   // Rows of up to 2 slices per thread take the register form (4 slices of 8

@@ -14,11 +14,10 @@ namespace viaduct::cuda {
 cudaError_t rms_norm_forward(DType dt, const void* x, const void* res, const float* w,
                              void* h, void* y, float* rstd, int64_t rows, int64_t dim,
                              float eps, cudaStream_t stream);
-// How many partial rows rms_norm_backward writes to dw_partial.
-int64_t rms_norm_backward_parts(int64_t rows);
 // dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * w, and
-// dw_partial[p, :] = sum over the rows block p handles of dy * x * rstd
-// (the caller sums the parts: dw = dw_partial.sum(0)). dres, when not
+// dw_partial[p, :] = sum over the rows block p handles of dy * x * rstd,
+// norm_backward_parts(rows) parts (the caller sums them: dw =
+// dw_partial.sum(0)). dres, when not
 // null ([rows, dim]): dx = dres + dx rounded to dt (the gradient of a
 // normalised h = x + res that is also used elsewhere). Rows of up to 2
 // slices a thread take the register form (a thread's row slices kept in

@@ -33,7 +33,7 @@ std::pair<at::Tensor, at::Tensor> norm_backward(const at::Tensor& dy2, const at:
                                                 const at::Tensor& dres2) {
   const auto rows = x2.size(0), D = x2.size(1);
   auto dx = at::empty_like(x2);
-  auto partial = at::empty({cuda::rms_norm_backward_parts(rows), D},
+  auto partial = at::empty({cuda::norm_backward_parts(rows), D},
                            x2.options().dtype(at::kFloat));
   check_launch(cuda::rms_norm_backward(dtype_of(x2), dy2.data_ptr(), x2.data_ptr(),
                                        w.data_ptr<float>(), rstd.data_ptr<float>(),
