@@ -1,5 +1,6 @@
 #include "ops/linear.h"
 
+#include "core/check.h"
 #include "core/torch_compat.h"
 #include "kernels/weight_cache.h"
 #include "ops/recompute.h"
@@ -178,10 +179,14 @@ at::Tensor linear_parts(const at::Tensor& x, at::TensorList w, const at::Tensor&
 }
 
 std::vector<at::Tensor> linear_split(const at::Tensor& x, at::TensorList w,
-                                     const KernelOptions& k) {
+                                     const KernelOptions& k, at::TensorList b) {
+  VIADUCT_ASSERT(b.empty() || b.size() == w.size(), "linear_split: ", b.size(),
+                 " biases for ", w.size(), " weights");
   std::vector<at::Tensor> out;
   if (!fused_runs(x, k) || w.size() < 2) {
-    for (const auto& wi : w) out.push_back(linear(x, wi, at::Tensor(), k));
+    for (size_t i = 0; i < w.size(); ++i) {
+      out.push_back(linear(x, w[i], b.empty() ? at::Tensor() : b[i], k));
+    }
     return out;
   }
   // Note [One GEMM for the projections of one input]
@@ -197,7 +202,7 @@ std::vector<at::Tensor> linear_split(const at::Tensor& x, at::TensorList w,
   // linear per weight, so the CPU keeps the bits of separate projections.
   std::vector<int64_t> widths;
   for (const auto& wi : w) widths.push_back(wi.size(0));
-  const auto all = linear_parts(x, w, at::Tensor(), k);
+  const auto all = linear_parts(x, w, b.empty() ? at::Tensor() : at::cat(b), k);
   for (auto& part : all.split_with_sizes(widths, -1)) out.push_back(std::move(part));
   return out;
 }
@@ -208,22 +213,14 @@ QkvProjection qkv_projection(const at::Tensor& x, const at::Tensor& wq, const at
   // x: [B, T, D]
   const auto B = x.size(0), T = x.size(1);
   const auto hd = head_dim, H = wq.size(0) / hd, KV = wk.size(0) / hd;
+  // Where the kernels run, one GEMM whose strided slices the RoPE kernel
+  // and SDPA read in place.
+  const auto parts = bq.defined() ? linear_split(x, {wq, wk, wv}, k, {bq, bk, bv})
+                                  : linear_split(x, {wq, wk, wv}, k);
   QkvProjection p;
-  if (fused_runs(x, k)) {
-    // See Note [One GEMM for the projections of one input]: q, k and v from
-    // one GEMM; the RoPE kernel and SDPA read the strided slices in place.
-    // The biases, where the family has them, ride in the one GEMM too.
-    auto qkv = linear_parts(x, {wq, wk, wv}, bq.defined() ? at::cat({bq, bk, bv}) : at::Tensor(),
-                            k);
-    auto parts = qkv.split_with_sizes({H * hd, KV * hd, KV * hd}, -1);
-    p.q = parts[0].view({B, T, H, hd});
-    p.k = parts[1].view({B, T, KV, hd});
-    p.v = parts[2].view({B, T, KV, hd});
-  } else {
-    p.q = linear(x, wq, bq, k).view({B, T, H, hd});
-    p.k = linear(x, wk, bk, k).view({B, T, KV, hd});
-    p.v = linear(x, wv, bv, k).view({B, T, KV, hd});
-  }
+  p.q = parts[0].view({B, T, H, hd});
+  p.k = parts[1].view({B, T, KV, hd});
+  p.v = parts[2].view({B, T, KV, hd});
   return p;
 }
 

@@ -25,13 +25,13 @@ at::Tensor linear_parts(const at::Tensor& x, at::TensorList w, const at::Tensor&
 // where the kernels run, fp32 2-D weights that require grad.
 bool mixed_linear_applies(const at::Tensor& x, at::TensorList w, const KernelOptions& k);
 
-// Several projections of the same x [..., D] without biases, one output
-// per weight [out_i, D]. Where the kernels run, one GEMM over the
-// concatenated weights whose output is split into strided views; else one
-// linear per weight.
+// Several projections of the same x [..., D], one output per weight
+// [out_i, D], with a bias each (b: one per weight, or none). Where the
+// kernels run, one GEMM over the concatenated weights (and biases) whose
+// output is split into strided views; else one linear per weight.
 // See Note [One GEMM for the projections of one input] (ops/linear.cpp).
 std::vector<at::Tensor> linear_split(const at::Tensor& x, at::TensorList w,
-                                     const KernelOptions& k);
+                                     const KernelOptions& k, at::TensorList b = {});
 
 // The attention's projections of x [B, T, D]: q [B, T, H, hd], k and v
 // [B, T, KV, hd] from wq [H hd, D], wk and wv [KV hd, D] and their biases

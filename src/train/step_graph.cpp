@@ -8,12 +8,13 @@ namespace viaduct {
 StepGraph::StepGraph(const at::Device& device) : device_(device), graph_(device) {}
 
 void StepGraph::load(const std::vector<data::TokenBatch>& microbatches, double loss_scale) {
-  const bool first = microbatches_.empty();
-  if (first) {
+  for (const auto& mb : microbatches) {
+    VIADUCT_CHECK_T(ConfigError, !mb.images.defined(),
+                    "training.cuda_graphs = true: this data has images, whose tower's "
+                    "work is not captured; set training.cuda_graphs = false");
+  }
+  if (microbatches_.empty()) {
     for (const auto& mb : microbatches) {
-      VIADUCT_CHECK_T(ConfigError, !mb.images.defined(),
-                      "training.cuda_graphs = true: this data has images, whose tower's "
-                      "work is not captured; set training.cuda_graphs = false");
       data::TokenBatch s;
       s.inputs = at::empty(mb.inputs.sizes(), mb.inputs.options().device(device_));
       s.targets = at::empty(mb.targets.sizes(), mb.targets.options().device(device_));
@@ -26,8 +27,7 @@ void StepGraph::load(const std::vector<data::TokenBatch>& microbatches, double l
   for (size_t i = 0; i < microbatches.size(); ++i) {
     const auto& in = microbatches[i];
     auto& s = microbatches_[i];
-    VIADUCT_CHECK(in.inputs.sizes() == s.inputs.sizes() &&
-                      in.targets.sizes() == s.targets.sizes() && !in.images.defined(),
+    VIADUCT_CHECK(in.inputs.sizes() == s.inputs.sizes() && in.targets.sizes() == s.targets.sizes(),
                   "training.cuda_graphs: micro-batch ", i, " of this step has inputs ",
                   in.inputs.sizes(), " and targets ", in.targets.sizes(),
                   ", the captured step had ", s.inputs.sizes(), " and ", s.targets.sizes(),
