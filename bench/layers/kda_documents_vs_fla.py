@@ -1,4 +1,4 @@
-"""KDA over packed documents: viaduct against flash-linear-attention.
+"""KDA over documents: viaduct against flash-linear-attention.
 
 Reads what `kda_documents_bench --out DIR` wrote (inputs, viaduct's output
 and gradients, cu_seqlens), runs fla's chunk_kda on the same inputs with

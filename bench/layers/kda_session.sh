@@ -13,8 +13,8 @@
 # (fla's core and layer once), pairs (the KDA core against fla's core in
 # PAIRS (3) alternating processes of ITERS (50) timed iterations, after
 # one untimed fla run that autotunes; with build, that run goes in the
-# background of the build), docs (KDA over packed documents: the
-# kda_documents_bench target writes a case and times causal / packed / one
+# background of the build), docs (KDA over documents: the
+# kda_documents_bench target writes a case and times causal / documents / one
 # call a document, then kda_documents_vs_fla.py checks viaduct and fla's
 # chunk_kda with cu_seqlens against a float64 recurrence and times fla's
 # cu_seqlens against its plain batch; DOC_ARGS: the bench's flags).

@@ -93,10 +93,15 @@ at::Tensor l2_normalize(const at::Tensor& x, double eps, double scale);
 // KDA's short convolution: silu(causal depthwise conv of x [B, T, C] with
 // weight [C, K] (fp32; tap K - 1 on the current token)), in x's dtype with
 // fp32 arithmetic; the backward gives x's gradient and the weight's (fp32,
-// summed in a fixed order). short_conv_silu_usable: the kernels take these
-// (usable(x), K <= 8; false in the CPU build).
+// summed in a fixed order). offsets: undefined, or int32 [B, T] on x's
+// device, each token's offset in its document: a tap that would read
+// before the document's first token reads zero instead, as before a
+// document alone (see Note [KDA chunks over documents], ops/documents.h).
+// short_conv_silu_usable: the kernels take these (usable(x), K <= 8; false
+// in the CPU build).
 bool short_conv_silu_usable(const at::Tensor& x, const at::Tensor& weight);
-at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight,
+                           const at::Tensor& offsets = {});
 
 // The gradient of an embedding table [vocab, D] whose rows `tokens` (any
 // shape, int64) were read, from the fp32 gradient of those rows ([..., D]):
@@ -146,17 +151,28 @@ at::Tensor saved_read_slot(torch::autograd::AutogradContext* ctx, size_t i);
 // (kernels/kda.h): chunk kKdaKernelChunk, fp32 q, k, v, g: [B, T, H, D],
 // beta [B, T, H], D of 64 or 128 (dk = dv); initial_state [B, H, D, D] or
 // undefined. Returns o [B, T, H, D] and the final state [B, H, D, D], both
-// differentiable (the initial state too). chunk_starts: undefined, or uint8
-// [B, ceil(T / 64)] on q's device, 1 where the state restarts from zero as
-// the chunk starts (packed documents, see Note [Packed documents]).
-// kda_usable: the kernels take q and v (false in the CPU build).
+// differentiable (the initial state too). With `documents` the chunks lie
+// over the micro-batch's documents in place and the state starts from zero
+// at each (see Note [KDA chunks over documents], ops/documents.h); there is
+// no initial state then. kda_usable: the kernels take q and v (false in the
+// CPU build).
 constexpr int64_t kKdaKernelChunk = 64;
+// The chunks over a micro-batch's documents, made by
+// ops::Documents::kda_chunks, every tensor on q's device; N chunks a row, Z
+// = B H N chunk matrices of C rows (the chunk layout, rows z C + c).
+struct KdaDocumentChunks {
+  at::Tensor spans;     // [B, N, 2] int32: each chunk's first token in its row, its token count
+  at::Tensor restarts;  // [B, N] uint8: 1 where a chunk is a document's first
+  at::Tensor places;    // [B T H] int64: each (token, head)'s chunk-layout row
+  at::Tensor read;      // [Z C] int64: the (token, head) b T H + t H + h a chunk row holds, or 0
+  at::Tensor empty;     // int64: the chunk rows that hold no token (zeros)
+};
 bool kda_usable(const at::Tensor& q, const at::Tensor& v);
 std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tensor& k,
                                             const at::Tensor& v, const at::Tensor& g,
                                             const at::Tensor& beta,
                                             const at::Tensor& initial_state,
-                                            const at::Tensor& chunk_starts = {});
+                                            const KdaDocumentChunks* documents = nullptr);
 
 // MoE routing on viaduct's kernels (kernels/moe_route.h). moe_topk: the k
 // experts of the largest scores + bias per row of scores [N, E] (fp32, on

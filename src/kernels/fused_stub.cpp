@@ -35,7 +35,9 @@ at::Tensor swiglu_linear_packed(const at::Tensor&, const at::Tensor&,
 at::Tensor cross_entropy_rows_(at::Tensor&, const at::Tensor&) { no_cuda("cross_entropy"); }
 at::Tensor l2_normalize(const at::Tensor&, double, double) { no_cuda("l2_normalize"); }
 bool short_conv_silu_usable(const at::Tensor&, const at::Tensor&) { return false; }
-at::Tensor short_conv_silu(const at::Tensor&, const at::Tensor&) { no_cuda("short_conv_silu"); }
+at::Tensor short_conv_silu(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  no_cuda("short_conv_silu");
+}
 at::Tensor embedding_weight_grad(const at::Tensor&, const at::Tensor&, int64_t) {
   no_cuda("embedding backward");
 }
@@ -96,7 +98,7 @@ bool kda_usable(const at::Tensor&, const at::Tensor&) { return false; }
 std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor&, const at::Tensor&,
                                             const at::Tensor&, const at::Tensor&,
                                             const at::Tensor&, const at::Tensor&,
-                                            const at::Tensor&) {
+                                            const KdaDocumentChunks*) {
   no_cuda("kda_chunk");
 }
 

@@ -16,14 +16,21 @@ constexpr int C = static_cast<int>(kKdaChunk);
 constexpr int kFwdThreads = 512;  // the intra-chunk forward's block
 
 // The row of each of chunk n's C rows of head bh in a [B, T, H] tensor (-1
-// past T), into rows[C] by the first C threads; the caller syncs before use.
-// A [B, T, H, D] tensor's row starts at D times it.
+// where the chunk holds no token: past T, or past the token count the
+// chunk table gives it), into rows[C] by the first C threads; the caller
+// syncs before use. A [B, T, H, D] tensor's row starts at D times it.
 __device__ __forceinline__ void chunk_rows(const KdaShape& s, int64_t bh, int64_t n,
                                            int64_t* rows) {
   const int c = threadIdx.x;
   if (c < C) {
-    const int64_t t = n * C + c;
-    rows[c] = t < s.T ? ((bh / s.H * s.T + t) * s.H + bh % s.H) : -1;
+    const int64_t b = bh / s.H;
+    int64_t first = n * C, count = s.T - first;
+    if (s.spans != nullptr) {
+      const int32_t* span = s.spans + (b * s.N + n) * 2;
+      first = span[0];
+      count = span[1];
+    }
+    rows[c] = c < count ? ((b * s.T + first + c) * s.H + bh % s.H) : -1;
   }
 }
 

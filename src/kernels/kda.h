@@ -5,7 +5,8 @@
 // keep the model's [B, T, H, *] layout (q, k, v, g: [B, T, H, D]; beta:
 // [B, T, H]); rows past T in the last chunk read as zero (beta = 0, g = 0:
 // they change nothing before them). Per-chunk intermediates are indexed by
-// z = (b H + h) N + n with N = ceil(T / C):
+// z = (b H + h) N + n with N = ceil(T / C) (or the chunk table's N, see
+// KdaShape):
 //   G       in-chunk inclusive cumulative sum of g (recomputed, never stored)
 //   Aqk     [Z, C, C]  sum_d q_cd k_jd e^{G_cd - G_jd}, j <= c (0 above)
 //   Kp      [Z, C, C]  sum_d k_cd k_jd e^{G_cd - G_jd}, j < c (0 elsewhere)
@@ -40,9 +41,19 @@ bool kda_supported(int64_t head_dim);
 #else
 #define VIADUCT_KDA_HD
 #endif
+// Chunk n of row b holds tokens n C .. n C + C - 1 of the row (rows past T
+// read as zero), or, with a table of spans, the tokens the table gives it:
+// spans [B, N, 2] int32 holds each chunk's first token in its row and its
+// token count (<= C; 0 for a chunk past the row's last), so that no chunk
+// holds two documents and every token is in exactly one chunk (documents
+// in place, see Note [KDA chunks over documents], ops/documents.h).
 struct KdaShape {
   int64_t B = 0, T = 0, H = 0, D = 0;
-  VIADUCT_KDA_HD int64_t chunks() const { return (T + kKdaChunk - 1) / kKdaChunk; }
+  const int32_t* spans = nullptr;  // on the device; null: the plain chunks
+  int64_t N = 0;                   // the table's chunks per row
+  VIADUCT_KDA_HD int64_t chunks() const {
+    return spans != nullptr ? N : (T + kKdaChunk - 1) / kKdaChunk;
+  }
   VIADUCT_KDA_HD int64_t Z() const { return B * H * chunks(); }
 };
 

@@ -25,22 +25,45 @@ const float* ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>()
 float* mut(at::Tensor& t) { return t.data_ptr<float>(); }
 const uint8_t* flags(const at::Tensor& t) { return t.defined() ? t.data_ptr<uint8_t>() : nullptr; }
 
-cuda::KdaShape shape_of(const at::Tensor& q) {
-  return {q.size(0), q.size(1), q.size(2), q.size(3)};
+// A 0-size stand-in (an autograd function takes no undefined tensors on
+// LibTorch 2.x) as undefined.
+at::Tensor given(const at::Tensor& t) { return t.numel() ? t.contiguous() : at::Tensor(); }
+
+// q's shape, and with `spans` ([B, N, 2] int32, see KdaShape) the chunk table.
+cuda::KdaShape shape_of(const at::Tensor& q, const at::Tensor& spans) {
+  cuda::KdaShape s{q.size(0), q.size(1), q.size(2), q.size(3)};
+  if (spans.defined()) {
+    s.spans = spans.data_ptr<int32_t>();
+    s.N = spans.size(1);
+  }
+  return s;
 }
 
-// [B, T, H, D] -> the chunk layout [Z, C, D] (rows past T zero).
-at::Tensor to_chunks(const at::Tensor& x, const cuda::KdaShape& s) {
+// [B, T, H, D] -> the chunk layout [Z, C, D]: rows past T zero, or with
+// documents the chunk rows `read` gives, `empty` ones zero.
+at::Tensor to_chunks(const at::Tensor& x, const cuda::KdaShape& s, const at::Tensor& read,
+                     const at::Tensor& empty) {
   const auto C = cuda::kKdaChunk, N = s.chunks();
+  if (read.defined()) {
+    auto rows = x.reshape({s.B * s.T * s.H, s.D}).index_select(0, read);
+    if (empty.numel() > 0) rows.index_fill_(0, empty, 0);
+    return rows.view({s.Z(), C, s.D});
+  }
   auto p = x;
   if (N * C > s.T) p = at::constant_pad_nd(x, {0, 0, 0, 0, 0, N * C - s.T});
   return p.view({s.B, N, C, s.H, s.D}).permute({0, 3, 1, 2, 4}).reshape({s.Z(), C, s.D});
 }
 
-// The chunk layout [Z, C, D] back to [B, T, H, D].
-at::Tensor from_chunks(const at::Tensor& x, const cuda::KdaShape& s) {
+// The chunk layout [Z, C, D] or [Z, C] (a per-head value) back to [B, T,
+// H, w] (w = D or 1): the plain chunks' first T rows, or with documents
+// each (token, head)'s row at `places`.
+at::Tensor from_chunks(const at::Tensor& x, const cuda::KdaShape& s, const at::Tensor& places) {
   const auto C = cuda::kKdaChunk, N = s.chunks();
-  return x.view({s.B, s.H, N * C, s.D}).narrow(2, 0, s.T).transpose(1, 2).contiguous();
+  const auto w = x.dim() == 3 ? x.size(2) : 1;
+  if (places.defined()) {
+    return x.reshape({s.Z() * C, w}).index_select(0, places).view({s.B, s.T, s.H, w});
+  }
+  return x.reshape({s.B, s.H, N * C, w}).narrow(2, 0, s.T).transpose(1, 2).contiguous();
 }
 
 // An fp32 [Z, rows, cols] view as a kda_gemm operand.
@@ -77,23 +100,20 @@ at::Tensor chunk_mm(const at::Tensor& a, const at::Tensor& b, cudaStream_t strea
 class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
  public:
   // S0: [B, H, D, D], or a 0-size stand-in for a zero state (custom
-  // functions take no undefined inputs on LibTorch 2.x); restarts: uint8
-  // [B, N] or 0-size (none), not differentiable.
+  // functions take no undefined inputs on LibTorch 2.x); the document
+  // chunks' tensors (KdaDocumentChunks), or 0-size stand-ins for the plain
+  // chunks; only q, k, v, g, beta and S0 are differentiable.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q_in,
                                const at::Tensor& k_in, const at::Tensor& v_in,
                                const at::Tensor& g_in, const at::Tensor& beta_in,
-                               const at::Tensor& S0_in, const at::Tensor& restarts_in) {
+                               const at::Tensor& S0_in, const at::Tensor& spans_in,
+                               const at::Tensor& restarts_in, const at::Tensor& places_in,
+                               const at::Tensor& read_in, const at::Tensor& empty_in) {
     auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
     auto g = g_in.contiguous(), beta = beta_in.contiguous();
-    auto S0 = S0_in.numel() ? S0_in.contiguous() : at::Tensor();
-    auto restarts = restarts_in.numel() ? restarts_in.contiguous() : at::Tensor();
-    const auto s = shape_of(q);
-    VIADUCT_CHECK(!restarts.defined() ||
-                      (restarts.scalar_type() == at::kByte && restarts.device() == q.device() &&
-                       restarts.numel() == s.B * s.chunks()),
-                  "kda_chunk: chunk starts must be uint8 [B, N] = [", s.B, ", ", s.chunks(),
-                  "] on ", q.device(), ", got ", restarts.sizes(), " ", restarts.scalar_type(),
-                  " on ", restarts.device());
+    auto S0 = given(S0_in);
+    auto spans = given(spans_in), restarts = given(restarts_in), places = given(places_in);
+    const auto s = shape_of(q, spans);
     const auto C = cuda::kKdaChunk, Z = s.Z(), D = s.D;
     const auto opt = q.options();
     auto Aqk = at::empty({Z, C, C}, opt), Kp = at::empty({Z, C, C}, opt);
@@ -115,10 +135,14 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
                  "kda_scan_forward");
     auto o_z = chunk_mm(qe, states, stream);
     chunk_gemm(o_z, Aqk, vnew, 1.f, 1.f, stream);
-    auto o = from_chunks(o_z, s);
+    auto o = from_chunks(o_z, s, places).view({s.B, s.T, s.H, D});
     ctx->save_for_backward({q, k, v, g, beta, Kp, Tm, WU, qe, ke, dec, Aqk, vnew, states});
     ctx->saved_data["has_S0"] = S0.defined();
+    ctx->saved_data["spans"] = spans_in;
     ctx->saved_data["restarts"] = restarts_in;
+    ctx->saved_data["places"] = places_in;
+    ctx->saved_data["read"] = read_in;
+    ctx->saved_data["empty"] = empty_in;
     return {o, final_state};
   }
 
@@ -127,9 +151,12 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &g = saved[3], &beta = saved[4];
     const auto &Kp = saved[5], &Tm = saved[6], &WU = saved[7], &qe = saved[8], &ke = saved[9];
     const auto &dec = saved[10], &Aqk = saved[11], &vnew = saved[12], &states = saved[13];
-    const auto restarts_in = ctx->saved_data["restarts"].toTensor();
-    const auto restarts = restarts_in.numel() ? restarts_in.contiguous() : at::Tensor();
-    const auto s = shape_of(q);
+    const auto spans = given(ctx->saved_data["spans"].toTensor());
+    const auto restarts = given(ctx->saved_data["restarts"].toTensor());
+    const auto places = given(ctx->saved_data["places"].toTensor());
+    const auto read = given(ctx->saved_data["read"].toTensor());
+    const auto empty = ctx->saved_data["empty"].toTensor();
+    const auto s = shape_of(q, spans);
     const auto C = cuda::kKdaChunk, Z = s.Z(), D = s.D;
     const auto opt = q.options();
     auto dO = grads[0].defined() ? grads[0].contiguous().to(at::kFloat)
@@ -141,7 +168,7 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     auto dWU = at::empty({Z, C, 2 * D}, opt);
     auto ddec_part = at::empty({Z, D, cuda::kda_ddec_parts(D)}, opt);
     const auto stream = stream_of(q);
-    auto do_z = to_chunks(dO, s);
+    auto do_z = to_chunks(dO, s, read, empty);
     auto X = chunk_mm(Aqk.transpose(1, 2), do_z, stream);
     auto Y = chunk_mm(qe.transpose(1, 2), do_z, stream);
     check_launch(cuda::kda_scan_backward(s, ptr(WU), ptr(ke), ptr(dec), ptr(X), ptr(Y), ptr(dSN),
@@ -168,15 +195,11 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
                                           ptr(ddec), mut(dq), mut(dk), mut(dv), mut(dg),
                                           mut(dbeta_part), stream),
                  "kda_intra_backward");
-    // [slices, B H N, C] -> [B, T, H]
-    const auto N = s.chunks();
-    auto dbeta = dbeta_part.sum(0)
-                     .view({s.B, s.H, N * C})
-                     .narrow(2, 0, s.T)
-                     .transpose(1, 2)
-                     .contiguous();
+    // [slices, Z, C] -> [B, T, H]
+    auto dbeta = from_chunks(dbeta_part.sum(0), s, places).view({s.B, s.T, s.H});
     const bool has_S0 = ctx->saved_data["has_S0"].toBool();
-    return {dq, dk, dv, dg, dbeta, has_S0 ? dS0 : at::Tensor(), at::Tensor()};
+    return {dq,          dk,          dv,          dg,          dbeta, has_S0 ? dS0 : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -191,7 +214,7 @@ std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tenso
                                             const at::Tensor& v, const at::Tensor& g,
                                             const at::Tensor& beta,
                                             const at::Tensor& initial_state,
-                                            const at::Tensor& chunk_starts) {
+                                            const KdaDocumentChunks* documents) {
   RECORD_FUNCTION("viaduct::kda_chunk", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(kda_usable(q, v) && q.sizes() == k.sizes() && q.sizes() == v.sizes() &&
                     q.sizes() == g.sizes() && beta.dim() == 3 &&
@@ -203,9 +226,25 @@ std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tenso
   auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
   at::Tensor S0 = initial_state.defined() ? f(initial_state)
                                           : at::empty({0}, q.options().dtype(at::kFloat));
-  at::Tensor restarts = chunk_starts.defined() ? chunk_starts
-                                               : at::empty({0}, q.options().dtype(at::kByte));
-  auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0, restarts);
+  if (documents == nullptr) {
+    const auto none = at::empty({0}, q.options().dtype(at::kLong));
+    auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0, none, none, none, none, none);
+    return {out[0], out[1]};
+  }
+  const auto& d = *documents;
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2);
+  VIADUCT_CHECK(!initial_state.defined(),
+                "kda_chunk: documents start from a zero state; an initial state has no document");
+  VIADUCT_CHECK(d.spans.defined() && d.spans.dim() == 3 && d.spans.size(0) == B &&
+                    d.spans.size(2) == 2 && d.spans.scalar_type() == at::kInt &&
+                    d.spans.device() == q.device() && d.restarts.scalar_type() == at::kByte &&
+                    d.restarts.numel() == B * d.spans.size(1) &&
+                    d.places.numel() == B * T * H &&
+                    d.read.numel() == B * H * d.spans.size(1) * kKdaKernelChunk,
+                "kda_chunk: document chunks made for another micro-batch: spans ",
+                d.spans.sizes(), ", places ", d.places.sizes(), " for q ", q.sizes());
+  auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0, d.spans, d.restarts, d.places,
+                               d.read, d.empty);
   return {out[0], out[1]};
 }
 

@@ -2,21 +2,31 @@
 // then SiLU, in one pass forward and four small passes backward (the
 // pre-activation is recomputed from x, so the forward keeps only x).
 // Threads run along channels, so every load and store is coalesced.
+// Over documents in place, a token's offset in its document bounds its
+// taps: tap j reaches K - 1 - j tokens back, and one that reaches past the
+// document's first token is skipped, as the padding before a document
+// alone adds nothing (a sum that skips a zero product has its bits).
 #include "kernels/common.cuh"
 #include "kernels/short_conv.h"
 
 namespace viaduct::cuda {
 namespace {
 
+// How far back token t of row b may read: its offset in its document
+// (offsets [B, T]), or t itself (no documents: the sequence's start).
+__device__ __forceinline__ int64_t reach(const int32_t* __restrict__ offsets, int64_t b,
+                                         int64_t t, int64_t Tn) {
+  return offsets != nullptr ? offsets[b * Tn + t] : t;
+}
+
 // The pre-activation at token t of channel c: x points at (b, 0, c), wc at
-// w[c, 0]; taps in ascending j.
+// w[c, 0]; taps in ascending j, those within `back` tokens of t.
 template <typename T>
 __device__ __forceinline__ float conv_at(const T* __restrict__ x, const float* __restrict__ wc,
-                                         int64_t t, int64_t C, int K) {
+                                         int64_t t, int64_t back, int64_t C, int K) {
   float z = 0.f;
   for (int j = 0; j < K; ++j) {
-    const int64_t src = t - K + 1 + j;
-    if (src >= 0) z += wc[j] * load(x, src * C);
+    if (K - 1 - j <= back) z += wc[j] * load(x, (t - K + 1 + j) * C);
   }
   return z;
 }
@@ -26,33 +36,37 @@ __device__ __forceinline__ float silu(float z) { return z / (1.f + expf(-z)); }
 
 template <typename T>
 __global__ void __launch_bounds__(kElemThreads)
-    forward_kernel(const T* __restrict__ x, const float* __restrict__ w, T* __restrict__ y,
-                   int64_t n, int64_t Tn, int64_t C, int K) {
+    forward_kernel(const T* __restrict__ x, const float* __restrict__ w,
+                   const int32_t* __restrict__ offsets, T* __restrict__ y, int64_t n, int64_t Tn,
+                   int64_t C, int K) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int64_t c = i % C, bt = i / C, t = bt % Tn, b = bt / Tn;
-  store(y, i, silu(conv_at(x + b * Tn * C + c, w + c * K, t, C, K)));
+  store(y, i, silu(conv_at(x + b * Tn * C + c, w + c * K, t, reach(offsets, b, t, Tn), C, K)));
 }
 
 // dz = dy silu'(z), silu'(z) = s (1 + z (1 - s)), s = sigmoid(z).
 template <typename T>
 __global__ void __launch_bounds__(kElemThreads)
-    dz_kernel(const T* __restrict__ x, const float* __restrict__ w, const T* __restrict__ dy,
+    dz_kernel(const T* __restrict__ x, const float* __restrict__ w,
+              const int32_t* __restrict__ offsets, const T* __restrict__ dy,
               float* __restrict__ dz, int64_t n, int64_t Tn, int64_t C, int K) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int64_t c = i % C, bt = i / C, t = bt % Tn, b = bt / Tn;
-  const float z = conv_at(x + b * Tn * C + c, w + c * K, t, C, K);
+  const float z = conv_at(x + b * Tn * C + c, w + c * K, t, reach(offsets, b, t, Tn), C, K);
   const float s = 1.f / (1.f + expf(-z));
   dz[i] = load(dy, i) * (s * (1.f + z * (1.f - s)));
 }
 
 // dx[b, t, c] = sum_j w[c, j] dz[b, t + K - 1 - j, c] over the taps that
-// stay inside the sequence, j ascending.
+// stay inside the sequence (and the document: tap j of token t + K - 1 - j
+// reads t where it reaches that far back), j ascending.
 template <typename T>
 __global__ void __launch_bounds__(kElemThreads)
-    dx_kernel(const float* __restrict__ w, const float* __restrict__ dz, T* __restrict__ dx,
-              int64_t n, int64_t Tn, int64_t C, int K) {
+    dx_kernel(const float* __restrict__ w, const int32_t* __restrict__ offsets,
+              const float* __restrict__ dz, T* __restrict__ dx, int64_t n, int64_t Tn, int64_t C,
+              int K) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int64_t c = i % C, bt = i / C, t = bt % Tn, b = bt / Tn;
@@ -61,7 +75,7 @@ __global__ void __launch_bounds__(kElemThreads)
   float acc = 0.f;
   for (int j = 0; j < K; ++j) {
     const int64_t dst = t + K - 1 - j;
-    if (dst < Tn) acc += wc[j] * dzc[dst * C];
+    if (dst < Tn && K - 1 - j <= reach(offsets, b, dst, Tn)) acc += wc[j] * dzc[dst * C];
   }
   store(dx, i, acc);
 }
@@ -70,9 +84,9 @@ __global__ void __launch_bounds__(kElemThreads)
 // sums its span's dz x products in token order.
 template <typename T>
 __global__ void __launch_bounds__(kElemThreads)
-    dw_partial_kernel(const T* __restrict__ x, const float* __restrict__ dz,
-                      float* __restrict__ partial, int64_t Tn, int64_t C, int K,
-                      int64_t spans) {
+    dw_partial_kernel(const T* __restrict__ x, const int32_t* __restrict__ offsets,
+                      const float* __restrict__ dz, float* __restrict__ partial, int64_t Tn,
+                      int64_t C, int K, int64_t spans) {
   const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (c >= C) return;
   const int64_t p = blockIdx.y;  // b * spans + span
@@ -85,10 +99,10 @@ __global__ void __launch_bounds__(kElemThreads)
   for (int j = 0; j < kShortConvMaxTaps; ++j) acc[j] = 0.f;
   for (int64_t t = t0; t < t1; ++t) {
     const float g = dzc[t * C];
+    const int64_t back = reach(offsets, b, t, Tn);
 #pragma unroll
     for (int j = 0; j < kShortConvMaxTaps; ++j) {
-      const int64_t src = t - K + 1 + j;
-      if (j < K && src >= 0) acc[j] += g * load(xc, src * C);
+      if (j < K && K - 1 - j <= back) acc[j] += g * load(xc, (t - K + 1 + j) * C);
     }
   }
   float* out = partial + (p * C + c) * K;
@@ -113,19 +127,22 @@ unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kElemThreads 
 
 }  // namespace
 
-cudaError_t short_conv_silu_forward(DType dt, const void* x, const float* w, void* y, int64_t B,
-                                    int64_t Tn, int64_t C, int K, cudaStream_t stream) {
+cudaError_t short_conv_silu_forward(DType dt, const void* x, const float* w,
+                                    const int32_t* offsets, void* y, int64_t B, int64_t Tn,
+                                    int64_t C, int K, cudaStream_t stream) {
   const int64_t n = B * Tn * C;
   if (n == 0) return cudaSuccess;
   if (K < 1 || K > kShortConvMaxTaps) return cudaErrorInvalidValue;
   VIADUCT_DISPATCH(dt, forward_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(
-                           static_cast<const T*>(x), w, static_cast<T*>(y), n, Tn, C, K));
+                           static_cast<const T*>(x), w, offsets, static_cast<T*>(y), n, Tn,
+                           C, K));
   return cudaGetLastError();
 }
 
-cudaError_t short_conv_silu_backward(DType dt, const void* x, const float* w, const void* dy,
-                                     float* dz, void* dx, float* partial, float* dw, int64_t B,
-                                     int64_t Tn, int64_t C, int K, cudaStream_t stream) {
+cudaError_t short_conv_silu_backward(DType dt, const void* x, const float* w,
+                                     const int32_t* offsets, const void* dy, float* dz, void* dx,
+                                     float* partial, float* dw, int64_t B, int64_t Tn, int64_t C,
+                                     int K, cudaStream_t stream) {
   const int64_t n = B * Tn * C;
   if (K < 1 || K > kShortConvMaxTaps) return cudaErrorInvalidValue;
   if (n == 0) return cudaMemsetAsync(dw, 0, sizeof(float) * C * K, stream);
@@ -134,12 +151,13 @@ cudaError_t short_conv_silu_backward(DType dt, const void* x, const float* w, co
   if (parts > 65535) return cudaErrorInvalidValue;  // grid.y; the op checks first
   VIADUCT_DISPATCH(dt, {
     const auto* xt = static_cast<const T*>(x);
-    dz_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(xt, w, static_cast<const T*>(dy),
-                                                              dz, n, Tn, C, K);
-    dx_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(w, dz, static_cast<T*>(dx), n, Tn,
-                                                              C, K);
+    dz_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(
+        xt, w, offsets, static_cast<const T*>(dy), dz, n, Tn, C, K);
+    dx_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(w, offsets, dz,
+                                                              static_cast<T*>(dx), n, Tn, C, K);
     const dim3 grid(blocks_for(C), static_cast<unsigned>(parts));
-    dw_partial_kernel<T><<<grid, kElemThreads, 0, stream>>>(xt, dz, partial, Tn, C, K, spans);
+    dw_partial_kernel<T><<<grid, kElemThreads, 0, stream>>>(xt, offsets, dz, partial, Tn, C, K,
+                                                             spans);
   });
   dw_sum_kernel<<<blocks_for(C * K), kElemThreads, 0, stream>>>(partial, dw, C * K, parts);
   return cudaGetLastError();

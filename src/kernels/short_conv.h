@@ -14,9 +14,11 @@ constexpr int64_t kShortConvTokensPerPartial = 64;
 
 // y[b, t, c] = silu(z), z = sum_{j < K} w[c, j] x[b, t - K + 1 + j, c] (x is
 // zero before t = 0), j ascending; x, y [B, T, C] of dt, w [C, K] fp32,
-// all arithmetic fp32.
-cudaError_t short_conv_silu_forward(DType dt, const void* x, const float* w, void* y, int64_t B,
-                                    int64_t T, int64_t C, int K, cudaStream_t stream);
+// all arithmetic fp32. offsets (null: none): int32 [B, T], each token's
+// offset in its document; x is zero before the document's first token too.
+cudaError_t short_conv_silu_forward(DType dt, const void* x, const float* w,
+                                    const int32_t* offsets, void* y, int64_t B, int64_t T,
+                                    int64_t C, int K, cudaStream_t stream);
 
 // The partial sums the backward needs room for: [short_conv_partials(B, T), C, K] fp32.
 inline int64_t short_conv_partials(int64_t B, int64_t T) {
@@ -27,8 +29,9 @@ inline int64_t short_conv_partials(int64_t B, int64_t T) {
 // recomputed from x; dz [B, T, C] fp32 and partial (see above) are scratch.
 // dw sums the partials of each span of kShortConvTokensPerPartial tokens
 // in order: the same bits on every run.
-cudaError_t short_conv_silu_backward(DType dt, const void* x, const float* w, const void* dy,
-                                     float* dz, void* dx, float* partial, float* dw, int64_t B,
-                                     int64_t T, int64_t C, int K, cudaStream_t stream);
+cudaError_t short_conv_silu_backward(DType dt, const void* x, const float* w,
+                                     const int32_t* offsets, const void* dy, float* dz, void* dx,
+                                     float* partial, float* dw, int64_t B, int64_t T, int64_t C,
+                                     int K, cudaStream_t stream);
 
 }  // namespace viaduct::cuda

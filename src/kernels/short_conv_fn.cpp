@@ -11,15 +11,24 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+const int32_t* offsets_of(const at::Tensor& t) {
+  return t.numel() ? t.data_ptr<int32_t>() : nullptr;
+}
+
 class ShortConvSiluFn : public torch::autograd::Function<ShortConvSiluFn> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
+  // offsets: int32 [B, T], or a 0-size stand-in for none (an autograd
+  // function takes no undefined inputs on LibTorch 2.x).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& offsets) {
     auto xc = x.contiguous();
     auto w = weight.contiguous();
     ctx->save_for_backward({xc, w});
+    ctx->saved_data["offsets"] = offsets;
     auto y = at::empty_like(xc);
     check_launch(cuda::short_conv_silu_forward(dtype_of(xc), xc.data_ptr(), w.data_ptr<float>(),
-                                               y.data_ptr(), xc.size(0), xc.size(1), xc.size(2),
+                                               offsets_of(offsets), y.data_ptr(), xc.size(0),
+                                               xc.size(1), xc.size(2),
                                                static_cast<int>(w.size(1)), stream_of(xc)),
                  "short_conv_silu_forward");
     return y;
@@ -27,6 +36,7 @@ class ShortConvSiluFn : public torch::autograd::Function<ShortConvSiluFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &x = saved[0], &w = saved[1];
+    const auto offsets = ctx->saved_data["offsets"].toTensor();
     const auto B = x.size(0), T = x.size(1), C = x.size(2);
     const auto K = w.size(1);
     auto dy = grads[0].to(x.scalar_type()).contiguous();
@@ -36,11 +46,12 @@ class ShortConvSiluFn : public torch::autograd::Function<ShortConvSiluFn> {
     auto dx = at::empty_like(x);
     auto dw = at::empty({C, K}, f32);
     check_launch(cuda::short_conv_silu_backward(
-                     dtype_of(x), x.data_ptr(), w.data_ptr<float>(), dy.data_ptr(),
+                     dtype_of(x), x.data_ptr(), w.data_ptr<float>(), offsets_of(offsets),
+                     dy.data_ptr(),
                      dz.data_ptr<float>(), dx.data_ptr(), partial.data_ptr<float>(),
                      dw.data_ptr<float>(), B, T, C, static_cast<int>(K), stream_of(x)),
                  "short_conv_silu_backward");
-    return {dx, dw};
+    return {dx, dw, at::Tensor()};
   }
 };
 
@@ -53,13 +64,23 @@ bool short_conv_silu_usable(const at::Tensor& x, const at::Tensor& weight) {
          cuda::short_conv_partials(x.size(0), x.size(1)) <= 65535;
 }
 
-at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight) {
+at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight,
+                           const at::Tensor& offsets) {
   RECORD_FUNCTION("viaduct::short_conv_silu", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(short_conv_silu_usable(x, weight),
                 "fused short_conv_silu: x must be [B, T, C] on a CUDA device the kernels were "
                 "built for and the weight fp32 [C, K] with K <= ",
                 cuda::kShortConvMaxTaps, "; got x ", x.sizes(), ", weight ", weight.sizes());
-  return ShortConvSiluFn::apply(x, weight);
+  if (!offsets.defined()) {
+    return ShortConvSiluFn::apply(x, weight, at::empty({0}, x.options().dtype(at::kInt)));
+  }
+  VIADUCT_CHECK(offsets.scalar_type() == at::kInt && offsets.device() == x.device() &&
+                    offsets.dim() == 2 && offsets.size(0) == x.size(0) &&
+                    offsets.size(1) == x.size(1) && offsets.is_contiguous(),
+                "fused short_conv_silu: document offsets must be contiguous int32 [B, T] = [",
+                x.size(0), ", ", x.size(1), "] on ", x.device(), ", got ", offsets.sizes(), " ",
+                offsets.scalar_type(), " on ", offsets.device());
+  return ShortConvSiluFn::apply(x, weight, offsets);
 }
 
 }  // namespace viaduct::kernels

@@ -24,9 +24,9 @@ ShortConvImpl::ShortConvImpl(int64_t channels, int64_t kernel) {
   weight = register_parameter("weight", torch::zeros({channels, kernel}));
 }
 
-at::Tensor ShortConvImpl::forward(const at::Tensor& x) {
+at::Tensor ShortConvImpl::forward(const at::Tensor& x, const ops::Documents* documents) {
   // x: [B, T, C]; y_t = silu(sum_j w[:, j] x_{t - K + 1 + j})
-  return ops::short_conv_silu(x, weight, kernel_options_);
+  return ops::short_conv_silu(x, weight, kernel_options_, documents);
 }
 
 KdaImpl::KdaImpl(const KdaOptions& o) : opts_(o) {
@@ -121,25 +121,21 @@ KdaProjections KdaImpl::project(const at::Tensor& x) {
   return {w[0], w[1], w[2], w[3].contiguous(), w[4], w[5].contiguous()};
 }
 
-KdaRuleInputs KdaImpl::rule_inputs(const KdaProjections& p, const ops::PackedSpans* packed) {
-  // p.q: [B, T, H dk]; L: the rows the rule runs over (T, or the packed rows).
+KdaRuleInputs KdaImpl::rule_inputs(const KdaProjections& p, const ops::Documents* documents) {
+  // p.q: [B, T, H dk]
   const auto B = p.q.size(0), T = p.q.size(1);
-  const auto L = packed != nullptr ? packed->length : T;
   const auto H = opts_.n_heads, d = opts_.head_dim;
   const auto st = inner_type(p.q);
-  auto pack = [&](const at::Tensor& t) {
-    return packed != nullptr ? ops::pack_spans(t, *packed) : t;
-  };
   KdaRuleInputs in;
-  in.q = q_conv(pack(p.q)).view({B, L, H, d});
-  in.k = k_conv(pack(p.k)).view({B, L, H, d});
-  in.v = v_conv(pack(p.v)).view({B, L, H, d});
+  in.q = q_conv->forward(p.q, documents).view({B, T, H, d});
+  in.k = k_conv->forward(p.k, documents).view({B, T, H, d});
+  in.v = v_conv->forward(p.v, documents).view({B, T, H, d});
   in.q = ops::l2_normalize(in.q, 1e-6, 1.0 / std::sqrt(static_cast<double>(d)), kernel_options_);
   in.k = ops::l2_normalize(in.k, 1e-6, 1.0, kernel_options_);
   // Per-channel log decay g = -exp(A_log) * softplus(f + dt_bias) <= 0.
   auto f = linear(p.f, f_b, kernel_options_).to(st) + dt_bias.to(st);
-  in.g = pack(-(A_log.to(st).exp().view({1, 1, H, 1})) * at::softplus(f.view({B, T, H, d})));
-  in.beta = pack(at::sigmoid(p.b.to(st)));  // [B, L, H]
+  in.g = -(A_log.to(st).exp().view({1, 1, H, 1})) * at::softplus(f.view({B, T, H, d}));
+  in.beta = at::sigmoid(p.b.to(st));  // [B, T, H]
   return in;
 }
 
@@ -156,19 +152,9 @@ at::Tensor KdaImpl::output(const KdaProjections& p, const at::Tensor& o) {
 
 at::Tensor KdaImpl::forward(const at::Tensor& x, const ops::Documents* documents) {
   const auto p = project(x);
-  if (documents == nullptr) {
-    const auto in = rule_inputs(p);
-    return output(p, ops::kda(in.q, in.k, in.v, in.g, in.beta, opts_.chunk_size, kernel_options_));
-  }
-  // One packing for the convolutions and the recurrence: each span on a
-  // chunk boundary (the scan restarts there) with at least conv_size - 1
-  // zero rows before it (the filter reads zeros there, as before a document
-  // alone); see Note [Packed documents].
-  const auto& pk = documents->packed(opts_.chunk_size, opts_.conv_size - 1, x.device());
-  const auto in = rule_inputs(p, &pk);
-  const auto o = ops::kda_packed(in.q, in.k, in.v, in.g, in.beta, opts_.chunk_size,
-                                 kernel_options_, pk);
-  return output(p, ops::unpack_spans(o, pk, x.size(0), x.size(1)));
+  const auto in = rule_inputs(p, documents);
+  return output(p, ops::kda(in.q, in.k, in.v, in.g, in.beta, opts_.chunk_size, kernel_options_,
+                            {}, documents));
 }
 
 }  // namespace viaduct

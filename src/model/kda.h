@@ -18,9 +18,9 @@ namespace viaduct {
 class ShortConvImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   ShortConvImpl(int64_t channels, int64_t kernel);
-  // x: [B, T, C] -> [B, T, C]; a layer over documents packs x first
-  // (see Note [Packed documents]).
-  at::Tensor forward(const at::Tensor& x);
+  // x: [B, T, C] -> [B, T, C]; over `documents` x is zero before each
+  // document's first token (see Note [Document boundaries]).
+  at::Tensor forward(const at::Tensor& x, const ops::Documents* documents = nullptr);
   at::Tensor weight;
 };
 TORCH_MODULE(ShortConv);
@@ -59,19 +59,14 @@ class KdaImpl : public torch::nn::Module, public ops::KernelUser {
   explicit KdaImpl(const KdaOptions& opts);
   // x: [B, T, D] -> [B, T, D]: output(x, ops::kda(rule_inputs(x), ...)),
   // each document alone under `documents` (see Note [Document boundaries]):
-  // then the documents are packed once, for the three convolutions and the
-  // recurrence together (ops::kda_packed), and the output unpacked once.
+  // the convolutions and the recurrence take them.
   at::Tensor forward(const at::Tensor& x, const ops::Documents* documents = nullptr);
   // The layer's parts around the recurrence: the projections of x; from
   // them the convolutions, norms, decay and beta; and from the
   // recurrence's o [B, T, H, dv] the gated, normalised output projection.
   // A test evaluates the layer with another form of the rule between them.
-  // With `packed`, the inputs come packed ([B, packed->length, ...]): the
-  // projections are packed before the convolutions, the decay and beta
-  // after they are made (their zero places are then 0, which leaves the
-  // state alone).
   KdaProjections project(const at::Tensor& x);
-  KdaRuleInputs rule_inputs(const KdaProjections& p, const ops::PackedSpans* packed = nullptr);
+  KdaRuleInputs rule_inputs(const KdaProjections& p, const ops::Documents* documents = nullptr);
   at::Tensor output(const KdaProjections& p, const at::Tensor& o);
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out);

@@ -17,7 +17,9 @@ Documents::Documents(const at::Tensor& starts, bool reset_positions)
   const auto s = starts.contiguous();
   const bool* p = s.data_ptr<bool>();
   positions_ = at::empty({rows_, seq_len_}, at::kLong);
+  offsets_ = at::empty({rows_, seq_len_}, at::kInt);
   int64_t* pos = positions_.data_ptr<int64_t>();
+  int32_t* off = offsets_.data_ptr<int32_t>();
   for (int64_t b = 0; b < rows_; ++b) {
     int64_t start = 0;
     for (int64_t t = 0; t < seq_len_; ++t) {
@@ -26,6 +28,7 @@ Documents::Documents(const at::Tensor& starts, bool reset_positions)
         start = t;
       }
       pos[b * seq_len_ + t] = reset_positions_ ? t - start : t;
+      off[b * seq_len_ + t] = static_cast<int32_t>(t - start);
     }
     if (seq_len_ > 0) spans_.push_back({b, start, seq_len_ - start});
   }
@@ -50,6 +53,78 @@ at::Tensor Documents::positions(at::Device device) const {
   auto& kept = positions_on_[device.str()];
   if (!kept.defined()) kept = to_device_async(positions_, device);
   return kept;
+}
+
+at::Tensor Documents::offsets(at::Device device) const {
+  if (device.is_cpu()) return offsets_;
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  auto& kept = offsets_on_[device.str()];
+  if (!kept.defined()) kept = to_device_async(offsets_, device);
+  return kept;
+}
+
+const kernels::KdaDocumentChunks& Documents::kda_chunks(int64_t chunk, int64_t heads,
+                                                        at::Device device) const {
+  VIADUCT_CHECK(chunk >= 1 && heads >= 1, "KDA chunks over documents: chunk ", chunk,
+                " and heads ", heads, " (both >= 1)");
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  auto& kept = kda_chunks_[std::to_string(chunk) + "/" + std::to_string(heads) + "/" +
+                           device.str()];
+  if (kept) return *kept;
+  // Each row's chunks in order: every span cut into pieces of `chunk`
+  // tokens from its first, the last piece partial.
+  struct Piece {
+    int64_t first, count;
+    bool starts;
+  };
+  std::vector<std::vector<Piece>> rows(static_cast<size_t>(rows_));
+  for (const auto& s : spans_) {
+    for (int64_t at = 0; at < s.length; at += chunk) {
+      rows[static_cast<size_t>(s.row)].push_back(
+          {s.start + at, std::min(chunk, s.length - at), at == 0});
+    }
+  }
+  int64_t N = 0;
+  for (const auto& r : rows) N = std::max<int64_t>(N, static_cast<int64_t>(r.size()));
+  const int64_t H = heads, T = seq_len_;
+  std::vector<int32_t> spans(static_cast<size_t>(rows_ * N * 2), 0);
+  std::vector<uint8_t> restarts(static_cast<size_t>(rows_ * N), 0);
+  std::vector<int64_t> places(static_cast<size_t>(rows_ * T * H));
+  // Chunk rows default to reading (token, head) 0, then cleared as empty.
+  std::vector<int64_t> read(static_cast<size_t>(rows_ * H * N * chunk), 0);
+  std::vector<uint8_t> filled(read.size(), 0);
+  for (int64_t b = 0; b < rows_; ++b) {
+    const auto& r = rows[static_cast<size_t>(b)];
+    for (int64_t n = 0; n < static_cast<int64_t>(r.size()); ++n) {
+      const auto& piece = r[static_cast<size_t>(n)];
+      spans[static_cast<size_t>((b * N + n) * 2)] = static_cast<int32_t>(piece.first);
+      spans[static_cast<size_t>((b * N + n) * 2 + 1)] = static_cast<int32_t>(piece.count);
+      restarts[static_cast<size_t>(b * N + n)] = piece.starts ? 1 : 0;
+      for (int64_t c = 0; c < piece.count; ++c) {
+        const int64_t token = b * T + piece.first + c;
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t place = ((b * H + h) * N + n) * chunk + c;
+          places[static_cast<size_t>(token * H + h)] = place;
+          read[static_cast<size_t>(place)] = token * H + h;
+          filled[static_cast<size_t>(place)] = 1;
+        }
+      }
+    }
+  }
+  std::vector<int64_t> empty;
+  for (size_t i = 0; i < filled.size(); ++i) {
+    if (!filled[i]) empty.push_back(static_cast<int64_t>(i));
+  }
+  auto c = std::make_unique<kernels::KdaDocumentChunks>();
+  c->spans = to_device_async(
+      at::from_blob(spans.data(), {rows_, N, 2}, at::kInt).clone(), device);
+  c->restarts = to_device_async(
+      at::from_blob(restarts.data(), {rows_, N}, at::kByte).clone(), device);
+  c->places = to_device_async(at::tensor(places, at::kLong), device);
+  c->read = to_device_async(at::tensor(read, at::kLong), device);
+  c->empty = to_device_async(at::tensor(empty, at::kLong), device);
+  kept = std::move(c);
+  return *kept;
 }
 
 const PackedSpans& Documents::packed(int64_t align, int64_t gap, at::Device device) const {

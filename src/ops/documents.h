@@ -23,11 +23,12 @@
 // Documents of its micro-batch for the recompute.
 //
 // Each token mixer runs its documents as sequences of their own, in one of
-// two ways. Attention and MLA run per_document on the CPU (every span of
+// three ways. Attention and MLA run per_document on the CPU (every span of
 // every row as [1, L, ...] through the op's one path, the outputs put back
 // in place) and as flash's variable-length batch (cu_seqlens) on a GPU.
-// KDA's recurrence and the short convolutions run packed
-// (see Note [Packed documents]). Either way a span meets the same
+// KDA's recurrence and the short convolutions run in place on viaduct's
+// kernels (see Note [KDA chunks over documents]) and packed on ATen's
+// forms (see Note [Packed documents]). Either way a span meets the same
 // arithmetic as its document alone from position 0; token-wise layers
 // (projections, norms, the FFN and a dropless MoE) need nothing. One caveat
 // on the CPU: ATen's elementwise loops take a tensor's last partial vector
@@ -56,6 +57,31 @@
 // scan keeps its B H independent chains, each longer only by the padding.
 // Pack and unpack are gathers by index in both directions (their backward
 // is the other's forward), so no sum is reordered and no atomics run.
+// Each op packs for itself (the convolution with gap = kernel - 1, the
+// recurrence with align = chunk): this is the ATen forms' way, where the
+// gathers cost little beside the arithmetic; viaduct's kernels need none.
+//
+// Note [KDA chunks over documents]
+// viaduct's KDA kernels read each chunk's rows through an index, so the
+// chunks can lie over the documents where they are: Documents::kda_chunks
+// cuts each row's spans into chunks of C tokens from each span's start (a
+// span's last chunk is partial), a table of (first token, count) per
+// chunk. They are the packed chunks at align = C (see Note [Packed documents]),
+// in the same order, holding the same tokens at the same in-chunk rows, and
+// a chunk's rows past its count read as zero as the packed zero rows do;
+// so every output and gradient has the packed form's bits, without the
+// gathers (five inputs and the output each way) or the padded rows in the
+// layers around the recurrence. The scan restarts the state at each span's
+// first chunk as before. The recurrence's per-chunk products live in a
+// chunk layout [B H N, C] that the plain chunks reach with a transpose;
+// over documents its rows come from (places) and go back to (read) the
+// tokens by index, one gather each, where the transpose was one copy.
+// The short convolution runs in place too: each token's offset in its
+// document (Documents::offsets) bounds how far back its taps reach, and a
+// skipped tap is the zero product the padding before a document alone
+// would add. The convolution's weight gradient sums over the micro-batch
+// in blocks of tokens, so its order follows the tokens' places (not
+// bitwise the packed form's).
 #pragma once
 
 #include <torch/torch.h>
@@ -67,6 +93,8 @@
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include "kernels/fused.h"
 
 namespace viaduct::ops {
 
@@ -119,6 +147,14 @@ class Documents {
   // The spans packed with `align` and `gap` (see Note [Packed documents]),
   // its index tensors on `device`; made once and kept.
   const PackedSpans& packed(int64_t align, int64_t gap, at::Device device) const;
+  // [B, T] int32 on `device`: each token's offset in its span (0 at a
+  // span's first token); made once per device and kept.
+  at::Tensor offsets(at::Device device) const;
+  // KDA's chunks of `chunk` tokens over the spans in place, for `heads`
+  // heads (see Note [KDA chunks over documents]), on `device`; made once and
+  // kept.
+  const kernels::KdaDocumentChunks& kda_chunks(int64_t chunk, int64_t heads,
+                                               at::Device device) const;
 
   // Runs `fn` on every span: its arguments are each of `xs` ([B, T, ...],
   // one row and its span cut along dim 1: [1, L, ...]); it returns
@@ -132,13 +168,17 @@ class Documents {
   bool reset_positions_ = true;
   std::vector<DocumentSpan> spans_;
   at::Tensor positions_;
-  // What cu_seqlens, positions and packed made, by device and layout; a
+  at::Tensor offsets_;
+  // What cu_seqlens, positions, offsets, packed and kda_chunks made, by
+  // device and layout; a
   // micro-batch's layers share one Documents, so the mutex guards the first
   // use of each.
   mutable std::mutex cache_mutex_;
   mutable std::map<std::string, at::Tensor> cu_seqlens_;
   mutable std::map<std::string, at::Tensor> positions_on_;
+  mutable std::map<std::string, at::Tensor> offsets_on_;
   mutable std::map<std::string, std::unique_ptr<PackedSpans>> packed_;
+  mutable std::map<std::string, std::unique_ptr<kernels::KdaDocumentChunks>> kda_chunks_;
 };
 
 // x [B, T, ...] -> [B, length, ...] and back; differentiable.

@@ -314,17 +314,12 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 namespace {
 
-// The op on rows that are each one sequence, or (with chunk_starts) rows
-// of packed documents.
-at::Tensor kda_row(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
-                   const KernelOptions& opts, const at::Tensor& initial_state,
-                   const at::Tensor& chunk_starts) {
-  if (chunk_size == kernels::kKdaKernelChunk && fused_runs(q, opts) &&
-      q.scalar_type() == at::kFloat && kernels::kda_usable(q, v)) {
-    return kernels::kda_chunk(q, k, v, g, beta, initial_state, chunk_starts).first;
-  }
-  return kda_chunked(q, k, v, g, beta, chunk_size, initial_state, chunk_starts);
+// Whether viaduct's kernels take the recurrence: fp32 inputs on a device
+// they were built for, their chunk, and a head width they have.
+bool kernels_take(const at::Tensor& q, const at::Tensor& v, int64_t chunk_size,
+                  const KernelOptions& opts) {
+  return chunk_size == kernels::kKdaKernelChunk && fused_runs(q, opts) &&
+         q.scalar_type() == at::kFloat && kernels::kda_usable(q, v);
 }
 
 }  // namespace
@@ -332,26 +327,27 @@ at::Tensor kda_row(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 at::Tensor kda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                const at::Tensor& beta, int64_t chunk_size, const KernelOptions& opts,
                const at::Tensor& initial_state, const Documents* documents) {
-  if (documents != nullptr) {
-    VIADUCT_CHECK(!initial_state.defined(),
-                  "KDA over documents starts each from zero; an initial state has no document");
-    // Each row's spans on chunk boundaries, the state restarted at each
-    // (see Note [Packed documents]).
-    const auto& p = documents->packed(chunk_size, 0, q.device());
-    auto o = kda_packed(pack_spans(q, p), pack_spans(k, p), pack_spans(v, p), pack_spans(g, p),
-                        pack_spans(beta, p), chunk_size, opts, p);
-    return unpack_spans(o, p, q.size(0), q.size(1));
+  const bool on_kernels = kernels_take(q, v, chunk_size, opts);
+  if (documents == nullptr) {
+    return on_kernels ? kernels::kda_chunk(q, k, v, g, beta, initial_state).first
+                      : kda_chunked(q, k, v, g, beta, chunk_size, initial_state);
   }
-  return kda_row(q, k, v, g, beta, chunk_size, opts, initial_state, {});
-}
-
-at::Tensor kda_packed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
-                      const KernelOptions& opts, const PackedSpans& packed) {
-  VIADUCT_CHECK(packed.align == chunk_size && q.size(1) == packed.length,
-                "kda_packed: spans packed on ", packed.align, "-row boundaries into rows of ",
-                packed.length, ", but chunks of ", chunk_size, " over ", q.size(1), " rows");
-  return kda_row(q, k, v, g, beta, chunk_size, opts, {}, packed.chunk_starts);
+  VIADUCT_CHECK(!initial_state.defined(),
+                "KDA over documents starts each from zero; an initial state has no document");
+  VIADUCT_CHECK(documents->rows() == q.size(0) && documents->seq_len() == q.size(1),
+                "KDA over documents of [", documents->rows(), ", ", documents->seq_len(),
+                "] tokens, but q is ", q.sizes());
+  if (on_kernels) {
+    // The chunks over the documents in place (see Note [KDA chunks over documents]).
+    const auto& chunks = documents->kda_chunks(chunk_size, q.size(2), q.device());
+    return kernels::kda_chunk(q, k, v, g, beta, {}, &chunks).first;
+  }
+  // Each row's spans on chunk boundaries, the state restarted at each
+  // (see Note [Packed documents]).
+  const auto& p = documents->packed(chunk_size, 0, q.device());
+  auto o = kda_chunked(pack_spans(q, p), pack_spans(k, p), pack_spans(v, p), pack_spans(g, p),
+                       pack_spans(beta, p), chunk_size, {}, p.chunk_starts);
+  return unpack_spans(o, p, q.size(0), q.size(1));
 }
 
 }  // namespace viaduct::ops

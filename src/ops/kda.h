@@ -39,18 +39,12 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 // The op: viaduct's kernels (kernels/kda.h) for fp32 inputs on a GPU they
 // were built for, chunk 64 and dk = dv of 64 or 128; kda_chunked otherwise.
 // With `documents` (see Note [Document boundaries], ops/documents.h) the
-// state starts from zero at each document: each row's documents run packed
-// on chunk boundaries (no initial_state then).
+// state starts from zero at each document (no initial_state then): the
+// kernels' chunks lie over the documents in place (see Note [KDA chunks
+// over documents]); kda_chunked runs each row's documents packed on chunk
+// boundaries (see Note [Packed documents]).
 at::Tensor kda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                const at::Tensor& beta, int64_t chunk_size, const KernelOptions& opts,
                const at::Tensor& initial_state = {}, const Documents* documents = nullptr);
-// The op on inputs already packed by `packed`, [B, packed.length, ...]
-// (see Note [Packed documents]), whose spans sit on chunk boundaries
-// (packed.align == chunk_size): the state restarts at each span's first
-// chunk. Returns the packed output; a layer that packs once for its
-// convolutions and the recurrence unpacks it.
-at::Tensor kda_packed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
-                      const KernelOptions& opts, const PackedSpans& packed);
 
 }  // namespace viaduct::ops

@@ -1,20 +1,26 @@
 #include "ops/short_conv.h"
 
+#include "core/check.h"
 #include "kernels/fused.h"
 
 namespace viaduct::ops {
 
 at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight, const KernelOptions& k,
                            const Documents* documents) {
+  const bool on_kernels = fused_runs(x, k) && kernels::short_conv_silu_usable(x, weight);
   if (documents != nullptr) {
-    // Packed with kernel - 1 zero rows before each span: one pass over
-    // every document (see Note [Packed documents]).
+    VIADUCT_CHECK(x.dim() == 3 && documents->rows() == x.size(0) &&
+                      documents->seq_len() == x.size(1),
+                  "short convolution over documents of [", documents->rows(), ", ",
+                  documents->seq_len(), "] tokens, but x is ", x.sizes());
+    // The kernels bound each token's taps by its offset in its document
+    // (see Note [KDA chunks over documents]); the ATen form runs packed with
+    // kernel - 1 zero rows before each span (see Note [Packed documents]).
+    if (on_kernels) return kernels::short_conv_silu(x, weight, documents->offsets(x.device()));
     const auto& p = documents->packed(1, weight.size(1) - 1, x.device());
     return unpack_spans(short_conv_silu(pack_spans(x, p), weight, k), p, x.size(0), x.size(1));
   }
-  if (fused_runs(x, k) && kernels::short_conv_silu_usable(x, weight)) {
-    return kernels::short_conv_silu(x, weight);
-  }
+  if (on_kernels) return kernels::short_conv_silu(x, weight);
   // The filter as K shifted products added in tap order, in fp32 (fp64 for
   // fp64 x): each output's sum has the same terms in the same order
   // wherever the token sits in the sequence, so a packed document gets its

@@ -1051,12 +1051,13 @@ TEST(FusedKernels, ShortConvSiluMatchesAtenConv) {
   }
 }
 
-// The short convolution over packed documents on the kernel
-// (see Note [Packed documents]) against the kernel on each document alone: outputs
-// and the input's gradient bit for bit; the weight's gradient sums over
-// every document in another order, so it is compared with the sum of the
-// documents' own within rounding.
-TEST(FusedKernels, PackedShortConvIsEachDocumentAlone) {
+// The short convolution over documents on the kernel, each token's taps
+// bounded by its document (see Note [KDA chunks over documents]), against
+// the kernel on each document alone: outputs and the input's gradient bit
+// for bit; the weight's gradient sums over every document in another
+// order, so it is compared with the sum of the documents' own within
+// rounding.
+TEST(FusedKernels, ShortConvOverDocumentsIsEachDocumentAlone) {
   REQUIRE_GPU();
   const int64_t B = 2, T = 150, C = 72, K = 4;
   auto starts = at::zeros({B, T}, at::kBool);

@@ -302,13 +302,13 @@ TEST(KdaKernelsLayer, LayerMatchesAtenForm) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_LT(rel_err(a[i], b[i]), 2e-2) << "tensor " << i;
 }
 
-// Packed documents on the kernels (see Note [Packed documents]): one call
-// over a micro-batch's documents, the state restarted at each document's
-// first chunk, against ops::kda on each document alone (the kernels again,
-// one call a document): outputs and every input's gradient bit for bit.
-// Documents of 1 token, shorter than a chunk, across chunk edges, and a
-// window cut mid-document.
-TEST(KdaKernelsState, PackedDocumentsAreEachAlone) {
+// Documents on the kernels, the chunks over them in place (see Note [KDA
+// chunks over documents]): one call over a micro-batch's documents, the
+// state restarted at each document's first chunk, against ops::kda on each
+// document alone (the kernels again, one call a document): outputs and
+// every input's gradient bit for bit. Documents of 1 token, shorter than a
+// chunk, across chunk edges, and a window cut mid-document.
+TEST(KdaKernelsState, DocumentsInPlaceAreEachAlone) {
   REQUIRE_GPU();
   const auto seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));

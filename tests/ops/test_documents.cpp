@@ -9,6 +9,7 @@
 
 #include <array>
 
+#include "core/rng.h"
 #include "ops/documents.h"
 #include "ops/kda.h"
 #include "ops/short_conv.h"
@@ -38,8 +39,13 @@ TEST(Documents, SpansPositionsAndOffsets) {
   EXPECT_TRUE(at::equal(d.positions(),
                         at::tensor({0, 1, 0, 1, 2, 0, 0, 1, 2, 3, 4, 5}, at::kLong).view({2, 6})));
   EXPECT_TRUE(at::equal(d.cu_seqlens(), at::tensor({0, 2, 5, 6, 12}, at::kInt)));
+  EXPECT_TRUE(at::equal(d.offsets(at::kCPU),
+                        at::tensor({0, 1, 0, 1, 2, 0, 0, 1, 2, 3, 4, 5}, at::kInt).view({2, 6})));
   const Documents window(starts_of({{0, 0, 1, 0, 0, 1}}), false);
   EXPECT_TRUE(at::equal(window.positions(), at::arange(6, at::kLong).view({1, 6})));
+  // Offsets stay within the document when positions run through the window.
+  EXPECT_TRUE(at::equal(window.offsets(at::kCPU),
+                        at::tensor({0, 1, 0, 1, 2, 0}, at::kInt).view({1, 6})));
   EXPECT_EQ(window.first_position(window.spans()[1]), 2);
   EXPECT_EQ(d.first_position(d.spans()[1]), 0);
 }
@@ -83,6 +89,55 @@ TEST(Documents, PackedPlacesSpansOnAlignedRows) {
   // Asked again: the same object, made once.
   EXPECT_EQ(&d.packed(4, 0, at::kCPU), &a);
   EXPECT_EQ(d.cu_seqlens(at::kCPU).data_ptr(), d.cu_seqlens().data_ptr());
+}
+
+// KDA's chunks over the documents in place (see Note [KDA chunks over
+// documents]) against a second construction: the packed rows at align =
+// chunk cut into chunks. Same chunk count, each chunk's first token and
+// count read off the packed gather, the same restarts, and the chunk
+// layout [B H N C, D] that `read` (with `empty` zeroed) takes from the
+// tokens equal to the packed rows' transpose; `places` takes it back.
+TEST(Documents, KdaChunksAreThePackedChunksInPlace) {
+  const int64_t B = 3, T = 29, H = 3, D = 2, C = 4;
+  for (const uint64_t seed : {1u, 2u, 3u}) {
+    auto gen = make_generator(seed, "starts");
+    auto starts = at::rand({B, T}, gen) < 0.2;
+    starts[2].fill_(false);  // a row of one document
+    starts[1][1] = true;     // a one-token span
+    const Documents d(starts, true);
+    const auto& k = d.kda_chunks(C, H, at::kCPU);
+    const auto& p = d.packed(C, 0, at::kCPU);
+    const int64_t N = (p.length + C - 1) / C;
+    ASSERT_EQ(k.spans.sizes(), (std::vector<int64_t>{B, N, 2})) << "seed " << seed;
+    EXPECT_TRUE(at::equal(k.restarts, p.chunk_starts)) << "seed " << seed;
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t tokens = 0;
+      for (int64_t n = 0; n < N; ++n) {
+        int64_t count = 0, first = -1;
+        for (int64_t c = 0; c < C && n * C + c < p.length; ++c) {
+          const int64_t t = p.gather[b * p.length + n * C + c].item<int64_t>();
+          if (t == B * T) continue;
+          if (count == 0) first = t - b * T;
+          EXPECT_EQ(c, count) << "a chunk's tokens fill it from its first row";
+          ++count;
+        }
+        EXPECT_EQ(k.spans[b][n][1].item<int32_t>(), count) << "seed " << seed << " chunk " << n;
+        if (count > 0) {
+          EXPECT_EQ(k.spans[b][n][0].item<int32_t>(), first) << "seed " << seed << " chunk " << n;
+        }
+        tokens += count;
+      }
+      EXPECT_EQ(tokens, T) << "every token in one chunk, seed " << seed;
+    }
+    auto x = at::randn({B, T, H, D}, at::kDouble);
+    auto padded = at::constant_pad_nd(pack_spans(x, p), {0, 0, 0, 0, 0, N * C - p.length});
+    auto want = padded.view({B, N, C, H, D}).permute({0, 3, 1, 2, 4}).reshape({-1, D});
+    auto got = x.reshape({B * T * H, D}).index_select(0, k.read);
+    got.index_fill_(0, k.empty, 0);
+    EXPECT_TRUE(at::equal(got, want)) << "seed " << seed;
+    EXPECT_TRUE(at::equal(want.index_select(0, k.places).view({B, T, H, D}), x))
+        << "seed " << seed;
+  }
 }
 
 TEST(Documents, PackAndUnpackAreGathersBothWays) {
