@@ -42,6 +42,12 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Te
 // One kernel each way; saves x and two fp32 per row for the backward.
 // layer_norm_usable: the kernels take these (false in the CPU build).
 bool layer_norm_usable(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+// (h, layer_norm(h)) for h = x + res, h rounded to x's type as an add
+// rounds: one kernel each way, the bits of the add and the norm kernel
+// (see Note [Residual add inside the norm]).
+std::pair<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::Tensor& res,
+                                                 const at::Tensor& weight,
+                                                 const at::Tensor& bias, double eps);
 at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                       double eps);
 
@@ -146,6 +152,21 @@ void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad);
 void save_read_slots(torch::autograd::AutogradContext* ctx,
                      const std::vector<at::Tensor>* slots);
 at::Tensor saved_read_slot(torch::autograd::AutogradContext* ctx, size_t i);
+
+// The KDA layer's gates (kernels/kda_gates.h), one kernel each way.
+// kda_decay: g = -exp(A_log) softplus(f + dt_bias) as fp32 [..., H, D] from
+// f [..., H D] (fp32 or bf16), dt_bias [H D] and A_log [H] fp32; the
+// backward gives f's gradient in f's dtype and dt_bias's and A_log's
+// (fp32, summed in a fixed order). gated_rms_norm: rms_norm(x) * weight *
+// sigmoid(gate_logits) in the logits' dtype, x fp32 [..., D] (D a multiple
+// of 32 up to 256, a warp per row), gate_logits of x's shape. *_usable:
+// the kernels take these (false in the CPU build).
+bool kda_decay_usable(const at::Tensor& f, const at::Tensor& dt_bias, const at::Tensor& A_log);
+at::Tensor kda_decay(const at::Tensor& f, const at::Tensor& dt_bias, const at::Tensor& A_log);
+bool gated_rms_norm_usable(const at::Tensor& x, const at::Tensor& gate_logits,
+                           const at::Tensor& weight);
+at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& gate_logits,
+                          const at::Tensor& weight, double eps);
 
 // The chunked gated delta rule of ops/kda.h on viaduct's kernels
 // (kernels/kda.h): chunk kKdaKernelChunk, fp32 q, k, v, g: [B, T, H, D],

@@ -74,6 +74,10 @@ std::function<std::vector<double>()> fetch_clip_values(const DeviceClip&) {
 bool layer_norm_usable(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   return false;
 }
+std::pair<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor&, const at::Tensor&,
+                                                 const at::Tensor&, const at::Tensor&, double) {
+  no_cuda("add_layer_norm");
+}
 at::Tensor layer_norm(const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
   no_cuda("layer_norm");
 }
@@ -92,6 +96,17 @@ bool moe_dispatch_usable(const at::Tensor&, int64_t) { return false; }
 at::Tensor moe_topk(const at::Tensor&, const at::Tensor&, int64_t) { no_cuda("moe_topk"); }
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor&, int64_t, int64_t) {
   no_cuda("moe_dispatch");
+}
+
+bool kda_decay_usable(const at::Tensor&, const at::Tensor&, const at::Tensor&) { return false; }
+at::Tensor kda_decay(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  no_cuda("kda_decay");
+}
+bool gated_rms_norm_usable(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  return false;
+}
+at::Tensor gated_rms_norm(const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
+  no_cuda("gated_rms_norm");
 }
 
 bool kda_usable(const at::Tensor&, const at::Tensor&) { return false; }

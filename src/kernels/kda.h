@@ -69,7 +69,7 @@ cudaError_t kda_intra_forward(const KdaShape& s, const float* q, const float* k,
 // starts [Z, D, D] and the final state [B H, D, D]:
 //   v'_n = U_n - W_n S_n;  S_n+1 = dec_n * S_n + ke_n^T v'_n
 // (o_n = qe_n S_n + Aqk_n v'_n is then a batched GEMM for the caller.)
-// restarts [B][N] (null: none): where set, S_n is zero instead (a packed
+// restarts [B][N] (null: none): where set, S_n is zero instead (a
 // document's first chunk); the backward then passes no gradient back past
 // that chunk.
 cudaError_t kda_scan_forward(const KdaShape& s, const float* WU, const float* ke,

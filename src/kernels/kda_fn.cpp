@@ -235,12 +235,15 @@ std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tenso
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2);
   VIADUCT_CHECK(!initial_state.defined(),
                 "kda_chunk: documents start from a zero state; an initial state has no document");
-  VIADUCT_CHECK(d.spans.defined() && d.spans.dim() == 3 && d.spans.size(0) == B &&
-                    d.spans.size(2) == 2 && d.spans.scalar_type() == at::kInt &&
-                    d.spans.device() == q.device() && d.restarts.scalar_type() == at::kByte &&
-                    d.restarts.numel() == B * d.spans.size(1) &&
-                    d.places.numel() == B * T * H &&
-                    d.read.numel() == B * H * d.spans.size(1) * kKdaKernelChunk,
+  auto on_q = [&](const at::Tensor& t, at::ScalarType st) {
+    return t.defined() && t.device() == q.device() && t.scalar_type() == st;
+  };
+  VIADUCT_CHECK(on_q(d.spans, at::kInt) && d.spans.dim() == 3 && d.spans.size(0) == B &&
+                    d.spans.size(2) == 2 && on_q(d.restarts, at::kByte) &&
+                    d.restarts.numel() == B * d.spans.size(1) && on_q(d.places, at::kLong) &&
+                    d.places.numel() == B * T * H && on_q(d.read, at::kLong) &&
+                    d.read.numel() == B * H * d.spans.size(1) * kKdaKernelChunk &&
+                    on_q(d.empty, at::kLong),
                 "kda_chunk: document chunks made for another micro-batch: spans ",
                 d.spans.sizes(), ", places ", d.places.sizes(), " for q ", q.sizes());
   auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0, d.spans, d.restarts, d.places,

@@ -9,22 +9,41 @@
 namespace viaduct::cuda {
 namespace {
 
+// Row `row`'s values j .. j + N - 1 of the normalised input: x, or with a
+// residual h = x + res rounded to T as the add rounds it (written to h on
+// the first pass, recomputed from x and res on the later ones: the same
+// bits, no read back of h).
+template <typename T, int N>
+__device__ __forceinline__ void input_at(const T* __restrict__ x, const T* __restrict__ res,
+                                         int64_t at, int64_t j, float (&v)[N]) {
+  load_n<T, N>(x + at, j, v);
+  if (res != nullptr) {
+    float rv[N];
+    load_n<T, N>(res + at, j, rv);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = round_as<T>(v[k] + rv[k]);
+  }
+}
+
 // A block per row. The mean first, then the variance about it from a
 // second read of the row (no cancellation of E[x^2] - mean^2), both block
-// sums in a fixed order.
+// sums in a fixed order. With res (see Note [Residual add inside the norm],
+// kernels/rms_norm_fn.cpp), the row is h = x + res, written to h.
 template <typename T, int N>
-__global__ void layer_norm_forward_kernel(const T* __restrict__ x, const float* __restrict__ w,
-                                          const float* __restrict__ b, T* __restrict__ y,
-                                          float* __restrict__ mean, float* __restrict__ rstd,
-                                          int64_t dim, float eps) {
+__global__ void layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ res,
+                                          const float* __restrict__ w,
+                                          const float* __restrict__ b, T* __restrict__ h,
+                                          T* __restrict__ y, float* __restrict__ mean,
+                                          float* __restrict__ rstd, int64_t dim, float eps) {
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
-  const T* xr = x + row * dim;
-  T* yr = y + row * dim;
+  const int64_t at = row * dim;
+  T* yr = y + at;
   float s = 0.f;
   for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
     float v[N];
-    load_n<T, N>(xr, j, v);
+    input_at<T, N>(x, res, at, j, v);
+    if (res != nullptr) store_n<T, N>(h + at, j, v);
 #pragma unroll
     for (int k = 0; k < N; ++k) s += v[k];
   }
@@ -32,7 +51,7 @@ __global__ void layer_norm_forward_kernel(const T* __restrict__ x, const float* 
   float ss = 0.f;
   for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
     float v[N];
-    load_n<T, N>(xr, j, v);
+    input_at<T, N>(x, res, at, j, v);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       const float d = v[k] - mu;
@@ -46,7 +65,7 @@ __global__ void layer_norm_forward_kernel(const T* __restrict__ x, const float* 
   }
   for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < dim; j += blockDim.x * N) {
     float v[N], wv[N], bv[N];
-    load_n<T, N>(xr, j, v);
+    input_at<T, N>(x, res, at, j, v);
     load_n<float, N>(w, j, wv);
     load_n<float, N>(b, j, bv);
 #pragma unroll
@@ -57,11 +76,14 @@ __global__ void layer_norm_forward_kernel(const T* __restrict__ x, const float* 
 
 // Rows in a grid stride, each block summing its rows' weight and bias
 // gradients into its own part (no atomics; the caller adds the parts).
+// With dres: dx = dres + the norm's dx rounded to T, the sum autograd
+// formed for h's two uses (same bits).
 template <typename T, int N>
 __global__ void layer_norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                            const float* __restrict__ w,
                                            const float* __restrict__ mean,
-                                           const float* __restrict__ rstd, T* __restrict__ dx,
+                                           const float* __restrict__ rstd,
+                                           const T* __restrict__ dres, T* __restrict__ dx,
                                            float* __restrict__ dw_partial,
                                            float* __restrict__ db_partial, int64_t rows,
                                            int64_t dim) {
@@ -105,6 +127,12 @@ __global__ void layer_norm_backward_kernel(const T* __restrict__ dy, const T* __
         aw[k] = first ? g[k] * xh : aw[k] + g[k] * xh;  // this block alone owns its parts
         ab[k] = first ? g[k] : ab[k] + g[k];
       }
+      if (dres != nullptr) {
+        float dr[N];
+        load_n<T, N>(dres + row * dim, j, dr);
+#pragma unroll
+        for (int k = 0; k < N; ++k) out[k] = dr[k] + round_as<T>(out[k]);
+      }
       store_n<T, N>(dxr, j, out);
       store_n<float, N>(pw, j, aw);
       store_n<float, N>(pb, j, ab);
@@ -121,33 +149,35 @@ __global__ void layer_norm_backward_kernel(const T* __restrict__ dy, const T* __
 
 }  // namespace
 
-cudaError_t layer_norm_forward(DType dt, const void* x, const float* w, const float* b, void* y,
-                               float* mean, float* rstd, int64_t rows, int64_t dim, float eps,
-                               cudaStream_t stream) {
+cudaError_t layer_norm_forward(DType dt, const void* x, const void* res, const float* w,
+                               const float* b, void* h, void* y, float* mean, float* rstd,
+                               int64_t rows, int64_t dim, float eps, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  if (dim <= 0) return cudaErrorInvalidValue;
+  if (dim <= 0 || (res == nullptr) != (h == nullptr)) return cudaErrorInvalidValue;
   const bool vec = dim % group_of(dt) == 0 && aligned16(x) && aligned16(y) && aligned16(w) &&
-                   aligned16(b);
+                   aligned16(b) && aligned16(res) && aligned16(h);
   VIADUCT_DISPATCH_VEC(dt, vec,
                        layer_norm_forward_kernel<T, N><<<static_cast<unsigned>(rows),
                                                          kRowThreads, 0, stream>>>(
-                           static_cast<const T*>(x), w, b, static_cast<T*>(y), mean, rstd, dim,
-                           eps));
+                           static_cast<const T*>(x), static_cast<const T*>(res), w, b,
+                           static_cast<T*>(h), static_cast<T*>(y), mean, rstd, dim, eps));
   return cudaGetLastError();
 }
 
 cudaError_t layer_norm_backward(DType dt, const void* dy, const void* x, const float* w,
-                                const float* mean, const float* rstd, void* dx,
-                                float* dw_partial, float* db_partial, int64_t rows, int64_t dim,
-                                cudaStream_t stream) {
+                                const float* mean, const float* rstd, const void* dres,
+                                void* dx, float* dw_partial, float* db_partial, int64_t rows,
+                                int64_t dim, cudaStream_t stream) {
   if (dim <= 0) return cudaErrorInvalidValue;
   const auto parts = static_cast<unsigned>(norm_backward_parts(rows));
   const bool vec = dim % group_of(dt) == 0 && aligned16(dy) && aligned16(x) && aligned16(w) &&
-                   aligned16(dx) && aligned16(dw_partial) && aligned16(db_partial);
+                   aligned16(dx) && aligned16(dw_partial) && aligned16(db_partial) &&
+                   aligned16(dres);
   VIADUCT_DISPATCH_VEC(dt, vec,
                        layer_norm_backward_kernel<T, N><<<parts, kRowThreads, 0, stream>>>(
                            static_cast<const T*>(dy), static_cast<const T*>(x), w, mean, rstd,
-                           static_cast<T*>(dx), dw_partial, db_partial, rows, dim));
+                           static_cast<const T*>(dres), static_cast<T*>(dx), dw_partial,
+                           db_partial, rows, dim));
   return cudaGetLastError();
 }
 

@@ -11,6 +11,18 @@
 #include "model/families.h"
 
 namespace viaduct {
+namespace {
+
+// (s, norm(s)) for s = stream + pending, the add inside the norm (see Note
+// [Deferred residual add]); (stream, norm(stream)) with nothing pending.
+template <typename Norm>
+std::pair<at::Tensor, at::Tensor> norm_of(Norm& norm, const at::Tensor& stream,
+                                          const at::Tensor& pending) {
+  if (pending.defined()) return norm->forward_with_residual(stream, pending);
+  return {stream, norm->forward(stream)};
+}
+
+}  // namespace
 
 ChainBlockImpl::ChainBlockImpl(const ChainSpec& s, int64_t layer_id)
     : spec_(s), layer_id_(layer_id) {
@@ -85,20 +97,13 @@ ChainResidual ChainBlockImpl::forward_layer(const ChainResidual& x,
   auto ffn = [&](const at::Tensor& f) {
     return spec_.gelu_mlp ? gelu_->forward(f) : swiglu_->forward(f);
   };
-  if (spec_.layer_norm) {
-    VIADUCT_ASSERT(!x.pending.defined(), "a LayerNorm block got a pending residual term");
-    auto h = x.stream + attention_->forward(attention_ln_->forward(x.stream), documents);
-    return {h + ffn(ffn_ln_->forward(h)), {}};
-  }
-  // See Note [Deferred residual add]: s = stream + pending, summed in the norm.
-  at::Tensor s, a;
-  if (x.pending.defined()) {
-    std::tie(s, a) = attention_rms_->forward_with_residual(x.stream, x.pending);
-  } else {
-    s = x.stream;
-    a = attention_rms_->forward(s);
-  }
-  auto [h, f] = ffn_rms_->forward_with_residual(s, attention_->forward(a, documents));
+  // See Note [Deferred residual add]: s = stream + pending and h = s +
+  // attention, each summed in the norm that takes it.
+  const bool ln = spec_.layer_norm;
+  auto [s, a] = ln ? norm_of(attention_ln_, x.stream, x.pending)
+                   : norm_of(attention_rms_, x.stream, x.pending);
+  auto o = attention_->forward(a, documents);
+  auto [h, f] = ln ? norm_of(ffn_ln_, s, o) : norm_of(ffn_rms_, s, o);
   return {h, ffn(f)};
 }
 
@@ -210,9 +215,8 @@ at::Tensor ChainTransformer::trunk(const Activations& in) {
   // See Note [Deferred residual add]: the part's output is one tensor; the
   // final RMSNorm adds the last block's FFN output as it normalises.
   if (!has_head_) return x.sum();
-  if (norm_ln_) return norm_ln_->forward(x.sum());
-  if (x.pending.defined()) return norm_rms_->forward_with_residual(x.stream, x.pending).second;
-  return norm_rms_->forward(x.stream);
+  if (norm_ln_) return norm_of(norm_ln_, x.stream, x.pending).second;
+  return norm_of(norm_rms_, x.stream, x.pending).second;
 }
 
 Activations ChainTransformer::forward(const Activations& in) {

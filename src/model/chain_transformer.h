@@ -1,6 +1,6 @@
 // The pre-norm transformer whose residual is a chain (llama, gpt2): each
-// layer is x += attn(norm(x)); x += ffn(norm(x)) (with RMSNorm the second add
-// is made by the next norm: see Note [Deferred residual add]). The families
+// layer is x += attn(norm(x)); x += ffn(norm(x)) (each add made by the norm
+// after it: see Note [Deferred residual add]). The families
 // differ only in a ChainSpec, so both share this one implementation.
 #pragma once
 
@@ -39,12 +39,14 @@ struct ChainSpec {
 };
 
 // Note [Deferred residual add]
-// An RMSNorm block (llama) ends in x' = h + ffn(ffn_norm(h)), and the next
-// block starts with attention_norm(x'). The block returns the two terms
-// unsummed, {stream h, pending ffn output}, and the next block's attention
-// norm adds them as it normalises (ops::add_rms_norm: one kernel each way
-// where the kernels run, the two ATen ops elsewhere;
-// see Note [Residual add inside the norm]); on the part with the head the
+// A block ends in x' = h + ffn(ffn_norm(h)), and the next block starts with
+// attention_norm(x'). The block returns the two terms unsummed, {stream h,
+// pending ffn output}, and the next block's attention norm adds them as it
+// normalises (ops::add_rms_norm for llama's RMSNorm, ops::add_layer_norm
+// for gpt2's LayerNorm: one kernel each way where the kernels run, the two
+// ATen ops elsewhere; see Note [Residual add inside the norm]); the block's
+// own h = x + attention(...) is made the same way by its FFN norm. On the
+// part with the head the
 // final norm takes the last block's pair the same way. Forward, the sum is
 // rounded as the add rounded it; backward, x' has the same two uses (the
 // next block's attention norm, and the residual its h adds), whose
@@ -58,8 +60,7 @@ struct ChainSpec {
 //    at the end of its body, so it hands on one tensor made in the body
 //    (the fused norm's h is a view, which the checkpoint would copy to hang
 //    its node on).
-// The first block of a part gets nothing pending: a plain rms_norm.
-// LayerNorm blocks (gpt2) add inside the block and leave nothing pending.
+// The first block of a part gets nothing pending: a plain norm.
 struct ChainResidual {
   at::Tensor stream;   // [B, T, D]
   at::Tensor pending;  // [B, T, D], not yet added to `stream`; undefined: none

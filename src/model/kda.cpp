@@ -7,6 +7,7 @@
 #include "core/rng.h"
 #include "ops/l2_norm.h"
 #include "ops/linear.h"
+#include "ops/rms_norm.h"
 #include "ops/short_conv.h"
 
 namespace viaduct {
@@ -133,8 +134,7 @@ KdaRuleInputs KdaImpl::rule_inputs(const KdaProjections& p, const ops::Documents
   in.q = ops::l2_normalize(in.q, 1e-6, 1.0 / std::sqrt(static_cast<double>(d)), kernel_options_);
   in.k = ops::l2_normalize(in.k, 1e-6, 1.0, kernel_options_);
   // Per-channel log decay g = -exp(A_log) * softplus(f + dt_bias) <= 0.
-  auto f = linear(p.f, f_b, kernel_options_).to(st) + dt_bias.to(st);
-  in.g = -(A_log.to(st).exp().view({1, 1, H, 1})) * at::softplus(f.view({B, T, H, d}));
+  in.g = ops::kda_decay(linear(p.f, f_b, kernel_options_), dt_bias, A_log, kernel_options_);
   in.beta = at::sigmoid(p.b.to(st));  // [B, T, H]
   return in;
 }
@@ -143,11 +143,11 @@ at::Tensor KdaImpl::output(const KdaProjections& p, const at::Tensor& o) {
   // o: [B, T, H, dv]
   const auto B = p.q.size(0), T = p.q.size(1);
   const auto H = opts_.n_heads, d = opts_.head_dim;
-  const auto st = inner_type(p.q);
-  // Per-head RMSNorm, sigmoid gate, projection.
-  auto gate = at::sigmoid(linear(p.g, g_b, kernel_options_).to(st)).view({B, T, H, d});
-  auto y = o_norm(o) * gate;  // [B, T, H, dv]
-  return linear(y.reshape({B, T, H * d}).to(p.q.scalar_type()), o_proj, kernel_options_);
+  // Per-head RMSNorm times a sigmoid gate, then the projection.
+  auto gate_logits = linear(p.g, g_b, kernel_options_).view({B, T, H, d});
+  auto y = ops::gated_rms_norm(o, o_norm->weight, o_norm->eps_, gate_logits,
+                               p.q.scalar_type(), o_norm->kernel_options());  // [B, T, H, dv]
+  return linear(y.reshape({B, T, H * d}), o_proj, kernel_options_);
 }
 
 at::Tensor KdaImpl::forward(const at::Tensor& x, const ops::Documents* documents) {

@@ -52,6 +52,11 @@ at::Tensor LayerNormImpl::forward(const at::Tensor& x) {
   return ops::layer_norm(x, weight, bias, eps_, kernel_options_);
 }
 
+std::pair<at::Tensor, at::Tensor> LayerNormImpl::forward_with_residual(const at::Tensor& x,
+                                                                       const at::Tensor& res) {
+  return ops::add_layer_norm(x, res, weight, bias, eps_, kernel_options_);
+}
+
 AttentionImpl::AttentionImpl(const AttentionOptions& o) : opts_(o) {
   VIADUCT_CHECK(o.dim % o.n_heads == 0, "model.dim ", o.dim,
                 " must be divisible by model.n_heads ", o.n_heads);

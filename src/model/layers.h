@@ -44,6 +44,9 @@ class LayerNormImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   LayerNormImpl(int64_t dim, double eps);
   at::Tensor forward(const at::Tensor& x);
+  // (h, forward(h)) for h = x + res (ops::add_layer_norm).
+  std::pair<at::Tensor, at::Tensor> forward_with_residual(const at::Tensor& x,
+                                                          const at::Tensor& res);
   void reset_parameters();
   at::Tensor weight, bias;
   double eps_;

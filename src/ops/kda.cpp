@@ -312,6 +312,22 @@ at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return o.transpose(1, 2);  // [B, T, H, dv]
 }
 
+at::Tensor kda_decay(const at::Tensor& f, const at::Tensor& dt_bias, const at::Tensor& A_log,
+                     const KernelOptions& opts) {
+  if (fused_runs(f, opts) && kernels::kda_decay_usable(f, dt_bias, A_log)) {
+    return kernels::kda_decay(f, dt_bias, A_log);
+  }
+  const auto st = inner_type(f);
+  const auto H = A_log.size(0);
+  auto heads = f.sizes().vec();
+  heads.back() = H;
+  heads.push_back(f.size(-1) / H);
+  std::vector<int64_t> per_head(heads.size(), 1);
+  per_head[per_head.size() - 2] = H;
+  auto z = f.to(st) + dt_bias.to(st);
+  return -(A_log.to(st).exp().view(per_head)) * at::softplus(z.view(heads));
+}
+
 namespace {
 
 // Whether viaduct's kernels take the recurrence: fp32 inputs on a device

@@ -36,6 +36,13 @@ at::Tensor kda_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Ten
 at::Tensor kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
                        const at::Tensor& initial_state = {}, const at::Tensor& chunk_starts = {});
+// KDA's per-channel log-decay from its low-rank projection f [..., H dk]
+// (the f_b linear's output): g = -exp(A_log) softplus(f + dt_bias) as
+// [..., H, dk] in fp32 (fp64 for fp64 f); dt_bias [H dk], A_log [H]. One
+// kernel each way where the kernels take it; else the ATen ops in that
+// order.
+at::Tensor kda_decay(const at::Tensor& f, const at::Tensor& dt_bias, const at::Tensor& A_log,
+                     const KernelOptions& opts);
 // The op: viaduct's kernels (kernels/kda.h) for fp32 inputs on a GPU they
 // were built for, chunk 64 and dk = dv of 64 or 128; kda_chunked otherwise.
 // With `documents` (see Note [Document boundaries], ops/documents.h) the

@@ -23,4 +23,14 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Te
   return {h, rms_norm(h, weight, eps, k)};
 }
 
+at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                          const at::Tensor& gate_logits, at::ScalarType out,
+                          const KernelOptions& k) {
+  if (fused_runs(gate_logits, k) && out == gate_logits.scalar_type() &&
+      kernels::gated_rms_norm_usable(x, gate_logits, weight)) {
+    return kernels::gated_rms_norm(x, gate_logits, weight, eps);
+  }
+  return (rms_norm(x, weight, eps, k) * at::sigmoid(gate_logits.to(x.scalar_type()))).to(out);
+}
+
 }  // namespace viaduct::ops

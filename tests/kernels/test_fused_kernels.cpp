@@ -185,6 +185,53 @@ TEST(FusedKernels, LayerNormForwardBackward) {
   }
 }
 
+TEST(FusedKernels, AddLayerNormIsBitwiseTheTwoOps) {
+  REQUIRE_GPU();
+  // See Note [Residual add inside the norm]: (h, layer_norm(h)) for h = x +
+  // res and the gradients of x, res, the weight and the bias (h also used
+  // elsewhere, as on the residual) have the bits of the add followed by
+  // the LayerNorm kernel; and they match an fp64 reference.
+  for (int64_t D : {768, 300})
+  for (auto t : kTypes) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "dim " << D << " " << t << " seed " << seed);
+    auto [x, xr] = draw({3, 37, D}, t, 2.0);
+    auto [r, rr] = draw({3, 37, D}, t, 2.0);
+    const auto opt = at::TensorOptions(at::kCUDA);
+    auto w = (1.0 + 0.1 * at::randn({D}, opt)).requires_grad_(true);
+    auto b = (0.1 * at::randn({D}, opt)).requires_grad_(true);
+    const double eps = 1e-5;
+    auto gh = at::randn({3, 37, D}, opt).to(t);
+    auto gy = at::randn({3, 37, D}, opt).to(t);
+    poison();
+    auto [h, y] = kernels::add_layer_norm(x, r, w, b, eps);
+    torch::autograd::backward({h, y}, {gh, gy});
+    auto x2 = x.detach().clone().requires_grad_(true);
+    auto r2 = r.detach().clone().requires_grad_(true);
+    auto w2 = w.detach().clone().requires_grad_(true);
+    auto b2 = b.detach().clone().requires_grad_(true);
+    auto h2 = x2 + r2;
+    auto y2 = kernels::layer_norm(h2, w2, b2, eps);
+    torch::autograd::backward({h2, y2}, {gh, gy});
+    EXPECT_TRUE(at::equal(h, h2));
+    EXPECT_TRUE(at::equal(y, y2));
+    EXPECT_TRUE(at::equal(x.grad(), x2.grad()));
+    EXPECT_TRUE(at::equal(r.grad(), r2.grad()));
+    EXPECT_TRUE(at::equal(w.grad(), w2.grad()));
+    EXPECT_TRUE(at::equal(b.grad(), b2.grad()));
+    auto hr = xr + rr;
+    auto wr = w.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
+    auto br = b.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
+    auto yr = at::layer_norm(hr, {D}, wr, br, eps);
+    EXPECT_LT(rel_err(y, yr), bound(t));
+    torch::autograd::backward({hr, yr},
+                              {gh.to(at::kCPU, at::kDouble), gy.to(at::kCPU, at::kDouble)});
+    EXPECT_LT(rel_err(x.grad(), xr.grad()), bound(t));
+    EXPECT_LT(rel_err(w.grad(), wr.grad()), bound(t));
+    EXPECT_LT(rel_err(b.grad(), br.grad()), bound(t));
+  }
+}
+
 TEST(FusedKernels, RopeForwardBackward) {
   REQUIRE_GPU();
   const int64_t B = 2, T = 96, H = 6, hd = 64;

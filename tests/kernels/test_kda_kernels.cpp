@@ -17,6 +17,7 @@
 #include "kernels/kda.h"
 #include "model/kda.h"
 #include "ops/kda.h"
+#include "ops/rms_norm.h"
 #include "common/cuda_test.h"
 
 namespace viaduct {
@@ -343,6 +344,86 @@ TEST(KdaKernelsState, DocumentsInPlaceAreEachAlone) {
             << "gradient of " << kNames[i] << ", rel err " << rel_err(cut(grads[i]), ga[i]);
       }
     }
+  }
+}
+
+// The KDA layer's gates on their kernels against the ops' ATen forms in
+// fp64 on the CPU, f and the gate's logits in fp32 and bf16: outputs and
+// every gradient, and the same bits run to run. Some of the decay's
+// pre-activations are past softplus's threshold (20), where it is the
+// identity; the norm takes head widths of 64, 96 and 128.
+TEST(KdaGates, DecayForwardBackward) {
+  REQUIRE_GPU();
+  const int64_t H = 4, D = 64;
+  for (auto t : {at::kFloat, at::kBFloat16}) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << t << " seed " << seed);
+    const auto opt = at::TensorOptions(at::kCUDA);
+    auto f0 = at::randn({3, 70, H * D}, opt) * 3.0;
+    f0.view({-1}).narrow(0, 0, 40).fill_(25.0);
+    auto f = f0.to(t).requires_grad_(true);
+    auto bias = (at::randn({H * D}, opt) - 2.0).requires_grad_(true);
+    auto A = (at::rand({H}, opt) * std::log(16.0)).requires_grad_(true);
+    auto g = kernels::kda_decay(f, bias, A);
+    ASSERT_EQ(g.sizes(), (std::vector<int64_t>{3, 70, H, D}));
+    ASSERT_EQ(g.scalar_type(), at::kFloat);
+    auto cpu = [](const at::Tensor& x) {
+      return x.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
+    };
+    auto fr = cpu(f), br = cpu(bias), Ar = cpu(A);
+    auto gr = ops::kda_decay(fr, br, Ar, ops::KernelOptions{});
+    EXPECT_LT(rel_err(g, gr), 1e-5) << "g";
+    auto dg = at::randn(g.sizes(), opt);
+    g.backward(dg);
+    gr.backward(dg.to(at::kCPU, at::kDouble));
+    EXPECT_LT(rel_err(f.grad(), fr.grad()), t == at::kFloat ? 1e-5 : 1e-2) << "df";
+    EXPECT_LT(rel_err(bias.grad(), br.grad()), 1e-5) << "d dt_bias";
+    EXPECT_LT(rel_err(A.grad(), Ar.grad()), 1e-5) << "d A_log";
+    auto f2 = f.detach().requires_grad_(true), b2 = bias.detach().requires_grad_(true);
+    auto A2 = A.detach().requires_grad_(true);
+    auto g2 = kernels::kda_decay(f2, b2, A2);
+    g2.backward(dg);
+    EXPECT_TRUE(at::equal(g, g2));
+    EXPECT_TRUE(at::equal(f.grad(), f2.grad()));
+    EXPECT_TRUE(at::equal(bias.grad(), b2.grad()));
+    EXPECT_TRUE(at::equal(A.grad(), A2.grad()));
+  }
+}
+
+TEST(KdaGates, GatedNormForwardBackward) {
+  REQUIRE_GPU();
+  const double eps = 1e-5;
+  for (int64_t D : {64, 96, 128, 256})
+  for (auto t : {at::kFloat, at::kBFloat16}) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "D " << D << " " << t << " seed " << seed);
+    const auto opt = at::TensorOptions(at::kCUDA);
+    auto x = (at::randn({2, 37, 5, D}, opt) * 2.0).requires_grad_(true);
+    auto gl = (at::randn({2, 37, 5, D}, opt) * 2.0).to(t).requires_grad_(true);
+    auto w = (1.0 + 0.1 * at::randn({D}, opt)).requires_grad_(true);
+    auto y = kernels::gated_rms_norm(x, gl, w, eps);
+    ASSERT_EQ(y.scalar_type(), t);
+    auto cpu = [](const at::Tensor& v) {
+      return v.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
+    };
+    auto xr = cpu(x), glr = cpu(gl), wr = cpu(w);
+    auto yr = ops::gated_rms_norm(xr, wr, eps, glr, at::kDouble, ops::KernelOptions{});
+    const double out_bound = t == at::kFloat ? 1e-5 : 1e-2;
+    EXPECT_LT(rel_err(y, yr), out_bound) << "y";
+    auto dy = at::randn(y.sizes(), opt).to(t);
+    y.backward(dy);
+    yr.backward(dy.to(at::kCPU, at::kDouble));
+    EXPECT_LT(rel_err(x.grad(), xr.grad()), 1e-5) << "dx";
+    EXPECT_LT(rel_err(gl.grad(), glr.grad()), out_bound) << "d logits";
+    EXPECT_LT(rel_err(w.grad(), wr.grad()), 1e-5) << "dw";
+    auto x2 = x.detach().requires_grad_(true), gl2 = gl.detach().requires_grad_(true);
+    auto w2 = w.detach().requires_grad_(true);
+    auto y2 = kernels::gated_rms_norm(x2, gl2, w2, eps);
+    y2.backward(dy);
+    EXPECT_TRUE(at::equal(y, y2));
+    EXPECT_TRUE(at::equal(x.grad(), x2.grad()));
+    EXPECT_TRUE(at::equal(gl.grad(), gl2.grad()));
+    EXPECT_TRUE(at::equal(w.grad(), w2.grad()));
   }
 }
 

@@ -181,9 +181,10 @@ TEST(ChainTransformer, BlocksEqualTheExplicitResidualAddsBitwise) {
   }
 }
 
-// An RMSNorm block hands its FFN output on unadded, a LayerNorm block and a
-// checkpointed block one tensor (see Note [Deferred residual add]).
-TEST(ChainTransformer, OnlyUncheckpointedRMSNormBlocksLeaveTheirFfnOutputPending) {
+// A block hands its FFN output on unadded, llama's (RMSNorm) and gpt2's
+// (LayerNorm) alike; a checkpointed block one tensor (see Note [Deferred
+// residual add]).
+TEST(ChainTransformer, OnlyUncheckpointedBlocksLeaveTheirFfnOutputPending) {
   const auto x = torch::randn({kChainBatch, kChainSeq, kChainDim});
   auto block_output = [&](const std::string& family, const std::vector<std::string>& mode) {
     auto part = build_model_part(chain_config(family, mode), {"layers.0", "layers.1"});
@@ -194,19 +195,19 @@ TEST(ChainTransformer, OnlyUncheckpointedRMSNormBlocksLeaveTheirFfnOutputPending
     EXPECT_TRUE(y.stream.defined());
     return std::make_pair(y, b1->forward(y));
   };
-  auto [llama0, llama1] = block_output("llama", {});
-  EXPECT_TRUE(llama0.pending.defined());
-  EXPECT_TRUE(llama1.pending.defined());
-  auto [gpt0, gpt1] = block_output("gpt2", {});
-  EXPECT_FALSE(gpt0.pending.defined());
-  EXPECT_FALSE(gpt1.pending.defined());
-  // Every second layer checkpointed: layer 0 leaves its output pending,
-  // layer 1 adds it before its checkpoint and hands on one tensor.
-  auto [sel0, sel1] = block_output(
-      "llama",
-      {"activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option=2"});
-  EXPECT_TRUE(sel0.pending.defined());
-  EXPECT_FALSE(sel1.pending.defined());
+  for (const std::string family : {"llama", "gpt2"}) {
+    SCOPED_TRACE(family);
+    auto [plain0, plain1] = block_output(family, {});
+    EXPECT_TRUE(plain0.pending.defined());
+    EXPECT_TRUE(plain1.pending.defined());
+    // Every second layer checkpointed: layer 0 leaves its output pending,
+    // layer 1 adds it before its checkpoint and hands on one tensor.
+    auto [sel0, sel1] = block_output(
+        family,
+        {"activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option=2"});
+    EXPECT_TRUE(sel0.pending.defined());
+    EXPECT_FALSE(sel1.pending.defined());
+  }
 }
 
 }  // namespace
