@@ -19,14 +19,15 @@ __device__ __forceinline__ int64_t reach(const int32_t* __restrict__ offsets, in
   return offsets != nullptr ? offsets[b * Tn + t] : t;
 }
 
-// The pre-activation at token t of channel c: x points at (b, 0, c), wc at
-// w[c, 0]; taps in ascending j, those within `back` tokens of t.
+// The pre-activation at token t of channel c: x points at (b, 0, c), its
+// tokens xs apart, wc at w[c, 0]; taps in ascending j, those within `back`
+// tokens of t.
 template <typename T>
 __device__ __forceinline__ float conv_at(const T* __restrict__ x, const float* __restrict__ wc,
-                                         int64_t t, int64_t back, int64_t C, int K) {
+                                         int64_t t, int64_t back, int64_t xs, int K) {
   float z = 0.f;
   for (int j = 0; j < K; ++j) {
-    if (K - 1 - j <= back) z += wc[j] * load(x, (t - K + 1 + j) * C);
+    if (K - 1 - j <= back) z += wc[j] * load(x, (t - K + 1 + j) * xs);
   }
   return z;
 }
@@ -38,11 +39,11 @@ template <typename T>
 __global__ void __launch_bounds__(kElemThreads)
     forward_kernel(const T* __restrict__ x, const float* __restrict__ w,
                    const int32_t* __restrict__ offsets, T* __restrict__ y, int64_t n, int64_t Tn,
-                   int64_t C, int K) {
+                   int64_t C, int64_t xs, int K) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int64_t c = i % C, bt = i / C, t = bt % Tn, b = bt / Tn;
-  store(y, i, silu(conv_at(x + b * Tn * C + c, w + c * K, t, reach(offsets, b, t, Tn), C, K)));
+  store(y, i, silu(conv_at(x + b * Tn * xs + c, w + c * K, t, reach(offsets, b, t, Tn), xs, K)));
 }
 
 // dz = dy silu'(z), silu'(z) = s (1 + z (1 - s)), s = sigmoid(z).
@@ -50,11 +51,11 @@ template <typename T>
 __global__ void __launch_bounds__(kElemThreads)
     dz_kernel(const T* __restrict__ x, const float* __restrict__ w,
               const int32_t* __restrict__ offsets, const T* __restrict__ dy,
-              float* __restrict__ dz, int64_t n, int64_t Tn, int64_t C, int K) {
+              float* __restrict__ dz, int64_t n, int64_t Tn, int64_t C, int64_t xs, int K) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int64_t c = i % C, bt = i / C, t = bt % Tn, b = bt / Tn;
-  const float z = conv_at(x + b * Tn * C + c, w + c * K, t, reach(offsets, b, t, Tn), C, K);
+  const float z = conv_at(x + b * Tn * xs + c, w + c * K, t, reach(offsets, b, t, Tn), xs, K);
   const float s = 1.f / (1.f + expf(-z));
   dz[i] = load(dy, i) * (s * (1.f + z * (1.f - s)));
 }
@@ -86,13 +87,13 @@ template <typename T>
 __global__ void __launch_bounds__(kElemThreads)
     dw_partial_kernel(const T* __restrict__ x, const int32_t* __restrict__ offsets,
                       const float* __restrict__ dz, float* __restrict__ partial, int64_t Tn,
-                      int64_t C, int K, int64_t spans) {
+                      int64_t C, int64_t xs, int K, int64_t spans) {
   const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (c >= C) return;
   const int64_t p = blockIdx.y;  // b * spans + span
   const int64_t b = p / spans, t0 = (p % spans) * kShortConvTokensPerPartial;
   const int64_t t1 = t0 + kShortConvTokensPerPartial < Tn ? t0 + kShortConvTokensPerPartial : Tn;
-  const T* xc = x + b * Tn * C + c;
+  const T* xc = x + b * Tn * xs + c;
   const float* dzc = dz + b * Tn * C + c;
   float acc[kShortConvMaxTaps];
 #pragma unroll
@@ -102,7 +103,7 @@ __global__ void __launch_bounds__(kElemThreads)
     const int64_t back = reach(offsets, b, t, Tn);
 #pragma unroll
     for (int j = 0; j < kShortConvMaxTaps; ++j) {
-      if (j < K && K - 1 - j <= back) acc[j] += g * load(xc, (t - K + 1 + j) * C);
+      if (j < K && K - 1 - j <= back) acc[j] += g * load(xc, (t - K + 1 + j) * xs);
     }
   }
   float* out = partial + (p * C + c) * K;
@@ -127,24 +128,24 @@ unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kElemThreads 
 
 }  // namespace
 
-cudaError_t short_conv_silu_forward(DType dt, const void* x, const float* w,
+cudaError_t short_conv_silu_forward(DType dt, const void* x, int64_t xs, const float* w,
                                     const int32_t* offsets, void* y, int64_t B, int64_t Tn,
                                     int64_t C, int K, cudaStream_t stream) {
   const int64_t n = B * Tn * C;
   if (n == 0) return cudaSuccess;
-  if (K < 1 || K > kShortConvMaxTaps) return cudaErrorInvalidValue;
+  if (K < 1 || K > kShortConvMaxTaps || xs < C) return cudaErrorInvalidValue;
   VIADUCT_DISPATCH(dt, forward_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(
                            static_cast<const T*>(x), w, offsets, static_cast<T*>(y), n, Tn,
-                           C, K));
+                           C, xs, K));
   return cudaGetLastError();
 }
 
-cudaError_t short_conv_silu_backward(DType dt, const void* x, const float* w,
+cudaError_t short_conv_silu_backward(DType dt, const void* x, int64_t xs, const float* w,
                                      const int32_t* offsets, const void* dy, float* dz, void* dx,
                                      float* partial, float* dw, int64_t B, int64_t Tn, int64_t C,
                                      int K, cudaStream_t stream) {
   const int64_t n = B * Tn * C;
-  if (K < 1 || K > kShortConvMaxTaps) return cudaErrorInvalidValue;
+  if (K < 1 || K > kShortConvMaxTaps || xs < C) return cudaErrorInvalidValue;
   if (n == 0) return cudaMemsetAsync(dw, 0, sizeof(float) * C * K, stream);
   const int64_t spans = (Tn + kShortConvTokensPerPartial - 1) / kShortConvTokensPerPartial;
   const int64_t parts = B * spans;
@@ -152,12 +153,12 @@ cudaError_t short_conv_silu_backward(DType dt, const void* x, const float* w,
   VIADUCT_DISPATCH(dt, {
     const auto* xt = static_cast<const T*>(x);
     dz_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(
-        xt, w, offsets, static_cast<const T*>(dy), dz, n, Tn, C, K);
+        xt, w, offsets, static_cast<const T*>(dy), dz, n, Tn, C, xs, K);
     dx_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(w, offsets, dz,
                                                               static_cast<T*>(dx), n, Tn, C, K);
     const dim3 grid(blocks_for(C), static_cast<unsigned>(parts));
-    dw_partial_kernel<T><<<grid, kElemThreads, 0, stream>>>(xt, offsets, dz, partial, Tn, C, K,
-                                                             spans);
+    dw_partial_kernel<T><<<grid, kElemThreads, 0, stream>>>(xt, offsets, dz, partial, Tn, C, xs,
+                                                             K, spans);
   });
   dw_sum_kernel<<<blocks_for(C * K), kElemThreads, 0, stream>>>(partial, dw, C * K, parts);
   return cudaGetLastError();

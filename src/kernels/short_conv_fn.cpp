@@ -15,20 +15,30 @@ const int32_t* offsets_of(const at::Tensor& t) {
   return t.numel() ? t.data_ptr<int32_t>() : nullptr;
 }
 
+// x as the kernels read it: in place where its tokens are evenly spaced
+// rows of contiguous channels (a column slice of one wider projection,
+// see Note [One GEMM for the projections of one input], ops/linear.cpp),
+// else a contiguous copy.
+at::Tensor as_read(const at::Tensor& x) {
+  const auto T = x.size(1), C = x.size(2);
+  const bool rows = x.stride(2) == 1 && x.stride(1) >= C && x.stride(0) == T * x.stride(1);
+  return rows ? x : x.contiguous();
+}
+
 class ShortConvSiluFn : public torch::autograd::Function<ShortConvSiluFn> {
  public:
   // offsets: int32 [B, T], or a 0-size stand-in for none (an autograd
   // function takes no undefined inputs on LibTorch 2.x).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& offsets) {
-    auto xc = x.contiguous();
+    auto xc = as_read(x);
     auto w = weight.contiguous();
     ctx->save_for_backward({xc, w});
     ctx->saved_data["offsets"] = offsets;
-    auto y = at::empty_like(xc);
-    check_launch(cuda::short_conv_silu_forward(dtype_of(xc), xc.data_ptr(), w.data_ptr<float>(),
-                                               offsets_of(offsets), y.data_ptr(), xc.size(0),
-                                               xc.size(1), xc.size(2),
+    auto y = at::empty(xc.sizes(), xc.options());
+    check_launch(cuda::short_conv_silu_forward(dtype_of(xc), xc.data_ptr(), xc.stride(1),
+                                               w.data_ptr<float>(), offsets_of(offsets),
+                                               y.data_ptr(), xc.size(0), xc.size(1), xc.size(2),
                                                static_cast<int>(w.size(1)), stream_of(xc)),
                  "short_conv_silu_forward");
     return y;
@@ -43,10 +53,11 @@ class ShortConvSiluFn : public torch::autograd::Function<ShortConvSiluFn> {
     auto f32 = x.options().dtype(at::kFloat);
     auto dz = at::empty({B, T, C}, f32);
     auto partial = at::empty({cuda::short_conv_partials(B, T), C, K}, f32);
-    auto dx = at::empty_like(x);
+    auto dx = at::empty({B, T, C}, x.options());
     auto dw = at::empty({C, K}, f32);
     check_launch(cuda::short_conv_silu_backward(
-                     dtype_of(x), x.data_ptr(), w.data_ptr<float>(), offsets_of(offsets),
+                     dtype_of(x), x.data_ptr(), x.stride(1), w.data_ptr<float>(),
+                     offsets_of(offsets),
                      dy.data_ptr(),
                      dz.data_ptr<float>(), dx.data_ptr(), partial.data_ptr<float>(),
                      dw.data_ptr<float>(), B, T, C, static_cast<int>(K), stream_of(x)),

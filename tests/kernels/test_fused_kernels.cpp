@@ -1094,6 +1094,17 @@ TEST(FusedKernels, ShortConvSiluMatchesAtenConv) {
       ops::short_conv_silu(x2, w2, ops::KernelOptions{}).backward(dy);
       EXPECT_TRUE(at::equal(x2.grad(), x.grad()));
       EXPECT_TRUE(at::equal(w2.grad(), w.grad()));
+      // x as a column slice of a wider product (read in place, its tokens
+      // 3 C apart): the bits of the contiguous x.
+      auto wide = at::randn({B, T, 3 * C}, x.options()).detach();
+      wide.narrow(2, C, C).copy_(x.detach());
+      auto wide_leaf = wide.requires_grad_(true);
+      auto w3 = w.detach().requires_grad_(true);
+      auto y3 = ops::short_conv_silu(wide_leaf.narrow(2, C, C), w3, ops::KernelOptions{});
+      EXPECT_TRUE(at::equal(y3, y)) << "seed " << seed << " " << t;
+      y3.backward(dy);
+      EXPECT_TRUE(at::equal(wide_leaf.grad().narrow(2, C, C), x.grad()));
+      EXPECT_TRUE(at::equal(w3.grad(), w.grad()));
     }
   }
 }
