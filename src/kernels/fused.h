@@ -108,6 +108,15 @@ at::Tensor l2_normalize(const at::Tensor& x, double eps, double scale);
 bool short_conv_silu_usable(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight,
                            const at::Tensor& offsets = {});
+// The convolution, then each head's L2 norm (KDA's q and k): scale * u /
+// sqrt(sum over the head's head_dim channels of u^2 + eps), fp32 [B, T, C],
+// u the convolution's output in x's dtype; the bits of short_conv_silu then
+// l2_normalize, without u kept (the backward recomputes it).
+// short_conv_silu_l2_usable: as short_conv_silu_usable, with head_dim 32, 64
+// or 128 dividing C.
+bool short_conv_silu_l2_usable(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim);
+at::Tensor short_conv_silu_l2(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim,
+                              double eps, double scale, const at::Tensor& offsets = {});
 
 // The gradient of an embedding table [vocab, D] whose rows `tokens` (any
 // shape, int64) were read, from the fp32 gradient of those rows ([..., D]):

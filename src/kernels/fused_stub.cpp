@@ -38,6 +38,11 @@ bool short_conv_silu_usable(const at::Tensor&, const at::Tensor&) { return false
 at::Tensor short_conv_silu(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   no_cuda("short_conv_silu");
 }
+bool short_conv_silu_l2_usable(const at::Tensor&, const at::Tensor&, int64_t) { return false; }
+at::Tensor short_conv_silu_l2(const at::Tensor&, const at::Tensor&, int64_t, double, double,
+                              const at::Tensor&) {
+  no_cuda("short_conv_silu_l2");
+}
 at::Tensor embedding_weight_grad(const at::Tensor&, const at::Tensor&, int64_t) {
   no_cuda("embedding backward");
 }

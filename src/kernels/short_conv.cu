@@ -126,6 +126,97 @@ __global__ void __launch_bounds__(kElemThreads)
 
 unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kElemThreads - 1) / kElemThreads); }
 
+// With the L2 norm of each head's d = 32 J channels (KDA's q and k): a warp
+// per (token, head), lane l on channels l + 32 j. The convolution's output
+// is rounded to T where the convolution kernel stores it, and the norm
+// sums its squares in kernels/l2_norm.cu's order, so the results are the
+// bits of the two kernels run one after the other, without the T tensor
+// between them written and read back (or kept for the backward).
+constexpr int kNormRowsPerBlock = kElemThreads / 32;
+
+template <typename T, int J>
+__global__ void __launch_bounds__(kElemThreads)
+    l2_forward_kernel(const T* __restrict__ x, const float* __restrict__ w,
+                      const int32_t* __restrict__ offsets, float* __restrict__ y, int64_t rows,
+                      int64_t Tn, int64_t C, int64_t xs, int K, float eps, float scale) {
+  constexpr int d = 32 * J;
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kNormRowsPerBlock) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;  // a whole warp leaves together
+  const int64_t heads = C / d, bt = row / heads, h = row % heads, t = bt % Tn, b = bt / Tn;
+  const int64_t back = reach(offsets, b, t, Tn);
+  float v[J];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int64_t c = h * d + lane + 32 * j;
+    v[j] = round_as<T>(silu(conv_at(x + b * Tn * xs + c, w + c * K, t, back, xs, K)));
+    ss += v[j] * v[j];
+  }
+  const float r = rsqrtf(warp_sum(ss) + eps);
+#pragma unroll
+  for (int j = 0; j < J; ++j) y[bt * C + h * d + lane + 32 * j] = v[j] * r * scale;
+}
+
+// dz for the backward of the two: the norm's input gradient (rounded to T,
+// as the norm kernel stores it for the convolution) times silu'(z), z and
+// the norm's input recomputed from x.
+template <typename T, int J>
+__global__ void __launch_bounds__(kElemThreads)
+    l2_dz_kernel(const T* __restrict__ x, const float* __restrict__ w,
+                 const int32_t* __restrict__ offsets, const float* __restrict__ dy,
+                 float* __restrict__ dz, int64_t rows, int64_t Tn, int64_t C, int64_t xs, int K,
+                 float eps, float scale) {
+  constexpr int d = 32 * J;
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kNormRowsPerBlock) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const int64_t heads = C / d, bt = row / heads, h = row % heads, t = bt % Tn, b = bt / Tn;
+  const int64_t back = reach(offsets, b, t, Tn);
+  float z[J], v[J], g[J];
+  float ss = 0.f, dot = 0.f;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int64_t c = h * d + lane + 32 * j;
+    z[j] = conv_at(x + b * Tn * xs + c, w + c * K, t, back, xs, K);
+    v[j] = round_as<T>(silu(z[j]));
+    g[j] = dy[bt * C + c];
+    ss += v[j] * v[j];
+    dot += g[j] * v[j];
+  }
+  const float r = rsqrtf(warp_sum(ss) + eps);
+  dot = warp_sum(dot);
+  const float r3dot = r * r * r * dot;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const float dv = round_as<T>(scale * (r * g[j] - v[j] * r3dot));
+    const float s = 1.f / (1.f + expf(-z[j]));
+    dz[bt * C + h * d + lane + 32 * j] = dv * (s * (1.f + z[j] * (1.f - s)));
+  }
+}
+
+#define VIADUCT_SHORT_CONV_J(d_, ...)                    \
+  switch ((d_) / 32) {                                   \
+    case 1: { constexpr int J = 1; __VA_ARGS__; break; } \
+    case 2: { constexpr int J = 2; __VA_ARGS__; break; } \
+    case 4: { constexpr int J = 4; __VA_ARGS__; break; } \
+    default: return cudaErrorInvalidValue;               \
+  }
+
+// dx and dw from dz, as the plain backward's last three launches.
+template <typename T>
+void dx_dw_from_dz(const T* x, int64_t xs, const float* w, const int32_t* offsets,
+                   const float* dz, T* dx, float* partial, float* dw, int64_t B, int64_t Tn,
+                   int64_t C, int K, cudaStream_t stream) {
+  const int64_t n = B * Tn * C;
+  const int64_t spans = (Tn + kShortConvTokensPerPartial - 1) / kShortConvTokensPerPartial;
+  dx_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(w, offsets, dz, dx, n, Tn, C, K);
+  const dim3 grid(blocks_for(C), static_cast<unsigned>(B * spans));
+  dw_partial_kernel<T><<<grid, kElemThreads, 0, stream>>>(x, offsets, dz, partial, Tn, C, xs, K,
+                                                           spans);
+  dw_sum_kernel<<<blocks_for(C * K), kElemThreads, 0, stream>>>(partial, dw, C * K, B * spans);
+}
+
 }  // namespace
 
 cudaError_t short_conv_silu_forward(DType dt, const void* x, int64_t xs, const float* w,
@@ -154,13 +245,48 @@ cudaError_t short_conv_silu_backward(DType dt, const void* x, int64_t xs, const 
     const auto* xt = static_cast<const T*>(x);
     dz_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(
         xt, w, offsets, static_cast<const T*>(dy), dz, n, Tn, C, xs, K);
-    dx_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(w, offsets, dz,
-                                                              static_cast<T*>(dx), n, Tn, C, K);
-    const dim3 grid(blocks_for(C), static_cast<unsigned>(parts));
-    dw_partial_kernel<T><<<grid, kElemThreads, 0, stream>>>(xt, offsets, dz, partial, Tn, C, xs,
-                                                             K, spans);
+    dx_dw_from_dz<T>(xt, xs, w, offsets, dz, static_cast<T*>(dx), partial, dw, B, Tn, C, K,
+                     stream);
   });
-  dw_sum_kernel<<<blocks_for(C * K), kElemThreads, 0, stream>>>(partial, dw, C * K, parts);
+  return cudaGetLastError();
+}
+
+cudaError_t short_conv_silu_l2_forward(DType dt, const void* x, int64_t xs, const float* w,
+                                       const int32_t* offsets, float* y, int64_t B, int64_t Tn,
+                                       int64_t C, int K, int64_t head_dim, float eps,
+                                       float scale, cudaStream_t stream) {
+  if (K < 1 || K > kShortConvMaxTaps || xs < C || head_dim <= 0 || C % head_dim != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t rows = B * Tn * (C / head_dim);
+  if (rows == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>((rows + kNormRowsPerBlock - 1) / kNormRowsPerBlock);
+  VIADUCT_SHORT_CONV_J(head_dim, VIADUCT_DISPATCH(dt, l2_forward_kernel<T, J>
+                                                  <<<blocks, kElemThreads, 0, stream>>>(
+                                                      static_cast<const T*>(x), w, offsets, y,
+                                                      rows, Tn, C, xs, K, eps, scale)));
+  return cudaGetLastError();
+}
+
+cudaError_t short_conv_silu_l2_backward(DType dt, const void* x, int64_t xs, const float* w,
+                                        const int32_t* offsets, const float* dy, float* dz,
+                                        void* dx, float* partial, float* dw, int64_t B,
+                                        int64_t Tn, int64_t C, int K, int64_t head_dim,
+                                        float eps, float scale, cudaStream_t stream) {
+  if (K < 1 || K > kShortConvMaxTaps || xs < C || head_dim <= 0 || C % head_dim != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t rows = B * Tn * (C / head_dim);
+  if (rows == 0) return cudaMemsetAsync(dw, 0, sizeof(float) * C * K, stream);
+  if (short_conv_partials(B, Tn) > 65535) return cudaErrorInvalidValue;  // grid.y
+  const unsigned blocks = static_cast<unsigned>((rows + kNormRowsPerBlock - 1) / kNormRowsPerBlock);
+  VIADUCT_SHORT_CONV_J(head_dim, VIADUCT_DISPATCH(dt, {
+    const auto* xt = static_cast<const T*>(x);
+    l2_dz_kernel<T, J><<<blocks, kElemThreads, 0, stream>>>(xt, w, offsets, dy, dz, rows, Tn, C,
+                                                             xs, K, eps, scale);
+    dx_dw_from_dz<T>(xt, xs, w, offsets, dz, static_cast<T*>(dx), partial, dw, B, Tn, C, K,
+                     stream);
+  }));
   return cudaGetLastError();
 }
 

@@ -37,4 +37,21 @@ cudaError_t short_conv_silu_backward(DType dt, const void* x, int64_t xs, const 
                                      float* partial, float* dw, int64_t B, int64_t T, int64_t C,
                                      int K, cudaStream_t stream);
 
+// The convolution followed by the L2 norm of each head's head_dim channels
+// (KDA's q and k: C = heads * head_dim, head_dim 32, 64 or 128): y [B, T,
+// C] fp32 = scale * u / sqrt(sum over the head of u^2 + eps), u the
+// convolution's output rounded to dt. The bits of short_conv_silu_forward
+// then l2_norm_forward (kernels/l2_norm.h), without u in memory.
+cudaError_t short_conv_silu_l2_forward(DType dt, const void* x, int64_t xs, const float* w,
+                                       const int32_t* offsets, float* y, int64_t B, int64_t T,
+                                       int64_t C, int K, int64_t head_dim, float eps,
+                                       float scale, cudaStream_t stream);
+// Its backward from dy [B, T, C] fp32: the bits of l2_norm_backward then
+// short_conv_silu_backward (dz, partial scratch as there).
+cudaError_t short_conv_silu_l2_backward(DType dt, const void* x, int64_t xs, const float* w,
+                                        const int32_t* offsets, const float* dy, float* dz,
+                                        void* dx, float* partial, float* dw, int64_t B,
+                                        int64_t T, int64_t C, int K, int64_t head_dim,
+                                        float eps, float scale, cudaStream_t stream);
+
 }  // namespace viaduct::cuda

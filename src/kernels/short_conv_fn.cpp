@@ -66,6 +66,67 @@ class ShortConvSiluFn : public torch::autograd::Function<ShortConvSiluFn> {
   }
 };
 
+// The convolution and each head's L2 norm (see short_conv_silu_l2 in
+// kernels/fused.h): saves x (as read) and the weight; the norm's input is
+// recomputed in the backward.
+class ShortConvSiluL2Fn : public torch::autograd::Function<ShortConvSiluL2Fn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& offsets, int64_t head_dim, double eps,
+                            double scale) {
+    auto xc = as_read(x);
+    auto w = weight.contiguous();
+    ctx->save_for_backward({xc, w});
+    ctx->saved_data["offsets"] = offsets;
+    ctx->saved_data["head_dim"] = head_dim;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["scale"] = scale;
+    auto y = at::empty(xc.sizes(), xc.options().dtype(at::kFloat));
+    check_launch(cuda::short_conv_silu_l2_forward(
+                     dtype_of(xc), xc.data_ptr(), xc.stride(1), w.data_ptr<float>(),
+                     offsets_of(offsets), y.data_ptr<float>(), xc.size(0), xc.size(1),
+                     xc.size(2), static_cast<int>(w.size(1)), head_dim, static_cast<float>(eps),
+                     static_cast<float>(scale), stream_of(xc)),
+                 "short_conv_silu_l2_forward");
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &w = saved[1];
+    const auto offsets = ctx->saved_data["offsets"].toTensor();
+    const auto B = x.size(0), T = x.size(1), C = x.size(2);
+    const auto K = w.size(1);
+    auto dy = grads[0].to(at::kFloat).contiguous();
+    auto f32 = x.options().dtype(at::kFloat);
+    auto dz = at::empty({B, T, C}, f32);
+    auto partial = at::empty({cuda::short_conv_partials(B, T), C, K}, f32);
+    auto dx = at::empty({B, T, C}, x.options());
+    auto dw = at::empty({C, K}, f32);
+    check_launch(cuda::short_conv_silu_l2_backward(
+                     dtype_of(x), x.data_ptr(), x.stride(1), w.data_ptr<float>(),
+                     offsets_of(offsets), dy.data_ptr<float>(), dz.data_ptr<float>(),
+                     dx.data_ptr(), partial.data_ptr<float>(), dw.data_ptr<float>(), B, T, C,
+                     static_cast<int>(K), ctx->saved_data["head_dim"].toInt(),
+                     static_cast<float>(ctx->saved_data["eps"].toDouble()),
+                     static_cast<float>(ctx->saved_data["scale"].toDouble()), stream_of(x)),
+                 "short_conv_silu_l2_backward");
+    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// offsets: undefined, or checked int32 [B, T] on x's device; as the
+// functions take it (a 0-size stand-in for none).
+at::Tensor offsets_arg(const at::Tensor& x, const at::Tensor& offsets) {
+  if (!offsets.defined()) return at::empty({0}, x.options().dtype(at::kInt));
+  VIADUCT_CHECK(offsets.scalar_type() == at::kInt && offsets.device() == x.device() &&
+                    offsets.dim() == 2 && offsets.size(0) == x.size(0) &&
+                    offsets.size(1) == x.size(1) && offsets.is_contiguous(),
+                "fused short_conv_silu: document offsets must be contiguous int32 [B, T] = [",
+                x.size(0), ", ", x.size(1), "] on ", x.device(), ", got ", offsets.sizes(), " ",
+                offsets.scalar_type(), " on ", offsets.device());
+  return offsets;
+}
+
 }  // namespace
 
 bool short_conv_silu_usable(const at::Tensor& x, const at::Tensor& weight) {
@@ -82,16 +143,23 @@ at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight,
                 "fused short_conv_silu: x must be [B, T, C] on a CUDA device the kernels were "
                 "built for and the weight fp32 [C, K] with K <= ",
                 cuda::kShortConvMaxTaps, "; got x ", x.sizes(), ", weight ", weight.sizes());
-  if (!offsets.defined()) {
-    return ShortConvSiluFn::apply(x, weight, at::empty({0}, x.options().dtype(at::kInt)));
-  }
-  VIADUCT_CHECK(offsets.scalar_type() == at::kInt && offsets.device() == x.device() &&
-                    offsets.dim() == 2 && offsets.size(0) == x.size(0) &&
-                    offsets.size(1) == x.size(1) && offsets.is_contiguous(),
-                "fused short_conv_silu: document offsets must be contiguous int32 [B, T] = [",
-                x.size(0), ", ", x.size(1), "] on ", x.device(), ", got ", offsets.sizes(), " ",
-                offsets.scalar_type(), " on ", offsets.device());
-  return ShortConvSiluFn::apply(x, weight, offsets);
+  return ShortConvSiluFn::apply(x, weight, offsets_arg(x, offsets));
+}
+
+bool short_conv_silu_l2_usable(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim) {
+  return short_conv_silu_usable(x, weight) &&
+         (head_dim == 32 || head_dim == 64 || head_dim == 128) && x.size(2) % head_dim == 0;
+}
+
+at::Tensor short_conv_silu_l2(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim,
+                              double eps, double scale, const at::Tensor& offsets) {
+  RECORD_FUNCTION("viaduct::short_conv_silu_l2", std::vector<c10::IValue>());  // named in profiles
+  VIADUCT_CHECK(short_conv_silu_l2_usable(x, weight, head_dim),
+                "fused short_conv_silu_l2: x must be [B, T, C] on a CUDA device the kernels were "
+                "built for, C a multiple of a head width of 32, 64 or 128 (got ", head_dim,
+                "), the weight fp32 [C, K] with K <= ", cuda::kShortConvMaxTaps, "; got x ",
+                x.sizes(), ", weight ", weight.sizes());
+  return ShortConvSiluL2Fn::apply(x, weight, offsets_arg(x, offsets), head_dim, eps, scale);
 }
 
 }  // namespace viaduct::kernels

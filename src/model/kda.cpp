@@ -5,7 +5,6 @@
 
 #include "core/check.h"
 #include "core/rng.h"
-#include "ops/l2_norm.h"
 #include "ops/linear.h"
 #include "ops/rms_norm.h"
 #include "ops/short_conv.h"
@@ -128,11 +127,12 @@ KdaRuleInputs KdaImpl::rule_inputs(const KdaProjections& p, const ops::Documents
   const auto H = opts_.n_heads, d = opts_.head_dim;
   const auto st = inner_type(p.q);
   KdaRuleInputs in;
-  in.q = q_conv->forward(p.q, documents).view({B, T, H, d});
-  in.k = k_conv->forward(p.k, documents).view({B, T, H, d});
+  // q and k: the convolution and the L2 norm per head (q scaled by dk^-1/2).
+  in.q = ops::short_conv_silu_l2(p.q, q_conv->weight, d, 1e-6,
+                                 1.0 / std::sqrt(static_cast<double>(d)), kernel_options_,
+                                 documents);
+  in.k = ops::short_conv_silu_l2(p.k, k_conv->weight, d, 1e-6, 1.0, kernel_options_, documents);
   in.v = v_conv->forward(p.v, documents).view({B, T, H, d});
-  in.q = ops::l2_normalize(in.q, 1e-6, 1.0 / std::sqrt(static_cast<double>(d)), kernel_options_);
-  in.k = ops::l2_normalize(in.k, 1e-6, 1.0, kernel_options_);
   // Per-channel log decay g = -exp(A_log) * softplus(f + dt_bias) <= 0.
   in.g = ops::kda_decay(linear(p.f, f_b, kernel_options_), dt_bias, A_log, kernel_options_);
   in.beta = at::sigmoid(p.b.to(st));  // [B, T, H]

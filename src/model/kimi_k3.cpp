@@ -492,15 +492,14 @@ namespace {
 // w1 x, w3 x and product and its weighted output, the router's scores and
 // the shared experts' SwiGLU; a dense layer its SwiGLU. KDA (hk = H dk,
 // chunk C) as its kernels run it: the short convolutions' inputs and
-// pre-activations (6 hk), q and k before their L2 norm in fp32 (4 hk), the
-// decay's input (hk: the kernel recomputes softplus), the output gate's
-// logits (hk) and the output norm's input in fp32 (2 hk: one kernel for
-// both) and the output projection's input (hk), the two low-rank maps'
-// outputs (2 dk) and beta in fp32 (2 H); and the chunk scan's saved set,
-// all fp32: q, k, v, g (8 hk),
-// the two WY terms (4 hk), q and k with their decay applied (4 hk), v' (2
-// hk), three C x C matrices per chunk and head (6 C H) and the chunk states
-// (2 hk dk / C). AttnRes reads are left out (their sources are the block
+// pre-activations (6 hk; q's and k's convolution and L2 norm keep nothing
+// between them), the decay's input (hk: the kernel recomputes softplus),
+// the output gate's logits (hk) and the output norm's input in fp32 (2 hk:
+// one kernel for both) and the output projection's input (hk), the two
+// low-rank maps' outputs (2 dk) and beta in fp32 (2 H); and the chunk
+// scan's saved set, all fp32: q, k, v, g (8 hk), the two WY terms (4 hk),
+// q and k with their decay applied (4 hk), v' (2 hk), three C x C matrices
+// per chunk and head (6 C H) and the chunk states (2 hk dk / C). AttnRes reads are left out (their sources are the block
 // stack). saved_values_per_token below sums these per layer.
 
 // The chunk scan's saved set (see above), which "op" keeps as well.
@@ -514,7 +513,7 @@ double kda_scan_saved_values_per_token(const KdaOptions& k) {
 double kda_saved_values_per_token(const KdaOptions& k) {
   const double hk = static_cast<double>(k.n_heads * k.head_dim);
   const double H = static_cast<double>(k.n_heads), dk = static_cast<double>(k.head_dim);
-  return 15.0 * hk + 2.0 * dk + 2.0 * H + kda_scan_saved_values_per_token(k);
+  return 11.0 * hk + 2.0 * dk + 2.0 * H + kda_scan_saved_values_per_token(k);
 }
 
 double saved_values_per_token(const KimiK3Options& o, int64_t layer) {

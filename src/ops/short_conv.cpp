@@ -2,6 +2,7 @@
 
 #include "core/check.h"
 #include "kernels/fused.h"
+#include "ops/l2_norm.h"
 
 namespace viaduct::ops {
 
@@ -33,6 +34,24 @@ at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight, const 
   at::Tensor y = xp.narrow(1, 0, T) * w.select(1, 0);
   for (int64_t j = 1; j < K; ++j) y = y + xp.narrow(1, j, T) * w.select(1, j);
   return at::silu(y).to(x.scalar_type());
+}
+
+at::Tensor short_conv_silu_l2(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim,
+                              double eps, double scale, const KernelOptions& k,
+                              const Documents* documents) {
+  VIADUCT_CHECK(x.dim() == 3 && head_dim > 0 && x.size(2) % head_dim == 0,
+                "short convolution with an L2 norm per head of ", head_dim,
+                " channels: x must be [B, T, C] with C a multiple of it, got ", x.sizes());
+  const auto B = x.size(0), T = x.size(1), H = x.size(2) / head_dim;
+  const bool docs_fit = documents == nullptr ||
+                        (documents->rows() == B && documents->seq_len() == T);
+  if (fused_runs(x, k) && docs_fit && kernels::short_conv_silu_l2_usable(x, weight, head_dim)) {
+    const auto offsets = documents != nullptr ? documents->offsets(x.device()) : at::Tensor();
+    return kernels::short_conv_silu_l2(x, weight, head_dim, eps, scale, offsets)
+        .view({B, T, H, head_dim});
+  }
+  return l2_normalize(short_conv_silu(x, weight, k, documents).view({B, T, H, head_dim}), eps,
+                      scale, k);
 }
 
 }  // namespace viaduct::ops

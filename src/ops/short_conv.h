@@ -17,5 +17,13 @@ namespace viaduct::ops {
 // before each document's first token instead.
 at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight, const KernelOptions& k,
                            const Documents* documents = nullptr);
+// The convolution, then l2_normalize (ops/l2_norm.h) of each head's
+// head_dim channels: [B, T, C / head_dim, head_dim] in fp32 (fp64 for fp64
+// x). One kernel each way where the kernels take the shape (the bits of
+// the two kernels, the convolution's output never stored); else the two
+// ops.
+at::Tensor short_conv_silu_l2(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim,
+                              double eps, double scale, const KernelOptions& k,
+                              const Documents* documents = nullptr);
 
 }  // namespace viaduct::ops

@@ -1145,6 +1145,54 @@ TEST(FusedKernels, ShortConvOverDocumentsIsEachDocumentAlone) {
   }
 }
 
+// The convolution with each head's L2 norm in one kernel each way (KDA's q
+// and k) against the convolution kernel followed by the L2 norm kernel:
+// the output and the gradients of x and the weight bit for bit, for x
+// contiguous and as a column slice of a wider product, with and without
+// documents, heads of 32, 64 and 128.
+TEST(FusedKernels, ShortConvL2IsBitwiseTheTwoKernels) {
+  REQUIRE_GPU();
+  const int64_t B = 2, T = 150, K = 4;
+  auto starts = at::zeros({B, T}, at::kBool);
+  for (const int64_t t : {1, 40, 149}) starts[0][t] = true;
+  starts[1][77] = true;
+  const ops::Documents docs(starts, true);
+  for (int64_t d : {32, 64, 128})
+  for (auto t : kTypes)
+  for (const bool slice : {false, true})
+  for (const bool with_docs : {false, true}) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "d " << d << " " << t << " slice " << slice << " docs "
+                                    << with_docs << " seed " << seed);
+    const int64_t C = 3 * d;
+    const auto opt = at::TensorOptions(at::kCUDA);
+    auto wide = at::randn({B, T, slice ? 2 * C : C}, opt.dtype(t));
+    auto w = (at::randn({C, K}, opt) * 0.5);
+    const auto offsets = with_docs ? docs.offsets(at::kCUDA) : at::Tensor();
+    const double eps = 1e-6, scale = 1.0 / std::sqrt(static_cast<double>(d));
+    auto run = [&](bool fused) {
+      auto xl = wide.detach().requires_grad_(true);
+      auto wl = w.detach().requires_grad_(true);
+      auto x = slice ? xl.narrow(2, C / 2, C) : xl;
+      auto y = fused ? kernels::short_conv_silu_l2(x, wl, d, eps, scale, offsets)
+                     : kernels::l2_normalize(
+                           kernels::short_conv_silu(x, wl, offsets).view({B, T, C / d, d}), eps,
+                           scale)
+                           .view({B, T, C});
+      return std::make_tuple(y, xl, wl);
+    };
+    auto [y, x, wf] = run(true);
+    auto [y2, x2, w2] = run(false);
+    ASSERT_EQ(y.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(y, y2));
+    auto dy = at::randn(y.sizes(), opt);
+    y.backward(dy);
+    y2.backward(dy);
+    EXPECT_TRUE(at::equal(x.grad(), x2.grad()));
+    EXPECT_TRUE(at::equal(wf.grad(), w2.grad()));
+  }
+}
+
 // The table's gradient against a host loop that adds each token's rows in
 // increasing row order (the kernel's order: equal bits), and against
 // ATen's embedding backward (another order: close). Token 7 takes a third of
