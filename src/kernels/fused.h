@@ -235,12 +235,14 @@ at::Tensor moe_router(const at::Tensor& x, const at::Tensor& w);
 // moe_combine: ys [rows, D], gates [N, K] fp32 -> [N, D]: sum over j of
 // bf16(gates[n, j]) * ys[pos[n K + j]], the ATen form
 // (ys.index_select(0, pos).view(N, K, D) * gates.to(bf16).unsqueeze(-1)).sum(1)
-// in one pass; gradients to ys and gates.
+// in one pass; gradients to ys and gates. base (undefined: none) [N, D]:
+// added to that sum in the same pass, the bits of the sum and then the
+// add (the shared experts' output); its gradient is the output's.
 bool moe_permute_usable(const at::Tensor& x);
 at::Tensor moe_permute(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& row_slot,
                        int64_t k);
 at::Tensor moe_combine(const at::Tensor& ys, const at::Tensor& gates, const at::Tensor& pos,
-                       const at::Tensor& row_slot);
+                       const at::Tensor& row_slot, const at::Tensor& base = {});
 
 // One AdamW step in place on contiguous fp32 CUDA tensors (the formulas of
 // AdamW::step's loop; bias_corr_i = 1 - beta_i^step). `low`, when defined (a

@@ -93,7 +93,7 @@ at::Tensor moe_permute(const at::Tensor&, const at::Tensor&, const at::Tensor&, 
   no_cuda("moe_permute");
 }
 at::Tensor moe_combine(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&) {
+                       const at::Tensor&, const at::Tensor&) {
   no_cuda("moe_combine");
 }
 bool moe_topk_usable(const at::Tensor&, int64_t) { return false; }

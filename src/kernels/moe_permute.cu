@@ -56,8 +56,9 @@ __global__ void permute_backward_kernel(const __nv_bfloat16* __restrict__ dout,
 
 __global__ void combine_kernel(const __nv_bfloat16* __restrict__ ys,
                                const int64_t* __restrict__ pos,
-                               const __nv_bfloat16* __restrict__ g, int64_t N, int64_t vecs, int K,
-                               __nv_bfloat16* __restrict__ out) {
+                               const __nv_bfloat16* __restrict__ g,
+                               const __nv_bfloat16* __restrict__ base, int64_t N, int64_t vecs,
+                               int K, __nv_bfloat16* __restrict__ out) {
   const int64_t D = vecs * kVec;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < N * vecs;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -74,6 +75,12 @@ __global__ void combine_kernel(const __nv_bfloat16* __restrict__ ys,
       for (int e = 0; e < kVec; ++e) {
         acc[e] = __fadd_rn(acc[e], round_as<__nv_bfloat16>(__fmul_rn(v[e], gate)));
       }
+    }
+    if (base != nullptr) {  // the sum rounded as stored, then the add's fp32 sum
+      float b[kVec];
+      load_n<__nv_bfloat16, kVec>(base, n * D + c * kVec, b);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[e] = __fadd_rn(round_as<__nv_bfloat16>(acc[e]), b[e]);
     }
     store_n<__nv_bfloat16, kVec>(out, n * D + c * kVec, acc);
   }
@@ -154,14 +161,16 @@ cudaError_t moe_permute_backward(const void* dout, const int64_t* pos, int64_t N
   return cudaGetLastError();
 }
 
-cudaError_t moe_combine(const void* ys, const int64_t* pos, const void* g, int64_t N, int64_t D,
-                        int K, void* out, cudaStream_t stream) {
-  if (!rows_ok(ys, D) || !aligned16(out) || K < 1) return cudaErrorInvalidValue;
+cudaError_t moe_combine(const void* ys, const int64_t* pos, const void* g, const void* base,
+                        int64_t N, int64_t D, int K, void* out, cudaStream_t stream) {
+  if (!rows_ok(ys, D) || !aligned16(out) || !aligned16(base) || K < 1) {
+    return cudaErrorInvalidValue;
+  }
   if (N == 0) return cudaSuccess;
   const int64_t vecs = D / kVec;
   combine_kernel<<<elementwise_blocks(N * vecs), kElemThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(ys), pos, static_cast<const __nv_bfloat16*>(g), N, vecs,
-      K, static_cast<__nv_bfloat16*>(out));
+      static_cast<const __nv_bfloat16*>(ys), pos, static_cast<const __nv_bfloat16*>(g),
+      static_cast<const __nv_bfloat16*>(base), N, vecs, K, static_cast<__nv_bfloat16*>(out));
   return cudaGetLastError();
 }
 

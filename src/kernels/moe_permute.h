@@ -20,9 +20,11 @@ cudaError_t moe_permute(const void* x, const int64_t* row_slot, int64_t rows, in
 cudaError_t moe_permute_backward(const void* dout, const int64_t* pos, int64_t N, int64_t D,
                                  int K, void* dx, cudaStream_t stream);
 // out [N, D]: out[n] = sum over j ascending of bf16(ys[pos[n K + j]] * g[n K + j])
-// in fp32, rounded once. ys [rows, D], g [N K] bf16.
-cudaError_t moe_combine(const void* ys, const int64_t* pos, const void* g, int64_t N, int64_t D,
-                        int K, void* out, cudaStream_t stream);
+// in fp32, rounded once. ys [rows, D], g [N K] bf16. With base [N, D]
+// (null: none): out[n] = bf16(bf16(that sum) + base[n]), the bits of the
+// sum followed by an add of base.
+cudaError_t moe_combine(const void* ys, const int64_t* pos, const void* g, const void* base,
+                        int64_t N, int64_t D, int K, void* out, cudaStream_t stream);
 // The gradients of moe_combine: dys [rows, D], row r = bf16(dout[s / K] *
 // g[s]) for s = row_slot[r], zeros where s < 0; dg [N K] fp32: the bf16
 // rounding of sum_d bf16(dout[s / K, d] * ys[pos[s], d]), each slot's sum

@@ -52,19 +52,24 @@ class PermuteFn : public torch::autograd::Function<PermuteFn> {
 
 class CombineFn : public torch::autograd::Function<CombineFn> {
  public:
+  // base: [N, D] added after the sum, or a 0-size stand-in for none (an
+  // autograd function takes no undefined inputs on LibTorch 2.x).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& ys,
                             const at::Tensor& gates, const at::Tensor& pos,
-                            const at::Tensor& row_slot) {
+                            const at::Tensor& row_slot, const at::Tensor& base) {
     auto yc = ys.contiguous();
     const int64_t N = gates.size(0), k = gates.size(1), D = yc.size(1);
     // The gates in the rows' dtype, as the ATen form's gates.to(bf16).
     auto gb = gates.detach().to(yc.scalar_type()).contiguous();
+    auto bc = base.numel() ? base.contiguous() : at::Tensor();
     auto out = at::empty({N, D}, yc.options());
-    check_launch(cuda::moe_combine(yc.data_ptr(), pos.data_ptr<int64_t>(), gb.data_ptr(), N, D,
+    check_launch(cuda::moe_combine(yc.data_ptr(), pos.data_ptr<int64_t>(), gb.data_ptr(),
+                                   bc.defined() ? bc.data_ptr() : nullptr, N, D,
                                    static_cast<int>(k), out.data_ptr(), stream_of(yc)),
                  "moe_combine");
     ctx->save_for_backward({yc, gb, pos, row_slot});
     ctx->saved_data["gates_dtype"] = static_cast<int64_t>(gates.scalar_type());
+    ctx->saved_data["has_base"] = bc.defined();
     return out;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -82,7 +87,10 @@ class CombineFn : public torch::autograd::Function<CombineFn> {
                                             dg.data_ptr<float>(), stream_of(ys)),
                  "moe_combine_backward");
     const auto gates_dtype = static_cast<at::ScalarType>(ctx->saved_data["gates_dtype"].toInt());
-    return {dys, dg.to(gates_dtype), at::Tensor(), at::Tensor()};
+    // The add passes its gradient to base unchanged.
+    const bool has_base = ctx->saved_data["has_base"].toBool();
+    return {dys, dg.to(gates_dtype), at::Tensor(), at::Tensor(),
+            has_base ? dout : at::Tensor()};
   }
 };
 
@@ -106,7 +114,7 @@ at::Tensor moe_permute(const at::Tensor& x, const at::Tensor& pos, const at::Ten
 }
 
 at::Tensor moe_combine(const at::Tensor& ys, const at::Tensor& gates, const at::Tensor& pos,
-                       const at::Tensor& row_slot) {
+                       const at::Tensor& row_slot, const at::Tensor& base) {
   RECORD_FUNCTION("viaduct::moe_combine", std::vector<c10::IValue>());  // named in profiles
   check_rows(ys, "moe_combine");
   check_index(pos, ys, "pos");
@@ -117,7 +125,15 @@ at::Tensor moe_combine(const at::Tensor& ys, const at::Tensor& gates, const at::
                 "fused moe_combine: gates [N, K] on the rows' device with pos [N K] and "
                 "row_slot [rows]; got gates ", gates.sizes(), ", pos ", pos.sizes(),
                 ", row_slot ", row_slot.sizes(), ", rows ", ys.sizes());
-  return CombineFn::apply(ys, gates, pos.contiguous(), row_slot.contiguous());
+  VIADUCT_CHECK(!base.defined() ||
+                    (base.scalar_type() == ys.scalar_type() && base.device() == ys.device() &&
+                     base.dim() == 2 && base.size(0) == gates.size(0) &&
+                     base.size(1) == ys.size(1)),
+                "fused moe_combine: the added base must be [N, D] = [", gates.size(0), ", ",
+                ys.size(1), "] of the rows' dtype and device; got ", base.sizes());
+  const auto none = at::empty({0}, ys.options());
+  return CombineFn::apply(ys, gates, pos.contiguous(), row_slot.contiguous(),
+                          base.defined() ? base : none);
 }
 
 }  // namespace viaduct::kernels

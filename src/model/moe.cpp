@@ -227,13 +227,16 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     // the tokens; their gradients are summed back over the K copies.
     auto slots = xf.unsqueeze(1).expand({N, K, D}).reshape({N * K, D});
     y = ops::combine_experts(experts_over_ranks(slots, eo, keep.defined()).view({N, K, D}), w);
+    if (shared_expert) y = y + shared_expert(xf);
   } else {
+    // The shared experts' output is added to the routed experts' combine.
+    std::function<at::Tensor()> shared;
+    if (shared_expert) shared = [&] { return shared_expert(xf); };
     auto r = ops::moe_experts(xf, idx, w, keep, {experts->w1, experts->w2, experts->w3},
-                              kernel_options_);
+                              kernel_options_, shared);
     count_tokens(r.routed);
     y = r.out;
   }
-  if (shared_expert) y = y + shared_expert(xf);
   return y.view(x.sizes());
 }
 

@@ -164,7 +164,8 @@ at::Tensor expert_chain(const at::Tensor& x, const at::Tensor& w1, const at::Ten
 }  // namespace
 
 MoeExperts moe_experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& gates,
-                       const at::Tensor& keep, const ExpertWeights& w, const KernelOptions& k) {
+                       const at::Tensor& keep, const ExpertWeights& w, const KernelOptions& k,
+                       const std::function<at::Tensor()>& add) {
   const auto D = x.size(-1), N = idx.size(0), K = idx.size(1);
   const auto E = w.w1.size(0), hidden = w.w1.size(1);
   MoeExperts r;
@@ -184,7 +185,10 @@ MoeExperts moe_experts(const at::Tensor& x, const at::Tensor& idx, const at::Ten
     auto xs = kernels::moe_permute(x, d.pos, row_slot, K);
     auto ys = grouped_swiglu_experts(xs, d.offs, w, k);
     auto g = keep.defined() ? gates * keep.view({N, K}).to(gates.scalar_type()) : gates;
-    r.out = kernels::moe_combine(ys, g, d.pos, row_slot);
+    const auto a = add ? add() : at::Tensor();
+    const bool add_in = a.defined() && a.scalar_type() == ys.scalar_type();
+    r.out = kernels::moe_combine(ys, g, d.pos, row_slot, add_in ? a : at::Tensor());
+    if (a.defined() && !add_in) r.out = r.out + a;
     return r;
   }
   // Every slot's row (slot n K + j is token n's j-th choice), as copies of
@@ -221,6 +225,7 @@ MoeExperts moe_experts(const at::Tensor& x, const at::Tensor& idx, const at::Ten
   auto sorted_out = at::cat(outs, 0);  // [kept, D]
   auto y = to_slot_order(sorted_out, eo.order, N * K, keep.defined()).view({N, K, D});
   r.out = combine_experts(y, gates);
+  if (add) r.out = r.out + add();
   return r;
 }
 

@@ -58,8 +58,14 @@ struct MoeExperts {
   at::Tensor out;     // [N, D]
   at::Tensor routed;  // [E] int64: every routed copy per expert (before drops)
 };
+// `add` (empty: none) makes a [N, D] tensor added to the combined output
+// (the shared experts' output): where the kernels run, made before the
+// combine and added in its pass; elsewhere made after it and added (the
+// order of the separate ops, so autograd sums x's gradients in the same
+// order). The bits of the add either way.
 MoeExperts moe_experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& gates,
-                       const at::Tensor& keep, const ExpertWeights& w, const KernelOptions& k);
+                       const at::Tensor& keep, const ExpertWeights& w, const KernelOptions& k,
+                       const std::function<at::Tensor()>& add = {});
 
 // See Note [Expert parallelism] (model/moe.h): the local experts (of width
 // `hidden`) of an expert-parallel rank on the rows it received, rows [R, D]

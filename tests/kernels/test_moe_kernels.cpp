@@ -201,6 +201,18 @@ TEST(MoeRouting, PermuteAndCombineKernelsMatchTheirAtenForms) {
     auto out2 = kernels::moe_combine(ys.detach(), gates.detach().requires_grad_(true), d.pos,
                                      row_slot);
     EXPECT_TRUE(at::equal(out, out2));
+    // With a base added in the same pass (the shared experts' output): the
+    // bits of the combine followed by the add, and the base's gradient is
+    // the output's; ys' and the gates' gradients those of the plain combine.
+    auto base = at::randn({N, D}, bf).requires_grad_(true);
+    auto ys3 = ys.detach().clone().requires_grad_(true);
+    auto g3 = gates.detach().clone().requires_grad_(true);
+    auto out3 = kernels::moe_combine(ys3, g3, d.pos, row_slot, base);
+    EXPECT_TRUE(at::equal(out3, out2 + base.detach()));
+    out3.backward(dout);
+    EXPECT_TRUE(at::equal(base.grad(), dout));
+    EXPECT_TRUE(at::equal(ys3.grad(), ys.grad()));
+    EXPECT_TRUE(at::equal(g3.grad(), gates.grad()));
   }
 }
 
