@@ -74,6 +74,20 @@ __device__ __forceinline__ void add_rounded(const T* p, int64_t i, float (&v)[N]
   for (int k = 0; k < N; ++k) v[k] = a[k] + round_as<T>(v[k]);
 }
 
+// The L2 norm's per-element terms (kernels/l2_norm.cu, and the short
+// convolution fused with it): the running sums of v^2 and g v, and an
+// element's input gradient scale (r g - v r^3 dot), each rounding spelled
+// out so that every kernel that uses them forms the same bits (no fused
+// multiply-add chosen differently per kernel).
+__device__ __forceinline__ void l2_sums(float v, float g, float& ss, float& dot) {
+  ss = __fmaf_rn(v, v, ss);
+  dot = __fmaf_rn(g, v, dot);
+}
+__device__ __forceinline__ float l2_input_grad(float r, float g, float v, float r3dot,
+                                               float scale) {
+  return __fmul_rn(scale, __fsub_rn(__fmul_rn(r, g), __fmul_rn(v, r3dot)));
+}
+
 // Sum over the warp by a butterfly: every lane ends with the same bits
 // (each step adds the same two values, in either order).
 __device__ __forceinline__ float warp_sum(float v) {

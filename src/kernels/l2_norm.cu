@@ -16,14 +16,11 @@ __global__ void __launch_bounds__(kRowThreads)
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
   const T* xr = x + row * d;
-  float ss = 0.f;
-  for (int64_t c = lane; c < d; c += 32) {
-    const float v = load(xr, c);
-    ss += v * v;
-  }
+  float ss = 0.f, unused = 0.f;
+  for (int64_t c = lane; c < d; c += 32) l2_sums(load(xr, c), 0.f, ss, unused);
   const float r = rsqrtf(warp_sum(ss) + eps);
   float* yr = y + row * d;
-  for (int64_t c = lane; c < d; c += 32) yr[c] = load(xr, c) * r * scale;
+  for (int64_t c = lane; c < d; c += 32) yr[c] = __fmul_rn(__fmul_rn(load(xr, c), r), scale);
 }
 
 template <typename T>
@@ -36,17 +33,13 @@ __global__ void __launch_bounds__(kRowThreads)
   const T* xr = x + row * d;
   const float* gr = dy + row * d;
   float ss = 0.f, dot = 0.f;
-  for (int64_t c = lane; c < d; c += 32) {
-    const float v = load(xr, c);
-    ss += v * v;
-    dot += gr[c] * v;
-  }
+  for (int64_t c = lane; c < d; c += 32) l2_sums(load(xr, c), gr[c], ss, dot);
   const float r = rsqrtf(warp_sum(ss) + eps);
   dot = warp_sum(dot);
-  const float r3dot = r * r * r * dot;
+  const float r3dot = __fmul_rn(__fmul_rn(__fmul_rn(r, r), r), dot);
   T* out = dx + row * d;
   for (int64_t c = lane; c < d; c += 32) {
-    store(out, c, scale * (r * gr[c] - load(xr, c) * r3dot));
+    store(out, c, l2_input_grad(r, gr[c], load(xr, c), r3dot, scale));
   }
 }
 

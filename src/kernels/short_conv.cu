@@ -34,6 +34,12 @@ __device__ __forceinline__ float conv_at(const T* __restrict__ x, const float* _
 
 // silu(z) = z / (1 + e^-z), as ATen's CUDA silu forms it in fp32.
 __device__ __forceinline__ float silu(float z) { return z / (1.f + expf(-z)); }
+// silu'(z) = s (1 + z (1 - s)), s = sigmoid(z), each rounding spelled out
+// (the plain and the L2-fused backward form the same bits).
+__device__ __forceinline__ float silu_grad(float z) {
+  const float s = __frcp_rn(__fadd_rn(1.f, expf(-z)));
+  return __fmul_rn(s, __fadd_rn(1.f, __fmul_rn(z, __fsub_rn(1.f, s))));
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kElemThreads)
@@ -56,8 +62,7 @@ __global__ void __launch_bounds__(kElemThreads)
   if (i >= n) return;
   const int64_t c = i % C, bt = i / C, t = bt % Tn, b = bt / Tn;
   const float z = conv_at(x + b * Tn * xs + c, w + c * K, t, reach(offsets, b, t, Tn), xs, K);
-  const float s = 1.f / (1.f + expf(-z));
-  dz[i] = load(dy, i) * (s * (1.f + z * (1.f - s)));
+  dz[i] = __fmul_rn(load(dy, i), silu_grad(z));
 }
 
 // dx[b, t, c] = sum_j w[c, j] dz[b, t + K - 1 - j, c] over the taps that
@@ -146,16 +151,18 @@ __global__ void __launch_bounds__(kElemThreads)
   const int64_t heads = C / d, bt = row / heads, h = row % heads, t = bt % Tn, b = bt / Tn;
   const int64_t back = reach(offsets, b, t, Tn);
   float v[J];
-  float ss = 0.f;
+  float ss = 0.f, unused = 0.f;
 #pragma unroll
   for (int j = 0; j < J; ++j) {
     const int64_t c = h * d + lane + 32 * j;
     v[j] = round_as<T>(silu(conv_at(x + b * Tn * xs + c, w + c * K, t, back, xs, K)));
-    ss += v[j] * v[j];
+    l2_sums(v[j], 0.f, ss, unused);
   }
   const float r = rsqrtf(warp_sum(ss) + eps);
 #pragma unroll
-  for (int j = 0; j < J; ++j) y[bt * C + h * d + lane + 32 * j] = v[j] * r * scale;
+  for (int j = 0; j < J; ++j) {
+    y[bt * C + h * d + lane + 32 * j] = __fmul_rn(__fmul_rn(v[j], r), scale);
+  }
 }
 
 // dz for the backward of the two: the norm's input gradient (rounded to T,
@@ -181,17 +188,15 @@ __global__ void __launch_bounds__(kElemThreads)
     z[j] = conv_at(x + b * Tn * xs + c, w + c * K, t, back, xs, K);
     v[j] = round_as<T>(silu(z[j]));
     g[j] = dy[bt * C + c];
-    ss += v[j] * v[j];
-    dot += g[j] * v[j];
+    l2_sums(v[j], g[j], ss, dot);
   }
   const float r = rsqrtf(warp_sum(ss) + eps);
   dot = warp_sum(dot);
-  const float r3dot = r * r * r * dot;
+  const float r3dot = __fmul_rn(__fmul_rn(__fmul_rn(r, r), r), dot);
 #pragma unroll
   for (int j = 0; j < J; ++j) {
-    const float dv = round_as<T>(scale * (r * g[j] - v[j] * r3dot));
-    const float s = 1.f / (1.f + expf(-z[j]));
-    dz[bt * C + h * d + lane + 32 * j] = dv * (s * (1.f + z[j] * (1.f - s)));
+    const float dv = round_as<T>(l2_input_grad(r, g[j], v[j], r3dot, scale));
+    dz[bt * C + h * d + lane + 32 * j] = __fmul_rn(dv, silu_grad(z[j]));
   }
 }
 
@@ -255,7 +260,8 @@ cudaError_t short_conv_silu_l2_forward(DType dt, const void* x, int64_t xs, cons
                                        const int32_t* offsets, float* y, int64_t B, int64_t Tn,
                                        int64_t C, int K, int64_t head_dim, float eps,
                                        float scale, cudaStream_t stream) {
-  if (K < 1 || K > kShortConvMaxTaps || xs < C || head_dim <= 0 || C % head_dim != 0) {
+  if (K < 1 || K > kShortConvMaxTaps || xs < C ||
+      (head_dim != 32 && head_dim != 64 && head_dim != 128) || C % head_dim != 0) {
     return cudaErrorInvalidValue;
   }
   const int64_t rows = B * Tn * (C / head_dim);
@@ -273,7 +279,8 @@ cudaError_t short_conv_silu_l2_backward(DType dt, const void* x, int64_t xs, con
                                         void* dx, float* partial, float* dw, int64_t B,
                                         int64_t Tn, int64_t C, int K, int64_t head_dim,
                                         float eps, float scale, cudaStream_t stream) {
-  if (K < 1 || K > kShortConvMaxTaps || xs < C || head_dim <= 0 || C % head_dim != 0) {
+  if (K < 1 || K > kShortConvMaxTaps || xs < C ||
+      (head_dim != 32 && head_dim != 64 && head_dim != 128) || C % head_dim != 0) {
     return cudaErrorInvalidValue;
   }
   const int64_t rows = B * Tn * (C / head_dim);

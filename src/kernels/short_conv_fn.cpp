@@ -121,7 +121,7 @@ at::Tensor offsets_arg(const at::Tensor& x, const at::Tensor& offsets) {
   VIADUCT_CHECK(offsets.scalar_type() == at::kInt && offsets.device() == x.device() &&
                     offsets.dim() == 2 && offsets.size(0) == x.size(0) &&
                     offsets.size(1) == x.size(1) && offsets.is_contiguous(),
-                "fused short_conv_silu: document offsets must be contiguous int32 [B, T] = [",
+                "fused short convolution: document offsets must be contiguous int32 [B, T] = [",
                 x.size(0), ", ", x.size(1), "] on ", x.device(), ", got ", offsets.sizes(), " ",
                 offsets.scalar_type(), " on ", offsets.device());
   return offsets;

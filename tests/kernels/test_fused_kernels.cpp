@@ -1152,18 +1152,19 @@ TEST(FusedKernels, ShortConvOverDocumentsIsEachDocumentAlone) {
 // documents, heads of 32, 64 and 128.
 TEST(FusedKernels, ShortConvL2IsBitwiseTheTwoKernels) {
   REQUIRE_GPU();
-  const int64_t B = 2, T = 150, K = 4;
+  const int64_t B = 2, T = 150;
   auto starts = at::zeros({B, T}, at::kBool);
   for (const int64_t t : {1, 40, 149}) starts[0][t] = true;
   starts[1][77] = true;
   const ops::Documents docs(starts, true);
+  for (int64_t K : {4, 2})
   for (int64_t d : {32, 64, 128})
   for (auto t : kTypes)
   for (const bool slice : {false, true})
   for (const bool with_docs : {false, true}) {
     const auto seed = fresh_seed();
-    SCOPED_TRACE(testing::Message() << "d " << d << " " << t << " slice " << slice << " docs "
-                                    << with_docs << " seed " << seed);
+    SCOPED_TRACE(testing::Message() << "K " << K << " d " << d << " " << t << " slice " << slice
+                                    << " docs " << with_docs << " seed " << seed);
     const int64_t C = 3 * d;
     const auto opt = at::TensorOptions(at::kCUDA);
     auto wide = at::randn({B, T, slice ? 2 * C : C}, opt.dtype(t));
@@ -1185,6 +1186,11 @@ TEST(FusedKernels, ShortConvL2IsBitwiseTheTwoKernels) {
     auto [y2, x2, w2] = run(false);
     ASSERT_EQ(y.scalar_type(), at::kFloat);
     EXPECT_TRUE(at::equal(y, y2));
+    // The op the layer calls takes the fused kernel: the same bits.
+    auto xo = slice ? wide.narrow(2, C / 2, C) : wide;
+    auto yo = ops::short_conv_silu_l2(xo, w, d, eps, scale, ops::KernelOptions{},
+                                      with_docs ? &docs : nullptr);
+    EXPECT_TRUE(at::equal(yo.reshape({B, T, C}), y));
     auto dy = at::randn(y.sizes(), opt);
     y.backward(dy);
     y2.backward(dy);
