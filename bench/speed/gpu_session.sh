@@ -23,7 +23,7 @@
 # test_kernels), kdadocs (120: KDA over packed documents against fla's
 # chunk_kda with cu_seqlens, bench/layers/kda_session.sh's docs section,
 # ANCHOR a copy of ../shared/anchors/kda; then layer_bench --doc-mean 1024
-# for the attention and KDA layers), doccost (480: block_causal's cost,
+# for the attention and KDA layers), doccost (120 a cell and round of DOC_ROUNDS: block_causal's cost,
 # run_single_gpu.sh's DOC_CELLS, default "1Bdocs k3docs"), fashion (420:
 # scripts/fashion_mnist.sh on the GPU, FASHION_STEPS (3000) steps of 64,
 # with FASHION_MNIST the folder of the four .gz files carried, then
@@ -217,7 +217,9 @@ part_fashion() {
   N=${N:-2000} OUT=/tmp/vs_prep bash bench/data_prepare_images.sh "$B" 2>&1 | tail -8 | tee -a "$SUM"
 }
 # The parts run in the order PARTS names them.
-declare -A ESTIMATE=([build]=90 [tests]=15 [probe]=60 [sbs]=240 [readnorm]=200 [sbs1Bab]=330 [profile]=70 [k3profile]=110 [k3gemmprofile]=60 [offload]=150 [doctests]=20 [kdadocs]=120 [doccost]=480 [fashion]=420 [graphs]=420)
+# doccost: ~120 s a cell per round of its two modes (DOC_ROUNDS, default 2).
+doc_cells=(${DOC_CELLS:-1Bdocs k3docs})
+declare -A ESTIMATE=([build]=90 [tests]=15 [probe]=60 [sbs]=240 [readnorm]=200 [sbs1Bab]=330 [profile]=70 [k3profile]=110 [k3gemmprofile]=60 [offload]=150 [doctests]=20 [kdadocs]=120 [doccost]=$((${#doc_cells[@]} * 120 * ${DOC_ROUNDS:-2})) [fashion]=420 [graphs]=420)
 for part in $PARTS; do
   if [ -z "${ESTIMATE[$part]:-}" ]; then
     note "## $part: no such part (parts: build tests probe sbs readnorm sbs1Bab profile k3profile k3gemmprofile offload doctests kdadocs doccost fashion)"
