@@ -26,4 +26,26 @@ inline void check_launch(cudaError_t err, const char* what) {
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// The incoming gradients of a norm with its residual add inside, (h,
+// norm(h)) for h = x + res (see Note [Residual add inside the norm],
+// kernels/rms_norm_fn.cpp), as [rows, D] rows of h2's dtype: dres, h's own
+// (undefined where h had no other use), and dy, the norm's (zeros where
+// none); `sizes`: the shape of x and res, for their gradient.
+struct ResidualNormGrads {
+  at::Tensor dres, dy;
+  std::vector<int64_t> sizes;
+};
+inline ResidualNormGrads residual_norm_grads(const torch::autograd::variable_list& grads,
+                                             const at::Tensor& h2) {
+  const auto rows = h2.size(0), D = h2.size(1);
+  auto as_rows = [&](const at::Tensor& g) {
+    return g.defined() ? g.contiguous().view({rows, D}).to(h2.scalar_type()) : g;
+  };
+  ResidualNormGrads r;
+  r.sizes = (grads[1].defined() ? grads[1] : grads[0]).sizes().vec();
+  r.dres = as_rows(grads[0]);
+  r.dy = grads[1].defined() ? as_rows(grads[1]) : at::zeros_like(h2);
+  return r;
+}
+
 }  // namespace viaduct::kernels

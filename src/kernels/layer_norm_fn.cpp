@@ -92,15 +92,9 @@ class AddLayerNormFn : public torch::autograd::Function<AddLayerNormFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &h2 = saved[0], &wc = saved[1], &mean = saved[2], &rstd = saved[3];
-    const auto rows = h2.size(0), D = h2.size(1);
-    const auto sizes = grads[1].defined() ? grads[1].sizes() : grads[0].sizes();
-    auto as_rows = [&](const at::Tensor& g) {
-      return g.defined() ? g.contiguous().view({rows, D}).to(h2.scalar_type()) : g;
-    };
-    auto dres = as_rows(grads[0]);
-    auto dy = grads[1].defined() ? as_rows(grads[1]) : at::zeros_like(h2);
-    auto [dx, dw, db] = norm_backward(dy, h2, wc, mean, rstd, dres);
-    auto out = dx.view(sizes);
+    const auto g = residual_norm_grads(grads, h2);
+    auto [dx, dw, db] = norm_backward(g.dy, h2, wc, mean, rstd, g.dres);
+    auto out = dx.view(g.sizes);
     return {out, out, dw, db, at::Tensor()};
   }
 };

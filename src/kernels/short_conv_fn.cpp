@@ -25,6 +25,21 @@ at::Tensor as_read(const at::Tensor& x) {
   return rows ? x : x.contiguous();
 }
 
+// The backward's outputs and scratch for x [B, T, C] and the weight [C,
+// K]: dz fp32 and the weight gradient's partial sums (scratch), dx in x's
+// dtype, dw fp32.
+struct ConvGrads {
+  at::Tensor dz, partial, dx, dw;
+  ConvGrads(const at::Tensor& x, const at::Tensor& w) {
+    const auto B = x.size(0), T = x.size(1), C = x.size(2), K = w.size(1);
+    const auto f32 = x.options().dtype(at::kFloat);
+    dz = at::empty({B, T, C}, f32);
+    partial = at::empty({cuda::short_conv_partials(B, T), C, K}, f32);
+    dx = at::empty({B, T, C}, x.options());
+    dw = at::empty({C, K}, f32);
+  }
+};
+
 class ShortConvSiluFn : public torch::autograd::Function<ShortConvSiluFn> {
  public:
   // offsets: int32 [B, T], or a 0-size stand-in for none (an autograd
@@ -50,19 +65,14 @@ class ShortConvSiluFn : public torch::autograd::Function<ShortConvSiluFn> {
     const auto B = x.size(0), T = x.size(1), C = x.size(2);
     const auto K = w.size(1);
     auto dy = grads[0].to(x.scalar_type()).contiguous();
-    auto f32 = x.options().dtype(at::kFloat);
-    auto dz = at::empty({B, T, C}, f32);
-    auto partial = at::empty({cuda::short_conv_partials(B, T), C, K}, f32);
-    auto dx = at::empty({B, T, C}, x.options());
-    auto dw = at::empty({C, K}, f32);
+    ConvGrads g(x, w);
     check_launch(cuda::short_conv_silu_backward(
                      dtype_of(x), x.data_ptr(), x.stride(1), w.data_ptr<float>(),
-                     offsets_of(offsets),
-                     dy.data_ptr(),
-                     dz.data_ptr<float>(), dx.data_ptr(), partial.data_ptr<float>(),
-                     dw.data_ptr<float>(), B, T, C, static_cast<int>(K), stream_of(x)),
+                     offsets_of(offsets), dy.data_ptr(), g.dz.data_ptr<float>(), g.dx.data_ptr(),
+                     g.partial.data_ptr<float>(), g.dw.data_ptr<float>(), B, T, C,
+                     static_cast<int>(K), stream_of(x)),
                  "short_conv_silu_backward");
-    return {dx, dw, at::Tensor()};
+    return {g.dx, g.dw, at::Tensor()};
   }
 };
 
@@ -97,20 +107,16 @@ class ShortConvSiluL2Fn : public torch::autograd::Function<ShortConvSiluL2Fn> {
     const auto B = x.size(0), T = x.size(1), C = x.size(2);
     const auto K = w.size(1);
     auto dy = grads[0].to(at::kFloat).contiguous();
-    auto f32 = x.options().dtype(at::kFloat);
-    auto dz = at::empty({B, T, C}, f32);
-    auto partial = at::empty({cuda::short_conv_partials(B, T), C, K}, f32);
-    auto dx = at::empty({B, T, C}, x.options());
-    auto dw = at::empty({C, K}, f32);
+    ConvGrads g(x, w);
     check_launch(cuda::short_conv_silu_l2_backward(
                      dtype_of(x), x.data_ptr(), x.stride(1), w.data_ptr<float>(),
-                     offsets_of(offsets), dy.data_ptr<float>(), dz.data_ptr<float>(),
-                     dx.data_ptr(), partial.data_ptr<float>(), dw.data_ptr<float>(), B, T, C,
+                     offsets_of(offsets), dy.data_ptr<float>(), g.dz.data_ptr<float>(),
+                     g.dx.data_ptr(), g.partial.data_ptr<float>(), g.dw.data_ptr<float>(), B, T, C,
                      static_cast<int>(K), ctx->saved_data["head_dim"].toInt(),
                      static_cast<float>(ctx->saved_data["eps"].toDouble()),
                      static_cast<float>(ctx->saved_data["scale"].toDouble()), stream_of(x)),
                  "short_conv_silu_l2_backward");
-    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {g.dx, g.dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
