@@ -43,9 +43,9 @@ at::Tensor short_conv_silu_l2(const at::Tensor& x, const at::Tensor& weight, int
                 "short convolution with an L2 norm per head of ", head_dim,
                 " channels: x must be [B, T, C] with C a multiple of it, got ", x.sizes());
   const auto B = x.size(0), T = x.size(1), H = x.size(2) / head_dim;
-  const bool docs_fit = documents == nullptr ||
-                        (documents->rows() == B && documents->seq_len() == T);
-  if (fused_runs(x, k) && docs_fit && kernels::short_conv_silu_l2_usable(x, weight, head_dim)) {
+  // Documents of another shape than x are refused on either path (the
+  // kernels' offsets check, short_conv_silu's).
+  if (fused_runs(x, k) && kernels::short_conv_silu_l2_usable(x, weight, head_dim)) {
     const auto offsets = documents != nullptr ? documents->offsets(x.device()) : at::Tensor();
     return kernels::short_conv_silu_l2(x, weight, head_dim, eps, scale, offsets)
         .view({B, T, H, head_dim});
