@@ -59,6 +59,15 @@ at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::T
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                 int64_t repeat = 1);
 
+// q, k and v rotated and repeated for attention from one qkv product
+// [B, T, (H + 2 KV) hd] (q's H heads, then k's and v's KV heads; the last
+// dimension dense): {rope(q), rope(k, H / KV), repeat_heads(v, H / KV)},
+// each contiguous [B, T, H, hd], bit for bit those three ops (v copied
+// where KV == H); the backward writes the product's gradient as one tensor
+// (see Note [The qkv gradient written whole], kernels/rope_fn.cpp).
+std::vector<at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
+                                 const at::Tensor& sin, int64_t H, int64_t KV);
+
 // x [B, T, KV, hd] (the last dim contiguous, other strides free) ->
 // contiguous [B, T, KV * repeat, hd], each head written `repeat` times (as
 // repeat_interleave on dim 2); the backward sums each head's copies in

@@ -11,26 +11,36 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// repeat > 0: each head of x written `repeat` times (the forward of a
-// grouped-KV rotation); repeat < 0: each run of -repeat heads summed (its
-// backward); 1: a plain rotation.
-at::Tensor rope_launch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                       bool inverse, int64_t repeat) {
-  // Strided input (SDPA's transposed gradients, q/k sliced from one qkv
-  // projection) is read in place; only a non-unit last stride is copied.
+// Output head h of y [B, T, H_out, hd] (token pitch yT, see cuda::rope)
+// from x's heads as cuda::rope combines them: repeat > 0 each head of x
+// written `repeat` times (the forward of a grouped-KV rotation); repeat < 0
+// each run of -repeat heads summed (its backward); 1 a plain rotation.
+// Undefined tables: no rotation (repeat_heads). Strided x (SDPA's
+// transposed gradients, q/k sliced from one qkv projection) is read in
+// place; only a non-unit last stride is copied.
+void rope_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse,
+               int64_t repeat, void* y, int64_t yT) {
   auto xc = x.stride(3) == 1 ? x : x.contiguous();
   const int64_t rep = repeat > 0 ? repeat : -repeat;
   const int64_t H_out = repeat > 0 ? xc.size(2) * rep : xc.size(2) / rep;
-  auto y = at::empty({xc.size(0), xc.size(1), H_out, xc.size(3)},
-                     xc.options().memory_format(at::MemoryFormat::Contiguous));
-  // Undefined tables: no rotation (repeat_heads).
   check_launch(cuda::rope(dtype_of(xc), xc.data_ptr(),
                           cos.defined() ? cos.data_ptr<float>() : nullptr,
-                          sin.defined() ? sin.data_ptr<float>() : nullptr, y.data_ptr(), xc.size(0), xc.size(1), H_out,
-                          xc.size(3), xc.stride(0), xc.stride(1), xc.stride(2), inverse,
+                          sin.defined() ? sin.data_ptr<float>() : nullptr, y, xc.size(0),
+                          xc.size(1), H_out, xc.size(3), xc.stride(0), xc.stride(1),
+                          xc.stride(2), inverse,
                           /*div=*/repeat > 0 ? rep : 1, /*mul=*/repeat > 0 ? 1 : rep,
-                          /*cnt=*/repeat > 0 ? 1 : rep, stream_of(xc)),
+                          /*cnt=*/repeat > 0 ? 1 : rep, stream_of(xc), yT),
                "rope");
+}
+
+// rope_into a new contiguous [B, T, H_out, hd].
+at::Tensor rope_launch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                       bool inverse, int64_t repeat) {
+  const int64_t rep = repeat > 0 ? repeat : -repeat;
+  const int64_t H_out = repeat > 0 ? x.size(2) * rep : x.size(2) / rep;
+  auto y = at::empty({x.size(0), x.size(1), H_out, x.size(3)},
+                     x.options().memory_format(at::MemoryFormat::Contiguous));
+  rope_into(x, cos, sin, inverse, repeat, y.data_ptr(), H_out * x.size(3));
   return y;
 }
 
@@ -71,6 +81,59 @@ class RepeatHeadsFn : public torch::autograd::Function<RepeatHeadsFn> {
   }
 };
 
+// Note [The qkv gradient written whole]
+// q, k and v are slices of one qkv GEMM's product [B, T, (H + 2 KV) hd]
+// (see Note [One GEMM for the projections of one input], ops/linear.cpp).
+// Rotated and repeated separately, their three gradients came back through
+// the slices' backward, a concatenation: one more pass reading and writing
+// the whole product's gradient. Here the three are one function of the
+// product: the forward runs the same three launches as rope(q),
+// rope(k, rep) and repeat_heads(v, rep), and the backward's three launches
+// write the rotated-back (and summed) gradients straight into their slices
+// of one [B, T, (H + 2 KV) hd] tensor. The arithmetic is the same, so are
+// the bits. v is written even where rep is 1 (a copy; the concatenation it
+// saves in the backward reads and writes three times as much).
+class RopeQkvFn : public torch::autograd::Function<RopeQkvFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& qkv, const at::Tensor& cos,
+                               const at::Tensor& sin, int64_t H, int64_t KV) {
+    const auto B = qkv.size(0), T = qkv.size(1), hd = qkv.size(2) / (H + 2 * KV);
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["H"] = H;
+    ctx->saved_data["KV"] = KV;
+    auto part = [&](int64_t first, int64_t heads) {
+      return qkv.narrow(2, first * hd, heads * hd).view({B, T, heads, hd});
+    };
+    const auto rep = H / KV;
+    return {rope_launch(part(0, H), cos, sin, /*inverse=*/false, 1),
+            rope_launch(part(H, KV), cos, sin, /*inverse=*/false, rep),
+            rope_launch(part(H + KV, KV), at::Tensor(), at::Tensor(), /*inverse=*/false, rep)};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto H = ctx->saved_data["H"].toInt(), KV = ctx->saved_data["KV"].toInt();
+    const auto rep = H / KV;
+    const auto& ref = grads[0].defined() ? grads[0] : grads[1].defined() ? grads[1] : grads[2];
+    const auto B = ref.size(0), T = ref.size(1), hd = ref.size(3), W = (H + 2 * KV) * hd;
+    auto d = at::empty({B, T, W}, ref.options().memory_format(at::MemoryFormat::Contiguous));
+    auto* base = static_cast<char*>(d.data_ptr());
+    const auto elem = static_cast<int64_t>(d.element_size());
+    // (incoming gradient, tables, repeat, first head, heads) per slice.
+    const int64_t first[3] = {0, H, H + KV}, heads[3] = {H, KV, KV};
+    for (int i = 0; i < 3; ++i) {
+      if (!grads[i].defined()) {
+        d.narrow(2, first[i] * hd, heads[i] * hd).zero_();
+        continue;
+      }
+      const bool rotate = i < 2;
+      rope_into(grads[i].to(d.scalar_type()), rotate ? saved[0] : at::Tensor(),
+                rotate ? saved[1] : at::Tensor(), /*inverse=*/rotate, i == 0 ? 1 : -rep,
+                base + first[i] * hd * elem, W);
+    }
+    return {d, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -90,6 +153,21 @@ at::Tensor repeat_heads(const at::Tensor& x, int64_t repeat) {
                 "fused repeat_heads: x must be [B, T, H, hd] and repeat >= 1");
   if (repeat == 1) return x;
   return RepeatHeadsFn::apply(x, repeat);
+}
+
+std::vector<at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
+                                 const at::Tensor& sin, int64_t H, int64_t KV) {
+  RECORD_FUNCTION("viaduct::rope", std::vector<c10::IValue>());  // named in profiles
+  VIADUCT_CHECK(qkv.dim() == 3 && H >= 1 && KV >= 1 && H % KV == 0 &&
+                    qkv.size(2) % (H + 2 * KV) == 0 && qkv.stride(2) == 1,
+                "fused rope_qkv: qkv must be [B, T, (H + 2 KV) hd] with a dense last dimension "
+                "and H a multiple of KV, got ", qkv.sizes(), ", H ", H, ", KV ", KV);
+  const auto hd = qkv.size(2) / (H + 2 * KV);
+  VIADUCT_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                    cos.is_contiguous() && sin.is_contiguous() && cos.size(0) >= qkv.size(1) &&
+                    2 * cos.size(1) == hd,
+                "fused rope_qkv: cos/sin must be contiguous fp32 [>= T, hd/2]");
+  return RopeQkvFn::apply(qkv, cos, sin, H, KV);
 }
 
 }  // namespace viaduct::kernels

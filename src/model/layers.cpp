@@ -100,12 +100,12 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const ops::Documents* doc
   const auto H = opts_.n_heads, hd = head_dim_;
   const auto& ko = kernel_options_;
   const at::Tensor none;  // no bias
-  auto [q, k, v] = ops::qkv_projection(x, wq->weight, wk->weight, wv->weight,
-                                       opts_.bias ? wq->bias : none, opts_.bias ? wk->bias : none,
-                                       opts_.bias ? wv->bias : none, hd, ko);
+  const auto p = ops::qkv_projection(x, wq->weight, wk->weight, wv->weight,
+                                     opts_.bias ? wq->bias : none, opts_.bias ? wk->bias : none,
+                                     opts_.bias ? wv->bias : none, hd, ko);
   // Module::to() moves buffers with set_data, so rope_ stays valid.
-  auto y = ops::causal_attention(q, k, v, opts_.rope ? &rope_ : nullptr, ko,
-                                 documents);  // [B, H, T, hd]
+  auto y = ops::causal_attention(p.q, p.k, p.v, opts_.rope ? &rope_ : nullptr, ko, documents,
+                                 p.packed);  // [B, H, T, hd]
   y = y.transpose(1, 2).reshape({B, T, H * hd});
   return linear(y, wo, ko);
 }

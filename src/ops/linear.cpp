@@ -215,9 +215,18 @@ QkvProjection qkv_projection(const at::Tensor& x, const at::Tensor& wq, const at
   const auto hd = head_dim, H = wq.size(0) / hd, KV = wk.size(0) / hd;
   // Where the kernels run, one GEMM whose strided slices the RoPE kernel
   // and SDPA read in place.
+  QkvProjection p;
+  if (fused_runs(x, k)) {
+    // linear_split's one GEMM, its product kept whole as well.
+    p.packed = linear_parts(x, {wq, wk, wv}, bq.defined() ? at::cat({bq, bk, bv}) : at::Tensor(),
+                            k);
+    p.q = p.packed.narrow(-1, 0, H * hd).view({B, T, H, hd});
+    p.k = p.packed.narrow(-1, H * hd, KV * hd).view({B, T, KV, hd});
+    p.v = p.packed.narrow(-1, (H + KV) * hd, KV * hd).view({B, T, KV, hd});
+    return p;
+  }
   const auto parts = bq.defined() ? linear_split(x, {wq, wk, wv}, k, {bq, bk, bv})
                                   : linear_split(x, {wq, wk, wv}, k);
-  QkvProjection p;
   p.q = parts[0].view({B, T, H, hd});
   p.k = parts[1].view({B, T, KV, hd});
   p.v = parts[2].view({B, T, KV, hd});

@@ -36,10 +36,14 @@ std::vector<at::Tensor> linear_split(const at::Tensor& x, at::TensorList w,
 // The attention's projections of x [B, T, D]: q [B, T, H, hd], k and v
 // [B, T, KV, hd] from wq [H hd, D], wk and wv [KV hd, D] and their biases
 // (all three or none: undefined), H and KV from the weights' rows. Where
-// the kernels run, one GEMM, biases included; else three linears.
+// the kernels run, one GEMM, biases included (kept as `packed`); else three
+// linears.
 // See Note [One GEMM for the projections of one input] (ops/linear.cpp).
 struct QkvProjection {
   at::Tensor q, k, v;
+  // The one GEMM's product [B, T, (H + 2 KV) hd] that q, k and v are slices
+  // of; undefined where three linears ran.
+  at::Tensor packed;
 };
 QkvProjection qkv_projection(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wk,
                              const at::Tensor& wv, const at::Tensor& bq, const at::Tensor& bk,

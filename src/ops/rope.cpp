@@ -172,13 +172,22 @@ at::Tensor rope(const at::Tensor& x, const RopeTables& tables, const KernelOptio
 
 // q [B, T, H, hd], k, v [B, T, KV, hd] -> q, k, v [B, H, T, hd]: q and k
 // rotated (when `tables` is given), k and v repeated to H heads.
+// qkv: undefined, or the product q, k and v are slices of (see
+// causal_attention).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotate_and_repeat(at::Tensor q, at::Tensor k,
                                                                  at::Tensor v,
                                                                  const RopeTables* tables,
-                                                                 const KernelOptions& opts);
+                                                                 const KernelOptions& opts,
+                                                                 const at::Tensor& qkv);
 
 at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const RopeTables* tables,
-                            const KernelOptions& opts, const Documents* documents) {
+                            const KernelOptions& opts, const Documents* documents,
+                            const at::Tensor& qkv) {
+  if (qkv.defined()) {
+    VIADUCT_ASSERT(qkv.dim() == 3 && q.data_ptr() == qkv.data_ptr() &&
+                       qkv.size(2) == (q.size(2) + 2 * k.size(2)) * q.size(3),
+                   "causal_attention: q, k and v are not the slices of the qkv product given");
+  }
   if (documents != nullptr && varlen_runs(q)) {
     // Every document of every row in one call of flash's variable-length
     // kernel: the rows as one sequence [1, B T, ...] whose positions are
@@ -190,8 +199,9 @@ at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const Rope
       per_token = tables->at_positions(documents->positions(q.device()).flatten());
     }
     auto one_row = [&](const at::Tensor& x) { return x.reshape({1, B * T, x.size(2), x.size(3)}); };
-    auto [qr, kr, vr] = rotate_and_repeat(one_row(q), one_row(k), one_row(v),
-                                          tables != nullptr ? &per_token : nullptr, opts);
+    auto [qr, kr, vr] = rotate_and_repeat(
+        one_row(q), one_row(k), one_row(v), tables != nullptr ? &per_token : nullptr, opts,
+        qkv.defined() ? qkv.reshape({1, B * T, qkv.size(2)}) : at::Tensor());
     auto back = [&](const at::Tensor& x) {  // [1, H, B T, hd] -> [B, T, H, hd]
       return x.transpose(1, 2).reshape({B, T, x.size(1), x.size(3)});
     };
@@ -208,14 +218,15 @@ at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const Rope
     });
     return y.transpose(1, 2);  // [B, H, T, hd]
   }
-  auto [qr, kr, vr] = rotate_and_repeat(q, k, v, tables, opts);
+  auto [qr, kr, vr] = rotate_and_repeat(q, k, v, tables, opts, qkv);
   return causal_attention_core(qr, kr, vr);  // [B, H, T, hd]
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotate_and_repeat(at::Tensor q, at::Tensor k,
                                                                  at::Tensor v,
                                                                  const RopeTables* tables,
-                                                                 const KernelOptions& opts) {
+                                                                 const KernelOptions& opts,
+                                                                 const at::Tensor& qkv) {
   const auto T = q.size(1), H = q.size(2), KV = k.size(2);
   if (tables != nullptr && fused_runs(q, opts)) {
     // Note [RoPE writes the repeated keys]
@@ -224,8 +235,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotate_and_repeat(at::Tensor q, a
     // backward sums the copies), instead of a repeat_interleave copy and
     // its reduction. v's heads are repeated by the same kernel without the
     // rotation (see Note [Repeated heads without a gather]).
+    // From one qkv product, the same launches as one function whose
+    // backward writes the product's gradient whole (see Note [The qkv
+    // gradient written whole], kernels/rope_fn.cpp).
     check_rope_length(*tables, T);
     auto [c, s] = rope_tables_fp32(*tables, T, q.device());
+    if (qkv.defined() && qkv.stride(2) == 1) {
+      auto r = kernels::rope_qkv(qkv, c, s, H, KV);
+      return {r[0].transpose(1, 2), r[1].transpose(1, 2), r[2].transpose(1, 2)};
+    }
     q = kernels::rope(q, c, s).transpose(1, 2);            // [B, H, T, hd]
     k = kernels::rope(k, c, s, H / KV).transpose(1, 2);    // [B, H, T, hd]
     v = kernels::repeat_heads(v, H / KV).transpose(1, 2);  // [B, H, T, hd]

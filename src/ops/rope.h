@@ -38,9 +38,13 @@ at::Tensor rope(const at::Tensor& x, const RopeTables& tables, const KernelOptio
 // [B, T, KV, hd] (H a multiple of KV), q and k rotated first when `tables`
 // is given. Returns [B, H, T, hd]. With `documents` (see Note [Document
 // boundaries], ops/documents.h) each document attends within itself alone,
-// rotated from its first position.
+// rotated from its first position. `qkv`: undefined, or the one product
+// [B, T, (H + 2 KV) hd] whose slices q, k and v are (ops::qkv_projection's
+// `packed`): where the rotation runs on the kernels, its backward then
+// writes that product's gradient whole (kernels::rope_qkv).
 at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const RopeTables* tables,
-                            const KernelOptions& opts, const Documents* documents = nullptr);
+                            const KernelOptions& opts, const Documents* documents = nullptr,
+                            const at::Tensor& qkv = {});
 
 // Causal attention of q, k [B, H, T, d] and v [B, H, T, dv], dv <= d, all
 // with H heads: on CUDA through the fused kernel SDPA would pick (its

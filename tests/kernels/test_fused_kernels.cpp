@@ -274,6 +274,52 @@ TEST(FusedKernels, RopeReadsStridedInput) {
   }
 }
 
+TEST(FusedKernels, RopeQkvIsTheThreeOpsBitwise) {
+  REQUIRE_GPU();
+  // The rotation of q, k and v as one function of the qkv product gives the
+  // three ops' outputs, and its backward their gradients as the slices'
+  // concatenation would, bit for bit; grouped (rep 3) and plain (rep 1) heads.
+  const int64_t B = 2, T = 40, H = 6, hd = 64;
+  auto tables = make_rope_tables(hd, 64, 10000.0);
+  auto c = tables.cos.to(at::kCUDA, at::kFloat).contiguous();
+  auto s = tables.sin.to(at::kCUDA, at::kFloat).contiguous();
+  for (auto t : kTypes) {
+    for (int64_t KV : {int64_t{2}, H}) {
+      const auto seed = fresh_seed();
+      const int64_t rep = H / KV, W = (H + 2 * KV) * hd;
+      auto base = at::randn({B, T, W}, at::TensorOptions(at::kCUDA)).to(t);
+      auto packed = base.clone().requires_grad_(true);
+      auto sliced = base.clone().requires_grad_(true);
+      poison();
+      auto r = kernels::rope_qkv(packed, c, s, H, KV);
+      auto part = [&](const at::Tensor& x, int64_t first, int64_t heads) {
+        return x.narrow(2, first * hd, heads * hd).view({B, T, heads, hd});
+      };
+      std::vector<at::Tensor> e{kernels::rope(part(sliced, 0, H), c, s),
+                                kernels::rope(part(sliced, H, KV), c, s, rep),
+                                kernels::repeat_heads(part(sliced, H + KV, KV), rep)};
+      for (int i = 0; i < 3; ++i) {
+        ASSERT_EQ(r[i].sizes(), (std::vector<int64_t>{B, T, H, hd}));
+        EXPECT_TRUE(at::equal(r[i], e[i])) << "output " << i << " seed " << seed << " " << t;
+      }
+      // SDPA-like (transposed) gradients, the same for both.
+      at::Tensor loss_r, loss_e;
+      for (int i = 0; i < 3; ++i) {
+        auto g = at::randn({B, H, T, hd}, at::TensorOptions(at::kCUDA)).to(t).transpose(1, 2);
+        auto lr = (r[i].to(at::kFloat) * g.to(at::kFloat)).sum();
+        auto le = (e[i].to(at::kFloat) * g.to(at::kFloat)).sum();
+        loss_r = i == 0 ? lr : loss_r + lr;
+        loss_e = i == 0 ? le : loss_e + le;
+      }
+      loss_r.backward();
+      loss_e.backward();
+      EXPECT_TRUE(packed.grad().is_contiguous());
+      EXPECT_TRUE(at::equal(packed.grad(), sliced.grad()))
+          << "KV " << KV << " seed " << seed << " " << t;
+    }
+  }
+}
+
 TEST(FusedKernels, RopeRepeatsGroupedHeads) {
   REQUIRE_GPU();
   // Grouped KV heads: rope(k, repeat) is rope(k) repeated on the head dim,
