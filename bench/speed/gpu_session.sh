@@ -36,6 +36,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 source bench/lib/gpu_build.sh
+source bench/lib/tokens.sh  # document_tokens
 OUT=${OUT:-$PWD/outputs/bench/session}
 mkdir -p "$OUT"
 SUM=$OUT/summary.md
@@ -175,6 +176,22 @@ part_k3profile() {
   cat /tmp/vs_k3.txt >>"$SUM"
   grep -E "^step |^step wall|^device idle|attn_res|AttnRes" /tmp/vs_k3.txt
 }
+# The K3 step's profile under block_causal beside causal (documents of
+# mean 1,024 behind a start marker, as the k3docs cell), device kernels only.
+part_k3docsprofile() {
+  document_tokens /tmp/vs_k3docs.tok 320 $(((4 + 4) * 4 * 2048 + 1)) 1024
+  OUT=/tmp/vs_k3d MODEL=k3 TOP=${TOP:-25} DATA=/tmp/vs_k3docs.tok bash bench/speed/profile_step.sh \
+    "$B" "--metrics.profile_host_ops=false" \
+    "--metrics.profile_host_ops=false --model.attn_mask_type=block_causal" >/tmp/vs_k3d.txt 2>&1
+  cat /tmp/vs_k3d.txt >>"$SUM"
+  grep -E "^== |^step |^step wall|^device idle" /tmp/vs_k3d.txt
+}
+part_gpt2profile() {
+  OUT=/tmp/vs_g2 MODEL=gpt2 TOP=${TOP:-25} bash bench/speed/profile_step.sh "$B" "" \
+    "--metrics.profile_host_ops=false" >/tmp/vs_g2.txt 2>&1
+  cat /tmp/vs_g2.txt >>"$SUM"
+  grep -E "^== |^step |^step wall|^device idle" /tmp/vs_g2.txt
+}
 part_k3gemmprofile() {
   OUT=/tmp/vs_k3g MODEL=k3 TOP=${TOP:-25} bash bench/speed/profile_step.sh "$B" \
     "--model.mla_interval=1 --model.moe_ffn=false" >/tmp/vs_k3g.txt 2>&1
@@ -253,10 +270,10 @@ fi
 # The parts run in the order PARTS names them.
 # doccost: ~120 s a cell per round of its two modes (DOC_ROUNDS, default 2).
 doc_cells=(${DOC_CELLS:-1Bdocs k3docs})
-declare -A ESTIMATE=([build]=90 [tests]=15 [probe]=60 [sbs]=240 [readnorm]=200 [sbs1Bab]=330 [profile]=70 [k3profile]=110 [k3gemmprofile]=60 [offload]=150 [doctests]=20 [kdadocs]=120 [doccost]=$((${#doc_cells[@]} * 120 * ${DOC_ROUNDS:-2})) [fashion]=420 [graphs]=420)
+declare -A ESTIMATE=([build]=90 [tests]=15 [probe]=60 [sbs]=240 [readnorm]=200 [sbs1Bab]=330 [profile]=70 [k3profile]=110 [k3gemmprofile]=60 [offload]=150 [doctests]=20 [kdadocs]=120 [k3docsprofile]=180 [gpt2profile]=60 [doccost]=$((${#doc_cells[@]} * 120 * ${DOC_ROUNDS:-2})) [fashion]=420 [graphs]=420)
 for part in $PARTS; do
   if [ -z "${ESTIMATE[$part]:-}" ]; then
-    note "## $part: no such part (parts: build tests probe sbs readnorm sbs1Bab profile k3profile k3gemmprofile offload doctests kdadocs doccost fashion)"
+    note "## $part: no such part (parts: build tests probe sbs readnorm sbs1Bab profile k3profile k3gemmprofile offload doctests kdadocs k3docsprofile gpt2profile doccost fashion graphs)"
     continue
   fi
   want "$part" "${ESTIMATE[$part]}" && "part_$part"

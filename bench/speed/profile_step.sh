@@ -6,6 +6,7 @@
 #
 #   bash bench/speed/profile_step.sh BUILD_DIR "" "--model.loss_chunk_tokens=4096"
 #   MODEL=k3 bash bench/speed/profile_step.sh BUILD_DIR ""   # run_single_gpu.sh's k3 cell
+#   MODEL=gpt2 bash bench/speed/profile_step.sh BUILD_DIR ""   # and its gpt2 cell
 #   MODEL=k3 bash bench/speed/profile_step.sh BUILD_DIR "" "--metrics.profile_host_ops=false"
 #     # the second variant: device kernels only, the step near its unprofiled
 #     # speed, so its idle gaps are the unprofiled step's (named by the
@@ -30,7 +31,11 @@ case "$MODEL" in
         --model.mla_v_head_dim=128 --model.ffn_hidden_dim=5632 --model.moe_hidden_dim=512
         --model.kda_chunk_size=64 --training.seq_len=2048 --training.local_batch_size=4)
       VOCAB=${VOCAB:-320} ;;
-  *) echo "profile_step.sh: MODEL must be 1B or k3, not '$MODEL'" >&2; exit 2 ;;
+  # gpt2 124M, 8 x 1024 tokens (run_single_gpu.sh's gpt2 cell)
+  gpt2) model_args=(--model.family=gpt2 --model.flavor=124M --training.seq_len=1024
+          --training.local_batch_size=8)
+        VOCAB=${VOCAB:-50257} ;;
+  *) echo "profile_step.sh: MODEL must be 1B, k3 or gpt2, not '$MODEL'" >&2; exit 2 ;;
 esac  # the random data's vocabulary (a variant may change the model)
 DATA=${DATA:-outputs/bench/random_v$VOCAB.u32}
 STEPS=${STEPS:-4}
