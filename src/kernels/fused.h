@@ -122,7 +122,7 @@ at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight,
 // u the convolution's output in x's dtype; the bits of short_conv_silu then
 // l2_normalize, without u kept (the backward recomputes it).
 // short_conv_silu_l2_usable: as short_conv_silu_usable, with head_dim 32, 64
-// or 128 dividing C.
+// or 128 dividing C and fewer than 2^31 (token, head) rows.
 bool short_conv_silu_l2_usable(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim);
 at::Tensor short_conv_silu_l2(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim,
                               double eps, double scale, const at::Tensor& offsets = {});

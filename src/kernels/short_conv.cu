@@ -41,15 +41,31 @@ __device__ __forceinline__ float silu_grad(float z) {
   return __fmul_rn(s, __fadd_rn(1.f, __fmul_rn(z, __fsub_rn(1.f, s))));
 }
 
+// The elementwise kernels' grid: x over channels, y over a row's tokens
+// (a stride loop past the grid's y limit), z over the rows (B within the
+// same limit), so a thread finds its (b, t, c) without a division (a
+// 64-bit division by a runtime value is a routine of tens of
+// instructions, as many as the rest of the element's work).
+constexpr int64_t kGridYZLimit = 65535;
+dim3 element_grid(int64_t B, int64_t Tn, int64_t C) {
+  return dim3(static_cast<unsigned>((C + kElemThreads - 1) / kElemThreads),
+              static_cast<unsigned>(Tn < kGridYZLimit ? Tn : kGridYZLimit),
+              static_cast<unsigned>(B));
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kElemThreads)
     forward_kernel(const T* __restrict__ x, const float* __restrict__ w,
-                   const int32_t* __restrict__ offsets, T* __restrict__ y, int64_t n, int64_t Tn,
-                   int64_t C, int64_t xs, int K) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= n) return;
-  const int64_t c = i % C, bt = i / C, t = bt % Tn, b = bt / Tn;
-  store(y, i, silu(conv_at(x + b * Tn * xs + c, w + c * K, t, reach(offsets, b, t, Tn), xs, K)));
+                   const int32_t* __restrict__ offsets, T* __restrict__ y, int64_t Tn, int64_t C,
+                   int64_t xs, int K) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= C) return;
+  const int64_t b = blockIdx.z;
+  const T* xc = x + b * Tn * xs + c;
+  const float* wc = w + c * K;
+  for (int64_t t = blockIdx.y; t < Tn; t += gridDim.y) {
+    store(y, (b * Tn + t) * C + c, silu(conv_at(xc, wc, t, reach(offsets, b, t, Tn), xs, K)));
+  }
 }
 
 // dz = dy silu'(z), silu'(z) = s (1 + z (1 - s)), s = sigmoid(z).
@@ -57,12 +73,17 @@ template <typename T>
 __global__ void __launch_bounds__(kElemThreads)
     dz_kernel(const T* __restrict__ x, const float* __restrict__ w,
               const int32_t* __restrict__ offsets, const T* __restrict__ dy,
-              float* __restrict__ dz, int64_t n, int64_t Tn, int64_t C, int64_t xs, int K) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= n) return;
-  const int64_t c = i % C, bt = i / C, t = bt % Tn, b = bt / Tn;
-  const float z = conv_at(x + b * Tn * xs + c, w + c * K, t, reach(offsets, b, t, Tn), xs, K);
-  dz[i] = __fmul_rn(load(dy, i), silu_grad(z));
+              float* __restrict__ dz, int64_t Tn, int64_t C, int64_t xs, int K) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= C) return;
+  const int64_t b = blockIdx.z;
+  const T* xc = x + b * Tn * xs + c;
+  const float* wc = w + c * K;
+  for (int64_t t = blockIdx.y; t < Tn; t += gridDim.y) {
+    const int64_t i = (b * Tn + t) * C + c;
+    const float z = conv_at(xc, wc, t, reach(offsets, b, t, Tn), xs, K);
+    dz[i] = __fmul_rn(load(dy, i), silu_grad(z));
+  }
 }
 
 // dx[b, t, c] = sum_j w[c, j] dz[b, t + K - 1 - j, c] over the taps that
@@ -71,19 +92,20 @@ __global__ void __launch_bounds__(kElemThreads)
 template <typename T>
 __global__ void __launch_bounds__(kElemThreads)
     dx_kernel(const float* __restrict__ w, const int32_t* __restrict__ offsets,
-              const float* __restrict__ dz, T* __restrict__ dx, int64_t n, int64_t Tn, int64_t C,
-              int K) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= n) return;
-  const int64_t c = i % C, bt = i / C, t = bt % Tn, b = bt / Tn;
+              const float* __restrict__ dz, T* __restrict__ dx, int64_t Tn, int64_t C, int K) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= C) return;
+  const int64_t b = blockIdx.z;
   const float* dzc = dz + b * Tn * C + c;
   const float* wc = w + c * K;
-  float acc = 0.f;
-  for (int j = 0; j < K; ++j) {
-    const int64_t dst = t + K - 1 - j;
-    if (dst < Tn && K - 1 - j <= reach(offsets, b, dst, Tn)) acc += wc[j] * dzc[dst * C];
+  for (int64_t t = blockIdx.y; t < Tn; t += gridDim.y) {
+    float acc = 0.f;
+    for (int j = 0; j < K; ++j) {
+      const int64_t dst = t + K - 1 - j;
+      if (dst < Tn && K - 1 - j <= reach(offsets, b, dst, Tn)) acc += wc[j] * dzc[dst * C];
+    }
+    store(dx, (b * Tn + t) * C + c, acc);
   }
-  store(dx, i, acc);
 }
 
 // One partial of dw per (sequence, span of tokens): a thread per channel
@@ -103,6 +125,9 @@ __global__ void __launch_bounds__(kElemThreads)
   float acc[kShortConvMaxTaps];
 #pragma unroll
   for (int j = 0; j < kShortConvMaxTaps; ++j) acc[j] = 0.f;
+  // Unrolled so that several tokens' loads are in flight at once; the sums
+  // still run in token order.
+#pragma unroll 4
   for (int64_t t = t0; t < t1; ++t) {
     const float g = dzc[t * C];
     const int64_t back = reach(offsets, b, t, Tn);
@@ -139,6 +164,20 @@ unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kElemThreads 
 // between them written and read back (or kept for the backward).
 constexpr int kNormRowsPerBlock = kElemThreads / 32;
 
+// Row `row` of [B, Tn, heads] as (token bt = b Tn + t, head h), in 32-bit
+// divisions (a few instructions, where 64-bit ones are a long routine);
+// the launchers keep B Tn heads below 2^31.
+__device__ __forceinline__ void row_place(int64_t row, int64_t heads, int64_t Tn, int64_t& bt,
+                                          int64_t& h, int64_t& t, int64_t& b) {
+  const auto r = static_cast<uint32_t>(row), hs = static_cast<uint32_t>(heads);
+  const uint32_t q = r / hs;
+  const uint32_t bq = q / static_cast<uint32_t>(Tn);
+  bt = q;
+  h = r - q * hs;
+  b = bq;
+  t = q - bq * static_cast<uint32_t>(Tn);
+}
+
 template <typename T, int J>
 __global__ void __launch_bounds__(kElemThreads)
     l2_forward_kernel(const T* __restrict__ x, const float* __restrict__ w,
@@ -148,7 +187,8 @@ __global__ void __launch_bounds__(kElemThreads)
   const int64_t row = blockIdx.x * static_cast<int64_t>(kNormRowsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;  // a whole warp leaves together
-  const int64_t heads = C / d, bt = row / heads, h = row % heads, t = bt % Tn, b = bt / Tn;
+  int64_t bt, h, t, b;
+  row_place(row, C / d, Tn, bt, h, t, b);
   const int64_t back = reach(offsets, b, t, Tn);
   float v[J];
   float ss = 0.f, unused = 0.f;
@@ -178,7 +218,8 @@ __global__ void __launch_bounds__(kElemThreads)
   const int64_t row = blockIdx.x * static_cast<int64_t>(kNormRowsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
-  const int64_t heads = C / d, bt = row / heads, h = row % heads, t = bt % Tn, b = bt / Tn;
+  int64_t bt, h, t, b;
+  row_place(row, C / d, Tn, bt, h, t, b);
   const int64_t back = reach(offsets, b, t, Tn);
   float z[J], v[J], g[J];
   float ss = 0.f, dot = 0.f;
@@ -213,9 +254,8 @@ template <typename T>
 void dx_dw_from_dz(const T* x, int64_t xs, const float* w, const int32_t* offsets,
                    const float* dz, T* dx, float* partial, float* dw, int64_t B, int64_t Tn,
                    int64_t C, int K, cudaStream_t stream) {
-  const int64_t n = B * Tn * C;
   const int64_t spans = (Tn + kShortConvTokensPerPartial - 1) / kShortConvTokensPerPartial;
-  dx_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(w, offsets, dz, dx, n, Tn, C, K);
+  dx_kernel<T><<<element_grid(B, Tn, C), kElemThreads, 0, stream>>>(w, offsets, dz, dx, Tn, C, K);
   const dim3 grid(blocks_for(C), static_cast<unsigned>(B * spans));
   dw_partial_kernel<T><<<grid, kElemThreads, 0, stream>>>(x, offsets, dz, partial, Tn, C, xs, K,
                                                            spans);
@@ -229,10 +269,10 @@ cudaError_t short_conv_silu_forward(DType dt, const void* x, int64_t xs, const f
                                     int64_t C, int K, cudaStream_t stream) {
   const int64_t n = B * Tn * C;
   if (n == 0) return cudaSuccess;
-  if (K < 1 || K > kShortConvMaxTaps || xs < C) return cudaErrorInvalidValue;
-  VIADUCT_DISPATCH(dt, forward_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(
-                           static_cast<const T*>(x), w, offsets, static_cast<T*>(y), n, Tn,
-                           C, xs, K));
+  if (K < 1 || K > kShortConvMaxTaps || xs < C || B > kGridYZLimit) return cudaErrorInvalidValue;
+  VIADUCT_DISPATCH(dt, forward_kernel<T><<<element_grid(B, Tn, C), kElemThreads, 0, stream>>>(
+                           static_cast<const T*>(x), w, offsets, static_cast<T*>(y), Tn, C, xs,
+                           K));
   return cudaGetLastError();
 }
 
@@ -248,8 +288,8 @@ cudaError_t short_conv_silu_backward(DType dt, const void* x, int64_t xs, const 
   if (parts > 65535) return cudaErrorInvalidValue;  // grid.y; the op checks first
   VIADUCT_DISPATCH(dt, {
     const auto* xt = static_cast<const T*>(x);
-    dz_kernel<T><<<blocks_for(n), kElemThreads, 0, stream>>>(
-        xt, w, offsets, static_cast<const T*>(dy), dz, n, Tn, C, xs, K);
+    dz_kernel<T><<<element_grid(B, Tn, C), kElemThreads, 0, stream>>>(
+        xt, w, offsets, static_cast<const T*>(dy), dz, Tn, C, xs, K);
     dx_dw_from_dz<T>(xt, xs, w, offsets, dz, static_cast<T*>(dx), partial, dw, B, Tn, C, K,
                      stream);
   });
@@ -266,6 +306,7 @@ cudaError_t short_conv_silu_l2_forward(DType dt, const void* x, int64_t xs, cons
   }
   const int64_t rows = B * Tn * (C / head_dim);
   if (rows == 0) return cudaSuccess;
+  if (rows >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // row_place's 32 bits
   const unsigned blocks = static_cast<unsigned>((rows + kNormRowsPerBlock - 1) / kNormRowsPerBlock);
   VIADUCT_SHORT_CONV_J(head_dim, VIADUCT_DISPATCH(dt, l2_forward_kernel<T, J>
                                                   <<<blocks, kElemThreads, 0, stream>>>(
@@ -285,6 +326,7 @@ cudaError_t short_conv_silu_l2_backward(DType dt, const void* x, int64_t xs, con
   }
   const int64_t rows = B * Tn * (C / head_dim);
   if (rows == 0) return cudaMemsetAsync(dw, 0, sizeof(float) * C * K, stream);
+  if (rows >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // row_place's 32 bits
   if (short_conv_partials(B, Tn) > 65535) return cudaErrorInvalidValue;  // grid.y
   const unsigned blocks = static_cast<unsigned>((rows + kNormRowsPerBlock - 1) / kNormRowsPerBlock);
   VIADUCT_SHORT_CONV_J(head_dim, VIADUCT_DISPATCH(dt, {

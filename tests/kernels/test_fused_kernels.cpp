@@ -1155,6 +1155,26 @@ TEST(FusedKernels, ShortConvSiluMatchesAtenConv) {
   }
 }
 
+// A sequence longer than the grid's y limit (65,535 tokens): the kernels'
+// token loop covers the rest, forward and backward, against the ATen form.
+TEST(FusedKernels, ShortConvSiluPastTheGridLimit) {
+  REQUIRE_GPU();
+  const int64_t B = 1, T = 70001, C = 8, K = 4;
+  const auto seed = fresh_seed();
+  auto [x, xr] = draw({B, T, C}, at::kFloat);
+  auto w = (at::randn({C, K}, at::TensorOptions(at::kCUDA)) * 0.5).requires_grad_(true);
+  auto wr = w.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
+  ASSERT_TRUE(kernels::short_conv_silu_usable(x, w));
+  auto y = ops::short_conv_silu(x, w, ops::KernelOptions{});
+  auto yr = ops::short_conv_silu(xr, wr, ops::KernelOptions{});  // CPU: the ATen form
+  EXPECT_LT(rel_err(y, yr), bound(at::kFloat)) << "seed " << seed;
+  EXPECT_LT(rel_err(y.narrow(1, T - 100, 100), yr.narrow(1, T - 100, 100)), bound(at::kFloat))
+      << "the tokens past the limit, seed " << seed;
+  backward_both(y, yr, at::randn(y.sizes(), y.options()));
+  EXPECT_LT(rel_err(x.grad(), xr.grad()), bound(at::kFloat)) << "seed " << seed;
+  EXPECT_LT(rel_err(w.grad(), wr.grad()), bound(at::kFloat)) << "seed " << seed;
+}
+
 // The short convolution over documents on the kernel, each token's taps
 // bounded by its document (see Note [KDA chunks over documents]), against
 // the kernel on each document alone: outputs and the input's gradient bit
