@@ -11,6 +11,12 @@ fla's forward + backward with cu_seqlens and on the plain [B, T] batch.
         [--dtype float32|bfloat16] [--iters N]
     python3 bench/layers/kda_documents_vs_fla.py --warm 4x2048x16x64 --anchor ../shared/anchors/kda
 
+--one-config compiles each of fla's autotuned kernels in its first listed
+configuration only (triton.autotune wrapped before fla is imported): the
+outputs and gradients are the same algorithm's, and the compile, which
+otherwise tries every configuration and outlasts a device call, takes a
+fraction of the time; the timing table is then labelled as untuned.
+
 --warm B x T x H x D runs fla's forward + backward once with cu_seqlens and
 once on the plain batch, on random inputs of that shape, and exits: Triton
 compiles the kernels into its on-disk cache, so a later process (the
@@ -86,6 +92,19 @@ def timed(fn, iters):
     return statistics.median(times)
 
 
+def first_config_only():
+    """Wraps triton.autotune so that each kernel fla decorates afterwards
+    keeps only its first configuration (see --one-config)."""
+    import triton
+
+    autotune = triton.autotune
+
+    def first(configs, *args, **kwargs):
+        return autotune(list(configs)[:1], *args, **kwargs)
+
+    triton.autotune = first
+
+
 def warm(shape, dtype):
     """fla's forward + backward once over random documents and once on the
     plain batch, at B x T x H x D (see the module's docstring)."""
@@ -119,6 +138,8 @@ def warm(shape, dtype):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir")
+    ap.add_argument("--one-config", action="store_true",
+                    help="compile fla's kernels in their first autotune configuration only")
     ap.add_argument("--warm", metavar="BxTxHxD",
                     help="compile fla's kernels at this shape and exit (no --dir)")
     ap.add_argument("--anchor", required=True, help="the folder holding fla/ (../shared/anchors/kda)")
@@ -127,6 +148,8 @@ def main():
                     help="fla's q, k, v and beta (g stays float32, as fla's core takes it)")
     args = ap.parse_args()
     sys.path.insert(0, args.anchor)
+    if args.one_config:
+        first_config_only()
     if args.warm:
         warm(args.warm, getattr(torch, args.dtype))
         return
@@ -198,7 +221,8 @@ def main():
     causal = timed(fla_causal, args.iters)
     docs = timed(fla_docs, args.iters)
     print()
-    print("| fla chunk_kda fwd+bwd | ms | vs causal |")
+    tuned = "" if not args.one_config else " (untuned: first autotune configuration)"
+    print(f"| fla chunk_kda fwd+bwd{tuned} | ms | vs causal |")
     print("|---|---|---|")
     print(f"| causal ([B, T]) | {causal:.3f} | 1.00x |")
     print(f"| documents (cu_seqlens) | {docs:.3f} | {docs / causal:.2f}x |")

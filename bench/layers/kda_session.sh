@@ -17,7 +17,8 @@
 # kda_documents_bench target writes a case and times causal / documents / one
 # call a document, then kda_documents_vs_fla.py checks viaduct and fla's
 # chunk_kda with cu_seqlens against a float64 recurrence and times fla's
-# cu_seqlens against its plain batch; DOC_ARGS: the bench's flags).
+# cu_seqlens against its plain batch; DOC_ARGS: the bench's flags, FLA_ARGS
+# the comparison's, e.g. --one-config).
 #
 # Environment (defaults): OUT (outputs/kda), SECTIONS ("build test layers
 # anchor"), TARGETS ("test_kernels layer_bench kda_documents_bench"), ANCHOR
@@ -82,7 +83,7 @@ if has docs; then
     tee "$OUT/docs_viaduct.log" | tail -8
   if [ -d "$ANCHOR" ]; then
     PYTHONUNBUFFERED=1 timeout 420 "$PY" bench/layers/kda_documents_vs_fla.py --dir "$OUT/docs_case" \
-      --anchor "$ANCHOR" 2>&1 | tee "$OUT/docs_fla.log" | tail -16
+      --anchor "$ANCHOR" ${FLA_ARGS:-} 2>&1 | tee "$OUT/docs_fla.log" | tail -16
   fi
 fi
 if has anchor && [ -d "$ANCHOR" ]; then

@@ -234,7 +234,7 @@ part_kdadocs() {
     wait "$FLA_WARM_PID"
     note "$(tail -1 /tmp/vs_flawarm.txt) (at $(($(date +%s) - T0)) s)"
   fi
-  OUT=/tmp/vs_kdadocs SECTIONS=docs ANCHOR=$ANCHOR \
+  OUT=/tmp/vs_kdadocs SECTIONS=docs ANCHOR=$ANCHOR FLA_ARGS=${FLA_ARGS---one-config} \
     bash bench/layers/kda_session.sh >/tmp/vs_kdadocs.txt 2>&1
   cat /tmp/vs_kdadocs.txt >>"$SUM"
   grep -E "^\||documents" /tmp/vs_kdadocs.txt
@@ -256,15 +256,17 @@ part_fashion() {
   tail -25 /tmp/vs_fashion.txt | tee -a "$SUM"
   N=${N:-2000} OUT=/tmp/vs_prep bash bench/data_prepare_images.sh "$B" 2>&1 | tail -8 | tee -a "$SUM"
 }
-# kdadocs: fla's Triton compile (kda_documents_vs_fla.py --warm) runs in the
-# background from the call's start, beside the build; kdadocs waits for it.
+# kdadocs: fla's Triton compile (kda_documents_vs_fla.py --warm; FLA_ARGS,
+# default --one-config: each kernel in its first autotune configuration, as
+# the full autotune outlasted a call) runs in the background from the
+# call's start, beside the build; kdadocs waits for it.
 # It shares the GPU while it runs: put kdadocs before any timed part.
 ANCHOR=${ANCHOR:-../shared/anchors/kda}
 [ -d "$ANCHOR" ] || ANCHOR=.deps/anchors/kda
 FLA_WARM_PID=
 if [[ " $PARTS " == *" kdadocs "* ]] && [ -d "$ANCHOR" ]; then
   (PYTHONUNBUFFERED=1 timeout 480 python3 bench/layers/kda_documents_vs_fla.py --warm 4x2048x16x64 \
-    --anchor "$ANCHOR" >/tmp/vs_flawarm.txt 2>&1) &
+    --anchor "$ANCHOR" ${FLA_ARGS---one-config} >/tmp/vs_flawarm.txt 2>&1) &
   FLA_WARM_PID=$!
 fi
 # The parts run in the order PARTS names them.
