@@ -8,8 +8,10 @@ namespace {
 
 // x is read through strides (sB, sT, sH; the last dim is contiguous) so the
 // backward can rotate SDPA's transposed gradient without a copy; y is
-// [B, T, H, hd] with token pitch yT (H hd: contiguous; wider: the slice of
-// a wider row, as the qkv gradient's q, k and v parts). Each thread rotates N / 2 pairs. Output head h
+// [B, T, H, hd] with token pitch yT and head pitch yH (H hd and hd:
+// contiguous; wider: the slice of a wider row, as the qkv gradient's q, k
+// and v parts, or of wider heads, as MLA's rotary channels beside the
+// others). Each thread rotates N / 2 pairs. Output head h
 // reads the sum of input heads (h / div) * mul + r for r < cnt (in that
 // order, in fp32): (1, 1, 1) is a plain rotation; (rep, 1, 1) writes each
 // input head rep times (grouped KV heads repeated for attention); (1, rep,
@@ -22,7 +24,7 @@ __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ c
                             const float* __restrict__ sin_t, T* __restrict__ y, int64_t groups,
                             int64_t T_len, int64_t H, int64_t half, int64_t sB, int64_t sT,
                             int64_t sH, float sign, int64_t div, int64_t mul, int64_t cnt,
-                            int64_t yT) {
+                            int64_t yT, int64_t yH) {
   const int64_t per_head = 2 * half / N;  // groups in one head vector
   for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
        g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -53,7 +55,7 @@ __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ c
         o[k + 1] = v[k] * sn + v[k + 1] * c;
       }
     }
-    store_n<T, N>(y, (b * T_len + t) * yT + h * 2 * half + d, o);
+    store_n<T, N>(y, (b * T_len + t) * yT + h * yH + d, o);
   }
 }
 
@@ -62,23 +64,26 @@ __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ c
 cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin, void* y, int64_t B,
                  int64_t T_len, int64_t H, int64_t hd, int64_t sB, int64_t sT, int64_t sH,
                  bool inverse, int64_t div, int64_t mul, int64_t cnt, cudaStream_t stream,
-                 int64_t yT) {
+                 int64_t yT, int64_t yH) {
   const int64_t n = B * T_len * H * hd;
   if (n == 0) return cudaSuccess;
-  if (div < 1 || mul < 1 || cnt < 1 || yT < H * hd) return cudaErrorInvalidValue;
+  if (div < 1 || mul < 1 || cnt < 1 || yH < hd || yT < (H - 1) * yH + hd) {
+    return cudaErrorInvalidValue;
+  }
   const float sign = inverse ? -1.f : 1.f;
   const int64_t G = group_of(dt);
   const bool vec = hd % G == 0 && sB % G == 0 && sT % G == 0 && sH % G == 0 && yT % G == 0 &&
+                   yH % G == 0 &&
                    aligned16(x) && aligned16(y);
   if (vec) {
     VIADUCT_DISPATCH(dt, constexpr int N = sizeof(T) == 2 ? 8 : 4;
                      rope_kernel<T, N><<<elementwise_blocks(n / N), kElemThreads, 0, stream>>>(
                          static_cast<const T*>(x), cos, sin, static_cast<T*>(y), n / N, T_len, H,
-                         hd / 2, sB, sT, sH, sign, div, mul, cnt, yT));
+                         hd / 2, sB, sT, sH, sign, div, mul, cnt, yT, yH));
   } else {
     VIADUCT_DISPATCH(dt, rope_kernel<T, 2><<<elementwise_blocks(n / 2), kElemThreads, 0, stream>>>(
                              static_cast<const T*>(x), cos, sin, static_cast<T*>(y), n / 2, T_len,
-                             H, hd / 2, sB, sT, sH, sign, div, mul, cnt, yT));
+                             H, hd / 2, sB, sT, sH, sign, div, mul, cnt, yT, yH));
   }
   return cudaGetLastError();
 }

@@ -11,7 +11,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Output head h of y [B, T, H_out, hd] (token pitch yT, see cuda::rope)
+// Output head h of y [B, T, H_out, hd] (token and head pitch yT and yH,
+// see cuda::rope)
 // from x's heads as cuda::rope combines them: repeat > 0 each head of x
 // written `repeat` times (the forward of a grouped-KV rotation); repeat < 0
 // each run of -repeat heads summed (its backward); 1 a plain rotation.
@@ -19,7 +20,7 @@ using torch::autograd::variable_list;
 // transposed gradients, q/k sliced from one qkv projection) is read in
 // place; only a non-unit last stride is copied.
 void rope_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse,
-               int64_t repeat, void* y, int64_t yT) {
+               int64_t repeat, void* y, int64_t yT, int64_t yH) {
   auto xc = x.stride(3) == 1 ? x : x.contiguous();
   const int64_t rep = repeat > 0 ? repeat : -repeat;
   const int64_t H_out = repeat > 0 ? xc.size(2) * rep : xc.size(2) / rep;
@@ -29,7 +30,7 @@ void rope_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
                           xc.size(1), H_out, xc.size(3), xc.stride(0), xc.stride(1),
                           xc.stride(2), inverse,
                           /*div=*/repeat > 0 ? rep : 1, /*mul=*/repeat > 0 ? 1 : rep,
-                          /*cnt=*/repeat > 0 ? 1 : rep, stream_of(xc), yT),
+                          /*cnt=*/repeat > 0 ? 1 : rep, stream_of(xc), yT, yH),
                "rope");
 }
 
@@ -40,7 +41,7 @@ at::Tensor rope_launch(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   const int64_t H_out = repeat > 0 ? x.size(2) * rep : x.size(2) / rep;
   auto y = at::empty({x.size(0), x.size(1), H_out, x.size(3)},
                      x.options().memory_format(at::MemoryFormat::Contiguous));
-  rope_into(x, cos, sin, inverse, repeat, y.data_ptr(), H_out * x.size(3));
+  rope_into(x, cos, sin, inverse, repeat, y.data_ptr(), H_out * x.size(3), x.size(3));
   return y;
 }
 
@@ -128,9 +129,70 @@ class RopeQkvFn : public torch::autograd::Function<RopeQkvFn> {
       const bool rotate = i < 2;
       rope_into(grads[i].to(d.scalar_type()), rotate ? saved[0] : at::Tensor(),
                 rotate ? saved[1] : at::Tensor(), /*inverse=*/rotate, i == 0 ? 1 : -rep,
-                base + first[i] * hd * elem, W);
+                base + first[i] * hd * elem, W, hd);
     }
     return {d, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Note [MLA's rotary channels written in place]
+// MLA's attention reads q [B, T, H, nope + pe] with its last pe channels
+// rotated, and k: kv's first nope channels beside k_pe's pe channels,
+// rotated once and repeated for every head. Built as rope then cat, each
+// cat was a pass over a [tokens, H, nope + pe] tensor, and the backward
+// sent the slices' gradients through zero-filled full-size tensors added
+// together (q's two slices, kv's two). Here one function of q, k_pe and
+// kv: the forward copies the nope channels and lets the RoPE kernel write
+// the rotated ones into their place in the same tensors (a head pitch of
+// nope + pe), and copies v out of kv; the backward writes q's and kv's
+// gradients whole and k_pe's as the RoPE kernel's fp32 sum of the heads,
+// rotated back. The forward and q's and kv's gradients have the bits of
+// rope, cat and narrow; k_pe's gradient is rounded once, where the ATen
+// form rounded the heads' sum and then the rotation.
+class MlaQkvFn : public torch::autograd::Function<MlaQkvFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k_pe,
+                               const at::Tensor& kv, const at::Tensor& cos, const at::Tensor& sin,
+                               int64_t nope) {
+    const auto B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3), pe = D - nope;
+    const auto vd = kv.size(3) - nope;
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["nope"] = nope;
+    // 0-size tables stand for none (no rotation: the channels copied).
+    const auto c = cos.numel() > 0 ? cos : at::Tensor(), s = sin.numel() > 0 ? sin : at::Tensor();
+    const auto elem = static_cast<int64_t>(q.element_size());
+    auto qf = at::empty({B, T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+    auto kf = at::empty({B, T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+    qf.narrow(3, 0, nope).copy_(q.narrow(3, 0, nope));
+    kf.narrow(3, 0, nope).copy_(kv.narrow(3, 0, nope));
+    rope_into(q.narrow(3, nope, pe), c, s, /*inverse=*/false, 1,
+              static_cast<char*>(qf.data_ptr()) + nope * elem, H * D, D);
+    rope_into(k_pe, c, s, /*inverse=*/false, H, static_cast<char*>(kf.data_ptr()) + nope * elem,
+              H * D, D);
+    auto v = kv.narrow(3, nope, vd).contiguous();
+    return {qf, kf, v};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto nope = ctx->saved_data["nope"].toInt();
+    const auto &dqf = grads[0], &dkf = grads[1], &dv = grads[2];
+    const auto B = dqf.size(0), T = dqf.size(1), H = dqf.size(2), D = dqf.size(3), pe = D - nope;
+    const auto vd = dv.size(3);
+    const auto elem = static_cast<int64_t>(dqf.element_size());
+    const bool rotate = saved[0].numel() > 0;
+    const auto c = rotate ? saved[0] : at::Tensor(), s = rotate ? saved[1] : at::Tensor();
+    auto dq = at::empty({B, T, H, D}, dqf.options().memory_format(at::MemoryFormat::Contiguous));
+    dq.narrow(3, 0, nope).copy_(dqf.narrow(3, 0, nope));
+    rope_into(dqf.narrow(3, nope, pe), c, s, /*inverse=*/rotate, 1,
+              static_cast<char*>(dq.data_ptr()) + nope * elem, H * D, D);
+    auto dk_pe =
+        at::empty({B, T, 1, pe}, dkf.options().memory_format(at::MemoryFormat::Contiguous));
+    rope_into(dkf.narrow(3, nope, pe), c, s, /*inverse=*/rotate, -H, dk_pe.data_ptr(), pe, pe);
+    auto dkv = at::empty({B, T, H, nope + vd},
+                         dkf.options().memory_format(at::MemoryFormat::Contiguous));
+    dkv.narrow(3, 0, nope).copy_(dkf.narrow(3, 0, nope));
+    dkv.narrow(3, nope, vd).copy_(dv);
+    return {dq, dk_pe, dkv, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -168,6 +230,30 @@ std::vector<at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
                     2 * cos.size(1) == hd,
                 "fused rope_qkv: cos/sin must be contiguous fp32 [>= T, hd/2]");
   return RopeQkvFn::apply(qkv, cos, sin, H, KV);
+}
+
+std::vector<at::Tensor> mla_qkv(const at::Tensor& q, const at::Tensor& k_pe,
+                                const at::Tensor& kv, const at::Tensor& cos,
+                                const at::Tensor& sin, int64_t nope) {
+  RECORD_FUNCTION("viaduct::mla_qkv", std::vector<c10::IValue>());  // named in profiles
+  VIADUCT_CHECK(q.dim() == 4 && k_pe.dim() == 4 && kv.dim() == 4 && k_pe.size(2) == 1 &&
+                    q.size(0) == kv.size(0) && q.size(1) == kv.size(1) &&
+                    q.size(2) == kv.size(2) && k_pe.size(0) == q.size(0) &&
+                    k_pe.size(1) == q.size(1) && nope >= 0 && nope < q.size(3) &&
+                    k_pe.size(3) == q.size(3) - nope && kv.size(3) > nope &&
+                    q.stride(3) == 1 && k_pe.stride(3) == 1 && kv.stride(3) == 1 &&
+                    q.scalar_type() == kv.scalar_type() &&
+                    k_pe.scalar_type() == q.scalar_type(),
+                "fused mla_qkv: q [B, T, H, nope + pe], k_pe [B, T, 1, pe], kv [B, T, H, "
+                "nope + vd] of one dtype with dense last dimensions; got ",
+                q.sizes(), ", ", k_pe.sizes(), ", ", kv.sizes(), ", nope ", nope);
+  const auto pe = q.size(3) - nope;
+  VIADUCT_CHECK(!cos.defined() || (cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                                   cos.is_contiguous() && sin.is_contiguous() &&
+                                   cos.size(0) >= q.size(1) && 2 * cos.size(1) == pe),
+                "fused mla_qkv: cos/sin must be contiguous fp32 [>= T, pe/2]");
+  return MlaQkvFn::apply(q, k_pe, kv, cos.defined() ? cos : at::empty({0}, q.options()),
+                         sin.defined() ? sin : at::empty({0}, q.options()), nope);
 }
 
 }  // namespace viaduct::kernels

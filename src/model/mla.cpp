@@ -115,33 +115,26 @@ at::Tensor MlaImpl::forward(const at::Tensor& x, const ops::Documents* documents
 
 at::Tensor MlaImpl::attend(const at::Tensor& q, at::Tensor k_pe, const at::Tensor& kv,
                            const RopeTables& tables, const ops::Documents* documents) {
-  const auto B = q.size(0), T = q.size(1), H = opts_.n_heads;
-  const auto nope = opts_.qk_nope_head_dim, pe = opts_.qk_rope_head_dim;
-  const auto vd = opts_.v_head_dim;
-  auto q_nope = q.narrow(-1, 0, nope);
-  auto q_pe = q.narrow(-1, nope, pe);
-  if (tables.cos.defined()) {
-    if (documents != nullptr) {
-      // Per-token tables: the rows as one sequence, each token its row.
-      const auto rows = [&](const at::Tensor& x) {
-        return x.reshape({1, B * T, x.size(2), x.size(3)});
-      };
-      q_pe = ops::rope(rows(q_pe), tables, kernel_options_).view(q_pe.sizes());
-      k_pe = ops::rope(rows(k_pe), tables, kernel_options_).view(k_pe.sizes());
-    } else {
-      q_pe = ops::rope(q_pe, tables, kernel_options_);
-      k_pe = ops::rope(k_pe, tables, kernel_options_);
-    }
+  const auto B = q.size(0), T = q.size(1);
+  const auto nope = opts_.qk_nope_head_dim;
+  // q, k: [B, T, H, nope + pe], q's rotary channels rotated and k's rotary
+  // key broadcast over heads; v [B, T, H, vd].
+  ops::MlaAttentionInputs in;
+  if (documents != nullptr && tables.cos.defined()) {
+    // Per-token tables: the rows as one sequence, each token its row.
+    const auto rows = [&](const at::Tensor& x) {
+      return x.reshape({1, B * T, x.size(2), x.size(3)});
+    };
+    in = ops::mla_attention_inputs(rows(q), rows(k_pe), rows(kv), nope, tables, kernel_options_);
+    const auto back = [&](const at::Tensor& x) { return x.view({B, T, x.size(2), x.size(3)}); };
+    in = {back(in.q), back(in.k), back(in.v)};
+  } else {
+    in = ops::mla_attention_inputs(q, k_pe, kv, nope, tables, kernel_options_);
   }
-  auto k_nope = kv.narrow(-1, 0, nope);
-  auto v = kv.narrow(-1, nope, vd);
-  // q, k: [B, H, T, nope + pe], the rotary key broadcast over heads.
-  auto qf = at::cat({q_nope, q_pe}, -1).transpose(1, 2);
-  auto kf = at::cat({k_nope, k_pe.expand({B, T, H, pe})}, -1).transpose(1, 2);
-  if (documents != nullptr) {
-    return ops::document_attention(qf.transpose(1, 2), kf.transpose(1, 2), v, *documents);
-  }
-  return ops::causal_attention_core(qf, kf, v.transpose(1, 2)).transpose(1, 2);  // [B, T, H, vd]
+  if (documents != nullptr) return ops::document_attention(in.q, in.k, in.v, *documents);
+  return ops::causal_attention_core(in.q.transpose(1, 2), in.k.transpose(1, 2),
+                                    in.v.transpose(1, 2))
+      .transpose(1, 2);  // [B, T, H, vd]
 }
 
 }  // namespace viaduct

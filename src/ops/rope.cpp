@@ -170,6 +170,32 @@ at::Tensor rope(const at::Tensor& x, const RopeTables& tables, const KernelOptio
   return out.flatten(-2).to(x.scalar_type());
 }
 
+MlaAttentionInputs mla_attention_inputs(const at::Tensor& q, const at::Tensor& k_pe,
+                                        const at::Tensor& kv, int64_t nope,
+                                        const RopeTables& tables, const KernelOptions& k) {
+  const auto B = q.size(0), T = q.size(1), H = q.size(2), pe = q.size(3) - nope;
+  const auto vd = kv.size(3) - nope;
+  if (fused_runs(q, k)) {
+    // See Note [MLA's rotary channels written in place] (kernels/rope_fn.cpp).
+    at::Tensor c, s;
+    if (tables.cos.defined()) {
+      check_rope_length(tables, T);
+      std::tie(c, s) = rope_tables_fp32(tables, T, q.device());
+    }
+    auto r = kernels::mla_qkv(q, k_pe, kv, c, s, nope);
+    return {r[0], r[1], r[2]};
+  }
+  auto q_nope = q.narrow(-1, 0, nope);
+  auto q_pe = q.narrow(-1, nope, pe);
+  auto kp = k_pe;
+  if (tables.cos.defined()) {
+    q_pe = rope(q_pe, tables, k);
+    kp = rope(kp, tables, k);
+  }
+  return {at::cat({q_nope, q_pe}, -1), at::cat({kv.narrow(-1, 0, nope), kp.expand({B, T, H, pe})}, -1),
+          kv.narrow(-1, nope, vd)};
+}
+
 // q [B, T, H, hd], k, v [B, T, KV, hd] -> q, k, v [B, H, T, hd]: q and k
 // rotated (when `tables` is given), k and v repeated to H heads.
 // qkv: undefined, or the product q, k and v are slices of (see

@@ -320,6 +320,78 @@ TEST(FusedKernels, RopeQkvIsTheThreeOpsBitwise) {
   }
 }
 
+TEST(FusedKernels, MlaInputsAreRopeCatAndNarrow) {
+  REQUIRE_GPU();
+  // MLA's attention inputs as one function against the separate ops it
+  // replaces (the RoPE kernel, cat, narrow) on the same tensors: the
+  // outputs and q's and kv's gradients bit for bit, k_pe's (its heads' sum
+  // rounded once, where expand's backward rounded it before the rotation)
+  // against fp64; q strided (a slice of a wider product), with and without
+  // the rotation.
+  const int64_t B = 2, T = 40, H = 4, nope = 64, pe = 32, vd = 48;
+  const auto tables = make_rope_tables(pe, 64, 10000.0);
+  const ops::KernelOptions k;
+  for (auto t : kTypes) {
+    for (bool rotate : {true, false}) {
+      const auto seed = fresh_seed();
+      const auto o = at::TensorOptions(at::kCUDA).dtype(t);
+      auto wide = at::randn({B, T, H * (nope + pe) + 16}, o);
+      auto kv0 = at::randn({B, T, H, nope + vd}, o);
+      auto kpe0 = at::randn({B, T, 1, pe}, o);
+      const ops::RopeTables none;
+      const auto& tb = rotate ? tables : none;
+      const std::vector<at::Tensor> g{
+          at::randn({B, T, H, nope + pe}, at::TensorOptions(at::kCUDA)),
+          at::randn({B, T, H, nope + pe}, at::TensorOptions(at::kCUDA)),
+          at::randn({B, T, H, vd}, at::TensorOptions(at::kCUDA))};
+      struct Run {
+        ops::MlaAttentionInputs in;
+        at::Tensor wide, kv, kpe;  // the leaves, with their gradients
+      };
+      auto run = [&](bool one_function) {
+        Run r;
+        r.wide = wide.clone().requires_grad_(true);
+        r.kv = kv0.clone().requires_grad_(true);
+        r.kpe = kpe0.clone().requires_grad_(true);
+        auto q = r.wide.narrow(2, 16, H * (nope + pe)).view({B, T, H, nope + pe});
+        if (one_function) {
+          r.in = ops::mla_attention_inputs(q, r.kpe, r.kv, nope, tb, k);
+        } else {
+          auto q_pe = q.narrow(3, nope, pe);
+          auto kp = at::Tensor(r.kpe);
+          if (rotate) {
+            q_pe = ops::rope(q_pe, tables, k);
+            kp = ops::rope(kp, tables, k);
+          }
+          r.in = {at::cat({q.narrow(3, 0, nope), q_pe}, -1),
+                  at::cat({r.kv.narrow(3, 0, nope), kp.expand({B, T, H, pe})}, -1),
+                  r.kv.narrow(3, nope, vd)};
+        }
+        auto loss = (r.in.q.to(at::kFloat) * g[0]).sum() + (r.in.k.to(at::kFloat) * g[1]).sum() +
+                    (r.in.v.to(at::kFloat) * g[2]).sum();
+        loss.backward();
+        return r;
+      };
+      poison();
+      auto fused = run(true);
+      auto ref = run(false);
+      EXPECT_TRUE(at::equal(fused.in.q, ref.in.q)) << "seed " << seed << " " << t;
+      EXPECT_TRUE(at::equal(fused.in.k, ref.in.k)) << "seed " << seed << " " << t;
+      EXPECT_TRUE(at::equal(fused.in.v, ref.in.v)) << "seed " << seed << " " << t;
+      EXPECT_TRUE(fused.in.q.is_contiguous() && fused.in.k.is_contiguous() &&
+                  fused.in.v.is_contiguous());
+      EXPECT_TRUE(at::equal(fused.wide.grad(), ref.wide.grad())) << "seed " << seed << " " << t;
+      EXPECT_TRUE(at::equal(fused.kv.grad(), ref.kv.grad())) << "seed " << seed << " " << t;
+      // k_pe's gradient: the heads' sum, rotated back, in fp64 on the CPU.
+      auto gk = g[1].narrow(3, nope, pe).to(at::kCPU, at::kDouble).sum(2, /*keepdim=*/true);
+      auto kr = kpe0.to(at::kCPU, at::kDouble).requires_grad_(true);
+      auto rot = rotate ? ops::rope(kr, tables, k) : kr;
+      (rot * gk).sum().backward();
+      EXPECT_LT(rel_err(fused.kpe.grad(), kr.grad()), bound(t)) << "seed " << seed << " " << t;
+    }
+  }
+}
+
 TEST(FusedKernels, RopeRepeatsGroupedHeads) {
   REQUIRE_GPU();
   // Grouped KV heads: rope(k, repeat) is rope(k) repeated on the head dim,
