@@ -59,11 +59,11 @@ void check_parts(at::TensorList parts, at::ScalarType dtype) {
   VIADUCT_CHECK(!parts.empty(), "weight cache: no weights");
   const auto inner = parts[0].sizes().slice(std::min<size_t>(1, parts[0].dim()));
   for (const auto& p : parts) {
-    VIADUCT_CHECK(p.dim() >= 2 && p.sizes().slice(1) == inner &&
+    VIADUCT_CHECK(p.dim() >= 1 && p.dim() == parts[0].dim() && p.sizes().slice(1) == inner &&
                       p.device() == parts[0].device() &&
                       p.scalar_type() == parts[0].scalar_type() && p.scalar_type() != dtype,
-                  "weight cache: the parts must be weights of 2 or more dims, equal past the "
-                  "first, of one device and dtype, other than ", dtype);
+                  "weight cache: the parts must be weights (or biases) of one number of dims, "
+                  "equal past the first, of one device and dtype, other than ", dtype);
   }
 }
 

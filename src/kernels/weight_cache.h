@@ -5,9 +5,9 @@
 // pipeline, and the cast weight is kept for the backward anyway. The cache
 // keeps that cast copy between forwards instead:
 //
-//  - get(parts, dtype) returns the parts (fp32 [out_i, in] weights)
-//    cast to `dtype` and concatenated along dim 0 (one part: the weight
-//    itself; q, k, v: the one-GEMM projection's weight). The copy is reused
+//  - get(parts, dtype) returns the parts (fp32 [out_i, in] weights, or
+//    [out_i] biases) cast to `dtype` and concatenated along dim 0 (one part:
+//    the weight itself; q, k, v: the one-GEMM projection's weight). The copy is reused
 //    while every part's version counter still reads what it read when the
 //    copy was made; a part that moved is re-cast into its rows. Any ATen
 //    in-place write of a weight (the optimizer's loop, a checkpoint load,
@@ -52,9 +52,9 @@ class WeightCache {
   WeightCache(const WeightCache&) = delete;
   WeightCache& operator=(const WeightCache&) = delete;
 
-  // `parts` cast to `dtype` and concatenated along dim 0 (see above). Every
-  // part a tensor of 2 or more dims (the MoE's stacked expert weights are
-  // 3-D) with the same sizes past the first, on one device. The result must
+  // `parts` cast to `dtype` and concatenated along dim 0 (see above). The
+  // parts of one number of dims (biases 1, weights 2, the MoE's stacked
+  // expert weights 3) with the same sizes past the first, on one device. The result must
   // not be written. Parts that are not leaves (views, results of ops) are
   // cast every time and not kept.
   at::Tensor get(at::TensorList parts, at::ScalarType dtype);

@@ -34,7 +34,12 @@ struct MixedLinear {
     // in a replay; the node and what it saves are the same.
     if (!b.defined()) return run_saved_op([&] { return at::linear(x, wc); });
     ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
-    return run_saved_op([&] { return at::linear(x, wc, b.to(x.scalar_type())); });
+    // The bias's cast comes from the cache too (one launch less a linear and
+    // step where the host's launches set the pace).
+    const auto bc = b.scalar_type() == x.scalar_type()
+                        ? b
+                        : kernels::cast_weights(k.weight_cache.get(), {b}, x.scalar_type());
+    return run_saved_op([&] { return at::linear(x, wc, bc); });
   }
   // {dx, dw per part..., db, none for the options}; db only when
   // `bias_slot`.

@@ -60,6 +60,30 @@ TEST_F(WeightCache, PartsAreConcatenatedAndRecastOneByOne) {
   EXPECT_THROW(cache_.get({a.to(at::kBFloat16)}, at::kBFloat16), std::exception);
 }
 
+TEST_F(WeightCache, BiasesAreCachedLikeWeights) {
+  // 1-D parts (a linear's bias; q, k and v's biases concatenated) take the
+  // same copies, validity rule and optimizer slots as weights.
+  auto b = at::randn({6}).requires_grad_(true), c = at::randn({3}).requires_grad_(true);
+  const auto casts0 = cache_.casts();
+  auto copy = cache_.get({b}, at::kBFloat16);
+  EXPECT_TRUE(bitwise_equal(copy, b.detach().to(at::kBFloat16)));
+  EXPECT_EQ(cache_.get({b}, at::kBFloat16).data_ptr(), copy.data_ptr());
+  EXPECT_EQ(cache_.casts(), casts0 + 1);
+  auto both = cache_.get({b, c}, at::kBFloat16);
+  EXPECT_TRUE(bitwise_equal(both, at::cat({b, c}).detach().to(at::kBFloat16)));
+  auto slot = cache_.slot_for(c);
+  ASSERT_TRUE(slot.defined());
+  EXPECT_EQ(static_cast<char*>(slot.data_ptr()), static_cast<char*>(both.data_ptr()) + 6 * 2);
+  {
+    at::NoGradGuard g;
+    c.mul_(2.0);
+  }
+  EXPECT_TRUE(bitwise_equal(cache_.get({b, c}, at::kBFloat16),
+                            at::cat({b, c}).detach().to(at::kBFloat16)));
+  // A weight and a bias are not parts of one copy.
+  EXPECT_THROW(cache_.get({at::randn({2, 6}), b}, at::kBFloat16), std::exception);
+}
+
 TEST_F(WeightCache, OptimizerSlotProtocol) {
   // The optimizer writes the weight and its rows of the copy from the same
   // new values without moving any version (as the AdamW kernel does), then
