@@ -71,14 +71,15 @@ std::vector<at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
 // MLA's attention inputs from q [B, T, H, nope + pe], k_pe [B, T, 1, pe]
 // and kv [B, T, H, nope + vd] (dense last dimensions, other strides free):
 // {q with its pe channels rotated, k = kv's nope channels beside k_pe
-// rotated and repeated for every head, v = kv's vd channels}, each
-// contiguous; cos, sin: fp32 [>= T, pe / 2], or undefined for no rotation.
+// rotated and repeated for every head, v = kv's vd channels, zero-padded
+// to v_width (0: vd)}, each contiguous; cos, sin: fp32 [>= T, pe / 2], or
+// undefined for no rotation.
 // The bits of rope, cat and narrow; the backward writes q's and kv's
 // gradients whole (see Note [MLA's rotary channels written in place],
 // kernels/rope_fn.cpp).
 std::vector<at::Tensor> mla_qkv(const at::Tensor& q, const at::Tensor& k_pe,
                                 const at::Tensor& kv, const at::Tensor& cos,
-                                const at::Tensor& sin, int64_t nope);
+                                const at::Tensor& sin, int64_t nope, int64_t v_width = 0);
 
 // x [B, T, KV, hd] (the last dim contiguous, other strides free) ->
 // contiguous [B, T, KV * repeat, hd], each head written `repeat` times (as

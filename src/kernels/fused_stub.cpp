@@ -20,7 +20,7 @@ at::Tensor rope(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t
 }
 at::Tensor repeat_heads(const at::Tensor&, int64_t) { no_cuda("repeat_heads"); }
 std::vector<at::Tensor> mla_qkv(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, int64_t) {
+                                const at::Tensor&, const at::Tensor&, int64_t, int64_t) {
   no_cuda("mla_qkv");
 }
 std::vector<at::Tensor> rope_qkv(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,

@@ -144,7 +144,8 @@ class RopeQkvFn : public torch::autograd::Function<RopeQkvFn> {
 // together (q's two slices, kv's two). Here one function of q, k_pe and
 // kv: the forward copies the nope channels and lets the RoPE kernel write
 // the rotated ones into their place in the same tensors (a head pitch of
-// nope + pe), and copies v out of kv; the backward writes q's and kv's
+// nope + pe), and copies v out of kv (zero-padded to the width flash's
+// kernel wants, where the caller asks); the backward writes q's and kv's
 // gradients whole and k_pe's as the RoPE kernel's fp32 sum of the heads,
 // rotated back. The forward and q's and kv's gradients have the bits of
 // rope, cat and narrow; k_pe's gradient is rounded once, where the ATen
@@ -153,11 +154,12 @@ class MlaQkvFn : public torch::autograd::Function<MlaQkvFn> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k_pe,
                                const at::Tensor& kv, const at::Tensor& cos, const at::Tensor& sin,
-                               int64_t nope) {
+                               int64_t nope, int64_t v_width) {
     const auto B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3), pe = D - nope;
     const auto vd = kv.size(3) - nope;
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["nope"] = nope;
+    ctx->saved_data["vd"] = vd;
     // 0-size tables stand for none (no rotation: the channels copied).
     const auto c = cos.numel() > 0 ? cos : at::Tensor(), s = sin.numel() > 0 ? sin : at::Tensor();
     const auto elem = static_cast<int64_t>(q.element_size());
@@ -169,7 +171,10 @@ class MlaQkvFn : public torch::autograd::Function<MlaQkvFn> {
               static_cast<char*>(qf.data_ptr()) + nope * elem, H * D, D);
     rope_into(k_pe, c, s, /*inverse=*/false, H, static_cast<char*>(kf.data_ptr()) + nope * elem,
               H * D, D);
-    auto v = kv.narrow(3, nope, vd).contiguous();
+    if (v_width == vd) return {qf, kf, kv.narrow(3, nope, vd).contiguous()};
+    auto v = at::empty({B, T, H, v_width}, kv.options().memory_format(at::MemoryFormat::Contiguous));
+    v.narrow(3, 0, vd).copy_(kv.narrow(3, nope, vd));
+    v.narrow(3, vd, v_width - vd).zero_();
     return {qf, kf, v};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -177,7 +182,7 @@ class MlaQkvFn : public torch::autograd::Function<MlaQkvFn> {
     const auto nope = ctx->saved_data["nope"].toInt();
     const auto &dqf = grads[0], &dkf = grads[1], &dv = grads[2];
     const auto B = dqf.size(0), T = dqf.size(1), H = dqf.size(2), D = dqf.size(3), pe = D - nope;
-    const auto vd = dv.size(3);
+    const auto vd = ctx->saved_data["vd"].toInt();
     const auto elem = static_cast<int64_t>(dqf.element_size());
     const bool rotate = saved[0].numel() > 0;
     const auto c = rotate ? saved[0] : at::Tensor(), s = rotate ? saved[1] : at::Tensor();
@@ -191,8 +196,8 @@ class MlaQkvFn : public torch::autograd::Function<MlaQkvFn> {
     auto dkv = at::empty({B, T, H, nope + vd},
                          dkf.options().memory_format(at::MemoryFormat::Contiguous));
     dkv.narrow(3, 0, nope).copy_(dkf.narrow(3, 0, nope));
-    dkv.narrow(3, nope, vd).copy_(dv);
-    return {dq, dk_pe, dkv, at::Tensor(), at::Tensor(), at::Tensor()};
+    dkv.narrow(3, nope, vd).copy_(dv.narrow(3, 0, vd));
+    return {dq, dk_pe, dkv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -234,7 +239,7 @@ std::vector<at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
 
 std::vector<at::Tensor> mla_qkv(const at::Tensor& q, const at::Tensor& k_pe,
                                 const at::Tensor& kv, const at::Tensor& cos,
-                                const at::Tensor& sin, int64_t nope) {
+                                const at::Tensor& sin, int64_t nope, int64_t v_width) {
   RECORD_FUNCTION("viaduct::mla_qkv", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(q.dim() == 4 && k_pe.dim() == 4 && kv.dim() == 4 && k_pe.size(2) == 1 &&
                     q.size(0) == kv.size(0) && q.size(1) == kv.size(1) &&
@@ -247,13 +252,16 @@ std::vector<at::Tensor> mla_qkv(const at::Tensor& q, const at::Tensor& k_pe,
                 "fused mla_qkv: q [B, T, H, nope + pe], k_pe [B, T, 1, pe], kv [B, T, H, "
                 "nope + vd] of one dtype with dense last dimensions; got ",
                 q.sizes(), ", ", k_pe.sizes(), ", ", kv.sizes(), ", nope ", nope);
-  const auto pe = q.size(3) - nope;
+  const auto pe = q.size(3) - nope, vd = kv.size(3) - nope;
+  VIADUCT_CHECK(v_width == 0 || v_width >= vd, "fused mla_qkv: v_width ", v_width,
+                " is narrower than the values' ", vd);
   VIADUCT_CHECK(!cos.defined() || (cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                                    cos.is_contiguous() && sin.is_contiguous() &&
                                    cos.size(0) >= q.size(1) && 2 * cos.size(1) == pe),
                 "fused mla_qkv: cos/sin must be contiguous fp32 [>= T, pe/2]");
   return MlaQkvFn::apply(q, k_pe, kv, cos.defined() ? cos : at::empty({0}, q.options()),
-                         sin.defined() ? sin : at::empty({0}, q.options()), nope);
+                         sin.defined() ? sin : at::empty({0}, q.options()), nope,
+                         v_width == 0 ? vd : v_width);
 }
 
 }  // namespace viaduct::kernels

@@ -119,19 +119,27 @@ at::Tensor MlaImpl::attend(const at::Tensor& q, at::Tensor k_pe, const at::Tenso
   const auto nope = opts_.qk_nope_head_dim;
   // q, k: [B, T, H, nope + pe], q's rotary channels rotated and k's rotary
   // key broadcast over heads; v [B, T, H, vd].
+  // Flash's variable-length kernel (every document at once) wants v as
+  // wide as q: the values come zero-padded (see Note [Narrow value heads on
+  // flash's kernel], ops/rope.cpp) and the output is cut back.
+  const auto D = q.size(3), vd = opts_.v_head_dim;
+  const auto v_width = documents != nullptr ? D : 0;
   ops::MlaAttentionInputs in;
   if (documents != nullptr && tables.cos.defined()) {
     // Per-token tables: the rows as one sequence, each token its row.
     const auto rows = [&](const at::Tensor& x) {
       return x.reshape({1, B * T, x.size(2), x.size(3)});
     };
-    in = ops::mla_attention_inputs(rows(q), rows(k_pe), rows(kv), nope, tables, kernel_options_);
+    in = ops::mla_attention_inputs(rows(q), rows(k_pe), rows(kv), nope, tables, kernel_options_,
+                                   v_width);
     const auto back = [&](const at::Tensor& x) { return x.view({B, T, x.size(2), x.size(3)}); };
     in = {back(in.q), back(in.k), back(in.v)};
   } else {
-    in = ops::mla_attention_inputs(q, k_pe, kv, nope, tables, kernel_options_);
+    in = ops::mla_attention_inputs(q, k_pe, kv, nope, tables, kernel_options_, v_width);
   }
-  if (documents != nullptr) return ops::document_attention(in.q, in.k, in.v, *documents);
+  if (documents != nullptr) {
+    return ops::document_attention(in.q, in.k, in.v, *documents).narrow(-1, 0, vd);
+  }
   return ops::causal_attention_core(in.q.transpose(1, 2), in.k.transpose(1, 2),
                                     in.v.transpose(1, 2))
       .transpose(1, 2);  // [B, T, H, vd]

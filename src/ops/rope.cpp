@@ -172,7 +172,8 @@ at::Tensor rope(const at::Tensor& x, const RopeTables& tables, const KernelOptio
 
 MlaAttentionInputs mla_attention_inputs(const at::Tensor& q, const at::Tensor& k_pe,
                                         const at::Tensor& kv, int64_t nope,
-                                        const RopeTables& tables, const KernelOptions& k) {
+                                        const RopeTables& tables, const KernelOptions& k,
+                                        int64_t v_width) {
   const auto B = q.size(0), T = q.size(1), H = q.size(2), pe = q.size(3) - nope;
   const auto vd = kv.size(3) - nope;
   if (fused_runs(q, k)) {
@@ -182,7 +183,7 @@ MlaAttentionInputs mla_attention_inputs(const at::Tensor& q, const at::Tensor& k
       check_rope_length(tables, T);
       std::tie(c, s) = rope_tables_fp32(tables, T, q.device());
     }
-    auto r = kernels::mla_qkv(q, k_pe, kv, c, s, nope);
+    auto r = kernels::mla_qkv(q, k_pe, kv, c, s, nope, v_width > vd ? v_width : 0);
     return {r[0], r[1], r[2]};
   }
   auto q_nope = q.narrow(-1, 0, nope);
@@ -192,8 +193,10 @@ MlaAttentionInputs mla_attention_inputs(const at::Tensor& q, const at::Tensor& k
     q_pe = rope(q_pe, tables, k);
     kp = rope(kp, tables, k);
   }
+  auto v = kv.narrow(-1, nope, vd);
+  if (v_width > vd) v = at::constant_pad_nd(v, {0, v_width - vd});
   return {at::cat({q_nope, q_pe}, -1), at::cat({kv.narrow(-1, 0, nope), kp.expand({B, T, H, pe})}, -1),
-          kv.narrow(-1, nope, vd)};
+          v};
 }
 
 // q [B, T, H, hd], k, v [B, T, KV, hd] -> q, k, v [B, H, T, hd]: q and k

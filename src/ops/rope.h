@@ -37,7 +37,9 @@ at::Tensor rope(const at::Tensor& x, const RopeTables& tables, const KernelOptio
 // MLA's attention inputs, each [B, T, H, *]: q [B, T, H, nope + pe] with
 // its last pe channels rotated; k, kv's first nope channels [B, T, H,
 // nope + vd] beside k_pe [B, T, 1, pe] rotated and repeated for every
-// head; v, kv's last vd channels. `tables` (undefined: no rotation) rotate
+// head; v, kv's last vd channels, zero-padded to v_width channels where
+// v_width > vd (flash's kernel wants v as wide as q). `tables` (undefined:
+// no rotation) rotate
 // row t as position t (per-token tables: B = 1). Where the kernels run, one
 // function writing the rotated channels in place and the gradients of q,
 // k_pe and kv whole (kernels::mla_qkv); elsewhere rope, cat and narrow.
@@ -46,7 +48,8 @@ struct MlaAttentionInputs {
 };
 MlaAttentionInputs mla_attention_inputs(const at::Tensor& q, const at::Tensor& k_pe,
                                         const at::Tensor& kv, int64_t nope,
-                                        const RopeTables& tables, const KernelOptions& k);
+                                        const RopeTables& tables, const KernelOptions& k,
+                                        int64_t v_width = 0);
 
 // Causal scaled-dot-product attention of q [B, T, H, hd] over k, v
 // [B, T, KV, hd] (H a multiple of KV), q and k rotated first when `tables`

@@ -327,13 +327,15 @@ TEST(FusedKernels, MlaInputsAreRopeCatAndNarrow) {
   // outputs and q's and kv's gradients bit for bit, k_pe's (its heads' sum
   // rounded once, where expand's backward rounded it before the rotation)
   // against fp64; q strided (a slice of a wider product), with and without
-  // the rotation.
+  // the rotation, v as it is and zero-padded to q's width.
   const int64_t B = 2, T = 40, H = 4, nope = 64, pe = 32, vd = 48;
   const auto tables = make_rope_tables(pe, 64, 10000.0);
   const ops::KernelOptions k;
   for (auto t : kTypes) {
-    for (bool rotate : {true, false}) {
+    for (const auto& [rotate, v_width] :
+         std::vector<std::pair<bool, int64_t>>{{true, 0}, {false, 0}, {true, nope + pe}}) {
       const auto seed = fresh_seed();
+      const auto vw = v_width > 0 ? v_width : vd;
       const auto o = at::TensorOptions(at::kCUDA).dtype(t);
       auto wide = at::randn({B, T, H * (nope + pe) + 16}, o);
       auto kv0 = at::randn({B, T, H, nope + vd}, o);
@@ -343,7 +345,7 @@ TEST(FusedKernels, MlaInputsAreRopeCatAndNarrow) {
       const std::vector<at::Tensor> g{
           at::randn({B, T, H, nope + pe}, at::TensorOptions(at::kCUDA)),
           at::randn({B, T, H, nope + pe}, at::TensorOptions(at::kCUDA)),
-          at::randn({B, T, H, vd}, at::TensorOptions(at::kCUDA))};
+          at::randn({B, T, H, vw}, at::TensorOptions(at::kCUDA))};
       struct Run {
         ops::MlaAttentionInputs in;
         at::Tensor wide, kv, kpe;  // the leaves, with their gradients
@@ -355,7 +357,7 @@ TEST(FusedKernels, MlaInputsAreRopeCatAndNarrow) {
         r.kpe = kpe0.clone().requires_grad_(true);
         auto q = r.wide.narrow(2, 16, H * (nope + pe)).view({B, T, H, nope + pe});
         if (one_function) {
-          r.in = ops::mla_attention_inputs(q, r.kpe, r.kv, nope, tb, k);
+          r.in = ops::mla_attention_inputs(q, r.kpe, r.kv, nope, tb, k, v_width);
         } else {
           auto q_pe = q.narrow(3, nope, pe);
           auto kp = at::Tensor(r.kpe);
@@ -365,7 +367,7 @@ TEST(FusedKernels, MlaInputsAreRopeCatAndNarrow) {
           }
           r.in = {at::cat({q.narrow(3, 0, nope), q_pe}, -1),
                   at::cat({r.kv.narrow(3, 0, nope), kp.expand({B, T, H, pe})}, -1),
-                  r.kv.narrow(3, nope, vd)};
+                  at::constant_pad_nd(r.kv.narrow(3, nope, vd), {0, vw - vd})};
         }
         auto loss = (r.in.q.to(at::kFloat) * g[0]).sum() + (r.in.k.to(at::kFloat) * g[1]).sum() +
                     (r.in.v.to(at::kFloat) * g[2]).sum();
