@@ -94,6 +94,9 @@ __global__ void router_dw_kernel(const float* __restrict__ dl, const __nv_bfloat
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kPartRows;
   const int64_t last = first + kPartRows < N ? first + kPartRows : N;
   float lo[4] = {0.f, 0.f, 0.f, 0.f}, hi[4] = {0.f, 0.f, 0.f, 0.f};
+  // Unrolled so that several rows' loads are in flight at once (one row at
+  // a time waits out each load's latency); the sums still run in row order.
+#pragma unroll 8
   for (int64_t n = first; n < last; ++n) {
     const float g = dl[n * E + e];
     float xv[kVec];
