@@ -30,7 +30,10 @@
 # bench/data_prepare_images.sh), graphs (420: training.cuda_graphs: the
 # StepGraph tests of test_train (a graph step's bits against eager steps),
 # then GRAPH_CELLS (default "1B k3") with the key off and on, alternating,
-# GRAPH_ROUNDS rounds (default 2), losses and tokens/s side by side).
+# GRAPH_ROUNDS rounds (default 2), losses and tokens/s side by side),
+# gpt2profile (60: the gpt2 cell's step with host ops, then device kernels
+# only), k3docsprofile (180: the K3 step on documents of mean 1,024,
+# causal then block_causal, device kernels only).
 # BUDGET_S (560): the call's limit less a
 # margin. Needs .deps and data carried (bench/README.md).
 set -uo pipefail
