@@ -53,19 +53,25 @@ dim3 element_grid(int64_t B, int64_t Tn, int64_t C) {
               static_cast<unsigned>(B));
 }
 
+// Calls f(b, t, c) for each token t of the thread's row b and channel c
+// on the element grid.
+template <typename F>
+__device__ __forceinline__ void for_each_token(int64_t Tn, int64_t C, F&& f) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= C) return;
+  const int64_t b = blockIdx.z;
+  for (int64_t t = blockIdx.y; t < Tn; t += gridDim.y) f(b, t, c);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kElemThreads)
     forward_kernel(const T* __restrict__ x, const float* __restrict__ w,
                    const int32_t* __restrict__ offsets, T* __restrict__ y, int64_t Tn, int64_t C,
                    int64_t xs, int K) {
-  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (c >= C) return;
-  const int64_t b = blockIdx.z;
-  const T* xc = x + b * Tn * xs + c;
-  const float* wc = w + c * K;
-  for (int64_t t = blockIdx.y; t < Tn; t += gridDim.y) {
-    store(y, (b * Tn + t) * C + c, silu(conv_at(xc, wc, t, reach(offsets, b, t, Tn), xs, K)));
-  }
+  for_each_token(Tn, C, [&](int64_t b, int64_t t, int64_t c) {
+    const float z = conv_at(x + b * Tn * xs + c, w + c * K, t, reach(offsets, b, t, Tn), xs, K);
+    store(y, (b * Tn + t) * C + c, silu(z));
+  });
 }
 
 // dz = dy silu'(z), silu'(z) = s (1 + z (1 - s)), s = sigmoid(z).
@@ -74,16 +80,11 @@ __global__ void __launch_bounds__(kElemThreads)
     dz_kernel(const T* __restrict__ x, const float* __restrict__ w,
               const int32_t* __restrict__ offsets, const T* __restrict__ dy,
               float* __restrict__ dz, int64_t Tn, int64_t C, int64_t xs, int K) {
-  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (c >= C) return;
-  const int64_t b = blockIdx.z;
-  const T* xc = x + b * Tn * xs + c;
-  const float* wc = w + c * K;
-  for (int64_t t = blockIdx.y; t < Tn; t += gridDim.y) {
+  for_each_token(Tn, C, [&](int64_t b, int64_t t, int64_t c) {
     const int64_t i = (b * Tn + t) * C + c;
-    const float z = conv_at(xc, wc, t, reach(offsets, b, t, Tn), xs, K);
+    const float z = conv_at(x + b * Tn * xs + c, w + c * K, t, reach(offsets, b, t, Tn), xs, K);
     dz[i] = __fmul_rn(load(dy, i), silu_grad(z));
-  }
+  });
 }
 
 // dx[b, t, c] = sum_j w[c, j] dz[b, t + K - 1 - j, c] over the taps that
@@ -93,19 +94,16 @@ template <typename T>
 __global__ void __launch_bounds__(kElemThreads)
     dx_kernel(const float* __restrict__ w, const int32_t* __restrict__ offsets,
               const float* __restrict__ dz, T* __restrict__ dx, int64_t Tn, int64_t C, int K) {
-  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (c >= C) return;
-  const int64_t b = blockIdx.z;
-  const float* dzc = dz + b * Tn * C + c;
-  const float* wc = w + c * K;
-  for (int64_t t = blockIdx.y; t < Tn; t += gridDim.y) {
+  for_each_token(Tn, C, [&](int64_t b, int64_t t, int64_t c) {
+    const float* dzc = dz + b * Tn * C + c;
+    const float* wc = w + c * K;
     float acc = 0.f;
     for (int j = 0; j < K; ++j) {
       const int64_t dst = t + K - 1 - j;
       if (dst < Tn && K - 1 - j <= reach(offsets, b, dst, Tn)) acc += wc[j] * dzc[dst * C];
     }
     store(dx, (b * Tn + t) * C + c, acc);
-  }
+  });
 }
 
 // One partial of dw per (sequence, span of tokens): a thread per channel
