@@ -25,13 +25,37 @@ at::Tensor as_read(const at::Tensor& x) {
   return rows ? x : x.contiguous();
 }
 
-// The backward's outputs and scratch for x [B, T, C] and the weight [C,
-// K]: dz fp32 and the weight gradient's partial sums (scratch), dx in x's
-// dtype, dw fp32.
+// The forward's saved state, shared by both functions: x as the kernels
+// read it, the weight contiguous, the document offsets (int32 [B, T], or a
+// 0-size stand-in for none: an autograd function takes no undefined inputs
+// on LibTorch 2.x).
+struct ConvInputs {
+  at::Tensor x, w;
+  ConvInputs(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& weight,
+             const at::Tensor& offsets)
+      : x(as_read(x_in)), w(weight.contiguous()) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["offsets"] = offsets;
+  }
+};
+
+// The backward's view of that state, with its outputs and scratch: dz fp32
+// and the weight gradient's partial sums (scratch), dx in x's dtype, dw
+// fp32.
 struct ConvGrads {
+  at::Tensor x, w, offsets;
+  int64_t B, T, C;
+  int K;
   at::Tensor dz, partial, dx, dw;
-  ConvGrads(const at::Tensor& x, const at::Tensor& w) {
-    const auto B = x.size(0), T = x.size(1), C = x.size(2), K = w.size(1);
+  explicit ConvGrads(AutogradContext* ctx) {
+    const auto saved = ctx->get_saved_variables();
+    x = saved[0];
+    w = saved[1];
+    offsets = ctx->saved_data["offsets"].toTensor();
+    B = x.size(0);
+    T = x.size(1);
+    C = x.size(2);
+    K = static_cast<int>(w.size(1));
     const auto f32 = x.options().dtype(at::kFloat);
     dz = at::empty({B, T, C}, f32);
     partial = at::empty({cuda::short_conv_partials(B, T), C, K}, f32);
@@ -42,35 +66,26 @@ struct ConvGrads {
 
 class ShortConvSiluFn : public torch::autograd::Function<ShortConvSiluFn> {
  public:
-  // offsets: int32 [B, T], or a 0-size stand-in for none (an autograd
-  // function takes no undefined inputs on LibTorch 2.x).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& offsets) {
-    auto xc = as_read(x);
-    auto w = weight.contiguous();
-    ctx->save_for_backward({xc, w});
-    ctx->saved_data["offsets"] = offsets;
-    auto y = at::empty(xc.sizes(), xc.options());
-    check_launch(cuda::short_conv_silu_forward(dtype_of(xc), xc.data_ptr(), xc.stride(1),
-                                               w.data_ptr<float>(), offsets_of(offsets),
-                                               y.data_ptr(), xc.size(0), xc.size(1), xc.size(2),
-                                               static_cast<int>(w.size(1)), stream_of(xc)),
+    const ConvInputs in(ctx, x, weight, offsets);
+    auto y = at::empty(in.x.sizes(), in.x.options());
+    check_launch(cuda::short_conv_silu_forward(dtype_of(in.x), in.x.data_ptr(), in.x.stride(1),
+                                               in.w.data_ptr<float>(), offsets_of(offsets),
+                                               y.data_ptr(), in.x.size(0), in.x.size(1),
+                                               in.x.size(2), static_cast<int>(in.w.size(1)),
+                                               stream_of(in.x)),
                  "short_conv_silu_forward");
     return y;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &x = saved[0], &w = saved[1];
-    const auto offsets = ctx->saved_data["offsets"].toTensor();
-    const auto B = x.size(0), T = x.size(1), C = x.size(2);
-    const auto K = w.size(1);
-    auto dy = grads[0].to(x.scalar_type()).contiguous();
-    ConvGrads g(x, w);
+    ConvGrads g(ctx);
+    auto dy = grads[0].to(g.x.scalar_type()).contiguous();
     check_launch(cuda::short_conv_silu_backward(
-                     dtype_of(x), x.data_ptr(), x.stride(1), w.data_ptr<float>(),
-                     offsets_of(offsets), dy.data_ptr(), g.dz.data_ptr<float>(), g.dx.data_ptr(),
-                     g.partial.data_ptr<float>(), g.dw.data_ptr<float>(), B, T, C,
-                     static_cast<int>(K), stream_of(x)),
+                     dtype_of(g.x), g.x.data_ptr(), g.x.stride(1), g.w.data_ptr<float>(),
+                     offsets_of(g.offsets), dy.data_ptr(), g.dz.data_ptr<float>(),
+                     g.dx.data_ptr(), g.partial.data_ptr<float>(), g.dw.data_ptr<float>(), g.B,
+                     g.T, g.C, g.K, stream_of(g.x)),
                  "short_conv_silu_backward");
     return {g.dx, g.dw, at::Tensor()};
   }
@@ -84,37 +99,29 @@ class ShortConvSiluL2Fn : public torch::autograd::Function<ShortConvSiluL2Fn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& offsets, int64_t head_dim, double eps,
                             double scale) {
-    auto xc = as_read(x);
-    auto w = weight.contiguous();
-    ctx->save_for_backward({xc, w});
-    ctx->saved_data["offsets"] = offsets;
+    const ConvInputs in(ctx, x, weight, offsets);
     ctx->saved_data["head_dim"] = head_dim;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["scale"] = scale;
-    auto y = at::empty(xc.sizes(), xc.options().dtype(at::kFloat));
+    auto y = at::empty(in.x.sizes(), in.x.options().dtype(at::kFloat));
     check_launch(cuda::short_conv_silu_l2_forward(
-                     dtype_of(xc), xc.data_ptr(), xc.stride(1), w.data_ptr<float>(),
-                     offsets_of(offsets), y.data_ptr<float>(), xc.size(0), xc.size(1),
-                     xc.size(2), static_cast<int>(w.size(1)), head_dim, static_cast<float>(eps),
-                     static_cast<float>(scale), stream_of(xc)),
+                     dtype_of(in.x), in.x.data_ptr(), in.x.stride(1), in.w.data_ptr<float>(),
+                     offsets_of(offsets), y.data_ptr<float>(), in.x.size(0), in.x.size(1),
+                     in.x.size(2), static_cast<int>(in.w.size(1)), head_dim,
+                     static_cast<float>(eps), static_cast<float>(scale), stream_of(in.x)),
                  "short_conv_silu_l2_forward");
     return y;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &x = saved[0], &w = saved[1];
-    const auto offsets = ctx->saved_data["offsets"].toTensor();
-    const auto B = x.size(0), T = x.size(1), C = x.size(2);
-    const auto K = w.size(1);
+    ConvGrads g(ctx);
     auto dy = grads[0].to(at::kFloat).contiguous();
-    ConvGrads g(x, w);
     check_launch(cuda::short_conv_silu_l2_backward(
-                     dtype_of(x), x.data_ptr(), x.stride(1), w.data_ptr<float>(),
-                     offsets_of(offsets), dy.data_ptr<float>(), g.dz.data_ptr<float>(),
-                     g.dx.data_ptr(), g.partial.data_ptr<float>(), g.dw.data_ptr<float>(), B, T, C,
-                     static_cast<int>(K), ctx->saved_data["head_dim"].toInt(),
+                     dtype_of(g.x), g.x.data_ptr(), g.x.stride(1), g.w.data_ptr<float>(),
+                     offsets_of(g.offsets), dy.data_ptr<float>(), g.dz.data_ptr<float>(),
+                     g.dx.data_ptr(), g.partial.data_ptr<float>(), g.dw.data_ptr<float>(), g.B,
+                     g.T, g.C, g.K, ctx->saved_data["head_dim"].toInt(),
                      static_cast<float>(ctx->saved_data["eps"].toDouble()),
-                     static_cast<float>(ctx->saved_data["scale"].toDouble()), stream_of(x)),
+                     static_cast<float>(ctx->saved_data["scale"].toDouble()), stream_of(g.x)),
                  "short_conv_silu_l2_backward");
     return {g.dx, g.dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
