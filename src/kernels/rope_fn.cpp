@@ -12,8 +12,8 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // Output head h of y [B, T, H_out, hd] (token and head pitch yT and yH,
-// see cuda::rope)
-// from x's heads as cuda::rope combines them: repeat > 0 each head of x
+// see cuda::rope) from x's heads as cuda::rope combines them: repeat > 0
+// each head of x
 // written `repeat` times (the forward of a grouped-KV rotation); repeat < 0
 // each run of -repeat heads summed (its backward); 1 a plain rotation.
 // Undefined tables: no rotation (repeat_heads). Strided x (SDPA's
@@ -114,18 +114,16 @@ class RopeQkvFn : public torch::autograd::Function<RopeQkvFn> {
     const auto saved = ctx->get_saved_variables();
     const auto H = ctx->saved_data["H"].toInt(), KV = ctx->saved_data["KV"].toInt();
     const auto rep = H / KV;
-    const auto& ref = grads[0].defined() ? grads[0] : grads[1].defined() ? grads[1] : grads[2];
-    const auto B = ref.size(0), T = ref.size(1), hd = ref.size(3), W = (H + 2 * KV) * hd;
-    auto d = at::empty({B, T, W}, ref.options().memory_format(at::MemoryFormat::Contiguous));
+    // An unused output's gradient arrives as zeros (the functions
+    // materialise undefined gradients).
+    const auto& g0 = grads[0];
+    const auto B = g0.size(0), T = g0.size(1), hd = g0.size(3), W = (H + 2 * KV) * hd;
+    auto d = at::empty({B, T, W}, g0.options().memory_format(at::MemoryFormat::Contiguous));
     auto* base = static_cast<char*>(d.data_ptr());
     const auto elem = static_cast<int64_t>(d.element_size());
-    // (incoming gradient, tables, repeat, first head, heads) per slice.
-    const int64_t first[3] = {0, H, H + KV}, heads[3] = {H, KV, KV};
+    // The first head of q's, k's and v's slice.
+    const int64_t first[3] = {0, H, H + KV};
     for (int i = 0; i < 3; ++i) {
-      if (!grads[i].defined()) {
-        d.narrow(2, first[i] * hd, heads[i] * hd).zero_();
-        continue;
-      }
       const bool rotate = i < 2;
       rope_into(grads[i].to(d.scalar_type()), rotate ? saved[0] : at::Tensor(),
                 rotate ? saved[1] : at::Tensor(), /*inverse=*/rotate, i == 0 ? 1 : -rep,

@@ -118,9 +118,9 @@ at::Tensor MlaImpl::attend(const at::Tensor& q, at::Tensor k_pe, const at::Tenso
   const auto B = q.size(0), T = q.size(1);
   const auto nope = opts_.qk_nope_head_dim;
   // q, k: [B, T, H, nope + pe], q's rotary channels rotated and k's rotary
-  // key broadcast over heads; v [B, T, H, vd].
-  // Flash's variable-length kernel (every document at once) wants v as
-  // wide as q: the values come zero-padded (see Note [Narrow value heads on
+  // key broadcast over heads; v [B, T, H, vd], except under documents:
+  // flash's variable-length kernel (every document at once) wants v as wide
+  // as q, so the values come zero-padded (see Note [Narrow value heads on
   // flash's kernel], ops/rope.cpp) and the output is cut back.
   const auto D = q.size(3), vd = opts_.v_head_dim;
   const auto v_width = documents != nullptr ? D : 0;
