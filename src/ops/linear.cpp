@@ -183,6 +183,17 @@ at::Tensor linear_parts(const at::Tensor& x, at::TensorList w, const at::Tensor&
   return AtenLinearNoBiasFn::apply(x, wc);
 }
 
+namespace {
+
+// The one GEMM of linear_split's fused form: x times the concatenated
+// weights (and biases), [..., sum of the weights' rows].
+at::Tensor packed_projection(const at::Tensor& x, at::TensorList w, const KernelOptions& k,
+                             at::TensorList b) {
+  return linear_parts(x, w, b.empty() ? at::Tensor() : at::cat(b), k);
+}
+
+}  // namespace
+
 std::vector<at::Tensor> linear_split(const at::Tensor& x, at::TensorList w,
                                      const KernelOptions& k, at::TensorList b) {
   VIADUCT_ASSERT(b.empty() || b.size() == w.size(), "linear_split: ", b.size(),
@@ -207,7 +218,7 @@ std::vector<at::Tensor> linear_split(const at::Tensor& x, at::TensorList w,
   // linear per weight, so the CPU keeps the bits of separate projections.
   std::vector<int64_t> widths;
   for (const auto& wi : w) widths.push_back(wi.size(0));
-  const auto all = linear_parts(x, w, b.empty() ? at::Tensor() : at::cat(b), k);
+  const auto all = packed_projection(x, w, k, b);
   for (auto& part : all.split_with_sizes(widths, -1)) out.push_back(std::move(part));
   return out;
 }
@@ -223,8 +234,8 @@ QkvProjection qkv_projection(const at::Tensor& x, const at::Tensor& wq, const at
   QkvProjection p;
   if (fused_runs(x, k)) {
     // linear_split's one GEMM, its product kept whole as well.
-    p.packed = linear_parts(x, {wq, wk, wv}, bq.defined() ? at::cat({bq, bk, bv}) : at::Tensor(),
-                            k);
+    p.packed = bq.defined() ? packed_projection(x, {wq, wk, wv}, k, {bq, bk, bv})
+                            : packed_projection(x, {wq, wk, wv}, k, {});
     p.q = p.packed.narrow(-1, 0, H * hd).view({B, T, H, hd});
     p.k = p.packed.narrow(-1, H * hd, KV * hd).view({B, T, KV, hd});
     p.v = p.packed.narrow(-1, (H + KV) * hd, KV * hd).view({B, T, KV, hd});
