@@ -72,57 +72,63 @@ const kernels::KdaDocumentChunks& Documents::kda_chunks(int64_t chunk, int64_t h
                            device.str()];
   if (kept) return *kept;
   // Each row's chunks in order: every span cut into pieces of `chunk`
-  // tokens from its first, the last piece partial.
-  struct Piece {
-    int64_t first, count;
-    bool starts;
-  };
-  std::vector<std::vector<Piece>> rows(static_cast<size_t>(rows_));
+  // tokens from its first, the last piece partial. The host makes only
+  // this table ([B, N] entries); the per-(token, head) indices follow from
+  // it by a few whole-tensor ops on `device`, so a micro-batch's first KDA
+  // layer does not wait on the host writing and copying B T H of them.
+  std::vector<int64_t> pieces(static_cast<size_t>(rows_), 0);
   for (const auto& s : spans_) {
-    for (int64_t at = 0; at < s.length; at += chunk) {
-      rows[static_cast<size_t>(s.row)].push_back(
-          {s.start + at, std::min(chunk, s.length - at), at == 0});
-    }
+    pieces[static_cast<size_t>(s.row)] += (s.length + chunk - 1) / chunk;
   }
-  int64_t N = 0;
-  for (const auto& r : rows) N = std::max<int64_t>(N, static_cast<int64_t>(r.size()));
-  const int64_t H = heads, T = seq_len_;
-  std::vector<int32_t> spans(static_cast<size_t>(rows_ * N * 2), 0);
-  std::vector<uint8_t> restarts(static_cast<size_t>(rows_ * N), 0);
-  std::vector<int64_t> places(static_cast<size_t>(rows_ * T * H));
-  // Chunk rows default to reading (token, head) 0, then cleared as empty.
-  std::vector<int64_t> read(static_cast<size_t>(rows_ * H * N * chunk), 0);
-  std::vector<uint8_t> filled(read.size(), 0);
-  for (int64_t b = 0; b < rows_; ++b) {
-    const auto& r = rows[static_cast<size_t>(b)];
-    for (int64_t n = 0; n < static_cast<int64_t>(r.size()); ++n) {
-      const auto& piece = r[static_cast<size_t>(n)];
-      spans[static_cast<size_t>((b * N + n) * 2)] = static_cast<int32_t>(piece.first);
-      spans[static_cast<size_t>((b * N + n) * 2 + 1)] = static_cast<int32_t>(piece.count);
-      restarts[static_cast<size_t>(b * N + n)] = piece.starts ? 1 : 0;
-      for (int64_t c = 0; c < piece.count; ++c) {
-        const int64_t token = b * T + piece.first + c;
-        for (int64_t h = 0; h < H; ++h) {
-          const int64_t place = ((b * H + h) * N + n) * chunk + c;
-          places[static_cast<size_t>(token * H + h)] = place;
-          read[static_cast<size_t>(place)] = token * H + h;
-          filled[static_cast<size_t>(place)] = 1;
+  const int64_t N = rows_ == 0 ? 0 : *std::max_element(pieces.begin(), pieces.end());
+  const int64_t H = heads, T = seq_len_, C = chunk;
+  auto spans = at::zeros({rows_, N, 2}, at::kInt);
+  auto restarts = at::zeros({rows_, N}, at::kByte);
+  // Each token's row in its head's chunks, n C + i (chunk n, row i).
+  auto slot = at::empty({rows_, T}, at::kLong);
+  {
+    auto sp = spans.accessor<int32_t, 3>();
+    auto rs = restarts.accessor<uint8_t, 2>();
+    auto sl = slot.accessor<int64_t, 2>();
+    std::vector<int64_t> next(static_cast<size_t>(rows_), 0);
+    for (const auto& s : spans_) {
+      int64_t& n = next[static_cast<size_t>(s.row)];
+      for (int64_t at = 0; at < s.length; at += C, ++n) {
+        sp[s.row][n][0] = static_cast<int32_t>(s.start + at);
+        sp[s.row][n][1] = static_cast<int32_t>(std::min(C, s.length - at));
+        rs[s.row][n] = at == 0 ? 1 : 0;
+        for (int64_t i = 0; i < std::min(C, s.length - at); ++i) {
+          sl[s.row][s.start + at + i] = n * C + i;
         }
       }
     }
   }
-  std::vector<int64_t> empty;
-  for (size_t i = 0; i < filled.size(); ++i) {
-    if (!filled[i]) empty.push_back(static_cast<int64_t>(i));
-  }
+  // Chunk rows holding no token, over each head's B N chunks.
+  const int64_t empty_rows = rows_ * N * C - rows_ * T;
   auto c = std::make_unique<kernels::KdaDocumentChunks>();
-  c->spans = to_device_async(
-      at::from_blob(spans.data(), {rows_, N, 2}, at::kInt).clone(), device);
-  c->restarts = to_device_async(
-      at::from_blob(restarts.data(), {rows_, N}, at::kByte).clone(), device);
-  c->places = to_device_async(at::tensor(places, at::kLong), device);
-  c->read = to_device_async(at::tensor(read, at::kLong), device);
-  c->empty = to_device_async(at::tensor(empty, at::kLong), device);
+  c->spans = to_device_async(spans, device);
+  c->restarts = to_device_async(restarts, device);
+  const auto ilong = at::TensorOptions().dtype(at::kLong).device(device);
+  // Chunk row (b, h, n, i) holds token b T + first(b, n) + i of head h when
+  // i < count(b, n); rows past a chunk's count read (token, head) 0 and are
+  // cleared (`empty`).
+  const auto first = c->spans.select(2, 0).to(at::kLong).reshape({rows_, 1, N, 1});
+  const auto count = c->spans.select(2, 1).to(at::kLong).reshape({rows_, 1, N, 1});
+  const auto i = at::arange(C, ilong).view({1, 1, 1, C});
+  const auto token = at::arange(rows_, ilong).view({rows_, 1, 1, 1}) * T + first + i;
+  const auto held = (i < count).expand({rows_, H, N, C});
+  const auto at_head = token * H + at::arange(H, ilong).view({1, H, 1, 1});  // [B, H, N, C]
+  c->read = (at_head * held).flatten();
+  // (token, head)'s place: head h's chunks start at (b H + h) N C.
+  c->places = (to_device_async(slot, device).view({rows_, T, 1}) +
+               at::arange(H, ilong).view({1, 1, H}) * (N * C) +
+               at::arange(rows_, ilong).view({rows_, 1, 1}) * (H * N * C))
+                  .flatten();
+  // The empty rows' indices: a stable sort of the held flags puts them
+  // first, in order; their number is known here, so no count comes back
+  // from the device.
+  const auto order = std::get<1>(held.flatten().to(at::kByte).sort(/*stable=*/true, 0, false));
+  c->empty = order.narrow(0, 0, empty_rows * H);
   kept = std::move(c);
   return *kept;
 }
