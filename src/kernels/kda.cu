@@ -81,6 +81,7 @@ __device__ __forceinline__ void mma_split(float (&main)[4], float (&small)[4], c
 // index is contiguous. Each fragment is split once and serves all of the
 // warp's products.
 constexpr int kGemmM = 64, kGemmN = 64, kGemmK = 32, kGemmThreads = 128;
+static_assert(kGemmM == C && kGemmThreads >= C, "a token-layout tile is one chunk's rows");
 
 template <bool AT, bool BT>  // AT: A contiguous along m; BT: B contiguous along k
 __global__ void __launch_bounds__(kGemmThreads) gemm_kernel(KdaGemm p) {
@@ -93,6 +94,13 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_kernel(KdaGemm p) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
+  // Token layout: each C row's place in the [B, T, H] rows (chunk_rows).
+  __shared__ int64_t rows[kGemmM];
+  if (p.to_tokens) {
+    const int64_t zc = p.z_first + z, N = p.tokens.chunks();
+    chunk_rows(p.tokens, zc / N, zc % N, rows);
+    __syncthreads();
+  }
   float acc[2][4][4] = {}, small[2][4][4] = {};
   for (int64_t k0 = 0; k0 < p.K; k0 += kGemmK) {
 #pragma unroll
@@ -154,7 +162,9 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_kernel(KdaGemm p) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int64_t m = m0 + wm + 16 * mi + g + 8 * h, n = n0 + wn + 8 * ni + 2 * t;
-        float2* out = reinterpret_cast<float2*>(Cz + m * p.c_row + n);
+        const int64_t row = p.to_tokens ? rows[m] : m;
+        if (row < 0) continue;
+        float2* out = reinterpret_cast<float2*>((p.to_tokens ? p.C : Cz) + row * p.c_row + n);
         float2 v = make_float2(p.alpha * (acc[mi][ni][2 * h] + small[mi][ni][2 * h]),
                                p.alpha * (acc[mi][ni][2 * h + 1] + small[mi][ni][2 * h + 1]));
         if (p.beta != 0.f) {
@@ -964,7 +974,8 @@ cudaError_t kda_gemm(const KdaGemm& g, cudaStream_t stream) {
   if (g.batch == 0) return cudaSuccess;
   const bool at = g.A.row == 1, bt = g.B.row == 1;
   if (g.M % kGemmM || g.N % kGemmN || g.K % kGemmK || g.c_row % 2 || (!at && g.A.col != 1) ||
-      (!bt && g.B.col != 1) || (g.beta != 0.f && g.beta != 1.f)) {
+      (!bt && g.B.col != 1) || (g.beta != 0.f && g.beta != 1.f) ||
+      (g.to_tokens && (g.M != kGemmM || g.batch != g.tokens.Z()))) {
     return cudaErrorInvalidValue;
   }
   // The batch runs on the grid's z, which holds at most 65535: a longer
@@ -976,7 +987,8 @@ cudaError_t kda_gemm(const KdaGemm& g, cudaStream_t stream) {
     p.batch = g.batch - z0 < kMaxZ ? g.batch - z0 : kMaxZ;
     p.A.data += z0 * g.A.batch;
     p.B.data += z0 * g.B.batch;
-    p.C += z0 * g.c_batch;
+    if (!g.to_tokens) p.C += z0 * g.c_batch;
+    p.z_first = z0;
     const dim3 grid(static_cast<unsigned>(p.N / kGemmN), static_cast<unsigned>(p.M / kGemmM),
                     static_cast<unsigned>(p.batch));
     if (at && bt) gemm_kernel<true, true><<<grid, kGemmThreads, 0, stream>>>(p);

@@ -100,6 +100,11 @@ cudaError_t kda_scan_backward(const KdaShape& s, const float* WU, const float* k
 // + j col, and one of row, col is 1 (the matrix or its transpose
 // contiguous); A is (m, k), B is (k, n). C_z is row-major with row stride
 // c_row. M and N multiples of 64, K of 32; beta 0 or 1 (0: C is not read).
+// With `tokens` set (to_tokens), M is the chunk (64), the batch is the Z
+// chunks of that shape, and row m of C_z is the row of a [B, T, H, N]
+// tensor C that the chunk's row m holds (its token and head), skipped where
+// it holds none: the chunk layout's product lands in the token layout
+// without a gather after it (c_batch unused; c_row the token row's stride).
 struct KdaOperand {
   const float* data = nullptr;
   int64_t batch = 0, row = 0, col = 0;
@@ -110,6 +115,9 @@ struct KdaGemm {
   float* C = nullptr;
   int64_t c_batch = 0, c_row = 0;
   float alpha = 1.f, beta = 0.f;
+  bool to_tokens = false;
+  KdaShape tokens;
+  int64_t z_first = 0;  // the launch's first chunk (set by kda_gemm)
 };
 cudaError_t kda_gemm(const KdaGemm& g, cudaStream_t stream);
 

@@ -91,6 +91,28 @@ void chunk_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, float
   check_launch(cuda::kda_gemm(g, stream), "kda_gemm");
 }
 
+// out [B, T, H, w] (fp32, contiguous) = alpha a b + beta out, the product's
+// chunk rows written at the (token, head) rows they hold (see KdaGemm);
+// a [Z, C, K], b [Z, K, w].
+void chunk_gemm_to_tokens(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                          const cuda::KdaShape& s, float alpha, float beta,
+                          cudaStream_t stream) {
+  cuda::KdaGemm g;
+  g.batch = a.size(0);
+  g.M = a.size(1);
+  g.K = a.size(2);
+  g.N = b.size(2);
+  g.A = operand(a);
+  g.B = operand(b);
+  g.C = mut(out);
+  g.c_row = out.size(3);
+  g.alpha = alpha;
+  g.beta = beta;
+  g.to_tokens = true;
+  g.tokens = s;
+  check_launch(cuda::kda_gemm(g, stream), "kda_gemm");
+}
+
 at::Tensor chunk_mm(const at::Tensor& a, const at::Tensor& b, cudaStream_t stream) {
   auto out = at::empty({a.size(0), a.size(1), b.size(2)}, a.options());
   chunk_gemm(out, a, b, 1.f, 0.f, stream);
@@ -112,7 +134,7 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
     auto g = g_in.contiguous(), beta = beta_in.contiguous();
     auto S0 = given(S0_in);
-    auto spans = given(spans_in), restarts = given(restarts_in), places = given(places_in);
+    auto spans = given(spans_in), restarts = given(restarts_in);
     const auto s = shape_of(q, spans);
     const auto C = cuda::kKdaChunk, Z = s.Z(), D = s.D;
     const auto opt = q.options();
@@ -133,9 +155,11 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     check_launch(cuda::kda_scan_forward(s, ptr(WU), ptr(ke), ptr(dec), ptr(S0), flags(restarts),
                                         mut(vnew), mut(states), mut(final_state), stream),
                  "kda_scan_forward");
-    auto o_z = chunk_mm(qe, states, stream);
-    chunk_gemm(o_z, Aqk, vnew, 1.f, 1.f, stream);
-    auto o = from_chunks(o_z, s, places).view({s.B, s.T, s.H, D});
+    // o = qe S + Aqk v', written in the token layout (each (token, head)
+    // lies in exactly one chunk row, so every row of o is written).
+    auto o = at::empty({s.B, s.T, s.H, D}, opt);
+    chunk_gemm_to_tokens(o, qe, states, s, 1.f, 0.f, stream);
+    chunk_gemm_to_tokens(o, Aqk, vnew, s, 1.f, 1.f, stream);
     ctx->save_for_backward({q, k, v, g, beta, Kp, Tm, WU, qe, ke, dec, Aqk, vnew, states});
     ctx->saved_data["has_S0"] = S0.defined();
     ctx->saved_data["spans"] = spans_in;

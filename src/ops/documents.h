@@ -73,9 +73,10 @@
 // gathers (five inputs and the output each way) or the padded rows in the
 // layers around the recurrence. The scan restarts the state at each span's
 // first chunk as before. The recurrence's per-chunk products live in a
-// chunk layout [B H N, C] that the plain chunks reach with a transpose;
-// over documents its rows come from (places) and go back to (read) the
-// tokens by index, one gather each, where the transpose was one copy.
+// chunk layout [B H N, C]: the output's products write each chunk row
+// straight to its token's row (the chunk table says which), and the
+// backward gathers the output's gradient into the chunks by index (read)
+// where the plain chunks take a transpose, and dbeta back (places).
 // The short convolution runs in place too: each token's offset in its
 // document (Documents::offsets) bounds how far back its taps reach, and a
 // skipped tap is the zero product the padding before a document alone
