@@ -1,9 +1,5 @@
 // `viaduct <command> [args]`: dispatch to the registered subcommands and turn
 // every viaduct::Error into a clear message and a non-zero exit.
-#include <execinfo.h>
-#include <signal.h>
-#include <unistd.h>
-
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -11,6 +7,7 @@
 
 #include "apps/command.h"
 #include "core/check.h"
+#include "core/fatal_signal.h"
 #include "core/torch_compat.h"
 
 namespace viaduct::apps {
@@ -33,37 +30,6 @@ void usage(std::FILE* out) {
   std::fprintf(out, "\n`viaduct <command> --help` describes a command.\n");
 }
 
-// A crash (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) prints the signal and
-// the native stack to stderr before the process dies of the same signal, so
-// a rank that dies under `viaduct launch` leaves a trace in its log. Only
-// async-signal-safe calls: write(2) and backtrace_symbols_fd.
-void on_fatal_signal(int sig) {
-  const char* name = sig == SIGSEGV ? "SIGSEGV" : sig == SIGBUS ? "SIGBUS"
-                   : sig == SIGFPE ? "SIGFPE" : sig == SIGILL ? "SIGILL" : "SIGABRT";
-  const char* head = "viaduct: fatal signal ";
-  const char* tail = "; native stack:\n";
-  ssize_t ignored = ::write(STDERR_FILENO, head, std::strlen(head));
-  ignored = ::write(STDERR_FILENO, name, std::strlen(name));
-  ignored = ::write(STDERR_FILENO, tail, std::strlen(tail));
-  (void)ignored;
-  void* frames[64];
-  const int n = ::backtrace(frames, 64);
-  ::backtrace_symbols_fd(frames, n, STDERR_FILENO);
-  ::signal(sig, SIG_DFL);
-  ::raise(sig);
-}
-
-void install_fatal_signal_handlers() {
-  // backtrace() loads libgcc on its first call, which is not safe inside a
-  // handler: make that call now.
-  void* warm[1];
-  (void)::backtrace(warm, 1);
-  struct sigaction sa {};
-  sa.sa_handler = on_fatal_signal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESETHAND;
-  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::sigaction(sig, &sa, nullptr);
-}
 }  // namespace
 
 CommandRegistrar::CommandRegistrar(const std::string& name,
@@ -75,7 +41,7 @@ CommandRegistrar::CommandRegistrar(const std::string& name,
 
 int main(int argc, char** argv) {
   using namespace viaduct::apps;
-  install_fatal_signal_handlers();
+  viaduct::install_fatal_signal_handlers("viaduct");
   viaduct::compat::default_cuda_allocator_settings();
   if (argc < 2 || std::string(argv[1]) == "--help" ||
       std::string(argv[1]) == "-h" || std::string(argv[1]) == "help") {
