@@ -89,14 +89,15 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_kernel(KdaGemm p) {
   __shared__ float Bs[kGemmK][kGemmN + 8];
   const int64_t z = blockIdx.z;
   const int64_t m0 = blockIdx.y * kGemmM, n0 = blockIdx.x * kGemmN;
-  const float* A = p.A.data + z * p.A.batch;
-  const float* B = p.B.data + z * p.B.batch;
+  const float* A = p.A.data + (p.A.in_tokens ? 0 : z * p.A.batch);
+  const float* B = p.B.data + (p.B.in_tokens ? 0 : z * p.B.batch);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
-  // Token layout: each C row's place in the [B, T, H] rows (chunk_rows).
+  // The token layout: the chunk's rows' places in the [B, T, H] rows
+  // (chunk_rows), for C or an operand in that layout.
   __shared__ int64_t rows[kGemmM];
-  if (p.to_tokens) {
+  if (p.to_tokens || p.A.in_tokens || p.B.in_tokens) {
     const int64_t zc = p.z_first + z, N = p.tokens.chunks();
     chunk_rows(p.tokens, zc / N, zc % N, rows);
     __syncthreads();
@@ -110,7 +111,8 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_kernel(KdaGemm p) {
         As[m][k] = A[(m0 + m) + (k0 + k) * p.A.col];
       } else {
         const int k = tid % kGemmK, m = tid / kGemmK + 4 * i;
-        As[m][k] = A[(m0 + m) * p.A.row + k0 + k];
+        const int64_t r = p.A.in_tokens ? rows[m0 + m] : m0 + m;
+        As[m][k] = r < 0 ? 0.f : A[r * p.A.row + k0 + k];
       }
     }
 #pragma unroll
@@ -120,7 +122,8 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_kernel(KdaGemm p) {
         Bs[k][n] = B[(k0 + k) + (n0 + n) * p.B.col];
       } else {
         const int n = tid % kGemmN, k = tid / kGemmN + 2 * i;
-        Bs[k][n] = B[(k0 + k) * p.B.row + n0 + n];
+        const int64_t r = p.B.in_tokens ? rows[k0 + k] : k0 + k;
+        Bs[k][n] = r < 0 ? 0.f : B[r * p.B.row + n0 + n];
       }
     }
     __syncthreads();
@@ -975,7 +978,9 @@ cudaError_t kda_gemm(const KdaGemm& g, cudaStream_t stream) {
   const bool at = g.A.row == 1, bt = g.B.row == 1;
   if (g.M % kGemmM || g.N % kGemmN || g.K % kGemmK || g.c_row % 2 || (!at && g.A.col != 1) ||
       (!bt && g.B.col != 1) || (g.beta != 0.f && g.beta != 1.f) ||
-      (g.to_tokens && (g.M != kGemmM || g.batch != g.tokens.Z()))) {
+      ((g.to_tokens || g.A.in_tokens || g.B.in_tokens) && g.batch != g.tokens.Z()) ||
+      (g.to_tokens && g.M != kGemmM) || (g.A.in_tokens && (at || g.M != kGemmM)) ||
+      (g.B.in_tokens && (bt || g.K != C))) {
     return cudaErrorInvalidValue;
   }
   // The batch runs on the grid's z, which holds at most 65535: a longer
@@ -985,8 +990,8 @@ cudaError_t kda_gemm(const KdaGemm& g, cudaStream_t stream) {
   for (int64_t z0 = 0; z0 < g.batch; z0 += kMaxZ) {
     KdaGemm p = g;
     p.batch = g.batch - z0 < kMaxZ ? g.batch - z0 : kMaxZ;
-    p.A.data += z0 * g.A.batch;
-    p.B.data += z0 * g.B.batch;
+    if (!g.A.in_tokens) p.A.data += z0 * g.A.batch;
+    if (!g.B.in_tokens) p.B.data += z0 * g.B.batch;
     if (!g.to_tokens) p.C += z0 * g.c_batch;
     p.z_first = z0;
     const dim3 grid(static_cast<unsigned>(p.N / kGemmN), static_cast<unsigned>(p.M / kGemmM),
