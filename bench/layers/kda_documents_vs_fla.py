@@ -127,10 +127,18 @@ def warm(shape, dtype):
 
     t0 = time.perf_counter()
     for rows, cols, seqlens in ((1, B * T, cu), (B, T, None)):
+        what = "documents" if seqlens is not None else "plain batch"
         x = inputs(rows, cols)
+        # Each phase says when it is done, so a compile that outlasts its
+        # call shows where it stood.
+        print(f"fla warm: {what} forward ...", flush=True)
         o, _ = chunk_kda(*x, scale=1.0, cu_seqlens=seqlens)
+        torch.cuda.synchronize()
+        print(f"fla warm: {what} forward done at {time.perf_counter() - t0:.1f} s; backward ...",
+              flush=True)
         torch.autograd.grad(o, x, torch.randn_like(o))
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        print(f"fla warm: {what} backward done at {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"fla warm ({shape}, {len(cuts) + 1} documents and the plain batch): "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
 

@@ -235,7 +235,10 @@ part_doctests() {
 part_kdadocs() {
   if [ -n "$FLA_WARM_PID" ]; then
     wait "$FLA_WARM_PID"
-    note "$(tail -1 /tmp/vs_flawarm.txt) (at $(($(date +%s) - T0)) s)"
+    local rc=$?
+    note "fla warm-up: exit $rc (124: its time ran out) at $(($(date +%s) - T0)) s; its last lines:"
+    tail -15 /tmp/vs_flawarm.txt | tee -a "$SUM"
+    [ "$rc" = 0 ] || return
   fi
   OUT=/tmp/vs_kdadocs SECTIONS=docs ANCHOR=$ANCHOR FLA_ARGS=${FLA_ARGS---one-config} \
     bash bench/layers/kda_session.sh >/tmp/vs_kdadocs.txt 2>&1
@@ -268,7 +271,9 @@ ANCHOR=${ANCHOR:-../shared/anchors/kda}
 [ -d "$ANCHOR" ] || ANCHOR=.deps/anchors/kda
 FLA_WARM_PID=
 if [[ " $PARTS " == *" kdadocs "* ]] && [ -d "$ANCHOR" ]; then
-  (PYTHONUNBUFFERED=1 timeout 480 python3 bench/layers/kda_documents_vs_fla.py --warm 4x2048x16x64 \
+  # Bounded so that the call keeps time to report it (FLA_WARM_S).
+  (PYTHONUNBUFFERED=1 timeout "${FLA_WARM_S:-$((BUDGET_S - 150))}" \
+    python3 bench/layers/kda_documents_vs_fla.py --warm 4x2048x16x64 \
     --anchor "$ANCHOR" ${FLA_ARGS---one-config} >/tmp/vs_flawarm.txt 2>&1) &
   FLA_WARM_PID=$!
 fi
