@@ -28,7 +28,10 @@
 # build's output; on a failure the last lines or first errors go to stderr and
 # the status is non-zero. Nothing is written to stdout, so a caller may
 # capture its own output around it. Environment: DEPS (the repository's .deps,
-# also for another SOURCE_TREE), PYTHON (python3), JOBS (nproc).
+# also for another SOURCE_TREE), PYTHON (python3), JOBS (nproc); for a
+# build of another kind (a sanitizer's, in a BUILD_DIR of its own; read when
+# the tree is configured): GPU_BUILD_TYPE (Release), GPU_BUILD_CXX_FLAGS,
+# GPU_BUILD_LINK_FLAGS.
 
 GPU_BUILD_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 
@@ -73,7 +76,9 @@ gpu_build() {  # source_tree build_dir log target...
     [ -f "$build/CMakeCache.txt" ] || { command -v ninja >/dev/null && gen=(-G Ninja); }
     gpu_build_has_gtest &&
       tests=(-DVIADUCT_BUILD_TESTS=ON -DVIADUCT_GTEST_SOURCE_DIR="$deps/usr/src/googletest")
-    cmake -S "$src" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${tests[@]}" \
+    cmake -S "$src" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE="${GPU_BUILD_TYPE:-Release}" \
+      "${tests[@]}" -DCMAKE_CXX_FLAGS="${GPU_BUILD_CXX_FLAGS:-}" \
+      -DCMAKE_EXE_LINKER_FLAGS="${GPU_BUILD_LINK_FLAGS:-}" \
       -DCMAKE_PREFIX_PATH="$prefix" -DVIADUCT_EXTRA_INCLUDE="$deps/usr/include" \
       -DCMAKE_INCLUDE_PATH="$deps/usr/include" \
       -DCMAKE_LIBRARY_PATH="$deps/usr/lib/x86_64-linux-gnu" >>"$log" 2>&1 ||
