@@ -65,24 +65,38 @@ cuda::KdaOperand token_operand(const at::Tensor& x) {
   return o;
 }
 
+// A product over the chunks (see KdaGemm): its operands and shape; the
+// caller says where C goes.
+cuda::KdaGemm product(const cuda::KdaOperand& a, const cuda::KdaOperand& b, int64_t batch,
+                      int64_t M, int64_t K, int64_t N, float alpha = 1.f, float beta = 0.f) {
+  cuda::KdaGemm g;
+  g.batch = batch;
+  g.M = M;
+  g.K = K;
+  g.N = N;
+  g.A = a;
+  g.B = b;
+  g.alpha = alpha;
+  g.beta = beta;
+  return g;
+}
+
+// Runs `g` into out [Z, M, N] (contiguous rows).
+void run_into(cuda::KdaGemm g, at::Tensor& out, cudaStream_t stream) {
+  g.C = mut(out);
+  g.c_batch = out.stride(0);
+  g.c_row = out.stride(1);
+  check_launch(cuda::kda_gemm(g, stream), "kda_gemm");
+}
+
 // out = alpha a b + beta out for each chunk z: a [Z, M, K] and b [Z, K, N]
 // fp32 views with a unit stride in one of their last two dims (a tensor or
 // its transpose), out [Z, M, N] with contiguous rows.
 void chunk_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, float alpha,
                 float beta, cudaStream_t stream) {
-  cuda::KdaGemm g;
-  g.batch = a.size(0);
-  g.M = a.size(1);
-  g.K = a.size(2);
-  g.N = b.size(2);
-  g.A = operand(a);
-  g.B = operand(b);
-  g.C = mut(out);
-  g.c_batch = out.stride(0);
-  g.c_row = out.stride(1);
-  g.alpha = alpha;
-  g.beta = beta;
-  check_launch(cuda::kda_gemm(g, stream), "kda_gemm");
+  run_into(product(operand(a), operand(b), a.size(0), a.size(1), a.size(2), b.size(2), alpha,
+                   beta),
+           out, stream);
 }
 
 // out [Z, M, N] = a b with one operand in the token layout (dO [B, T, H,
@@ -90,20 +104,12 @@ void chunk_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, float
 // *] view. Z = s.Z(); the token operand's chunk rows are M (a) or K (b).
 at::Tensor chunk_mm_tokens(const at::Tensor& a, const at::Tensor& b, bool tokens_a,
                            const cuda::KdaShape& s, cudaStream_t stream) {
-  const auto C = cuda::kKdaChunk, Z = s.Z();
-  cuda::KdaGemm g;
-  g.batch = Z;
-  g.M = tokens_a ? C : a.size(1);
-  g.K = tokens_a ? a.size(3) : C;
-  g.N = tokens_a ? b.size(2) : b.size(3);
-  g.A = tokens_a ? token_operand(a) : operand(a);
-  g.B = tokens_a ? operand(b) : token_operand(b);
+  const auto C = cuda::kKdaChunk;
+  auto g = tokens_a ? product(token_operand(a), operand(b), s.Z(), C, a.size(3), b.size(2))
+                    : product(operand(a), token_operand(b), s.Z(), a.size(1), C, b.size(3));
   g.tokens = s;
-  auto out = at::empty({Z, g.M, g.N}, b.options());
-  g.C = mut(out);
-  g.c_batch = out.stride(0);
-  g.c_row = out.stride(1);
-  check_launch(cuda::kda_gemm(g, stream), "kda_gemm");
+  auto out = at::empty({g.batch, g.M, g.N}, b.options());
+  run_into(g, out, stream);
   return out;
 }
 
@@ -113,17 +119,10 @@ at::Tensor chunk_mm_tokens(const at::Tensor& a, const at::Tensor& b, bool tokens
 void chunk_gemm_to_tokens(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                           const cuda::KdaShape& s, float alpha, float beta,
                           cudaStream_t stream) {
-  cuda::KdaGemm g;
-  g.batch = a.size(0);
-  g.M = a.size(1);
-  g.K = a.size(2);
-  g.N = b.size(2);
-  g.A = operand(a);
-  g.B = operand(b);
+  auto g = product(operand(a), operand(b), a.size(0), a.size(1), a.size(2), b.size(2), alpha,
+                   beta);
   g.C = mut(out);
   g.c_row = out.size(3);
-  g.alpha = alpha;
-  g.beta = beta;
   g.to_tokens = true;
   g.tokens = s;
   check_launch(cuda::kda_gemm(g, stream), "kda_gemm");

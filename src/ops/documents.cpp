@@ -91,12 +91,11 @@ const kernels::KdaDocumentChunks& Documents::kda_chunks(int64_t chunk, int64_t h
     for (const auto& s : spans_) {
       int64_t& n = next[static_cast<size_t>(s.row)];
       for (int64_t at = 0; at < s.length; at += C, ++n) {
+        const int64_t count = std::min(C, s.length - at);
         sp[s.row][n][0] = static_cast<int32_t>(s.start + at);
-        sp[s.row][n][1] = static_cast<int32_t>(std::min(C, s.length - at));
+        sp[s.row][n][1] = static_cast<int32_t>(count);
         rs[s.row][n] = at == 0 ? 1 : 0;
-        for (int64_t i = 0; i < std::min(C, s.length - at); ++i) {
-          sl[s.row][s.start + at + i] = n * C + i;
-        }
+        for (int64_t i = 0; i < count; ++i) sl[s.row][s.start + at + i] = n * C + i;
       }
     }
   }
