@@ -16,6 +16,10 @@
 4. Notes: a Note is defined once, on a comment line of its own
    (`// Note [Title]`), and every other mention reads `See Note [Title]`
    (or `See Notes [A], [B]`) and names a defined Note.
+5. Folder removal: no C++ file under src/, apps/, tests/ or bench/ calls
+   std::filesystem::remove_all; it goes through core/file_io.h's remove_tree
+   (built against the PyTorch wheel's LibTorch, remove_all of a non-empty
+   folder dies of SIGSEGV).
 
 Usage: check_architecture.py [REPO_ROOT]; prints each violation and exits 1
 when there is one.
@@ -212,8 +216,20 @@ def check_notes():
             problems.append(f"{rel}:{n}: See Note [{title}] names no defined Note")
 
 
+def check_remove_all():
+    for top in ("src", "apps", "tests", "bench"):
+        for path in sorted((ROOT / top).rglob("*")):
+            if path.suffix not in (".h", ".cpp", ".cu", ".cuh"):
+                continue
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if re.search(r"\bremove_all\s*\(", line.split("//")[0]):
+                    problems.append(f"{path.relative_to(ROOT)}:{n}: std::filesystem::remove_all; "
+                                    f"use remove_tree (core/file_io.h): {line.strip()}")
+
+
 check_layers()
 check_model_calls_ops_only()
+check_remove_all()
 check_family_names()
 check_typed_config()
 check_notes()
@@ -222,4 +238,4 @@ for p in problems:
 if problems:
     print(f"{len(problems)} architecture rule(s) broken (docs/ARCHITECTURE.md)")
     sys.exit(1)
-print("architecture rules hold: layers, family names, typed config, Notes")
+print("architecture rules hold: layers, family names, typed config, Notes, folder removal")

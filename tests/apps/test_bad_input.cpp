@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/process_runs.h"
+#include "core/file_io.h"
 #include "data/temp_dir.h"
 #include "survive_util.h"
 
@@ -131,7 +132,7 @@ TEST_F(BadInput, TheFolderLockHoldsWhenItsFileIsDeletedAndARemovedFolderStopsThe
   EXPECT_EQ(r.exit_code, 1) << r.output;
   expect_has(r.output, "is in use by another viaduct process");
   // The dump folder removed under the live trainer ends it with an error.
-  fs::remove_all(dir_.file("run"));
+  viaduct::remove_tree(dir_.file("run"));
   EXPECT_EQ(first.wait(), 1) << first.output();
   expect_has(first.output(), "was removed");
 }

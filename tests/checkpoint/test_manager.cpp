@@ -3,6 +3,7 @@
 // damaged newest refused); the save policy; pruning to keep_latest_k; stale
 // tmp folders removed up to the saved step only.
 #include "checkpoint/manager.h"
+#include "core/file_io.h"
 #include "test_util.h"
 
 namespace viaduct::checkpoint {
@@ -69,7 +70,7 @@ TEST_F(Manager, DamagedNewestCheckpointIsRefusedNotSkipped) {
   fs::resize_file(file, fs::file_size(file) - 1);
   expect_file_error([&] { m.resume_step(); }, {"model.safetensors"});
   // An incomplete newest folder (no metadata) is refused too, naming it.
-  fs::remove_all(checkpoint_dir(dir_, 6));
+  viaduct::remove_tree(checkpoint_dir(dir_, 6));
   fs::create_directories(checkpoint_dir(dir_, 8));
   expect_file_error([&] { m.resume_step(); }, {"step-8"});
 }

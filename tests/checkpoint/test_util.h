@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/file_io.h"
 
 namespace viaduct::checkpoint::testing {
 
@@ -25,10 +26,10 @@ class ScratchDir : public ::testing::Test {
     dir_ = fs::temp_directory_path() /
            (std::string("viaduct-ckpt-") + info->test_suite_name() + "-" +
             info->name() + "-" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
+    viaduct::remove_tree(dir_);
     fs::create_directories(dir_);
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { viaduct::remove_tree(dir_); }
   fs::path dir_;
 };
 

@@ -29,6 +29,7 @@
 #include <system_error>
 
 #include "common/process_runs.h"
+#include "core/file_io.h"
 
 #if defined(VIADUCT_BINARY) && defined(VIADUCT_TEST_CACHE)
 
@@ -92,7 +93,7 @@ inline std::filesystem::path cache_root() {
     cache_detail::FileLock lock(base / ".lock");
     std::error_code ec;
     for (const auto& e : fs::directory_iterator(base, ec)) {
-      if (e.is_directory() && e.path() != mine) fs::remove_all(e.path(), ec);
+      if (e.is_directory() && e.path() != mine) (void)viaduct::remove_tree_noexcept(e.path());
     }
     fs::create_directories(mine);
     return mine;
@@ -111,10 +112,10 @@ inline std::filesystem::path cached(const std::string& name, const std::string& 
   cache_detail::FileLock lock(fs::path(entry.string() + ".lock"));
   if (fs::exists(entry)) return entry;
   const fs::path tmp = fs::path(entry.string() + ".tmp" + std::to_string(::getpid()));
-  fs::remove_all(tmp);
+  viaduct::remove_tree(tmp);
   fs::create_directories(tmp);
   if (!make(tmp)) {
-    fs::remove_all(tmp);
+    viaduct::remove_tree(tmp);
     return entry;
   }
   fs::rename(tmp, entry);

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "core/file_io.h"
+
 namespace viaduct::data::testing {
 
 class TempDir {
@@ -23,8 +25,7 @@ class TempDir {
     path_ = tmpl;
   }
   ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
+    (void)viaduct::remove_tree_noexcept(path_);
   }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;

@@ -16,6 +16,7 @@
 
 #include "common/process_runs.h"
 #include "common/reference_cache.h"
+#include "core/file_io.h"
 #include "data/temp_dir.h"
 
 namespace fs = std::filesystem;
@@ -188,10 +189,10 @@ TEST_F(ExpertParallelRuns, CheckpointsResumeUnderAnotherExpertParallelDegree) {
                                    std::to_string(to)))
             .string();
     SCOPED_TRACE(dst);
-    fs::remove_all(dst);
+    viaduct::remove_tree(dst);
     fs::create_directories(dst);
     fs::copy(src + "/checkpoint", dst + "/checkpoint", fs::copy_options::recursive);
-    fs::remove_all(dst + "/checkpoint/step-4");
+    viaduct::remove_tree(dst + "/checkpoint/step-4");
     auto r = viaduct::testing::run_viaduct_ok(
         4, " train" + args + layout(1, 4, to) + " --job.dump_folder=" + dst);
     EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
@@ -219,10 +220,10 @@ TEST_F(ExpertParallelRuns, ZeroOneWithExpertParallelHasTheBitsOfDataParallel) {
   const auto src = train("dp4_ep2_zero", 4, args + layout(1, 4, 2, zero));
   expect_same_bits(reference, src, 4);
   const auto dst = (fs::path(dir_->path()) / "resume_ep2_zero_to_ep4").string();
-  fs::remove_all(dst);
+  viaduct::remove_tree(dst);
   fs::create_directories(dst);
   fs::copy(src + "/checkpoint", dst + "/checkpoint", fs::copy_options::recursive);
-  fs::remove_all(dst + "/checkpoint/step-4");
+  viaduct::remove_tree(dst + "/checkpoint/step-4");
   viaduct::testing::run_viaduct_ok(4, " train" + args + layout(1, 4, 4) +
                                           " --job.dump_folder=" + dst);
   auto c = shell(std::string(VIADUCT_BINARY) + " checkpoint compare " + reference + "/checkpoint " +

@@ -18,6 +18,7 @@
 #include "core/check.h"
 #include "common/process_runs.h"
 #include "common/reference_cache.h"
+#include "core/file_io.h"
 #include "data/temp_dir.h"
 #include "pipeline/attn_res/block_store.h"
 #include "data/token_file.h"
@@ -56,7 +57,7 @@ class AttnResRuns : public ::testing::Test {
 
   static std::string train(const std::string& name, int nproc, const std::string& args) {
     const auto out = (fs::path(dir_->path()) / name).string();
-    fs::remove_all(out);
+    viaduct::remove_tree(out);
     viaduct::testing::run_viaduct_ok(nproc, " train" + args + " --job.dump_folder=" + out);
     return out;
   }

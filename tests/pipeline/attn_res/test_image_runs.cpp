@@ -11,6 +11,7 @@
 
 #include "common/process_runs.h"
 #include "common/reference_cache.h"
+#include "core/file_io.h"
 #include "data/image_text_file.h"
 #include "data/temp_dir.h"
 
@@ -68,7 +69,7 @@ class ImageRuns : public ::testing::TestWithParam<ImageLayout> {
   }
   static std::string train(const std::string& name, int nproc, const std::string& args) {
     const auto out = (fs::path(dir_->path()) / name).string();
-    fs::remove_all(out);
+    viaduct::remove_tree(out);
     viaduct::testing::run_viaduct_ok(nproc, " train" + args + " --job.dump_folder=" + out);
     return out;
   }

@@ -16,6 +16,7 @@
 
 #include "common/process_runs.h"
 #include "common/reference_cache.h"
+#include "core/file_io.h"
 #include "data/temp_dir.h"
 
 namespace fs = std::filesystem;
@@ -51,7 +52,7 @@ class PipelineRuns : public ::testing::Test {
   static std::string train(const std::string& name, int nproc, const std::string& args,
                            const std::string& env = "") {
     const auto out = (fs::path(dir_->path()) / name).string();
-    fs::remove_all(out);
+    viaduct::remove_tree(out);
     last_ = viaduct::testing::run_viaduct_ok(nproc, " train" + args + " --job.dump_folder=" + out,
                                              env);
     return out;
@@ -301,10 +302,10 @@ TEST_F(PipelineRuns, CheckpointMovesBetweenLayoutsBitwise) {
            {"move_pp4", 4, " --parallelism.pipeline_parallel_degree=4"
                            " --parallelism.pipeline_parallel_schedule=1F1B"}}) {
     const auto dst = (fs::path(dir_->path()) / name).string();
-    fs::remove_all(dst);
+    viaduct::remove_tree(dst);
     fs::create_directories(dst);
     fs::copy(src + "/checkpoint", dst + "/checkpoint", fs::copy_options::recursive);
-    fs::remove_all(dst + "/checkpoint/step-4");
+    viaduct::remove_tree(dst + "/checkpoint/step-4");
     std::ostringstream cmd;
     cmd << VIADUCT_BINARY;
     if (nproc > 1) {
@@ -392,10 +393,10 @@ TEST_F(PipelineRuns, ShardedOptimizerKeepsTheBitsOfDataParallel) {
   auto resume = [&](const std::string& name, const std::string& from, int nproc,
                     const std::string& layout) {
     const auto dst = (fs::path(dir_->path()) / name).string();
-    fs::remove_all(dst);
+    viaduct::remove_tree(dst);
     fs::create_directories(dst);
     fs::copy(from + "/checkpoint", dst + "/checkpoint", fs::copy_options::recursive);
-    fs::remove_all(dst + "/checkpoint/step-4");
+    viaduct::remove_tree(dst + "/checkpoint/step-4");
     last_ = viaduct::testing::run_viaduct_ok(nproc, " train" + args(layout) +
                                                         " --job.dump_folder=" + dst);
     EXPECT_NE(last_.output.find("resumed from"), std::string::npos) << last_.output;
