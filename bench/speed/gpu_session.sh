@@ -249,8 +249,12 @@ part_kdadocs() {
       --doc-mean 1024 --iters 20 2>&1 | grep -E "^\| |^documents|rror" | tee -a "$SUM"
   done
 }
+# block_causal's cost with eager steps on both sides (DOC_GRAPHS=false), the
+# masks' own cost: with training.cuda_graphs unset, causal runs would take
+# the step graph, which block_causal cannot.
 part_doccost() {
   OUT=/tmp/vs_doc STAGES=run CELLS="${DOC_CELLS:-1Bdocs k3docs}" CELL_TIMEOUT=150 \
+    VD_EXTRA="${VD_EXTRA:-} --training.cuda_graphs=${DOC_GRAPHS:-false}" \
     bash bench/speed/run_single_gpu.sh >/tmp/vs_doc.txt 2>&1
   cat /tmp/vs_doc.txt >>"$SUM"
   grep -E "^\||block_causal's cost" /tmp/vs_doc.txt

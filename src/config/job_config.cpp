@@ -26,7 +26,7 @@ JobConfig JobConfig::from(Config raw) {
   t.dtype = c.get_string("training.dtype");
   t.device = c.get_string("training.device");
   t.deterministic = c.get_bool("training.deterministic");
-  t.cuda_graphs = c.get_bool("training.cuda_graphs");
+  t.cuda_graphs = c.get_bool_opt("training.cuda_graphs");
   t.num_threads = c.get_int("training.num_threads");
   t.eval_interval = c.get_int("training.eval_interval");
 

@@ -38,7 +38,9 @@ struct TrainingSection {
   std::string dtype;   // auto | float32 | bfloat16
   std::string device;  // auto | cpu | cuda
   bool deterministic = false;
-  bool cuda_graphs = false;
+  // Unset: the step graph where the run allows it; true: required (a run
+  // that cannot take it is refused); false: eager steps.
+  std::optional<bool> cuda_graphs;
   int64_t num_threads = 0;
   int64_t eval_interval = 0;
 };

@@ -30,7 +30,7 @@ void add_core_keys(std::vector<ConfigKey>& k) {
   k.push_back(key("training", "dtype", T::kString, std::string("auto"), "auto | float32 | bfloat16 (bf16 = mixed precision with fp32 master weights)"));
   k.push_back(key("training", "device", T::kString, std::string("auto"), "auto | cpu | cuda"));
   k.push_back(key("training", "deterministic", T::kBool, true, "deterministic kernels on CUDA (bitwise-reproducible runs and layouts; off can be faster)"));
-  k.push_back(key("training", "cuda_graphs", T::kBool, false, "replay the step's forward, backward and gradient clip as one CUDA graph, captured after two eager steps (one process on one GPU, fixed shapes: no pipeline stages, data parallelism, block_causal documents or images); the same bits as false, without the per-kernel launches"));
+  k.push_back(key("training", "cuda_graphs", T::kBool, kUnset, "replay the step's forward, backward and gradient clip as one CUDA graph, captured after two eager steps, with the same bits as eager steps and without their per-kernel launches; unset: on where the run allows it (one process on one GPU, fixed shapes: no pipeline stages, data parallelism, block_causal documents or images; AdamW and the clip on the device), eager elsewhere; true: on, refused where it cannot run; false: eager"));
   k.push_back(key("training", "num_threads", T::kInt, int64_t{2}, "CPU intra-op threads (same default launched or alone)").in(greater_than(0)));
   k.push_back(key("training", "eval_interval", T::kInt, int64_t{50}, "evaluate on held-out tokens every N steps (0: never); step 0 included").in(at_least(0)));
 
@@ -179,7 +179,7 @@ void validate_core(const Config& c) {
                   "model.reset_position_ids = true needs model.attn_mask_type = \"block_causal\" "
                   "(positions restart at documents only when documents are kept apart; from ",
                   c.source("model.reset_position_ids"), ")");
-  if (c.get_bool("training.cuda_graphs")) {
+  if (c.get_bool_opt("training.cuda_graphs").value_or(false)) {
     // See Note [The step as one CUDA graph] (train/step_graph.h): one
     // process, one stage, the same shapes every step.
     auto refuse = [&](bool bad, const std::string& what) {

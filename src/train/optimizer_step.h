@@ -75,6 +75,8 @@ class OptimizerStep {
   // nothing updated.
   double clip_and_step(double lr, double max_norm, const std::vector<at::Tensor>& pending_losses,
                        double& loss_sum, int64_t step, const std::string& context);
+  // Whether the last clip_and_step clipped on the device (device_clip).
+  bool clipped_on_device() const { return clipped_on_device_; }
 
   // Whether the clip and the update run on the device: one process holds
   // the whole model (no pipeline rank, ZeRO-1 shard or expert share) and
@@ -107,6 +109,7 @@ class OptimizerStep {
 
   OptimizerStepSetup setup_;
   bool shards_ = false;
+  bool clipped_on_device_ = false;
   int dp_size_ = 1;
   std::unique_ptr<Optimizer> optimizer_;
   // dp > 1: the data-parallel gradient sum over optimizer_'s parameters.

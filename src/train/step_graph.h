@@ -3,8 +3,9 @@
 // Note [The step as one CUDA graph]
 // A step queues thousands of kernels (the K3 cell ~7,000); the host's cost
 // of launching them shows as device idle wherever the host falls behind.
-// With training.cuda_graphs = true a one-process run on one GPU records
-// the step's device work once and then queues it as one graph launch:
+// With the step graph (training.cuda_graphs unset where the run allows it,
+// or true) a one-process run on one GPU records the step's device work
+// once and then queues it as one graph launch:
 //  - The first kWarmupSteps steps run eagerly, on the graph's own stream:
 //    they make what a first step makes lazily (cuBLAS workspaces, the
 //    weight cache's copies, the MoE counters on the device), so the
@@ -39,8 +40,11 @@
 //    replays; an eval's forward or a checkpoint's copies allocate beside
 //    it, so the peak is the step's plus the eval's, where an eager run
 //    reuses the step's blocks for the eval.
-//  - Refused (a ConfigError at load or at setup; gradients the device clip
-//    cannot take, at the capture): a CPU device, pipeline
+//  - Where the graph cannot run, an unset key gives eager steps (decided at
+//    setup, or from what the warm-up steps saw: images in the data,
+//    gradients the device clip cannot take), and true is refused (a
+//    ConfigError at load or at setup; those two, at the capture): a CPU
+//    device, pipeline
 //    stages (the executor's sends and receives wait on the host), data
 //    parallelism, block_causal documents (each step's sizes follow its
 //    documents), images, and an update that cannot run on the device

@@ -47,8 +47,9 @@ Trainer::Trainer(JobConfig job) : job_(std::move(job)), device_(at::kCPU) {
   dp_size_ = process.dp_size;
   capabilities_ = process.capabilities;
   // See Note [The step as one CUDA graph] (train/step_graph.h); the config
-  // refused pp, dp and block_causal already.
-  VIADUCT_CHECK_T(ConfigError, !job_.training.cuda_graphs || device_.is_cuda(),
+  // refused pp, dp and block_causal already where the key is true.
+  const bool graphs_required = job_.training.cuda_graphs.value_or(false);
+  VIADUCT_CHECK_T(ConfigError, !graphs_required || device_.is_cuda(),
                   "training.cuda_graphs = true needs a CUDA device, but this run trains on ",
                   device_, " (training.device = \"", job_.training.device,
                   "\"); set training.cuda_graphs = false");
@@ -71,7 +72,7 @@ Trainer::Trainer(JobConfig job) : job_(std::move(job)), device_(at::kCPU) {
                     "checkpoint");
   }
   info_ = build_model();
-  if (job_.training.cuda_graphs) {
+  if (graphs_required) {
     VIADUCT_CHECK_T(ConfigError, !executor_ && !mesh_,
                     "training.cuda_graphs = true runs one process holding one stage, but this "
                     "run has ", plan_->split.num_stages, " pipeline stages",
@@ -80,6 +81,12 @@ Trainer::Trainer(JobConfig job) : job_(std::move(job)), device_(at::kCPU) {
                     "training.cuda_graphs = true needs the clip and the update on the device "
                     "(optimizer.name = \"AdamW\" on viaduct's CUDA kernel), but optimizer.name = "
                     "\"", job_.optimizer.name, "\"; set training.cuda_graphs = false");
+    step_graph_ = std::make_unique<StepGraph>(device_);
+  } else if (!job_.training.cuda_graphs.has_value() && device_.is_cuda() && !executor_ && !mesh_ &&
+             !job_.model.block_causal() && update_->updates_on_device()) {
+    // Unset: the graph where the run allows it. What only the warm-up
+    // steps show (images in the data, gradients the device clip cannot
+    // take) drops it before the capture (graph_unfit_).
     step_graph_ = std::make_unique<StepGraph>(device_);
   }
   data_->cut_eval_batches(num_microbatches());
@@ -200,6 +207,12 @@ StepMetrics Trainer::train_step() {
   const auto t0 = std::chrono::steady_clock::now();
   int64_t tokens = 0;
   StepMetrics m;
+  if (step_graph_ && !graph_unfit_.empty() && !step_graph_->eager_now() &&
+      step_graph_->replays() == 0) {
+    log::info("training.cuda_graphs (unset): eager steps, the step graph cannot run here: ",
+              graph_unfit_);
+    step_graph_.reset();
+  }
   // See Note [The step as one CUDA graph]: the step on the graph's stream.
   std::optional<DeviceGraph::StreamScope> on_graph_stream;
   if (step_graph_) on_graph_stream.emplace(step_graph_->stream_scope());
@@ -213,6 +226,11 @@ StepMetrics Trainer::train_step() {
   } else {
     forward_backward(batches, scale, pending_losses);
     if (step_graph_) step_graph_->eager_step_done();
+    if (step_graph_ && !job_.training.cuda_graphs.has_value()) {
+      for (const auto& b : batches) {
+        if (b.images.defined()) graph_unfit_ = "the data has images, whose tower's work is not captured";
+      }
+    }
   }
   double loss_sum = 0.0;  // the pending losses', read after the update is queued
   update_->finish_reduction(m, step_context());
@@ -224,6 +242,11 @@ StepMetrics Trainer::train_step() {
                                                      /*keep_grads=*/true, step_ + 1)
                     : update_->clip_and_step(m.lr, job_.training.max_norm, pending_losses,
                                              loss_sum, step_ + 1, step_context());
+  if (step_graph_ && clip == nullptr && !update_->clipped_on_device() &&
+      !job_.training.cuda_graphs.has_value()) {
+    graph_unfit_ = "the gradient clip runs on the host (it needs fp32 gradients on the GPU and "
+                   "model.cuda_kernels = true)";
+  }
   m.dp_bytes += update_->optimizer().last_step_bytes();
   m.loss = gather_->gather_loss(loss_sum, stop_signal() != 0, m, step_context()) /
            static_cast<double>(tokens);

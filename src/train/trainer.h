@@ -155,7 +155,12 @@ class Trainer {
   // The data-parallel sums, the clip and the optimizer.
   std::unique_ptr<OptimizerStep> update_;
   std::unique_ptr<MoeStepMetrics> moe_metrics_;  // null without routed experts
-  std::unique_ptr<StepGraph> step_graph_;        // null: training.cuda_graphs = false
+  // Null: eager steps (training.cuda_graphs = false, or unset where the run
+  // does not allow the graph).
+  std::unique_ptr<StepGraph> step_graph_;
+  // training.cuda_graphs unset: why the warm-up steps found the graph
+  // cannot run ("" while nothing stops it); the capture step drops it then.
+  std::string graph_unfit_;
   std::unique_ptr<StepGather> gather_;
   std::unique_ptr<TrainingData> data_;
   std::unique_ptr<Checkpointer> checkpointer_;

@@ -1,7 +1,8 @@
 // training.cuda_graphs (see Note [The step as one CUDA graph],
-// train/step_graph.h): refused where it cannot run, with the key named
-// and nothing written; on a GPU, steps replayed from the graph have the
-// bits of eager steps.
+// train/step_graph.h): true is refused where it cannot run, with the key
+// named and nothing written; unset takes the graph where the run allows it
+// and runs eager steps elsewhere; on a GPU, steps replayed from the graph
+// have the bits of eager steps.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -159,6 +160,33 @@ void expect_same_bits(const std::vector<std::string>& keys) {
 }
 
 }  // namespace
+
+TEST(StepGraph, UnsetRunsEagerOnTheCpu) {
+  GraphJob job;
+  const auto r = train(job.config({"training.device=cpu"}), 3);
+  EXPECT_EQ(r.replays, 0);
+  EXPECT_EQ(r.loss.size(), 3u);
+}
+
+TEST(StepGraph, UnsetTakesTheGraphWhereTheRunAllowsIt) {
+  REQUIRE_GPU();
+  constexpr int kSteps = 4;
+  const std::vector<std::string> gpu = {"training.device=cuda", "training.dtype=bfloat16"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), gpu.begin(), gpu.end());
+    return extra;
+  };
+  GraphJob a, b, c, d;
+  const auto unset = train(a.config(with({})), kSteps);
+  EXPECT_EQ(unset.replays, kSteps - StepGraph::kWarmupSteps);
+  const auto eager = train(b.config(with({"training.cuda_graphs=false"})), kSteps);
+  EXPECT_EQ(eager.replays, 0);
+  EXPECT_EQ(unset.loss, eager.loss);
+  EXPECT_EQ(unset.norm, eager.norm);
+  // Where the run does not allow it: eager steps, no error.
+  EXPECT_EQ(train(c.config(with({"optimizer.name=SGD"})), kSteps).replays, 0);
+  EXPECT_EQ(train(d.config(with({"model.cuda_kernels=false"})), kSteps).replays, 0);
+}
 
 TEST(StepGraph, SameBitsAsEagerStepsLlama) {
   // Two accumulated batches of two micro-batches: four forwards and
