@@ -83,27 +83,20 @@ __device__ __forceinline__ void mma_split(float (&main)[4], float (&small)[4], c
 constexpr int kGemmM = 64, kGemmN = 64, kGemmK = 32, kGemmThreads = 128;
 static_assert(kGemmM == C && kGemmThreads >= C, "a token-layout tile is one chunk's rows");
 
-// Which operand is read in the token layout (KdaOperand::in_tokens). A
-// template argument, so the other products' loads are unconditional and
-// all in flight at once; the token reads clamp an empty row's index to 0
-// (a valid address) and zero the value, for the same reason.
-enum class TokenOperand { kNone, kA, kB };
-
-template <bool AT, bool BT, TokenOperand TOK>  // AT: A contiguous along m; BT: B along k
+template <bool AT, bool BT>  // AT: A contiguous along m; BT: B contiguous along k
 __global__ void __launch_bounds__(kGemmThreads) gemm_kernel(KdaGemm p) {
   __shared__ float As[kGemmM][kGemmK + 4];
   __shared__ float Bs[kGemmK][kGemmN + 8];
   const int64_t z = blockIdx.z;
   const int64_t m0 = blockIdx.y * kGemmM, n0 = blockIdx.x * kGemmN;
-  const float* A = p.A.data + (TOK == TokenOperand::kA ? 0 : z * p.A.batch);
-  const float* B = p.B.data + (TOK == TokenOperand::kB ? 0 : z * p.B.batch);
+  const float* A = p.A.data + z * p.A.batch;
+  const float* B = p.B.data + z * p.B.batch;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
-  // The token layout: the chunk's rows' places in the [B, T, H] rows
-  // (chunk_rows), for C or an operand in that layout.
+  // Token layout: each C row's place in the [B, T, H] rows (chunk_rows).
   __shared__ int64_t rows[kGemmM];
-  if (p.to_tokens || TOK != TokenOperand::kNone) {
+  if (p.to_tokens) {
     const int64_t zc = p.z_first + z, N = p.tokens.chunks();
     chunk_rows(p.tokens, zc / N, zc % N, rows);
     __syncthreads();
@@ -117,13 +110,7 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_kernel(KdaGemm p) {
         As[m][k] = A[(m0 + m) + (k0 + k) * p.A.col];
       } else {
         const int k = tid % kGemmK, m = tid / kGemmK + 4 * i;
-        if (TOK == TokenOperand::kA) {
-          const int64_t r = rows[m0 + m];
-          const float x = A[(r < 0 ? 0 : r) * p.A.row + k0 + k];
-          As[m][k] = r < 0 ? 0.f : x;
-        } else {
-          As[m][k] = A[(m0 + m) * p.A.row + k0 + k];
-        }
+        As[m][k] = A[(m0 + m) * p.A.row + k0 + k];
       }
     }
 #pragma unroll
@@ -133,13 +120,7 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_kernel(KdaGemm p) {
         Bs[k][n] = B[(k0 + k) + (n0 + n) * p.B.col];
       } else {
         const int n = tid % kGemmN, k = tid / kGemmN + 2 * i;
-        if (TOK == TokenOperand::kB) {
-          const int64_t r = rows[k0 + k];
-          const float x = B[(r < 0 ? 0 : r) * p.B.row + n0 + n];
-          Bs[k][n] = r < 0 ? 0.f : x;
-        } else {
-          Bs[k][n] = B[(k0 + k) * p.B.row + n0 + n];
-        }
+        Bs[k][n] = B[(k0 + k) * p.B.row + n0 + n];
       }
     }
     __syncthreads();
@@ -994,9 +975,7 @@ cudaError_t kda_gemm(const KdaGemm& g, cudaStream_t stream) {
   const bool at = g.A.row == 1, bt = g.B.row == 1;
   if (g.M % kGemmM || g.N % kGemmN || g.K % kGemmK || g.c_row % 2 || (!at && g.A.col != 1) ||
       (!bt && g.B.col != 1) || (g.beta != 0.f && g.beta != 1.f) ||
-      ((g.to_tokens || g.A.in_tokens || g.B.in_tokens) && g.batch != g.tokens.Z()) ||
-      (g.to_tokens && g.M != kGemmM) || (g.A.in_tokens && g.B.in_tokens) || (g.A.in_tokens && (at || g.M != kGemmM)) ||
-      (g.B.in_tokens && (bt || g.K != C))) {
+      (g.to_tokens && (g.M != kGemmM || g.batch != g.tokens.Z()))) {
     return cudaErrorInvalidValue;
   }
   // The batch runs on the grid's z, which holds at most 65535: a longer
@@ -1006,23 +985,16 @@ cudaError_t kda_gemm(const KdaGemm& g, cudaStream_t stream) {
   for (int64_t z0 = 0; z0 < g.batch; z0 += kMaxZ) {
     KdaGemm p = g;
     p.batch = g.batch - z0 < kMaxZ ? g.batch - z0 : kMaxZ;
-    if (!g.A.in_tokens) p.A.data += z0 * g.A.batch;
-    if (!g.B.in_tokens) p.B.data += z0 * g.B.batch;
+    p.A.data += z0 * g.A.batch;
+    p.B.data += z0 * g.B.batch;
     if (!g.to_tokens) p.C += z0 * g.c_batch;
     p.z_first = z0;
     const dim3 grid(static_cast<unsigned>(p.N / kGemmN), static_cast<unsigned>(p.M / kGemmM),
                     static_cast<unsigned>(p.batch));
-    using T = TokenOperand;
-    if (g.A.in_tokens && bt) gemm_kernel<false, true, T::kA><<<grid, kGemmThreads, 0, stream>>>(p);
-    if (g.A.in_tokens && !bt) gemm_kernel<false, false, T::kA><<<grid, kGemmThreads, 0, stream>>>(p);
-    if (g.B.in_tokens && at) gemm_kernel<true, false, T::kB><<<grid, kGemmThreads, 0, stream>>>(p);
-    if (g.B.in_tokens && !at) gemm_kernel<false, false, T::kB><<<grid, kGemmThreads, 0, stream>>>(p);
-    if (!g.A.in_tokens && !g.B.in_tokens) {
-      if (at && bt) gemm_kernel<true, true, T::kNone><<<grid, kGemmThreads, 0, stream>>>(p);
-      if (at && !bt) gemm_kernel<true, false, T::kNone><<<grid, kGemmThreads, 0, stream>>>(p);
-      if (!at && bt) gemm_kernel<false, true, T::kNone><<<grid, kGemmThreads, 0, stream>>>(p);
-      if (!at && !bt) gemm_kernel<false, false, T::kNone><<<grid, kGemmThreads, 0, stream>>>(p);
-    }
+    if (at && bt) gemm_kernel<true, true><<<grid, kGemmThreads, 0, stream>>>(p);
+    if (at && !bt) gemm_kernel<true, false><<<grid, kGemmThreads, 0, stream>>>(p);
+    if (!at && bt) gemm_kernel<false, true><<<grid, kGemmThreads, 0, stream>>>(p);
+    if (!at && !bt) gemm_kernel<false, false><<<grid, kGemmThreads, 0, stream>>>(p);
     if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   return cudaSuccess;

@@ -100,21 +100,14 @@ cudaError_t kda_scan_backward(const KdaShape& s, const float* WU, const float* k
 // + j col, and one of row, col is 1 (the matrix or its transpose
 // contiguous); A is (m, k), B is (k, n). C_z is row-major with row stride
 // c_row. M and N multiples of 64, K of 32; beta 0 or 1 (0: C is not read).
-// The token layout: with `tokens` set and the batch the Z chunks of that
-// shape, a matrix's chunk rows (of 64) can be the rows of a [B, T, H, w]
-// tensor that the chunk holds (its tokens' rows of its head; chunk_rows),
-// so the chunk layout is read or written without a gather or a transpose:
-//  - to_tokens: row m of C_z (M = 64) is written to C's row of the token
-//    and head it holds, skipped where it holds none (c_batch unused, c_row
-//    the token row's stride);
-//  - an operand with `in_tokens`: A's row m (not transposed, M = 64) or
-//    B's row k (not transposed, K = 64) is read from data's row of that
-//    token and head, zero where the chunk holds none (batch unused, row the
-//    token row's stride).
+// With `tokens` set (to_tokens), M is the chunk (64), the batch is the Z
+// chunks of that shape, and row m of C_z is the row of a [B, T, H, N]
+// tensor C that the chunk's row m holds (its token and head), skipped where
+// it holds none: the chunk layout's product lands in the token layout
+// without a gather after it (c_batch unused; c_row the token row's stride).
 struct KdaOperand {
   const float* data = nullptr;
   int64_t batch = 0, row = 0, col = 0;
-  bool in_tokens = false;
 };
 struct KdaGemm {
   int64_t batch = 0, M = 0, N = 0, K = 0;

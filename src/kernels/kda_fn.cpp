@@ -39,6 +39,21 @@ cuda::KdaShape shape_of(const at::Tensor& q, const at::Tensor& spans) {
   return s;
 }
 
+// [B, T, H, D] -> the chunk layout [Z, C, D]: rows past T zero, or with
+// documents the chunk rows `read` gives, `empty` ones zero.
+at::Tensor to_chunks(const at::Tensor& x, const cuda::KdaShape& s, const at::Tensor& read,
+                     const at::Tensor& empty) {
+  const auto C = cuda::kKdaChunk, N = s.chunks();
+  if (read.defined()) {
+    auto rows = x.reshape({s.B * s.T * s.H, s.D}).index_select(0, read);
+    if (empty.numel() > 0) rows.index_fill_(0, empty, 0);
+    return rows.view({s.Z(), C, s.D});
+  }
+  auto p = x;
+  if (N * C > s.T) p = at::constant_pad_nd(x, {0, 0, 0, 0, 0, N * C - s.T});
+  return p.view({s.B, N, C, s.H, s.D}).permute({0, 3, 1, 2, 4}).reshape({s.Z(), C, s.D});
+}
+
 // The chunk layout [Z, C, D] or [Z, C] (a per-head value) back to [B, T,
 // H, w] (w = D or 1): the plain chunks' first T rows, or with documents
 // each (token, head)'s row at `places`.
@@ -56,61 +71,31 @@ cuda::KdaOperand operand(const at::Tensor& x) {
   return {ptr(x), x.stride(0), x.stride(1), x.stride(2)};
 }
 
-// A contiguous fp32 [B, T, H, w] tensor as a kda_gemm operand in the token
-// layout: each chunk's [C, w] matrix read from the rows of the tokens and
-// head it holds (see KdaGemm), zeros past them.
-cuda::KdaOperand token_operand(const at::Tensor& x) {
-  cuda::KdaOperand o{ptr(x), 0, x.size(3), 1};
-  o.in_tokens = true;
-  return o;
-}
-
-// A product over the chunks (see KdaGemm): its operands and shape; the
-// caller says where C goes.
-cuda::KdaGemm product(const cuda::KdaOperand& a, const cuda::KdaOperand& b, int64_t batch,
-                      int64_t M, int64_t K, int64_t N, float alpha = 1.f, float beta = 0.f) {
+// The product a b over the chunks (see KdaGemm): a [Z, M, K] and b [Z, K,
+// N] fp32 views with a unit stride in one of their last two dims (a tensor
+// or its transpose); the caller says where C goes.
+cuda::KdaGemm chunk_product(const at::Tensor& a, const at::Tensor& b, float alpha, float beta) {
   cuda::KdaGemm g;
-  g.batch = batch;
-  g.M = M;
-  g.K = K;
-  g.N = N;
-  g.A = a;
-  g.B = b;
+  g.batch = a.size(0);
+  g.M = a.size(1);
+  g.K = a.size(2);
+  g.N = b.size(2);
+  g.A = operand(a);
+  g.B = operand(b);
   g.alpha = alpha;
   g.beta = beta;
   return g;
 }
 
-// Runs `g` into out [Z, M, N] (contiguous rows).
-void run_into(cuda::KdaGemm g, at::Tensor& out, cudaStream_t stream) {
+// out = alpha a b + beta out for each chunk z, out [Z, M, N] with
+// contiguous rows.
+void chunk_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, float alpha,
+                float beta, cudaStream_t stream) {
+  auto g = chunk_product(a, b, alpha, beta);
   g.C = mut(out);
   g.c_batch = out.stride(0);
   g.c_row = out.stride(1);
   check_launch(cuda::kda_gemm(g, stream), "kda_gemm");
-}
-
-// out = alpha a b + beta out for each chunk z: a [Z, M, K] and b [Z, K, N]
-// fp32 views with a unit stride in one of their last two dims (a tensor or
-// its transpose), out [Z, M, N] with contiguous rows.
-void chunk_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, float alpha,
-                float beta, cudaStream_t stream) {
-  run_into(product(operand(a), operand(b), a.size(0), a.size(1), a.size(2), b.size(2), alpha,
-                   beta),
-           out, stream);
-}
-
-// out [Z, M, N] = a b with one operand in the token layout (dO [B, T, H,
-// D], see token_operand): `tokens_a` says which, and the other is a [Z, *,
-// *] view. Z = s.Z(); the token operand's chunk rows are M (a) or K (b).
-at::Tensor chunk_mm_tokens(const at::Tensor& a, const at::Tensor& b, bool tokens_a,
-                           const cuda::KdaShape& s, cudaStream_t stream) {
-  const auto C = cuda::kKdaChunk;
-  auto g = tokens_a ? product(token_operand(a), operand(b), s.Z(), C, a.size(3), b.size(2))
-                    : product(operand(a), token_operand(b), s.Z(), a.size(1), C, b.size(3));
-  g.tokens = s;
-  auto out = at::empty({g.batch, g.M, g.N}, b.options());
-  run_into(g, out, stream);
-  return out;
 }
 
 // out [B, T, H, w] (fp32, contiguous) = alpha a b + beta out, the product's
@@ -119,8 +104,7 @@ at::Tensor chunk_mm_tokens(const at::Tensor& a, const at::Tensor& b, bool tokens
 void chunk_gemm_to_tokens(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                           const cuda::KdaShape& s, float alpha, float beta,
                           cudaStream_t stream) {
-  auto g = product(operand(a), operand(b), a.size(0), a.size(1), a.size(2), b.size(2), alpha,
-                   beta);
+  auto g = chunk_product(a, b, alpha, beta);
   g.C = mut(out);
   g.c_row = out.size(3);
   g.to_tokens = true;
@@ -144,7 +128,8 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
                                const at::Tensor& k_in, const at::Tensor& v_in,
                                const at::Tensor& g_in, const at::Tensor& beta_in,
                                const at::Tensor& S0_in, const at::Tensor& spans_in,
-                               const at::Tensor& restarts_in, const at::Tensor& places_in) {
+                               const at::Tensor& restarts_in, const at::Tensor& places_in,
+                               const at::Tensor& read_in, const at::Tensor& empty_in) {
     auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
     auto g = g_in.contiguous(), beta = beta_in.contiguous();
     auto S0 = given(S0_in);
@@ -179,6 +164,8 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     ctx->saved_data["spans"] = spans_in;
     ctx->saved_data["restarts"] = restarts_in;
     ctx->saved_data["places"] = places_in;
+    ctx->saved_data["read"] = read_in;
+    ctx->saved_data["empty"] = empty_in;
     return {o, final_state};
   }
 
@@ -190,6 +177,8 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     const auto spans = given(ctx->saved_data["spans"].toTensor());
     const auto restarts = given(ctx->saved_data["restarts"].toTensor());
     const auto places = given(ctx->saved_data["places"].toTensor());
+    const auto read = given(ctx->saved_data["read"].toTensor());
+    const auto empty = ctx->saved_data["empty"].toTensor();
     const auto s = shape_of(q, spans);
     const auto C = cuda::kKdaChunk, Z = s.Z(), D = s.D;
     const auto opt = q.options();
@@ -202,10 +191,9 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     auto dWU = at::empty({Z, C, 2 * D}, opt);
     auto ddec_part = at::empty({Z, D, cuda::kda_ddec_parts(D)}, opt);
     const auto stream = stream_of(q);
-    // do's chunk rows are read where they lie ([B, T, H, D], the token
-    // layout), zeros past each chunk's tokens.
-    auto X = chunk_mm_tokens(Aqk.transpose(1, 2), dO, false, s, stream);
-    auto Y = chunk_mm_tokens(qe.transpose(1, 2), dO, false, s, stream);
+    auto do_z = to_chunks(dO, s, read, empty);
+    auto X = chunk_mm(Aqk.transpose(1, 2), do_z, stream);
+    auto Y = chunk_mm(qe.transpose(1, 2), do_z, stream);
     check_launch(cuda::kda_scan_backward(s, ptr(WU), ptr(ke), ptr(dec), ptr(X), ptr(Y), ptr(dSN),
                                          flags(restarts), ptr(states), mut(dWU) + D, 2 * D,
                                          mut(dstates), mut(dS0), mut(ddec_part), stream),
@@ -214,9 +202,9 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     Y.reset();
     auto St = states.transpose(1, 2);
     auto dvnew = dWU.narrow(-1, D, D);
-    auto dqe = chunk_mm_tokens(dO, St, true, s, stream);
+    auto dqe = chunk_mm(do_z, St, stream);
     auto dke = chunk_mm(vnew, dstates.transpose(1, 2), stream);
-    auto dAqk = chunk_mm_tokens(dO, vnew.transpose(1, 2), true, s, stream);
+    auto dAqk = chunk_mm(do_z, vnew.transpose(1, 2), stream);
     auto ddec = ddec_part.sum(-1);
     auto dW = dWU.narrow(-1, 0, D);
     chunk_gemm(dW, dvnew, St, -1.f, 0.f, stream);
@@ -233,8 +221,8 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     // [slices, Z, C] -> [B, T, H]
     auto dbeta = from_chunks(dbeta_part.sum(0), s, places).view({s.B, s.T, s.H});
     const bool has_S0 = ctx->saved_data["has_S0"].toBool();
-    return {dq, dk, dv, dg, dbeta, has_S0 ? dS0 : at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+    return {dq,          dk,          dv,          dg,          dbeta, has_S0 ? dS0 : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -263,7 +251,7 @@ std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tenso
                                           : at::empty({0}, q.options().dtype(at::kFloat));
   if (documents == nullptr) {
     const auto none = at::empty({0}, q.options().dtype(at::kLong));
-    auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0, none, none, none);
+    auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0, none, none, none, none, none);
     return {out[0], out[1]};
   }
   const auto& d = *documents;
@@ -276,10 +264,13 @@ std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tenso
   VIADUCT_CHECK(on_q(d.spans, at::kInt) && d.spans.dim() == 3 && d.spans.size(0) == B &&
                     d.spans.size(2) == 2 && on_q(d.restarts, at::kByte) &&
                     d.restarts.numel() == B * d.spans.size(1) && on_q(d.places, at::kLong) &&
-                    d.places.numel() == B * T * H,
+                    d.places.numel() == B * T * H && on_q(d.read, at::kLong) &&
+                    d.read.numel() == B * H * d.spans.size(1) * kKdaKernelChunk &&
+                    on_q(d.empty, at::kLong),
                 "kda_chunk: document chunks made for another micro-batch: spans ",
                 d.spans.sizes(), ", places ", d.places.sizes(), " for q ", q.sizes());
-  auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0, d.spans, d.restarts, d.places);
+  auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0, d.spans, d.restarts, d.places,
+                               d.read, d.empty);
   return {out[0], out[1]};
 }
 

@@ -72,8 +72,10 @@ const kernels::KdaDocumentChunks& Documents::kda_chunks(int64_t chunk, int64_t h
                            device.str()];
   if (kept) return *kept;
   // Each row's chunks in order: every span cut into pieces of `chunk`
-  // tokens from its first, the last piece partial: the chunk table, and
-  // each token's row in its head's chunks, n chunk + i (chunk n, row i).
+  // tokens from its first, the last piece partial. The host makes only
+  // this table ([B, N] entries); the per-(token, head) indices follow from
+  // it by a few whole-tensor ops on `device`, so a micro-batch's first KDA
+  // layer does not wait on the host writing and copying B T H of them.
   std::vector<int64_t> pieces(static_cast<size_t>(rows_), 0);
   for (const auto& s : spans_) {
     pieces[static_cast<size_t>(s.row)] += (s.length + chunk - 1) / chunk;
@@ -82,6 +84,7 @@ const kernels::KdaDocumentChunks& Documents::kda_chunks(int64_t chunk, int64_t h
   const int64_t H = heads, T = seq_len_, C = chunk;
   auto spans = at::zeros({rows_, N, 2}, at::kInt);
   auto restarts = at::zeros({rows_, N}, at::kByte);
+  // Each token's row in its head's chunks, n C + i (chunk n, row i).
   auto slot = at::empty({rows_, T}, at::kLong);
   {
     auto sp = spans.accessor<int32_t, 3>();
@@ -99,17 +102,32 @@ const kernels::KdaDocumentChunks& Documents::kda_chunks(int64_t chunk, int64_t h
       }
     }
   }
+  // Chunk rows holding no token, over each head's B N chunks.
+  const int64_t empty_rows = rows_ * N * C - rows_ * T;
   auto c = std::make_unique<kernels::KdaDocumentChunks>();
   c->spans = to_device_async(spans, device);
   c->restarts = to_device_async(restarts, device);
-  // (token, head)'s chunk-layout row: head h's chunks of row b start at
-  // (b H + h) N C. The B T H of them follow on the device from the B T
-  // slots, so the host writes and copies B T entries, not B T H.
   const auto ilong = at::TensorOptions().dtype(at::kLong).device(device);
+  // Chunk row (b, h, n, i) holds token b T + first(b, n) + i of head h when
+  // i < count(b, n); rows past a chunk's count read (token, head) 0 and are
+  // cleared (`empty`).
+  const auto first = c->spans.select(2, 0).to(at::kLong).reshape({rows_, 1, N, 1});
+  const auto count = c->spans.select(2, 1).to(at::kLong).reshape({rows_, 1, N, 1});
+  const auto i = at::arange(C, ilong).view({1, 1, 1, C});
+  const auto token = at::arange(rows_, ilong).view({rows_, 1, 1, 1}) * T + first + i;
+  const auto held = (i < count).expand({rows_, H, N, C});
+  const auto at_head = token * H + at::arange(H, ilong).view({1, H, 1, 1});  // [B, H, N, C]
+  c->read = (at_head * held).flatten();
+  // (token, head)'s place: head h's chunks start at (b H + h) N C.
   c->places = (to_device_async(slot, device).view({rows_, T, 1}) +
                at::arange(H, ilong).view({1, 1, H}) * (N * C) +
                at::arange(rows_, ilong).view({rows_, 1, 1}) * (H * N * C))
                   .flatten();
+  // The empty rows' indices: a stable sort of the held flags puts them
+  // first, in order; their number is known here, so no count comes back
+  // from the device.
+  const auto order = std::get<1>(held.flatten().to(at::kByte).sort(/*stable=*/true, 0, false));
+  c->empty = order.narrow(0, 0, empty_rows * H);
   kept = std::move(c);
   return *kept;
 }

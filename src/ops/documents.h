@@ -73,10 +73,10 @@
 // gathers (five inputs and the output each way) or the padded rows in the
 // layers around the recurrence. The scan restarts the state at each span's
 // first chunk as before. The recurrence's per-chunk products live in a
-// chunk layout [B H N, C], but the products that read or write a
-// per-token tensor (the output, its gradient) take its rows where they lie
-// (the chunk table says which token each chunk row holds), for the plain
-// chunks as for these; only dbeta goes back by index (places).
+// chunk layout [B H N, C]: the output's products write each chunk row
+// straight to its token's row (the chunk table says which), and the
+// backward gathers the output's gradient into the chunks by index (read)
+// where the plain chunks take a transpose, and dbeta back (places).
 // The short convolution runs in place too: each token's offset in its
 // document (Documents::offsets) bounds how far back its taps reach, and a
 // skipped tap is the zero product the padding before a document alone
