@@ -3,8 +3,8 @@
 # the StepGraph tests of test_train (losses, gradient norms, weights and
 # moments of a llama and a kimi_k3 debug model), then the viaduct binary on
 # the llama and gpt2 debug models, four processes each: eager twice and
-# graphs twice under training.deterministic = true, and eager twice under
-# false. Each run's per-step loss and grad_norm come from metrics.jsonl with
+# graphs twice under training.deterministic = true, eager twice under
+# false, and eager against graphs in float32 and with the key unset. Each run's per-step loss and grad_norm come from metrics.jsonl with
 # every digit; a pair that should repeat and does not is named.
 #
 #   OUT=$OUT bash bench/gpu_checks/graph_bits.sh      # needs .deps carried
@@ -83,5 +83,11 @@ for m in ${MODELS:-llama gpt2}; do
   same "$m" graph1 graph2 "graph run to run (deterministic)"
   same "$m" eager1 graph1 "graph against eager (deterministic)"
   same "$m" nodet1 nodet2 "eager run to run (deterministic = false)"
+  # fp32 training (no weight cache) and the key unset (the default).
+  run "$m" fp32eager --training.cuda_graphs=false --training.dtype=float32
+  run "$m" fp32graph --training.cuda_graphs=true --training.dtype=float32
+  run "$m" unset
+  same "$m" fp32eager fp32graph "graph against eager, float32 (deterministic)"
+  same "$m" eager1 unset "key unset against eager (deterministic)"
 done
 say "done at $(($(date +%s) - t0)) s"
