@@ -216,8 +216,7 @@ struct KdaDocumentChunks {
   at::Tensor spans;     // [B, N, 2] int32: each chunk's first token in its row, its token count
   at::Tensor restarts;  // [B, N] uint8: 1 where a chunk is a document's first
   at::Tensor places;    // [B T H] int64: each (token, head)'s chunk-layout row
-  at::Tensor read;      // [Z C] int64: the (token, head) b T H + t H + h a chunk row holds, or 0
-  at::Tensor empty;     // int64: the chunk rows that hold no token (zeros)
+  at::Tensor read;      // [Z C] int64: the (token, head) b T H + t H + h a chunk row holds, or -1
 };
 bool kda_usable(const at::Tensor& q, const at::Tensor& v);
 std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tensor& k,

@@ -7,7 +7,9 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 namespace viaduct::cuda {
 namespace {
@@ -998,6 +1000,34 @@ cudaError_t kda_gemm(const KdaGemm& g, cudaStream_t stream) {
     if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   return cudaSuccess;
+}
+
+namespace {
+// One thread per 4 values of out: each row is width / 4 float4 loads of one
+// x row (256 bytes at width 64), a warp over consecutive ones. Each pass
+// makes one load, so the test of the row index holds no other load back.
+__global__ void gather_rows_kernel(const float4* __restrict__ x, const int64_t* __restrict__ read,
+                                   int64_t rows, int64_t w4, float4* __restrict__ out) {
+  const int64_t total = rows * w4;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = e / w4, src = read[r];
+    out[e] = src < 0 ? make_float4(0.f, 0.f, 0.f, 0.f) : x[src * w4 + e % w4];
+  }
+}
+}  // namespace
+
+cudaError_t kda_gather_rows(const float* x, const int64_t* read, int64_t rows, int64_t width,
+                            float* out, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  if (width % 4 || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(out) % 16) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t w4 = width / 4, threads = 256;
+  const int64_t blocks = std::min<int64_t>((rows * w4 + threads - 1) / threads, 65535 * 8);
+  gather_rows_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      reinterpret_cast<const float4*>(x), read, rows, w4, reinterpret_cast<float4*>(out));
+  return cudaGetLastError();
 }
 
 int64_t kda_beta_slices(int64_t head_dim) { return head_dim / kSlice; }

@@ -121,6 +121,12 @@ struct KdaGemm {
 };
 cudaError_t kda_gemm(const KdaGemm& g, cudaStream_t stream);
 
+// Rows of x [*, width] (fp32) into out [rows, width]: out row r is x's row
+// read[r], or zeros where read[r] < 0 (a chunk row that holds no token).
+// width a multiple of 4, x and out 16-byte aligned.
+cudaError_t kda_gather_rows(const float* x, const int64_t* read, int64_t rows, int64_t width,
+                            float* out, cudaStream_t stream);
+
 // The intra-chunk backward. Inputs: the forward's q, k, v, g, beta and Kp;
 // dAqk [Z, C, C] (read on and below the diagonal), dM [Z, C, C] = dR [W|U]^T
 // (the gradient of I + diag(beta) Kp is -dM, read below the diagonal), dR

@@ -39,15 +39,18 @@ cuda::KdaShape shape_of(const at::Tensor& q, const at::Tensor& spans) {
   return s;
 }
 
-// [B, T, H, D] -> the chunk layout [Z, C, D]: rows past T zero, or with
-// documents the chunk rows `read` gives, `empty` ones zero.
+// [B, T, H, D] (fp32, contiguous) -> the chunk layout [Z, C, D]: rows
+// past T zero, or with documents the chunk rows `read` gives (zeros where
+// it is -1), in one gather.
 at::Tensor to_chunks(const at::Tensor& x, const cuda::KdaShape& s, const at::Tensor& read,
-                     const at::Tensor& empty) {
+                     cudaStream_t stream) {
   const auto C = cuda::kKdaChunk, N = s.chunks();
   if (read.defined()) {
-    auto rows = x.reshape({s.B * s.T * s.H, s.D}).index_select(0, read);
-    if (empty.numel() > 0) rows.index_fill_(0, empty, 0);
-    return rows.view({s.Z(), C, s.D});
+    auto rows = at::empty({s.Z(), C, s.D}, x.options());
+    check_launch(cuda::kda_gather_rows(ptr(x), read.data_ptr<int64_t>(), s.Z() * C, s.D,
+                                       mut(rows), stream),
+                 "kda_gather_rows");
+    return rows;
   }
   auto p = x;
   if (N * C > s.T) p = at::constant_pad_nd(x, {0, 0, 0, 0, 0, N * C - s.T});
@@ -129,7 +132,7 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
                                const at::Tensor& g_in, const at::Tensor& beta_in,
                                const at::Tensor& S0_in, const at::Tensor& spans_in,
                                const at::Tensor& restarts_in, const at::Tensor& places_in,
-                               const at::Tensor& read_in, const at::Tensor& empty_in) {
+                               const at::Tensor& read_in) {
     auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
     auto g = g_in.contiguous(), beta = beta_in.contiguous();
     auto S0 = given(S0_in);
@@ -165,7 +168,6 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     ctx->saved_data["restarts"] = restarts_in;
     ctx->saved_data["places"] = places_in;
     ctx->saved_data["read"] = read_in;
-    ctx->saved_data["empty"] = empty_in;
     return {o, final_state};
   }
 
@@ -178,7 +180,6 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     const auto restarts = given(ctx->saved_data["restarts"].toTensor());
     const auto places = given(ctx->saved_data["places"].toTensor());
     const auto read = given(ctx->saved_data["read"].toTensor());
-    const auto empty = ctx->saved_data["empty"].toTensor();
     const auto s = shape_of(q, spans);
     const auto C = cuda::kKdaChunk, Z = s.Z(), D = s.D;
     const auto opt = q.options();
@@ -191,7 +192,7 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     auto dWU = at::empty({Z, C, 2 * D}, opt);
     auto ddec_part = at::empty({Z, D, cuda::kda_ddec_parts(D)}, opt);
     const auto stream = stream_of(q);
-    auto do_z = to_chunks(dO, s, read, empty);
+    auto do_z = to_chunks(dO, s, read, stream);
     auto X = chunk_mm(Aqk.transpose(1, 2), do_z, stream);
     auto Y = chunk_mm(qe.transpose(1, 2), do_z, stream);
     check_launch(cuda::kda_scan_backward(s, ptr(WU), ptr(ke), ptr(dec), ptr(X), ptr(Y), ptr(dSN),
@@ -221,8 +222,8 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     // [slices, Z, C] -> [B, T, H]
     auto dbeta = from_chunks(dbeta_part.sum(0), s, places).view({s.B, s.T, s.H});
     const bool has_S0 = ctx->saved_data["has_S0"].toBool();
-    return {dq,          dk,          dv,          dg,          dbeta, has_S0 ? dS0 : at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq, dk, dv, dg, dbeta, has_S0 ? dS0 : at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -251,7 +252,7 @@ std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tenso
                                           : at::empty({0}, q.options().dtype(at::kFloat));
   if (documents == nullptr) {
     const auto none = at::empty({0}, q.options().dtype(at::kLong));
-    auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0, none, none, none, none, none);
+    auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0, none, none, none, none);
     return {out[0], out[1]};
   }
   const auto& d = *documents;
@@ -265,12 +266,11 @@ std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tenso
                     d.spans.size(2) == 2 && on_q(d.restarts, at::kByte) &&
                     d.restarts.numel() == B * d.spans.size(1) && on_q(d.places, at::kLong) &&
                     d.places.numel() == B * T * H && on_q(d.read, at::kLong) &&
-                    d.read.numel() == B * H * d.spans.size(1) * kKdaKernelChunk &&
-                    on_q(d.empty, at::kLong),
+                    d.read.numel() == B * H * d.spans.size(1) * kKdaKernelChunk,
                 "kda_chunk: document chunks made for another micro-batch: spans ",
                 d.spans.sizes(), ", places ", d.places.sizes(), " for q ", q.sizes());
   auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0, d.spans, d.restarts, d.places,
-                               d.read, d.empty);
+                               d.read);
   return {out[0], out[1]};
 }
 

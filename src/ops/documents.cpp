@@ -102,32 +102,24 @@ const kernels::KdaDocumentChunks& Documents::kda_chunks(int64_t chunk, int64_t h
       }
     }
   }
-  // Chunk rows holding no token, over each head's B N chunks.
-  const int64_t empty_rows = rows_ * N * C - rows_ * T;
   auto c = std::make_unique<kernels::KdaDocumentChunks>();
   c->spans = to_device_async(spans, device);
   c->restarts = to_device_async(restarts, device);
   const auto ilong = at::TensorOptions().dtype(at::kLong).device(device);
   // Chunk row (b, h, n, i) holds token b T + first(b, n) + i of head h when
-  // i < count(b, n); rows past a chunk's count read (token, head) 0 and are
-  // cleared (`empty`).
+  // i < count(b, n); rows past a chunk's count read -1 (zeros).
   const auto first = c->spans.select(2, 0).to(at::kLong).reshape({rows_, 1, N, 1});
   const auto count = c->spans.select(2, 1).to(at::kLong).reshape({rows_, 1, N, 1});
   const auto i = at::arange(C, ilong).view({1, 1, 1, C});
   const auto token = at::arange(rows_, ilong).view({rows_, 1, 1, 1}) * T + first + i;
   const auto held = (i < count).expand({rows_, H, N, C});
   const auto at_head = token * H + at::arange(H, ilong).view({1, H, 1, 1});  // [B, H, N, C]
-  c->read = (at_head * held).flatten();
+  c->read = at::where(held, at_head, at::full({}, -1, ilong)).flatten();
   // (token, head)'s place: head h's chunks start at (b H + h) N C.
   c->places = (to_device_async(slot, device).view({rows_, T, 1}) +
                at::arange(H, ilong).view({1, 1, H}) * (N * C) +
                at::arange(rows_, ilong).view({rows_, 1, 1}) * (H * N * C))
                   .flatten();
-  // The empty rows' indices: a stable sort of the held flags puts them
-  // first, in order; their number is known here, so no count comes back
-  // from the device.
-  const auto order = std::get<1>(held.flatten().to(at::kByte).sort(/*stable=*/true, 0, false));
-  c->empty = order.narrow(0, 0, empty_rows * H);
   kept = std::move(c);
   return *kept;
 }
