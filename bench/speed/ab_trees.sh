@@ -2,7 +2,8 @@
 # Speed of two source trees in one GPU-machine call: builds both with CUDA
 # (side by side, each with half the cores), then trains each cell with the
 # trees in alternating processes, ROUNDS rounds (A, B, A, B, ...), and prints
-# per process the median step time of the timed steps, tokens/s, energy per
+# per process the median step time of the timed steps (and of its host
+# wait for the device at the step's end), tokens/s, energy per
 # token (metrics.jsonl's energy_joules, summed over the timed steps), peak
 # memory, the SM clock and power while it ran, and B / A per round.
 #
@@ -87,7 +88,9 @@ med = statistics.median(r["step_seconds"] for r in t)
 e = [r.get("energy_joules") for r in t]
 mj = (f"{1e3 * sum(e) / sum(r['tokens'] for r in t):.2f} mJ/tok"
       if e and None not in e else "no energy")
-print(f"{label}: median step {1e3 * med:.1f} ms, {t[0]['tokens'] / med:.0f} tok/s, {mj}, "
+w = [r["device_wait_seconds"] for r in t if "device_wait_seconds" in r]
+wait = f", device wait {1e3 * statistics.median(w):.1f} ms" if w else ""
+print(f"{label}: median step {1e3 * med:.1f} ms{wait}, {t[0]['tokens'] / med:.0f} tok/s, {mj}, "
       f"peak {max(r['peak_memory_bytes'] for r in rows) / 2**30:.1f} GiB, "
       f"loss step {rows[-1]['step']} {rows[-1]['loss']}")
 print(med, file=open(path + ".median", "w"))

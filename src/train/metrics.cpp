@@ -144,6 +144,7 @@ std::string MetricsWriter::step_json(const StepMetrics& m) const {
     if (plan_memory.size() > 1) j["plan_memory_bytes_per_rank"] = plan_memory;
   }
   if (options_.pipeline) j["p2p_bytes"] = m.p2p_bytes;
+  if (m.device_wait_seconds >= 0) j["device_wait_seconds"] = m.device_wait_seconds;
   if (m.dp_buckets > 0) {
     j["dp_buckets"] = m.dp_buckets;
     j["dp_buckets_overlapped"] = m.dp_buckets_overlapped;

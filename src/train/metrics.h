@@ -76,6 +76,11 @@ struct StepMetrics {
   int64_t dp_buckets_overlapped = 0;
   double dp_reduce_wait_seconds = 0;
   int64_t dp_bytes = 0;
+  // With the clip on the device: the host seconds the step's end waited
+  // for the device's norm and losses (the rest of step_seconds is host
+  // work: where it is most of the step, the host holds the device back);
+  // -1 where the clip ran on the host.
+  double device_wait_seconds = -1;
   // MoE families: each layer's largest expert load over the mean of the
   // step's global counts (all dp replicas; 0 for a dense layer), indexed by
   // layer; empty without MoE layers.

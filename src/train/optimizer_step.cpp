@@ -173,7 +173,10 @@ double OptimizerStep::step_with_device_clip(double lr, const ops::DeviceClip& cl
     auto fetch = ops::fetch_clip_values(clip);
     optimizer_->step_device_scaled(lr, clip.scale);
     if (!keep_grads) optimizer_->zero_grad();
+    const auto t0 = std::chrono::steady_clock::now();
     v = fetch();
+    device_wait_seconds_ =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   for (size_t i = 1; i < v.size(); ++i) loss_sum += v[i];
   check_norm_finite(v[0], step);

@@ -77,6 +77,9 @@ class OptimizerStep {
                        double& loss_sum, int64_t step, const std::string& context);
   // Whether the last clip_and_step clipped on the device (device_clip).
   bool clipped_on_device() const { return clipped_on_device_; }
+  // The host seconds the last step_with_device_clip waited for the norm
+  // and the losses (-1 before any).
+  double last_device_wait_seconds() const { return device_wait_seconds_; }
 
   // Whether the clip and the update run on the device: one process holds
   // the whole model (no pipeline rank, ZeRO-1 shard or expert share) and
@@ -110,6 +113,7 @@ class OptimizerStep {
   OptimizerStepSetup setup_;
   bool shards_ = false;
   bool clipped_on_device_ = false;
+  double device_wait_seconds_ = -1;
   int dp_size_ = 1;
   std::unique_ptr<Optimizer> optimizer_;
   // dp > 1: the data-parallel gradient sum over optimizer_'s parameters.

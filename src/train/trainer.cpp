@@ -247,6 +247,9 @@ StepMetrics Trainer::train_step() {
     graph_unfit_ = "the gradient clip runs on the host (it needs fp32 gradients on the GPU and "
                    "model.cuda_kernels = true)";
   }
+  if (clip != nullptr || update_->clipped_on_device()) {
+    m.device_wait_seconds = update_->last_device_wait_seconds();
+  }
   m.dp_bytes += update_->optimizer().last_step_bytes();
   m.loss = gather_->gather_loss(loss_sum, stop_signal() != 0, m, step_context()) /
            static_cast<double>(tokens);

@@ -116,6 +116,7 @@ namespace {
 // moments after `steps` steps, and the number of replayed steps.
 struct Run {
   std::vector<double> loss, norm;
+  std::vector<double> wait, seconds;  // device_wait_seconds, the step's seconds
   std::vector<at::Tensor> state;
   int64_t replays = 0;
 };
@@ -127,6 +128,8 @@ Run train(const Config& cfg, int steps) {
     const auto m = t.train_step();
     r.loss.push_back(m.loss);
     r.norm.push_back(m.grad_norm);
+    r.wait.push_back(m.device_wait_seconds);
+    r.seconds.push_back(m.seconds);
   }
   for (const auto& np : t.optimizer().params()) r.state.push_back(np.param.detach().cpu());
   for (const auto& [name, s] : t.optimizer().state()) r.state.push_back(s.cpu());
@@ -166,6 +169,8 @@ TEST(StepGraph, UnsetRunsEagerOnTheCpu) {
   const auto r = train(job.config({"training.device=cpu"}), 3);
   EXPECT_EQ(r.replays, 0);
   EXPECT_EQ(r.loss.size(), 3u);
+  // The clip ran on the host: no device wait to report.
+  for (double w : r.wait) EXPECT_EQ(w, -1.0);
 }
 
 TEST(StepGraph, UnsetTakesTheGraphWhereTheRunAllowsIt) {
@@ -183,6 +188,13 @@ TEST(StepGraph, UnsetTakesTheGraphWhereTheRunAllowsIt) {
   EXPECT_EQ(eager.replays, 0);
   EXPECT_EQ(unset.loss, eager.loss);
   EXPECT_EQ(unset.norm, eager.norm);
+  // The clip ran on the device: the wait for its values is part of the step.
+  for (const auto* r : {&unset, &eager}) {
+    for (size_t i = 0; i < r->wait.size(); ++i) {
+      EXPECT_GE(r->wait[i], 0.0) << "step " << i + 1;
+      EXPECT_LE(r->wait[i], r->seconds[i]) << "step " << i + 1;
+    }
+  }
   // Where the run does not allow it: eager steps, no error.
   EXPECT_EQ(train(c.config(with({"optimizer.name=SGD"})), kSteps).replays, 0);
   EXPECT_EQ(train(d.config(with({"model.cuda_kernels=false"})), kSteps).replays, 0);
