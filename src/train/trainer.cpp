@@ -251,6 +251,7 @@ StepMetrics Trainer::train_step() {
     m.device_wait_seconds = update_->last_device_wait_seconds();
   }
   m.dp_bytes += update_->optimizer().last_step_bytes();
+  RECORD_USER_SCOPE("viaduct::step_end");
   m.loss = gather_->gather_loss(loss_sum, stop_signal() != 0, m, step_context()) /
            static_cast<double>(tokens);
   if (moe_metrics_) moe_metrics_->gather(moe_counts, m, step_context());
@@ -273,6 +274,7 @@ StepMetrics Trainer::train_step() {
 }
 
 std::vector<data::TokenBatch> Trainer::next_batches(int64_t& global_tokens, StepMetrics& m) {
+  RECORD_USER_SCOPE("viaduct::next_batches");  // named in profiles, as the step's other host phases
   const int64_t accum = job_.training.gradient_accumulation_steps;
   std::vector<data::TokenBatch> batches;
   // target tokens, windows, document pieces, documents started, the
