@@ -83,10 +83,13 @@ Trainer::Trainer(JobConfig job) : job_(std::move(job)), device_(at::kCPU) {
                     "\"", job_.optimizer.name, "\"; set training.cuda_graphs = false");
     step_graph_ = std::make_unique<StepGraph>(device_);
   } else if (!job_.training.cuda_graphs.has_value() && device_.is_cuda() && !executor_ && !mesh_ &&
-             !job_.model.block_causal() && update_->updates_on_device()) {
-    // Unset: the graph where the run allows it. What only the warm-up
-    // steps show (images in the data, gradients the device clip cannot
-    // take) drops it before the capture (graph_unfit_).
+             !job_.model.block_causal() && update_->updates_on_device() &&
+             job_.metrics.profile_step == 0) {
+    // Unset: the graph where the run allows it, and not in a run that
+    // profiles a step (a profile names the host op behind each kernel,
+    // which a replay has none of). What only the warm-up steps show (images
+    // in the data, gradients the device clip cannot take) drops it before
+    // the capture (graph_unfit_).
     step_graph_ = std::make_unique<StepGraph>(device_);
   }
   data_->cut_eval_batches(num_microbatches());

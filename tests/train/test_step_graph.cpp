@@ -181,7 +181,7 @@ TEST(StepGraph, UnsetTakesTheGraphWhereTheRunAllowsIt) {
     extra.insert(extra.end(), gpu.begin(), gpu.end());
     return extra;
   };
-  GraphJob a, b, c, d;
+  GraphJob a, b, c, d, e;
   const auto unset = train(a.config(with({})), kSteps);
   EXPECT_EQ(unset.replays, kSteps - StepGraph::kWarmupSteps);
   const auto eager = train(b.config(with({"training.cuda_graphs=false"})), kSteps);
@@ -198,6 +198,7 @@ TEST(StepGraph, UnsetTakesTheGraphWhereTheRunAllowsIt) {
   // Where the run does not allow it: eager steps, no error.
   EXPECT_EQ(train(c.config(with({"optimizer.name=SGD"})), kSteps).replays, 0);
   EXPECT_EQ(train(d.config(with({"model.cuda_kernels=false"})), kSteps).replays, 0);
+  EXPECT_EQ(train(e.config(with({"metrics.profile_step=3"})), kSteps).replays, 0);
 }
 
 TEST(StepGraph, SameBitsAsEagerStepsLlama) {
