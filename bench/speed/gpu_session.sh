@@ -273,8 +273,23 @@ part_fashion() {
 # It shares the GPU while it runs: put kdadocs before any timed part.
 ANCHOR=${ANCHOR:-../shared/anchors/kda}
 [ -d "$ANCHOR" ] || ANCHOR=.deps/anchors/kda
+# Triton's compiled kernels outlive the call: the cache starts from
+# .deps/triton-cache.tar when one was carried, and a copy of it is written
+# to $OUT/triton-cache.tar every 30 s (one file, so a call killed at its
+# limit still returns what it compiled). Copy that file into .deps/ for the
+# next call, and a compile that outlasts one call goes on in the next.
 FLA_WARM_PID=
+TRITON_SAVER_PID=
 if [[ " $PARTS " == *" kdadocs "* ]] && [ -d "$ANCHOR" ]; then
+  export TRITON_CACHE_DIR=/tmp/vs_triton_cache
+  mkdir -p "$TRITON_CACHE_DIR"
+  [ -f .deps/triton-cache.tar ] && tar -xf .deps/triton-cache.tar -C "$TRITON_CACHE_DIR" &&
+    note "Triton cache: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files from .deps/triton-cache.tar"
+  (while sleep 30; do
+    tar -cf "$OUT/triton-cache.tar.part" -C "$TRITON_CACHE_DIR" . 2>/dev/null &&
+      mv "$OUT/triton-cache.tar.part" "$OUT/triton-cache.tar"
+  done) &
+  TRITON_SAVER_PID=$!
   # Bounded so that the call keeps time to report it (FLA_WARM_S).
   (PYTHONUNBUFFERED=1 timeout "${FLA_WARM_S:-$((BUDGET_S - 150))}" \
     python3 bench/layers/kda_documents_vs_fla.py --warm 4x2048x16x64 \
@@ -292,4 +307,8 @@ for part in $PARTS; do
   fi
   want "$part" "${ESTIMATE[$part]}" && "part_$part"
 done
+if [ -n "$TRITON_SAVER_PID" ]; then
+  kill "$TRITON_SAVER_PID" 2>/dev/null
+  tar -cf "$OUT/triton-cache.tar" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+fi
 note "done at $(($(date +%s) - T0)) s"
