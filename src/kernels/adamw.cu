@@ -1,35 +1,36 @@
-// AdamW on fp32 tensors: one tensor a launch, or many small ones.
+// AdamW on fp32 tensors: every tensor of a step in one launch, or one
+// tensor a launch where its size or alignment does not suit that.
 #include "kernels/common.cuh"
 #include "kernels/adamw.h"
 
 namespace viaduct::cuda {
 namespace {
 
-// Note [Small tensors in one AdamW launch]
-// A model has many small parameters: every norm weight, and in kimi_k3 two
-// [dim] tensors per AttnRes read (134 at the K3 benchmark shape). One
-// launch each costs more device time than its few KiB of work. Up to kAdamWBatch tensors of at most
-// kAdamWSmall values share one launch here: blockIdx.y picks the tensor,
-// the x blocks stride over its values. Each value's arithmetic is
-// adamw_kernel's, so the bits are the same as one launch per tensor.
-constexpr int kAdamWBatch = 24;
-struct AdamWBatch {
-  AdamWItem item[kAdamWBatch];
-  float decay[kAdamWBatch];  // 1 - lr * weight_decay, per tensor
-};
+// Note [AdamW over many tensors in one launch]
+// A step updates every parameter tensor (the K3 cell ~380, from [dim]
+// norm weights to [experts, ...] stacks); one launch each costs the host a
+// launch and the device a partial last wave per tensor. Here one launch
+// takes them all: each tensor is cut into chunks of kAdamWChunkGroups
+// groups of 4 values, numbered across the tensors in order (the item's
+// first_chunk), and a block takes a chunk, finds its tensor by a binary
+// search over the items' first chunks, and updates its values. The items
+// (pointers, size, decay) travel as one small table in device memory, so
+// the launch's arguments stay a handful whatever the tensor count. Each
+// value's arithmetic is adamw_kernel's, so the bits are those of one
+// launch per tensor.
 
-// One AdamW update of `groups` groups of N values, grid-stride: the
-// formulas of train/optimizer.cpp's loop in fp32. Both AdamW kernels run
-// it, so one launch per tensor and the batched launches have the same bits.
+// One AdamW update of groups [first, groups) of N values, each thread's
+// groups `stride` apart: the formulas of train/optimizer.cpp's loop in
+// fp32. Both AdamW kernels run it, so one launch per tensor and the
+// launch over many tensors have the same bits.
 template <int N>
 __device__ __forceinline__ void adamw_groups(float* __restrict__ p, const float* __restrict__ g,
                                              float* __restrict__ m, float* __restrict__ v,
-                                             __nv_bfloat16* __restrict__ low, int64_t groups,
-                                             float decay, float beta1, float beta2,
-                                             float step_size, float inv_bc2_sqrt, float eps,
-                                             float grad_scale) {
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < groups;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+                                             __nv_bfloat16* __restrict__ low, int64_t first,
+                                             int64_t groups, int64_t stride, float decay,
+                                             float beta1, float beta2, float step_size,
+                                             float inv_bc2_sqrt, float eps, float grad_scale) {
+  for (int64_t k = first; k < groups; k += stride) {
     float pv[N], gv[N], mv[N], vv[N];
     load_n<float, N>(p, k * N, pv);
     load_n<float, N>(g, k * N, gv);
@@ -44,7 +45,7 @@ __device__ __forceinline__ void adamw_groups(float* __restrict__ p, const float*
       // bits do not depend on how this function is scheduled inside each
       // kernel. Written as plain arithmetic, the PTX had contractible
       // mul.f32/sub.f32 and the two kernels' weights differed for the
-      // tensors with weight decay (test AdamWBatchHasTheBitsOfOneCallEach).
+      // tensors with weight decay (test AdamWManyHasTheBitsOfOneCallEach).
       gv[j] = __fmul_rn(gv[j], grad_scale);
       pv[j] = __fmul_rn(pv[j], decay);
       mv[j] = __fmaf_rn(1.f - beta1, __fsub_rn(gv[j], mv[j]), mv[j]);  // lerp toward g
@@ -76,28 +77,43 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
                              float eps, float grad_scale, const float* __restrict__ scale_dev) {
   const float scale = adamw_scale(grad_scale, scale_dev);
   if (scale != scale) return;
-  adamw_groups<N>(p, g, m, v, low, groups, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps,
-                  scale);
+  adamw_groups<N>(p, g, m, v, low, blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x,
+                  groups, static_cast<int64_t>(gridDim.x) * blockDim.x, decay, beta1, beta2,
+                  step_size, inv_bc2_sqrt, eps, scale);
 }
 
-// See Note [Small tensors in one AdamW launch]: the update of tensor
-// blockIdx.y of the batch, values in groups of 4 (every item 16-byte
-// aligned with a multiple of 4 values).
-__global__ void adamw_batch_kernel(AdamWBatch batch, float beta1, float beta2, float step_size,
-                                   float inv_bc2_sqrt, float eps, float grad_scale,
-                                   const float* __restrict__ scale_dev) {
+// See Note [AdamW over many tensors in one launch]: chunk c of the
+// `count` items' chunks, values in groups of 4.
+__global__ void adamw_many_kernel(const AdamWItem* __restrict__ items, int count,
+                                  int64_t chunks, float beta1, float beta2, float step_size,
+                                  float inv_bc2_sqrt, float eps, float grad_scale,
+                                  const float* __restrict__ scale_dev) {
   const float scale = adamw_scale(grad_scale, scale_dev);
   if (scale != scale) return;
-  const AdamWItem& it = batch.item[blockIdx.y];
-  adamw_groups<4>(it.p, it.g, it.m, it.v, static_cast<__nv_bfloat16*>(it.low_bf16), it.n / 4,
-                  batch.decay[blockIdx.y], beta1, beta2, step_size, inv_bc2_sqrt, eps, scale);
+  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    int lo = 0, hi = count - 1;  // the last item whose first chunk is <= c
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (items[mid].first_chunk <= c) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const AdamWItem& it = items[lo];
+    const int64_t first = (c - it.first_chunk) * kAdamWChunkGroups;
+    const int64_t end = min(first + kAdamWChunkGroups, it.n / 4);
+    adamw_groups<4>(it.p, it.g, it.m, it.v, static_cast<__nv_bfloat16*>(it.low_bf16),
+                    first + threadIdx.x, end, blockDim.x, it.decay, beta1, beta2, step_size,
+                    inv_bc2_sqrt, eps, scale);
+  }
 }
 
 }  // namespace
 
 bool adamw_batchable(const AdamWItem& t) {
-  return t.n > 0 && t.n <= kAdamWSmall && t.n % 4 == 0 && aligned16(t.p) && aligned16(t.g) &&
-         aligned16(t.m) && aligned16(t.v) && aligned16(t.low_bf16);
+  return t.n > 0 && t.n % 4 == 0 && aligned16(t.p) && aligned16(t.g) && aligned16(t.m) &&
+         aligned16(t.v) && aligned16(t.low_bf16);
 }
 
 // Every item's decay is formed as adamw() forms it, on the host. The
@@ -107,30 +123,27 @@ float adamw_decay(float lr, float weight_decay) {
   return static_cast<float>(1.0 - static_cast<double>(lr) * static_cast<double>(weight_decay));
 }
 
-cudaError_t adamw_batch(const AdamWItem* items, int count, float lr, float beta1, float beta2,
-                        float eps, float bias_corr1, float bias_corr2, float grad_scale,
-                        cudaStream_t stream, const float* scale_dev) {
+int64_t adamw_plan(AdamWItem* items, int count, float lr) {
+  int64_t chunks = 0;
+  for (int i = 0; i < count; ++i) {
+    if (!adamw_batchable(items[i])) return -1;
+    items[i].decay = adamw_decay(lr, items[i].weight_decay);
+    items[i].first_chunk = chunks;
+    chunks += (items[i].n / 4 + kAdamWChunkGroups - 1) / kAdamWChunkGroups;
+  }
+  return chunks;
+}
+
+cudaError_t adamw_many(const AdamWItem* items_dev, int count, int64_t chunks, float lr,
+                       float beta1, float beta2, float eps, float bias_corr1, float bias_corr2,
+                       float grad_scale, cudaStream_t stream, const float* scale_dev) {
+  if (count == 0 || chunks == 0) return cudaSuccess;
   const float step_size = lr / bias_corr1;
   const float inv_bc2_sqrt = 1.f / sqrtf(bias_corr2);
-  for (int start = 0; start < count; start += kAdamWBatch) {
-    AdamWBatch b{};
-    const int k = count - start < kAdamWBatch ? count - start : kAdamWBatch;
-    int64_t most = 0;
-    for (int i = 0; i < k; ++i) {
-      const AdamWItem& t = items[start + i];
-      if (!adamw_batchable(t)) return cudaErrorInvalidValue;
-      b.item[i] = t;
-      b.decay[i] = adamw_decay(lr, t.weight_decay);
-      most = t.n > most ? t.n : most;
-    }
-    const dim3 grid(static_cast<unsigned>(elementwise_blocks(most / 4)), static_cast<unsigned>(k));
-    adamw_batch_kernel<<<grid, kElemThreads, 0, stream>>>(b, beta1, beta2, step_size,
-                                                          inv_bc2_sqrt, eps, grad_scale,
-                                                          scale_dev);
-    const cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  const int64_t blocks = chunks < (1 << 20) ? chunks : (1 << 20);
+  adamw_many_kernel<<<static_cast<unsigned>(blocks), kElemThreads, 0, stream>>>(
+      items_dev, count, chunks, beta1, beta2, step_size, inv_bc2_sqrt, eps, grad_scale, scale_dev);
+  return cudaGetLastError();
 }
 
 cudaError_t adamw(float* p, const float* g, float* m, float* v, void* low_bf16, int64_t n,

@@ -19,11 +19,14 @@ cudaError_t adamw(float* p, const float* g, float* m, float* v, void* low_bf16, 
                   float bias_corr1, float bias_corr2, float grad_scale, cudaStream_t stream,
                   const float* scale_dev = nullptr);
 
-// See Note [Small tensors in one AdamW launch] (kernels/adamw.cu): adamw() for
-// `count` tensors, up to 24 a launch, with the bits of one call each. Every
-// item must be adamw_batchable: 1 to kAdamWSmall values, a multiple of 4,
-// every pointer 16-byte aligned (low_bf16 may be null).
-constexpr int64_t kAdamWSmall = 1 << 16;
+// See Note [AdamW over many tensors in one launch] (kernels/adamw.cu):
+// adamw() for `count` tensors in one launch, with the bits of one call
+// each. Every item must be adamw_batchable: a multiple of 4 values, every
+// pointer 16-byte aligned (low_bf16 may be null). adamw_plan fills each
+// item's decay and first chunk on the host and returns the chunk count
+// (-1 when an item is not batchable); adamw_many then runs on a copy of
+// those items in device memory.
+constexpr int64_t kAdamWChunkGroups = 4096;  // groups of 4 values a chunk
 struct AdamWItem {
   float* p = nullptr;
   const float* g = nullptr;
@@ -32,10 +35,13 @@ struct AdamWItem {
   void* low_bf16 = nullptr;
   int64_t n = 0;
   float weight_decay = 0.f;
+  float decay = 1.f;        // 1 - lr weight_decay (adamw_plan)
+  int64_t first_chunk = 0;  // (adamw_plan)
 };
 bool adamw_batchable(const AdamWItem& t);
-cudaError_t adamw_batch(const AdamWItem* items, int count, float lr, float beta1, float beta2,
-                        float eps, float bias_corr1, float bias_corr2, float grad_scale,
-                        cudaStream_t stream, const float* scale_dev = nullptr);
+int64_t adamw_plan(AdamWItem* items, int count, float lr);
+cudaError_t adamw_many(const AdamWItem* items_dev, int count, int64_t chunks, float lr,
+                       float beta1, float beta2, float eps, float bias_corr1, float bias_corr2,
+                       float grad_scale, cudaStream_t stream, const float* scale_dev = nullptr);
 
 }  // namespace viaduct::cuda

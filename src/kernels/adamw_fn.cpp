@@ -1,4 +1,5 @@
-// AdamW on the device: one tensor, or many small ones a launch (CUDA build).
+// AdamW on the device: one tensor, or every tensor of a step in one launch
+// (CUDA build).
 #include "kernels/fused.h"
 
 #include "kernels/fn_common.h"
@@ -77,20 +78,32 @@ void adamw_many_(const std::vector<AdamWTensors>& ts, double lr, double beta1, d
                  double eps, double bias_corr1, double bias_corr2, double grad_scale,
                  const at::Tensor& scale_dev) {
   if (ts.empty()) return;
-  std::vector<cuda::AdamWItem> items;
-  for (const auto& t : ts) {
-    VIADUCT_CHECK(adamw_many_takes(t) && t.p.device() == ts.front().p.device(),
-                  "fused adamw_many: every tensor must be small, contiguous, aligned fp32 on one "
-                  "CUDA device (adamw_many_takes)");
-    items.push_back(adamw_item(t));
+  const auto device = ts.front().p.device();
+  // See Note [AdamW over many tensors in one launch] (kernels/adamw.cu): the
+  // items' table, planned here, reaches the device by an asynchronous copy
+  // from pinned memory on the update's stream (the host allocator keeps
+  // the pinned block until the copy is done).
+  const auto bytes = static_cast<int64_t>(ts.size() * sizeof(cuda::AdamWItem));
+  auto host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  auto* items = reinterpret_cast<cuda::AdamWItem*>(host.data_ptr<uint8_t>());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const auto& t = ts[i];
+    VIADUCT_CHECK(adamw_many_takes(t) && t.p.device() == device,
+                  "fused adamw_many: every tensor must be contiguous, aligned fp32 with a "
+                  "multiple of 4 values, all on one CUDA device (adamw_many_takes)");
+    items[i] = adamw_item(t);
   }
-  check_launch(cuda::adamw_batch(items.data(), static_cast<int>(items.size()),
-                                 static_cast<float>(lr), static_cast<float>(beta1),
-                                 static_cast<float>(beta2), static_cast<float>(eps),
-                                 static_cast<float>(bias_corr1), static_cast<float>(bias_corr2),
-                                 static_cast<float>(grad_scale), stream_of(ts.front().p),
-                                 scale_ptr(scale_dev, ts.front().p)),
-               "adamw_batch");
+  const int count = static_cast<int>(ts.size());
+  const int64_t chunks = cuda::adamw_plan(items, count, static_cast<float>(lr));
+  VIADUCT_CHECK(chunks >= 0, "fused adamw_many: an item the launch cannot take");
+  const auto table = host.to(device, /*non_blocking=*/true);
+  check_launch(cuda::adamw_many(reinterpret_cast<const cuda::AdamWItem*>(table.data_ptr<uint8_t>()),
+                                count, chunks, static_cast<float>(lr), static_cast<float>(beta1),
+                                static_cast<float>(beta2), static_cast<float>(eps),
+                                static_cast<float>(bias_corr1), static_cast<float>(bias_corr2),
+                                static_cast<float>(grad_scale), stream_of(ts.front().p),
+                                scale_ptr(scale_dev, ts.front().p)),
+               "adamw_many");
 }
 
 }  // namespace viaduct::kernels

@@ -279,10 +279,10 @@ void adamw_(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, do
             double bias_corr2, const at::Tensor& low = at::Tensor(), double grad_scale = 1.0,
             const at::Tensor& scale_dev = at::Tensor());
 
-// adamw_ for many small tensors in few launches (see Note [Small tensors in one
-// AdamW launch], kernels/adamw.cu), the same bits. adamw_many_takes says
-// which: contiguous fp32 CUDA tensors of one size, at most 65536 values, a
-// multiple of 4, 16-byte aligned (low as adamw_'s). All on one device.
+// adamw_ for many tensors in one launch (see Note [AdamW over many tensors
+// in one launch], kernels/adamw.cu), the same bits. adamw_many_takes says
+// which: contiguous fp32 CUDA tensors of one size, a multiple of 4 values,
+// 16-byte aligned (low as adamw_'s). All on one device.
 struct AdamWTensors {
   at::Tensor p, g, m, v, low;
   double weight_decay = 0.0;

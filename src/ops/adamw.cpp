@@ -10,9 +10,10 @@ bool adamw_kernel_runs(const at::Tensor& p, const KernelOptions& k) { return fus
 void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& s,
                         const KernelOptions& k) {
   auto* cache = k.weight_cache.get();
-  // See Note [Small tensors in one AdamW launch] (kernels/adamw.cu): the small
-  // tensors go in batches after the others, the same bits.
-  std::vector<kernels::AdamWTensors> small;
+  // See Note [AdamW over many tensors in one launch] (kernels/adamw.cu):
+  // every tensor the launch takes goes in it, after the few others, the
+  // same bits.
+  std::vector<kernels::AdamWTensors> many;
   for (const auto& ap : params) {
     const auto& pr = ap.param;
     auto data = pr.detach();
@@ -23,7 +24,7 @@ void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& 
     const double wd = ap.weight_decay;
     kernels::AdamWTensors t{data, pr.grad(), m, v, low, wd};
     if (kernels::adamw_many_takes(t)) {
-      small.push_back(std::move(t));
+      many.push_back(std::move(t));
     } else {
       kernels::adamw_(data, pr.grad(), m, v, s.lr, s.beta1, s.beta2, s.eps, wd, s.bias_corr1,
                       s.bias_corr2, low, s.grad_scale, s.scale_dev);
@@ -35,7 +36,7 @@ void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& 
       torch::autograd::impl::bump_version(pr);
     }
   }
-  kernels::adamw_many_(small, s.lr, s.beta1, s.beta2, s.eps, s.bias_corr1, s.bias_corr2,
+  kernels::adamw_many_(many, s.lr, s.beta1, s.beta2, s.eps, s.bias_corr1, s.bias_corr2,
                        s.grad_scale, s.scale_dev);
 }
 

@@ -28,8 +28,8 @@ struct AdamWStep {
 // Whether viaduct's AdamW kernel runs for parameters like p.
 bool adamw_kernel_runs(const at::Tensor& p, const KernelOptions& k);
 // The update of every parameter in place on the kernel (adamw_kernel_runs):
-// small tensors in shared launches (see Note [Small tensors in one AdamW
-// launch], kernels/adamw.cu), each weight's bf16 copy written in the same
+// every tensor that suits it in one launch (see Note [AdamW over many
+// tensors in one launch], kernels/adamw.cu), each weight's bf16 copy written in the same
 // pass where k's weight cache holds one (see Note [Low-precision weight
 // cache], kernels/weight_cache.h), version counters bumped.
 void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& s,

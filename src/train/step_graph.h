@@ -25,9 +25,9 @@
 //    graph steps (zero_grad would drop the only handle on them): the first
 //    micro-batch's backward writes them, later ones add, as in an eager
 //    step that starts from none.
-//  - After each replay, eagerly: the optimizer update (AdamW's kernels, one
-//    launch per large tensor, queued long before the device reaches them,
-//    and the weight cache's host bookkeeping as in any step), the MoE
+//  - After each replay, eagerly: the optimizer update (AdamW's one launch
+//    over every tensor, queued long before the device reaches it, and the
+//    weight cache's host bookkeeping as in any step), the MoE
 //    load-balancing update and the readback of the norm and the losses.
 //  - Replays run the kernels an eager step runs, on the same values, so a
 //    run has the same bits with the key on or off

@@ -15,8 +15,9 @@
 
 #include "config/job_config.h"
 #include "core/torch_compat.h"
-#include "kernels/fused.h"
+#include "kernels/adamw.h"
 #include "kernels/attn_res_read.h"
+#include "kernels/fused.h"
 #include "kernels/weight_cache.h"
 #include "model/attn_res.h"
 #include "model/layers.h"
@@ -1426,18 +1427,23 @@ TEST(FusedKernels, FusedAdamWMatchesLoop) {
   }
 }
 
-// See Note [Small tensors in one AdamW launch]: 30 small tensors (two
-// launches of at most 24) updated in batches get the bits of one adamw_
+// See Note [AdamW over many tensors in one launch]: 30 tensors, from 152
+// values to a million, updated in one launch get the bits of one adamw_
 // call each: parameters, moments and the bf16 copies, with and without
 // weight decay, with a clip coefficient. Tensors that do not qualify are
 // refused.
-TEST(FusedKernels, AdamWBatchHasTheBitsOfOneCallEach) {
+TEST(FusedKernels, AdamWManyHasTheBitsOfOneCallEach) {
   REQUIRE_GPU();
   const auto seed = fresh_seed();
   const auto f32 = at::TensorOptions(at::kCUDA).dtype(at::kFloat);
   std::vector<kernels::AdamWTensors> batch, single;
   for (int i = 0; i < 30; ++i) {
-    const int64_t n = i == 0 ? 65536 : 4 * (1 + 37 * i);
+    // Whole chunks, several chunks with a partial last one, a large tensor,
+    // and small ones sharing the launch.
+    const int64_t n = i == 0   ? 65536
+                      : i == 1 ? 3 * 4 * cuda::kAdamWChunkGroups + 4
+                      : i == 2 ? (int64_t{1} << 20) + 12
+                               : 4 * (1 + 37 * i);
     auto p = at::randn({n}, f32), g = at::randn({n}, f32), m = at::randn({n}, f32) * 0.1,
          v = at::rand({n}, f32) * 0.01;
     auto low = i % 3 == 0 ? at::empty({n}, f32.dtype(at::kBFloat16)) : at::Tensor();
@@ -1462,7 +1468,7 @@ TEST(FusedKernels, AdamWBatchHasTheBitsOfOneCallEach) {
   }
   auto odd = at::randn({33}, f32), big = at::randn({65540}, f32);
   EXPECT_FALSE(kernels::adamw_many_takes({odd, odd, odd.clone(), odd.clone(), {}, 0.0}));
-  EXPECT_FALSE(kernels::adamw_many_takes({big, big, big.clone(), big.clone(), {}, 0.0}));
+  EXPECT_TRUE(kernels::adamw_many_takes({big, big, big.clone(), big.clone(), {}, 0.0}));
   auto base = at::randn({64}, f32);
   auto shifted = base.narrow(0, 1, 60);  // not 16-byte aligned
   EXPECT_FALSE(kernels::adamw_many_takes({shifted, shifted, shifted.clone(), shifted.clone(), {}, 0.0}));
