@@ -226,6 +226,12 @@ part_graphs() {
     done
   done
 }
+# graphbits: bench/gpu_checks/graph_bits.sh on this call's build (the
+# StepGraph tests one process each, graph against eager to every digit).
+part_graphbits() {
+  OUT=/tmp/vs_graph_bits BUILD=$B bash bench/gpu_checks/graph_bits.sh >/tmp/vs_graph_bits.txt 2>&1
+  grep -vE "^build:" /tmp/vs_graph_bits.txt | tee -a "$SUM"
+}
 part_doctests() {
   timeout 120 "$B/tests/kernels/test_kernels" \
     --gtest_filter='*Varlen*:*BlockCausal*:*Packed*:*OverDocuments*:KdaKernelsState.*' >/tmp/vs_doctests.txt 2>&1
@@ -299,10 +305,10 @@ fi
 # The parts run in the order PARTS names them.
 # doccost: ~120 s a cell per round of its two modes (DOC_ROUNDS, default 2).
 doc_cells=(${DOC_CELLS:-1Bdocs k3docs})
-declare -A ESTIMATE=([build]=90 [tests]=15 [probe]=60 [sbs]=240 [readnorm]=200 [sbs1Bab]=330 [profile]=70 [k3profile]=110 [k3gemmprofile]=60 [offload]=150 [doctests]=20 [kdadocs]=120 [k3docsprofile]=180 [gpt2profile]=60 [doccost]=$((${#doc_cells[@]} * 120 * ${DOC_ROUNDS:-2})) [fashion]=420 [graphs]=420)
+declare -A ESTIMATE=([build]=90 [tests]=15 [probe]=60 [sbs]=240 [readnorm]=200 [sbs1Bab]=330 [profile]=70 [k3profile]=110 [k3gemmprofile]=60 [offload]=150 [doctests]=20 [kdadocs]=120 [k3docsprofile]=180 [gpt2profile]=60 [doccost]=$((${#doc_cells[@]} * 120 * ${DOC_ROUNDS:-2})) [fashion]=420 [graphs]=420 [graphbits]=150)
 for part in $PARTS; do
   if [ -z "${ESTIMATE[$part]:-}" ]; then
-    note "## $part: no such part (parts: build tests probe sbs readnorm sbs1Bab profile k3profile k3gemmprofile offload doctests kdadocs k3docsprofile gpt2profile doccost fashion graphs)"
+    note "## $part: no such part (parts: build tests probe sbs readnorm sbs1Bab profile k3profile k3gemmprofile offload doctests kdadocs k3docsprofile gpt2profile doccost fashion graphs graphbits)"
     continue
   fi
   want "$part" "${ESTIMATE[$part]}" && "part_$part"
