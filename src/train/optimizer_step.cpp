@@ -118,9 +118,10 @@ void check_norm_finite(double norm, int64_t step) {
 double OptimizerStep::clip_and_step(double lr, double max_norm,
                                     const std::vector<at::Tensor>& pending_losses,
                                     double& loss_sum, int64_t step, const std::string& context) {
-  auto clip = device_clip(max_norm, pending_losses);
-  clipped_on_device_ = clip.has_value();
-  if (clip) return step_with_device_clip(lr, *clip, loss_sum, /*keep_grads=*/false, step);
+  if (auto clip = device_clip(max_norm, pending_losses)) {
+    return step_with_device_clip(lr, *clip, loss_sum, /*keep_grads=*/false, step);
+  }
+  device_wait_seconds_ = -1;
   double norm = 0.0;
   {
     RECORD_USER_SCOPE("viaduct::grad_norm");

@@ -75,10 +75,8 @@ class OptimizerStep {
   // nothing updated.
   double clip_and_step(double lr, double max_norm, const std::vector<at::Tensor>& pending_losses,
                        double& loss_sum, int64_t step, const std::string& context);
-  // Whether the last clip_and_step clipped on the device (device_clip).
-  bool clipped_on_device() const { return clipped_on_device_; }
-  // The host seconds the last step_with_device_clip waited for the norm
-  // and the losses (-1 before any).
+  // The host seconds the last step waited for the device's norm and
+  // losses: -1 where its clip ran on the host (and before any step).
   double last_device_wait_seconds() const { return device_wait_seconds_; }
 
   // Whether the clip and the update run on the device: one process holds
@@ -112,7 +110,6 @@ class OptimizerStep {
 
   OptimizerStepSetup setup_;
   bool shards_ = false;
-  bool clipped_on_device_ = false;
   double device_wait_seconds_ = -1;
   int dp_size_ = 1;
   std::unique_ptr<Optimizer> optimizer_;

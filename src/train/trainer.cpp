@@ -72,24 +72,33 @@ Trainer::Trainer(JobConfig job) : job_(std::move(job)), device_(at::kCPU) {
                     "checkpoint");
   }
   info_ = build_model();
-  if (graphs_required) {
-    VIADUCT_CHECK_T(ConfigError, !executor_ && !mesh_,
-                    "training.cuda_graphs = true runs one process holding one stage, but this "
-                    "run has ", plan_->split.num_stages, " pipeline stages",
-                    mesh_ ? " under a launcher" : "", "; set training.cuda_graphs = false");
-    VIADUCT_CHECK_T(ConfigError, update_->updates_on_device(),
-                    "training.cuda_graphs = true needs the clip and the update on the device "
-                    "(optimizer.name = \"AdamW\" on viaduct's CUDA kernel), but optimizer.name = "
-                    "\"", job_.optimizer.name, "\"; set training.cuda_graphs = false");
-    step_graph_ = std::make_unique<StepGraph>(device_);
-  } else if (!job_.training.cuda_graphs.has_value() && device_.is_cuda() && !executor_ && !mesh_ &&
-             !job_.model.block_causal() && update_->updates_on_device() &&
-             job_.metrics.profile_step == 0) {
-    // Unset: the graph where the run allows it, and not in a run that
-    // profiles a step (a profile names the host op behind each kernel,
-    // which a replay has none of). What only the warm-up steps show (images
-    // in the data, gradients the device clip cannot take) drops it before
-    // the capture (graph_unfit_).
+  // What keeps this run from the step graph ("" when nothing does): true
+  // refuses the run naming it, unset runs eager steps.
+  std::string graph_blocker;
+  if (!device_.is_cuda()) {
+    graph_blocker = "needs a CUDA device";
+  } else if (executor_ || mesh_) {
+    graph_blocker = str("runs one process holding one stage, but this run has ",
+                        plan_->split.num_stages, " pipeline stages",
+                        mesh_ ? " under a launcher" : "");
+  } else if (!update_->updates_on_device()) {
+    graph_blocker = str("needs the clip and the update on the device (optimizer.name = "
+                        "\"AdamW\" on viaduct's CUDA kernel), but optimizer.name = \"",
+                        job_.optimizer.name, "\"");
+  } else if (job_.model.block_causal()) {
+    graph_blocker = "needs the same shapes every step, but model.attn_mask_type = \"block_causal\"";
+  }
+  VIADUCT_CHECK_T(ConfigError, !graphs_required || graph_blocker.empty(),
+                  "training.cuda_graphs = true ", graph_blocker,
+                  "; set training.cuda_graphs = false");
+  // Unset, the graph where the run allows it, and not in a run that
+  // profiles a step (a profile names the host op behind each kernel, which
+  // a replay has none of). What only the warm-up steps show (images in the
+  // data, gradients the device clip cannot take) drops it before the
+  // capture (graph_unfit_).
+  if (graph_blocker.empty() &&
+      (graphs_required ||
+       (!job_.training.cuda_graphs.has_value() && job_.metrics.profile_step == 0))) {
     step_graph_ = std::make_unique<StepGraph>(device_);
   }
   data_->cut_eval_batches(num_microbatches());
@@ -245,13 +254,10 @@ StepMetrics Trainer::train_step() {
                                                      /*keep_grads=*/true, step_ + 1)
                     : update_->clip_and_step(m.lr, job_.training.max_norm, pending_losses,
                                              loss_sum, step_ + 1, step_context());
-  if (step_graph_ && clip == nullptr && !update_->clipped_on_device() &&
-      !job_.training.cuda_graphs.has_value()) {
+  m.device_wait_seconds = update_->last_device_wait_seconds();
+  if (step_graph_ && m.device_wait_seconds < 0 && !job_.training.cuda_graphs.has_value()) {
     graph_unfit_ = "the gradient clip runs on the host (it needs fp32 gradients on the GPU and "
                    "model.cuda_kernels = true)";
-  }
-  if (clip != nullptr || update_->clipped_on_device()) {
-    m.device_wait_seconds = update_->last_device_wait_seconds();
   }
   m.dp_bytes += update_->optimizer().last_step_bytes();
   RECORD_USER_SCOPE("viaduct::step_end");
