@@ -3,13 +3,12 @@
 // and the batched products over the chunks the caller runs between them
 // (Tm R, and the backward's S, dS and v' products: kda_gemm). Every product
 // runs on the tensor cores in split-tf32 (fp32 accuracy).
+#include "kernels/common.cuh"
 #include "kernels/kda.h"
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cmath>
-#include <cstdint>
 
 namespace viaduct::cuda {
 namespace {
@@ -1020,12 +1019,9 @@ __global__ void gather_rows_kernel(const float4* __restrict__ x, const int64_t* 
 cudaError_t kda_gather_rows(const float* x, const int64_t* read, int64_t rows, int64_t width,
                             float* out, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  if (width % 4 || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(out) % 16) {
-    return cudaErrorInvalidValue;
-  }
-  const int64_t w4 = width / 4, threads = 256;
-  const int64_t blocks = std::min<int64_t>((rows * w4 + threads - 1) / threads, 65535 * 8);
-  gather_rows_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+  if (width % 4 || !aligned16(x) || !aligned16(out)) return cudaErrorInvalidValue;
+  const int64_t w4 = width / 4;
+  gather_rows_kernel<<<elementwise_blocks(rows * w4), kElemThreads, 0, stream>>>(
       reinterpret_cast<const float4*>(x), read, rows, w4, reinterpret_cast<float4*>(out));
   return cudaGetLastError();
 }
