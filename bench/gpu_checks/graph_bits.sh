@@ -13,6 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 source bench/lib/gpu_build.sh
+source bench/lib/tokens.sh  # random_tokens
 OUT=${OUT:-/tmp/graph_bits}
 mkdir -p "$OUT"
 MD=$OUT/graph_bits.md
@@ -38,12 +39,8 @@ if [ -x "$B/tests/train/test_train" ]; then
   done
 fi
 
-data=outputs/bench/random_v256_graph_bits.u32
-mkdir -p outputs/bench
-[ -f $data ] || "$PY" -c "
-import array, random
-r = random.Random(4321)
-open('$data', 'wb').write(array.array('I', (r.randrange(256) for _ in range(400000))).tobytes())"
+data=outputs/bench/random_v256.u32
+random_tokens "$data" 256 400000
 
 # One run: prints its steps' 'loss grad_norm' pairs, every digit.
 run() {  # model name overrides...
