@@ -79,6 +79,46 @@ class VarlenFlashAttentionFn : public torch::autograd::Function<VarlenFlashAtten
   }
 };
 
+// Note [The unrotated qkv gradient written whole]
+// Without RoPE (gpt2's learned positions), q, k and v are the qkv GEMM's
+// product's slices, only transposed to [B, heads, T, hd]. Through narrow's
+// backward their three gradients each came back as a zero-filled tensor of
+// the whole product's size with one slice copied in, and the three were
+// added: three fills, three copies and two full-size adds a layer. As one
+// function of the product the backward copies the three gradients into
+// their slices of one uninitialised tensor. Copies of the same values: the
+// bits are the same (up to the sign of a zero, which an add of zeros
+// turned positive).
+class SplitQkvHeadsFn : public torch::autograd::Function<SplitQkvHeadsFn> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& qkv, int64_t H, int64_t KV) {
+    const auto B = qkv.size(0), T = qkv.size(1), hd = qkv.size(2) / (H + 2 * KV);
+    ctx->saved_data["H"] = H;
+    ctx->saved_data["KV"] = KV;
+    auto part = [&](int64_t first, int64_t heads) {
+      return qkv.narrow(2, first * hd, heads * hd).view({B, T, heads, hd}).transpose(1, 2);
+    };
+    return {part(0, H), part(H, KV), part(H + KV, KV)};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto H = ctx->saved_data["H"].toInt(), KV = ctx->saved_data["KV"].toInt();
+    const auto B = grads[0].size(0), T = grads[0].size(2), hd = grads[0].size(3);
+    auto d = at::empty({B, T, (H + 2 * KV) * hd},
+                       grads[0].options().memory_format(at::MemoryFormat::Contiguous));
+    const int64_t first[3] = {0, H, H + KV}, heads[3] = {H, KV, KV};
+    for (int i = 0; i < 3; ++i) {
+      // An unused output's gradient arrives as zeros (the functions
+      // materialise undefined gradients).
+      d.narrow(2, first[i] * hd, heads[i] * hd)
+          .view({B, T, heads[i], hd})
+          .copy_(grads[i].transpose(1, 2));
+    }
+    return {d, at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 at::Tensor varlen_causal_attention(const at::Tensor& q, const at::Tensor& k,
@@ -277,6 +317,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotate_and_repeat(at::Tensor q, a
     k = kernels::rope(k, c, s, H / KV).transpose(1, 2);    // [B, H, T, hd]
     v = kernels::repeat_heads(v, H / KV).transpose(1, 2);  // [B, H, T, hd]
     return {q, k, v};
+  }
+  if (tables == nullptr && qkv.defined() && KV == H) {
+    // See Note [The unrotated qkv gradient written whole].
+    auto r = SplitQkvHeadsFn::apply(qkv, H, KV);
+    return {r[0], r[1], r[2]};
   }
   if (tables != nullptr) {
     q = rope(q, *tables, opts);

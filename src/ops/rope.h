@@ -57,8 +57,9 @@ MlaAttentionInputs mla_attention_inputs(const at::Tensor& q, const at::Tensor& k
 // boundaries], ops/documents.h) each document attends within itself alone,
 // rotated from its first position. `qkv`: undefined, or the one product
 // [B, T, (H + 2 KV) hd] whose slices q, k and v are (ops::qkv_projection's
-// `packed`): where the rotation runs on the kernels, its backward then
-// writes that product's gradient whole (kernels::rope_qkv).
+// `packed`): the backward then writes that product's gradient whole, where
+// the rotation runs on the kernels (kernels::rope_qkv) and where nothing
+// rotates and KV = H (the three slices' gradients copied into one tensor).
 at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const RopeTables* tables,
                             const KernelOptions& opts, const Documents* documents = nullptr,
                             const at::Tensor& qkv = {});
