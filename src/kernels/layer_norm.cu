@@ -74,6 +74,65 @@ __global__ void layer_norm_forward_kernel(const T* __restrict__ x, const T* __re
   }
 }
 
+// The same arithmetic as layer_norm_forward_kernel, in the same order, for
+// rows of at most ITERS * blockDim.x * N elements: a thread keeps its
+// slices of the row in registers across the three passes, so x (and res)
+// are read once, not three times (and h written once, as there). A block
+// of fewer threads than kRowThreads (the row's width rounded up to warps)
+// sums the same terms: the warps it leaves out added zeros.
+template <typename T, int N, int ITERS>
+__global__ void layer_norm_forward_reg_kernel(const T* __restrict__ x, const T* __restrict__ res,
+                                              const float* __restrict__ w,
+                                              const float* __restrict__ b, T* __restrict__ h,
+                                              T* __restrict__ y, float* __restrict__ mean,
+                                              float* __restrict__ rstd, int64_t dim, float eps) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const int64_t at = row * dim;
+  float v[ITERS][N];
+  float s = 0.f;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int64_t j = (threadIdx.x + static_cast<int64_t>(it) * blockDim.x) * N;
+    if (j < dim) {
+      input_at<T, N>(x, res, at, j, v[it]);
+      if (res != nullptr) store_n<T, N>(h + at, j, v[it]);
+#pragma unroll
+      for (int k = 0; k < N; ++k) s += v[it][k];
+    }
+  }
+  const float mu = block_sum(s, scratch) / static_cast<float>(dim);
+  float ss = 0.f;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int64_t j = (threadIdx.x + static_cast<int64_t>(it) * blockDim.x) * N;
+    if (j < dim) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const float d = v[it][k] - mu;
+        ss += d * d;
+      }
+    }
+  }
+  const float r = rsqrtf(block_sum(ss, scratch) / static_cast<float>(dim) + eps);
+  if (threadIdx.x == 0) {
+    mean[row] = mu;
+    rstd[row] = r;
+  }
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int64_t j = (threadIdx.x + static_cast<int64_t>(it) * blockDim.x) * N;
+    if (j < dim) {
+      float wv[N], bv[N], out[N];
+      load_n<float, N>(w, j, wv);
+      load_n<float, N>(b, j, bv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) out[k] = (v[it][k] - mu) * r * wv[k] + bv[k];
+      store_n<T, N>(y + at, j, out);
+    }
+  }
+}
+
 // Rows in a grid stride, each block summing its rows' weight and bias
 // gradients into its own part (no atomics; the caller adds the parts).
 // With dres: dx = dres + the norm's dx rounded to T, the sum autograd
@@ -147,6 +206,87 @@ __global__ void layer_norm_backward_kernel(const T* __restrict__ dy, const T* __
   }
 }
 
+// The same arithmetic as layer_norm_backward_kernel, in the same order, for
+// rows of at most ITERS * blockDim.x * N elements (see
+// rms_norm_backward_reg_kernel, kernels/rms_norm.cu): dy and x stay in
+// registers between the two passes over a row, and so do the thread's
+// slices of the block's weight and bias gradient parts across its rows,
+// written once at the end instead of read and written on every row.
+template <typename T, int N, int ITERS>
+__global__ void layer_norm_backward_reg_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                               const float* __restrict__ w,
+                                               const float* __restrict__ mean,
+                                               const float* __restrict__ rstd,
+                                               const T* __restrict__ dres, T* __restrict__ dx,
+                                               float* __restrict__ dw_partial,
+                                               float* __restrict__ db_partial, int64_t rows,
+                                               int64_t dim) {
+  __shared__ float scratch[32];
+  float aw[ITERS][N], ab[ITERS][N];
+  bool first = true;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float mu = mean[row], r = rstd[row];
+    float g[ITERS][N], xh[ITERS][N];
+    float sg = 0.f, sgx = 0.f;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int64_t j = (threadIdx.x + static_cast<int64_t>(it) * blockDim.x) * N;
+      if (j < dim) {
+        float xv[N], wv[N];
+        load_n<T, N>(dy + row * dim, j, g[it]);
+        load_n<T, N>(x + row * dim, j, xv);
+        load_n<float, N>(w, j, wv);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          const float gw = g[it][k] * wv[k];
+          xh[it][k] = (xv[k] - mu) * r;
+          sg += gw;
+          sgx += gw * xh[it][k];
+        }
+      }
+    }
+    const float mg = block_sum(sg, scratch) / static_cast<float>(dim);
+    const float mgx = block_sum(sgx, scratch) / static_cast<float>(dim);
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int64_t j = (threadIdx.x + static_cast<int64_t>(it) * blockDim.x) * N;
+      if (j < dim) {
+        float wv[N], out[N];
+        load_n<float, N>(w, j, wv);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          out[k] = r * (g[it][k] * wv[k] - mg - xh[it][k] * mgx);
+          aw[it][k] = first ? g[it][k] * xh[it][k] : aw[it][k] + g[it][k] * xh[it][k];
+          ab[it][k] = first ? g[it][k] : ab[it][k] + g[it][k];
+        }
+        if (dres != nullptr) add_rounded<T, N>(dres + row * dim, j, out);
+        store_n<T, N>(dx + row * dim, j, out);
+      }
+    }
+    first = false;
+  }
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int64_t j = (threadIdx.x + static_cast<int64_t>(it) * blockDim.x) * N;
+    if (j < dim) {
+      if (first) {  // more parts than rows: this block's parts are empty
+#pragma unroll
+        for (int k = 0; k < N; ++k) aw[it][k] = ab[it][k] = 0.f;
+      }
+      store_n<float, N>(dw_partial + static_cast<int64_t>(blockIdx.x) * dim, j, aw[it]);
+      store_n<float, N>(db_partial + static_cast<int64_t>(blockIdx.x) * dim, j, ab[it]);
+    }
+  }
+}
+
+// Threads for a row of `dim` in slices of n: kRowThreads, or for a row one
+// pass of them covers, the slices rounded up to whole warps.
+unsigned row_threads(int64_t dim, int n) {
+  const int64_t slices = (dim + n - 1) / n;
+  if (slices >= kRowThreads) return kRowThreads;
+  return static_cast<unsigned>((slices + 31) / 32 * 32);
+}
+
 }  // namespace
 
 cudaError_t layer_norm_forward(DType dt, const void* x, const void* res, const float* w,
@@ -156,11 +296,19 @@ cudaError_t layer_norm_forward(DType dt, const void* x, const void* res, const f
   if (dim <= 0 || (res == nullptr) != (h == nullptr)) return cudaErrorInvalidValue;
   const bool vec = dim % group_of(dt) == 0 && aligned16(x) && aligned16(y) && aligned16(w) &&
                    aligned16(b) && aligned16(res) && aligned16(h);
-  VIADUCT_DISPATCH_VEC(dt, vec,
-                       layer_norm_forward_kernel<T, N><<<static_cast<unsigned>(rows),
-                                                         kRowThreads, 0, stream>>>(
-                           static_cast<const T*>(x), static_cast<const T*>(res), w, b,
-                           static_cast<T*>(h), static_cast<T*>(y), mean, rstd, dim, eps));
+  // Rows of up to 2 slices a thread take the register form (the kernels
+  // share one signature).
+  VIADUCT_DISPATCH_VEC(
+      dt, vec, const int64_t per_pass = static_cast<int64_t>(kRowThreads) * N;
+      auto kernel = layer_norm_forward_kernel<T, N>;
+      if (dim <= per_pass) {
+        kernel = layer_norm_forward_reg_kernel<T, N, 1>;
+      } else if (dim <= 2 * per_pass) {
+        kernel = layer_norm_forward_reg_kernel<T, N, 2>;
+      }
+      kernel<<<static_cast<unsigned>(rows), row_threads(dim, N), 0, stream>>>(
+          static_cast<const T*>(x), static_cast<const T*>(res), w, b, static_cast<T*>(h),
+          static_cast<T*>(y), mean, rstd, dim, eps));
   return cudaGetLastError();
 }
 
@@ -173,11 +321,19 @@ cudaError_t layer_norm_backward(DType dt, const void* dy, const void* x, const f
   const bool vec = dim % group_of(dt) == 0 && aligned16(dy) && aligned16(x) && aligned16(w) &&
                    aligned16(dx) && aligned16(dw_partial) && aligned16(db_partial) &&
                    aligned16(dres);
-  VIADUCT_DISPATCH_VEC(dt, vec,
-                       layer_norm_backward_kernel<T, N><<<parts, kRowThreads, 0, stream>>>(
-                           static_cast<const T*>(dy), static_cast<const T*>(x), w, mean, rstd,
-                           static_cast<const T*>(dres), static_cast<T*>(dx), dw_partial,
-                           db_partial, rows, dim));
+  // Rows of up to 2 slices a thread take the register form, as RMSNorm's
+  // backward (kernels/rms_norm.cu); the kernels share one signature.
+  VIADUCT_DISPATCH_VEC(
+      dt, vec, const int64_t per_pass = static_cast<int64_t>(kRowThreads) * N;
+      auto kernel = layer_norm_backward_kernel<T, N>;
+      if (dim <= per_pass) {
+        kernel = layer_norm_backward_reg_kernel<T, N, 1>;
+      } else if (dim <= 2 * per_pass) {
+        kernel = layer_norm_backward_reg_kernel<T, N, 2>;
+      }
+      kernel<<<parts, row_threads(dim, N), 0, stream>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(x), w, mean, rstd,
+          static_cast<const T*>(dres), static_cast<T*>(dx), dw_partial, db_partial, rows, dim));
   return cudaGetLastError();
 }
 
