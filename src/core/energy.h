@@ -4,13 +4,22 @@
 // machine without the driver library simply has no energy figures.
 //
 // Note [Energy per step]
-// Each rank's meter reads its device's counter once per step, at the loss's
-// gather, and the step's energy is the difference from the previous reading:
-// consecutive steps' energies telescope, so a sum over any run of steps is
-// the counter's exact difference over that span, whatever the device still
-// had queued at a reading. The step's figure is the sum over every rank's
-// device (ranks that share a GPU count it once each); it is absent when
-// any rank has no counter (CPU, or no NVML).
+// Each rank's meter reads its device's counter once per step, before the
+// host waits for the step's device work, and the step's energy is the
+// difference from the previous reading: consecutive steps' energies
+// telescope, so a sum over any run of steps is the counter's exact
+// difference over that span, whatever the device still had queued at a
+// reading. The step's figure is the sum over every rank's device (ranks
+// that share a GPU count it once each); it is absent when any rank has no
+// counter (CPU, or no NVML).
+//
+// Note [Energy read while the device works]
+// NVML's counter read is a driver call of its own; made after the host has
+// waited for the device, it runs while the device has nothing queued, and
+// the device idles through it. The trainer reads the counter before it
+// waits, with the step's work still queued (StepGather::read_energy): the
+// steps' readings are as far apart as before, so their energies still
+// telescope.
 #pragma once
 
 #include <torch/torch.h>

@@ -89,7 +89,9 @@ double StepGather::gather_loss(double loss_sum, bool stop_signal, StepMetrics& m
   // The step's energy and how many ranks could read theirs
   // (see Note [Energy per step]): a sum that counted fewer ranks than the mesh has is not
   // the step's, and is dropped.
-  const auto joules = energy_.joules_since_last();
+  if (!step_joules_) read_energy();
+  const auto joules = *step_joules_;
+  step_joules_.reset();
   gathered.push_back(joules.value_or(0.0));
   gathered.push_back(joules ? 1.0 : 0.0);
   sum_over(mesh_ ? &mesh_->pp_group() : nullptr, gathered, context,
@@ -104,6 +106,8 @@ double StepGather::gather_loss(double loss_sum, bool stop_signal, StepMetrics& m
   m.energy_joules = loss[3] == static_cast<double>(world) ? loss[2] : -1.0;
   return loss[0];
 }
+
+void StepGather::read_energy() { step_joules_ = energy_.joules_since_last(); }
 
 void StepGather::gather_attn_res_bytes(StepMetrics& m, const std::string& context) {
   // Each rank knows its own sends and store: one sum over pp gathers them.

@@ -12,6 +12,8 @@
 #include <string>
 
 #include "core/energy.h"
+
+#include <optional>
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
 #include "train/metrics.h"
@@ -70,6 +72,11 @@ class StepGather {
   // stop_requested() says whether any rank was.
   double gather_loss(double loss_sum, bool stop_signal, StepMetrics& m,
                      const std::string& context);
+  // Reads the device's energy counter for this step now, while the device
+  // still has the step's work queued (see Note [Energy read while the device
+  // works], core/energy.h); gather_loss reads it itself where this was not
+  // called.
+  void read_energy();
   bool stop_requested() const { return stop_requested_; }
   void gather_attn_res_bytes(StepMetrics& m, const std::string& context);
   // Tokens per second, MFU over every rank's device, the memory peak and the
@@ -87,6 +94,8 @@ class StepGather {
   at::ScalarType compute_dtype_;
   double flops_per_token_;
   EnergyMeter energy_;
+  // This step's reading, taken by read_energy (unset: not yet taken).
+  std::optional<std::optional<double>> step_joules_;
   bool stop_requested_ = false;
 };
 

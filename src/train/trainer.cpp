@@ -249,6 +249,9 @@ StepMetrics Trainer::train_step() {
   // Queued before the update, read after the norm (train/moe_metrics.h).
   const auto moe_counts = moe_metrics_ ? moe_metrics_->snapshot() : at::Tensor();
   m.lr = lr_at(job_, step_ + 1);
+  // See Note [Energy read while the device works] (core/energy.h): before
+  // the update's read of the norm waits for the device.
+  gather_->read_energy();
   m.grad_norm = clip != nullptr
                     ? update_->step_with_device_clip(m.lr, *clip, loss_sum,
                                                      /*keep_grads=*/true, step_ + 1)
