@@ -317,6 +317,8 @@ torch_v=$("$PY" -c 'import torch;print(torch.__version__)' 2>/dev/null)
       --with "$OUT/k3gemm.viaduct.metrics.jsonl" --without "$OUT/k3gemmplain.viaduct.metrics.jsonl"
   fi
   for cell in 1Bdocs k3docs; do
+    # This run's cells only: an earlier run's files may share $OUT.
+    [[ " $CELLS " == *" $cell "* ]] || continue
     [ -f "$OUT/${cell}_causal_r1.viaduct.metrics.jsonl" ] || continue
     pooled_overhead "block_causal's cost ($cell, documents of mean ${DOC_MEAN:-1024}, ${DOC_ROUNDS:-2} rounds: step time block_causal / causal - 1)" \
       "${DOC_ROUNDS:-2}" "${cell}_block_causal_r@.viaduct.metrics.jsonl" "${cell}_causal_r@.viaduct.metrics.jsonl"
