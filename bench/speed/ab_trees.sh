@@ -12,7 +12,8 @@
 #
 # A tree is a folder or a .tar of one (git archive), unpacked under $WORK.
 # Cells: k3 (kimi_k3 debugmodel_deep at d2048, 4 x 2048, random tokens of
-# its vocabulary 320) and 1B (llama 1B, 4 x 4096, vocabulary 128256).
+# its vocabulary 320), 1B (llama 1B, 4 x 4096, vocabulary 128256) and gpt2
+# (124M, 8 x 1024, vocabulary 50257), as bench/speed/run_single_gpu.sh's.
 # Every run uses the config's defaults (training.deterministic = true) plus
 # VD_EXTRA. Environment: OUT (outputs/ab), WORK (outputs/ab_work), CELLS
 # ("k3"), ROUNDS (2), WARMUP_STEPS (3), TIMED_STEPS (10), TARGETS_B (B's
@@ -74,6 +75,9 @@ cell_args() {  # cell -> data file, then overrides, one per line
     1B) random_tokens "$WORK/v128256.u32" 128256 $(((STEPS + 2) * 4 * 4096 + 1))
         printf '%s\n' "$WORK/v128256.u32" --model.flavor=1B --training.seq_len=4096 \
           --training.local_batch_size=4 --optimizer.lr=3e-4 ;;
+    gpt2) random_tokens "$WORK/v50257.u32" 50257 $(((STEPS + 2) * 8 * 1024 + 1))
+        printf '%s\n' "$WORK/v50257.u32" --model.family=gpt2 --model.flavor=124M \
+          --training.seq_len=1024 --training.local_batch_size=8 --optimizer.lr=6e-4 ;;
     *) return 1 ;;
   esac
 }
