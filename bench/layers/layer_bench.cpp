@@ -139,6 +139,17 @@ int main(int argc, char** argv) {
           attn_core, attn_docs);
   }
   {
+    // gpt2's attention: biases, no rotation, a key head per query head (its
+    // q, k and v are the qkv product's slices as they are).
+    AttentionOptions o;
+    o.dim = D; o.n_heads = H; o.n_kv_heads = H; o.max_seq_len = T; o.bias = true; o.rope = false;
+    Attention m(o);
+    m->init_weights(1, "g.", 0.02, 0.02, true);
+    mixer("mha attention (gpt2)", *m,
+          [&](const at::Tensor& in, const ops::Documents* d) { return m->forward(in, d); },
+          attn_core, attn_docs);
+  }
+  {
     MlaOptions o;
     o.dim = D; o.n_heads = H; o.q_lora_rank = D / 2; o.kv_lora_rank = std::min<int64_t>(512, D / 4);
     o.qk_nope_head_dim = hd; o.qk_rope_head_dim = hd / 2; o.v_head_dim = hd;
