@@ -419,6 +419,35 @@ TEST(FusedKernels, RopeRepeatsGroupedHeads) {
   }
 }
 
+TEST(FusedKernels, UnrotatedAttentionOverTheQkvProductHasTheSlicesGradient) {
+  REQUIRE_GPU();
+  // See Note [The unrotated qkv gradient written whole]: gpt2's attention on
+  // the fused kernel, given the qkv product its q, k and v are slices of,
+  // against the same slices with no product named (their gradients
+  // through narrow's backward): the same output and product gradient, bf16,
+  // under deterministic algorithms (flash's kernel, whose gradients repeat).
+  const bool det = at::globalContext().deterministicAlgorithms();
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  const int64_t B = 2, T = 256, H = 4, hd = 64;
+  const auto seed = fresh_seed();
+  const auto o = at::TensorOptions(at::kCUDA).dtype(at::kBFloat16);
+  const auto qkv0 = at::randn({B, T, 3 * H * hd}, o);
+  const auto dy = at::randn({B, H, T, hd}, o);
+  auto run = [&](bool product) {
+    auto qkv = qkv0.clone().requires_grad_(true);
+    auto part = [&](int64_t i) { return qkv.narrow(-1, i * H * hd, H * hd).view({B, T, H, hd}); };
+    auto y = ops::causal_attention(part(0), part(1), part(2), nullptr, ops::KernelOptions{},
+                                   nullptr, product ? qkv : at::Tensor());
+    y.backward(dy);
+    return std::vector<at::Tensor>{y.detach(), qkv.grad()};
+  };
+  const auto whole = run(true), apart = run(false);
+  EXPECT_TRUE(at::equal(whole[0], apart[0])) << "seed " << seed;
+  EXPECT_TRUE(at::equal(whole[1], apart[1])) << "seed " << seed;
+  EXPECT_GT(whole[1].narrow(-1, 2 * H * hd, H * hd).abs().sum().item<double>(), 0.0);
+  at::globalContext().setDeterministicAlgorithms(det, /*warn_only=*/false);
+}
+
 TEST(FusedKernels, AttentionCoreRunsSdpasKernel) {
   REQUIRE_GPU();
   if (!VIADUCT_FUSED_ATTENTION) GTEST_SKIP() << "no fused attention ops in this LibTorch";
