@@ -68,8 +68,8 @@ void unpack_attn_res_bytes(const std::vector<double>& v, int64_t num_stages,
   }
 }
 
-double StepGather::gather_loss(double loss_sum, bool stop_signal, StepMetrics& m,
-                               const std::string& context) {
+double StepGather::gather_loss(double loss_sum, std::optional<double> joules,
+                               bool stop_signal, StepMetrics& m, const std::string& context) {
   // The loss lives on the last stage's rank; one sum over pp gathers it with
   // each pp rank's pipeline times (when timed) and memory peak (pp > 1). The
   // device has finished the pipeline's work here (the norm was read).
@@ -89,9 +89,6 @@ double StepGather::gather_loss(double loss_sum, bool stop_signal, StepMetrics& m
   // The step's energy and how many ranks could read theirs
   // (see Note [Energy per step]): a sum that counted fewer ranks than the mesh has is not
   // the step's, and is dropped.
-  if (!step_joules_) read_energy();
-  const auto joules = *step_joules_;
-  step_joules_.reset();
   gathered.push_back(joules.value_or(0.0));
   gathered.push_back(joules ? 1.0 : 0.0);
   sum_over(mesh_ ? &mesh_->pp_group() : nullptr, gathered, context,
@@ -107,7 +104,7 @@ double StepGather::gather_loss(double loss_sum, bool stop_signal, StepMetrics& m
   return loss[0];
 }
 
-void StepGather::read_energy() { step_joules_ = energy_.joules_since_last(); }
+std::optional<double> StepGather::read_energy() { return energy_.joules_since_last(); }
 
 void StepGather::gather_attn_res_bytes(StepMetrics& m, const std::string& context) {
   // Each rank knows its own sends and store: one sum over pp gathers them.

@@ -7,13 +7,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <vector>
 
-#include <string>
-
 #include "core/energy.h"
-
-#include <optional>
 #include "pipeline/runtime/executor.h"
 #include "pipeline/schedule/plan.h"
 #include "train/metrics.h"
@@ -65,18 +63,18 @@ class StepGather {
         attn_res_store_(store), device_(device), compute_dtype_(compute_dtype),
         flops_per_token_(flops_per_token), energy_(device) {}
 
+  // The device's energy counter read for this step (see Note [Energy per
+  // step], core/energy.h): the joules since the previous reading, nullopt
+  // without a counter. Taken while the device still has the step's work
+  // queued (see Note [Energy read while the device works]).
+  std::optional<double> read_energy();
   // The step's loss sum over the mesh (every rank gets it), with each pp
-  // rank's pipeline times and memory peak and the step's energy
-  // (see Note [Energy per step], core/energy.h) into `m`; `stop_signal`: this
-  // rank was asked to stop (see Note [Save and exit on a signal]), after which
+  // rank's pipeline times and memory peak and the step's energy (`joules`,
+  // this rank's read_energy) into `m`; `stop_signal`: this rank was asked
+  // to stop (see Note [Save and exit on a signal]), after which
   // stop_requested() says whether any rank was.
-  double gather_loss(double loss_sum, bool stop_signal, StepMetrics& m,
-                     const std::string& context);
-  // Reads the device's energy counter for this step now, while the device
-  // still has the step's work queued (see Note [Energy read while the device
-  // works], core/energy.h); gather_loss reads it itself where this was not
-  // called.
-  void read_energy();
+  double gather_loss(double loss_sum, std::optional<double> joules, bool stop_signal,
+                     StepMetrics& m, const std::string& context);
   bool stop_requested() const { return stop_requested_; }
   void gather_attn_res_bytes(StepMetrics& m, const std::string& context);
   // Tokens per second, MFU over every rank's device, the memory peak and the
@@ -94,8 +92,6 @@ class StepGather {
   at::ScalarType compute_dtype_;
   double flops_per_token_;
   EnergyMeter energy_;
-  // This step's reading, taken by read_energy (unset: not yet taken).
-  std::optional<std::optional<double>> step_joules_;
   bool stop_requested_ = false;
 };
 

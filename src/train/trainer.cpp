@@ -251,7 +251,7 @@ StepMetrics Trainer::train_step() {
   m.lr = lr_at(job_, step_ + 1);
   // See Note [Energy read while the device works] (core/energy.h): before
   // the update's read of the norm waits for the device.
-  gather_->read_energy();
+  const auto joules = gather_->read_energy();
   m.grad_norm = clip != nullptr
                     ? update_->step_with_device_clip(m.lr, *clip, loss_sum,
                                                      /*keep_grads=*/true, step_ + 1)
@@ -264,7 +264,7 @@ StepMetrics Trainer::train_step() {
   }
   m.dp_bytes += update_->optimizer().last_step_bytes();
   RECORD_USER_SCOPE("viaduct::step_end");
-  m.loss = gather_->gather_loss(loss_sum, stop_signal() != 0, m, step_context()) /
+  m.loss = gather_->gather_loss(loss_sum, joules, stop_signal() != 0, m, step_context()) /
            static_cast<double>(tokens);
   if (moe_metrics_) moe_metrics_->gather(moe_counts, m, step_context());
   sync_replica_statistics();
