@@ -72,10 +72,11 @@ const kernels::KdaDocumentChunks& Documents::kda_chunks(int64_t chunk, int64_t h
                            device.str()];
   if (kept) return *kept;
   // Each row's chunks in order: every span cut into pieces of `chunk`
-  // tokens from its first, the last piece partial. The host makes only
-  // this table ([B, N] entries); the per-(token, head) indices follow from
-  // it by a few whole-tensor ops on `device`, so a micro-batch's first KDA
-  // layer does not wait on the host writing and copying B T H of them.
+  // tokens from its first, the last piece partial. The host makes this
+  // table ([B, N] entries) and each token's slot in its row's chunks ([B,
+  // T]); the per-(token, head) indices follow from them by a few
+  // whole-tensor ops on `device`, so a micro-batch's first KDA layer does
+  // not wait on the host writing and copying B T H of them.
   std::vector<int64_t> pieces(static_cast<size_t>(rows_), 0);
   for (const auto& s : spans_) {
     pieces[static_cast<size_t>(s.row)] += (s.length + chunk - 1) / chunk;
@@ -112,7 +113,7 @@ const kernels::KdaDocumentChunks& Documents::kda_chunks(int64_t chunk, int64_t h
   const auto count = c->spans.select(2, 1).to(at::kLong).reshape({rows_, 1, N, 1});
   const auto i = at::arange(C, ilong).view({1, 1, 1, C});
   const auto token = at::arange(rows_, ilong).view({rows_, 1, 1, 1}) * T + first + i;
-  const auto held = (i < count).expand({rows_, H, N, C});
+  const auto held = i < count;  // [B, 1, N, C]: every head alike
   const auto at_head = token * H + at::arange(H, ilong).view({1, H, 1, 1});  // [B, H, N, C]
   c->read = at::where(held, at_head, at::full({}, -1, ilong)).flatten();
   // (token, head)'s place: head h's chunks start at (b H + h) N C.

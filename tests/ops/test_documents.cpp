@@ -95,7 +95,7 @@ TEST(Documents, PackedPlacesSpansOnAlignedRows) {
 // documents]) against a second construction: the packed rows at align =
 // chunk cut into chunks. Same chunk count, each chunk's first token and
 // count read off the packed gather, the same restarts, and the chunk
-// layout [B H N C, D] that `read` (with `empty` zeroed) takes from the
+// layout [B H N C, D] that `read` (zeros where it reads -1) takes from the
 // tokens equal to the packed rows' transpose; `places` takes it back.
 TEST(Documents, KdaChunksAreThePackedChunksInPlace) {
   const int64_t B = 3, T = 29, H = 3, D = 2, C = 4;
