@@ -1,7 +1,17 @@
 // KDA's short convolution: a causal depthwise filter of K taps over time,
-// then SiLU, in one pass forward and four small passes backward (the
-// pre-activation is recomputed from x, so the forward keeps only x).
-// Threads run along channels, so every load and store is coalesced.
+// then SiLU (and, for q and k, each head's L2 norm), one pass forward and
+// one backward plus a small sum of the weight gradient's partials.
+//
+// A warp walks a span of tokens of one row over 32 J channels (lane l on
+// channels l + 32 j of its group, so each token's loads and stores are
+// coalesced), and each thread keeps the last W inputs of its channels in
+// registers: every x is read once, not K times. The backward keeps the
+// last W gradients of the pre-activation too, so dz never goes to memory:
+// dx of token t is complete once dz of t + K - 1 is known, and the weight
+// gradient's partial of the span sums dz x as the walk passes. A span's
+// backward recomputes the K - 1 tokens of dz past its end that its last
+// dx needs (the next span's first ones).
+//
 // Over documents in place, a token's offset in its document bounds its
 // taps: tap j reaches K - 1 - j tokens back, and one that reaches past the
 // document's first token is skipped, as the padding before a document
@@ -12,24 +22,14 @@
 namespace viaduct::cuda {
 namespace {
 
+constexpr int kConvWarps = 4;
+constexpr int kConvThreads = 32 * kConvWarps;
+
 // How far back token t of row b may read: its offset in its document
 // (offsets [B, T]), or t itself (no documents: the sequence's start).
 __device__ __forceinline__ int64_t reach(const int32_t* __restrict__ offsets, int64_t b,
                                          int64_t t, int64_t Tn) {
   return offsets != nullptr ? offsets[b * Tn + t] : t;
-}
-
-// The pre-activation at token t of channel c: x points at (b, 0, c), its
-// tokens xs apart, wc at w[c, 0]; taps in ascending j, those within `back`
-// tokens of t.
-template <typename T>
-__device__ __forceinline__ float conv_at(const T* __restrict__ x, const float* __restrict__ wc,
-                                         int64_t t, int64_t back, int64_t xs, int K) {
-  float z = 0.f;
-  for (int j = 0; j < K; ++j) {
-    if (K - 1 - j <= back) z += wc[j] * load(x, (t - K + 1 + j) * xs);
-  }
-  return z;
 }
 
 // silu(z) = z / (1 + e^-z), as ATen's CUDA silu forms it in fp32.
@@ -41,103 +41,254 @@ __device__ __forceinline__ float silu_grad(float z) {
   return __fmul_rn(s, __fadd_rn(1.f, __fmul_rn(z, __fsub_rn(1.f, s))));
 }
 
-// The elementwise kernels' grid: x over channels, y over a row's tokens
-// (a stride loop past the grid's y limit), z over the rows (B within the
-// same limit), so a thread finds its (b, t, c) without a division (a
-// 64-bit division by a runtime value is a routine of tens of
-// instructions, as many as the rest of the element's work).
-constexpr int64_t kGridYZLimit = 65535;
-dim3 element_grid(int64_t B, int64_t Tn, int64_t C) {
-  return dim3(static_cast<unsigned>((C + kElemThreads - 1) / kElemThreads),
-              static_cast<unsigned>(Tn < kGridYZLimit ? Tn : kGridYZLimit),
-              static_cast<unsigned>(B));
-}
-
-// Calls f(b, t, c) for each token t of the thread's row b and channel c
-// on the element grid.
-template <typename F>
-__device__ __forceinline__ void for_each_token(int64_t Tn, int64_t C, F&& f) {
-  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (c >= C) return;
-  const int64_t b = blockIdx.z;
-  for (int64_t t = blockIdx.y; t < Tn; t += gridDim.y) f(b, t, c);
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kElemThreads)
-    forward_kernel(const T* __restrict__ x, const float* __restrict__ w,
-                   const int32_t* __restrict__ offsets, T* __restrict__ y, int64_t Tn, int64_t C,
-                   int64_t xs, int K) {
-  for_each_token(Tn, C, [&](int64_t b, int64_t t, int64_t c) {
-    const float z = conv_at(x + b * Tn * xs + c, w + c * K, t, reach(offsets, b, t, Tn), xs, K);
-    store(y, (b * Tn + t) * C + c, silu(z));
-  });
-}
-
-// dz = dy silu'(z), silu'(z) = s (1 + z (1 - s)), s = sigmoid(z).
-template <typename T>
-__global__ void __launch_bounds__(kElemThreads)
-    dz_kernel(const T* __restrict__ x, const float* __restrict__ w,
-              const int32_t* __restrict__ offsets, const T* __restrict__ dy,
-              float* __restrict__ dz, int64_t Tn, int64_t C, int64_t xs, int K) {
-  for_each_token(Tn, C, [&](int64_t b, int64_t t, int64_t c) {
-    const int64_t i = (b * Tn + t) * C + c;
-    const float z = conv_at(x + b * Tn * xs + c, w + c * K, t, reach(offsets, b, t, Tn), xs, K);
-    dz[i] = __fmul_rn(load(dy, i), silu_grad(z));
-  });
-}
-
-// dx[b, t, c] = sum_j w[c, j] dz[b, t + K - 1 - j, c] over the taps that
-// stay inside the sequence (and the document: tap j of token t + K - 1 - j
-// reads t where it reaches that far back), j ascending.
-template <typename T>
-__global__ void __launch_bounds__(kElemThreads)
-    dx_kernel(const float* __restrict__ w, const int32_t* __restrict__ offsets,
-              const float* __restrict__ dz, T* __restrict__ dx, int64_t Tn, int64_t C, int K) {
-  for_each_token(Tn, C, [&](int64_t b, int64_t t, int64_t c) {
-    const float* dzc = dz + b * Tn * C + c;
-    const float* wc = w + c * K;
-    float acc = 0.f;
-    for (int j = 0; j < K; ++j) {
-      const int64_t dst = t + K - 1 - j;
-      if (dst < Tn && K - 1 - j <= reach(offsets, b, dst, Tn)) acc += wc[j] * dzc[dst * C];
-    }
-    store(dx, (b * Tn + t) * C + c, acc);
-  });
-}
-
-// One partial of dw per (sequence, span of tokens): a thread per channel
-// sums its span's dz x products in token order.
-template <typename T>
-__global__ void __launch_bounds__(kElemThreads)
-    dw_partial_kernel(const T* __restrict__ x, const int32_t* __restrict__ offsets,
-                      const float* __restrict__ dz, float* __restrict__ partial, int64_t Tn,
-                      int64_t C, int64_t xs, int K, int64_t spans) {
-  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (c >= C) return;
-  const int64_t p = blockIdx.y;  // b * spans + span
-  const int64_t b = p / spans, t0 = (p % spans) * kShortConvTokensPerPartial;
-  const int64_t t1 = t0 + kShortConvTokensPerPartial < Tn ? t0 + kShortConvTokensPerPartial : Tn;
-  const T* xc = x + b * Tn * xs + c;
-  const float* dzc = dz + b * Tn * C + c;
-  float acc[kShortConvMaxTaps];
+// `window[W - 1 - m]` is the value m tokens back: the shift drops the
+// oldest and appends the newest. W is a compile-time width (K rounded up),
+// so every index below is a constant and the windows stay in registers.
+template <typename V, int W>
+__device__ __forceinline__ void push(V (&window)[W], V v) {
 #pragma unroll
-  for (int j = 0; j < kShortConvMaxTaps; ++j) acc[j] = 0.f;
-  // Unrolled so that several tokens' loads are in flight at once; the sums
-  // still run in token order.
-#pragma unroll 4
-  for (int64_t t = t0; t < t1; ++t) {
-    const float g = dzc[t * C];
-    const int64_t back = reach(offsets, b, t, Tn);
+  for (int i = 0; i + 1 < W; ++i) window[i] = window[i + 1];
+  window[W - 1] = v;
+}
+
+// One thread's channels c + 32 j (j < J) of a warp's group, with each
+// channel's taps: ahead[j][i] = w[c_j, i] and back[j][m] = w[c_j, K - 1 -
+// m] (zero past K), so that both the forward's sum (taps ascending, m
+// descending) and dx's (taps ascending over later tokens) index them by
+// constants.
+template <int J, int W>
+struct Taps {
+  int64_t c;  // the thread's first channel
+  float ahead[J][W], back[J][W];
+  __device__ Taps(const float* __restrict__ w, int64_t c0, int K) : c(c0) {
 #pragma unroll
-    for (int j = 0; j < kShortConvMaxTaps; ++j) {
-      if (j < K && K - 1 - j <= back) acc[j] += g * load(xc, (t - K + 1 + j) * xs);
+    for (int j = 0; j < J; ++j) {
+      const float* wc = w + (c0 + 32 * j) * K;
+#pragma unroll
+      for (int i = 0; i < W; ++i) {
+        ahead[j][i] = i < K ? wc[i] : 0.f;
+        back[j][i] = i < K ? wc[K - 1 - i] : 0.f;
+      }
     }
   }
-  float* out = partial + (p * C + c) * K;
+  // The pre-activation of channel j at the window's newest token, whose
+  // taps reach `limit` tokens back: taps ascending (m descending), as the
+  // filter's definition orders the sum.
+  __device__ __forceinline__ float conv(int j, const float (&x)[W], int limit, int K) const {
+    float z = 0.f;
 #pragma unroll
-  for (int j = 0; j < kShortConvMaxTaps; ++j) {
-    if (j < K) out[j] = acc[j];
+    for (int m = W - 1; m >= 0; --m) {
+      if (m < K && m <= limit) z += back[j][m] * x[W - 1 - m];
+    }
+    return z;
+  }
+};
+
+// The group of 32 J channels a warp takes and the span of tokens its
+// block takes; false where the warp has no channels (a thread whose
+// channel is past C returns: the plain kernels have no warp-wide steps,
+// and the L2 ones take whole heads, so all or none of a warp's lanes are
+// in).
+template <int J>
+__device__ __forceinline__ bool place(int64_t C, int64_t Tn, int64_t spans, int64_t& c0,
+                                      int64_t& b, int64_t& t0, int64_t& t1) {
+  c0 = (blockIdx.x * static_cast<int64_t>(kConvWarps) + threadIdx.x / 32) * 32 * J +
+       threadIdx.x % 32;
+  if (c0 >= C) return false;
+  const int64_t p = blockIdx.y;  // b * spans + span
+  b = p / spans;
+  t0 = (p % spans) * kShortConvTokensPerPartial;
+  t1 = t0 + kShortConvTokensPerPartial < Tn ? t0 + kShortConvTokensPerPartial : Tn;
+  return true;
+}
+
+// The window of x before token t0: x[t0 - W + i] in slot i (zero before
+// the sequence; no tap reads those).
+template <typename T, int J, int W>
+__device__ __forceinline__ void fill_before(const T* __restrict__ xb, int64_t c0, int64_t t0,
+                                            int64_t xs, float (&x)[J][W]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+      const int64_t t = t0 - W + i;
+      x[j][i] = t >= 0 ? load(xb, t * xs + c0 + 32 * j) : 0.f;
+    }
+  }
+}
+
+// The walk loads kStage tokens' inputs before it uses the first, so that
+// a thread has that many loads in flight rather than one (its tokens are
+// otherwise a chain of dependent steps): x of tokens base.. below `end`
+// (zero past it) and each one's reach (-1 past it: no tap).
+constexpr int kStage = 8;
+template <typename T, int J>
+__device__ __forceinline__ void stage(const T* __restrict__ xb,
+                                      const int32_t* __restrict__ offsets, int64_t b,
+                                      int64_t base, int64_t end, int64_t Tn, int64_t c0,
+                                      int64_t xs, float (&xn)[kStage][J],
+                                      int (&limits)[kStage]) {
+#pragma unroll
+  for (int s = 0; s < kStage; ++s) {
+    const int64_t t = base + s;
+    const bool in = t < end;
+    limits[s] = in ? static_cast<int>(reach(offsets, b, t, Tn)) : -1;
+#pragma unroll
+    for (int j = 0; j < J; ++j) xn[s][j] = in ? load(xb, t * xs + c0 + 32 * j) : 0.f;
+  }
+}
+
+// y = silu(conv(x)) stored as Y (plain), or, with kL2, each head's L2
+// norm of it rounded to T, times scale, stored fp32.
+template <typename T, typename Y, int J, int W, bool kL2>
+__global__ void __launch_bounds__(kConvThreads)
+    forward_kernel(const T* __restrict__ x, const float* __restrict__ w,
+                   const int32_t* __restrict__ offsets, Y* __restrict__ y, int64_t Tn, int64_t C,
+                   int64_t xs, int K, int64_t spans, float eps, float scale) {
+  int64_t c0, b, t0, t1;
+  if (!place<J>(C, Tn, spans, c0, b, t0, t1)) return;
+  const Taps<J, W> taps(w, c0, K);
+  const T* xb = x + b * Tn * xs;
+  float xw[J][W];
+  fill_before<T, J, W>(xb, c0, t0, xs, xw);
+  for (int64_t base = t0; base < t1; base += kStage) {
+    float xn[kStage][J];
+    int limits[kStage];
+    stage<T, J>(xb, offsets, b, base, t1, Tn, c0, xs, xn, limits);
+#pragma unroll
+    for (int s = 0; s < kStage; ++s) {
+      const int64_t t = base + s;
+      if (t >= t1) break;  // the same t in every lane
+      const int64_t row = (b * Tn + t) * C + c0;
+      float v[J];
+      float ss = 0.f, unused = 0.f;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        push(xw[j], xn[s][j]);
+        v[j] = silu(taps.conv(j, xw[j], limits[s], K));
+        if constexpr (kL2) {
+          // The bits of the plain kernel's stored output, then the L2 norm
+          // kernel's sums (kernels/l2_norm.cu).
+          v[j] = round_as<T>(v[j]);
+          l2_sums(v[j], 0.f, ss, unused);
+        } else {
+          store(y, row + 32 * j, v[j]);
+        }
+      }
+      if constexpr (kL2) {
+        const float r = rsqrtf(warp_sum(ss) + eps);
+#pragma unroll
+        for (int j = 0; j < J; ++j) y[row + 32 * j] = __fmul_rn(__fmul_rn(v[j], r), scale);
+      }
+    }
+  }
+}
+
+// From dy (of G: T plain, fp32 with kL2): dx of the span's tokens and the
+// span's partial of dw. dz = dy silu'(z) (plain) or the L2 norm's input
+// gradient, rounded to T, times silu'(z), z recomputed from x.
+// dx[t] = sum_j w[j] dz[t + K - 1 - j] over the taps that stay inside the
+// sequence (and the document: tap j of token t + K - 1 - j reads t where
+// it reaches that far back), j ascending. The partial sums dz[t] x[t - K +
+// 1 + j] over the span in token order.
+template <typename T, typename G, int J, int W, bool kL2>
+__global__ void __launch_bounds__(kConvThreads)
+    backward_kernel(const T* __restrict__ x, const float* __restrict__ w,
+                    const int32_t* __restrict__ offsets, const G* __restrict__ dy,
+                    T* __restrict__ dx, float* __restrict__ partial, int64_t Tn, int64_t C,
+                    int64_t xs, int K, int64_t spans, float eps, float scale) {
+  int64_t c0, b, t0, t1;
+  if (!place<J>(C, Tn, spans, c0, b, t0, t1)) return;
+  const Taps<J, W> taps(w, c0, K);
+  const T* xb = x + b * Tn * xs;
+  float xw[J][W], dzw[J][W], acc[J][W];
+  int limits[W];  // each dz slot's reach; -1 past the sequence (no tap)
+  fill_before<T, J, W>(xb, c0, t0, xs, xw);
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    limits[i] = -1;
+#pragma unroll
+    for (int j = 0; j < J; ++j) dzw[j][i] = acc[j][i] = 0.f;
+  }
+  const int64_t walk_end = t1 + K - 1, in_end = walk_end < Tn ? walk_end : Tn;
+  for (int64_t base = t0; base < walk_end; base += kStage) {
+    float xn[kStage][J], gn[kStage][J];
+    int ln[kStage];
+    stage<T, J>(xb, offsets, b, base, in_end, Tn, c0, xs, xn, ln);
+#pragma unroll
+    for (int s = 0; s < kStage; ++s) {
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int64_t u = base + s;
+        gn[s][j] = u < in_end ? load(dy, (b * Tn + u) * C + c0 + 32 * j) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kStage; ++s) {
+      // dz of token u (zero past the sequence, where no tap reads it); u is
+      // the warp's, so the L2 sums' shuffles run in every lane or none.
+      const int64_t u = base + s;
+      if (u >= walk_end) break;
+      const bool in = u < Tn;
+      const int limit = ln[s];
+      push(limits, limit);
+      float z[J], v[J];
+      float ss = 0.f, dot = 0.f;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        push(xw[j], xn[s][j]);
+        z[j] = in ? taps.conv(j, xw[j], limit, K) : 0.f;
+        if constexpr (kL2) {
+          v[j] = round_as<T>(silu(z[j]));
+          l2_sums(v[j], gn[s][j], ss, dot);
+        }
+      }
+      float r = 0.f, r3dot = 0.f;
+      if constexpr (kL2) {
+        if (in) {
+          r = rsqrtf(warp_sum(ss) + eps);
+          r3dot = __fmul_rn(__fmul_rn(__fmul_rn(r, r), r), warp_sum(dot));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        float dz = 0.f;
+        if (in) {
+          const float dv =
+              kL2 ? round_as<T>(l2_input_grad(r, gn[s][j], v[j], r3dot, scale)) : gn[s][j];
+          dz = __fmul_rn(dv, silu_grad(z[j]));
+        }
+        push(dzw[j], dz);
+        if (u < t1) {
+#pragma unroll
+          for (int m = 0; m < W; ++m) {
+            if (m < K && m <= limit) acc[j][m] += dz * xw[j][W - 1 - m];
+          }
+        }
+      }
+      const int64_t t = u - (K - 1);  // the token whose dx is now complete
+      if (t >= t0) {
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+          float sum = 0.f;
+#pragma unroll
+          for (int i = 0; i < W; ++i) {  // tap i reads dz of u - i
+            if (i < K && K - 1 - i <= limits[W - 1 - i]) {
+              sum += taps.ahead[j][i] * dzw[j][W - 1 - i];
+            }
+          }
+          store(dx, (b * Tn + t) * C + c0 + 32 * j, sum);
+        }
+      }
+    }
+  }
+  float* out = partial + (static_cast<int64_t>(blockIdx.y) * C + c0) * K;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+#pragma unroll
+    for (int m = 0; m < W; ++m) {
+      if (m < K) out[32 * j * K + K - 1 - m] = acc[j][m];
+    }
   }
 }
 
@@ -152,92 +303,33 @@ __global__ void __launch_bounds__(kElemThreads)
   dw[i] = acc;
 }
 
-unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kElemThreads - 1) / kElemThreads); }
-
-// With the L2 norm of each head's d = 32 J channels (KDA's q and k): a warp
-// per (token, head), lane l on channels l + 32 j. The convolution's output
-// is rounded to T where the convolution kernel stores it, and the norm
-// sums its squares in kernels/l2_norm.cu's order, so the results are the
-// bits of the two kernels run one after the other, without the T tensor
-// between them written and read back (or kept for the backward).
-constexpr int kNormRowsPerBlock = kElemThreads / 32;
-
-// Row `row` of [B, Tn, heads] as (token bt = b Tn + t, head h), in 32-bit
-// divisions (a few instructions, where 64-bit ones are a long routine);
-// the launchers keep B Tn heads below 2^31.
-__device__ __forceinline__ void row_place(int64_t row, int64_t heads, int64_t Tn, int64_t& bt,
-                                          int64_t& h, int64_t& t, int64_t& b) {
-  const auto r = static_cast<uint32_t>(row), hs = static_cast<uint32_t>(heads);
-  const uint32_t q = r / hs;
-  const uint32_t bq = q / static_cast<uint32_t>(Tn);
-  bt = q;
-  h = r - q * hs;
-  b = bq;
-  t = q - bq * static_cast<uint32_t>(Tn);
+// The grid of a walk: x over groups of kConvWarps warps, y over the
+// (row, span) pairs.
+dim3 conv_grid(int64_t B, int64_t Tn, int64_t C, int J) {
+  const int64_t groups = (C + 32 * J - 1) / (32 * J);
+  return dim3(static_cast<unsigned>((groups + kConvWarps - 1) / kConvWarps),
+              static_cast<unsigned>(short_conv_partials(B, Tn)));
 }
 
-template <typename T, int J>
-__global__ void __launch_bounds__(kElemThreads)
-    l2_forward_kernel(const T* __restrict__ x, const float* __restrict__ w,
-                      const int32_t* __restrict__ offsets, float* __restrict__ y, int64_t rows,
-                      int64_t Tn, int64_t C, int64_t xs, int K, float eps, float scale) {
-  constexpr int d = 32 * J;
-  const int64_t row = blockIdx.x * static_cast<int64_t>(kNormRowsPerBlock) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows) return;  // a whole warp leaves together
-  int64_t bt, h, t, b;
-  row_place(row, C / d, Tn, bt, h, t, b);
-  const int64_t back = reach(offsets, b, t, Tn);
-  float v[J];
-  float ss = 0.f, unused = 0.f;
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int64_t c = h * d + lane + 32 * j;
-    v[j] = round_as<T>(silu(conv_at(x + b * Tn * xs + c, w + c * K, t, back, xs, K)));
-    l2_sums(v[j], 0.f, ss, unused);
-  }
-  const float r = rsqrtf(warp_sum(ss) + eps);
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    y[bt * C + h * d + lane + 32 * j] = __fmul_rn(__fmul_rn(v[j], r), scale);
-  }
+// The walks keep a token's reach in 32 bits and put a (row, span) pair on
+// the grid's y (65,535 at most).
+bool bad_shape(int64_t B, int64_t Tn, int64_t C, int K, int64_t xs) {
+  return K < 1 || K > kShortConvMaxTaps || xs < C || Tn >= (int64_t{1} << 31) ||
+         short_conv_partials(B, Tn) > 65535;
+}
+bool bad_head(int64_t C, int64_t head_dim) {
+  return (head_dim != 32 && head_dim != 64 && head_dim != 128) || C % head_dim != 0;
 }
 
-// dz for the backward of the two: the norm's input gradient (rounded to T,
-// as the norm kernel stores it for the convolution) times silu'(z), z and
-// the norm's input recomputed from x.
-template <typename T, int J>
-__global__ void __launch_bounds__(kElemThreads)
-    l2_dz_kernel(const T* __restrict__ x, const float* __restrict__ w,
-                 const int32_t* __restrict__ offsets, const float* __restrict__ dy,
-                 float* __restrict__ dz, int64_t rows, int64_t Tn, int64_t C, int64_t xs, int K,
-                 float eps, float scale) {
-  constexpr int d = 32 * J;
-  const int64_t row = blockIdx.x * static_cast<int64_t>(kNormRowsPerBlock) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows) return;
-  int64_t bt, h, t, b;
-  row_place(row, C / d, Tn, bt, h, t, b);
-  const int64_t back = reach(offsets, b, t, Tn);
-  float z[J], v[J], g[J];
-  float ss = 0.f, dot = 0.f;
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int64_t c = h * d + lane + 32 * j;
-    z[j] = conv_at(x + b * Tn * xs + c, w + c * K, t, back, xs, K);
-    v[j] = round_as<T>(silu(z[j]));
-    g[j] = dy[bt * C + c];
-    l2_sums(v[j], g[j], ss, dot);
+// W: the filter's length rounded up to 4 or kShortConvMaxTaps.
+#define VIADUCT_SHORT_CONV_W(K_, ...)       \
+  if ((K_) <= 4) {                          \
+    constexpr int W = 4;                    \
+    __VA_ARGS__;                            \
+  } else {                                  \
+    constexpr int W = kShortConvMaxTaps;    \
+    __VA_ARGS__;                            \
   }
-  const float r = rsqrtf(warp_sum(ss) + eps);
-  dot = warp_sum(dot);
-  const float r3dot = __fmul_rn(__fmul_rn(__fmul_rn(r, r), r), dot);
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const float dv = round_as<T>(l2_input_grad(r, g[j], v[j], r3dot, scale));
-    dz[bt * C + h * d + lane + 32 * j] = __fmul_rn(dv, silu_grad(z[j]));
-  }
-}
 
 #define VIADUCT_SHORT_CONV_J(d_, ...)                    \
   switch ((d_) / 32) {                                   \
@@ -247,17 +339,11 @@ __global__ void __launch_bounds__(kElemThreads)
     default: return cudaErrorInvalidValue;               \
   }
 
-// dx and dw from dz, as the plain backward's last three launches.
-template <typename T>
-void dx_dw_from_dz(const T* x, int64_t xs, const float* w, const int32_t* offsets,
-                   const float* dz, T* dx, float* partial, float* dw, int64_t B, int64_t Tn,
-                   int64_t C, int K, cudaStream_t stream) {
-  const int64_t spans = (Tn + kShortConvTokensPerPartial - 1) / kShortConvTokensPerPartial;
-  dx_kernel<T><<<element_grid(B, Tn, C), kElemThreads, 0, stream>>>(w, offsets, dz, dx, Tn, C, K);
-  const dim3 grid(blocks_for(C), static_cast<unsigned>(B * spans));
-  dw_partial_kernel<T><<<grid, kElemThreads, 0, stream>>>(x, offsets, dz, partial, Tn, C, xs, K,
-                                                           spans);
-  dw_sum_kernel<<<blocks_for(C * K), kElemThreads, 0, stream>>>(partial, dw, C * K, B * spans);
+void sum_partials(const float* partial, float* dw, int64_t B, int64_t Tn, int64_t C, int K,
+                  cudaStream_t stream) {
+  const int64_t CK = C * K;
+  dw_sum_kernel<<<static_cast<unsigned>((CK + kElemThreads - 1) / kElemThreads), kElemThreads,
+                  0, stream>>>(partial, dw, CK, short_conv_partials(B, Tn));
 }
 
 }  // namespace
@@ -265,32 +351,31 @@ void dx_dw_from_dz(const T* x, int64_t xs, const float* w, const int32_t* offset
 cudaError_t short_conv_silu_forward(DType dt, const void* x, int64_t xs, const float* w,
                                     const int32_t* offsets, void* y, int64_t B, int64_t Tn,
                                     int64_t C, int K, cudaStream_t stream) {
-  const int64_t n = B * Tn * C;
-  if (n == 0) return cudaSuccess;
-  if (K < 1 || K > kShortConvMaxTaps || xs < C || B > kGridYZLimit) return cudaErrorInvalidValue;
-  VIADUCT_DISPATCH(dt, forward_kernel<T><<<element_grid(B, Tn, C), kElemThreads, 0, stream>>>(
-                           static_cast<const T*>(x), w, offsets, static_cast<T*>(y), Tn, C, xs,
-                           K));
+  if (B * Tn * C == 0) return cudaSuccess;
+  if (bad_shape(B, Tn, C, K, xs)) return cudaErrorInvalidValue;
+  const int64_t spans = short_conv_partials(1, Tn);
+  VIADUCT_SHORT_CONV_W(K, VIADUCT_DISPATCH(dt, (forward_kernel<T, T, 1, W, false>
+                                                <<<conv_grid(B, Tn, C, 1), kConvThreads, 0,
+                                                   stream>>>(static_cast<const T*>(x), w, offsets,
+                                                             static_cast<T*>(y), Tn, C, xs, K,
+                                                             spans, 0.f, 0.f))));
   return cudaGetLastError();
 }
 
 cudaError_t short_conv_silu_backward(DType dt, const void* x, int64_t xs, const float* w,
-                                     const int32_t* offsets, const void* dy, float* dz, void* dx,
+                                     const int32_t* offsets, const void* dy, void* dx,
                                      float* partial, float* dw, int64_t B, int64_t Tn, int64_t C,
                                      int K, cudaStream_t stream) {
-  const int64_t n = B * Tn * C;
-  if (K < 1 || K > kShortConvMaxTaps || xs < C) return cudaErrorInvalidValue;
-  if (n == 0) return cudaMemsetAsync(dw, 0, sizeof(float) * C * K, stream);
-  const int64_t spans = (Tn + kShortConvTokensPerPartial - 1) / kShortConvTokensPerPartial;
-  const int64_t parts = B * spans;
-  if (parts > 65535) return cudaErrorInvalidValue;  // grid.y; the op checks first
-  VIADUCT_DISPATCH(dt, {
-    const auto* xt = static_cast<const T*>(x);
-    dz_kernel<T><<<element_grid(B, Tn, C), kElemThreads, 0, stream>>>(
-        xt, w, offsets, static_cast<const T*>(dy), dz, Tn, C, xs, K);
-    dx_dw_from_dz<T>(xt, xs, w, offsets, dz, static_cast<T*>(dx), partial, dw, B, Tn, C, K,
-                     stream);
-  });
+  if (bad_shape(B, Tn, C, K, xs)) return cudaErrorInvalidValue;
+  if (B * Tn * C == 0) return cudaMemsetAsync(dw, 0, sizeof(float) * C * K, stream);
+  const int64_t spans = short_conv_partials(1, Tn);
+  VIADUCT_SHORT_CONV_W(K, VIADUCT_DISPATCH(dt, (backward_kernel<T, T, 1, W, false>
+                                                <<<conv_grid(B, Tn, C, 1), kConvThreads, 0,
+                                                   stream>>>(static_cast<const T*>(x), w, offsets,
+                                                             static_cast<const T*>(dy),
+                                                             static_cast<T*>(dx), partial, Tn, C,
+                                                             xs, K, spans, 0.f, 0.f))));
+  sum_partials(partial, dw, B, Tn, C, K, stream);
   return cudaGetLastError();
 }
 
@@ -298,42 +383,37 @@ cudaError_t short_conv_silu_l2_forward(DType dt, const void* x, int64_t xs, cons
                                        const int32_t* offsets, float* y, int64_t B, int64_t Tn,
                                        int64_t C, int K, int64_t head_dim, float eps,
                                        float scale, cudaStream_t stream) {
-  if (K < 1 || K > kShortConvMaxTaps || xs < C ||
-      (head_dim != 32 && head_dim != 64 && head_dim != 128) || C % head_dim != 0) {
-    return cudaErrorInvalidValue;
-  }
-  const int64_t rows = B * Tn * (C / head_dim);
-  if (rows == 0) return cudaSuccess;
-  if (rows >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // row_place's 32 bits
-  const unsigned blocks = static_cast<unsigned>((rows + kNormRowsPerBlock - 1) / kNormRowsPerBlock);
-  VIADUCT_SHORT_CONV_J(head_dim, VIADUCT_DISPATCH(dt, l2_forward_kernel<T, J>
-                                                  <<<blocks, kElemThreads, 0, stream>>>(
-                                                      static_cast<const T*>(x), w, offsets, y,
-                                                      rows, Tn, C, xs, K, eps, scale)));
+  if (bad_shape(B, Tn, C, K, xs) || bad_head(C, head_dim)) return cudaErrorInvalidValue;
+  if (B * Tn * C == 0) return cudaSuccess;
+  const int64_t spans = short_conv_partials(1, Tn);
+  VIADUCT_SHORT_CONV_J(
+      head_dim,
+      VIADUCT_SHORT_CONV_W(K, VIADUCT_DISPATCH(dt, (forward_kernel<T, float, J, W, true>
+                                                    <<<conv_grid(B, Tn, C, J), kConvThreads, 0,
+                                                       stream>>>(static_cast<const T*>(x), w,
+                                                                 offsets, y, Tn, C, xs, K, spans,
+                                                                 eps, scale)))));
   return cudaGetLastError();
 }
 
 cudaError_t short_conv_silu_l2_backward(DType dt, const void* x, int64_t xs, const float* w,
-                                        const int32_t* offsets, const float* dy, float* dz,
-                                        void* dx, float* partial, float* dw, int64_t B,
-                                        int64_t Tn, int64_t C, int K, int64_t head_dim,
-                                        float eps, float scale, cudaStream_t stream) {
-  if (K < 1 || K > kShortConvMaxTaps || xs < C ||
-      (head_dim != 32 && head_dim != 64 && head_dim != 128) || C % head_dim != 0) {
-    return cudaErrorInvalidValue;
-  }
-  const int64_t rows = B * Tn * (C / head_dim);
-  if (rows == 0) return cudaMemsetAsync(dw, 0, sizeof(float) * C * K, stream);
-  if (rows >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // row_place's 32 bits
-  if (short_conv_partials(B, Tn) > 65535) return cudaErrorInvalidValue;  // grid.y
-  const unsigned blocks = static_cast<unsigned>((rows + kNormRowsPerBlock - 1) / kNormRowsPerBlock);
-  VIADUCT_SHORT_CONV_J(head_dim, VIADUCT_DISPATCH(dt, {
-    const auto* xt = static_cast<const T*>(x);
-    l2_dz_kernel<T, J><<<blocks, kElemThreads, 0, stream>>>(xt, w, offsets, dy, dz, rows, Tn, C,
-                                                             xs, K, eps, scale);
-    dx_dw_from_dz<T>(xt, xs, w, offsets, dz, static_cast<T*>(dx), partial, dw, B, Tn, C, K,
-                     stream);
-  }));
+                                        const int32_t* offsets, const float* dy, void* dx,
+                                        float* partial, float* dw, int64_t B, int64_t Tn,
+                                        int64_t C, int K, int64_t head_dim, float eps,
+                                        float scale, cudaStream_t stream) {
+  if (bad_shape(B, Tn, C, K, xs) || bad_head(C, head_dim)) return cudaErrorInvalidValue;
+  if (B * Tn * C == 0) return cudaMemsetAsync(dw, 0, sizeof(float) * C * K, stream);
+  const int64_t spans = short_conv_partials(1, Tn);
+  VIADUCT_SHORT_CONV_J(
+      head_dim,
+      VIADUCT_SHORT_CONV_W(K, VIADUCT_DISPATCH(dt, (backward_kernel<T, float, J, W, true>
+                                                    <<<conv_grid(B, Tn, C, J), kConvThreads, 0,
+                                                       stream>>>(static_cast<const T*>(x), w,
+                                                                 offsets, dy,
+                                                                 static_cast<T*>(dx), partial,
+                                                                 Tn, C, xs, K, spans, eps,
+                                                                 scale)))));
+  sum_partials(partial, dw, B, Tn, C, K, stream);
   return cudaGetLastError();
 }
 

@@ -39,14 +39,13 @@ struct ConvInputs {
   }
 };
 
-// The backward's view of that state, with its outputs and scratch: dz fp32
-// and the weight gradient's partial sums (scratch), dx in x's dtype, dw
-// fp32.
+// The backward's view of that state, with its outputs and scratch: the
+// weight gradient's partial sums (scratch), dx in x's dtype, dw fp32.
 struct ConvGrads {
   at::Tensor x, w, offsets;
   int64_t B, T, C;
   int K;
-  at::Tensor dz, partial, dx, dw;
+  at::Tensor partial, dx, dw;
   explicit ConvGrads(AutogradContext* ctx) {
     const auto saved = ctx->get_saved_variables();
     x = saved[0];
@@ -57,7 +56,6 @@ struct ConvGrads {
     C = x.size(2);
     K = static_cast<int>(w.size(1));
     const auto f32 = x.options().dtype(at::kFloat);
-    dz = at::empty({B, T, C}, f32);
     partial = at::empty({cuda::short_conv_partials(B, T), C, K}, f32);
     dx = at::empty({B, T, C}, x.options());
     dw = at::empty({C, K}, f32);
@@ -83,8 +81,7 @@ class ShortConvSiluFn : public torch::autograd::Function<ShortConvSiluFn> {
     auto dy = grads[0].to(g.x.scalar_type()).contiguous();
     check_launch(cuda::short_conv_silu_backward(
                      dtype_of(g.x), g.x.data_ptr(), g.x.stride(1), g.w.data_ptr<float>(),
-                     offsets_of(g.offsets), dy.data_ptr(), g.dz.data_ptr<float>(),
-                     g.dx.data_ptr(), g.partial.data_ptr<float>(), g.dw.data_ptr<float>(), g.B,
+                     offsets_of(g.offsets), dy.data_ptr(), g.dx.data_ptr(), g.partial.data_ptr<float>(), g.dw.data_ptr<float>(), g.B,
                      g.T, g.C, g.K, stream_of(g.x)),
                  "short_conv_silu_backward");
     return {g.dx, g.dw, at::Tensor()};
@@ -117,8 +114,7 @@ class ShortConvSiluL2Fn : public torch::autograd::Function<ShortConvSiluL2Fn> {
     auto dy = grads[0].to(at::kFloat).contiguous();
     check_launch(cuda::short_conv_silu_l2_backward(
                      dtype_of(g.x), g.x.data_ptr(), g.x.stride(1), g.w.data_ptr<float>(),
-                     offsets_of(g.offsets), dy.data_ptr<float>(), g.dz.data_ptr<float>(),
-                     g.dx.data_ptr(), g.partial.data_ptr<float>(), g.dw.data_ptr<float>(), g.B,
+                     offsets_of(g.offsets), dy.data_ptr<float>(), g.dx.data_ptr(), g.partial.data_ptr<float>(), g.dw.data_ptr<float>(), g.B,
                      g.T, g.C, g.K, ctx->saved_data["head_dim"].toInt(),
                      static_cast<float>(ctx->saved_data["eps"].toDouble()),
                      static_cast<float>(ctx->saved_data["scale"].toDouble()), stream_of(g.x)),
