@@ -1220,13 +1220,13 @@ TEST(FusedKernels, L2NormalizeMatchesAten) {
 
 // KDA's short convolution + SiLU against the ATen form in fp64 (conv1d,
 // then silu), every input's gradient; T = 133 leaves a short last span of
-// the weight gradient's partial sums, C = 72 a partial block, and the
-// backward twice gives the same bits.
+// the weight gradient's partial sums, C = 72 a partial block, K = 6 the
+// kernels' wider window, and the backward twice gives the same bits.
 TEST(FusedKernels, ShortConvSiluMatchesAtenConv) {
   REQUIRE_GPU();
   const int64_t B = 2, T = 133, C = 72;
   for (auto t : kTypes) {
-    for (int64_t K : {4, 2}) {
+    for (int64_t K : {4, 2, 6}) {
       const auto seed = fresh_seed();
       auto [x, xr] = draw({B, T, C}, t);
       auto w = (at::randn({C, K}, at::TensorOptions(at::kCUDA)) * 0.5).requires_grad_(true);
@@ -1319,7 +1319,7 @@ TEST(FusedKernels, ShortConvOverDocumentsIsEachDocumentAlone) {
 // and k) against the convolution kernel followed by the L2 norm kernel:
 // the output and the gradients of x and the weight bit for bit, for x
 // contiguous and as a column slice of a wider product, with and without
-// documents, heads of 32, 64 and 128.
+// documents, heads of 32, 64 and 128, filters of 2, 4 and 6 taps.
 TEST(FusedKernels, ShortConvL2IsBitwiseTheTwoKernels) {
   REQUIRE_GPU();
   const int64_t B = 2, T = 150;
@@ -1327,7 +1327,7 @@ TEST(FusedKernels, ShortConvL2IsBitwiseTheTwoKernels) {
   for (const int64_t t : {1, 40, 149}) starts[0][t] = true;
   starts[1][77] = true;
   const ops::Documents docs(starts, true);
-  for (int64_t K : {4, 2})
+  for (int64_t K : {4, 2, 6})
   for (int64_t d : {32, 64, 128})
   for (auto t : kTypes)
   for (const bool slice : {false, true})
