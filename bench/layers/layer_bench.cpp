@@ -23,9 +23,10 @@
 // in place]): the backward adds into the slots, as in the model's step.
 // --cpu, or model.cuda_kernels' choice on a GPU without viaduct's kernels,
 // runs the ATen forms.
-// --only "bias grad": the bias gradient's two forms alone (ATen's sum over
-// the tokens against cuBLAS's product with ones), at widths D, 3D and 4D
-// of B x T tokens, e.g. gpt2's: --batch 8 --tokens 1024 --dim 768.
+// --only "bias grad": the bias gradient's forms alone (ATen's sum over the
+// tokens, in dy's dtype and fp32 out, against cuBLAS's product with ones,
+// the same two ways), at widths D, 3D and 4D of B x T tokens, e.g. gpt2's:
+// --batch 8 --tokens 1024 --dim 768.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -36,6 +37,7 @@
 
 #include "bench_common.h"
 #include "core/device.h"
+#include "core/torch_compat.h"
 #include "kernels/fused.h"
 #include "kernels/weight_cache.h"
 #include "model/attn_res.h"
@@ -293,41 +295,48 @@ int main(int argc, char** argv) {
         0.0);
   }
   // A linear's bias gradient, the sum of dy over the tokens (gpt2's 48 a
-  // step: qkv 3D, wo D, the MLP's 4D and D wide), two ways: ATen's sum over
-  // the rows (what MixedLinear's backward runs) and cuBLAS's product with
-  // a ones vector. Each timed over 20 calls in a row (one call is a few
-  // microseconds, under the synchronisation around a timing), with each
-  // one's largest relative error against the fp64 sum and the time the
-  // gradient's one read takes at the device's peak bandwidth, left to the
-  // reader (bytes printed).
+  // step: qkv 3D, wo D, the MLP's 4D and D wide), four ways: ATen's sum
+  // over the rows in dy's dtype and with an fp32 result (what MixedLinear's
+  // backward runs), and cuBLAS's product with a ones vector, in dy's dtype
+  // and as one GEMM writing fp32 (compat::matmul_into_fp32_; its fallback
+  // where the build has none). Each timed over 20 calls in a row (one call
+  // is a few microseconds, under the synchronisation around a timing), with
+  // each one's largest relative error against the fp64 sum and the bytes
+  // the gradient's one read takes, left to the reader.
   if (only.empty() || std::string("bias grad").find(only) != std::string::npos) {
-    std::printf("\n| bias grad ([%lld tokens, width], %s, %s) | bytes read | sum(0) us | ones @ dy us | sum(0) max rel | ones @ dy max rel |\n",
+    std::printf("\n| bias grad ([%lld tokens, width], %s, %s) | bytes read | sum(0) us | sum(0) fp32 out us | ones @ dy us | ones @ dy fp32 out us | max rel: sum, sum fp32, ones, ones fp32 |\n",
                 (long long)(B * T), c10::toString(dtype), device_name(dev).c_str());
-    std::printf("|---|---|---|---|---|---|\n");
+    std::printf("|---|---|---|---|---|---|---|\n");
+    const bool fp32_out = !compat::fp32_out_gemm_refusal(dev).has_value();
     for (const int64_t width : {D, 3 * D, 4 * D}) {
       const auto o = at::TensorOptions().device(dev);
       const auto dy = at::randn({B * T, width}, o).to(dtype);
-      const auto ones = at::ones({B * T}, o).to(dtype);
+      const auto ones = at::ones({1, B * T}, o).to(dtype);
       const auto ref = dy.to(at::kCPU, at::kDouble).sum(0);
       auto rel = [&](const at::Tensor& got) {
-        return ((got.to(at::kCPU, at::kDouble) - ref).abs().max() / ref.abs().max())
+        return ((got.reshape({-1}).to(at::kCPU, at::kDouble) - ref).abs().max() /
+                ref.abs().max())
             .item<double>();
       };
       constexpr int kCalls = 20;
-      at::Tensor by_sum, by_gemv;
-      const double sum_ms = bench::median_ms(
-          [&] {
-            for (int c = 0; c < kCalls; ++c) by_sum = dy.sum(0);
-          },
-          iters, dev);
-      const double gemv_ms = bench::median_ms(
-          [&] {
-            for (int c = 0; c < kCalls; ++c) by_gemv = at::mv(dy.t(), ones);
-          },
-          iters, dev);
-      std::printf("| width %lld | %.1f MB | %.1f | %.1f | %.1e | %.1e |\n", (long long)width,
-                  static_cast<double>(dy.numel() * dy.element_size()) / 1e6,
-                  1e3 * sum_ms / kCalls, 1e3 * gemv_ms / kCalls, rel(by_sum), rel(by_gemv));
+      at::Tensor by_sum, by_sum32, by_gemv, by_gemm32 = at::empty({1, width}, o.dtype(at::kFloat));
+      auto time = [&](const std::function<void()>& f) {
+        return 1e3 * bench::median_ms(
+                         [&] {
+                           for (int c = 0; c < kCalls; ++c) f();
+                         },
+                         iters, dev) /
+               kCalls;
+      };
+      const double sum_us = time([&] { by_sum = dy.sum(0); });
+      const double sum32_us = time([&] { by_sum32 = dy.sum(0, false, at::kFloat); });
+      const double gemv_us = time([&] { by_gemv = at::mm(ones, dy); });
+      const double gemm32_us =
+          time([&] { compat::matmul_into_fp32_(by_gemm32, ones, dy, false, fp32_out); });
+      std::printf("| width %lld | %.1f MB | %.1f | %.1f | %.1f | %.1f | %.1e, %.1e, %.1e, %.1e |\n",
+                  (long long)width, static_cast<double>(dy.numel() * dy.element_size()) / 1e6,
+                  sum_us, sum32_us, gemv_us, gemm32_us, rel(by_sum), rel(by_sum32), rel(by_gemv),
+                  rel(by_gemm32));
     }
   }
   std::printf("\n| layer (B=%lld, T=%lld, D=%lld, %s, %s) | params | fwd+bwd ms | floor ms | floor/measured |\n",
