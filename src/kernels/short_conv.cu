@@ -24,6 +24,13 @@ namespace {
 
 constexpr int kConvWarps = 4;
 constexpr int kConvThreads = 32 * kConvWarps;
+// Blocks an SM must hold at once: 4 caps a thread at 128 registers, so a
+// whole [8192, 1024] call's warps fit on the device in one wave. Windows of
+// more than 8 floats a thread would spill under that cap and keep 1.
+template <int J, int W>
+constexpr int conv_min_blocks() {
+  return J * W <= 8 ? 4 : 1;
+}
 
 // How far back token t of row b may read: its offset in its document
 // (offsets [B, T]), or t itself (no documents: the sequence's start).
@@ -141,7 +148,7 @@ __device__ __forceinline__ void stage(const T* __restrict__ xb,
 // y = silu(conv(x)) stored as Y (plain), or, with kL2, each head's L2
 // norm of it rounded to T, times scale, stored fp32.
 template <typename T, typename Y, int J, int W, bool kL2>
-__global__ void __launch_bounds__(kConvThreads)
+__global__ void __launch_bounds__(kConvThreads, conv_min_blocks<J, W>())
     forward_kernel(const T* __restrict__ x, const float* __restrict__ w,
                    const int32_t* __restrict__ offsets, Y* __restrict__ y, int64_t Tn, int64_t C,
                    int64_t xs, int K, int64_t spans, float eps, float scale) {
@@ -192,7 +199,7 @@ __global__ void __launch_bounds__(kConvThreads)
 // it reaches that far back), j ascending. The partial sums dz[t] x[t - K +
 // 1 + j] over the span in token order.
 template <typename T, typename G, int J, int W, bool kL2>
-__global__ void __launch_bounds__(kConvThreads)
+__global__ void __launch_bounds__(kConvThreads, conv_min_blocks<J, W>())
     backward_kernel(const T* __restrict__ x, const float* __restrict__ w,
                     const int32_t* __restrict__ offsets, const G* __restrict__ dy,
                     T* __restrict__ dx, float* __restrict__ partial, int64_t Tn, int64_t C,
