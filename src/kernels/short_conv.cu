@@ -65,9 +65,8 @@ __device__ __forceinline__ void push(V (&window)[W], V v) {
 // constants.
 template <int J, int W>
 struct Taps {
-  int64_t c;  // the thread's first channel
   float ahead[J][W], back[J][W];
-  __device__ Taps(const float* __restrict__ w, int64_t c0, int K) : c(c0) {
+  __device__ Taps(const float* __restrict__ w, int64_t c0, int K) {
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       const float* wc = w + (c0 + 32 * j) * K;
