@@ -30,7 +30,11 @@ class ChunkedHeadCrossEntropy
                        : weight.to(h.scalar_type());
     const bool need_h = h.requires_grad(), need_w = weight.requires_grad();
     auto grad_h = need_h ? at::empty(h.sizes(), h.options()) : at::Tensor();  // contiguous
-    auto grad_w = need_w ? at::zeros(w.sizes(), w.options().dtype(acc)) : at::Tensor();
+    // The fused path's first chunk writes grad_w (beta 0), so only the ATen
+    // form, which adds every chunk, needs it zeroed.
+    auto grad_w = !need_w ? at::Tensor()
+                  : fused ? at::empty(w.sizes(), w.options().dtype(acc))
+                          : at::zeros(w.sizes(), w.options().dtype(acc));
     auto loss = at::zeros({}, h.options().dtype(acc));
     for (int64_t start = 0; start < N; start += chunk) {
       const auto end = std::min(N, start + chunk);
@@ -47,7 +51,7 @@ class ChunkedHeadCrossEntropy
         }
         // One GEMM accumulating in fp32, no [V, D] temporaries (compat).
         if (need_w) {
-          compat::matmul_into_fp32_(grad_w, g.t(), hc, /*accumulate=*/true,
+          compat::matmul_into_fp32_(grad_w, g.t(), hc, /*accumulate=*/start > 0,
                                     k->capabilities.fp32_out_gemm);
         }
         continue;
@@ -69,20 +73,38 @@ class ChunkedHeadCrossEntropy
         if (need_w) grad_w.add_(at::matmul(gc.t(), hc).to(acc));
       }
     }
-    ctx->save_for_backward({grad_h, grad_w});
+    // Kept as data, not saved variables: the backward scales them in place
+    // and hands them on (see Note [The head's gradients scaled in place]).
+    if (need_h) ctx->saved_data["grad_h"] = grad_h;
+    if (need_w) ctx->saved_data["grad_w"] = grad_w;
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     return loss;
   }
 
+  // Note [The head's gradients scaled in place]
+  // The forward computed the head's gradients; the backward only scales them
+  // by the loss's incoming gradient. Scaling a fresh copy would hold the
+  // [V, D] fp32 weight gradient twice at the step's peak (the backward's
+  // start), so each is scaled in place and moved out of the node, its one
+  // reference, which also lets AccumulateGrad take it as the weight's
+  // gradient without a copy. Each is computed only when asked for: a split
+  // backward (the zero-bubble schedules' input pass, then the weight pass
+  // over the same graph) runs this node twice, once for each.
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
     const auto& go = grads[0];
+    auto take = [&](const char* key) {
+      VIADUCT_ASSERT(ctx->saved_data.count(key) == 1, "chunked head loss: the backward was "
+                     "asked for ", key, " a second time (it hands each gradient on once)");
+      auto t = ctx->saved_data[key].toTensor();
+      ctx->saved_data.erase(key);
+      return t.mul_(go.to(t.scalar_type()));
+    };
     at::Tensor gh, gw;
-    if (saved[0].defined()) gh = saved[0] * go.to(saved[0].scalar_type());
-    if (saved[1].defined()) {
-      gw = (saved[1] * go.to(saved[1].scalar_type()))
-               .to(static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt()));
+    if (ctx->needs_input_grad(0)) gh = take("grad_h");
+    if (ctx->needs_input_grad(1)) {
+      gw = take("grad_w").to(
+          static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt()));
     }
     return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

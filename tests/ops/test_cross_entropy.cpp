@@ -31,5 +31,31 @@ TEST(ChunkedHeadLoss, MatchesLogitsThenCrossEntropyInFp64) {
   }
 }
 
+// A split backward, as the zero-bubble schedules run it: the input's
+// gradient first over a kept graph, then the weight's, each asked of the
+// loss's node once. The two parts are the one backward's bits; asking the
+// node for a gradient it has already handed on is an error, not a
+// gradient scaled twice.
+TEST(ChunkedHeadLoss, SplitBackwardHasTheOneBackwardsGradients) {
+  at::manual_seed(4);
+  const int64_t N = 21, D = 8, V = 30;
+  auto h = torch::randn({N, D}, torch::kFloat).requires_grad_(true);
+  auto w = torch::randn({V, D}, torch::kFloat).requires_grad_(true);
+  auto t = torch::randint(0, V, {N}, torch::kLong);
+  const auto scale = at::scalar_tensor(0.375f);
+  (ops::chunked_head_cross_entropy(h, w, t, 8, ops::KernelOptions{}) * scale).backward();
+  const auto gh = h.grad().clone(), gw = w.grad().clone();
+  h.mutable_grad() = at::Tensor();
+  w.mutable_grad() = at::Tensor();
+
+  auto loss = ops::chunked_head_cross_entropy(h, w, t, 8, ops::KernelOptions{}) * scale;
+  const auto dh = torch::autograd::grad({loss}, {h}, {}, /*retain_graph=*/true)[0];
+  EXPECT_TRUE(torch::equal(dh, gh));
+  torch::autograd::backward({loss}, {}, /*retain_graph=*/true, /*create_graph=*/false, {w});
+  EXPECT_TRUE(torch::equal(w.grad(), gw));
+  EXPECT_FALSE(h.grad().defined());
+  EXPECT_THROW(torch::autograd::backward({loss}, {}, false, false, {w}), std::exception);
+}
+
 }  // namespace
 }  // namespace viaduct
