@@ -159,6 +159,17 @@ void WeightCache::mark_written(const at::Tensor& p) {
   e.versions[static_cast<size_t>(i)] = p._version();
 }
 
+at::Tensor WeightCache::ones_row(int64_t n, at::ScalarType dtype, const at::Device& device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& v : ones_) {
+    if (v.scalar_type() != dtype || v.device() != device) continue;
+    if (v.size(0) < n) v = at::ones({n}, v.options());
+    return v.narrow(0, 0, n).view({1, n});
+  }
+  ones_.push_back(at::ones({n}, at::TensorOptions().dtype(dtype).device(device)));
+  return ones_.back().view({1, n});
+}
+
 void WeightCache::clear() {
   std::lock_guard<std::mutex> lock(mu_);
   by_part_.clear();
@@ -185,6 +196,11 @@ at::Tensor cast_weights(WeightCache* cache, at::TensorList parts, at::ScalarType
   if (cache != nullptr) return cache->get(parts, dtype);
   check_parts(parts, dtype);
   return cast_afresh(parts, dtype);
+}
+
+at::Tensor ones_row(WeightCache* cache, int64_t n, at::ScalarType dtype, const at::Device& device) {
+  if (cache != nullptr) return cache->ones_row(n, dtype, device);
+  return at::ones({1, n}, at::TensorOptions().dtype(dtype).device(device));
 }
 
 }  // namespace viaduct::kernels

@@ -68,6 +68,12 @@ class WeightCache {
   // bumps p's version and records p's rows of the copy as current.
   void mark_written(const at::Tensor& p);
 
+  // A [1, n] row of ones of `dtype` on `device` (the bias gradients'
+  // product with ones: see Note [Bias gradient as a product with ones],
+  // ops/linear.cpp): a view of one kept vector per dtype and device, grown
+  // to the longest row asked for. Not to be written.
+  at::Tensor ones_row(int64_t n, at::ScalarType dtype, const at::Device& device);
+
   // Forgets every copy (they are rebuilt on use).
   void clear();
 
@@ -84,10 +90,15 @@ class WeightCache {
   // pointer, so a new tensor at a freed address never matches).
   std::unordered_map<const c10::TensorImpl*, std::shared_ptr<Entry>> by_part_;
   int64_t casts_ = 0;
+  std::vector<at::Tensor> ones_;  // ones_row's vectors, one per dtype and device
 };
 
 // `parts` cast as WeightCache::get casts them: through `cache` where the
 // caller has one, else a fresh cast on every call (the same bits).
 at::Tensor cast_weights(WeightCache* cache, at::TensorList parts, at::ScalarType dtype);
+
+// WeightCache::ones_row through `cache` where the caller has one, else a
+// fresh row of ones.
+at::Tensor ones_row(WeightCache* cache, int64_t n, at::ScalarType dtype, const at::Device& device);
 
 }  // namespace viaduct::kernels

@@ -42,6 +42,26 @@ TEST_F(WeightCache, ReusesTheCopyUntilTheWeightChanges) {
   EXPECT_TRUE(bitwise_equal(c3, w.detach().to(at::kBFloat16)));
 }
 
+// The bias gradients' row of ones: [1, n] of ones of the dtype asked for,
+// shorter rows views of the one kept vector, a longer row growing it, each
+// dtype its own; the same as a fresh row from the cache-less form.
+TEST_F(WeightCache, OnesRowsAreViewsOfOneKeptVectorPerDtype) {
+  const auto cpu = at::Device(at::kCPU);
+  auto r8 = cache_.ones_row(8, at::kBFloat16, cpu);
+  EXPECT_TRUE(bitwise_equal(r8, at::ones({1, 8}, at::kBFloat16)));
+  auto r5 = cache_.ones_row(5, at::kBFloat16, cpu);
+  EXPECT_TRUE(bitwise_equal(r5, at::ones({1, 5}, at::kBFloat16)));
+  EXPECT_EQ(r5.data_ptr(), r8.data_ptr());
+  auto r12 = cache_.ones_row(12, at::kBFloat16, cpu);
+  EXPECT_TRUE(bitwise_equal(r12, at::ones({1, 12}, at::kBFloat16)));
+  EXPECT_EQ(cache_.ones_row(12, at::kBFloat16, cpu).data_ptr(), r12.data_ptr());
+  auto f = cache_.ones_row(3, at::kFloat, cpu);
+  EXPECT_EQ(f.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(f, at::ones({1, 3})));
+  EXPECT_TRUE(bitwise_equal(kernels::ones_row(nullptr, 4, at::kBFloat16, cpu),
+                            cache_.ones_row(4, at::kBFloat16, cpu)));
+}
+
 TEST_F(WeightCache, PartsAreConcatenatedAndRecastOneByOne) {
   auto a = at::randn({4, 3}), b = at::randn({2, 3}), c = at::randn({5, 3});
   auto copy = cache_.get({a, b, c}, at::kBFloat16);
