@@ -156,12 +156,10 @@ at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight,
 }
 
 bool short_conv_silu_l2_usable(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim) {
-  // B T heads below 2^31: the bound of the per-(token, head) kernels the
-  // walks replaced, kept as the op's contract; the walks themselves need
-  // only short_conv_silu_usable's.
+  // The walks' bounds are short_conv_silu_usable's; a warp takes whole
+  // heads of these widths.
   return short_conv_silu_usable(x, weight) &&
-         (head_dim == 32 || head_dim == 64 || head_dim == 128) && x.size(2) % head_dim == 0 &&
-         x.size(0) * x.size(1) * (x.size(2) / head_dim) < (int64_t{1} << 31);
+         (head_dim == 32 || head_dim == 64 || head_dim == 128) && x.size(2) % head_dim == 0;
 }
 
 at::Tensor short_conv_silu_l2(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim,
