@@ -33,7 +33,9 @@
 # GRAPH_ROUNDS rounds (default 2), losses and tokens/s side by side),
 # gpt2profile (60: the gpt2 cell's step with host ops, then device kernels
 # only), k3docsprofile (180: the K3 step on documents of mean 1,024,
-# causal then block_causal, device kernels only).
+# causal then block_causal, device kernels only), k3peer (330: the K3 cell
+# against the compiled PyTorch + fla peer, ANCHOR the fla copy), gpt2pairs
+# (45 a pair: gpt2 against torch.compile GPT2_PAIRS (3) times).
 # BUDGET_S (560): the call's limit less a
 # margin. Needs .deps and data carried (bench/README.md).
 set -uo pipefail
@@ -139,6 +141,26 @@ part_sbs() {
   OUT=/tmp/vs_sbs CELLS=${CELLS:-1B} bash bench/speed/run_single_gpu.sh >/tmp/vs_sbs.txt 2>&1
   cat /tmp/vs_sbs.txt >>"$SUM"
   grep -E "^\|" /tmp/vs_sbs.txt
+}
+# The K3 cell against the compiled PyTorch + fla peer (fla's chunk_kda,
+# torch._grouped_mm) in one call: compile only, since the eager peer's 85.6
+# GiB does not fit an H100; fla's Triton compile and torch.compile take
+# ~215-335 s of the part.
+part_k3peer() {
+  OUT=/tmp/vs_k3peer STAGES=run CELLS=k3 MODES=compile PEER_ANCHOR=$ANCHOR CELL_TIMEOUT=500 \
+    bash bench/speed/run_single_gpu.sh >/tmp/vs_k3peer.txt 2>&1
+  cat /tmp/vs_k3peer.txt >>"$SUM"
+  grep -E "^\||^- kimi" /tmp/vs_k3peer.txt
+}
+# gpt2 against torch.compile GPT2_PAIRS (3) times, one process each, viaduct
+# first in each pair (a pair is ~40 s on a warm build).
+part_gpt2pairs() {
+  for r in $(seq 1 "${GPT2_PAIRS:-3}"); do
+    OUT=/tmp/vs_g2p$r STAGES=run CELLS=gpt2 MODES=compile bash bench/speed/run_single_gpu.sh \
+      >/tmp/vs_g2p$r.txt 2>&1
+    cat /tmp/vs_g2p$r.txt >>"$SUM"
+    grep -E "^\| gpt2|^- gpt2 124M" /tmp/vs_g2p$r.txt
+  done
 }
 part_readnorm() {
   for k in 1 2 3; do
@@ -305,10 +327,10 @@ fi
 # The parts run in the order PARTS names them.
 # doccost: ~120 s a cell per round of its two modes (DOC_ROUNDS, default 2).
 doc_cells=(${DOC_CELLS:-1Bdocs k3docs})
-declare -A ESTIMATE=([build]=90 [tests]=15 [probe]=60 [sbs]=240 [readnorm]=200 [sbs1Bab]=330 [profile]=70 [k3profile]=110 [k3gemmprofile]=60 [offload]=150 [doctests]=20 [kdadocs]=120 [k3docsprofile]=180 [gpt2profile]=60 [doccost]=$((${#doc_cells[@]} * 120 * ${DOC_ROUNDS:-2})) [fashion]=420 [graphs]=420 [graphbits]=150)
+declare -A ESTIMATE=([build]=90 [tests]=15 [probe]=60 [sbs]=240 [readnorm]=200 [sbs1Bab]=330 [profile]=70 [k3profile]=110 [k3gemmprofile]=60 [offload]=150 [doctests]=20 [kdadocs]=120 [k3docsprofile]=180 [gpt2profile]=60 [doccost]=$((${#doc_cells[@]} * 120 * ${DOC_ROUNDS:-2})) [fashion]=420 [graphs]=420 [graphbits]=150 [k3peer]=330 [gpt2pairs]=$((45 * ${GPT2_PAIRS:-3})))
 for part in $PARTS; do
   if [ -z "${ESTIMATE[$part]:-}" ]; then
-    note "## $part: no such part (parts: build tests probe sbs readnorm sbs1Bab profile k3profile k3gemmprofile offload doctests kdadocs k3docsprofile gpt2profile doccost fashion graphs graphbits)"
+    note "## $part: no such part (parts: build tests probe sbs readnorm sbs1Bab profile k3profile k3gemmprofile offload doctests kdadocs k3docsprofile gpt2profile doccost fashion graphs graphbits k3peer gpt2pairs)"
     continue
   fi
   want "$part" "${ESTIMATE[$part]}" && "part_$part"
