@@ -96,10 +96,12 @@ def kernel_class(name):
         return "matmul"
     if "memcpy" in n or "memset" in n:
         return "copy"
-    if "reduce" in n or "norm" in n:
-        return "reduction"
+    # viaduct's own kernels before the name rules below: its norm kernels
+    # are not ATen's reductions.
     if "viaduct" in n:
         return "viaduct kernel"
+    if "reduce" in n or "norm" in n:
+        return "reduction"
     if "elementwise" in n or "vectorized" in n or "unrolled" in n or "foreach" in n:
         return "elementwise"
     return "other"

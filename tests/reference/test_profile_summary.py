@@ -73,6 +73,26 @@ class ProfileSummary(unittest.TestCase):
         self.assertEqual(gaps[100]["next"], "-")
         self.assertIn("device idle 0.34 ms", text)
 
+    def test_kernel_classes(self):
+        # viaduct's norm kernels count as its kernels, ATen's reductions and
+        # norms as reductions, viaduct's chunk GEMMs as matmuls.
+        names = {
+            "void viaduct::cuda::attn_res_read_norm_backward_2pass_kernel<bf16>": "viaduct kernel",
+            "void at::native::reduce_kernel<128, 4>": "reduction",
+            "void at::native::vectorized_layer_norm_kernel<float>": "reduction",
+            "void viaduct::cuda::gemm_kernel<false, true>": "matmul",
+            "void at::native::vectorized_elementwise_kernel<8, add>": "elementwise",
+        }
+        events = [op("viaduct::forward_backward", 0, 1000)]
+        for i, name in enumerate(names):
+            events += [op("aten::x", 10 + 100 * i, 5, ext=i + 1),
+                       kernel(name, 20 + 100 * i, 10 + i, i + 1)]
+        _, s = summarise(events)
+        want = {}
+        for i, cls in enumerate(names.values()):
+            want[cls] = want.get(cls, 0) + 10 + i
+        self.assertEqual({c: v[0] for c, v in s["classes"].items()}, want)
+
     def test_device_only_trace(self):
         # metrics.profile_host_ops = false: kernels only; the gaps are named
         # by the kernels around them.
