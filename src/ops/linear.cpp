@@ -75,10 +75,10 @@ struct MixedLinear {
       // Note [Bias gradient as a product with ones]
       // The bias gradient, dy summed over the rows, is one GEMM of a row of
       // ones with dy writing fp32 where the build has that GEMM: cuBLAS
-      // reads dy at close to the memory's speed, where ATen's column sum
-      // over [rows, out] takes up to 1.5x longer at these widths. The
-      // fp32 accumulation is the sum's; without the fp32-output GEMM the
-      // sum stays (a bf16 product would round the gradient).
+      // reads dy faster than ATen's column sum over [rows, out] (layer_bench's
+      // "bias grad" rows compare the two). The fp32 accumulation is the
+      // sum's; without the fp32-output GEMM the sum stays (a bf16 product
+      // would round the gradient).
       at::Tensor db;
       if (ctx->saved_data.count("ones") == 1) {
         db = at::empty({1, out_f}, dy.options().dtype(at::kFloat));
