@@ -330,7 +330,7 @@ doc_cells=(${DOC_CELLS:-1Bdocs k3docs})
 declare -A ESTIMATE=([build]=90 [tests]=15 [probe]=60 [sbs]=240 [readnorm]=200 [sbs1Bab]=330 [profile]=70 [k3profile]=110 [k3gemmprofile]=60 [offload]=150 [doctests]=20 [kdadocs]=120 [k3docsprofile]=180 [gpt2profile]=60 [doccost]=$((${#doc_cells[@]} * 120 * ${DOC_ROUNDS:-2})) [fashion]=420 [graphs]=420 [graphbits]=150 [k3peer]=330 [gpt2pairs]=$((45 * ${GPT2_PAIRS:-3})))
 for part in $PARTS; do
   if [ -z "${ESTIMATE[$part]:-}" ]; then
-    note "## $part: no such part (parts: build tests probe sbs readnorm sbs1Bab profile k3profile k3gemmprofile offload doctests kdadocs k3docsprofile gpt2profile doccost fashion graphs graphbits k3peer gpt2pairs)"
+    note "## $part: no such part (parts: ${!ESTIMATE[*]})"
     continue
   fi
   want "$part" "${ESTIMATE[$part]}" && "part_$part"

@@ -34,7 +34,7 @@ struct MixedLinear {
     // in a replay; the node and what it saves are the same.
     if (!b.defined()) return run_saved_op([&] { return at::linear(x, wc); });
     ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
-    if (k.capabilities.fp32_out_gemm) {
+    if (k.capabilities.fp32_out_gemm && b.requires_grad()) {
       ctx->saved_data["ones"] = kernels::ones_row(k.weight_cache.get(), x.numel() / x.size(-1),
                                                   x.scalar_type(), x.device());
     }
