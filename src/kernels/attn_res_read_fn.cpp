@@ -75,21 +75,23 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
     cuda::ReadGrads dptrs{};
     variable_list out;
     std::vector<std::pair<at::Tensor, at::Tensor>> to_add;  // (slot, gradient) after the kernel
+    std::vector<std::pair<at::Tensor, at::Tensor>> to_set;  // (slot, its sum written by it)
     for (int i = 0; i < n; ++i) {
       const auto& v = saved[static_cast<size_t>(i)];
       ptrs.p[i] = v.data_ptr();
       const at::Tensor slot = saved_read_slot(ctx, static_cast<size_t>(i));
+      auto dv = at::empty(v.sizes(), v.options());
+      dptrs.p[i] = dv.data_ptr();
       if (slot.defined() && slot.numel() > 0 && slot.is_contiguous() &&
           slot.sizes() == v.sizes() && slot.scalar_type() == v.scalar_type() &&
           (!with_norm || aligned16(slot.data_ptr()))) {
-        accs.p[i] = slot.data_ptr();  // added into in place
-        dptrs.p[i] = slot.data_ptr();
+        // The kernel adds the slot's sum as it writes dv, which becomes the
+        // slot: out of place, since the slot's storage may be a gradient
+        // another input also holds (see attn_res_slot_add).
+        accs.p[i] = slot.data_ptr();
+        to_set.emplace_back(slot, dv);
         out.emplace_back();
-        continue;
-      }
-      auto dv = at::empty(v.sizes(), v.options());
-      dptrs.p[i] = dv.data_ptr();
-      if (slot.defined()) {  // the first gradient becomes the slot; others added after
+      } else if (slot.defined()) {  // the first gradient becomes the slot; others added after
         to_add.emplace_back(slot, dv);
         out.emplace_back();
       } else {
@@ -114,6 +116,10 @@ class AttnResReadKernelFn : public torch::autograd::Function<AttnResReadKernelFn
                                               rows, D, stream_of(g),
                                               with_norm ? &nrm : nullptr),
                  with_norm ? "attn_res_read_norm_backward" : "attn_res_read_backward");
+    for (auto& [slot, dv] : to_set) {
+      at::Tensor s = slot;  // the same TensorImpl as every holder of the slot
+      s.set_(dv);
+    }
     for (auto& [slot, dv] : to_add) attn_res_slot_add(slot, dv);
     // See Note [Summing the read's partial rows]: one launch sums the parts and
     // forms d query = du * w and d norm.weight = du * q, when both are the

@@ -175,8 +175,9 @@ at::Tensor attn_res_read_norm(const std::vector<at::Tensor>& sources, const at::
                               const std::vector<at::Tensor>* slots, const at::Tensor& out_weight,
                               double out_eps);
 // Adds one source's read gradient into its slot: the first gradient becomes
-// the slot (Tensor::set_, no copy), later ones are added in place (autograd's
-// sum, same bits). Both builds.
+// the slot (Tensor::set_, no copy); a later one's sum with the slot becomes
+// it (autograd's sum, same bits; never in place, since the slot's storage
+// may be shared). Both builds.
 void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad);
 // A read's slots kept in its autograd context (the same TensorImpls the
 // sink holds), and source i's slot back (undefined: none). Both read forms.

@@ -26,6 +26,9 @@ class BlockSinkFn : public torch::autograd::Function<BlockSinkFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& block,
                             const at::Tensor* slot) {
+    // Undefined stays undefined (no zeros to add) where every reader of the
+    // block has a slot.
+    ctx->set_materialize_grads(false);
     ctx->saved_data["slot"] = *slot;
     return block;  // returned as a view with this node as its gradient edge
   }
@@ -36,8 +39,35 @@ class BlockSinkFn : public torch::autograd::Function<BlockSinkFn> {
       g = slot.detach();  // a new TensorImpl on the sum's storage
       slot.set_();        // empty again, for a rerun of this backward
     }
-    if (grads[0].defined()) g = g.defined() ? g.add_(grads[0]) : grads[0];
+    if (grads[0].defined()) g = g.defined() ? g + grads[0] : grads[0];
     return {g, at::Tensor()};
+  }
+};
+
+// See Note [AttnRes partial sums in place].
+class PartialAddFn : public torch::autograd::Function<PartialAddFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& partial,
+                            const at::Tensor& x, const at::Tensor* partial_slot,
+                            const at::Tensor* out_slot) {
+    ctx->set_materialize_grads(false);  // p' may reach the backward only through its slot
+    ctx->saved_data["partial_slot"] = *partial_slot;
+    ctx->saved_data["out_slot"] = *out_slot;
+    return partial + x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto out_slot = ctx->saved_data["out_slot"].toTensor();
+    at::Tensor g;
+    if (out_slot.numel() > 0) {
+      g = out_slot.detach();  // a new TensorImpl on the sum's storage
+      out_slot.set_();        // empty again, for a rerun of this backward
+    }
+    if (grads[0].defined()) g = g.defined() ? g + grads[0] : grads[0];
+    if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    // partial's gradient starts its slot's sum (its read adds into it later,
+    // out of place: x's gradient is the same storage).
+    ops::attn_res_slot_add(ctx->saved_data["partial_slot"].toTensor(), g);
+    return {at::Tensor(), g, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -76,6 +106,13 @@ at::Tensor attn_res_new_slot(const at::Tensor& like) { return at::empty({0}, lik
 
 at::Tensor attn_res_block_sink(const at::Tensor& block, const at::Tensor& slot) {
   return BlockSinkFn::apply(block, &slot);
+}
+
+at::Tensor attn_res_partial_add(const at::Tensor& partial, const at::Tensor& partial_slot,
+                                const at::Tensor& x, const at::Tensor& out_slot) {
+  VIADUCT_ASSERT(partial_slot.defined() && out_slot.defined(),
+                 "attn_res_partial_add: both slots must be defined");
+  return PartialAddFn::apply(partial, x, &partial_slot, &out_slot);
 }
 
 std::vector<at::Tensor> attn_res_seed(const std::vector<at::Tensor>& outputs,

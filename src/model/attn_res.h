@@ -71,6 +71,24 @@ TORCH_MODULE(AttnResRead);
 // (zero-bubble's W pass) start from an empty slot again: the sink empties it.
 at::Tensor attn_res_new_slot(const at::Tensor& like);
 at::Tensor attn_res_block_sink(const at::Tensor& block, const at::Tensor& slot);
+// Note [AttnRes partial sums in place]
+// An open block's partial sum p is read by the next sublayer and added to
+// by it (p' = p + x), so autograd would sum p's two gradients, the read's
+// and the add's, in a standalone add each sublayer. With slots on the
+// partial sums (the blocks' mechanism above):
+//  - attn_res_partial_add(p, p_slot, x, out_slot) is p + x; its backward
+//    takes out_slot's sum (emptying it) plus any gradient that reached p'
+//    another way, returns it as x's gradient and starts p_slot's sum with
+//    it (the same storage, so every later add into a slot is out of place).
+//  - p's read, with p_slot as p's slot, runs its backward after that add's
+//    (the read's output feeds x), so its kernel adds the slot's sum as it
+//    writes p's gradient, in the pass it makes anyway.
+//  - the layer's incoming partial sum is a sink with a slot (as a block
+//    is), which returns the slot's sum to whatever made it.
+// Each sum is the add autograd would make of the same two tensors, so the
+// bits are autograd's.
+at::Tensor attn_res_partial_add(const at::Tensor& partial, const at::Tensor& partial_slot,
+                                const at::Tensor& x, const at::Tensor& out_slot);
 // outputs[i] with slots[i] defined: its gradient goes to the slot. Returns
 // the outputs (views) in order.
 std::vector<at::Tensor> attn_res_seed(const std::vector<at::Tensor>& outputs,

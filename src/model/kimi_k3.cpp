@@ -283,28 +283,56 @@ at::Tensor KimiK3LayerImpl::forward_sublayers(const std::vector<at::Tensor>& blo
                                               at::Tensor partial,
                                               const std::vector<at::Tensor>* slots,
                                               const ops::Documents* documents) {
+  // With slots, the partial sums have theirs too (see Note [AttnRes partial
+  // sums in place]): the incoming one as a sink, each sum through
+  // attn_res_partial_add.
+  const bool with_slots = slots != nullptr;
+  at::Tensor partial_slot;
+  if (with_slots && partial.defined() && partial.requires_grad()) {
+    partial_slot = attn_res_new_slot(partial);
+    partial = attn_res_block_sink(partial, partial_slot);
+  }
+  auto add = [&](const at::Tensor& x) {
+    if (!partial_slot.defined()) {
+      partial = partial.defined() ? partial + x : x;
+      return;
+    }
+    auto out_slot = attn_res_new_slot(x);
+    partial = attn_res_partial_add(partial, partial_slot, x, out_slot);
+    partial_slot = out_slot;
+  };
   std::vector<at::Tensor> sources = blocks;
   if (partial.defined()) sources.push_back(partial);
-  // The read's slots: the blocks', none for the partial sum.
+  // The read's slots: the blocks', then the partial sum's.
   std::vector<at::Tensor> read_slots;
-  if (slots != nullptr) {
+  if (with_slots) {
     read_slots = *slots;
     read_slots.resize(sources.size());
+    if (partial.defined()) read_slots.back() = partial_slot;
   }
   const bool trace = trace_ != nullptr && !ops::recomputing();
   if (trace) trace_->push_back(sources);
-  auto n = attn_res_attn->forward_normed(sources, slots != nullptr ? &read_slots : nullptr,
+  auto n = attn_res_attn->forward_normed(sources, with_slots ? &read_slots : nullptr,
                                          *attention_norm);
   auto a = mix(n, documents);
-  partial = partial.defined() ? partial + a : a;
+  if (with_slots && !partial.defined() && a.requires_grad()) {
+    // An opening layer's partial sum is a itself: a sink with a slot.
+    partial_slot = attn_res_new_slot(a);
+    partial = attn_res_block_sink(a, partial_slot);
+  } else {
+    add(a);
+  }
   sources = blocks;
   sources.push_back(partial);
-  if (slots != nullptr) read_slots.resize(sources.size());
+  if (with_slots) {
+    read_slots.resize(sources.size());
+    read_slots.back() = partial_slot;
+  }
   if (trace) trace_->push_back(sources);
-  n = attn_res_ffn->forward_normed(sources, slots != nullptr ? &read_slots : nullptr,
-                                    *ffn_norm);
+  n = attn_res_ffn->forward_normed(sources, with_slots ? &read_slots : nullptr, *ffn_norm);
   auto f = moe ? moe(n) : feed_forward(n);
-  return partial + f;
+  add(f);
+  return partial;
 }
 
 // ---------------------------------------------------------------- part

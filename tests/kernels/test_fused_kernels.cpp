@@ -788,12 +788,16 @@ TEST(FusedKernels, AttnResReadAddsIntoSlotsWithAutogradsBits) {
     auto q = in.q.detach().requires_grad_(true), w = in.w.detach().requires_grad_(true);
     std::vector<at::Tensor> slots{attn_res_new_slot(src[0]), attn_res_new_slot(src[1]),
                                   at::Tensor()};
-    kernels::attn_res_slot_add(slots[0], prior.clone());
+    // The slot's first sum shares its storage with another holder (as a
+    // partial sum's slot does with x's gradient): the read must not write it.
+    auto held = prior.clone();
+    kernels::attn_res_slot_add(slots[0], held);
     poison();
     auto y = kernels::attn_res_read(src, q, w, 1e-5, &slots);
     y.backward(dy);
     EXPECT_TRUE(at::equal(y, plain[0]));
     EXPECT_TRUE(at::equal(slots[0], prior + plain[1])) << "slot with a gradient";
+    EXPECT_TRUE(at::equal(held, prior)) << "the slot's earlier storage was written";
     EXPECT_TRUE(at::equal(slots[1], plain[2])) << "empty slot";
     EXPECT_FALSE(src[0].grad().defined());
     EXPECT_FALSE(src[1].grad().defined());
@@ -838,9 +842,10 @@ TEST(FusedKernels, AttnResReadNormMatchesAtenReadThenNorm) {
     ASSERT_TRUE(kernels::attn_res_read_norm_usable(in.src, ow));
     std::vector<at::Tensor> slots(in.src.size());
     auto prior = at::randn({2, 37, c.D}, at::TensorOptions(at::kCUDA)).to(c.t);
+    auto held = prior.clone();  // shared with slot 0, never written
     if (slots_on) {
       slots[0] = attn_res_new_slot(in.src[0]);
-      kernels::attn_res_slot_add(slots[0], prior.clone());
+      kernels::attn_res_slot_add(slots[0], held);
       if (n > 1) slots[1] = attn_res_new_slot(in.src[1]);
     }
     poison();
@@ -861,6 +866,7 @@ TEST(FusedKernels, AttnResReadNormMatchesAtenReadThenNorm) {
         EXPECT_LT(rel_err(in.src[i].grad(), in.src_reference[i].grad()), bound(c.t)) << "source " << i;
       }
     }
+    EXPECT_TRUE(at::equal(held, prior)) << "slot 0's earlier storage was written";
     EXPECT_LT(rel_err(in.q.grad(), reference_read->query.grad()), bound(c.t));
     EXPECT_LT(rel_err(in.w.grad(), reference_read->norm->weight.grad()), bound(c.t));
     EXPECT_LT(rel_err(ow.grad(), reference_norm->weight.grad()), bound(c.t));

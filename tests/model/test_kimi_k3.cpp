@@ -234,8 +234,9 @@ TEST(KimiK3Model, PartsChainedGiveTheWholeModelBitwise) {
       {tokens});
 }
 
-// See Note [AttnRes block gradients in place]: the slots give every parameter
-// and every input gradient the bits of autograd's own sums, through three
+// See Note [AttnRes block gradients in place]: the slots (the blocks' and the
+// partial sums') give every parameter and every input gradient the bits of
+// autograd's own sums, through three
 // parts (the seed at both boundaries) and through a rerun of a part's
 // backward from the same received gradients (zero-bubble's W pass).
 TEST(KimiK3Model, BlockGradientsInPlaceHaveAutogradsBits) {
@@ -247,6 +248,7 @@ TEST(KimiK3Model, BlockGradientsInPlaceHaveAutogradsBits) {
   struct Run {
     std::vector<at::Tensor> grads;  // every part's parameters, then the middle inputs'
     std::vector<std::string> output_nodes;
+    std::string hidden_producer;  // the middle part's hidden output, past the seed
   };
   auto run = [&](bool in_place) {
     auto cfg = small_config();
@@ -268,6 +270,13 @@ TEST(KimiK3Model, BlockGradientsInPlaceHaveAutogradsBits) {
     std::vector<at::Tensor> in1, in2;
     for (auto& t : a0) in1.push_back(t.detach().requires_grad_(true));
     auto a1 = parts[1]->forward(in1);
+    {
+      auto node = a1[0].grad_fn();
+      if (node && node->name().find("SeedFn") != std::string::npos) {
+        node = node->next_edges().at(0).function;
+      }
+      r.hidden_producer = node ? node->name() : "leaf";
+    }
     for (auto& t : a1) {
       r.output_nodes.push_back(t.grad_fn() ? t.grad_fn()->name() : "leaf");
       in2.push_back(t.detach().requires_grad_(true));
@@ -303,6 +312,10 @@ TEST(KimiK3Model, BlockGradientsInPlaceHaveAutogradsBits) {
   // Not vacuous: the middle part's block outputs go through the seed only
   // when the slots are on.
   ASSERT_EQ(on.output_nodes.size(), 4u);  // hidden, b_0 (embedding), b_1, b_2
+  // ... and its partial sum through the partial add (see Note [AttnRes
+  // partial sums in place]).
+  EXPECT_NE(on.hidden_producer.find("PartialAddFn"), std::string::npos) << on.hidden_producer;
+  EXPECT_EQ(off.hidden_producer.find("PartialAddFn"), std::string::npos) << off.hidden_producer;
   for (size_t i = 1; i < 4; ++i) {
     EXPECT_NE(on.output_nodes[i].find("SeedFn"), std::string::npos) << on.output_nodes[i];
     EXPECT_EQ(off.output_nodes[i].find("SeedFn"), std::string::npos) << off.output_nodes[i];
