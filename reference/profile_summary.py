@@ -9,7 +9,8 @@ Reads the Chrome trace viaduct writes (<dump_folder>/profile/step-N-rank-R
   * with device kernels (CUDA build): device time per *source* -- the phase
     ("fwd", "bwd", "optim", "norm") and the op that launched the kernel: the
     outermost ATen op on the host in the forward and the optimizer, the
-    autograd node (e.g. MmBackward0) in the backward -- then per kernel name;
+    autograd node (e.g. MmBackward0) in the backward -- then per kernel name,
+    then ATen's glue (elementwise, copies, reductions) per source and kernel;
     device busy time against the step's wall time;
   * the device's idle time: before the first kernel, after the last, and the
     largest gaps between kernels, each with the host op the CPU was in when
@@ -107,6 +108,31 @@ def kernel_class(name):
     return "other"
 
 
+def glue_name(name):
+    """A short name for an ATen glue kernel: its innermost functor where the
+    name gives one (CUDAFunctor_add, direct_copy_kernel_cuda, MulFunctor, ...),
+    else the kernel's own name, with the dtype when the name says it."""
+    name = name.replace("(anonymous namespace)::", "")
+    short = name
+    for marker in ("Functor", "_functor", "_kernel_cuda", "copy_kernel"):
+        i = name.rfind(marker)  # the innermost: MulFunctor inside BinaryFunctor
+        if i >= 0:
+            j = i
+            while j > 0 and (name[j - 1].isalnum() or name[j - 1] == "_"):
+                j -= 1
+            k = i + len(marker)
+            while k < len(name) and (name[k].isalnum() or name[k] == "_"):
+                k += 1
+            short = name[j:k]
+            break
+    else:
+        short = name.split("<")[0].split("(")[0].split("::")[-1][-50:] or name[:50]
+    for dt in ("BFloat16", "float", "double", "long", "bool"):
+        if dt in name:
+            return f"{short} ({dt})"
+    return short
+
+
 def idle_gaps(kernels, ops, parent, t0, t1, by_ext, top, min_us=20.0):
     """Device idle intervals of the step (kernels overlap on streams: the
     union of their spans is what counts) and where the host was."""
@@ -186,11 +212,18 @@ def main():
         names = collections.defaultdict(lambda: [0.0, 0])
         classes = collections.defaultdict(lambda: [0.0, 0])
         phases = collections.defaultdict(lambda: [0.0, 0])
+        glue = collections.defaultdict(lambda: [0.0, 0])  # ATen's glue kernels by source
         for k in kernels:
             op = by_ext.get((k.get("args") or {}).get("External id"))
             phase, name = source_of(op, parent) if op is not None else ("?", "(no host op)")
-            for d, key in ((src, f"{phase}: {name}"), (names, k["name"][:90]),
-                           (classes, kernel_class(k["name"])), (phases, phase)):
+            cls = kernel_class(k["name"])
+            keyed = [(src, f"{phase}: {name}"), (names, k["name"][:90]), (classes, cls),
+                     (phases, phase)]
+            if cls in ("elementwise", "copy", "reduction"):
+                # autograd's gradient sums run inside the node that produced
+                # the gradient: this table names where such glue comes from.
+                keyed.append((glue, f"{phase}: {name[:60]} / {glue_name(k['name'])}"))
+            for d, key in keyed:
                 d[key][0] += k["dur"]
                 d[key][1] += 1
         print(f"step wall {wall / 1000:.1f} ms; device busy {busy / 1000:.1f} ms "
@@ -199,10 +232,12 @@ def main():
         print(table(classes, busy, a.top, "kernel class"), "\n")
         print(table(src, busy, a.top, "source (phase: op)"), "\n")
         print(table(names, busy, a.top, "kernel"), "\n")
+        print(table(glue, busy, a.top, "ATen glue kernel by source (phase: op / kernel)"), "\n")
         text, idle, gap_rows = idle_gaps(kernels, ops, parent, t0, t1, by_ext, min(a.top, 15))
         print(text)
         out.update(idle_us=idle, gaps=gap_rows)
-        out.update(busy_us=busy, phases=phases, classes=classes, sources=src, kernels=names)
+        out.update(busy_us=busy, phases=phases, classes=classes, sources=src, kernels=names,
+                   glue=glue)
     else:
         top_level = collections.defaultdict(lambda: [0.0, 0])
         for e in ops:

@@ -93,6 +93,28 @@ class ProfileSummary(unittest.TestCase):
             want[cls] = want.get(cls, 0) + 10 + i
         self.assertEqual({c: v[0] for c, v in s["classes"].items()}, want)
 
+    def test_glue_by_source(self):
+        # ATen's elementwise kernels keyed by the node that launched them and
+        # their functor; GEMMs and viaduct's kernels stay out of the table.
+        events = [op("viaduct::forward_backward", 0, 1000),
+                  op("autograd::engine::evaluate_function: ReadFn", 10, 200),
+                  op("aten::add", 20, 5, ext=1),
+                  kernel("void at::native::vectorized_elementwise_kernel<8, "
+                         "at::native::CUDAFunctor_add<c10::BFloat16> >", 30, 40, 1),
+                  op("aten::add", 80, 5, ext=2),
+                  kernel("void at::native::vectorized_elementwise_kernel<8, "
+                         "at::native::CUDAFunctor_add<c10::BFloat16> >", 90, 30, 2),
+                  op("aten::mm", 130, 5, ext=3),
+                  kernel("nvjet_gemm", 140, 50, 3),
+                  op("aten::copy_", 300, 5, ext=4),
+                  kernel("void at::native::unrolled_elementwise_kernel<"
+                         "at::native::direct_copy_kernel_cuda(float)>", 310, 20, 4)]
+        text, s = summarise(events)
+        self.assertEqual(s["glue"], {
+            "bwd: ReadFn / CUDAFunctor_add (BFloat16)": [70.0, 2],
+            "fwd: aten::copy_ / direct_copy_kernel_cuda (float)": [20.0, 1]})
+        self.assertIn("ATen glue kernel by source", text)
+
     def test_device_only_trace(self):
         # metrics.profile_host_ops = false: kernels only; the gaps are named
         # by the kernels around them.
