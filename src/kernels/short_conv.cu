@@ -164,10 +164,8 @@ __global__ void __launch_bounds__(kConvThreads, conv_min_blocks<J, W>())
 #pragma unroll
     for (int s = 0; s < kStage; ++s) {
       const int64_t t = base + s;
-      // No early exit past the span (see the backward): only the stores
-      // wait on it, and t is the same in every lane.
-      const bool live = t < t1;
-      const int64_t row = (b * Tn + (live ? t : t0)) * C + c0;
+      if (t >= t1) break;  // the same t in every lane
+      const int64_t row = (b * Tn + t) * C + c0;
       float v[J];
       float ss = 0.f, unused = 0.f;
 #pragma unroll
@@ -179,16 +177,14 @@ __global__ void __launch_bounds__(kConvThreads, conv_min_blocks<J, W>())
           // kernel's sums (kernels/l2_norm.cu).
           v[j] = round_as<T>(v[j]);
           l2_sums(v[j], 0.f, ss, unused);
-        } else if (live) {
+        } else {
           store(y, row + 32 * j, v[j]);
         }
       }
       if constexpr (kL2) {
         const float r = rsqrtf(warp_sum(ss) + eps);
-        if (live) {
 #pragma unroll
-          for (int j = 0; j < J; ++j) y[row + 32 * j] = __fmul_rn(__fmul_rn(v[j], r), scale);
-        }
+        for (int j = 0; j < J; ++j) y[row + 32 * j] = __fmul_rn(__fmul_rn(v[j], r), scale);
       }
     }
   }
@@ -238,12 +234,8 @@ __global__ void __launch_bounds__(kConvThreads, conv_min_blocks<J, W>())
       // dz of token u (zero past the sequence, where no tap reads it); u is
       // the warp's, so the L2 sums' shuffles run in every lane or none.
       const int64_t u = base + s;
-      // No early exit past the walk's end: a straight unrolled stage lets
-      // the compiler overlap one token's sums with the next token's
-      // arithmetic. Past the end nothing is stored (the windows it shifts
-      // are not read again).
-      const bool live = u < walk_end;
-      const bool in = u < in_end;
+      if (u >= walk_end) break;
+      const bool in = u < Tn;
       const int limit = ln[s];
       push(limits, limit);
       float z[J], v[J];
@@ -281,7 +273,7 @@ __global__ void __launch_bounds__(kConvThreads, conv_min_blocks<J, W>())
         }
       }
       const int64_t t = u - (K - 1);  // the token whose dx is now complete
-      if (live && t >= t0) {
+      if (t >= t0) {
 #pragma unroll
         for (int j = 0; j < J; ++j) {
           float sum = 0.f;
