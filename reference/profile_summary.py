@@ -222,7 +222,9 @@ def main():
             if cls in ("elementwise", "copy", "reduction"):
                 # autograd's gradient sums run inside the node that produced
                 # the gradient: this table names where such glue comes from.
-                keyed.append((glue, f"{phase}: {name[:60]} / {glue_name(k['name'])}"))
+                node = name.replace("torch::autograd::CppNode<", "").rstrip(">")
+                node = node.replace("(anonymous namespace)::", "")
+                keyed.append((glue, f"{phase}: {node[:60]} / {glue_name(k['name'])}"))
             for d, key in keyed:
                 d[key][0] += k["dur"]
                 d[key][1] += 1

@@ -163,15 +163,15 @@ class MlaQkvFn : public torch::autograd::Function<MlaQkvFn> {
     const auto elem = static_cast<int64_t>(q.element_size());
     auto qf = at::empty({B, T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
     auto kf = at::empty({B, T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-    qf.narrow(3, 0, nope).copy_(q.narrow(3, 0, nope));
-    kf.narrow(3, 0, nope).copy_(kv.narrow(3, 0, nope));
+    copy_rows_into(qf.narrow(3, 0, nope), q.narrow(3, 0, nope));
+    copy_rows_into(kf.narrow(3, 0, nope), kv.narrow(3, 0, nope));
     rope_into(q.narrow(3, nope, pe), c, s, /*inverse=*/false, 1,
               static_cast<char*>(qf.data_ptr()) + nope * elem, H * D, D);
     rope_into(k_pe, c, s, /*inverse=*/false, H, static_cast<char*>(kf.data_ptr()) + nope * elem,
               H * D, D);
-    if (v_width == vd) return {qf, kf, kv.narrow(3, nope, vd).contiguous()};
     auto v = at::empty({B, T, H, v_width}, kv.options().memory_format(at::MemoryFormat::Contiguous));
-    v.narrow(3, 0, vd).copy_(kv.narrow(3, nope, vd));
+    copy_rows_into(v.narrow(3, 0, vd), kv.narrow(3, nope, vd));
+    if (v_width == vd) return {qf, kf, v};
     v.narrow(3, vd, v_width - vd).zero_();
     return {qf, kf, v};
   }
@@ -185,7 +185,7 @@ class MlaQkvFn : public torch::autograd::Function<MlaQkvFn> {
     const bool rotate = saved[0].numel() > 0;
     const auto c = rotate ? saved[0] : at::Tensor(), s = rotate ? saved[1] : at::Tensor();
     auto dq = at::empty({B, T, H, D}, dqf.options().memory_format(at::MemoryFormat::Contiguous));
-    dq.narrow(3, 0, nope).copy_(dqf.narrow(3, 0, nope));
+    copy_rows_into(dq.narrow(3, 0, nope), dqf.narrow(3, 0, nope));
     rope_into(dqf.narrow(3, nope, pe), c, s, /*inverse=*/rotate, 1,
               static_cast<char*>(dq.data_ptr()) + nope * elem, H * D, D);
     auto dk_pe =
@@ -193,8 +193,8 @@ class MlaQkvFn : public torch::autograd::Function<MlaQkvFn> {
     rope_into(dkf.narrow(3, nope, pe), c, s, /*inverse=*/rotate, -H, dk_pe.data_ptr(), pe, pe);
     auto dkv = at::empty({B, T, H, nope + vd},
                          dkf.options().memory_format(at::MemoryFormat::Contiguous));
-    dkv.narrow(3, 0, nope).copy_(dkf.narrow(3, 0, nope));
-    dkv.narrow(3, nope, vd).copy_(dv.narrow(3, 0, vd));
+    copy_rows_into(dkv.narrow(3, 0, nope), dkf.narrow(3, 0, nope));
+    copy_rows_into(dkv.narrow(3, nope, vd), dv.narrow(3, 0, vd));
     return {dq, dk_pe, dkv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

@@ -395,6 +395,50 @@ TEST(FusedKernels, MlaInputsAreRopeCatAndNarrow) {
   }
 }
 
+// The word copies against ATen's: narrowed channels of 2- to 4-dim tensors
+// (rows contiguous, strided, transposed heads), the same bytes; layouts the
+// words cannot take (an odd offset, a row of 3 values) fall back to ATen's
+// copy. The cast: every bf16 value exactly, ATen's cast where n is not a
+// multiple of 8.
+TEST(FusedKernels, WordCopiesAreAtensCopies) {
+  REQUIRE_GPU();
+  for (auto t : kTypes) {
+    SCOPED_TRACE(testing::Message() << t);
+    const auto o = at::TensorOptions(at::kCUDA).dtype(t);
+    const int64_t w = t == at::kFloat ? 4 : 8;  // values in 16 bytes
+    auto src4 = at::randn({2, 5, 3, 6 * w}, o);
+    auto wide = at::randn({2, 5, 3, 9 * w}, o);
+    struct Case {
+      const char* what;
+      at::Tensor src, dst;
+      bool words;  // the word kernel takes it (else ATen's copy)
+    };
+    const std::vector<Case> cases{
+        {"narrowed channels", src4.narrow(3, w, 4 * w), wide.narrow(3, 2 * w, 4 * w), true},
+        {"transposed heads", src4.transpose(1, 2).narrow(3, 0, 2 * w),
+         wide.transpose(1, 2).narrow(3, 3 * w, 2 * w), true},
+        {"three dims", src4.view({10, 3, 6 * w}).narrow(2, w, w),
+         wide.view({10, 3, 9 * w}).narrow(2, 0, w), true},
+        {"two dims", src4.view({30, 6 * w}), wide.view({30, 9 * w}).narrow(1, w, 6 * w), true},
+        {"odd offset", src4.narrow(3, 1, 2 * w), wide.narrow(3, 1, 2 * w), false},
+        {"row of 3", src4.narrow(3, 0, 3), wide.narrow(3, 0, 3), false},
+    };
+    for (const auto& c : cases) {
+      auto expect = wide.clone();
+      auto dst_expect = expect.as_strided(c.dst.sizes(), c.dst.strides(), c.dst.storage_offset());
+      dst_expect.copy_(c.src);
+      auto before = wide.clone();
+      EXPECT_EQ(kernels::copy_rows_into(c.dst, c.src), c.words) << c.what;
+      EXPECT_TRUE(at::equal(wide, expect)) << c.what;
+      wide.copy_(before);
+    }
+  }
+  auto x = at::randn({3, 1000}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16);
+  EXPECT_TRUE(at::equal(kernels::bf16_to_float(x), x.to(at::kFloat)));
+  auto odd = x.view({-1}).narrow(0, 0, 2997);
+  EXPECT_TRUE(at::equal(kernels::bf16_to_float(odd), odd.to(at::kFloat)));
+}
+
 TEST(FusedKernels, RopeRepeatsGroupedHeads) {
   REQUIRE_GPU();
   // Grouped KV heads: rope(k, repeat) is rope(k) repeated on the head dim,

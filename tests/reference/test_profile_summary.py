@@ -97,7 +97,8 @@ class ProfileSummary(unittest.TestCase):
         # ATen's elementwise kernels keyed by the node that launched them and
         # their functor; GEMMs and viaduct's kernels stay out of the table.
         events = [op("viaduct::forward_backward", 0, 1000),
-                  op("autograd::engine::evaluate_function: ReadFn", 10, 200),
+                  op("autograd::engine::evaluate_function: "
+                     "torch::autograd::CppNode<viaduct::(anonymous namespace)::ReadFn>", 10, 200),
                   op("aten::add", 20, 5, ext=1),
                   kernel("void at::native::vectorized_elementwise_kernel<8, "
                          "at::native::CUDAFunctor_add<c10::BFloat16> >", 30, 40, 1),
@@ -111,7 +112,7 @@ class ProfileSummary(unittest.TestCase):
                          "at::native::direct_copy_kernel_cuda(float)>", 310, 20, 4)]
         text, s = summarise(events)
         self.assertEqual(s["glue"], {
-            "bwd: ReadFn / CUDAFunctor_add (BFloat16)": [70.0, 2],
+            "bwd: viaduct::ReadFn / CUDAFunctor_add (BFloat16)": [70.0, 2],
             "fwd: aten::copy_ / direct_copy_kernel_cuda (float)": [20.0, 1]})
         self.assertIn("ATen glue kernel by source", text)
 

@@ -1,0 +1,29 @@
+// Copy launches (kernels/copy.cu): the strided channel copies and casts
+// that ATen runs one element a thread at a time.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/common.h"
+
+namespace viaduct::cuda {
+
+// A tensor of up to four dims whose last dim is dense: rows indexed by the
+// three leading dims (sizes n0, n1, n2, strides in bytes), each row
+// `row_bytes` long.
+struct StridedRows {
+  int64_t n0, n1, n2;
+  int64_t s0, s1, s2;  // bytes
+};
+
+// dst[i0, i1, i2, :] = src[i0, i1, i2, :] for every row of `shape` (the
+// sizes both share; the strides each its own), in 16-byte words: pointers,
+// strides and row_bytes must be multiples of 16.
+cudaError_t copy_rows(const void* src, const StridedRows& src_rows, void* dst,
+                      const StridedRows& dst_rows, int64_t row_bytes, cudaStream_t stream);
+
+// y = float(x) for n bf16 values, x and y contiguous and 16-byte aligned, n a
+// multiple of 8.
+cudaError_t bf16_to_float(const void* x, float* y, int64_t n, cudaStream_t stream);
+
+}  // namespace viaduct::cuda
