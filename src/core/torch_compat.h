@@ -306,16 +306,16 @@ inline std::optional<std::string> grouped_fp32_out_gemm_refusal(const at::Device
 
 // out[e] = a[:, cols of group e] @ b[rows of group e] in fp32: a [N, M],
 // b [M, K], offs int32 [E] the groups' end columns of a (rows of b);
-// returns [E, N, K] (the experts' weight gradients) from one grouped GEMM
-// writing fp32, where the build takes it (ops::Capabilities, see Note [GEMM
-// support decided at start-up]; callers cast grouped_mm's bf16 product
-// elsewhere).
+// returns [E, N, K] (the experts' weight gradients): one grouped GEMM
+// writing fp32 where `fp32_out` (ops::Capabilities, see Note [GEMM support
+// decided at start-up]), else its bf16 product cast.
 inline at::Tensor grouped_mm_fp32(const at::Tensor& a, const at::Tensor& b,
-                                  const at::Tensor& offs) {
+                                  const at::Tensor& offs, bool fp32_out) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
-  return at::_grouped_mm(a, b, offs, std::nullopt, at::kFloat);
+  if (fp32_out) return at::_grouped_mm(a, b, offs, std::nullopt, at::kFloat);
+  return at::_grouped_mm(a, b, offs).to(at::kFloat);
 #else
-  (void)a, (void)b, (void)offs;
+  (void)a, (void)b, (void)offs, (void)fp32_out;
   throw std::runtime_error("grouped GEMM needs LibTorch >= 2.8");
 #endif
 }

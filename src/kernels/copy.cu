@@ -1,10 +1,8 @@
-// Strided row copies and the bf16-to-fp32 cast in 16-byte words (see
-// kernels/copy.h). ATen's strided copy and its casting copy run one element
-// a thread through an offset calculator: the same bytes at a fraction of
-// the memory's pace. Here every thread moves whole 16-byte words, a few at
-// a time, so several loads are in flight before the first store.
-#include <cuda_bf16.h>
-
+// Strided row copies in 16-byte words (see kernels/copy.h). ATen's strided
+// copy runs one element a thread through an offset calculator: the same
+// bytes at a fraction of the memory's pace. Here every thread moves whole
+// 16-byte words, a few at a time, so several loads are in flight before the
+// first store.
 #include "kernels/copy.h"
 
 namespace viaduct::cuda {
@@ -38,29 +36,6 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
 }
 
-__global__ void __launch_bounds__(kCopyThreads)
-    bf16_to_float_kernel(const uint4* __restrict__ x, float4* __restrict__ y, int64_t words) {
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kCopyThreads * kWordsPerThread) +
-                        threadIdx.x;
-  uint4 v[kWordsPerThread];
-#pragma unroll
-  for (int k = 0; k < kWordsPerThread; ++k) {
-    const int64_t i = first + static_cast<int64_t>(k) * kCopyThreads;
-    if (i < words) v[k] = __ldg(x + i);
-  }
-#pragma unroll
-  for (int k = 0; k < kWordsPerThread; ++k) {
-    const int64_t i = first + static_cast<int64_t>(k) * kCopyThreads;
-    if (i < words) {
-      const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
-      const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
-      const float2 c = __bfloat1622float2(h[2]), d = __bfloat1622float2(h[3]);
-      y[2 * i] = make_float4(a.x, a.y, b.x, b.y);
-      y[2 * i + 1] = make_float4(c.x, c.y, d.x, d.y);
-    }
-  }
-}
-
 unsigned blocks_for(int64_t words) {
   const int64_t per_block = static_cast<int64_t>(kCopyThreads) * kWordsPerThread;
   return static_cast<unsigned>((words + per_block - 1) / per_block);
@@ -76,14 +51,6 @@ cudaError_t copy_rows(const void* src, const StridedRows& src_rows, void* dst,
   copy_rows_kernel<<<blocks_for(words), kCopyThreads, 0, stream>>>(
       static_cast<const char*>(src), src_rows, static_cast<char*>(dst), dst_rows, words_per_row,
       words);
-  return cudaGetLastError();
-}
-
-cudaError_t bf16_to_float(const void* x, float* y, int64_t n, cudaStream_t stream) {
-  const int64_t words = n / 8;
-  if (words == 0) return cudaSuccess;
-  bf16_to_float_kernel<<<blocks_for(words), kCopyThreads, 0, stream>>>(
-      static_cast<const uint4*>(x), reinterpret_cast<float4*>(y), words);
   return cudaGetLastError();
 }
 

@@ -1,5 +1,5 @@
-// Copy launches (kernels/copy.cu): the strided channel copies and casts
-// that ATen runs one element a thread at a time.
+// Copy launches (kernels/copy.cu): the strided channel copies that ATen
+// runs one element a thread at a time.
 #pragma once
 
 #include <cstdint>
@@ -21,9 +21,5 @@ struct StridedRows {
 // strides and row_bytes must be multiples of 16.
 cudaError_t copy_rows(const void* src, const StridedRows& src_rows, void* dst,
                       const StridedRows& dst_rows, int64_t row_bytes, cudaStream_t stream);
-
-// y = float(x) for n bf16 values, x and y contiguous and 16-byte aligned, n a
-// multiple of 8.
-cudaError_t bf16_to_float(const void* x, float* y, int64_t n, cudaStream_t stream);
 
 }  // namespace viaduct::cuda

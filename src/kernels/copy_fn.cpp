@@ -1,5 +1,5 @@
-// The strided row copy and the bf16-to-fp32 cast (CUDA build): plain
-// functions for the other wrappers' forwards and backwards, no autograd.
+// The strided row copy (CUDA build): a plain function for the other
+// wrappers' forwards and backwards, no autograd.
 #include "kernels/fused.h"
 
 #include "kernels/copy.h"
@@ -46,17 +46,6 @@ bool copy_rows_into(const at::Tensor& dst, const at::Tensor& src) {
   check_launch(cuda::copy_rows(src.data_ptr(), sr, dst.data_ptr(), dr, row_bytes, stream_of(src)),
                "copy_rows");
   return true;
-}
-
-at::Tensor bf16_to_float(const at::Tensor& x) {
-  if (!usable(x) || x.scalar_type() != at::kBFloat16 || !x.is_contiguous() ||
-      x.numel() % 8 != 0 || !aligned16(x.data_ptr())) {
-    return x.to(at::kFloat);
-  }
-  auto y = at::empty(x.sizes(), x.options().dtype(at::kFloat));
-  check_launch(cuda::bf16_to_float(x.data_ptr(), y.data_ptr<float>(), x.numel(), stream_of(x)),
-               "bf16_to_float");
-  return y;
 }
 
 }  // namespace viaduct::kernels

@@ -32,9 +32,6 @@ bool usable(const at::Tensor& x);
 // (narrowed channels, heads), in 16-byte words where the layouts allow
 // (returns true), ATen's copy elsewhere (false). Same bytes either way.
 bool copy_rows_into(const at::Tensor& dst, const at::Tensor& src);
-// x.to(float) for bf16 x, in 16-byte words where x is contiguous and
-// aligned, ATen's cast elsewhere. Exact either way.
-at::Tensor bf16_to_float(const at::Tensor& x);
 
 // x * rsqrt(mean(x^2, -1) + eps) * weight over the last dim, returned in x's
 // dtype; weight: fp32 [D]. Saves x and one fp32 per row for the backward.

@@ -15,7 +15,6 @@ namespace {
 }  // namespace
 
 bool copy_rows_into(const at::Tensor&, const at::Tensor&) { no_cuda("copy_rows_into"); }
-at::Tensor bf16_to_float(const at::Tensor&) { no_cuda("bf16_to_float"); }
 at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double) { no_cuda("rms_norm"); }
 at::Tensor rope(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   no_cuda("rope");

@@ -34,11 +34,7 @@ class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) dx = compat::grouped_mm(dy, wc, offs);
     if (ctx->needs_input_grad(1)) {
-      // Where the grouped GEMM cannot write fp32, its bf16 product is cast
-      // in 16-byte words (ATen's cast ran at half the memory's pace).
-      dw = ctx->saved_data["fp32_out"].toBool()
-               ? compat::grouped_mm_fp32(dy.t(), x, offs)
-               : kernels::bf16_to_float(compat::grouped_mm(dy.t(), x, offs));
+      dw = compat::grouped_mm_fp32(dy.t(), x, offs, ctx->saved_data["fp32_out"].toBool());
     }
     return {dx, dw, at::Tensor(), at::Tensor()};
   }
