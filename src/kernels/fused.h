@@ -265,9 +265,14 @@ at::Tensor moe_router(const at::Tensor& x, const at::Tensor& w);
 // in one pass; gradients to ys and gates. base (undefined: none) [N, D]:
 // added to that sum in the same pass, the bits of the sum and then the
 // add (the shared experts' output); its gradient is the output's.
+// grad_slot (undefined: none): a slot (an empty tensor) where a consumer of
+// the rows may leave its part of their gradient instead of returning it
+// (see Note [Expert rows' gradient in two parts], ops/moe.cpp); the
+// backward adds it to autograd's part row by row as it reads them, the
+// bits of autograd's add.
 bool moe_permute_usable(const at::Tensor& x);
 at::Tensor moe_permute(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& row_slot,
-                       int64_t k);
+                       int64_t k, const at::Tensor& grad_slot = {});
 at::Tensor moe_combine(const at::Tensor& ys, const at::Tensor& gates, const at::Tensor& pos,
                        const at::Tensor& row_slot, const at::Tensor& base = {});
 

@@ -98,7 +98,8 @@ at::Tensor layer_norm(const at::Tensor&, const at::Tensor&, const at::Tensor&, d
 bool moe_router_usable(const at::Tensor&, const at::Tensor&) { return false; }
 at::Tensor moe_router(const at::Tensor&, const at::Tensor&) { no_cuda("moe_router"); }
 bool moe_permute_usable(const at::Tensor&) { return false; }
-at::Tensor moe_permute(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+at::Tensor moe_permute(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                       const at::Tensor&) {
   no_cuda("moe_permute");
 }
 at::Tensor moe_combine(const at::Tensor&, const at::Tensor&, const at::Tensor&,

@@ -25,7 +25,12 @@ void check_index(const at::Tensor& t, const at::Tensor& like, const char* what) 
 class PermuteFn : public torch::autograd::Function<PermuteFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& pos, const at::Tensor& row_slot, int64_t k) {
+                            const at::Tensor& pos, const at::Tensor& row_slot, int64_t k,
+                            const at::Tensor* grad_slot) {
+    // The rows' gradient may come in two parts: autograd's, and one a
+    // consumer left in grad_slot (see moe_permute in kernels/fused.h).
+    ctx->set_materialize_grads(false);
+    if (grad_slot != nullptr) ctx->saved_data["grad_slot"] = *grad_slot;
     auto xc = x.contiguous();
     const int64_t N = xc.size(0), D = xc.size(1), rows = row_slot.size(0);
     auto out = at::empty({rows, D}, xc.options());
@@ -40,13 +45,30 @@ class PermuteFn : public torch::autograd::Function<PermuteFn> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto pos = ctx->get_saved_variables()[0];
-    auto g = grads[0].to(at::kBFloat16).contiguous();
+    at::Tensor second;  // the slot's part, taken (the slot emptied for a rerun)
+    if (auto it = ctx->saved_data.find("grad_slot"); it != ctx->saved_data.end()) {
+      at::Tensor slot = it->second.toTensor();  // the same TensorImpl as the consumer's
+      if (slot.numel() > 0) {
+        second = slot.detach();
+        slot.set_();
+      }
+    }
+    at::Tensor g = grads[0].defined() ? grads[0] : second;
+    if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    if (g.is_same(second)) second = at::Tensor();
+    g = g.to(at::kBFloat16).contiguous();
+    if (second.defined()) second = second.to(at::kBFloat16).contiguous();
+    VIADUCT_CHECK(!second.defined() || second.sizes() == g.sizes(),
+                  "moe_permute backward: the slot's gradient ", second.sizes(),
+                  " does not match the rows' ", g.sizes());
     const int64_t N = ctx->saved_data["n"].toInt(), k = ctx->saved_data["k"].toInt();
     auto dx = at::empty({N, g.size(1)}, g.options());
-    check_launch(cuda::moe_permute_backward(g.data_ptr(), pos.data_ptr<int64_t>(), N, g.size(1),
+    check_launch(cuda::moe_permute_backward(g.data_ptr(),
+                                            second.defined() ? second.data_ptr() : nullptr,
+                                            pos.data_ptr<int64_t>(), N, g.size(1),
                                             static_cast<int>(k), dx.data_ptr(), stream_of(g)),
                  "moe_permute_backward");
-    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -102,7 +124,7 @@ bool moe_permute_usable(const at::Tensor& x) {
 }
 
 at::Tensor moe_permute(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& row_slot,
-                       int64_t k) {
+                       int64_t k, const at::Tensor& grad_slot) {
   RECORD_FUNCTION("viaduct::moe_permute", std::vector<c10::IValue>());  // named in profiles
   check_rows(x, "moe_permute");
   check_index(pos, x, "pos");
@@ -110,7 +132,8 @@ at::Tensor moe_permute(const at::Tensor& x, const at::Tensor& pos, const at::Ten
   VIADUCT_CHECK(k >= 1 && pos.size(0) == x.size(0) * k,
                 "fused moe_permute: pos must name a row for each of the ", x.size(0), " x ", k,
                 " slots; got ", pos.size(0));
-  return PermuteFn::apply(x, pos.contiguous(), row_slot.contiguous(), k);
+  return PermuteFn::apply(x, pos.contiguous(), row_slot.contiguous(), k,
+                          grad_slot.defined() ? &grad_slot : nullptr);
 }
 
 at::Tensor moe_combine(const at::Tensor& ys, const at::Tensor& gates, const at::Tensor& pos,

@@ -22,6 +22,18 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// A sink's gradient: its slot's sum plus what reached it through autograd
+// (either may be missing), the slot emptied for a rerun of the backward.
+at::Tensor take_slot_sum(const at::Tensor& slot, const at::Tensor& grad) {
+  at::Tensor g, s = slot;  // s: the same TensorImpl as every holder of the slot
+  if (s.numel() > 0) {
+    g = s.detach();  // a new TensorImpl on the sum's storage
+    s.set_();        // empty again
+  }
+  if (grad.defined()) g = g.defined() ? g + grad : grad;
+  return g;
+}
+
 class BlockSinkFn : public torch::autograd::Function<BlockSinkFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& block,
@@ -33,14 +45,7 @@ class BlockSinkFn : public torch::autograd::Function<BlockSinkFn> {
     return block;  // returned as a view with this node as its gradient edge
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto slot = ctx->saved_data["slot"].toTensor();
-    at::Tensor g;
-    if (slot.numel() > 0) {
-      g = slot.detach();  // a new TensorImpl on the sum's storage
-      slot.set_();        // empty again, for a rerun of this backward
-    }
-    if (grads[0].defined()) g = g.defined() ? g + grads[0] : grads[0];
-    return {g, at::Tensor()};
+    return {take_slot_sum(ctx->saved_data["slot"].toTensor(), grads[0]), at::Tensor()};
   }
 };
 
@@ -56,13 +61,7 @@ class PartialAddFn : public torch::autograd::Function<PartialAddFn> {
     return partial + x;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto out_slot = ctx->saved_data["out_slot"].toTensor();
-    at::Tensor g;
-    if (out_slot.numel() > 0) {
-      g = out_slot.detach();  // a new TensorImpl on the sum's storage
-      out_slot.set_();        // empty again, for a rerun of this backward
-    }
-    if (grads[0].defined()) g = g.defined() ? g + grads[0] : grads[0];
+    const auto g = take_slot_sum(ctx->saved_data["out_slot"].toTensor(), grads[0]);
     if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     // partial's gradient starts its slot's sum (its read adds into it later,
     // out of place: x's gradient is the same storage).

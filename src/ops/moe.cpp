@@ -16,10 +16,14 @@ namespace {
 // options' weight cache (see Note [Low-precision weight cache],
 // kernels/weight_cache.h). The weight gradient dw_e = dy_g^T x_g comes out
 // of one grouped GEMM, in fp32 where the build writes it (ops::Capabilities).
+// With dx_slot, x's gradient goes into that slot instead of back through
+// autograd (see Note [Expert rows' gradient in two parts]).
 class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& w, const at::Tensor& offs, const KernelOptions* k) {
+                            const at::Tensor& w, const at::Tensor& offs, const KernelOptions* k,
+                            const at::Tensor* dx_slot) {
+    if (dx_slot != nullptr) ctx->saved_data["dx_slot"] = *dx_slot;
     auto wc = kernels::cast_weights(k->weight_cache.get(), {w}, x.scalar_type());
     ctx->save_for_backward({x, wc, offs});
     ctx->saved_data["fp32_out"] = k->capabilities.grouped_fp32_out_gemm;
@@ -36,7 +40,12 @@ class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
     if (ctx->needs_input_grad(1)) {
       dw = compat::grouped_mm_fp32(dy.t(), x, offs, ctx->saved_data["fp32_out"].toBool());
     }
-    return {dx, dw, at::Tensor(), at::Tensor()};
+    if (auto it = ctx->saved_data.find("dx_slot"); dx.defined() && it != ctx->saved_data.end()) {
+      at::Tensor slot = it->second.toTensor();  // the same TensorImpl the permutation holds
+      slot.set_(dx);  // this backward's part, replacing a rerun's
+      dx = at::Tensor();
+    }
+    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -119,12 +128,25 @@ at::Tensor top_experts(const at::Tensor& scores, const at::Tensor& bias, int64_t
       .contiguous();
 }
 
+// Note [Expert rows' gradient in two parts]
+// The experts' rows xs feed two GEMMs, w1's and w3's, so autograd summed
+// their two input gradients in a standalone add over the whole [rows, D]
+// buffer (three passes over it) before the permutation's backward read it
+// back. Where xs comes from kernels::moe_permute with a gradient slot,
+// w1's GEMM leaves its gradient in that slot instead, and the permutation's
+// backward adds the two parts row by row as it reads them: one more read
+// in a pass it makes anyway, the bits of autograd's add (a bf16 add of two
+// terms is the same either way round). w1's and w3's backwards both run
+// before the permutation's (xs is their input), and a rerun of the
+// backward finds the slot emptied by the permutation's take.
 at::Tensor grouped_swiglu_experts(const at::Tensor& xs, const at::Tensor& offs,
-                                  const ExpertWeights& w, const KernelOptions& k) {
+                                  const ExpertWeights& w, const KernelOptions& k,
+                                  const at::Tensor& xs_grad_slot) {
   RECORD_FUNCTION("viaduct::grouped_experts", std::vector<c10::IValue>());  // named in profiles
-  auto h1 = GroupedLinearFn::apply(xs, w.w1, offs, &k);
-  auto h3 = GroupedLinearFn::apply(xs, w.w3, offs, &k);
-  return GroupedLinearFn::apply(kernels::swiglu(h1, h3), w.w2, offs, &k);
+  auto h1 = GroupedLinearFn::apply(xs, w.w1, offs, &k,
+                                   xs_grad_slot.defined() ? &xs_grad_slot : nullptr);
+  auto h3 = GroupedLinearFn::apply(xs, w.w3, offs, &k, nullptr);
+  return GroupedLinearFn::apply(kernels::swiglu(h1, h3), w.w2, offs, &k, nullptr);
 }
 
 ExpertOrder expert_order(const at::Tensor& flat, const at::Tensor& keep, int64_t n_experts) {
@@ -182,8 +204,10 @@ MoeExperts moe_experts(const at::Tensor& x, const at::Tensor& idx, const at::Ten
       row_slot = at::full({d.rows}, -1, d.pos.options())
                      .index_copy_(0, d.pos, at::arange(N * K, d.pos.options()));
     }
-    auto xs = kernels::moe_permute(x, d.pos, row_slot, K);
-    auto ys = grouped_swiglu_experts(xs, d.offs, w, k);
+    // See Note [Expert rows' gradient in two parts].
+    const auto xs_grad_slot = at::empty({0}, x.options());
+    auto xs = kernels::moe_permute(x, d.pos, row_slot, K, xs_grad_slot);
+    auto ys = grouped_swiglu_experts(xs, d.offs, w, k, xs_grad_slot);
     auto g = keep.defined() ? gates * keep.view({N, K}).to(gates.scalar_type()) : gates;
     const auto a = add ? add() : at::Tensor();
     const bool add_in = a.defined() && a.scalar_type() == ys.scalar_type();

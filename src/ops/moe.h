@@ -135,7 +135,11 @@ at::Tensor gather_distinct_rows(const at::Tensor& src, const at::Tensor& pos);
 // SwiGLU experts w2(silu(w1 x) * w3 x) over a buffer xs [rows, D] (bf16)
 // whose groups `offs` end; w1, w3: [E, H, D], w2: [E, D, H] fp32 masters,
 // cast through the weight cache; their gradients come back in fp32.
+// xs_grad_slot (undefined: none): the slot of the kernels::moe_permute that
+// made xs, where w1's part of xs's gradient goes (see Note [Expert rows'
+// gradient in two parts], ops/moe.cpp).
 at::Tensor grouped_swiglu_experts(const at::Tensor& xs, const at::Tensor& offs,
-                                  const ExpertWeights& w, const KernelOptions& k);
+                                  const ExpertWeights& w, const KernelOptions& k,
+                                  const at::Tensor& xs_grad_slot = {});
 
 }  // namespace viaduct::ops
