@@ -113,7 +113,6 @@ def glue_name(name):
     name gives one (CUDAFunctor_add, direct_copy_kernel_cuda, MulFunctor, ...),
     else the kernel's own name, with the dtype when the name says it."""
     name = name.replace("(anonymous namespace)::", "")
-    short = name
     for marker in ("Functor", "_functor", "_kernel_cuda", "copy_kernel"):
         i = name.rfind(marker)  # the innermost: MulFunctor inside BinaryFunctor
         if i >= 0:

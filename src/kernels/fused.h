@@ -184,6 +184,9 @@ at::Tensor attn_res_read_norm(const std::vector<at::Tensor>& sources, const at::
 // it (autograd's sum, same bits; never in place, since the slot's storage
 // may be shared). Both builds.
 void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad);
+// The slot's sum (undefined where the slot is empty), the slot emptied so
+// that a rerun of the backward starts afresh. Both builds.
+at::Tensor take_slot(const at::Tensor& slot);
 // A read's slots kept in its autograd context (the same TensorImpls the
 // sink holds), and source i's slot back (undefined: none). Both read forms.
 void save_read_slots(torch::autograd::AutogradContext* ctx,

@@ -3,6 +3,8 @@
 // (kernels/moe_permute.cu).
 #include "kernels/fused.h"
 
+#include <utility>
+
 #include "kernels/fn_common.h"
 #include "kernels/moe_permute.h"
 
@@ -45,17 +47,12 @@ class PermuteFn : public torch::autograd::Function<PermuteFn> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto pos = ctx->get_saved_variables()[0];
-    at::Tensor second;  // the slot's part, taken (the slot emptied for a rerun)
+    at::Tensor g = grads[0], second;  // autograd's part, the slot's part
     if (auto it = ctx->saved_data.find("grad_slot"); it != ctx->saved_data.end()) {
-      at::Tensor slot = it->second.toTensor();  // the same TensorImpl as the consumer's
-      if (slot.numel() > 0) {
-        second = slot.detach();
-        slot.set_();
-      }
+      second = take_slot(it->second.toTensor());
     }
-    at::Tensor g = grads[0].defined() ? grads[0] : second;
+    if (!g.defined()) std::swap(g, second);
     if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    if (g.is_same(second)) second = at::Tensor();
     g = g.to(at::kBFloat16).contiguous();
     if (second.defined()) second = second.to(at::kBFloat16).contiguous();
     VIADUCT_CHECK(!second.defined() || second.sizes() == g.sizes(),

@@ -16,6 +16,14 @@ void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad) {
   s.set_(s.numel() == 0 ? grad : s + grad);
 }
 
+at::Tensor take_slot(const at::Tensor& slot) {
+  at::Tensor s = slot;  // the same TensorImpl as every holder of the slot
+  if (s.numel() == 0) return {};
+  auto sum = s.detach();  // a new TensorImpl on the sum's storage
+  s.set_();               // empty again, for a rerun of the backward
+  return sum;
+}
+
 void save_read_slots(torch::autograd::AutogradContext* ctx,
                      const std::vector<at::Tensor>* slots) {
   if (slots == nullptr) return;

@@ -25,11 +25,7 @@ using torch::autograd::variable_list;
 // A sink's gradient: its slot's sum plus what reached it through autograd
 // (either may be missing), the slot emptied for a rerun of the backward.
 at::Tensor take_slot_sum(const at::Tensor& slot, const at::Tensor& grad) {
-  at::Tensor g, s = slot;  // s: the same TensorImpl as every holder of the slot
-  if (s.numel() > 0) {
-    g = s.detach();  // a new TensorImpl on the sum's storage
-    s.set_();        // empty again
-  }
+  at::Tensor g = ops::take_slot(slot);
   if (grad.defined()) g = g.defined() ? g + grad : grad;
   return g;
 }

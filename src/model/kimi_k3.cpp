@@ -288,10 +288,11 @@ at::Tensor KimiK3LayerImpl::forward_sublayers(const std::vector<at::Tensor>& blo
   // attn_res_partial_add.
   const bool with_slots = slots != nullptr;
   at::Tensor partial_slot;
-  if (with_slots && partial.defined() && partial.requires_grad()) {
-    partial_slot = attn_res_new_slot(partial);
-    partial = attn_res_block_sink(partial, partial_slot);
-  }
+  auto sink = [&](const at::Tensor& t) {  // t becomes the partial sum, with a slot
+    partial_slot = attn_res_new_slot(t);
+    partial = attn_res_block_sink(t, partial_slot);
+  };
+  if (with_slots && partial.defined() && partial.requires_grad()) sink(partial);
   auto add = [&](const at::Tensor& x) {
     if (!partial_slot.defined()) {
       partial = partial.defined() ? partial + x : x;
@@ -316,9 +317,7 @@ at::Tensor KimiK3LayerImpl::forward_sublayers(const std::vector<at::Tensor>& blo
                                          *attention_norm);
   auto a = mix(n, documents);
   if (with_slots && !partial.defined() && a.requires_grad()) {
-    // An opening layer's partial sum is a itself: a sink with a slot.
-    partial_slot = attn_res_new_slot(a);
-    partial = attn_res_block_sink(a, partial_slot);
+    sink(a);  // an opening layer's partial sum is a itself
   } else {
     add(a);
   }

@@ -16,6 +16,7 @@ namespace viaduct::ops {
 // context (kernels/read_slots.cpp; the read's ATen and kernel forms share them).
 using kernels::attn_res_slot_add;
 using kernels::save_read_slots;
+using kernels::take_slot;
 using kernels::saved_read_slot;
 
 // sources: N tensors [B, T, D] (1 <= N) -> [B, T, D] in the sources' dtype.
