@@ -241,13 +241,14 @@ std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tenso
 // moe_topk_usable: the kernel takes these (E up to 256; false in the CPU
 // build). moe_dispatch: for expert ids [S] (int64) in [0, n_experts), each
 // slot's row in groups padded to `align` (see Note [MoE dispatch into padded
-// groups], ops/moe.h): {pos [S] int64, offs [E] int32, counts [E] int64};
+// groups], ops/moe.h): {pos [S] int64, offs [E] int32, counts [E] int64,
+// row_slot [S + align E] int64: each row's slot, -1 where none};
 // moe_dispatch_usable: the kernels take these ids (up to 1024 experts).
 bool moe_topk_usable(const at::Tensor& scores, int64_t k);
 bool moe_dispatch_usable(const at::Tensor& expert, int64_t n_experts);
 at::Tensor moe_topk(const at::Tensor& scores, const at::Tensor& bias, int64_t k);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& expert,
-                                                            int64_t n_experts, int64_t align);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(
+    const at::Tensor& expert, int64_t n_experts, int64_t align);
 
 // The MoE router's logits [N, E] fp32 from bf16 tokens x [N, D] and fp32
 // weights w [E, D] in fp32 arithmetic (see Note [Router logits from bf16

@@ -109,7 +109,8 @@ at::Tensor moe_combine(const at::Tensor&, const at::Tensor&, const at::Tensor&,
 bool moe_topk_usable(const at::Tensor&, int64_t) { return false; }
 bool moe_dispatch_usable(const at::Tensor&, int64_t) { return false; }
 at::Tensor moe_topk(const at::Tensor&, const at::Tensor&, int64_t) { no_cuda("moe_topk"); }
-std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor&, int64_t, int64_t) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor&,
+                                                                        int64_t, int64_t) {
   no_cuda("moe_dispatch");
 }
 

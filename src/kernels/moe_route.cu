@@ -102,7 +102,8 @@ __global__ void __launch_bounds__(kMoeDispatchBlock)
     dispatch_place_kernel(const int64_t* __restrict__ expert, int64_t S, int E, int align,
                           int64_t blocks, const int32_t* __restrict__ rank,
                           const int32_t* __restrict__ hist, int64_t* __restrict__ counts,
-                          int32_t* __restrict__ offs, int64_t* __restrict__ pos) {
+                          int32_t* __restrict__ offs, int64_t* __restrict__ pos,
+                          int64_t* __restrict__ row_slot) {
   extern __shared__ int64_t base[];  // [E]: the group's start plus the earlier blocks' slots
   int64_t* total = base + E;        // [E]
   const int tid = threadIdx.x;
@@ -131,7 +132,11 @@ __global__ void __launch_bounds__(kMoeDispatchBlock)
   }
   __syncthreads();
   const int64_t s = static_cast<int64_t>(blockIdx.x) * kMoeDispatchBlock + tid;
-  if (s < S) pos[s] = base[expert[s]] + rank[s];
+  if (s < S) {
+    const int64_t row = base[expert[s]] + rank[s];
+    pos[s] = row;
+    row_slot[row] = s;  // rows are distinct: a permutation's inverse, no races
+  }
 }
 
 }  // namespace
@@ -148,8 +153,14 @@ cudaError_t moe_topk(const float* scores, const float* bias, int64_t N, int E, i
 
 cudaError_t moe_dispatch(const int64_t* expert, int64_t S, int E, int align, int32_t* rank,
                          int32_t* hist, int64_t* counts, int32_t* offs, int64_t* pos,
-                         cudaStream_t stream) {
+                         int64_t* row_slot, cudaStream_t stream) {
   if (E < 1 || align < 1) return cudaErrorInvalidValue;
+  // Every row -1 (all bytes 0xFF) first; the placement writes the slots'.
+  if (auto e = cudaMemsetAsync(row_slot, 0xFF, sizeof(int64_t) * moe_dispatch_rows(S, E, align),
+                               stream);
+      e != cudaSuccess) {
+    return e;
+  }
   // At least one block, so that no slots still give counts and groups.
   const int64_t blocks = std::max<int64_t>(1, (S + kMoeDispatchBlock - 1) / kMoeDispatchBlock);
   const size_t count_smem = sizeof(int32_t) * 32 * E;
@@ -165,7 +176,8 @@ cudaError_t moe_dispatch(const int64_t* expert, int64_t S, int E, int align, int
       expert, S, E, rank, hist);
   dispatch_place_kernel<<<static_cast<unsigned>(blocks), kMoeDispatchBlock,
                           sizeof(int64_t) * 2 * E, stream>>>(expert, S, E, align, blocks, rank,
-                                                             hist, counts, offs, pos);
+                                                             hist, counts, offs, pos,
+                                                             row_slot);
   return cudaGetLastError();
 }
 

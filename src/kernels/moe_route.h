@@ -23,14 +23,22 @@ cudaError_t moe_topk(const float* scores, const float* bias, int64_t N, int E, i
 // The blocks moe_dispatch's scratch is sized by: ceil(S / kMoeDispatchBlock).
 constexpr int kMoeDispatchBlock = 1024;
 
+// The rows the padded groups of S slots over E experts can take at most:
+// every group rounded up by less than align, an empty one align rows.
+constexpr int64_t moe_dispatch_rows(int64_t S, int64_t E, int64_t align) {
+  return S + align * E;
+}
+
 // Slot s of expert[s] (S slots, int64 ids in [0, E)) goes to row pos[s]:
 // expert e's slots fill a group of rows padded to a multiple of align (at
 // least align rows) in slot order, the groups in expert order. Writes
 // counts [E] (int64: slots per expert), offs [E] (int32: each group's end
-// row) and pos [S] (int64). Scratch: rank [S] and hist [blocks, E] (int32).
-// Integer counts only, so the result does not depend on scheduling.
+// row), pos [S] (int64) and its inverse row_slot [moe_dispatch_rows(S, E,
+// align)] (int64: each row's slot, -1 for padding and unused rows).
+// Scratch: rank [S] and hist [blocks, E] (int32). Integer counts only, so
+// the result does not depend on scheduling.
 cudaError_t moe_dispatch(const int64_t* expert, int64_t S, int E, int align, int32_t* rank,
                          int32_t* hist, int64_t* counts, int32_t* offs, int64_t* pos,
-                         cudaStream_t stream);
+                         int64_t* row_slot, cudaStream_t stream);
 
 }  // namespace viaduct::cuda

@@ -43,8 +43,8 @@ bool moe_dispatch_usable(const at::Tensor& expert, int64_t n_experts) {
          cuda::device_supported(expert.device().index());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& expert,
-                                                            int64_t n_experts, int64_t align) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(
+    const at::Tensor& expert, int64_t n_experts, int64_t align) {
   RECORD_FUNCTION("viaduct::moe_dispatch", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(moe_dispatch_usable(expert, n_experts) && align >= 1,
                 "fused moe_dispatch: expert ids must be int64 on a CUDA device the kernels were "
@@ -60,13 +60,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& ex
   auto rank = at::empty({S}, i32), hist = at::empty({blocks, n_experts}, i32);
   auto counts = at::empty({n_experts}, e.options()), pos = at::empty({S}, e.options());
   auto offs = at::empty({n_experts}, i32);
+  auto row_slot = at::empty({cuda::moe_dispatch_rows(S, n_experts, align)}, e.options());
   check_launch(cuda::moe_dispatch(e.data_ptr<int64_t>(), S, static_cast<int>(n_experts),
                                   static_cast<int>(align), rank.data_ptr<int32_t>(),
                                   hist.data_ptr<int32_t>(), counts.data_ptr<int64_t>(),
                                   offs.data_ptr<int32_t>(), pos.data_ptr<int64_t>(),
-                                  stream_of(e)),
+                                  row_slot.data_ptr<int64_t>(), stream_of(e)),
                "moe_dispatch");
-  return {pos, offs, counts};
+  return {pos, offs, counts, row_slot};
 }
 
 }  // namespace viaduct::kernels

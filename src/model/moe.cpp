@@ -185,7 +185,7 @@ std::pair<at::Tensor, at::Tensor> MoeImpl::route(const at::Tensor& x) {
   auto scores = at::sigmoid(ops::router_logits(x, router->weight, kernel_options_));  // [N, E]
   // Selection only: no gradient through the bias.
   auto idx = ops::top_experts(scores, expert_bias, opts_.n_activated_experts, kernel_options_);
-  auto w = scores.gather(-1, idx);  // unbiased scores of the chosen experts
+  auto w = ops::gather_chosen(scores, idx);  // unbiased scores of the chosen experts
   w = w / w.sum(-1, /*keepdim=*/true) * opts_.route_scale;
   return {idx, w};
 }

@@ -71,10 +71,43 @@ class GatherDistinctRowsFn : public torch::autograd::Function<GatherDistinctRows
   }
 };
 
+// Note [The chosen scores' gradient without an index op]
+// gather's backward adds the gradient into zeros at idx: scatter_add,
+// which ATen runs as a sort and an indexed accumulation under
+// deterministic algorithms (about thirty launches a call on a GPU). The
+// columns a row chooses are distinct, so each score's gradient is the one
+// chosen entry's or none: the sum over j of where(idx[n, j] == e, g[n, j],
+// 0) is that entry exactly (a sum of it and zeros), the bits of adding it
+// into zeros, in elementwise ops that are deterministic as they stand.
+class GatherChosenFn : public torch::autograd::Function<GatherChosenFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& scores,
+                            const at::Tensor& idx) {
+    ctx->save_for_backward({idx});
+    ctx->saved_data["columns"] = scores.size(-1);
+    return scores.gather(-1, idx);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto idx = ctx->get_saved_variables()[0];
+    const auto& g = grads[0];  // [N, K]
+    const auto columns = at::arange(ctx->saved_data["columns"].toInt(), idx.options());
+    const auto chosen = idx.unsqueeze(-1) == columns;  // [N, K, E]
+    return {at::where(chosen, g.unsqueeze(-1), 0.0).sum(-2),
+            at::Tensor()};
+  }
+};
+
 }  // namespace
 
 at::Tensor gather_distinct_rows(const at::Tensor& src, const at::Tensor& pos) {
   return GatherDistinctRowsFn::apply(src, pos);
+}
+
+at::Tensor gather_chosen(const at::Tensor& scores, const at::Tensor& idx) {
+  VIADUCT_ASSERT(scores.dim() == 2 && idx.dim() == 2 && idx.size(0) == scores.size(0),
+                 "gather_chosen: scores ", scores.sizes(), " and idx ", idx.sizes());
+  return GatherChosenFn::apply(scores, idx);
 }
 
 at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w, const KernelOptions& k) {
@@ -99,7 +132,7 @@ ExpertDispatch dispatch_experts(const at::Tensor& idx, int64_t n_experts,
   if (opts.fused && kernels::moe_dispatch_usable(flat, n_experts)) {
     // Two kernels (a count pass, a placement pass) instead of the chain
     // below: the same rows.
-    std::tie(d.pos, d.offs, d.counts) = kernels::moe_dispatch(flat, n_experts, A);
+    std::tie(d.pos, d.offs, d.counts, d.row_slot) = kernels::moe_dispatch(flat, n_experts, A);
     return d;
   }
   auto order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
@@ -198,8 +231,11 @@ MoeExperts moe_experts(const at::Tensor& x, const at::Tensor& idx, const at::Ten
     // see Note [MoE rows moved in one pass] (kernels/moe_permute.cu).
     auto d = dispatch_experts(idx, E, k);
     r.routed = d.counts;
-    at::Tensor row_slot;
-    {
+    // The dispatch kernels write pos's inverse as they place the slots: an
+    // index_copy_ would take ATen's sorting path under deterministic
+    // algorithms (the rows are distinct, so it needs none).
+    at::Tensor row_slot = d.row_slot;
+    if (!row_slot.defined()) {
       torch::NoGradGuard no_grad;
       row_slot = at::full({d.rows}, -1, d.pos.options())
                      .index_copy_(0, d.pos, at::arange(N * K, d.pos.options()));

@@ -112,7 +112,10 @@ struct ExpertDispatch {
   at::Tensor pos;     // [N K] int64: the buffer row of each slot
   at::Tensor offs;    // [E] int32: each group's end row
   at::Tensor counts;  // [E] int64: slots per expert
-  int64_t rows = 0;   // the buffer's rows
+  // [rows] int64: each buffer row's slot, -1 for padding; from the kernels
+  // only (undefined on the ATen path).
+  at::Tensor row_slot;
+  int64_t rows = 0;  // the buffer's rows
 };
 // idx: [N, K] expert ids (int64) of N tokens. Under the kernel options on a
 // GPU two kernels (kernels/moe_route.h) place the slots; elsewhere a stable
@@ -131,6 +134,11 @@ at::Tensor top_experts(const at::Tensor& scores, const at::Tensor& bias, int64_t
 // src.index_select(0, pos) for a pos that names no row twice; the gradient
 // goes back with index_copy into zeros (no additions).
 at::Tensor gather_distinct_rows(const at::Tensor& src, const at::Tensor& pos);
+
+// scores.gather(-1, idx) for scores [N, E] and idx [N, K] naming K distinct
+// columns of each row (the chosen experts); see Note [The chosen scores'
+// gradient without an index op].
+at::Tensor gather_chosen(const at::Tensor& scores, const at::Tensor& idx);
 
 // SwiGLU experts w2(silu(w1 x) * w3 x) over a buffer xs [rows, D] (bf16)
 // whose groups `offs` end; w1, w3: [E, H, D], w2: [E, D, H] fp32 masters,

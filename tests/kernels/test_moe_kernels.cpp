@@ -107,6 +107,13 @@ TEST(MoeRouting, DispatchKernelsPlaceAsTheSortForm) {
       EXPECT_EQ(longs(got.offs), longs(reference.offs));
       EXPECT_EQ(got.offs.scalar_type(), at::kInt);
       EXPECT_EQ(longs(got.pos), longs(reference.pos));
+      // pos's inverse, written by the placement: each row's slot, -1 where
+      // none (every row of the buffer, padding past the last group too).
+      ASSERT_TRUE(got.row_slot.defined());
+      EXPECT_FALSE(sorted.row_slot.defined());
+      auto inverse = at::full({reference.rows}, -1, at::kLong)
+                         .index_copy_(0, reference.pos, at::arange(S, at::kLong));
+      EXPECT_EQ(longs(got.row_slot), longs(inverse));
     }
   }
 }

@@ -51,5 +51,34 @@ TEST(MoeDispatch, GatherDistinctRowsHasIndexSelectsBits) {
   EXPECT_EQ(src.grad().abs().sum(1).nonzero().size(0), 7);  // the 4 unread rows are zero
 }
 
+// The chosen scores (see Note [The chosen scores' gradient without an index
+// op]): gather's values, and its gradient's bits (gather's own backward adds
+// into zeros), signed zeros among the incoming gradients included.
+TEST(MoeDispatch, GatherChosenHasGathersBits) {
+  torch::manual_seed(7);
+  for (auto dtype : {at::kFloat, at::kDouble}) {
+    const int64_t N = 9, E = 6, K = 3;
+    auto scores = torch::rand({N, E}, at::TensorOptions(dtype)).requires_grad_(true);
+    auto idx = torch::stack(std::vector<at::Tensor>(
+        {torch::randperm(E, torch::kLong).narrow(0, 0, K), torch::tensor({5L, 0L, 2L}),
+         torch::tensor({1L, 4L, 3L}), torch::tensor({0L, 1L, 2L}), torch::tensor({3L, 5L, 4L}),
+         torch::tensor({2L, 3L, 0L}), torch::tensor({4L, 2L, 1L}), torch::tensor({5L, 4L, 3L}),
+         torch::tensor({1L, 0L, 5L})}));
+    auto y = ops::gather_chosen(scores, idx);
+    auto scores2 = scores.detach().clone().requires_grad_(true);
+    auto y2 = scores2.gather(-1, idx);
+    EXPECT_TRUE(torch::equal(y, y2));
+    auto g = torch::randn({N, K}, at::TensorOptions(dtype));
+    g[0][0] = -0.0;  // a negative zero: 0 + (-0) is +0 both ways
+    g[1][1] = 0.0;
+    y.backward(g);
+    y2.backward(g);
+    EXPECT_TRUE(torch::equal(scores.grad(), scores2.grad()));
+    EXPECT_TRUE(torch::equal(scores.grad().signbit(), scores2.grad().signbit()));
+    // Each row's unchosen columns get nothing.
+    EXPECT_EQ((scores.grad() != 0).sum().item<int64_t>(), N * K - 2);
+  }
+}
+
 }  // namespace
 }  // namespace viaduct
