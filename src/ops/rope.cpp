@@ -45,7 +45,12 @@ class CausalFusedAttentionFn : public torch::autograd::Function<CausalFusedAtten
     const auto saved = ctx->get_saved_variables();
     const std::vector<at::Tensor> fwd(saved.begin() + 3, saved.end());
     const auto f = static_cast<compat::FusedAttention>(ctx->saved_data["kernel"].toInt());
-    // The kernels read a dense last dimension of the incoming gradient.
+    // The incoming gradient goes contiguous even where it arrives in the
+    // output's own layout with a dense last dimension: LibTorch's cuDNN
+    // backward keeps its built graphs by q's, k's and v's shapes and
+    // strides, not the gradient's, so a gradient of other strides than the
+    // graph was built for is read wrongly (test
+    // FusedKernels.AttentionCoreRunsSdpasKernel hands it both layouts).
     auto g = compat::causal_fused_backward(f, grads[0].contiguous(), saved[0], saved[1],
                                            saved[2], fwd);
     return {g[0], g[1], g[2], at::Tensor()};

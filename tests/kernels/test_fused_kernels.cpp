@@ -512,21 +512,32 @@ TEST(FusedKernels, AttentionCoreRunsSdpasKernel) {
         v0.clone().requires_grad_(true).transpose(1, 2));
     ASSERT_NE(kernel, compat::FusedAttention::kNone) << "deterministic " << deterministic;
     if (deterministic) EXPECT_EQ(kernel, compat::FusedAttention::kFlash);
-    auto run = [&](bool ours) {
+    auto run = [&](bool ours, const at::Tensor& g) {
       auto q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true),
            v = v0.clone().requires_grad_(true);
       auto y = ours ? ops::causal_attention(q, k, v, nullptr, ops::KernelOptions{})
                     : at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                        v.transpose(1, 2), {}, 0.0, true);
-      y.backward(dy);
+      y.backward(g);
       return std::vector<at::Tensor>{y.detach(), q.grad(), k.grad(), v.grad()};
     };
-    const auto ours = run(true), sdpa = run(false), again = run(true);
+    // The output's gradient in the token layout ([B, T, H, hd] memory, as
+    // the projection after the attention hands it back), after a call with
+    // a contiguous one: the same gradients (cuDNN's backward, handed the
+    // token layout as it is, reused the graph built for the other strides
+    // and returned wrong gradients).
+    const auto dy_tokens = dy.transpose(1, 2).contiguous().transpose(1, 2);
+    const auto ours = run(true, dy), sdpa = run(false, dy), again = run(true, dy),
+               tokens = run(true, dy_tokens);
     EXPECT_TRUE(at::equal(ours[0], sdpa[0])) << "seed " << seed << " deterministic "
                                              << deterministic;
     for (size_t i = 1; i < ours.size(); ++i) {
       EXPECT_LT(rel_err(ours[i], sdpa[i]), 1e-2) << "gradient " << i << " seed " << seed;
-      if (deterministic) EXPECT_TRUE(at::equal(ours[i], again[i])) << "gradient " << i;
+      EXPECT_LT(rel_err(tokens[i], sdpa[i]), 1e-2) << "gradient " << i << " seed " << seed;
+      if (deterministic) {
+        EXPECT_TRUE(at::equal(ours[i], again[i])) << "gradient " << i;
+        EXPECT_TRUE(at::equal(ours[i], tokens[i])) << "gradient " << i;
+      }
     }
   }
   at::globalContext().setDeterministicAlgorithms(det, /*warn_only=*/false);
