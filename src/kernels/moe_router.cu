@@ -12,104 +12,196 @@ namespace {
 // input (written, read by the GEMM, and kept for the backward: twice the
 // input's bytes per MoE layer), an fp32 input gradient and its cast back to
 // bf16. Here the kernels read the bf16 tokens as they are and do the same
-// fp32 arithmetic: the forward one warp per token (E dots over D, each
-// lane's strided partial sums added by the warp in a fixed order), dx one
-// thread per 8 columns summing over the experts in order, dw as per-block
-// partial sums over the block's rows that the caller adds. Only the order
+// fp32 arithmetic: the forward a warp per few tokens (E dots over D per
+// token, each lane's strided partial sums added by the warp in a fixed
+// order), dx a thread per 8 columns of a few tokens summing over the
+// experts in order, dw as per-block partial sums over the block's rows
+// that the caller adds. Only the order
 // of the fp32 sums differs from the GEMM's; nothing uses atomics.
-constexpr int kVec = 8;           // bf16 values in 16 bytes
-constexpr int kExpertChunk = 8;   // experts a warp's lanes sum at once
-constexpr int kRouterWarps = 8;   // tokens a forward block takes
-constexpr int kPartRows = 256;    // rows a dw part sums
+//
+// The weights are tiny ([E, D]) and every token reads all of them, so the
+// forward's warp scores several tokens per load of the weights' chunk and
+// dx's thread writes several tokens' columns per load; dw stages each
+// tile of token rows in shared memory once for all the experts' warps
+// (one read of x from memory instead of one per expert). The sums keep
+// their order (each output's terms in the same sequence), so the bits do
+// not depend on how many tokens share a load.
+constexpr int kVec = 8;            // bf16 values in 16 bytes
+constexpr int kExpertChunk = 8;    // experts a warp's lanes sum at once
+constexpr int kRouterWarps = 4;    // warps a forward block has
+constexpr int kTokensPerWarp = 4;  // tokens a forward warp scores per load of the weights
+constexpr int kDxTokens = 4;       // tokens a dx thread writes per load of the weights
+constexpr int kPartRows = 256;     // rows a dw part sums
+constexpr int kDwTileRows = 32;    // rows a dw block stages at once
+constexpr int kDwChunks = 32;      // 8-column chunks a dw block covers: one a lane
+constexpr int kDwWarps = 8;        // a dw block's warps; warp j takes experts j, j + 8, ...
+constexpr int kDwSlots = kMoeRouterMaxExperts / kDwWarps;  // experts a dw thread sums at most
+
+// 8 fp32 values at p + i as two 16-byte loads (i a multiple of 4, p 16-byte aligned).
+__device__ __forceinline__ void load8(const float* p, int64_t i, float (&out)[kVec]) {
+  float lo[4], hi[4];
+  load_n<float, 4>(p, i, lo);
+  load_n<float, 4>(p, i + 4, hi);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    out[k] = lo[k];
+    out[4 + k] = hi[k];
+  }
+}
 
 __global__ void __launch_bounds__(kRouterWarps * 32)
     router_forward_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
                           int64_t N, int64_t D, int E, float* __restrict__ logits) {
-  const int64_t n = blockIdx.x * static_cast<int64_t>(kRouterWarps) + (threadIdx.x >> 5);
-  if (n >= N) return;  // a whole warp leaves together
+  const int64_t n0 =
+      (blockIdx.x * static_cast<int64_t>(kRouterWarps) + (threadIdx.x >> 5)) * kTokensPerWarp;
+  if (n0 >= N) return;  // a whole warp leaves together
   const int lane = threadIdx.x & 31;
   const int64_t vecs = D / kVec;
-  const __nv_bfloat16* xr = x + n * D;
+  const int nt = N - n0 < kTokensPerWarp ? static_cast<int>(N - n0) : kTokensPerWarp;
   for (int e0 = 0; e0 < E; e0 += kExpertChunk) {
     const int ec = E - e0 < kExpertChunk ? E - e0 : kExpertChunk;
-    float acc[kExpertChunk];
+    float acc[kTokensPerWarp][kExpertChunk];
 #pragma unroll
-    for (int e = 0; e < kExpertChunk; ++e) acc[e] = 0.f;
+    for (int t = 0; t < kTokensPerWarp; ++t) {
+#pragma unroll
+      for (int e = 0; e < kExpertChunk; ++e) acc[t][e] = 0.f;
+    }
     for (int64_t c = lane; c < vecs; c += 32) {
-      float xv[kVec];
-      load_n<__nv_bfloat16, kVec>(xr, c * kVec, xv);
+      float wv[kExpertChunk][kVec];
 #pragma unroll
       for (int e = 0; e < kExpertChunk; ++e) {
-        if (e < ec) {
-          float wv[4], wu[4];
-          load_n<float, 4>(w + (e0 + e) * D, c * kVec, wv);
-          load_n<float, 4>(w + (e0 + e) * D, c * kVec + 4, wu);
+        if (e < ec) load8(w + (e0 + e) * D, c * kVec, wv[e]);
+      }
 #pragma unroll
-          for (int k = 0; k < 4; ++k) acc[e] = __fmaf_rn(xv[k], wv[k], acc[e]);
+      for (int t = 0; t < kTokensPerWarp; ++t) {
+        if (t < nt) {
+          float xv[kVec];
+          load_n<__nv_bfloat16, kVec>(x + (n0 + t) * D, c * kVec, xv);
 #pragma unroll
-          for (int k = 0; k < 4; ++k) acc[e] = __fmaf_rn(xv[4 + k], wu[k], acc[e]);
+          for (int e = 0; e < kExpertChunk; ++e) {
+            if (e < ec) {
+#pragma unroll
+              for (int k = 0; k < kVec; ++k) acc[t][e] = __fmaf_rn(xv[k], wv[e][k], acc[t][e]);
+            }
+          }
         }
       }
     }
 #pragma unroll
-    for (int e = 0; e < kExpertChunk; ++e) {
-      const float total = warp_sum(acc[e]);
-      if (lane == 0 && e < ec) logits[n * E + e0 + e] = total;
+    for (int t = 0; t < kTokensPerWarp; ++t) {
+#pragma unroll
+      for (int e = 0; e < kExpertChunk; ++e) {
+        const float total = warp_sum(acc[t][e]);
+        if (lane == 0 && t < nt && e < ec) logits[(n0 + t) * E + e0 + e] = total;
+      }
     }
   }
 }
 
+// Thread i: the 8 columns i % vecs of tokens kDxTokens (i / vecs) onwards.
 __global__ void router_dx_kernel(const float* __restrict__ dl, const float* __restrict__ w,
                                  int64_t N, int64_t D, int E, __nv_bfloat16* __restrict__ dx) {
   const int64_t vecs = D / kVec;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < N * vecs;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t n = i / vecs, c = i - n * vecs;
-    float acc[kVec];
+  const int64_t groups = (N + kDxTokens - 1) / kDxTokens;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       i < groups * vecs; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t gi = i / vecs, c = i - gi * vecs;
+    const int64_t n0 = gi * kDxTokens;
+    const int nt = N - n0 < kDxTokens ? static_cast<int>(N - n0) : kDxTokens;
+    float acc[kDxTokens][kVec];
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) acc[k] = 0.f;
+    for (int t = 0; t < kDxTokens; ++t) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) acc[t][k] = 0.f;
+    }
     for (int e = 0; e < E; ++e) {
-      const float g = dl[n * E + e];
-      float wv[4], wu[4];
-      load_n<float, 4>(w + e * D, c * kVec, wv);
-      load_n<float, 4>(w + e * D, c * kVec + 4, wu);
+      float wv[kVec];
+      load8(w + e * D, c * kVec, wv);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        acc[k] = __fmaf_rn(g, wv[k], acc[k]);
-        acc[4 + k] = __fmaf_rn(g, wu[k], acc[4 + k]);
+      for (int t = 0; t < kDxTokens; ++t) {
+        if (t < nt) {
+          const float g = dl[(n0 + t) * E + e];
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) acc[t][k] = __fmaf_rn(g, wv[k], acc[t][k]);
+        }
       }
     }
-    store_n<__nv_bfloat16, kVec>(dx, n * D + c * kVec, acc);
+#pragma unroll
+    for (int t = 0; t < kDxTokens; ++t) {
+      if (t < nt) store_n<__nv_bfloat16, kVec>(dx, (n0 + t) * D + c * kVec, acc[t]);
+    }
   }
 }
 
-// Block (p, y): rows [p kPartRows, (p + 1) kPartRows) of part p; each
-// thread one (expert, 8 columns) pair of the part.
-__global__ void router_dw_kernel(const float* __restrict__ dl, const __nv_bfloat16* __restrict__ x,
-                                 int64_t N, int64_t D, int E, float* __restrict__ part) {
+// Block (p, q): part p's rows [p kPartRows, (p + 1) kPartRows) and the
+// column chunks [q kDwChunks, (q + 1) kDwChunks), lane l chunk q kDwChunks
+// + l; warp j the experts j, j + kDwWarps, ... Each tile of rows (x's
+// chunks and the rows' dl) is staged in shared memory once; every
+// (expert, column) sum runs over the part's rows in order.
+__global__ void __launch_bounds__(kDwWarps * 32)
+    router_dw_kernel(const float* __restrict__ dl, const __nv_bfloat16* __restrict__ x,
+                     int64_t N, int64_t D, int E, float* __restrict__ part) {
+  __shared__ uint4 xs[kDwTileRows][kDwChunks];
+  __shared__ float gs[kDwTileRows][kMoeRouterMaxExperts];
   const int64_t vecs = D / kVec;
-  const int64_t t = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (t >= E * vecs) return;
-  const int64_t e = t / vecs, c = t - e * vecs;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t chunk0 = static_cast<int64_t>(blockIdx.y) * kDwChunks;
+  const int64_t c = chunk0 + lane;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kPartRows;
   const int64_t last = first + kPartRows < N ? first + kPartRows : N;
-  float lo[4] = {0.f, 0.f, 0.f, 0.f}, hi[4] = {0.f, 0.f, 0.f, 0.f};
-  // Unrolled so that several rows' loads are in flight at once (one row at
-  // a time waits out each load's latency); the sums still run in row order.
-#pragma unroll 8
-  for (int64_t n = first; n < last; ++n) {
-    const float g = dl[n * E + e];
-    float xv[kVec];
-    load_n<__nv_bfloat16, kVec>(x, n * D + c * kVec, xv);
+  float acc[kDwSlots][kVec];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      lo[k] = __fmaf_rn(g, xv[k], lo[k]);
-      hi[k] = __fmaf_rn(g, xv[4 + k], hi[k]);
+  for (int s = 0; s < kDwSlots; ++s) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) acc[s][k] = 0.f;
+  }
+  for (int64_t r0 = first; r0 < last; r0 += kDwTileRows) {
+    const int rows = last - r0 < kDwTileRows ? static_cast<int>(last - r0) : kDwTileRows;
+    __syncthreads();  // the previous tile's reads are done
+    for (int j = threadIdx.x; j < kDwTileRows * kDwChunks; j += kDwWarps * 32) {
+      const int r = j / kDwChunks, cc = j % kDwChunks;
+      if (r < rows && chunk0 + cc < vecs) {
+        xs[r][cc] = *reinterpret_cast<const uint4*>(x + (r0 + r) * D + (chunk0 + cc) * kVec);
+      }
+    }
+    for (int j = threadIdx.x; j < rows * E; j += kDwWarps * 32) {
+      const int r = j / E, e = j % E;
+      gs[r][e] = dl[(r0 + r) * E + e];
+    }
+    __syncthreads();
+    if (c < vecs) {
+      for (int r = 0; r < rows; ++r) {
+        float xv[kVec];
+        load_n<__nv_bfloat16, kVec>(reinterpret_cast<const __nv_bfloat16*>(&xs[r][lane]), 0,
+                                    xv);
+#pragma unroll
+        for (int s = 0; s < kDwSlots; ++s) {
+          const int e = warp + kDwWarps * s;
+          if (e < E) {
+            const float g = gs[r][e];
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) acc[s][k] = __fmaf_rn(g, xv[k], acc[s][k]);
+          }
+        }
+      }
     }
   }
-  float* out = part + (static_cast<int64_t>(blockIdx.x) * E + e) * D + c * kVec;
-  store_n<float, 4>(out, 0, lo);
-  store_n<float, 4>(out, 4, hi);
+  if (c >= vecs) return;
+#pragma unroll
+  for (int s = 0; s < kDwSlots; ++s) {
+    const int e = warp + kDwWarps * s;
+    if (e < E) {
+      float* out = part + (static_cast<int64_t>(blockIdx.x) * E + e) * D + c * kVec;
+      float lo[4], hi[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        lo[k] = acc[s][k];
+        hi[k] = acc[s][4 + k];
+      }
+      store_n<float, 4>(out, 0, lo);
+      store_n<float, 4>(out, 4, hi);
+    }
+  }
 }
 
 bool shapes_ok(const void* x, const float* w, int64_t D, int E) {
@@ -123,7 +215,8 @@ cudaError_t moe_router_forward(const void* x, const float* w, int64_t N, int64_t
                                float* logits, cudaStream_t stream) {
   if (!shapes_ok(x, w, D, E)) return cudaErrorInvalidValue;
   if (N == 0) return cudaSuccess;
-  const auto blocks = static_cast<unsigned>((N + kRouterWarps - 1) / kRouterWarps);
+  constexpr int per_block = kRouterWarps * kTokensPerWarp;
+  const auto blocks = static_cast<unsigned>((N + per_block - 1) / per_block);
   router_forward_kernel<<<blocks, kRouterWarps * 32, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), w, N, D, E, logits);
   return cudaGetLastError();
@@ -142,13 +235,14 @@ cudaError_t moe_router_backward(const float* dlogits, const void* x, const float
   }
   const int64_t vecs = D / kVec;
   if (N > 0) {
-    router_dx_kernel<<<elementwise_blocks(N * vecs), kElemThreads, 0, stream>>>(
+    const int64_t groups = (N + kDxTokens - 1) / kDxTokens;
+    router_dx_kernel<<<elementwise_blocks(groups * vecs), kElemThreads, 0, stream>>>(
         dlogits, w, N, D, E, static_cast<__nv_bfloat16*>(dx));
   }
   const int64_t parts = moe_router_backward_parts(N);
   const dim3 grid(static_cast<unsigned>(parts),
-                  static_cast<unsigned>((E * vecs + kElemThreads - 1) / kElemThreads));
-  router_dw_kernel<<<grid, kElemThreads, 0, stream>>>(
+                  static_cast<unsigned>((vecs + kDwChunks - 1) / kDwChunks));
+  router_dw_kernel<<<grid, kDwWarps * 32, 0, stream>>>(
       dlogits, static_cast<const __nv_bfloat16*>(x), N, D, E, dw_partial);
   return cudaGetLastError();
 }

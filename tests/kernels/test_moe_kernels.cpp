@@ -17,7 +17,9 @@
 // writes the weight gradients in fp32).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 
 #include "core/torch_compat.h"
 #include "kernels/fused.h"
@@ -245,6 +247,85 @@ TEST(MoeRouting, PermuteAndCombineKernelsMatchTheirAtenForms) {
 // tokens]) against ATen's form, the tokens cast to fp32 times the fp32
 // weight, and an fp64 reference: logits and both gradients (the order of
 // the fp32 sums is the kernels' own), and two runs give the same bits.
+// The router's kernels sum in fixed orders (see Note [Router logits from
+// bf16 tokens]), whatever tokens share a load of the weights: the same
+// fp32 arithmetic replayed on the CPU with single-rounding fmas gives their
+// bits. logits: lane l's fma chain over the 8-column chunks l, l + 32, ...
+// (columns in order within a chunk), then the warp's butterfly sum; dx:
+// each element's chain over the experts in order, rounded once to bf16;
+// dw: each part's chain over its 256 rows in order, the parts added by
+// ATen's sum as the kernel path adds them.
+TEST(MoeRouting, RouterKernelsSumInTheirFixedOrder) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const auto bf = at::TensorOptions(at::kCUDA).dtype(at::kBFloat16);
+  const auto f32 = at::TensorOptions(at::kCUDA).dtype(at::kFloat);
+  constexpr int64_t kChunk = 8, kLanes = 32, kPart = 256;
+  for (const auto& [N, D, E] : std::vector<std::array<int64_t, 3>>{
+           {1, 8, 1}, {7, 264, 8}, {157, 256, 8}, {515, 2048, 8}, {300, 1024, 64},
+           {64, 72, 13}}) {
+    SCOPED_TRACE("N " + std::to_string(N) + " D " + std::to_string(D) + " E " +
+                 std::to_string(E));
+    auto x = at::randn({N, D}, bf).requires_grad_(true);
+    auto w = (0.05 * at::randn({E, D}, f32)).requires_grad_(true);
+    auto dl = at::randn({N, E}, f32);
+    auto logits = kernels::moe_router(x, w);
+    logits.backward(dl);
+    const auto xc = x.detach().to(at::kCPU, at::kFloat).contiguous();
+    const auto wc = w.detach().to(at::kCPU).contiguous();
+    const auto dc = dl.to(at::kCPU).contiguous();
+    const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>(),
+                *dp = dc.data_ptr<float>();
+    const int64_t vecs = D / kChunk, parts = (N + kPart - 1) / kPart;
+    auto want_logits = at::empty({N, E}, at::kFloat);
+    auto want_dx = at::empty({N, D}, at::kFloat);
+    auto want_part = at::empty({parts, E, D}, at::kFloat);
+    float *lp = want_logits.data_ptr<float>(), *xg = want_dx.data_ptr<float>(),
+          *pp = want_part.data_ptr<float>();
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t e = 0; e < E; ++e) {
+        float lane[kLanes];
+        for (int64_t l = 0; l < kLanes; ++l) {
+          float acc = 0.f;
+          for (int64_t c = l; c < vecs; c += kLanes) {
+            for (int64_t k = 0; k < kChunk; ++k) {
+              const int64_t d = c * kChunk + k;
+              acc = std::fma(xp[n * D + d], wp[e * D + d], acc);
+            }
+          }
+          lane[l] = acc;
+        }
+        for (int64_t o = kLanes / 2; o > 0; o /= 2) {
+          float next[kLanes];
+          for (int64_t l = 0; l < kLanes; ++l) next[l] = lane[l] + lane[l ^ o];
+          std::copy(next, next + kLanes, lane);
+        }
+        lp[n * E + e] = lane[0];
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        float acc = 0.f;
+        for (int64_t e = 0; e < E; ++e) acc = std::fma(dp[n * E + e], wp[e * D + d], acc);
+        xg[n * D + d] = acc;
+      }
+    }
+    for (int64_t p = 0; p < parts; ++p) {
+      for (int64_t e = 0; e < E; ++e) {
+        for (int64_t d = 0; d < D; ++d) {
+          float acc = 0.f;
+          for (int64_t n = p * kPart; n < std::min(N, (p + 1) * kPart); ++n) {
+            acc = std::fma(dp[n * E + e], xp[n * D + d], acc);
+          }
+          pp[(p * E + e) * D + d] = acc;
+        }
+      }
+    }
+    EXPECT_TRUE(at::equal(logits.detach().cpu(), want_logits));
+    EXPECT_TRUE(at::equal(x.grad().cpu(), want_dx.to(at::kBFloat16)));
+    EXPECT_TRUE(at::equal(w.grad(), want_part.to(at::kCUDA).sum(0)));
+  }
+}
+
 TEST(MoeRouting, RouterKernelsMatchTheFp32Linear) {
   REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
