@@ -96,52 +96,46 @@ __global__ void combine_kernel(const __nv_bfloat16* __restrict__ ys,
   }
 }
 
-__global__ void combine_backward_rows_kernel(const __nv_bfloat16* __restrict__ dout,
-                                             const __nv_bfloat16* __restrict__ g,
-                                             const int64_t* __restrict__ row_slot, int64_t rows,
-                                             int64_t vecs, int K,
-                                             __nv_bfloat16* __restrict__ dys) {
-  const int64_t D = vecs * kVec;
+// The rows no slot fills (each group's padding): zeros, the gradient of
+// rows the combine never read.
+__global__ void zero_padding_rows_kernel(const int64_t* __restrict__ row_slot, int64_t rows,
+                                         int64_t vecs, uint4* __restrict__ dys) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * vecs;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / vecs, c = i - r * vecs;
-    const int64_t s = row_slot[r];
-    float v[kVec];
-    if (s >= 0) {
-      const float gate = __bfloat162float(g[s]);
-      load_n<__nv_bfloat16, kVec>(dout, (s / K) * D + c * kVec, v);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) v[e] = __fmul_rn(v[e], gate);
-    } else {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) v[e] = 0.f;
-    }
-    store_n<__nv_bfloat16, kVec>(dys, r * D + c * kVec, v);
+    if (row_slot[i / vecs] < 0) dys[i] = make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
-// One warp per slot: its gate's gradient.
+// One warp per slot: its row's gradient, dout times the gate rounded to
+// bf16, and its gate's gradient, from one read of dout's row and the
+// expert's row for both.
 constexpr int kGateWarps = 8;
 __global__ void __launch_bounds__(kGateWarps * 32)
-    combine_backward_gates_kernel(const __nv_bfloat16* __restrict__ dout,
-                                  const __nv_bfloat16* __restrict__ ys,
-                                  const int64_t* __restrict__ pos, int64_t slots, int64_t vecs,
-                                  int K, float* __restrict__ dg) {
+    combine_backward_kernel(const __nv_bfloat16* __restrict__ dout,
+                            const __nv_bfloat16* __restrict__ ys,
+                            const __nv_bfloat16* __restrict__ g, const int64_t* __restrict__ pos,
+                            int64_t slots, int64_t vecs, int K, __nv_bfloat16* __restrict__ dys,
+                            float* __restrict__ dg) {
   const int64_t s = blockIdx.x * static_cast<int64_t>(kGateWarps) + (threadIdx.x >> 5);
   if (s >= slots) return;  // a whole warp leaves together
   const int lane = threadIdx.x & 31;
   const int64_t D = vecs * kVec;
   const __nv_bfloat16* a = dout + (s / K) * D;
-  const __nv_bfloat16* b = ys + pos[s] * D;
+  const int64_t row = pos[s];
+  const __nv_bfloat16* b = ys + row * D;
+  __nv_bfloat16* out = dys + row * D;
+  const float gate = __bfloat162float(g[s]);
   float part = 0.f;
   for (int64_t c = lane; c < vecs; c += 32) {
-    float u[kVec], v[kVec];
+    float u[kVec], v[kVec], d[kVec];
     load_n<__nv_bfloat16, kVec>(a, c * kVec, u);
     load_n<__nv_bfloat16, kVec>(b, c * kVec, v);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
       part = __fadd_rn(part, round_as<__nv_bfloat16>(__fmul_rn(u[e], v[e])));
+      d[e] = __fmul_rn(u[e], gate);
     }
+    store_n<__nv_bfloat16, kVec>(out, c * kVec, d);
   }
   const float total = warp_sum(part);
   if (lane == 0) dg[s] = round_as<__nv_bfloat16>(total);
@@ -195,17 +189,17 @@ cudaError_t moe_combine_backward(const void* dout, const void* ys, const void* g
     return cudaErrorInvalidValue;
   }
   const int64_t vecs = D / kVec;
-  const auto* gb = static_cast<const __nv_bfloat16*>(g);
-  const auto* db = static_cast<const __nv_bfloat16*>(dout);
   if (rows > 0) {
-    combine_backward_rows_kernel<<<elementwise_blocks(rows * vecs), kElemThreads, 0, stream>>>(
-        db, gb, row_slot, rows, vecs, K, static_cast<__nv_bfloat16*>(dys));
+    zero_padding_rows_kernel<<<elementwise_blocks(rows * vecs), kElemThreads, 0, stream>>>(
+        row_slot, rows, vecs, static_cast<uint4*>(dys));
   }
   const int64_t slots = N * K;
   if (slots > 0) {
     const auto blocks = static_cast<unsigned>((slots + kGateWarps - 1) / kGateWarps);
-    combine_backward_gates_kernel<<<blocks, kGateWarps * 32, 0, stream>>>(
-        db, static_cast<const __nv_bfloat16*>(ys), pos, slots, vecs, K, dg);
+    combine_backward_kernel<<<blocks, kGateWarps * 32, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(dout), static_cast<const __nv_bfloat16*>(ys),
+        static_cast<const __nv_bfloat16*>(g), pos, slots, vecs, K,
+        static_cast<__nv_bfloat16*>(dys), dg);
   }
   return cudaGetLastError();
 }
