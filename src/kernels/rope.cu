@@ -1,5 +1,7 @@
 // Rotary embedding on interleaved pairs, and the repeat or sum of grouped
 // heads through the same kernel (with or without the rotation).
+#include <algorithm>
+
 #include "kernels/common.cuh"
 #include "kernels/rope.h"
 
@@ -19,44 +21,63 @@ namespace {
 // cos_t == nullptr: no rotation (the heads copied or summed as above; v's
 // grouped heads repeated for attention, see Note [Repeated heads without a
 // gather]).
+// A block per (b, t) row, its threads over the row's heads and their
+// N-element groups: the row's indices come from the block, the head's
+// from one 32-bit division a thread (a flat index split into b, t, h and d
+// took six 64-bit divisions a group, which outlasted the group's bytes).
 template <typename T, int N>
 __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ cos_t,
-                            const float* __restrict__ sin_t, T* __restrict__ y, int64_t groups,
+                            const float* __restrict__ sin_t, T* __restrict__ y, int64_t rows,
                             int64_t T_len, int64_t H, int64_t half, int64_t sB, int64_t sT,
                             int64_t sH, float sign, int64_t div, int64_t mul, int64_t cnt,
                             int64_t yT, int64_t yH) {
-  const int64_t per_head = 2 * half / N;  // groups in one head vector
-  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
-       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t d = (g % per_head) * N;  // first element in the head vector
-    int64_t rest = g / per_head;
-    const int64_t h = rest % H;
-    rest /= H;
-    const int64_t t = rest % T_len;
-    const int64_t b = rest / T_len;
-    const int64_t src = (h / div) * mul;
-    float v[N], o[N];
-    load_n<T, N>(x, b * sB + t * sT + src * sH + d, v);
-    for (int64_t r = 1; r < cnt; ++r) {
-      float u[N];
-      load_n<T, N>(x, b * sB + t * sT + (src + r) * sH + d, u);
+  const int per_head = static_cast<int>(2 * half / N);  // groups in one head vector
+  const int per_row = static_cast<int>(H) * per_head;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t t = row % T_len, b = row / T_len;
+    for (int j = threadIdx.x; j < per_row; j += blockDim.x) {
+      const int hh = j / per_head;
+      const int64_t h = hh;
+      const int64_t d = static_cast<int64_t>(j - hh * per_head) * N;  // first element in the head
+      const int64_t src = (h / div) * mul;
+      float v[N], o[N];
+      load_n<T, N>(x, b * sB + t * sT + src * sH + d, v);
+      for (int64_t r = 1; r < cnt; ++r) {
+        float u[N];
+        load_n<T, N>(x, b * sB + t * sT + (src + r) * sH + d, u);
 #pragma unroll
-      for (int k = 0; k < N; ++k) v[k] += u[k];
-    }
-    if (cos_t == nullptr) {  // no rotation: the heads copied or summed
-#pragma unroll
-      for (int k = 0; k < N; ++k) o[k] = v[k];
-    } else {
-#pragma unroll
-      for (int k = 0; k < N; k += 2) {
-        const int64_t i = t * half + (d + k) / 2;
-        const float c = cos_t[i], sn = sign * sin_t[i];
-        o[k] = v[k] * c - v[k + 1] * sn;
-        o[k + 1] = v[k] * sn + v[k + 1] * c;
+        for (int k = 0; k < N; ++k) v[k] += u[k];
       }
+      if (cos_t == nullptr) {  // no rotation: the heads copied or summed
+#pragma unroll
+        for (int k = 0; k < N; ++k) o[k] = v[k];
+      } else {
+#pragma unroll
+        for (int k = 0; k < N; k += 2) {
+          const int64_t i = t * half + (d + k) / 2;
+          const float c = cos_t[i], sn = sign * sin_t[i];
+          o[k] = v[k] * c - v[k + 1] * sn;
+          o[k + 1] = v[k] * sn + v[k + 1] * c;
+        }
+      }
+      store_n<T, N>(y, (b * T_len + t) * yT + h * yH + d, o);
     }
-    store_n<T, N>(y, (b * T_len + t) * yT + h * yH + d, o);
   }
+}
+
+// The launch: a block per row (up to 2^30 blocks, then a stride), threads
+// for the row's groups rounded to warps, at most kElemThreads.
+template <typename T, int N>
+cudaError_t launch_rope(const T* x, const float* cos_t, const float* sin_t, T* y, int64_t rows,
+                        int64_t T_len, int64_t H, int64_t half, int64_t sB, int64_t sT,
+                        int64_t sH, float sign, int64_t div, int64_t mul, int64_t cnt,
+                        int64_t yT, int64_t yH, cudaStream_t stream) {
+  const int64_t per_row = H * (2 * half / N);
+  const int64_t threads = std::min<int64_t>(kElemThreads, (per_row + 31) / 32 * 32);
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(rows, int64_t{1} << 30));
+  rope_kernel<T, N><<<blocks, static_cast<unsigned>(threads), 0, stream>>>(
+      x, cos_t, sin_t, y, rows, T_len, H, half, sB, sT, sH, sign, div, mul, cnt, yT, yH);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -75,17 +96,17 @@ cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin, vo
   const bool vec = hd % G == 0 && sB % G == 0 && sT % G == 0 && sH % G == 0 && yT % G == 0 &&
                    yH % G == 0 &&
                    aligned16(x) && aligned16(y);
+  const int64_t rows = B * T_len;
   if (vec) {
     VIADUCT_DISPATCH(dt, constexpr int N = sizeof(T) == 2 ? 8 : 4;
-                     rope_kernel<T, N><<<elementwise_blocks(n / N), kElemThreads, 0, stream>>>(
-                         static_cast<const T*>(x), cos, sin, static_cast<T*>(y), n / N, T_len, H,
-                         hd / 2, sB, sT, sH, sign, div, mul, cnt, yT, yH));
-  } else {
-    VIADUCT_DISPATCH(dt, rope_kernel<T, 2><<<elementwise_blocks(n / 2), kElemThreads, 0, stream>>>(
-                             static_cast<const T*>(x), cos, sin, static_cast<T*>(y), n / 2, T_len,
-                             H, hd / 2, sB, sT, sH, sign, div, mul, cnt, yT, yH));
+                     return launch_rope<T, N>(static_cast<const T*>(x), cos, sin,
+                                              static_cast<T*>(y), rows, T_len, H, hd / 2, sB, sT,
+                                              sH, sign, div, mul, cnt, yT, yH, stream));
   }
-  return cudaGetLastError();
+  VIADUCT_DISPATCH(dt, return launch_rope<T, 2>(static_cast<const T*>(x), cos, sin,
+                                                static_cast<T*>(y), rows, T_len, H, hd / 2, sB,
+                                                sT, sH, sign, div, mul, cnt, yT, yH, stream));
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace viaduct::cuda
