@@ -59,6 +59,7 @@ want() {  # part estimate
   note "## $1 (at $(($(date +%s) - T0)) s)"
 }
 : >"$SUM"
+FAILURES=""  # the parts that failed, for the exit status
 
 part_build() {
   # run_single_gpu.sh's targets (bench/lib/gpu_build.sh); a failed build is
@@ -69,6 +70,7 @@ part_build() {
     note "build: $B ready"
   else
     note "build failed (log: /tmp/vs_build.log)"
+    FAILURES="$FAILURES build"
   fi
 }
 part_tests() {
@@ -101,7 +103,10 @@ part_tests() {
   # so the call goes on with what is built.
   local failed
   failed=$(grep -E "^\[  FAILED  \] [A-Za-z]" /tmp/vs_tests_all.txt | awk '{print $4}' | sort -u | tr '\n' ' ')
-  [ -n "$failed$crashed" ] && note "kernel tests failed: $failed${crashed:+ crashed:$crashed}"
+  if [ -n "$failed$crashed" ]; then
+    note "kernel tests failed: $failed${crashed:+ crashed:$crashed}"
+    FAILURES="$FAILURES tests"
+  fi
 }
 # probe: short runs of the llama-1B and the K3 (section 3's) shapes; a run
 # that fails prints its error.
@@ -340,3 +345,8 @@ if [ -n "$TRITON_SAVER_PID" ]; then
   tar -cf "$OUT/triton-cache.tar" -C "$TRITON_CACHE_DIR" . 2>/dev/null
 fi
 note "done at $(($(date +%s) - T0)) s"
+# The parts after a failed one still ran; the call's status says it failed.
+if [ -n "$FAILURES" ]; then
+  note "failed:$FAILURES"
+  exit 1
+fi
