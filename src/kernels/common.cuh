@@ -134,6 +134,14 @@ __device__ MaxSum block_max_sum(MaxSum v, MaxSum* scratch) {
   return total;
 }
 
+// Lets `kernel` launch with `bytes` of dynamic shared memory (past the 48 KB
+// a launch gets without asking).
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(bytes));
+}
+
 int elementwise_blocks(int64_t n) {
   const int64_t want = (n + kElemThreads - 1) / kElemThreads;
   return static_cast<int>(want < 65536 ? (want > 0 ? want : 1) : 65536);

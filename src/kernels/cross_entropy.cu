@@ -1,14 +1,68 @@
 // Per-row cross-entropy that overwrites the logits with their gradient.
+#include <algorithm>
+
 #include "kernels/common.cuh"
 #include "kernels/cross_entropy.h"
 
 namespace viaduct::cuda {
 namespace {
 
+// A group of N logits as stored (T), and as floats.
 template <typename T, int N>
-__global__ void cross_entropy_kernel(T* __restrict__ logits, const int64_t* __restrict__ targets,
-                                     float* __restrict__ row_loss, int64_t vocab,
-                                     int64_t ignore_index) {
+struct Group {
+  T raw[N];
+  __device__ __forceinline__ void read(const T* p, int64_t i) {
+    if constexpr (N * sizeof(T) == 16) {
+      *reinterpret_cast<uint4*>(raw) = *reinterpret_cast<const uint4*>(p + i);
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) raw[k] = p[i + k];
+    }
+  }
+  __device__ __forceinline__ void write(T* p, int64_t i) const {
+    if constexpr (N * sizeof(T) == 16) {
+      *reinterpret_cast<uint4*>(p + i) = *reinterpret_cast<const uint4*>(raw);
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) p[i + k] = raw[k];
+    }
+  }
+  __device__ __forceinline__ void floats(float (&v)[N]) const {
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = load(raw, k);
+  }
+};
+
+// The online softmax's running (max, sum) over one thread's logits, in
+// the order they come.
+template <int N>
+__device__ __forceinline__ void add_to(MaxSum& ms, const float (&v)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    if (v[k] > ms.m) {  // one exp per logit: rescale the sum only on a new max
+      ms.s = ms.s * __expf(ms.m - v[k]) + 1.f;
+      ms.m = v[k];
+    } else {
+      ms.s += __expf(v[k] - ms.m);
+    }
+  }
+}
+
+// A block per row, two passes over it: the log-sum-exp, then the gradient
+// written over the logits. The first pass keeps the row's first `staged`
+// logits (a multiple of N) in shared memory for the second, so those are
+// read from memory once; a row longer than the block's shared memory (a
+// large vocabulary's) reads its tail twice. Each thread takes the same
+// logits in the same order in both forms (so the bits do not depend on
+// `staged`), two groups a step in the first pass so that two loads are in
+// flight.
+template <typename T, int N>
+__global__ void __launch_bounds__(kLossThreads)
+    cross_entropy_kernel(T* __restrict__ logits, const int64_t* __restrict__ targets,
+                         float* __restrict__ row_loss, int64_t vocab, int64_t ignore_index,
+                         int64_t staged) {
+  extern __shared__ uint4 stage_words[];
+  T* stage = reinterpret_cast<T*>(stage_words);
   __shared__ MaxSum scratch[32];
   const int64_t row = blockIdx.x;
   T* z = logits + row * vocab;
@@ -18,32 +72,80 @@ __global__ void cross_entropy_kernel(T* __restrict__ logits, const int64_t* __re
     if (threadIdx.x == 0) row_loss[row] = 0.f;
     return;
   }
+  const int64_t step = static_cast<int64_t>(blockDim.x) * N;
   MaxSum ms{-INFINITY, 0.f};
-  for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < vocab; j += blockDim.x * N) {
-    float v[N];
-    load_n<T, N>(z, j, v);
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      if (v[k] > ms.m) {  // one exp per logit: rescale the sum only on a new max
-        ms.s = ms.s * __expf(ms.m - v[k]) + 1.f;
-        ms.m = v[k];
-      } else {
-        ms.s += __expf(v[k] - ms.m);
-      }
-    }
+  int64_t j = threadIdx.x * static_cast<int64_t>(N);
+  for (; j + step < vocab; j += 2 * step) {
+    Group<T, N> a, b;
+    a.read(z, j);
+    b.read(z, j + step);
+    if (j < staged) a.write(stage, j);
+    if (j + step < staged) b.write(stage, j + step);
+    float va[N], vb[N];
+    a.floats(va);
+    b.floats(vb);
+    add_to<N>(ms, va);
+    add_to<N>(ms, vb);
+  }
+  if (j < vocab) {
+    Group<T, N> a;
+    a.read(z, j);
+    if (j < staged) a.write(stage, j);
+    float va[N];
+    a.floats(va);
+    add_to<N>(ms, va);
   }
   ms = block_max_sum(ms, scratch);
   const float lse = ms.m + logf(ms.s);
   const bool valid = t >= 0 && t < vocab;
   if (threadIdx.x == 0) row_loss[row] = valid ? lse - load(z, t) : NAN;
   __syncthreads();  // z[t] is read above before it is overwritten below
-  for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < vocab; j += blockDim.x * N) {
+  for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < vocab; j += step) {
     float v[N];
-    load_n<T, N>(z, j, v);
+    if (j < staged) {
+      load_n<T, N>(stage, j, v);  // this thread's own group from the first pass
+    } else {
+      load_n<T, N>(z, j, v);
+    }
 #pragma unroll
     for (int k = 0; k < N; ++k) v[k] = __expf(v[k] - lse) - (j + k == t ? 1.f : 0.f);
     store_n<T, N>(z, j, v);
   }
+}
+
+// Blocks of the loss an SM holds at once: the staged part of a row is
+// sized so that this many fit in an SM's shared memory (two: one block's
+// bubble at its block-wide sum is the other's time to load).
+constexpr int kLossBlocksPerSm = 2;
+
+// The dynamic shared memory a loss block may stage a row in: its share of
+// an SM's, less what the block's launch reserves and its static part
+// (cached per device).
+int64_t stage_bytes_limit() {
+  static int64_t cached[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  if (cached[dev] == 0) {
+    int per_sm = 0, per_block = 0, reserved = 0;
+    cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+    cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+    const int64_t share = std::min<int64_t>(per_sm / kLossBlocksPerSm - reserved, per_block);
+    cached[dev] = std::max<int64_t>(share - static_cast<int64_t>(32 * sizeof(MaxSum)), 1);
+  }
+  return cached[dev];
+}
+
+template <typename T, int N>
+cudaError_t launch_cross_entropy(T* logits, const int64_t* targets, float* row_loss, int64_t rows,
+                                 int64_t vocab, int64_t ignore_index, cudaStream_t stream) {
+  const int64_t fit = stage_bytes_limit() / static_cast<int64_t>(sizeof(T)) / N * N;
+  const int64_t staged = std::min(vocab / N * N, fit);
+  const size_t bytes = static_cast<size_t>(staged) * sizeof(T);
+  if (auto e = allow_smem(cross_entropy_kernel<T, N>, bytes); e != cudaSuccess) return e;
+  cross_entropy_kernel<T, N><<<static_cast<unsigned>(rows), kLossThreads, bytes, stream>>>(
+      logits, targets, row_loss, vocab, ignore_index, staged);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -54,10 +156,10 @@ cudaError_t cross_entropy_forward_backward(DType dt, void* logits, const int64_t
   if (rows == 0) return cudaSuccess;
   const bool vec = vocab % group_of(dt) == 0 && aligned16(logits);
   VIADUCT_DISPATCH_VEC(dt, vec,
-                       cross_entropy_kernel<T, N><<<static_cast<unsigned>(rows), kLossThreads, 0,
-                                                    stream>>>(
-                           static_cast<T*>(logits), targets, row_loss, vocab, ignore_index));
-  return cudaGetLastError();
+                       return launch_cross_entropy<T, N>(static_cast<T*>(logits), targets,
+                                                         row_loss, rows, vocab, ignore_index,
+                                                         stream));
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace viaduct::cuda

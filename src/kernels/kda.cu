@@ -904,12 +904,6 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
   }
 }
 
-template <typename Kernel>
-cudaError_t allow_smem(Kernel kernel, size_t bytes) {
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(bytes));
-}
-
 }  // namespace
 
 bool kda_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }

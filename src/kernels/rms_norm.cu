@@ -118,11 +118,7 @@ __global__ void rms_norm_backward_kernel(const T* __restrict__ dy, const T* __re
 // dy and x in registers between the two passes over a row and its slice of
 // the weight gradient across the block's rows, so each element is read once
 // and the block's part is written once (the loop form reads dy and x twice
-// and reads and writes its part on every row). The weight's slice is read
-// once for all the block's rows. With one slice a thread, the block's next
-// row (dy, x and its rstd) is loaded before this row's block sum, so its
-// loads are in flight while the block waits (two slices would need 32 more
-// registers a thread, which costs blocks per SM).
+// and reads and writes its part on every row).
 template <typename T, int N, int ITERS>
 __global__ void rms_norm_backward_reg_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                              const float* __restrict__ w,
@@ -130,46 +126,27 @@ __global__ void rms_norm_backward_reg_kernel(const T* __restrict__ dy, const T* 
                                              const T* __restrict__ dres, T* __restrict__ dx,
                                              float* __restrict__ dw_partial, int64_t rows,
                                              int64_t dim) {
-  constexpr bool kAhead = ITERS == 1;
   __shared__ float scratch[32];
   float* part = dw_partial + static_cast<int64_t>(blockIdx.x) * dim;
-  float pw[ITERS][N], wv[ITERS][N];
-#pragma unroll
-  for (int it = 0; it < ITERS; ++it) {
-    const int64_t j = (threadIdx.x + static_cast<int64_t>(it) * blockDim.x) * N;
-    if (j < dim) load_n<float, N>(w, j, wv[it]);
-  }
-  // A row's slices of dy and x, and its rstd.
-  auto load_row = [&](int64_t row, float (&gg)[ITERS][N], float (&xx)[ITERS][N], float& rr) {
-    rr = rstd[row];
-#pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
-      const int64_t j = (threadIdx.x + static_cast<int64_t>(it) * blockDim.x) * N;
-      if (j < dim) {
-        load_n<T, N>(dy + row * dim, j, gg[it]);
-        load_n<T, N>(x + row * dim, j, xx[it]);
-      }
-    }
-  };
+  float pw[ITERS][N];
   bool first = true;
-  float g[ITERS][N], xv[ITERS][N], r = 0.f;
-  if (kAhead && blockIdx.x < rows) load_row(blockIdx.x, g, xv, r);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int64_t next = row + gridDim.x;
-    float gn[ITERS][N], xn[ITERS][N], rn = 0.f;
-    if (kAhead) {
-      if (next < rows) load_row(next, gn, xn, rn);
-    } else {
-      load_row(row, g, xv, r);
-    }
+    const T* dyr = dy + row * dim;
+    const T* xr = x + row * dim;
     T* dxr = dx + row * dim;
+    const float r = rstd[row];
+    float g[ITERS][N], xv[ITERS][N];
     float s = 0.f;
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int64_t j = (threadIdx.x + static_cast<int64_t>(it) * blockDim.x) * N;
       if (j < dim) {
+        float wv[N];
+        load_n<T, N>(dyr, j, g[it]);
+        load_n<T, N>(xr, j, xv[it]);
+        load_n<float, N>(w, j, wv);
 #pragma unroll
-        for (int k = 0; k < N; ++k) s += g[it][k] * wv[it][k] * xv[it][k];
+        for (int k = 0; k < N; ++k) s += g[it][k] * wv[k] * xv[it][k];
       }
     }
     s = block_sum(s, scratch);
@@ -178,10 +155,11 @@ __global__ void rms_norm_backward_reg_kernel(const T* __restrict__ dy, const T* 
     for (int it = 0; it < ITERS; ++it) {
       const int64_t j = (threadIdx.x + static_cast<int64_t>(it) * blockDim.x) * N;
       if (j < dim) {
-        float out[N];
+        float wv[N], out[N];
+        load_n<float, N>(w, j, wv);
 #pragma unroll
         for (int k = 0; k < N; ++k) {
-          out[k] = r * g[it][k] * wv[it][k] - xv[it][k] * c;
+          out[k] = r * g[it][k] * wv[k] - xv[it][k] * c;
           const float d = g[it][k] * xv[it][k] * r;
           pw[it][k] = first ? d : pw[it][k] + d;
         }
@@ -190,17 +168,6 @@ __global__ void rms_norm_backward_reg_kernel(const T* __restrict__ dy, const T* 
       }
     }
     first = false;
-    if (kAhead && next < rows) {
-      r = rn;
-#pragma unroll
-      for (int it = 0; it < ITERS; ++it) {
-#pragma unroll
-        for (int k = 0; k < N; ++k) {
-          g[it][k] = gn[it][k];
-          xv[it][k] = xn[it][k];
-        }
-      }
-    }
   }
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {

@@ -22,15 +22,32 @@ namespace {
 // grouped heads repeated for attention, see Note [Repeated heads without a
 // gather]).
 // A block per (b, t) row, its threads over the row's heads and their
-// N-element groups: the row's indices come from the block, the head's
-// from one 32-bit division a thread (a flat index split into b, t, h and d
-// took six 64-bit divisions a group, which outlasted the group's bytes).
+// N-element groups: the row's indices come from the block, the head's from
+// one 32-bit division a thread. cos_t and sin_t are read N / 2 values at a
+// time (the caller guarantees their alignment for the vector forms).
+// Several rows a block, each thread's loads for all of them issued first,
+// ran slower: the registers it took left fewer threads an SM.
+template <int M>
+__device__ __forceinline__ void load_table(const float* p, int64_t i, float (&out)[M]) {
+  if constexpr (M == 4) {
+    const float4 v = *reinterpret_cast<const float4*>(p + i);
+    out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
+  } else if constexpr (M == 2) {
+    const float2 v = *reinterpret_cast<const float2*>(p + i);
+    out[0] = v.x, out[1] = v.y;
+  } else {
+#pragma unroll
+    for (int k = 0; k < M; ++k) out[k] = p[i + k];
+  }
+}
+
 template <typename T, int N>
 __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ cos_t,
                             const float* __restrict__ sin_t, T* __restrict__ y, int64_t rows,
                             int64_t T_len, int64_t H, int64_t half, int64_t sB, int64_t sT,
                             int64_t sH, float sign, int64_t div, int64_t mul, int64_t cnt,
                             int64_t yT, int64_t yH) {
+  constexpr int P = N / 2;
   const int per_head = static_cast<int>(2 * half / N);  // groups in one head vector
   const int per_row = static_cast<int>(H) * per_head;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -52,12 +69,14 @@ __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ c
 #pragma unroll
         for (int k = 0; k < N; ++k) o[k] = v[k];
       } else {
+        float cs[P], sn[P];
+        load_table<P>(cos_t, t * half + d / 2, cs);
+        load_table<P>(sin_t, t * half + d / 2, sn);
 #pragma unroll
         for (int k = 0; k < N; k += 2) {
-          const int64_t i = t * half + (d + k) / 2;
-          const float c = cos_t[i], sn = sign * sin_t[i];
-          o[k] = v[k] * c - v[k + 1] * sn;
-          o[k + 1] = v[k] * sn + v[k + 1] * c;
+          const float c = cs[k / 2], s = sign * sn[k / 2];
+          o[k] = v[k] * c - v[k + 1] * s;
+          o[k + 1] = v[k] * s + v[k + 1] * c;
         }
       }
       store_n<T, N>(y, (b * T_len + t) * yT + h * yH + d, o);
@@ -94,8 +113,8 @@ cudaError_t rope(DType dt, const void* x, const float* cos, const float* sin, vo
   const float sign = inverse ? -1.f : 1.f;
   const int64_t G = group_of(dt);
   const bool vec = hd % G == 0 && sB % G == 0 && sT % G == 0 && sH % G == 0 && yT % G == 0 &&
-                   yH % G == 0 &&
-                   aligned16(x) && aligned16(y);
+                   yH % G == 0 && aligned16(x) && aligned16(y) &&
+                   (cos == nullptr || (aligned16(cos) && aligned16(sin)));
   const int64_t rows = B * T_len;
   if (vec) {
     VIADUCT_DISPATCH(dt, constexpr int N = sizeof(T) == 2 ? 8 : 4;

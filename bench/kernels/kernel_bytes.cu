@@ -1,0 +1,260 @@
+// The memory-bound kernels of the llama-1B step, alone, against their bytes:
+// RoPE's six calls a layer (q, k and v forward and backward), the loss's
+// per-row cross-entropy over one chunk of the head, and RMSNorm's forward
+// and backward with the residual. Built with nvcc against one source tree's
+// kernels (no LibTorch), so two trees' kernels can be timed in alternating
+// processes (bench/kernels/ab_kernels.sh). Per case: microseconds a call
+// (median of ROUNDS rounds of ITERS calls, CUDA events), the bytes a call
+// must move and their pace, and a hash of the output's bits on fixed
+// inputs (equal hashes: the same bits from both trees).
+//
+//   nvcc -O3 -std=c++20 -arch=sm_90a -I TREE/src bench/kernels/kernel_bytes.cu \
+//     TREE/src/kernels/{rope,cross_entropy,rms_norm,common}.cu -o kernel_bytes
+//   ./kernel_bytes [ITERS] [ROUNDS]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels/cross_entropy.h"
+#include "kernels/rms_norm.h"
+#include "kernels/rope.h"
+
+namespace {
+
+using viaduct::cuda::DType;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "kernel_bytes: %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+// A deterministic value in [0, 1) for index i (a hash of it).
+__device__ float unit(int64_t i, uint32_t seed) {
+  uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+  h ^= h >> 15;
+  h *= 2246822519u;
+  h ^= h >> 13;
+  return static_cast<float>(h & 0xffffff) / 16777216.f;
+}
+__global__ void fill_bf16(__nv_bfloat16* p, int64_t n, uint32_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    p[i] = __float2bfloat16((unit(i, seed) * 2.f - 1.f) * scale);
+  }
+}
+__global__ void fill_f32(float* p, int64_t n, uint32_t seed, float lo, float hi) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    p[i] = lo + (hi - lo) * unit(i, seed);
+  }
+}
+__global__ void fill_targets(int64_t* p, int64_t n, int64_t vocab) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    p[i] = (i * 7919) % vocab;
+  }
+}
+
+template <typename T>
+T* alloc(int64_t n) {
+  void* p = nullptr;
+  check(cudaMalloc(&p, static_cast<size_t>(n) * sizeof(T)), "cudaMalloc");
+  return static_cast<T*>(p);
+}
+
+// FNV-1a over the bytes (on the host).
+uint64_t hash_bytes(const void* dev, size_t bytes) {
+  std::vector<unsigned char> h(bytes);
+  check(cudaMemcpy(h.data(), dev, bytes, cudaMemcpyDeviceToHost), "copy back");
+  uint64_t x = 1469598103934665603ull;
+  for (unsigned char c : h) x = (x ^ c) * 1099511628211ull;
+  return x;
+}
+
+struct Case {
+  std::string name;
+  double bytes;                  // what one call must read and write
+  std::function<void()> prepare;  // puts the inputs back before the hashed call
+  std::function<void()> call;
+  const void* out;
+  size_t out_bytes;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int iters = argc > 1 ? std::atoi(argv[1]) : 50;
+  const int rounds = argc > 2 ? std::atoi(argv[2]) : 5;
+  // The llama-1B cell: 4 x 4096 tokens, 32 heads of 64, 8 KV heads, dim 2048,
+  // vocabulary 128,256 and the loss's 4,096-token chunks.
+  const int64_t B = 4, T = 4096, H = 32, KV = 8, hd = 64, D = 2048, V = 128256, chunk = 4096;
+  const int64_t rep = H / KV, qkv_w = (H + 2 * KV) * hd, rows = B * T;
+  auto* qkv = alloc<__nv_bfloat16>(rows * qkv_w);     // the packed projection
+  auto* g_qkv = alloc<__nv_bfloat16>(rows * qkv_w);   // its gradient
+  auto* full = alloc<__nv_bfloat16>(rows * H * hd);   // a [B, T, H, hd] tensor
+  auto* full2 = alloc<__nv_bfloat16>(rows * H * hd);
+  auto* cos_t = alloc<float>(T * hd / 2);
+  auto* sin_t = alloc<float>(T * hd / 2);
+  auto* logits = alloc<__nv_bfloat16>(chunk * V);
+  auto* logits0 = alloc<__nv_bfloat16>(chunk * V);
+  auto* targets = alloc<int64_t>(chunk);
+  auto* row_loss = alloc<float>(chunk);
+  auto* x = alloc<__nv_bfloat16>(rows * D);
+  auto* res = alloc<__nv_bfloat16>(rows * D);
+  auto* h = alloc<__nv_bfloat16>(rows * D);
+  auto* y = alloc<__nv_bfloat16>(rows * D);
+  auto* dx = alloc<__nv_bfloat16>(rows * D);
+  auto* w = alloc<float>(D);
+  auto* rstd = alloc<float>(rows);
+  const int64_t parts = viaduct::cuda::norm_backward_parts(rows);
+  auto* dw = alloc<float>(parts * D);
+  fill_bf16<<<1024, 256>>>(qkv, rows * qkv_w, 1, 2.f);
+  fill_bf16<<<1024, 256>>>(g_qkv, rows * qkv_w, 2, 1.f);
+  fill_bf16<<<1024, 256>>>(full2, rows * H * hd, 3, 1.f);
+  fill_f32<<<256, 256>>>(cos_t, T * hd / 2, 4, -1.f, 1.f);
+  fill_f32<<<256, 256>>>(sin_t, T * hd / 2, 5, -1.f, 1.f);
+  fill_bf16<<<1024, 256>>>(logits0, chunk * V, 6, 8.f);
+  fill_targets<<<16, 256>>>(targets, chunk, V);
+  fill_bf16<<<1024, 256>>>(x, rows * D, 7, 2.f);
+  fill_bf16<<<1024, 256>>>(res, rows * D, 8, 2.f);
+  fill_f32<<<16, 256>>>(w, D, 9, 0.5f, 1.5f);
+  check(cudaDeviceSynchronize(), "fill");
+  const DType bf = DType::kBFloat16;
+  const double e2 = 2.0;  // bytes of a bf16
+  auto launched = [](cudaError_t e) { check(e, "launch"); };
+
+  std::vector<Case> cases;
+  // Forward: q and k read from the packed projection (token pitch qkv_w),
+  // k written repeated to H heads, v repeated without a rotation.
+  cases.push_back({"rope q forward", e2 * rows * H * hd * 2, [] {},
+                   [&] {
+                     launched(viaduct::cuda::rope(bf, qkv, cos_t, sin_t, full, B, T, H, hd,
+                                                  T * qkv_w, qkv_w, hd, false, 1, 1, 1, 0,
+                                                  H * hd, hd));
+                   },
+                   full, static_cast<size_t>(rows * H * hd * 2)});
+  cases.push_back({"rope k forward, repeated", e2 * rows * (KV + H) * hd, [] {},
+                   [&] {
+                     launched(viaduct::cuda::rope(bf, qkv + H * hd, cos_t, sin_t, full, B, T, H,
+                                                  hd, T * qkv_w, qkv_w, hd, false, rep, 1, 1, 0,
+                                                  H * hd, hd));
+                   },
+                   full, static_cast<size_t>(rows * H * hd * 2)});
+  cases.push_back({"v repeated", e2 * rows * (KV + H) * hd, [] {},
+                   [&] {
+                     launched(viaduct::cuda::rope(bf, qkv + (H + KV) * hd, nullptr, nullptr, full,
+                                                  B, T, H, hd, T * qkv_w, qkv_w, hd, false, rep,
+                                                  1, 1, 0, H * hd, hd));
+                   },
+                   full, static_cast<size_t>(rows * H * hd * 2)});
+  // Backward: attention's gradients in [B, T, H, hd], written into the
+  // packed projection's gradient; k's and v's repeats summed.
+  cases.push_back({"rope q backward", e2 * rows * H * hd * 2, [] {},
+                   [&] {
+                     launched(viaduct::cuda::rope(bf, full2, cos_t, sin_t, g_qkv, B, T, H, hd,
+                                                  T * H * hd, H * hd, hd, true, 1, 1, 1, 0, qkv_w,
+                                                  hd));
+                   },
+                   g_qkv, static_cast<size_t>(rows * qkv_w * 2)});
+  cases.push_back({"rope k backward, summed", e2 * rows * (KV + H) * hd, [] {},
+                   [&] {
+                     launched(viaduct::cuda::rope(bf, full2, cos_t, sin_t, g_qkv + H * hd, B, T,
+                                                  KV, hd, T * H * hd, H * hd, hd, true, 1, rep,
+                                                  rep, 0, qkv_w, hd));
+                   },
+                   g_qkv, static_cast<size_t>(rows * qkv_w * 2)});
+  cases.push_back({"v backward, summed", e2 * rows * (KV + H) * hd, [] {},
+                   [&] {
+                     launched(viaduct::cuda::rope(bf, full2, nullptr, nullptr,
+                                                  g_qkv + (H + KV) * hd, B, T, KV, hd, T * H * hd,
+                                                  H * hd, hd, true, 1, rep, rep, 0, qkv_w, hd));
+                   },
+                   g_qkv, static_cast<size_t>(rows * qkv_w * 2)});
+  // The loss over one chunk: reads the logits, writes their gradient over
+  // them (timed on the previous call's output: the same work).
+  cases.push_back({"cross-entropy, one chunk", e2 * chunk * V * 2,
+                   [&] {
+                     check(cudaMemcpy(logits, logits0, chunk * V * 2, cudaMemcpyDeviceToDevice),
+                           "reset logits");
+                   },
+                   [&] {
+                     launched(viaduct::cuda::cross_entropy_forward_backward(
+                         bf, logits, targets, row_loss, chunk, V, -100, 0));
+                   },
+                   logits, static_cast<size_t>(chunk * V * 2)});
+  cases.push_back({"cross-entropy row losses", 0, [] {}, [] {}, row_loss,
+                   static_cast<size_t>(chunk * 4)});
+  // RMSNorm with the residual: reads x and res, writes h and y.
+  cases.push_back({"rms_norm forward (+res)", e2 * rows * D * 4, [] {},
+                   [&] {
+                     launched(viaduct::cuda::rms_norm_forward(bf, x, res, w, h, y, rstd, rows, D,
+                                                              1e-5f, 0));
+                   },
+                   y, static_cast<size_t>(rows * D * 2)});
+  // Its backward with the residual's gradient: reads dy, h, dres, writes dx.
+  cases.push_back({"rms_norm backward (+dres)", e2 * rows * D * 4, [] {},
+                   [&] {
+                     launched(viaduct::cuda::rms_norm_backward(bf, y, h, w, rstd, res, dx, dw,
+                                                               rows, D, 0));
+                   },
+                   dx, static_cast<size_t>(rows * D * 2)});
+  cases.push_back({"rms_norm backward dw parts", 0, [] {}, [] {}, dw,
+                   static_cast<size_t>(parts * D * 4)});
+
+  // The device's own copy pace, for scale.
+  cases.push_back({"cudaMemcpy (device to device)", e2 * rows * D * 2, [] {},
+                   [&] {
+                     check(cudaMemcpyAsync(dx, x, rows * D * 2, cudaMemcpyDeviceToDevice, 0),
+                           "copy");
+                   },
+                   dx, 0});
+
+  std::vector<std::vector<float>> us(cases.size());
+  cudaEvent_t a, b;
+  check(cudaEventCreate(&a), "event");
+  check(cudaEventCreate(&b), "event");
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t c = 0; c < cases.size(); ++c) {
+      if (cases[c].bytes == 0) continue;
+      for (int i = 0; i < 3; ++i) cases[c].call();
+      check(cudaEventRecord(a), "record");
+      for (int i = 0; i < iters; ++i) cases[c].call();
+      check(cudaEventRecord(b), "record");
+      check(cudaEventSynchronize(b), "sync");
+      float ms = 0.f;
+      check(cudaEventElapsedTime(&ms, a, b), "elapsed");
+      us[c].push_back(1e3f * ms / iters);
+    }
+  }
+  // The hashed outputs: each case once more on its fixed inputs, in order
+  // (the row losses and dw parts are their calls' second outputs).
+  for (auto& c : cases) {
+    c.prepare();
+    c.call();
+    check(cudaDeviceSynchronize(), "hashed call");
+    std::printf("| %s | ", c.name.c_str());
+    if (c.out_bytes == 0) {
+      std::printf("- | ");
+    } else {
+      std::printf("%016llx | ", static_cast<unsigned long long>(hash_bytes(c.out, c.out_bytes)));
+    }
+    const size_t i = &c - cases.data();
+    if (us[i].empty()) {
+      std::printf("- | - | - |\n");
+      continue;
+    }
+    std::sort(us[i].begin(), us[i].end());
+    const float med = us[i][us[i].size() / 2];
+    std::printf("%.2f | %.1f MB | %.0f GB/s |\n", med, c.bytes / 1e6, c.bytes / med / 1e3);
+  }
+  return 0;
+}
