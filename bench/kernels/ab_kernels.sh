@@ -42,7 +42,8 @@ for tree in "$@"; do
   fi
   k=$dir/src/kernels
   "$NVCC" -O3 -std=c++20 -arch="$ARCH" -I "$dir/src" "$bench_src" "$k/rope.cu" \
-    "$k/cross_entropy.cu" "$k/rms_norm.cu" "$k/common.cu" -o "$OUT/$name.bin" \
+    "$k/cross_entropy.cu" "$k/rms_norm.cu" "$k/swiglu.cu" "$k/adamw.cu" "$k/moe_router.cu" \
+    "$k/common.cu" -o "$OUT/$name.bin" \
     >"$OUT/$name.build.log" 2>&1 &
   names+=("$name")
 done

@@ -1,7 +1,9 @@
-// The memory-bound kernels of the llama-1B step, alone, against their bytes:
-// RoPE's six calls a layer (q, k and v forward and backward), the loss's
-// per-row cross-entropy over one chunk of the head, and RMSNorm's forward
-// and backward with the residual. Built with nvcc against one source tree's
+// The memory-bound kernels of the llama-1B and K3 steps, alone, against
+// their bytes: RoPE's six calls a layer (q, k and v forward and backward),
+// the loss's per-row cross-entropy over one chunk of the head, RMSNorm's
+// forward and backward with the residual, SwiGLU's forward and backward,
+// AdamW over 100 M parameters (the 1B's shapes), and the MoE router's
+// forward and backward (K3's: 8,192 tokens of 2,048, 8 experts). Built with nvcc against one source tree's
 // kernels (no LibTorch), so two trees' kernels can be timed in alternating
 // processes (bench/kernels/ab_kernels.sh). Per case: microseconds a call
 // (median of ROUNDS rounds of ITERS calls, CUDA events), the bytes a call
@@ -9,7 +11,8 @@
 // inputs (equal hashes: the same bits from both trees).
 //
 //   nvcc -O3 -std=c++20 -arch=sm_90a -I TREE/src bench/kernels/kernel_bytes.cu \
-//     TREE/src/kernels/{rope,cross_entropy,rms_norm,common}.cu -o kernel_bytes
+//     TREE/src/kernels/{rope,cross_entropy,rms_norm,swiglu,adamw,moe_router,common}.cu \
+//     -o kernel_bytes
 //   ./kernel_bytes [ITERS] [ROUNDS]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -22,9 +25,12 @@
 #include <string>
 #include <vector>
 
+#include "kernels/adamw.h"
 #include "kernels/cross_entropy.h"
+#include "kernels/moe_router.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
+#include "kernels/swiglu.h"
 
 namespace {
 
@@ -210,6 +216,75 @@ int main(int argc, char** argv) {
   cases.push_back({"rms_norm backward dw parts", 0, [] {}, [] {}, dw,
                    static_cast<size_t>(parts * D * 4)});
 
+  // SwiGLU on the 1B's [16384, 8192] halves (separate tensors): the
+  // forward reads a and b and writes y; the backward reads dy, a and b and
+  // writes da and db.
+  const int64_t F = 8192, nf = rows * F;
+  auto* a = alloc<__nv_bfloat16>(nf);
+  auto* bb = alloc<__nv_bfloat16>(nf);
+  auto* sy = alloc<__nv_bfloat16>(nf);
+  auto* da = alloc<__nv_bfloat16>(nf);
+  auto* db = alloc<__nv_bfloat16>(nf);
+  auto* sout = alloc<__nv_bfloat16>(nf);
+  fill_bf16<<<1024, 256>>>(a, nf, 10, 4.f);
+  fill_bf16<<<1024, 256>>>(bb, nf, 11, 2.f);
+  fill_bf16<<<1024, 256>>>(sy, nf, 12, 1.f);
+  cases.push_back({"swiglu forward", e2 * nf * 3, [] {},
+                   [&] { launched(viaduct::cuda::swiglu_forward(bf, a, bb, sout, nf, 0)); },
+                   sout, static_cast<size_t>(nf * 2)});
+  cases.push_back({"swiglu backward", e2 * nf * 5, [] {},
+                   [&] {
+                     launched(viaduct::cuda::swiglu_backward(bf, sy, a, bb, da, db, nf, 0));
+                   },
+                   da, static_cast<size_t>(nf * 2)});
+  cases.push_back({"swiglu backward db", 0, [] {}, [] {}, db, static_cast<size_t>(nf * 2)});
+  // AdamW on one 100 M-parameter tensor with its bf16 copy: reads p, g, m,
+  // v (fp32) and writes p, m, v and the copy (timed on its own updates).
+  const int64_t np = int64_t{100} << 20;
+  auto* ap = alloc<float>(np);
+  auto* ag = alloc<float>(np);
+  auto* am = alloc<float>(np);
+  auto* av = alloc<float>(np);
+  auto* alow = alloc<__nv_bfloat16>(np);
+  auto adam_reset = [&] {
+    fill_f32<<<1024, 256>>>(ap, np, 13, -0.1f, 0.1f);
+    fill_f32<<<1024, 256>>>(ag, np, 14, -1e-3f, 1e-3f);
+    check(cudaMemset(am, 0, np * 4), "memset");
+    check(cudaMemset(av, 0, np * 4), "memset");
+  };
+  adam_reset();
+  cases.push_back({"adamw, 100 M parameters", 4.0 * np * 7 + 2.0 * np, adam_reset,
+                   [&] {
+                     launched(viaduct::cuda::adamw(ap, ag, am, av, alow, np, 3e-4f, 0.9f, 0.95f,
+                                                   1e-8f, 0.1f, 0.1f, 0.05f, 1.f, 0));
+                   },
+                   ap, static_cast<size_t>(np * 4)});
+  // The K3 router: logits [N, 8] from x [N, 2048] bf16 and w [8, 2048]
+  // fp32; its backward writes dx [N, 2048] and the weight gradient's parts.
+  const int64_t rn = 8192, rd = 2048;
+  const int re = 8;
+  const int64_t rparts = viaduct::cuda::moe_router_backward_parts(rn);
+  auto* rw = alloc<float>(re * rd);
+  auto* rl = alloc<float>(rn * re);
+  auto* rdl = alloc<float>(rn * re);
+  auto* rdx = alloc<__nv_bfloat16>(rn * rd);
+  auto* rpart = alloc<float>(rparts * re * rd);
+  fill_f32<<<64, 256>>>(rw, re * rd, 15, -0.05f, 0.05f);
+  fill_f32<<<64, 256>>>(rdl, rn * re, 16, -1.f, 1.f);
+  cases.push_back({"router forward", e2 * rn * rd + 4.0 * rn * re, [] {},
+                   [&] {
+                     launched(viaduct::cuda::moe_router_forward(x, rw, rn, rd, re, rl, 0));
+                   },
+                   rl, static_cast<size_t>(rn * re * 4)});
+  cases.push_back({"router backward", e2 * rn * rd * 2 + 4.0 * rparts * re * rd, [] {},
+                   [&] {
+                     launched(viaduct::cuda::moe_router_backward(rdl, x, rw, rn, rd, re, rdx,
+                                                                 rpart, 0));
+                   },
+                   rdx, static_cast<size_t>(rn * rd * 2)});
+  cases.push_back({"router backward dw parts", 0, [] {}, [] {}, rpart,
+                   static_cast<size_t>(rparts * re * rd * 4)});
+
   // The device's own copy pace, for scale.
   cases.push_back({"cudaMemcpy (device to device)", e2 * rows * D * 2, [] {},
                    [&] {
@@ -219,19 +294,19 @@ int main(int argc, char** argv) {
                    dx, 0});
 
   std::vector<std::vector<float>> us(cases.size());
-  cudaEvent_t a, b;
-  check(cudaEventCreate(&a), "event");
-  check(cudaEventCreate(&b), "event");
+  cudaEvent_t e0, e1;
+  check(cudaEventCreate(&e0), "event");
+  check(cudaEventCreate(&e1), "event");
   for (int r = 0; r < rounds; ++r) {
     for (size_t c = 0; c < cases.size(); ++c) {
       if (cases[c].bytes == 0) continue;
       for (int i = 0; i < 3; ++i) cases[c].call();
-      check(cudaEventRecord(a), "record");
+      check(cudaEventRecord(e0), "record");
       for (int i = 0; i < iters; ++i) cases[c].call();
-      check(cudaEventRecord(b), "record");
-      check(cudaEventSynchronize(b), "sync");
+      check(cudaEventRecord(e1), "record");
+      check(cudaEventSynchronize(e1), "sync");
       float ms = 0.f;
-      check(cudaEventElapsedTime(&ms, a, b), "elapsed");
+      check(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
       us[c].push_back(1e3f * ms / iters);
     }
   }
