@@ -43,7 +43,7 @@ for tree in "$@"; do
   k=$dir/src/kernels
   "$NVCC" -O3 -std=c++20 -arch="$ARCH" -I "$dir/src" "$bench_src" "$k/rope.cu" \
     "$k/cross_entropy.cu" "$k/rms_norm.cu" "$k/swiglu.cu" "$k/adamw.cu" "$k/moe_router.cu" \
-    "$k/common.cu" -o "$OUT/$name.bin" \
+    "$k/attn_res_read.cu" "$k/attn_res_read_norm.cu" "$k/common.cu" -o "$OUT/$name.bin" \
     >"$OUT/$name.build.log" 2>&1 &
   names+=("$name")
 done

@@ -2,8 +2,9 @@
 // their bytes: RoPE's six calls a layer (q, k and v forward and backward),
 // the loss's per-row cross-entropy over one chunk of the head, RMSNorm's
 // forward and backward with the residual, SwiGLU's forward and backward,
-// AdamW over 100 M parameters (the 1B's shapes), and the MoE router's
-// forward and backward (K3's: 8,192 tokens of 2,048, 8 experts). Built with nvcc against one source tree's
+// AdamW over 100 M parameters (the 1B's shapes), the MoE router's forward
+// and backward and the AttnRes read with its norm over 4 and 8 sources
+// (K3's: 8,192 tokens of 2,048, 8 experts). Built with nvcc against one source tree's
 // kernels (no LibTorch), so two trees' kernels can be timed in alternating
 // processes (bench/kernels/ab_kernels.sh). Per case: microseconds a call
 // (median of ROUNDS rounds of ITERS calls, CUDA events), the bytes a call
@@ -11,7 +12,8 @@
 // inputs (equal hashes: the same bits from both trees).
 //
 //   nvcc -O3 -std=c++20 -arch=sm_90a -I TREE/src bench/kernels/kernel_bytes.cu \
-//     TREE/src/kernels/{rope,cross_entropy,rms_norm,swiglu,adamw,moe_router,common}.cu \
+//     TREE/src/kernels/{rope,cross_entropy,rms_norm,swiglu,adamw,moe_router,attn_res_read,\
+//     attn_res_read_norm,common}.cu \
 //     -o kernel_bytes
 //   ./kernel_bytes [ITERS] [ROUNDS]
 #include <cuda_bf16.h>
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include "kernels/adamw.h"
+#include "kernels/attn_res_read.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/moe_router.h"
 #include "kernels/rms_norm.h"
@@ -284,6 +287,65 @@ int main(int argc, char** argv) {
                    rdx, static_cast<size_t>(rn * rd * 2)});
   cases.push_back({"router backward dw parts", 0, [] {}, [] {}, rpart,
                    static_cast<size_t>(rparts * re * rd * 4)});
+
+  // The AttnRes read with its norm, as the K3 step runs it: n sources
+  // [8192, 2048] bf16 read into one output; its backward reads the sources,
+  // the output's gradient and the statistics and writes each source's
+  // gradient and the partial rows of d u and the norm's weight.
+  const int max_src = 8;
+  std::vector<__nv_bfloat16*> srcs, dsrcs;
+  for (int i = 0; i < max_src; ++i) {
+    srcs.push_back(alloc<__nv_bfloat16>(rn * rd));
+    dsrcs.push_back(alloc<__nv_bfloat16>(rn * rd));
+    fill_bf16<<<1024, 256>>>(srcs.back(), rn * rd, 20 + i, 2.f);
+  }
+  auto* ru = alloc<float>(rd);
+  auto* rnw = alloc<float>(rd);
+  auto* rout = alloc<__nv_bfloat16>(rn * rd);
+  auto* rgy = alloc<__nv_bfloat16>(rn * rd);
+  auto* rstats = alloc<float>((3 * max_src + 1) * rn);
+  const int64_t rrparts = viaduct::cuda::attn_res_read_backward_parts(rn);
+  auto* rpartial = alloc<float>(2 * rrparts * rd);
+  fill_f32<<<16, 256>>>(ru, rd, 30, -0.05f, 0.05f);
+  fill_f32<<<16, 256>>>(rnw, rd, 31, 0.5f, 1.5f);
+  fill_bf16<<<1024, 256>>>(rgy, rn * rd, 32, 1.f);
+  for (int n : {4, 8}) {
+    viaduct::cuda::ReadSources sp{}, none{};
+    viaduct::cuda::ReadGrads dp{};
+    for (int i = 0; i < n; ++i) {
+      sp.p[i] = srcs[static_cast<size_t>(i)];
+      dp.p[i] = dsrcs[static_cast<size_t>(i)];
+    }
+    float* rrstd = rstats;
+    float* rdot = rstats + n * rn;
+    float* ralpha = rstats + 2 * n * rn;
+    float* nrstd = rstats + 3 * n * rn;
+    const std::string tag = " (" + std::to_string(n) + " sources)";
+    cases.push_back({"attn_res read + norm forward" + tag, e2 * rn * rd * (n + 1), [] {},
+                     [=, &launched] {
+                       viaduct::cuda::ReadNorm nrm;
+                       nrm.w = rnw;
+                       nrm.eps = 1e-6f;
+                       nrm.rstd = nrstd;
+                       launched(viaduct::cuda::attn_res_read_forward(
+                           bf, sp, n, ru, rout, rrstd, rdot, ralpha, rn, rd, 1e-6f, 0, &nrm));
+                     },
+                     rout, static_cast<size_t>(rn * rd * 2)});
+    cases.push_back({"attn_res read + norm backward" + tag, e2 * rn * rd * (2 * n + 1), [] {},
+                     [=, &launched] {
+                       viaduct::cuda::ReadNorm nrm;
+                       nrm.w = rnw;
+                       nrm.rstd = nrstd;
+                       nrm.dy = rgy;
+                       nrm.dw_partial = rpartial + rrparts * rd;
+                       launched(viaduct::cuda::attn_res_read_backward(
+                           bf, sp, none, dp, n, rgy, ru, rrstd, rdot, ralpha, rpartial, rn, rd, 0,
+                           &nrm));
+                     },
+                     dsrcs[0], static_cast<size_t>(rn * rd * 2)});
+    cases.push_back({"attn_res read + norm backward, last source" + tag, 0, [] {}, [] {},
+                     dsrcs[static_cast<size_t>(n - 1)], static_cast<size_t>(rn * rd * 2)});
+  }
 
   // The device's own copy pace, for scale.
   cases.push_back({"cudaMemcpy (device to device)", e2 * rows * D * 2, [] {},
