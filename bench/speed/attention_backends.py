@@ -13,6 +13,14 @@ as viaduct's attention hands them over), the ATen ops each backend runs:
   sdpa     F.scaled_dot_product_attention with autograd: the backend
            PyTorch picks itself (named by torch._fused_sdp_choice)
   sdpa_gqa the same on un-repeated k, v (enable_gqa=True)
+  flash_det       flash forward and backward under
+                  torch.use_deterministic_algorithms(True) (what viaduct's
+                  default, training.deterministic = true, runs)
+  cudnn_flash_det cuDNN's forward (deterministic) with flash's deterministic
+                  backward on cuDNN's output and log-sum-exp: whether the
+                  two libraries' statistics agree, and what the mix saves
+
+The deterministic rows also say whether two calls gave the same bits.
 
 Each row: forward ms and forward + backward ms per call (median of --reps
 timed calls after 3 untimed, CUDA events), the same times --layers (one
@@ -96,6 +104,36 @@ def main():
         return F.scaled_dot_product_attention(q, k_kv if gqa else k, v_kv if gqa else v,
                                               is_causal=True, **kw)
 
+    def deterministic(fn):
+        def run():
+            torch.use_deterministic_algorithms(True)
+            try:
+                return fn()
+            finally:
+                torch.use_deterministic_algorithms(False)
+        return run
+
+    placeholders = []  # flash's sequence and RNG outputs, from one forward
+
+    def flash_bwd_on(r, lse):
+        # flash's backward on out r[0] and log-sum-exp lse.
+        if not placeholders:
+            placeholders.extend(flash_fwd())
+        f = placeholders
+        return aten._scaled_dot_product_flash_attention_backward(
+            go, q, k, v, r[0], lse, f[2], f[3], T, T, 0.0, True, f[6], f[7])
+
+    def flash_det_both():
+        r = flash_fwd()
+        d = flash_bwd_on(r, r[1])
+        return r[0], d[0], d[1], d[2]
+
+    def cudnn_flash_det_both():
+        r = cudnn_fwd()
+        lse = r[1].reshape(B, H, T).contiguous()
+        d = flash_bwd_on(r, lse)
+        return r[0], d[0], d[1], d[2]
+
     try:
         from torch.nn.attention import SDPBackend
         choice = torch._fused_sdp_choice(q, k, v, None, 0.0, True)
@@ -111,13 +149,19 @@ def main():
     ref = None
     rows = [("flash", flash_fwd, flash_both), ("cudnn", cudnn_fwd, cudnn_both),
             ("sdpa", lambda: sdpa_fwd(False), lambda: sdpa_both(False)),
-            ("sdpa_gqa", lambda: sdpa_fwd(True), lambda: sdpa_both(True))]
+            ("sdpa_gqa", lambda: sdpa_fwd(True), lambda: sdpa_both(True)),
+            ("flash_det", deterministic(flash_fwd), deterministic(flash_det_both)),
+            ("cudnn_flash_det", deterministic(cudnn_fwd), deterministic(cudnn_flash_det_both))]
     for name, fwd, both in rows:
         try:
             with torch.no_grad():
                 tf = timed(fwd, a.reps)
             tb = timed(both, a.reps)
             outs = [x.float() for x in both()]
+            if name.endswith("_det"):
+                again = [x.float() for x in both()]
+                same = all(torch.equal(x, y) for x, y in zip(outs, again))
+                name += " (same bits twice)" if same else " (BITS DIFFER between calls)"
             if ref is None:
                 ref, diff = outs, "-"
             elif outs[2].shape != ref[2].shape:  # GQA: dk, dv over the KV heads
