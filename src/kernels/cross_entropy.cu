@@ -7,29 +7,68 @@
 namespace viaduct::cuda {
 namespace {
 
-// A group of N logits as stored (T), and as floats.
+// L2 eviction policies for global accesses (PTX createpolicy), and 16-byte
+// loads and stores that carry one.
+__device__ __forceinline__ uint64_t l2_evict_last() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ uint64_t l2_evict_first() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ uint4 load_with(const void* p, uint64_t policy) {
+  uint4 v;
+  asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "l"(policy));
+  return v;
+}
+__device__ __forceinline__ void store_with(void* p, uint4 v, uint64_t policy) {
+  asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x),
+               "r"(v.y), "r"(v.z), "r"(v.w), "l"(policy)
+               : "memory");
+}
+
+// A group of N logits as stored (T), and as floats. Global reads and writes
+// of 16-byte groups carry an L2 policy; narrower groups (a vocabulary that
+// is not a multiple of the group) take plain accesses.
 template <typename T, int N>
 struct Group {
+  static constexpr bool kWord = N * sizeof(T) == 16;
   T raw[N];
-  __device__ __forceinline__ void read(const T* p, int64_t i) {
-    if constexpr (N * sizeof(T) == 16) {
-      *reinterpret_cast<uint4*>(raw) = *reinterpret_cast<const uint4*>(p + i);
+  __device__ __forceinline__ void read(const T* p, int64_t i, uint64_t policy) {
+    if constexpr (kWord) {
+      *reinterpret_cast<uint4*>(raw) = load_with(p + i, policy);
     } else {
 #pragma unroll
       for (int k = 0; k < N; ++k) raw[k] = p[i + k];
     }
   }
-  __device__ __forceinline__ void write(T* p, int64_t i) const {
-    if constexpr (N * sizeof(T) == 16) {
-      *reinterpret_cast<uint4*>(p + i) = *reinterpret_cast<const uint4*>(raw);
+  __device__ __forceinline__ void stage(T* s, int64_t i) const {  // into shared memory
+    if constexpr (kWord) {
+      *reinterpret_cast<uint4*>(s + i) = *reinterpret_cast<const uint4*>(raw);
     } else {
 #pragma unroll
-      for (int k = 0; k < N; ++k) p[i + k] = raw[k];
+      for (int k = 0; k < N; ++k) s[i + k] = raw[k];
     }
   }
   __device__ __forceinline__ void floats(float (&v)[N]) const {
 #pragma unroll
     for (int k = 0; k < N; ++k) v[k] = load(raw, k);
+  }
+  // v rounded to T (as store_n rounds) and written to p + i.
+  __device__ __forceinline__ void write(T* p, int64_t i, const float (&v)[N], uint64_t policy) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) store(raw, k, v[k]);
+    if constexpr (kWord) {
+      store_with(p + i, *reinterpret_cast<const uint4*>(raw), policy);
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) p[i + k] = raw[k];
+    }
   }
 };
 
@@ -51,11 +90,14 @@ __device__ __forceinline__ void add_to(MaxSum& ms, const float (&v)[N]) {
 // A block per row, two passes over it: the log-sum-exp, then the gradient
 // written over the logits. The first pass keeps the row's first `staged`
 // logits (a multiple of N) in shared memory for the second, so those are
-// read from memory once; a row longer than the block's shared memory (a
-// large vocabulary's) reads its tail twice. Each thread takes the same
-// logits in the same order in both forms (so the bits do not depend on
-// `staged`), two groups a step in the first pass so that two loads are in
-// flight.
+// read from memory once; the rest of a row longer than the block's share of
+// shared memory (a large vocabulary's) is read twice, the first time marked
+// to stay in L2 (evict last) so that the second read finds it there, while
+// the staged part's reads, the second reads and the gradient's writes are
+// marked evict first (each is the last use of its bytes). Each thread
+// takes the same logits in the same order in both forms (so the bits do
+// not depend on `staged`), two groups a step in the first pass so that two
+// loads are in flight.
 template <typename T, int N>
 __global__ void __launch_bounds__(kLossThreads)
     cross_entropy_kernel(T* __restrict__ logits, const int64_t* __restrict__ targets,
@@ -72,15 +114,16 @@ __global__ void __launch_bounds__(kLossThreads)
     if (threadIdx.x == 0) row_loss[row] = 0.f;
     return;
   }
+  const uint64_t keep = l2_evict_last(), drop = l2_evict_first();
   const int64_t step = static_cast<int64_t>(blockDim.x) * N;
   MaxSum ms{-INFINITY, 0.f};
   int64_t j = threadIdx.x * static_cast<int64_t>(N);
   for (; j + step < vocab; j += 2 * step) {
     Group<T, N> a, b;
-    a.read(z, j);
-    b.read(z, j + step);
-    if (j < staged) a.write(stage, j);
-    if (j + step < staged) b.write(stage, j + step);
+    a.read(z, j, j < staged ? drop : keep);
+    b.read(z, j + step, j + step < staged ? drop : keep);
+    if (j < staged) a.stage(stage, j);
+    if (j + step < staged) b.stage(stage, j + step);
     float va[N], vb[N];
     a.floats(va);
     b.floats(vb);
@@ -89,8 +132,8 @@ __global__ void __launch_bounds__(kLossThreads)
   }
   if (j < vocab) {
     Group<T, N> a;
-    a.read(z, j);
-    if (j < staged) a.write(stage, j);
+    a.read(z, j, j < staged ? drop : keep);
+    if (j < staged) a.stage(stage, j);
     float va[N];
     a.floats(va);
     add_to<N>(ms, va);
@@ -101,15 +144,17 @@ __global__ void __launch_bounds__(kLossThreads)
   if (threadIdx.x == 0) row_loss[row] = valid ? lse - load(z, t) : NAN;
   __syncthreads();  // z[t] is read above before it is overwritten below
   for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < vocab; j += step) {
+    Group<T, N> g;
     float v[N];
     if (j < staged) {
       load_n<T, N>(stage, j, v);  // this thread's own group from the first pass
     } else {
-      load_n<T, N>(z, j, v);
+      g.read(z, j, drop);
+      g.floats(v);
     }
 #pragma unroll
     for (int k = 0; k < N; ++k) v[k] = __expf(v[k] - lse) - (j + k == t ? 1.f : 0.f);
-    store_n<T, N>(z, j, v);
+    g.write(z, j, v, drop);
   }
 }
 
