@@ -3,6 +3,8 @@
 
     python3 bench/speed/attention_backends.py [--batch 4 --heads 32 --kv-heads 8
         --seq 4096 --head-dim 64 --layers 16 --reps 10]
+    python3 bench/speed/attention_backends.py --batch 4 --heads 16 --kv-heads 16 \
+        --seq 2048 --head-dim 192 --v-head-dim 128 --layers 9    # K3's MLA
 
 Times, on random bf16 q, k, v [B, H, T, hd] (k and v repeated to H heads,
 as viaduct's attention hands them over), the ATen ops each backend runs:
@@ -25,7 +27,10 @@ The deterministic rows also say whether two calls gave the same bits.
 Each row: forward ms and forward + backward ms per call (median of --reps
 timed calls after 3 untimed, CUDA events), the same times --layers (one
 step's attention), and the largest relative difference of out, dq, dk, dv
-from the flash row. A row whose ops this torch lacks says so.
+from the flash row. A row whose ops this torch lacks says so. With
+--v-head-dim below --head-dim (MLA), flash's rows run on v and the output's
+gradient zero-padded to the head dim, as viaduct's flash path does, and
+keep the first v-head-dim channels of out and dv.
 """
 
 import argparse
@@ -58,28 +63,38 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--v-head-dim", type=int, default=0, help="v's head dim (default: --head-dim)")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
     B, H, KV, T, hd = a.batch, a.heads, a.kv_heads, a.seq, a.head_dim
+    vd = a.v_head_dim or hd
     g = torch.Generator(device="cuda").manual_seed(1234)
 
     def rnd(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
 
-    q, go = rnd(B, H, T, hd), rnd(B, H, T, hd)
-    k_kv, v_kv = rnd(B, KV, T, hd), rnd(B, KV, T, hd)
+    q, go = rnd(B, H, T, hd), rnd(B, H, T, vd)
+    k_kv, v_kv = rnd(B, KV, T, hd), rnd(B, KV, T, vd)
     k, v = k_kv.repeat_interleave(H // KV, 1), v_kv.repeat_interleave(H // KV, 1)
     aten = torch.ops.aten
 
+    def pad(t):  # v-sized channels to the head dim, for flash
+        return t if vd == hd else F.pad(t, (0, hd - vd))
+
+    v_f, go_f = pad(v), pad(go)
+
+    def cut(t):  # flash's v-sized results back to v's channels
+        return t if vd == hd else t[..., :vd]
+
     def flash_fwd():
-        return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)
+        return aten._scaled_dot_product_flash_attention(q, k, v_f, 0.0, True)
 
     def flash_both():
         r = flash_fwd()
         d = aten._scaled_dot_product_flash_attention_backward(
-            go, q, k, v, r[0], r[1], r[2], r[3], T, T, 0.0, True, r[6], r[7])
-        return r[0], d[0], d[1], d[2]
+            go_f, q, k, v_f, r[0], r[1], r[2], r[3], T, T, 0.0, True, r[6], r[7])
+        return cut(r[0]), d[0], d[1], cut(d[2])
 
     def cudnn_fwd():
         return aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)
@@ -115,24 +130,24 @@ def main():
 
     placeholders = []  # flash's sequence and RNG outputs, from one forward
 
-    def flash_bwd_on(r, lse):
-        # flash's backward on out r[0] and log-sum-exp lse.
+    def flash_bwd_on(out, lse):
+        # flash's backward on out (padded to the head dim) and log-sum-exp lse.
         if not placeholders:
             placeholders.extend(flash_fwd())
         f = placeholders
         return aten._scaled_dot_product_flash_attention_backward(
-            go, q, k, v, r[0], lse, f[2], f[3], T, T, 0.0, True, f[6], f[7])
+            go_f, q, k, v_f, out, lse, f[2], f[3], T, T, 0.0, True, f[6], f[7])
 
     def flash_det_both():
         r = flash_fwd()
-        d = flash_bwd_on(r, r[1])
-        return r[0], d[0], d[1], d[2]
+        d = flash_bwd_on(r[0], r[1])
+        return cut(r[0]), d[0], d[1], cut(d[2])
 
     def cudnn_flash_det_both():
         r = cudnn_fwd()
         lse = r[1].reshape(B, H, T).contiguous()
-        d = flash_bwd_on(r, lse)
-        return r[0], d[0], d[1], d[2]
+        d = flash_bwd_on(pad(r[0]), lse)
+        return r[0], d[0], d[1], cut(d[2])
 
     try:
         from torch.nn.attention import SDPBackend
@@ -141,7 +156,7 @@ def main():
     except Exception as e:  # noqa: BLE001 -- report, do not stop
         picked = f"unknown ({e})"
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; B {B}, H {H} "
-          f"(kv {KV}), T {T}, hd {hd}, causal bf16; SDPA picks: {picked}")
+          f"(kv {KV}), T {T}, hd {hd}, v hd {vd}, causal bf16; SDPA picks: {picked}")
     print()
     print("| backend | fwd ms | fwd+bwd ms | x layers: fwd | x layers: fwd+bwd | "
           "max rel diff from flash (out, dq, dk, dv) |")
