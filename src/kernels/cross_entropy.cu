@@ -164,21 +164,21 @@ __global__ void __launch_bounds__(kLossThreads)
 constexpr int kLossBlocksPerSm = 2;
 
 // The dynamic shared memory a loss block may stage a row in: its share of
-// an SM's, less what the block's launch reserves and its static part
-// (cached per device).
+// the current device's SM, less what the block's launch reserves and its
+// static part.
 int64_t stage_bytes_limit() {
-  static int64_t cached[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  if (cached[dev] == 0) {
-    int per_sm = 0, per_block = 0, reserved = 0;
-    cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
-    cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
-    const int64_t share = std::min<int64_t>(per_sm / kLossBlocksPerSm - reserved, per_block);
-    cached[dev] = std::max<int64_t>(share - static_cast<int64_t>(32 * sizeof(MaxSum)), 1);
+  int dev = 0, per_sm = 0, per_block = 0, reserved = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev) !=
+          cudaSuccess) {
+    return 0;
   }
-  return cached[dev];
+  const int64_t share = std::min<int64_t>(per_sm / kLossBlocksPerSm - reserved, per_block);
+  return std::max<int64_t>(share - static_cast<int64_t>(32 * sizeof(MaxSum)), 0);
 }
 
 template <typename T, int N>

@@ -24,23 +24,10 @@ namespace {
 // A block per (b, t) row, its threads over the row's heads and their
 // N-element groups: the row's indices come from the block, the head's from
 // one 32-bit division a thread. cos_t and sin_t are read N / 2 values at a
-// time (the caller guarantees their alignment for the vector forms).
+// time (as one 16-byte load for bf16's groups of 8: the caller guarantees
+// the tables' alignment for the vector forms).
 // Several rows a block, each thread's loads for all of them issued first,
 // ran slower: the registers it took left fewer threads an SM.
-template <int M>
-__device__ __forceinline__ void load_table(const float* p, int64_t i, float (&out)[M]) {
-  if constexpr (M == 4) {
-    const float4 v = *reinterpret_cast<const float4*>(p + i);
-    out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
-  } else if constexpr (M == 2) {
-    const float2 v = *reinterpret_cast<const float2*>(p + i);
-    out[0] = v.x, out[1] = v.y;
-  } else {
-#pragma unroll
-    for (int k = 0; k < M; ++k) out[k] = p[i + k];
-  }
-}
-
 template <typename T, int N>
 __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ cos_t,
                             const float* __restrict__ sin_t, T* __restrict__ y, int64_t rows,
@@ -70,8 +57,8 @@ __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ c
         for (int k = 0; k < N; ++k) o[k] = v[k];
       } else {
         float cs[P], sn[P];
-        load_table<P>(cos_t, t * half + d / 2, cs);
-        load_table<P>(sin_t, t * half + d / 2, sn);
+        load_n<float, P>(cos_t, t * half + d / 2, cs);
+        load_n<float, P>(sin_t, t * half + d / 2, sn);
 #pragma unroll
         for (int k = 0; k < N; k += 2) {
           const float c = cs[k / 2], s = sign * sn[k / 2];
