@@ -69,10 +69,16 @@ inline void set_deterministic_fill(bool on) {
 // the backward itself (see Note [Per-op activation checkpointing],
 // ops/recompute.h). Which pair runs is the one scaled_dot_product_attention
 // would pick for the same tensors (at::_fused_sdp_choice): cuDNN's where
-// LibTorch takes it, flash's otherwise. LibTorch refuses cuDNN's under
-// deterministic algorithms (its backward does not promise the same bits run
-// to run), so training.deterministic runs flash's, whose backward does.
-enum class FusedAttention { kNone, kFlash, kCudnn };
+// LibTorch takes it, flash's otherwise. LibTorch refuses cuDNN's pair under
+// deterministic algorithms because its backward does not promise the same
+// bits run to run; its forward does (no atomics: each output tile is one
+// block's sum in a fixed order). So under deterministic algorithms, where
+// cuDNN's pair would be taken without them, kCudnnFlash runs cuDNN's
+// forward (about 1.5 times as fast as flash's on Hopper) and flash's
+// deterministic backward on cuDNN's output and log-sum-exp: the same
+// statistics of the same softmax, so flash's backward gives the gradients
+// of cuDNN's forward, to rounding.
+enum class FusedAttention { kNone, kFlash, kCudnn, kCudnnFlash };
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
 #define VIADUCT_FUSED_ATTENTION 1
@@ -91,8 +97,25 @@ inline FusedAttention fused_attention_for(const at::Tensor& q, const at::Tensor&
   constexpr int64_t kFlashChoice = 1, kCudnnChoice = 3;
   const int64_t choice = at::_fused_sdp_choice(q, k, v, {}, 0.0, /*is_causal=*/true);
   if (choice == kCudnnChoice) return FusedAttention::kCudnn;
-  if (choice == kFlashChoice) return FusedAttention::kFlash;
-  return FusedAttention::kNone;
+  if (choice != kFlashChoice) return FusedAttention::kNone;
+  auto& ctx = at::globalContext();
+  const bool deterministic = ctx.deterministicAlgorithms(),
+             warn_only = ctx.deterministicAlgorithmsWarnOnly();
+  if (!deterministic || warn_only) return FusedAttention::kFlash;
+  // Asked again with deterministic algorithms off for the call (the one
+  // global switch LibTorch's choice reads; the training step runs on one
+  // thread, and the data and checkpoint threads run no CUDA kernels that
+  // consult it), restored whatever the call does.
+  int64_t without = -1;
+  ctx.setDeterministicAlgorithms(false, false);
+  try {
+    without = at::_fused_sdp_choice(q, k, v, {}, 0.0, /*is_causal=*/true);
+  } catch (...) {
+    ctx.setDeterministicAlgorithms(deterministic, warn_only);
+    throw;
+  }
+  ctx.setDeterministicAlgorithms(deterministic, warn_only);
+  return without == kCudnnChoice ? FusedAttention::kCudnnFlash : FusedAttention::kFlash;
 #else
   (void)q, (void)k, (void)v;
   return FusedAttention::kNone;
@@ -110,6 +133,17 @@ inline std::vector<at::Tensor> causal_fused_forward(FusedAttention f, const at::
     return {std::get<0>(r), std::get<1>(r), std::get<2>(r),
             std::get<3>(r), std::get<6>(r), std::get<7>(r)};
   }
+  if (f == FusedAttention::kCudnnFlash) {
+    // What flash's backward reads, in flash's forms: the log-sum-exp as a
+    // dense fp32 [B, H, T] (cuDNN's carries a trailing unit dimension), no
+    // sequence offsets (one sequence a row), and the dropout seed and
+    // offset flash's forward returns without dropout (unread).
+    auto r = at::_scaled_dot_product_cudnn_attention(q, k, v, {}, /*compute_log_sumexp=*/true,
+                                                     0.0, /*is_causal=*/true);
+    auto lse = std::get<1>(r).reshape({q.size(0), q.size(1), q.size(2)}).contiguous();
+    const auto unused = at::empty({}, at::dtype(at::kLong));
+    return {std::get<0>(r), lse, at::Tensor(), at::Tensor(), unused, unused};
+  }
   auto r = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, /*is_causal=*/true);
   return {std::get<0>(r), std::get<1>(r), std::get<2>(r),
           std::get<3>(r), std::get<6>(r), std::get<7>(r)};
@@ -119,7 +153,8 @@ inline std::vector<at::Tensor> causal_fused_forward(FusedAttention f, const at::
 #endif
 }
 
-// {dq, dk, dv} of pair `f` from causal_fused_forward's outputs `fwd`.
+// {dq, dk, dv} of pair `f` from causal_fused_forward's outputs `fwd`
+// (kCudnnFlash: flash's backward).
 inline std::vector<at::Tensor> causal_fused_backward(FusedAttention f, const at::Tensor& grad,
                                                      const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v,

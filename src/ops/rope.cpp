@@ -170,14 +170,15 @@ at::Tensor causal_attention_core(const at::Tensor& q, const at::Tensor& k, const
   // cuDNN's kernel or the memory-efficient one, and under deterministic
   // algorithms, where LibTorch refuses cuDNN's, the memory-efficient
   // kernel's deterministic backward is several times slower than flash's.
-  // Zero columns widen v to q's width for flash's kernel, and the output's
-  // extra columns (attention weights times zeros) are cut off; the
-  // gradient of v is the padded one's first columns.
+  // Zero columns widen v to q's width for flash's kernel (and cuDNN's
+  // forward before it, kCudnnFlash), and the output's extra columns
+  // (attention weights times zeros) are cut off; the gradient of v is the
+  // padded one's first columns.
   const auto qd = q.size(-1), vd = v.size(-1);
   if (q.is_cuda() && vd < qd) {
     const auto vp = at::constant_pad_nd(v, {0, qd - vd});
     f = compat::fused_attention_for(q, k, vp);
-    if (f == compat::FusedAttention::kFlash) {
+    if (f == compat::FusedAttention::kFlash || f == compat::FusedAttention::kCudnnFlash) {
       return CausalFusedAttentionFn::apply(q, k, vp, static_cast<int64_t>(f)).narrow(-1, 0, vd);
     }
   }

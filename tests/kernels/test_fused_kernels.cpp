@@ -494,8 +494,10 @@ TEST(FusedKernels, AttentionCoreRunsSdpasKernel) {
   // kernel scaled_dot_product_attention picks for the same tensors: the
   // same output bits as SDPA, gradients within bf16 rounding of SDPA's
   // (the same kernels; cuDNN's backward may sum in another order), and
-  // under deterministic algorithms flash's kernel, whose gradients repeat
-  // bit for bit.
+  // under deterministic algorithms cuDNN's forward (where SDPA takes cuDNN's
+  // kernel without them: the same output bits as that SDPA) with flash's
+  // backward, or flash's pair; either way gradients that repeat bit for
+  // bit, and within bf16 rounding of flash's own pair's.
   const bool det = at::globalContext().deterministicAlgorithms();
   const int64_t B = 2, T = 256, H = 4, hd = 64;
   for (const bool deterministic : {true, false}) {
@@ -511,15 +513,37 @@ TEST(FusedKernels, AttentionCoreRunsSdpasKernel) {
         k0.clone().requires_grad_(true).transpose(1, 2),
         v0.clone().requires_grad_(true).transpose(1, 2));
     ASSERT_NE(kernel, compat::FusedAttention::kNone) << "deterministic " << deterministic;
-    if (deterministic) EXPECT_EQ(kernel, compat::FusedAttention::kFlash);
+    if (deterministic) {
+      EXPECT_TRUE(kernel == compat::FusedAttention::kFlash ||
+                  kernel == compat::FusedAttention::kCudnnFlash);
+    } else {
+      EXPECT_NE(kernel, compat::FusedAttention::kCudnnFlash);
+    }
+    // The reference SDPA runs where the forward's kernel is the same: with
+    // deterministic algorithms off for kCudnnFlash's (cuDNN's).
+    const bool sdpa_deterministic =
+        deterministic && kernel != compat::FusedAttention::kCudnnFlash;
     auto run = [&](bool ours, const at::Tensor& g) {
       auto q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true),
            v = v0.clone().requires_grad_(true);
+      if (!ours) at::globalContext().setDeterministicAlgorithms(sdpa_deterministic, false);
       auto y = ours ? ops::causal_attention(q, k, v, nullptr, ops::KernelOptions{})
                     : at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                        v.transpose(1, 2), {}, 0.0, true);
       y.backward(g);
+      at::globalContext().setDeterministicAlgorithms(deterministic, false);
       return std::vector<at::Tensor>{y.detach(), q.grad(), k.grad(), v.grad()};
+    };
+    // Flash's own pair, forward and backward, as the second algorithm for
+    // the mixed pair's gradients.
+    auto flash_pair = [&](const at::Tensor& g) {
+      auto q = q0.clone().requires_grad_(true).transpose(1, 2),
+           k = k0.clone().requires_grad_(true).transpose(1, 2),
+           v = v0.clone().requires_grad_(true).transpose(1, 2);
+      auto fwd = compat::causal_fused_forward(compat::FusedAttention::kFlash, q, k, v);
+      auto d = compat::causal_fused_backward(compat::FusedAttention::kFlash, g.contiguous(), q,
+                                             k, v, fwd);
+      return std::vector<at::Tensor>{fwd[0], d[0], d[1], d[2]};
     };
     // The output's gradient in the token layout ([B, T, H, hd] memory, as
     // the projection after the attention hands it back), after a call with
@@ -539,6 +563,16 @@ TEST(FusedKernels, AttentionCoreRunsSdpasKernel) {
         EXPECT_TRUE(at::equal(ours[i], tokens[i])) << "gradient " << i;
       }
     }
+    if (deterministic) {
+      // ours' gradients are of [B, T, H, hd] leaves, flash's of their
+      // [B, H, T, hd] views.
+      const auto flash = flash_pair(dy);
+      EXPECT_LT(rel_err(ours[0], flash[0]), 1e-2) << "output, seed " << seed;
+      for (size_t i = 1; i < ours.size(); ++i) {
+        EXPECT_LT(rel_err(ours[i], flash[i].transpose(1, 2)), 1e-2)
+            << "gradient " << i << " against flash's pair, seed " << seed;
+      }
+    }
   }
   at::globalContext().setDeterministicAlgorithms(det, /*warn_only=*/false);
 }
@@ -548,8 +582,9 @@ TEST(FusedKernels, AttentionCoreTakesNarrowerValueHeads) {
   if (!VIADUCT_FUSED_ATTENTION) GTEST_SKIP() << "no fused attention ops in this LibTorch";
   // See Note [Narrow value heads on flash's kernel]: MLA's shapes (q and k
   // 192 wide, v 128) against causal attention in fp64 on the CPU, output
-  // and gradients; under deterministic algorithms through flash's kernel on
-  // zero-padded values, gradients repeating bit for bit.
+  // and gradients; under deterministic algorithms through flash's backward
+  // (after cuDNN's forward or flash's) on zero-padded values, gradients
+  // repeating bit for bit.
   const bool det = at::globalContext().deterministicAlgorithms();
   const int64_t B = 2, H = 4, T = 256, d = 192, dv = 128;
   for (const bool deterministic : {true, false}) {
@@ -560,9 +595,10 @@ TEST(FusedKernels, AttentionCoreTakesNarrowerValueHeads) {
                v0 = at::randn({B, H, T, dv}, o), dy = at::randn({B, H, T, dv}, o);
     if (deterministic) {
       const auto padded = at::constant_pad_nd(v0, {0, d - dv}).requires_grad_(true);
-      EXPECT_EQ(compat::fused_attention_for(q0.clone().requires_grad_(true),
-                                            k0.clone().requires_grad_(true), padded),
-                compat::FusedAttention::kFlash);
+      const auto kernel = compat::fused_attention_for(q0.clone().requires_grad_(true),
+                                                      k0.clone().requires_grad_(true), padded);
+      EXPECT_TRUE(kernel == compat::FusedAttention::kFlash ||
+                  kernel == compat::FusedAttention::kCudnnFlash);
     }
     auto run = [&] {
       auto q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true),
