@@ -137,7 +137,14 @@ __global__ void router_dx_kernel(const float* __restrict__ dl, const float* __re
 // column chunks [q kDwChunks, (q + 1) kDwChunks), lane l chunk q kDwChunks
 // + l; warp j the experts j, j + kDwWarps, ... Each tile of rows (x's
 // chunks and the rows' dl) is staged in shared memory once; every
-// (expert, column) sum runs over the part's rows in order.
+// (expert, column) sum runs over the part's rows in order. The next tile's
+// words are loaded into registers while the warps sum the current one, so
+// a block waits on memory once, not once a tile.
+constexpr int kDwStageWords = kDwTileRows * kDwChunks / (kDwWarps * 32);  // x words a thread stages
+constexpr int kDwStageLogits = kDwTileRows * kMoeRouterMaxExperts / (kDwWarps * 32);
+static_assert(kDwTileRows * kDwChunks % (kDwWarps * 32) == 0, "a tile's words split evenly");
+static_assert(kDwTileRows * kMoeRouterMaxExperts % (kDwWarps * 32) == 0,
+              "a tile's logits split evenly");
 __global__ void __launch_bounds__(kDwWarps * 32)
     router_dw_kernel(const float* __restrict__ dl, const __nv_bfloat16* __restrict__ x,
                      int64_t N, int64_t D, int E, float* __restrict__ part) {
@@ -155,20 +162,42 @@ __global__ void __launch_bounds__(kDwWarps * 32)
 #pragma unroll
     for (int k = 0; k < kVec; ++k) acc[s][k] = 0.f;
   }
+  // A tile's words as this thread stages them: x word j = threadIdx.x + i
+  // kDwWarps 32 (row j / kDwChunks, chunk j % kDwChunks), logit j alike
+  // (row j / E, expert j % E); zeros past the rows and columns.
+  uint4 xw[kDwStageWords];
+  float gw[kDwStageLogits];
+  auto load_tile = [&](int64_t r0) {
+    const int rows = last - r0 < kDwTileRows ? static_cast<int>(last - r0) : kDwTileRows;
+#pragma unroll
+    for (int i = 0; i < kDwStageWords; ++i) {
+      const int j = threadIdx.x + i * kDwWarps * 32, r = j / kDwChunks, cc = j % kDwChunks;
+      xw[i] = r < rows && chunk0 + cc < vecs
+                  ? __ldg(reinterpret_cast<const uint4*>(x + (r0 + r) * D + (chunk0 + cc) * kVec))
+                  : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int i = 0; i < kDwStageLogits; ++i) {
+      const int j = threadIdx.x + i * kDwWarps * 32;
+      gw[i] = j < rows * E ? __ldg(dl + r0 * E + j) : 0.f;
+    }
+  };
+  if (first < last) load_tile(first);
   for (int64_t r0 = first; r0 < last; r0 += kDwTileRows) {
     const int rows = last - r0 < kDwTileRows ? static_cast<int>(last - r0) : kDwTileRows;
     __syncthreads();  // the previous tile's reads are done
-    for (int j = threadIdx.x; j < kDwTileRows * kDwChunks; j += kDwWarps * 32) {
-      const int r = j / kDwChunks, cc = j % kDwChunks;
-      if (r < rows && chunk0 + cc < vecs) {
-        xs[r][cc] = *reinterpret_cast<const uint4*>(x + (r0 + r) * D + (chunk0 + cc) * kVec);
-      }
+#pragma unroll
+    for (int i = 0; i < kDwStageWords; ++i) {
+      const int j = threadIdx.x + i * kDwWarps * 32;
+      xs[j / kDwChunks][j % kDwChunks] = xw[i];
     }
-    for (int j = threadIdx.x; j < rows * E; j += kDwWarps * 32) {
-      const int r = j / E, e = j % E;
-      gs[r][e] = dl[(r0 + r) * E + e];
+#pragma unroll
+    for (int i = 0; i < kDwStageLogits; ++i) {
+      const int j = threadIdx.x + i * kDwWarps * 32;
+      if (j < rows * E) gs[j / E][j % E] = gw[i];
     }
     __syncthreads();
+    if (r0 + kDwTileRows < last) load_tile(r0 + kDwTileRows);
     if (c < vecs) {
       for (int r = 0; r < rows; ++r) {
         float xv[kVec];
