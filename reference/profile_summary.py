@@ -12,6 +12,12 @@ Reads the Chrome trace viaduct writes (<dump_folder>/profile/step-N-rank-R
     autograd node (e.g. MmBackward0) in the backward -- then per kernel name,
     then ATen's glue (elementwise, copies, reductions) per source and kernel;
     device busy time against the step's wall time;
+  * with device kernels and host ops recorded with their input shapes (as
+    metrics.profile_step records them): the matmul kernels by the GEMM op
+    that launched them and its shapes (aten::mm, addmm, bmm, baddbmm,
+    _grouped_mm), with the multiply-adds the shapes imply and the rate
+    the kernels ran at against --peak-tflops (989: an H100 or H200 SXM's
+    dense bf16); matmul kernels of other ops count as "(no shapes)";
   * the device's idle time: before the first kernel, after the last, and the
     largest gaps between kernels, each with the host op the CPU was in when
     the gap began and the source of the kernel that ended it (in a
@@ -179,6 +185,66 @@ def idle_gaps(kernels, ops, parent, t0, t1, by_ext, top, min_us=20.0):
     return "\n".join(lines), total, rows
 
 
+def gemm_shape(op):
+    """(label, flops) of a GEMM op from its recorded input shapes, or None:
+    aten::mm [M, K] x [K, N]; addmm's and _addmm_activation's second and
+    third inputs; bmm [B, M, K] x [B, K, N] and baddbmm's second and third;
+    _grouped_mm [M, K] x [G, K, N] (the tokens of G groups, each against
+    its own weight), [K, M] x [M, N] (the weights' gradients: G outputs of
+    [K, N] over the groups' rows) or [G, M, K] x [G, K, N]."""
+    name = op.get("name", "")
+    dims = (op.get("args") or {}).get("Input Dims")
+    if not dims:
+        return None
+    try:
+        if name == "aten::mm":
+            a, b = dims[0], dims[1]
+        elif name in ("aten::addmm", "aten::_addmm_activation", "aten::baddbmm"):
+            a, b = dims[1], dims[2]
+        elif name in ("aten::bmm", "aten::_grouped_mm"):
+            a, b = dims[0], dims[1]
+        else:
+            return None
+        if len(a) == 2 and len(b) == 2:
+            (m, k), (k2, n) = a, b
+            batch = 1
+        elif len(a) == 2 and len(b) == 3:  # grouped: each row meets one group's weight
+            (m, k), (_, k2, n) = a, b
+            batch = 1
+        elif len(a) == 3 and len(b) == 3:
+            (batch, m, k), (_, k2, n) = a, b
+        else:
+            return None
+        if k != k2:
+            return None
+    except (TypeError, ValueError):
+        return None
+    shape = f"{m}x{k} . {k}x{n}" if batch == 1 else f"{batch} x ({m}x{k} . {k}x{n})"
+    groups = f", {dims[1][0]} groups" if name == "aten::_grouped_mm" and len(dims[1]) == 3 \
+        and len(dims[0]) == 2 else ""
+    return f"{name} {shape}{groups}", 2.0 * batch * m * k * n
+
+
+def gemm_table(gemms, peak_tflops, top):
+    """The GEMMs by op and shape: device ms, calls, TFLOP/s and % of peak."""
+    total_us = sum(t for t, _, _ in gemms.values())
+    shaped = {k: v for k, v in gemms.items() if v[2] > 0}
+    flops = sum(f for _, _, f in shaped.values())
+    shaped_us = sum(t for t, _, _ in shaped.values())
+    lines = [f"| GEMM (source / op and shapes) | ms | calls | TFLOP/s | % of {peak_tflops:g} |",
+             "|---|---|---|---|---|"]
+    for key, (t, n, f) in sorted(gemms.items(), key=lambda kv: -kv[1][0])[:top]:
+        rate = f / t / 1e6 if f > 0 and t > 0 else 0.0
+        cells = (f"{rate:.0f}", f"{100 * rate / peak_tflops:.0f}") if f > 0 else ("-", "-")
+        lines.append(f"| {key} | {t / 1000:.3f} | {n} | {cells[0]} | {cells[1]} |")
+    rate = flops / shaped_us / 1e6 if shaped_us > 0 else 0.0
+    lines.append(f"\nmatmul kernels {total_us / 1000:.2f} ms; with shapes {shaped_us / 1000:.2f} ms "
+                 f"for {flops / 1e12:.2f} TFLOP: {rate:.0f} TFLOP/s, "
+                 f"{100 * rate / peak_tflops:.0f}% of {peak_tflops:g}")
+    return "\n".join(lines), {"matmul_us": total_us, "shaped_us": shaped_us, "flops": flops,
+                              "rows": {k: list(v) for k, v in gemms.items()}}
+
+
 def table(rows, total, top, head):
     lines = [f"| {head} | ms | % | calls |", "|---|---|---|---|"]
     for key, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
@@ -191,6 +257,8 @@ def main():
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--json", help="also write the aggregates here")
+    ap.add_argument("--peak-tflops", type=float, default=989.0,
+                    help="the device's dense peak for the GEMM table's percentages")
     a = ap.parse_args()
     events = [e for e in load(a.trace) if e.get("ph") == "X" and "dur" in e]
     ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "Operator")]
@@ -212,6 +280,8 @@ def main():
         classes = collections.defaultdict(lambda: [0.0, 0])
         phases = collections.defaultdict(lambda: [0.0, 0])
         glue = collections.defaultdict(lambda: [0.0, 0])  # ATen's glue kernels by source
+        gemms = collections.defaultdict(lambda: [0.0, 0, 0.0])  # time, op calls, flops
+        gemm_ops = set()  # the External ids of the GEMM ops counted
         for k in kernels:
             op = by_ext.get((k.get("args") or {}).get("External id"))
             phase, name = source_of(op, parent) if op is not None else ("?", "(no host op)")
@@ -227,6 +297,17 @@ def main():
             for d, key in keyed:
                 d[key][0] += k["dur"]
                 d[key][1] += 1
+            if cls == "matmul" and op is not None:
+                shape = gemm_shape(op)
+                key = f"{phase}: {name} / {shape[0]}" if shape else f"{phase}: {name} (no shapes)"
+                g = gemms[key]
+                g[0] += k["dur"]
+                ext = (k.get("args") or {}).get("External id")
+                if ext not in gemm_ops:  # an op's multiply-adds once, however many kernels
+                    gemm_ops.add(ext)
+                    g[1] += 1
+                    if shape:
+                        g[2] += shape[1]
         print(f"step wall {wall / 1000:.1f} ms; device busy {busy / 1000:.1f} ms "
               f"({100 * busy / wall:.1f}%), {len(kernels)} kernels\n")
         print(table(phases, busy, a.top, "phase"), "\n")
@@ -234,6 +315,10 @@ def main():
         print(table(src, busy, a.top, "source (phase: op)"), "\n")
         print(table(names, busy, a.top, "kernel"), "\n")
         print(table(glue, busy, a.top, "ATen glue kernel by source (phase: op / kernel)"), "\n")
+        if gemms:
+            text, gemm_out = gemm_table(gemms, a.peak_tflops, a.top)
+            print(text, "\n")
+            out.update(gemms=gemm_out)
         text, idle, gap_rows = idle_gaps(kernels, ops, parent, t0, t1, by_ext, min(a.top, 15))
         print(text)
         out.update(idle_us=idle, gaps=gap_rows)

@@ -21,6 +21,12 @@ def op(name, ts, dur, ext=None, tid=1):
     return e
 
 
+def shaped(name, ts, dur, ext, dims):
+    e = op(name, ts, dur, ext)
+    e["args"]["Input Dims"] = dims
+    return e
+
+
 def kernel(name, ts, dur, ext, stream=7):
     return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 2,
             "tid": stream, "args": {"External id": ext}}
@@ -115,6 +121,50 @@ class ProfileSummary(unittest.TestCase):
             "bwd: viaduct::ReadFn / CUDAFunctor_add (BFloat16)": [70.0, 2],
             "fwd: aten::copy_ / direct_copy_kernel_cuda (float)": [20.0, 1]})
         self.assertIn("ATen glue kernel by source", text)
+
+    def test_gemms_by_shape(self):
+        # Each GEMM op's multiply-adds from its recorded shapes, once per op
+        # however many kernels it launched, against the kernels' time:
+        # mm 2 M K N, addmm's second and third inputs, the grouped GEMM's
+        # rows against [G, K, N], its weight-gradient form [K, M] x [M, N],
+        # bmm with its batch; a matmul kernel of an op without shapes counts
+        # in time only.
+        events = [op("viaduct::forward_backward", 0, 10000),
+                  shaped("aten::mm", 10, 5, 1, [[8192, 2048], [2048, 6144]]),
+                  kernel("nvjet_gemm", 20, 200, 1),
+                  kernel("nvjet_gemm_epilogue", 220, 50, 1),
+                  shaped("aten::addmm", 300, 5, 2, [[6144], [8192, 2048], [2048, 6144]]),
+                  kernel("sm90_xmma_gemm", 310, 300, 2),
+                  shaped("aten::_grouped_mm", 700, 5, 3, [[16384, 2048], [8, 2048, 1024], [8]]),
+                  kernel("cutlass_grouped", 710, 100, 3),
+                  shaped("aten::_grouped_mm", 900, 5, 4, [[2048, 16384], [16384, 1024], [8]]),
+                  kernel("cutlass_grouped", 910, 100, 4),
+                  shaped("aten::bmm", 1100, 5, 5, [[4, 64, 32], [4, 32, 16]]),
+                  kernel("gemm_bmm", 1110, 10, 5),
+                  op("viaduct::fused_linear", 1200, 5, ext=6),
+                  kernel("nvjet_gemm", 1210, 40, 6)]
+        text, s = summarise(events)
+        g = s["gemms"]
+        rows = g["rows"]
+        mm = 2.0 * 8192 * 2048 * 6144
+        self.assertEqual(rows["fwd: aten::mm / aten::mm 8192x2048 . 2048x6144"], [250.0, 1, mm])
+        self.assertEqual(rows["fwd: aten::addmm / aten::addmm 8192x2048 . 2048x6144"],
+                         [300.0, 1, mm])
+        grouped = 2.0 * 16384 * 2048 * 1024
+        self.assertEqual(
+            rows["fwd: aten::_grouped_mm / aten::_grouped_mm 16384x2048 . 2048x1024, 8 groups"],
+            [100.0, 1, grouped])
+        self.assertEqual(rows["fwd: aten::_grouped_mm / aten::_grouped_mm 2048x16384 . 16384x1024"],
+                         [100.0, 1, grouped])
+        self.assertEqual(rows["fwd: aten::bmm / aten::bmm 4 x (64x32 . 32x16)"],
+                         [10.0, 1, 2.0 * 4 * 64 * 32 * 16])
+        self.assertEqual(rows["fwd: viaduct::fused_linear (no shapes)"], [40.0, 1, 0.0])
+        self.assertAlmostEqual(g["matmul_us"], 250 + 300 + 100 + 100 + 10 + 40)
+        self.assertAlmostEqual(g["shaped_us"], 250 + 300 + 100 + 100 + 10)
+        self.assertAlmostEqual(g["flops"], 2 * mm + 2 * grouped + 2.0 * 4 * 64 * 32 * 16)
+        # mm: 206 GFLOP in 250 us = 825 TFLOP/s, 83% of 989
+        self.assertIn("| fwd: aten::mm / aten::mm 8192x2048 . 2048x6144 | 0.250 | 1 | 825 | 83 |",
+                      text)
 
     def test_device_only_trace(self):
         # metrics.profile_host_ops = false: kernels only; the gaps are named
