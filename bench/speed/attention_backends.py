@@ -21,6 +21,9 @@ as viaduct's attention hands them over), the ATen ops each backend runs:
   cudnn_flash_det cuDNN's forward (deterministic) with flash's deterministic
                   backward on cuDNN's output and log-sum-exp: whether the
                   two libraries' statistics agree, and what the mix saves
+  cudnn_padded_flash_det  (--v-head-dim below --head-dim) the same with
+                  cuDNN's forward on the zero-padded v, as viaduct's
+                  deterministic MLA runs it (the row above: on v as it is)
 
 The deterministic rows also say whether two calls gave the same bits.
 
@@ -149,6 +152,14 @@ def main():
         d = flash_bwd_on(pad(r[0]), lse)
         return r[0], d[0], d[1], cut(d[2])
 
+    def cudnn_padded_fwd():
+        return aten._scaled_dot_product_cudnn_attention(q, k, v_f, None, True, 0.0, True, False)
+
+    def cudnn_padded_flash_det_both():
+        r = cudnn_padded_fwd()
+        d = flash_bwd_on(r[0], r[1].reshape(B, H, T).contiguous())
+        return cut(r[0]), d[0], d[1], cut(d[2])
+
     try:
         from torch.nn.attention import SDPBackend
         choice = torch._fused_sdp_choice(q, k, v, None, 0.0, True)
@@ -167,6 +178,9 @@ def main():
             ("sdpa_gqa", lambda: sdpa_fwd(True), lambda: sdpa_both(True)),
             ("flash_det", deterministic(flash_fwd), deterministic(flash_det_both)),
             ("cudnn_flash_det", deterministic(cudnn_fwd), deterministic(cudnn_flash_det_both))]
+    if vd < hd:
+        rows.append(("cudnn_padded_flash_det", deterministic(cudnn_padded_fwd),
+                     deterministic(cudnn_padded_flash_det_both)))
     for name, fwd, both in rows:
         try:
             with torch.no_grad():
