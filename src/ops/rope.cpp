@@ -45,14 +45,20 @@ class CausalFusedAttentionFn : public torch::autograd::Function<CausalFusedAtten
     const auto saved = ctx->get_saved_variables();
     const std::vector<at::Tensor> fwd(saved.begin() + 3, saved.end());
     const auto f = static_cast<compat::FusedAttention>(ctx->saved_data["kernel"].toInt());
-    // The incoming gradient goes contiguous even where it arrives in the
-    // output's own layout with a dense last dimension: LibTorch's cuDNN
-    // backward keeps its built graphs by q's, k's and v's shapes and
-    // strides, not the gradient's, so a gradient of other strides than the
-    // graph was built for is read wrongly (test
+    // For cuDNN's backward the incoming gradient goes contiguous even where
+    // it arrives in the output's own layout with a dense last dimension:
+    // LibTorch's cuDNN backward keeps its built graphs by q's, k's and v's
+    // shapes and strides, not the gradient's, so a gradient of other
+    // strides than the graph was built for is read wrongly (test
     // FusedKernels.AttentionCoreRunsSdpasKernel hands it both layouts).
-    auto g = compat::causal_fused_backward(f, grads[0].contiguous(), saved[0], saved[1],
-                                           saved[2], fwd);
+    // Flash's backward (kFlash, kCudnnFlash) reads the gradient as [B, T,
+    // H, hd] and makes it contiguous in that layout itself; the projection
+    // after the attention hands it back in that layout already, so a copy
+    // here to [B, H, T, hd] would make flash copy it back.
+    const auto& g_in = grads[0];
+    auto g = compat::causal_fused_backward(
+        f, f == compat::FusedAttention::kCudnn ? g_in.contiguous() : g_in, saved[0], saved[1],
+        saved[2], fwd);
     return {g[0], g[1], g[2], at::Tensor()};
   }
 };
