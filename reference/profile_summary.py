@@ -205,12 +205,12 @@ def gemm_shape(op):
             a, b = dims[0], dims[1]
         else:
             return None
+        batch, groups = 1, ""
         if len(a) == 2 and len(b) == 2:
             (m, k), (k2, n) = a, b
-            batch = 1
         elif len(a) == 2 and len(b) == 3:  # grouped: each row meets one group's weight
-            (m, k), (_, k2, n) = a, b
-            batch = 1
+            (m, k), (g, k2, n) = a, b
+            groups = f", {g} groups"
         elif len(a) == 3 and len(b) == 3:
             (batch, m, k), (_, k2, n) = a, b
         else:
@@ -220,8 +220,6 @@ def gemm_shape(op):
     except (TypeError, ValueError):
         return None
     shape = f"{m}x{k} . {k}x{n}" if batch == 1 else f"{batch} x ({m}x{k} . {k}x{n})"
-    groups = f", {dims[1][0]} groups" if name == "aten::_grouped_mm" and len(dims[1]) == 3 \
-        and len(dims[0]) == 2 else ""
     return f"{name} {shape}{groups}", 2.0 * batch * m * k * n
 
 
@@ -283,7 +281,8 @@ def main():
         gemms = collections.defaultdict(lambda: [0.0, 0, 0.0])  # time, op calls, flops
         gemm_ops = set()  # the External ids of the GEMM ops counted
         for k in kernels:
-            op = by_ext.get((k.get("args") or {}).get("External id"))
+            ext = (k.get("args") or {}).get("External id")
+            op = by_ext.get(ext)
             phase, name = source_of(op, parent) if op is not None else ("?", "(no host op)")
             cls = kernel_class(k["name"])
             keyed = [(src, f"{phase}: {name}"), (names, k["name"][:90]), (classes, cls),
@@ -302,7 +301,6 @@ def main():
                 key = f"{phase}: {name} / {shape[0]}" if shape else f"{phase}: {name} (no shapes)"
                 g = gemms[key]
                 g[0] += k["dur"]
-                ext = (k.get("args") or {}).get("External id")
                 if ext not in gemm_ops:  # an op's multiply-adds once, however many kernels
                     gemm_ops.add(ext)
                     g[1] += 1

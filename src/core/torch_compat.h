@@ -95,9 +95,10 @@ inline FusedAttention fused_attention_for(const at::Tensor& q, const at::Tensor&
   if (!q.is_cuda() || q.dim() != 4) return FusedAttention::kNone;
   // SDPBackend's values (ATen/native/transformers/sdp_utils_cpp.h).
   constexpr int64_t kFlashChoice = 1, kCudnnChoice = 3;
-  const int64_t choice = at::_fused_sdp_choice(q, k, v, {}, 0.0, /*is_causal=*/true);
-  if (choice == kCudnnChoice) return FusedAttention::kCudnn;
-  if (choice != kFlashChoice) return FusedAttention::kNone;
+  auto choice = [&] { return at::_fused_sdp_choice(q, k, v, {}, 0.0, /*is_causal=*/true); };
+  const int64_t picked = choice();
+  if (picked == kCudnnChoice) return FusedAttention::kCudnn;
+  if (picked != kFlashChoice) return FusedAttention::kNone;
   auto& ctx = at::globalContext();
   const bool deterministic = ctx.deterministicAlgorithms(),
              warn_only = ctx.deterministicAlgorithmsWarnOnly();
@@ -105,17 +106,14 @@ inline FusedAttention fused_attention_for(const at::Tensor& q, const at::Tensor&
   // Asked again with deterministic algorithms off for the call (the one
   // global switch LibTorch's choice reads; the training step runs on one
   // thread, and the data and checkpoint threads run no CUDA kernels that
-  // consult it), restored whatever the call does.
-  int64_t without = -1;
+  // consult it), restored on the way out whatever the call does.
+  struct Restore {
+    at::Context& ctx;
+    bool deterministic, warn_only;
+    ~Restore() { ctx.setDeterministicAlgorithms(deterministic, warn_only); }
+  } restore{ctx, deterministic, warn_only};
   ctx.setDeterministicAlgorithms(false, false);
-  try {
-    without = at::_fused_sdp_choice(q, k, v, {}, 0.0, /*is_causal=*/true);
-  } catch (...) {
-    ctx.setDeterministicAlgorithms(deterministic, warn_only);
-    throw;
-  }
-  ctx.setDeterministicAlgorithms(deterministic, warn_only);
-  return without == kCudnnChoice ? FusedAttention::kCudnnFlash : FusedAttention::kFlash;
+  return choice() == kCudnnChoice ? FusedAttention::kCudnnFlash : FusedAttention::kFlash;
 #else
   (void)q, (void)k, (void)v;
   return FusedAttention::kNone;

@@ -167,8 +167,11 @@ __global__ void __launch_bounds__(kDwWarps * 32)
   // (row j / E, expert j % E); zeros past the rows and columns.
   uint4 xw[kDwStageWords];
   float gw[kDwStageLogits];
+  auto tile_rows = [&](int64_t r0) {
+    return last - r0 < kDwTileRows ? static_cast<int>(last - r0) : kDwTileRows;
+  };
   auto load_tile = [&](int64_t r0) {
-    const int rows = last - r0 < kDwTileRows ? static_cast<int>(last - r0) : kDwTileRows;
+    const int rows = tile_rows(r0);
 #pragma unroll
     for (int i = 0; i < kDwStageWords; ++i) {
       const int j = threadIdx.x + i * kDwWarps * 32, r = j / kDwChunks, cc = j % kDwChunks;
@@ -184,7 +187,7 @@ __global__ void __launch_bounds__(kDwWarps * 32)
   };
   if (first < last) load_tile(first);
   for (int64_t r0 = first; r0 < last; r0 += kDwTileRows) {
-    const int rows = last - r0 < kDwTileRows ? static_cast<int>(last - r0) : kDwTileRows;
+    const int rows = tile_rows(r0);
     __syncthreads();  // the previous tile's reads are done
 #pragma unroll
     for (int i = 0; i < kDwStageWords; ++i) {
