@@ -64,47 +64,16 @@ class Gpt2HfAdapter final : public checkpoint::StateDictAdapter {
   std::vector<std::string> from_hf_config(
       const json& c, const std::string& folder) const override {
     hf::check_model_type(c, kGpt2ModelType, s_.family, folder);
-    const ChainSpec h = read_config(c, folder + "/config.json");
-    return {hf::override_of("model.family", s_.family),
-            hf::override_of("model.n_layers", h.n_layers),
-            hf::override_of("model.dim", h.dim),
-            hf::override_of("model.n_heads", h.n_heads),
-            hf::override_of("model.n_kv_heads", h.n_kv_heads),
-            hf::override_of("model.vocab_size", h.vocab_size),
-            hf::override_of("model.ffn_hidden_dim", h.ffn_hidden),
-            hf::override_of("model.max_seq_len", h.max_seq_len),
-            hf::override_of("model.norm_eps", h.norm_eps),
-            hf::override_of("model.tie_embeddings", h.tie_embeddings)};
+    return hf::chain_overrides(s_.family, read_config(c, folder + "/config.json"));
   }
 
   void check_hf_config(const json& c,
                        const std::string& folder) const override {
     hf::check_model_type(c, kGpt2ModelType, s_.family, folder);
-    const ChainSpec h = read_config(c, folder + "/config.json");
-    const ChainSpec& v = s_;
-    if (h.n_layers != v.n_layers)
-      hf::differ(folder, "n_layer", h.n_layers, "model.n_layers", v.n_layers);
-    if (h.dim != v.dim) hf::differ(folder, "n_embd", h.dim, "model.dim", v.dim);
-    if (h.n_heads != v.n_heads)
-      hf::differ(folder, "n_head", h.n_heads, "model.n_heads", v.n_heads);
-    if (h.n_kv_heads != v.n_kv_heads)
-      hf::differ(folder, "num_key_value_heads", h.n_kv_heads,
-                 "model.n_kv_heads", v.n_kv_heads);
-    if (h.ffn_hidden != v.ffn_hidden)
-      hf::differ(folder, "n_inner", h.ffn_hidden, "model.ffn_hidden_dim",
-                 v.ffn_hidden);
-    if (h.vocab_size > v.vocab_size)
-      hf::differ(folder, "vocab_size", h.vocab_size,
-                 "model.vocab_size (at least as large)", v.vocab_size);
-    if (h.max_seq_len != v.max_seq_len)
-      hf::differ(folder, "n_positions", h.max_seq_len, "model.max_seq_len",
-                 v.max_seq_len);
-    if (h.norm_eps != v.norm_eps)
-      hf::differ(folder, "layer_norm_epsilon", h.norm_eps, "model.norm_eps",
-                 v.norm_eps);
-    if (h.tie_embeddings != v.tie_embeddings)
-      hf::differ(folder, "tie_word_embeddings", h.tie_embeddings,
-                 "model.tie_embeddings", v.tie_embeddings);
+    hf::check_chain_fields(folder,
+                           {"n_layer", "n_embd", "n_head", "num_key_value_heads", "n_inner",
+                            "vocab_size", "n_positions", "layer_norm_epsilon"},
+                           read_config(c, folder + "/config.json"), s_);
   }
 
   TensorMap to_hf(const TensorMap& v) const override {
@@ -166,16 +135,8 @@ class Gpt2HfAdapter final : public checkpoint::StateDictAdapter {
     }
     const int64_t D = s_.dim, F = s_.ffn_hidden;
     hf::Taker take(hf_tensors, source);
-    // An HF vocab smaller than viaduct's: the rows past it are zero.
-    auto embedding = [&](const std::string& name) {
-      at::Tensor e = take(name, {hf_vocab, D});
-      if (hf_vocab == s_.vocab_size) return e;
-      at::Tensor padded = at::zeros({s_.vocab_size, D}, e.options());
-      padded.narrow(0, 0, hf_vocab).copy_(e);
-      return padded;
-    };
     TensorMap v;
-    v["tok_embeddings.weight"] = embedding("wte.weight");
+    v["tok_embeddings.weight"] = hf::padded_embedding(take, "wte.weight", hf_vocab, s_.vocab_size, D);
     v["pos_embeddings.weight"] = take("wpe.weight", {s_.max_seq_len, D});
     for (int64_t i = 0; i < s_.n_layers; ++i) {
       const std::string a = hf::layer(i), h = "h." + std::to_string(i) + ".";
@@ -204,12 +165,8 @@ class Gpt2HfAdapter final : public checkpoint::StateDictAdapter {
     }
     v["norm.weight"] = take("ln_f.weight", {D});
     v["norm.bias"] = take("ln_f.bias", {D});
-    if (!s_.tie_embeddings) {
-      v["lm_head.weight"] = take.has("lm_head.weight") ? embedding("lm_head.weight")
-                                                       : v["tok_embeddings.weight"].clone();
-    } else {
-      take.take_tied_head("lm_head.weight", v["tok_embeddings.weight"], "wte.weight");
-    }
+    hf::take_head(take, v, s_.tie_embeddings, "lm_head.weight", "wte.weight", hf_vocab,
+                  s_.vocab_size, D);
     take.expect_all_taken();
     return v;
   }

@@ -126,5 +126,62 @@ std::string override_of(const std::string& key, const json& value) {
   return key + "=" + value.dump();
 }
 
+std::vector<std::string> chain_overrides(const std::string& family, const ChainSpec& h) {
+  return {override_of("model.family", family),
+          override_of("model.n_layers", h.n_layers),
+          override_of("model.dim", h.dim),
+          override_of("model.n_heads", h.n_heads),
+          override_of("model.n_kv_heads", h.n_kv_heads),
+          override_of("model.vocab_size", h.vocab_size),
+          override_of("model.ffn_hidden_dim", h.ffn_hidden),
+          override_of("model.max_seq_len", h.max_seq_len),
+          override_of("model.norm_eps", h.norm_eps),
+          override_of("model.tie_embeddings", h.tie_embeddings)};
+}
+
+void check_chain_fields(const std::string& folder, const ChainFieldNames& names,
+                        const ChainSpec& h, const ChainSpec& v) {
+  if (h.n_layers != v.n_layers)
+    differ(folder, names.n_layers, h.n_layers, "model.n_layers", v.n_layers);
+  if (h.dim != v.dim) differ(folder, names.dim, h.dim, "model.dim", v.dim);
+  if (h.n_heads != v.n_heads) differ(folder, names.n_heads, h.n_heads, "model.n_heads", v.n_heads);
+  if (h.n_kv_heads != v.n_kv_heads)
+    differ(folder, names.n_kv_heads, h.n_kv_heads, "model.n_kv_heads", v.n_kv_heads);
+  if (h.ffn_hidden != v.ffn_hidden)
+    differ(folder, names.ffn_hidden, h.ffn_hidden, "model.ffn_hidden_dim", v.ffn_hidden);
+  if (h.vocab_size > v.vocab_size)
+    differ(folder, names.vocab_size, h.vocab_size, "model.vocab_size (at least as large)",
+           v.vocab_size);
+  if (!names.max_seq_len.empty() && h.max_seq_len != v.max_seq_len)
+    differ(folder, names.max_seq_len, h.max_seq_len, "model.max_seq_len", v.max_seq_len);
+  if (h.norm_eps != v.norm_eps)
+    differ(folder, names.norm_eps, h.norm_eps, "model.norm_eps", v.norm_eps);
+  if (h.tie_embeddings != v.tie_embeddings)
+    differ(folder, "tie_word_embeddings", h.tie_embeddings, "model.tie_embeddings",
+           v.tie_embeddings);
+}
+
+at::Tensor padded_embedding(Taker& take, const std::string& name, int64_t hf_vocab,
+                            int64_t vocab, int64_t dim) {
+  at::Tensor e = take(name, {hf_vocab, dim});
+  if (hf_vocab == vocab) return e;
+  at::Tensor padded = at::zeros({vocab, dim}, e.options());
+  padded.narrow(0, 0, hf_vocab).copy_(e);
+  return padded;
+}
+
+void take_head(Taker& take, TensorMap& v, bool tied, const std::string& head,
+               const std::string& embedding_name, int64_t hf_vocab, int64_t vocab,
+               int64_t dim) {
+  const at::Tensor& embedding = v.at("tok_embeddings.weight");
+  if (tied) {
+    take.take_tied_head(head, embedding, embedding_name);
+    return;
+  }
+  // A tied HF checkpoint loaded untied starts its head from the embedding.
+  v["lm_head.weight"] = take.has(head) ? padded_embedding(take, head, hf_vocab, vocab, dim)
+                                       : embedding.clone();
+}
+
 }  // namespace hf
 }  // namespace viaduct

@@ -111,5 +111,31 @@ template <typename A, typename B>
 // they read back to the same bits.
 std::string override_of(const std::string& key, const nlohmann::json& value);
 
+// config.json's names of the ChainSpec fields both layouts have; an empty
+// max_seq_len is a field the layout does not check (llama's RoPE takes any
+// length, gpt2's position table does not).
+struct ChainFieldNames {
+  std::string n_layers, dim, n_heads, n_kv_heads, ffn_hidden, vocab_size, max_seq_len,
+      norm_eps;
+};
+// The overrides that make the config's model the HF model `h` in those fields
+// and the tie, with model.family = `family`.
+std::vector<std::string> chain_overrides(const std::string& family, const ChainSpec& h);
+// A ConfigError (differ) at the first of those fields in which config.json's
+// model `h` (from `folder`) is not the config's `v`; h's vocabulary may be
+// smaller than v's (padded rows).
+void check_chain_fields(const std::string& folder, const ChainFieldNames& names,
+                        const ChainSpec& h, const ChainSpec& v);
+
+// The embedding `name` ([hf_vocab, dim]) with zero rows up to `vocab`.
+at::Tensor padded_embedding(Taker& take, const std::string& name, int64_t hf_vocab,
+                            int64_t vocab, int64_t dim);
+// v's lm_head.weight from `head` (padded as the embedding) where the model is
+// untied, or the embedding's copy where the checkpoint has none; where tied,
+// a stored `head` must equal the embedding `embedding_name` as loaded.
+void take_head(Taker& take, TensorMap& v, bool tied, const std::string& head,
+               const std::string& embedding_name, int64_t hf_vocab, int64_t vocab,
+               int64_t dim);
+
 }  // namespace hf
 }  // namespace viaduct

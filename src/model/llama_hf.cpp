@@ -112,19 +112,9 @@ class LlamaHfAdapter final : public checkpoint::StateDictAdapter {
       const json& c, const std::string& folder) const override {
     hf::check_model_type(c, kLlamaModelType, s_.family, folder);
     const ChainSpec h = read_config(c, folder + "/config.json");
-    std::vector<std::string> o{
-        hf::override_of("model.family", s_.family),
-        hf::override_of("model.n_layers", h.n_layers),
-        hf::override_of("model.dim", h.dim),
-        hf::override_of("model.n_heads", h.n_heads),
-        hf::override_of("model.n_kv_heads", h.n_kv_heads),
-        hf::override_of("model.vocab_size", h.vocab_size),
-        hf::override_of("model.ffn_hidden_dim", h.ffn_hidden),
-        hf::override_of("model.max_seq_len", h.max_seq_len),
-        hf::override_of("model.norm_eps", h.norm_eps),
-        hf::override_of("model.rope_theta", h.rope_theta),
-        hf::override_of("model.rope_scaling_factor", h.rope_scaling.factor),
-        hf::override_of("model.tie_embeddings", h.tie_embeddings)};
+    std::vector<std::string> o = hf::chain_overrides(s_.family, h);
+    o.push_back(hf::override_of("model.rope_theta", h.rope_theta));
+    o.push_back(hf::override_of("model.rope_scaling_factor", h.rope_scaling.factor));
     if (h.rope_scaling.enabled()) {
       o.push_back(hf::override_of("model.rope_scaling_low_freq_factor",
                                   h.rope_scaling.low_freq_factor));
@@ -141,26 +131,12 @@ class LlamaHfAdapter final : public checkpoint::StateDictAdapter {
     hf::check_model_type(c, kLlamaModelType, s_.family, folder);
     const ChainSpec h = read_config(c, folder + "/config.json");
     const ChainSpec& v = s_;
-    if (h.n_layers != v.n_layers)
-      hf::differ(folder, "num_hidden_layers", h.n_layers, "model.n_layers",
-                 v.n_layers);
-    if (h.dim != v.dim)
-      hf::differ(folder, "hidden_size", h.dim, "model.dim", v.dim);
-    if (h.n_heads != v.n_heads)
-      hf::differ(folder, "num_attention_heads", h.n_heads, "model.n_heads",
-                 v.n_heads);
-    if (h.n_kv_heads != v.n_kv_heads)
-      hf::differ(folder, "num_key_value_heads", h.n_kv_heads,
-                 "model.n_kv_heads", v.n_kv_heads);
-    if (h.ffn_hidden != v.ffn_hidden)
-      hf::differ(folder, "intermediate_size", h.ffn_hidden,
-                 "model.ffn_hidden_dim", v.ffn_hidden);
-    if (h.vocab_size > v.vocab_size)
-      hf::differ(folder, "vocab_size", h.vocab_size,
-                 "model.vocab_size (at least as large)", v.vocab_size);
-    if (h.norm_eps != v.norm_eps)
-      hf::differ(folder, "rms_norm_eps", h.norm_eps, "model.norm_eps",
-                 v.norm_eps);
+    // max_position_embeddings is not checked: viaduct's RoPE takes any length.
+    hf::check_chain_fields(folder,
+                           {"num_hidden_layers", "hidden_size", "num_attention_heads",
+                            "num_key_value_heads", "intermediate_size", "vocab_size", "",
+                            "rms_norm_eps"},
+                           h, v);
     if (h.rope_theta != v.rope_theta)
       hf::differ(folder, "rope_theta", h.rope_theta, "model.rope_theta",
                  v.rope_theta);
@@ -181,9 +157,6 @@ class LlamaHfAdapter final : public checkpoint::StateDictAdapter {
                    "model.rope_scaling_original_max_seq_len",
                    vr.original_max_seq_len);
     }
-    if (h.tie_embeddings != v.tie_embeddings)
-      hf::differ(folder, "tie_word_embeddings", h.tie_embeddings,
-                 "model.tie_embeddings", v.tie_embeddings);
   }
 
   TensorMap to_hf(const TensorMap& v) const override {
@@ -218,16 +191,9 @@ class LlamaHfAdapter final : public checkpoint::StateDictAdapter {
     const int64_t D = s_.dim, kv = s_.n_kv_heads * (s_.dim / s_.n_heads),
                   F = s_.ffn_hidden;
     hf::Taker take(hf_tensors, source);
-    // An HF vocab smaller than viaduct's: the rows past it are zero.
-    auto embedding = [&](const std::string& name) {
-      at::Tensor e = take(name, {hf_vocab, D});
-      if (hf_vocab == s_.vocab_size) return e;
-      at::Tensor padded = at::zeros({s_.vocab_size, D}, e.options());
-      padded.narrow(0, 0, hf_vocab).copy_(e);
-      return padded;
-    };
     TensorMap v;
-    v["tok_embeddings.weight"] = embedding("model.embed_tokens.weight");
+    v["tok_embeddings.weight"] =
+        hf::padded_embedding(take, "model.embed_tokens.weight", hf_vocab, s_.vocab_size, D);
     for (int64_t i = 0; i < s_.n_layers; ++i) {
       const std::string a = hf::layer(i),
                         h = "model.layers." + std::to_string(i) + ".";
@@ -249,14 +215,8 @@ class LlamaHfAdapter final : public checkpoint::StateDictAdapter {
           take(h + "post_attention_layernorm.weight", {D});
     }
     v["norm.weight"] = take("model.norm.weight", {D});
-    if (!s_.tie_embeddings) {
-      // A tied HF checkpoint loaded untied starts its head from the embedding.
-      v["lm_head.weight"] = take.has("lm_head.weight") ? embedding("lm_head.weight")
-                                                       : v["tok_embeddings.weight"].clone();
-    } else {
-      take.take_tied_head("lm_head.weight", v["tok_embeddings.weight"],
-                          "model.embed_tokens.weight");
-    }
+    hf::take_head(take, v, s_.tie_embeddings, "lm_head.weight", "model.embed_tokens.weight",
+                  hf_vocab, s_.vocab_size, D);
     // transformers' older llama checkpoints keep each layer's rotary
     // frequencies as a buffer; viaduct computes its own.
     take.expect_all_taken(

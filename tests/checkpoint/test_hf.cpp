@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <filesystem>
 #include <fstream>
 
@@ -434,6 +435,68 @@ std::string error_of(F f) {
     return e.what();
   }
   return "";
+}
+
+// Each field both layouts share, changed alone in the viaduct config, is
+// refused naming config.json's field and the config's key with both values;
+// a smaller HF vocabulary is taken (padded rows), and llama takes any
+// max_position_embeddings (its RoPE has no table of positions).
+TEST(HfCheckpoint, EachSharedFieldThatDiffersIsNamed) {
+  struct Case {
+    const char* hf_field;
+    const char* key;
+    std::function<void(ChainSpec&)> change;
+    std::string hf_value, viaduct_value;
+  };
+  auto cases = [](bool gpt2) {
+    return std::vector<Case>{
+        {gpt2 ? "n_layer" : "num_hidden_layers", "model.n_layers",
+         [](ChainSpec& s) { s.n_layers = 3; }, "2", "3"},
+        {gpt2 ? "n_embd" : "hidden_size", "model.dim", [](ChainSpec& s) { s.dim = 64; }, "32",
+         "64"},
+        {gpt2 ? "n_head" : "num_attention_heads", "model.n_heads",
+         [](ChainSpec& s) { s.n_heads = 8; }, "4", "8"},
+        {gpt2 ? "n_inner" : "intermediate_size", "model.ffn_hidden_dim",
+         [](ChainSpec& s) { s.ffn_hidden = 96; }, gpt2 ? "128" : "48", "96"},
+        {"vocab_size", "model.vocab_size (at least as large)",
+         [](ChainSpec& s) { s.vocab_size = 256; }, gpt2 ? "320" : "300", "256"},
+        {gpt2 ? "layer_norm_epsilon" : "rms_norm_eps", "model.norm_eps",
+         [](ChainSpec& s) { s.norm_eps = 1e-3; }, "1e-05", "0.001"},
+        {"tie_word_embeddings", "model.tie_embeddings",
+         [](ChainSpec& s) { s.tie_embeddings = !s.tie_embeddings; }, gpt2 ? "1" : "0",
+         gpt2 ? "0" : "1"}};
+  };
+  for (const bool gpt2 : {false, true}) {
+    const ChainSpec hf = gpt2 ? gpt2_shape() : llama_shape();
+    auto adapter = [&](const ChainSpec& s) {
+      return gpt2 ? gpt2_hf_adapter(s) : llama_hf_adapter(s);
+    };
+    const nlohmann::json c = adapter(hf)->to_hf_config("float32");
+    std::vector<Case> all = cases(gpt2);
+    if (gpt2) {
+      all.push_back({"n_positions", "model.max_seq_len", [](ChainSpec& s) { s.max_seq_len = 128; },
+                     "64", "128"});
+    }
+    for (const Case& k : all) {
+      ChainSpec v = hf;
+      k.change(v);
+      const std::string msg =
+          error_of<ConfigError>([&] { adapter(v)->check_hf_config(c, "src"); });
+      EXPECT_EQ(msg, "src: config.json " + std::string(k.hf_field) + " = " + k.hf_value +
+                         " but the viaduct config has " + k.key + " = " + k.viaduct_value)
+          << (gpt2 ? "gpt2 " : "llama ") << k.key;
+    }
+    ChainSpec larger = hf;
+    larger.vocab_size += 64;
+    EXPECT_NO_THROW(adapter(larger)->check_hf_config(c, "src"));
+    ChainSpec longer = hf;
+    longer.max_seq_len = 4 * hf.max_seq_len;
+    if (gpt2) {
+      EXPECT_THROW(adapter(longer)->check_hf_config(c, "src"), ConfigError);
+    } else {
+      EXPECT_NO_THROW(adapter(longer)->check_hf_config(c, "src"));
+    }
+  }
 }
 
 TEST(HfCheckpoint, MismatchesAndBadFoldersNameTheProblem) {
