@@ -92,8 +92,10 @@ std::vector<at::Tensor> mla_qkv(const at::Tensor& q, const at::Tensor& k_pe,
 // fp32 in head order. See Note [Repeated heads without a gather].
 at::Tensor repeat_heads(const at::Tensor& x, int64_t repeat);
 
-// silu(a) * b.
-at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b);
+// silu(ab[..., :F]) * ab[..., F:] for ab the [..., 2F] output of one GEMM
+// over w1 and w3 (the grouped experts', see Note [One gate-up GEMM for the
+// experts], ops/moe.cpp); the gradient is one [..., 2F] tensor.
+at::Tensor swiglu_packed(const at::Tensor& ab);
 
 // How swiglu_linear treats its weight: the cast through `cache` (see Note
 // [Low-precision weight cache], kernels/weight_cache.h; null: a fresh
@@ -269,14 +271,9 @@ at::Tensor moe_router(const at::Tensor& x, const at::Tensor& w);
 // in one pass; gradients to ys and gates. base (undefined: none) [N, D]:
 // added to that sum in the same pass, the bits of the sum and then the
 // add (the shared experts' output); its gradient is the output's.
-// grad_slot (undefined: none): a slot (an empty tensor) where a consumer of
-// the rows may leave its part of their gradient instead of returning it
-// (see Note [Expert rows' gradient in two parts], ops/moe.cpp); the
-// backward adds it to autograd's part row by row as it reads them, the
-// bits of autograd's add.
 bool moe_permute_usable(const at::Tensor& x);
 at::Tensor moe_permute(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& row_slot,
-                       int64_t k, const at::Tensor& grad_slot = {});
+                       int64_t k);
 at::Tensor moe_combine(const at::Tensor& ys, const at::Tensor& gates, const at::Tensor& pos,
                        const at::Tensor& row_slot, const at::Tensor& base = {});
 

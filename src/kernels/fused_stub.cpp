@@ -32,7 +32,7 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor&, const at::Tens
                                                const at::Tensor&, double) {
   no_cuda("add_rms_norm");
 }
-at::Tensor swiglu(const at::Tensor&, const at::Tensor&) { no_cuda("swiglu"); }
+at::Tensor swiglu_packed(const at::Tensor&) { no_cuda("swiglu_packed"); }
 at::Tensor swiglu_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const SwiGLULinearOptions&) {
   no_cuda("swiglu_linear");
@@ -98,8 +98,7 @@ at::Tensor layer_norm(const at::Tensor&, const at::Tensor&, const at::Tensor&, d
 bool moe_router_usable(const at::Tensor&, const at::Tensor&) { return false; }
 at::Tensor moe_router(const at::Tensor&, const at::Tensor&) { no_cuda("moe_router"); }
 bool moe_permute_usable(const at::Tensor&) { return false; }
-at::Tensor moe_permute(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                       const at::Tensor&) {
+at::Tensor moe_permute(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   no_cuda("moe_permute");
 }
 at::Tensor moe_combine(const at::Tensor&, const at::Tensor&, const at::Tensor&,

@@ -34,10 +34,7 @@ __global__ void permute_kernel(const uint4* __restrict__ x, const int64_t* __res
   }
 }
 
-// With dout2 (null: none), each row is first the bf16 sum of its two
-// gradients, as autograd's add of the two [rows, D] tensors rounds it.
 __global__ void permute_backward_kernel(const __nv_bfloat16* __restrict__ dout,
-                                        const __nv_bfloat16* __restrict__ dout2,
                                         const int64_t* __restrict__ pos, int64_t N, int64_t vecs,
                                         int K, __nv_bfloat16* __restrict__ dx) {
   const int64_t D = vecs * kVec;
@@ -51,12 +48,6 @@ __global__ void permute_backward_kernel(const __nv_bfloat16* __restrict__ dout,
       const int64_t at = pos[n * K + j] * D + c * kVec;
       float v[kVec];
       load_n<__nv_bfloat16, kVec>(dout, at, v);
-      if (dout2 != nullptr) {
-        float w[kVec];
-        load_n<__nv_bfloat16, kVec>(dout2, at, w);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) v[e] = round_as<__nv_bfloat16>(__fadd_rn(v[e], w[e]));
-      }
 #pragma unroll
       for (int e = 0; e < kVec; ++e) acc[e] = __fadd_rn(acc[e], v[e]);
     }
@@ -155,16 +146,15 @@ cudaError_t moe_permute(const void* x, const int64_t* row_slot, int64_t rows, in
   return cudaGetLastError();
 }
 
-cudaError_t moe_permute_backward(const void* dout, const void* dout2, const int64_t* pos,
-                                 int64_t N, int64_t D, int K, void* dx, cudaStream_t stream) {
-  if (!rows_ok(dout, D) || !aligned16(dout2) || !aligned16(dx) || K < 1) {
+cudaError_t moe_permute_backward(const void* dout, const int64_t* pos, int64_t N, int64_t D,
+                                 int K, void* dx, cudaStream_t stream) {
+  if (!rows_ok(dout, D) || !aligned16(dx) || K < 1) {
     return cudaErrorInvalidValue;
   }
   if (N == 0) return cudaSuccess;
   const int64_t vecs = D / kVec;
   permute_backward_kernel<<<elementwise_blocks(N * vecs), kElemThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(dout), static_cast<const __nv_bfloat16*>(dout2), pos, N,
-      vecs, K, static_cast<__nv_bfloat16*>(dx));
+      static_cast<const __nv_bfloat16*>(dout), pos, N, vecs, K, static_cast<__nv_bfloat16*>(dx));
   return cudaGetLastError();
 }
 

@@ -16,11 +16,9 @@ namespace viaduct::cuda {
 cudaError_t moe_permute(const void* x, const int64_t* row_slot, int64_t rows, int64_t D, int K,
                         void* out, cudaStream_t stream);
 // dx [N, D]: dx[n] = sum over j < K, ascending, of dout[pos[n K + j]], in
-// fp32, rounded once (the gradient of moe_permute). With dout2 [rows, D]
-// (null: none), each row read is bf16(dout[r] + dout2[r]) instead: the
-// bits of adding the two gradients first.
-cudaError_t moe_permute_backward(const void* dout, const void* dout2, const int64_t* pos,
-                                 int64_t N, int64_t D, int K, void* dx, cudaStream_t stream);
+// fp32, rounded once (the gradient of moe_permute).
+cudaError_t moe_permute_backward(const void* dout, const int64_t* pos, int64_t N, int64_t D,
+                                 int K, void* dx, cudaStream_t stream);
 // out [N, D]: out[n] = sum over j ascending of bf16(ys[pos[n K + j]] * g[n K + j])
 // in fp32, rounded once. ys [rows, D], g [N K] bf16. With base [N, D]
 // (null: none): out[n] = bf16(bf16(that sum) + base[n]), the bits of the

@@ -3,7 +3,6 @@
 // (kernels/moe_permute.cu).
 #include "kernels/fused.h"
 
-#include <utility>
 
 #include "kernels/fn_common.h"
 #include "kernels/moe_permute.h"
@@ -27,12 +26,7 @@ void check_index(const at::Tensor& t, const at::Tensor& like, const char* what) 
 class PermuteFn : public torch::autograd::Function<PermuteFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& pos, const at::Tensor& row_slot, int64_t k,
-                            const at::Tensor* grad_slot) {
-    // The rows' gradient may come in two parts: autograd's, and one a
-    // consumer left in grad_slot (see moe_permute in kernels/fused.h).
-    ctx->set_materialize_grads(false);
-    if (grad_slot != nullptr) ctx->saved_data["grad_slot"] = *grad_slot;
+                            const at::Tensor& pos, const at::Tensor& row_slot, int64_t k) {
     auto xc = x.contiguous();
     const int64_t N = xc.size(0), D = xc.size(1), rows = row_slot.size(0);
     auto out = at::empty({rows, D}, xc.options());
@@ -47,25 +41,13 @@ class PermuteFn : public torch::autograd::Function<PermuteFn> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto pos = ctx->get_saved_variables()[0];
-    at::Tensor g = grads[0], second;  // autograd's part, the slot's part
-    if (auto it = ctx->saved_data.find("grad_slot"); it != ctx->saved_data.end()) {
-      second = take_slot(it->second.toTensor());
-    }
-    if (!g.defined()) std::swap(g, second);
-    if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    g = g.to(at::kBFloat16).contiguous();
-    if (second.defined()) second = second.to(at::kBFloat16).contiguous();
-    VIADUCT_CHECK(!second.defined() || second.sizes() == g.sizes(),
-                  "moe_permute backward: the slot's gradient ", second.sizes(),
-                  " does not match the rows' ", g.sizes());
+    const auto g = grads[0].to(at::kBFloat16).contiguous();
     const int64_t N = ctx->saved_data["n"].toInt(), k = ctx->saved_data["k"].toInt();
     auto dx = at::empty({N, g.size(1)}, g.options());
-    check_launch(cuda::moe_permute_backward(g.data_ptr(),
-                                            second.defined() ? second.data_ptr() : nullptr,
-                                            pos.data_ptr<int64_t>(), N, g.size(1),
+    check_launch(cuda::moe_permute_backward(g.data_ptr(), pos.data_ptr<int64_t>(), N, g.size(1),
                                             static_cast<int>(k), dx.data_ptr(), stream_of(g)),
                  "moe_permute_backward");
-    return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -121,7 +103,7 @@ bool moe_permute_usable(const at::Tensor& x) {
 }
 
 at::Tensor moe_permute(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& row_slot,
-                       int64_t k, const at::Tensor& grad_slot) {
+                       int64_t k) {
   RECORD_FUNCTION("viaduct::moe_permute", std::vector<c10::IValue>());  // named in profiles
   check_rows(x, "moe_permute");
   check_index(pos, x, "pos");
@@ -129,8 +111,7 @@ at::Tensor moe_permute(const at::Tensor& x, const at::Tensor& pos, const at::Ten
   VIADUCT_CHECK(k >= 1 && pos.size(0) == x.size(0) * k,
                 "fused moe_permute: pos must name a row for each of the ", x.size(0), " x ", k,
                 " slots; got ", pos.size(0));
-  return PermuteFn::apply(x, pos.contiguous(), row_slot.contiguous(), k,
-                          grad_slot.defined() ? &grad_slot : nullptr);
+  return PermuteFn::apply(x, pos.contiguous(), row_slot.contiguous(), k);
 }
 
 at::Tensor moe_combine(const at::Tensor& ys, const at::Tensor& gates, const at::Tensor& pos,

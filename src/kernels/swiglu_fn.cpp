@@ -31,20 +31,6 @@ std::pair<at::Tensor, at::Tensor> swiglu_grads(const at::Tensor& dy, const at::T
   return {da, db};
 }
 
-class SwiGLUFn : public torch::autograd::Function<SwiGLUFn> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
-    auto ac = a.contiguous(), bc = b.contiguous();
-    ctx->save_for_backward({ac, bc});
-    return swiglu_launch(ac, bc);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    auto [da, db] = swiglu_grads(grads[0], saved[0], saved[1]);
-    return {da, db};
-  }
-};
-
 // silu(ab[..., :F]) * ab[..., F:] for the [..., 2F] output of one w1/w3
 // GEMM (see Note [One w1/w3 projection]), and its gradient as one [..., 2F]
 // tensor: the halves read and written in place, no split copies.
@@ -72,6 +58,19 @@ at::Tensor swiglu_grads_packed(const at::Tensor& dy, const at::Tensor& ab) {
                "swiglu_backward");
   return dab;
 }
+
+// silu(ab[..., :F]) * ab[..., F:], its gradient one [..., 2F] tensor.
+class SwiGLUPackedFn : public torch::autograd::Function<SwiGLUPackedFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& ab) {
+    auto abc = ab.contiguous();
+    ctx->save_for_backward({abc});
+    return swiglu_launch_packed(abc);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {swiglu_grads_packed(grads[0], ctx->get_saved_variables()[0])};
+  }
+};
 
 // packed: a is the [..., 2F] output of one w1/w3 GEMM and b a 0-size
 // stand-in (custom functions take no undefined inputs on LibTorch 2.x).
@@ -120,11 +119,11 @@ class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
 
 }  // namespace
 
-at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b) {
+at::Tensor swiglu_packed(const at::Tensor& ab) {
   RECORD_FUNCTION("viaduct::swiglu", std::vector<c10::IValue>());  // named in profiles
-  VIADUCT_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
-                "fused swiglu: a and b differ in shape or dtype");
-  return SwiGLUFn::apply(a, b);
+  VIADUCT_CHECK(ab.dim() >= 1 && ab.size(-1) % 2 == 0,
+                "fused swiglu_packed: ab must be [..., 2F], got ", ab.sizes());
+  return SwiGLUPackedFn::apply(ab);
 }
 
 at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w,

@@ -9,10 +9,11 @@ namespace viaduct::kernels {
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
 // One copy: its parts (weakly: a freed weight drops its copy at the next
-// sweep), each part's first row in the copy and the version it was
-// written at (-1: never).
+// sweep), the dim they are concatenated along, each part's first index
+// there and the version it was written at (-1: never).
 struct WeightCache::Entry {
   std::vector<WeakImpl> parts;
+  int64_t dim = 0;
   std::vector<int64_t> row_begin;
   std::vector<int64_t> versions;
   at::Tensor copy;
@@ -30,8 +31,8 @@ int64_t index_of(const Entry& e, const c10::TensorImpl* p) {
   return -1;
 }
 
-bool matches(const Entry& e, at::TensorList parts, at::ScalarType dtype) {
-  if (e.parts.size() != parts.size() || e.copy.scalar_type() != dtype ||
+bool matches(const Entry& e, at::TensorList parts, at::ScalarType dtype, int64_t dim) {
+  if (e.parts.size() != parts.size() || e.dim != dim || e.copy.scalar_type() != dtype ||
       e.copy.device() != parts[0].device()) {
     return false;
   }
@@ -43,7 +44,7 @@ bool matches(const Entry& e, at::TensorList parts, at::ScalarType dtype) {
 
 at::Tensor rows_of(const Entry& e, size_t i) {
   const auto p = e.parts[i].lock();
-  return e.copy.narrow(0, e.row_begin[i], p->size(0));
+  return e.copy.narrow(e.dim, e.row_begin[i], p->size(e.dim));
 }
 
 // Drops the entries of freed weights (their copies with them).
@@ -55,22 +56,31 @@ void sweep(std::unordered_map<const c10::TensorImpl*, std::shared_ptr<Entry>>& b
   }
 }
 
-void check_parts(at::TensorList parts, at::ScalarType dtype) {
+// p's sizes but along `dim`.
+std::vector<int64_t> sizes_but(const at::Tensor& p, int64_t dim) {
+  auto s = p.sizes().vec();
+  s.erase(s.begin() + dim);
+  return s;
+}
+
+void check_parts(at::TensorList parts, at::ScalarType dtype, int64_t dim) {
   VIADUCT_CHECK(!parts.empty(), "weight cache: no weights");
-  const auto inner = parts[0].sizes().slice(std::min<size_t>(1, parts[0].dim()));
+  VIADUCT_CHECK(dim >= 0 && dim < parts[0].dim(), "weight cache: dim ", dim, " of a ",
+                parts[0].dim(), "-dim weight");
+  const auto others = sizes_but(parts[0], dim);
   for (const auto& p : parts) {
-    VIADUCT_CHECK(p.dim() >= 1 && p.dim() == parts[0].dim() && p.sizes().slice(1) == inner &&
+    VIADUCT_CHECK(p.dim() == parts[0].dim() && sizes_but(p, dim) == others &&
                       p.device() == parts[0].device() &&
                       p.scalar_type() == parts[0].scalar_type() && p.scalar_type() != dtype,
                   "weight cache: the parts must be weights (or biases) of one number of dims, "
-                  "equal past the first, of one device and dtype, other than ", dtype);
+                  "equal but along dim ", dim, ", of one device and dtype, other than ", dtype);
   }
 }
 
 // A fresh cast of the parts' concatenation, not kept.
-at::Tensor cast_afresh(at::TensorList parts, at::ScalarType dtype) {
+at::Tensor cast_afresh(at::TensorList parts, at::ScalarType dtype, int64_t dim) {
   at::NoGradGuard no_grad;
-  return parts.size() == 1 ? parts[0].to(dtype) : at::cat(parts).to(dtype);
+  return parts.size() == 1 ? parts[0].to(dtype) : at::cat(parts, dim).to(dtype);
 }
 
 }  // namespace
@@ -78,8 +88,8 @@ at::Tensor cast_afresh(at::TensorList parts, at::ScalarType dtype) {
 WeightCache::WeightCache() = default;
 WeightCache::~WeightCache() = default;
 
-at::Tensor WeightCache::get(at::TensorList parts, at::ScalarType dtype) {
-  check_parts(parts, dtype);
+at::Tensor WeightCache::get(at::TensorList parts, at::ScalarType dtype, int64_t dim) {
+  check_parts(parts, dtype, dim);
   at::NoGradGuard no_grad;
   // Only leaves are cached: a view of a weight (an expert's slice of the
   // MoE's stacked weights) is a new tensor on every forward, so a copy keyed
@@ -89,25 +99,26 @@ at::Tensor WeightCache::get(at::TensorList parts, at::ScalarType dtype) {
   if (!leaves) {
     std::lock_guard<std::mutex> lock(mu_);
     ++casts_;
-    return cast_afresh(parts, dtype);
+    return cast_afresh(parts, dtype, dim);
   }
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Entry> e;
   if (auto it = by_part_.find(parts[0].unsafeGetTensorImpl());
-      it != by_part_.end() && matches(*it->second, parts, dtype)) {
+      it != by_part_.end() && matches(*it->second, parts, dtype, dim)) {
     e = it->second;
   } else {
     sweep(by_part_);
     e = std::make_shared<Entry>();
+    e->dim = dim;
     int64_t rows = 0;
     for (const auto& p : parts) {
       e->parts.emplace_back(p.getIntrusivePtr());
       e->row_begin.push_back(rows);
       e->versions.push_back(-1);
-      rows += p.size(0);
+      rows += p.size(dim);
     }
     auto sizes = parts[0].sizes().vec();
-    sizes[0] = rows;
+    sizes[dim] = rows;
     e->copy = at::empty(sizes, parts[0].options().dtype(dtype));
     // A weight belongs to one copy: a new grouping replaces every copy that
     // held one of its parts, for all of that copy's parts.
@@ -192,10 +203,11 @@ int64_t WeightCache::casts() {
   return casts_;
 }
 
-at::Tensor cast_weights(WeightCache* cache, at::TensorList parts, at::ScalarType dtype) {
-  if (cache != nullptr) return cache->get(parts, dtype);
-  check_parts(parts, dtype);
-  return cast_afresh(parts, dtype);
+at::Tensor cast_weights(WeightCache* cache, at::TensorList parts, at::ScalarType dtype,
+                        int64_t dim) {
+  if (cache != nullptr) return cache->get(parts, dtype, dim);
+  check_parts(parts, dtype, dim);
+  return cast_afresh(parts, dtype, dim);
 }
 
 at::Tensor ones_row(WeightCache* cache, int64_t n, at::ScalarType dtype, const at::Device& device) {

@@ -5,9 +5,11 @@
 // pipeline, and the cast weight is kept for the backward anyway. The cache
 // keeps that cast copy between forwards instead:
 //
-//  - get(parts, dtype) returns the parts (fp32 [out_i, in] weights, or
+//  - get(parts, dtype, dim) returns the parts (fp32 [out_i, in] weights, or
 //    [out_i] biases) cast to `dtype` and concatenated along dim 0 (one part:
-//    the weight itself; q, k, v: the one-GEMM projection's weight). The copy is reused
+//    the weight itself; q, k, v: the one-GEMM projection's weight), or along
+//    another dim (the MoE's stacked [E, H, D] w1 and w3 side by side as
+//    [E, 2H, D]: one grouped GEMM's weight). The copy is reused
 //    while every part's version counter still reads what it read when the
 //    copy was made; a part that moved is re-cast into its rows. Any ATen
 //    in-place write of a weight (the optimizer's loop, a checkpoint load,
@@ -52,16 +54,18 @@ class WeightCache {
   WeightCache(const WeightCache&) = delete;
   WeightCache& operator=(const WeightCache&) = delete;
 
-  // `parts` cast to `dtype` and concatenated along dim 0 (see above). The
+  // `parts` cast to `dtype` and concatenated along `dim` (see above). The
   // parts of one number of dims (biases 1, weights 2, the MoE's stacked
-  // expert weights 3) with the same sizes past the first, on one device. The result must
-  // not be written. Parts that are not leaves (views, results of ops) are
-  // cast every time and not kept.
-  at::Tensor get(at::TensorList parts, at::ScalarType dtype);
+  // expert weights 3) with the same sizes but along `dim`, on one device. The
+  // result must not be written. Parts that are not leaves (views, results of
+  // ops) are cast every time and not kept. A weight's copy is that of the
+  // last grouping asked for.
+  at::Tensor get(at::TensorList parts, at::ScalarType dtype, int64_t dim = 0);
 
-  // For the optimizer: the rows of `p`'s copy as a contiguous tensor of
-  // p.numel() elements (in the copy's dtype), or an undefined tensor when p
-  // has no current-layout copy.
+  // For the optimizer: `p`'s part of its copy, a view of p's sizes (in the
+  // copy's dtype) -- contiguous where the copy concatenates along dim 0,
+  // else each index along the dims before the concatenation's holds a
+  // contiguous block -- or an undefined tensor when p has no copy.
   at::Tensor slot_for(const at::Tensor& p);
 
   // After the optimizer wrote p and slot_for(p) from the same new values:
@@ -95,7 +99,8 @@ class WeightCache {
 
 // `parts` cast as WeightCache::get casts them: through `cache` where the
 // caller has one, else a fresh cast on every call (the same bits).
-at::Tensor cast_weights(WeightCache* cache, at::TensorList parts, at::ScalarType dtype);
+at::Tensor cast_weights(WeightCache* cache, at::TensorList parts, at::ScalarType dtype,
+                        int64_t dim = 0);
 
 // WeightCache::ones_row through `cache` where the caller has one, else a
 // fresh row of ones.

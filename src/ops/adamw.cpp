@@ -22,12 +22,26 @@ void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& 
     // same pass (see Note [Low-precision weight cache]).
     const auto low = cache != nullptr ? cache->slot_for(pr) : at::Tensor();
     const double wd = ap.weight_decay;
-    kernels::AdamWTensors t{data, pr.grad(), m, v, low, wd};
-    if (kernels::adamw_many_takes(t)) {
-      many.push_back(std::move(t));
+    // A copy that holds the weight beside another along a later dim (the
+    // experts' w1 and w3 as one [E, 2H, D] copy) is written by the leading
+    // index: each index's part of it is contiguous. The update is
+    // elementwise, so the pieces give the bits of one call.
+    std::vector<kernels::AdamWTensors> pieces;
+    if (low.defined() && !low.is_contiguous()) {
+      const auto g = pr.grad();
+      for (int64_t i = 0; i < data.size(0); ++i) {
+        pieces.push_back({data[i], g[i], m[i], v[i], low[i], wd});
+      }
     } else {
-      kernels::adamw_(data, pr.grad(), m, v, s.lr, s.beta1, s.beta2, s.eps, wd, s.bias_corr1,
-                      s.bias_corr2, low, s.grad_scale, s.scale_dev);
+      pieces.push_back({data, pr.grad(), m, v, low, wd});
+    }
+    for (auto& t : pieces) {
+      if (kernels::adamw_many_takes(t)) {
+        many.push_back(std::move(t));
+      } else {
+        kernels::adamw_(t.p, t.g, t.m, t.v, s.lr, s.beta1, s.beta2, s.eps, wd, s.bias_corr1,
+                        s.bias_corr2, t.low, s.grad_scale, s.scale_dev);
+      }
     }
     // Raw writes move no version counter: say that the weight changed.
     if (low.defined()) {

@@ -16,14 +16,10 @@ namespace {
 // options' weight cache (see Note [Low-precision weight cache],
 // kernels/weight_cache.h). The weight gradient dw_e = dy_g^T x_g comes out
 // of one grouped GEMM, in fp32 where the build writes it (ops::Capabilities).
-// With dx_slot, x's gradient goes into that slot instead of back through
-// autograd (see Note [Expert rows' gradient in two parts]).
 class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& w, const at::Tensor& offs, const KernelOptions* k,
-                            const at::Tensor* dx_slot) {
-    if (dx_slot != nullptr) ctx->saved_data["dx_slot"] = *dx_slot;
+                            const at::Tensor& w, const at::Tensor& offs, const KernelOptions* k) {
     auto wc = kernels::cast_weights(k->weight_cache.get(), {w}, x.scalar_type());
     ctx->save_for_backward({x, wc, offs});
     ctx->saved_data["fp32_out"] = k->capabilities.grouped_fp32_out_gemm;
@@ -40,12 +36,52 @@ class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
     if (ctx->needs_input_grad(1)) {
       dw = compat::grouped_mm_fp32(dy.t(), x, offs, ctx->saved_data["fp32_out"].toBool());
     }
-    if (auto it = ctx->saved_data.find("dx_slot"); dx.defined() && it != ctx->saved_data.end()) {
-      at::Tensor slot = it->second.toTensor();  // the same TensorImpl the permutation holds
-      slot.set_(dx);  // this backward's part, replacing a rerun's
-      dx = at::Tensor();
+    return {dx, dw, at::Tensor(), at::Tensor()};
+  }
+};
+
+// Note [One gate-up GEMM for the experts]
+// The experts' w1 and w3 ([E, H, D] each) both project the same rows, so
+// they run as one grouped GEMM over the two side by side: the weight
+// cache's copy of the pair concatenated along dim 1 ([E, 2H, D], one
+// [2H, D] matrix an expert), giving [rows, 2H] whose halves the SwiGLU
+// kernel reads in place. Timed alone at the K3 cell's shapes (bench/kernels/
+// grouped_gemm_shapes.py) the one GEMM of N = 2H takes ~0.8x the two of
+// N = H, with the same bits. Backward: the rows' gradient is one GEMM over
+// K = 2H (one fp32 sum where the two GEMMs rounded two parts to bf16 and
+// added them), and each weight's gradient its own grouped GEMM on its half
+// of the [rows, 2H] gradient (a strided operand), so that each comes out
+// contiguous as the optimizer keeps it (one GEMM's [E, 2H, D] would need a
+// copy to split). The optimizer writes each weight's rows of the copy
+// expert by expert (ops/adamw.cpp).
+class GroupedGateUpFn : public torch::autograd::Function<GroupedGateUpFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& offs,
+                            const KernelOptions* k) {
+    auto wc = kernels::cast_weights(k->weight_cache.get(), {w1, w3}, x.scalar_type(), 1);
+    ctx->save_for_backward({x, wc, offs});
+    ctx->saved_data["fp32_out"] = k->capabilities.grouped_fp32_out_gemm;
+    ctx->saved_data["hidden"] = w1.size(1);
+    // See Note [Per-op activation checkpointing]: a replay skips the GEMM.
+    return run_saved_op([&] { return compat::grouped_mm(x, wc.transpose(1, 2), offs); });
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &wc = saved[1], &offs = saved[2];
+    const int64_t H = ctx->saved_data["hidden"].toInt();
+    const bool fp32_out = ctx->saved_data["fp32_out"].toBool();
+    auto dy = grads[0].to(x.scalar_type()).contiguous();  // [rows, 2H]
+    at::Tensor dx, dw1, dw3;
+    if (ctx->needs_input_grad(0)) dx = compat::grouped_mm(dy, wc, offs);
+    if (ctx->needs_input_grad(1)) {
+      dw1 = compat::grouped_mm_fp32(dy.narrow(1, 0, H).t(), x, offs, fp32_out);
     }
-    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
+    if (ctx->needs_input_grad(2)) {
+      dw3 = compat::grouped_mm_fp32(dy.narrow(1, H, H).t(), x, offs, fp32_out);
+    }
+    return {dx, dw1, dw3, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -161,25 +197,12 @@ at::Tensor top_experts(const at::Tensor& scores, const at::Tensor& bias, int64_t
       .contiguous();
 }
 
-// Note [Expert rows' gradient in two parts]
-// The experts' rows xs feed two GEMMs, w1's and w3's, so autograd summed
-// their two input gradients in a standalone add over the whole [rows, D]
-// buffer (three passes over it) before the permutation's backward read it
-// back. Where xs comes from kernels::moe_permute with a gradient slot,
-// w1's GEMM leaves its gradient in that slot instead, and the permutation's
-// backward adds the two parts row by row as it reads them: one more read
-// in a pass it makes anyway, the bits of autograd's add (a bf16 add of two
-// terms is the same either way round). w1's and w3's backwards both run
-// before the permutation's (xs is their input), and a rerun of the
-// backward finds the slot emptied by the permutation's take.
 at::Tensor grouped_swiglu_experts(const at::Tensor& xs, const at::Tensor& offs,
-                                  const ExpertWeights& w, const KernelOptions& k,
-                                  const at::Tensor& xs_grad_slot) {
+                                  const ExpertWeights& w, const KernelOptions& k) {
   RECORD_FUNCTION("viaduct::grouped_experts", std::vector<c10::IValue>());  // named in profiles
-  auto h1 = GroupedLinearFn::apply(xs, w.w1, offs, &k,
-                                   xs_grad_slot.defined() ? &xs_grad_slot : nullptr);
-  auto h3 = GroupedLinearFn::apply(xs, w.w3, offs, &k, nullptr);
-  return GroupedLinearFn::apply(kernels::swiglu(h1, h3), w.w2, offs, &k, nullptr);
+  // See Note [One gate-up GEMM for the experts].
+  auto h13 = GroupedGateUpFn::apply(xs, w.w1, w.w3, offs, &k);
+  return GroupedLinearFn::apply(kernels::swiglu_packed(h13), w.w2, offs, &k);
 }
 
 ExpertOrder expert_order(const at::Tensor& flat, const at::Tensor& keep, int64_t n_experts) {
@@ -240,10 +263,8 @@ MoeExperts moe_experts(const at::Tensor& x, const at::Tensor& idx, const at::Ten
       row_slot = at::full({d.rows}, -1, d.pos.options())
                      .index_copy_(0, d.pos, at::arange(N * K, d.pos.options()));
     }
-    // See Note [Expert rows' gradient in two parts].
-    const auto xs_grad_slot = at::empty({0}, x.options());
-    auto xs = kernels::moe_permute(x, d.pos, row_slot, K, xs_grad_slot);
-    auto ys = grouped_swiglu_experts(xs, d.offs, w, k, xs_grad_slot);
+    auto xs = kernels::moe_permute(x, d.pos, row_slot, K);
+    auto ys = grouped_swiglu_experts(xs, d.offs, w, k);
     auto g = keep.defined() ? gates * keep.view({N, K}).to(gates.scalar_type()) : gates;
     const auto a = add ? add() : at::Tensor();
     const bool add_in = a.defined() && a.scalar_type() == ys.scalar_type();

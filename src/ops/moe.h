@@ -142,12 +142,10 @@ at::Tensor gather_chosen(const at::Tensor& scores, const at::Tensor& idx);
 
 // SwiGLU experts w2(silu(w1 x) * w3 x) over a buffer xs [rows, D] (bf16)
 // whose groups `offs` end; w1, w3: [E, H, D], w2: [E, D, H] fp32 masters,
-// cast through the weight cache; their gradients come back in fp32.
-// xs_grad_slot (undefined: none): the slot of the kernels::moe_permute that
-// made xs, where w1's part of xs's gradient goes (see Note [Expert rows'
-// gradient in two parts], ops/moe.cpp).
+// cast through the weight cache (w1 and w3 as one copy, see Note [One
+// gate-up GEMM for the experts], ops/moe.cpp); their gradients come back in
+// fp32.
 at::Tensor grouped_swiglu_experts(const at::Tensor& xs, const at::Tensor& offs,
-                                  const ExpertWeights& w, const KernelOptions& k,
-                                  const at::Tensor& xs_grad_slot = {});
+                                  const ExpertWeights& w, const KernelOptions& k);
 
 }  // namespace viaduct::ops

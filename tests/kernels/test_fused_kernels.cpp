@@ -1719,6 +1719,51 @@ TEST(FusedKernels, AdamWWritesTheWeightCache) {
   }
 }
 
+// The experts' w1 and w3 as one [E, 2H, D] copy (see Note [One gate-up
+// GEMM for the experts]): the fused AdamW writes each weight's rows of it
+// expert by expert, so after a step the copy is current and holds a fresh
+// cast's bits, and the weights and moments are the bits of the same
+// update without the copy.
+TEST(FusedKernels, AdamWWritesTheExpertsSideBySideCopy) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  const auto cuda = at::TensorOptions(at::kCUDA);
+  auto make = [&](bool cached) {
+    torch::manual_seed(static_cast<uint64_t>(seed));
+    std::vector<NamedParam> ps;
+    ps.push_back({"w1", (at::randn({4, 24, 32}, cuda) * 0.1).requires_grad_(true), true});
+    ps.push_back({"w3", (at::randn({4, 24, 32}, cuda) * 0.1).requires_grad_(true), true});
+    ops::KernelOptions k;
+    if (cached) k.weight_cache = std::make_shared<kernels::WeightCache>();
+    return std::make_pair(ps, k);
+  };
+  auto [ps, k] = make(true);
+  auto [ref, kr] = make(false);
+  AdamW opt(ps, 0.9, 0.95, 1e-8, 0.1), opt_ref(ref, 0.9, 0.95, 1e-8, 0.1);
+  opt.set_own_kernel_options(k);
+  opt_ref.set_own_kernel_options(kr);
+  for (int step = 0; step < 3; ++step) {
+    auto copy = k.weight_cache->get({ps[0].param, ps[1].param}, at::kBFloat16, 1);
+    const auto g = at::randn({2, 4, 24, 32}, cuda);  // the same gradients on both sides
+    for (int i = 0; i < 2; ++i) {
+      ps[i].param.mutable_grad() = g[i].clone();
+      ref[i].param.mutable_grad() = g[i].clone();
+    }
+    const auto casts = k.weight_cache->casts();
+    opt.step(1e-2);
+    opt_ref.step(1e-2);
+    auto after = k.weight_cache->get({ps[0].param, ps[1].param}, at::kBFloat16, 1);
+    EXPECT_EQ(after.data_ptr(), copy.data_ptr());
+    EXPECT_EQ(k.weight_cache->casts(), casts) << "step " << step << " seed " << seed;
+    auto fresh = at::cat({ps[0].param, ps[1].param}, 1).detach().to(at::kBFloat16);
+    EXPECT_TRUE(at::equal(after.view(at::kShort), fresh.view(at::kShort)))
+        << "step " << step << " seed " << seed;
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_TRUE(at::equal(ps[i].param, ref[i].param)) << "step " << step << " seed " << seed;
+    }
+  }
+}
+
 TEST(FusedKernels, WeightCacheChangesNoBit) {
   REQUIRE_GPU();
   // Three bf16 AdamW steps of a small llama with a cache kept across steps

@@ -160,7 +160,7 @@ TEST_P(MoeGrouped, MatchesThePerExpertLoop) {
 // The one-pass moves of the grouped path (see Note [MoE rows moved in one
 // pass]) against their ATen forms on the same device: the permuted rows and
 // the combined sum bit for bit (copies; rounded products added in ascending
-// j), dx (with and without a second part in the gradient slot) and dys bit
+// j), dx and dys bit
 // for bit, each gate's gradient (a fixed-order sum over D
 // where ATen reduces in its own order) against fp64 sums of the same bf16
 // products; and two runs give the same bits.
@@ -188,24 +188,6 @@ TEST(MoeRouting, PermuteAndCombineKernelsMatchTheirAtenForms) {
     xs_ref.backward(dxs);
     EXPECT_TRUE(K > 2 || at::equal(x.grad(), xr.grad()));  // K > 2: ATen's order of K terms
     EXPECT_LT(rel_err(x.grad(), xr.grad()), 1e-2);
-    // With a gradient slot (see Note [Expert rows' gradient in two parts]):
-    // a part a consumer left there is added row by row, the bits of
-    // permuting autograd's sum of the two; the slot is emptied. A slot left
-    // empty changes nothing.
-    for (bool filled : {true, false}) {
-      auto slot = at::empty({0}, bf);
-      auto x4 = x.detach().clone().requires_grad_(true);
-      auto xs4 = kernels::moe_permute(x4, d.pos, row_slot, K, slot);
-      EXPECT_TRUE(at::equal(xs4, xs_ref));
-      auto part = at::randn({d.rows, D}, bf);
-      if (filled) slot.set_(part.clone());
-      xs4.backward(dxs);
-      auto x5 = x.detach().clone().requires_grad_(true);
-      kernels::moe_permute(x5, d.pos, row_slot, K).backward(filled ? dxs + part : dxs);
-      EXPECT_TRUE(at::equal(x4.grad(), x5.grad())) << (filled ? "filled" : "empty") << " slot";
-      EXPECT_EQ(slot.numel(), 0);
-    }
-
     auto ys = at::randn({d.rows, D}, bf).requires_grad_(true);
     auto ysr = ys.detach().clone().requires_grad_(true);
     auto gates = at::rand({N, K}, at::TensorOptions(at::kCUDA)).requires_grad_(true);

@@ -129,6 +129,56 @@ TEST_F(WeightCache, OptimizerSlotProtocol) {
   EXPECT_THROW(cache_.mark_written(at::randn({2, 4})), std::exception);
 }
 
+// The experts' w1 and w3 ([E, H, D] each) as one [E, 2H, D] copy (see Note
+// [One gate-up GEMM for the experts]): the copy is the concatenation along
+// dim 1; a weight's slot is a view of its sizes whose experts' blocks are
+// each contiguous, at their places in the copy; a moved weight is re-cast
+// alone; the slot protocol holds; a grouping along another dim replaces the
+// copy, and parts that differ but along dim 1 are refused.
+TEST_F(WeightCache, ExpertWeightsSideBySideAlongDimOne) {
+  auto w1 = at::randn({3, 4, 5}).requires_grad_(true), w3 = at::randn({3, 2, 5}).requires_grad_(true);
+  auto copy = cache_.get({w1, w3}, at::kBFloat16, 1);
+  EXPECT_EQ(copy.sizes(), (std::vector<int64_t>{3, 6, 5}));
+  EXPECT_TRUE(bitwise_equal(copy, at::cat({w1, w3}, 1).detach().to(at::kBFloat16)));
+  EXPECT_TRUE(bitwise_equal(kernels::cast_weights(nullptr, {w1, w3}, at::kBFloat16, 1), copy));
+  auto slot = cache_.slot_for(w3);
+  ASSERT_TRUE(slot.defined());
+  EXPECT_EQ(slot.sizes(), w3.sizes());
+  EXPECT_FALSE(slot.is_contiguous());
+  for (int64_t e = 0; e < 3; ++e) {
+    EXPECT_TRUE(slot[e].is_contiguous());
+    EXPECT_EQ(static_cast<char*>(slot[e].data_ptr()),
+              static_cast<char*>(copy.data_ptr()) + (e * 6 + 4) * 5 * 2);  // after w1's rows
+  }
+  const auto w3_part = copy.narrow(1, 4, 2).clone();
+  const auto casts0 = cache_.casts();
+  {
+    at::NoGradGuard g;
+    w1.mul_(-2.0);
+  }
+  auto again = cache_.get({w1, w3}, at::kBFloat16, 1);
+  EXPECT_EQ(again.data_ptr(), copy.data_ptr());
+  EXPECT_EQ(cache_.casts(), casts0 + 1);
+  EXPECT_TRUE(bitwise_equal(again, at::cat({w1, w3}, 1).detach().to(at::kBFloat16)));
+  EXPECT_TRUE(bitwise_equal(again.narrow(1, 4, 2), w3_part));
+  // The optimizer's protocol, expert by expert as ops/adamw.cpp writes it.
+  const auto fresh = at::randn({3, 2, 5});
+  std::memcpy(w3.data_ptr(), fresh.data_ptr(), fresh.nbytes());  // raw: no version bump
+  for (int64_t e = 0; e < 3; ++e) slot[e].copy_(fresh[e].to(at::kBFloat16));
+  cache_.mark_written(w3);
+  auto after = cache_.get({w1, w3}, at::kBFloat16, 1);
+  EXPECT_EQ(cache_.casts(), casts0 + 1);
+  EXPECT_TRUE(bitwise_equal(after, at::cat({w1, w3}, 1).detach().to(at::kBFloat16)));
+  // The same weights along dim 0: another copy, w1's slot now contiguous.
+  auto stacked = cache_.get({w1, w1.detach().clone().requires_grad_(true)}, at::kBFloat16);
+  EXPECT_EQ(stacked.size(0), 6);
+  EXPECT_TRUE(cache_.slot_for(w1).is_contiguous());
+  EXPECT_FALSE(cache_.slot_for(w3).defined());  // its copy went with the old group
+  EXPECT_THROW(cache_.get({w1, at::randn({2, 2, 5})}, at::kBFloat16, 1), std::exception);
+  EXPECT_THROW(cache_.get({w1, at::randn({3, 2, 4})}, at::kBFloat16, 1), std::exception);
+  EXPECT_THROW(cache_.get({w1}, at::kBFloat16, 3), std::exception);
+}
+
 TEST_F(WeightCache, ViewsAreCastButNotKept) {
   // An expert's slice of stacked MoE weights is a new view every forward.
   auto stacked = at::randn({3, 4, 5}).requires_grad_(true);
