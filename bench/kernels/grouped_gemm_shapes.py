@@ -14,10 +14,15 @@ the rounds' medians, with the SM clock and power read by nvidia-smi after
 each round. Needs torch >= 2.8 on a CUDA GPU (the GPU machine's Python).
 """
 import argparse
+import pathlib
 import statistics
 import subprocess
+import sys
 
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "lib"))
+from cuda_timing import timed  # noqa: E402
 
 
 def gpu_state():
@@ -29,21 +34,6 @@ def gpu_state():
         return f"{sm} MHz, {pw} W"
     except Exception:  # no nvidia-smi: figures without clocks
         return "clock unknown"
-
-
-def time_ms(fn, iters):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main():
@@ -116,7 +106,7 @@ def main():
     clocks = []
     for r in range(args.rounds):
         for k, fn in cases.items():
-            results[k].append(time_ms(fn, args.iters))
+            results[k].append(timed(fn, args.iters))
         clocks.append(gpu_state())
     print(f"\ngroups {sizes.tolist()} (rows {M}), D {D}, H {H}, {E} experts; "
           f"{args.rounds} rounds of {args.iters}; clocks after each round: {'; '.join(clocks)}\n")

@@ -37,26 +37,14 @@ keep the first v-head-dim channels of out and dv.
 """
 
 import argparse
-import statistics
+import pathlib
 import sys
 
 import torch
 import torch.nn.functional as F
 
-
-def timed(fn, reps):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "lib"))
+from cuda_timing import timed  # noqa: E402
 
 
 def main():

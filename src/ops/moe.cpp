@@ -45,9 +45,9 @@ class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
 // they run as one grouped GEMM over the two side by side: the weight
 // cache's copy of the pair concatenated along dim 1 ([E, 2H, D], one
 // [2H, D] matrix an expert), giving [rows, 2H] whose halves the SwiGLU
-// kernel reads in place. Timed alone at the K3 cell's shapes (bench/kernels/
-// grouped_gemm_shapes.py) the one GEMM of N = 2H takes ~0.8x the two of
-// N = H, with the same bits. Backward: the rows' gradient is one GEMM over
+// kernel reads in place: one GEMM twice as wide fills the GPU better than
+// two narrow ones (bench/kernels/grouped_gemm_shapes.py times the two
+// forms), with the same bits. Backward: the rows' gradient is one GEMM over
 // K = 2H (one fp32 sum where the two GEMMs rounded two parts to bf16 and
 // added them), and each weight's gradient its own grouped GEMM on its half
 // of the [rows, 2H] gradient (a strided operand), so that each comes out
