@@ -82,26 +82,13 @@ int eval_captions_main(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       return 0;
     }
-    std::string name = arg, value;
-    bool has_value = false;
-    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
-      name = arg.substr(0, eq);
-      value = arg.substr(eq + 1);
-      has_value = true;
-    }
     static const std::vector<std::string> kValued{"--checkpoint", "--data",  "--labels",
                                                   "--caption",    "--tokenizer", "--limit",
                                                   "--batch",      "--threads", "--output",
                                                   "--device"};
-    if (std::find(kValued.begin(), kValued.end(), name) == kValued.end()) {
-      std::fprintf(stderr, "viaduct eval-captions: unknown argument '%s'\n\n%s", arg.c_str(),
-                   kUsage);
-      return 2;
-    }
-    if (!has_value) {
-      VIADUCT_CHECK_T(ConfigError, i + 1 < argc, name, " needs a value");
-      value = argv[++i];
-    }
+    const auto opt = valued_option(argc, argv, i, kValued, "eval-captions", kUsage);
+    if (!opt) return 2;
+    const std::string &name = opt->name, &value = opt->value;
     if (name == "--checkpoint") checkpoint_dir = value;
     else if (name == "--data") data_path = value;
     else if (name == "--labels") labels = value;

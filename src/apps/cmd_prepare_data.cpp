@@ -72,26 +72,12 @@ int prepare_data_main(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       return 0;
     }
-    std::string name = arg;
-    std::string value;
-    bool has_value = false;
-    if (auto eq = arg.find('=');
-        arg.rfind("--", 0) == 0 && eq != std::string::npos) {
-      name = arg.substr(0, eq);
-      value = arg.substr(eq + 1);
-      has_value = true;
-    }
-    if (name != "--input" && name != "--output" && name != "--val-fraction" &&
-        name != "--split" && name != "--tokenizer" && name != "--jsonl-field" &&
-        name != "--threads") {
-      std::fprintf(stderr, "viaduct prepare-data: unknown argument '%s'\n\n%s",
-                   arg.c_str(), kUsage);
-      return 2;
-    }
-    if (!has_value) {
-      VIADUCT_CHECK_T(ConfigError, i + 1 < argc, name, " needs a value");
-      value = argv[++i];
-    }
+    static const std::vector<std::string> kValued{"--input",     "--output",      "--val-fraction",
+                                                  "--split",     "--tokenizer",   "--jsonl-field",
+                                                  "--threads"};
+    const auto opt = valued_option(argc, argv, i, kValued, "prepare-data", kUsage);
+    if (!opt) return 2;
+    const std::string &name = opt->name, &value = opt->value;
     if (name == "--input") {
       inputs.push_back(value);
     } else if (name == "--output") {

@@ -76,22 +76,9 @@ int prepare_images_main(int argc, char** argv) {
       options.strict = true;
       continue;
     }
-    std::string name = arg, value;
-    bool has_value = false;
-    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
-      name = arg.substr(0, eq);
-      value = arg.substr(eq + 1);
-      has_value = true;
-    }
-    if (std::find(kValued.begin(), kValued.end(), name) == kValued.end()) {
-      std::fprintf(stderr, "viaduct prepare-images: unknown argument '%s'\n\n%s", arg.c_str(),
-                   kUsage);
-      return 2;
-    }
-    if (!has_value) {
-      VIADUCT_CHECK_T(ConfigError, i + 1 < argc, name, " needs a value");
-      value = argv[++i];
-    }
+    const auto opt = valued_option(argc, argv, i, kValued, "prepare-images", kUsage);
+    if (!opt) return 2;
+    const std::string &name = opt->name, &value = opt->value;
     if (name == "--input") {
       data::ImageInput in;
       in.path = value;

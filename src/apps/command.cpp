@@ -1,4 +1,6 @@
-// The shared front end of the config-taking commands (command.h).
+// The shared front ends of the commands (command.h): the config-taking
+// commands' and the standalone commands' options of one value.
+#include <algorithm>
 #include <cstdio>
 
 #include "apps/command.h"
@@ -51,6 +53,29 @@ pipeline::PipelinePlan plan_for(const JobConfig& job) {
   auto spec = plan_spec_from_config(job.parallelism, model_module_fqns(job));
   spec.module_flops = describe_model(job).module_flops;
   return pipeline::make_pipeline_plan(spec);
+}
+
+std::optional<ValuedOption> valued_option(int argc, char** argv, int& i,
+                                          const std::vector<std::string>& valued,
+                                          const std::string& command, const char* usage) {
+  const std::string arg = argv[i];
+  ValuedOption o{arg, ""};
+  bool has_value = false;
+  if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+    o.name = arg.substr(0, eq);
+    o.value = arg.substr(eq + 1);
+    has_value = true;
+  }
+  if (std::find(valued.begin(), valued.end(), o.name) == valued.end()) {
+    std::fprintf(stderr, "viaduct %s: unknown argument '%s'\n\n%s", command.c_str(), arg.c_str(),
+                 usage);
+    return std::nullopt;
+  }
+  if (!has_value) {
+    VIADUCT_CHECK_T(ConfigError, i + 1 < argc, o.name, " needs a value");
+    o.value = argv[++i];
+  }
+  return o;
 }
 
 }  // namespace viaduct::apps

@@ -34,6 +34,18 @@ std::optional<ConfigCommand> parse_config_command(
     const std::vector<std::string>& allowed_flags,
     const std::vector<std::string>& valued_options = {});
 
+// A standalone command's option of one value at argv[i]: `--name=value`, or
+// `--name value` (i then moves past the value). nullopt where the name is
+// not among `valued`, after "viaduct <command>: unknown argument 'ARG'" and
+// `usage` went to stderr (the caller exits 2); a ConfigError naming the
+// option where its value is missing.
+struct ValuedOption {
+  std::string name, value;
+};
+std::optional<ValuedOption> valued_option(int argc, char** argv, int& i,
+                                          const std::vector<std::string>& valued,
+                                          const std::string& command, const char* usage);
+
 // The job's pipeline plan as the trainer makes it, with the model's module
 // FLOPs (see Note [Bubble weighted by FLOPs]).
 pipeline::PipelinePlan plan_for(const JobConfig& job);

@@ -343,6 +343,23 @@ TEST_F(BadInput, CommandLineMistakesAreNamed) {
   r = shell(kBin + " launch --nproc-per-node 0 -- true");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   expect_has(r.output, "--nproc-per-node must be in [1, 4096], got 0");
+  // The standalone commands' options of one value: an unknown one named
+  // with the usage, exit 2; a missing value named, exit 2; both spellings
+  // of a value read alike (the next check fails past the parsing).
+  for (const std::string& command : {"prepare-data", "prepare-images", "eval-captions"}) {
+    r = shell(kBin + " " + command + " --frobnicate=1");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    expect_has(r.output, "viaduct " + command + ": unknown argument '--frobnicate=1'");
+    expect_has(r.output, "usage:");
+    r = shell(kBin + " " + command + " --output");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    expect_has(r.output, "--output needs a value");
+  }
+  r = shell(kBin + " prepare-data --threads=zero --input x --output y");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  const auto spelled_apart = shell(kBin + " prepare-data --threads zero --input x --output y");
+  EXPECT_EQ(spelled_apart.exit_code, r.exit_code);
+  EXPECT_EQ(spelled_apart.output, r.output);
   // Help goes to stdout (a pipe), and names the SentencePiece files.
   r = shell(kBin + " --help 2>/dev/null");
   EXPECT_EQ(r.exit_code, 0);
