@@ -3,7 +3,6 @@
 // (kernels/moe_permute.cu).
 #include "kernels/fused.h"
 
-
 #include "kernels/fn_common.h"
 #include "kernels/moe_permute.h"
 

@@ -26,14 +26,14 @@ void adamw_kernel_step_(const std::vector<AdamWParam>& params, const AdamWStep& 
     // experts' w1 and w3 as one [E, 2H, D] copy) is written by the leading
     // index: each index's part of it is contiguous. The update is
     // elementwise, so the pieces give the bits of one call.
+    const auto g = pr.grad();
     std::vector<kernels::AdamWTensors> pieces;
     if (low.defined() && !low.is_contiguous()) {
-      const auto g = pr.grad();
       for (int64_t i = 0; i < data.size(0); ++i) {
         pieces.push_back({data[i], g[i], m[i], v[i], low[i], wd});
       }
     } else {
-      pieces.push_back({data, pr.grad(), m, v, low, wd});
+      pieces.push_back({data, g, m, v, low, wd});
     }
     for (auto& t : pieces) {
       if (kernels::adamw_many_takes(t)) {

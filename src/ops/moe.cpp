@@ -14,15 +14,23 @@ namespace {
 // y = x_g @ w_e^T for each group g of rows of x and its expert e: x [M, K]
 // in the compute dtype, w [E, N, K] an fp32 master cast through the
 // options' weight cache (see Note [Low-precision weight cache],
-// kernels/weight_cache.h). The weight gradient dw_e = dy_g^T x_g comes out
-// of one grouped GEMM, in fp32 where the build writes it (ops::Capabilities).
+// kernels/weight_cache.h). With `beside` ([E, N2, K], or a 0-size stand-in
+// for none: custom functions take no undefined inputs on LibTorch 2.x), one
+// GEMM over w and beside side by side gives [M, N + N2] (see Note [One
+// gate-up GEMM for the experts]). Each weight's gradient dw_e = dy_g^T x_g
+// over its columns of dy comes out of one grouped GEMM, in fp32 where the
+// build writes it (ops::Capabilities).
 class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& w, const at::Tensor& offs, const KernelOptions* k) {
-    auto wc = kernels::cast_weights(k->weight_cache.get(), {w}, x.scalar_type());
+                            const at::Tensor& w, const at::Tensor& beside, const at::Tensor& offs,
+                            const KernelOptions* k) {
+    const auto parts = beside.numel() > 0 ? std::vector<at::Tensor>{w, beside}
+                                          : std::vector<at::Tensor>{w};
+    auto wc = kernels::cast_weights(k->weight_cache.get(), parts, x.scalar_type(), 1);
     ctx->save_for_backward({x, wc, offs});
     ctx->saved_data["fp32_out"] = k->capabilities.grouped_fp32_out_gemm;
+    ctx->saved_data["n"] = w.size(1);
     // See Note [Per-op activation checkpointing]: a replay skips the GEMM.
     return run_saved_op([&] { return compat::grouped_mm(x, wc.transpose(1, 2), offs); });
   }
@@ -30,13 +38,18 @@ class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &x = saved[0], &wc = saved[1], &offs = saved[2];
-    auto dy = grads[0].to(x.scalar_type()).contiguous();
-    at::Tensor dx, dw;
+    const int64_t n = ctx->saved_data["n"].toInt();
+    const bool fp32_out = ctx->saved_data["fp32_out"].toBool();
+    auto dy = grads[0].to(x.scalar_type()).contiguous();  // [M, N + N2]
+    at::Tensor dx, dw, dbeside;
     if (ctx->needs_input_grad(0)) dx = compat::grouped_mm(dy, wc, offs);
     if (ctx->needs_input_grad(1)) {
-      dw = compat::grouped_mm_fp32(dy.t(), x, offs, ctx->saved_data["fp32_out"].toBool());
+      dw = compat::grouped_mm_fp32(dy.narrow(1, 0, n).t(), x, offs, fp32_out);
     }
-    return {dx, dw, at::Tensor(), at::Tensor()};
+    if (ctx->needs_input_grad(2)) {
+      dbeside = compat::grouped_mm_fp32(dy.narrow(1, n, dy.size(1) - n).t(), x, offs, fp32_out);
+    }
+    return {dx, dw, dbeside, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -54,36 +67,6 @@ class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
 // contiguous as the optimizer keeps it (one GEMM's [E, 2H, D] would need a
 // copy to split). The optimizer writes each weight's rows of the copy
 // expert by expert (ops/adamw.cpp).
-class GroupedGateUpFn : public torch::autograd::Function<GroupedGateUpFn> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& offs,
-                            const KernelOptions* k) {
-    auto wc = kernels::cast_weights(k->weight_cache.get(), {w1, w3}, x.scalar_type(), 1);
-    ctx->save_for_backward({x, wc, offs});
-    ctx->saved_data["fp32_out"] = k->capabilities.grouped_fp32_out_gemm;
-    ctx->saved_data["hidden"] = w1.size(1);
-    // See Note [Per-op activation checkpointing]: a replay skips the GEMM.
-    return run_saved_op([&] { return compat::grouped_mm(x, wc.transpose(1, 2), offs); });
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &x = saved[0], &wc = saved[1], &offs = saved[2];
-    const int64_t H = ctx->saved_data["hidden"].toInt();
-    const bool fp32_out = ctx->saved_data["fp32_out"].toBool();
-    auto dy = grads[0].to(x.scalar_type()).contiguous();  // [rows, 2H]
-    at::Tensor dx, dw1, dw3;
-    if (ctx->needs_input_grad(0)) dx = compat::grouped_mm(dy, wc, offs);
-    if (ctx->needs_input_grad(1)) {
-      dw1 = compat::grouped_mm_fp32(dy.narrow(1, 0, H).t(), x, offs, fp32_out);
-    }
-    if (ctx->needs_input_grad(2)) {
-      dw3 = compat::grouped_mm_fp32(dy.narrow(1, H, H).t(), x, offs, fp32_out);
-    }
-    return {dx, dw1, dw3, at::Tensor(), at::Tensor()};
-  }
-};
 
 // Rows of src at pos, where pos names no row twice (a permutation into a
 // buffer): the backward writes each gradient row into its place with
@@ -201,8 +184,9 @@ at::Tensor grouped_swiglu_experts(const at::Tensor& xs, const at::Tensor& offs,
                                   const ExpertWeights& w, const KernelOptions& k) {
   RECORD_FUNCTION("viaduct::grouped_experts", std::vector<c10::IValue>());  // named in profiles
   // See Note [One gate-up GEMM for the experts].
-  auto h13 = GroupedGateUpFn::apply(xs, w.w1, w.w3, offs, &k);
-  return GroupedLinearFn::apply(kernels::swiglu_packed(h13), w.w2, offs, &k);
+  auto h13 = GroupedLinearFn::apply(xs, w.w1, w.w3, offs, &k);
+  return GroupedLinearFn::apply(kernels::swiglu_packed(h13), w.w2,
+                                at::empty({0}, w.w2.options()), offs, &k);
 }
 
 ExpertOrder expert_order(const at::Tensor& flat, const at::Tensor& keep, int64_t n_experts) {
