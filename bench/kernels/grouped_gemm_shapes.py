@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """The MoE experts' grouped GEMMs at the K3 cell's shapes, as separate gate
-and up projections (what viaduct runs: two GEMMs of N = hidden) against one
-fused gate-up projection (N = 2 hidden), for the forward, the rows'
-gradient and the weights' gradient, with torch._grouped_mm (the kernel
-viaduct's compat::grouped_mm calls). Decides whether fusing the gate and
-up weights is worth building before anything is built.
+and up projections (two GEMMs of N = hidden) against one fused gate-up
+projection (N = 2 hidden, what viaduct runs: Note [One gate-up GEMM for
+the experts]), for the forward, the rows' gradient and the weights'
+gradient, with torch._grouped_mm (the kernel viaduct's compat::grouped_mm
+calls). The weights' gradient four ways: two GEMMs on two gradients, one
+GEMM cast whole, two GEMMs each on its half of the one [rows, 2H]
+gradient (what viaduct runs), and one GEMM whose two halves are then cast
+to fp32 each on its own.
 
     python3 bench/kernels/grouped_gemm_shapes.py            # K3: 16,512 rows, 2048 -> 2 x 512, 8 experts
     python3 bench/kernels/grouped_gemm_shapes.py --rows 32768 --hidden 1024
@@ -64,6 +67,10 @@ def main():
     dh13 = torch.cat([dh1, dh3], 1).contiguous()
     gm = torch._grouped_mm
 
+    def halves_cast(both):
+        return (both[:, :H].to(torch.float32, memory_format=torch.contiguous_format),
+                both[:, H:].to(torch.float32, memory_format=torch.contiguous_format))
+
     cases = {
         "forward: two [M,D]x[D,H]": lambda: (gm(x, w1.transpose(1, 2), offs),
                                              gm(x, w3.transpose(1, 2), offs)),
@@ -77,6 +84,10 @@ def main():
         "weights' gradient: two [H,M]x[M,D] fp32": lambda: (gm(dh1.t(), x, offs).float(),
                                                              gm(dh3.t(), x, offs).float()),
         "weights' gradient: one [2H,M]x[M,D] fp32": lambda: gm(dh13.t(), x, offs).float(),
+        # One GEMM, then each weight's half cast to its own contiguous fp32
+        # tensor (a strided read), as the optimizer keeps the two gradients.
+        "weights' gradient: one [2H,M]x[M,D], halves cast": lambda: halves_cast(
+            gm(dh13.t(), x, offs)),
         # Each weight's gradient from its half of the one [M, 2H] gradient
         # (a strided operand), so that each comes out contiguous.
         "weights' gradient: two on [M,2H]'s halves fp32": lambda: (
@@ -97,6 +108,9 @@ def main():
     print(f"weights' gradient fused == separate, bitwise: {torch.equal(g2, g1)}")
     g3 = torch.cat(cases["weights' gradient: two on [M,2H]'s halves fp32"](), 1)
     print(f"weights' gradient on the halves == separate, bitwise: {torch.equal(g2, g3)}")
+    h1, h3 = cases["weights' gradient: one [2H,M]x[M,D], halves cast"]()
+    print(f"weights' gradient as one GEMM, halves cast == separate, bitwise: "
+          f"{torch.equal(g2, torch.cat([h1, h3], 1)) and h1.is_contiguous()}")
     r2 = cases["rows' gradient: two [M,H]x[H,D] + add"]().float()
     r1 = cases["rows' gradient: one [M,2H]x[2H,D]"]().float()
     print(f"rows' gradient fused vs separate: max |diff| / max |x| = "
