@@ -281,8 +281,21 @@ int main(int argc, char** argv) {
                    rl, static_cast<size_t>(rn * re * 4)});
   cases.push_back({"router backward", e2 * rn * rd * 2 + 4.0 * rparts * re * rd, [] {},
                    [&] {
-                     launched(viaduct::cuda::moe_router_backward(rdl, x, rw, rn, rd, re, rdx,
-                                                                 rpart, 0));
+                     launched(viaduct::cuda::moe_router_backward(rdl, x, rw, rn, rd, re, nullptr,
+                                                                 nullptr, rdx, rpart, 0));
+                   },
+                   rdx, static_cast<size_t>(rn * rd * 2)});
+  // With the two other consumers' gradients added into dx as it is written
+  // (the MoE layer's form): two more [N, D] reads.
+  auto* radd_a = alloc<__nv_bfloat16>(rn * rd);
+  auto* radd_b = alloc<__nv_bfloat16>(rn * rd);
+  fill_bf16<<<64, 256>>>(radd_a, rn * rd, 17, 1.f);
+  fill_bf16<<<64, 256>>>(radd_b, rn * rd, 18, 1.f);
+  cases.push_back({"router backward + 2 gradients", e2 * rn * rd * 4 + 4.0 * rparts * re * rd,
+                   [] {},
+                   [&] {
+                     launched(viaduct::cuda::moe_router_backward(rdl, x, rw, rn, rd, re, radd_a,
+                                                                 radd_b, rdx, rpart, 0));
                    },
                    rdx, static_cast<size_t>(rn * rd * 2)});
   cases.push_back({"router backward dw parts", 0, [] {}, [] {}, rpart,

@@ -254,10 +254,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(
 
 // The MoE router's logits [N, E] fp32 from bf16 tokens x [N, D] and fp32
 // weights w [E, D] in fp32 arithmetic (see Note [Router logits from bf16
-// tokens]); gradients to x (bf16) and w (fp32). moe_router_usable: the
+// tokens]); gradients to x (bf16) and w (fp32). Returns the logits, then
+// `uses` (0 to 2) handles of x for x's other consumers, whose gradients the
+// router's backward adds into x's (see Note [The router's backward sums
+// x's gradient], kernels/moe_router_fn.cpp). moe_router_usable: the
 // kernels take these (D a multiple of 8, E <= 64; false in the CPU build).
 bool moe_router_usable(const at::Tensor& x, const at::Tensor& w);
-at::Tensor moe_router(const at::Tensor& x, const at::Tensor& w);
+std::vector<at::Tensor> moe_router(const at::Tensor& x, const at::Tensor& w, int64_t uses);
 
 // The grouped experts' rows moved in one pass each way (kernels/moe_permute.h,
 // see Note [MoE rows moved in one pass]); bf16 rows on a GPU, D a multiple

@@ -96,7 +96,9 @@ at::Tensor layer_norm(const at::Tensor&, const at::Tensor&, const at::Tensor&, d
   no_cuda("layer_norm");
 }
 bool moe_router_usable(const at::Tensor&, const at::Tensor&) { return false; }
-at::Tensor moe_router(const at::Tensor&, const at::Tensor&) { no_cuda("moe_router"); }
+std::vector<at::Tensor> moe_router(const at::Tensor&, const at::Tensor&, int64_t) {
+  no_cuda("moe_router");
+}
 bool moe_permute_usable(const at::Tensor&) { return false; }
 at::Tensor moe_permute(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   no_cuda("moe_permute");

@@ -99,8 +99,12 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
 }
 
 // Thread i: the 8 columns i % vecs of tokens kDxTokens (i / vecs) onwards.
+// add_a, add_b: the other consumers' gradients of x, or null.
 __global__ void router_dx_kernel(const float* __restrict__ dl, const float* __restrict__ w,
-                                 int64_t N, int64_t D, int E, __nv_bfloat16* __restrict__ dx) {
+                                 int64_t N, int64_t D, int E,
+                                 const __nv_bfloat16* __restrict__ add_a,
+                                 const __nv_bfloat16* __restrict__ add_b,
+                                 __nv_bfloat16* __restrict__ dx) {
   const int64_t vecs = D / kVec;
   const int64_t groups = (N + kDxTokens - 1) / kDxTokens;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -128,7 +132,23 @@ __global__ void router_dx_kernel(const float* __restrict__ dl, const float* __re
     }
 #pragma unroll
     for (int t = 0; t < kDxTokens; ++t) {
-      if (t < nt) store_n<__nv_bfloat16, kVec>(dx, (n0 + t) * D + c * kVec, acc[t]);
+      if (t < nt) {
+        // See Note [The router's backward sums x's gradient].
+        const int64_t off = (n0 + t) * D + c * kVec;
+        if (add_a != nullptr) {
+          float s[kVec];
+          load_n<__nv_bfloat16, kVec>(add_a, off, s);
+          if (add_b != nullptr) {
+            float b[kVec];
+            load_n<__nv_bfloat16, kVec>(add_b, off, b);
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) s[k] = round_as<__nv_bfloat16>(s[k] + b[k]);
+          }
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) acc[t][k] = s[k] + round_as<__nv_bfloat16>(acc[t][k]);
+        }
+        store_n<__nv_bfloat16, kVec>(dx, off, acc[t]);
+      }
     }
   }
 }
@@ -260,16 +280,18 @@ int64_t moe_router_backward_parts(int64_t N) {
 }
 
 cudaError_t moe_router_backward(const float* dlogits, const void* x, const float* w, int64_t N,
-                                int64_t D, int E, void* dx, float* dw_partial,
-                                cudaStream_t stream) {
-  if (!shapes_ok(x, w, D, E) || !aligned16(dx) || !aligned16(dw_partial)) {
+                                int64_t D, int E, const void* add_a, const void* add_b,
+                                void* dx, float* dw_partial, cudaStream_t stream) {
+  if (!shapes_ok(x, w, D, E) || !aligned16(dx) || !aligned16(dw_partial) ||
+      !aligned16(add_a) || !aligned16(add_b) || (add_a == nullptr && add_b != nullptr)) {
     return cudaErrorInvalidValue;
   }
   const int64_t vecs = D / kVec;
   if (N > 0) {
     const int64_t groups = (N + kDxTokens - 1) / kDxTokens;
     router_dx_kernel<<<elementwise_blocks(groups * vecs), kElemThreads, 0, stream>>>(
-        dlogits, w, N, D, E, static_cast<__nv_bfloat16*>(dx));
+        dlogits, w, N, D, E, static_cast<const __nv_bfloat16*>(add_a),
+        static_cast<const __nv_bfloat16*>(add_b), static_cast<__nv_bfloat16*>(dx));
   }
   const int64_t parts = moe_router_backward_parts(N);
   const dim3 grid(static_cast<unsigned>(parts),

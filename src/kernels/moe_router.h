@@ -19,10 +19,14 @@ cudaError_t moe_router_forward(const void* x, const float* w, int64_t N, int64_t
 // How many partial rows moe_router_backward writes to dw_partial.
 int64_t moe_router_backward_parts(int64_t N);
 // dx [N, D] bf16 = dlogits [N, E] times w, each element a sum over e in
-// ascending order, rounded once; dw_partial [parts, E, D] fp32: part p the
-// sum over its rows of dlogits[n, e] x[n, d] (the caller adds the parts).
+// ascending order, rounded once, plus the gradients of x's other consumers
+// when given (bf16 [N, D], 16-byte aligned, null for none; see Note [The
+// router's backward sums x's gradient]): with one, a + r; with two,
+// (a + b) + r, each sum rounded to bf16, r the router's own term rounded.
+// dw_partial [parts, E, D] fp32: part p the sum over its rows of
+// dlogits[n, e] x[n, d] (the caller adds the parts).
 cudaError_t moe_router_backward(const float* dlogits, const void* x, const float* w, int64_t N,
-                                int64_t D, int E, void* dx, float* dw_partial,
-                                cudaStream_t stream);
+                                int64_t D, int E, const void* add_a, const void* add_b,
+                                void* dx, float* dw_partial, cudaStream_t stream);
 
 }  // namespace viaduct::cuda

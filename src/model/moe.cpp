@@ -181,13 +181,19 @@ void MoeImpl::init_weights(uint64_t seed, const std::string& p, double std_in,
 }
 
 std::pair<at::Tensor, at::Tensor> MoeImpl::route(const at::Tensor& x) {
+  auto r = route_with(x, 0);
+  return {r.idx, r.w};
+}
+
+MoeImpl::Routed MoeImpl::route_with(const at::Tensor& x, int64_t uses) {
   // x: [N, D]; scores in fp32 (fp64 under gradient checks).
-  auto scores = at::sigmoid(ops::router_logits(x, router->weight, kernel_options_));  // [N, E]
+  auto logits = ops::router_logits(x, router->weight, kernel_options_, uses);
+  auto scores = at::sigmoid(logits.logits);  // [N, E]
   // Selection only: no gradient through the bias.
   auto idx = ops::top_experts(scores, expert_bias, opts_.n_activated_experts, kernel_options_);
   auto w = ops::gather_chosen(scores, idx);  // unbiased scores of the chosen experts
   w = w / w.sum(-1, /*keepdim=*/true) * opts_.route_scale;
-  return {idx, w};
+  return {idx, w, std::move(logits.x)};
 }
 
 at::Tensor MoeImpl::forward(const at::Tensor& x) {
@@ -196,9 +202,14 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   const auto E = opts_.n_routed_experts;
   auto xf = x.reshape({-1, D});  // [N, D]
   const auto N = xf.size(0);
-  auto routed = route(xf);
-  const auto idx = routed.first;
-  auto w = routed.second;
+  // x's other consumers read the router's handles of it (see Note [The
+  // router's backward sums x's gradient], kernels/moe_router_fn.cpp): the
+  // routed experts, then the shared expert.
+  auto routed = route_with(xf, shared_expert ? 2 : 1);
+  const auto idx = routed.idx;
+  auto w = routed.w;
+  const auto& x_routed = routed.x[0];
+  const auto& x_shared = shared_expert ? routed.x[1] : xf;
   // Only training forwards count toward the balance, once under activation
   // checkpointing (see Note [Activation checkpointing]). The counts live on the
   // routing's device: a copy to the host would wait for every kernel queued
@@ -225,14 +236,14 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     count_tokens(eo.routed);
     // Every slot's row (slot n K + j is token n's j-th choice), as copies of
     // the tokens; their gradients are summed back over the K copies.
-    auto slots = xf.unsqueeze(1).expand({N, K, D}).reshape({N * K, D});
+    auto slots = x_routed.unsqueeze(1).expand({N, K, D}).reshape({N * K, D});
     y = ops::combine_experts(experts_over_ranks(slots, eo, keep.defined()).view({N, K, D}), w);
-    if (shared_expert) y = y + shared_expert(xf);
+    if (shared_expert) y = y + shared_expert(x_shared);
   } else {
     // The shared experts' output is added to the routed experts' combine.
     std::function<at::Tensor()> shared;
-    if (shared_expert) shared = [&] { return shared_expert(xf); };
-    auto r = ops::moe_experts(xf, idx, w, keep, {experts->w1, experts->w2, experts->w3},
+    if (shared_expert) shared = [&] { return shared_expert(x_shared); };
+    auto r = ops::moe_experts(x_routed, idx, w, keep, {experts->w1, experts->w2, experts->w3},
                               kernel_options_, shared);
     count_tokens(r.routed);
     y = r.out;

@@ -138,6 +138,13 @@ class MoeImpl : public torch::nn::Module, public ops::KernelUser {
   at::Tensor tokens_dropped;
 
  private:
+  // route's decisions, with `uses` handles of x for x's other consumers
+  // (ops::router_logits).
+  struct Routed {
+    at::Tensor idx, w;
+    std::vector<at::Tensor> x;
+  };
+  Routed route_with(const at::Tensor& x, int64_t uses);
   // See Note [Expert parallelism]: the token copies `slots` [N K, D] that run
   // (`eo`) through their experts' owners; the outputs [N K, D] in slot
   // order, zero for a dropped copy.

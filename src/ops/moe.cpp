@@ -129,10 +129,19 @@ at::Tensor gather_chosen(const at::Tensor& scores, const at::Tensor& idx) {
   return GatherChosenFn::apply(scores, idx);
 }
 
-at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w, const KernelOptions& k) {
-  if (fused_runs(x, k) && kernels::moe_router_usable(x, w)) return kernels::moe_router(x, w);
+RouterLogits router_logits(const at::Tensor& x, const at::Tensor& w, const KernelOptions& k,
+                           int64_t uses) {
+  RouterLogits r;
+  if (fused_runs(x, k) && kernels::moe_router_usable(x, w)) {
+    auto out = kernels::moe_router(x, w, uses);
+    r.logits = out[0];
+    r.x.assign(out.begin() + 1, out.end());
+    return r;
+  }
   const auto st = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  return linear(x.to(st), w, at::Tensor(), k);
+  r.logits = linear(x.to(st), w, at::Tensor(), k);
+  r.x.assign(static_cast<size_t>(uses), x);
+  return r;
 }
 
 bool grouped_experts_run(const at::Tensor& x, int64_t hidden, const KernelOptions& k) {

@@ -34,8 +34,17 @@ constexpr int64_t kExpertAlign = 16;
 // The router's logits [N, E] in fp32 (fp64 for fp64 x) from tokens x [N, D]
 // and the router's weight w [E, D] (fp32 master): where the kernels run, read
 // from bf16 x without an fp32 copy of it (see Note [Router logits from bf16
-// tokens], kernels/moe_router.cu); else x cast up times w.
-at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w, const KernelOptions& k);
+// tokens], kernels/moe_router.cu); else x cast up times w. `x` holds one
+// handle of x for each of its `uses` other consumers (0 to 2), which they
+// read instead of x: where the kernels run, the router's backward adds
+// their gradients into x's (see Note [The router's backward sums x's
+// gradient], kernels/moe_router_fn.cpp); elsewhere each is x itself.
+struct RouterLogits {
+  at::Tensor logits;
+  std::vector<at::Tensor> x;
+};
+RouterLogits router_logits(const at::Tensor& x, const at::Tensor& w, const KernelOptions& k,
+                           int64_t uses);
 
 // The routed experts' stacked SwiGLU weights (fp32 masters): w1, w3
 // [E, H, D], w2 [E, D, H].

@@ -252,7 +252,7 @@ TEST(MoeRouting, RouterKernelsSumInTheirFixedOrder) {
     auto x = at::randn({N, D}, bf).requires_grad_(true);
     auto w = (0.05 * at::randn({E, D}, f32)).requires_grad_(true);
     auto dl = at::randn({N, E}, f32);
-    auto logits = kernels::moe_router(x, w);
+    auto logits = kernels::moe_router(x, w, 0)[0];
     logits.backward(dl);
     const auto xc = x.detach().to(at::kCPU, at::kFloat).contiguous();
     const auto wc = w.detach().to(at::kCPU).contiguous();
@@ -323,7 +323,7 @@ TEST(MoeRouting, RouterKernelsMatchTheFp32Linear) {
     auto xr = x.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
     auto wr = w.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
     ASSERT_TRUE(kernels::moe_router_usable(x, w));
-    auto logits = kernels::moe_router(x, w);
+    auto logits = kernels::moe_router(x, w, 0)[0];
     ASSERT_EQ(logits.scalar_type(), at::kFloat);
     auto ref = at::matmul(xr, wr.t());
     EXPECT_LT(rel_err(logits, ref), 1e-5);
@@ -336,12 +336,58 @@ TEST(MoeRouting, RouterKernelsMatchTheFp32Linear) {
     EXPECT_LT(rel_err(x.grad(), xr.grad()), 1e-2);  // rounded once to bf16
     EXPECT_LT(rel_err(w.grad(), wr.grad()), 1e-5);
     auto x2 = x.detach().requires_grad_(true), w2 = w.detach().requires_grad_(true);
-    auto again = kernels::moe_router(x2, w2);
+    auto again = kernels::moe_router(x2, w2, 0)[0];
     again.backward(dl);
     EXPECT_TRUE(at::equal(logits, again));
     EXPECT_TRUE(at::equal(x.grad(), x2.grad()));
     EXPECT_TRUE(at::equal(w.grad(), w2.grad()));
   }
+}
+
+// The router's handles of x (see Note [The router's backward sums x's
+// gradient]): x's gradient with one or two other consumers is the bits of
+// autograd's adds in the engine's order for the MoE layer, the consumers'
+// gradients a + b rounded, then the router's own dx added; the handles are
+// x's values, and the logits and w's gradient are those of the router alone.
+TEST(MoeRouting, RouterBackwardAddsTheOtherConsumersGradients) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const auto bf = at::TensorOptions(at::kCUDA).dtype(at::kBFloat16);
+  const auto f32 = at::TensorOptions(at::kCUDA).dtype(at::kFloat);
+  for (const auto& [N, D, E] : std::vector<std::array<int64_t, 3>>{
+           {1, 8, 1}, {157, 256, 8}, {515, 2048, 8}, {64, 72, 13}}) {
+    for (int64_t uses = 1; uses <= 2; ++uses) {
+      SCOPED_TRACE("N " + std::to_string(N) + " D " + std::to_string(D) + " E " +
+                   std::to_string(E) + " uses " + std::to_string(uses));
+      auto x = at::randn({N, D}, bf).requires_grad_(true);
+      auto w = (0.05 * at::randn({E, D}, f32)).requires_grad_(true);
+      auto dl = at::randn({N, E}, f32);
+      const auto ga = at::randn({N, D}, bf), gb = at::randn({N, D}, bf);
+      auto out = kernels::moe_router(x, w, uses);
+      ASSERT_EQ(static_cast<int64_t>(out.size()), 1 + uses);
+      for (int64_t i = 1; i <= uses; ++i) EXPECT_TRUE(at::equal(out[i], x));
+      // The consumers: handle 1 scaled by ga, handle 2 by gb (its gradient
+      // is that tensor).
+      auto loss = (out[0] * dl).sum() + (out[1].to(at::kFloat) * ga.to(at::kFloat)).sum();
+      if (uses == 2) loss = loss + (out[2].to(at::kFloat) * gb.to(at::kFloat)).sum();
+      loss.backward();
+      // The router alone, then the sums in the stated order as bf16 adds.
+      auto x0 = x.detach().requires_grad_(true), w0 = w.detach().requires_grad_(true);
+      auto alone = kernels::moe_router(x0, w0, 0)[0];
+      alone.backward(dl);
+      const auto others = uses == 2 ? ga + gb : ga;
+      EXPECT_TRUE(at::equal(out[0], alone));
+      EXPECT_TRUE(at::equal(x.grad(), others + x0.grad()));
+      EXPECT_TRUE(at::equal(w.grad(), w0.grad()));
+    }
+  }
+  // No gradient wanted: the handles are x itself.
+  auto x = at::randn({16, 64}, bf);
+  auto w = at::randn({4, 64}, f32);
+  auto out = kernels::moe_router(x, w, 2);
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_TRUE(out[1].is_same(x) && out[2].is_same(x));
 }
 
 INSTANTIATE_TEST_SUITE_P(Experts, MoeGrouped,
