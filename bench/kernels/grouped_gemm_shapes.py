@@ -19,24 +19,12 @@ each round. Needs torch >= 2.8 on a CUDA GPU (the GPU machine's Python).
 import argparse
 import pathlib
 import statistics
-import subprocess
 import sys
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "lib"))
-from cuda_timing import timed  # noqa: E402
-
-
-def gpu_state():
-    try:
-        q = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,power.draw",
-                            "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                           timeout=10).stdout.strip()
-        sm, pw = [x.strip() for x in q.split(",")]
-        return f"{sm} MHz, {pw} W"
-    except Exception:  # no nvidia-smi: figures without clocks
-        return "clock unknown"
+from cuda_timing import expert_groups, gpu_state, timed  # noqa: E402
 
 
 def main():
@@ -53,9 +41,7 @@ def main():
     E, D, H, M = args.experts, args.dim, args.hidden, args.rows
     torch.manual_seed(0)
     # Uneven groups as routing gives them, each a multiple of the alignment.
-    w = torch.rand(E, generator=torch.Generator().manual_seed(1)) + 0.5
-    sizes = (w / w.sum() * M / args.align).floor().long() * args.align
-    sizes[-1] += M - sizes.sum()
+    sizes = expert_groups(M, E, args.align)
     offs = sizes.cumsum(0).to(torch.int32).to(dev)
     bf = torch.bfloat16
     x = torch.randn(M, D, device=dev, dtype=bf)
