@@ -22,6 +22,24 @@ if [ ! -x "$V" ]; then
 fi
 
 SECTIONS=${SECTIONS:-1 2 3}
+# Sections 1 and 3 train on the configs' fortunes tokens (data/fortunes.tok,
+# README). A GPU machine has no fortunes package: the tokens are made from
+# a carried copy of its files (data/fortunes_src, a copy of
+# /usr/share/games/fortunes) when they did not travel themselves.
+if [[ " $SECTIONS " == *" 1 "* || " $SECTIONS " == *" 3 "* ]] && [ ! -f data/fortunes.tok ]; then
+  src=""
+  for d in data/fortunes_src /usr/share/games/fortunes; do
+    if [ -d "$d" ]; then src=$d; break; fi
+  done
+  if [ -z "$src" ]; then
+    echo "gpu_checks: no data/fortunes.tok and no fortunes files to make it from" \
+      "(carry data/ holding fortunes.tok, or data/fortunes_src: a copy of /usr/share/games/fortunes)"
+    exit 1
+  fi
+  "$V" prepare-data --input "$src" --output data/fortunes.tok --val-fraction 0.05 \
+    > "$OUT/prepare_data.log" 2>&1 ||
+    { echo "gpu_checks: prepare-data from $src failed:"; tail -3 "$OUT/prepare_data.log"; exit 1; }
+fi
 if [[ " $SECTIONS " == *" 1 "* ]]; then
 echo "== 1. bitwise on GPU (bf16, deterministic) =="
 common=(--config configs/llama_debug.toml --training.dtype=bfloat16 --training.steps=4
