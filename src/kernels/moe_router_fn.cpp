@@ -85,8 +85,8 @@ std::vector<at::Tensor> moe_router(const at::Tensor& x, const at::Tensor& w, int
                 "device the kernels were built for, w fp32 [E, D] on it with E <= ",
                 cuda::kMoeRouterMaxExperts, "; got x ", x.scalar_type(), " ", x.sizes(), ", w ",
                 w.scalar_type(), " ", w.sizes());
-  VIADUCT_CHECK(uses >= 0 && uses <= 2, "fused moe_router: x's other consumers must be 0 to 2, got ",
-                uses);
+  VIADUCT_CHECK(uses >= 0 && uses <= 2,
+                "fused moe_router: x's other consumers must be 0 to 2, got ", uses);
   // See Note [The router's backward sums x's gradient]: x's gradient only
   // where something wants it.
   if (!x.requires_grad() || !at::GradMode::is_enabled()) {
