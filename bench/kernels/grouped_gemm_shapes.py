@@ -24,18 +24,12 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "lib"))
-from cuda_timing import expert_groups, gpu_state, timed  # noqa: E402
+from cuda_timing import add_expert_shape_args, expert_groups, gpu_state, timed  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=16512)
-    ap.add_argument("--dim", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--align", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--rounds", type=int, default=3)
+    add_expert_shape_args(ap, iters=50)
     args = ap.parse_args()
     dev = "cuda"
     E, D, H, M = args.experts, args.dim, args.hidden, args.rows

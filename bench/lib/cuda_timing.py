@@ -36,6 +36,18 @@ def gpu_state():
         return "clock unknown"
 
 
+def add_expert_shape_args(ap, iters):
+    """The MoE benches' shape options (the K3 cell's by default) on an
+    argparse parser, with `iters` timed calls a case by default."""
+    ap.add_argument("--rows", type=int, default=16512)
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--align", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=iters)
+    ap.add_argument("--rounds", type=int, default=3)
+
+
 def expert_groups(rows, experts, align):
     """Uneven group sizes as routing gives them (a fixed draw), each a
     multiple of `align`, summing to `rows`: a CPU int64 tensor [experts]."""
