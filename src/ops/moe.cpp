@@ -43,6 +43,16 @@ class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
     auto dy = grads[0].to(x.scalar_type()).contiguous();  // [M, N + N2]
     at::Tensor dx, dw, dbeside;
     if (ctx->needs_input_grad(0)) dx = compat::grouped_mm(dy, wc, offs);
+    if (!fp32_out && ctx->needs_input_grad(1) && ctx->needs_input_grad(2)) {
+      // See Note [One gate-up GEMM for the experts]: both weights' gradients
+      // from one grouped GEMM, each half cast to its own fp32 tensor.
+      const auto both = compat::grouped_mm(dy.t(), x, offs);  // [E, N + N2, K]
+      const auto fp32 = [&](int64_t from, int64_t rows) {
+        return both.narrow(1, from, rows)
+            .to(at::kFloat, /*non_blocking=*/false, /*copy=*/false, at::MemoryFormat::Contiguous);
+      };
+      return {dx, fp32(0, n), fp32(n, both.size(1) - n), at::Tensor(), at::Tensor()};
+    }
     if (ctx->needs_input_grad(1)) {
       dw = compat::grouped_mm_fp32(dy.narrow(1, 0, n).t(), x, offs, fp32_out);
     }
@@ -62,11 +72,16 @@ class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
 // two narrow ones (bench/kernels/grouped_gemm_shapes.py times the two
 // forms), with the same bits. Backward: the rows' gradient is one GEMM over
 // K = 2H (one fp32 sum where the two GEMMs rounded two parts to bf16 and
-// added them), and each weight's gradient its own grouped GEMM on its half
-// of the [rows, 2H] gradient (a strided operand), so that each comes out
-// contiguous as the optimizer keeps it (one GEMM's [E, 2H, D] would need a
-// copy to split). The optimizer writes each weight's rows of the copy
-// expert by expert (ops/adamw.cpp).
+// added them). The weights' gradients: where the grouped GEMM writes only
+// bf16 (the build's answer, ops::Capabilities), one GEMM gives both as
+// [E, 2H, D] and each half is cast to its own contiguous fp32 tensor, as
+// the optimizer keeps them: the cast every bf16 product needs anyway, now
+// reading a strided half, and one GEMM twice as tall instead of two. The
+// bits are the two GEMMs' (each output element is the same sum over the
+// group's rows). Where it writes fp32, each weight's gradient is its own
+// GEMM on its half of the [rows, 2H] gradient (a strided operand), so that
+// each comes out contiguous without a copy. The optimizer writes each
+// weight's rows of the copy expert by expert (ops/adamw.cpp).
 
 // Rows of src at pos, where pos names no row twice (a permutation into a
 // buffer): the backward writes each gradient row into its place with
