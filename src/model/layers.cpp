@@ -12,6 +12,13 @@ at::Tensor linear(const at::Tensor& x, const torch::nn::Linear& l, const ops::Ke
   return ops::linear(x, l->weight, l->options.bias() ? l->bias : at::Tensor(), k);
 }
 
+at::Tensor linear_add(const at::Tensor& x, const torch::nn::Linear& l, const at::Tensor& residual,
+                      const ops::KernelOptions& k) {
+  if (!residual.defined()) return linear(x, l, k);
+  VIADUCT_ASSERT(!l->options.bias(), "linear_add takes a linear without a bias");
+  return ops::linear_add(x, l->weight, residual, k);
+}
+
 torch::nn::Linear make_linear(torch::nn::Module& parent, const std::string& name,
                               int64_t in, int64_t out, bool bias) {
   return parent.register_module(
@@ -121,8 +128,8 @@ void SwiGLUImpl::init_weights(uint64_t seed, const std::string& p,
   init_trunc_normal_(w2->weight, std_out, -2.0, 2.0, seed, p + "w2.weight");
   init_trunc_normal_(w3->weight, std_out, -2.0, 2.0, seed, p + "w3.weight");
 }
-at::Tensor SwiGLUImpl::forward(const at::Tensor& x) {
-  return ops::swiglu_ffn(x, w1->weight, w2->weight, w3->weight, kernel_options_);
+at::Tensor SwiGLUImpl::forward(const at::Tensor& x, const at::Tensor& residual) {
+  return ops::swiglu_ffn(x, w1->weight, w2->weight, w3->weight, kernel_options_, residual);
 }
 
 GeluMLPImpl::GeluMLPImpl(int64_t dim, int64_t hidden) {

@@ -23,6 +23,10 @@ namespace viaduct {
 
 // ops::linear through a torch::nn::Linear used as the parameter holder.
 at::Tensor linear(const at::Tensor& x, const torch::nn::Linear& l, const ops::KernelOptions& k);
+// residual + linear(x, l) for a linear without a bias (ops::linear_add);
+// linear(x, l) where `residual` is undefined.
+at::Tensor linear_add(const at::Tensor& x, const torch::nn::Linear& l, const at::Tensor& residual,
+                      const ops::KernelOptions& k);
 // A parameter holder registered as `name` (FQN `<name>.weight`/`.bias`).
 torch::nn::Linear make_linear(torch::nn::Module& parent, const std::string& name,
                               int64_t in, int64_t out, bool bias);
@@ -91,7 +95,9 @@ TORCH_MODULE(Attention);
 class SwiGLUImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   SwiGLUImpl(int64_t dim, int64_t hidden);
-  at::Tensor forward(const at::Tensor& x);
+  // x: [..., D]; with `residual` ([..., D]), residual + the output, added
+  // by w2's GEMM where the kernels run (ops::swiglu_ffn).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& residual = at::Tensor());
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out);
   torch::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
