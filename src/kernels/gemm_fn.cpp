@@ -62,11 +62,22 @@ struct Plan {
 // terms: D^T (N x M, ld N) = W X^T + C^T, with A = W read as the K x N
 // column-major matrix W^T (ld K) and transposed, B = X^T as K x M (ld K),
 // and C, D both N x M (ld N).
-const Plan& plan_for(int device, int64_t M, int64_t N, int64_t K) {
+// The largest power of two up to 256 that divides p's address: the
+// heuristic may otherwise pick a kernel that assumes 256-byte alignment.
+uint32_t alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 256;
+  while (al > 2 && a % al != 0) al /= 2;
+  return al;
+}
+
+// align: the alignments of W, X, C and D, in that order.
+const Plan& plan_for(int device, int64_t M, int64_t N, int64_t K,
+                     const std::array<uint32_t, 4>& align) {
   static std::mutex m;
-  static std::map<std::array<int64_t, 4>, Plan> plans;
+  static std::map<std::array<int64_t, 8>, Plan> plans;
   std::lock_guard<std::mutex> g(m);
-  const std::array<int64_t, 4> key{device, M, N, K};
+  const std::array<int64_t, 8> key{device, M, N, K, align[0], align[1], align[2], align[3]};
   auto it = plans.find(key);
   if (it != plans.end()) return it->second;
   Plan p;
@@ -85,6 +96,13 @@ const Plan& plan_for(int device, int64_t M, int64_t N, int64_t K) {
   check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                 &ws, sizeof(ws)),
            "workspace preference");
+  const cublasLtMatmulPreferenceAttributes_t min_align[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; ++i) {
+    check_lt(cublasLtMatmulPreferenceSetAttribute(pref, min_align[i], &align[i], sizeof(align[i])),
+             "alignment preference");
+  }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const auto s = cublasLtMatmulAlgoGetHeuristic(lt_handle(device), p.op, p.a, p.b, p.c, p.c,
@@ -116,7 +134,9 @@ at::Tensor gemm_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   auto d = at::empty(sizes, x.options());
   if (M == 0) return d;
   const int device = x.device().index();
-  const auto& p = plan_for(device, M, N, K);
+  const auto& p = plan_for(device, M, N, K,
+                           {alignment(wc.data_ptr()), alignment(xc.data_ptr()),
+                            alignment(cc.data_ptr()), alignment(d.data_ptr())});
   const auto ws = at::empty({static_cast<int64_t>(kWorkspaceBytes)}, x.options().dtype(at::kByte));
   const float one = 1.f;
   check_lt(cublasLtMatmul(lt_handle(device), p.op, &one, wc.data_ptr(), p.a, xc.data_ptr(), p.b,
