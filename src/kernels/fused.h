@@ -117,11 +117,8 @@ at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Ten
 // swiglu_linear(ab[..., :F], ab[..., F:], w) for ab the [..., 2F] output of
 // one GEMM over w1 and w3 (see Note [One w1/w3 projection], ops/swiglu.cpp):
 // the halves are read in place and their gradient is one [..., 2F] tensor.
-// With `residual` defined ([..., D], bf16), residual + that, added by the
-// GEMM (gemm_add); its gradient is the output's.
 at::Tensor swiglu_linear_packed(const at::Tensor& ab, const at::Tensor& w,
-                                const SwiGLULinearOptions& o,
-                                const at::Tensor& residual = at::Tensor());
+                                const SwiGLULinearOptions& o);
 
 // c + x w^T for bf16 x [..., K], w [N, K] and c [..., N], as one cuBLASLt
 // GEMM that reads c and writes a new tensor (see Note [The partial sum

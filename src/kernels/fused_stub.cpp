@@ -38,7 +38,7 @@ at::Tensor swiglu_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&
   no_cuda("swiglu_linear");
 }
 at::Tensor swiglu_linear_packed(const at::Tensor&, const at::Tensor&,
-                                const SwiGLULinearOptions&, const at::Tensor&) {
+                                const SwiGLULinearOptions&) {
   no_cuda("swiglu_linear_packed");
 }
 at::Tensor gemm_add(const at::Tensor&, const at::Tensor&, const at::Tensor&) {

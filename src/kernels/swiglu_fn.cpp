@@ -76,10 +76,8 @@ class SwiGLUPackedFn : public torch::autograd::Function<SwiGLUPackedFn> {
 // stand-in (custom functions take no undefined inputs on LibTorch 2.x).
 class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
  public:
-  // residual: [..., D] added by the GEMM, or a 0-size stand-in for none.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
-                            const at::Tensor& w, const at::Tensor& residual, bool packed,
-                            const SwiGLULinearOptions* o) {
+                            const at::Tensor& w, bool packed, const SwiGLULinearOptions* o) {
     auto ac = a.contiguous(), bc = packed ? b : b.contiguous();
     // Kept: the backward needs the same cast, from the options' weight
     // cache (see Note [Low-precision weight cache]).
@@ -89,8 +87,7 @@ class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
     ctx->save_for_backward({ac, bc, w, wc, o->recompute ? at::Tensor() : h});
     ctx->saved_data["packed"] = packed;
     ctx->saved_data["fp32_out"] = o->fp32_out_gemm;
-    // See Note [The partial sum added by the GEMM] (kernels/gemm_fn.cpp).
-    return residual.numel() > 0 ? gemm_add(h, wc, residual) : at::linear(h, wc);
+    return at::linear(h, wc);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -114,13 +111,9 @@ class SwiGLULinearFn : public torch::autograd::Function<SwiGLULinearFn> {
                               ctx->saved_data["fp32_out"].toBool());
     auto dh = at::mm(dy, wc);
     h.reset();
-    // The residual's gradient is the output's.
-    const auto dres = ctx->needs_input_grad(3) ? grads[0] : at::Tensor();
-    if (packed) {
-      return {swiglu_grads_packed(dh, a), at::Tensor(), dw, dres, at::Tensor(), at::Tensor()};
-    }
+    if (packed) return {swiglu_grads_packed(dh, a), at::Tensor(), dw, at::Tensor(), at::Tensor()};
     auto [da, db] = swiglu_grads(dh.view(a.sizes()), a, b);
-    return {da, db, dw, dres, at::Tensor(), at::Tensor()};
+    return {da, db, dw, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -139,18 +132,17 @@ at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Ten
   VIADUCT_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && w.dim() == 2 &&
                     w.size(1) == a.size(-1),
                 "fused swiglu_linear: a, b must match and w be [D, ", a.size(-1), "]");
-  return SwiGLULinearFn::apply(a, b, w, at::empty({0}, a.options()), false, &o);
+  return SwiGLULinearFn::apply(a, b, w, false, &o);
 }
 
 at::Tensor swiglu_linear_packed(const at::Tensor& ab, const at::Tensor& w,
-                                const SwiGLULinearOptions& o, const at::Tensor& residual) {
+                                const SwiGLULinearOptions& o) {
   RECORD_FUNCTION("viaduct::swiglu_linear", std::vector<c10::IValue>());  // named in profiles
   VIADUCT_CHECK(ab.dim() >= 1 && ab.size(-1) % 2 == 0 && w.dim() == 2 &&
                     2 * w.size(1) == ab.size(-1),
                 "fused swiglu_linear_packed: ab must be [..., 2F] and w [D, F], got ",
                 ab.sizes(), " and ", w.sizes());
-  const auto none = at::empty({0}, ab.options());
-  return SwiGLULinearFn::apply(ab, none, w, residual.defined() ? residual : none, true, &o);
+  return SwiGLULinearFn::apply(ab, at::empty({0}, ab.options()), w, true, &o);
 }
 
 }  // namespace viaduct::kernels

@@ -271,9 +271,7 @@ at::Tensor KimiK3LayerImpl::mix(const at::Tensor& n, const ops::Documents* docum
   return mla ? mla->forward(n, documents, residual) : kda->forward(n, documents, residual);
 }
 
-at::Tensor KimiK3LayerImpl::ffn(const at::Tensor& n, const at::Tensor& residual) {
-  return moe ? moe->forward(n, residual) : feed_forward->forward(n, residual);
-}
+at::Tensor KimiK3LayerImpl::ffn(const at::Tensor& n) { return moe ? moe(n) : feed_forward(n); }
 
 at::Tensor KimiK3LayerImpl::forward_plain(const at::Tensor& hidden,
                                           const ops::Documents* documents) {
@@ -298,12 +296,12 @@ at::Tensor KimiK3LayerImpl::forward_sublayers(const std::vector<at::Tensor>& blo
     partial = attn_res_block_sink(t, partial_slot);
   };
   if (with_slots && partial.defined() && partial.requires_grad()) sink(partial);
-  // Each sublayer's output is added to the partial sum by the sublayer's
-  // last GEMM (see Note [The partial sum added by the GEMM],
-  // kernels/gemm_fn.cpp): the sublayer gets the partial sum as its residual
-  // and returns the new sum. With a slot the partial sum's gradient goes
-  // through the slot, not through the GEMM (the residual is detached), and
-  // attn_res_partial_sum only marks the sum.
+  // The token mixer's output is added to the partial sum by its last GEMM
+  // (see Note [The partial sum added by the GEMM], kernels/gemm_fn.cpp):
+  // the mixer gets the partial sum as its residual and returns the new
+  // sum; the FFN's output is added here. With a slot the partial sum's
+  // gradient goes through the slot, not through the sum (the residual is
+  // detached), and attn_res_partial_sum only marks the sum.
   auto residual = [&]() -> at::Tensor {
     if (!partial.defined()) return {};
     return partial_slot.defined() ? partial.detach() : partial;
@@ -344,7 +342,9 @@ at::Tensor KimiK3LayerImpl::forward_sublayers(const std::vector<at::Tensor>& blo
   }
   if (trace) trace_->push_back(sources);
   n = attn_res_ffn->forward_normed(sources, with_slots ? &read_slots : nullptr, *ffn_norm);
-  add(ffn(n, residual()));
+  const auto res = residual();
+  const auto f = ffn(n);
+  add(res.defined() ? f + res : f);
   return partial;
 }
 

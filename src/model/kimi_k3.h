@@ -127,8 +127,8 @@ class KimiK3LayerImpl : public torch::nn::Module {
   // is defined (added by the mixer's output GEMM, ops::linear_add).
   at::Tensor mix(const at::Tensor& n, const ops::Documents* documents,
                  const at::Tensor& residual = at::Tensor());
-  // The FFN, MoE or dense, of n; plus `residual` where it is defined.
-  at::Tensor ffn(const at::Tensor& n, const at::Tensor& residual = at::Tensor());
+  // The FFN, MoE or dense, of n.
+  at::Tensor ffn(const at::Tensor& n);
 };
 TORCH_MODULE(KimiK3Layer);
 

@@ -128,8 +128,8 @@ void SwiGLUImpl::init_weights(uint64_t seed, const std::string& p,
   init_trunc_normal_(w2->weight, std_out, -2.0, 2.0, seed, p + "w2.weight");
   init_trunc_normal_(w3->weight, std_out, -2.0, 2.0, seed, p + "w3.weight");
 }
-at::Tensor SwiGLUImpl::forward(const at::Tensor& x, const at::Tensor& residual) {
-  return ops::swiglu_ffn(x, w1->weight, w2->weight, w3->weight, kernel_options_, residual);
+at::Tensor SwiGLUImpl::forward(const at::Tensor& x) {
+  return ops::swiglu_ffn(x, w1->weight, w2->weight, w3->weight, kernel_options_);
 }
 
 GeluMLPImpl::GeluMLPImpl(int64_t dim, int64_t hidden) {

@@ -95,9 +95,7 @@ TORCH_MODULE(Attention);
 class SwiGLUImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   SwiGLUImpl(int64_t dim, int64_t hidden);
-  // x: [..., D]; with `residual` ([..., D]), residual + the output, added
-  // by w2's GEMM where the kernels run (ops::swiglu_ffn).
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& residual = at::Tensor());
+  at::Tensor forward(const at::Tensor& x);
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out);
   torch::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};

@@ -196,12 +196,9 @@ MoeImpl::Routed MoeImpl::route_with(const at::Tensor& x, int64_t uses) {
   return {idx, w, std::move(logits.x)};
 }
 
-at::Tensor MoeImpl::forward(const at::Tensor& x, const at::Tensor& residual) {
+at::Tensor MoeImpl::forward(const at::Tensor& x) {
   // x: [B, T, D]
   const auto D = x.size(-1), K = opts_.n_activated_experts;
-  // The residual rides on the shared expert's output, or is the combine's
-  // addend where there is no shared expert.
-  const auto res = residual.defined() ? residual.reshape({-1, D}) : residual;
   const auto E = opts_.n_routed_experts;
   auto xf = x.reshape({-1, D});  // [N, D]
   const auto N = xf.size(0);
@@ -241,19 +238,11 @@ at::Tensor MoeImpl::forward(const at::Tensor& x, const at::Tensor& residual) {
     // the tokens; their gradients are summed back over the K copies.
     auto slots = x_routed.unsqueeze(1).expand({N, K, D}).reshape({N * K, D});
     y = ops::combine_experts(experts_over_ranks(slots, eo, keep.defined()).view({N, K, D}), w);
-    if (shared_expert) {
-      y = y + shared_expert->forward(x_shared, res);
-    } else if (res.defined()) {
-      y = y + res;
-    }
+    if (shared_expert) y = y + shared_expert(x_shared);
   } else {
     // The shared experts' output is added to the routed experts' combine.
     std::function<at::Tensor()> shared;
-    if (shared_expert) {
-      shared = [&] { return shared_expert->forward(x_shared, res); };
-    } else if (res.defined()) {
-      shared = [&] { return res; };
-    }
+    if (shared_expert) shared = [&] { return shared_expert(x_shared); };
     auto r = ops::moe_experts(x_routed, idx, w, keep, {experts->w1, experts->w2, experts->w3},
                               kernel_options_, shared);
     count_tokens(r.routed);

@@ -99,10 +99,7 @@ TORCH_MODULE(GroupedExperts);
 class MoeImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   explicit MoeImpl(const MoeOptions& opts);
-  // x: [B, T, D] -> [B, T, D]. With `residual` ([B, T, D]), residual + the
-  // output: added by the shared expert's down GEMM, or without one by the
-  // combine, where the kernels run.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& residual = at::Tensor());
+  at::Tensor forward(const at::Tensor& x);  // x: [B, T, D] -> [B, T, D]
   // Router decisions, for tests: top-k expert ids [N, k] and their gating
   // weights [N, k] (fp32) for x: [N, D].
   std::pair<at::Tensor, at::Tensor> route(const at::Tensor& x);

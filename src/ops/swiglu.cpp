@@ -6,7 +6,7 @@
 namespace viaduct::ops {
 
 at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
-                      const at::Tensor& w3, const KernelOptions& k, const at::Tensor& residual) {
+                      const at::Tensor& w3, const KernelOptions& k) {
   if (fused_runs(x, k)) {
     // Note [One w1/w3 projection]
     // As the qkv projection, w1 and w3 are the parts of one GEMM, [tokens,
@@ -18,18 +18,11 @@ at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& w1, const at::Tenso
     const kernels::SwiGLULinearOptions o{k.weight_cache.get(),
                                          k.capabilities.fp32_out_gemm, k.swiglu_recompute};
     if (mixed_linear_applies(x, {w1, w3}, k)) {
-      // The residual added by w2's GEMM (see Note [The partial sum added by
-      // the GEMM], kernels/gemm_fn.cpp).
-      const bool fold = residual.defined() && residual.scalar_type() == x.scalar_type();
-      auto y = kernels::swiglu_linear_packed(linear_parts(x, {w1, w3}, {}, k), w2, o,
-                                             fold ? residual : at::Tensor());
-      return residual.defined() && !fold ? y + residual : y;
+      return kernels::swiglu_linear_packed(linear_parts(x, {w1, w3}, {}, k), w2, o);
     }
-    auto y = kernels::swiglu_linear(linear(x, w1, {}, k), linear(x, w3, {}, k), w2, o);
-    return residual.defined() ? y + residual : y;
+    return kernels::swiglu_linear(linear(x, w1, {}, k), linear(x, w3, {}, k), w2, o);
   }
-  auto y = linear(at::silu(linear(x, w1, {}, k)) * linear(x, w3, {}, k), w2, {}, k);
-  return residual.defined() ? y + residual : y;
+  return linear(at::silu(linear(x, w1, {}, k)) * linear(x, w3, {}, k), w2, {}, k);
 }
 
 }  // namespace viaduct::ops

@@ -9,10 +9,7 @@ namespace viaduct::ops {
 
 // x: [..., D]; w1, w3: [F, D]; w2: [D, F] (fp32 master weights, cast to
 // x's dtype). Where the kernels run: see Note [One w1/w3 projection].
-// With `residual` ([..., D]), residual + the FFN's output (added by w2's GEMM
-// where the kernels run; its gradient is the output's).
 at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
-                      const at::Tensor& w3, const KernelOptions& k,
-                      const at::Tensor& residual = at::Tensor());
+                      const at::Tensor& w3, const KernelOptions& k);
 
 }  // namespace viaduct::ops
