@@ -5,7 +5,6 @@
 #include <array>
 #include <map>
 #include <mutex>
-#include <tuple>
 
 #include "kernels/fn_common.h"
 #include "kernels/fused.h"
@@ -16,10 +15,9 @@ namespace {
 
 // Note [The partial sum added by the GEMM]
 // kimi_k3's AttnRes blocks add every sublayer's output to the block's
-// partial sum, p' = p + x W^T, where the sublayer's last op is a GEMM (the
-// attention's output projection, the shared expert's or the dense FFN's
-// down projection). As a GEMM then an add, the product is written, then
-// read again with p to write p'. cuBLAS's epilogue can add a matrix C to
+// partial sum. The token mixer's ends in a GEMM (KDA's o_proj, MLA's wo), so
+// that sum is p' = p + x W^T. As a GEMM then an add, the product is
+// written, then read again with p to write p'. cuBLAS's epilogue can add a matrix C to
 // the product, but ATen's addmm first copies C into its result and runs
 // the GEMM in place (a device-to-device copy as large as the add), and p
 // cannot be the result: the AttnRes reads keep it for their backward.
@@ -58,10 +56,6 @@ struct Plan {
   cublasLtMatmulAlgo_t algo{};
 };
 
-// Row-major D [M, N] = C + X [M, K] W [N, K]^T in cuBLAS's column-major
-// terms: D^T (N x M, ld N) = W X^T + C^T, with A = W read as the K x N
-// column-major matrix W^T (ld K) and transposed, B = X^T as K x M (ld K),
-// and C, D both N x M (ld N).
 // The largest power of two up to 256 that divides p's address: the
 // heuristic may otherwise pick a kernel that assumes 256-byte alignment.
 uint32_t alignment(const void* p) {
@@ -71,7 +65,11 @@ uint32_t alignment(const void* p) {
   return al;
 }
 
-// align: the alignments of W, X, C and D, in that order.
+// Row-major D [M, N] = C + X [M, K] W [N, K]^T in cuBLAS's column-major
+// terms: D^T (N x M, ld N) = W X^T + C^T, with A = W read as the K x N
+// column-major matrix W^T (ld K) and transposed, B = X^T as K x M (ld K),
+// and C, D both N x M (ld N). align: the alignments of W, X, C and D, in
+// that order.
 const Plan& plan_for(int device, int64_t M, int64_t N, int64_t K,
                      const std::array<uint32_t, 4>& align) {
   static std::mutex m;
