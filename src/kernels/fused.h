@@ -120,12 +120,6 @@ at::Tensor swiglu_linear(const at::Tensor& a, const at::Tensor& b, const at::Ten
 at::Tensor swiglu_linear_packed(const at::Tensor& ab, const at::Tensor& w,
                                 const SwiGLULinearOptions& o);
 
-// c + x w^T for bf16 x [..., K], w [N, K] and c [..., N], as one cuBLASLt
-// GEMM that reads c and writes a new tensor (see Note [The partial sum
-// added by the GEMM], kernels/gemm_fn.cpp). No autograd: the callers'
-// functions give the gradients.
-at::Tensor gemm_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& c);
-
 // scale * x * rsqrt(sum(x^2) + eps) over the last dimension of x (fp32 or
 // bf16), in fp32 (a warp per row); the backward gives x's gradient in x's
 // dtype.

@@ -11,7 +11,7 @@ namespace viaduct::kernels {
 void attn_res_slot_add(const at::Tensor& slot, const at::Tensor& grad) {
   at::Tensor s = slot;  // the same TensorImpl as every holder of the slot
   // Out of place: the slot's storage may be a gradient autograd also handed
-  // to another input (see attn_res_partial_sum), which an in-place add
+  // to another input (see attn_res_partial_add), which an in-place add
   // would change under its other holders.
   s.set_(s.numel() == 0 ? grad : s + grad);
 }

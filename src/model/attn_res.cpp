@@ -45,25 +45,22 @@ class BlockSinkFn : public torch::autograd::Function<BlockSinkFn> {
   }
 };
 
-// See Note [AttnRes partial sums in place]. `partial` is an input for its
-// edge alone: its producer's backward must wait for this node's, which
-// starts its slot's sum.
-class PartialSumFn : public torch::autograd::Function<PartialSumFn> {
+// See Note [AttnRes partial sums in place].
+class PartialAddFn : public torch::autograd::Function<PartialAddFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& partial,
-                            const at::Tensor& sum, const at::Tensor* partial_slot,
+                            const at::Tensor& x, const at::Tensor* partial_slot,
                             const at::Tensor* out_slot) {
-    (void)partial;
     ctx->set_materialize_grads(false);  // p' may reach the backward only through its slot
     ctx->saved_data["partial_slot"] = *partial_slot;
     ctx->saved_data["out_slot"] = *out_slot;
-    return sum;  // returned as a view with this node as its gradient edge
+    return partial + x;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto g = take_slot_sum(ctx->saved_data["out_slot"].toTensor(), grads[0]);
     if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     // partial's gradient starts its slot's sum (its read adds into it later,
-    // out of place: the sum's gradient is the same storage).
+    // out of place: x's gradient is the same storage).
     ops::attn_res_slot_add(ctx->saved_data["partial_slot"].toTensor(), g);
     return {at::Tensor(), g, at::Tensor(), at::Tensor()};
   }
@@ -106,13 +103,11 @@ at::Tensor attn_res_block_sink(const at::Tensor& block, const at::Tensor& slot) 
   return BlockSinkFn::apply(block, &slot);
 }
 
-at::Tensor attn_res_partial_sum(const at::Tensor& partial, const at::Tensor& partial_slot,
-                                const at::Tensor& sum, const at::Tensor& out_slot) {
+at::Tensor attn_res_partial_add(const at::Tensor& partial, const at::Tensor& partial_slot,
+                                const at::Tensor& x, const at::Tensor& out_slot) {
   VIADUCT_ASSERT(partial_slot.defined() && out_slot.defined(),
-                 "attn_res_partial_sum: both slots must be defined");
-  VIADUCT_ASSERT(sum.sizes() == partial.sizes(), "attn_res_partial_sum: the sum ", sum.sizes(),
-                 " is not the partial sum's shape ", partial.sizes());
-  return PartialSumFn::apply(partial, sum, &partial_slot, &out_slot);
+                 "attn_res_partial_add: both slots must be defined");
+  return PartialAddFn::apply(partial, x, &partial_slot, &out_slot);
 }
 
 std::vector<at::Tensor> attn_res_seed(const std::vector<at::Tensor>& outputs,

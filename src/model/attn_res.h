@@ -76,23 +76,19 @@ at::Tensor attn_res_block_sink(const at::Tensor& block, const at::Tensor& slot);
 // by it (p' = p + x), so autograd would sum p's two gradients, the read's
 // and the add's, in a standalone add each sublayer. With slots on the
 // partial sums (the blocks' mechanism above):
-//  - the sublayer adds x to p itself (its last GEMM does: see Note [The
-//    partial sum added by the GEMM], kernels/gemm_fn.cpp), taking p
-//    detached, so no gradient reaches p through it;
-//  - attn_res_partial_sum(p, p_slot, sum, out_slot) marks that sum as p';
-//    its backward takes out_slot's sum (emptying it) plus any gradient that
-//    reached p' another way, returns it as the sum's gradient (x's) and
-//    starts p_slot's sum with it (the same storage, so every later add into
-//    a slot is out of place).
-//  - p's read, with p_slot as p's slot, runs its backward after that node's
+//  - attn_res_partial_add(p, p_slot, x, out_slot) is p + x; its backward
+//    takes out_slot's sum (emptying it) plus any gradient that reached p'
+//    another way, returns it as x's gradient and starts p_slot's sum with
+//    it (the same storage, so every later add into a slot is out of place).
+//  - p's read, with p_slot as p's slot, runs its backward after that add's
 //    (the read's output feeds x), so its kernel adds the slot's sum as it
 //    writes p's gradient, in the pass it makes anyway.
 //  - the layer's incoming partial sum is a sink with a slot (as a block
 //    is), which returns the slot's sum to whatever made it.
-// Each gradient sum is the add autograd would make of the same two
-// tensors, so the bits are autograd's.
-at::Tensor attn_res_partial_sum(const at::Tensor& partial, const at::Tensor& partial_slot,
-                                const at::Tensor& sum, const at::Tensor& out_slot);
+// Each sum is the add autograd would make of the same two tensors, so the
+// bits are autograd's.
+at::Tensor attn_res_partial_add(const at::Tensor& partial, const at::Tensor& partial_slot,
+                                const at::Tensor& x, const at::Tensor& out_slot);
 // outputs[i] with slots[i] defined: its gradient goes to the slot. Returns
 // the outputs (views) in order.
 std::vector<at::Tensor> attn_res_seed(const std::vector<at::Tensor>& outputs,

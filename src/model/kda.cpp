@@ -139,8 +139,7 @@ KdaRuleInputs KdaImpl::rule_inputs(const KdaProjections& p, const ops::Documents
   return in;
 }
 
-at::Tensor KdaImpl::output(const KdaProjections& p, const at::Tensor& o,
-                           const at::Tensor& residual) {
+at::Tensor KdaImpl::output(const KdaProjections& p, const at::Tensor& o) {
   // o: [B, T, H, dv]
   const auto B = p.q.size(0), T = p.q.size(1);
   const auto H = opts_.n_heads, d = opts_.head_dim;
@@ -148,17 +147,14 @@ at::Tensor KdaImpl::output(const KdaProjections& p, const at::Tensor& o,
   auto gate_logits = linear(p.g, g_b, kernel_options_).view({B, T, H, d});
   auto y = ops::gated_rms_norm(o, o_norm->weight, o_norm->eps_, gate_logits,
                                p.q.scalar_type(), o_norm->kernel_options());  // [B, T, H, dv]
-  return linear_add(y.reshape({B, T, H * d}), o_proj, residual, kernel_options_);
+  return linear(y.reshape({B, T, H * d}), o_proj, kernel_options_);
 }
 
-at::Tensor KdaImpl::forward(const at::Tensor& x, const ops::Documents* documents,
-                            const at::Tensor& residual) {
+at::Tensor KdaImpl::forward(const at::Tensor& x, const ops::Documents* documents) {
   const auto p = project(x);
   const auto in = rule_inputs(p, documents);
-  return output(p,
-                ops::kda(in.q, in.k, in.v, in.g, in.beta, opts_.chunk_size, kernel_options_, {},
-                         documents),
-                residual);
+  return output(p, ops::kda(in.q, in.k, in.v, in.g, in.beta, opts_.chunk_size, kernel_options_,
+                            {}, documents));
 }
 
 }  // namespace viaduct

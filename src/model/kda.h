@@ -60,18 +60,14 @@ class KdaImpl : public torch::nn::Module, public ops::KernelUser {
   // x: [B, T, D] -> [B, T, D]: output(x, ops::kda(rule_inputs(x), ...)),
   // each document alone under `documents` (see Note [Document boundaries]):
   // the convolutions and the recurrence take them.
-  // With `residual` ([B, T, D]), residual + the output, added by o_proj's
-  // GEMM where the kernels run (ops::linear_add).
-  at::Tensor forward(const at::Tensor& x, const ops::Documents* documents = nullptr,
-                     const at::Tensor& residual = at::Tensor());
+  at::Tensor forward(const at::Tensor& x, const ops::Documents* documents = nullptr);
   // The layer's parts around the recurrence: the projections of x; from
   // them the convolutions, norms, decay and beta; and from the
   // recurrence's o [B, T, H, dv] the gated, normalised output projection.
   // A test evaluates the layer with another form of the rule between them.
   KdaProjections project(const at::Tensor& x);
   KdaRuleInputs rule_inputs(const KdaProjections& p, const ops::Documents* documents = nullptr);
-  at::Tensor output(const KdaProjections& p, const at::Tensor& o,
-                    const at::Tensor& residual = at::Tensor());
+  at::Tensor output(const KdaProjections& p, const at::Tensor& o);
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out);
   static int64_t count_params(const KdaOptions& o);

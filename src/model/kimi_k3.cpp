@@ -266,12 +266,9 @@ at::Tensor KimiK3LayerImpl::forward(const at::Tensor& hidden,
   return ops::recompute(body, inputs, parameters(), keep_op_outputs_).at(0);
 }
 
-at::Tensor KimiK3LayerImpl::mix(const at::Tensor& n, const ops::Documents* documents,
-                                const at::Tensor& residual) {
-  return mla ? mla->forward(n, documents, residual) : kda->forward(n, documents, residual);
+at::Tensor KimiK3LayerImpl::mix(const at::Tensor& n, const ops::Documents* documents) {
+  return mla ? mla(n, documents) : kda(n, documents);
 }
-
-at::Tensor KimiK3LayerImpl::ffn(const at::Tensor& n) { return moe ? moe(n) : feed_forward(n); }
 
 at::Tensor KimiK3LayerImpl::forward_plain(const at::Tensor& hidden,
                                           const ops::Documents* documents) {
@@ -279,7 +276,7 @@ at::Tensor KimiK3LayerImpl::forward_plain(const at::Tensor& hidden,
   auto n = attention_norm(hidden);
   auto h = hidden + mix(n, documents);
   n = ffn_norm(h);
-  return h + ffn(n);
+  return h + (moe ? moe(n) : feed_forward(n));
 }
 
 at::Tensor KimiK3LayerImpl::forward_sublayers(const std::vector<at::Tensor>& blocks,
@@ -288,7 +285,7 @@ at::Tensor KimiK3LayerImpl::forward_sublayers(const std::vector<at::Tensor>& blo
                                               const ops::Documents* documents) {
   // With slots, the partial sums have theirs too (see Note [AttnRes partial
   // sums in place]): the incoming one as a sink, each sum through
-  // attn_res_partial_sum.
+  // attn_res_partial_add.
   const bool with_slots = slots != nullptr;
   at::Tensor partial_slot;
   auto sink = [&](const at::Tensor& t) {  // t becomes the partial sum, with a slot
@@ -296,23 +293,13 @@ at::Tensor KimiK3LayerImpl::forward_sublayers(const std::vector<at::Tensor>& blo
     partial = attn_res_block_sink(t, partial_slot);
   };
   if (with_slots && partial.defined() && partial.requires_grad()) sink(partial);
-  // The token mixer's output is added to the partial sum by its last GEMM
-  // (see Note [The partial sum added by the GEMM], kernels/gemm_fn.cpp):
-  // the mixer gets the partial sum as its residual and returns the new
-  // sum; the FFN's output is added here. With a slot the partial sum's
-  // gradient goes through the slot, not through the sum (the residual is
-  // detached), and attn_res_partial_sum only marks the sum.
-  auto residual = [&]() -> at::Tensor {
-    if (!partial.defined()) return {};
-    return partial_slot.defined() ? partial.detach() : partial;
-  };
-  auto add = [&](const at::Tensor& sum) {  // sum: the partial sum plus a sublayer's output
+  auto add = [&](const at::Tensor& x) {
     if (!partial_slot.defined()) {
-      partial = sum;
+      partial = partial.defined() ? partial + x : x;
       return;
     }
-    auto out_slot = attn_res_new_slot(sum);
-    partial = attn_res_partial_sum(partial, partial_slot, sum, out_slot);
+    auto out_slot = attn_res_new_slot(x);
+    partial = attn_res_partial_add(partial, partial_slot, x, out_slot);
     partial_slot = out_slot;
   };
   std::vector<at::Tensor> sources = blocks;
@@ -328,7 +315,7 @@ at::Tensor KimiK3LayerImpl::forward_sublayers(const std::vector<at::Tensor>& blo
   if (trace) trace_->push_back(sources);
   auto n = attn_res_attn->forward_normed(sources, with_slots ? &read_slots : nullptr,
                                          *attention_norm);
-  auto a = mix(n, documents, residual());
+  auto a = mix(n, documents);
   if (with_slots && !partial.defined() && a.requires_grad()) {
     sink(a);  // an opening layer's partial sum is a itself
   } else {
@@ -342,9 +329,8 @@ at::Tensor KimiK3LayerImpl::forward_sublayers(const std::vector<at::Tensor>& blo
   }
   if (trace) trace_->push_back(sources);
   n = attn_res_ffn->forward_normed(sources, with_slots ? &read_slots : nullptr, *ffn_norm);
-  const auto res = residual();
-  const auto f = ffn(n);
-  add(res.defined() ? f + res : f);
+  auto f = moe ? moe(n) : feed_forward(n);
+  add(f);
   return partial;
 }
 

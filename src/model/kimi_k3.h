@@ -123,12 +123,8 @@ class KimiK3LayerImpl : public torch::nn::Module {
                                const ops::Documents* documents);
   // without AttnRes
   at::Tensor forward_plain(const at::Tensor& hidden, const ops::Documents* documents);
-  // The token mixer, MLA or KDA, of n [B, T, D]; plus `residual` where it
-  // is defined (added by the mixer's output GEMM, ops::linear_add).
-  at::Tensor mix(const at::Tensor& n, const ops::Documents* documents,
-                 const at::Tensor& residual = at::Tensor());
-  // The FFN, MoE or dense, of n.
-  at::Tensor ffn(const at::Tensor& n);
+  // The token mixer, MLA or KDA, of n [B, T, D].
+  at::Tensor mix(const at::Tensor& n, const ops::Documents* documents);
 };
 TORCH_MODULE(KimiK3Layer);
 

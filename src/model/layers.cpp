@@ -12,13 +12,6 @@ at::Tensor linear(const at::Tensor& x, const torch::nn::Linear& l, const ops::Ke
   return ops::linear(x, l->weight, l->options.bias() ? l->bias : at::Tensor(), k);
 }
 
-at::Tensor linear_add(const at::Tensor& x, const torch::nn::Linear& l, const at::Tensor& residual,
-                      const ops::KernelOptions& k) {
-  if (!residual.defined()) return linear(x, l, k);
-  VIADUCT_ASSERT(!l->options.bias(), "linear_add takes a linear without a bias");
-  return ops::linear_add(x, l->weight, residual, k);
-}
-
 torch::nn::Linear make_linear(torch::nn::Module& parent, const std::string& name,
                               int64_t in, int64_t out, bool bias) {
   return parent.register_module(

@@ -23,10 +23,6 @@ namespace viaduct {
 
 // ops::linear through a torch::nn::Linear used as the parameter holder.
 at::Tensor linear(const at::Tensor& x, const torch::nn::Linear& l, const ops::KernelOptions& k);
-// residual + linear(x, l) for a linear without a bias (ops::linear_add);
-// linear(x, l) where `residual` is undefined.
-at::Tensor linear_add(const at::Tensor& x, const torch::nn::Linear& l, const at::Tensor& residual,
-                      const ops::KernelOptions& k);
 // A parameter holder registered as `name` (FQN `<name>.weight`/`.bias`).
 torch::nn::Linear make_linear(torch::nn::Module& parent, const std::string& name,
                               int64_t in, int64_t out, bool bias);

@@ -76,8 +76,7 @@ void MlaImpl::init_weights(uint64_t seed, const std::string& p, double std_in,
   kv_norm->reset_parameters();
 }
 
-at::Tensor MlaImpl::forward(const at::Tensor& x, const ops::Documents* documents,
-                            const at::Tensor& residual) {
+at::Tensor MlaImpl::forward(const at::Tensor& x, const ops::Documents* documents) {
   // x: [B, T, D]
   const auto B = x.size(0), T = x.size(1), H = opts_.n_heads;
   const auto nope = opts_.qk_nope_head_dim, pe = opts_.qk_rope_head_dim;
@@ -111,7 +110,7 @@ at::Tensor MlaImpl::forward(const at::Tensor& x, const ops::Documents* documents
   } else {
     y = attend(q, k_pe, kv, rope_);
   }
-  return linear_add(y.reshape({B, T, H * vd}), wo, residual, kernel_options_);
+  return linear(y.reshape({B, T, H * vd}), wo, kernel_options_);
 }
 
 at::Tensor MlaImpl::attend(const at::Tensor& q, at::Tensor k_pe, const at::Tensor& kv,

@@ -34,11 +34,8 @@ class MlaImpl : public torch::nn::Module, public ops::KernelUser {
  public:
   explicit MlaImpl(const MlaOptions& opts);
   // x: [B, T, D] -> [B, T, D]; under `documents` each document attends
-  // within itself (see Note [Document boundaries], ops/documents.h). With
-  // `residual` ([B, T, D]), residual + the output, added by wo's GEMM where
-  // the kernels run (ops::linear_add).
-  at::Tensor forward(const at::Tensor& x, const ops::Documents* documents = nullptr,
-                     const at::Tensor& residual = at::Tensor());
+  // within itself (see Note [Document boundaries], ops/documents.h).
+  at::Tensor forward(const at::Tensor& x, const ops::Documents* documents = nullptr);
   void init_weights(uint64_t seed, const std::string& prefix, double std_in,
                     double std_out);
   static int64_t count_params(const MlaOptions& o);

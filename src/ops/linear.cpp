@@ -2,7 +2,6 @@
 
 #include "core/check.h"
 #include "core/torch_compat.h"
-#include "kernels/fused.h"
 #include "kernels/weight_cache.h"
 #include "ops/recompute.h"
 
@@ -22,15 +21,9 @@ namespace {
 // (see Note [Low-precision weight cache], kernels/weight_cache.h), kept for
 // the backward as at::linear keeps its cast weight, and the fp32 gradient is
 // split back into the parts.
-// The input after the weights: none, a bias, or a residual added by the
-// GEMM (linear_add).
-enum class LinearExtra { kNone, kBias, kResidual };
-
 struct MixedLinear {
-  // b: the bias or the residual, as `extra` says (undefined for kNone).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            at::TensorList w, const at::Tensor& b, const KernelOptions& k,
-                            LinearExtra extra) {
+                            at::TensorList w, const at::Tensor& b, const KernelOptions& k) {
     auto wc = kernels::cast_weights(k.weight_cache.get(), w, x.scalar_type());
     ctx->save_for_backward({x, wc});
     std::vector<int64_t> rows;
@@ -39,11 +32,7 @@ struct MixedLinear {
     ctx->saved_data["fp32_out"] = k.capabilities.fp32_out_gemm;
     // See Note [Per-op activation checkpointing]: the GEMM alone is skipped
     // in a replay; the node and what it saves are the same.
-    if (extra == LinearExtra::kNone) return run_saved_op([&] { return at::linear(x, wc); });
-    if (extra == LinearExtra::kResidual) {
-      // See Note [The partial sum added by the GEMM] (kernels/gemm_fn.cpp).
-      return run_saved_op([&] { return kernels::gemm_add(x, wc, b); });
-    }
+    if (!b.defined()) return run_saved_op([&] { return at::linear(x, wc); });
     ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
     if (k.capabilities.fp32_out_gemm && b.requires_grad()) {
       ctx->saved_data["ones"] = kernels::ones_row(k.weight_cache.get(), x.numel() / x.size(-1),
@@ -56,21 +45,18 @@ struct MixedLinear {
                         : kernels::cast_weights(k.weight_cache.get(), {b}, x.scalar_type());
     return run_saved_op([&] { return at::linear(x, wc, bc); });
   }
-  // {dx, dw per part..., the extra's gradient, none for the options}; the
-  // extra's slot only where there is one.
+  // {dx, dw per part..., db, none for the options}; db only when
+  // `bias_slot`.
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  const torch::autograd::variable_list& grads,
-                                                 LinearExtra extra) {
-    const bool bias_slot = extra == LinearExtra::kBias;
+                                                 bool bias_slot) {
     const auto saved = ctx->get_saved_variables();
     const auto &x = saved[0], &wc = saved[1];
     const auto rows = ctx->saved_data["rows"].toIntVector();
     const auto n = rows.size();
     const auto out_f = wc.size(0), in_f = wc.size(1);
     auto dy = grads[0].to(x.scalar_type()).reshape({-1, out_f});
-    torch::autograd::variable_list out(1 + n + (extra == LinearExtra::kNone ? 0 : 1) + 1);
-    // The residual's gradient is the output's.
-    if (extra == LinearExtra::kResidual && ctx->needs_input_grad(1 + n)) out[1 + n] = grads[0];
+    torch::autograd::variable_list out(1 + n + (bias_slot ? 1 : 0) + 1);
     if (ctx->needs_input_grad(0)) out[0] = at::mm(dy, wc).view(x.sizes());
     bool any_w = false;
     for (size_t i = 0; i < n; ++i) any_w = any_w || ctx->needs_input_grad(1 + i);
@@ -115,24 +101,11 @@ class MixedLinearFn : public torch::autograd::Function<MixedLinearFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             at::TensorList w, const at::Tensor& b, const KernelOptions* k) {
-    return MixedLinear::forward(ctx, x, w, b, *k, LinearExtra::kBias);
+    return MixedLinear::forward(ctx, x, w, b, *k);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    return MixedLinear::backward(ctx, grads, LinearExtra::kBias);
-  }
-};
-
-// residual + x W^T (linear_add).
-class MixedLinearAddFn : public torch::autograd::Function<MixedLinearAddFn> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            at::TensorList w, const at::Tensor& residual, const KernelOptions* k) {
-    return MixedLinear::forward(ctx, x, w, residual, *k, LinearExtra::kResidual);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    return MixedLinear::backward(ctx, grads, LinearExtra::kResidual);
+    return MixedLinear::backward(ctx, grads, /*bias_slot=*/true);
   }
 };
 
@@ -140,11 +113,11 @@ class MixedLinearNoBiasFn : public torch::autograd::Function<MixedLinearNoBiasFn
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             at::TensorList w, const KernelOptions* k) {
-    return MixedLinear::forward(ctx, x, w, at::Tensor(), *k, LinearExtra::kNone);
+    return MixedLinear::forward(ctx, x, w, at::Tensor(), *k);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    return MixedLinear::backward(ctx, grads, LinearExtra::kNone);
+    return MixedLinear::backward(ctx, grads, /*bias_slot=*/false);
   }
 };
 
@@ -213,14 +186,6 @@ bool mixed_linear_applies(const at::Tensor& x, at::TensorList w, const KernelOpt
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                   const KernelOptions& k) {
   return linear_parts(x, {w}, b, k);
-}
-
-at::Tensor linear_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& residual,
-                      const KernelOptions& k) {
-  if (mixed_linear_applies(x, {w}, k) && residual.scalar_type() == x.scalar_type()) {
-    return MixedLinearAddFn::apply(x, at::TensorList(w), residual, &k);
-  }
-  return linear(x, w, at::Tensor(), k) + residual;
 }
 
 at::Tensor linear_parts(const at::Tensor& x, at::TensorList w, const at::Tensor& b,

@@ -16,14 +16,7 @@ namespace viaduct::ops {
 // kernels/weight_cache.h).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                   const KernelOptions& k);
-// residual + x W^T (residual: the output's shape): where the fp32-gradient
-// form runs, one GEMM that adds the residual as it writes (see Note [The
-// partial sum added by the GEMM], kernels/gemm_fn.cpp), the same bits as
-// the product then the add; else the two. The residual's gradient is the
-// output's.
-at::Tensor linear_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& residual,
-                      const KernelOptions& k);
-// The same as linear with W the concatenation of `w` along dim 0 (one GEMM for
+// The same with W the concatenation of `w` along dim 0 (one GEMM for
 // several projections of x); each part gets its own gradient.
 at::Tensor linear_parts(const at::Tensor& x, at::TensorList w, const at::Tensor& b,
                         const KernelOptions& k);

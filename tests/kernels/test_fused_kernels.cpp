@@ -1081,42 +1081,6 @@ TEST(FusedKernels, MixedLinearWeightGradientIsFp32) {
   EXPECT_LT(rel_err(w.grad(), wr2.grad()), 1e-5) << "seed " << seed;
 }
 
-// See Note [The partial sum added by the GEMM]: the residual added by the
-// GEMM's epilogue (cuBLASLt, C read and a new D written) against the GEMM
-// then the add on the same values: every output and gradient bit for bit,
-// the residual's gradient the output's. Sizes that are no multiple of the
-// GEMM's tiles (37 rows a batch, 96 columns) included.
-TEST(FusedKernels, LinearAddIsTheGemmThenTheAdd) {
-  REQUIRE_GPU();
-  const auto seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
-  const auto o = at::TensorOptions(at::kCUDA);
-  auto x = at::randn({3, 37, 256}, o).to(at::kBFloat16);
-  auto r = at::randn({3, 37, 96}, o).to(at::kBFloat16);
-  auto dy = at::randn({3, 37, 96}, o).to(at::kBFloat16);
-  auto w = (at::randn({96, 256}, o) * 0.05).requires_grad_(true);
-  auto w2 = w.detach().clone().requires_grad_(true);
-  auto xa = x.clone().requires_grad_(true), xb = x.clone().requires_grad_(true);
-  auto ra = r.clone().requires_grad_(true), rb = r.clone().requires_grad_(true);
-  poison();
-  auto y = ops::linear_add(xa, w, ra, ops::KernelOptions{});
-  y.backward(dy);
-  auto two = ops::linear(xb, w2, at::Tensor(), ops::KernelOptions{}) + rb;
-  two.backward(dy);
-  ASSERT_EQ(y.scalar_type(), at::kBFloat16);
-  EXPECT_TRUE(at::equal(y, two));
-  EXPECT_TRUE(at::equal(xa.grad(), xb.grad()));
-  EXPECT_TRUE(at::equal(w.grad(), w2.grad()));
-  EXPECT_TRUE(at::equal(ra.grad(), dy));
-  // A detached residual (the AttnRes partial sum with a slot) takes no
-  // gradient and leaves the others as they were.
-  auto xc = x.clone().requires_grad_(true);
-  w.mutable_grad() = at::Tensor();
-  ops::linear_add(xc, w, r, ops::KernelOptions{}).backward(dy);
-  EXPECT_TRUE(at::equal(xc.grad(), xb.grad()));
-  EXPECT_TRUE(at::equal(w.grad(), w2.grad()));
-}
-
 // One forward_loss + backward of a fresh model built from `overrides` (init
 // seed 11): the loss and every parameter's gradient (zeros where none
 // reached it). gpu_step runs it on the GPU as configured; fp64_step on the

@@ -312,10 +312,10 @@ TEST(KimiK3Model, BlockGradientsInPlaceHaveAutogradsBits) {
   // Not vacuous: the middle part's block outputs go through the seed only
   // when the slots are on.
   ASSERT_EQ(on.output_nodes.size(), 4u);  // hidden, b_0 (embedding), b_1, b_2
-  // ... and its partial sum through the partial sum's node (see Note
-  // [AttnRes partial sums in place]).
-  EXPECT_NE(on.hidden_producer.find("PartialSumFn"), std::string::npos) << on.hidden_producer;
-  EXPECT_EQ(off.hidden_producer.find("PartialSumFn"), std::string::npos) << off.hidden_producer;
+  // ... and its partial sum through the partial add (see Note [AttnRes
+  // partial sums in place]).
+  EXPECT_NE(on.hidden_producer.find("PartialAddFn"), std::string::npos) << on.hidden_producer;
+  EXPECT_EQ(off.hidden_producer.find("PartialAddFn"), std::string::npos) << off.hidden_producer;
   for (size_t i = 1; i < 4; ++i) {
     EXPECT_NE(on.output_nodes[i].find("SeedFn"), std::string::npos) << on.output_nodes[i];
     EXPECT_EQ(off.output_nodes[i].find("SeedFn"), std::string::npos) << off.output_nodes[i];
