@@ -19,27 +19,28 @@ namespace viaduct::kernels {
 // Note [The clip's norms during the backward]
 // The clip's norm reads every fp32 gradient once after the backward, at the
 // memory's pace, while the device has nothing else queued. A parameter's
-// gradient is final once its accumulator (AccumulateGrad) has run in the
-// step's last backward, most of them long before the backward ends (the
-// head's first, the embedding's last). So a post hook on each accumulator,
-// armed for that backward only, takes the gradient's norm right then on a
-// second stream, after an event on the backward's stream: the norms' reads
-// overlap the rest of the backward. clip_on_device then makes its stream
-// wait for the second one and stacks the norms in the gradients' order,
-// forming here those no hook took (an accumulator that did not run, a
-// gradient replaced since). Each norm is `_foreach_norm`'s over a list of
-// one tensor: ATen sums a tensor's fixed-size chunks and then those sums in
-// one block, the list's shorter tensors padded with zeros, which add
-// exactly, so a tensor's norm does not depend on the list it is in and the
-// update keeps the bits of the norms formed after the backward (test
-// FusedKernels.BackwardNormsHaveTheClipsBits). An accumulator that runs
-// again in the same backward takes its norm again; the last take wins (the
-// earlier read, which raced that accumulation, is dropped). Under the step
-// graph's capture the events fork the second stream into the capture and
-// clip_on_device's wait joins it back, and the second stream's allocations
-// come from the graph's pool as the capture's own do. The hooks keep the
-// accumulators alive (as c10d's reducer does), so they outlive each
-// backward's graph; the hooks hold the norms' state weakly.
+// gradient is final once its accumulator (AccumulateGrad) has run in the step's
+// last backward, most of them long before the backward ends (the head's first,
+// the embedding's last). So a post hook on each accumulator, armed for that
+// backward only, takes the gradient, and every ~64 MiB of taken gradients go to
+// a second stream (one `_foreach_norm`, after an event on the backward's
+// stream): the norms' reads overlap the rest of the backward. clip_on_device
+// then makes its stream wait for the second one and stacks the norms in the
+// gradients' order, forming here those no hook took (an accumulator that did
+// not run, a gradient replaced since). Each norm is `_foreach_norm`'s over a
+// group's list, not the whole one: ATen sums a tensor's fixed-size chunks and
+// then those sums in one block, the list's shorter tensors padded with zeros,
+// which add exactly, so a tensor's norm does not depend on the list it is in
+// and the update keeps the bits of the norms formed after the backward (test
+// FusedKernels.BackwardNormsHaveTheClipsBits). An accumulator that runs again
+// in the same backward takes its gradient again; the last take wins (a norm
+// queued before it, whose read raced that accumulation, is dropped).
+// clip_on_device queues the last group before it waits. Under the step graph's
+// capture the events fork the second stream into the capture and
+// clip_on_device's wait joins it back, and the second stream's allocations come
+// from the graph's pool as the capture's own do. The hooks keep the
+// accumulators alive (as c10d's reducer does), so they outlive each backward's
+// graph; the hooks hold the norms' state weakly.
 class BackwardNorms : public std::enable_shared_from_this<BackwardNorms> {
  public:
   struct Taken {
@@ -50,7 +51,7 @@ class BackwardNorms : public std::enable_shared_from_this<BackwardNorms> {
       : params_(std::move(params)),
         device_(device),
         side_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device)),
-        ready_(params_.size()) {}
+        forks_(params_.size()) {}
 
   // Registers the hooks; and creates every event now, outside any capture.
   void hook();
@@ -58,27 +59,40 @@ class BackwardNorms : public std::enable_shared_from_this<BackwardNorms> {
     std::lock_guard<std::mutex> lock(mu_);
     armed_ = true;
     taken_.clear();
+    pending_.clear();
+    pending_bytes_ = 0;
+    next_fork_ = 0;
   }
   size_t taken() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return taken_.size();
+    return taken_.size() + pending_.size();
   }
   // On the accumulator's thread, with the backward's stream current.
   void take(size_t slot);
-  // Joins the second stream into the current one; disarms and hands over
-  // what was taken.
+  // Queues the pending gradients' norms and joins the second stream into
+  // the current one; disarms and hands over what was taken.
   std::unordered_map<const c10::TensorImpl*, Taken> collect();
 
  private:
+  // The pending gradients' norms on the second stream, after the work the
+  // current stream has queued. Under mu_.
+  void flush();
+
   std::vector<at::Tensor> params_;
   c10::DeviceIndex device_;
   c10::cuda::CUDAStream side_;
-  std::vector<at::cuda::CUDAEvent> ready_;  // one a parameter
+  // One event a flush (at most one a parameter), and the join's.
+  std::vector<at::cuda::CUDAEvent> forks_;
+  size_t next_fork_ = 0;
   at::cuda::CUDAEvent done_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   mutable std::mutex mu_;
   bool armed_ = false;
   bool forked_ = false;  // the second stream has work the current one has not waited for
+  // Gradients waiting for a flush, by tensor (a second take of one replaces
+  // the first); their bytes.
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> pending_;
+  int64_t pending_bytes_ = 0;
   std::unordered_map<const c10::TensorImpl*, Taken> taken_;
 };
 
@@ -99,7 +113,7 @@ struct NormWhenFinal : torch::autograd::FunctionPostHook {
 }  // namespace
 
 void BackwardNorms::hook() {
-  for (auto& e : ready_) e.record(side_);
+  for (auto& e : forks_) e.record(side_);
   done_.record(side_);
   side_.synchronize();
   const std::weak_ptr<BackwardNorms> self = weak_from_this();
@@ -111,25 +125,46 @@ void BackwardNorms::hook() {
   }
 }
 
+// The gradients' norms go to the second stream in groups of about this many
+// bytes: one `_foreach_norm` a group (a few launches) rather than one a
+// parameter, most of them small, and each group soon after its gradients.
+constexpr int64_t kNormGroupBytes = int64_t{64} << 20;
+
 void BackwardNorms::take(size_t slot) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!armed_) return;
   const at::Tensor g = params_[slot].grad();
   if (!g.defined() || !g.is_cuda() || g.scalar_type() != at::kFloat) return;
-  const auto main = c10::cuda::getCurrentCUDAStream(device_);
-  ready_[slot].record(main);
-  ready_[slot].block(side_);
-  at::Tensor norm;
+  auto& held = pending_[g.unsafeGetTensorImpl()];
+  if (!held.defined()) pending_bytes_ += g.numel() * 4;
+  held = g;
+  if (pending_bytes_ >= kNormGroupBytes) flush();
+}
+
+void BackwardNorms::flush() {
+  if (pending_.empty()) return;
+  VIADUCT_ASSERT(next_fork_ < forks_.size(), "backward_norms: more groups than parameters");
+  auto& fork = forks_[next_fork_++];
+  fork.record(c10::cuda::getCurrentCUDAStream(device_));
+  fork.block(side_);
+  std::vector<at::Tensor> grads;
+  for (const auto& [impl, g] : pending_) grads.push_back(g);
+  std::vector<at::Tensor> norms;
   {
     const c10::cuda::CUDAStreamGuard on_side(side_);
-    norm = at::_foreach_norm(std::vector<at::Tensor>{g}, 2)[0];
+    norms = at::_foreach_norm(grads, 2);
   }
-  taken_[g.unsafeGetTensorImpl()] = {g, norm};
+  for (size_t i = 0; i < grads.size(); ++i) {
+    taken_[grads[i].unsafeGetTensorImpl()] = {grads[i], norms[i]};
+  }
+  pending_.clear();
+  pending_bytes_ = 0;
   forked_ = true;
 }
 
 std::unordered_map<const c10::TensorImpl*, BackwardNorms::Taken> BackwardNorms::collect() {
   std::lock_guard<std::mutex> lock(mu_);
+  if (armed_) flush();
   armed_ = false;
   if (forked_) {
     done_.record(side_);

@@ -1699,13 +1699,15 @@ TEST(FusedKernels, BackwardNormsHaveTheClipsBits) {
   const auto seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   const auto f32 = at::TensorOptions(at::kCUDA).dtype(at::kFloat);
-  // W1 [300, 700] (several chunks), b1, W2, and a parameter the loss skips.
-  std::vector<at::Tensor> params = {at::randn({300, 700}, f32), at::randn({300}, f32),
-                                    at::randn({64, 300}, f32), at::randn({5}, f32)};
+  // W1 [4096, 4100] (more than a group's bytes: its take sends the group
+  // to the second stream during the backward), b1, W2, and a parameter the
+  // loss skips.
+  std::vector<at::Tensor> params = {at::randn({4096, 4100}, f32) * 0.02, at::randn({4096}, f32),
+                                    at::randn({64, 4096}, f32) * 0.02, at::randn({5}, f32)};
   for (auto& p : params) p.requires_grad_(true);
   auto norms = kernels::backward_norms(params);
   ASSERT_NE(norms, nullptr);
-  const auto x = at::randn({32, 700}, f32);
+  const auto x = at::randn({32, 4100}, f32);
   auto backward = [&] {
     auto h = at::relu(at::linear(x, params[0], params[1]));
     at::linear(h, params[2]).square().sum().backward();
