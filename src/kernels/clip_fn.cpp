@@ -50,8 +50,7 @@ class BackwardNorms : public std::enable_shared_from_this<BackwardNorms> {
   BackwardNorms(std::vector<at::Tensor> params, c10::DeviceIndex device)
       : params_(std::move(params)),
         device_(device),
-        side_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device)),
-        forks_(params_.size()) {}
+        side_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device)) {}
 
   // Registers the hooks; and creates every event now, outside any capture.
   void hook();
@@ -61,7 +60,6 @@ class BackwardNorms : public std::enable_shared_from_this<BackwardNorms> {
     taken_.clear();
     pending_.clear();
     pending_bytes_ = 0;
-    next_fork_ = 0;
   }
   size_t taken() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -81,9 +79,9 @@ class BackwardNorms : public std::enable_shared_from_this<BackwardNorms> {
   std::vector<at::Tensor> params_;
   c10::DeviceIndex device_;
   c10::cuda::CUDAStream side_;
-  // One event a flush (at most one a parameter), and the join's.
-  std::vector<at::cuda::CUDAEvent> forks_;
-  size_t next_fork_ = 0;
+  // The fork's event, recorded again for each flush (a wait takes the
+  // record before it), and the join's.
+  at::cuda::CUDAEvent fork_;
   at::cuda::CUDAEvent done_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   mutable std::mutex mu_;
@@ -113,7 +111,7 @@ struct NormWhenFinal : torch::autograd::FunctionPostHook {
 }  // namespace
 
 void BackwardNorms::hook() {
-  for (auto& e : forks_) e.record(side_);
+  fork_.record(side_);
   done_.record(side_);
   side_.synchronize();
   const std::weak_ptr<BackwardNorms> self = weak_from_this();
@@ -143,10 +141,8 @@ void BackwardNorms::take(size_t slot) {
 
 void BackwardNorms::flush() {
   if (pending_.empty()) return;
-  VIADUCT_ASSERT(next_fork_ < forks_.size(), "backward_norms: more groups than parameters");
-  auto& fork = forks_[next_fork_++];
-  fork.record(c10::cuda::getCurrentCUDAStream(device_));
-  fork.block(side_);
+  fork_.record(c10::cuda::getCurrentCUDAStream(device_));
+  fork_.block(side_);
   std::vector<at::Tensor> grads;
   for (const auto& [impl, g] : pending_) grads.push_back(g);
   std::vector<at::Tensor> norms;
