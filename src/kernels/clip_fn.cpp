@@ -43,6 +43,8 @@ namespace viaduct::kernels {
 // graph; the hooks hold the norms' state weakly.
 class BackwardNorms : public std::enable_shared_from_this<BackwardNorms> {
  public:
+  // The gradient is held only so that its TensorImpl, the map's key, stays
+  // its own until the clip looks it up.
   struct Taken {
     at::Tensor grad, norm;
   };
@@ -134,7 +136,7 @@ void BackwardNorms::take(size_t slot) {
   const at::Tensor g = params_[slot].grad();
   if (!g.defined() || !g.is_cuda() || g.scalar_type() != at::kFloat) return;
   auto& held = pending_[g.unsafeGetTensorImpl()];
-  if (!held.defined()) pending_bytes_ += g.numel() * 4;
+  if (!held.defined()) pending_bytes_ += static_cast<int64_t>(g.nbytes());
   held = g;
   if (pending_bytes_ >= kNormGroupBytes) flush();
 }
@@ -216,7 +218,7 @@ DeviceClip clip_on_device(const std::vector<at::Tensor>& grads, double max_norm,
     std::vector<size_t> rest_at;
     for (size_t i = 0; i < grads.size(); ++i) {
       const auto it = taken.find(grads[i].unsafeGetTensorImpl());
-      if (it != taken.end() && it->second.grad.is_same(grads[i])) {
+      if (it != taken.end()) {
         each[i] = it->second.norm;
       } else {
         rest.push_back(grads[i]);
