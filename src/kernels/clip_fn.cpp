@@ -38,9 +38,13 @@ namespace viaduct::kernels {
 // clip_on_device queues the last group before it waits. Under the step graph's
 // capture the events fork the second stream into the capture and
 // clip_on_device's wait joins it back, and the second stream's allocations come
-// from the graph's pool as the capture's own do. The hooks keep the
-// accumulators alive (as c10d's reducer does), so they outlive each backward's
-// graph; the hooks hold the norms' state weakly.
+// from the graph's pool as the capture's own do. The hooks go on when armed,
+// on the accumulators alive then (the forward's, or new ones), which are held
+// only until the clip collects: an accumulator remembers the stream it was
+// made on, and one kept alive into the next step (made on the default stream,
+// say) would make the engine tie that stream to the step graph's capture,
+// which CUDA refuses. An accumulator that lives on keeps its one hook. The
+// hooks hold the norms' state weakly.
 class BackwardNorms : public std::enable_shared_from_this<BackwardNorms> {
  public:
   // The gradient is held only so that its TensorImpl, the map's key, stays
@@ -54,15 +58,11 @@ class BackwardNorms : public std::enable_shared_from_this<BackwardNorms> {
         device_(device),
         side_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device)) {}
 
-  // Registers the hooks; and creates every event now, outside any capture.
-  void hook();
-  void arm() {
-    std::lock_guard<std::mutex> lock(mu_);
-    armed_ = true;
-    taken_.clear();
-    pending_.clear();
-    pending_bytes_ = 0;
-  }
+  // Creates every event now, outside any capture.
+  void init();
+  // With the step's stream current, after its last forward: hooks each
+  // parameter's accumulator (see the Note) and starts taking.
+  void arm();
   size_t taken() const {
     std::lock_guard<std::mutex> lock(mu_);
     return taken_.size() + pending_.size();
@@ -85,7 +85,10 @@ class BackwardNorms : public std::enable_shared_from_this<BackwardNorms> {
   // record before it), and the join's.
   at::cuda::CUDAEvent fork_;
   at::cuda::CUDAEvent done_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  // The accumulators armed for this backward, held until collect(); and each
+  // parameter's last hooked one, so that one that lives on is hooked once.
+  std::vector<std::shared_ptr<torch::autograd::Node>> held_;
+  std::vector<std::weak_ptr<torch::autograd::Node>> hooked_;
   mutable std::mutex mu_;
   bool armed_ = false;
   bool forked_ = false;  // the second stream has work the current one has not waited for
@@ -112,17 +115,30 @@ struct NormWhenFinal : torch::autograd::FunctionPostHook {
 
 }  // namespace
 
-void BackwardNorms::hook() {
+void BackwardNorms::init() {
   fork_.record(side_);
   done_.record(side_);
   side_.synchronize();
+  hooked_.resize(params_.size());
+}
+
+void BackwardNorms::arm() {
+  std::lock_guard<std::mutex> lock(mu_);
+  held_.clear();
   const std::weak_ptr<BackwardNorms> self = weak_from_this();
   for (size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
     VIADUCT_CHECK(acc != nullptr, "backward_norms: parameter ", i, " has no gradient accumulator");
-    acc->add_post_hook(std::make_unique<NormWhenFinal>(self, i));
-    accumulators_.push_back(std::move(acc));
+    if (hooked_[i].lock() != acc) {
+      acc->add_post_hook(std::make_unique<NormWhenFinal>(self, i));
+      hooked_[i] = acc;
+    }
+    held_.push_back(std::move(acc));
   }
+  armed_ = true;
+  taken_.clear();
+  pending_.clear();
+  pending_bytes_ = 0;
 }
 
 // The gradients' norms go to the second stream in groups of about this many
@@ -164,6 +180,7 @@ std::unordered_map<const c10::TensorImpl*, BackwardNorms::Taken> BackwardNorms::
   std::lock_guard<std::mutex> lock(mu_);
   if (armed_) flush();
   armed_ = false;
+  held_.clear();
   if (forked_) {
     done_.record(side_);
     done_.block(c10::cuda::getCurrentCUDAStream(device_));
@@ -182,7 +199,7 @@ std::shared_ptr<BackwardNorms> backward_norms(const std::vector<at::Tensor>& par
     }
   }
   auto norms = std::make_shared<BackwardNorms>(params, dev.index());
-  norms->hook();
+  norms->init();
   return norms;
 }
 
