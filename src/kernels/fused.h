@@ -17,7 +17,6 @@
 #include <torch/torch.h>
 
 #include <functional>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -321,25 +320,8 @@ struct DeviceClip {
   at::Tensor values;
 };
 bool clip_on_device_takes(const std::vector<at::Tensor>& grads);
-// See Note [The clip's norms during the backward] (kernels/clip_fn.cpp):
-// hooks on the parameters' gradient accumulators that, while armed, take
-// each gradient's norm on a side stream as the gradient becomes final.
-class BackwardNorms;
-// Null where the norms cannot be taken there: `params` not all fp32 leaves
-// requiring their gradient on one CUDA device (and in the CPU build).
-std::shared_ptr<BackwardNorms> backward_norms(const std::vector<at::Tensor>& params);
-// Arms the hooks for the next backward (the step's last), forgetting what
-// they took before.
-void arm_backward_norms(BackwardNorms& norms);
-// How many gradients' norms the armed hooks hold.
-size_t backward_norms_taken(const BackwardNorms& norms);
-// `during`: the norms taken in the backward, where armed; the current
-// stream then waits for them, every gradient they hold (the same tensor)
-// takes its norm from there and the rest are formed here, and the hooks
-// are disarmed.
 DeviceClip clip_on_device(const std::vector<at::Tensor>& grads, double max_norm,
-                          const std::vector<at::Tensor>& also = {},
-                          BackwardNorms* during = nullptr);
+                          const std::vector<at::Tensor>& also = {});
 // Starts copying clip.values to the host, ordered after the work queued so
 // far; the function returned waits for that copy only (not for work queued
 // after this call, e.g. the update) and returns the values as doubles.

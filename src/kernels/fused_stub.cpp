@@ -78,11 +78,7 @@ void adamw_many_(const std::vector<AdamWTensors>& ts, double, double, double, do
   if (!ts.empty()) no_cuda("adamw_many");
 }
 bool clip_on_device_takes(const std::vector<at::Tensor>&) { return false; }
-std::shared_ptr<BackwardNorms> backward_norms(const std::vector<at::Tensor>&) { return nullptr; }
-void arm_backward_norms(BackwardNorms&) { no_cuda("arm_backward_norms"); }
-size_t backward_norms_taken(const BackwardNorms&) { no_cuda("backward_norms_taken"); }
-DeviceClip clip_on_device(const std::vector<at::Tensor>&, double, const std::vector<at::Tensor>&,
-                          BackwardNorms*) {
+DeviceClip clip_on_device(const std::vector<at::Tensor>&, double, const std::vector<at::Tensor>&) {
   no_cuda("clip_on_device");
 }
 std::function<std::vector<double>()> fetch_clip_values(const DeviceClip&) {

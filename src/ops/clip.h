@@ -5,7 +5,6 @@
 #include <torch/torch.h>
 
 #include <functional>
-#include <memory>
 #include <vector>
 
 #include "kernels/fused.h"
@@ -13,7 +12,6 @@
 
 namespace viaduct::ops {
 
-using kernels::BackwardNorms;
 using kernels::DeviceClip;
 
 // Whether the device forms the clip coefficient for these gradients (fp32
@@ -21,18 +19,8 @@ using kernels::DeviceClip;
 bool clip_on_device_takes(const std::vector<at::Tensor>& grads, const KernelOptions& k);
 // kernels::clip_on_device: the global norm and the coefficient for max_norm
 // on the device, and the values of `also` beside the norm; device work only.
-// `during`: the norms taken in the backward (see Note [The clip's norms
-// during the backward], kernels/clip_fn.cpp), or null.
 DeviceClip clip_on_device(const std::vector<at::Tensor>& grads, double max_norm,
-                          const std::vector<at::Tensor>& also = {},
-                          BackwardNorms* during = nullptr);
-// kernels::backward_norms where the kernels run under `k`: hooks that take
-// each gradient's norm as it becomes final in an armed backward; null
-// where they cannot run.
-std::shared_ptr<BackwardNorms> backward_norms(const std::vector<at::Tensor>& params,
-                                              const KernelOptions& k);
-// Arms them for the next backward (the step's last).
-void arm_backward_norms(BackwardNorms& norms);
+                          const std::vector<at::Tensor>& also = {});
 // kernels::fetch_clip_values: starts the values' copy to the host; the
 // function returned waits for it and returns the norm, then `also`.
 std::function<std::vector<double>()> fetch_clip_values(const DeviceClip& clip);

@@ -84,11 +84,6 @@ OptimizerStep::OptimizerStep(const JobConfig& job, std::vector<NamedParam> param
         mesh->expert_replica_group(), dp_size_, mesh->ep(), mesh->ep_rank(),
         optimizer_->params(), expert_shards_, /*whole=*/!shards_);
   }
-  if (updates_on_device() && !grad_reduction_) {
-    std::vector<at::Tensor> ps;
-    for (const auto& np : optimizer_->params()) ps.push_back(np.param);
-    backward_norms_ = ops::backward_norms(ps, setup_.kernels);
-  }
 }
 
 OptimizerStep::~OptimizerStep() = default;
@@ -168,12 +163,7 @@ std::optional<ops::DeviceClip> OptimizerStep::device_clip(
   }
   if (!ops::clip_on_device_takes(grads, setup_.kernels)) return std::nullopt;
   RECORD_USER_SCOPE("viaduct::grad_norm");
-  return ops::clip_on_device(grads, max_norm, pending_losses,
-                             grad_reduction_ ? nullptr : backward_norms_.get());
-}
-
-void OptimizerStep::arm_backward_norms() {
-  if (backward_norms_) ops::arm_backward_norms(*backward_norms_);
+  return ops::clip_on_device(grads, max_norm, pending_losses);
 }
 
 double OptimizerStep::step_with_device_clip(double lr, const ops::DeviceClip& clip,

@@ -99,11 +99,6 @@ class OptimizerStep {
   // other steps release them.
   double step_with_device_clip(double lr, const ops::DeviceClip& clip, double& loss_sum,
                                bool keep_grads, int64_t step);
-  // Call before the step's last backward where one process holds the
-  // whole model: device_clip() then takes the norms formed during it.
-  // Does nothing where the clip does not run on the device.
-  // See Note [The clip's norms during the backward] (kernels/clip_fn.cpp).
-  void arm_backward_norms();
 
   Optimizer& optimizer() { return *optimizer_; }
   const Optimizer& optimizer() const { return *optimizer_; }
@@ -124,9 +119,6 @@ class OptimizerStep {
   // sum], train/expert_parallel.h); grad_reduction_ leaves them out.
   std::unique_ptr<ExpertGradReduction> expert_reduction_;
   std::vector<ExpertShard> expert_shards_;
-  // One process without a data-parallel sum, on the device clip: the hooks
-  // that take the norms during the last backward; null elsewhere.
-  std::shared_ptr<ops::BackwardNorms> backward_norms_;
 };
 
 }  // namespace viaduct

@@ -345,15 +345,10 @@ void Trainer::forward_backward(const std::vector<data::TokenBatch>& batches, dou
         pending_losses.push_back(std::move(l));
       }
     } else {
-      for (size_t i = 0; i < mbs.size(); ++i) {
-        const auto& mb = mbs[i];
+      for (const auto& mb : mbs) {
         const auto documents = data_->documents(mb.inputs);
         for (auto& p : parts_) p->set_documents(documents);
         auto loss = forward_loss(mb);
-        // The gradients are final in the step's last backward: the clip's
-        // norms start there.
-        // See Note [The clip's norms during the backward] (kernels/clip_fn.cpp).
-        if (a + 1 == batches.size() && i + 1 == mbs.size()) update_->arm_backward_norms();
         (loss * scale).backward();
         pending_losses.push_back(loss.detach());
       }
@@ -379,13 +374,11 @@ const ops::DeviceClip& Trainer::replay_step_graph(const std::vector<data::TokenB
   }
   return step_graph_->run([this] {
     std::vector<at::Tensor> losses;
-    const auto& mbs = step_graph_->microbatches();
-    for (size_t i = 0; i < mbs.size(); ++i) {
+    for (const auto& mb : step_graph_->microbatches()) {
       RECORD_USER_SCOPE("viaduct::forward_backward");
-      auto loss = forward_loss(mbs[i]);
+      auto loss = forward_loss(mb);
       VIADUCT_ASSERT(loss.scalar_type() == at::kFloat, "the step graph scales an fp32 loss, not ",
                      loss.scalar_type());
-      if (i + 1 == mbs.size()) update_->arm_backward_norms();
       (loss * step_graph_->loss_scale()).backward();
       losses.push_back(loss.detach());
     }

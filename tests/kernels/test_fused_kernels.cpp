@@ -1689,60 +1689,6 @@ TEST(FusedKernels, ClipOnTheDeviceHasTheHostBits) {
   EXPECT_TRUE(at::equal(ps[0].param.detach(), before)) << "a non-finite norm updated the weight";
 }
 
-// See Note [The clip's norms during the backward]: the norms the armed hooks
-// take in the backward give the clip the bits of the norms formed after it:
-// with a gradient accumulated over two backwards (the second armed), a
-// parameter left without a gradient, and a gradient replaced after the
-// backward (its norm formed again). The sizes span ATen's foreach chunks.
-TEST(FusedKernels, BackwardNormsHaveTheClipsBits) {
-  REQUIRE_GPU();
-  const auto seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
-  const auto f32 = at::TensorOptions(at::kCUDA).dtype(at::kFloat);
-  // W1 [4096, 4100] (more than a group's bytes: its take sends the group
-  // to the second stream during the backward), b1, W2, and a parameter the
-  // loss skips.
-  std::vector<at::Tensor> params = {at::randn({4096, 4100}, f32) * 0.02, at::randn({4096}, f32),
-                                    at::randn({64, 4096}, f32) * 0.02, at::randn({5}, f32)};
-  for (auto& p : params) p.requires_grad_(true);
-  auto norms = kernels::backward_norms(params);
-  ASSERT_NE(norms, nullptr);
-  const auto x = at::randn({32, 4100}, f32);
-  auto backward = [&] {
-    auto h = at::relu(at::linear(x, params[0], params[1]));
-    at::linear(h, params[2]).square().sum().backward();
-  };
-  auto grads = [&] {
-    std::vector<at::Tensor> g;
-    for (const auto& p : params) {
-      if (p.grad().defined()) g.push_back(p.grad());
-    }
-    return g;
-  };
-  auto expect_same = [](const kernels::DeviceClip& a, const kernels::DeviceClip& b) {
-    EXPECT_TRUE(at::equal(a.values, b.values)) << a.values << " against " << b.values;
-    EXPECT_TRUE(at::equal(a.scale, b.scale));
-  };
-  backward();
-  kernels::arm_backward_norms(*norms);
-  backward();
-  EXPECT_EQ(kernels::backward_norms_taken(*norms), 3u);
-  ASSERT_EQ(grads().size(), 3u);
-  const auto during = kernels::clip_on_device(grads(), 0.5, {}, norms.get());
-  EXPECT_EQ(kernels::backward_norms_taken(*norms), 0u) << "the clip hands the norms over once";
-  expect_same(during, kernels::clip_on_device(grads(), 0.5));
-  // A gradient replaced after the backward takes its norm from the new tensor.
-  for (auto& p : params) p.mutable_grad() = at::Tensor();
-  kernels::arm_backward_norms(*norms);
-  backward();
-  params[2].mutable_grad() = params[2].grad() * 3.0;
-  expect_same(kernels::clip_on_device(grads(), 0.5, {}, norms.get()),
-              kernels::clip_on_device(grads(), 0.5));
-  // Unarmed, the hooks take nothing.
-  backward();
-  EXPECT_EQ(kernels::backward_norms_taken(*norms), 0u);
-}
-
 TEST(FusedKernels, AdamWWritesTheWeightCache) {
   REQUIRE_GPU();
   // See Note [Low-precision weight cache]: after a step of the fused AdamW the
