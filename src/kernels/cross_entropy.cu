@@ -102,7 +102,7 @@ template <typename T, int N>
 __global__ void __launch_bounds__(kLossThreads)
     cross_entropy_kernel(T* __restrict__ logits, const int64_t* __restrict__ targets,
                          float* __restrict__ row_loss, int64_t vocab, int64_t ignore_index,
-                         int64_t staged) {
+                         int64_t staged, const float* __restrict__ grad_scale) {
   extern __shared__ uint4 stage_words[];
   T* stage = reinterpret_cast<T*>(stage_words);
   __shared__ MaxSum scratch[32];
@@ -140,6 +140,7 @@ __global__ void __launch_bounds__(kLossThreads)
   }
   ms = block_max_sum(ms, scratch);
   const float lse = ms.m + logf(ms.s);
+  const float scale = grad_scale != nullptr ? *grad_scale : 1.f;
   const bool valid = t >= 0 && t < vocab;
   if (threadIdx.x == 0) row_loss[row] = valid ? lse - load(z, t) : NAN;
   __syncthreads();  // z[t] is read above before it is overwritten below
@@ -153,7 +154,7 @@ __global__ void __launch_bounds__(kLossThreads)
       g.floats(v);
     }
 #pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = __expf(v[k] - lse) - (j + k == t ? 1.f : 0.f);
+    for (int k = 0; k < N; ++k) v[k] = (__expf(v[k] - lse) - (j + k == t ? 1.f : 0.f)) * scale;
     g.write(z, j, v, drop);
   }
 }
@@ -183,13 +184,51 @@ int64_t stage_bytes_limit() {
 
 template <typename T, int N>
 cudaError_t launch_cross_entropy(T* logits, const int64_t* targets, float* row_loss, int64_t rows,
-                                 int64_t vocab, int64_t ignore_index, cudaStream_t stream) {
+                                 int64_t vocab, int64_t ignore_index, const float* grad_scale,
+                                 cudaStream_t stream) {
   const int64_t fit = stage_bytes_limit() / static_cast<int64_t>(sizeof(T)) / N * N;
   const int64_t staged = std::min(vocab / N * N, fit);
   const size_t bytes = static_cast<size_t>(staged) * sizeof(T);
   if (auto e = allow_smem(cross_entropy_kernel<T, N>, bytes); e != cudaSuccess) return e;
   cross_entropy_kernel<T, N><<<static_cast<unsigned>(rows), kLossThreads, bytes, stream>>>(
-      logits, targets, row_loss, vocab, ignore_index, staged);
+      logits, targets, row_loss, vocab, ignore_index, staged, grad_scale);
+  return cudaGetLastError();
+}
+
+// Grid-stride, so that where the ratio is 1 a few hundred blocks read two
+// scalars and return (a grid over every element would launch and retire
+// tens of thousands of empty blocks).
+template <typename T, int N>
+__global__ void __launch_bounds__(kElemThreads)
+    scale_by_ratio_kernel(T* __restrict__ t, int64_t groups, const float* __restrict__ num,
+                          const float* __restrict__ den) {
+  const float r = den != nullptr ? *num / *den : *num;
+  if (r == 1.f) return;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kElemThreads;
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * kElemThreads + threadIdx.x; g < groups;
+       g += stride) {
+    float v[N];
+    load_n<T, N>(t, g * N, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] *= r;
+    store_n<T, N>(t, g * N, v);
+  }
+}
+
+template <typename T, int N>
+cudaError_t launch_scale_by_ratio(T* t, int64_t n, const float* num, const float* den,
+                                  cudaStream_t stream) {
+  int dev = 0, sms = 0;
+  if (auto e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (auto e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+      e != cudaSuccess) {
+    return e;
+  }
+  const int64_t groups = n / N;
+  const int64_t want = (groups + kElemThreads - 1) / kElemThreads;
+  const auto blocks = static_cast<unsigned>(std::max<int64_t>(
+      1, std::min<int64_t>(want, static_cast<int64_t>(sms) * 8)));
+  scale_by_ratio_kernel<T, N><<<blocks, kElemThreads, 0, stream>>>(t, groups, num, den);
   return cudaGetLastError();
 }
 
@@ -197,13 +236,23 @@ cudaError_t launch_cross_entropy(T* logits, const int64_t* targets, float* row_l
 
 cudaError_t cross_entropy_forward_backward(DType dt, void* logits, const int64_t* targets,
                                            float* row_loss, int64_t rows, int64_t vocab,
-                                           int64_t ignore_index, cudaStream_t stream) {
+                                           int64_t ignore_index, const float* grad_scale,
+                                           cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const bool vec = vocab % group_of(dt) == 0 && aligned16(logits);
   VIADUCT_DISPATCH_VEC(dt, vec,
                        return launch_cross_entropy<T, N>(static_cast<T*>(logits), targets,
                                                          row_loss, rows, vocab, ignore_index,
-                                                         stream));
+                                                         grad_scale, stream));
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t scale_by_ratio(DType dt, void* t, int64_t n, const float* num, const float* den,
+                           cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const bool vec = n % group_of(dt) == 0 && aligned16(t);
+  VIADUCT_DISPATCH_VEC(dt, vec,
+                       return launch_scale_by_ratio<T, N>(static_cast<T*>(t), n, num, den, stream));
   return cudaErrorInvalidValue;
 }
 

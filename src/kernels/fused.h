@@ -155,8 +155,17 @@ at::Tensor embedding_weight_grad(const at::Tensor& grad, const at::Tensor& token
 
 // Per-row cross-entropy of logits [n, V] (contiguous) against targets [n]
 // (-100: ignored). Returns the row losses (fp32 [n], 0 where ignored) and
-// overwrites logits with d(row loss)/d(logits) = softmax - onehot. No autograd.
-at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets);
+// overwrites logits with d(row loss)/d(logits) = softmax - onehot, times
+// grad_scale where it is defined (an fp32 scalar on logits' device, read
+// there: no host sync). No autograd.
+at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets,
+                               const at::Tensor& grad_scale = {});
+
+// t *= num / den in place (t fp32 or bf16, contiguous; num and den fp32
+// scalars on t's device, den undefined: 1), the ratio formed and tested on
+// the device: where it is exactly 1 the call reads two scalars and leaves t
+// untouched. No autograd.
+void scale_by_ratio_(at::Tensor& t, const at::Tensor& num, const at::Tensor& den);
 
 // The Block AttnRes read softmax_i(rstd(v_i) (v_i . (norm_weight * query)))
 // -weighted sum of the sources (each [B, T, D], one dtype and device, at

@@ -41,7 +41,12 @@ at::Tensor swiglu_linear_packed(const at::Tensor&, const at::Tensor&,
                                 const SwiGLULinearOptions&) {
   no_cuda("swiglu_linear_packed");
 }
-at::Tensor cross_entropy_rows_(at::Tensor&, const at::Tensor&) { no_cuda("cross_entropy"); }
+at::Tensor cross_entropy_rows_(at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  no_cuda("cross_entropy");
+}
+void scale_by_ratio_(at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  no_cuda("scale_by_ratio_");
+}
 at::Tensor l2_normalize(const at::Tensor&, double, double) { no_cuda("l2_normalize"); }
 bool short_conv_silu_usable(const at::Tensor&, const at::Tensor&) { return false; }
 at::Tensor short_conv_silu(const at::Tensor&, const at::Tensor&, const at::Tensor&) {

@@ -36,15 +36,23 @@ class ChunkedHeadCrossEntropy
                   : fused ? at::empty(w.sizes(), w.options().dtype(acc))
                           : at::zeros(w.sizes(), w.options().dtype(acc));
     auto loss = at::zeros({}, h.options().dtype(acc));
+    // See Note [The loss's gradient scale known to its forward]
+    // (ops/options.h): the kernel form writes the logits' gradient scaled.
+    at::Tensor grad_scale;
+    if (fused && k->loss_grad_scale && k->loss_grad_scale->value.defined() &&
+        k->loss_grad_scale->value.device() == h.device()) {
+      grad_scale = k->loss_grad_scale->value;
+    }
     for (int64_t start = 0; start < N; start += chunk) {
       const auto end = std::min(N, start + chunk);
       auto hc = h.slice(0, start, end);
       auto tc = targets.slice(0, start, end);
       if (fused) {
         // One kernel: the row losses, and the logits overwritten in place
-        // by softmax - onehot (zero on ignored rows); no fp32 copy.
+        // by (softmax - onehot) x the scale (zero on ignored rows); no fp32
+        // copy.
         auto g = at::matmul(hc, w.t()).contiguous();  // [n, V]
-        loss += kernels::cross_entropy_rows_(g, tc).sum().to(acc);
+        loss += kernels::cross_entropy_rows_(g, tc, grad_scale).sum().to(acc);
         if (need_h) {
           auto rows = grad_h.slice(0, start, end);  // contiguous rows of grad_h
           at::mm_out(rows, g, w);
@@ -78,13 +86,18 @@ class ChunkedHeadCrossEntropy
     if (need_h) ctx->saved_data["grad_h"] = grad_h;
     if (need_w) ctx->saved_data["grad_w"] = grad_w;
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->saved_data["fused"] = fused;
+    ctx->saved_data["grad_scale"] = grad_scale;  // undefined: not applied
     return loss;
   }
 
   // Note [The head's gradients scaled in place]
   // The forward computed the head's gradients; the backward only scales them
-  // by the loss's incoming gradient. Scaling a fresh copy would hold the
-  // [V, D] fp32 weight gradient twice at the step's peak (the backward's
+  // by the loss's incoming gradient; on the kernel path by its ratio to the
+  // factor the forward applied, which leaves them untouched where the two
+  // are equal (see Note [The loss's gradient scale known to its forward],
+  // ops/options.h). Scaling a fresh copy would hold the [V, D] fp32 weight
+  // gradient twice at the step's peak (the backward's
   // start), so each is scaled in place and moved out of the node, its one
   // reference, which also lets AccumulateGrad take it as the weight's
   // gradient without a copy. Each is computed only when asked for: a split
@@ -93,12 +106,16 @@ class ChunkedHeadCrossEntropy
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto& go = grads[0];
+    const bool fused = ctx->saved_data["fused"].toBool();
+    const auto applied = ctx->saved_data["grad_scale"].toTensor();
     auto take = [&](const char* key) {
       VIADUCT_ASSERT(ctx->saved_data.count(key) == 1, "chunked head loss: the backward was "
                      "asked for ", key, " a second time (it hands each gradient on once)");
       auto t = ctx->saved_data[key].toTensor();
       ctx->saved_data.erase(key);
-      return t.mul_(go.to(t.scalar_type()));
+      if (!fused) return t.mul_(go.to(t.scalar_type()));
+      kernels::scale_by_ratio_(t, go.to(at::kFloat).reshape({}), applied);
+      return t;
     };
     at::Tensor gh, gw;
     if (ctx->needs_input_grad(0)) gh = take("grad_h");

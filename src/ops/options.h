@@ -54,6 +54,25 @@ Capabilities probe_capabilities(const at::Device& device);
 // The GEMM path `c` gives, one line for the start-up log.
 std::string describe(const Capabilities& c);
 
+// Note [The loss's gradient scale known to its forward]
+// The trainer scales each micro-batch's summed loss by one factor, 1 / the
+// step's tokens, before its backward, so the loss's node receives that
+// factor as its incoming gradient. The chunked head loss computes its
+// gradients in its forward (ops/cross_entropy.cpp); given the factor there,
+// its loss kernel writes the logits' gradient already scaled, and its
+// backward, receiving the same factor, has nothing left to do, where it
+// would otherwise scale the [V, D] fp32 weight gradient in one more pass.
+// The rank's trainer writes the factor here before each step's forward; it
+// lives on the device so that a captured step reads each step's value.
+// Where the backward receives another factor than the forward used (a
+// caller that scales differently), it multiplies by their ratio. A power
+// of two (the usual batch x sequence) keeps the bits of scaling after: the
+// products only change exponent (barring values scaled into the subnormal
+// range).
+struct LossGradScale {
+  at::Tensor value;  // fp32 scalar on the rank's device
+};
+
 // Built from the config in one place (model/model.cpp), completed by the
 // rank's model with the probed capabilities and its weight cache
 // (train/rank_model.cpp), and held by the modules that call ops
@@ -65,6 +84,10 @@ struct KernelOptions {
   // The rank's bf16 copies of its weights (see Note [Low-precision weight
   // cache], kernels/weight_cache.h); null: every cast is made afresh.
   std::shared_ptr<kernels::WeightCache> weight_cache;
+  // The factor the loss's backward will receive, set by the rank's trainer
+  // (see Note [The loss's gradient scale known to its forward]); null: not
+  // known, the backward scales.
+  std::shared_ptr<LossGradScale> loss_grad_scale;
 };
 
 // True when viaduct's CUDA kernels run on x under these options.

@@ -19,6 +19,11 @@ RankModel build_rank_model(const JobConfig& job, int pp_rank, at::Device device,
   rm.kernel_options = kernel_options(job.model);
   rm.kernel_options.capabilities = capabilities;
   rm.kernel_options.weight_cache = std::make_shared<kernels::WeightCache>();
+  // Written by the trainer each step (see Note [The loss's gradient scale
+  // known to its forward], ops/options.h).
+  rm.kernel_options.loss_grad_scale = std::make_shared<ops::LossGradScale>();
+  rm.kernel_options.loss_grad_scale->value =
+      at::ones({}, at::TensorOptions().dtype(at::kFloat).device(device));
   // The pipeline plan (a pure function of the config: every rank agrees).
   rm.info = describe_model(job);
   auto plan_spec = plan_spec_from_config(job.parallelism, model_module_fqns(job));

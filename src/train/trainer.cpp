@@ -168,6 +168,7 @@ ModelInfo Trainer::build_model() {
   setup.total_param_tensors = rm.total_param_tensors;
   setup.mesh = mesh_.get();
   setup.kernels = rm.kernel_options;  // the rank's weight cache among them
+  loss_grad_scale_ = rm.kernel_options.loss_grad_scale;
   update_ = std::make_unique<OptimizerStep>(job_, std::move(rm.params), std::move(setup));
   if (rm.info.routed_experts > 0) {
     moe_metrics_ = std::make_unique<MoeStepMetrics>(
@@ -231,6 +232,11 @@ StepMetrics Trainer::train_step() {
   const auto batches = next_batches(tokens, m);
   // See Note [Loss scaling]: the denominator is the global token count.
   const double scale = 1.0 / static_cast<double>(tokens);
+  // What the loss's backward will receive: (loss * scale)'s gradient is
+  // scale rounded to fp32, as fill_ rounds it (see Note [The loss's
+  // gradient scale known to its forward], ops/options.h). On the step's
+  // stream, ahead of the forward (eager or replayed) that reads it.
+  if (loss_grad_scale_) loss_grad_scale_->value.fill_(scale);
   std::vector<at::Tensor> pending_losses;
   const ops::DeviceClip* clip = nullptr;  // from the step graph's replay
   if (step_graph_ && !step_graph_->eager_now()) {

@@ -158,6 +158,10 @@ class Trainer {
   // Null: eager steps (training.cuda_graphs = false, or unset where the run
   // does not allow the graph).
   std::unique_ptr<StepGraph> step_graph_;
+  // The loss scale the parts' head loss reads in its forward, written
+  // before each step's (see Note [The loss's gradient scale known to its
+  // forward], ops/options.h).
+  std::shared_ptr<ops::LossGradScale> loss_grad_scale_;
   // training.cuda_graphs unset: why the warm-up steps found the graph
   // cannot run ("" while nothing stops it); the capture step drops it then.
   std::string graph_unfit_;

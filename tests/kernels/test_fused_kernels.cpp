@@ -1520,6 +1520,72 @@ TEST(FusedKernels, ChunkedHeadLossMatchesAten) {
   EXPECT_LT(rel_err(gw1, w.grad()), 1e-2) << "seed " << seed;
 }
 
+// The loss's gradient scale applied by the loss kernel in the forward: for
+// a power of two, the bits of scaling the gradients after (the backward
+// then leaves them untouched); for any other factor close to it; and where
+// the backward receives another factor than the forward applied, the
+// gradients of the factor received.
+TEST(FusedKernels, HeadLossScaledInItsForwardHasTheBitsOfScalingAfter) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  const int64_t N = 300, D = 64, V = 1000;
+  auto h = at::randn({N, D}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16).requires_grad_(true);
+  auto w = (at::randn({V, D}, at::TensorOptions(at::kCUDA)) * 0.2).requires_grad_(true);
+  auto y = at::randint(0, V, {N}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
+  y.index_put_({at::arange(0, N, 11, y.options())}, -100);  // some ignored
+  auto grads = [&](const ops::KernelOptions& k, double backward_factor) {
+    h.mutable_grad().reset();
+    w.mutable_grad().reset();
+    auto loss = ops::chunked_head_cross_entropy(h, w, y, 128, k);
+    (loss * backward_factor).backward();
+    return std::make_tuple(loss.detach(), h.grad().clone(), w.grad().clone());
+  };
+  auto scaled = [](double factor) {
+    ops::KernelOptions k;
+    k.loss_grad_scale = std::make_shared<ops::LossGradScale>();
+    k.loss_grad_scale->value = at::full({}, factor, at::TensorOptions(at::kCUDA).dtype(at::kFloat));
+    return k;
+  };
+  for (double factor : {1.0 / 1024.0, 1.0 / 300.0}) {
+    const auto [l0, gh0, gw0] = grads(ops::KernelOptions{}, factor);  // scaled in the backward
+    const auto [l1, gh1, gw1] = grads(scaled(factor), factor);       // scaled in the forward
+    EXPECT_TRUE(at::equal(l0, l1)) << "seed " << seed << " factor " << factor;
+    if (factor == 1.0 / 1024.0) {
+      EXPECT_TRUE(at::equal(gh0, gh1)) << "seed " << seed;
+      EXPECT_TRUE(at::equal(gw0, gw1)) << "seed " << seed;
+    } else {
+      EXPECT_LT(rel_err(gh1, gh0), 1e-2) << "seed " << seed;
+      EXPECT_LT(rel_err(gw1, gw0), 1e-2) << "seed " << seed;
+    }
+    EXPECT_GT(gw1.abs().sum().item<double>(), 0.0);
+    // The backward receives three times the factor the forward applied.
+    const auto [l2, gh2, gw2] = grads(scaled(factor), 3.0 * factor);
+    const auto [l3, gh3, gw3] = grads(ops::KernelOptions{}, 3.0 * factor);
+    EXPECT_LT(rel_err(gh2, gh3), 1e-2) << "seed " << seed << " factor " << factor;
+    EXPECT_LT(rel_err(gw2, gw3), 1e-2) << "seed " << seed << " factor " << factor;
+  }
+}
+
+// The in-place ratio: t times num / den, or t itself where the two are equal.
+TEST(FusedKernels, ScaleByRatioLeavesTWhereTheRatioIsOne) {
+  REQUIRE_GPU();
+  const auto on = at::TensorOptions(at::kCUDA).dtype(at::kFloat);
+  for (auto dt : {at::kFloat, at::kBFloat16}) {
+    for (int64_t n : {4096, 1001}) {  // vector groups, and a tail of scalars
+      const auto t0 = at::randn({n}, on).to(dt);
+      auto t = t0.clone();
+      const auto third = at::full({}, 1.0 / 3.0, on);
+      kernels::scale_by_ratio_(t, third, third);
+      EXPECT_TRUE(at::equal(t, t0)) << dt << " " << n;
+      kernels::scale_by_ratio_(t, at::full({}, 0.75, on), at::full({}, 0.25, on));
+      EXPECT_TRUE(at::equal(t, (t0.to(at::kFloat) * 3.0).to(dt))) << dt << " " << n;
+      t = t0.clone();
+      kernels::scale_by_ratio_(t, at::full({}, 0.5, on), at::Tensor());
+      EXPECT_TRUE(at::equal(t, (t0.to(at::kFloat) * 0.5).to(dt))) << dt << " " << n;
+    }
+  }
+}
+
 TEST(FusedKernels, FusedAdamWMatchesLoop) {
   REQUIRE_GPU();
   if (!compat::kTorch2) GTEST_SKIP() << "no fused AdamW kernel in this LibTorch";
