@@ -1499,13 +1499,21 @@ TEST(FusedKernels, EmbeddingGradientSumsRowsInOrder) {
   }
 }
 
+// The head loss tests' inputs: 300 bf16 tokens of dim 64, an fp32 head of
+// 1000 rows, random targets; h and w take gradients.
+struct HeadLossInputs {
+  static constexpr int64_t N = 300, D = 64, V = 1000;
+  const at::TensorOptions on = at::TensorOptions(at::kCUDA);
+  at::Tensor h = at::randn({N, D}, on).to(at::kBFloat16).requires_grad_(true);
+  at::Tensor w = (at::randn({V, D}, on) * 0.2).requires_grad_(true);
+  at::Tensor y = at::randint(0, V, {N}, on.dtype(at::kLong));
+};
+
 TEST(FusedKernels, ChunkedHeadLossMatchesAten) {
   REQUIRE_GPU();
   const auto seed = fresh_seed();
-  const int64_t N = 300, D = 64, V = 1000;
-  auto h = at::randn({N, D}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16).requires_grad_(true);
-  auto w = (at::randn({V, D}, at::TensorOptions(at::kCUDA)) * 0.2).requires_grad_(true);
-  auto y = at::randint(0, V, {N}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
+  HeadLossInputs in;
+  auto &h = in.h, &w = in.w, &y = in.y;
   auto l1 = ops::chunked_head_cross_entropy(h, w, y, 128, ops::KernelOptions{});
   l1.backward();
   auto gh1 = h.grad().clone(), gw1 = w.grad().clone();
@@ -1528,11 +1536,9 @@ TEST(FusedKernels, ChunkedHeadLossMatchesAten) {
 TEST(FusedKernels, HeadLossScaledInItsForwardHasTheBitsOfScalingAfter) {
   REQUIRE_GPU();
   const auto seed = fresh_seed();
-  const int64_t N = 300, D = 64, V = 1000;
-  auto h = at::randn({N, D}, at::TensorOptions(at::kCUDA)).to(at::kBFloat16).requires_grad_(true);
-  auto w = (at::randn({V, D}, at::TensorOptions(at::kCUDA)) * 0.2).requires_grad_(true);
-  auto y = at::randint(0, V, {N}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
-  y.index_put_({at::arange(0, N, 11, y.options())}, -100);  // some ignored
+  HeadLossInputs in;
+  auto &h = in.h, &w = in.w, &y = in.y;
+  y.index_put_({at::arange(0, in.N, 11, y.options())}, -100);  // some ignored
   auto grads = [&](const ops::KernelOptions& k, double backward_factor) {
     h.mutable_grad().reset();
     w.mutable_grad().reset();
