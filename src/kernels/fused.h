@@ -220,9 +220,12 @@ at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& gate_logits,
                           const at::Tensor& weight, double eps);
 
 // The chunked gated delta rule of ops/kda.h on viaduct's kernels
-// (kernels/kda.h): chunk kKdaKernelChunk, fp32 q, k, v, g: [B, T, H, D],
-// beta [B, T, H], D of 64 or 128 (dk = dv); initial_state [B, H, D, D] or
-// undefined. Returns o [B, T, H, D] and the final state [B, H, D, D], both
+// (kernels/kda.h): chunk kKdaKernelChunk, q, k, v, g: [B, T, H, D], beta
+// [B, T, H], D of 64 or 128 (dk = dv); initial_state [B, H, D, D] or
+// undefined. All run in fp32: q, k, g, beta and the state are cast to it; a
+// bf16 v is read as it is and gets its gradient in bf16 (the bits of the
+// fp32 copy's gradient cast). Returns o [B, T, H, D] (fp32) and the final
+// state [B, H, D, D], both
 // differentiable (the initial state too). With `documents` the chunks lie
 // over the micro-batch's documents in place and the state starts from zero
 // at each (see Note [KDA chunks over documents], ops/documents.h); there is

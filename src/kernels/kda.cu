@@ -216,10 +216,10 @@ __device__ __forceinline__ void diag_pair(int e, int& c, int& j) {
   j = e;
 }
 
-template <int D>
+template <int D, typename Tv>
 __global__ void __launch_bounds__(kFwdThreads)
     intra_forward_kernel(KdaShape s, const float* __restrict__ q, const float* __restrict__ k,
-                         const float* __restrict__ v, const float* __restrict__ g,
+                         const Tv* __restrict__ v, const float* __restrict__ g,
                          const float* __restrict__ beta, float* __restrict__ Aqk,
                          float* __restrict__ Kp, float* __restrict__ Tm, float* __restrict__ R,
                          float* __restrict__ qe, float* __restrict__ ke,
@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(kFwdThreads)
     const float G = Gs[c * P + d], GL = Gs[(C - 1) * P + d];
     const float eG = expf(G);
     const int64_t r = rows[c] * D;
-    const float vv = r < 0 ? 0.f : v[r + d];
+    const float vv = r < 0 ? 0.f : load(v, r + d);
     qe[zc * D + i] = qs[c * P + d] * eG;
     ke[zc * D + i] = ks[c * P + d] * expf(GL - G);
     R[(zc + c) * 2 * D + d] = bs[c] * eG * ks[c * P + d];
@@ -687,15 +687,16 @@ constexpr size_t intra_backward_smem() {
   return sizeof(float) * (6 * C * kSliceP + 2 * C * kPairP + C);
 }
 
+template <typename Tv>
 __global__ void __launch_bounds__(kBwdThreads, 2)
     intra_backward_kernel(KdaShape s, const float* __restrict__ q, const float* __restrict__ k,
-                          const float* __restrict__ v, const float* __restrict__ g,
+                          const Tv* __restrict__ v, const float* __restrict__ g,
                           const float* __restrict__ beta, const float* __restrict__ Kp,
                           const float* __restrict__ dAqk, const float* __restrict__ dM,
                           const float* __restrict__ dR, const float* __restrict__ dqe,
                           const float* __restrict__ dke, const float* __restrict__ ddec,
                           float* __restrict__ dq, float* __restrict__ dk,
-                          float* __restrict__ dv, float* __restrict__ dg,
+                          Tv* __restrict__ dv, float* __restrict__ dg,
                           float* __restrict__ dbeta_part) {
   constexpr int L = kSlice, PL = kSliceP, PA = kPairP;
   extern __shared__ float smem[];
@@ -863,7 +864,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
     if (r >= 0) {
       dq[r + d0 + dd] = xq + gqe * eG;
       dk[r + d0 + dd] = xk + yk + gke * eL + b * eG * gRk;
-      dv[r + d0 + dd] = b * dR[(zc + c) * 2 * D + D + d0 + dd];
+      store(dv, r + d0 + dd, b * dR[(zc + c) * 2 * D + D + d0 + dd]);
     }
   }
   __syncthreads();
@@ -895,7 +896,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
     const float G = Gs[c * PL + lane];
     float acc = dR[(zc + c) * 2 * D + d0 + lane] * expf(G) * ks[c * PL + lane];
     const int64_t r = rows[c] * D;
-    acc = fmaf(dR[(zc + c) * 2 * D + D + d0 + lane], r < 0 ? 0.f : v[r + d0 + lane], acc);
+    acc = fmaf(dR[(zc + c) * 2 * D + D + d0 + lane], r < 0 ? 0.f : load(v, r + d0 + lane), acc);
     if (blockIdx.y == 0) {
       for (int j = lane; j < c; j += 32) acc -= dM[(zc + c) * C + j] * Kp[(zc + c) * C + j];
     }
@@ -915,18 +916,33 @@ bool kda_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128;
     default: return cudaErrorInvalidValue;                    \
   }
 
-cudaError_t kda_intra_forward(const KdaShape& s, const float* q, const float* k, const float* v,
-                              const float* g, const float* beta, float* Aqk, float* Kp,
-                              float* Tm, float* R, float* qe, float* ke, float* dec,
+namespace {
+template <int D, typename Tv>
+cudaError_t launch_intra_forward(const KdaShape& s, const float* q, const float* k, const Tv* v,
+                                 const float* g, const float* beta, float* Aqk, float* Kp,
+                                 float* Tm, float* R, float* qe, float* ke, float* dec,
+                                 cudaStream_t stream) {
+  constexpr size_t smem = intra_forward_smem<D>();
+  if (auto e = allow_smem(intra_forward_kernel<D, Tv>, smem); e != cudaSuccess) return e;
+  intra_forward_kernel<D, Tv><<<static_cast<unsigned>(s.Z()), kFwdThreads, smem, stream>>>(
+      s, q, k, v, g, beta, Aqk, Kp, Tm, R, qe, ke, dec);
+  return cudaGetLastError();
+}
+}  // namespace
+
+cudaError_t kda_intra_forward(const KdaShape& s, const float* q, const float* k, const void* v,
+                              DType v_type, const float* g, const float* beta, float* Aqk,
+                              float* Kp, float* Tm, float* R, float* qe, float* ke, float* dec,
                               cudaStream_t stream) {
   if (s.Z() == 0) return cudaSuccess;
+  const bool bf16 = v_type == DType::kBFloat16;
   VIADUCT_KDA_DISPATCH(s.D, {
-    constexpr size_t smem = intra_forward_smem<D>();
-    if (auto e = allow_smem(intra_forward_kernel<D>, smem); e != cudaSuccess) return e;
-    intra_forward_kernel<D><<<static_cast<unsigned>(s.Z()), kFwdThreads, smem, stream>>>(
-        s, q, k, v, g, beta, Aqk, Kp, Tm, R, qe, ke, dec);
+    return bf16 ? launch_intra_forward<D>(s, q, k, static_cast<const __nv_bfloat16*>(v), g, beta,
+                                          Aqk, Kp, Tm, R, qe, ke, dec, stream)
+                : launch_intra_forward<D>(s, q, k, static_cast<const float*>(v), g, beta, Aqk,
+                                          Kp, Tm, R, qe, ke, dec, stream);
   });
-  return cudaGetLastError();
+  return cudaSuccess;
 }
 
 namespace {
@@ -1024,21 +1040,39 @@ int64_t kda_beta_slices(int64_t head_dim) { return head_dim / kSlice; }
 
 int64_t kda_ddec_parts(int64_t head_dim) { return 2 * head_dim / V; }
 
-cudaError_t kda_intra_backward(const KdaShape& s, const float* q, const float* k, const float* v,
-                               const float* g, const float* beta, const float* Kp,
+namespace {
+template <typename Tv>
+cudaError_t launch_intra_backward(const KdaShape& s, const float* q, const float* k, const Tv* v,
+                                  const float* g, const float* beta, const float* Kp,
+                                  const float* dAqk, const float* dM, const float* dR,
+                                  const float* dqe, const float* dke, const float* ddec,
+                                  float* dq, float* dk, Tv* dv, float* dg, float* dbeta_part,
+                                  cudaStream_t stream) {
+  constexpr size_t smem = intra_backward_smem();
+  if (auto e = allow_smem(intra_backward_kernel<Tv>, smem); e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>(s.Z()), static_cast<unsigned>(s.D / kSlice));
+  intra_backward_kernel<Tv><<<grid, kBwdThreads, smem, stream>>>(
+      s, q, k, v, g, beta, Kp, dAqk, dM, dR, dqe, dke, ddec, dq, dk, dv, dg, dbeta_part);
+  return cudaGetLastError();
+}
+}  // namespace
+
+cudaError_t kda_intra_backward(const KdaShape& s, const float* q, const float* k, const void* v,
+                               DType v_type, const float* g, const float* beta, const float* Kp,
                                const float* dAqk, const float* dM, const float* dR,
                                const float* dqe, const float* dke, const float* ddec, float* dq,
-                               float* dk, float* dv, float* dg, float* dbeta_part,
+                               float* dk, void* dv, float* dg, float* dbeta_part,
                                cudaStream_t stream) {
   if (s.Z() == 0) return cudaSuccess;
   if (!kda_supported(s.D)) return cudaErrorInvalidValue;
-  constexpr size_t smem = intra_backward_smem();
-  if (auto e = allow_smem(intra_backward_kernel, smem); e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>(s.Z()), static_cast<unsigned>(s.D / kSlice));
-  intra_backward_kernel<<<grid, kBwdThreads, smem, stream>>>(s, q, k, v, g, beta, Kp, dAqk, dM, dR,
-                                                          dqe, dke, ddec, dq, dk, dv, dg,
-                                                          dbeta_part);
-  return cudaGetLastError();
+  if (v_type == DType::kBFloat16) {
+    return launch_intra_backward(s, q, k, static_cast<const __nv_bfloat16*>(v), g, beta, Kp, dAqk,
+                                 dM, dR, dqe, dke, ddec, dq, dk, static_cast<__nv_bfloat16*>(dv),
+                                 dg, dbeta_part, stream);
+  }
+  return launch_intra_backward(s, q, k, static_cast<const float*>(v), g, beta, Kp, dAqk, dM, dR,
+                               dqe, dke, ddec, dq, dk, static_cast<float*>(dv), dg, dbeta_part,
+                               stream);
 }
 
 }  // namespace viaduct::cuda

@@ -28,6 +28,8 @@
 
 #include <cstdint>
 
+#include "kernels/common.h"
+
 namespace viaduct::cuda {
 
 constexpr int64_t kKdaChunk = 64;
@@ -58,9 +60,10 @@ struct KdaShape {
 };
 
 // The intra-chunk products, the inverse and the scaled rows, all chunks at
-// once.
-cudaError_t kda_intra_forward(const KdaShape& s, const float* q, const float* k, const float* v,
-                              const float* g, const float* beta, float* Aqk, float* Kp,
+// once. v is fp32 or bf16 (v_type), read as it is (the layer's convolution
+// writes it in the activations' type); every other tensor is fp32.
+cudaError_t kda_intra_forward(const KdaShape& s, const float* q, const float* k, const void* v,
+                              DType v_type, const float* g, const float* beta, float* Aqk, float* Kp,
                               float* Tm, float* R, float* qe, float* ke, float* dec,
                               cudaStream_t stream);
 
@@ -131,15 +134,16 @@ cudaError_t kda_gather_rows(const float* x, const int64_t* read, int64_t rows, i
 // dAqk [Z, C, C] (read on and below the diagonal), dM [Z, C, C] = dR [W|U]^T
 // (the gradient of I + diag(beta) Kp is -dM, read below the diagonal), dR
 // [Z, C, 2D] = Tm^T d[W | U], dqe, dke [Z, C, D], ddec [Z, D]. Writes dq,
-// dk, dv, dg [B, T, H, D] (rows < T) and dbeta in parts
+// dk, dv, dg [B, T, H, D] (rows < T; dv in v's type, rounded once from
+// its fp32 value) and dbeta in parts
 // [kda_beta_slices(D), Z, C], one per slice of channels; dbeta of chunk
 // row c is the parts' sum (in slice order).
 int64_t kda_beta_slices(int64_t head_dim);
-cudaError_t kda_intra_backward(const KdaShape& s, const float* q, const float* k, const float* v,
-                               const float* g, const float* beta, const float* Kp,
+cudaError_t kda_intra_backward(const KdaShape& s, const float* q, const float* k, const void* v,
+                               DType v_type, const float* g, const float* beta, const float* Kp,
                                const float* dAqk, const float* dM, const float* dR,
                                const float* dqe, const float* dke, const float* ddec, float* dq,
-                               float* dk, float* dv, float* dg, float* dbeta_part,
+                               float* dk, void* dv, float* dg, float* dbeta_part,
                                cudaStream_t stream);
 
 }  // namespace viaduct::cuda

@@ -126,7 +126,8 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
   // S0: [B, H, D, D], or a 0-size stand-in for a zero state (custom
   // functions take no undefined inputs on LibTorch 2.x); the document
   // chunks' tensors (KdaDocumentChunks), or 0-size stand-ins for the plain
-  // chunks; only q, k, v, g, beta and S0 are differentiable.
+  // chunks; only q, k, v, g, beta and S0 are differentiable. v is fp32 or
+  // bf16, all else fp32.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q_in,
                                const at::Tensor& k_in, const at::Tensor& v_in,
                                const at::Tensor& g_in, const at::Tensor& beta_in,
@@ -145,9 +146,9 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     auto qe = at::empty({Z, C, D}, opt), ke = at::empty({Z, C, D}, opt);
     auto dec = at::empty({Z, D}, opt);
     const auto stream = stream_of(q);
-    check_launch(cuda::kda_intra_forward(s, ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), mut(Aqk),
-                                         mut(Kp), mut(Tm), mut(R), mut(qe), mut(ke), mut(dec),
-                                         stream),
+    check_launch(cuda::kda_intra_forward(s, ptr(q), ptr(k), v.data_ptr(), dtype_of(v), ptr(g),
+                                         ptr(beta), mut(Aqk), mut(Kp), mut(Tm), mut(R), mut(qe),
+                                         mut(ke), mut(dec), stream),
                  "kda_intra_forward");
     auto WU = chunk_mm(Tm, R, stream);
     R.reset();
@@ -214,10 +215,10 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
     auto dg = at::empty_like(g);
     auto dbeta_part = at::empty({cuda::kda_beta_slices(D), Z, C}, opt);
-    check_launch(cuda::kda_intra_backward(s, ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ptr(Kp),
-                                          ptr(dAqk), ptr(dM), ptr(dR), ptr(dqe), ptr(dke),
-                                          ptr(ddec), mut(dq), mut(dk), mut(dv), mut(dg),
-                                          mut(dbeta_part), stream),
+    check_launch(cuda::kda_intra_backward(s, ptr(q), ptr(k), v.data_ptr(), dtype_of(v), ptr(g),
+                                          ptr(beta), ptr(Kp), ptr(dAqk), ptr(dM), ptr(dR),
+                                          ptr(dqe), ptr(dke), ptr(ddec), mut(dq), mut(dk),
+                                          dv.data_ptr(), mut(dg), mut(dbeta_part), stream),
                  "kda_intra_backward");
     // [slices, Z, C] -> [B, T, H]
     auto dbeta = from_chunks(dbeta_part.sum(0), s, places).view({s.B, s.T, s.H});
@@ -248,11 +249,14 @@ std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tenso
                 "[B, T, H], got q ",
                 q.sizes(), ", v ", v.sizes(), ", beta ", beta.sizes());
   auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
+  // v is taken in bf16 as it is (the kernels read it and write its
+  // gradient in its type): no fp32 copy each way.
+  const auto fv = v.scalar_type() == at::kBFloat16 ? v : f(v);
   at::Tensor S0 = initial_state.defined() ? f(initial_state)
                                           : at::empty({0}, q.options().dtype(at::kFloat));
   if (documents == nullptr) {
     const auto none = at::empty({0}, q.options().dtype(at::kLong));
-    auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0, none, none, none, none);
+    auto out = KdaChunkFn::apply(f(q), f(k), fv, f(g), f(beta), S0, none, none, none, none);
     return {out[0], out[1]};
   }
   const auto& d = *documents;
@@ -269,7 +273,7 @@ std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tenso
                     d.read.numel() == B * H * d.spans.size(1) * kKdaKernelChunk,
                 "kda_chunk: document chunks made for another micro-batch: spans ",
                 d.spans.sizes(), ", places ", d.places.sizes(), " for q ", q.sizes());
-  auto out = KdaChunkFn::apply(f(q), f(k), f(v), f(g), f(beta), S0, d.spans, d.restarts, d.places,
+  auto out = KdaChunkFn::apply(f(q), f(k), fv, f(g), f(beta), S0, d.spans, d.restarts, d.places,
                                d.read);
   return {out[0], out[1]};
 }

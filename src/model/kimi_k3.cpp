@@ -524,7 +524,8 @@ namespace {
 // the output gate's logits (hk) and the output norm's input in fp32 (2 hk:
 // one kernel for both) and the output projection's input (hk), the two
 // low-rank maps' outputs (2 dk) and beta in fp32 (2 H); and the chunk
-// scan's saved set, all fp32: q, k, v, g (8 hk), the two WY terms (4 hk),
+// scan's saved set, fp32 but v (in the compute dtype, which its kernels
+// read as it is): q, k, g (6 hk), v (hk), the two WY terms (4 hk),
 // q and k with their decay applied (4 hk), v' (2 hk), three C x C matrices
 // per chunk and head (6 C H) and the chunk states (2 hk dk / C). AttnRes reads are left out (their sources are the block
 // stack). saved_values_per_token below sums these per layer.
@@ -534,7 +535,7 @@ double kda_scan_saved_values_per_token(const KdaOptions& k) {
   const double hk = static_cast<double>(k.n_heads * k.head_dim);
   const double H = static_cast<double>(k.n_heads), dk = static_cast<double>(k.head_dim);
   const double C = static_cast<double>(k.chunk_size);
-  return 18.0 * hk + 6.0 * C * H + 2.0 * hk * dk / C + 2.0 * H;
+  return 17.0 * hk + 6.0 * C * H + 2.0 * hk * dk / C + 2.0 * H;
 }
 
 double kda_saved_values_per_token(const KdaOptions& k) {

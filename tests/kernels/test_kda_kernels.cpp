@@ -183,6 +183,44 @@ TEST(KdaKernelsState, RunToRunBitwise) {
   for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_TRUE(at::equal(a.grads[i], b.grads[i])) << kNames[i];
 }
 
+// A bf16 v is read as it is: the output, the final state and every other
+// gradient have the bits of the same values' fp32 copy, and v's gradient
+// is that copy's gradient rounded to bf16.
+TEST(KdaKernelsState, Bf16VHasTheBitsOfItsFp32Copy) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const at::Device gpu(at::kCUDA);
+  for (const int64_t D : {64, 128}) {
+    const int64_t B = 2, T = 131, H = 2;
+    const auto in = draw(B, T, H, D, true);
+    const auto dO = at::randn({B, T, H, D}, at::kDouble).to(gpu, at::kFloat);
+    const auto dS = at::randn({B, H, D, D}, at::kDouble).to(gpu, at::kFloat);
+    const auto v16 = in.x[2].to(gpu, at::kBFloat16);
+    auto leaves = [&](const at::Tensor& v) {
+      std::vector<at::Tensor> l;
+      for (size_t i = 0; i < in.x.size(); ++i) {
+        l.push_back((i == 2 ? v : in.x[i].to(gpu, at::kFloat)).detach().requires_grad_(true));
+      }
+      return l;
+    };
+    auto a = leaves(v16.to(at::kFloat)), b = leaves(v16);
+    auto ra = kernels::kda_chunk(a[0], a[1], a[2], a[3], a[4], a[5]);
+    auto rb = kernels::kda_chunk(b[0], b[1], b[2], b[3], b[4], b[5]);
+    SCOPED_TRACE("D " + std::to_string(D));
+    EXPECT_TRUE(at::equal(ra.first, rb.first)) << "output";
+    EXPECT_TRUE(at::equal(ra.second, rb.second)) << "final state";
+    ((ra.first * dO).sum() + (ra.second * dS).sum()).backward();
+    ((rb.first * dO).sum() + (rb.second * dS).sum()).backward();
+    ASSERT_EQ(b[2].grad().scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::equal(a[2].grad().to(at::kBFloat16), b[2].grad())) << "dv";
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (i == 2) continue;
+      EXPECT_TRUE(at::equal(a[i].grad(), b[i].grad())) << kNames[i];
+    }
+  }
+}
+
 // The batched products over the chunks (cuda::kda_gemm) against fp64 for
 // each layout of A and B (a tensor or its transpose), with alpha -1, beta 1
 // and an output whose rows are wider than the product (a column range of a
