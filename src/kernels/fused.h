@@ -204,6 +204,35 @@ void save_read_slots(torch::autograd::AutogradContext* ctx,
                      const std::vector<at::Tensor>* slots);
 at::Tensor saved_read_slot(torch::autograd::AutogradContext* ctx, size_t i);
 
+// Note [Packed projection gradients in place]
+// linear_split's parts on the fused path (see Note [One GEMM for the
+// projections of one input], ops/linear.cpp) are the outputs of one
+// autograd function, split_packed, whose backward hands on the gradient of
+// the whole product. A part's consumer that can write its input gradient
+// with a row stride (the short convolutions) takes packed_grad_columns of
+// its input at its forward and, in its backward, writes into those columns
+// of a buffer shaped like the product (packed_grad_view: the first writer
+// allocates it); split_packed's backward then copies in only the other
+// parts' gradients (zeros for a part without one) and hands the buffer
+// on. autograd's own split backward concatenated every part's gradient
+// into a new tensor. The values are the same, so are the bits. The parts
+// are views made inside a custom function, so they must not be modified in
+// place (autograd refuses it). Both builds.
+std::vector<at::Tensor> split_packed(const at::Tensor& packed, const std::vector<int64_t>& widths);
+// For x a part split_packed returned (its grad_fn is split_packed's node):
+// the slot that will hold the product's gradient, the product's sizes and
+// the part's first column; else an undefined slot.
+struct PackedGradColumns {
+  at::Tensor slot;
+  std::vector<int64_t> sizes;
+  int64_t column = 0;
+};
+PackedGradColumns packed_grad_columns(const at::Tensor& x);
+// The part's `width` columns of the slot's buffer (allocated in the slot's
+// dtype and device on first use), [..., width] with the product's row
+// stride.
+at::Tensor packed_grad_view(const PackedGradColumns& c, int64_t width);
+
 // The KDA layer's gates (kernels/kda_gates.h), one kernel each way.
 // kda_decay: g = -exp(A_log) softplus(f + dt_bias) as fp32 [..., H, D] from
 // f [..., H D] (fp32 or bf16), dt_bias [H D] and A_log [H] fp32; the

@@ -37,4 +37,68 @@ at::Tensor saved_read_slot(torch::autograd::AutogradContext* ctx, size_t i) {
   return it == ctx->saved_data.end() ? at::Tensor() : it->second.toTensor();
 }
 
+namespace {
+
+// See Note [Packed projection gradients in place] (kernels/fused.h).
+class SplitPackedFn : public torch::autograd::Function<SplitPackedFn> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& packed,
+                                                const std::vector<int64_t>& widths) {
+    ctx->saved_data["widths"] = widths;
+    ctx->saved_data["sizes"] = packed.sizes().vec();
+    // Empty until the backward's first in-place writer (or the backward)
+    // fills it.
+    ctx->saved_data["grad"] = at::empty({0}, packed.options());
+    auto parts = packed.split_with_sizes(widths, -1);
+    return {parts.begin(), parts.end()};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto widths = ctx->saved_data["widths"].toIntVector();
+    const auto sizes = ctx->saved_data["sizes"].toIntVector();
+    const auto slot = ctx->saved_data["grad"].toTensor();
+    at::Tensor g = take_slot(slot);
+    if (!g.defined()) g = at::empty(sizes, slot.options());
+    int64_t column = 0;
+    for (size_t i = 0; i < widths.size(); ++i) {
+      auto part = g.narrow(-1, column, widths[i]);
+      column += widths[i];
+      const auto& gi = grads[i];
+      if (!gi.defined()) {
+        part.zero_();
+      } else if (gi.data_ptr() != part.data_ptr() || gi.sizes() != part.sizes() ||
+                 gi.strides() != part.strides()) {
+        part.copy_(gi);  // not written in place: copied in
+      }
+    }
+    return {g, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+std::vector<at::Tensor> split_packed(const at::Tensor& packed, const std::vector<int64_t>& widths) {
+  return SplitPackedFn::apply(packed, widths);
+}
+
+PackedGradColumns packed_grad_columns(const at::Tensor& x) {
+  using Node = torch::autograd::CppNode<SplitPackedFn>;
+  const auto node = std::dynamic_pointer_cast<Node>(x.grad_fn());
+  if (!node) return {};
+  auto& data = node->ctx_.saved_data;
+  const auto widths = data["widths"].toIntVector();
+  PackedGradColumns c;
+  c.slot = data["grad"].toTensor();
+  c.sizes = data["sizes"].toIntVector();
+  for (int64_t i = 0; i < x.output_nr(); ++i) c.column += widths[static_cast<size_t>(i)];
+  return c;
+}
+
+at::Tensor packed_grad_view(const PackedGradColumns& c, int64_t width) {
+  at::Tensor s = c.slot;  // the same TensorImpl as split_packed's
+  if (s.numel() == 0) s.set_(at::empty(c.sizes, s.options()));
+  return s.narrow(-1, c.column, width);
+}
+
 }  // namespace viaduct::kernels

@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kConvThreads, conv_min_blocks<J, W>())
     backward_kernel(const T* __restrict__ x, const float* __restrict__ w,
                     const int32_t* __restrict__ offsets, const G* __restrict__ dy,
                     T* __restrict__ dx, float* __restrict__ partial, int64_t Tn, int64_t C,
-                    int64_t xs, int K, int64_t spans, float eps, float scale) {
+                    int64_t xs, int64_t dxs, int K, int64_t spans, float eps, float scale) {
   int64_t c0, b, t0, t1;
   if (!place<J>(C, Tn, spans, c0, b, t0, t1)) return;
   const Taps<J, W> taps(w, c0, K);
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kConvThreads, conv_min_blocks<J, W>())
               sum += taps.ahead[j][i] * dzw[j][W - 1 - i];
             }
           }
-          store(dx, (b * Tn + t) * C + c0 + 32 * j, sum);
+          store(dx, (b * Tn + t) * dxs + c0 + 32 * j, sum);
         }
       }
     }
@@ -370,9 +370,9 @@ cudaError_t short_conv_silu_forward(DType dt, const void* x, int64_t xs, const f
 
 cudaError_t short_conv_silu_backward(DType dt, const void* x, int64_t xs, const float* w,
                                      const int32_t* offsets, const void* dy, void* dx,
-                                     float* partial, float* dw, int64_t B, int64_t Tn, int64_t C,
-                                     int K, cudaStream_t stream) {
-  if (bad_shape(B, Tn, C, K, xs)) return cudaErrorInvalidValue;
+                                     int64_t dxs, float* partial, float* dw, int64_t B,
+                                     int64_t Tn, int64_t C, int K, cudaStream_t stream) {
+  if (bad_shape(B, Tn, C, K, xs) || dxs < C) return cudaErrorInvalidValue;
   if (B * Tn * C == 0) return cudaMemsetAsync(dw, 0, sizeof(float) * C * K, stream);
   const int64_t spans = short_conv_partials(1, Tn);
   VIADUCT_SHORT_CONV_W(K, VIADUCT_DISPATCH(dt, (backward_kernel<T, T, 1, W, false>
@@ -380,7 +380,7 @@ cudaError_t short_conv_silu_backward(DType dt, const void* x, int64_t xs, const 
                                                    stream>>>(static_cast<const T*>(x), w, offsets,
                                                              static_cast<const T*>(dy),
                                                              static_cast<T*>(dx), partial, Tn, C,
-                                                             xs, K, spans, 0.f, 0.f))));
+                                                             xs, dxs, K, spans, 0.f, 0.f))));
   sum_partials(partial, dw, B, Tn, C, K, stream);
   return cudaGetLastError();
 }
@@ -404,10 +404,12 @@ cudaError_t short_conv_silu_l2_forward(DType dt, const void* x, int64_t xs, cons
 
 cudaError_t short_conv_silu_l2_backward(DType dt, const void* x, int64_t xs, const float* w,
                                         const int32_t* offsets, const float* dy, void* dx,
-                                        float* partial, float* dw, int64_t B, int64_t Tn,
-                                        int64_t C, int K, int64_t head_dim, float eps,
-                                        float scale, cudaStream_t stream) {
-  if (bad_shape(B, Tn, C, K, xs) || bad_head(C, head_dim)) return cudaErrorInvalidValue;
+                                        int64_t dxs, float* partial, float* dw, int64_t B,
+                                        int64_t Tn, int64_t C, int K, int64_t head_dim,
+                                        float eps, float scale, cudaStream_t stream) {
+  if (bad_shape(B, Tn, C, K, xs) || bad_head(C, head_dim) || dxs < C) {
+    return cudaErrorInvalidValue;
+  }
   if (B * Tn * C == 0) return cudaMemsetAsync(dw, 0, sizeof(float) * C * K, stream);
   const int64_t spans = short_conv_partials(1, Tn);
   VIADUCT_SHORT_CONV_J(
@@ -417,7 +419,7 @@ cudaError_t short_conv_silu_l2_backward(DType dt, const void* x, int64_t xs, con
                                                        stream>>>(static_cast<const T*>(x), w,
                                                                  offsets, dy,
                                                                  static_cast<T*>(dx), partial,
-                                                                 Tn, C, xs, K, spans, eps,
+                                                                 Tn, C, xs, dxs, K, spans, eps,
                                                                  scale)))));
   sum_partials(partial, dw, B, Tn, C, K, stream);
   return cudaGetLastError();

@@ -28,14 +28,15 @@ inline int64_t short_conv_partials(int64_t B, int64_t T) {
 }
 
 // From dy [B, T, C] of dt: dx [B, T, C] of dt and dw [C, K] fp32 (x as the
-// forward read it; dy, dx contiguous). z is recomputed from x; partial
-// (see above) is scratch.
+// forward read it; dy contiguous, dx's tokens dxs >= C apart: a column
+// slice of a wider gradient, as x may be of a wider product). z is
+// recomputed from x; partial (see above) is scratch.
 // dw sums the partials of each span of kShortConvTokensPerPartial tokens
 // in order: the same bits on every run.
 cudaError_t short_conv_silu_backward(DType dt, const void* x, int64_t xs, const float* w,
                                      const int32_t* offsets, const void* dy, void* dx,
-                                     float* partial, float* dw, int64_t B, int64_t T, int64_t C,
-                                     int K, cudaStream_t stream);
+                                     int64_t dxs, float* partial, float* dw, int64_t B, int64_t T,
+                                     int64_t C, int K, cudaStream_t stream);
 
 // The convolution followed by the L2 norm of each head's head_dim channels
 // (KDA's q and k: C = heads * head_dim, head_dim 32, 64 or 128): y [B, T,
@@ -47,10 +48,12 @@ cudaError_t short_conv_silu_l2_forward(DType dt, const void* x, int64_t xs, cons
                                        int64_t C, int K, int64_t head_dim, float eps,
                                        float scale, cudaStream_t stream);
 // Its backward from dy [B, T, C] fp32: the bits of l2_norm_backward then
-// short_conv_silu_backward (partial scratch as there).
+// short_conv_silu_backward (dx's tokens dxs apart, partial scratch, as
+// there).
 cudaError_t short_conv_silu_l2_backward(DType dt, const void* x, int64_t xs, const float* w,
-                                        const int32_t* offsets, const float* dy, void* dx, float* partial, float* dw, int64_t B,
-                                        int64_t T, int64_t C, int K, int64_t head_dim,
-                                        float eps, float scale, cudaStream_t stream);
+                                        const int32_t* offsets, const float* dy, void* dx,
+                                        int64_t dxs, float* partial, float* dw, int64_t B,
+                                        int64_t T, int64_t C, int K, int64_t head_dim, float eps,
+                                        float scale, cudaStream_t stream);
 
 }  // namespace viaduct::cuda

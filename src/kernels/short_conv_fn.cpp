@@ -28,22 +28,34 @@ at::Tensor as_read(const at::Tensor& x) {
 // The forward's saved state, shared by both functions: x as the kernels
 // read it, the weight contiguous, the document offsets (int32 [B, T], or a
 // 0-size stand-in for none: an autograd function takes no undefined inputs
-// on LibTorch 2.x).
+// on LibTorch 2.x), and where x is a part of a packed projection, the
+// columns of the product's gradient that dx goes to (see Note [Packed
+// projection gradients in place], kernels/fused.h).
 struct ConvInputs {
   at::Tensor x, w;
   ConvInputs(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& weight,
-             const at::Tensor& offsets)
+             const at::Tensor& offsets, const PackedGradColumns& dx_into)
       : x(as_read(x_in)), w(weight.contiguous()) {
     ctx->save_for_backward({x, w});
     ctx->saved_data["offsets"] = offsets;
+    const auto& c = dx_into;
+    if (c.slot.defined() && c.slot.scalar_type() == x.scalar_type() && c.sizes.size() == 3 &&
+        c.sizes[0] == x.size(0) && c.sizes[1] == x.size(1) &&
+        c.column + x.size(2) <= c.sizes[2]) {
+      ctx->saved_data["dx_slot"] = c.slot;
+      ctx->saved_data["dx_sizes"] = c.sizes;
+      ctx->saved_data["dx_column"] = c.column;
+    }
   }
 };
 
 // The backward's view of that state, with its outputs and scratch: the
-// weight gradient's partial sums (scratch), dx in x's dtype, dw fp32.
+// weight gradient's partial sums (scratch), dx in x's dtype (its own
+// tensor, or its columns of the packed product's gradient, dxs apart), dw
+// fp32.
 struct ConvGrads {
   at::Tensor x, w, offsets;
-  int64_t B, T, C;
+  int64_t B, T, C, dxs;
   int K;
   at::Tensor partial, dx, dw;
   explicit ConvGrads(AutogradContext* ctx) {
@@ -57,7 +69,15 @@ struct ConvGrads {
     K = static_cast<int>(w.size(1));
     const auto f32 = x.options().dtype(at::kFloat);
     partial = at::empty({cuda::short_conv_partials(B, T), C, K}, f32);
-    dx = at::empty({B, T, C}, x.options());
+    const auto slot = ctx->saved_data.find("dx_slot");
+    if (slot != ctx->saved_data.end()) {
+      dx = packed_grad_view({slot->second.toTensor(), ctx->saved_data["dx_sizes"].toIntVector(),
+                             ctx->saved_data["dx_column"].toInt()},
+                            C);
+    } else {
+      dx = at::empty({B, T, C}, x.options());
+    }
+    dxs = dx.stride(1);
     dw = at::empty({C, K}, f32);
   }
 };
@@ -65,8 +85,8 @@ struct ConvGrads {
 class ShortConvSiluFn : public torch::autograd::Function<ShortConvSiluFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& offsets) {
-    const ConvInputs in(ctx, x, weight, offsets);
+                            const at::Tensor& offsets, const PackedGradColumns* dx_into) {
+    const ConvInputs in(ctx, x, weight, offsets, *dx_into);
     auto y = at::empty(in.x.sizes(), in.x.options());
     check_launch(cuda::short_conv_silu_forward(dtype_of(in.x), in.x.data_ptr(), in.x.stride(1),
                                                in.w.data_ptr<float>(), offsets_of(offsets),
@@ -81,10 +101,11 @@ class ShortConvSiluFn : public torch::autograd::Function<ShortConvSiluFn> {
     auto dy = grads[0].to(g.x.scalar_type()).contiguous();
     check_launch(cuda::short_conv_silu_backward(
                      dtype_of(g.x), g.x.data_ptr(), g.x.stride(1), g.w.data_ptr<float>(),
-                     offsets_of(g.offsets), dy.data_ptr(), g.dx.data_ptr(), g.partial.data_ptr<float>(), g.dw.data_ptr<float>(), g.B,
-                     g.T, g.C, g.K, stream_of(g.x)),
+                     offsets_of(g.offsets), dy.data_ptr(), g.dx.data_ptr(), g.dxs,
+                     g.partial.data_ptr<float>(), g.dw.data_ptr<float>(), g.B, g.T, g.C, g.K,
+                     stream_of(g.x)),
                  "short_conv_silu_backward");
-    return {g.dx, g.dw, at::Tensor()};
+    return {g.dx, g.dw, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -95,8 +116,8 @@ class ShortConvSiluL2Fn : public torch::autograd::Function<ShortConvSiluL2Fn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& offsets, int64_t head_dim, double eps,
-                            double scale) {
-    const ConvInputs in(ctx, x, weight, offsets);
+                            double scale, const PackedGradColumns* dx_into) {
+    const ConvInputs in(ctx, x, weight, offsets, *dx_into);
     ctx->saved_data["head_dim"] = head_dim;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["scale"] = scale;
@@ -114,12 +135,13 @@ class ShortConvSiluL2Fn : public torch::autograd::Function<ShortConvSiluL2Fn> {
     auto dy = grads[0].to(at::kFloat).contiguous();
     check_launch(cuda::short_conv_silu_l2_backward(
                      dtype_of(g.x), g.x.data_ptr(), g.x.stride(1), g.w.data_ptr<float>(),
-                     offsets_of(g.offsets), dy.data_ptr<float>(), g.dx.data_ptr(), g.partial.data_ptr<float>(), g.dw.data_ptr<float>(), g.B,
-                     g.T, g.C, g.K, ctx->saved_data["head_dim"].toInt(),
+                     offsets_of(g.offsets), dy.data_ptr<float>(), g.dx.data_ptr(), g.dxs,
+                     g.partial.data_ptr<float>(), g.dw.data_ptr<float>(), g.B, g.T, g.C, g.K,
+                     ctx->saved_data["head_dim"].toInt(),
                      static_cast<float>(ctx->saved_data["eps"].toDouble()),
                      static_cast<float>(ctx->saved_data["scale"].toDouble()), stream_of(g.x)),
                  "short_conv_silu_l2_backward");
-    return {g.dx, g.dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {g.dx, g.dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -152,7 +174,8 @@ at::Tensor short_conv_silu(const at::Tensor& x, const at::Tensor& weight,
                 "fused short_conv_silu: x must be [B, T, C] on a CUDA device the kernels were "
                 "built for and the weight fp32 [C, K] with K <= ",
                 cuda::kShortConvMaxTaps, "; got x ", x.sizes(), ", weight ", weight.sizes());
-  return ShortConvSiluFn::apply(x, weight, offsets_arg(x, offsets));
+  const auto dx_into = packed_grad_columns(x);
+  return ShortConvSiluFn::apply(x, weight, offsets_arg(x, offsets), &dx_into);
 }
 
 bool short_conv_silu_l2_usable(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim) {
@@ -170,7 +193,9 @@ at::Tensor short_conv_silu_l2(const at::Tensor& x, const at::Tensor& weight, int
                 "built for, C a multiple of a head width of 32, 64 or 128 (got ", head_dim,
                 "), the weight fp32 [C, K] with K <= ", cuda::kShortConvMaxTaps, "; got x ",
                 x.sizes(), ", weight ", weight.sizes());
-  return ShortConvSiluL2Fn::apply(x, weight, offsets_arg(x, offsets), head_dim, eps, scale);
+  const auto dx_into = packed_grad_columns(x);
+  return ShortConvSiluL2Fn::apply(x, weight, offsets_arg(x, offsets), head_dim, eps, scale,
+                                  &dx_into);
 }
 
 }  // namespace viaduct::kernels

@@ -2,6 +2,7 @@
 
 #include "core/check.h"
 #include "core/torch_compat.h"
+#include "kernels/fused.h"
 #include "kernels/weight_cache.h"
 #include "ops/recompute.h"
 
@@ -237,9 +238,9 @@ std::vector<at::Tensor> linear_split(const at::Tensor& x, at::TensorList w,
   // linear per weight, so the CPU keeps the bits of separate projections.
   std::vector<int64_t> widths;
   for (const auto& wi : w) widths.push_back(wi.size(0));
-  const auto all = packed_projection(x, w, k, b);
-  for (auto& part : all.split_with_sizes(widths, -1)) out.push_back(std::move(part));
-  return out;
+  // The parts' gradients land in the product's: see Note [Packed
+  // projection gradients in place] (kernels/fused.h).
+  return kernels::split_packed(packed_projection(x, w, k, b), widths);
 }
 
 QkvProjection qkv_projection(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wk,

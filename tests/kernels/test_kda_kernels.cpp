@@ -221,6 +221,46 @@ TEST(KdaKernelsState, Bf16VHasTheBitsOfItsFp32Copy) {
   }
 }
 
+// The short convolutions on parts of a packed projection write their input
+// gradients into the product's gradient (see Note [Packed projection
+// gradients in place]): the product's gradient and the weights' have the
+// bits of autograd's split, whose parts' gradients are concatenated. With a
+// part that another op takes and rows of two lengths.
+TEST(KdaKernelsLayer, ConvolutionsWriteIntoThePackedGradientWithTheSameBits) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const auto opt = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const auto f32 = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  const std::vector<int64_t> widths{256, 256, 16, 128};
+  for (const int64_t T : {70, 128}) {
+    const auto x0 = at::randn({2, T, 656}, opt);
+    const auto wq = at::randn({256, 4}, f32), wv = at::randn({256, 4}, f32);
+    const auto wk = at::randn({128, 4}, f32);
+    const auto dq = at::randn({2, T, 256}, f32), dv = at::randn({2, T, 256}, opt);
+    const auto db = at::randn({2, T, 16}, opt), dk = at::randn({2, T, 128}, f32);
+    auto run = [&](bool packed) {
+      auto x = x0.detach().requires_grad_(true);
+      std::vector<at::Tensor> w{wq.clone().requires_grad_(true), wv.clone().requires_grad_(true),
+                                wk.clone().requires_grad_(true)};
+      auto y = x * 1;  // a product, as the projection's
+      const auto p = packed ? kernels::split_packed(y, widths) : y.split_with_sizes(widths, -1);
+      auto q = kernels::short_conv_silu_l2(p[0], w[0], 64, 1e-6, 0.125);
+      auto v = kernels::short_conv_silu(p[1], w[1]);
+      auto b = at::sigmoid(p[2].to(at::kFloat));
+      auto k = kernels::short_conv_silu_l2(p[3], w[2], 128, 1e-6, 1.0);
+      ((q * dq).sum() + (v * dv).sum() + (b * db).sum() + (k * dk).sum()).backward();
+      std::vector<at::Tensor> g{x.grad()};
+      for (const auto& wi : w) g.push_back(wi.grad());
+      return g;
+    };
+    const auto a = run(false), b = run(true);
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(at::equal(a[i], b[i])) << "T " << T << ", gradient " << i;
+    }
+  }
+}
+
 // The batched products over the chunks (cuda::kda_gemm) against fp64 for
 // each layout of A and B (a tensor or its transpose), with alpha -1, beta 1
 // and an output whose rows are wider than the product (a column range of a
