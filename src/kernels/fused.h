@@ -270,6 +270,21 @@ struct KdaDocumentChunks {
   at::Tensor places;    // [B T H] int64: each (token, head)'s chunk-layout row
   at::Tensor read;      // [Z C] int64: the (token, head) b T H + t H + h a chunk row holds, or -1
 };
+// Note [KDA's output gradient in the chunk layout]
+// KDA's chunk backward reads do in the chunk layout ([B H, N C, D], the
+// rows past T zero), which it gathered from the token layout [B, T, H, D]
+// with a copy. The layer's one consumer of o, the gated RMSNorm, asks
+// kda_output_grad_rows at its forward whether o is kda_chunk's output and,
+// if so, writes its input gradient in the chunk layout in its backward and
+// hands it on as the [B, T, H, D] view of it; the chunk backward takes a
+// gradient in exactly that view as it is. The values are the same, so are
+// the bits. Plain chunks only: document chunks place a head's tokens by a
+// table, which no view of [B, T, H, D] can express, so there the gather
+// stays. (Reading do from the token layout inside the chunk products
+// instead was slower than the gather: rows 4 KB apart.)
+// Returns the rows a head has in the chunk layout (N C) where o is
+// kda_chunk's output over plain chunks, else 0 (the CPU build: 0).
+int64_t kda_output_grad_rows(const at::Tensor& o);
 bool kda_usable(const at::Tensor& q, const at::Tensor& v);
 std::pair<at::Tensor, at::Tensor> kda_chunk(const at::Tensor& q, const at::Tensor& k,
                                             const at::Tensor& v, const at::Tensor& g,

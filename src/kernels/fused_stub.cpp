@@ -15,6 +15,7 @@ namespace {
 }  // namespace
 
 bool copy_rows_into(const at::Tensor&, const at::Tensor&) { no_cuda("copy_rows_into"); }
+int64_t kda_output_grad_rows(const at::Tensor&) { return 0; }
 at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double) { no_cuda("rms_norm"); }
 at::Tensor rope(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   no_cuda("rope");

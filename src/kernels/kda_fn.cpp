@@ -184,8 +184,15 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     const auto s = shape_of(q, spans);
     const auto C = cuda::kKdaChunk, Z = s.Z(), D = s.D;
     const auto opt = q.options();
-    auto dO = grads[0].defined() ? grads[0].contiguous().to(at::kFloat)
-                                 : at::zeros({s.B, s.T, s.H, D}, opt);
+    // do in the chunk layout: as its consumer wrote it (see
+    // kda_output_grad_rows), else gathered there.
+    const auto chunk_rows = s.chunks() * C;
+    const auto& g0 = grads[0];
+    const bool in_chunks = s.spans == nullptr && g0.defined() &&
+                           g0.scalar_type() == at::kFloat && g0.dim() == 4 &&
+                           g0.sizes() == q.sizes() &&
+                           g0.strides() == at::IntArrayRef({s.H * chunk_rows * D, D,
+                                                            chunk_rows * D, 1});
     auto dSN = grads[1].defined() ? grads[1].contiguous().to(at::kFloat) : at::Tensor();
     auto dstates = at::empty({Z, D, D}, opt);
     auto dS0 = at::empty({s.B, s.H, D, D}, opt);
@@ -193,7 +200,14 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
     auto dWU = at::empty({Z, C, 2 * D}, opt);
     auto ddec_part = at::empty({Z, D, cuda::kda_ddec_parts(D)}, opt);
     const auto stream = stream_of(q);
-    auto do_z = to_chunks(dO, s, read, stream);
+    at::Tensor do_z;
+    if (in_chunks) {
+      do_z = g0.as_strided({Z, C, D}, {C * D, D, 1}, g0.storage_offset());
+    } else {
+      const auto dO = g0.defined() ? g0.contiguous().to(at::kFloat)
+                                   : at::zeros({s.B, s.T, s.H, D}, opt);
+      do_z = to_chunks(dO, s, read, stream);
+    }
     auto X = chunk_mm(Aqk.transpose(1, 2), do_z, stream);
     auto Y = chunk_mm(qe.transpose(1, 2), do_z, stream);
     check_launch(cuda::kda_scan_backward(s, ptr(WU), ptr(ke), ptr(dec), ptr(X), ptr(Y), ptr(dSN),
@@ -229,6 +243,17 @@ class KdaChunkFn : public torch::autograd::Function<KdaChunkFn> {
 };
 
 }  // namespace
+
+int64_t kda_output_grad_rows(const at::Tensor& o) {
+  using Node = torch::autograd::CppNode<KdaChunkFn>;
+  const auto node = std::dynamic_pointer_cast<Node>(o.grad_fn());
+  if (!node || o.output_nr() != 0 || o.dim() != 4) return 0;
+  // The document chunks scatter a head's tokens by a table: no [B, T, H,
+  // D] view holds that layout.
+  if (node->ctx_.saved_data["spans"].toTensor().numel() != 0) return 0;
+  const auto T = o.size(1);
+  return (T + cuda::kKdaChunk - 1) / cuda::kKdaChunk * cuda::kKdaChunk;
+}
 
 bool kda_usable(const at::Tensor& q, const at::Tensor& v) {
   return usable(q) && q.dim() == 4 && v.dim() == 4 && q.size(3) == v.size(3) &&

@@ -104,7 +104,8 @@ __global__ void __launch_bounds__(kNormWarps * 32)
     gated_norm_backward_kernel(const float* __restrict__ x, const T* __restrict__ gl,
                                const float* __restrict__ w, const float* __restrict__ rstd,
                                const T* __restrict__ dy, float* __restrict__ dx,
-                               T* __restrict__ dgl, float* __restrict__ dw_part, int64_t rows) {
+                               T* __restrict__ dgl, float* __restrict__ dw_part, int64_t rows,
+                               ChunkRows dx_rows) {
   constexpr int D = 32 * J;
   __shared__ float shares[kNormWarps][D];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -127,11 +128,12 @@ __global__ void __launch_bounds__(kNormWarps * 32)
       sum += u[j] * w[c] * xv[j];
     }
     const float k = r * r * r * warp_sum(sum) / static_cast<float>(D);
+    const int64_t dx_base = dx_rows.of(row) * D;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       const int c = lane + 32 * j;
       const float n = xv[j] * r * w[c];
-      dx[base + c] = r * u[j] * w[c] - xv[j] * k;
+      dx[dx_base + c] = r * u[j] * w[c] - xv[j] * k;
       store(dgl, base + c, g[j] * n * ((1.f - s[j]) * s[j]));
       pw[j] += u[j] * xv[j] * r;
     }
@@ -217,15 +219,21 @@ int64_t gated_rms_norm_parts(int64_t rows) {
 
 cudaError_t gated_rms_norm_backward(DType dt, const float* x, const void* gl, const float* w,
                                     const float* rstd, const void* dy, float* dx, void* dgl,
-                                    float* dw_part, int64_t rows, int64_t D,
+                                    float* dw_part, int64_t rows, int64_t D, ChunkRows dx_rows,
                                     cudaStream_t stream) {
   if (D % 32 != 0 || D > kGatedNormMaxDim) return cudaErrorInvalidValue;
+  if (dx_rows.per_head != 0 &&
+      (dx_rows.T <= 0 || dx_rows.H <= 0 || dx_rows.per_head < dx_rows.T ||
+       rows % (dx_rows.T * dx_rows.H) != 0)) {
+    return cudaErrorInvalidValue;
+  }
   const unsigned parts = static_cast<unsigned>(gated_rms_norm_parts(rows));
   VIADUCT_GATED_NORM_J(D, VIADUCT_DISPATCH(dt, gated_norm_backward_kernel<T, J>
                                            <<<parts, kNormWarps * 32, 0, stream>>>(
                                                x, static_cast<const T*>(gl), w, rstd,
                                                static_cast<const T*>(dy), dx,
-                                               static_cast<T*>(dgl), dw_part, rows)));
+                                               static_cast<T*>(dgl), dw_part, rows,
+                                               dx_rows)));
   return cudaGetLastError();
 }
 

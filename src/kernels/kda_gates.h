@@ -41,12 +41,29 @@ cudaError_t gated_rms_norm_forward(DType dt, const float* x, const void* gl, con
 // The parts of the weight's gradient the backward writes: [gated_rms_norm_parts(rows), D].
 int64_t gated_rms_norm_parts(int64_t rows);
 
+// Where a row of a [B, T, H, D] tensor goes in a per-head layout: with
+// per_head 0 (the default) row r stays r; else row (b T + t) H + h goes to
+// (b H + h) per_head + t, per_head >= T rows a head (KDA's chunk layout,
+// [B H, N C, D]: see KdaShape, kernels/kda.h).
+struct ChunkRows {
+  int64_t T = 0, H = 0, per_head = 0;
+#ifdef __CUDACC__
+  __host__ __device__
+#endif
+  int64_t of(int64_t r) const {
+    if (per_head == 0) return r;
+    const int64_t h = r % H, bt = r / H;
+    return (bt / T * H + h) * per_head + bt % T;
+  }
+};
+
 // From dy (type dt): with s = sigmoid(gl), n = x rstd w and u = dy s,
 // dgl = dy n s (1 - s) (type dt), dx = rstd (u w - x rstd^2 mean(u w x))
-// (fp32), and dw_part[p, :] = the sum of u x rstd over part p's rows.
+// (fp32, row r at dx_rows.of(r)), and dw_part[p, :] = the sum of u x rstd
+// over part p's rows.
 cudaError_t gated_rms_norm_backward(DType dt, const float* x, const void* gl, const float* w,
                                     const float* rstd, const void* dy, float* dx, void* dgl,
-                                    float* dw_part, int64_t rows, int64_t D,
+                                    float* dw_part, int64_t rows, int64_t D, ChunkRows dx_rows,
                                     cudaStream_t stream);
 
 }  // namespace viaduct::cuda

@@ -58,9 +58,11 @@ class GatedRmsNormFn : public torch::autograd::Function<GatedRmsNormFn> {
  public:
   // x [..., D] fp32, gl [..., D] (bf16 or fp32), w [D] fp32; returns y in
   // gl's dtype.
+  // dx_rows: see kda_output_grad_rows (0: x's gradient in x's layout).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& gl,
-                            const at::Tensor& w, double eps) {
+                            const at::Tensor& w, double eps, int64_t dx_rows) {
     const auto D = x.size(-1);
+    ctx->saved_data["dx_rows"] = dx_rows;
     auto x2 = x.contiguous().view({-1, D});
     auto g2 = gl.contiguous().view({-1, D});
     auto wc = w.contiguous();
@@ -80,16 +82,32 @@ class GatedRmsNormFn : public torch::autograd::Function<GatedRmsNormFn> {
     const auto &x2 = saved[0], &g2 = saved[1], &wc = saved[2], &rstd = saved[3];
     const auto rows = x2.size(0), D = x2.size(1);
     auto dy = grads[0].to(g2.scalar_type()).contiguous().view({rows, D});
-    auto dx = at::empty_like(x2);
+    const auto sizes = grads[0].sizes();
+    // x's gradient in its own layout, or in KDA's chunk layout with the
+    // chunks' rows past T zero (see kda_output_grad_rows), handed on as the
+    // [B, T, H, D] view of it.
+    const auto per_head = ctx->saved_data["dx_rows"].toInt();
+    cuda::ChunkRows dx_rows;
+    at::Tensor buf, dx;
+    if (per_head > 0) {
+      const auto B = sizes[0], T = sizes[1], H = sizes[2];
+      dx_rows = {T, H, per_head};
+      buf = at::empty({B, H, per_head, D}, x2.options());
+      if (per_head > T) buf.narrow(2, T, per_head - T).zero_();
+      dx = buf.narrow(2, 0, T).permute({0, 2, 1, 3});
+    } else {
+      buf = at::empty_like(x2);
+      dx = buf.view(sizes);
+    }
     auto dgl = at::empty_like(g2);
     auto pw = at::empty({cuda::gated_rms_norm_parts(rows), D}, x2.options());
     check_launch(cuda::gated_rms_norm_backward(dtype_of(g2), x2.data_ptr<float>(), g2.data_ptr(),
                                                wc.data_ptr<float>(), rstd.data_ptr<float>(),
-                                               dy.data_ptr(), dx.data_ptr<float>(),
+                                               dy.data_ptr(), buf.data_ptr<float>(),
                                                dgl.data_ptr(), pw.data_ptr<float>(), rows, D,
-                                               stream_of(x2)),
+                                               dx_rows, stream_of(x2)),
                  "gated_rms_norm_backward");
-    return {dx.view(grads[0].sizes()), dgl.view(grads[0].sizes()), pw.sum(0), at::Tensor()};
+    return {dx, dgl.view(sizes), pw.sum(0), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -131,7 +149,7 @@ at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& gate_logits,
                 "CUDA device the kernels were built for, the weight fp32 [D]; got x ",
                 x.scalar_type(), " ", x.sizes(), ", gate ", gate_logits.scalar_type(), " ",
                 gate_logits.sizes(), ", weight ", weight.sizes());
-  return GatedRmsNormFn::apply(x, gate_logits, weight, eps);
+  return GatedRmsNormFn::apply(x, gate_logits, weight, eps, kda_output_grad_rows(x));
 }
 
 }  // namespace viaduct::kernels

@@ -505,5 +505,42 @@ TEST(KdaGates, GatedNormForwardBackward) {
   }
 }
 
+// The gated norm on KDA's output hands do on in the chunk layout (see
+// Note [KDA's output gradient in the chunk layout]), and every gradient has
+// the bits of the same norm on a copy of o, whose gradient goes the token
+// layout's way; with T a multiple of the chunk and not (rows past T).
+TEST(KdaGates, GatedNormOnKdaOutputHandsOnTheChunkLayoutWithTheSameBits) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const at::Device gpu(at::kCUDA);
+  for (const int64_t T : {128, 131}) {
+    const int64_t B = 2, H = 3, D = 64;
+    const auto in = draw(B, T, H, D, false);
+    const auto gl0 = at::randn({B, T, H, D}, at::TensorOptions(gpu).dtype(at::kBFloat16));
+    const auto w0 = 1.0 + 0.1 * at::randn({D}, at::TensorOptions(gpu));
+    const auto dy = at::randn({B, T, H, D}, at::TensorOptions(gpu).dtype(at::kBFloat16));
+    auto run = [&](bool direct) {
+      std::vector<at::Tensor> l;
+      for (size_t i = 0; i < 5; ++i) l.push_back(in.x[i].to(gpu, at::kFloat).requires_grad_(true));
+      auto gl = gl0.detach().requires_grad_(true), w = w0.detach().requires_grad_(true);
+      auto o = kernels::kda_chunk(l[0], l[1], l[2], l[3], l[4], {}).first;
+      if (!direct) o = o * 1;  // the consumer of a copy: the token layout
+      EXPECT_EQ(kernels::kda_output_grad_rows(o) > 0, direct);
+      auto y = kernels::gated_rms_norm(o, gl, w, 1e-5);
+      y.backward(dy);
+      std::vector<at::Tensor> g;
+      for (const auto& t : l) g.push_back(t.grad());
+      g.push_back(gl.grad());
+      g.push_back(w.grad());
+      return g;
+    };
+    const auto a = run(false), b = run(true);
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(at::equal(a[i], b[i])) << "T " << T << ", gradient " << i;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace viaduct
