@@ -505,10 +505,10 @@ TEST(KdaGates, GatedNormForwardBackward) {
   }
 }
 
-// The gated norm on KDA's output hands do on in the chunk layout (see
-// Note [KDA's output gradient in the chunk layout]), and every gradient has
-// the bits of the same norm on a copy of o, whose gradient goes the token
-// layout's way; with T a multiple of the chunk and not (rows past T).
+// The gated norm on KDA's output hands do on in the chunk layout, and
+// every gradient has the bits of the same norm on a copy of o, whose
+// gradient goes the token layout's way; with T a multiple of the chunk and
+// not (rows past T). See Note [KDA's output gradient in the chunk layout].
 TEST(KdaGates, GatedNormOnKdaOutputHandsOnTheChunkLayoutWithTheSameBits) {
   REQUIRE_GPU();
   const auto seed = fresh_seed();
