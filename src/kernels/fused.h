@@ -220,17 +220,19 @@ at::Tensor saved_read_slot(torch::autograd::AutogradContext* ctx, size_t i);
 // place (autograd refuses it). Both builds.
 std::vector<at::Tensor> split_packed(const at::Tensor& packed, const std::vector<int64_t>& widths);
 // For x a part split_packed returned (its grad_fn is split_packed's node):
-// the slot that will hold the product's gradient, the product's sizes and
-// the part's first column; else an undefined slot.
+// the slot that will hold the product's gradient, the parts already taken,
+// the product's sizes, the part and its first column; else an undefined
+// slot.
 struct PackedGradColumns {
-  at::Tensor slot;
+  at::Tensor slot, claimed;
   std::vector<int64_t> sizes;
-  int64_t column = 0;
+  int64_t part = 0, column = 0;
 };
 PackedGradColumns packed_grad_columns(const at::Tensor& x);
 // The part's `width` columns of the slot's buffer (allocated in the slot's
 // dtype and device on first use), [..., width] with the product's row
-// stride.
+// stride; for a second consumer of the same part in one backward, a
+// tensor of its own (the two are summed by autograd, then copied in).
 at::Tensor packed_grad_view(const PackedGradColumns& c, int64_t width);
 
 // The KDA layer's gates (kernels/kda_gates.h), one kernel each way.

@@ -50,6 +50,9 @@ class SplitPackedFn : public torch::autograd::Function<SplitPackedFn> {
     // Empty until the backward's first in-place writer (or the backward)
     // fills it.
     ctx->saved_data["grad"] = at::empty({0}, packed.options());
+    // Which parts' columns a consumer has taken (a second consumer of the
+    // same part gets a tensor of its own: autograd sums the two).
+    ctx->saved_data["claimed"] = at::zeros({static_cast<int64_t>(widths.size())}, at::kByte);
     auto parts = packed.split_with_sizes(widths, -1);
     return {parts.begin(), parts.end()};
   }
@@ -60,6 +63,7 @@ class SplitPackedFn : public torch::autograd::Function<SplitPackedFn> {
     const auto slot = ctx->saved_data["grad"].toTensor();
     at::Tensor g = take_slot(slot);
     if (!g.defined()) g = at::empty(sizes, slot.options());
+    ctx->saved_data["claimed"].toTensor().zero_();  // afresh for a rerun of the backward
     int64_t column = 0;
     for (size_t i = 0; i < widths.size(); ++i) {
       auto part = g.narrow(-1, column, widths[i]);
@@ -90,13 +94,22 @@ PackedGradColumns packed_grad_columns(const at::Tensor& x) {
   const auto widths = data["widths"].toIntVector();
   PackedGradColumns c;
   c.slot = data["grad"].toTensor();
+  c.claimed = data["claimed"].toTensor();
   c.sizes = data["sizes"].toIntVector();
-  for (int64_t i = 0; i < x.output_nr(); ++i) c.column += widths[static_cast<size_t>(i)];
+  c.part = x.output_nr();
+  for (int64_t i = 0; i < c.part; ++i) c.column += widths[static_cast<size_t>(i)];
   return c;
 }
 
 at::Tensor packed_grad_view(const PackedGradColumns& c, int64_t width) {
   at::Tensor s = c.slot;  // the same TensorImpl as split_packed's
+  uint8_t& claimed = c.claimed.data_ptr<uint8_t>()[c.part];
+  if (claimed != 0) {
+    auto own = c.sizes;
+    own.back() = width;
+    return at::empty(own, s.options());
+  }
+  claimed = 1;
   if (s.numel() == 0) s.set_(at::empty(c.sizes, s.options()));
   return s.narrow(-1, c.column, width);
 }

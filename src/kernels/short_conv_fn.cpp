@@ -43,7 +43,9 @@ struct ConvInputs {
         c.sizes[0] == x.size(0) && c.sizes[1] == x.size(1) &&
         c.column + x.size(2) <= c.sizes[2]) {
       ctx->saved_data["dx_slot"] = c.slot;
+      ctx->saved_data["dx_claimed"] = c.claimed;
       ctx->saved_data["dx_sizes"] = c.sizes;
+      ctx->saved_data["dx_part"] = c.part;
       ctx->saved_data["dx_column"] = c.column;
     }
   }
@@ -71,7 +73,9 @@ struct ConvGrads {
     partial = at::empty({cuda::short_conv_partials(B, T), C, K}, f32);
     const auto slot = ctx->saved_data.find("dx_slot");
     if (slot != ctx->saved_data.end()) {
-      dx = packed_grad_view({slot->second.toTensor(), ctx->saved_data["dx_sizes"].toIntVector(),
+      dx = packed_grad_view({slot->second.toTensor(), ctx->saved_data["dx_claimed"].toTensor(),
+                             ctx->saved_data["dx_sizes"].toIntVector(),
+                             ctx->saved_data["dx_part"].toInt(),
                              ctx->saved_data["dx_column"].toInt()},
                             C);
     } else {

@@ -13,8 +13,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Where the in-place consumer's last backward wrote.
-const void* g_written = nullptr;
+// Where the in-place consumer's backwards wrote.
+std::vector<const void*> g_written;
 
 // y = 3 x, whose backward writes dx = 3 dy into x's columns of the packed
 // gradient where x is a split_packed part, as the short convolutions do.
@@ -24,7 +24,9 @@ class TimesThreeInPlaceFn : public torch::autograd::Function<TimesThreeInPlaceFn
                             const kernels::PackedGradColumns* into) {
     if (into->slot.defined()) {
       ctx->saved_data["slot"] = into->slot;
+      ctx->saved_data["claimed"] = into->claimed;
       ctx->saved_data["sizes"] = into->sizes;
+      ctx->saved_data["part"] = into->part;
       ctx->saved_data["column"] = into->column;
     }
     ctx->saved_data["width"] = x.size(-1);
@@ -33,12 +35,13 @@ class TimesThreeInPlaceFn : public torch::autograd::Function<TimesThreeInPlaceFn
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto slot = ctx->saved_data.find("slot");
     if (slot == ctx->saved_data.end()) return {grads[0] * 3, at::Tensor()};
-    auto dx = kernels::packed_grad_view({slot->second.toTensor(),
-                                         ctx->saved_data["sizes"].toIntVector(),
-                                         ctx->saved_data["column"].toInt()},
-                                        ctx->saved_data["width"].toInt());
+    auto dx = kernels::packed_grad_view(
+        {slot->second.toTensor(), ctx->saved_data["claimed"].toTensor(),
+         ctx->saved_data["sizes"].toIntVector(), ctx->saved_data["part"].toInt(),
+         ctx->saved_data["column"].toInt()},
+        ctx->saved_data["width"].toInt());
     at::mul_out(dx, grads[0], 3);
-    g_written = dx.data_ptr();
+    g_written.push_back(dx.data_ptr());
     return {dx, at::Tensor()};
   }
 };
@@ -54,8 +57,9 @@ struct Run {
 };
 
 // packed = leaf * 2 ([2, 5, 10]) split into widths 3, 4, 1, 2: part 0
-// through the in-place consumer, part 1 through it and a second use (a
-// sum of two gradients), part 2 unused, part 3 through a plain op.
+// through the in-place consumer twice (the second gets columns of its
+// own), part 1 through it and a plain op (a sum of two gradients), part 2
+// unused, part 3 through a plain op.
 Run run(const at::Tensor& leaf_in, const at::Tensor& r, bool use_split_packed) {
   auto leaf = leaf_in.detach().requires_grad_(true);
   auto packed = leaf * 2;
@@ -64,7 +68,7 @@ Run run(const at::Tensor& leaf_in, const at::Tensor& r, bool use_split_packed) {
   const std::vector<int64_t> widths{3, 4, 1, 2};
   const auto parts = use_split_packed ? kernels::split_packed(packed, widths)
                                       : packed.split_with_sizes(widths, -1);
-  auto y0 = times_three(parts[0]);
+  auto y0 = times_three(parts[0]) + times_three(parts[0]).cos();
   auto y1 = times_three(parts[1]) + parts[1].sin();
   auto y3 = parts[3].exp();
   auto loss = (y0 * r.narrow(-1, 0, 3)).sum() + (y1 * r.narrow(-1, 3, 4)).sum() +
@@ -78,9 +82,9 @@ TEST(PackedGrad, SplitPackedHandsOnAutogradsSplitGradient) {
   at::manual_seed(7);
   const auto leaf = at::randn({2, 5, 10});
   const auto r = at::randn({2, 5, 10});
-  g_written = nullptr;
+  g_written.clear();
   const auto reference = run(leaf, r, false);
-  EXPECT_EQ(g_written, nullptr) << "autograd's split parts offered columns";
+  EXPECT_TRUE(g_written.empty()) << "autograd's split parts offered columns";
   const auto packed = run(leaf, r, true);
   EXPECT_TRUE(at::equal(packed.handed_on, reference.handed_on));
   EXPECT_TRUE(at::equal(packed.grad, reference.grad));
@@ -92,16 +96,21 @@ TEST(PackedGrad, InPlaceConsumerWritesIntoTheHandedOnGradient) {
   at::manual_seed(8);
   const auto leaf = at::randn({2, 5, 10});
   const auto r = at::randn({2, 5, 10});
-  g_written = nullptr;
+  g_written.clear();
   const auto packed = run(leaf, r, true);
-  ASSERT_NE(g_written, nullptr);
-  // The last in-place write was part 0's or part 1's columns of the very
-  // tensor handed on (both consumers run; part 1's sum is copied over its
-  // columns).
+  ASSERT_EQ(g_written.size(), 3u);
+  // Part 0's first consumer and part 1's wrote into their columns of the
+  // very tensor handed on; part 0's second consumer into a tensor of its
+  // own (the sums of both parts are then copied over their columns).
   const auto* base = static_cast<const char*>(packed.handed_on.data_ptr());
-  const auto* at_written = static_cast<const char*>(g_written);
   const auto part1 = static_cast<ptrdiff_t>(3 * sizeof(float));  // column 3
-  EXPECT_TRUE(at_written == base || at_written == base + part1);
+  int at_part0 = 0, at_part1 = 0;
+  for (const auto* p : g_written) {
+    at_part0 += static_cast<const char*>(p) == base;
+    at_part1 += static_cast<const char*>(p) == base + part1;
+  }
+  EXPECT_EQ(at_part0, 1);
+  EXPECT_EQ(at_part1, 1);
   // A second backward through a fresh graph starts from an empty slot.
   const auto again = run(leaf, r, true);
   EXPECT_TRUE(at::equal(again.grad, packed.grad));
