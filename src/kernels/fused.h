@@ -234,6 +234,10 @@ PackedGradColumns packed_grad_columns(const at::Tensor& x);
 // stride; for a second consumer of the same part in one backward, a
 // tensor of its own (the two are summed by autograd, then copied in).
 at::Tensor packed_grad_view(const PackedGradColumns& c, int64_t width);
+// A consumer's columns kept in its autograd context (nothing where c's
+// slot is undefined), and back (an undefined slot: none kept).
+void save_packed_grad_columns(torch::autograd::AutogradContext* ctx, const PackedGradColumns& c);
+PackedGradColumns saved_packed_grad_columns(torch::autograd::AutogradContext* ctx);
 
 // The KDA layer's gates (kernels/kda_gates.h), one kernel each way.
 // kda_decay: g = -exp(A_log) softplus(f + dt_bias) as fp32 [..., H, D] from

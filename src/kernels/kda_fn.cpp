@@ -251,8 +251,7 @@ int64_t kda_output_grad_rows(const at::Tensor& o) {
   // The document chunks scatter a head's tokens by a table: no [B, T, H,
   // D] view holds that layout.
   if (node->ctx_.saved_data["spans"].toTensor().numel() != 0) return 0;
-  const auto T = o.size(1);
-  return (T + cuda::kKdaChunk - 1) / cuda::kKdaChunk * cuda::kKdaChunk;
+  return shape_of(o, at::Tensor()).chunks() * cuda::kKdaChunk;
 }
 
 bool kda_usable(const at::Tensor& q, const at::Tensor& v) {

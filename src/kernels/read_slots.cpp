@@ -114,4 +114,22 @@ at::Tensor packed_grad_view(const PackedGradColumns& c, int64_t width) {
   return s.narrow(-1, c.column, width);
 }
 
+void save_packed_grad_columns(torch::autograd::AutogradContext* ctx, const PackedGradColumns& c) {
+  if (!c.slot.defined()) return;
+  ctx->saved_data["packed_slot"] = c.slot;
+  ctx->saved_data["packed_claimed"] = c.claimed;
+  ctx->saved_data["packed_sizes"] = c.sizes;
+  ctx->saved_data["packed_part"] = c.part;
+  ctx->saved_data["packed_column"] = c.column;
+}
+
+PackedGradColumns saved_packed_grad_columns(torch::autograd::AutogradContext* ctx) {
+  auto& data = ctx->saved_data;
+  const auto slot = data.find("packed_slot");
+  if (slot == data.end()) return {};
+  return {slot->second.toTensor(), data["packed_claimed"].toTensor(),
+          data["packed_sizes"].toIntVector(), data["packed_part"].toInt(),
+          data["packed_column"].toInt()};
+}
+
 }  // namespace viaduct::kernels

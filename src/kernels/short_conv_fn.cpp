@@ -42,11 +42,7 @@ struct ConvInputs {
     if (c.slot.defined() && c.slot.scalar_type() == x.scalar_type() && c.sizes.size() == 3 &&
         c.sizes[0] == x.size(0) && c.sizes[1] == x.size(1) &&
         c.column + x.size(2) <= c.sizes[2]) {
-      ctx->saved_data["dx_slot"] = c.slot;
-      ctx->saved_data["dx_claimed"] = c.claimed;
-      ctx->saved_data["dx_sizes"] = c.sizes;
-      ctx->saved_data["dx_part"] = c.part;
-      ctx->saved_data["dx_column"] = c.column;
+      save_packed_grad_columns(ctx, c);
     }
   }
 };
@@ -71,13 +67,9 @@ struct ConvGrads {
     K = static_cast<int>(w.size(1));
     const auto f32 = x.options().dtype(at::kFloat);
     partial = at::empty({cuda::short_conv_partials(B, T), C, K}, f32);
-    const auto slot = ctx->saved_data.find("dx_slot");
-    if (slot != ctx->saved_data.end()) {
-      dx = packed_grad_view({slot->second.toTensor(), ctx->saved_data["dx_claimed"].toTensor(),
-                             ctx->saved_data["dx_sizes"].toIntVector(),
-                             ctx->saved_data["dx_part"].toInt(),
-                             ctx->saved_data["dx_column"].toInt()},
-                            C);
+    const auto into = saved_packed_grad_columns(ctx);
+    if (into.slot.defined()) {
+      dx = packed_grad_view(into, C);
     } else {
       dx = at::empty({B, T, C}, x.options());
     }

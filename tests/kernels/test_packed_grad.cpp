@@ -22,24 +22,14 @@ class TimesThreeInPlaceFn : public torch::autograd::Function<TimesThreeInPlaceFn
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
                             const kernels::PackedGradColumns* into) {
-    if (into->slot.defined()) {
-      ctx->saved_data["slot"] = into->slot;
-      ctx->saved_data["claimed"] = into->claimed;
-      ctx->saved_data["sizes"] = into->sizes;
-      ctx->saved_data["part"] = into->part;
-      ctx->saved_data["column"] = into->column;
-    }
+    kernels::save_packed_grad_columns(ctx, *into);
     ctx->saved_data["width"] = x.size(-1);
     return x * 3;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto slot = ctx->saved_data.find("slot");
-    if (slot == ctx->saved_data.end()) return {grads[0] * 3, at::Tensor()};
-    auto dx = kernels::packed_grad_view(
-        {slot->second.toTensor(), ctx->saved_data["claimed"].toTensor(),
-         ctx->saved_data["sizes"].toIntVector(), ctx->saved_data["part"].toInt(),
-         ctx->saved_data["column"].toInt()},
-        ctx->saved_data["width"].toInt());
+    const auto into = kernels::saved_packed_grad_columns(ctx);
+    if (!into.slot.defined()) return {grads[0] * 3, at::Tensor()};
+    auto dx = kernels::packed_grad_view(into, ctx->saved_data["width"].toInt());
     at::mul_out(dx, grads[0], 3);
     g_written.push_back(dx.data_ptr());
     return {dx, at::Tensor()};
