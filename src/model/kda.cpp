@@ -115,10 +115,12 @@ KdaProjections KdaImpl::project(const at::Tensor& x) {
                                    {q_proj->weight, k_proj->weight, v_proj->weight, f_a->weight,
                                     b_proj->weight, g_a->weight},
                                    kernel_options_);
-  // f and g feed linears that keep their input for the backward: as
-  // contiguous copies ([B, T, dk] each) they keep only themselves, not the
-  // whole product the views would hold.
-  return {w[0], w[1], w[2], w[3].contiguous(), w[4], w[5].contiguous()};
+  // Every part stays a view of the one product: the short convolutions
+  // keep q's, k's and v's columns of it for their backward anyway, so the
+  // f_b and g_b linears keep f and g as views at no cost, read them in place
+  // and write their gradients into the product's (see Note [Packed
+  // projection gradients in place], kernels/fused.h).
+  return {w[0], w[1], w[2], w[3], w[4], w[5]};
 }
 
 KdaRuleInputs KdaImpl::rule_inputs(const KdaProjections& p, const ops::Documents* documents) {

@@ -24,16 +24,25 @@ namespace {
 // split back into the parts.
 struct MixedLinear {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            at::TensorList w, const at::Tensor& b, const KernelOptions& k) {
+                            at::TensorList w, const at::Tensor& b, const KernelOptions& k,
+                            const kernels::PackedGradColumns& dx_into) {
     auto wc = kernels::cast_weights(k.weight_cache.get(), w, x.scalar_type());
     ctx->save_for_backward({x, wc});
     std::vector<int64_t> rows;
     for (const auto& p : w) rows.push_back(p.size(0));
     ctx->saved_data["rows"] = rows;
     ctx->saved_data["fp32_out"] = k.capabilities.fp32_out_gemm;
+    if (packed_columns_fit(dx_into, x)) kernels::save_packed_grad_columns(ctx, dx_into);
+    // The product over x's rows as one 2-D GEMM: x may be a column slice of
+    // a packed projection (rows further apart than its width), which cuBLAS
+    // reads in place as a 2-D view, where a strided 3-D input would take
+    // at::linear's matmul and add the bias after the GEMM, not in it.
+    auto out_sizes = x.sizes().vec();
+    out_sizes.back() = wc.size(0);
+    const auto x2 = x.reshape({-1, x.size(-1)});
     // See Note [Per-op activation checkpointing]: the GEMM alone is skipped
     // in a replay; the node and what it saves are the same.
-    if (!b.defined()) return run_saved_op([&] { return at::linear(x, wc); });
+    if (!b.defined()) return run_saved_op([&] { return at::linear(x2, wc).view(out_sizes); });
     ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
     if (k.capabilities.fp32_out_gemm && b.requires_grad()) {
       ctx->saved_data["ones"] = kernels::ones_row(k.weight_cache.get(), x.numel() / x.size(-1),
@@ -44,7 +53,19 @@ struct MixedLinear {
     const auto bc = b.scalar_type() == x.scalar_type()
                         ? b
                         : kernels::cast_weights(k.weight_cache.get(), {b}, x.scalar_type());
-    return run_saved_op([&] { return at::linear(x, wc, bc); });
+    return run_saved_op([&] { return at::linear(x2, wc, bc).view(out_sizes); });
+  }
+  // x's gradient can go into dx_into's columns of a packed product's
+  // gradient: x is that part as split_packed returned it, in x's dtype.
+  static bool packed_columns_fit(const kernels::PackedGradColumns& c, const at::Tensor& x) {
+    if (!c.slot.defined() || c.slot.scalar_type() != x.scalar_type() ||
+        c.sizes.size() != static_cast<size_t>(x.dim())) {
+      return false;
+    }
+    for (int64_t d = 0; d + 1 < x.dim(); ++d) {
+      if (c.sizes[static_cast<size_t>(d)] != x.size(d)) return false;
+    }
+    return c.column + x.size(-1) <= c.sizes.back();
   }
   // {dx, dw per part..., db, none for the options}; db only when
   // `bias_slot`.
@@ -58,7 +79,21 @@ struct MixedLinear {
     const auto out_f = wc.size(0), in_f = wc.size(1);
     auto dy = grads[0].to(x.scalar_type()).reshape({-1, out_f});
     torch::autograd::variable_list out(1 + n + (bias_slot ? 1 : 0) + 1);
-    if (ctx->needs_input_grad(0)) out[0] = at::mm(dy, wc).view(x.sizes());
+    if (ctx->needs_input_grad(0)) {
+      const auto into = kernels::saved_packed_grad_columns(ctx);
+      if (into.slot.defined()) {
+        // Written into its columns of the packed product's gradient, rows
+        // that product's width apart: cuBLAS takes the view as its output
+        // (see Note [Packed projection gradients in place],
+        // kernels/fused.h).
+        auto dx = kernels::packed_grad_view(into, in_f);
+        auto dx2 = dx.view({-1, in_f});
+        at::mm_out(dx2, dy, wc);
+        out[0] = dx;
+      } else {
+        out[0] = at::mm(dy, wc).view(x.sizes());
+      }
+    }
     bool any_w = false;
     for (size_t i = 0; i < n; ++i) any_w = any_w || ctx->needs_input_grad(1 + i);
     if (any_w) {
@@ -101,8 +136,9 @@ struct MixedLinear {
 class MixedLinearFn : public torch::autograd::Function<MixedLinearFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            at::TensorList w, const at::Tensor& b, const KernelOptions* k) {
-    return MixedLinear::forward(ctx, x, w, b, *k);
+                            at::TensorList w, const at::Tensor& b, const KernelOptions* k,
+                            const kernels::PackedGradColumns* dx_into) {
+    return MixedLinear::forward(ctx, x, w, b, *k, *dx_into);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -113,8 +149,9 @@ class MixedLinearFn : public torch::autograd::Function<MixedLinearFn> {
 class MixedLinearNoBiasFn : public torch::autograd::Function<MixedLinearNoBiasFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            at::TensorList w, const KernelOptions* k) {
-    return MixedLinear::forward(ctx, x, w, at::Tensor(), *k);
+                            at::TensorList w, const KernelOptions* k,
+                            const kernels::PackedGradColumns* dx_into) {
+    return MixedLinear::forward(ctx, x, w, at::Tensor(), *k, *dx_into);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -192,7 +229,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
 at::Tensor linear_parts(const at::Tensor& x, at::TensorList w, const at::Tensor& b,
                         const KernelOptions& k) {
   if (mixed_linear_applies(x, w, k)) {
-    return b.defined() ? MixedLinearFn::apply(x, w, b, &k) : MixedLinearNoBiasFn::apply(x, w, &k);
+    // x's gradient goes into a packed product's where x is one of its parts.
+    const auto dx_into = kernels::packed_grad_columns(x);
+    return b.defined() ? MixedLinearFn::apply(x, w, b, &k, &dx_into)
+                       : MixedLinearNoBiasFn::apply(x, w, &k, &dx_into);
   }
   const auto whole = w.size() == 1 ? w[0] : at::cat(w);
   const auto wc = whole.scalar_type() == x.scalar_type() ? whole : whole.to(x.scalar_type());

@@ -1836,6 +1836,60 @@ TEST(FusedKernels, AdamWWritesTheExpertsSideBySideCopy) {
   }
 }
 
+// A linear whose input is a part of a packed projection (ops::linear_split
+// on the fused path) reads it in place and writes its input gradient into
+// the product's gradient (see Note [Packed projection gradients in place]):
+// outputs and gradients have the bits of the same linears on contiguous
+// copies of the parts, with and without a bias, for rows of two lengths.
+TEST(FusedKernels, LinearOnAPackedPartWritesItsGradientInPlaceWithTheSameBits) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const auto f32 = at::TensorOptions(at::kCUDA).dtype(at::kFloat);
+  const ops::KernelOptions k;
+  const int64_t width = 64 + 32 + 24;
+  for (const int64_t T : {70, 128}) {
+    const auto x0 = at::randn({2, T, 96}, f32).to(at::kBFloat16);
+    std::vector<at::Tensor> w0{at::randn({64, 96}, f32) * 0.1, at::randn({32, 96}, f32) * 0.1,
+                               at::randn({24, 96}, f32) * 0.1, at::randn({48, 32}, f32) * 0.1,
+                               at::randn({40, 24}, f32) * 0.1, at::randn({40}, f32)};
+    const auto da = at::randn({2, T, 64}, f32), df = at::randn({2, T, 48}, f32);
+    const auto dg = at::randn({2, T, 40}, f32);
+    auto run = [&](bool in_place) {
+      auto x = x0.detach().requires_grad_(true);
+      std::vector<at::Tensor> w;
+      for (const auto& wi : w0) w.push_back(wi.clone().requires_grad_(true));
+      const auto parts = ops::linear_split(x, {w[0], w[1], w[2]}, k);
+      EXPECT_EQ(parts[1].stride(1), width);  // a view of the one product
+      const auto f = in_place ? parts[1] : parts[1].contiguous();
+      const auto g = in_place ? parts[2] : parts[2].contiguous();
+      std::vector<int64_t> handed_strides;
+      for (const auto& p : {f, g}) {
+        p.register_hook([&handed_strides](const at::Tensor& grad) {
+          handed_strides.push_back(grad.stride(1));
+        });
+      }
+      const auto yf = ops::linear(f, w[3], at::Tensor(), k);
+      const auto yg = ops::linear(g, w[4], w[5], k);
+      ((parts[0].to(at::kFloat) * da).sum() + (yf.to(at::kFloat) * df).sum() +
+       (yg.to(at::kFloat) * dg).sum())
+          .backward();
+      // In place, both gradients are columns of the product's gradient.
+      EXPECT_EQ(handed_strides.size(), 2u);
+      for (const auto s : handed_strides) EXPECT_EQ(s == width, in_place) << "T " << T;
+      std::vector<at::Tensor> out{yf.detach(), yg.detach(), x.grad()};
+      for (const auto& wi : w) out.push_back(wi.grad());
+      return out;
+    };
+    const auto a = run(false), b = run(true);
+    for (size_t i = 0; i < a.size(); ++i) {
+      ASSERT_TRUE(b[i].defined()) << "T " << T << ", tensor " << i;
+      EXPECT_TRUE(at::equal(a[i], b[i])) << "T " << T << ", tensor " << i;
+    }
+    EXPECT_GT(b[2].abs().sum().item<double>(), 0.0);
+  }
+}
+
 TEST(FusedKernels, WeightCacheChangesNoBit) {
   REQUIRE_GPU();
   // Three bf16 AdamW steps of a small llama with a cache kept across steps
