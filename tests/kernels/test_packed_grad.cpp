@@ -41,7 +41,7 @@ at::Tensor times_three(const at::Tensor& x) {
   return TimesThreeInPlaceFn::apply(x, &into);
 }
 
-struct Run {
+struct SplitRun {
   at::Tensor grad;        // the leaf's gradient
   at::Tensor handed_on;   // the packed product's gradient
 };
@@ -50,10 +50,10 @@ struct Run {
 // through the in-place consumer twice (the second gets columns of its
 // own), part 1 through it and a plain op (a sum of two gradients), part 2
 // unused, part 3 through a plain op.
-Run run(const at::Tensor& leaf_in, const at::Tensor& r, bool use_split_packed) {
+SplitRun run(const at::Tensor& leaf_in, const at::Tensor& r, bool use_split_packed) {
   auto leaf = leaf_in.detach().requires_grad_(true);
   auto packed = leaf * 2;
-  Run out;
+  SplitRun out;
   packed.register_hook([&out](const at::Tensor& g) { out.handed_on = g; });
   const std::vector<int64_t> widths{3, 4, 1, 2};
   const auto parts = use_split_packed ? kernels::split_packed(packed, widths)
