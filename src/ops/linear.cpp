@@ -67,8 +67,8 @@ struct MixedLinear {
     }
     return c.column + x.size(-1) <= c.sizes.back();
   }
-  // {dx, dw per part..., db, none for the options}; db only when
-  // `bias_slot`.
+  // {dx, dw per part..., db, none for the options and for the columns};
+  // db only when `bias_slot`.
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  const torch::autograd::variable_list& grads,
                                                  bool bias_slot) {
@@ -78,7 +78,7 @@ struct MixedLinear {
     const auto n = rows.size();
     const auto out_f = wc.size(0), in_f = wc.size(1);
     auto dy = grads[0].to(x.scalar_type()).reshape({-1, out_f});
-    torch::autograd::variable_list out(1 + n + (bias_slot ? 1 : 0) + 1);
+    torch::autograd::variable_list out(1 + n + (bias_slot ? 1 : 0) + 2);
     if (ctx->needs_input_grad(0)) {
       const auto into = kernels::saved_packed_grad_columns(ctx);
       if (into.slot.defined()) {
