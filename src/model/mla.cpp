@@ -84,13 +84,17 @@ at::Tensor MlaImpl::forward(const at::Tensor& x, const ops::Documents* documents
   // The two projections of x, q's (its latent, or q itself) and the kv
   // latent with k's rotary part, as one GEMM where the kernels run:
   // see Note [One GEMM for the projections of one input] (ops/linear.cpp).
-  const auto xw = ops::linear_split(
-      x, {opts_.q_lora_rank > 0 ? wq_a->weight : wq->weight, wkv_a->weight}, kernel_options_);
-  auto q = opts_.q_lora_rank > 0 ? linear(q_norm(xw[0]), wq_b, kernel_options_) : xw[0];
+  // Three parts: q's, the kv latent and k's rotary part, so that the
+  // latter two hand their gradients to the product's directly rather than
+  // through two narrows' zero-filled gradients and their sum.
+  const auto& wq_x = opts_.q_lora_rank > 0 ? wq_a->weight : wq->weight;
+  const auto xw = ops::linear_split(x, {wq_x, wkv_a->weight}, kernel_options_,
+                                    {}, {wq_x.size(0), opts_.kv_lora_rank, pe});
+  auto q = opts_.q_lora_rank > 0 ? linear(q_norm(xw[0]), wq_b, kernel_options_)
+                                 : xw[0];
   q = q.reshape({B, T, H, nope + pe});
-  const auto& kv_a = xw[1];  // [B, T, kv_lora + pe]
-  auto c_kv = kv_norm(kv_a.narrow(-1, 0, opts_.kv_lora_rank));
-  auto k_pe = kv_a.narrow(-1, opts_.kv_lora_rank, pe).view({B, T, 1, pe});
+  auto c_kv = kv_norm(xw[1]);  // [B, T, kv_lora]
+  auto k_pe = xw[2].view({B, T, 1, pe});
   auto kv = linear(c_kv, wkv_b, kernel_options_).view({B, T, H, nope + vd});
   at::Tensor y;  // [B, T, H, vd]
   if (documents != nullptr && ops::varlen_runs(q)) {

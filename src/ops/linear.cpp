@@ -255,13 +255,48 @@ at::Tensor packed_projection(const at::Tensor& x, at::TensorList w, const Kernel
 }  // namespace
 
 std::vector<at::Tensor> linear_split(const at::Tensor& x, at::TensorList w,
-                                     const KernelOptions& k, at::TensorList b) {
+                                     const KernelOptions& k, at::TensorList b,
+                                     const std::vector<int64_t>& parts) {
   VIADUCT_ASSERT(b.empty() || b.size() == w.size(), "linear_split: ", b.size(),
                  " biases for ", w.size(), " weights");
-  std::vector<at::Tensor> out;
-  if (!fused_runs(x, k) || w.size() < 2) {
+  // The outputs' widths: the weights' rows, or `parts`, each weight's rows
+  // a run of consecutive parts (parts_of: how many).
+  std::vector<int64_t> widths;
+  std::vector<size_t> parts_of(w.size(), 1);
+  if (parts.empty()) {
+    for (const auto& wi : w) widths.push_back(wi.size(0));
+  } else {
+    widths = parts;
+    size_t j = 0;
     for (size_t i = 0; i < w.size(); ++i) {
-      out.push_back(linear(x, w[i], b.empty() ? at::Tensor() : b[i], k));
+      int64_t rows = 0;
+      parts_of[i] = 0;
+      while (rows < w[i].size(0) && j < parts.size()) {
+        rows += parts[j++];
+        ++parts_of[i];
+      }
+      VIADUCT_ASSERT(rows == w[i].size(0) && parts_of[i] > 0,
+                     "linear_split: parts ", at::IntArrayRef(parts),
+                     " do not divide weight ", i, "'s ", w[i].size(0), " rows");
+    }
+    VIADUCT_ASSERT(j == parts.size(), "linear_split: parts ",
+                   at::IntArrayRef(parts), " exceed the weights' rows");
+  }
+  std::vector<at::Tensor> out;
+  if (!fused_runs(x, k) || (w.size() < 2 && parts.empty())) {
+    size_t j = 0;
+    for (size_t i = 0; i < w.size(); ++i) {
+      const auto y = linear(x, w[i], b.empty() ? at::Tensor() : b[i], k);
+      if (parts_of[i] == 1) {
+        out.push_back(y);
+        ++j;
+        continue;
+      }
+      int64_t column = 0;
+      for (size_t n = 0; n < parts_of[i]; ++n, ++j) {
+        out.push_back(y.narrow(-1, column, widths[j]));
+        column += widths[j];
+      }
     }
     return out;
   }
@@ -276,8 +311,6 @@ std::vector<at::Tensor> linear_split(const at::Tensor& x, at::TensorList w,
   // gradient]): their bf16 concatenation from the weight cache, the fp32
   // gradient split back into the parts. Elsewhere (the ATen forms) one
   // linear per weight, so the CPU keeps the bits of separate projections.
-  std::vector<int64_t> widths;
-  for (const auto& wi : w) widths.push_back(wi.size(0));
   // The parts' gradients land in the product's: see Note [Packed
   // projection gradients in place] (kernels/fused.h).
   return kernels::split_packed(packed_projection(x, w, k, b), widths);

@@ -29,9 +29,15 @@ bool mixed_linear_applies(const at::Tensor& x, at::TensorList w, const KernelOpt
 // [out_i, D], with a bias each (b: one per weight, or none). Where the
 // kernels run, one GEMM over the concatenated weights (and biases) whose
 // output is split into strided views; else one linear per weight.
-// See Note [One GEMM for the projections of one input] (ops/linear.cpp).
+// `parts` (optional) splits the outputs finer: widths that run over the
+// weights' rows in order, each weight's rows a run of consecutive parts;
+// the fused path's parts are all views of the one product (their
+// gradients go straight into its gradient), elsewhere narrows of each
+// weight's output. See Note [One GEMM for the projections of one input]
+// (ops/linear.cpp).
 std::vector<at::Tensor> linear_split(const at::Tensor& x, at::TensorList w,
-                                     const KernelOptions& k, at::TensorList b = {});
+                                     const KernelOptions& k, at::TensorList b = {},
+                                     const std::vector<int64_t>& parts = {});
 
 // The attention's projections of x [B, T, D]: q [B, T, H, hd], k and v
 // [B, T, KV, hd] from wq [H hd, D], wk and wv [KV hd, D] and their biases

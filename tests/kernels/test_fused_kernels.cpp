@@ -1890,6 +1890,45 @@ TEST(FusedKernels, LinearOnAPackedPartWritesItsGradientInPlaceWithTheSameBits) {
   }
 }
 
+// linear_split's finer parts on the fused path (MLA's q latent, kv latent
+// and k's rotary part) against the same product split by weight and the
+// second part narrowed: the same outputs and, the parts' gradients going
+// into the product's, the same input and weight gradients.
+TEST(FusedKernels, PackedPartsFinerThanTheWeightsHaveTheNarrowsBits) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const auto f32 = at::TensorOptions(at::kCUDA).dtype(at::kFloat);
+  const ops::KernelOptions k;
+  const auto x0 = at::randn({2, 70, 96}, f32).to(at::kBFloat16);
+  const auto wq0 = at::randn({64, 96}, f32) * 0.1, wkv0 = at::randn({48, 96}, f32) * 0.1;
+  const auto dq = at::randn({2, 70, 64}, f32), dc = at::randn({2, 70, 32}, f32);
+  const auto dp = at::randn({2, 70, 16}, f32);
+  auto run = [&](bool parts) {
+    auto x = x0.detach().requires_grad_(true);
+    auto wq = wq0.clone().requires_grad_(true), wkv = wkv0.clone().requires_grad_(true);
+    std::vector<at::Tensor> y;
+    if (parts) {
+      y = ops::linear_split(x, {wq, wkv}, k, {}, {64, 32, 16});
+    } else {
+      const auto two = ops::linear_split(x, {wq, wkv}, k);
+      y = {two[0], two[1].narrow(-1, 0, 32), two[1].narrow(-1, 32, 16)};
+    }
+    ((y[0].to(at::kFloat) * dq).sum() + (y[1].to(at::kFloat) * dc).sum() +
+     (y[2].to(at::kFloat) * dp).sum())
+        .backward();
+    std::vector<at::Tensor> out;
+    for (const auto& t : y) out.push_back(t.detach());
+    out.insert(out.end(), {x.grad(), wq.grad(), wkv.grad()});
+    return out;
+  };
+  const auto a = run(false), b = run(true);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(at::equal(a[i], b[i])) << "tensor " << i;
+  }
+  EXPECT_GT(b[4].abs().sum().item<double>(), 0.0);
+}
+
 TEST(FusedKernels, WeightCacheChangesNoBit) {
   REQUIRE_GPU();
   // Three bf16 AdamW steps of a small llama with a cache kept across steps

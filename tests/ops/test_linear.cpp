@@ -30,6 +30,41 @@ TEST(LinearParts, MatchesSeparateLinears) {
   }
 }
 
+TEST(LinearSplit, PartsAreTheWeightsOutputsNarrowed) {
+  // linear_split's finer parts on the CPU path: each weight's output
+  // narrowed, bit for bit, with the gradients of those narrows; parts that
+  // do not divide the weights' rows are refused.
+  torch::manual_seed(4);
+  const auto x0 = at::randn({2, 5, 6});
+  const auto a0 = at::randn({4, 6}), b0 = at::randn({5, 6});
+  const auto g = at::randn({2, 5, 9});
+  auto run = [&](bool parts) {
+    auto x = x0.clone().requires_grad_(true);
+    auto a = a0.clone().requires_grad_(true), b = b0.clone().requires_grad_(true);
+    std::vector<at::Tensor> out;
+    if (parts) {
+      out = ops::linear_split(x, {a, b}, ops::KernelOptions{}, {}, {4, 3, 2});
+    } else {
+      const auto ya = at::linear(x, a), yb = at::linear(x, b);
+      out = {ya, yb.narrow(-1, 0, 3), yb.narrow(-1, 3, 2)};
+    }
+    EXPECT_EQ(out.size(), 3u);
+    (at::cat(out, -1) * g).sum().backward();
+    out.insert(out.end(), {x.grad(), a.grad(), b.grad()});
+    for (auto& t : out) t = t.detach();
+    return out;
+  };
+  const auto split = run(true), reference = run(false);
+  for (size_t i = 0; i < split.size(); ++i) {
+    EXPECT_TRUE(at::equal(split[i], reference[i])) << i;
+  }
+  const auto x = at::randn({2, 5, 6});
+  EXPECT_THROW(ops::linear_split(x, {a0, b0}, ops::KernelOptions{}, {}, {3, 3, 3}),
+               std::exception);  // crosses the weights' boundary
+  EXPECT_THROW(ops::linear_split(x, {a0, b0}, ops::KernelOptions{}, {}, {4, 5, 1}),
+               std::exception);  // more rows than the weights have
+}
+
 TEST(QkvProduct, AttentionOverItsSlicesHasTheGradientOfTheSlicesApart) {
   // See Note [The unrotated qkv gradient written whole]: attention given
   // the product q, k and v are slices of (gpt2's path on the GPU) against
