@@ -18,8 +18,11 @@ struct StridedRows {
 
 // dst[i0, i1, i2, :] = src[i0, i1, i2, :] for every row of `shape` (the
 // sizes both share; the strides each its own), in 16-byte words: pointers,
-// strides and row_bytes must be multiples of 16.
+// strides and row_bytes (the source's) must be multiples of 16. `widen`:
+// src bf16 and dst fp32, each value widened exactly (a destination row is
+// 2 row_bytes long).
 cudaError_t copy_rows(const void* src, const StridedRows& src_rows, void* dst,
-                      const StridedRows& dst_rows, int64_t row_bytes, cudaStream_t stream);
+                      const StridedRows& dst_rows, int64_t row_bytes, bool widen,
+                      cudaStream_t stream);
 
 }  // namespace viaduct::cuda

@@ -31,10 +31,12 @@ bool word_aligned(const cuda::StridedRows& r) {
 }  // namespace
 
 bool copy_rows_into(const at::Tensor& dst, const at::Tensor& src) {
-  VIADUCT_CHECK(dst.sizes() == src.sizes() && dst.scalar_type() == src.scalar_type() &&
+  const bool widen = src.scalar_type() == at::kBFloat16 && dst.scalar_type() == at::kFloat;
+  VIADUCT_CHECK(dst.sizes() == src.sizes() && (dst.scalar_type() == src.scalar_type() || widen) &&
                     dst.device() == src.device(),
                 "copy_rows_into: dst ", dst.sizes(), " ", dst.scalar_type(), " and src ",
-                src.sizes(), " ", src.scalar_type(), " must match in shape, dtype and device");
+                src.sizes(), " ", src.scalar_type(),
+                " must match in shape and device, and in dtype unless bf16 into fp32");
   cuda::StridedRows sr{}, dr{};
   const int64_t row_bytes = src.numel() == 0 ? 0 : src.size(-1) * src.element_size();
   if (!usable(src) || !as_rows(src, sr) || !as_rows(dst, dr) || !word_aligned(sr) ||
@@ -43,8 +45,9 @@ bool copy_rows_into(const at::Tensor& dst, const at::Tensor& src) {
     dst.copy_(src);  // ATen's copy takes any layout
     return false;
   }
-  check_launch(cuda::copy_rows(src.data_ptr(), sr, dst.data_ptr(), dr, row_bytes, stream_of(src)),
-               "copy_rows");
+  check_launch(
+      cuda::copy_rows(src.data_ptr(), sr, dst.data_ptr(), dr, row_bytes, widen, stream_of(src)),
+      "copy_rows");
   return true;
 }
 

@@ -28,9 +28,11 @@ class WeightCache;
 // kernels were compiled for (sm_90a), x float32 or bfloat16.
 bool usable(const at::Tensor& x);
 
-// dst.copy_(src) for tensors of one shape and dtype whose last dim is dense
-// (narrowed channels, heads), in 16-byte words where the layouts allow
-// (returns true), ATen's copy elsewhere (false). Same bytes either way.
+// dst.copy_(src) for tensors of one shape and dtype, or src bf16 and dst
+// fp32 (each value widened exactly), whose last dim is dense (narrowed
+// channels, heads, halves of a product), in 16-byte words where the
+// layouts allow (returns true), ATen's copy elsewhere (false). Same bytes
+// either way.
 bool copy_rows_into(const at::Tensor& dst, const at::Tensor& src);
 
 // x * rsqrt(mean(x^2, -1) + eps) * weight over the last dim, returned in x's

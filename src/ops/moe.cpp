@@ -47,9 +47,13 @@ class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
       // See Note [One gate-up GEMM for the experts]: both weights' gradients
       // from one grouped GEMM, each half cast to its own fp32 tensor.
       const auto both = compat::grouped_mm(dy.t(), x, offs);  // [E, N + N2, K]
+      // Each half widened into its own fp32 tensor by the row copy, in
+      // 16-byte words: ATen's cast of a strided half goes one element a
+      // thread through an offset calculator.
       const auto fp32 = [&](int64_t from, int64_t rows) {
-        return both.narrow(1, from, rows)
-            .to(at::kFloat, /*non_blocking=*/false, /*copy=*/false, at::MemoryFormat::Contiguous);
+        auto out = at::empty({both.size(0), rows, both.size(2)}, both.options().dtype(at::kFloat));
+        kernels::copy_rows_into(out, both.narrow(1, from, rows));
+        return out;
       };
       return {dx, fp32(0, n), fp32(n, both.size(1) - n), at::Tensor(), at::Tensor()};
     }
@@ -76,9 +80,9 @@ class GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
 // bf16 (the build's answer, ops::Capabilities), one GEMM gives both as
 // [E, 2H, D] and each half is cast to its own contiguous fp32 tensor, as
 // the optimizer keeps them: the cast every bf16 product needs anyway, now
-// reading a strided half, and one GEMM twice as tall instead of two. The
-// bits are the two GEMMs' (each output element is the same sum over the
-// group's rows). Where it writes fp32, each weight's gradient is its own
+// reading a strided half (kernels::copy_rows_into, which widens), and one
+// GEMM twice as tall instead of two. The bits are the two GEMMs' (each
+// output element is the same sum over the group's rows). Where it writes fp32, each weight's gradient is its own
 // GEMM on its half of the [rows, 2H] gradient (a strided operand), so that
 // each comes out contiguous without a copy. The optimizer writes each
 // weight's rows of the copy expert by expert (ops/adamw.cpp).

@@ -10,6 +10,7 @@
 // so an output element a kernel never writes shows up as NaN.
 #include <gtest/gtest.h>
 
+#include <cmath>
 
 #include <c10/cuda/CUDAStream.h>
 
@@ -432,6 +433,38 @@ TEST(FusedKernels, WordCopiesAreAtensCopies) {
       wide.copy_(before);
     }
   }
+}
+
+// The word copy widening bf16 into fp32 (the experts' weight gradients'
+// halves): ATen's cast bit for bit, NaN, infinities, signed zeros and
+// subnormals among the values, into a contiguous and a strided fp32
+// destination; a layout the words cannot take falls back to ATen's cast.
+TEST(FusedKernels, WordCopiesWidenBf16AsAtensCast) {
+  REQUIRE_GPU();
+  const auto cuda = at::TensorOptions(at::kCUDA);
+  auto both = at::randn({4, 48, 40}, cuda).to(at::kBFloat16);
+  const auto special = at::tensor({std::nanf(""), INFINITY, -INFINITY, -0.0f, 0.0f, 1e-40f,
+                                   -1e-40f, 3.0e38f},
+                                  cuda)
+                           .to(at::kBFloat16);
+  both.view(-1).narrow(0, 16, 8).copy_(special);  // inside the first half
+  for (const int64_t from : {0, 16}) {
+    const auto half = both.narrow(1, from, 32 - from);
+    const auto expect = half.to(at::kFloat);
+    auto out = at::full(half.sizes(), 7.0, cuda.dtype(at::kFloat));
+    EXPECT_TRUE(kernels::copy_rows_into(out, half)) << "from " << from;
+    // Bit patterns, so that NaN compares equal to itself.
+    EXPECT_TRUE(at::equal(out.view(at::kInt), expect.view(at::kInt))) << "from " << from;
+    auto wide = at::full({4, 48, 56}, 7.0, cuda.dtype(at::kFloat));
+    auto strided = wide.narrow(1, 0, 32 - from).narrow(2, 8, 40);
+    EXPECT_TRUE(kernels::copy_rows_into(strided, half)) << "from " << from;
+    EXPECT_TRUE(at::equal(strided.contiguous().view(at::kInt), expect.view(at::kInt)));
+    EXPECT_TRUE(at::equal(wide.narrow(2, 0, 8), at::full({4, 48, 8}, 7.0, wide.options())));
+  }
+  const auto odd = both.narrow(2, 1, 3);  // rows of 6 bytes: ATen's cast
+  auto out = at::empty(odd.sizes(), cuda.dtype(at::kFloat));
+  EXPECT_FALSE(kernels::copy_rows_into(out, odd));
+  EXPECT_TRUE(at::equal(out.view(at::kInt), odd.to(at::kFloat).view(at::kInt)));
 }
 
 TEST(FusedKernels, RopeRepeatsGroupedHeads) {
