@@ -21,6 +21,12 @@
    (built against the PyTorch wheel's LibTorch, remove_all of a non-empty
    folder dies of SIGSEGV).
 
+6. Test helpers' names: the files of one tests/<folder> are one gtest
+   binary compiled as one unity translation unit (the CUDA build adds the
+   CUDA tests, which the CPU build never compiles together), so no two of
+   them define a type (struct, class, enum) of the same name at file
+   scope.
+
 Usage: check_architecture.py [REPO_ROOT]; prints each violation and exits 1
 when there is one.
 """
@@ -227,8 +233,28 @@ def check_remove_all():
                                     f"use remove_tree (core/file_io.h): {line.strip()}")
 
 
+def check_test_type_names():
+    # A type defined at column 0 (file scope, or an anonymous namespace's,
+    # which the files of a unity translation unit share).
+    type_def = re.compile(r"^(?:struct|class|enum(?: class)?)\s+([A-Za-z_]\w*)\b(?!\s*;)")
+    defined = {}  # (folder, name) -> first "file:line"
+    for path in sorted((ROOT / "tests").rglob("*.cpp")):
+        rel = path.relative_to(ROOT)
+        folder = rel.parts[1]
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            m = type_def.match(line)
+            if not m:
+                continue
+            key = (folder, m.group(1))
+            first = defined.setdefault(key, f"{rel}:{n}")
+            if not first.startswith(f"{rel}:"):
+                problems.append(f"{rel}:{n}: type {m.group(1)} is also defined at {first}; "
+                                f"tests/{folder} is one unity translation unit")
+
+
 check_layers()
 check_model_calls_ops_only()
+check_test_type_names()
 check_remove_all()
 check_family_names()
 check_typed_config()
@@ -238,4 +264,5 @@ for p in problems:
 if problems:
     print(f"{len(problems)} architecture rule(s) broken (docs/ARCHITECTURE.md)")
     sys.exit(1)
-print("architecture rules hold: layers, family names, typed config, Notes, folder removal")
+print("architecture rules hold: layers, family names, typed config, Notes, folder removal, "
+      "test type names")
