@@ -221,7 +221,8 @@ at::Tensor saved_read_slot(torch::autograd::AutogradContext* ctx, size_t i);
 // are views made inside a custom function, so they must not be modified in
 // place (autograd refuses it). Both builds.
 std::vector<at::Tensor> split_packed(const at::Tensor& packed, const std::vector<int64_t>& widths);
-// For x a part split_packed returned (its grad_fn is split_packed's node):
+// For x a part split_packed returned (its grad_fn is split_packed's node,
+// and x has the product's dtype and leading dims and the part's width):
 // the slot that will hold the product's gradient, the parts already taken,
 // the product's sizes, the part and its first column; else an undefined
 // slot.

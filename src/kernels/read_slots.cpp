@@ -98,6 +98,15 @@ PackedGradColumns packed_grad_columns(const at::Tensor& x) {
   c.sizes = data["sizes"].toIntVector();
   c.part = x.output_nr();
   for (int64_t i = 0; i < c.part; ++i) c.column += widths[static_cast<size_t>(i)];
+  // The columns must be x's: the product's dtype and leading dims, the
+  // part's width (else no columns: the consumer writes a tensor of its own).
+  if (c.slot.scalar_type() != x.scalar_type() || c.sizes.size() != static_cast<size_t>(x.dim()) ||
+      x.size(-1) != widths[static_cast<size_t>(c.part)]) {
+    return {};
+  }
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) {
+    if (c.sizes[static_cast<size_t>(d)] != x.size(d)) return {};
+  }
   return c;
 }
 

@@ -38,12 +38,7 @@ struct ConvInputs {
       : x(as_read(x_in)), w(weight.contiguous()) {
     ctx->save_for_backward({x, w});
     ctx->saved_data["offsets"] = offsets;
-    const auto& c = dx_into;
-    if (c.slot.defined() && c.slot.scalar_type() == x.scalar_type() && c.sizes.size() == 3 &&
-        c.sizes[0] == x.size(0) && c.sizes[1] == x.size(1) &&
-        c.column + x.size(2) <= c.sizes[2]) {
-      save_packed_grad_columns(ctx, c);
-    }
+    save_packed_grad_columns(ctx, dx_into);
   }
 };
 

@@ -32,7 +32,7 @@ struct MixedLinear {
     for (const auto& p : w) rows.push_back(p.size(0));
     ctx->saved_data["rows"] = rows;
     ctx->saved_data["fp32_out"] = k.capabilities.fp32_out_gemm;
-    if (packed_columns_fit(dx_into, x)) kernels::save_packed_grad_columns(ctx, dx_into);
+    kernels::save_packed_grad_columns(ctx, dx_into);
     // The product over x's rows as one 2-D GEMM: x may be a column slice of
     // a packed projection (rows further apart than its width), which cuBLAS
     // reads in place as a 2-D view, where a strided 3-D input would take
@@ -54,18 +54,6 @@ struct MixedLinear {
                         ? b
                         : kernels::cast_weights(k.weight_cache.get(), {b}, x.scalar_type());
     return run_saved_op([&] { return at::linear(x2, wc, bc).view(out_sizes); });
-  }
-  // x's gradient can go into dx_into's columns of a packed product's
-  // gradient: x is that part as split_packed returned it, in x's dtype.
-  static bool packed_columns_fit(const kernels::PackedGradColumns& c, const at::Tensor& x) {
-    if (!c.slot.defined() || c.slot.scalar_type() != x.scalar_type() ||
-        c.sizes.size() != static_cast<size_t>(x.dim())) {
-      return false;
-    }
-    for (int64_t d = 0; d + 1 < x.dim(); ++d) {
-      if (c.sizes[static_cast<size_t>(d)] != x.size(d)) return false;
-    }
-    return c.column + x.size(-1) <= c.sizes.back();
   }
   // {dx, dw per part..., db, none for the options and for the columns};
   // db only when `bias_slot`.
