@@ -197,7 +197,7 @@ int main(int argc, char** argv) {
                    },
                    [&] {
                      launched(viaduct::cuda::cross_entropy_forward_backward(
-                         bf, logits, targets, row_loss, chunk, V, -100, 0));
+                         bf, logits, targets, row_loss, chunk, V, -100, nullptr, 0));
                    },
                    logits, static_cast<size_t>(chunk * V * 2)});
   cases.push_back({"cross-entropy row losses", 0, [] {}, [] {}, row_loss,
