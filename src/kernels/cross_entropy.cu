@@ -72,19 +72,30 @@ struct Group {
   }
 };
 
-// The online softmax's running (max, sum) over one thread's logits, in
-// the order they come.
+// 2^x by the SFU (what __expf runs after scaling its argument by log2 e).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The online softmax's running (max, sum) over one thread's logits, a group
+// at a time: the group's max first, so the sum is rescaled at most once a
+// group and every logit costs one fused multiply-add and one exp2
+// (exp(v - m) = 2^(v log2 e - m log2 e)).
 template <int N>
 __device__ __forceinline__ void add_to(MaxSum& ms, const float (&v)[N]) {
+  float gm = v[0];
 #pragma unroll
-  for (int k = 0; k < N; ++k) {
-    if (v[k] > ms.m) {  // one exp per logit: rescale the sum only on a new max
-      ms.s = ms.s * __expf(ms.m - v[k]) + 1.f;
-      ms.m = v[k];
-    } else {
-      ms.s += __expf(v[k] - ms.m);
-    }
+  for (int k = 1; k < N; ++k) gm = fmaxf(gm, v[k]);
+  if (gm > ms.m) {
+    ms.s *= fast_exp2((ms.m - gm) * kLog2e);
+    ms.m = gm;
   }
+  const float ml = ms.m * kLog2e;
+#pragma unroll
+  for (int k = 0; k < N; ++k) ms.s += fast_exp2(fmaf(v[k], kLog2e, -ml));
 }
 
 // A block per row, two passes over it: the log-sum-exp, then the gradient
@@ -140,6 +151,7 @@ __global__ void __launch_bounds__(kLossThreads)
   }
   ms = block_max_sum(ms, scratch);
   const float lse = ms.m + logf(ms.s);
+  const float lse2 = lse * kLog2e;
   const float scale = grad_scale != nullptr ? *grad_scale : 1.f;
   const bool valid = t >= 0 && t < vocab;
   if (threadIdx.x == 0) row_loss[row] = valid ? lse - load(z, t) : NAN;
@@ -154,7 +166,15 @@ __global__ void __launch_bounds__(kLossThreads)
       g.floats(v);
     }
 #pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = (__expf(v[k] - lse) - (j + k == t ? 1.f : 0.f)) * scale;
+    for (int k = 0; k < N; ++k) v[k] = fast_exp2(fmaf(v[k], kLog2e, -lse2));
+    if (t >= j && t < j + N) {  // the target's group: softmax - 1
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        if (j + k == t) v[k] -= 1.f;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] *= scale;
     g.write(z, j, v, drop);
   }
 }

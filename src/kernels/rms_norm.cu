@@ -135,7 +135,7 @@ __global__ void rms_norm_backward_reg_kernel(const T* __restrict__ dy, const T* 
     const T* xr = x + row * dim;
     T* dxr = dx + row * dim;
     const float r = rstd[row];
-    float g[ITERS][N], xv[ITERS][N];
+    float g[ITERS][N], xv[ITERS][N], dr[ITERS][N];
     float s = 0.f;
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
@@ -144,6 +144,9 @@ __global__ void rms_norm_backward_reg_kernel(const T* __restrict__ dy, const T* 
         float wv[N];
         load_n<T, N>(dyr, j, g[it]);
         load_n<T, N>(xr, j, xv[it]);
+        // dres is loaded with dy and x, so its latency overlaps theirs and
+        // the block's sum instead of following them.
+        if (dres != nullptr) load_n<T, N>(dres + row * dim, j, dr[it]);
         load_n<float, N>(w, j, wv);
 #pragma unroll
         for (int k = 0; k < N; ++k) s += g[it][k] * wv[k] * xv[it][k];
@@ -162,8 +165,8 @@ __global__ void rms_norm_backward_reg_kernel(const T* __restrict__ dy, const T* 
           out[k] = r * g[it][k] * wv[k] - xv[it][k] * c;
           const float d = g[it][k] * xv[it][k] * r;
           pw[it][k] = first ? d : pw[it][k] + d;
+          if (dres != nullptr) out[k] = dr[it][k] + round_as<T>(out[k]);
         }
-        add_residual_grad<T, N>(dres, row, dim, j, out);
         store_n<T, N>(dxr, j, out);
       }
     }

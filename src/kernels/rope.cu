@@ -28,20 +28,24 @@ namespace {
 // the tables' alignment for the vector forms).
 // Several rows a block, each thread's loads for all of them issued first,
 // ran slower: the registers it took left fewer threads an SM.
+// A repeat ((rep, 1, 1)) has `fan` = rep output heads per input head: a
+// thread reads and rotates an input group once and stores it to each of
+// them (the same arithmetic, so the same bits, with a quarter of the loads
+// and rotations for a repeat of 4).
 template <typename T, int N>
 __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ cos_t,
                             const float* __restrict__ sin_t, T* __restrict__ y, int64_t rows,
                             int64_t T_len, int64_t H, int64_t half, int64_t sB, int64_t sT,
                             int64_t sH, float sign, int64_t div, int64_t mul, int64_t cnt,
-                            int64_t yT, int64_t yH) {
+                            int64_t yT, int64_t yH, int64_t fan) {
   constexpr int P = N / 2;
   const int per_head = static_cast<int>(2 * half / N);  // groups in one head vector
-  const int per_row = static_cast<int>(H) * per_head;
+  const int per_row = static_cast<int>(H / fan) * per_head;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t t = row % T_len, b = row / T_len;
     for (int j = threadIdx.x; j < per_row; j += blockDim.x) {
       const int hh = j / per_head;
-      const int64_t h = hh;
+      const int64_t h = hh * fan;  // the first output head of this group's
       const int64_t d = static_cast<int64_t>(j - hh * per_head) * N;  // first element in the head
       const int64_t src = (h / div) * mul;
       float v[N], o[N];
@@ -66,7 +70,7 @@ __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ c
           o[k + 1] = v[k] * s + v[k + 1] * c;
         }
       }
-      store_n<T, N>(y, (b * T_len + t) * yT + h * yH + d, o);
+      for (int64_t f = 0; f < fan; ++f) store_n<T, N>(y, (b * T_len + t) * yT + (h + f) * yH + d, o);
     }
   }
 }
@@ -78,11 +82,12 @@ cudaError_t launch_rope(const T* x, const float* cos_t, const float* sin_t, T* y
                         int64_t T_len, int64_t H, int64_t half, int64_t sB, int64_t sT,
                         int64_t sH, float sign, int64_t div, int64_t mul, int64_t cnt,
                         int64_t yT, int64_t yH, cudaStream_t stream) {
-  const int64_t per_row = H * (2 * half / N);
+  const int64_t fan = mul == 1 && cnt == 1 && div > 1 && H % div == 0 ? div : 1;
+  const int64_t per_row = H / fan * (2 * half / N);
   const int64_t threads = std::min<int64_t>(kElemThreads, (per_row + 31) / 32 * 32);
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(rows, int64_t{1} << 30));
   rope_kernel<T, N><<<blocks, static_cast<unsigned>(threads), 0, stream>>>(
-      x, cos_t, sin_t, y, rows, T_len, H, half, sB, sT, sH, sign, div, mul, cnt, yT, yH);
+      x, cos_t, sin_t, y, rows, T_len, H, half, sB, sT, sH, sign, div, mul, cnt, yT, yH, fan);
   return cudaGetLastError();
 }
 
