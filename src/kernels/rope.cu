@@ -31,14 +31,16 @@ namespace {
 // A repeat ((rep, 1, 1)) has `fan` = rep output heads per input head: a
 // thread reads and rotates an input group once and stores it to each of
 // them (the same arithmetic, so the same bits, with a quarter of the loads
-// and rotations for a repeat of 4).
-template <typename T, int N>
+// and rotations for a repeat of 4). A template argument, so that the other
+// calls keep the registers (and the blocks an SM) of a kernel without it.
+template <typename T, int N, bool kFan>
 __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ cos_t,
                             const float* __restrict__ sin_t, T* __restrict__ y, int64_t rows,
                             int64_t T_len, int64_t H, int64_t half, int64_t sB, int64_t sT,
                             int64_t sH, float sign, int64_t div, int64_t mul, int64_t cnt,
-                            int64_t yT, int64_t yH, int64_t fan) {
+                            int64_t yT, int64_t yH, int64_t fan_arg) {
   constexpr int P = N / 2;
+  const int64_t fan = kFan ? fan_arg : 1;
   const int per_head = static_cast<int>(2 * half / N);  // groups in one head vector
   const int per_row = static_cast<int>(H / fan) * per_head;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -86,7 +88,8 @@ cudaError_t launch_rope(const T* x, const float* cos_t, const float* sin_t, T* y
   const int64_t per_row = H / fan * (2 * half / N);
   const int64_t threads = std::min<int64_t>(kElemThreads, (per_row + 31) / 32 * 32);
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(rows, int64_t{1} << 30));
-  rope_kernel<T, N><<<blocks, static_cast<unsigned>(threads), 0, stream>>>(
+  auto kernel = fan > 1 ? rope_kernel<T, N, true> : rope_kernel<T, N, false>;
+  kernel<<<blocks, static_cast<unsigned>(threads), 0, stream>>>(
       x, cos_t, sin_t, y, rows, T_len, H, half, sB, sT, sH, sign, div, mul, cnt, yT, yH, fan);
   return cudaGetLastError();
 }
