@@ -72,7 +72,9 @@ struct Group {
   }
 };
 
-// 2^x by the SFU (what __expf runs after scaling its argument by log2 e).
+// 2^x by the SFU, the instruction __expf runs after scaling its argument
+// by log2 e; a result below 2^-126 (a probability no bf16 gradient
+// step can use) is flushed to zero.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

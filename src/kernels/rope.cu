@@ -47,7 +47,7 @@ __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ c
     const int64_t t = row % T_len, b = row / T_len;
     for (int j = threadIdx.x; j < per_row; j += blockDim.x) {
       const int hh = j / per_head;
-      const int64_t h = hh * fan;  // the first output head of this group's
+      const int64_t h = hh * fan;  // the first of the output heads this group goes to
       const int64_t d = static_cast<int64_t>(j - hh * per_head) * N;  // first element in the head
       const int64_t src = (h / div) * mul;
       float v[N], o[N];
@@ -72,7 +72,9 @@ __global__ void rope_kernel(const T* __restrict__ x, const float* __restrict__ c
           o[k + 1] = v[k] * s + v[k + 1] * c;
         }
       }
-      for (int64_t f = 0; f < fan; ++f) store_n<T, N>(y, (b * T_len + t) * yT + (h + f) * yH + d, o);
+      for (int64_t f = 0; f < fan; ++f) {
+        store_n<T, N>(y, (b * T_len + t) * yT + (h + f) * yH + d, o);
+      }
     }
   }
 }
