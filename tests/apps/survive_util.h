@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -97,6 +98,9 @@ class Background {
   }
   pid_t pid() const { return pid_; }
   void signal(int sig) const { ::kill(pid_, sig); }
+  // To the main thread alone (its thread id is the process id): a signal
+  // sent to the process may be handled on any of its threads.
+  void signal_main_thread(int sig) const { ::syscall(SYS_tgkill, pid_, pid_, sig); }
   // Whether it still runs; once it has ended, wait() returns at once.
   bool running() {
     if (pid_ <= 0 || ended_) return false;
