@@ -54,14 +54,19 @@ __global__ void rms_norm_forward_kernel(const T* __restrict__ x, const T* __rest
 
 // With dres (see Note [Residual add inside the norm]): dx = dres + the norm's
 // dx rounded to T, the sum autograd formed for h's two uses, same bits.
+// `dr` is dres's group, already loaded.
+template <typename T, int N>
+__device__ __forceinline__ void add_loaded_residual_grad(const float (&dr)[N], float (&out)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = dr[k] + round_as<T>(out[k]);
+}
 template <typename T, int N>
 __device__ __forceinline__ void add_residual_grad(const T* dres, int64_t row, int64_t dim,
                                                   int64_t j, float (&out)[N]) {
   if (dres == nullptr) return;
   float dr[N];
   load_n<T, N>(dres + row * dim, j, dr);
-#pragma unroll
-  for (int k = 0; k < N; ++k) out[k] = dr[k] + round_as<T>(out[k]);
+  add_loaded_residual_grad<T, N>(dr, out);
 }
 
 template <typename T, int N>
@@ -165,8 +170,8 @@ __global__ void rms_norm_backward_reg_kernel(const T* __restrict__ dy, const T* 
           out[k] = r * g[it][k] * wv[k] - xv[it][k] * c;
           const float d = g[it][k] * xv[it][k] * r;
           pw[it][k] = first ? d : pw[it][k] + d;
-          if (dres != nullptr) out[k] = dr[it][k] + round_as<T>(out[k]);
         }
+        if (dres != nullptr) add_loaded_residual_grad<T, N>(dr[it], out);
         store_n<T, N>(dxr, j, out);
       }
     }
