@@ -25,7 +25,6 @@ ARCH=${ARCH:-sm_90a}
 [ $# -ge 1 ] || { echo "usage: $0 TREE_A [TREE_B ...]"; exit 2; }
 mkdir -p "$OUT"
 rm -f "$OUT"/*.run.* "$OUT"/*.bin
-bench_src=$PWD/bench/kernels/kernel_bytes.cu
 
 names=()
 i=0
@@ -40,10 +39,7 @@ for tree in "$@"; do
     rm -rf "$dir" && mkdir -p "$dir" && tar -xf "$tree" -C "$dir" src/kernels ||
       { echo "cannot unpack $tree"; exit 1; }
   fi
-  k=$dir/src/kernels
-  "$NVCC" -O3 -std=c++20 -arch="$ARCH" -I "$dir/src" "$bench_src" "$k/rope.cu" \
-    "$k/cross_entropy.cu" "$k/rms_norm.cu" "$k/swiglu.cu" "$k/adamw.cu" "$k/moe_router.cu" \
-    "$k/attn_res_read.cu" "$k/attn_res_read_norm.cu" "$k/common.cu" -o "$OUT/$name.bin" \
+  NVCC=$NVCC ARCH=$ARCH bash bench/kernels/build_kernel_bytes.sh "$dir" "$OUT/$name.bin" \
     >"$OUT/$name.build.log" 2>&1 &
   names+=("$name")
 done

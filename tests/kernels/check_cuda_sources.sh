@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The CUDA sources compile on a machine without a GPU or a CUDA LibTorch:
+# every src/kernels/*.cu with nvcc for the product's architecture, and the
+# kernel bench (bench/kernels/kernel_bytes.cu) built against them. The CPU
+# build compiles none of these, so without this a change to a kernel's
+# signature could leave the GPU build or the bench broken until the next
+# GPU session. Exits 77 (ctest: skipped) where no nvcc is installed.
+#
+# Environment: NVCC (nvcc, else /usr/local/cuda/bin/nvcc), ARCH (sm_90a),
+# OUT (a scratch folder; default a temporary one, removed at exit).
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+NVCC=${NVCC:-nvcc}
+command -v "$NVCC" >/dev/null || NVCC=/usr/local/cuda/bin/nvcc
+if ! command -v "$NVCC" >/dev/null; then
+  echo "no nvcc (NVCC, PATH or /usr/local/cuda/bin): the CUDA sources are not compiled"
+  exit 77
+fi
+ARCH=${ARCH:-sm_90a}
+if [ -z "${OUT:-}" ]; then
+  OUT=$(mktemp -d)
+  trap 'rm -rf "$OUT"' EXIT
+fi
+mkdir -p "$OUT"
+JOBS=${JOBS:-$(nproc)}
+echo "$("$NVCC" --version | tail -1); $ARCH; $JOBS jobs"
+
+# Each kernel file alone, as CMake's CUDA build compiles it (C++20).
+failed=()
+compile() {
+  "$NVCC" -std=c++20 -O3 -arch="$ARCH" -I src -c "$1" -o "$OUT/$(basename "$1").o" \
+    >"$OUT/$(basename "$1").log" 2>&1
+}
+export -f compile
+export NVCC ARCH OUT
+ls src/kernels/*.cu | xargs -P "$JOBS" -I{} bash -c 'compile {} || touch "$OUT/$(basename {}).failed"'
+for f in src/kernels/*.cu; do
+  if [ -e "$OUT/$(basename "$f").failed" ]; then
+    failed+=("$f")
+    echo "FAILED: $f"
+    tail -30 "$OUT/$(basename "$f").log"
+  fi
+done
+echo "compiled $(ls src/kernels/*.cu | wc -l) kernel files, ${#failed[@]} failed"
+
+if ! NVCC=$NVCC ARCH=$ARCH bash bench/kernels/build_kernel_bytes.sh . "$OUT/kernel_bytes" \
+  >"$OUT/kernel_bytes.log" 2>&1; then
+  failed+=(bench/kernels/kernel_bytes.cu)
+  echo "FAILED: bench/kernels/kernel_bytes.cu against src/kernels"
+  tail -30 "$OUT/kernel_bytes.log"
+else
+  echo "built the kernel bench against src/kernels"
+fi
+[ ${#failed[@]} -eq 0 ]
