@@ -1,6 +1,8 @@
 // Per-row cross-entropy that overwrites the logits with their gradient.
 #include <algorithm>
 
+#include <cooperative_groups.h>
+
 #include "kernels/common.cuh"
 #include "kernels/cross_entropy.h"
 
@@ -103,9 +105,11 @@ __device__ __forceinline__ void add_to(MaxSum& ms, const float (&v)[N]) {
 // A block per row, two passes over it: the log-sum-exp, then the gradient
 // written over the logits. The first pass keeps the row's first `staged`
 // logits (a multiple of N) in shared memory for the second, so those are
-// read from memory once; the rest of a row longer than the block's share of
-// shared memory (a large vocabulary's) is read twice, the first time marked
-// to stay in L2 (evict last) so that the second read finds it there, while
+// read from memory once. Where a row is longer than the block's share of
+// shared memory and not split over a cluster (below: groups narrower than
+// 16 bytes, or a row of more than 8 slices), the rest of it is read twice,
+// the first time marked to stay in L2 (evict last) so that the second read
+// finds it there, while
 // the staged part's reads, the second reads and the gradient's writes are
 // marked evict first (each is the last use of its bytes). Each thread
 // takes the same logits in the same order in both forms (so the bits do
@@ -181,6 +185,117 @@ __global__ void __launch_bounds__(kLossThreads)
   }
 }
 
+// A cluster of C blocks per row (Hopper's thread-block clusters), each
+// staging its slice of the row (at most ~70 KB, so three blocks an SM) in
+// shared memory by cp.async: the whole row is read from memory once. Each
+// block's (max, sum) goes to the cluster through distributed shared memory;
+// every block combines the C parts in rank order, so all take the same
+// log-sum-exp. The gradient is then written from the staged slice. A
+// block must not exit while another may still read its part: the cluster
+// barrier is arrived at after the parts are read and waited on at the end.
+constexpr int kClusterThreads = 512;
+constexpr int kClusterMax = 8;
+constexpr int64_t kClusterSliceBytes = 70 * 1024;
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kClusterThreads)
+    cross_entropy_cluster_kernel(T* __restrict__ logits, const int64_t* __restrict__ targets,
+                                 float* __restrict__ row_loss, int64_t vocab,
+                                 int64_t ignore_index, int64_t slice,
+                                 const float* __restrict__ grad_scale) {
+  static_assert(N * sizeof(T) == 16, "the cluster form stages 16-byte groups");
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  extern __shared__ uint4 stage_words[];
+  T* stage = reinterpret_cast<T*>(stage_words);
+  __shared__ MaxSum scratch[32];
+  __shared__ MaxSum part;
+  __shared__ float lse_sh;
+  const unsigned C = cluster.num_blocks(), rank = cluster.block_rank();
+  const int64_t row = blockIdx.x / C;
+  const int64_t begin = static_cast<int64_t>(rank) * slice;
+  const int64_t left = vocab - begin;
+  const int64_t n = left < 0 ? 0 : (left < slice ? left : slice);
+  T* z = logits + row * vocab + begin;
+  const int64_t t = targets[row];
+  const int64_t step = static_cast<int64_t>(blockDim.x) * N;
+  if (t == ignore_index) {  // the whole cluster takes this branch
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) store(z, j, 0.f);
+    if (rank == 0 && threadIdx.x == 0) row_loss[row] = 0.f;
+    return;
+  }
+  for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < n; j += step) {
+    cp_async16(stage + j, z + j);
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's own groups
+  MaxSum ms{-INFINITY, 0.f};
+  for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < n; j += step) {
+    float v[N];
+    load_n<T, N>(stage, j, v);
+    add_to<N>(ms, v);
+  }
+  ms = block_max_sum(ms, scratch);
+  if (threadIdx.x == 0) part = ms;
+  cluster.sync();
+  if (threadIdx.x == 0) {
+    MaxSum total{-INFINITY, 0.f};
+    for (unsigned r = 0; r < C; ++r) total = combine(total, *cluster.map_shared_rank(&part, r));
+    lse_sh = total.m + logf(total.s);
+  }
+  __syncthreads();
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+  const float lse = lse_sh;
+  const float lse2 = lse * kLog2e;
+  const float scale = grad_scale != nullptr ? *grad_scale : 1.f;
+  const bool valid = t >= 0 && t < vocab;
+  const int64_t tl = t - begin;  // the target in this slice when 0 <= tl < n
+  if (threadIdx.x == 0) {
+    if (!valid && rank == 0) row_loss[row] = NAN;
+    if (valid && tl >= 0 && tl < n) row_loss[row] = lse - load(stage, tl);
+  }
+  const uint64_t drop = l2_evict_first();
+  for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < n; j += step) {
+    float v[N];
+    load_n<T, N>(stage, j, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = fast_exp2(fmaf(v[k], kLog2e, -lse2));
+    if (tl >= j && tl < j + N) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        if (j + k == tl) v[k] -= 1.f;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] *= scale;
+    Group<T, N> g;
+    g.write(z, j, v, drop);
+  }
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The cluster form's blocks a row, where a row is longer than one block
+// stages (stage_bytes_limit) and fits kClusterMax slices of at most
+// kClusterSliceBytes (16-byte groups only); 0 where the one-block form runs.
+int64_t stage_bytes_limit();
+template <typename T, int N>
+int cluster_blocks_for(int64_t vocab) {
+  if constexpr (N * sizeof(T) != 16) {
+    return 0;
+  } else {
+    const int64_t bytes = vocab * static_cast<int64_t>(sizeof(T));
+    if (bytes <= stage_bytes_limit()) return 0;
+    for (int c = 2; c <= kClusterMax; ++c) {
+      if ((bytes + c - 1) / c <= kClusterSliceBytes) return c;
+    }
+    return 0;
+  }
+}
+
 // Blocks of the loss an SM holds at once: the staged part of a row is
 // sized so that this many fit in an SM's shared memory (two: one block's
 // bubble at its block-wide sum is the other's time to load).
@@ -208,6 +323,30 @@ template <typename T, int N>
 cudaError_t launch_cross_entropy(T* logits, const int64_t* targets, float* row_loss, int64_t rows,
                                  int64_t vocab, int64_t ignore_index, const float* grad_scale,
                                  cudaStream_t stream) {
+  if (const int c = cluster_blocks_for<T, N>(vocab); c > 0) {
+    // Slices of whole groups; the last may be shorter.
+    const int64_t groups = vocab / N;
+    const int64_t slice = (groups + c - 1) / c * N;
+    const size_t bytes = static_cast<size_t>(slice) * sizeof(T);
+    if constexpr (N * sizeof(T) == 16) {
+      auto kernel = cross_entropy_cluster_kernel<T, N>;
+      if (auto e = allow_smem(kernel, bytes); e != cudaSuccess) return e;
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(static_cast<unsigned>(rows * c));
+      cfg.blockDim = dim3(kClusterThreads);
+      cfg.dynamicSmemBytes = bytes;
+      cfg.stream = stream;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = static_cast<unsigned>(c);
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      return cudaLaunchKernelEx(&cfg, kernel, logits, targets, row_loss, vocab, ignore_index,
+                                slice, grad_scale);
+    }
+  }
   const int64_t fit = stage_bytes_limit() / static_cast<int64_t>(sizeof(T)) / N * N;
   const int64_t staged = std::min(vocab / N * N, fit);
   const size_t bytes = static_cast<size_t>(staged) * sizeof(T);

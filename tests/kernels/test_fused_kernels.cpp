@@ -1300,27 +1300,39 @@ TEST(FusedKernels, SwiGLULinearMatchesUnfused) {
   }
 }
 
+// V = 5003 runs the one-block form on a row not a multiple of the block;
+// 128256 (llama 3's vocabulary) and 100000 split a row over a cluster of
+// blocks, the latter with a shorter last slice.
 TEST(FusedKernels, CrossEntropyRowsAndGradient) {
   REQUIRE_GPU();
-  const int64_t n = 67, V = 5003;  // V not a multiple of the block
-  for (auto t : kTypes) {
-    const auto seed = fresh_seed();
-    auto logits = (at::randn({n, V}, at::TensorOptions(at::kCUDA)) * 4.0).to(t);
-    auto targets = at::randint(0, V, {n}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
-    targets.index_put_({at::arange(0, n, 7, targets.options())}, -100);  // some ignored
-    auto reference_in = logits.to(at::kCPU, at::kDouble).requires_grad_(true);
-    auto tc = targets.cpu();
-    auto reference_rows = at::cross_entropy_loss(reference_in, tc, {}, at::Reduction::None, -100);
-    reference_rows.sum().backward();
-    auto g = logits.clone();
-    poison();
-    auto rows = kernels::cross_entropy_rows_(g, targets);
-    EXPECT_LT(rel_err(rows, reference_rows), bound(t) / 10) << "seed " << seed << " " << t;
-    EXPECT_LT(rel_err(g, reference_in.grad()), bound(t)) << "seed " << seed << " " << t;
-    // Ignored rows: zero loss, zero gradient, exactly.
-    auto ignored = (tc == -100).nonzero().squeeze(1);
-    EXPECT_EQ(rows.cpu().index_select(0, ignored).abs().sum().item<double>(), 0.0);
-    EXPECT_EQ(g.cpu().index_select(0, ignored).abs().sum().item<double>(), 0.0);
+  const int64_t n = 67;
+  for (int64_t V : {5003, 128256, 100000}) {
+    for (auto t : kTypes) {
+      const auto seed = fresh_seed();
+      auto logits = (at::randn({n, V}, at::TensorOptions(at::kCUDA)) * 4.0).to(t);
+      auto targets = at::randint(0, V, {n}, at::TensorOptions(at::kCUDA).dtype(at::kLong));
+      targets.index_put_({at::arange(0, n, 7, targets.options())}, -100);  // some ignored
+      auto reference_in = logits.to(at::kCPU, at::kDouble).requires_grad_(true);
+      auto tc = targets.cpu();
+      auto reference_rows = at::cross_entropy_loss(reference_in, tc, {}, at::Reduction::None, -100);
+      reference_rows.sum().backward();
+      auto g = logits.clone();
+      poison();
+      auto rows = kernels::cross_entropy_rows_(g, targets);
+      EXPECT_LT(rel_err(rows, reference_rows), bound(t) / 10)
+          << "seed " << seed << " " << t << " V " << V;
+      EXPECT_LT(rel_err(g, reference_in.grad()), bound(t))
+          << "seed " << seed << " " << t << " V " << V;
+      // Run to run the same bits: a cluster's parts combine in rank order.
+      auto g2 = logits.clone();
+      auto rows2 = kernels::cross_entropy_rows_(g2, targets);
+      EXPECT_TRUE(at::equal(rows, rows2)) << "V " << V;
+      EXPECT_TRUE(at::equal(g, g2)) << "V " << V;
+      // Ignored rows: zero loss, zero gradient, exactly.
+      auto ignored = (tc == -100).nonzero().squeeze(1);
+      EXPECT_EQ(rows.cpu().index_select(0, ignored).abs().sum().item<double>(), 0.0);
+      EXPECT_EQ(g.cpu().index_select(0, ignored).abs().sum().item<double>(), 0.0);
+    }
   }
 }
 
