@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA sources compile on a machine without a GPU or a CUDA LibTorch:
-# every src/kernels/*.cu with nvcc for the product's architecture, and the
-# kernel bench (bench/kernels/kernel_bytes.cu) built against them. The CPU
+# every src/kernels/*.cu with nvcc for the product's architecture, the
+# kernel bench (bench/kernels/kernel_bytes.cu) built against them, and each
+# kernel variant's patch (bench/kernels/variants) applied and compiled. The CPU
 # build compiles none of these, so without this a change to a kernel's
 # signature could leave the GPU build or the bench broken until the next
 # GPU session. Exits 77 (ctest: skipped) where no nvcc is installed.
@@ -51,4 +52,27 @@ if ! NVCC=$NVCC ARCH=$ARCH bash bench/kernels/build_kernel_bytes.sh . "$OUT/kern
 else
   echo "built the kernel bench against src/kernels"
 fi
+# Each kernel variant waiting for the bench (bench/kernels/variants) still
+# applies to src/kernels and compiles: a patch that no longer does is
+# regenerated or deleted, not left to fail in a GPU session.
+for v in bench/kernels/variants/*.patch; do
+  [ -e "$v" ] || continue
+  tree=$OUT/variant.$(basename "$v" .patch)
+  rm -rf "$tree" && mkdir -p "$tree/src" && cp -r src/kernels "$tree/src/"
+  if ! patch -s -d "$tree" -p1 <"$v" >"$tree.log" 2>&1; then
+    failed+=("$v")
+    echo "FAILED: $v does not apply to src/kernels"
+    cat "$tree.log"
+    continue
+  fi
+  for f in $(sed -n 's|^+++ b/\(src/kernels/[^[:space:]]*\.cu\).*|\1|p' "$v"); do
+    if ! "$NVCC" -std=c++20 -O3 -arch="$ARCH" -I "$tree/src" -c "$tree/$f" -o "$tree.o" \
+      >>"$tree.log" 2>&1; then
+      failed+=("$v")
+      echo "FAILED: $f with $v applied"
+      tail -30 "$tree.log"
+    fi
+  done
+  echo "variant $(basename "$v") applies and compiles"
+done
 [ ${#failed[@]} -eq 0 ]
