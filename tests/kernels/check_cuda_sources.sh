@@ -2,10 +2,11 @@
 # The CUDA sources compile on a machine without a GPU or a CUDA LibTorch:
 # every src/kernels/*.cu with nvcc for the product's architecture, the
 # kernel bench (bench/kernels/kernel_bytes.cu) built against them, and each
-# kernel variant's patch (bench/kernels/variants) applied and compiled. The CPU
-# build compiles none of these, so without this a change to a kernel's
-# signature could leave the GPU build or the bench broken until the next
-# GPU session. Exits 77 (ctest: skipped) where no nvcc is installed.
+# kernel variant's patch (bench/kernels/variants) applied and compiled.
+# The CPU build compiles none of these, so without this a change to a
+# kernel's signature could leave the GPU build, the bench or a variant
+# broken until the next GPU session. Exits 77 (ctest: skipped) where no
+# nvcc is installed.
 #
 # Environment: NVCC (nvcc, else /usr/local/cuda/bin/nvcc), ARCH (sm_90a),
 # OUT (a scratch folder; default a temporary one, removed at exit).
@@ -65,14 +66,16 @@ for v in bench/kernels/variants/*.patch; do
     cat "$tree.log"
     continue
   fi
+  ok=1
   for f in $(sed -n 's|^+++ b/\(src/kernels/[^[:space:]]*\.cu\).*|\1|p' "$v"); do
     if ! "$NVCC" -std=c++20 -O3 -arch="$ARCH" -I "$tree/src" -c "$tree/$f" -o "$tree.o" \
       >>"$tree.log" 2>&1; then
       failed+=("$v")
+      ok=0
       echo "FAILED: $f with $v applied"
       tail -30 "$tree.log"
     fi
   done
-  echo "variant $(basename "$v") applies and compiles"
+  [ "$ok" = 1 ] && echo "variant $(basename "$v") applies and compiles"
 done
 [ ${#failed[@]} -eq 0 ]
