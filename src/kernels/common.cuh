@@ -88,6 +88,20 @@ __device__ __forceinline__ float l2_input_grad(float r, float g, float v, float 
   return __fmul_rn(scale, __fsub_rn(__fmul_rn(r, g), __fmul_rn(v, r3dot)));
 }
 
+// cp.async: 16 bytes from global to shared memory without passing through
+// registers; commit closes this thread's group of copies so far, and the
+// wait returns once all its committed groups have landed. The wait is a
+// compiler memory barrier, so the thread's reads of what it copied stay
+// after it (other threads' copies need a barrier besides).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
 // Sum over the warp by a butterfly: every lane ends with the same bits
 // (each step adds the same two values, in either order).
 __device__ __forceinline__ float warp_sum(float v) {

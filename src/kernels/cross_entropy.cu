@@ -102,6 +102,23 @@ __device__ __forceinline__ void add_to(MaxSum& ms, const float (&v)[N]) {
   for (int k = 0; k < N; ++k) ms.s += fast_exp2(fmaf(v[k], kLog2e, -ml));
 }
 
+// A group's gradient from its logits v (in place): the softmax, less one
+// at the target t when the group [j, j + N) holds it, times the scale.
+template <int N>
+__device__ __forceinline__ void softmax_grad(float (&v)[N], float lse2, int64_t j, int64_t t,
+                                             float scale) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) v[k] = fast_exp2(fmaf(v[k], kLog2e, -lse2));
+  if (t >= j && t < j + N) {  // the target's group: softmax - 1
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      if (j + k == t) v[k] -= 1.f;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) v[k] *= scale;
+}
+
 // A block per row, two passes over it: the log-sum-exp, then the gradient
 // written over the logits. The first pass keeps the row's first `staged`
 // logits (a multiple of N) in shared memory for the second, so those are
@@ -171,16 +188,7 @@ __global__ void __launch_bounds__(kLossThreads)
       g.read(z, j, drop);
       g.floats(v);
     }
-#pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = fast_exp2(fmaf(v[k], kLog2e, -lse2));
-    if (t >= j && t < j + N) {  // the target's group: softmax - 1
-#pragma unroll
-      for (int k = 0; k < N; ++k) {
-        if (j + k == t) v[k] -= 1.f;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < N; ++k) v[k] *= scale;
+    softmax_grad<N>(v, lse2, j, t, scale);
     g.write(z, j, v, drop);
   }
 }
@@ -196,11 +204,6 @@ __global__ void __launch_bounds__(kLossThreads)
 constexpr int kClusterThreads = 512;
 constexpr int kClusterMax = 8;
 constexpr int64_t kClusterSliceBytes = 70 * 1024;
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
-}
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kClusterThreads)
@@ -232,7 +235,8 @@ __global__ void __launch_bounds__(kClusterThreads)
   for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < n; j += step) {
     cp_async16(stage + j, z + j);
   }
-  asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's own groups
+  cp_async_commit();
+  cp_async_wait_all();  // this thread's own groups, read back by it alone below
   MaxSum ms{-INFINITY, 0.f};
   for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < n; j += step) {
     float v[N];
@@ -262,16 +266,7 @@ __global__ void __launch_bounds__(kClusterThreads)
   for (int64_t j = threadIdx.x * static_cast<int64_t>(N); j < n; j += step) {
     float v[N];
     load_n<T, N>(stage, j, v);
-#pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = fast_exp2(fmaf(v[k], kLog2e, -lse2));
-    if (tl >= j && tl < j + N) {
-#pragma unroll
-      for (int k = 0; k < N; ++k) {
-        if (j + k == tl) v[k] -= 1.f;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < N; ++k) v[k] *= scale;
+    softmax_grad<N>(v, lse2, j, tl, scale);
     Group<T, N> g;
     g.write(z, j, v, drop);
   }

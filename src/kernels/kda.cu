@@ -442,13 +442,6 @@ struct ScanArgs {
   float* ddec_part;
 };
 
-__device__ __forceinline__ void cp_async16(float* dst, const float* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
-
 template <int D>
 __global__ void __launch_bounds__(kScanThreads) scan_kernel(KdaShape s, ScanArgs p) {
   using L = ScanLayout<D>;
