@@ -16,8 +16,8 @@ PACKAGES=(g++ cmake ninja-build libtorch-dev libgloo-dev libtomlplusplus-dev
 # Pillow and ImageMagick, the independent encoders of prepare-images' tests
 # (tests/data/make_image_fixtures.py, run with /usr/bin/python3), and
 # patch, which applies the kernel variants for their compile check
-# (CudaSources.CompileWithNvcc); scripts/test.sh asks for them. A node already on the PATH (with its npm)
-# is used as it is.
+# (CudaSources.CompileWithNvcc); scripts/test.sh asks for them. A node
+# already on the PATH (with its npm) is used as it is.
 if [ "${VIADUCT_TEST_PACKAGES:-0}" = 1 ]; then
   PACKAGES+=(python3-torch chromium sentencepiece python3-pil imagemagick patch)
   if ! command -v node >/dev/null || ! command -v npm >/dev/null; then

@@ -27,15 +27,16 @@ mkdir -p "$OUT"
 JOBS=${JOBS:-$(nproc)}
 echo "$("$NVCC" --version | tail -1); $ARCH; $JOBS jobs"
 
-# Each kernel file alone, as CMake's CUDA build compiles it (C++20).
+# A kernel file alone, as CMake's CUDA build compiles it (C++20), against
+# the tree ROOT: compile ROOT FILE OBJECT LOG.
 failed=()
 compile() {
-  "$NVCC" -std=c++20 -O3 -arch="$ARCH" -I src -c "$1" -o "$OUT/$(basename "$1").o" \
-    >"$OUT/$(basename "$1").log" 2>&1
+  "$NVCC" -std=c++20 -O3 -arch="$ARCH" -I "$1/src" -c "$2" -o "$3" >>"$4" 2>&1
 }
 export -f compile
 export NVCC ARCH OUT
-ls src/kernels/*.cu | xargs -P "$JOBS" -I{} bash -c 'compile {} || touch "$OUT/$(basename {}).failed"'
+ls src/kernels/*.cu | xargs -P "$JOBS" -I{} bash -c \
+  'o=$OUT/$(basename {}); compile . {} "$o.o" "$o.log" || touch "$o.failed"'
 for f in src/kernels/*.cu; do
   if [ -e "$OUT/$(basename "$f").failed" ]; then
     failed+=("$f")
@@ -68,8 +69,7 @@ for v in bench/kernels/variants/*.patch; do
   fi
   ok=1
   for f in $(sed -n 's|^+++ b/\(src/kernels/[^[:space:]]*\.cu\).*|\1|p' "$v"); do
-    if ! "$NVCC" -std=c++20 -O3 -arch="$ARCH" -I "$tree/src" -c "$tree/$f" -o "$tree.o" \
-      >>"$tree.log" 2>&1; then
+    if ! compile "$tree" "$tree/$f" "$tree.o" "$tree.log"; then
       failed+=("$v")
       ok=0
       echo "FAILED: $f with $v applied"

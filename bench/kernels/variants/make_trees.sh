@@ -25,23 +25,27 @@ out=.cache/v
 rm -rf "$out" && mkdir -p "$out"
 git archive -o "$out/head.tar" HEAD src
 tars=("$out/head.tar")
+# HEAD's src unpacked in $out/NAME for a variant's change, then packed.
+unpack() { mkdir -p "$out/$1" && git archive HEAD src | tar -x -C "$out/$1"; }
+pack() {
+  tar -cf "$out/$1.tar" -C "$out/$1" src && rm -rf "${out:?}/$1"
+  tars+=("$out/$1.tar")
+}
 for v in bench/kernels/variants/*.patch; do
   [ -e "$v" ] || continue
   name=$(basename "$v" .patch)
-  mkdir -p "$out/$name" && git archive HEAD src | tar -x -C "$out/$name"
+  unpack "$name"
   patch -s -d "$out/$name" -p1 <"$v"
-  tar -cf "$out/$name.tar" -C "$out/$name" src && rm -rf "${out:?}/$name"
-  tars+=("$out/$name.tar")
+  pack "$name"
 done
 for t in "${TREES[@]}"; do
   read -r name file expr <<<"$t"
-  mkdir -p "$out/$name" && git archive HEAD src | tar -x -C "$out/$name"
+  unpack "$name"
   before=$(md5sum <"$out/$name/src/kernels/$file")
   sed -i "$expr" "$out/$name/src/kernels/$file"
   [ "$before" != "$(md5sum <"$out/$name/src/kernels/$file")" ] ||
     { echo "$name: '$expr' changed nothing in $file" >&2; exit 1; }
-  tar -cf "$out/$name.tar" -C "$out/$name" src && rm -rf "${out:?}/$name"
-  tars+=("$out/$name.tar")
+  pack "$name"
 done
 echo "trees: ${tars[*]}"
 echo "on the GPU machine (carry .cache): ROUNDS=3 bash bench/kernels/ab_kernels.sh ${tars[*]}"
