@@ -15,27 +15,28 @@ namespace {
 // fp32 arithmetic: the forward a warp per few tokens (E dots over D per
 // token, each lane's strided partial sums added by the warp in a fixed
 // order), dx a thread per 8 columns of a few tokens summing over the
-// experts in order, dw as per-block partial sums over the block's rows
+// experts in order, dw as per-part partial sums over the part's rows
 // that the caller adds. Only the order
 // of the fp32 sums differs from the GEMM's; nothing uses atomics.
 //
 // The weights are tiny ([E, D]) and every token reads all of them, so the
 // forward's warp scores several tokens per load of the weights' chunk and
-// dx's thread writes several tokens' columns per load; dw stages each
-// tile of token rows in shared memory once for all the experts' warps
-// (one read of x from memory instead of one per expert). The sums keep
-// their order (each output's terms in the same sequence), so the bits do
-// not depend on how many tokens share a load.
+// dx's thread writes several tokens' columns per load. dw's thread owns
+// a few columns and a group of up to 8 experts: each x word is unpacked
+// once for all the group's experts (not once per expert's warp), and the
+// thread has many rows' loads in flight. The sums keep their order (each
+// output's terms in the same sequence), so the bits do not depend on how
+// many tokens share a load.
 constexpr int kVec = 8;            // bf16 values in 16 bytes
 constexpr int kExpertChunk = 8;    // experts a warp's lanes sum at once
 constexpr int kRouterWarps = 4;    // warps a forward block has
 constexpr int kTokensPerWarp = 4;  // tokens a forward warp scores per load of the weights
 constexpr int kDxTokens = 4;       // tokens a dx thread writes per load of the weights
 constexpr int kPartRows = 256;     // rows a dw part sums
-constexpr int kDwTileRows = 32;    // rows a dw block stages at once
-constexpr int kDwChunks = 32;      // 8-column chunks a dw block covers: one a lane
-constexpr int kDwWarps = 8;        // a dw block's warps; warp j takes experts j, j + 8, ...
-constexpr int kDwSlots = kMoeRouterMaxExperts / kDwWarps;  // experts a dw thread sums at most
+constexpr int kDwCols = 4;         // columns a dw thread sums: one 8-byte word of x a row
+constexpr int kDwExperts = 8;      // experts a dw thread sums
+constexpr int kDwRowsInFlight = 16;  // rows whose x words a dw thread loads together
+constexpr int kDwThreads = 64;     // a dw block's threads
 
 // 8 fp32 values at p + i as two 16-byte loads (i a multiple of 4, p 16-byte aligned).
 __device__ __forceinline__ void load8(const float* p, int64_t i, float (&out)[kVec]) {
@@ -153,105 +154,75 @@ __global__ void router_dx_kernel(const float* __restrict__ dl, const float* __re
   }
 }
 
-// Block (p, q): part p's rows [p kPartRows, (p + 1) kPartRows) and the
-// column chunks [q kDwChunks, (q + 1) kDwChunks), lane l chunk q kDwChunks
-// + l; warp j the experts j, j + kDwWarps, ... Each tile of rows (x's
-// chunks and the rows' dl) is staged in shared memory once; every
-// (expert, column) sum runs over the part's rows in order. The next tile's
-// words are loaded into registers while the warps sum the current one, so
-// a block waits on memory once, not once a tile.
-constexpr int kDwStageWords = kDwTileRows * kDwChunks / (kDwWarps * 32);  // x words a thread stages
-constexpr int kDwStageLogits = kDwTileRows * kMoeRouterMaxExperts / (kDwWarps * 32);
-static_assert(kDwTileRows * kDwChunks % (kDwWarps * 32) == 0, "a tile's words split evenly");
-static_assert(kDwTileRows * kMoeRouterMaxExperts % (kDwWarps * 32) == 0,
-              "a tile's logits split evenly");
-__global__ void __launch_bounds__(kDwWarps * 32)
+// Block (p, b, q), numbered with q fastest: part p's rows [p kPartRows,
+// (p + 1) kPartRows), the experts [q kDwExperts, (q + 1) kDwExperts), and
+// thread t of column block b the kDwCols columns of word b kDwThreads + t.
+// The part's logits of those experts are staged in shared memory once;
+// each (expert, column) sum then runs over the part's rows in order,
+// kDwRowsInFlight rows' x words loaded together before any is used. The
+// blocks of one part and column block differ only in q and run side by
+// side, so where E > kDwExperts the later reads of x find it in L2.
+__global__ void __launch_bounds__(kDwThreads)
     router_dw_kernel(const float* __restrict__ dl, const __nv_bfloat16* __restrict__ x,
                      int64_t N, int64_t D, int E, float* __restrict__ part) {
-  __shared__ uint4 xs[kDwTileRows][kDwChunks];
-  __shared__ float gs[kDwTileRows][kMoeRouterMaxExperts];
-  const int64_t vecs = D / kVec;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t chunk0 = static_cast<int64_t>(blockIdx.y) * kDwChunks;
-  const int64_t c = chunk0 + lane;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kPartRows;
-  const int64_t last = first + kPartRows < N ? first + kPartRows : N;
-  float acc[kDwSlots][kVec];
-#pragma unroll
-  for (int s = 0; s < kDwSlots; ++s) {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) acc[s][k] = 0.f;
+  __shared__ alignas(16) float gs[kPartRows][kDwExperts];
+  const int64_t words = D / kDwCols;
+  const int64_t col_blocks = (words + kDwThreads - 1) / kDwThreads;
+  const int groups = (E + kDwExperts - 1) / kDwExperts;
+  const int q = static_cast<int>(blockIdx.x % groups);
+  const int64_t pb = blockIdx.x / groups;
+  const int64_t p = pb / col_blocks;
+  const int64_t w = (pb % col_blocks) * kDwThreads + threadIdx.x;
+  const int e0 = q * kDwExperts;
+  const int ne = E - e0 < kDwExperts ? E - e0 : kDwExperts;
+  const int64_t first = p * kPartRows;
+  const int rows = static_cast<int>(N - first < kPartRows ? N - first : kPartRows);
+  for (int j = threadIdx.x; j < rows * kDwExperts; j += kDwThreads) {
+    const int r = j / kDwExperts, e = j % kDwExperts;
+    gs[r][e] = e < ne ? __ldg(dl + (first + r) * E + e0 + e) : 0.f;
   }
-  // A tile's words as this thread stages them: x word j = threadIdx.x + i
-  // kDwWarps 32 (row j / kDwChunks, chunk j % kDwChunks), logit j alike
-  // (row j / E, expert j % E); zeros past the rows and columns.
-  uint4 xw[kDwStageWords];
-  float gw[kDwStageLogits];
-  auto tile_rows = [&](int64_t r0) {
-    return last - r0 < kDwTileRows ? static_cast<int>(last - r0) : kDwTileRows;
-  };
-  auto load_tile = [&](int64_t r0) {
-    const int rows = tile_rows(r0);
+  __syncthreads();
+  if (w >= words) return;
+  float acc[kDwExperts][kDwCols];
 #pragma unroll
-    for (int i = 0; i < kDwStageWords; ++i) {
-      const int j = threadIdx.x + i * kDwWarps * 32, r = j / kDwChunks, cc = j % kDwChunks;
-      xw[i] = r < rows && chunk0 + cc < vecs
-                  ? __ldg(reinterpret_cast<const uint4*>(x + (r0 + r) * D + (chunk0 + cc) * kVec))
-                  : make_uint4(0u, 0u, 0u, 0u);
+  for (int e = 0; e < kDwExperts; ++e) {
+#pragma unroll
+    for (int k = 0; k < kDwCols; ++k) acc[e][k] = 0.f;
+  }
+  const __nv_bfloat16* xc = x + first * D + w * kDwCols;
+  for (int r0 = 0; r0 < rows; r0 += kDwRowsInFlight) {
+    uint2 xw[kDwRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kDwRowsInFlight; ++u) {
+      xw[u] = r0 + u < rows ? __ldg(reinterpret_cast<const uint2*>(xc + (r0 + u) * D))
+                            : make_uint2(0u, 0u);
     }
 #pragma unroll
-    for (int i = 0; i < kDwStageLogits; ++i) {
-      const int j = threadIdx.x + i * kDwWarps * 32;
-      gw[i] = j < rows * E ? __ldg(dl + r0 * E + j) : 0.f;
-    }
-  };
-  if (first < last) load_tile(first);
-  for (int64_t r0 = first; r0 < last; r0 += kDwTileRows) {
-    const int rows = tile_rows(r0);
-    __syncthreads();  // the previous tile's reads are done
+    for (int u = 0; u < kDwRowsInFlight; ++u) {
+      if (r0 + u < rows) {
+        const __nv_bfloat16* xe = reinterpret_cast<const __nv_bfloat16*>(&xw[u]);
+        float xv[kDwCols];
 #pragma unroll
-    for (int i = 0; i < kDwStageWords; ++i) {
-      const int j = threadIdx.x + i * kDwWarps * 32;
-      xs[j / kDwChunks][j % kDwChunks] = xw[i];
-    }
+        for (int k = 0; k < kDwCols; ++k) xv[k] = load(xe, k);
+        const float4 g_lo = *reinterpret_cast<const float4*>(&gs[r0 + u][0]);
+        const float4 g_hi = *reinterpret_cast<const float4*>(&gs[r0 + u][4]);
+        const float g[kDwExperts] = {g_lo.x, g_lo.y, g_lo.z, g_lo.w,
+                                     g_hi.x, g_hi.y, g_hi.z, g_hi.w};
 #pragma unroll
-    for (int i = 0; i < kDwStageLogits; ++i) {
-      const int j = threadIdx.x + i * kDwWarps * 32;
-      if (j < rows * E) gs[j / E][j % E] = gw[i];
-    }
-    __syncthreads();
-    if (r0 + kDwTileRows < last) load_tile(r0 + kDwTileRows);
-    if (c < vecs) {
-      for (int r = 0; r < rows; ++r) {
-        float xv[kVec];
-        load_n<__nv_bfloat16, kVec>(reinterpret_cast<const __nv_bfloat16*>(&xs[r][lane]), 0,
-                                    xv);
+        for (int e = 0; e < kDwExperts; ++e) {
+          if (e < ne) {
 #pragma unroll
-        for (int s = 0; s < kDwSlots; ++s) {
-          const int e = warp + kDwWarps * s;
-          if (e < E) {
-            const float g = gs[r][e];
-#pragma unroll
-            for (int k = 0; k < kVec; ++k) acc[s][k] = __fmaf_rn(g, xv[k], acc[s][k]);
+            for (int k = 0; k < kDwCols; ++k) acc[e][k] = __fmaf_rn(g[e], xv[k], acc[e][k]);
           }
         }
       }
     }
   }
-  if (c >= vecs) return;
 #pragma unroll
-  for (int s = 0; s < kDwSlots; ++s) {
-    const int e = warp + kDwWarps * s;
-    if (e < E) {
-      float* out = part + (static_cast<int64_t>(blockIdx.x) * E + e) * D + c * kVec;
-      float lo[4], hi[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        lo[k] = acc[s][k];
-        hi[k] = acc[s][4 + k];
-      }
-      store_n<float, 4>(out, 0, lo);
-      store_n<float, 4>(out, 4, hi);
+  for (int e = 0; e < kDwExperts; ++e) {
+    if (e < ne) {
+      float* out = part + (p * E + e0 + e) * D + w * kDwCols;
+      store_n<float, kDwCols>(out, 0, acc[e]);
     }
   }
 }
@@ -293,10 +264,10 @@ cudaError_t moe_router_backward(const float* dlogits, const void* x, const float
         dlogits, w, N, D, E, static_cast<const __nv_bfloat16*>(add_a),
         static_cast<const __nv_bfloat16*>(add_b), static_cast<__nv_bfloat16*>(dx));
   }
-  const int64_t parts = moe_router_backward_parts(N);
-  const dim3 grid(static_cast<unsigned>(parts),
-                  static_cast<unsigned>((vecs + kDwChunks - 1) / kDwChunks));
-  router_dw_kernel<<<grid, kDwWarps * 32, 0, stream>>>(
+  const int64_t blocks = moe_router_backward_parts(N) *
+                         ((D / kDwCols + kDwThreads - 1) / kDwThreads) *
+                         ((E + kDwExperts - 1) / kDwExperts);
+  router_dw_kernel<<<static_cast<unsigned>(blocks), kDwThreads, 0, stream>>>(
       dlogits, static_cast<const __nv_bfloat16*>(x), N, D, E, dw_partial);
   return cudaGetLastError();
 }
