@@ -165,6 +165,7 @@ __global__ void router_dx_kernel(const float* __restrict__ dl, const float* __re
 __global__ void __launch_bounds__(kDwThreads)
     router_dw_kernel(const float* __restrict__ dl, const __nv_bfloat16* __restrict__ x,
                      int64_t N, int64_t D, int E, float* __restrict__ part) {
+  static_assert(kDwExperts == 8, "a row's staged logits are read as two float4");
   __shared__ alignas(16) float gs[kPartRows][kDwExperts];
   const int64_t words = D / kDwCols;
   const int64_t col_blocks = (words + kDwThreads - 1) / kDwThreads;
