@@ -1,5 +1,7 @@
 // The MoE router's logits from bf16 tokens and fp32 weights, and their
 // gradients.
+#include <type_traits>
+
 #include "kernels/common.cuh"
 #include "kernels/moe_router.h"
 
@@ -33,7 +35,7 @@ constexpr int kRouterWarps = 4;    // warps a forward block has
 constexpr int kTokensPerWarp = 4;  // tokens a forward warp scores per load of the weights
 constexpr int kDxTokens = 4;       // tokens a dx thread writes per load of the weights
 constexpr int kPartRows = 256;     // rows a dw part sums
-constexpr int kDwCols = 4;         // columns a dw thread sums: one 8-byte word of x a row
+constexpr int kDwCols = 4;         // columns a dw thread sums: one word of x a row (2 or 4)
 constexpr int kDwExperts = 8;      // experts a dw thread sums
 constexpr int kDwRowsInFlight = 16;  // rows whose x words a dw thread loads together
 constexpr int kDwThreads = 64;     // a dw block's threads
@@ -166,6 +168,8 @@ __global__ void __launch_bounds__(kDwThreads)
     router_dw_kernel(const float* __restrict__ dl, const __nv_bfloat16* __restrict__ x,
                      int64_t N, int64_t D, int E, float* __restrict__ part) {
   static_assert(kDwExperts == 8, "a row's staged logits are read as two float4");
+  static_assert(kDwCols == 2 || kDwCols == 4, "a thread's columns are one 4- or 8-byte word");
+  using XWord = std::conditional_t<kDwCols == 4, uint2, unsigned>;
   __shared__ alignas(16) float gs[kPartRows][kDwExperts];
   const int64_t words = D / kDwCols;
   const int64_t col_blocks = (words + kDwThreads - 1) / kDwThreads;
@@ -192,11 +196,10 @@ __global__ void __launch_bounds__(kDwThreads)
   }
   const __nv_bfloat16* xc = x + first * D + w * kDwCols;
   for (int r0 = 0; r0 < rows; r0 += kDwRowsInFlight) {
-    uint2 xw[kDwRowsInFlight];
+    XWord xw[kDwRowsInFlight];
 #pragma unroll
     for (int u = 0; u < kDwRowsInFlight; ++u) {
-      xw[u] = r0 + u < rows ? __ldg(reinterpret_cast<const uint2*>(xc + (r0 + u) * D))
-                            : make_uint2(0u, 0u);
+      xw[u] = r0 + u < rows ? __ldg(reinterpret_cast<const XWord*>(xc + (r0 + u) * D)) : XWord{};
     }
 #pragma unroll
     for (int u = 0; u < kDwRowsInFlight; ++u) {
