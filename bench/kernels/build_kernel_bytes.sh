@@ -17,4 +17,4 @@ k=$1/src/kernels
 # The kernels the bench times, and common.cu for what they share.
 "$NVCC" -O3 -std=c++20 -arch="$ARCH" -I "$1/src" "$bench_src" "$k/rope.cu" \
   "$k/cross_entropy.cu" "$k/rms_norm.cu" "$k/swiglu.cu" "$k/adamw.cu" "$k/moe_router.cu" \
-  "$k/attn_res_read.cu" "$k/attn_res_read_norm.cu" "$k/common.cu" -o "$2"
+  "$k/attn_res_read.cu" "$k/attn_res_read_norm.cu" "$k/kda.cu" "$k/common.cu" -o "$2"

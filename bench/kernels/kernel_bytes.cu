@@ -3,8 +3,9 @@
 // the loss's per-row cross-entropy over one chunk of the head, RMSNorm's
 // forward and backward with the residual, SwiGLU's forward and backward,
 // AdamW over 100 M parameters (the 1B's shapes), the MoE router's forward
-// and backward and the AttnRes read with its norm over 4 and 8 sources
-// (K3's: 8,192 tokens of 2,048, 8 experts). Built with nvcc against one source tree's
+// and backward, the AttnRes read with its norm over 4 and 8 sources and
+// KDA's intra-chunk kernels and state passes (K3's: 8,192 tokens of 2,048,
+// 8 experts, 16 KDA heads of 64). Built with nvcc against one source tree's
 // kernels (no LibTorch), so two trees' kernels can be timed in alternating
 // processes (bench/kernels/ab_kernels.sh). Per case: microseconds a call
 // (median of ROUNDS rounds of ITERS calls, CUDA events), the bytes a call
@@ -13,7 +14,7 @@
 //
 //   nvcc -O3 -std=c++20 -arch=sm_90a -I TREE/src bench/kernels/kernel_bytes.cu \
 //     TREE/src/kernels/{rope,cross_entropy,rms_norm,swiglu,adamw,moe_router,attn_res_read,\
-//     attn_res_read_norm,common}.cu \
+//     attn_res_read_norm,kda,common}.cu \
 //     -o kernel_bytes
 //   ./kernel_bytes [ITERS] [ROUNDS]
 #include <cuda_bf16.h>
@@ -30,6 +31,7 @@
 #include "kernels/adamw.h"
 #include "kernels/attn_res_read.h"
 #include "kernels/cross_entropy.h"
+#include "kernels/kda.h"
 #include "kernels/moe_router.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
@@ -358,6 +360,122 @@ int main(int argc, char** argv) {
                      dsrcs[0], static_cast<size_t>(rn * rd * 2)});
     cases.push_back({"attn_res read + norm backward, last source" + tag, 0, [] {}, [] {},
                      dsrcs[static_cast<size_t>(n - 1)], static_cast<size_t>(rn * rd * 2)});
+  }
+
+  // KDA's chunk kernels at the K3 cell's shape: 4 x 2048 tokens, 16 heads of
+  // 64, chunks of 64 (Z = 2,048 chunks), v in bf16. The forward's Kp feeds
+  // the backward (the first forward call, untimed, writes it); the
+  // backward's incoming gradients are fixed values. The state passes take
+  // R as their [W | U] (bounded rows, where the product's Tm R would need
+  // a GEMM) and the forward's saved states.
+  {
+    viaduct::cuda::KdaShape ks;
+    ks.B = 4;
+    ks.T = 2048;
+    ks.H = 16;
+    ks.D = 64;
+    const int64_t kz = ks.Z(), kc = viaduct::cuda::kKdaChunk, kd = ks.D;
+    const int64_t krows = ks.B * ks.T * ks.H, kn = krows * kd, kcc = kz * kc * kc;
+    const int64_t kslices = viaduct::cuda::kda_beta_slices(kd);
+    const int64_t kparts = viaduct::cuda::kda_ddec_parts(kd);
+    auto* kq = alloc<float>(kn);
+    auto* kk = alloc<float>(kn);
+    auto* kg = alloc<float>(kn);
+    auto* kv = alloc<__nv_bfloat16>(kn);
+    auto* kbeta = alloc<float>(krows);
+    auto* kAqk = alloc<float>(kcc);
+    auto* kKp = alloc<float>(kcc);
+    auto* kTm = alloc<float>(kcc);
+    auto* kR = alloc<float>(2 * kn);
+    auto* kqe = alloc<float>(kn);
+    auto* kke = alloc<float>(kn);
+    auto* kdec = alloc<float>(kz * kd);
+    auto* kdA = alloc<float>(kcc);
+    auto* kdM = alloc<float>(kcc);
+    auto* kdR = alloc<float>(2 * kn);
+    auto* kdqe = alloc<float>(kn);
+    auto* kdke = alloc<float>(kn);
+    auto* kddec = alloc<float>(kz * kd);
+    auto* kdq = alloc<float>(kn);
+    auto* kdk = alloc<float>(kn);
+    auto* kdv = alloc<__nv_bfloat16>(kn);
+    auto* kdg = alloc<float>(kn);
+    auto* kdbeta = alloc<float>(kslices * kz * kc);
+    auto* kvnew = alloc<float>(kn);
+    auto* kstates = alloc<float>(kz * kd * kd);
+    auto* kfinal = alloc<float>(ks.B * ks.H * kd * kd);
+    auto* kX = alloc<float>(kn);
+    auto* kY = alloc<float>(kz * kd * kd);
+    auto* kdvnew = alloc<float>(kn);
+    auto* kdstates = alloc<float>(kz * kd * kd);
+    auto* kdS0 = alloc<float>(ks.B * ks.H * kd * kd);
+    auto* kddec_part = alloc<float>(kz * kd * kparts);
+    // Unit-norm-sized rows (entries ~1 / sqrt(64)), log decays down to -0.3
+    // a token (G to about -10 over a chunk).
+    fill_f32<<<1024, 256>>>(kq, kn, 40, -0.2f, 0.2f);
+    fill_f32<<<1024, 256>>>(kk, kn, 41, -0.2f, 0.2f);
+    fill_f32<<<1024, 256>>>(kg, kn, 42, -0.3f, 0.f);
+    fill_bf16<<<1024, 256>>>(kv, kn, 43, 1.f);
+    fill_f32<<<256, 256>>>(kbeta, krows, 44, 0.f, 1.f);
+    fill_f32<<<1024, 256>>>(kdA, kcc, 45, -1.f, 1.f);
+    fill_f32<<<1024, 256>>>(kdM, kcc, 46, -1.f, 1.f);
+    fill_f32<<<1024, 256>>>(kdR, 2 * kn, 47, -1.f, 1.f);
+    fill_f32<<<1024, 256>>>(kdqe, kn, 48, -1.f, 1.f);
+    fill_f32<<<1024, 256>>>(kdke, kn, 49, -1.f, 1.f);
+    fill_f32<<<256, 256>>>(kddec, kz * kd, 50, -1.f, 1.f);
+    fill_f32<<<1024, 256>>>(kX, kn, 51, -1.f, 1.f);
+    fill_f32<<<1024, 256>>>(kY, kz * kd * kd, 52, -0.1f, 0.1f);
+    auto intra_forward = [=] {
+      return viaduct::cuda::kda_intra_forward(ks, kq, kk, kv, bf, kg, kbeta, kAqk, kKp, kTm, kR,
+                                              kqe, kke, kdec, 0);
+    };
+    check(intra_forward(), "kda intra forward");
+    const double f4 = 4.0;
+    cases.push_back({"kda intra forward", f4 * kn * 3 + e2 * kn + f4 * krows +
+                                              f4 * kcc * 3 + f4 * kn * 4 + f4 * kz * kd,
+                     [] {}, [=, &launched] { launched(intra_forward()); }, kTm,
+                     static_cast<size_t>(kcc * 4)});
+    cases.push_back({"kda intra forward R", 0, [] {}, [] {}, kR, static_cast<size_t>(2 * kn * 4)});
+    cases.push_back({"kda intra backward",
+                     f4 * kn * 3 + e2 * kn + f4 * krows + f4 * kcc * 3 + f4 * kn * 4 +
+                         f4 * kz * kd + f4 * kn * 3 + e2 * kn + f4 * kslices * kz * kc,
+                     [] {},
+                     [=, &launched] {
+                       launched(viaduct::cuda::kda_intra_backward(
+                           ks, kq, kk, kv, bf, kg, kbeta, kKp, kdA, kdM, kdR, kdqe, kdke, kddec,
+                           kdq, kdk, kdv, kdg, kdbeta, 0));
+                     },
+                     kdq, static_cast<size_t>(kn * 4)});
+    cases.push_back({"kda intra backward dk", 0, [] {}, [] {}, kdk, static_cast<size_t>(kn * 4)});
+    cases.push_back({"kda intra backward dg", 0, [] {}, [] {}, kdg, static_cast<size_t>(kn * 4)});
+    cases.push_back({"kda intra backward dv", 0, [] {}, [] {}, kdv, static_cast<size_t>(kn * 2)});
+    cases.push_back({"kda intra backward dbeta parts", 0, [] {}, [] {}, kdbeta,
+                     static_cast<size_t>(kslices * kz * kc * 4)});
+    // The state passes: forward reads [W | U], ke and dec and writes v' and
+    // the states; backward also reads X, Y and the states and writes dv',
+    // dS and ddec's parts.
+    cases.push_back({"kda scan forward",
+                     f4 * (2 * kn + kn + kz * kd) + f4 * (kn + kz * kd * kd), [] {},
+                     [=, &launched] {
+                       launched(viaduct::cuda::kda_scan_forward(ks, kR, kke, kdec, nullptr,
+                                                                nullptr, kvnew, kstates, kfinal,
+                                                                0));
+                     },
+                     kvnew, static_cast<size_t>(kn * 4)});
+    cases.push_back({"kda scan forward states", 0, [] {}, [] {}, kstates,
+                     static_cast<size_t>(kz * kd * kd * 4)});
+    cases.push_back({"kda scan backward",
+                     f4 * (2 * kn + kn + kz * kd + kn + 2 * kz * kd * kd) +
+                         f4 * (kn + kz * kd * kd + kz * kd * kparts),
+                     [] {},
+                     [=, &launched] {
+                       launched(viaduct::cuda::kda_scan_backward(
+                           ks, kR, kke, kdec, kX, kY, nullptr, nullptr, kstates, kdvnew, kd,
+                           kdstates, kdS0, kddec_part, 0));
+                     },
+                     kdvnew, static_cast<size_t>(kn * 4)});
+    cases.push_back({"kda scan backward dS", 0, [] {}, [] {}, kdstates,
+                     static_cast<size_t>(kz * kd * kd * 4)});
   }
 
   // The device's own copy pace, for scale.
