@@ -264,7 +264,8 @@ __global__ void __launch_bounds__(kFwdThreads)
   // Below the diagonal blocks: warp 2 p + h computes columns 8 h .. 8 h + 7
   // of block pair p for Aqk and Kp (one B operand, two A operands), summed
   // over d in steps of 8 (split-tf32).
-  if (warp < 12) {
+  constexpr int kTileWarps = 12;  // 6 block pairs, 2 column halves
+  if (warp < kTileWarps) {
     int I, J;
     block_pair(warp / 2, I, J);
     const int r = kSub * I, j0 = kSub * J + 8 * (warp % 2);
@@ -298,8 +299,16 @@ __global__ void __launch_bounds__(kFwdThreads)
     }
   }
   // The diagonal blocks, a thread a pair j <= c, each entry summed over d in
-  // order (disjoint from the entries above).
-  for (int e = tid; e < 4 * kDiagPairs; e += kFwdThreads) {
+  // order (disjoint from the entries above). Their 4 x 136 pairs are more
+  // than a pair a thread: the warps without a tile above take two pairs a
+  // thread and the first tile warps one, so no warp takes a tile and two.
+  constexpr int kFree = kFwdThreads - 32 * kTileWarps;
+  static_assert(4 * kDiagPairs - 2 * kFree <= 32 * kTileWarps, "a pair a tile thread at most");
+  const bool free_thread = tid >= 32 * kTileWarps;
+  const int first = free_thread ? tid - 32 * kTileWarps : 2 * kFree + tid;
+  const int end = free_thread ? 2 * kFree : 4 * kDiagPairs;
+  const int step = free_thread ? kFree : 32 * kTileWarps;
+  for (int e = first; e < end; e += step) {
     int c, j;
     diag_pair(e % kDiagPairs, c, j);
     c += kSub * (e / kDiagPairs);
